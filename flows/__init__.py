@@ -1,0 +1,1 @@
+"""Prefect flows: DAG wiring and deployments only; the work lives in `tasks/`."""

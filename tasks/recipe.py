@@ -1,0 +1,163 @@
+"""Run recipes: validated, frozen configs loaded from YAML with `key=value` overrides.
+
+Precedence: model defaults < recipe YAML < overrides (CLI or deployment parameters). A recipe is
+named by a path or by the name of a file in `configs/` (`tiny` is embedded and the default). An
+invalid recipe fails here, before any step runs, with the field at fault and what it accepts.
+Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.sources import SourceConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class RecipeError(ValueError):
+    """A recipe or override that cannot be used; the message names the field and the fix."""
+
+
+class Recipe(BaseModel):
+    """A whole run: which data, and (as later sections land) how to curate and train on it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str  # recipe name, shown in the UI and lineage
+    seed: int = 0  # seed for generated data, sampling and initialisation
+    workspace: str = "workspace"  # folder for step outputs, lineage and Prefect state
+    sources: tuple[SourceConfig, ...] = Field(min_length=1)  # data sources, by unique name
+
+    @model_validator(mode="after")
+    def _unique_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def source(self, name: str) -> SourceConfig:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(f"no source {name!r}; sources: {', '.join(s.name for s in self.sources)}")
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"} and path.is_file():
+        return path
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    raise RecipeError(f"no recipe {name_or_path!r}: not a YAML file, nor one of: {known}")
+
+
+def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Recipe:
+    """Load, override and validate a recipe."""
+    path = recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_errors(path, data, exc)) from None
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply `a.b.c=value` in place; list items (sources) are addressed by their name.
+
+    The value is parsed as YAML, so `max_documents=100` is an int and `refresh=[a,b]` a list.
+    """
+    if "=" not in item:
+        raise RecipeError(f"override {item!r} must look like key=value (e.g. seed=1)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        node = _child(node, part, parts[: depth + 1], item)
+    last = parts[-1]
+    if isinstance(node, list):
+        raise RecipeError(f"override {item!r}: name a list item by its name, then a field")
+    node[last] = value
+
+
+def _child(node: Any, part: str, path: list[str], item: str) -> Any:
+    where = ".".join(path)
+    if isinstance(node, list):
+        for entry in node:
+            if isinstance(entry, dict) and entry.get("name") == part:
+                return entry
+        names = ", ".join(str(e.get("name")) for e in node if isinstance(e, dict))
+        raise RecipeError(f"override {item!r}: no item named {part!r} at {where}; names: {names}")
+    if not isinstance(node, dict):
+        raise RecipeError(f"override {item!r}: {where} is not a section")
+    if part not in node or node[part] is None:
+        node[part] = {}
+    return node[part]
+
+
+def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
+    lines = [f"recipe {path} is invalid ({exc.error_count()} problem(s)):"]
+    for err in exc.errors():
+        loc = _readable_loc(data, err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field; allowed: {', '.join(_allowed_fields(err['loc']))}"
+        got = err.get("input")
+        shown = "" if err["type"] in {"extra_forbidden", "missing"} else f" (got {got!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _readable_loc(data: dict[str, Any], loc: tuple) -> str:
+    """`sources.1.domain` becomes `sources[code].domain` so the user sees which source."""
+    out: list[str] = []
+    node: Any = data
+    for part in loc:
+        if isinstance(part, int) and isinstance(node, list):
+            entry = node[part] if part < len(node) else None
+            label = entry.get("name") if isinstance(entry, dict) else None
+            out[-1] = f"{out[-1]}[{label if label is not None else part}]" if out else str(part)
+            node = entry
+        else:
+            out.append(str(part))
+            node = node.get(part) if isinstance(node, dict) else None
+    return ".".join(out)
+
+
+def _allowed_fields(loc: tuple) -> list[str]:
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if hasattr(a, "model_fields")), None)
+        if model is None:
+            return []
+    return sorted(model.model_fields)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,501 @@
+"""Data sources to corpus artifacts, behind a small registry of source kinds.
+
+A source is named in the recipe by a URI:
+
+    builtin:prose   English prose that exists on any Python install: `pydoc` topics, the long
+                    descriptions of the installed distributions, standard-library docstrings
+    builtin:code    standard-library Python source files
+    builtin:math    generated arithmetic and word problems with worked answers (seeded)
+    files:GLOB      local JSONL (.jsonl, .json, .jsonl.gz) or Parquet files; `text_field` names
+                    the text column
+    hf:NAME         a Hugging Face dataset from the hub (`hf_subset`, `hf_split`, `hf_revision`)
+    hf:/PATH        a dataset folder written by `datasets.save_to_disk`
+
+The corpus step writes `train/` and `heldout/` shards (gzip JSONL with `id`, `text`, `metadata`
+as datatrove's readers expect, or Parquet) and returns counts in the artifact. The held-out split
+is chosen by a stable hash of each document's id, so evaluation never sees training text. Bad
+input never crashes the step and is never dropped silently: every rejected record is counted
+under its reason (malformed_json, invalid_utf8, missing_text_field, empty, too_large) with a few
+example locations.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import random
+import sys
+import sysconfig
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from infra.registry import Registry
+from tasks.step import step
+
+Domain = Literal["web", "code", "math"]
+
+
+class SourceConfig(BaseModel):
+    """One data source of the recipe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")  # identifier used in mixtures and lineage
+    uri: str  # where the text comes from (see the module docstring for the schemes)
+    domain: Domain  # selects the curation preset: web, code or math
+    text_field: str = "text"  # field holding the text in files: and hf: sources
+    id_field: str | None = None  # field holding a stable id; default: file and line number
+    max_documents: int | None = Field(default=None, gt=0)  # cap (and the count for builtin:math)
+    held_out_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)  # share kept for evaluation
+    max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents are rejected
+    output_format: Literal["jsonl", "parquet"] = "jsonl"  # shard format of the corpus
+    documents_per_shard: int = Field(default=5000, gt=0)  # documents per output shard
+    hf_subset: str | None = None  # dataset configuration name (hub only)
+    hf_split: str = "train"  # split to read
+    hf_revision: str | None = None  # pinned dataset revision (hub only); pin it for caching
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        resolve_kind(uri)
+        return uri
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str  # malformed_json | invalid_utf8 | missing_text_field | empty | too_large
+    where: str  # file:line or record index, so the user can look
+
+
+class SourceKind:
+    """Base class of a source kind: yields Documents (and Rejected records) in a stable order."""
+
+    def __init__(self, config: SourceConfig, seed: int):
+        self.config = config
+        self.seed = seed
+
+    def state(self) -> str:
+        """A digest of what the text comes from, so changed inputs change the fingerprint."""
+        return ""
+
+    def records(self) -> Iterator[Document | Rejected]:
+        raise NotImplementedError
+
+
+SOURCE_KINDS: Registry[type[SourceKind]] = Registry("source kind")
+
+
+def resolve_kind(uri: str) -> type[SourceKind]:
+    """The source kind for a URI: an exact name (builtin:prose) or a scheme prefix (files:...)."""
+    if uri in SOURCE_KINDS:
+        return SOURCE_KINDS.get(uri)
+    scheme = uri.split(":", 1)[0] + ":" if ":" in uri else ""
+    if scheme and scheme in SOURCE_KINDS and uri != scheme:
+        return SOURCE_KINDS.get(scheme)
+    raise ValueError(
+        f"unknown source uri {uri!r}; allowed: {', '.join(SOURCE_KINDS.names())} "
+        "(files: and hf: take a glob, dataset name or folder after the colon)"
+    )
+
+
+def _installed_digest() -> str:
+    dists = sorted(
+        f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+    )
+    return hashlib.sha256("\n".join([sys.version, *dists]).encode()).hexdigest()[:16]
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
+    return [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
+
+
+@SOURCE_KINDS.register("builtin:prose")
+class BuiltinProse(SourceKind):
+    """English prose shipped with Python and the installed distributions."""
+
+    def state(self) -> str:
+        return _installed_digest()
+
+    def records(self) -> Iterator[Document | Rejected]:
+        from pydoc_data.topics import topics
+
+        for name in sorted(topics):
+            yield Document(f"pydoc:{name}", topics[name].strip(), {"kind": "pydoc_topic"})
+        seen: set[str] = set()
+        dists = sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"].lower())
+        for dist in dists:
+            name = dist.metadata["Name"]
+            if name.lower() in seen:
+                continue
+            seen.add(name.lower())
+            text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+            if len(text.strip()) >= 500:
+                yield Document(f"dist:{name}", text.strip(), {"kind": "package_description"})
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in _stdlib_files():
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            parts = []
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= 80:
+                        parts.append(doc.strip())
+            if parts:
+                module = ".".join(path.relative_to(root).with_suffix("").parts)
+                yield Document(f"docstring:{module}", "\n\n".join(parts), {"kind": "docstrings"})
+
+
+@SOURCE_KINDS.register("builtin:code")
+class BuiltinCode(SourceKind):
+    """Standard-library Python source, one file per document."""
+
+    def state(self) -> str:
+        return _installed_digest()
+
+    def records(self) -> Iterator[Document | Rejected]:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in _stdlib_files():
+            rel = path.relative_to(root).as_posix()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                yield Rejected("invalid_utf8", rel)
+                continue
+            yield Document(f"stdlib:{rel}", text, {"kind": "python", "path": rel})
+
+
+@SOURCE_KINDS.register("builtin:math")
+class BuiltinMath(SourceKind):
+    """Arithmetic and word problems with worked answers, deterministic per seed."""
+
+    def records(self) -> Iterator[Document | Rejected]:
+        rng = random.Random(f"builtin:math:{self.seed}")
+        for i in range(self.config.max_documents or 4000):
+            problem, solution, answer = math_problem(rng)
+            text = f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}"
+            yield Document(f"math:{self.seed}:{i}", text, {"kind": "math", "answer": answer})
+
+
+_NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines", "Jun"]
+_ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "cards", "shells"]
+
+
+def math_problem(rng: random.Random) -> tuple[str, str, str]:
+    """One problem, its worked solution and the final answer (a string of an integer)."""
+    kind = rng.choice(["add", "sub", "mul", "div", "shop", "share", "speed", "multi"])
+    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    if kind == "add":
+        return f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", str(a + b)
+    if kind == "sub":
+        a, b = max(a, b), min(a, b)
+        return f"What is {a} - {b}?", f"{a} - {b} = {a - b}.", str(a - b)
+    if kind == "mul":
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        return f"What is {a} * {b}?", f"{a} * {b} = {a * b}.", str(a * b)
+    if kind == "div":
+        b, q = rng.randint(2, 30), rng.randint(2, 60)
+        return f"What is {b * q} / {b}?", f"{b * q} / {b} = {q}.", str(q)
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if kind == "shop":
+        n, price = rng.randint(2, 12), rng.randint(2, 25)
+        return (
+            f"{name} buys {n} {item} at {price} dollars each. How many dollars does {name} spend?",
+            f"Each costs {price} dollars, so {n} cost {n} * {price} = {n * price} dollars.",
+            str(n * price),
+        )
+    if kind == "share":
+        k, each = rng.randint(2, 9), rng.randint(2, 20)
+        total = k * each
+        return (
+            f"{name} shares {total} {item} equally among {k} friends. How many does each friend get?",
+            f"Each friend gets {total} / {k} = {each} {item}.",
+            str(each),
+        )
+    if kind == "speed":
+        v, t = rng.randint(20, 120), rng.randint(2, 9)
+        return (
+            f"A train travels at {v} km per hour for {t} hours. How many km does it travel?",
+            f"Distance is speed times time: {v} * {t} = {v * t} km.",
+            str(v * t),
+        )
+    have, more, gave = rng.randint(5, 50), rng.randint(5, 50), rng.randint(1, 40)
+    total = have + more
+    gave = min(gave, total)
+    return (
+        f"{name} has {have} {item}, finds {more} more, then gives away {gave}. "
+        f"How many {item} does {name} have now?",
+        f"{have} + {more} = {total}, and {total} - {gave} = {total - gave}.",
+        str(total - gave),
+    )
+
+
+def _files_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _extract(record: Any, config: SourceConfig, where: str) -> Document | Rejected:
+    if not isinstance(record, dict):
+        return Rejected("malformed_json", where)
+    text = record.get(config.text_field)
+    if not isinstance(text, str):
+        return Rejected("missing_text_field", where)
+    doc_id = record.get(config.id_field) if config.id_field else None
+    meta = {k: v for k, v in record.items() if k != config.text_field and _small(v)}
+    return Document(str(doc_id) if doc_id is not None else where, text, meta)
+
+
+def _small(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool) and len(str(value)) <= 200
+
+
+@SOURCE_KINDS.register("files:")
+class LocalFiles(SourceKind):
+    """JSONL or Parquet files matched by a glob (relative globs are taken from the cwd)."""
+
+    def _paths(self) -> list[Path]:
+        pattern = self.config.uri.split(":", 1)[1]
+        base = Path(pattern).expanduser()
+        if base.is_absolute():
+            anchor = Path(base.anchor)
+            paths = sorted(anchor.glob(str(base.relative_to(anchor))))
+        else:
+            paths = sorted(Path.cwd().glob(pattern))
+        paths = [p for p in paths if p.is_file()]
+        if not paths:
+            raise FileNotFoundError(
+                f"source {self.config.name!r}: no files match {pattern!r} (from {Path.cwd()})"
+            )
+        return paths
+
+    def state(self) -> str:
+        return _files_digest(self._paths())
+
+    def records(self) -> Iterator[Document | Rejected]:
+        for path in self._paths():
+            if path.suffix == ".parquet":
+                yield from self._parquet(path)
+            else:
+                yield from self._jsonl(path)
+
+    def _jsonl(self, path: Path) -> Iterator[Document | Rejected]:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                where = f"{path.name}:{lineno}"
+                if not raw.strip():
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    yield Rejected("invalid_utf8", where)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    yield Rejected("malformed_json", where)
+                    continue
+                yield _extract(record, self.config, where)
+
+    def _parquet(self, path: Path) -> Iterator[Document | Rejected]:
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(path)
+        row = 0
+        for batch in table.iter_batches():
+            for record in batch.to_pylist():
+                row += 1
+                yield _extract(record, self.config, f"{path.name}:{row}")
+
+
+@SOURCE_KINDS.register("hf:")
+class HuggingFace(SourceKind):
+    """A `datasets` dataset: a `save_to_disk` folder, or a hub dataset (streamed)."""
+
+    def _target(self) -> str:
+        return self.config.uri.split(":", 1)[1]
+
+    def state(self) -> str:
+        target = Path(self._target()).expanduser()
+        if target.is_dir():
+            return _files_digest(sorted(p for p in target.rglob("*") if p.is_file()))
+        c = self.config
+        return f"{self._target()}|{c.hf_subset}|{c.hf_split}|{c.hf_revision}"
+
+    def records(self) -> Iterator[Document | Rejected]:
+        import datasets
+
+        target = Path(self._target()).expanduser()
+        if target.is_dir():
+            ds = datasets.load_from_disk(str(target))
+            if isinstance(ds, datasets.DatasetDict):
+                if self.config.hf_split not in ds:
+                    raise KeyError(
+                        f"source {self.config.name!r}: split {self.config.hf_split!r} not in "
+                        f"{target}; available: {', '.join(ds)}"
+                    )
+                ds = ds[self.config.hf_split]
+        else:
+            # The hub path: needs network access (HF_HUB_OFFLINE unset) and, for gated sets, a
+            # token in the standard Hugging Face location. Streaming avoids a full download.
+            ds = datasets.load_dataset(
+                self._target(),
+                self.config.hf_subset,
+                split=self.config.hf_split,
+                revision=self.config.hf_revision,
+                streaming=True,
+            )
+        for i, record in enumerate(ds):
+            yield _extract(record, self.config, f"row {i}")
+
+
+def is_held_out(source: str, doc_id: str, fraction: float) -> bool:
+    """Stable membership of a document in the held-out split (same answer on every machine)."""
+    h = int.from_bytes(hashlib.sha1(f"{source}\0{doc_id}".encode()).digest()[:8], "big")
+    return h % 1_000_000 < round(fraction * 1_000_000)
+
+
+class ShardWriter:
+    """Writes documents into numbered shards of one split, gzip JSONL or Parquet."""
+
+    def __init__(self, folder: Path, fmt: str, per_shard: int):
+        self.folder, self.fmt, self.per_shard = folder, fmt, per_shard
+        folder.mkdir(parents=True, exist_ok=True)
+        self.buffer: list[dict[str, Any]] = []
+        self.shards: list[str] = []
+
+    def add(self, doc: Document, source: str) -> None:
+        self.buffer.append(
+            {"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}}
+        )
+        if len(self.buffer) >= self.per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        index = len(self.shards)
+        if self.fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            name = f"{index:05d}.parquet"
+            rows = [{**r, "metadata": json.dumps(r["metadata"])} for r in self.buffer]
+            pq.write_table(pa.Table.from_pylist(rows), self.folder / name)
+        else:
+            name = f"{index:05d}.jsonl.gz"
+            with gzip.open(self.folder / name, "wt", encoding="utf-8", compresslevel=5) as fh:
+                for r in self.buffer:
+                    fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        self.shards.append(name)
+        self.buffer = []
+
+
+def read_shards(folder: Path) -> Iterator[dict[str, Any]]:
+    """Documents of one split folder written by ShardWriter, in order."""
+    for path in sorted(Path(folder).iterdir()):
+        if path.name.endswith(".jsonl.gz"):
+            with gzip.open(path, "rt", encoding="utf-8") as fh:
+                for line in fh:
+                    yield json.loads(line)
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            for row in pq.read_table(path).to_pylist():
+                yield {**row, "metadata": json.loads(row["metadata"])}
+
+
+def source_state(config: SourceConfig, seed: int) -> str:
+    return resolve_kind(config.uri)(config, seed).state()
+
+
+def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
+    """Read one source into train/heldout shards; return the counts for the artifact's meta."""
+    kind = resolve_kind(config.uri)(config, seed)
+    writers = {
+        split: ShardWriter(out / split, config.output_format, config.documents_per_shard)
+        for split in ("train", "heldout")
+    }
+    docs: Counter[str] = Counter()
+    chars: Counter[str] = Counter()
+    rejected: Counter[str] = Counter()
+    examples: dict[str, list[str]] = defaultdict(list)
+    seen_ids: set[str] = set()
+    kept = 0
+    for record in kind.records():
+        if isinstance(record, Document):
+            text = record.text
+            if not text.strip():
+                record = Rejected("empty", record.id)
+            elif len(text) > config.max_document_chars:
+                record = Rejected("too_large", record.id)
+            elif record.id in seen_ids:
+                record = Rejected("duplicate_id", record.id)
+        if isinstance(record, Rejected):
+            rejected[record.reason] += 1
+            if len(examples[record.reason]) < 5:
+                examples[record.reason].append(record.where)
+            continue
+        seen_ids.add(record.id)
+        split = "heldout" if is_held_out(config.name, record.id, config.held_out_fraction) else "train"
+        writers[split].add(record, config.name)
+        docs[split] += 1
+        chars[split] += len(record.text)
+        kept += 1
+        if kept % 5000 == 0:
+            log(f"source {config.name}: {kept} documents")
+        if config.max_documents and kept >= config.max_documents:
+            break
+    for w in writers.values():
+        w.flush()
+    if rejected:
+        detail = ", ".join(f"{r}={n} (e.g. {', '.join(examples[r][:3])})" for r, n in sorted(rejected.items()))
+        log(f"source {config.name}: rejected {sum(rejected.values())} records: {detail}")
+    if docs["train"] == 0:
+        raise ValueError(
+            f"source {config.name!r} ({config.uri}) produced no training documents"
+            + (f"; rejected: {dict(rejected)}" if rejected else "")
+        )
+    return {
+        "source": config.name,
+        "domain": config.domain,
+        "format": config.output_format,
+        "documents": docs["train"],
+        "characters": chars["train"],
+        "heldout_documents": docs["heldout"],
+        "heldout_characters": chars["heldout"],
+        "shards": {split: w.shards for split, w in writers.items()},
+        "rejected": dict(rejected),
+        "rejected_examples": {k: v for k, v in examples.items()},
+    }
+
+
+
+
+@step("source", version=1, kind="corpus", extra=lambda config, seed: source_state(config, seed))
+def source(config: SourceConfig, inputs, out: Path, *, log=print, seed: int) -> dict[str, Any]:
+    """Prefect task: one recipe source to a corpus artifact."""
+    return build_corpus(config, seed, out, log)

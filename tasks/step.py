@@ -1,0 +1,141 @@
+"""The Prefect side of the step contract: a decorator that turns a build function into a task.
+
+    @step("corpus", version=1, kind="corpus", extra=lambda cfg, seed: ...)
+    def corpus(config, inputs, out, *, seed) -> dict: ...   # writes into `out`, returns meta
+
+gives a Prefect task `corpus(ws, config, inputs=(), label="", refresh=False, **params)` that returns
+an Artifact. Its cache key is the step fingerprint (name, version, config, input fingerprints, extra
+facts) plus a hash of the step module's source, with results persisted under the workspace, so a
+rerun or a UI retry comes back Cached and a changed config reruns only the steps downstream of it.
+If a cached result exists but its step folder was deleted, the key changes and the step rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import CachePolicy
+
+from infra.artifact import Artifact, ArtifactKind, fingerprint, read_marker, run_step
+from infra.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class StepDef:
+    """A step as data: what it is called, its version, what it produces and how it builds."""
+
+    name: str
+    version: int
+    kind: ArtifactKind
+    build: Callable[..., dict[str, Any]]
+    extra: Callable[..., str] | None = None  # facts outside the config that change the output
+    resumable: bool = False  # keep an interrupted attempt's files (training resumes from them)
+
+    @cached_property
+    def code_version(self) -> str:
+        module = sys.modules[self.build.__module__]
+        source = inspect.getsource(module)
+        return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+    def fingerprint(self, config: Any, inputs: tuple[Artifact, ...], params: dict[str, Any]) -> str:
+        extra = self.extra(config, **params) if self.extra else ""
+        return fingerprint(self.name, self.version, {"config": config, "params": params}, inputs, extra)
+
+
+@dataclass
+class StepCache(CachePolicy):
+    """Cache key = step fingerprint + step code version; stale when the step folder is gone."""
+
+    definition: StepDef | None = field(default=None)
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        d = self.definition
+        assert d is not None
+        ws: Workspace = inputs["ws"]
+        params = inputs.get("params") or {}
+        fp = d.fingerprint(inputs["config"], tuple(inputs.get("inputs") or ()), params)
+        key = f"{d.name}-{fp[:20]}-{d.code_version}-{hashlib.sha256(ws.root.encode()).hexdigest()[:8]}"
+        if (ws.results_dir / key).exists() and read_marker(ws.path / d.name / fp[:12]) is None:
+            # A cached result points at a folder that was deleted: make Prefect miss and rebuild.
+            return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
+        return key
+
+
+def step(
+    name: str,
+    *,
+    version: int,
+    kind: ArtifactKind,
+    extra: Callable[..., str] | None = None,
+    resumable: bool = False,
+):
+    """Declare a pipeline step; see the module docstring."""
+
+    def wrap(build: Callable[..., dict[str, Any]]):
+        definition = StepDef(name, version, kind, build, extra, resumable)
+
+        @task(
+            name=name,
+            task_run_name=name + "[{label}]",
+            cache_policy=StepCache(definition=definition),
+            persist_result=True,
+        )
+        def run(
+            ws: Workspace,
+            config: Any,
+            inputs: tuple[Artifact, ...] = (),
+            label: str = "",
+            refresh: bool = False,
+            params: dict[str, Any] | None = None,
+        ) -> Artifact:
+            return execute(definition, ws, config, inputs, label, refresh, params or {})
+
+        run.definition = definition  # type: ignore[attr-defined]
+        return run
+
+    return wrap
+
+
+def execute(
+    d: StepDef,
+    ws: Workspace,
+    config: Any,
+    inputs: tuple[Artifact, ...],
+    label: str,
+    refresh: bool,
+    params: dict[str, Any],
+) -> Artifact:
+    """Build (or reuse) the step folder and record the artifact and its edges in lineage."""
+    logger = get_run_logger()
+    extra = d.extra(config, **params) if d.extra else ""
+    outcome = run_step(
+        root=ws.path,
+        step=d.name,
+        version=d.version,
+        kind=d.kind,
+        config={"config": config, "params": params},
+        inputs=inputs,
+        build=lambda out: d.build(config, inputs, out, log=logger.info, **params),
+        extra=extra,
+        refresh=refresh,
+        resumable=d.resumable,
+    )
+    artifact = outcome.artifact
+    verb = "built" if outcome.built else "reused finished"
+    logger.info(f"{d.name}[{label}] {verb} {artifact.kind} {artifact.short} at {artifact.uri}")
+    ws.lineage().record_artifact(artifact, d.name, label, config, inputs)
+    return artifact
+
+
+def results_storage(ws: Workspace) -> Path:
+    ws.results_dir.mkdir(parents=True, exist_ok=True)
+    return ws.results_dir
