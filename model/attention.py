@@ -1,0 +1,125 @@
+"""Grouped-query causal self-attention with optional RoPE, QK-norm and document masking.
+
+Masking backends, chosen once per forward by `build_attention_mask`:
+- no document ids: SDPA with `is_causal=True` (the fast fused path everywhere);
+- document ids on CPU (or flex unavailable): SDPA with a dense block-diagonal causal bool mask,
+  (B, 1, T, T). FlexAttention has no backward on CPU, so CPU training always takes this path;
+- document ids on CUDA with FlexAttention available: a compiled `flex_attention` with a
+  BlockMask, which skips fully masked blocks instead of materialising T x T.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.layers import RMSNorm
+from model.rope import apply_rope
+
+
+@dataclass
+class AttentionMask:
+    """What every layer of one forward pass attends with."""
+
+    kind: str  # "causal" | "dense" | "flex"
+    dense: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend; kind "dense"
+    block_mask: Any = None  # flex BlockMask; kind "flex"
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Uncompiled flex attention materialises the full score matrix; compiling is the point.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") -> AttentionMask:
+    """Mask for (B, T) document ids; backend "auto" | "sdpa" | "flex" ("flex" forces it)."""
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
+    if doc_ids is None:
+        return AttentionMask("causal")
+    B, T = doc_ids.shape
+    use_flex = backend == "flex" or (backend == "auto" and doc_ids.is_cuda and flex_available())
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        docs = doc_ids
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+        block = create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+        return AttentionMask("flex", block_mask=block)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return AttentionMask("dense", dense=(same & causal)[:, None])  # (B, 1, T, T)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        use_rope: bool,
+        qk_norm: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden // num_heads
+        self.use_rope = use_rope
+        kv = num_kv_heads * self.head_dim
+        # One fused projection, rows [q; k; v]: one GEMM instead of three.
+        self.qkv = nn.Linear(hidden, hidden + 2 * kv, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        B, T, H = x.shape
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask.kind == "flex":
+            y = _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+        else:
+            # Expanding kv heads (a view, then one copy) keeps SDPA on its fused kernels, which
+            # the enable_gqa flag does not on every backend.
+            rep = nh // nkv
+            if rep > 1:
+                k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+                v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+            if mask.kind == "causal":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+        y = y.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
+        return self.o(y)

@@ -1,0 +1,167 @@
+"""ModelConfig: the shape of the SmolLM3-style decoder, with named presets.
+
+A frozen dataclass validated on construction. Presets are named constructors
+(`ModelConfig.tiny()`, `ModelConfig.smollm3_3b()`, `ModelConfig.ablation_1b()`) and
+`ModelConfig.from_preset(name, **overrides)` is the one string-keyed entry point used by
+training specs. `num_parameters()` counts parameters analytically, without allocating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096  # tokenizer size; ours is trained, so callers pass the real one
+    hidden_size: int = 256  # residual stream width (d_model)
+    intermediate_size: int = 768  # SwiGLU inner width (gate and up projections)
+    num_layers: int = 4  # decoder blocks
+    num_heads: int = 4  # query heads; head_dim = hidden_size // num_heads
+    num_kv_heads: int = 2  # GQA: key/value heads shared by num_heads // num_kv_heads queries
+    max_seq_len: int = 4096  # longest sequence the RoPE tables are sized for (grows on demand)
+    rope_theta: float = 50_000.0  # RoPE base; raised for context extension (2M, 5M in SmolLM3)
+    no_rope_interval: int = 4  # every Nth layer (1-indexed) skips RoPE (NoPE); 0 disables NoPE
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon, as SmolLM3
+    tie_embeddings: bool = True  # output head reuses the token embedding (saves V*H params)
+    qk_norm: bool = False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
+    z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss (0 = off, as SmolLM3)
+    init_std: float = 0.02  # std of the normal init of every linear and embedding weight
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_seq_len",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                f"num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not divisible by "
+                f"num_kv_heads={self.num_kv_heads} (GQA groups must be whole)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig head_dim={self.head_dim} must be even for RoPE")
+        if not isinstance(self.no_rope_interval, int) or self.no_rope_interval < 0:
+            raise ValueError(
+                f"ModelConfig.no_rope_interval must be an int >= 0, got {self.no_rope_interval!r}"
+            )
+        for name in ("rope_theta", "rms_norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.z_loss < 0:
+            raise ValueError(f"ModelConfig.z_loss must be >= 0, got {self.z_loss!r}")
+
+    # ---- derived -------------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def uses_rope(self, layer: int) -> bool:
+        """True when `layer` (0-indexed) applies RoPE; interval 4 makes 3, 7, 11, ... NoPE."""
+        if self.no_rope_interval == 0:
+            return True
+        return (layer + 1) % self.no_rope_interval != 0
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of `SmolLM3` built from this config (tied head counted once)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = h * h + 2 * h * kv + h * h  # q, k, v, o; no biases
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        embed = self.vocab_size * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return embed + self.num_layers * per_layer + h + head  # + final norm
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
+        return cls(**data)
+
+    def replace(self, **overrides: Any) -> ModelConfig:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig override(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+    # ---- presets ---------------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 4096, **overrides: Any) -> ModelConfig:
+        """4,196,608 parameters at vocab 4096: trains at thousands of tokens/s on 2 CPU cores."""
+        base = cls(
+            vocab_size=vocab_size,
+            hidden_size=256,
+            intermediate_size=768,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            max_seq_len=1024,
+        )
+        return base.replace(**overrides)
+
+    @classmethod
+    def smollm3_3b(cls, **overrides: Any) -> ModelConfig:
+        """The published SmolLM3-3B shape: 3,075,098,624 parameters."""
+        base = cls(
+            vocab_size=128_256,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_layers=36,
+            num_heads=16,
+            num_kv_heads=4,
+            max_seq_len=4096,
+            rope_theta=50_000.0,
+            no_rope_interval=4,
+            rms_norm_eps=1e-6,
+            tie_embeddings=True,
+        )
+        return base.replace(**overrides)
+
+    @classmethod
+    def ablation_1b(cls, **overrides: Any) -> ModelConfig:
+        """The Smol playbook's 1B ablation model (Llama-3.2-1B shape, tied, NoPE every 4th)."""
+        base = cls(
+            vocab_size=128_256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            max_seq_len=4096,
+            rope_theta=50_000.0,
+            tie_embeddings=True,
+        )
+        return base.replace(**overrides)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        presets = {"tiny": cls.tiny, "smollm3_3b": cls.smollm3_3b, "ablation_1b": cls.ablation_1b}
+        key = name.replace("-", "_")
+        if key not in presets:
+            raise ValueError(
+                f"unknown model preset {name!r}; allowed presets: {', '.join(sorted(presets))}"
+            )
+        return presets[key](**overrides)

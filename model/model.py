@@ -1,0 +1,134 @@
+"""SmolLM3: the decoder-only transformer trained by this project.
+
+Design choices (all from the SmolLM3 recipe unless noted):
+- pre-norm blocks: x + attn(norm(x)), then x + mlp(norm(x)); RMSNorm, eps 1e-6;
+- grouped-query attention (16 query heads share 4 KV heads at 3B);
+- RoPE (theta 50k) on every layer except every `no_rope_interval`-th (NoPE: 3, 7, 11, ...);
+- SwiGLU feed-forward, no biases anywhere;
+- tied input embedding and output head (the head is `F.linear` on the embedding weight, so
+  there is one parameter to shard, checkpoint and decay-exclude);
+- intra-document masking: given document ids, tokens attend only inside their document and
+  RoPE positions restart at 0 for each document;
+- optional QK-norm and z-loss, off by default (SmolLM3 uses neither);
+- explicit `init_weights`: normal(0, 0.02) for every matrix, ones for norms.
+
+`forward(input_ids, doc_ids=None, labels=None)` takes `labels` already aligned with the
+positions (labels[:, t] is the target of input_ids[:, t], -100 = ignored); the data loader
+builds them from a window of seq_len + 1 tokens. (transformers shifts inside the loss instead.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import Attention, build_attention_mask
+from model.config import ModelConfig
+from model.layers import RMSNorm, SwiGLU
+from model.rope import inv_frequencies, positions_from_doc_ids, rope_cos_sin
+
+IGNORE_INDEX = -100
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None  # scalar mean cross-entropy (+ z-loss), or None without labels
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            use_rope=cfg.uses_rope(layer),
+            qk_norm=cfg.qk_norm,
+            eps=cfg.rms_norm_eps,
+        )
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, H)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, H)
+
+
+class SmolLM3(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto") -> None:
+        super().__init__()
+        self.config = cfg
+        self.attention_backend = attention_backend
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        # Not persistent: RoPE tables are a function of the config (rope_theta may change
+        # between stages for context extension) and must never come back from a checkpoint.
+        self.register_buffer(
+            "inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False
+        )
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, init_std) for embeddings and linears, ones for norms; seeded if asked."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                if module.weight.is_meta:  # shape-only model (parameter counting): no values
+                    continue
+                w = torch.empty(module.weight.shape, dtype=torch.float32)
+                w.normal_(0.0, self.config.init_std, generator=gen)
+                module.weight.copy_(w)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        self.inv_freq.copy_(inv_frequencies(self.config.head_dim, self.config.rope_theta))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        B, T = input_ids.shape
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"doc_ids shape {tuple(doc_ids.shape)} must equal input_ids shape {(B, T)}"
+            )
+        if doc_ids is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
+        else:
+            positions = positions_from_doc_ids(doc_ids)  # (B, T)
+        mask = build_attention_mask(doc_ids, self.attention_backend)
+        x = self.embed(input_ids)  # (B, T, H)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, hd) each
+        for block in self.layers:
+            x = block(x, cos, sin, mask)  # (B, T, H)
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, head)  # (B, T, V)
+        loss = None if labels is None else self.loss(logits, labels)
+        return CausalLMOutput(logits, loss)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over non-ignored targets, plus z-loss when configured."""
+        flat = logits.float().view(-1, logits.shape[-1])  # (B*T, V), fp32 for a stable softmax
+        targets = labels.reshape(-1)  # (B*T,)
+        loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX)
+        if self.config.z_loss > 0:
+            valid = targets != IGNORE_INDEX
+            lse = torch.logsumexp(flat[valid], dim=-1)  # (N,)
+            loss = loss + self.config.z_loss * lse.pow(2).mean()
+        return loss
