@@ -39,6 +39,9 @@ class StepDef:
     build: Callable[..., dict[str, Any]]
     extra: Callable[..., str] | None = None  # facts outside the config that change the output
     resumable: bool = False  # keep an interrupted attempt's files (training resumes from them)
+    # Called after a build (not on reuse) to publish Prefect artifacts and lineage fact rows:
+    # publish(artifact, ws, label). Build functions stay free of Prefect and DuckDB.
+    publish: Callable[..., None] | None = None
 
     @cached_property
     def code_version(self) -> str:
@@ -77,11 +80,12 @@ def step(
     kind: ArtifactKind,
     extra: Callable[..., str] | None = None,
     resumable: bool = False,
+    publish: Callable[..., None] | None = None,
 ):
     """Declare a pipeline step; see the module docstring."""
 
     def wrap(build: Callable[..., dict[str, Any]]):
-        definition = StepDef(name, version, kind, build, extra, resumable)
+        definition = StepDef(name, version, kind, build, extra, resumable, publish)
 
         @task(
             name=name,
@@ -133,6 +137,8 @@ def execute(
     verb = "built" if outcome.built else "reused finished"
     logger.info(f"{d.name}[{label}] {verb} {artifact.kind} {artifact.short} at {artifact.uri}")
     ws.lineage().record_artifact(artifact, d.name, label, config, inputs)
+    if outcome.built and d.publish is not None:
+        d.publish(artifact, ws, label)
     return artifact
 
 
