@@ -1,0 +1,94 @@
+"""Tests for model/hf.py: export to and import from transformers' SmolLM3ForCausalLM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+from model.hf import export_hf, import_hf
+from model.model import SmolLM3
+
+
+@pytest.fixture
+def trained_like(tiny_cfg):
+    # A wider init than 0.02 makes attention patterns (and so RoPE/NoPE) matter in the logits.
+    cfg = tiny_cfg.replace(init_std=0.2, rope_theta=10_000.0)
+    torch.manual_seed(0)
+    return SmolLM3(cfg).eval()
+
+
+def test_export_loads_with_from_pretrained_and_matches_logits(trained_like, tmp_path):
+    out = export_hf(trained_like, tmp_path / "hf", eos_token_id=0)
+    assert (out / "model.safetensors").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["no_rope_layers"] == [1, 1, 1, 0]  # 1 = RoPE, 0 = NoPE
+    assert config["tie_word_embeddings"] is True
+    hf = SmolLM3ForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, trained_like.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        ours, theirs = trained_like(ids).logits, hf(ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_parity_depends_on_nope_layers(trained_like, tmp_path):
+    """The NoPE layer really is NoPE in both: forcing RoPE there changes HF's logits."""
+    out = export_hf(trained_like, tmp_path / "hf")
+    cfg = SmolLM3Config.from_pretrained(out)
+    cfg.no_rope_layers = [1, 1, 1, 1]
+    all_rope = SmolLM3ForCausalLM.from_pretrained(out, config=cfg).eval()
+    ids = torch.randint(0, trained_like.config.vocab_size, (1, 24))
+    with torch.no_grad():
+        diff = (all_rope(ids).logits - trained_like(ids).logits).abs().max()
+    assert diff > 1e-3
+
+
+def test_round_trip_is_exact(trained_like, tmp_path):
+    back = import_hf(export_hf(trained_like, tmp_path / "hf"))
+    assert back.config == trained_like.config
+    ours = trained_like.state_dict()
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+
+
+def test_import_of_a_transformers_model_matches_its_logits(tmp_path):
+    hf_cfg = SmolLM3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        no_rope_layer_interval=3,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(1)
+    hf = SmolLM3ForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = import_hf(tmp_path / "hf")
+    assert ours.config.no_rope_interval == 3 and ours.config.num_kv_heads == 1
+    ids = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_qk_norm_models_are_refused_by_name(tiny_cfg, tmp_path):
+    with pytest.raises(ValueError, match="qk_norm"):
+        export_hf(SmolLM3(tiny_cfg.replace(qk_norm=True)), tmp_path / "hf")
+
+
+def test_tokenizer_is_copied_next_to_the_weights(trained_like, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    out = export_hf(trained_like, tmp_path / "hf", tokenizer_dir=tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
