@@ -1,0 +1,304 @@
+"""Token-shard data loading: the mixture plan contract, shard reader and packed mixture loader.
+
+Shards are datatrove `DocumentTokenizer` output: `X.ds` holds raw little-endian uint16 or uint32
+token ids, `X.ds.index` the uint64 end offset (exclusive, in tokens) of every document, and
+`X.ds.metadata` three lines: "tokenizer|token_size", token count, human-readable count.
+
+The mixture plan (JSON, written by the data pipeline) names, per source, its weight and files.
+
+How the loader builds its stream, and why:
+- Each source's files are concatenated into one token stream that wraps around when exhausted
+  (an epoch). The k-th sequence drawn from a source is the window [k*L, k*L + L + 1) of that
+  stream: inputs are its first L tokens, labels the last L, so every token is a target once
+  per epoch. Documents are packed back to back and split at window edges; document ids
+  (restarting at 0 in every row) drive intra-document attention masking.
+- Which source global sequence g comes from is a seeded draw by weight, made in fixed blocks of
+  sequences so any block can be recomputed from (seed, block) alone.
+- The state is global: the global sequence counter and per-source sequence counters. Rank r
+  of W takes its contiguous slice of each global micro-batch, so the set of sequences in an
+  optimizer step depends only on the global batch, and a checkpoint written by 2 ranks resumes
+  the very same stream on 1 rank (or any world size dividing the global batch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_CHOICE_BLOCK = 4096  # sequences per seeded source-choice block
+
+
+# ---- the mixture plan contract --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    name: str  # source name, the key of every per-source counter
+    weight: float  # sampling probability before normalisation over sources
+    files: tuple[str, ...]  # absolute paths of `.ds` shards, read in this order
+    available_tokens: int = 0  # tokens in the files (informational)
+    budget_tokens: int = 0  # tokens this stage should draw from the source (informational)
+    expected_epochs: float = 0.0  # budget / available (informational)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("mixture source has an empty name")
+        if not self.weight >= 0 or math.isinf(self.weight):
+            raise ValueError(f"source {self.name!r}: weight must be finite and >= 0")
+        if not self.files:
+            raise ValueError(f"source {self.name!r} lists no files")
+
+
+@dataclass(frozen=True)
+class MixturePlan:
+    stage: str  # stage name, e.g. "stage1"
+    seed: int  # seed of the source draws
+    seq_len: int  # sequence length the data pipeline planned for
+    tokens: int  # total tokens the stage should consume
+    vocab_size: int  # tokenizer size the shards were written with
+    eos_id: int  # end-of-document token id
+    token_dtype: str  # "uint16" or "uint32": the `.ds` element type
+    sources: tuple[SourcePlan, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"mixture plan token_dtype {self.token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}"
+            )
+        if not self.sources:
+            raise ValueError(f"mixture plan for stage {self.stage!r} has no sources")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture plan has duplicate source names: {names}")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ValueError(f"mixture plan for stage {self.stage!r}: weights sum to 0")
+        if self.seq_len <= 0:
+            raise ValueError(f"mixture plan seq_len must be > 0, got {self.seq_len}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MixturePlan:
+        data = dict(data)
+        sources = data.pop("sources", [])
+        try:
+            return cls(
+                **data,
+                sources=tuple(SourcePlan(**{**s, "files": tuple(s["files"])}) for s in sources),
+            )
+        except TypeError as err:  # unknown or missing keys
+            raise ValueError(f"mixture plan does not match the contract: {err}") from err
+
+    @classmethod
+    def load(cls, path: str | Path) -> MixturePlan:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    def weights(self) -> np.ndarray:
+        w = np.array([s.weight for s in self.sources], dtype=np.float64)
+        return w / w.sum()
+
+
+# ---- shards ---------------------------------------------------------------------------------
+
+
+class TokenShard:
+    """One datatrove `.ds` file, memory-mapped, with its document ends."""
+
+    def __init__(self, path: str | Path, token_dtype: str) -> None:
+        self.path = Path(path)
+        dtype = np.dtype(TOKEN_DTYPES[token_dtype]).newbyteorder("<")
+        index = Path(str(self.path) + ".index")
+        for needed in (self.path, index):
+            if not needed.exists():
+                raise FileNotFoundError(f"token shard file {needed} is missing")
+        meta = Path(str(self.path) + ".metadata")
+        if meta.exists():
+            # First line is "tokenizer|token_size"; a mismatch means the plan's dtype is wrong.
+            token_size = meta.read_text().splitlines()[0].rsplit("|", 1)[-1]
+            if token_size.isdigit() and int(token_size) != dtype.itemsize:
+                raise ValueError(
+                    f"{meta} says {token_size}-byte tokens but the plan's token_dtype is "
+                    f"{token_dtype} ({dtype.itemsize} bytes)"
+                )
+        size = self.path.stat().st_size
+        if size % dtype.itemsize:
+            raise ValueError(f"{self.path}: {size} bytes is not a whole number of {token_dtype}")
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        self.doc_ends = np.fromfile(index, dtype="<u8").astype(np.int64)
+        n = len(self.tokens)
+        if len(self.doc_ends) == 0 or self.doc_ends[-1] != n or np.any(np.diff(self.doc_ends) <= 0):
+            raise ValueError(
+                f"{index} does not describe {self.path}: last end "
+                f"{self.doc_ends[-1] if len(self.doc_ends) else None} vs {n} tokens"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class SourceStream:
+    """A source's shards as one endless (wrapping) token stream with document ids."""
+
+    def __init__(self, plan: SourcePlan, token_dtype: str) -> None:
+        self.name = plan.name
+        self.shards = [TokenShard(f, token_dtype) for f in plan.files]
+        sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.file_starts = np.concatenate([[0], np.cumsum(sizes)])  # (F+1,)
+        self.num_tokens = int(self.file_starts[-1])
+        if self.num_tokens == 0:
+            raise ValueError(f"source {plan.name!r}: its files hold no tokens")
+        self.doc_ends = np.concatenate(
+            [s.doc_ends + start for s, start in zip(self.shards, self.file_starts[:-1], strict=True)]
+        )  # (D,) global exclusive document ends
+        self.num_docs = len(self.doc_ends)
+
+    def read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and global document ids of stream positions [start, start + length)."""
+        tokens = np.empty(length, dtype=np.int64)
+        docs = np.empty(length, dtype=np.int64)
+        done = 0
+        while done < length:
+            pos = start + done
+            epoch, offset = divmod(pos, self.num_tokens)
+            f = int(np.searchsorted(self.file_starts, offset, side="right") - 1)
+            take = min(length - done, int(self.file_starts[f + 1]) - offset)
+            local = offset - int(self.file_starts[f])
+            tokens[done : done + take] = self.shards[f].tokens[local : local + take]
+            positions = np.arange(offset, offset + take)
+            doc = np.searchsorted(self.doc_ends, positions, side="right")
+            docs[done : done + take] = doc + epoch * self.num_docs
+            done += take
+        return tokens, docs
+
+
+# ---- the loader -----------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (n, L) int64
+    labels: torch.Tensor  # (n, L) int64, labels[:, t] is the target of input_ids[:, t]
+    doc_ids: torch.Tensor  # (n, L) int64, equal ids = same document, from 0 in each row
+    sources: list[str]  # (n,) which source each row came from
+
+
+class MixtureLoader:
+    """Deterministic, resumable, rank-sharded stream of packed sequences from a mixture plan."""
+
+    def __init__(
+        self,
+        plan: MixturePlan,
+        seq_len: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.plan = plan
+        self.seq_len = seq_len or plan.seq_len
+        self.rank, self.world_size = rank, world_size
+        self.seed = plan.seed if seed is None else seed
+        self.vocab_size = vocab_size
+        self.names = [s.name for s in plan.sources]
+        self.streams = [SourceStream(s, plan.token_dtype) for s in plan.sources]
+        self.weights = plan.weights()
+        self.sequence = 0  # global sequences drawn so far, over all ranks
+        self.source_sequences = [0] * len(self.streams)  # global sequences drawn per source
+        self._block_cache: tuple[int, np.ndarray] | None = None
+
+    # -- source choice --
+
+    def _choices(self, start: int, count: int) -> np.ndarray:
+        """Source index of global sequences [start, start + count)."""
+        out = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            block, offset = divmod(start + i, _CHOICE_BLOCK)
+            if self._block_cache is None or self._block_cache[0] != block:
+                rng = np.random.default_rng([self.seed, block])
+                self._block_cache = (block, rng.choice(len(self.streams), _CHOICE_BLOCK, p=self.weights))
+            out[i] = self._block_cache[1][offset]
+        return out
+
+    # -- drawing --
+
+    def next_batch(self, per_rank: int) -> Batch:
+        """This rank's `per_rank` rows of the next global micro-batch of per_rank * W rows."""
+        total = per_rank * self.world_size
+        choices = self._choices(self.sequence, total)
+        counts = list(self.source_sequences)
+        mine = range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        L = self.seq_len
+        ids = np.empty((per_rank, L), dtype=np.int64)
+        labels = np.empty((per_rank, L), dtype=np.int64)
+        docs = np.empty((per_rank, L), dtype=np.int64)
+        sources = []
+        for j, src in enumerate(choices):
+            k = counts[src]
+            counts[src] += 1
+            if j not in mine:
+                continue
+            row = j - mine.start
+            tokens, doc = self.streams[src].read(k * L, L + 1)
+            if self.vocab_size is not None and tokens.max() >= self.vocab_size:
+                raise ValueError(
+                    f"source {self.names[src]!r} holds token id {int(tokens.max())} >= model "
+                    f"vocab_size {self.vocab_size}; the shards and the model disagree"
+                )
+            ids[row], labels[row] = tokens[:-1], tokens[1:]
+            d = doc[:-1]
+            docs[row] = np.concatenate([[0], np.cumsum(d[1:] != d[:-1])])
+            sources.append(self.names[src])
+        self.sequence += total
+        self.source_sequences = counts
+        return Batch(
+            torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources
+        )
+
+    # -- accounting --
+
+    def tokens_per_source(self) -> dict[str, int]:
+        """Target tokens drawn from each source so far, over all ranks."""
+        return {n: k * self.seq_len for n, k in zip(self.names, self.source_sequences, strict=True)}
+
+    def epochs_per_source(self) -> dict[str, float]:
+        return {
+            n: k * self.seq_len / s.num_tokens
+            for n, k, s in zip(self.names, self.source_sequences, self.streams, strict=True)
+        }
+
+    # -- resume --
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.plan.stage,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "sequence": self.sequence,
+            "source_sequences": dict(zip(self.names, self.source_sequences, strict=True)),
+            "tokens_per_source": self.tokens_per_source(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"data loader state has {key}={state[key]} but this loader has "
+                    f"{getattr(self, key)}; resume with the spec that wrote the checkpoint"
+                )
+        if set(state["source_sequences"]) != set(self.names):
+            raise ValueError(
+                f"data loader state has sources {sorted(state['source_sequences'])} but the "
+                f"mixture plan has {sorted(self.names)}"
+            )
+        self.sequence = int(state["sequence"])
+        self.source_sequences = [int(state["source_sequences"][n]) for n in self.names]

@@ -1,0 +1,212 @@
+"""Tests for model/data.py: datatrove shard format, mixture plan, packing, sharding, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.data import MixtureLoader, MixturePlan, SourceStream, SourcePlan, TokenShard
+
+
+def write_shard(path: Path, docs: list[list[int]], dtype=np.uint16) -> str:
+    """A `.ds` shard in datatrove's layout, written by hand (fast synthetic shards)."""
+    flat = np.array([t for d in docs for t in d], dtype=dtype)
+    flat.astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+    np.cumsum([len(d) for d in docs]).astype("<u8").tofile(str(path) + ".index")
+    Path(str(path) + ".metadata").write_text(f"synthetic|{np.dtype(dtype).itemsize}\n{len(flat)}\n")
+    return str(path)
+
+
+def make_plan(tmp_path: Path, sources: dict[str, tuple[float, list[list[list[int]]]]], **kw):
+    entries = []
+    for name, (weight, files) in sources.items():
+        paths = [write_shard(tmp_path / f"{i:03d}_{name}.ds", docs) for i, docs in enumerate(files)]
+        n = sum(len(d) for docs in files for d in docs)
+        entries.append(
+            {"name": name, "weight": weight, "files": paths, "available_tokens": n,
+             "budget_tokens": n, "expected_epochs": 1.0}
+        )
+    data = {"stage": "stage1", "seed": 0, "seq_len": 8, "tokens": 1000, "vocab_size": 4096,
+            "eos_id": 0, "token_dtype": "uint16", "sources": entries} | kw
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return MixturePlan.load(path)
+
+
+def counting_docs(n_docs: int, start: int = 1, length=lambda i: 3 + i % 5):
+    """Documents of consecutive token ids, so any window shows where it came from."""
+    docs, t = [], start
+    for i in range(n_docs):
+        docs.append(list(range(t, t + length(i))))
+        t += length(i)
+    return docs
+
+
+def test_reads_shards_written_by_datatrove_document_tokenizer(tmp_path):
+    from datatrove.data import Document
+    from datatrove.pipeline.tokens import DocumentTokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<eos>", "[UNK]"] + [f"w{i}" for i in range(30)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    texts = [" ".join(f"w{i}" for i in rng.integers(0, 30, rng.integers(2, 20))) for _ in range(40)]
+    step = DocumentTokenizer(
+        output_folder=str(tmp_path / "shards"),
+        tokenizer_name_or_path=str(tmp_path / "tokenizer.json"),
+        eos_token="<eos>",
+        save_filename="prose",
+        shuffle_documents=False,
+    )
+    step.run((Document(text=t, id=str(i)) for i, t in enumerate(texts)), rank=0, world_size=1)
+    ds = sorted((tmp_path / "shards").glob("*.ds"))
+    assert len(ds) == 1 and Path(str(ds[0]) + ".metadata").exists()
+
+    expected = [tok.encode(t).ids + [0] for t in texts]  # datatrove appends <eos> (id 0)
+    shard = TokenShard(ds[0], "uint16")
+    assert shard.tokens.tolist() == [t for d in expected for t in d]
+    assert shard.doc_ends.tolist() == np.cumsum([len(d) for d in expected]).tolist()
+
+    plan = MixturePlan(
+        stage="s", seed=0, seq_len=16, tokens=100, vocab_size=len(words), eos_id=0,
+        token_dtype="uint16", sources=(SourcePlan("prose", 1.0, (str(ds[0]),)),),
+    )
+    loader = MixtureLoader(plan, vocab_size=len(words))
+    batch = loader.next_batch(4)
+    flat = [t for d in expected for t in d]
+    assert batch.input_ids.flatten().tolist() == flat[:64]
+    assert batch.labels.flatten().tolist() == flat[1:65]
+    # A new document starts right after every <eos>, and only there.
+    for ids, docs in zip(batch.input_ids, batch.doc_ids, strict=True):
+        starts = (docs[1:] != docs[:-1]).tolist()
+        assert starts == (ids[:-1] == 0).tolist()
+
+
+def test_metadata_token_size_must_match_the_plan(tmp_path):
+    path = write_shard(tmp_path / "a.ds", [[1, 2, 3]])
+    with pytest.raises(ValueError, match="uint32"):
+        TokenShard(path, "uint32")
+
+
+def test_index_must_describe_the_tokens(tmp_path):
+    path = write_shard(tmp_path / "a.ds", [[1, 2, 3], [4, 5]])
+    np.array([3, 9], dtype="<u8").tofile(path + ".index")
+    with pytest.raises(ValueError, match="a.ds.index"):
+        TokenShard(path, "uint16")
+    Path(path + ".index").unlink()
+    with pytest.raises(FileNotFoundError, match="a.ds.index"):
+        TokenShard(path, "uint16")
+
+
+def test_plan_rejects_contract_violations(tmp_path):
+    plan = make_plan(tmp_path, {"a": (1.0, [counting_docs(5)])})
+    good = json.loads((tmp_path / "plan.json").read_text())
+    with pytest.raises(ValueError, match="token_dtype"):
+        MixturePlan.from_dict(good | {"token_dtype": "int8"})
+    with pytest.raises(ValueError, match="colour"):
+        MixturePlan.from_dict(good | {"colour": "red"})
+    dup = good | {"sources": good["sources"] * 2}
+    with pytest.raises(ValueError, match="duplicate"):
+        MixturePlan.from_dict(dup)
+    assert plan.sources[0].name == "a" and plan.stage == "stage1"
+
+
+def test_uint32_shards(tmp_path):
+    docs = [[70_000, 70_001, 5], [70_002, 9]]
+    path = write_shard(tmp_path / "big.ds", docs, dtype=np.uint32)
+    stream = SourceStream(SourcePlan("big", 1.0, (path,)), "uint32")
+    tokens, doc = stream.read(0, 5)
+    assert tokens.tolist() == [70_000, 70_001, 5, 70_002, 9] and doc.tolist() == [0, 0, 0, 1, 1]
+
+
+def test_packing_splits_long_documents_and_numbers_docs_per_row(tmp_path):
+    docs = [list(range(1, 30)), [100, 101], [200, 201, 202]]  # the first is longer than 8
+    plan = make_plan(tmp_path, {"a": (1.0, [docs])})
+    batch = MixtureLoader(plan).next_batch(4)
+    assert batch.input_ids[0].tolist() == list(range(1, 9))
+    assert batch.labels[0].tolist() == list(range(2, 10))
+    assert batch.doc_ids[:3].eq(0).all()  # rows inside the long document: one document
+    assert batch.input_ids[3].tolist() == [25, 26, 27, 28, 29, 100, 101, 200]
+    assert batch.doc_ids[3].tolist() == [0, 0, 0, 0, 0, 1, 1, 2]
+
+
+def test_wraps_around_an_exhausted_source_and_counts_epochs(tmp_path):
+    docs = counting_docs(3, length=lambda i: 4)  # 12 tokens: ids 1..12
+    plan = make_plan(tmp_path, {"a": (1.0, [docs[:2], docs[2:]])})  # two files
+    loader = MixtureLoader(plan)
+    batch = loader.next_batch(3)  # 3 rows x 8 = 24 inputs = two epochs
+    stream = [1 + (i % 12) for i in range(25)]
+    assert batch.input_ids.flatten().tolist() == stream[:24]
+    assert batch.labels.flatten().tolist() == stream[1:25]
+    assert loader.epochs_per_source() == {"a": 2.0}
+    assert loader.tokens_per_source() == {"a": 24}
+    # The wrap starts a new document even though the ids repeat.
+    assert batch.doc_ids[1].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_sources_are_sampled_by_weight_deterministically_per_seed(tmp_path):
+    plan = make_plan(
+        tmp_path,
+        {"web": (0.75, [counting_docs(50)]), "code": (0.25, [counting_docs(50, start=1000)])},
+    )
+    a, b = MixtureLoader(plan), MixtureLoader(plan)
+    rows_a = [s for _ in range(40) for s in a.next_batch(50).sources]
+    rows_b = [s for _ in range(40) for s in b.next_batch(50).sources]
+    assert rows_a == rows_b
+    assert abs(rows_a.count("web") / len(rows_a) - 0.75) < 0.03
+    assert a.tokens_per_source() == {"web": rows_a.count("web") * 8, "code": rows_a.count("code") * 8}
+    other = MixtureLoader(plan, seed=1)
+    assert [s for _ in range(4) for s in other.next_batch(50).sources] != rows_a[:200]
+
+
+def _two_source_plan(tmp_path):
+    return make_plan(
+        tmp_path,
+        {"web": (0.6, [counting_docs(40)]), "code": (0.4, [counting_docs(40, start=1000)])},
+    )
+
+
+def test_ranks_take_disjoint_slices_of_the_global_stream(tmp_path):
+    plan = _two_source_plan(tmp_path)
+    whole = MixtureLoader(plan, world_size=1).next_batch(6).input_ids
+    r0 = MixtureLoader(plan, rank=0, world_size=2).next_batch(3).input_ids
+    r1 = MixtureLoader(plan, rank=1, world_size=2).next_batch(3).input_ids
+    assert torch.equal(torch.cat([r0, r1]), whole)
+
+
+def test_resume_continues_exactly_also_on_another_world_size(tmp_path):
+    plan = _two_source_plan(tmp_path)
+    reference = MixtureLoader(plan)
+    ref_rows = [reference.next_batch(4).input_ids for _ in range(6)]
+    ranks = [MixtureLoader(plan, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        for loader in ranks:
+            loader.next_batch(2)
+    state = json.loads(json.dumps(ranks[0].state_dict()))  # it must survive JSON
+    assert state == ranks[1].state_dict()  # global: every rank holds the same state
+    resumed = MixtureLoader(plan, world_size=1)
+    resumed.load_state_dict(state)
+    for step in range(3, 6):
+        assert torch.equal(resumed.next_batch(4).input_ids, ref_rows[step])
+    assert resumed.tokens_per_source() == reference.tokens_per_source()
+
+
+def test_resume_refuses_a_different_seed_or_seq_len(tmp_path):
+    plan = _two_source_plan(tmp_path)
+    state = MixtureLoader(plan).state_dict()
+    with pytest.raises(ValueError, match="seq_len"):
+        MixtureLoader(plan, seq_len=16).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        MixtureLoader(plan, seed=5).load_state_dict(state)
+
+
+def test_tokens_beyond_the_model_vocab_are_named(tmp_path):
+    plan = make_plan(tmp_path, {"a": (1.0, [[[1, 2, 3, 5000, 4, 5, 6, 7, 8, 9]]])})
+    with pytest.raises(ValueError, match="'a'.*5000.*vocab_size 4096"):
+        MixtureLoader(plan, vocab_size=4096).next_batch(1)
