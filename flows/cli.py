@@ -1,0 +1,135 @@
+"""The `smollm3` command line: run the flow, inspect recipes, lineage and runs, drive the demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from infra.lineage import Lineage
+
+
+def _lineage(args) -> Lineage:
+    return Lineage(Path(args.workspace) / "lineage.duckdb")
+
+
+def cmd_run(args) -> int:
+    from flows.smollm3 import smollm3
+
+    result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
+    print(result)
+    return 0
+
+
+def cmd_recipe(args) -> int:
+    from tasks.recipe import dump_recipe, load_recipe
+
+    print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    from flows.report import resolve_artifact, tree
+
+    lineage = _lineage(args)
+    print(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from flows.report import runs_table
+
+    print(runs_table(_lineage(args), args.limit, steps=not args.no_steps))
+    return 0
+
+
+def cmd_summary(args) -> int:
+    from flows.report import summary
+
+    print(summary(_lineage(args), args.ui))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from flows.deployments import main
+
+    main()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from flows.demo import up
+
+    return up(Path(args.workspace), args.port, Path(args.state))
+
+
+def cmd_down(args) -> int:
+    from flows.demo import down
+
+    return down(Path(args.state))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="smollm3",
+        description="Train a SmolLM3-style model end to end as a Prefect DAG with DuckDB lineage.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn, help: str, workspace: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        if workspace:
+            p.add_argument("--workspace", default="workspace",
+                           help="workspace folder holding lineage.duckdb (default: ./workspace)")
+        return p
+
+    p = add("run", cmd_run, "run the smollm3 flow in this process (no deployment needed)")
+    p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in configs/ or a YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sources.math.max_documents=100")
+    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="comma-separated step names to rerun even if finished")
+
+    p = add("recipe", cmd_recipe, "validate a recipe and print it resolved (with overrides)")
+    p.add_argument("recipe", nargs="?", default="tiny")
+    p.add_argument("overrides", nargs="*")
+
+    p = add("lineage", cmd_lineage, "print what produced an artifact (or what descends from it)", True)
+    p.add_argument("artifact", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
+    p.add_argument("--descendants", action="store_true", help="walk downstream instead of upstream")
+
+    p = add("runs", cmd_runs, "list flow runs with their steps and states", True)
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--no-steps", action="store_true", help="one line per run")
+
+    p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
+    p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")
+
+    add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
+
+    p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--state", default=".demo", help="folder for the demo's pid and log files")
+
+    p = add("down", cmd_down, "stop exactly the processes `smollm3 demo` started")
+    p.add_argument("--state", default=".demo")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "summary" and args.ui is None:
+        api = os.environ.get("PREFECT_API_URL", "")
+        args.ui = api.removesuffix("/api") or None
+    from tasks.recipe import RecipeError
+
+    try:
+        return args.fn(args) or 0
+    except (RecipeError, LookupError, ValueError, FileNotFoundError) as exc:
+        print(f"smollm3 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

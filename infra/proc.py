@@ -1,0 +1,131 @@
+"""Long-running children (torchrun, datatrove on a cluster) that never outlive their task.
+
+`run_streaming` starts the command in its own session (a new process group, so torchrun and all its
+ranks can be signalled together), streams its merged output line by line to a logger callback (the
+Prefect run logger in tasks), and kills the whole group when the caller fails, is interrupted, or is
+cancelled. Prefect cancels a flow run by sending SIGTERM to the flow-run process, which Prefect turns
+into a `TerminationSignal` exception: it unwinds through the wait loop here and the group is killed.
+If the flow process instead exits while a child runs in another thread, an `atexit` hook kills every
+group still registered. A child's own failure raises `ChildFailed` with the tail of its output.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+_live: set[subprocess.Popen] = set()
+_live_lock = threading.Lock()
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited non-zero; the message carries its last output lines."""
+
+    def __init__(self, cmd: Sequence[str], returncode: int, tail: Sequence[str]):
+        self.cmd, self.returncode, self.tail = list(cmd), returncode, list(tail)
+        shown = "\n".join(tail)
+        super().__init__(
+            f"command {' '.join(cmd)!r} exited with code {returncode}; last output:\n{shown}"
+        )
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL whatever is left after `grace` seconds."""
+    if proc.poll() is not None:
+        # The leader is gone but ranks it started may not be: signal the group anyway.
+        _signal_group(proc.pid, signal.SIGKILL)
+        return
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        time.sleep(0.05)
+    _signal_group(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _kill_all_live() -> None:
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        kill_group(proc, grace=2.0)
+
+
+def run_streaming(
+    cmd: Sequence[str],
+    log: Callable[[str], None] = print,
+    *,
+    cwd: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    tail_lines: int = 40,
+    grace: float = 10.0,
+) -> int:
+    """Run `cmd` to completion, streaming its output to `log`; returns 0 or raises.
+
+    `env` entries are added to the current environment. On any exception in the caller's thread
+    (including Prefect's cancellation and KeyboardInterrupt), the child's group is killed first.
+    """
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=full_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,
+    )
+    with _live_lock:
+        _live.add(proc)
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log(line)
+        returncode = proc.wait()
+    except BaseException:
+        kill_group(proc, grace)
+        raise
+    finally:
+        with _live_lock:
+            _live.discard(proc)
+    # Ranks that outlived a finished leader are cleaned up too.
+    if _group_alive(proc.pid):
+        _signal_group(proc.pid, signal.SIGKILL)
+    if returncode != 0:
+        raise ChildFailed(cmd, returncode, tail)
+    return returncode
