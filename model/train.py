@@ -1,0 +1,335 @@
+"""The trainer: `python -m model.train SPEC.json`, under torchrun or alone (world size 1).
+
+One launch trains one stage as described by a `TrainSpec`:
+- ranks: NCCL on GPU, gloo on CPU; without torchrun a single-process gloo group, so the code
+  path (FSDP2, DCP) is the same at every world size;
+- model: built and initialised identically on every rank from `spec.seed`, then sharded with
+  FSDP2 (`fully_shard` per block, then the root), so the initial weights do not depend on the
+  world size; bf16 autocast on GPU only, fp32 on CPU;
+- data: `MixtureLoader` with global state; gradient accumulation over
+  global_batch / (micro_batch x world) micro-batches;
+- resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size);
+  otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
+- guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
+  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
+- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from model.checkpoint import Checkpointer, atomic_write_text, read_trainer_state, resolve_checkpoint
+from model.config import ModelConfig
+from model.data import MixtureLoader, MixturePlan
+from model.flops import measure_matmul_flops, training_flops_per_token
+from model.model import SmolLM3
+from model.optim import apply_hyperparameters, build_optimizer
+from model.schedule import lr_at
+from model.spec import TrainSpec
+
+log = logging.getLogger("model.train")
+EXIT_NON_FINITE = 3
+
+
+class NonFiniteError(RuntimeError):
+    """Loss, gradient norm or weights became NaN or inf; the run must stop."""
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+
+def setup_runtime(spec: TrainSpec) -> Runtime:
+    want_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("spec.device is 'cuda' but no CUDA device is visible")
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if want_cuda else "gloo"
+        if "RANK" in os.environ:  # under torchrun
+            dist.init_process_group(backend)
+        else:  # plain `python -m model.train`: a private one-process group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if want_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        # Bit-reproducible CPU runs (resume after SIGKILL == uninterrupted run).
+        torch.use_deterministic_algorithms(True)
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    return Runtime(rank, world, device, owns)
+
+
+def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> ModelConfig:
+    overrides = dict(spec.model_overrides)
+    overrides.setdefault("vocab_size", plan.vocab_size)
+    if spec.rope_theta is not None:
+        overrides["rope_theta"] = spec.rope_theta
+    cfg = ModelConfig.from_preset(spec.model_preset, **overrides)
+    if cfg.max_seq_len < seq_len:
+        cfg = cfg.replace(max_seq_len=seq_len)
+    if plan.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"mixture plan vocab_size {plan.vocab_size} exceeds the model's {cfg.vocab_size}"
+        )
+    return cfg
+
+
+def _all_finite(tensors) -> bool:
+    bad = torch.zeros((), dtype=torch.float32)
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() and not torch.isfinite(local).all():
+            bad += 1
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON object per line; other ranks write nothing."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int) -> None:
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # drop lines of steps that were lost with a killed run
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def train(spec: TrainSpec) -> dict[str, Any]:
+    rt = setup_runtime(spec)
+    try:
+        return _train(spec, rt)
+    finally:
+        if rt.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
+    out_dir = Path(spec.out_dir)
+    is_main = rt.rank == 0
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spec.save(out_dir / "spec.resolved.json")
+    plan = MixturePlan.load(spec.mixture_plan)
+    seq_len = spec.seq_len or plan.seq_len
+    per_step_rows = spec.micro_batch * rt.world_size
+    if spec.global_batch % per_step_rows:
+        raise ValueError(
+            f"spec.global_batch={spec.global_batch} is not a multiple of micro_batch "
+            f"{spec.micro_batch} x world size {rt.world_size}"
+        )
+    accum = spec.global_batch // per_step_rows
+    cfg = build_model_config(spec, plan, seq_len)
+
+    # Same initial weights on every rank and at every world size, then shard.
+    model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
+    model.init_weights(seed=spec.seed)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = build_optimizer(model, spec.optimizer)
+    loader = MixtureLoader(
+        plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size
+    )
+    ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
+
+    step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
+    latest = ckpt.latest()
+    if latest is not None:
+        state = ckpt.load(latest, model, optimizer)
+        loader.load_state_dict(state["loader"])
+        step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
+        log.info("resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"])
+    elif spec.init_from is not None:
+        source = resolve_checkpoint(spec.init_from)
+        init_state = read_trainer_state(source)
+        ckpt.load(source, model, None if spec.reset_optimizer else optimizer)
+        if spec.schedule.start_step is None and not spec.reset_schedule:
+            schedule_start = init_state["schedule_start"] + init_state["step"]
+        resumed_from = str(source)
+        log.info("initialised from %s (schedule continues at %d)", source, schedule_start)
+    apply_hyperparameters(optimizer, spec.optimizer)
+    total = spec.schedule.total_steps or schedule_start + spec.steps
+
+    metrics = MetricsWriter(spec.metrics_file, is_main, step)
+    if spec.peak_flops is not None:
+        peak, peak_source = spec.peak_flops, "declared (spec.peak_flops)"
+    elif rt.device.type == "cuda":
+        peak = measure_matmul_flops(rt.device, torch.bfloat16, size=8192, seconds=1.0)
+        peak_source = "measured bf16 8192^2 matmul on this GPU"
+    else:
+        peak = measure_matmul_flops("cpu", torch.float32, size=1024, seconds=0.5)
+        peak_source = "measured fp32 1024^2 matmul per rank on this CPU"
+    flops_per_token = training_flops_per_token(cfg, seq_len)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if rt.device.type == "cuda" else nullcontext()
+    )
+    params = list(model.parameters())
+    loss_value, last_ckpt = float("nan"), latest
+    if is_main:
+        log.info(
+            "stage %s: %d params, world %d, accum %d, steps %d..%d, peak %.3g FLOP/s (%s)",
+            plan.stage, cfg.num_parameters(), rt.world_size, accum, step, spec.steps, peak,
+            peak_source,
+        )
+
+    while step < spec.steps:
+        t0 = time.perf_counter()
+        lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=rt.device)
+        for micro in range(accum):
+            batch = loader.next_batch(spec.micro_batch)
+            model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
+            with autocast:
+                out = model(
+                    batch.input_ids.to(rt.device),
+                    batch.doc_ids.to(rt.device),
+                    batch.labels.to(rt.device),
+                )
+            (out.loss / accum).backward()
+            loss_sum += out.loss.detach().float()
+        dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / (accum * rt.world_size)
+        if not math.isfinite(loss_value):
+            raise NonFiniteError(
+                f"loss is {loss_value} at step {step + 1}; stopping before any checkpoint of "
+                f"this state (last good checkpoint: {last_ckpt})"
+            )
+        if spec.optimizer.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"gradient norm is {grad_norm} at step {step + 1} (loss {loss_value}); stopping "
+                f"(last good checkpoint: {last_ckpt})"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        tokens_per_s = spec.global_batch * seq_len / elapsed
+        if is_main and (step % spec.log_interval == 0 or step == spec.steps):
+            metrics.write(
+                {
+                    "step": step,
+                    "loss": loss_value,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": flops_per_token * tokens_per_s / (peak * rt.world_size),
+                    "peak_flops_per_device": peak,
+                    "peak_source": peak_source,
+                    "tokens_per_source": loader.tokens_per_source(),
+                    "epochs_per_source": loader.epochs_per_source(),
+                    "time": time.time(),
+                }
+            )
+        stage_end = step == spec.steps
+        if stage_end or step % spec.checkpoint_interval == 0:
+            if not _all_finite(params):
+                raise NonFiniteError(
+                    f"weights are not finite after step {step}; not saving them (last good "
+                    f"checkpoint: {last_ckpt})"
+                )
+            last_ckpt = ckpt.save(
+                step,
+                model,
+                optimizer,
+                {
+                    "stage": plan.stage,
+                    "global_step": schedule_start + step,
+                    "schedule_start": schedule_start,
+                    "loss": loss_value,
+                    "world_size": rt.world_size,
+                    "loader": loader.state_dict(),
+                    "tokens_per_source": loader.tokens_per_source(),
+                    "epochs_per_source": loader.epochs_per_source(),
+                },
+                stage_end=stage_end,
+            )
+        if spec.debug_step_sleep_s:
+            time.sleep(spec.debug_step_sleep_s)
+
+    if last_ckpt is not None and math.isnan(loss_value):  # already finished before this launch
+        loss_value = read_trainer_state(last_ckpt)["loss"]
+    result = {
+        "stage": plan.stage,
+        "final_step": step,
+        "final_loss": loss_value,
+        "tokens_per_source": loader.tokens_per_source(),
+        "epochs_per_source": loader.epochs_per_source(),
+        "checkpoint": str(last_ckpt) if last_ckpt is not None else None,
+        "metrics": str(spec.metrics_file),
+        "world_size": rt.world_size,
+        "resumed_from": resumed_from,
+    }
+    if is_main:
+        atomic_write_text(out_dir / "result.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m model.train SPEC.json  (or under torchrun)", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    spec = TrainSpec.load(argv[0])
+    try:
+        result = train(spec)
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NON_FINITE
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
