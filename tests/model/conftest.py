@@ -32,3 +32,33 @@ def tiny_cfg() -> ModelConfig:
         num_kv_heads=2,
         max_seq_len=128,
     )
+
+
+def write_two_source_plan(folder: Path, seq_len: int = 32, vocab_size: int = 128) -> Path:
+    """Synthetic datatrove-layout shards for sources "prose" and "code" plus their plan JSON."""
+    import json
+
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    sources = []
+    for name, weight, low in (("prose", 0.7, 1), ("code", 0.3, 64)):
+        docs = [rng.integers(low, low + 60, rng.integers(5, 60)).tolist() + [0] for _ in range(80)]
+        flat = np.array([t for d in docs for t in d], dtype="<u2")
+        path = folder / f"000_{name}.ds"
+        flat.tofile(path)
+        np.cumsum([len(d) for d in docs]).astype("<u8").tofile(str(path) + ".index")
+        sources.append(
+            {"name": name, "weight": weight, "files": [str(path)],
+             "available_tokens": len(flat), "budget_tokens": 4000, "expected_epochs": 1.0}
+        )
+    plan = {"stage": "stage1", "seed": 0, "seq_len": seq_len, "tokens": 8000,
+            "vocab_size": vocab_size, "eos_id": 0, "token_dtype": "uint16", "sources": sources}
+    (folder / "plan.json").write_text(json.dumps(plan))
+    return folder / "plan.json"
+
+
+@pytest.fixture
+def plan_path(tmp_path) -> Path:
+    return write_two_source_plan(tmp_path / "shards")

@@ -1,0 +1,38 @@
+"""Shared test fixtures: an isolated Prefect home, a temporary Prefect server, small recipes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before Prefect is imported anywhere: never touch the user's ~/.prefect, never phone home.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="smollm3-test-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
+os.environ.pop("PREFECT_API_URL", None)
+
+import pytest  # noqa: E402
+
+# Small overrides that keep the tiny recipe's sources fast in flow tests.
+SMALL = [
+    "sources.prose.max_documents=60",
+    "sources.code.max_documents=20",
+    "sources.math.max_documents=200",
+]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server (SQLite) shared by every test that runs flows."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def api_url(prefect_harness) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()

@@ -1,0 +1,180 @@
+"""Preflight core (registry, config, run, stop rule, tables) and the config-review and data checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # the repo is not installed into the venv
+    sys.path.insert(0, str(REPO))
+
+from infra.preflight import (  # noqa: E402
+    CHECKS,
+    Check,
+    CheckResult,
+    PreflightConfig,
+    PreflightFacts,
+    blocking,
+    format_markdown,
+    format_table,
+    run_preflight,
+    should_stop,
+)
+from infra.preflight.core import register  # noqa: E402
+
+SMOLLM3 = PreflightFacts(  # the published 3B recipe: 384 GPUs, TP 2, DP 192 x micro 3 x 4096
+    device="cuda", nodes=48, nproc_per_node=8, tp=2, global_batch=576, micro_batch=3,
+    seq_len=4096, max_positions=65536, tokenizer_vocab=128256, model_vocab=128256,
+    stage_tokens={"stable": 8_100_000_000_000, "stable2": 1_800_000_000_000,
+                  "decay": 1_200_000_000_000},
+)
+
+
+def run(checks, facts, **config):
+    results = run_preflight(PreflightConfig(checks=tuple(checks), **config), facts, log=lambda _: None)
+    return {r.name: r for r in results}
+
+
+def R(status):
+    return CheckResult("x", status)
+
+
+def test_should_stop_on_fail_and_on_warn_unless_allowed():
+    assert not should_stop([R("pass"), R("skip")])
+    assert should_stop([R("pass"), R("fail")])
+    assert should_stop([R("fail")], allow_warn=True)
+    assert should_stop([R("warn")])
+    assert not should_stop([R("warn")], allow_warn=True)
+    assert [r.status for r in blocking([R("warn"), R("fail"), R("pass")], allow_warn=True)] == ["fail"]
+
+
+def test_check_result_refuses_unknown_status():
+    with pytest.raises(ValueError, match="status 'ok'"):
+        CheckResult("x", "ok")  # type: ignore[arg-type]
+
+
+def test_registry_refuses_duplicate_names():
+    class Again(Check):
+        name, group, order = "vocab", "data", 0
+
+    with pytest.raises(ValueError, match="already registered"):
+        register(Again)
+
+
+def test_config_is_strict_and_names_unknown_checks():
+    with pytest.raises(ValidationError, match="unknown preflight check"):
+        PreflightConfig(checks=("gpu_matmull",))
+    with pytest.raises(ValidationError, match="extra"):
+        PreflightConfig(matmul_n=4096)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="s3://"):
+        PreflightConfig(s3_uri="bucket/prefix")
+    with pytest.raises(ValidationError):
+        PreflightConfig().allow_warn = True  # frozen
+
+
+def test_a_raising_check_is_reported_as_fail(monkeypatch):
+    def boom(self, ctx):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(CHECKS.get("vocab"), "run", boom)
+    res = run(["vocab"], PreflightFacts())["vocab"]
+    assert res.status == "fail" and "RuntimeError: disk on fire" in res.advice
+
+
+def test_skip_list_shows_up_as_skip_rows():
+    results = run_preflight(PreflightConfig(checks=("vocab", "seq_len"), skip=("vocab",)),
+                            PreflightFacts(seq_len=8, max_positions=16), log=lambda _: None)
+    assert [(r.name, r.status) for r in results] == [("seq_len", "pass"), ("vocab", "skip")]
+
+
+def test_tables_list_every_check_and_the_counts():
+    results = [CheckResult("a", "pass", "1 GB/s", ">= 0"), CheckResult("b", "fail", advice="fix | it")]
+    table = format_table(results)
+    assert "a" in table and "FAIL" in table and "1 pass, 0 warn, 1 fail, 0 skip" in table
+    md = format_markdown(results)
+    assert "| b | fail |" in md and "fix \\| it" in md
+
+
+def test_facts_round_trip_through_plain_data():
+    d = SMOLLM3.to_dict()
+    assert PreflightFacts.from_dict(d) == SMOLLM3
+    with pytest.raises(ValueError, match="unknown field"):
+        PreflightFacts.from_dict({"world": 8})
+
+
+def test_published_recipe_passes_config_review():
+    r = run(["batch_layout", "seq_len", "stage_plan", "vocab"], SMOLLM3)
+    assert {n: x.status for n, x in r.items()} == dict.fromkeys(r, "pass")
+    assert r["batch_layout"].value.startswith("576 = dp 192 x micro 3 x accum 1")
+    assert "2.36M tokens/step" in r["batch_layout"].value
+
+
+def test_batch_that_ranks_cannot_split_fails_with_options():
+    facts = PreflightFacts(nodes=1, nproc_per_node=8, global_batch=100, micro_batch=4)
+    res = run(["batch_layout"], facts)["batch_layout"]
+    assert res.status == "fail" and "use 96 or 128" in res.advice
+    bad_tp = PreflightFacts(nproc_per_node=6, tp=4, global_batch=8, micro_batch=1)
+    assert "not a multiple of tp x pp" in run(["batch_layout"], bad_tp)["batch_layout"].advice
+
+
+def test_sequence_longer_than_positions_fails():
+    assert run(["seq_len"], PreflightFacts(seq_len=8192, max_positions=4096))["seq_len"].status == "fail"
+
+
+def test_stage_plan_rejects_empty_stages_strays_and_sub_step_stages():
+    assert run(["stage_plan"], PreflightFacts(stage_tokens={"a": 0}))["stage_plan"].status == "fail"
+    strays = PreflightFacts(stage_tokens={"a": 10}, available_tokens={"b": 10})
+    assert "lacks" in run(["stage_plan"], strays)["stage_plan"].advice
+    short = PreflightFacts(stage_tokens={"a": 100}, global_batch=4, seq_len=64)
+    assert "shorter than one optimizer step" in run(["stage_plan"], short)["stage_plan"].advice
+
+
+def test_tokenizer_larger_than_embedding_fails():
+    res = run(["vocab"], PreflightFacts(tokenizer_vocab=50000, model_vocab=49152))["vocab"]
+    assert res.status == "fail" and "at least 50000" in res.advice
+
+
+def write_shard(folder: Path, tokens: int, width: int = 2, metadata: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "000.ds").write_bytes(b"\0" * tokens * width)
+    if metadata:
+        (folder / "000.ds.metadata").write_text(f"tok|{width}\n{tokens}\n", encoding="utf-8")
+
+
+def test_shards_count_tokens_and_epochs_follow(tmp_path):
+    write_shard(tmp_path / "web", 3000)
+    write_shard(tmp_path / "code", 1000, width=4, metadata=False)
+    facts = PreflightFacts(shards=(str(tmp_path / "web"), str(tmp_path / "code")),
+                           tokenizer_vocab=70000, stage_tokens={"s1": 2000, "s2": 6000})
+    r = run(["shards", "data_epochs"], facts)
+    assert r["shards"].status == "pass" and r["shards"].metric == 4000
+    assert r["data_epochs"].status == "warn"  # s2 needs 1.5 epochs of 4000 tokens
+    assert "s2: 1.50 epochs" in r["data_epochs"].value
+    many = PreflightFacts(stage_tokens={"s1": 50}, available_tokens={"s1": 10})
+    assert run(["data_epochs"], many)["data_epochs"].status == "fail"
+    enough = PreflightFacts(stage_tokens={"s1": 5}, available_tokens={"s1": 10})
+    assert run(["data_epochs"], enough)["data_epochs"].status == "pass"
+
+
+def test_missing_or_empty_shard_folders_fail(tmp_path):
+    (tmp_path / "empty").mkdir()
+    facts = PreflightFacts(shards=(str(tmp_path / "nope"), str(tmp_path / "empty")))
+    res = run(["shards"], facts)["shards"]
+    assert res.status == "fail" and "missing" in res.advice and "no tokens" in res.advice
+
+
+def test_eval_tasks_resolve_from_a_local_folder(tmp_path):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "arc.yaml").write_text("task: smol_arc\ndataset_path: json\n")
+    ok = run(["eval_tasks"], PreflightFacts(eval_tasks=("smol_arc",)),
+             eval_tasks_dir=str(tmp_path / "tasks"), eval_lm_eval_lookup=False)["eval_tasks"]
+    assert ok.status == "pass"
+    bad = run(["eval_tasks"], PreflightFacts(eval_tasks=("smol_arcc",)),
+              eval_tasks_dir=str(tmp_path / "tasks"), eval_lm_eval_lookup=False)["eval_tasks"]
+    assert bad.status == "fail" and "did you mean smol_arc" in bad.advice
+    gone = run(["eval_tasks"], PreflightFacts(eval_tasks=("x",)), eval_tasks_dir=str(tmp_path / "no"))
+    assert "does not exist" in gone["eval_tasks"].advice

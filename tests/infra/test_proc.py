@@ -1,0 +1,129 @@
+"""The subprocess helper: streamed output, clear failures, and no child outliving its task."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.proc import ChildFailed, run_streaming
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _wait_file(path: Path, timeout=60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return int(path.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_streams_lines_in_order():
+    lines: list[str] = []
+    run_streaming([sys.executable, "-c", "import sys\nfor i in range(5): print('line', i, flush=True)"], lines.append)
+    assert lines == [f"line {i}" for i in range(5)]
+
+
+def test_failure_carries_the_tail():
+    with pytest.raises(ChildFailed) as err:
+        run_streaming(["bash", "-c", "echo about to fail; echo boom >&2; exit 3"], lambda _: None)
+    assert err.value.returncode == 3 and "boom" in str(err.value)
+
+
+def test_an_error_in_the_caller_kills_the_whole_group(tmp_path):
+    gc = tmp_path / "grandchild.pid"
+
+    def log(line: str) -> None:
+        if line == "ready":
+            raise KeyboardInterrupt  # e.g. the task is interrupted while the child runs
+
+    with pytest.raises(KeyboardInterrupt):
+        run_streaming(
+            ["bash", "-c", f"sleep 300 & echo $! > {gc}; echo $$ > {gc}.leader; echo ready; wait"],
+            log, grace=2,
+        )
+    pids = [int(gc.read_text()), int(Path(f"{gc}.leader").read_text())]
+    assert _wait_gone(pids, 10), "child or grandchild survived"
+
+
+SERVED_FLOW = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {repo!r})
+    from prefect import flow, task
+    from infra.proc import run_streaming
+
+    @task
+    def long_child(pidfile: str):
+        run_streaming(["bash", "-c", f"sleep 600 & echo $! > {{pidfile}}.gc; echo $$ > {{pidfile}}; wait"])
+
+    @flow(name="sleeper")
+    def sleeper(pidfile: str):
+        long_child(pidfile)
+
+    if __name__ == "__main__":
+        sleeper.serve(name="cancel-test", pause_on_shutdown=False)
+    """
+)
+
+
+@pytest.mark.slow
+def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
+    script = tmp_path / "served.py"
+    script.write_text(SERVED_FLOW.format(repo=str(REPO)))
+    env = {**os.environ, "PREFECT_API_URL": api_url}
+    serve = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    prefect = str(Path(sys.executable).parent / "prefect")
+    pidfile = tmp_path / "child.pid"
+    try:
+        out = ""
+        for _ in range(60):  # the deployment appears once serve has registered it
+            res = subprocess.run(
+                [prefect, "deployment", "run", "sleeper/cancel-test", "--param", f"pidfile={pidfile}"],
+                env=env, capture_output=True, text=True,
+            )
+            out = res.stdout
+            if res.returncode == 0:
+                break
+            time.sleep(1)
+        run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines() if "UUID:" in line)
+        leader = _wait_file(pidfile)
+        grandchild = _wait_file(Path(f"{pidfile}.gc"))
+        assert _alive(leader) and _alive(grandchild)
+        subprocess.run([prefect, "flow-run", "cancel", run_id], env=env, check=True,
+                       capture_output=True)
+        assert _wait_gone([leader, grandchild], 60), "a child of the cancelled run survived"
+    finally:
+        os.killpg(serve.pid, 9)
+        serve.wait()

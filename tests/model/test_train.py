@@ -1,0 +1,180 @@
+"""End-to-end tests of model/train.py, run as real subprocesses (python -m / torchrun).
+
+Covered: SIGKILL mid-stage then resume == uninterrupted run, bit for bit; a 2-rank FSDP2 run
+under torchrun resumed on 1 rank continues the data stream exactly (skipping a truncated
+newest checkpoint); the non-finite guard; result.json and metrics.jsonl contents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.checkpoint import Checkpointer, load_model, read_marker
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_heads": 4,
+        "num_kv_heads": 2}
+
+
+def write_spec(path: Path, plan: Path, out: Path, **kw) -> Path:
+    spec = {
+        "mixture_plan": str(plan), "out_dir": str(out), "steps": 6, "global_batch": 4,
+        "micro_batch": 2, "model_overrides": TINY, "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2, "decay_fraction": 0.34, "total_steps": 6},
+        "checkpoint_interval": 2, "keep_last": 2, "num_threads": 1, "peak_flops": 1e10,
+    } | kw
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def run_train(spec: Path, nproc: int | None = None, check: bool = True):
+    if nproc is None:
+        cmd = [sys.executable, "-m", "model.train", str(spec)]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-port", str(port),
+               "-m", "model.train", str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(a: Path, b: Path, exact: bool = True) -> None:
+    wa, wb = load_model(a).state_dict(), load_model(b).state_dict()
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if exact:
+            assert torch.equal(wa[name], wb[name]), name
+        else:
+            torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
+    clean = tmp_path / "clean"
+    run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
+
+    killed = tmp_path / "killed"
+    spec = write_spec(tmp_path / "killed.json", plan_path, killed, steps=8, debug_step_sleep_s=0.5)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "model.train", str(spec)], cwd=REPO, env=_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    target = killed / "checkpoints" / "step_00000004"
+    deadline = time.time() + 120
+    while read_marker(target) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "result.json").exists()
+    assert read_marker(killed / "checkpoints" / "step_00000008") is None
+
+    run_train(spec)  # same spec, same out_dir: resumes from step 4
+    result = json.loads((killed / "result.json").read_text())
+    assert result["final_step"] == 8
+    assert result["resumed_from"].endswith("step_00000004")
+    assert_same_weights(clean, killed, exact=True)
+    clean_metrics, resumed_metrics = metrics(clean), metrics(killed)
+    assert [m["step"] for m in resumed_metrics] == list(range(1, 9))  # lost steps dropped
+    assert [m["loss"] for m in resumed_metrics] == [m["loss"] for m in clean_metrics]
+    assert result["tokens_per_source"] == json.loads((clean / "result.json").read_text())[
+        "tokens_per_source"
+    ]
+
+
+def test_two_rank_fsdp_run_resumes_on_one_rank_with_the_same_data_stream(plan_path, tmp_path):
+    reference = tmp_path / "reference"
+    run_train(write_spec(tmp_path / "ref.json", plan_path, reference))
+
+    out = tmp_path / "run"
+    two = run_train(write_spec(tmp_path / "two.json", plan_path, out, steps=4), nproc=2)
+    first = json.loads((out / "result.json").read_text())
+    assert first["world_size"] == 2 and first["final_step"] == 4
+    ref_metrics = metrics(reference)
+    two_metrics = metrics(out)
+    for a, b in zip(two_metrics, ref_metrics[:4], strict=False):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["tokens_per_source"] == b["tokens_per_source"]
+    assert "world 2" in two.stderr
+
+    # Truncate the newest checkpoint: resume must skip it, warn, and take step 2.
+    newest = out / "checkpoints" / "step_00000004"
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    one = run_train(write_spec(tmp_path / "one.json", plan_path, out, steps=6))
+    assert "step_00000004 is incomplete or truncated" in one.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == 1 and result["final_step"] == 6
+    assert result["resumed_from"].endswith("step_00000002")
+    ref_result = json.loads((reference / "result.json").read_text())
+    assert result["tokens_per_source"] == ref_result["tokens_per_source"]
+    assert result["final_loss"] == pytest.approx(ref_result["final_loss"], rel=1e-5)
+    assert_same_weights(reference, out, exact=False)
+    state = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["loader"]["sequence"] == 6 * 4 and state["stage_end"]
+    assert sum(state["tokens_per_source"].values()) == 6 * 4 * 32
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_good_checkpoint(plan_path, tmp_path):
+    out = tmp_path / "run"
+    run_train(write_spec(tmp_path / "good.json", plan_path, out, steps=2))
+    good = out / "checkpoints" / "step_00000002"
+    marker_before = (good / "COMPLETE").read_text()
+    # An infinite learning rate makes the weights inf after step 3, so step 4's loss is NaN.
+    bad = write_spec(tmp_path / "bad.json", plan_path, out, steps=6, checkpoint_interval=100,
+                     optimizer={"lr": float("inf")})
+    proc = run_train(bad, check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "loss is nan at step 4" in proc.stderr
+    assert [f.name for f in Checkpointer(out / "checkpoints").step_folders()] == ["step_00000002"]
+    assert (good / "COMPLETE").read_text() == marker_before and read_marker(good) is not None
+    assert json.loads((out / "result.json").read_text())["final_step"] == 2
+
+
+def test_non_finite_weights_are_never_checkpointed(plan_path, tmp_path):
+    out = tmp_path / "run"
+    spec = write_spec(tmp_path / "bad.json", plan_path, out, steps=3, checkpoint_interval=1,
+                      optimizer={"lr": float("inf")})
+    proc = run_train(spec, check=False)
+    assert proc.returncode == 3
+    assert "weights are not finite after step 1" in proc.stderr
+    assert Checkpointer(out / "checkpoints").latest() is None
+
+
+def test_metrics_and_result_files(plan_path, tmp_path):
+    out = tmp_path / "run"
+    proc = run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=3, log_interval=1))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "tokens_per_source",
+                "peak_source"} <= row.keys()
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"]
+    assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup step 1 of 2
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((out / "result.json").read_text())
+    assert Path(result["checkpoint"]).name == "step_00000003"
+    assert json.loads((Path(result["checkpoint"]) / "COMPLETE").read_text())["stage_end"]
+    assert sum(result["tokens_per_source"].values()) == 3 * 4 * 32
