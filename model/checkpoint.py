@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,8 @@ def load_model(path: str | Path) -> SmolLM3:
     cfg = ModelConfig.from_dict(json.loads((folder / MODEL_CONFIG).read_text()))
     model = SmolLM3(cfg)
     sd = model.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": sd}, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(sd)
     return model.eval()
