@@ -178,3 +178,35 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     assert Path(result["checkpoint"]).name == "step_00000003"
     assert json.loads((Path(result["checkpoint"]) / "COMPLETE").read_text())["stage_end"]
     assert sum(result["tokens_per_source"].values()) == 3 * 4 * 32
+
+
+def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, tmp_path / "flat.pt")
+    state = torch.load(tmp_path / "flat.pt", weights_only=False)
+    return float(state["optim"]["state"]["embed.weight"]["step"])
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path, reset):
+    stage1 = tmp_path / "stage1"
+    run_train(write_spec(tmp_path / "s1.json", plan_path, stage1, steps=2,
+                         schedule={"total_steps": 10}))
+    stage2 = tmp_path / "stage2"
+    spec = write_spec(
+        tmp_path / "s2.json", plan_path, stage2, steps=2, seq_len=64, rope_theta=1e6,
+        schedule={"warmup_steps": 0, "total_steps": 10},
+        init_from=str(stage1), reset_optimizer=reset, reset_schedule=reset,
+    )
+    run_train(spec)
+    end = stage2 / "checkpoints" / "step_00000002"
+    config = json.loads((end / "model_config.json").read_text())
+    assert config["rope_theta"] == 1e6 and config["max_seq_len"] >= 64
+    state = json.loads((end / "trainer_state.json").read_text())
+    assert state["global_step"] == (2 if reset else 4)  # the schedule continued at 2, or restarted
+    assert state["loader"]["seq_len"] == 64 and state["loader"]["sequence"] == 2 * 4
+    assert _optimizer_step_count(end, tmp_path) == (2.0 if reset else 4.0)
+    result = json.loads((stage2 / "result.json").read_text())
+    assert result["resumed_from"].endswith("stage1/checkpoints/step_00000002")
+    assert sum(result["tokens_per_source"].values()) == 2 * 4 * 64
