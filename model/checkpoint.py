@@ -154,7 +154,9 @@ class Checkpointer:
         complete = [(f, m) for f in self.step_folders() if (m := read_marker(f)) is not None]
         if not complete:
             return
-        keep = {f for f, _ in complete[-self.keep_last :]} | {f for f, m in complete if m["stage_end"]}
+        keep = {f for f, _ in complete[-self.keep_last :]} | {
+            f for f, m in complete if m["stage_end"]
+        }
         newest = complete[-1][0]
         for folder in self.step_folders():
             # Incomplete folders newer than the newest complete one may still be being written.

@@ -26,7 +26,9 @@ class ModelConfig:
     no_rope_interval: int = 4  # every Nth layer (1-indexed) skips RoPE (NoPE); 0 disables NoPE
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon, as SmolLM3
     tie_embeddings: bool = True  # output head reuses the token embedding (saves V*H params)
-    qk_norm: bool = False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
+    qk_norm: bool = (
+        False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
+    )
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss (0 = off, as SmolLM3)
     init_std: float = 0.02  # std of the normal init of every linear and embedding weight
 

@@ -156,7 +156,10 @@ class SourceStream:
         if self.num_tokens == 0:
             raise ValueError(f"source {plan.name!r}: its files hold no tokens")
         self.doc_ends = np.concatenate(
-            [s.doc_ends + start for s, start in zip(self.shards, self.file_starts[:-1], strict=True)]
+            [
+                s.doc_ends + start
+                for s, start in zip(self.shards, self.file_starts[:-1], strict=True)
+            ]
         )  # (D,) global exclusive document ends
         self.num_docs = len(self.doc_ends)
 
@@ -225,7 +228,10 @@ class MixtureLoader:
             block, offset = divmod(start + i, _CHOICE_BLOCK)
             if self._block_cache is None or self._block_cache[0] != block:
                 rng = np.random.default_rng([self.seed, block])
-                self._block_cache = (block, rng.choice(len(self.streams), _CHOICE_BLOCK, p=self.weights))
+                self._block_cache = (
+                    block,
+                    rng.choice(len(self.streams), _CHOICE_BLOCK, p=self.weights),
+                )
             out[i] = self._block_cache[1][offset]
         return out
 

@@ -30,11 +30,17 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        _check(self.lr >= 0 and not math.isnan(self.lr), f"optimizer.lr must be >= 0, got {self.lr}")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               f"optimizer.betas must be two values in [0, 1), got {self.betas}")
+        _check(
+            self.lr >= 0 and not math.isnan(self.lr), f"optimizer.lr must be >= 0, got {self.lr}"
+        )
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optimizer.betas must be two values in [0, 1), got {self.betas}",
+        )
         _check(self.eps > 0, f"optimizer.eps must be > 0, got {self.eps}")
-        _check(self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(
+            self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}"
+        )
         _check(self.grad_clip >= 0, f"optimizer.grad_clip must be >= 0, got {self.grad_clip}")
 
 
@@ -52,15 +58,26 @@ class ScheduleSpec:
     start_step: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.kind in ("wsd", "cosine"), f"schedule.kind must be wsd or cosine, got {self.kind!r}")
-        _check(self.warmup_steps >= 0, f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check(0 <= self.decay_fraction <= 1,
-               f"schedule.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        _check(
+            self.kind in ("wsd", "cosine"),
+            f"schedule.kind must be wsd or cosine, got {self.kind!r}",
+        )
+        _check(
+            self.warmup_steps >= 0, f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}"
+        )
+        _check(
+            0 <= self.decay_fraction <= 1,
+            f"schedule.decay_fraction must be in [0, 1], got {self.decay_fraction}",
+        )
         _check(self.min_lr >= 0, f"schedule.min_lr must be >= 0, got {self.min_lr}")
-        _check(self.total_steps is None or self.total_steps > 0,
-               f"schedule.total_steps must be > 0, got {self.total_steps}")
-        _check(self.start_step is None or self.start_step >= 0,
-               f"schedule.start_step must be >= 0, got {self.start_step}")
+        _check(
+            self.total_steps is None or self.total_steps > 0,
+            f"schedule.total_steps must be > 0, got {self.total_steps}",
+        )
+        _check(
+            self.start_step is None or self.start_step >= 0,
+            f"schedule.start_step must be >= 0, got {self.start_step}",
+        )
 
 
 @dataclass(frozen=True)
@@ -69,17 +86,27 @@ class TrainSpec:
     out_dir: str  # stage folder: checkpoints/, metrics.jsonl, result.json land here
     steps: int  # optimizer steps of this stage
     global_batch: int  # sequences per optimizer step, over all ranks
-    micro_batch: int  # sequences per rank per forward/backward (global_batch / (micro * W) = accumulation)
+    micro_batch: (
+        int  # sequences per rank per forward/backward (global_batch / (micro * W) = accumulation)
+    )
     model_preset: str = "tiny"  # ModelConfig preset name: tiny, smollm3_3b, ablation_1b
-    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields to change; vocab_size defaults to the plan's
-    seq_len: int | None = None  # tokens per sequence; None = the plan's (raise it for context extension)
+    model_overrides: dict[str, Any] = field(
+        default_factory=dict
+    )  # ModelConfig fields to change; vocab_size defaults to the plan's
+    seq_len: int | None = (
+        None  # tokens per sequence; None = the plan's (raise it for context extension)
+    )
     rope_theta: float | None = None  # RoPE base override (context extension: 2M, 5M)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)  # AdamW settings
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)  # learning-rate schedule
-    init_from: str | None = None  # checkpoint step folder (or run folder) to start from, e.g. the previous stage's end
+    init_from: str | None = (
+        None  # checkpoint step folder (or run folder) to start from, e.g. the previous stage's end
+    )
     reset_optimizer: bool = False  # with init_from: fresh AdamW moments instead of the checkpoint's
     reset_schedule: bool = False  # with init_from: schedule restarts at 0 instead of continuing
-    checkpoint_interval: int = 100  # save every N steps (and always at the last step, flagged stage end)
+    checkpoint_interval: int = (
+        100  # save every N steps (and always at the last step, flagged stage end)
+    )
     keep_last: int = 2  # complete checkpoints kept besides stage ends
     seed: int = 0  # model init seed; the data order comes from the plan's seed
     metrics_path: str | None = None  # JSONL metrics file; None = {out_dir}/metrics.jsonl
@@ -87,8 +114,12 @@ class TrainSpec:
     device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
     attention_backend: str = "auto"  # "auto" (flex on cuda, sdpa on cpu), "sdpa" or "flex"
     num_threads: int | None = None  # CPU threads per rank; fix it for bit-reproducible CPU runs
-    peak_flops: float | None = None  # declared peak FLOP/s per device for MFU; None = measured matmul peak
-    debug_step_sleep_s: float = 0.0  # testing only: sleep after each step so a test can kill mid-stage
+    peak_flops: float | None = (
+        None  # declared peak FLOP/s per device for MFU; None = measured matmul peak
+    )
+    debug_step_sleep_s: float = (
+        0.0  # testing only: sleep after each step so a test can kill mid-stage
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):
@@ -97,23 +128,46 @@ class TrainSpec:
             object.__setattr__(self, "schedule", ScheduleSpec(**self.schedule))
         for name in ("steps", "global_batch", "micro_batch", "checkpoint_interval", "log_interval"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0, f"spec.{name} must be a positive int, got {value!r}")
-        _check(self.global_batch % self.micro_batch == 0,
-               f"spec.global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}")
+            _check(
+                isinstance(value, int) and value > 0,
+                f"spec.{name} must be a positive int, got {value!r}",
+            )
+        _check(
+            self.global_batch % self.micro_batch == 0,
+            f"spec.global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}",
+        )
         _check(self.keep_last >= 1, f"spec.keep_last must be >= 1, got {self.keep_last}")
-        _check(self.seq_len is None or self.seq_len > 0, f"spec.seq_len must be > 0, got {self.seq_len}")
-        _check(self.rope_theta is None or self.rope_theta > 0, f"spec.rope_theta must be > 0, got {self.rope_theta}")
-        _check(self.device in ("auto", "cpu", "cuda"), f"spec.device must be auto, cpu or cuda, got {self.device!r}")
-        _check(self.attention_backend in ("auto", "sdpa", "flex"),
-               f"spec.attention_backend must be auto, sdpa or flex, got {self.attention_backend!r}")
-        _check(self.peak_flops is None or self.peak_flops > 0, f"spec.peak_flops must be > 0, got {self.peak_flops}")
+        _check(
+            self.seq_len is None or self.seq_len > 0,
+            f"spec.seq_len must be > 0, got {self.seq_len}",
+        )
+        _check(
+            self.rope_theta is None or self.rope_theta > 0,
+            f"spec.rope_theta must be > 0, got {self.rope_theta}",
+        )
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"spec.device must be auto, cpu or cuda, got {self.device!r}",
+        )
+        _check(
+            self.attention_backend in ("auto", "sdpa", "flex"),
+            f"spec.attention_backend must be auto, sdpa or flex, got {self.attention_backend!r}",
+        )
+        _check(
+            self.peak_flops is None or self.peak_flops > 0,
+            f"spec.peak_flops must be > 0, got {self.peak_flops}",
+        )
         _check(self.debug_step_sleep_s >= 0, "spec.debug_step_sleep_s must be >= 0")
-        _check((not self.reset_optimizer and not self.reset_schedule) or self.init_from is not None,
-               "spec.reset_optimizer / reset_schedule only mean something with init_from")
+        _check(
+            (not self.reset_optimizer and not self.reset_schedule) or self.init_from is not None,
+            "spec.reset_optimizer / reset_schedule only mean something with init_from",
+        )
 
     @property
     def metrics_file(self) -> Path:
-        return Path(self.metrics_path) if self.metrics_path else Path(self.out_dir) / "metrics.jsonl"
+        return (
+            Path(self.metrics_path) if self.metrics_path else Path(self.out_dir) / "metrics.jsonl"
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainSpec:

@@ -175,7 +175,9 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         state = ckpt.load(latest, model, optimizer)
         loader.load_state_dict(state["loader"])
         step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
-        log.info("resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"])
+        log.info(
+            "resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"]
+        )
     elif spec.init_from is not None:
         source = resolve_checkpoint(spec.init_from)
         init_state = read_trainer_state(source)
@@ -205,7 +207,13 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     if is_main:
         log.info(
             "stage %s: %d params, world %d, accum %d, steps %d..%d, peak %.3g FLOP/s (%s)",
-            plan.stage, cfg.num_parameters(), rt.world_size, accum, step, spec.steps, peak,
+            plan.stage,
+            cfg.num_parameters(),
+            rt.world_size,
+            accum,
+            step,
+            spec.steps,
+            peak,
             peak_source,
         )
 
@@ -236,7 +244,9 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         if spec.optimizer.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None]
+            )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.item()
@@ -317,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m model.train SPEC.json  (or under torchrun)", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.load(argv[0])
     try:
         result = train(spec)

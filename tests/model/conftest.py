@@ -50,11 +50,25 @@ def write_two_source_plan(folder: Path, seq_len: int = 32, vocab_size: int = 128
         flat.tofile(path)
         np.cumsum([len(d) for d in docs]).astype("<u8").tofile(str(path) + ".index")
         sources.append(
-            {"name": name, "weight": weight, "files": [str(path)],
-             "available_tokens": len(flat), "budget_tokens": 4000, "expected_epochs": 1.0}
+            {
+                "name": name,
+                "weight": weight,
+                "files": [str(path)],
+                "available_tokens": len(flat),
+                "budget_tokens": 4000,
+                "expected_epochs": 1.0,
+            }
         )
-    plan = {"stage": "stage1", "seed": 0, "seq_len": seq_len, "tokens": 8000,
-            "vocab_size": vocab_size, "eos_id": 0, "token_dtype": "uint16", "sources": sources}
+    plan = {
+        "stage": "stage1",
+        "seed": 0,
+        "seq_len": seq_len,
+        "tokens": 8000,
+        "vocab_size": vocab_size,
+        "eos_id": 0,
+        "token_dtype": "uint16",
+        "sources": sources,
+    }
     (folder / "plan.json").write_text(json.dumps(plan))
     return folder / "plan.json"
 

@@ -86,7 +86,9 @@ def test_retention_keeps_last_k_and_every_stage_end(one_rank_group, tiny_cfg, tm
     ckpt = Checkpointer(tmp_path / "ckpt", keep_last=2)
     _save_steps(ckpt, tiny_cfg, [1, 2, 3, 4, 5], stage_end={2})
     assert [f.name for f in ckpt.step_folders()] == [
-        "step_00000002", "step_00000004", "step_00000005"
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
     ]
     assert json.loads((ckpt.root / "step_00000002" / "COMPLETE").read_text())["stage_end"]
 

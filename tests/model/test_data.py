@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.data import MixtureLoader, MixturePlan, SourceStream, SourcePlan, TokenShard
+from model.data import MixtureLoader, MixturePlan, SourcePlan, SourceStream, TokenShard
 
 
 def write_shard(path: Path, docs: list[list[int]], dtype=np.uint16) -> str:
@@ -27,11 +27,25 @@ def make_plan(tmp_path: Path, sources: dict[str, tuple[float, list[list[list[int
         paths = [write_shard(tmp_path / f"{i:03d}_{name}.ds", docs) for i, docs in enumerate(files)]
         n = sum(len(d) for docs in files for d in docs)
         entries.append(
-            {"name": name, "weight": weight, "files": paths, "available_tokens": n,
-             "budget_tokens": n, "expected_epochs": 1.0}
+            {
+                "name": name,
+                "weight": weight,
+                "files": paths,
+                "available_tokens": n,
+                "budget_tokens": n,
+                "expected_epochs": 1.0,
+            }
         )
-    data = {"stage": "stage1", "seed": 0, "seq_len": 8, "tokens": 1000, "vocab_size": 4096,
-            "eos_id": 0, "token_dtype": "uint16", "sources": entries} | kw
+    data = {
+        "stage": "stage1",
+        "seed": 0,
+        "seq_len": 8,
+        "tokens": 1000,
+        "vocab_size": 4096,
+        "eos_id": 0,
+        "token_dtype": "uint16",
+        "sources": entries,
+    } | kw
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     return MixturePlan.load(path)
@@ -74,8 +88,14 @@ def test_reads_shards_written_by_datatrove_document_tokenizer(tmp_path):
     assert shard.doc_ends.tolist() == np.cumsum([len(d) for d in expected]).tolist()
 
     plan = MixturePlan(
-        stage="s", seed=0, seq_len=16, tokens=100, vocab_size=len(words), eos_id=0,
-        token_dtype="uint16", sources=(SourcePlan("prose", 1.0, (str(ds[0]),)),),
+        stage="s",
+        seed=0,
+        seq_len=16,
+        tokens=100,
+        vocab_size=len(words),
+        eos_id=0,
+        token_dtype="uint16",
+        sources=(SourcePlan("prose", 1.0, (str(ds[0]),)),),
     )
     loader = MixtureLoader(plan, vocab_size=len(words))
     batch = loader.next_batch(4)
@@ -160,7 +180,10 @@ def test_sources_are_sampled_by_weight_deterministically_per_seed(tmp_path):
     rows_b = [s for _ in range(40) for s in b.next_batch(50).sources]
     assert rows_a == rows_b
     assert abs(rows_a.count("web") / len(rows_a) - 0.75) < 0.03
-    assert a.tokens_per_source() == {"web": rows_a.count("web") * 8, "code": rows_a.count("code") * 8}
+    assert a.tokens_per_source() == {
+        "web": rows_a.count("web") * 8,
+        "code": rows_a.count("code") * 8,
+    }
     other = MixtureLoader(plan, seed=1)
     assert [s for _ in range(4) for s in other.next_batch(50).sources] != rows_a[:200]
 

@@ -37,8 +37,13 @@ def test_cosine_reaches_min_lr():
 
 
 def _spec_dict(**kw):
-    return {"mixture_plan": "/p.json", "out_dir": "/o", "steps": 10, "global_batch": 8,
-            "micro_batch": 2} | kw
+    return {
+        "mixture_plan": "/p.json",
+        "out_dir": "/o",
+        "steps": 10,
+        "global_batch": 8,
+        "micro_batch": 2,
+    } | kw
 
 
 def test_spec_round_trips_and_refuses_unknown_or_bad_fields(tmp_path):

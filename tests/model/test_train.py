@@ -23,16 +23,29 @@ from model.checkpoint import Checkpointer, load_model, read_marker
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_heads": 4,
-        "num_kv_heads": 2}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+}
 
 
 def write_spec(path: Path, plan: Path, out: Path, **kw) -> Path:
     spec = {
-        "mixture_plan": str(plan), "out_dir": str(out), "steps": 6, "global_batch": 4,
-        "micro_batch": 2, "model_overrides": TINY, "optimizer": {"lr": 3e-3},
+        "mixture_plan": str(plan),
+        "out_dir": str(out),
+        "steps": 6,
+        "global_batch": 4,
+        "micro_batch": 2,
+        "model_overrides": TINY,
+        "optimizer": {"lr": 3e-3},
         "schedule": {"warmup_steps": 2, "decay_fraction": 0.34, "total_steps": 6},
-        "checkpoint_interval": 2, "keep_last": 2, "num_threads": 1, "peak_flops": 1e10,
+        "checkpoint_interval": 2,
+        "keep_last": 2,
+        "num_threads": 1,
+        "peak_flops": 1e10,
     } | kw
     path.write_text(json.dumps(spec))
     return path
@@ -49,8 +62,16 @@ def run_train(spec: Path, nproc: int | None = None, check: bool = True):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-port", str(port),
-               "-m", "model.train", str(spec)]
+        cmd = [
+            str(TORCHRUN),
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(port),
+            "-m",
+            "model.train",
+            str(spec),
+        ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -78,8 +99,11 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     killed = tmp_path / "killed"
     spec = write_spec(tmp_path / "killed.json", plan_path, killed, steps=8, debug_step_sleep_s=0.5)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "model.train", str(spec)], cwd=REPO, env=_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "model.train", str(spec)],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     target = killed / "checkpoints" / "step_00000004"
     deadline = time.time() + 120
@@ -99,9 +123,10 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     clean_metrics, resumed_metrics = metrics(clean), metrics(killed)
     assert [m["step"] for m in resumed_metrics] == list(range(1, 9))  # lost steps dropped
     assert [m["loss"] for m in resumed_metrics] == [m["loss"] for m in clean_metrics]
-    assert result["tokens_per_source"] == json.loads((clean / "result.json").read_text())[
-        "tokens_per_source"
-    ]
+    assert (
+        result["tokens_per_source"]
+        == json.loads((clean / "result.json").read_text())["tokens_per_source"]
+    )
 
 
 def test_two_rank_fsdp_run_resumes_on_one_rank_with_the_same_data_stream(plan_path, tmp_path):
@@ -143,8 +168,14 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_good_checkpoint(plan_path, 
     good = out / "checkpoints" / "step_00000002"
     marker_before = (good / "COMPLETE").read_text()
     # An infinite learning rate makes the weights inf after step 3, so step 4's loss is NaN.
-    bad = write_spec(tmp_path / "bad.json", plan_path, out, steps=6, checkpoint_interval=100,
-                     optimizer={"lr": float("inf")})
+    bad = write_spec(
+        tmp_path / "bad.json",
+        plan_path,
+        out,
+        steps=6,
+        checkpoint_interval=100,
+        optimizer={"lr": float("inf")},
+    )
     proc = run_train(bad, check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "loss is nan at step 4" in proc.stderr
@@ -155,8 +186,14 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_good_checkpoint(plan_path, 
 
 def test_non_finite_weights_are_never_checkpointed(plan_path, tmp_path):
     out = tmp_path / "run"
-    spec = write_spec(tmp_path / "bad.json", plan_path, out, steps=3, checkpoint_interval=1,
-                      optimizer={"lr": float("inf")})
+    spec = write_spec(
+        tmp_path / "bad.json",
+        plan_path,
+        out,
+        steps=3,
+        checkpoint_interval=1,
+        optimizer={"lr": float("inf")},
+    )
     proc = run_train(spec, check=False)
     assert proc.returncode == 3
     assert "weights are not finite after step 1" in proc.stderr
@@ -169,8 +206,15 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
-        assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "tokens_per_source",
-                "peak_source"} <= row.keys()
+        assert {
+            "loss",
+            "grad_norm",
+            "lr",
+            "tokens_per_s",
+            "mfu",
+            "tokens_per_source",
+            "peak_source",
+        } <= row.keys()
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"]
     assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup step 1 of 2
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -191,13 +235,21 @@ def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
 @pytest.mark.parametrize("reset", [False, True])
 def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path, reset):
     stage1 = tmp_path / "stage1"
-    run_train(write_spec(tmp_path / "s1.json", plan_path, stage1, steps=2,
-                         schedule={"total_steps": 10}))
+    run_train(
+        write_spec(tmp_path / "s1.json", plan_path, stage1, steps=2, schedule={"total_steps": 10})
+    )
     stage2 = tmp_path / "stage2"
     spec = write_spec(
-        tmp_path / "s2.json", plan_path, stage2, steps=2, seq_len=64, rope_theta=1e6,
+        tmp_path / "s2.json",
+        plan_path,
+        stage2,
+        steps=2,
+        seq_len=64,
+        rope_theta=1e6,
         schedule={"warmup_steps": 0, "total_steps": 10},
-        init_from=str(stage1), reset_optimizer=reset, reset_schedule=reset,
+        init_from=str(stage1),
+        reset_optimizer=reset,
+        reset_schedule=reset,
     )
     run_train(spec)
     end = stage2 / "checkpoints" / "step_00000002"
