@@ -1,0 +1,121 @@
+"""The preflight step: report files, the stop rule as an error, lineage rows, the Prefect table
+artifact, and a fingerprint that changes per run and per host."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # the repo is not installed into the venv
+    sys.path.insert(0, str(REPO))
+
+import tasks.preflight as tp  # noqa: E402
+from infra.artifact import Artifact, run_step  # noqa: E402
+from infra.preflight import PreflightConfig, PreflightFacts  # noqa: E402
+from infra.workspace import Workspace  # noqa: E402
+
+FAST = ("batch_layout", "seq_len", "vocab", "dcp_roundtrip", "cpu_matmul")
+GOOD = PreflightFacts(nproc_per_node=2, global_batch=8, micro_batch=2, seq_len=64,
+                      max_positions=128, tokenizer_vocab=100, model_vocab=128)
+
+
+def config(**kw) -> PreflightConfig:
+    return PreflightConfig(checks=FAST, cpu_matmul_size=64, cpu_matmul_seconds=0.05, **kw)
+
+
+def build(ws: Workspace, cfg: PreflightConfig, facts: PreflightFacts, run_id="run-1"):
+    """The step's build through the step contract (folder by fingerprint, marker last)."""
+    d = tp.preflight.definition
+    params = {"facts": facts.to_dict(), "run_id": run_id}
+    return run_step(
+        root=ws.path, step=d.name, version=d.version, kind=d.kind,
+        config={"config": cfg, "params": params}, inputs=(),
+        build=lambda out: d.build(cfg, (), out, log=lambda _: None, **params),
+        extra=d.extra(cfg, **params),
+    )
+
+
+def test_passing_preflight_writes_its_report(tmp_path):
+    ws = Workspace.at(tmp_path / "ws")
+    facts = dataclasses.replace(GOOD, workspace=ws.root)
+    outcome = build(ws, config(), facts)
+    art = outcome.artifact
+    assert art.kind == "preflight" and art.meta["summary"]["fail"] == 0
+    assert art.meta["cpu_gflops"] > 0 and art.meta["gpu_tflops"] is None
+    report = json.loads((art.path / "preflight.json").read_text())
+    assert report["run_id"] == "run-1" and not report["stop"]
+    assert [r["name"] for r in report["results"]] == ["batch_layout", "seq_len", "cpu_matmul",
+                                                      "dcp_roundtrip", "vocab"]
+    assert "| vocab | pass |" in (art.path / "preflight.md").read_text()
+
+
+def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_path):
+    ws = Workspace.at(tmp_path / "ws")
+    bad = PreflightFacts(nproc_per_node=2, global_batch=7, micro_batch=2, seq_len=256,
+                         max_positions=128, tokenizer_vocab=100, model_vocab=128,
+                         workspace=str(tmp_path / "ws"))
+    with pytest.raises(tp.PreflightFailed) as err:
+        build(ws, config(), bad, run_id="run-bad")
+    msg = str(err.value)
+    assert "2 blocking check(s)" in msg and "batch_layout: FAIL" in msg and "seq_len: FAIL" in msg
+    assert "vocab" not in msg.split("\n", 1)[1]
+    rows = ws.lineage().query(
+        "SELECT check_name, status FROM preflight WHERE run_id = 'run-bad' ORDER BY check_name")
+    assert ("batch_layout", "fail") in rows and ("vocab", "pass") in rows
+    folder = next((ws.path / "preflight").iterdir())
+    assert (folder / "preflight.json").exists() and not (folder / "_COMPLETE.json").exists()
+
+
+
+class TwoGpus:
+    def unavailable_reason(self):
+        return None
+
+    def device_count(self):
+        return 2
+
+    def name(self, index):
+        return "fake"
+
+
+def test_warn_stops_and_allow_warn_proceeds(tmp_path):
+    out = tmp_path / "ws" / "preflight" / "abc"
+    out.mkdir(parents=True)
+    cfg = PreflightConfig(checks=("gpu_count",), expected_gpus=1)
+    with pytest.raises(tp.PreflightFailed, match="allow_warn=true"):
+        tp.build_preflight(cfg, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
+    ok = PreflightConfig(checks=("gpu_count",), expected_gpus=1, allow_warn=True)
+    meta = tp.build_preflight(ok, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
+    assert meta["warned"] == ["gpu_count"] and meta["allow_warn"]
+
+
+def test_publish_records_rows_and_a_prefect_table(tmp_path, monkeypatch):
+    ws = Workspace.at(tmp_path / "ws")
+    art: Artifact = build(ws, config(), GOOD, run_id="run-pub").artifact
+    tables = []
+    monkeypatch.setattr("prefect.artifacts.create_table_artifact",
+                        lambda **kw: tables.append(kw))
+    tp.publish_preflight(art, ws, "Main Node")
+    rows = ws.lineage().query("SELECT run_id, check_name, status FROM preflight ORDER BY check_name")
+    assert len(rows) == 5 and rows[0] == ("run-pub", "batch_layout", "pass")
+    assert tables[0]["key"] == "preflight-main-node"
+    assert {r["check"] for r in tables[0]["table"]} == set(FAST)
+
+
+def test_fingerprint_changes_per_run_and_host(tmp_path, monkeypatch):
+    d = tp.preflight.definition
+    cfg = config()
+
+    def fp(run_id):
+        return d.fingerprint(cfg, (), {"facts": GOOD.to_dict(), "run_id": run_id})
+
+    assert fp("a") == fp("a") and fp("a") != fp("b")
+    assert tp.preflight_extra(cfg, facts={}).endswith(tp.time.strftime("%Y-%m-%d"))
+    before = fp("a")
+    monkeypatch.setattr(tp.socket, "gethostname", lambda: "other-node")
+    assert fp("a") != before
