@@ -33,6 +33,8 @@ def cpu_matmul_gflops(n: int, seconds: float) -> float:
 
 @register
 class CpuMatmul(Check):
+    """Sustained fp32 matmul GFLOP/s on this process's CPU threads."""
+
     name, group, order = "cpu_matmul", "compute", 60
 
     def run(self, ctx: CheckContext) -> CheckResult:

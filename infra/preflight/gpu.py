@@ -15,6 +15,7 @@ only noted: a GPU capped harder than its peers shows up as slow in `gpu_matmul` 
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class TorchNvmlBackend:
         self._nvml: Any = None
         self._nvml_error: str | None = None
         self._nvml_tried = False
+        self._nvml_lock = threading.Lock()  # GPU threads ask at once; initialise NVML once
 
     # --- CUDA ---------------------------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
@@ -175,17 +177,18 @@ class TorchNvmlBackend:
 
     # --- NVML ---------------------------------------------------------------------------------
     def _nvml_module(self) -> Any:
-        if not self._nvml_tried:
-            self._nvml_tried = True
-            try:
-                import pynvml
+        with self._nvml_lock:
+            if not self._nvml_tried:
+                self._nvml_tried = True
+                try:
+                    import pynvml
 
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            except ImportError:
-                self._nvml_error = "pynvml is not installed (pip install nvidia-ml-py)"
-            except Exception as exc:  # NVMLError: no driver, no permission
-                self._nvml_error = f"NVML did not initialise: {exc}"
+                    pynvml.nvmlInit()
+                    self._nvml = pynvml
+                except ImportError:
+                    self._nvml_error = "pynvml is not installed (pip install nvidia-ml-py)"
+                except Exception as exc:  # NVMLError: no driver, no permission
+                    self._nvml_error = f"NVML did not initialise: {exc}"
         return self._nvml
 
     def nvml_reason(self) -> str | None:
@@ -496,6 +499,11 @@ class DcgmDiag(Check):
         fails, warns, passed = parse_dcgm(out.stdout)
         value = f"level {level}: {passed} passed, {len(warns)} warned, {len(fails)} failed"
         threshold = "no Fail rows, exit 0"
+        said = (out.stdout + out.stderr).lower()
+        if out.rc != 0 and not (fails or warns or passed) and "connect" in said:
+            # the client is installed but no host engine runs: DCGM could not test anything
+            return self.skip("dcgmi cannot reach the DCGM host engine (start nv-hostengine): "
+                             + (out.stderr or out.stdout).strip()[-200:])
         if out.timed_out:
             return self.result("fail", value, threshold, f"dcgmi diag -r {level} timed out after "
                                f"{DCGM_TIMEOUT_S[level]:.0f} s: a hung GPU or hostengine")

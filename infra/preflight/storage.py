@@ -113,7 +113,7 @@ class CheckpointIO(Check):
         value = f"write {write:.0f} MB/s (fsync), read {read:.0f} MB/s, {c.io_probe_mib} MiB probe"
         threshold = f"write >= {c.min_write_mbps:g}, read >= {c.min_read_mbps:g} MB/s"
         size = ctx.facts.checkpoint_size
-        eta = f"; one {human_bytes(size)} checkpoint takes ~{size / (write * 1e6):.0f} s" if size else ""
+        eta = f"; one {human_bytes(size)} checkpoint takes ~{size / (write * 1e6):.1f} s" if size else ""
         if write < c.min_write_mbps or read < c.min_read_mbps:
             return self.result(
                 "warn", value, threshold,

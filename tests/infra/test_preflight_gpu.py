@@ -195,6 +195,11 @@ def test_dcgm_failure_and_absence():
     assert ["dcgmi", "diag", "-r", "2"] in cmds.ran
     assert run_gpu(FakeGpus())["dcgm_diag"].status == "skip"  # not on PATH
     assert run_gpu(FakeGpus(), dcgm_level=0)["dcgm_diag"].status == "skip"
+    no_engine = FakeCommands(programs={"dcgmi": "dcgmi"}, outputs={"torchrun": nccl_ok(), "dcgmi":
+                             CommandOutput(255, "Error: unable to establish a connection to the "
+                                           "specified host: localhost\n", "")})
+    res = run_gpu(FakeGpus(), no_engine)["dcgm_diag"]
+    assert res.status == "skip" and "nv-hostengine" in res.advice
 
 
 def test_parse_dcgm_counts_rows():

@@ -1,0 +1,93 @@
+"""Command line of preflight: `python -m infra.preflight` (and the `smollm3 preflight` subcommand).
+
+    python -m infra.preflight --facts facts.json --config preflight.yaml allow_warn=true \
+        facts.nproc_per_node=8 --json preflight.json
+
+`key=value` items override PreflightConfig fields, `facts.key=value` items PreflightFacts fields
+(values parsed as YAML: `checks=[gpu_matmul,gpu_throttle]`). Prints the table; exits 0 when
+training may start, 1 when `should_stop`, 2 on bad input. On a Slurm cluster run it on every node:
+`srun --ntasks-per-node=1 python -m infra.preflight ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from infra.preflight.core import (
+    PreflightConfig,
+    PreflightFacts,
+    format_table,
+    run_preflight,
+    should_stop,
+)
+
+
+def _load(path: str | None, what: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"--{what} {path}: cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"--{what} {path}: expected a mapping at the top level")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="smollm3 preflight", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML/JSON file of PreflightConfig fields")
+    p.add_argument("--facts", help="YAML/JSON file of PreflightFacts fields (from the recipe)")
+    p.add_argument("--json", help="write every result (and host, config, facts) to this file")
+    p.add_argument("--list", action="store_true", help="list the registered checks and exit")
+    p.add_argument("overrides", nargs="*", help="key=value (config) or facts.key=value")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from infra.preflight.core import CHECKS, selected
+
+    if args.list:
+        for cls in selected(PreflightConfig()):
+            doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+            print(f"{cls.name:16s} {cls.group:8s} {doc}")
+        return 0
+    config_data, facts_data = _load(args.config, "config"), _load(args.facts, "facts")
+    for item in args.overrides:
+        if "=" not in item:
+            print(f"override {item!r} must look like key=value", file=sys.stderr)
+            return 2
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw)
+        if key.startswith("facts."):
+            facts_data[key[len("facts."):]] = value
+        else:
+            config_data[key] = value
+    try:
+        config = PreflightConfig.model_validate(config_data)
+        facts = PreflightFacts.from_dict(facts_data)
+    except (ValidationError, ValueError, TypeError) as exc:
+        print(f"invalid preflight input: {exc}\nchecks: {', '.join(CHECKS.names())}", file=sys.stderr)
+        return 2
+    results = run_preflight(config, facts, log=lambda _: None)
+    print(format_table(results))
+    stop = should_stop(results, config.allow_warn)
+    if args.json:
+        report = {
+            "host": socket.gethostname(), "stop": stop, "config": config.model_dump(mode="json"),
+            "facts": facts.to_dict(), "results": [r.to_dict() for r in results],
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    print("STOP: fix the failing checks" + ("" if config.allow_warn else " (or allow_warn=true for warnings)")
+          if stop else "GO: training may start")
+    return 1 if stop else 0
