@@ -71,6 +71,61 @@ class MemoryTest:
     gbps: float  # write+read bandwidth over all patterns
 
 
+def sustained_matmul(a: Any, b: Any, seconds: float, sync: Any, sample: Any) -> tuple[float, Any]:
+    """TFLOP/s of back-to-back `a @ b` (square, n x n) for `seconds`, and `sample()` taken while
+    kernels are still queued (a reading under load). Device-agnostic: `sync` waits for the device."""
+    import torch
+
+    n = a.shape[0]
+    c = torch.empty_like(a)
+    for _ in range(3):  # warm up the BLAS heuristics and the clocks
+        torch.mm(a, b, out=c)
+    sync()
+    batch, count, reading = 10, 0, None
+    start = time.perf_counter()
+    while True:
+        for _ in range(batch):
+            torch.mm(a, b, out=c)
+        count += batch
+        if reading is None and time.perf_counter() - start >= 0.7 * seconds:
+            reading = sample()
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+    if reading is None:  # one batch outlasted the whole window: read right after it
+        reading = sample()
+    return 2.0 * n**3 * count / elapsed / 1e12, reading
+
+
+# All zeros, all ones and the two checkerboards (0x55.., 0xAA.. as int64): every bit flips both ways.
+PATTERNS = (0, -1, 0x5555555555555555, -0x5555555555555556)
+
+
+def pattern_test(t: Any, sync: Any, chunk: int = 1 << 26) -> MemoryTest:
+    """Write and read back PATTERNS, then each word's own index (catches swapped or aliased
+    addresses), over the int64 tensor `t`. Device-agnostic: `sync` waits for the device."""
+    import torch
+
+    numel = t.numel()
+    mismatches = 0
+    sync()
+    start = time.perf_counter()
+    for p in PATTERNS:
+        t.fill_(p)
+        mismatches += int((t != p).sum())
+    torch.arange(numel, out=t)
+    for lo in range(0, numel, chunk):
+        hi = min(lo + chunk, numel)
+        expected = torch.arange(lo, hi, device=t.device, dtype=torch.int64)
+        mismatches += int((t[lo:hi] != expected).sum())
+    sync()
+    elapsed = time.perf_counter() - start
+    passes = len(PATTERNS) + 1
+    nbytes = numel * 8
+    return MemoryTest(nbytes, passes, mismatches, 2 * nbytes * passes / elapsed / 1e9)
+
+
 class GpuBackend(Protocol):
     """The device layer of the GPU checks (real: TorchNvmlBackend; tests: a fake)."""
 
@@ -124,25 +179,12 @@ class TorchNvmlBackend:
         with torch.cuda.device(dev):
             a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)  # (n, n)
             b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-            c = torch.empty_like(a)
-            for _ in range(3):  # warm up cuBLAS heuristics and clocks
-                torch.mm(a, b, out=c)
-            torch.cuda.synchronize(dev)
-            batch, count, health = 10, 0, None
-            start = time.perf_counter()
-            while True:
-                for _ in range(batch):
-                    torch.mm(a, b, out=c)
-                count += batch
-                if health is None and time.perf_counter() - start >= 0.7 * seconds:
-                    health = self.health(index)  # kernels are still queued: a reading under load
-                torch.cuda.synchronize(dev)
-                elapsed = time.perf_counter() - start
-                if elapsed >= seconds:
-                    break
-            del a, b, c
+            tflops, health = sustained_matmul(
+                a, b, seconds, lambda: torch.cuda.synchronize(dev), lambda: self.health(index)
+            )
+            del a, b
             torch.cuda.empty_cache()
-        return StressSample(2.0 * n**3 * count / elapsed / 1e12, health)
+        return StressSample(tflops, health)
 
     def memory_test(self, index: int, gib: float) -> MemoryTest:
         import torch
@@ -151,29 +193,11 @@ class TorchNvmlBackend:
         with torch.cuda.device(dev):
             free, _ = torch.cuda.mem_get_info(dev)
             nbytes = int(min(gib * 2**30, 0.8 * free)) // 8 * 8
-            numel = nbytes // 8
-            t = torch.empty(numel, dtype=torch.int64, device=dev)
-            # all zeros, all ones, the two checkerboards: every bit flips both ways
-            patterns = [0, -1, 0x5555555555555555, -0x5555555555555556]
-            mismatches = 0
-            torch.cuda.synchronize(dev)
-            start = time.perf_counter()
-            for p in patterns:
-                t.fill_(p)
-                mismatches += int((t != p).sum())
-            # address pattern: each word holds its index, so swapped or aliased addresses show
-            torch.arange(numel, out=t)
-            chunk = 1 << 26
-            for lo in range(0, numel, chunk):
-                hi = min(lo + chunk, numel)
-                expected = torch.arange(lo, hi, device=dev, dtype=torch.int64)
-                mismatches += int((t[lo:hi] != expected).sum())
-            torch.cuda.synchronize(dev)
-            elapsed = time.perf_counter() - start
+            t = torch.empty(nbytes // 8, dtype=torch.int64, device=dev)
+            result = pattern_test(t, lambda: torch.cuda.synchronize(dev))
             del t
             torch.cuda.empty_cache()
-        passes = len(patterns) + 1
-        return MemoryTest(nbytes, passes, mismatches, 2 * nbytes * passes / elapsed / 1e9)
+        return result
 
     # --- NVML ---------------------------------------------------------------------------------
     def _nvml_module(self) -> Any:
@@ -217,9 +241,9 @@ class TorchNvmlBackend:
             except Exception:  # NVMLError_NotSupported and friends: leave the field empty
                 return None
 
-        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nv, "nvmlDeviceGetCurrentClocksThrottleReasons"
-        )
+        # the newer name first; older pynvml only has the "throttle" spelling
+        reasons_fn = (getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                      or nv.nvmlDeviceGetCurrentClocksThrottleReasons)
         mask = read(reasons_fn) or 0
         remap = read(getattr(nv, "nvmlDeviceGetRemappedRows", lambda _h: None))
         return GpuHealth(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,9 +81,9 @@ class FakeCommands:
 
 
 def nccl_ok(busbw=380.0) -> CommandOutput:
-    line = ('PREFLIGHT_ALLREDUCE {"busbw_gbps": %s, "algbw_gbps": %s, "seconds_per_op": 0.001, '
-            '"world": 8, "correct": true}' % (busbw, busbw * 8 / 14))
-    return CommandOutput(0, line + "\n", "")
+    data = {"busbw_gbps": busbw, "algbw_gbps": busbw * 8 / 14, "seconds_per_op": 0.001,
+            "world": 8, "correct": True}
+    return CommandOutput(0, "PREFLIGHT_ALLREDUCE " + json.dumps(data) + "\n", "")
 
 
 def run_gpu(gpus, commands=None, facts=None, **config):
@@ -218,3 +219,53 @@ def test_slow_or_broken_nccl_fails():
 
 def test_throttle_bits_decode():
     assert throttle_names(0x4 | 0x40) == ("sw_power_cap", "hw_thermal_slowdown")
+
+
+# --- the real backend's device-agnostic loops on CPU tensors, and its NVML reading ------------
+
+
+def test_sustained_matmul_and_pattern_test_run_on_any_device():
+    import torch
+
+    from infra.preflight.gpu import pattern_test, sustained_matmul
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    samples = []
+    tflops, reading = sustained_matmul(a, b, 0.05, lambda: None, lambda: samples.append(1) or "hot")
+    assert tflops > 0 and reading == "hot" and samples == [1]
+    res = pattern_test(torch.empty(1000, dtype=torch.int64), lambda: None, chunk=300)
+    assert (res.bytes_tested, res.patterns, res.mismatches) == (8000, 5, 0)
+
+
+def test_nvml_backend_reads_health_from_pynvml(monkeypatch):
+    import types
+
+    from infra.preflight.gpu import TorchNvmlBackend
+
+    nv = types.SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByPciBusId_v2=lambda bus: ("pci", bus),
+        nvmlDeviceGetHandleByIndex=lambda i: ("idx", i),
+        nvmlDeviceGetClockInfo=lambda h, clock: 1755,
+        nvmlDeviceGetMaxClockInfo=lambda h, clock: 1980,
+        nvmlDeviceGetTemperature=lambda h, sensor: 71,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4 | 0x20,
+        nvmlDeviceGetTotalEccErrors=lambda h, kind, counter: 3 if kind == 0 else 0,
+        nvmlDeviceGetRemappedRows=lambda h: (0, 0, 1, 0),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    backend = TorchNvmlBackend()
+    assert backend.nvml_reason() is None
+    h = backend.health(0)
+    assert h == GpuHealth(1755, 1980, 71, ("sw_power_cap", "sw_thermal_slowdown"), 3, 0,
+                          remap_pending=True, remap_failure=False)
+
+
+def test_nvml_backend_without_pynvml_says_what_to_install(monkeypatch):
+    from infra.preflight.gpu import TorchNvmlBackend
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    backend = TorchNvmlBackend()
+    assert "nvidia-ml-py" in backend.nvml_reason() and backend.health(0) is None
