@@ -1,0 +1,75 @@
+"""The smollm3 flow through Prefect: caching across runs, partial reruns, refresh, bad recipes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from flows.smollm3 import smollm3
+from infra.lineage import Lineage
+from tasks.recipe import RecipeError
+from tests.conftest import SMALL
+
+
+def _states(lineage: Lineage, run_id: str) -> dict[str, str]:
+    return {f"{s['step']}[{s['label']}]": s["state"] for s in lineage.steps_of(run_id)}
+
+
+@pytest.mark.slow
+def test_caching_partial_rerun_refresh_and_rebuild(tmp_path, prefect_harness):
+    ws = tmp_path / "ws"
+    over = [*SMALL, f"workspace={ws}"]
+    lineage = Lineage(ws / "lineage.duckdb")
+
+    first = smollm3(overrides=over)
+    states = _states(lineage, first["run_id"])
+    assert states and set(states.values()) == {"completed"}
+    assert (ws / "runs" / first["run_id"] / "recipe.yaml").read_text().startswith("name: tiny")
+
+    second = smollm3(overrides=over)
+    assert set(_states(lineage, second["run_id"]).values()) == {"cached"}
+    assert second["final"] == first["final"]
+
+    # Changing one source's config reruns only that source's steps (and the steps that combine
+    # all sources, downstream of the change); the other sources' steps stay Cached.
+    third = _states(lineage, smollm3(overrides=[*over, "sources.math.max_documents=150"])["run_id"])
+    # (Tokenization is excluded: the tiny recipe trains its tokenizer on all sources, so a change
+    # to math legitimately retrains it and re-tokenizes everything.)
+    per_source = {
+        k: v for k, v in third.items()
+        if k.endswith(("[prose]", "[code]", "[math]")) and not k.startswith("tokenize[")
+    }
+    assert {k for k, v in per_source.items() if v == "completed"} == {
+        k for k in per_source if k.endswith("[math]")
+    }
+    assert {"source[prose]", "source[code]"} <= {k for k, v in per_source.items() if v == "cached"}
+
+    # refresh forces the named step for every source.
+    fourth = smollm3(overrides=over, refresh=["source"])
+    sources = {k: v for k, v in _states(lineage, fourth["run_id"]).items() if k.startswith("source[")}
+    assert set(sources.values()) == {"completed"} and len(sources) == 3
+
+    # A step folder deleted by hand is rebuilt instead of being trusted from Prefect's cache.
+    prose = lineage.query(
+        "SELECT uri FROM artifacts WHERE step='source' AND label='prose' ORDER BY created DESC LIMIT 1"
+    )[0][0]
+    shutil.rmtree(prose)
+    fifth = smollm3(overrides=over)
+    assert _states(lineage, fifth["run_id"])["source[prose]"] == "completed"
+    assert (ws / "source" / prose.rsplit("/", 1)[1] / "_COMPLETE.json").exists()
+
+    runs = lineage.runs()
+    assert [r["state"] for r in runs] == ["completed"] * 5
+
+
+def test_invalid_recipe_fails_before_any_step(tmp_path, prefect_harness):
+    ws = tmp_path / "ws"
+    with pytest.raises(RecipeError, match="sources\\[math\\].domain"):
+        smollm3(overrides=[f"workspace={ws}", "sources.math.domain=algebra"])
+    assert not (ws / "lineage.duckdb").exists() and not (ws / "source").exists()
+
+
+def test_unknown_refresh_step_is_named(tmp_path, prefect_harness):
+    with pytest.raises(ValueError, match="refresh names unknown step\\(s\\) tokeniser"):
+        smollm3(overrides=[*SMALL, f"workspace={tmp_path}"], refresh=["tokeniser"])

@@ -1,0 +1,142 @@
+"""Data sources: built-in corpora, local files with bad input, HF folders, held-out splits."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from tasks.sources import SourceConfig, build_corpus, is_held_out, read_shards, source_state
+
+
+def _cfg(**kw) -> SourceConfig:
+    base = {"name": "s", "uri": "builtin:math", "domain": "math"}
+    return SourceConfig(**{**base, **kw})
+
+
+def _texts(folder):
+    return [d["text"] for d in read_shards(folder)]
+
+
+def test_builtin_math_is_deterministic_per_seed(tmp_path):
+    cfg = _cfg(max_documents=300)
+    a = build_corpus(cfg, 0, tmp_path / "a", log=lambda _: None)
+    b = build_corpus(cfg, 0, tmp_path / "b", log=lambda _: None)
+    c = build_corpus(cfg, 1, tmp_path / "c", log=lambda _: None)
+    assert _texts(tmp_path / "a" / "train") == _texts(tmp_path / "b" / "train")
+    assert _texts(tmp_path / "a" / "train") != _texts(tmp_path / "c" / "train")
+    assert a["documents"] + a["heldout_documents"] == 300 == c["documents"] + c["heldout_documents"]
+    assert b == a
+    doc = next(read_shards(tmp_path / "a" / "train"))
+    answer = doc["metadata"]["answer"]
+    assert doc["text"].startswith("Problem: ") and doc["text"].endswith(f"Answer: {answer}")
+
+
+def test_math_answers_are_correct(tmp_path):
+    build_corpus(_cfg(max_documents=200), 3, tmp_path, log=lambda _: None)
+    checked = 0
+    for doc in read_shards(tmp_path / "train"):
+        first = doc["text"].split("\n")[0]
+        if first.startswith("Problem: What is "):
+            expr = first.removeprefix("Problem: What is ").rstrip("?").replace("/", "//")
+            assert str(eval(expr)) == doc["metadata"]["answer"]  # noqa: S307 - our own arithmetic
+            checked += 1
+    assert checked > 20
+
+
+def test_builtin_prose_and_code(tmp_path):
+    prose = build_corpus(_cfg(uri="builtin:prose", domain="web", max_documents=80), 0, tmp_path / "p", log=lambda _: None)
+    code = build_corpus(_cfg(uri="builtin:code", domain="code", max_documents=30), 0, tmp_path / "c", log=lambda _: None)
+    kinds = {d["metadata"]["kind"] for d in read_shards(tmp_path / "p" / "train")}
+    assert "pydoc_topic" in kinds and prose["characters"] > 50_000
+    code_docs = list(read_shards(tmp_path / "c" / "train"))
+    assert all(d["id"].startswith("stdlib:") and d["id"].endswith(".py") for d in code_docs)
+    assert any("def " in d["text"] for d in code_docs) and code["documents"] > 20
+
+
+def test_held_out_split_is_disjoint_and_stable(tmp_path):
+    meta = build_corpus(_cfg(max_documents=2000, held_out_fraction=0.1), 0, tmp_path, log=lambda _: None)
+    train = {d["id"] for d in read_shards(tmp_path / "train")}
+    held = {d["id"] for d in read_shards(tmp_path / "heldout")}
+    assert not train & held
+    assert 120 <= len(held) <= 280 and meta["heldout_documents"] == len(held)
+    assert all(is_held_out("s", i, 0.1) for i in held)
+    assert not any(is_held_out("s", i, 0.1) for i in train)
+
+
+def _write_bad_jsonl(path):
+    with open(path, "wb") as fh:
+        fh.write(json.dumps({"text": "a good document about cats", "id": "g1"}).encode() + b"\n")
+        fh.write(b'{"text": "broken json"\n')  # malformed
+        fh.write(b'{"text": "bad \xff\xfe bytes"}\n')  # invalid UTF-8
+        fh.write(json.dumps({"content": "no text field"}).encode() + b"\n")
+        fh.write(json.dumps({"text": "   "}).encode() + b"\n")  # empty
+        fh.write(json.dumps({"text": "x" * 5000}).encode() + b"\n")  # too large for the config
+        fh.write(json.dumps([1, 2, 3]).encode() + b"\n")  # not an object
+        fh.write(json.dumps({"text": "another good document", "id": "g2", "lang": "en"}).encode() + b"\n")
+
+
+def test_files_source_counts_every_bad_record(tmp_path):
+    _write_bad_jsonl(tmp_path / "a.jsonl")
+    cfg = _cfg(uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id",
+               max_document_chars=1000, held_out_fraction=0.0)
+    logs: list[str] = []
+    meta = build_corpus(cfg, 0, tmp_path / "out", log=logs.append)
+    assert meta["documents"] == 2
+    assert meta["rejected"] == {
+        "malformed_json": 2, "invalid_utf8": 1, "missing_text_field": 1, "empty": 1, "too_large": 1,
+    }
+    assert meta["rejected_examples"]["invalid_utf8"] == ["a.jsonl:3"]
+    assert any("rejected 6 records" in line for line in logs)
+    docs = list(read_shards(tmp_path / "out" / "train"))
+    assert [d["id"] for d in docs] == ["g1", "g2"] and docs[1]["metadata"]["lang"] == "en"
+
+
+def test_files_source_reads_gzip_and_parquet_and_writes_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps({"body": "gzip document"}) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"body": "parquet document", "n": 1}]), tmp_path / "b.parquet")
+    cfg = _cfg(uri=f"files:{tmp_path}/*", domain="web", text_field="body",
+               held_out_fraction=0.0, output_format="parquet")
+    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    assert meta["shards"]["train"] == ["00000.parquet"]
+    assert sorted(_texts(tmp_path / "out" / "train")) == ["gzip document", "parquet document"]
+
+
+def test_files_source_state_follows_the_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    cfg = _cfg(uri=f"files:{tmp_path}/*.jsonl", domain="web")
+    before = source_state(cfg, 0)
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert source_state(cfg, 0) != before
+
+
+def test_no_matching_files_is_a_clear_error(tmp_path):
+    cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
+    with pytest.raises(FileNotFoundError, match="no files match"):
+        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+
+
+def test_hf_save_to_disk_folder(tmp_path):
+    import datasets
+
+    ds = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ["first doc", "second doc", ""], "id": ["a", "b", "c"]}),
+        "test": datasets.Dataset.from_dict({"text": ["held"], "id": ["t"]}),
+    })
+    ds.save_to_disk(str(tmp_path / "ds"))
+    cfg = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", id_field="id", held_out_fraction=0.0)
+    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 2 and meta["rejected"] == {"empty": 1}
+    bad = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", hf_split="validation")
+    with pytest.raises(KeyError, match="available: train, test"):
+        build_corpus(bad, 0, tmp_path / "out2", log=lambda _: None)
+
+
+def test_unknown_uri_lists_the_allowed_kinds():
+    with pytest.raises(ValueError, match="allowed: builtin:code, builtin:math, builtin:prose, files:, hf:"):
+        _cfg(uri="builtin:poetry")
