@@ -5,10 +5,15 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.runner import RunContext
+from tasks.curate import curate
+from tasks.fertility import fertility
+from tasks.mixture import mixture
 from tasks.recipe import load_recipe
 from tasks.sources import source
+from tasks.tokenize import tokenize
+from tasks.tokenizer import tokenizer
 
-STEPS = ("source",)
+STEPS = ("source", "curate", "tokenizer", "fertility", "tokenize", "mixture")
 
 
 @flow(name="smollm3", log_prints=True)
@@ -25,5 +30,19 @@ def smollm3(
         corpora = {
             s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources
         }
-        del corpora  # consumed by curation once it lands
+        curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
+        tok = ctx.run(tokenizer, cfg.tokenizer, list(curated.values()), label="bpe")
+        fert = ctx.run(
+            fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
+            params={"weights": cfg.mixture_weights()},
+        )
+        shards = [
+            ctx.run(tokenize, cfg.tokenize, [fert, c], label=n, params={"seed": cfg.seed})
+            for n, c in curated.items()
+        ]
+        plans = {
+            st.name: ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
+            for st in cfg.stages
+        }
+        del plans  # consumed by pretraining once it lands
         return ctx.summary()

@@ -84,6 +84,9 @@ class CurationConfig(BaseModel):
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
     exact_dedup: bool = True  # drop documents whose text is identical to an earlier one
     minhash: bool = True  # drop near duplicates (MinHash LSH, FineWeb's settings by default)
+    # sources kept out of near-dup removal: templated synthetic text (generated math problems)
+    # is near-duplicate by construction, and SmolLM3 did not MinHash its synthetic sets either
+    minhash_skip: tuple[str, ...] = ()
     minhash_ngrams: int = Field(default=5, gt=0)  # word n-gram size of the shingles
     minhash_buckets: int = Field(default=14, gt=0)  # LSH bands
     minhash_hashes_per_bucket: int = Field(default=8, gt=0)  # rows per band (~0.72 Jaccard cut)
@@ -575,6 +578,8 @@ def build_curated(config: CurationConfig, corpus: Artifact, out: Path, log=print
             f"{corpus.meta.get('format')}; set output_format: jsonl on that source"
         )
     preset = config.presets.get(source, domain)
+    if source in config.minhash_skip:
+        config = config.model_copy(update={"minhash": False})
     PRESETS.get(preset)  # unknown preset names fail here, naming the allowed ones
     train = corpus.path / "train"
     tasks = max(1, min(config.tasks, shard_count(train)))

@@ -15,7 +15,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tasks.curate import PRESETS, CurationConfig
+from tasks.fertility import FertilityConfig
+from tasks.mixture import StageConfig, check_stages, load_weights
 from tasks.sources import SourceConfig
+from tasks.tokenize import TokenizeConfig
+from tasks.tokenizer import TokenizerConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,6 +38,11 @@ class Recipe(BaseModel):
     seed: int = 0  # seed for generated data, sampling and initialisation
     workspace: str = "workspace"  # folder for step outputs, lineage and Prefect state
     sources: tuple[SourceConfig, ...] = Field(min_length=1)  # data sources, by unique name
+    curation: CurationConfig = CurationConfig()  # filters, dedup and executor per source
+    tokenizer: TokenizerConfig = TokenizerConfig()  # train a BPE or adopt a tokenizer.json
+    fertility: FertilityConfig = FertilityConfig()  # candidate tokenizers and the choice rule
+    tokenize: TokenizeConfig = TokenizeConfig()  # token shards per source
+    stages: tuple[StageConfig, ...] = ()  # pretraining stages: mixture file, tokens, seq_len
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:
@@ -41,6 +51,26 @@ class Recipe(BaseModel):
         if dupes:
             raise ValueError(f"source names must be unique; repeated: {', '.join(dupes)}")
         return self
+
+    @model_validator(mode="after")
+    def _data_sections_match_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        for source, preset in self.curation.presets.items():
+            if source not in names:
+                raise ValueError(f"curation.presets names unknown source {source!r}; sources: {', '.join(names)}")
+            if preset not in PRESETS:
+                raise ValueError(
+                    f"curation.presets.{source}: unknown preset {preset!r}; allowed: {', '.join(PRESETS.names())}"
+                )
+        unknown = sorted(set(self.curation.minhash_skip) - set(names))
+        if unknown:
+            raise ValueError(f"curation.minhash_skip names unknown source(s) {', '.join(unknown)}")
+        check_stages(self.stages, names)  # mixtures fail here, before any compute
+        return self
+
+    def mixture_weights(self) -> dict[str, float]:
+        """The first stage's raw source weights (the fertility rule weighs sources by them)."""
+        return load_weights(self.stages[0].mixture) if self.stages else {}
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:

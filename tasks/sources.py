@@ -48,7 +48,9 @@ class SourceConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")  # identifier used in mixtures and lineage
+    # identifier used in mixtures and lineage; `/` and capitals allowed so published mixtures
+    # keep their names (fineweb-edu/fineweb-edu, stack-edu-Python)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]*$")
     uri: str  # where the text comes from (see the module docstring for the schemes)
     domain: Domain  # selects the curation preset: web, code or math
     text_field: str = "text"  # field holding the text in files: and hf: sources

@@ -1,0 +1,211 @@
+"""Mixtures: per-stage source weights (YAML under `mixtures/`) to a token plan for the trainer.
+
+A mixture file holds one stage's weights by source name:
+
+    weights:
+      prose: 0.6
+      code: 0.25
+
+The recipe's `stages` name a mixture file, a token budget and a sequence length each. Mixtures are
+checked when the recipe loads, before any compute: a source the recipe does not define, a
+negative weight or a zero total is an error naming the file and the fix. Weights that do not sum
+to 1 are normalised with a warning that states the original sum (SmolLM3's decay stage sums to
+1.0056). The mixture step then computes each source's token budget for the stage and its
+expected epochs over the tokens available, warns when a source repeats more than the stage's
+`max_epochs`, and writes `plan.json`, the contract the trainer (model/data.py) reads:
+
+    {"stage", "seed", "seq_len", "tokens", "vocab_size", "eos_id", "token_dtype",
+     "sources": [{"name", "weight", "files", "available_tokens", "budget_tokens",
+                  "expected_epochs"}]}
+
+Sources with weight 0 are left out of `sources` (listed in the meta as unused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.artifact import Artifact
+from tasks.step import step
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class MixtureWarning(UserWarning):
+    """A mixture that works but deserves a look (weights renormalised, heavy repetition)."""
+
+
+class MixtureError(ValueError):
+    """A mixture that cannot be used; the message names the file, the source and the fix."""
+
+
+class StageConfig(BaseModel):
+    """One pretraining stage of the recipe's `stages` list (the training issue extends it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # stage id, e.g. stage1
+    mixture: str  # YAML file of source weights; relative paths are from the repository root
+    tokens: int = Field(gt=0)  # tokens trained on in this stage
+    seq_len: int = Field(gt=0)  # training sequence length in tokens
+    max_epochs: float = Field(default=4.0, gt=0)  # warn when a source repeats more than this
+
+
+def mixture_path(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def load_weights(path: str) -> dict[str, float]:
+    """The raw weights of a mixture file (no checks beyond its shape)."""
+    file = mixture_path(path)
+    if not file.is_file():
+        raise MixtureError(f"mixture file {path!r} not found (looked at {file}); create it or fix stages[].mixture")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise MixtureError(f"mixture file {file}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict) or set(data) != {"weights"} or not isinstance(data["weights"], dict):
+        raise MixtureError(f"mixture file {file}: expected one mapping `weights: {{source: weight}}`")
+    weights: dict[str, float] = {}
+    for name, w in data["weights"].items():
+        if isinstance(w, bool) or not isinstance(w, int | float):
+            raise MixtureError(f"mixture file {file}: weight of {name!r} is {w!r}, not a number")
+        weights[str(name)] = float(w)
+    return weights
+
+
+def check_weights(weights: Mapping[str, float], sources: Iterable[str], where: str) -> None:
+    """Errors for unknown sources, negative weights and a zero total (before any compute)."""
+    known = set(sources)
+    unknown = sorted(set(weights) - known)
+    if unknown:
+        raise MixtureError(
+            f"mixture {where}: unknown source(s) {', '.join(unknown)}; the recipe's sources are "
+            f"{', '.join(sorted(known))}. Add them to the recipe or fix the names."
+        )
+    negative = sorted(n for n, w in weights.items() if w < 0 or not math.isfinite(w))
+    if negative:
+        raise MixtureError(f"mixture {where}: weights must be finite and >= 0; bad: {', '.join(negative)}")
+    if sum(weights.values()) <= 0:
+        raise MixtureError(f"mixture {where}: the weights sum to 0; give at least one source a positive weight")
+
+
+def check_stages(stages: Sequence[StageConfig], sources: Iterable[str]) -> None:
+    """Load and check every stage's mixture (called when the recipe is validated)."""
+    names = list(sources)
+    seen: set[str] = set()
+    for stage in stages:
+        if stage.name in seen:
+            raise MixtureError(f"stage name {stage.name!r} is repeated; stage names must be unique")
+        seen.add(stage.name)
+        check_weights(load_weights(stage.mixture), names, f"{stage.mixture} (stage {stage.name})")
+
+
+def normalised(weights: Mapping[str, float], where: str) -> tuple[dict[str, float], float]:
+    """Weights scaled to sum to 1, and the original sum (with a warning when it was not 1)."""
+    total = sum(weights.values())
+    if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-9):
+        warnings.warn(
+            MixtureWarning(f"mixture {where}: weights sum to {total:g}, not 1; normalised"), stacklevel=2
+        )
+    return {n: w / total for n, w in weights.items()}, total
+
+
+def mixture_digest(config: StageConfig, **_: Any) -> str:
+    """Content hash of the mixture file, so editing the YAML changes the step's fingerprint."""
+    return hashlib.sha256(mixture_path(config.mixture).read_bytes()).hexdigest()[:16]
+
+
+def build_plan(
+    stage: StageConfig, shards: Sequence[Artifact], out: Path, seed: int = 0, log=print
+) -> dict[str, Any]:
+    """Token budgets and expected epochs per source; writes `plan.json`; returns the meta."""
+    by_source = {a.meta["source"]: a for a in shards if a.kind == "shards"}
+    raw = load_weights(stage.mixture)
+    where = f"{stage.mixture} (stage {stage.name})"
+    check_weights(raw, by_source, where)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights, original_sum = normalised(raw, where)
+    notes = [str(w.message) for w in caught]
+    for note in notes:
+        warnings.warn(MixtureWarning(note), stacklevel=2)
+    meta_of = [a.meta for a in by_source.values()]
+    for key in ("vocab_size", "eos_id", "token_dtype"):
+        values = {m[key] for m in meta_of}
+        if len(values) > 1:
+            raise MixtureError(
+                f"mixture {where}: shards disagree on {key} ({sorted(values)}); tokenize every "
+                "source with the same tokenizer"
+            )
+    first = meta_of[0]
+    sources: list[dict[str, Any]] = []
+    for name in sorted(weights, key=lambda n: (-weights[n], n)):
+        weight = weights[name]
+        if weight == 0:
+            continue
+        art = by_source[name]
+        available = int(art.meta["tokens"])
+        budget = int(round(weight * stage.tokens))
+        if available == 0:
+            raise MixtureError(f"mixture {where}: source {name!r} has weight {weight:g} but no tokens")
+        epochs = budget / available
+        if epochs > stage.max_epochs:
+            note = (
+                f"mixture {where}: source {name!r} would repeat {epochs:.1f} times "
+                f"({budget} of {available} tokens), above max_epochs {stage.max_epochs:g}; "
+                "lower its weight, the stage's tokens, or add data"
+            )
+            warnings.warn(MixtureWarning(note), stacklevel=2)
+            notes.append(note)
+        sources.append(
+            {
+                "name": name,
+                "weight": weight,
+                "files": [str(art.path / f) for f in art.meta["files"]],
+                "available_tokens": available,
+                "budget_tokens": budget,
+                "expected_epochs": round(epochs, 4),
+            }
+        )
+    plan = {
+        "stage": stage.name,
+        "seed": seed,
+        "seq_len": stage.seq_len,
+        "tokens": stage.tokens,
+        "vocab_size": first["vocab_size"],
+        "eos_id": first["eos_id"],
+        "token_dtype": first["token_dtype"],
+        "sources": sources,
+    }
+    (out / "plan.json").write_text(json.dumps(plan, indent=2), encoding="utf-8")
+    for note in notes:
+        log(f"WARNING {note}")
+    log(f"mixture {stage.name}: {len(sources)} sources, {stage.tokens} tokens at seq_len {stage.seq_len}")
+    return {
+        "stage": stage.name,
+        "plan": str(out / "plan.json"),
+        "tokens": stage.tokens,
+        "seq_len": stage.seq_len,
+        "original_weight_sum": original_sum,
+        "budgets": {s["name"]: s["budget_tokens"] for s in sources},
+        "expected_epochs": {s["name"]: s["expected_epochs"] for s in sources},
+        "unused": sorted(n for n, w in weights.items() if w == 0) + sorted(set(by_source) - set(weights)),
+        "warnings": notes,
+    }
+
+
+@step("mixture", version=1, kind="mixture", extra=mixture_digest)
+def mixture(config: StageConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
+    """Prefect task: every source's token shards to one stage's mixture plan."""
+    return build_plan(config, inputs, out, seed, log)

@@ -1,0 +1,121 @@
+"""Tokenization: a curated corpus to token shards with datatrove's DocumentTokenizer.
+
+Each source becomes `{source}_{rank:05d}.ds` files (tokens; uint16 when the vocabulary has at
+most 65,536 entries, else uint32: datatrove decides from the tokenizer's vocabulary size and we
+record its choice), `.ds.index` (uint64 end offset of every document, in tokens) and
+`.ds.metadata`. Every document ends with the EOS token, so documents never run into each other
+and the trainer can mask attention at document boundaries. The model trainer reads the `.ds` and
+`.ds.index` files directly; the mixture step lists them in its plan.
+
+The tokenizer comes from the fertility artifact's decision (the trained one or a chosen
+candidate). Documents are shuffled within each file (seeded) as datatrove does by default.
+Unreadable input lines are counted per reason, as in curation, and reach the meta.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.artifact import Artifact
+from tasks.curate import CountingJsonlReader, read_stage_stats, shard_count
+from tasks.step import step
+
+
+class TokenizeConfig(BaseModel):
+    """The recipe's `tokenize` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tasks: int = Field(default=1, gt=0)  # datatrove tasks (capped by the number of input shards)
+    workers: int = Field(default=1, gt=0)  # tasks run at once (local processes)
+    batch_size: int = Field(default=1000, gt=0)  # documents per encode_batch call
+    shuffle_documents: bool = True  # shuffle documents within each output file (seeded)
+    max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The `.ds` token type for a vocabulary: datatrove's rule (uint16 up to 65,536 entries)."""
+    return "uint32" if vocab_size > np.iinfo(np.uint16).max + 1 else "uint16"
+
+
+def selected_tokenizer(inputs: tuple[Artifact, ...]) -> dict[str, Any]:
+    """The tokenizer to use: the fertility decision, or a tokenizer artifact given directly."""
+    for a in inputs:
+        if a.kind == "fertility":
+            return dict(a.meta["selected"])
+    for a in inputs:
+        if a.kind == "tokenizer":
+            return {
+                "name": "trained", "path": a.meta["tokenizer_json"], "vocab_size": a.meta["vocab_size"],
+                "eos_token": a.meta["eos_token"], "eos_id": a.meta["eos_id"],
+            }
+    raise ValueError("tokenize: give a fertility or tokenizer artifact as input")
+
+
+def build_token_shards(
+    config: TokenizeConfig, inputs: tuple[Artifact, ...], out: Path, seed: int = 0, log=print
+) -> dict[str, Any]:
+    """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    tok = selected_tokenizer(inputs)
+    corpus = next((a for a in inputs if a.kind == "corpus"), None)
+    if corpus is None:
+        raise ValueError("tokenize: needs a corpus artifact as input")
+    source = corpus.meta.get("source", corpus.short)
+    train = corpus.path / "train"
+    tasks = max(1, min(config.tasks, shard_count(train)))
+    logs = out / "logs"
+    tokenizer_step = DocumentTokenizer(
+        output_folder=str(out),
+        tokenizer_name_or_path=tok["path"],
+        eos_token=tok["eos_token"],
+        save_filename=re.sub(r"[^A-Za-z0-9_.-]", "_", source),  # names like dclm/dclm
+        batch_size=config.batch_size,
+        shuffle_documents=config.shuffle_documents,
+        seed=seed,
+    )
+    dtype = token_dtype(tokenizer_step.tokenizer.get_vocab_size())
+    pipeline = [CountingJsonlReader(str(train), max_chars=config.max_document_chars), tokenizer_step]
+    LocalPipelineExecutor(
+        pipeline, tasks=tasks, workers=min(config.workers, tasks), logging_dir=str(logs / "tokenize")
+    ).run()
+    stats = read_stage_stats(logs, "tokenize")
+    reader = stats[0]["stats"] if stats else {}
+    rejected = {k[len("rejected_"):]: int(v) for k, v in reader.items() if k.startswith("rejected_")}
+    files = sorted(out.glob("*.ds"))
+    itemsize = np.dtype(dtype).itemsize
+    tokens = sum(f.stat().st_size // itemsize for f in files)
+    documents = sum((f.with_name(f.name + ".index")).stat().st_size // 8 for f in files)
+    if documents == 0:
+        raise ValueError(f"tokenize: source {source!r} produced no tokens; is its curated corpus empty?")
+    log(f"tokenize {source}: {documents} documents, {tokens} tokens ({dtype}) in {len(files)} files")
+    meta = {
+        "source": source,
+        "tokens": int(tokens),
+        "documents": int(documents),
+        "files": [f.name for f in files],
+        "token_dtype": dtype,
+        "vocab_size": tok["vocab_size"],
+        "eos_id": tok["eos_id"],
+        "eos_token": tok["eos_token"],
+        "tokenizer": tok["name"],
+        "tokenizer_path": tok["path"],
+        "rejected": rejected,
+        "input_documents": corpus.meta.get("documents"),
+    }
+    (out / "shards.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return meta
+
+
+@step("tokenize", version=1, kind="shards")
+def tokenize(config: TokenizeConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
+    """Prefect task: (fertility decision, curated corpus) to token shards of one source."""
+    return build_token_shards(config, tuple(inputs), out, seed, log)
