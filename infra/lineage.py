@@ -10,7 +10,6 @@ none. Torchrun ranks never open the database: the task ingests the trainer's JSO
 from __future__ import annotations
 
 import fcntl
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from infra.artifact import MARKER, Artifact, fingerprint, find_marker, read_marker, run_step
+from infra.artifact import MARKER, Artifact, find_marker, fingerprint, read_marker, run_step
 
 
 def _run(tmp_path, build, config=None, inputs=(), **kw):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from tasks.recipe import CONFIGS_DIR, RecipeError, load_recipe
 
@@ -28,7 +29,7 @@ def test_shipped_recipes_validate(path):
 def test_tiny_is_the_default_and_is_frozen():
     recipe = load_recipe()
     assert recipe.name == "tiny"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         recipe.seed = 3  # type: ignore[misc]
 
 
