@@ -119,3 +119,28 @@ def test_fingerprint_changes_per_run_and_host(tmp_path, monkeypatch):
     before = fp("a")
     monkeypatch.setattr(tp.socket, "gethostname", lambda: "other-node")
     assert fp("a") != before
+
+
+def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
+    """Through Prefect: a passing preflight publishes its table; a failing one fails the flow."""
+    from prefect import flow
+    from prefect.artifacts import Artifact as PrefectArtifact
+
+    from tasks.step import results_storage
+
+    ws = Workspace.at(tmp_path / "ws")
+
+    @flow
+    def pf(facts: dict, run_id: str):
+        task = tp.preflight.with_options(result_storage=results_storage(ws))
+        return task(ws=ws, config=config(), label="node0", params={"facts": facts, "run_id": run_id})
+
+    art = pf(GOOD.to_dict(), "flow-ok")
+    assert art.kind == "preflight" and art.meta["summary"]["pass"] == 5
+    assert PrefectArtifact.get("preflight-node0") is not None
+    assert len(ws.lineage().query("SELECT * FROM preflight WHERE run_id = 'flow-ok'")) == 5
+    bad = dataclasses.replace(GOOD, max_positions=32)
+    with pytest.raises(tp.PreflightFailed, match="seq_len: FAIL"):
+        pf(bad.to_dict(), "flow-bad")
+    assert ws.lineage().query("SELECT status FROM preflight WHERE run_id = 'flow-bad' AND "
+                              "check_name = 'seq_len'") == [("fail",)]
