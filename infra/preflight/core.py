@@ -67,6 +67,7 @@ class PreflightFacts:
     stage_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> tokens trained on
     available_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> unique tokens
     shards: tuple[str, ...] = ()  # tokenized shard folders (.ds files) that must exist
+    mixture_plans: tuple[str, ...] = ()  # plan.json of each stage's mixture step (per-source epochs)
     checkpoint_keep: int = 0  # checkpoints retained on disk at once
     checkpoint_bytes: int = 0  # approximate size of one checkpoint (0: estimate from params)
     eval_tasks: tuple[str, ...] = ()  # lm-eval task names run on every checkpoint
@@ -87,6 +88,7 @@ class PreflightFacts:
         d["stage_tokens"] = dict(self.stage_tokens)
         d["available_tokens"] = dict(self.available_tokens)
         d["shards"] = list(self.shards)
+        d["mixture_plans"] = list(self.mixture_plans)
         d["eval_tasks"] = list(self.eval_tasks)
         return d
 
@@ -100,7 +102,7 @@ class PreflightFacts:
                 f"{', '.join(sorted(known))}"
             )
         d = dict(data)
-        for name in ("shards", "eval_tasks"):
+        for name in ("shards", "mixture_plans", "eval_tasks"):
             if name in d:
                 d[name] = tuple(d[name])
         for name in ("stage_tokens", "available_tokens"):

@@ -4,11 +4,17 @@ fits the model's embedding, and the evaluation tasks resolve.
 Token counts of datatrove shards come from each `.ds.metadata` (tokenizer|token_size, then the
 count) when present, else from the `.ds` size and the token width the vocabulary implies (uint16
 below 65536 entries, uint32 above), the same rule datatrove's DocumentTokenizer applies.
+
+Mixture plans (`plan.json` of the mixture step: stage, tokens, vocab_size and per source its files,
+available and budget tokens and expected epochs) sharpen both: their files must exist, and a
+stage's epochs are its most repeated source's, since one source can repeat 10x inside a stage
+whose total data looks plentiful.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 
@@ -35,6 +41,21 @@ def shard_tokens(path: Path, vocab: int) -> int:
     return path.stat().st_size // width
 
 
+def load_plans(paths: tuple[str, ...]) -> list[dict]:
+    """The mixture plans named in the facts; a missing or malformed one is an error naming it."""
+    plans = []
+    for path in paths:
+        file = Path(path).expanduser()
+        try:
+            plan = json.loads(file.read_text(encoding="utf-8"))
+            plan["stage"], plan["sources"]  # noqa: B018  (the fields every check relies on)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"mixture plan {file} is unreadable ({type(exc).__name__}: {exc}); "
+                             "rerun the mixture step or fix facts.mixture_plans") from None
+        plans.append(plan)
+    return plans
+
+
 @register
 class Shards(Check):
     """The recipe's tokenized shard folders exist and hold tokens."""
@@ -43,9 +64,15 @@ class Shards(Check):
 
     def run(self, ctx: CheckContext) -> CheckResult:
         folders = [Path(s).expanduser() for s in ctx.facts.shards]
-        if not folders:
-            return self.skip("facts list no shard folders (tokenize first, or pass them)")
+        try:
+            plans = load_plans(ctx.facts.mixture_plans)
+        except ValueError as exc:
+            return self.result("fail", "", "", str(exc))
+        planned = sorted({f for p in plans for s in p["sources"] for f in s.get("files", ())})
+        if not folders and not planned:
+            return self.skip("facts list no shard folders or mixture plans (tokenize first)")
         missing, empty, total, files = [], [], 0, 0
+        missing += [f for f in planned if not Path(f).is_file()]
         for folder in folders:
             if not folder.is_dir():
                 missing.append(str(folder))
@@ -56,13 +83,16 @@ class Shards(Check):
                 empty.append(str(folder))
             total += tokens
             files += len(ds)
-        ctx.memo["shard_tokens"] = total
+        if folders:
+            ctx.memo["shard_tokens"] = total
         value = f"{human_tokens(total)} tokens in {files} .ds files, {len(folders)} folders"
+        if planned:
+            value += f"; {len(planned) - len(missing)}/{len(planned)} planned files present"
         if missing or empty:
             problems = [f"missing: {', '.join(missing)}"] if missing else []
             problems += [f"no tokens: {', '.join(empty)}"] if empty else []
             return self.result("fail", value, "every folder holds .ds tokens",
-                               f"{'; '.join(problems)}: run the tokenize step or fix the paths",
+                               f"{'; '.join(problems)[:600]}: run the tokenize step or fix the paths",
                                metric=total)
         return self.result("pass", value, "every folder holds .ds tokens", metric=total)
 
@@ -75,19 +105,27 @@ class DataEpochs(Check):
 
     def run(self, ctx: CheckContext) -> CheckResult:
         f, c = ctx.facts, ctx.config
-        if not f.stage_tokens:
-            return self.skip("facts give no stage_tokens")
+        plans = load_plans(f.mixture_plans)
+        if not f.stage_tokens and not plans:
+            return self.skip("facts give no stage_tokens and no mixture_plans")
         fallback = ctx.memo.get("shard_tokens")
         epochs: dict[str, float] = {}
+        label: dict[str, str] = {}
         for stage, need in f.stage_tokens.items():
             have = f.available_tokens.get(stage, fallback)
             if have is None:
                 continue
             epochs[stage] = need / have if have else float("inf")
+        for plan in plans:  # per source: the most repeated source sets the stage's figure
+            for src in plan["sources"]:
+                e = float(src.get("expected_epochs", 0.0))
+                stage = str(plan["stage"])
+                if e > epochs.get(stage, -1.0):
+                    epochs[stage], label[stage] = e, f" ({src.get('name', '?')})"
         if not epochs:
-            return self.skip("facts give no available_tokens and no shards to count")
+            return self.skip("facts give no available_tokens, shards or mixture_plans to count")
         worst = max(epochs.values())
-        value = ", ".join(f"{s}: {e:.2f} epochs" for s, e in epochs.items())
+        value = ", ".join(f"{s}: {e:.2f} epochs{label.get(s, '')}" for s, e in epochs.items())
         threshold = f"<= 1 epoch (warn up to {c.max_epochs:g})"
         over = [s for s, e in epochs.items() if e > 1]
         if worst > c.max_epochs:
@@ -115,6 +153,9 @@ class Vocab(Check):
 
     def run(self, ctx: CheckContext) -> CheckResult:
         tok, model = ctx.facts.tokenizer_vocab, ctx.facts.model_vocab
+        if not tok and ctx.facts.mixture_plans:  # the shards' tokenizer, as the plans record it
+            tok = max((int(p.get("vocab_size") or 0) for p in load_plans(ctx.facts.mixture_plans)),
+                      default=0)
         if not tok or not model:
             return self.skip("facts give no tokenizer_vocab or model_vocab")
         value = f"tokenizer {tok}, model {model}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -178,3 +179,32 @@ def test_eval_tasks_resolve_from_a_local_folder(tmp_path):
     assert bad.status == "fail" and "did you mean smol_arc" in bad.advice
     gone = run(["eval_tasks"], PreflightFacts(eval_tasks=("x",)), eval_tasks_dir=str(tmp_path / "no"))
     assert "does not exist" in gone["eval_tasks"].advice
+
+
+def write_plan(path: Path, stage: str, sources: list[dict]) -> str:
+    plan = {"stage": stage, "seed": 0, "seq_len": 64, "tokens": 1000, "vocab_size": 300,
+            "eos_id": 0, "token_dtype": "uint16", "sources": sources}
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def test_mixture_plans_give_per_source_epochs_files_and_vocab(tmp_path):
+    write_shard(tmp_path / "web", 900)
+    web = str(tmp_path / "web" / "000.ds")
+    one = write_plan(tmp_path / "s1.json", "s1", [
+        {"name": "web", "files": [web], "available_tokens": 900, "budget_tokens": 800,
+         "expected_epochs": 0.89},
+        {"name": "math", "files": [web], "available_tokens": 20, "budget_tokens": 200,
+         "expected_epochs": 10.0},
+    ])
+    facts = PreflightFacts(mixture_plans=(one,), model_vocab=256)
+    r = run(["shards", "data_epochs", "vocab"], facts, max_epochs=4)
+    assert r["shards"].status == "pass" and "1/1 planned files present" in r["shards"].value
+    assert r["data_epochs"].status == "fail" and "s1: 10.00 epochs (math)" in r["data_epochs"].value
+    assert r["vocab"].status == "fail" and "tokenizer 300, model 256" == r["vocab"].value
+    gone = write_plan(tmp_path / "s2.json", "s2", [
+        {"name": "web", "files": [str(tmp_path / "gone.ds")], "expected_epochs": 0.5}])
+    res = run(["shards"], PreflightFacts(mixture_plans=(gone,)))["shards"]
+    assert res.status == "fail" and "gone.ds" in res.advice
+    broken = run(["shards"], PreflightFacts(mixture_plans=(str(tmp_path / "nope.json"),)))["shards"]
+    assert broken.status == "fail" and "nope.json" in broken.advice and "mixture step" in broken.advice
