@@ -137,6 +137,20 @@ def build_preflight(
     }
 
 
+def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) -> PreflightFacts:
+    """Facts the recipe already knows (stage tokens, sequence length, workspace) plus the mixture
+    plans' paths; pass the rest (device, nproc_per_node, global_batch, model_vocab, ...) as keywords
+    until the recipe carries a training section."""
+    stages = tuple(getattr(recipe, "stages", ()) or ())
+    known: dict[str, Any] = {
+        "workspace": recipe.workspace,
+        "stage_tokens": {st.name: st.tokens for st in stages},
+        "seq_len": max((st.seq_len for st in stages), default=0),
+        "mixture_plans": tuple(a.meta["plan"] for a in plans if a.kind == "mixture"),
+    }
+    return PreflightFacts(**{**known, **facts})
+
+
 def read_report(artifact: Artifact) -> dict[str, Any]:
     return json.loads((artifact.path / JSON_NAME).read_text(encoding="utf-8"))
 

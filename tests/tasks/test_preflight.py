@@ -144,3 +144,18 @@ def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
         pf(bad.to_dict(), "flow-bad")
     assert ws.lineage().query("SELECT status FROM preflight WHERE run_id = 'flow-bad' AND "
                               "check_name = 'seq_len'") == [("fail",)]
+
+
+def test_recipe_facts_take_stages_plans_and_overrides():
+    from types import SimpleNamespace
+
+    recipe = SimpleNamespace(workspace="/w", stages=(
+        SimpleNamespace(name="stage1", tokens=1000, seq_len=256),
+        SimpleNamespace(name="decay", tokens=200, seq_len=512),
+    ))
+    plan = Artifact(kind="mixture", uri="/w/mixture/abc", fingerprint="f" * 64,
+                    meta={"plan": "/w/mixture/abc/plan.json"})
+    facts = tp.recipe_facts(recipe, (plan,), device="cuda", nproc_per_node=8)
+    assert facts.stage_tokens == {"stage1": 1000, "decay": 200} and facts.seq_len == 512
+    assert facts.mixture_plans == ("/w/mixture/abc/plan.json",) and facts.nproc_per_node == 8
+    assert facts.workspace == "/w" and facts.device == "cuda"
