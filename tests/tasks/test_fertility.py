@@ -1,0 +1,87 @@
+"""Fertility: the playbook's measures on hand-checkable tokenizers, the choice rule, the outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from infra.artifact import Artifact
+from tasks.fertility import FertilityConfig, build_fertility, decide, measure
+from tests.tasks.datafiles import corpus
+
+TEXTS = ["ab cd", "abc d"]
+
+
+def word_level(path=None) -> Tokenizer:
+    """One token per whitespace word (fertility 1)."""
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "ab": 2, "cd": 3, "abc": 4, "d": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if path:
+        tok.save(str(path))
+    return tok
+
+
+def char_level(path=None) -> Tokenizer:
+    """One token per character, spaces included (fertility = characters per word)."""
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, " ": 2, "a": 3, "b": 4, "c": 5, "d": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    if path:
+        tok.save(str(path))
+    return tok
+
+
+def test_measures_match_hand_counts():
+    words = measure(word_level(), TEXTS)
+    assert words == {
+        "words": 4, "tokens": 4, "fertility": 1.0, "continued_words": 0.0,
+        "bytes_per_token": 10 / 4, "vocab_used": 4 / 6,
+    }
+    chars = measure(char_level(), TEXTS)
+    # "ab cd": a b ' ' c d; "abc d": a b c ' ' d -> 10 tokens over 4 words; 3 of 4 words split
+    assert chars["tokens"] == 10 and chars["fertility"] == 2.5
+    assert chars["continued_words"] == 0.75 and chars["bytes_per_token"] == 1.0
+    assert chars["vocab_used"] == 5 / 7
+
+
+def _rows(fert: dict[tuple[str, str], float]):
+    return [{"tokenizer": t, "source": s, "fertility": f} for (t, s), f in fert.items()]
+
+
+def test_rule_weighs_sources_by_mixture_weight_and_choose_fixes_the_tokenizer():
+    rows = _rows({("A", "web"): 1.2, ("A", "code"): 3.0, ("B", "web"): 1.5, ("B", "code"): 2.0})
+    assert decide(rows, FertilityConfig(), {"web": 0.9, "code": 0.1})["selected"] == "A"
+    picked = decide(rows, FertilityConfig(), {"web": 0.1, "code": 0.9})
+    assert picked["selected"] == "B" and "weighted by mixture weight" in picked["reason"]
+    fixed = decide(rows, FertilityConfig(choose="A"), {"web": 0.1, "code": 0.9})
+    assert fixed["selected"] == "A" and "fixed by the recipe" in fixed["reason"]
+    with pytest.raises(ValueError, match="fertility.choose 'C' is not a candidate"):
+        decide(rows, FertilityConfig(choose="C"), {})
+
+
+def test_build_writes_table_chart_and_decision(tmp_path):
+    word_level(tmp_path / "words.json")
+    tok_dir = tmp_path / "trained"
+    tok_dir.mkdir()
+    char_level(tok_dir / "tokenizer.json")
+    trained = Artifact(kind="tokenizer", uri=str(tok_dir), fingerprint="1" * 64, meta={})
+    web = corpus(tmp_path / "web", [("t", "ab")], heldout=[("h1", TEXTS[0])], source="web")
+    code = corpus(tmp_path / "code", [("t", "ab")], heldout=[("h2", TEXTS[1])], source="code")
+    out = tmp_path / "out"
+    out.mkdir()
+    config = FertilityConfig(candidates=(str(tmp_path / "words.json"),))
+    meta = build_fertility(config, [trained, web, code], out, {"web": 0.5, "code": 0.5})
+    assert meta["selected"]["name"] == str(tmp_path / "words.json")
+    assert meta["selected"]["eos_token"] == "<|endoftext|>" and meta["selected"]["eos_id"] == 0
+    assert meta["candidates"] == ["trained", str(tmp_path / "words.json")]
+    csv_lines = (out / "fertility.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("tokenizer,source,words,tokens,fertility,continued_words")
+    assert len(csv_lines) == 1 + 2 * 2
+    assert "Selected: **" in (out / "fertility.md").read_text()
+    assert (out / "fertility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "decision.json").read_text())["tokenizer"]["path"].endswith("words.json")
+    with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
+        build_fertility(FertilityConfig(candidates=("./missing/tokenizer.json",)), [web], out)

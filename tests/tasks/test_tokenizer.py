@@ -1,0 +1,87 @@
+"""Tokenizer: BPE training with our special tokens, adoption of a given file, the chat template."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, build_tokenizer, train_bpe
+from tests.tasks.datafiles import corpus, random_text
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    rng = random.Random(0)
+    docs = [(f"d{i}", random_text(rng, 150)) for i in range(30)]
+    code = [(f"c{i}", f"def f{i}(x):\n    return x * {i} + 1\n") for i in range(30)]
+    arts = [corpus(root / "prose", docs, source="prose"), corpus(root / "code", code, source="code")]
+    out = root / "out"
+    out.mkdir()
+    meta = build_tokenizer(TokenizerConfig(vocab_size=512, min_frequency=1), arts, out)
+    return out, meta
+
+
+def test_trains_bpe_with_special_tokens_first(trained):
+    out, meta = trained
+    assert meta["origin"] == "trained" and meta["vocab_size"] == 512
+    assert meta["special_tokens"] == {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    assert meta["eos_id"] == 0 and meta["sources"] == ["prose", "code"]
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>"
+    text = "Thé river — 北京 🙂 stone"  # byte-level: nothing is unknown
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_chat_template_marks_exactly_the_assistant_tokens(trained):
+    out, _ = trained
+    tok = AutoTokenizer.from_pretrained(str(out))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": "The river stone garden."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Silver forest bridge."},
+    ]
+    enc = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    assert len(ids) == len(mask)
+    runs, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    # each assistant turn is one contiguous run: its content and the <|im_end|> that closes it
+    assert [tok.decode(r) for r in runs] == [
+        "The river stone garden.<|im_end|>", "Silver forest bridge.<|im_end|>"
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
+    base = train_bpe(iter(["hello world"] * 50), vocab_size=300)
+    src = tmp_path / "given.json"
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    plain = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain.save(str(src))
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = build_tokenizer(TokenizerConfig(path=str(src)), [], out)
+    assert meta["origin"] == "given" and meta["vocab_size"] == 7
+    assert set(meta["special_tokens"]) == set(SPECIAL_TOKENS)
+    assert (out / "tokenizer.json").is_file() and base.get_vocab_size() <= 300
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        build_tokenizer(TokenizerConfig(path=str(tmp_path / "nope")), [], out)
