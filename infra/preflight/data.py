@@ -83,11 +83,14 @@ class Shards(Check):
                 empty.append(str(folder))
             total += tokens
             files += len(ds)
+        parts = []
         if folders:
             ctx.memo["shard_tokens"] = total
-        value = f"{human_tokens(total)} tokens in {files} .ds files, {len(folders)} folders"
+            parts.append(f"{human_tokens(total)} tokens in {files} .ds files, {len(folders)} folders")
         if planned:
-            value += f"; {len(planned) - len(missing)}/{len(planned)} planned files present"
+            present = sum(Path(f).is_file() for f in planned)
+            parts.append(f"{present}/{len(planned)} planned files present ({len(plans)} plans)")
+        value = "; ".join(parts)
         if missing or empty:
             problems = [f"missing: {', '.join(missing)}"] if missing else []
             problems += [f"no tokens: {', '.join(empty)}"] if empty else []
@@ -129,9 +132,10 @@ class DataEpochs(Check):
         threshold = f"<= 1 epoch (warn up to {c.max_epochs:g})"
         over = [s for s, e in epochs.items() if e > 1]
         if worst > c.max_epochs:
+            too_many = [s for s, e in epochs.items() if e > c.max_epochs]
             return self.result(
                 "fail", value, threshold,
-                f"stage(s) {', '.join(over)} repeat their data more than {c.max_epochs:g} times: "
+                f"stage(s) {', '.join(too_many)} repeat their data more than {c.max_epochs:g} times: "
                 "add data, lower the stage's tokens, or reweight the mixture",
                 metric=worst,
             )

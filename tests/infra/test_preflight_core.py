@@ -199,7 +199,7 @@ def test_mixture_plans_give_per_source_epochs_files_and_vocab(tmp_path):
     ])
     facts = PreflightFacts(mixture_plans=(one,), model_vocab=256)
     r = run(["shards", "data_epochs", "vocab"], facts, max_epochs=4)
-    assert r["shards"].status == "pass" and "1/1 planned files present" in r["shards"].value
+    assert r["shards"].status == "pass" and "1/1 planned files present (1 plans)" in r["shards"].value
     assert r["data_epochs"].status == "fail" and "s1: 10.00 epochs (math)" in r["data_epochs"].value
     assert r["vocab"].status == "fail" and "tokenizer 300, model 256" == r["vocab"].value
     gone = write_plan(tmp_path / "s2.json", "s2", [
