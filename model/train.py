@@ -1,11 +1,11 @@
 """The trainer: `python -m model.train SPEC.json`, under torchrun or alone (world size 1).
 
 One launch trains one stage as described by a `TrainSpec`:
-- ranks: NCCL on GPU, gloo on CPU; without torchrun a single-process gloo group, so the code
-  path (FSDP2, DCP) is the same at every world size;
+- ranks: NCCL on GPU, gloo on CPU; without torchrun a single-process gloo group, so
+  collectives and DCP checkpointing run the same code at every world size;
 - model: built and initialised identically on every rank from `spec.seed`, then sharded with
-  FSDP2 (`fully_shard` per block, then the root), so the initial weights do not depend on the
-  world size; bf16 autocast on GPU only, fp32 on CPU;
+  FSDP2 (`fully_shard` per block, then the root) when there is more than one rank, so the
+  initial weights do not depend on the world size; bf16 autocast on GPU only, fp32 on CPU;
 - data: `MixtureLoader` with global state; gradient accumulation over
   global_batch / (micro_batch x world) micro-batches;
 - resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size);
@@ -98,6 +98,23 @@ def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> Mode
     return cfg
 
 
+def shard_model(model: SmolLM3, rt: Runtime) -> None:
+    """FSDP2 over ranks: one unit per block, then the root (embedding, final norm).
+
+    One rank has nothing to shard: FSDP2 would only add copies and DTensor dispatch (it halved
+    CPU throughput in benchmarks/train_throughput.py), so world size 1 trains the plain module.
+    DCP checkpoints stay interchangeable: plain tensors and DTensor shards load into either.
+    On CPU the gathered parameters stay until backward (no second all-gather): memory is
+    cheap there, gloo collectives are not.
+    """
+    if rt.world_size == 1:
+        return
+    reshard = rt.device.type == "cuda"
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+
+
 def _all_finite(tensors) -> bool:
     bad = torch.zeros((), dtype=torch.float32)
     for t in tensors:
@@ -160,9 +177,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     # Same initial weights on every rank and at every world size, then shard.
     model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
     model.init_weights(seed=spec.seed)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    shard_model(model, rt)
     optimizer = build_optimizer(model, spec.optimizer)
     loader = MixtureLoader(
         plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size
@@ -225,7 +240,8 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         loss_sum = torch.zeros((), device=rt.device)
         for micro in range(accum):
             batch = loader.next_batch(spec.micro_batch)
-            model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
+            if rt.world_size > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
             with autocast:
                 out = model(
                     batch.input_ids.to(rt.device),
