@@ -73,6 +73,22 @@ class PreflightFacts:
     eval_tasks: tuple[str, ...] = ()  # lm-eval task names run on every checkpoint
     workspace: str = "workspace"  # the workspace folder of the run
 
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"preflight facts: device must be cuda or cpu, got {self.device!r}")
+        for name in ("nodes", "nproc_per_node", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"preflight facts: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("global_batch", "micro_batch", "seq_len", "max_positions", "tokenizer_vocab",
+                     "model_vocab", "params", "checkpoint_keep", "checkpoint_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"preflight facts: {name} must be >= 0 (0: not known), got "
+                                 f"{getattr(self, name)}")
+        for name in ("stage_tokens", "available_tokens"):
+            negative = {k: v for k, v in dict(getattr(self, name)).items() if v < 0}
+            if negative:
+                raise ValueError(f"preflight facts: {name} must be >= 0, got {negative}")
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node

@@ -107,6 +107,15 @@ def test_facts_round_trip_through_plain_data():
         PreflightFacts.from_dict({"world": 8})
 
 
+def test_facts_refuse_impossible_values_naming_the_field():
+    with pytest.raises(ValueError, match="nproc_per_node must be >= 1"):
+        PreflightFacts(nproc_per_node=0)
+    with pytest.raises(ValueError, match="seq_len must be >= 0"):
+        PreflightFacts(seq_len=-1)
+    with pytest.raises(ValueError, match="device must be cuda or cpu"):
+        PreflightFacts(device="tpu")  # type: ignore[arg-type]
+
+
 def test_published_recipe_passes_config_review():
     r = run(["batch_layout", "seq_len", "stage_plan", "vocab"], SMOLLM3)
     assert {n: x.status for n, x in r.items()} == dict.fromkeys(r, "pass")
