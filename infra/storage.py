@@ -1,0 +1,627 @@
+"""S3 storage: mirror step folders and training checkpoints to `s3://bucket/prefix`, pull them back.
+
+What a 384-GPU run needs from object storage, and how this module provides it:
+
+- Only complete folders leave the machine, and they arrive complete-last. A checkpoint folder counts
+  as complete only when its marker (`COMPLETE`, written last by the trainer, listing every file and
+  its size) exists and the files match it; a step folder only when its `_COMPLETE.json` exists.
+  Uploads send every data file first, then `_SHA256SUMS.json` (our manifest: size and sha256 of each
+  file), then the marker LAST. A remote reader applies the same rule as a local one: no marker
+  object, no checkpoint. A stale marker of an earlier attempt at the same key is deleted before any
+  file is replaced, so a half-replaced folder never looks complete either.
+- Integrity end to end: each object is uploaded with `ChecksumAlgorithm=SHA256` (S3 verifies every
+  part on receipt) and checked after the upload: its size, and its SHA-256 checksum against the
+  whole-file digest or the composite digest of its parts, computed locally in the same pass. ETags
+  are never trusted (multipart ETags are not content hashes). Downloads are verified against the
+  manifest before the local marker is written.
+- Large files go multipart through boto3's `TransferConfig` (threshold, part size, concurrency).
+- Every transfer is retried with exponential backoff and jitter on top of botocore's own
+  per-request retries; an object already uploaded with the same size and digest is not sent again,
+  so a retry after a failure midway resumes instead of restarting.
+- `CheckpointMirror.sync` keeps the newest `keep_local` complete checkpoints (and stage ends) on
+  local disk, as SmolLM3 did; an older local copy is deleted only after its upload was verified.
+- `pull_latest_checkpoint` brings back the newest complete remote checkpoint when the local copy is
+  gone (a new node, a wiped scratch disk), into a temporary folder renamed into place at the end.
+
+Credentials come only from boto3's standard chain (environment, shared config/credentials files,
+SSO, instance or pod roles); `endpoint_url` points at S3-compatible stores (MinIO, Ceph, R2). Nothing
+here reads, logs or returns a credential: reports carry bucket, keys, sizes and timings only.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MARKER = "COMPLETE"  # model/checkpoint.py's marker: {"step", "stage_end", "files"}
+STEP_MARKER = "_COMPLETE.json"  # infra/artifact.py's marker of a finished step folder
+MANIFEST = "_SHA256SUMS.json"  # ours: {"files": {relative path: {"size", "sha256"}}}
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+class StorageError(RuntimeError):
+    """A transfer or verification failed after every retry; the message names the object."""
+
+
+class StorageConfig(BaseModel):
+    """Where and how artifacts and checkpoints are mirrored (the recipe's `storage` section)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    s3_uri: str | None = None  # s3://bucket/prefix; None keeps everything local only
+    endpoint_url: str | None = None  # S3-compatible store (MinIO, Ceph, R2); None = AWS
+    region: str | None = None  # None = boto3's default chain (AWS_REGION, config file)
+    multipart_threshold_mb: int = Field(default=64, ge=5)  # files above go multipart
+    multipart_chunk_mb: int = Field(default=64, ge=5)  # part size (S3's minimum is 5 MiB)
+    max_concurrency: int = Field(default=8, gt=0)  # parts in flight per file
+    attempts: int = Field(default=5, gt=0)  # tries per object before giving up
+    backoff_seconds: float = Field(default=1.0, ge=0)  # first retry delay; doubles each try
+    max_backoff_seconds: float = Field(default=60.0, ge=0)  # cap on one retry delay
+    keep_local: int = Field(default=2, gt=0)  # newest complete checkpoints kept on local disk
+    keep_stage_ends: bool = True  # never delete a stage-end checkpoint locally (next stage inits)
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3(cls, v: str | None) -> str | None:
+        if v is not None:
+            split_s3_uri(v)
+        return v
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix without slashes at the ends) of `s3://bucket/prefix`."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise ValueError(f"s3 uri {uri!r} must start with s3:// (e.g. s3://my-bucket/runs/smollm3)")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    if not bucket:
+        raise ValueError(f"s3 uri {uri!r} names no bucket (expected s3://bucket/prefix)")
+    return bucket, prefix.strip("/")
+
+
+def join_key(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int,
+    base: float,
+    cap: float,
+    sleep: Callable[[float], None] = time.sleep,
+    retry_on: tuple[type[BaseException], ...] = (Exception,),
+) -> T:
+    """`fn()` with up to `attempts` tries, sleeping base x 2^i (x jitter 0.5-1, capped) between.
+
+    Jitter spreads 384 ranks' retries after a shared outage instead of hammering S3 in lockstep.
+    """
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except retry_on as exc:
+            if attempt == attempts - 1:
+                raise StorageError(
+                    f"{what} failed after {attempts} attempts: {type(exc).__name__}: {exc}"
+                ) from exc
+            delay = min(cap, base * (2**attempt)) * random.uniform(0.5, 1.0)
+            log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what,
+                        type(exc).__name__, exc, attempt + 1, attempts - 1, delay)
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# --- local digests ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size, whole-file SHA-256 (hex) and the S3 composite SHA-256 for the given part size."""
+
+    size: int
+    sha256: str
+    composite_b64: str | None  # base64(sha256(concat(part digests))), None for single-part uploads
+    parts: int
+
+    @property
+    def sha256_b64(self) -> str:
+        return base64.b64encode(bytes.fromhex(self.sha256)).decode()
+
+
+def file_digest(path: Path, part_size: int | None) -> FileDigest:
+    """One read of `path` computing the whole digest and, when multipart, the per-part digests."""
+    whole = hashlib.sha256()
+    parts: list[bytes] = []
+    block = part_size or 8 * MiB
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            whole.update(chunk)
+            if part_size:
+                parts.append(hashlib.sha256(chunk).digest())
+    size = path.stat().st_size
+    composite = (
+        base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode() if part_size else None
+    )
+    return FileDigest(size, whole.hexdigest(), composite, len(parts) if part_size else 1)
+
+
+def folder_files(folder: Path, exclude: Iterable[str] = ()) -> list[str]:
+    """Relative paths of the regular files under `folder`, sorted, without temporaries."""
+    skip = set(exclude)
+    out = []
+    for p in sorted(Path(folder).rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if not p.is_file() or rel in skip or p.name.endswith(".tmp") or ".tmp-" in p.name:
+            continue
+        out.append(rel)
+    return out
+
+
+def checkpoint_complete(folder: Path, marker: str = CHECKPOINT_MARKER) -> dict[str, Any] | None:
+    """The checkpoint's marker when the folder is complete, else None.
+
+    The trainer's rule (model/checkpoint.py): the marker exists and every file it lists exists with
+    the listed size. Re-stated here so that infra does not import torch.
+    """
+    try:
+        record = json.loads((Path(folder) / marker).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for name, size in files.items():
+        path = Path(folder) / name
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return record
+
+
+def step_folders(root: Path) -> list[Path]:
+    """`step_XXXXXXXX` folders under a checkpoints root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+
+@dataclass
+class FolderReport:
+    """What one folder upload or download did; safe to log and to record in lineage."""
+
+    uri: str
+    files: int = 0
+    bytes: int = 0
+    sent: int = 0  # files actually transferred (the rest were already there, verified)
+    seconds: float = 0.0
+
+    def as_meta(self) -> dict[str, Any]:
+        return {"uri": self.uri, "files": self.files, "bytes": self.bytes, "sent": self.sent,
+                "seconds": round(self.seconds, 3)}
+
+
+class S3Store:
+    """Folder-level uploads and downloads under one `s3://bucket/prefix`.
+
+    `client` is for tests and callers that already hold one; otherwise a client is built from
+    boto3's default credential chain. The retry `sleep` is injectable so tests do not wait.
+    """
+
+    def __init__(
+        self,
+        s3_uri: str,
+        config: StorageConfig | None = None,
+        *,
+        client: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.config = config or StorageConfig(s3_uri=s3_uri)
+        self.bucket, self.prefix = split_s3_uri(s3_uri)
+        self.client = client or make_client(self.config)
+        self._sleep = sleep
+        from boto3.s3.transfer import TransferConfig
+
+        self.transfer = TransferConfig(
+            multipart_threshold=self.config.multipart_threshold_mb * MiB,
+            multipart_chunksize=self.config.multipart_chunk_mb * MiB,
+            max_concurrency=self.config.max_concurrency,
+        )
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{join_key(self.bucket, self.prefix)}"
+
+    def key(self, *parts: str) -> str:
+        return join_key(self.prefix, *parts)
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        c = self.config
+        return retry(fn, what=what, attempts=c.attempts, base=c.backoff_seconds,
+                     cap=c.max_backoff_seconds, sleep=self._sleep)
+
+    # -- objects --
+
+    def part_size(self, size: int) -> int | None:
+        """The part size boto3 will use for a file of `size` bytes, None when single-part."""
+        if size < self.transfer.multipart_threshold:
+            return None
+        from s3transfer.utils import ChunksizeAdjuster
+
+        return ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
+
+    def head(self, key: str) -> dict[str, Any] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+                return None
+            raise
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def matches(self, key: str, digest: FileDigest) -> bool:
+        """The remote object has this size and this content (by its S3 SHA-256 checksum)."""
+        head = self.head(key)
+        if head is None or head.get("ContentLength") != digest.size:
+            return False
+        remote = head.get("ChecksumSHA256")
+        if remote is None:
+            # A store without checksums (some S3-compatible ones): fall back to our digest,
+            # recorded as metadata at upload time, which at least proves which file was sent.
+            return head.get("Metadata", {}).get("sha256") == digest.sha256
+        remote = remote.split("-")[0]  # AWS appends -N (parts) to composite checksums
+        return remote in {digest.sha256_b64, digest.composite_b64}
+
+    def put_file(self, path: Path, key: str, digest: FileDigest | None = None) -> bool:
+        """Upload `path` to `key` unless an identical object is there; verify; True if sent."""
+        path = Path(path)
+        digest = digest or file_digest(path, self.part_size(path.stat().st_size))
+        if self.matches(key, digest):
+            return False
+
+        def once() -> None:
+            self.client.upload_file(
+                str(path), self.bucket, key, Config=self.transfer,
+                ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": digest.sha256}},
+            )
+            if not self.matches(key, digest):
+                raise StorageError(
+                    f"s3://{self.bucket}/{key} does not match {path} after upload "
+                    f"(size {digest.size}, sha256 {digest.sha256[:16]}...)"
+                )
+
+        self._retry(once, f"upload {path} -> s3://{self.bucket}/{key}")
+        return True
+
+    def put_bytes(self, data: bytes, key: str) -> None:
+        sha = base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+        def once() -> None:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
+                                   ChecksumAlgorithm="SHA256", ChecksumSHA256=sha)
+
+        self._retry(once, f"upload s3://{self.bucket}/{key}")
+
+    def get_bytes(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        def once() -> bytes | None:
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+                    return None
+                raise
+
+        return self._retry(once, f"download s3://{self.bucket}/{key}")
+
+    def delete(self, key: str) -> None:
+        self._retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=key),
+                    f"delete s3://{self.bucket}/{key}")
+
+    def subfolders(self, *parts: str) -> list[str]:
+        """Names of the immediate 'folders' under a key prefix (S3 common prefixes)."""
+        base = self.key(*parts)
+        base = base + "/" if base else ""
+        names = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            for cp in page.get("CommonPrefixes", []):
+                names.append(cp["Prefix"][len(base) :].rstrip("/"))
+        return sorted(names)
+
+    # -- folders --
+
+    def upload_folder(self, folder: Path, name: str, marker: str) -> FolderReport:
+        """Upload `folder` to `{prefix}/{name}/`: data files, then the manifest, then `marker`.
+
+        The caller has checked that the folder is complete. A previous remote marker at the same
+        place is deleted first: while files are being replaced the remote must not look complete.
+        """
+        folder = Path(folder)
+        start = time.monotonic()
+        report = FolderReport(uri=f"s3://{join_key(self.bucket, self.key(name))}")
+        marker_key = self.key(name, marker)
+        marker_bytes = (folder / marker).read_bytes()
+        if self.get_bytes(marker_key) == marker_bytes and self._manifest_matches(folder, name, marker):
+            report.files = len(folder_files(folder))
+            report.seconds = time.monotonic() - start
+            return report  # already mirrored and verified
+        if self.exists(marker_key):
+            self.delete(marker_key)
+        manifest: dict[str, dict[str, Any]] = {}
+        for rel in folder_files(folder, exclude=(marker, MANIFEST)):
+            path = folder / rel
+            digest = file_digest(path, self.part_size(path.stat().st_size))
+            manifest[rel] = {"size": digest.size, "sha256": digest.sha256}
+            report.sent += self.put_file(path, self.key(name, rel), digest)
+            report.files += 1
+            report.bytes += digest.size
+        body = json.dumps({"files": manifest}, indent=1, sort_keys=True).encode()
+        self.put_bytes(body, self.key(name, MANIFEST))
+        self.put_bytes(marker_bytes, marker_key)  # last: now the remote folder is complete
+        report.files += 1
+        report.seconds = time.monotonic() - start
+        log.info("mirrored %s to %s: %d files, %.1f MB (%d sent) in %.1fs", folder, report.uri,
+                 report.files, report.bytes / 1e6, report.sent, report.seconds)
+        return report
+
+    def _manifest_matches(self, folder: Path, name: str, marker: str) -> bool:
+        """The remote manifest lists exactly the local files with their sizes (no re-hashing)."""
+        raw = self.get_bytes(self.key(name, MANIFEST))
+        if raw is None:
+            return False
+        try:
+            remote = json.loads(raw)["files"]
+        except (ValueError, KeyError):
+            return False
+        local = folder_files(folder, exclude=(marker, MANIFEST))
+        return sorted(remote) == local and all(
+            remote[rel]["size"] == (folder / rel).stat().st_size for rel in local
+        )
+
+    def remote_complete(self, name: str, marker: str) -> bool:
+        """A remote folder is complete when its marker object exists (it is uploaded last)."""
+        return self.exists(self.key(name, marker)) and self.exists(self.key(name, MANIFEST))
+
+    def download_folder(self, name: str, dest: Path, marker: str) -> FolderReport:
+        """Download `{prefix}/{name}/` into `dest` (replaced), verified, marker written last."""
+        start = time.monotonic()
+        report = FolderReport(uri=f"s3://{join_key(self.bucket, self.key(name))}")
+        marker_bytes = self.get_bytes(self.key(name, marker))
+        raw = self.get_bytes(self.key(name, MANIFEST))
+        if marker_bytes is None or raw is None:
+            raise StorageError(f"{report.uri} is incomplete (no {marker} or {MANIFEST}); "
+                               "upload it again from a complete local copy")
+        files = json.loads(raw)["files"]
+        dest = Path(dest)
+        partial = dest.with_name(f".{dest.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for rel, want in sorted(files.items()):
+            target = partial / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            key = self.key(name, rel)
+
+            def once(target: Path = target, key: str = key, want: dict = want) -> None:
+                self.client.download_file(self.bucket, key, str(target), Config=self.transfer)
+                got = file_digest(target, None)
+                if got.size != want["size"] or got.sha256 != want["sha256"]:
+                    raise StorageError(f"s3://{self.bucket}/{key} does not match its manifest "
+                                       f"entry (size {got.size} vs {want['size']})")
+
+            self._retry(once, f"download s3://{self.bucket}/{key}")
+            report.files += 1
+            report.bytes += want["size"]
+            report.sent += 1
+        (partial / MANIFEST).write_bytes(raw)
+        _write_atomic_bytes(partial / marker, marker_bytes)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(partial, dest)
+        report.files += 1
+        report.seconds = time.monotonic() - start
+        log.info("pulled %s into %s: %d files, %.1f MB in %.1fs", report.uri, dest,
+                 report.files, report.bytes / 1e6, report.seconds)
+        return report
+
+
+def _write_atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def make_client(config: StorageConfig) -> Any:
+    """An S3 client from boto3's default credential chain, with botocore's adaptive retries.
+
+    Deliberately no access-key arguments: credentials are the environment's business (env vars,
+    ~/.aws, SSO, instance/pod roles), so they never pass through recipes, logs or lineage.
+    """
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session()
+    return session.client(
+        "s3",
+        endpoint_url=config.endpoint_url,
+        region_name=config.region,
+        config=Config(retries={"max_attempts": 5, "mode": "adaptive"}),
+    )
+
+
+# --- public API for steps ----------------------------------------------------------------------
+
+
+def mirror_artifact(
+    folder: str | Path, s3_uri: str, config: StorageConfig | None = None, *, client: Any = None
+) -> dict[str, Any]:
+    """Upload a finished step folder to `{s3_uri}/{folder name}/`; return its report as meta.
+
+    `s3_uri` is the parent: a workspace's `{root}/{step}/{fp12}` maps to `s3_uri/{fp12}`, so pass
+    `s3://bucket/prefix/{step}`. Raises when the step folder has no completion marker.
+    """
+    folder = Path(folder)
+    if not (folder / STEP_MARKER).is_file():
+        raise FileNotFoundError(
+            f"step folder {folder} has no {STEP_MARKER}: it is unfinished; run its step to "
+            "completion before mirroring it"
+        )
+    store = S3Store(s3_uri, config, client=client)
+    return store.upload_folder(folder, folder.name, STEP_MARKER).as_meta()
+
+
+def fetch_artifact(
+    s3_folder_uri: str, local: str | Path, config: StorageConfig | None = None, *, client: Any = None
+) -> Path:
+    """Download a mirrored step folder `s3://bucket/prefix/{name}` into `local` (verified)."""
+    bucket, key = split_s3_uri(s3_folder_uri)
+    parent, _, name = key.rpartition("/")
+    store = S3Store(f"s3://{join_key(bucket, parent)}", config, client=client)
+    store.download_folder(name, Path(local), STEP_MARKER)
+    return Path(local)
+
+
+@dataclass
+class SyncReport:
+    """What one `CheckpointMirror.sync` did (names of step folders); safe to log and record."""
+
+    uploaded: list[str] = field(default_factory=list)  # sent this time (verified)
+    verified: list[str] = field(default_factory=list)  # complete on S3 after this sync
+    skipped_incomplete: list[str] = field(default_factory=list)  # no valid marker: not sent
+    deleted_local: list[str] = field(default_factory=list)  # pruned after verified upload
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+    def as_meta(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+class CheckpointMirror:
+    """Mirror a trainer's `checkpoints/` folder to S3 and keep the newest few locally.
+
+        mirror = CheckpointMirror("s3://bucket/runs/smollm3/stage1/checkpoints", keep_local=2)
+        mirror.sync(stage_dir / "checkpoints")          # between stages, or in a loop during one
+        pull_latest_checkpoint(mirror.s3_uri, stage_dir / "checkpoints")   # on a fresh node
+
+    Safe to call repeatedly and while the trainer writes: folders without a valid marker are left
+    alone (neither uploaded nor deleted), and an already-mirrored folder costs two small requests.
+    """
+
+    def __init__(
+        self,
+        s3_uri: str,
+        keep_local: int | None = None,
+        config: StorageConfig | None = None,
+        *,
+        client: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+        marker: str = CHECKPOINT_MARKER,
+    ):
+        base = config or StorageConfig(s3_uri=s3_uri)
+        if keep_local is not None:
+            base = base.model_copy(update={"keep_local": keep_local})
+        if base.keep_local < 1:
+            raise ValueError(f"keep_local must be >= 1, got {base.keep_local}")
+        self.s3_uri = s3_uri
+        self.config = base
+        self.marker = marker
+        self.store = S3Store(s3_uri, base, client=client, sleep=sleep)
+
+    def sync(self, checkpoints_dir: str | Path) -> SyncReport:
+        start = time.monotonic()
+        report = SyncReport()
+        complete: list[tuple[Path, dict[str, Any]]] = []
+        for folder in step_folders(Path(checkpoints_dir)):
+            record = checkpoint_complete(folder, self.marker)
+            if record is None:
+                report.skipped_incomplete.append(folder.name)
+            else:
+                complete.append((folder, record))
+        for folder, _ in complete:
+            result = self.store.upload_folder(folder, folder.name, self.marker)
+            if result.sent or result.bytes:
+                report.uploaded.append(folder.name)
+                report.bytes_sent += result.bytes
+            report.verified.append(folder.name)
+        keep = {f for f, _ in complete[-self.config.keep_local :]}
+        if self.config.keep_stage_ends:
+            keep |= {f for f, r in complete if r.get("stage_end")}
+        for folder, _ in complete:
+            # Only what this sync saw complete on S3 may go; never the newest few.
+            if folder not in keep and folder.name in report.verified:
+                shutil.rmtree(folder)
+                report.deleted_local.append(folder.name)
+        report.seconds = time.monotonic() - start
+        return report
+
+    def remote_steps(self) -> list[str]:
+        """Complete checkpoints on S3 (marker present), oldest first."""
+        return [n for n in self.store.subfolders() if n.startswith("step_") and n[5:].isdigit()
+                and self.store.remote_complete(n, self.marker)]
+
+
+def pull_latest_checkpoint(
+    s3_prefix: str,
+    local_dir: str | Path,
+    config: StorageConfig | None = None,
+    *,
+    client: Any = None,
+    marker: str = CHECKPOINT_MARKER,
+) -> Path | None:
+    """The newest complete checkpoint, downloaded from `s3_prefix` into `local_dir` if needed.
+
+    `local_dir` is the trainer's checkpoints root. Returns the local step folder, or None when S3
+    holds no complete checkpoint. A local complete copy that is as new as the newest remote one is
+    returned without downloading; remote folders without their marker are ignored (still uploading
+    or abandoned midway).
+    """
+    mirror = CheckpointMirror(s3_prefix, config=config, client=client, marker=marker)
+    local_dir = Path(local_dir)
+    names = mirror.remote_steps()
+    if not names:
+        return None
+    newest = names[-1]
+    local_complete = [f for f in step_folders(local_dir) if checkpoint_complete(f, marker)]
+    if local_complete and local_complete[-1].name >= newest:
+        return local_complete[-1]
+    dest = local_dir / newest
+    mirror.store.download_folder(newest, dest, marker)
+    if checkpoint_complete(dest, marker) is None:
+        raise StorageError(f"{dest} pulled from {s3_prefix} fails its own {marker} manifest; "
+                           "the remote copy is damaged: delete it and re-upload from a good copy")
+    return dest
+
+
+def describe(config: StorageConfig) -> dict[str, Any]:
+    """Facts about the storage setup for lineage and logs: never credentials."""
+    return {"s3_uri": config.s3_uri, "endpoint_url": config.endpoint_url, "region": config.region,
+            "keep_local": config.keep_local}
+
+
+__all__: Sequence[str] = (
+    "CheckpointMirror", "S3Store", "StorageConfig", "StorageError", "SyncReport", "describe",
+    "fetch_artifact", "mirror_artifact", "pull_latest_checkpoint", "split_s3_uri",
+)
