@@ -1,0 +1,163 @@
+"""Launchers: how one training stage (`python -m model.train SPEC.json`) becomes processes.
+
+A launcher takes a resolved stage spec and a work folder and runs the trainer to completion on
+some substrate: this machine (torchrun), a Slurm allocation (sbatch + srun torchrun), or
+Kubernetes (a Kubeflow PyTorchJob). The interface is the same for all of them:
+
+    launcher = get_launcher(config)                  # config: LauncherConfig (the recipe's `launch`)
+    launcher.render(spec_path, workdir)  -> str      # what would be submitted (script, manifest)
+    launcher.launch(spec_path, workdir, log)         # blocks until done; raises LaunchFailed
+
+Resumption is the trainer's job, not the launcher's: every launch of the same spec continues from
+the newest complete checkpoint in the spec's out_dir, so a Slurm requeue, a pod restart or a rerun
+from the Prefect UI all resume without the launcher knowing where training stopped.
+
+New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.register("name")`).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from infra.registry import Registry
+
+# The checkout holding `model/` (the trainer runs as `-m model.train` from here by default).
+CODE_DIR = Path(__file__).resolve().parents[2]
+
+# Environment names that look like credentials: refused in configs, which end up in lineage.
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|AUTH",
+                          re.IGNORECASE)
+
+LogFn = Callable[[str], None]
+
+
+class LaunchFailed(RuntimeError):
+    """The training job ended unsuccessfully; the message names the job and its last output."""
+
+    def __init__(self, what: str, tail: Sequence[str] = ()):
+        self.tail = list(tail)
+        shown = "\n".join(self.tail)
+        super().__init__(f"{what}; last output:\n{shown}" if shown else what)
+
+
+class SlurmLaunch(BaseModel):
+    """Slurm settings of a launch (used when kind is slurm)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    partition: str | None = None  # partition to submit to; None = the cluster's default
+    account: str | None = None  # account charged for the allocation
+    qos: str | None = None  # quality of service
+    time: str = "24:00:00"  # wall-clock limit (Slurm syntax: D-HH:MM:SS or HH:MM:SS)
+    cpus_per_task: int | None = Field(default=None, gt=0)  # CPUs for each node's torchrun
+    mem: str | None = None  # memory per node ("0" = all of it); None = the cluster's default
+    exclusive: bool = True  # whole nodes: training shares nothing well
+    requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes
+    setup: tuple[str, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)
+    sbatch_args: dict[str, str] = {}  # extra `#SBATCH --key=value` lines (e.g. reservation)
+    poll_seconds: float = Field(default=10.0, gt=0)  # how often to check the job and its log
+    job_name: str = "smollm3"  # shown in squeue
+
+
+class KubernetesLaunch(BaseModel):
+    """Kubernetes settings of a launch (used when kind is kubernetes): a Kubeflow PyTorchJob."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = "ghcr.io/smollm3-pipeline/trainer:latest"  # image with this repo and its venv
+    namespace: str = "default"  # namespace of the PyTorchJob
+    job_name: str = "smollm3"  # PyTorchJob name prefix (a spec digest is appended)
+    service_account: str | None = None  # for IRSA / workload identity (S3 without static keys)
+    gpu_resource: str = "nvidia.com/gpu"  # extended resource name of the accelerators
+    cpu: str | None = None  # CPU request/limit per pod
+    memory: str | None = None  # memory request/limit per pod
+    workspace_claim: str | None = None  # PVC mounted at the workspace path (shared by all pods)
+    workspace_mount: str = "/workspace"  # where the claim is mounted (the spec's paths live here)
+    credentials_secret: str | None = None  # Secret whose keys become env vars (AWS_* chain)
+    node_selector: dict[str, str] = {}  # e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    code_dir: str = "/app"  # the repo inside the image (working directory of the trainer)
+    poll_seconds: float = Field(default=15.0, gt=0)  # how often kubectl is asked for the status
+
+
+class LauncherConfig(BaseModel):
+    """The recipe's `launch` section: where and at what size a training stage runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["local", "slurm", "kubernetes"] = "local"  # registered launcher name
+    nodes: int = Field(default=1, gt=0)  # machines (local: must be 1)
+    procs_per_node: int = Field(default=1, gt=0)  # torchrun ranks per node (= GPUs per node on GPU)
+    gpus_per_node: int = Field(default=0, ge=0)  # GPUs requested per node (0: CPU/gloo)
+    master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500
+    torchrun: str = "torchrun"  # torchrun executable (a venv path on clusters)
+    module: str = "model.train"  # the trainer's module (`-m module SPEC.json`)
+    code_dir: str | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
+    env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS); never credentials
+    slurm: SlurmLaunch = SlurmLaunch()  # used when kind is slurm
+    kubernetes: KubernetesLaunch = KubernetesLaunch()  # used when kind is kubernetes
+
+    @field_validator("env")
+    @classmethod
+    def _no_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in env if _SECRET_NAME.search(k))
+        if bad:
+            raise ValueError(
+                f"launch.env must not carry credentials ({', '.join(bad)}): configs are saved with "
+                "every run and in lineage; provide them through the cluster's environment "
+                "(AWS credential chain, instance/pod roles, a Kubernetes Secret via "
+                "kubernetes.credentials_secret)"
+            )
+        return env
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def code_path(self) -> Path:
+        return Path(self.code_dir) if self.code_dir else CODE_DIR
+
+
+class Launcher(ABC):
+    """Runs the trainer on one stage spec; subclasses know one substrate."""
+
+    def __init__(self, config: LauncherConfig):
+        self.config = config
+
+    @abstractmethod
+    def render(self, spec_path: Path, workdir: Path) -> str:
+        """The command, script or manifest that `launch` would run or submit."""
+
+    @abstractmethod
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+        """Run the trainer to completion, streaming its output to `log`; raise on failure."""
+
+
+LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")
+
+
+def get_launcher(config: LauncherConfig) -> Launcher:
+    """The registered launcher for `config.kind`, built with its config."""
+    return LAUNCHERS.get(config.kind)(config)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_spec(spec_path: Path) -> Path:
+    spec_path = Path(spec_path)
+    if not spec_path.is_file():
+        raise FileNotFoundError(
+            f"stage spec {spec_path} does not exist; write the resolved TrainSpec JSON first"
+        )
+    return spec_path.resolve()

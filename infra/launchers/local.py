@@ -1,0 +1,65 @@
+"""The default launcher: torchrun on this machine, through infra.proc.run_streaming.
+
+`torchrun --nnodes 1 --nproc-per-node N --master-port P -m model.train SPEC.json`, started in its
+own process group so a failed, interrupted or cancelled task kills every rank with it. A free port
+is picked per launch (fixed ports collide when two stages or test runs share a machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from infra.launchers.base import (
+    LAUNCHERS,
+    Launcher,
+    LaunchFailed,
+    LogFn,
+    check_spec,
+    free_port,
+)
+from infra.proc import ChildFailed, run_streaming
+
+
+@LAUNCHERS.register("local")
+class LocalTorchrun(Launcher):
+    """One node, N ranks, torchrun's static rendezvous on 127.0.0.1."""
+
+    def command(self, spec_path: Path, port: int | None = None) -> list[str]:
+        c = self.config
+        if c.nodes != 1:
+            raise ValueError(
+                f"launch.nodes={c.nodes} with kind local: the local launcher runs on this machine "
+                "only; use kind slurm or kubernetes for several nodes"
+            )
+        port = port or c.master_port or free_port()
+        return [
+            c.torchrun, "--nnodes", "1", "--nproc-per-node", str(c.procs_per_node),
+            "--master-port", str(port), "-m", c.module, str(spec_path),
+        ]
+
+    def env(self) -> dict[str, str]:
+        code = str(self.config.code_path)
+        path = os.environ.get("PYTHONPATH")
+        return {
+            # torchrun sets OMP_NUM_THREADS=1 for N > 1 anyway; say it once, quietly
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            **self.config.env,
+            "PYTHONPATH": f"{code}{os.pathsep}{path}" if path else code,
+        }
+
+    def render(self, spec_path: Path, workdir: Path) -> str:
+        return shlex.join(self.command(Path(spec_path), port=self.config.master_port or 29500))
+
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+        spec_path = check_spec(spec_path)
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        cmd = self.command(spec_path)
+        log(f"[launch] {shlex.join(cmd)}")
+        try:
+            run_streaming(cmd, log, cwd=self.config.code_path, env=self.env())
+        except ChildFailed as exc:
+            raise LaunchFailed(
+                f"local torchrun of {spec_path} exited with code {exc.returncode}", exc.tail
+            ) from exc

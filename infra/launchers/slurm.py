@@ -1,0 +1,202 @@
+"""Slurm launcher: an sbatch script running `srun torchrun` (c10d rendezvous on the first node).
+
+The rendered script asks for `nodes` whole nodes, one task per node (each runs one torchrun that
+forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host. It
+is requeue-safe by construction: `--requeue` lets Slurm restart the job after a node failure or
+preemption, `--signal=B:USR1@300` plus a trap requeues it shortly before the time limit, and every
+start runs the same spec, so the trainer resumes from the newest complete checkpoint in its out
+dir. The log is opened in append mode, so all attempts share one file.
+
+`launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
+needed) while streaming new log lines to the caller; if the caller is interrupted or cancelled the
+job is `scancel`led, so a cancelled Prefect run does not leave 48 nodes training.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from infra.launchers.base import LAUNCHERS, Launcher, LaunchFailed, LogFn, check_spec
+
+Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
+DEFAULT_PORT = 29500
+TIME_LIMIT_SIGNAL_S = 300  # USR1 this long before the limit: time to requeue cleanly
+
+# Job states after which the job will not run again by itself.
+DONE = {"COMPLETED"}
+FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+
+
+def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+
+
+@LAUNCHERS.register("slurm")
+class SlurmLauncher(Launcher):
+    """sbatch + srun torchrun; `runner` runs sbatch/scontrol/scancel (a fake in unit tests)."""
+
+    def __init__(self, config, runner: Runner = _run, sleep: Callable[[float], None] = time.sleep):
+        super().__init__(config)
+        self.runner, self.sleep = runner, sleep
+
+    def script_path(self, workdir: Path) -> Path:
+        return Path(workdir) / "launch" / "train.sbatch"
+
+    def render(self, spec_path: Path, workdir: Path) -> str:
+        c, s = self.config, self.config.slurm
+        workdir = Path(workdir).resolve()
+        spec = Path(spec_path).resolve()
+        code = c.code_path
+        sb: list[tuple[str, str | None]] = [
+            ("job-name", s.job_name),
+            ("nodes", str(c.nodes)),
+            ("ntasks-per-node", "1"),  # one torchrun per node; it forks the ranks
+        ]
+        if c.gpus_per_node:
+            sb.append(("gpus-per-node", str(c.gpus_per_node)))
+        if s.cpus_per_task:
+            sb.append(("cpus-per-task", str(s.cpus_per_task)))
+        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account),
+                           ("qos", s.qos)):
+            if value is not None:
+                sb.append((key, value))
+        sb.append(("time", s.time))
+        if s.exclusive:
+            sb.append(("exclusive", None))
+        if s.requeue:
+            sb += [("requeue", None), ("signal", f"B:USR1@{TIME_LIMIT_SIGNAL_S}")]
+        sb += [
+            ("open-mode", "append"),  # requeued attempts append to the same log
+            ("output", str(workdir / "slurm-%j.log")),
+            ("chdir", str(code)),
+        ]
+        sb += sorted(s.sbatch_args.items())
+        lines = [
+            "#!/bin/bash",
+            "# A smollm3 training stage rendered by infra/launchers/slurm.py: re-render, do not edit.",
+            f"# spec: {spec}",
+            "# Requeue-safe: every (re)start resumes from the newest complete checkpoint of the spec.",
+        ]
+        lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sb]
+        lines += ["", *s.setup]  # before `set -u`: activate scripts read unset variables
+        lines += ["set -uo pipefail"]
+        env = {"OMP_NUM_THREADS": "1"} | dict(c.env)
+        lines += [f'export PYTHONPATH={shlex.quote(str(code))}"${{PYTHONPATH:+:$PYTHONPATH}}"']
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+        port = c.master_port or DEFAULT_PORT
+        torchrun = [
+            c.torchrun,
+            '--nnodes="$SLURM_JOB_NUM_NODES"',
+            f"--nproc-per-node={c.procs_per_node}",
+            "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+            '--rdzv-id="$SLURM_JOB_ID"',
+            "--max-restarts=0",  # a rank failure fails the job; Slurm's requeue restarts it whole
+            f"-m {c.module} {shlex.quote(str(spec))}",
+        ]
+        lines += [
+            # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05
+            'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"MASTER_PORT={port}",
+            'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
+            '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        ]
+        if s.requeue:
+            lines += [
+                "# USR1 arrives shortly before the time limit (--signal): requeue; the next start resumes",
+                """trap 'echo "[launch] time limit near: requeueing $SLURM_JOB_ID"; """
+                """scontrol requeue "$SLURM_JOB_ID"' USR1""",
+            ]
+        lines += [
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
+            "  " + " \\\n  ".join(torchrun) + " &",
+            "wait $!  # in the background so the USR1 trap can run while training",
+            "rc=$?",
+            'echo "[launch] srun exited with code $rc"',
+            "exit $rc",
+            "",
+        ]
+        return "\n".join(lines)
+
+    # -- submission and monitoring --
+
+    def _call(self, cmd: Sequence[str], what: str) -> str:
+        try:
+            proc = self.runner(cmd)
+        except FileNotFoundError:
+            raise LaunchFailed(
+                f"{cmd[0]} not found: launch.kind is slurm but this machine has no Slurm client; "
+                "run the flow on a login node (or a Prefect worker there), or use kind local"
+            ) from None
+        if proc.returncode != 0:
+            raise LaunchFailed(f"{what} failed ({shlex.join(cmd)} exited {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout).strip()}")
+        return proc.stdout
+
+    def submit(self, spec_path: Path, workdir: Path) -> str:
+        """Write the script into `workdir/launch/` and sbatch it; returns the job id."""
+        script = self.script_path(workdir)
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(self.render(spec_path, workdir))
+        out = self._call(["sbatch", "--parsable", str(script)], f"submitting {script}")
+        job = out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
+        if not job.isdigit():
+            raise LaunchFailed(f"sbatch printed {out.strip()!r} instead of a job id for {script}")
+        return job
+
+    def state(self, job: str) -> tuple[str, str]:
+        """(state, exit code) of a job, from scontrol (no accounting database needed)."""
+        proc = self.runner(["scontrol", "show", "job", "-o", job])
+        if proc.returncode == 0 and "JobState=" in proc.stdout:
+            state = re.search(r"JobState=(\S+)", proc.stdout).group(1)
+            code = re.search(r"ExitCode=(\S+)", proc.stdout)
+            return state, code.group(1) if code else "?"
+        # Purged from slurmctld's memory (MinJobAge): ask accounting, if the site has it.
+        proc = self.runner(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job])
+        if proc.returncode == 0 and proc.stdout.strip():
+            state, _, code = proc.stdout.strip().splitlines()[0].partition("|")
+            return state.split()[0], code
+        raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; "
+                           "check `squeue --me` and the job log")
+
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+        spec_path = check_spec(spec_path)
+        workdir = Path(workdir).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        job = self.submit(spec_path, workdir)
+        logfile = workdir / f"slurm-{job}.log"
+        log(f"[launch] submitted Slurm job {job}; log {logfile}")
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+        offset, partial = 0, ""
+        try:
+            while True:
+                state, code = self.state(job)
+                if logfile.exists():  # stream what the job wrote since the last poll
+                    with open(logfile, encoding="utf-8", errors="replace") as fh:
+                        fh.seek(offset)
+                        chunk = fh.read()
+                        offset = fh.tell()
+                    *lines, partial = (partial + chunk).split("\n")
+                    for line in lines:
+                        tail.append(line)
+                        log(line)
+                if state in DONE or state in FAILED:
+                    break
+                self.sleep(self.config.slurm.poll_seconds)
+        except BaseException:
+            self.runner(["scancel", job])  # interrupted or cancelled: take the job down with us
+            raise
+        if partial:
+            tail.append(partial)
+            log(partial)
+        if state not in DONE:
+            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail)
+        log(f"[launch] Slurm job {job} completed")

@@ -1,0 +1,48 @@
+"""A tiny trainer stage for launcher tests: synthetic token shards, a mixture plan and a spec.
+
+The spec trains a 4-layer, 64-wide model for a few steps on CPU (seconds), so launchers can be
+tested end to end with the real `python -m model.train` rather than a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_heads": 4,
+              "num_kv_heads": 2}
+
+
+def write_plan(folder: Path, seq_len: int = 32) -> Path:
+    """Two synthetic sources in datatrove's `.ds` / `.ds.index` layout plus their plan JSON."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    sources = []
+    for name, weight, low in (("prose", 0.7, 1), ("code", 0.3, 64)):
+        docs = [rng.integers(low, low + 60, rng.integers(5, 60)).tolist() + [0] for _ in range(80)]
+        flat = np.array([t for d in docs for t in d], dtype="<u2")
+        path = folder / f"000_{name}.ds"
+        flat.tofile(path)
+        np.cumsum([len(d) for d in docs]).astype("<u8").tofile(str(path) + ".index")
+        sources.append({"name": name, "weight": weight, "files": [str(path)],
+                        "available_tokens": len(flat), "budget_tokens": 4000,
+                        "expected_epochs": 1.0})
+    plan = {"stage": "stage1", "seed": 0, "seq_len": seq_len, "tokens": 8000, "vocab_size": 128,
+            "eos_id": 0, "token_dtype": "uint16", "sources": sources}
+    (folder / "plan.json").write_text(json.dumps(plan))
+    return folder / "plan.json"
+
+
+def write_spec(path: Path, plan: Path, out: Path, **kw) -> Path:
+    spec = {
+        "mixture_plan": str(plan), "out_dir": str(out), "steps": 2, "global_batch": 4,
+        "micro_batch": 2, "model_overrides": TINY_MODEL, "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 1, "decay_fraction": 0.5, "total_steps": 4},
+        "checkpoint_interval": 2, "keep_last": 2, "num_threads": 1, "peak_flops": 1e10,
+        "device": "cpu",
+    } | kw
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return path

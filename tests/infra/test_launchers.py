@@ -1,0 +1,304 @@
+"""infra/launchers: config validation, the registry, the local torchrun launcher end to end (the
+real tiny trainer on 2 ranks), Slurm script rendering and job monitoring against a fake Slurm
+client, and the Kubernetes PyTorchJob manifest and its kubectl driver against a fake kubectl.
+(The Slurm path against a real Slurm cluster is in test_launchers_slurm.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from infra.launchers import (
+    LAUNCHERS,
+    KubernetesLaunch,
+    Launcher,
+    LauncherConfig,
+    LaunchFailed,
+    SlurmLaunch,
+    get_launcher,
+)
+from infra.launchers.kubernetes import KubernetesLauncher
+from infra.launchers.local import LocalTorchrun
+from infra.launchers.slurm import SlurmLauncher
+from tests.infra.launch_fixtures import write_plan, write_spec
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def done(stdout: str = "", returncode: int = 0, stderr: str = "") -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess([], returncode, stdout, stderr)
+
+
+# --- config and registry ------------------------------------------------------------------------
+
+
+def test_registry_builds_each_kind_and_refuses_duplicates_and_unknown_kinds():
+    assert LAUNCHERS.names() == ["kubernetes", "local", "slurm"]
+    assert isinstance(get_launcher(LauncherConfig()), LocalTorchrun)
+    assert isinstance(get_launcher(LauncherConfig(kind="slurm")), SlurmLauncher)
+    assert isinstance(get_launcher(LauncherConfig(kind="kubernetes")), KubernetesLauncher)
+    with pytest.raises(ValueError, match="launcher 'local' is already registered"):
+        LAUNCHERS.register("local")(LocalTorchrun)
+    with pytest.raises(ValidationError, match="kind"):
+        LauncherConfig(kind="lsf")
+    assert issubclass(SlurmLauncher, Launcher)
+
+
+def test_config_is_frozen_strict_and_refuses_credentials_in_env():
+    config = LauncherConfig(nodes=48, procs_per_node=8, gpus_per_node=8)
+    assert config.world_size == 384
+    with pytest.raises(ValidationError):
+        config.nodes = 2  # frozen
+    with pytest.raises(ValidationError, match="extra"):
+        LauncherConfig(gpus=8)
+    with pytest.raises(ValidationError, match="must not carry credentials.*AWS_SECRET_ACCESS_KEY"):
+        LauncherConfig(env={"AWS_SECRET_ACCESS_KEY": "x", "NCCL_DEBUG": "WARN"})
+    with pytest.raises(ValidationError, match="HF_TOKEN"):
+        LauncherConfig(env={"HF_TOKEN": "x"})
+    assert LauncherConfig(env={"NCCL_DEBUG": "WARN"}).env == {"NCCL_DEBUG": "WARN"}
+
+
+# --- local torchrun -----------------------------------------------------------------------------
+
+
+def test_local_command_is_torchrun_on_one_node():
+    launcher = get_launcher(LauncherConfig(procs_per_node=4, master_port=29555))
+    assert launcher.render(Path("/ws/spec.json"), Path("/ws")) == (
+        "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m model.train /ws/spec.json")
+    with pytest.raises(ValueError, match="launch.nodes=2 with kind local.*use kind slurm"):
+        get_launcher(LauncherConfig(nodes=2)).render(Path("s.json"), Path("."))
+
+
+def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_tail(tmp_path):
+    plan = write_plan(tmp_path / "shards")
+    out = tmp_path / "stage"
+    spec = write_spec(out / "spec.json", plan, out)
+    lines: list[str] = []
+    launcher = get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN))
+    launcher.launch(spec, out, lines.append)
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == 2 and result["final_step"] == 2
+    assert lines[0].startswith("[launch] ") and "--nproc-per-node 2" in lines[0]
+    assert any("world_size" in line for line in lines[1:])  # the trainer's output was streamed
+
+    bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
+    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json exited with code 1") as err:
+        get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(
+            bad, tmp_path / "bad", lambda _: None)
+    assert "missing-plan.json" in str(err.value)  # the tail names the real cause
+    with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
+        launcher.launch(tmp_path / "nope.json", out, print)
+
+
+# --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
+
+SLURM = LauncherConfig(
+    kind="slurm", nodes=48, procs_per_node=8, gpus_per_node=8, master_port=29512,
+    torchrun="/fsx/venv/bin/torchrun", code_dir="/fsx/smollm3-pipeline",
+    env={"NCCL_DEBUG": "WARN", "WEIRD": "a b'c"},
+    slurm=SlurmLaunch(partition="hopper-prod", account="lm", qos="high", time="2-00:00:00",
+                      cpus_per_task=96, mem="0", setup=("source /fsx/venv/bin/activate",),
+                      sbatch_args={"reservation": "smollm3"}, poll_seconds=0.01),
+)
+
+
+def sbatch_lines(script: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --"):].partition("=")
+            out[key] = value or None
+    return out
+
+
+def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_path):
+    script = get_launcher(SLURM).render(Path("/fsx/ws/train/ab12/spec.json"), Path("/fsx/ws/train/ab12"))
+    path = tmp_path / "train.sbatch"
+    path.write_text(script)
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert script.startswith("#!/bin/bash\n")
+    sb = sbatch_lines(script)
+    assert sb == {
+        "job-name": "smollm3", "nodes": "48", "ntasks-per-node": "1", "gpus-per-node": "8",
+        "cpus-per-task": "96", "mem": "0", "partition": "hopper-prod", "account": "lm",
+        "qos": "high", "time": "2-00:00:00", "exclusive": None, "requeue": None,
+        "signal": "B:USR1@300", "open-mode": "append", "output": "/fsx/ws/train/ab12/slurm-%j.log",
+        "chdir": "/fsx/smollm3-pipeline", "reservation": "smollm3",
+    }
+    # every #SBATCH line comes before the first command, or sbatch ignores it
+    body = [ln for ln in script.splitlines() if ln and not ln.startswith("#")]
+    first_cmd = script.splitlines().index(body[0])
+    assert all(i < first_cmd for i, ln in enumerate(script.splitlines()) if ln.startswith("#SBATCH"))
+    assert body[0] == "source /fsx/venv/bin/activate"
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert "MASTER_PORT=29512" in script
+    flat = script.replace("\\\n", " ")
+    srun = next(ln for ln in flat.splitlines() if ln.startswith("srun "))
+    assert srun.split() == [
+        "srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "/fsx/venv/bin/torchrun",
+        '--nnodes="$SLURM_JOB_NUM_NODES"', "--nproc-per-node=8", "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+        "--max-restarts=0", "-m", "model.train", "/fsx/ws/train/ab12/spec.json", "&"]
+    assert "export NCCL_DEBUG=WARN" in script and "export WEIRD='a b'\"'\"'c'" in script
+    assert "scontrol requeue" in script and "trap " in script
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
+
+    minimal = get_launcher(LauncherConfig(kind="slurm", slurm=SlurmLaunch(exclusive=False, requeue=False)))
+    sb = sbatch_lines(minimal.render(Path("/s.json"), Path("/w")))
+    assert "gpus-per-node" not in sb and "partition" not in sb and "requeue" not in sb
+    assert "exclusive" not in sb
+
+
+class FakeSlurm:
+    """Answers sbatch/scontrol/scancel like Slurm would, writing the job log as it 'runs'."""
+
+    def __init__(self, workdir: Path, states: list[str], exit_code: str = "0:0"):
+        self.workdir, self.states, self.exit_code = workdir, list(states), exit_code
+        self.calls: list[list[str]] = []
+
+    def __call__(self, cmd):
+        self.calls.append(list(cmd))
+        if cmd[0] == "sbatch":
+            return done("4242\n")
+        if cmd[0] == "scontrol":
+            state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            if state in ("RUNNING", "COMPLETED", "FAILED"):
+                with open(self.workdir / "slurm-4242.log", "a") as fh:
+                    fh.write(f"line while {state}\n")
+            return done(f"JobId=4242 JobName=smollm3 JobState={state} Reason=None "
+                        f"ExitCode={self.exit_code}\n")
+        return done()
+
+
+def test_slurm_launch_streams_the_log_and_reports_completion(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["PENDING", "RUNNING", "RUNNING", "COMPLETED"])
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert fake.calls[0] == ["sbatch", "--parsable", str(tmp_path / "launch" / "train.sbatch")]
+    assert (tmp_path / "launch" / "train.sbatch").read_text().startswith("#!/bin/bash")
+    assert lines == [
+        f"[launch] submitted Slurm job 4242; log {tmp_path / 'slurm-4242.log'}",
+        "line while RUNNING", "line while RUNNING", "line while COMPLETED",
+        "[launch] Slurm job 4242 completed",
+    ]
+    assert not any(c[0] == "scancel" for c in fake.calls)
+
+
+def test_slurm_failure_raises_with_state_and_log_tail(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["RUNNING", "FAILED"], exit_code="1:0")
+    with pytest.raises(LaunchFailed, match=r"Slurm job 4242 ended FAILED \(exit 1:0\)") as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert "line while FAILED" in str(err.value)
+
+
+def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["RUNNING"])
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt  # what a Prefect cancellation looks like from inside the wait
+
+    with pytest.raises(KeyboardInterrupt):
+        SlurmLauncher(SLURM, runner=fake, sleep=interrupted).launch(spec, tmp_path, lambda _: None)
+    assert fake.calls[-1] == ["scancel", "4242"]
+
+
+def test_slurm_submission_errors_name_the_cause(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+
+    def rejected(cmd):
+        return done(returncode=1, stderr="sbatch: error: invalid partition specified: hopper-prod")
+
+    with pytest.raises(LaunchFailed, match="invalid partition specified: hopper-prod"):
+        SlurmLauncher(SLURM, runner=rejected).launch(spec, tmp_path, lambda _: None)
+
+    def missing(cmd):
+        raise FileNotFoundError(cmd[0])
+
+    with pytest.raises(LaunchFailed, match="sbatch not found.*no Slurm client"):
+        SlurmLauncher(SLURM, runner=missing).launch(spec, tmp_path, lambda _: None)
+
+
+# --- Kubernetes -------------------------------------------------------------------------------------
+
+K8S = LauncherConfig(
+    kind="kubernetes", nodes=48, procs_per_node=8, gpus_per_node=8,
+    env={"NCCL_DEBUG": "WARN"},
+    kubernetes=KubernetesLaunch(image="registry.example/smollm3:1.0", namespace="training",
+                                service_account="s3-writer", workspace_claim="fsx-workspace",
+                                workspace_mount="/fsx/ws", credentials_secret="aws-s3",
+                                cpu="96", memory="1800Gi", poll_seconds=0.01,
+                                node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"}),
+)
+
+
+def test_pytorchjob_manifest(tmp_path):
+    text = get_launcher(K8S).render(Path("/fsx/ws/train/ab12/spec.json"), tmp_path)
+    assert "&id" not in text  # no YAML anchors: plain manifests for kubectl and reviewers
+    job = yaml.safe_load(text)
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"]["namespace"] == "training"
+    assert job["metadata"]["name"].startswith("smollm3-")
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 47
+    assert job["spec"]["nprocPerNode"] == "8"
+    pod = replicas["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch" and container["image"] == "registry.example/smollm3:1.0"
+    assert container["command"] == ["torchrun"]
+    assert container["args"] == ["--nproc-per-node=8", "--max-restarts=0", "-m", "model.train",
+                                 "/fsx/ws/train/ab12/spec.json"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1800Gi"}
+    assert container["envFrom"] == [{"secretRef": {"name": "aws-s3"}}]
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
+    assert {"name": "workspace", "mountPath": "/fsx/ws"} in container["volumeMounts"]
+    assert pod["serviceAccountName"] == "s3-writer"
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert replicas["Master"]["restartPolicy"] == "OnFailure"
+
+    single = yaml.safe_load(get_launcher(LauncherConfig(kind="kubernetes")).render(Path("/s.json"), tmp_path))
+    assert list(single["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    with pytest.raises(ValueError, match="not under kubernetes.workspace_mount /fsx/ws"):
+        get_launcher(K8S).render(Path("/elsewhere/spec.json"), tmp_path)
+
+
+def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
+    ws = tmp_path
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
+        update={"workspace_mount": str(ws)})})
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    calls: list[list[str]] = []
+    conditions = iter([[], [{"type": "Created", "status": "True"}],
+                       [{"type": "Running", "status": "True"}],
+                       [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}]])
+
+    def kubectl(cmd):
+        calls.append(list(cmd))
+        if cmd[1] == "get":
+            return done(json.dumps({"status": {"conditions": next(conditions)}}))
+        if cmd[1] == "logs":
+            return done("step 1 loss 4.8\nstep 2 loss 4.7\n")
+        return done()
+
+    lines: list[str] = []
+    launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
+    launcher.launch(spec, ws, lines.append)
+    name = launcher.job_name(spec.resolve())
+    assert calls[0] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
+    assert ["kubectl", "logs", "-n", "training", f"{name}-master-0", "--tail=200"] in calls
+    assert lines[-2:] == ["step 2 loss 4.7", f"[launch] PyTorchJob training/{name} succeeded"]
+
+    conditions = iter([[{"type": "Failed", "status": "True"}]])
+    with pytest.raises(LaunchFailed, match=f"PyTorchJob training/{name} failed") as err:
+        launcher.launch(spec, ws, lambda _: None)
+    assert "step 2 loss 4.7" in str(err.value)
