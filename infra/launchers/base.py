@@ -39,12 +39,29 @@ LogFn = Callable[[str], None]
 
 
 class LaunchFailed(RuntimeError):
-    """The training job ended unsuccessfully; the message names the job and its last output."""
+    """The training job ended unsuccessfully; the message names the job, the first error line
+    of its output (torchrun's own summary, last, rarely says why a rank died) and its tail."""
 
-    def __init__(self, what: str, tail: Sequence[str] = ()):
-        self.tail = list(tail)
+    def __init__(self, what: str, tail: Sequence[str] = (), first_error: str | None = None):
+        self.tail, self.first_error = list(tail), first_error
+        if first_error:
+            what = f"{what}; first error: {first_error}"
         shown = "\n".join(self.tail)
         super().__init__(f"{what}; last output:\n{shown}" if shown else what)
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+class FirstError:
+    """Remembers the first line of a stream that looks like a Python exception (`XError: ...`)."""
+
+    def __init__(self) -> None:
+        self.line: str | None = None
+
+    def feed(self, line: str) -> None:
+        if self.line is None and (m := _ERROR_LINE.match(line.strip())):
+            self.line = m.group(1)[:500]
 
 
 class SlurmLaunch(BaseModel):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from infra.launchers.base import (
     LAUNCHERS,
+    FirstError,
     Launcher,
     LaunchFailed,
     LogFn,
@@ -57,9 +58,16 @@ class LocalTorchrun(Launcher):
         Path(workdir).mkdir(parents=True, exist_ok=True)
         cmd = self.command(spec_path)
         log(f"[launch] {shlex.join(cmd)}")
+        first = FirstError()
+
+        def stream(line: str) -> None:
+            first.feed(line)
+            log(line)
+
         try:
-            run_streaming(cmd, log, cwd=self.config.code_path, env=self.env())
+            run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env())
         except ChildFailed as exc:
             raise LaunchFailed(
-                f"local torchrun of {spec_path} exited with code {exc.returncode}", exc.tail
+                f"local torchrun of {spec_path} exited with code {exc.returncode}", exc.tail,
+                first.line,
             ) from exc

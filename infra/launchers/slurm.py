@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from infra.launchers.base import LAUNCHERS, Launcher, LaunchFailed, LogFn, check_spec
+from infra.launchers.base import LAUNCHERS, FirstError, Launcher, LaunchFailed, LogFn, check_spec
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 DEFAULT_PORT = 29500
@@ -175,6 +175,7 @@ class SlurmLauncher(Launcher):
         logfile = workdir / f"slurm-{job}.log"
         log(f"[launch] submitted Slurm job {job}; log {logfile}")
         tail: collections.deque[str] = collections.deque(maxlen=40)
+        first = FirstError()
         offset, partial = 0, ""
         try:
             while True:
@@ -187,6 +188,7 @@ class SlurmLauncher(Launcher):
                     *lines, partial = (partial + chunk).split("\n")
                     for line in lines:
                         tail.append(line)
+                        first.feed(line)
                         log(line)
                 if state in DONE or state in FAILED:
                     break
@@ -198,5 +200,6 @@ class SlurmLauncher(Launcher):
             tail.append(partial)
             log(partial)
         if state not in DONE:
-            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail)
+            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail,
+                               first.line)
         log(f"[launch] Slurm job {job} completed")

@@ -92,7 +92,8 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json exited with code 1") as err:
         get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(
             bad, tmp_path / "bad", lambda _: None)
-    assert "missing-plan.json" in str(err.value)  # the tail names the real cause
+    assert err.value.first_error.startswith("FileNotFoundError")  # the real cause, named
+    assert "missing-plan.json" in err.value.first_error
     with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
         launcher.launch(tmp_path / "nope.json", out, print)
 
@@ -173,6 +174,8 @@ class FakeSlurm:
             if state in ("RUNNING", "COMPLETED", "FAILED"):
                 with open(self.workdir / "slurm-4242.log", "a") as fh:
                     fh.write(f"line while {state}\n")
+                    if state == "FAILED":
+                        fh.write("[rank3]: ValueError: spec.steps must be a positive int\n")
             return done(f"JobId=4242 JobName=smollm3 JobState={state} Reason=None "
                         f"ExitCode={self.exit_code}\n")
         return done()
@@ -199,6 +202,7 @@ def test_slurm_failure_raises_with_state_and_log_tail(tmp_path):
     with pytest.raises(LaunchFailed, match=r"Slurm job 4242 ended FAILED \(exit 1:0\)") as err:
         SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
     assert "line while FAILED" in str(err.value)
+    assert err.value.first_error == "ValueError: spec.steps must be a positive int"
 
 
 def test_slurm_interrupted_wait_cancels_the_job(tmp_path):

@@ -1,0 +1,63 @@
+"""The Slurm launcher against a real one-node Slurm cluster (started by `local_slurm`).
+
+The rendered script is submitted with sbatch, runs `srun torchrun` with a c10d rendezvous on the
+node, and trains the tiny model on 2 ranks; a second submission of a longer spec resumes from the
+first job's checkpoint (what a requeue does); a job whose trainer fails is reported with its log.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.launchers import LauncherConfig, LaunchFailed, SlurmLaunch, get_launcher
+from tests.infra.launch_fixtures import write_plan, write_spec
+from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def slurm_config(**kw) -> LauncherConfig:
+    return LauncherConfig(
+        kind="slurm", nodes=1, procs_per_node=2, torchrun=TORCHRUN,
+        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test",
+                          **kw),
+    )
+
+
+@pytest.mark.slow
+def test_sbatch_srun_torchrun_trains_then_a_resubmission_resumes(local_slurm, tmp_path):  # noqa: F811
+    plan = write_plan(tmp_path / "shards")
+    out = tmp_path / "stage"
+    launcher = get_launcher(slurm_config())
+    lines: list[str] = []
+    spec = write_spec(out / "spec.json", plan, out, steps=2)
+    launcher.launch(spec, out, lines.append)
+    first = json.loads((out / "result.json").read_text())
+    assert first["world_size"] == 2 and first["final_step"] == 2 and first["resumed_from"] is None
+    text = "\n".join(lines)
+    assert "[launch] submitted Slurm job" in text
+    assert "rendezvous " in text and "on 1 node(s)" in text  # the script's own banner, streamed
+    assert "srun exited with code 0" in text and lines[-1].endswith("completed")
+
+    # The same stage, longer: a requeued or resubmitted job continues from the checkpoint.
+    spec = write_spec(out / "spec.json", plan, out, steps=4)
+    launcher.launch(spec, out, lambda _: None)
+    second = json.loads((out / "result.json").read_text())
+    assert second["final_step"] == 4 and second["resumed_from"].endswith("step_00000002")
+    assert len(list(out.glob("slurm-*.log"))) == 2
+
+
+@pytest.mark.slow
+def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):  # noqa: F811
+    out = tmp_path / "bad"
+    spec = write_spec(out / "spec.json", tmp_path / "no-such-plan.json", out)
+    with pytest.raises(LaunchFailed, match=r"Slurm job \d+ ended FAILED \(exit 1:0\)") as err:
+        get_launcher(slurm_config(requeue=False)).launch(spec, out, lambda _: None)
+    # the rank's exception, not only torchrun's summary, reaches the message
+    assert err.value.first_error.startswith("FileNotFoundError")
+    assert "no-such-plan.json" in err.value.first_error
+    assert "srun exited with code 1" in str(err.value)
