@@ -104,25 +104,40 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     return conf
 
 
-def _stop(pidfile: Path) -> None:
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (OSError, ValueError):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(50):
+def _stop_all(pidfiles: list[Path], grace: float = 5.0) -> None:
+    """SIGTERM the daemons recorded in `pidfiles` together, SIGKILL what is left after `grace`."""
+    pids = []
+    for pidfile in pidfiles:
         try:
-            os.kill(pid, 0)
+            pids.append(int(pidfile.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
+            pass
+    deadline = time.monotonic() + grace
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
         time.sleep(0.1)
+        alive = [pid for pid in alive if _alive(pid)]
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        pass
+        return False
+    try:  # a daemon reparented to a non-reaping init lingers as a zombie: count it as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")
@@ -180,6 +195,5 @@ def local_slurm():
             else:
                 os.environ["SLURM_CONF"] = old
     finally:
-        for pidfile in reversed(started):
-            _stop(pidfile)
+        _stop_all(started)
         shutil.rmtree(root, ignore_errors=True)

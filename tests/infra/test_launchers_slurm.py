@@ -20,9 +20,9 @@ from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixtur
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def slurm_config(**kw) -> LauncherConfig:
+def slurm_config(procs: int = 2, **kw) -> LauncherConfig:
     return LauncherConfig(
-        kind="slurm", nodes=1, procs_per_node=2, torchrun=TORCHRUN,
+        kind="slurm", nodes=1, procs_per_node=procs, torchrun=TORCHRUN,
         slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test",
                           **kw),
     )
@@ -56,7 +56,7 @@ def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):  # noqa:
     out = tmp_path / "bad"
     spec = write_spec(out / "spec.json", tmp_path / "no-such-plan.json", out)
     with pytest.raises(LaunchFailed, match=r"Slurm job \d+ ended FAILED \(exit 1:0\)") as err:
-        get_launcher(slurm_config(requeue=False)).launch(spec, out, lambda _: None)
+        get_launcher(slurm_config(procs=1, requeue=False)).launch(spec, out, lambda _: None)
     # the rank's exception, not only torchrun's summary, reaches the message
     assert err.value.first_error.startswith("FileNotFoundError")
     assert "no-such-plan.json" in err.value.first_error
