@@ -130,6 +130,12 @@ class CountingJsonlReader(JsonlReader):
     def _reject(self, reason: str, where: str) -> None:
         self.stat_update(f"rejected_{reason}")
         self.stat_update("rejected")
+        self._examples = getattr(self, "_examples", Counter())
+        self._examples[reason] += 1
+        if self._examples[reason] <= 5:  # a few locations per reason, in the stage's task log
+            from datatrove.utils.logging import logger
+
+            logger.warning(f"rejected line ({reason}) at {where}")
 
     def read_file(self, filepath: str):
         import orjson
@@ -140,15 +146,12 @@ class CountingJsonlReader(JsonlReader):
                     continue
                 where = f"{filepath}:{li + 1}"
                 try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    self._reject("invalid_utf8", where)
-                    continue
-                try:
                     record = orjson.loads(raw)
                 except orjson.JSONDecodeError as exc:
-                    # orjson refuses lone surrogates (\ud800): text that cannot be UTF-8 encoded
-                    self._reject("invalid_utf8" if "surrogate" in str(exc) else "malformed_json", where)
+                    # orjson validates UTF-8 itself, and refuses lone surrogates (\ud800): text
+                    # that could not be written back as UTF-8
+                    bad_text = "UTF-8" in str(exc) or "surrogate" in str(exc)
+                    self._reject("invalid_utf8" if bad_text else "malformed_json", where)
                     continue
                 if not isinstance(record, dict) or not isinstance(record.get(self.text_key), str):
                     self._reject("missing_text_field" if isinstance(record, dict) else "malformed_json", where)
@@ -555,19 +558,6 @@ def shard_count(folder: Path) -> int:
     return len(list(folder.glob("*.jsonl.gz")))
 
 
-def count_documents(folder: Path) -> tuple[int, int]:
-    """Documents and characters of the jsonl.gz shards in a folder (the curated output)."""
-    import gzip
-
-    docs = chars = 0
-    for path in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(path, "rb") as fh:
-            for line in fh:
-                docs += 1
-                chars += len(json.loads(line)["text"])
-    return docs, chars
-
-
 def build_curated(config: CurationConfig, corpus: Artifact, out: Path, log=print) -> dict[str, Any]:
     """Curate one corpus artifact into `out/train` (+ `out/heldout` copied as is); return meta."""
     source = corpus.meta.get("source", corpus.short)
@@ -597,7 +587,8 @@ def build_curated(config: CurationConfig, corpus: Artifact, out: Path, log=print
         shutil.copytree(heldout, out / "heldout", dirs_exist_ok=True)
     if (out / "work").exists():
         shutil.rmtree(out / "work")
-    documents, characters = count_documents(out / "train")
+    # the last row's output is what the final writer wrote (no second read of the corpus)
+    documents, characters = (rows[-1]["docs_out"], rows[-1]["chars_out"]) if rows else (0, 0)
     read_rejected = rows[0]["reasons"] if rows and rows[0]["filter"] == "read" else {}
     removed = Counter[str]()
     for row in rows:
