@@ -1,0 +1,122 @@
+"""Environment for a Prefect server and its clients, safe by default beyond one machine.
+
+On a laptop the Prefect server listens on 127.0.0.1 with SQLite and needs no password. On a
+cluster it listens where workers on other nodes can reach it, and then anyone on that network could
+read logs, cancel runs or start deployments: Prefect's API has no authentication unless
+`PREFECT_SERVER_API_AUTH_STRING` is set (HTTP basic auth, `user:password`), which its clients send
+from `PREFECT_API_AUTH_STRING`. `server_env` therefore refuses a non-loopback host without an
+auth string, and builds the rest of the settings that a server at scale needs (PostgreSQL instead
+of SQLite, which serialises writers and does not survive many workers; analytics off).
+
+The auth string and database password are secrets: they travel only in the returned environment
+(for the child process), never in configs, lineage or logs; `redacted` masks them for printing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+
+AUTH_SERVER = "PREFECT_SERVER_API_AUTH_STRING"
+AUTH_CLIENT = "PREFECT_API_AUTH_STRING"
+DATABASE_URL = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+_SECRET_KEYS = {AUTH_SERVER, AUTH_CLIENT}
+
+
+class InsecureServerError(ValueError):
+    """A server setting that would expose an unauthenticated API; the message says what to do."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for hosts only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() in {"localhost", "localhost.localdomain", "ip6-localhost"}:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname or a wildcard: reachable from elsewhere
+
+
+def check_auth(auth: str) -> str:
+    user, sep, password = auth.partition(":")
+    if not sep or not user or not password:
+        raise InsecureServerError(
+            "the Prefect auth string must look like user:password (both non-empty); generate one "
+            "with e.g. `echo admin:$(openssl rand -hex 16)` and keep it in a secret store"
+        )
+    return auth
+
+
+def server_env(
+    host: str = "127.0.0.1",
+    port: int = 4200,
+    auth: str | None = None,
+    *,
+    database_url: str | None = None,
+    home: str | None = None,
+) -> dict[str, str]:
+    """Settings for `prefect server start` (and for clients on the same machine).
+
+    host: where the API listens; anything but loopback (0.0.0.0, a NIC address, a hostname)
+      requires `auth`. database_url: e.g. `postgresql+asyncpg://prefect@db:5432/prefect`; None
+      keeps Prefect's default (SQLite under PREFECT_HOME). home: PREFECT_HOME for the server.
+    """
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"Prefect server port {port} is not a TCP port (1-65535)")
+    if auth is not None:
+        check_auth(auth)
+    elif not is_loopback(host):
+        raise InsecureServerError(
+            f"Prefect server host {host!r} is reachable beyond this machine, but no auth string "
+            f"was given: anyone on the network could run or cancel flows. Pass auth='user:password' "
+            f"(sets {AUTH_SERVER} for the server and {AUTH_CLIENT} for clients), or listen on "
+            "127.0.0.1 and reach it through an SSH tunnel"
+        )
+    client_host = "127.0.0.1" if host in {"0.0.0.0", "::", ""} else host
+    if ":" in client_host and not client_host.startswith("["):
+        client_host = f"[{client_host}]"
+    env = {
+        "PREFECT_SERVER_API_HOST": host,
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **client_env(f"http://{client_host}:{port}/api", auth),
+    }
+    if auth is not None:
+        env[AUTH_SERVER] = auth
+    if database_url is not None:
+        if not database_url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            raise ValueError(
+                f"Prefect database URL {redact_url(database_url)!r} must use the "
+                "postgresql+asyncpg:// (or sqlite+aiosqlite://) driver"
+            )
+        env[DATABASE_URL] = database_url
+    if home is not None:
+        env["PREFECT_HOME"] = home
+    return env
+
+
+def client_env(api_url: str, auth: str | None = None) -> dict[str, str]:
+    """Settings for a client (a worker, `prefect deployment run`, a flow process) of a server."""
+    env = {"PREFECT_API_URL": api_url}
+    if auth is not None:
+        env[AUTH_CLIENT] = check_auth(auth)
+    return env
+
+
+def redact_url(url: str) -> str:
+    """A database URL with its password replaced by ***."""
+    return re.sub(r"(//[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def redacted(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` safe to print or log: auth strings and database passwords masked."""
+    out = {}
+    for key, value in env.items():
+        if key in _SECRET_KEYS:
+            out[key] = "***"
+        elif key == DATABASE_URL:
+            out[key] = redact_url(value)
+        else:
+            out[key] = value
+    return out
