@@ -51,6 +51,37 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_preflight(args) -> int:
+    """`smollm3 preflight RECIPE [key=value ...]` checks a recipe's training setup on this machine;
+    without a recipe name the arguments go to `python -m infra.preflight` (facts and thresholds
+    given by hand)."""
+    argv = list(args.args)
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        from infra.preflight.cli import main as preflight_main
+
+        return preflight_main(argv)
+    from infra.preflight import format_table, run_preflight, should_stop
+    from tasks.preflight import recipe_facts
+    from tasks.pretrain import training_facts
+    from tasks.recipe import load_recipe
+
+    recipe = load_recipe(argv[0], argv[1:])
+    facts = recipe_facts(
+        recipe, (), **training_facts(recipe.training, recipe.tokenizer.vocab_size, len(recipe.stages))
+    )
+    results = run_preflight(recipe.preflight, facts, log=lambda _: None)
+    print(format_table(results))
+    stop = should_stop(results, recipe.preflight.allow_warn)
+    print("preflight: STOP (fix the failing checks)" if stop else "preflight: go")
+    return 1 if stop else 0
+
+
+def cmd_capacity(args) -> int:
+    from infra.planner import main as planner_main
+
+    return planner_main(args.args)
+
+
 def cmd_serve(args) -> int:
     from flows.deployments import main
 
@@ -106,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
     p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")
 
+    p = add("preflight", cmd_preflight, "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)")
+    p.add_argument("args", nargs="*", help="see `smollm3 preflight --help`")
+
+    p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
+    p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
+
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
 
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
@@ -117,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASS_THROUGH:  # their own parsers own every option, --help included
+        return PASS_THROUGH[argv[0]](argparse.Namespace(args=argv[1:])) or 0
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "summary" and args.ui is None:
         api = os.environ.get("PREFECT_API_URL", "")

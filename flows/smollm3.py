@@ -1,4 +1,7 @@
-"""The `smollm3` flow: recipe -> data sources -> ... -> model. Reads like the DAG it builds."""
+"""The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals.
+
+Reads like the DAG it builds; every call is one cached, fingerprinted step (see tasks/step.py).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,21 @@ from prefect import flow
 
 from flows.runner import RunContext
 from tasks.curate import curate
+from tasks.evaluate import eval_suite, evaluate, stage_tasks
+from tasks.export import export
 from tasks.fertility import fertility
 from tasks.mixture import mixture
+from tasks.preflight import preflight, recipe_facts
+from tasks.pretrain import pretrain, schedule_stages, training_facts
 from tasks.recipe import load_recipe
 from tasks.sources import source
 from tasks.tokenize import tokenize
 from tasks.tokenizer import tokenizer
 
-STEPS = ("source", "curate", "tokenizer", "fertility", "tokenize", "mixture")
+STEPS = (
+    "source", "curate", "tokenizer", "fertility", "tokenize", "mixture", "preflight",
+    "eval_suite", "pretrain", "export", "evaluate",
+)
 
 
 @flow(name="smollm3", log_prints=True)
@@ -27,6 +37,7 @@ def smollm3(
     """
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
     with RunContext("smollm3", cfg, recipe, STEPS, refresh or []) as ctx:
+        # Data: sources -> curated corpora -> tokenizer -> fertility -> token shards -> mixtures.
         corpora = {
             s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources
         }
@@ -44,5 +55,27 @@ def smollm3(
             st.name: ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
             for st in cfg.stages
         }
-        del plans  # consumed by pretraining once it lands
+        if not cfg.stages:
+            return ctx.summary()
+
+        # Training: preflight, eval suite, then every stage -> HF export -> evaluation.
+        facts = recipe_facts(
+            cfg, tuple(plans.values()),
+            **training_facts(cfg.training, fert.meta["selected"]["vocab_size"], len(cfg.stages)),
+        )
+        ctx.run(preflight, cfg.preflight, label="preflight",
+                params={"facts": facts.to_dict(), "run_id": ctx.run_id})
+        suite = ctx.run(
+            eval_suite, cfg.eval, [*corpora.values(), *curated.values()], label="suite",
+            params={"seed": cfg.seed, "n_sources": len(corpora)},
+        )
+        previous = None
+        for run in schedule_stages(cfg.training, cfg.stages):
+            inputs = [plans[run.stage.name], *([previous] if previous else [])]
+            previous = ctx.run(pretrain, run, inputs, label=run.stage.name)
+            model = ctx.run(export, cfg.export, [previous, fert], label=run.stage.name)
+            ctx.run(
+                evaluate, cfg.eval, [model, suite], label=run.stage.name,
+                params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
+            )
         return ctx.summary()

@@ -88,11 +88,13 @@ def run_streaming(
     env: Mapping[str, str] | None = None,
     tail_lines: int = 40,
     grace: float = 10.0,
+    on_start: Callable[[int], object] | None = None,
 ) -> int:
     """Run `cmd` to completion, streaming its output to `log`; returns 0 or raises.
 
     `env` entries are added to the current environment. On any exception in the caller's thread
     (including Prefect's cancellation and KeyboardInterrupt), the child's group is killed first.
+    `on_start(pid)` receives the child's pid, which is also its process-group id.
     """
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(
@@ -111,6 +113,8 @@ def run_streaming(
         _live.add(proc)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     try:
+        if on_start is not None:
+            on_start(proc.pid)
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")

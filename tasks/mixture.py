@@ -29,7 +29,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Literal, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +58,12 @@ class StageConfig(BaseModel):
     tokens: int = Field(gt=0)  # tokens trained on in this stage
     seq_len: int = Field(gt=0)  # training sequence length in tokens
     max_epochs: float = Field(default=4.0, gt=0)  # warn when a source repeats more than this
+    # Training: `pretrain` stages share one WSD schedule; `long_context` stages follow with a raised
+    # seq_len and RoPE theta, a fresh optimizer and a fresh cosine schedule (tasks/pretrain.py).
+    kind: Literal["pretrain", "long_context"] = "pretrain"
+    rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override for this stage
+    lr_scale: float = Field(default=1.0, gt=0)  # long_context: peak LR = training.lr x this
+    warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
 
 
 def mixture_path(path: str) -> Path:

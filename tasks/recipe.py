@@ -15,9 +15,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.preflight import PreflightConfig
 from tasks.curate import PRESETS, CurationConfig
+from tasks.evaluate import EvalConfig
+from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig, check_stages, load_weights
+from tasks.pretrain import TrainingConfig
 from tasks.sources import SourceConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
@@ -43,6 +47,10 @@ class Recipe(BaseModel):
     fertility: FertilityConfig = FertilityConfig()  # candidate tokenizers and the choice rule
     tokenize: TokenizeConfig = TokenizeConfig()  # token shards per source
     stages: tuple[StageConfig, ...] = ()  # pretraining stages: mixture file, tokens, seq_len
+    preflight: PreflightConfig = PreflightConfig()  # checks before training, and thresholds
+    training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
+    export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
+    eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:
@@ -66,6 +74,11 @@ class Recipe(BaseModel):
         if unknown:
             raise ValueError(f"curation.minhash_skip names unknown source(s) {', '.join(unknown)}")
         check_stages(self.stages, names)  # mixtures fail here, before any compute
+        kinds = [st.kind for st in self.stages]
+        if "long_context" in kinds and "pretrain" in kinds[kinds.index("long_context"):]:
+            raise ValueError("stages: every pretrain stage must come before the long_context stages")
+        if kinds and kinds[0] != "pretrain":
+            raise ValueError("stages: the first stage must be a pretrain stage")
         return self
 
     def mixture_weights(self) -> dict[str, float]:

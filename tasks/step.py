@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -128,7 +129,7 @@ def execute(
         kind=d.kind,
         config={"config": config, "params": params},
         inputs=inputs,
-        build=lambda out: d.build(config, inputs, out, log=logger.info, **params),
+        build=lambda out: d.build(config, inputs, out, log=logger.info, **_progress(d, label), **params),
         extra=extra,
         refresh=refresh,
         resumable=d.resumable,
@@ -140,6 +141,22 @@ def execute(
     if outcome.built and d.publish is not None:
         d.publish(artifact, ws, label)
     return artifact
+
+
+def _progress(d: StepDef, label: str) -> dict[str, Any]:
+    """A `progress(percent)` callback backed by a Prefect progress artifact, for build functions
+    that accept one (long steps such as training stages)."""
+    if "progress" not in inspect.signature(d.build).parameters:
+        return {}
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{label}-progress".lower())
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=f"{d.name}[{label}]")
+
+    def progress(percent: float) -> None:
+        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
+
+    return {"progress": progress}
 
 
 def results_storage(ws: Workspace) -> Path:

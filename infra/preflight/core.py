@@ -65,6 +65,7 @@ class PreflightFacts:
     model_vocab: int = 0  # rows of the model's embedding matrix
     params: int = 0  # model parameters (for checkpoint-size estimates)
     stage_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> tokens trained on
+    stage_seq_len: Mapping[str, int] = field(default_factory=dict)  # stage -> its seq_len (else seq_len)
     available_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> unique tokens
     shards: tuple[str, ...] = ()  # tokenized shard folders (.ds files) that must exist
     mixture_plans: tuple[str, ...] = ()  # plan.json of each stage's mixture step (per-source epochs)
@@ -102,6 +103,7 @@ class PreflightFacts:
         """Plain JSON data (for step params and fingerprints)."""
         d = dataclasses.asdict(self)
         d["stage_tokens"] = dict(self.stage_tokens)
+        d["stage_seq_len"] = dict(self.stage_seq_len)
         d["available_tokens"] = dict(self.available_tokens)
         d["shards"] = list(self.shards)
         d["mixture_plans"] = list(self.mixture_plans)

@@ -89,15 +89,17 @@ class StagePlan(Check):
             )
         total = sum(f.stage_tokens.values())
         value = f"{len(f.stage_tokens)} stages, {human_tokens(total)} tokens"
-        per_step = f.global_batch * f.seq_len
-        if per_step:
-            steps = {s: t / per_step for s, t in f.stage_tokens.items()}
+        def per_step(stage: str) -> int:
+            return f.global_batch * f.stage_seq_len.get(stage, f.seq_len)
+
+        if all(per_step(s) for s in f.stage_tokens):
+            steps = {s: t / per_step(s) for s, t in f.stage_tokens.items()}
             short = [s for s, n in steps.items() if n < 1]
-            value += f", {human_tokens(total / per_step)} steps"
+            value += f", {human_tokens(sum(steps.values()))} steps"
             if short:
                 return self.result(
                     "fail", value, threshold,
-                    f"stage(s) {', '.join(short)} are shorter than one optimizer step of "
-                    f"{human_tokens(per_step)} tokens",
+                    f"stage(s) {', '.join(short)} are shorter than one optimizer step "
+                    f"({', '.join(f'{s}: {human_tokens(per_step(s))} tokens' for s in short)})",
                 )
         return self.result("pass", value, threshold, metric=total)

@@ -1,0 +1,368 @@
+"""Evaluation: cloze tasks from the held-out splits, passkey retrieval, contamination, lm-eval.
+
+Two steps:
+- `eval_suite` builds the task files once per data version: cloze-format multiple-choice tasks
+  from each domain's held-out split (prose continuation, code continuation, arithmetic), passkey
+  retrieval at several context lengths, and a contamination report (word n-gram overlap between
+  every eval item and the training corpora). Tasks are lm-eval YAML files (`dataset_path: json`
+  with local `data_files`), so they run offline and anyone can rerun them with `lm_eval`.
+- `evaluate` runs lm-eval's `hf` model on one exported checkpoint over the suite (plus any hub task
+  names from the recipe, for users with hub access) and records the scores.
+
+Cloze formulation (the playbook's choice for early checkpoints): the model scores each choice's
+log-likelihood after the context; `acc_norm` normalises by the choice's length, so it does not
+favour short continuations. Random accuracy is 1 / choices, recorded for margin checks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.artifact import Artifact
+from tasks.sources import read_shards
+from tasks.step import step
+
+CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
+
+
+class EvalConfig(BaseModel):
+    """The recipe's `eval` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    items_per_task: int = Field(default=200, gt=0)  # cloze items per task (fewer if data is short)
+    choices: int = Field(default=4, ge=2)  # choices per item: 1 gold + distractors
+    context_words: int = Field(default=48, gt=0)  # prose context length
+    continuation_words: int = Field(default=12, gt=0)  # prose continuation length
+    code_context_lines: int = Field(default=10, gt=0)  # code context length in lines
+    passkey_lengths: tuple[int, ...] = (128, 384, 896)  # passkey contexts, in words of filler
+    passkey_items: int = Field(default=20, gt=0)  # items per passkey length
+    lm_eval_tasks: tuple[str, ...] = ()  # extra lm-eval task names (hub data: needs network)
+    contamination_ngram: int = Field(default=8, ge=4)  # word n-gram length for overlap
+    contamination_max_docs: int = Field(default=50_000, gt=0)  # training docs scanned per corpus
+    batch_size: int = Field(default=8, gt=0)  # lm-eval batch size
+    device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
+    limit: int | None = Field(default=None, gt=0)  # cap items per task (quick checks)
+
+
+# --- building tasks -------------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def prose_items(docs: Sequence[str], cfg: EvalConfig, rng: random.Random) -> list[dict[str, Any]]:
+    """Context of `context_words`, gold = the next words, distractors = other docs' passages."""
+    need = cfg.context_words + cfg.continuation_words
+    passages = []
+    for text in docs:
+        words = _words(text)
+        for start in range(0, len(words) - need + 1, need * 4):
+            passages.append(words[start : start + need])
+    rng.shuffle(passages)
+    items = []
+    for i, words in enumerate(passages[: cfg.items_per_task]):
+        others = [p for j, p in enumerate(passages) if j != i]
+        if len(others) < cfg.choices - 1:
+            break
+        distractors = [" ".join(p[cfg.context_words :]) for p in rng.sample(others, cfg.choices - 1)]
+        items.append(_item(" ".join(words[: cfg.context_words]), " ".join(words[cfg.context_words :]), distractors, rng))
+    return items
+
+
+def code_items(docs: Sequence[str], cfg: EvalConfig, rng: random.Random) -> list[dict[str, Any]]:
+    """Context = `code_context_lines` lines, gold = the next non-empty line, distractors = lines
+    from elsewhere of similar length."""
+    windows: list[tuple[str, str]] = []
+    pool: list[str] = []
+    for text in docs:
+        lines = text.splitlines()
+        pool += [ln for ln in lines if len(ln.strip()) > 10]
+        for start in range(0, len(lines) - cfg.code_context_lines - 1, cfg.code_context_lines * 5):
+            target = lines[start + cfg.code_context_lines]
+            if len(target.strip()) > 10:
+                windows.append(("\n".join(lines[start : start + cfg.code_context_lines]) + "\n", target))
+    rng.shuffle(windows)
+    items = []
+    for context, gold in windows[: cfg.items_per_task]:
+        candidates = [ln for ln in rng.sample(pool, min(len(pool), 50)) if ln != gold]
+        candidates.sort(key=lambda ln: abs(len(ln) - len(gold)))
+        if len(candidates) < cfg.choices - 1:
+            continue
+        items.append(_item(context, gold, candidates[: cfg.choices - 1], rng, delimiter=""))
+    return items
+
+
+_ANSWER = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
+
+
+def _wrong_numbers(answer: int, k: int, rng: random.Random) -> list[str]:
+    candidates = {answer + d for d in (-10, -2, -1, 1, 2, 10, 100)} | {int(str(abs(answer))[::-1] or 0)}
+    candidates.discard(answer)
+    picked = rng.sample(sorted(candidates), min(k, len(candidates)))
+    return [str(n) for n in picked]
+
+
+def arithmetic_items(docs: Sequence[str], cfg: EvalConfig, rng: random.Random) -> list[dict[str, Any]]:
+    """The worked solution up to its final result; choices = the right number and near misses."""
+    items = []
+    for text in docs:
+        m = _ANSWER.match(text.strip())
+        if not m:
+            continue
+        answer, solution = m["answer"], m["solution"]
+        cut = solution.rfind(answer)
+        if cut <= 0:
+            continue
+        context = f"Problem: {m['problem']}\nSolution: {solution[:cut].rstrip()}"
+        items.append(_item(context, answer, _wrong_numbers(int(answer), cfg.choices - 1, rng), rng))
+        if len(items) >= cfg.items_per_task:
+            break
+    return items
+
+
+_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+).split()
+
+
+def passkey_items(length_words: int, cfg: EvalConfig, rng: random.Random) -> list[dict[str, Any]]:
+    """A pass key hidden at a random depth in `length_words` words of filler."""
+    items = []
+    for _ in range(cfg.passkey_items):
+        key = rng.randint(10000, 99999)
+        filler = [_FILLER[i % len(_FILLER)] for i in range(length_words)]
+        depth = rng.randint(0, length_words)
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key.".split()
+        words = filler[:depth] + needle + filler[depth:]
+        context = " ".join(words) + "\nWhat is the pass key? The pass key is"
+        wrong = [str(k) for k in rng.sample(range(10000, 100000), cfg.choices - 1) if k != key]
+        items.append(_item(context, str(key), wrong[: cfg.choices - 1], rng))
+    return items
+
+
+def _item(context: str, gold: str, distractors: list[str], rng: random.Random, delimiter: str = " ") -> dict[str, Any]:
+    choices = [gold, *distractors]
+    rng.shuffle(choices)
+    return {"context": context, "choices": choices, "gold": choices.index(gold), "delimiter": delimiter}
+
+
+def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool) -> list[str]:
+    """What to run after a stage: the cloze tasks always, passkey retrieval after context
+    extension, and the recipe's extra lm-eval tasks."""
+    built = list(suite.meta.get("tasks", {}))
+    cloze = [t for t in built if not t.startswith("passkey_")]
+    passkey = [t for t in built if t.startswith("passkey_")] if long_context else []
+    return [*cloze, *passkey, *cfg.lm_eval_tasks]
+
+
+def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
+    """An lm-eval task over a local JSONL file (offline: `dataset_path: json`)."""
+    return "\n".join([
+        f"task: {name}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data_file))}",
+        "test_split: test",
+        "output_type: multiple_choice",
+        'doc_to_text: "{{context}}"',
+        'doc_to_choice: "{{choices}}"',
+        "doc_to_target: gold",
+        f"target_delimiter: {json.dumps(delimiter)}",
+        "metric_list:",
+        "  - metric: acc",
+        "    aggregation: mean",
+        "    higher_is_better: true",
+        "  - metric: acc_norm",
+        "    aggregation: mean",
+        "    higher_is_better: true",
+        "",
+    ])
+
+
+def ngrams(text: str, n: int) -> Iterator[int]:
+    words = re.findall(r"\w+", text.lower())
+    for i in range(len(words) - n + 1):
+        yield hash(" ".join(words[i : i + n]))
+
+
+def contamination(
+    tasks: dict[str, list[dict[str, Any]]], training_texts: Iterable[str], n: int
+) -> dict[str, dict[str, float]]:
+    """Share of each task's items sharing a word n-gram (context + gold) with training text."""
+    item_grams: dict[tuple[str, int], set[int]] = {}
+    wanted: set[int] = set()
+    for name, items in tasks.items():
+        for i, item in enumerate(items):
+            text = item["context"] + item["delimiter"] + item["choices"][item["gold"]]
+            grams = set(ngrams(text, n))
+            item_grams[(name, i)] = grams
+            wanted |= grams
+    seen: set[int] = set()
+    scanned = 0
+    for text in training_texts:
+        scanned += 1
+        seen.update(g for g in ngrams(text, n) if g in wanted)
+    report = {}
+    for name, items in tasks.items():
+        hit = sum(1 for i in range(len(items)) if item_grams[(name, i)] & seen)
+        report[name] = {"items": len(items), "contaminated": hit,
+                        "rate": hit / len(items) if items else 0.0}
+    return report
+
+
+def _texts(folder: Path, limit: int | None = None) -> Iterator[str]:
+    for i, doc in enumerate(read_shards(folder)):
+        if limit is not None and i >= limit:
+            return
+        yield doc["text"]
+
+
+def build_suite(
+    cfg: EvalConfig, sources: Sequence[Artifact], training: Sequence[Artifact], out: Path,
+    seed: int = 0, log=print,
+) -> dict[str, Any]:
+    """Write every task's JSONL + YAML into `out/tasks` and the contamination report."""
+    rng = random.Random(f"eval-suite:{seed}")
+    by_domain: dict[str, list[str]] = {"web": [], "code": [], "math": []}
+    for art in sources:
+        by_domain[art.meta["domain"]].extend(_texts(art.path / "heldout"))
+    tasks = {
+        "prose_cloze": prose_items(by_domain["web"], cfg, rng),
+        "code_cloze": code_items(by_domain["code"], cfg, rng),
+        "arithmetic_cloze": arithmetic_items(by_domain["math"], cfg, rng),
+    }
+    for length in cfg.passkey_lengths:
+        tasks[f"passkey_{length}"] = passkey_items(length, cfg, rng)
+    tasks = {k: v for k, v in tasks.items() if v}
+    if not tasks:
+        raise ValueError("no eval items could be built: the held-out splits are empty")
+    task_dir = out / "tasks"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    for name, items in tasks.items():
+        data = task_dir / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
+        (task_dir / f"{name}.yaml").write_text(task_yaml(name, data, items[0]["delimiter"]))
+    cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
+    report = contamination(
+        cloze,
+        (t for art in training for t in _texts(art.path / "train", cfg.contamination_max_docs)),
+        cfg.contamination_ngram,
+    )
+    (out / "contamination.json").write_text(json.dumps(report, indent=2))
+    for name, r in report.items():
+        log(f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
+            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})")
+    return {
+        "tasks": {k: len(v) for k, v in tasks.items()},
+        "choices": cfg.choices,
+        "random_accuracy": 1.0 / cfg.choices,
+        "contamination": {k: round(v["rate"], 4) for k, v in report.items()},
+        "task_dir": str(task_dir),
+    }
+
+
+# --- running lm-eval ------------------------------------------------------------------------
+
+
+def run_lm_eval(
+    model_dir: Path, task_dir: Path | None, tasks: Sequence[str], cfg: EvalConfig, out: Path
+) -> dict[str, dict[str, float]]:
+    """Scores per task from lm-eval's `hf` model: {task: {acc, acc_stderr, acc_norm, ...}}."""
+    import lm_eval
+    import lm_eval.models  # noqa: F401  (registers the built-in `hf` model before any lookup)
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    hub = [t for t in tasks if t in cfg.lm_eval_tasks]
+    manager = TaskManager(
+        include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub)
+    )
+    results = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={model_dir},dtype=float32,device={device}",
+        tasks=list(tasks),
+        task_manager=manager,
+        batch_size=cfg.batch_size,
+        limit=cfg.limit,
+        log_samples=False,
+    )
+    scores: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        scores[task] = {
+            k.split(",")[0]: float(v) for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and "," in k
+            and not (isinstance(v, float) and v != v)
+        }
+    (out / "lm_eval_results.json").write_text(json.dumps(results["results"], indent=2, default=str))
+    return scores
+
+
+def build_eval(
+    cfg: EvalConfig, model: Artifact, suite: Artifact, out: Path, tasks: Sequence[str], log=print
+) -> dict[str, Any]:
+    available = set(suite.meta["tasks"])
+    missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
+    if missing:
+        raise ValueError(
+            f"eval tasks {missing} are not in the suite ({', '.join(sorted(available))}) nor in "
+            "the recipe's eval.lm_eval_tasks"
+        )
+    log(f"evaluating {model.meta.get('stage', model.short)} on {', '.join(tasks)}")
+    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out)
+    table = "\n".join(
+        ["| task | acc | acc_norm | stderr |", "|---|---|---|---|"]
+        + [f"| {t} | {s.get('acc', float('nan')):.3f} | {s.get('acc_norm', float('nan')):.3f} | "
+           f"{s.get('acc_stderr', float('nan')):.3f} |" for t, s in sorted(scores.items())]
+    )
+    (out / "scores.md").write_text(table + "\n")
+    (out / "scores.json").write_text(json.dumps(scores, indent=2))
+    log("\n" + table)
+    return {"stage": model.meta.get("stage"), "scores": scores,
+            "random_accuracy": suite.meta["random_accuracy"]}
+
+
+def publish_eval(artifact: Artifact, ws, label: str) -> None:
+    """Scores to DuckDB (`evals`) and a Prefect table artifact."""
+    from datetime import UTC, datetime
+
+    from prefect.artifacts import create_table_artifact
+    from prefect.runtime import flow_run
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    run_id = str(flow_run.id) if flow_run.id else None
+    rows, table = [], []
+    for task, metrics in sorted(artifact.meta["scores"].items()):
+        for metric, value in metrics.items():
+            if metric.endswith("_stderr"):
+                continue
+            rows.append((artifact.fingerprint, run_id, task, metric, value,
+                         metrics.get(f"{metric}_stderr"), now))
+        table.append({"stage": label, "task": task, **{k: round(v, 4) for k, v in metrics.items()}})
+    ws.lineage().record_rows("evals", rows)
+    key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{label}".lower())
+    create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
+
+
+@step("eval_suite", version=1, kind="eval")
+def eval_suite(config: EvalConfig, inputs, out: Path, *, log=print, seed: int = 0, n_sources: int) -> dict[str, Any]:
+    """Prefect task: the eval suite from the sources' held-out splits (first `n_sources` inputs)
+    and contamination against the curated training corpora (the rest)."""
+    return build_suite(config, inputs[:n_sources], inputs[n_sources:], out, seed, log)
+
+
+@step("evaluate", version=1, kind="eval", publish=publish_eval)
+def evaluate(config: EvalConfig, inputs, out: Path, *, log=print, tasks: list[str]) -> dict[str, Any]:
+    """Prefect task: lm-eval over one exported model (inputs: hf_model, eval suite)."""
+    model, suite = inputs
+    return build_eval(config, model, suite, out, tasks, log)

@@ -1,0 +1,55 @@
+"""Export a stage's final checkpoint to a Hugging Face folder: the format of every stage boundary.
+
+The folder (`model/` in the step folder) is a `SmolLM3ForCausalLM` `save_pretrained` export with
+safetensors weights and the run's tokenizer (with its ChatML template), so lm-eval's `hf` model,
+TRL and serving stacks load it with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from infra.artifact import Artifact
+from tasks.step import step
+from tasks.tokenize import selected_tokenizer
+
+
+class ExportConfig(BaseModel):
+    """The recipe's `export` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["float32", "bfloat16"] = "float32"  # weights dtype of the exported folder
+
+
+def tokenizer_folder(inputs: tuple[Artifact, ...]) -> tuple[Path, int]:
+    """The HF tokenizer folder and EOS id chosen upstream (fertility decision or tokenizer)."""
+    chosen = selected_tokenizer(inputs)
+    path = Path(chosen["path"])
+    return (path.parent if path.is_file() else path), int(chosen["eos_id"])
+
+
+def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, log=print) -> dict[str, Any]:
+    import torch
+
+    from model.checkpoint import load_model
+    from model.hf import export_hf
+
+    checkpoint = next(a for a in inputs if a.kind == "checkpoint")
+    tok_dir, eos_id = tokenizer_folder(tuple(a for a in inputs if a.kind in ("fertility", "tokenizer")))
+    model = load_model(checkpoint.meta["checkpoint"])
+    folder = export_hf(model, out / "model", tokenizer_dir=tok_dir, eos_token_id=eos_id,
+                       dtype=getattr(torch, config.dtype))
+    n = sum(p.numel() for p in model.parameters())
+    log(f"exported {checkpoint.meta['stage']} ({n:,} parameters) to {folder}")
+    return {"stage": checkpoint.meta["stage"], "kind": checkpoint.meta.get("kind"),
+            "model_dir": str(folder), "parameters": n, "dtype": config.dtype}
+
+
+@step("export", version=1, kind="hf_model")
+def export(config: ExportConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Prefect task: checkpoint (+ fertility/tokenizer artifact) -> HF folder."""
+    return build_export(config, inputs, out, log)

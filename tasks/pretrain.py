@@ -1,0 +1,348 @@
+"""Pretraining stages: one torchrun launch of `model.train` per stage, resumable inside its folder.
+
+SmolLM3's schedule, as data:
+- the `pretrain` stages (stage 1, 2, 3) share ONE warmup-stable-decay schedule: each stage knows
+  its position in it (`start_step` of `total_steps`), and the decay covers the last
+  `decay_stages` stages (SmolLM3: stage 3, ~11% of the steps), so a stage boundary never resets
+  the learning rate;
+- `long_context` stages follow, each from the previous stage's final checkpoint with a raised
+  sequence length and RoPE theta, a fresh optimizer and a fresh (cosine) schedule at a fraction of
+  the peak LR (SmolLM3: 4k->32k->64k at 2e-5, 10% of 2e-4).
+
+The step writes `spec.json` into its folder and launches
+`python -m torch.distributed.run --standalone --nproc-per-node N -m model.train spec.json` through
+`infra.proc.run_streaming` (own process group, output streamed to the run logger, killed with the
+task). The folder is resumable: after a crash or a `prefect flow-run retry`, the trainer restarts
+from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
+the publish hook ingests them into DuckDB and posts a summary with the loss curve to the UI.
+
+Testing hook: `SMOLLM3_INJECT_FAILURE=<stage>` kills that stage's trainer (SIGKILL of its process
+group, as a node failure would) once its first checkpoint is complete, once per stage folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from infra.artifact import Artifact
+from infra.proc import run_streaming
+from tasks.mixture import StageConfig
+from tasks.step import step
+
+FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
+
+
+class TrainingConfig(BaseModel):
+    """The recipe's `training` section: model, batch, optimizer and schedule shared by stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "tiny"  # ModelConfig preset: tiny, smollm3_3b, ablation_1b
+    model_overrides: dict[str, Any] = {}  # ModelConfig fields to change (vocab comes from the plan)
+    nproc_per_node: int = Field(default=1, gt=0)  # torchrun processes (GPUs) per node
+    global_batch: int = Field(default=16, gt=0)  # sequences per optimizer step over all ranks
+    micro_batch: int = Field(default=8, gt=0)  # sequences per rank per forward/backward
+    lr: float = Field(default=3e-3, gt=0)  # peak learning rate (SmolLM3 3B: 2e-4)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    eps: float = Field(default=1e-8, gt=0)  # AdamW epsilon
+    weight_decay: float = Field(default=0.1, ge=0)  # matrices only, never embeddings or norms
+    grad_clip: float = Field(default=1.0, ge=0)  # max gradient norm; 0 disables
+    warmup_steps: int = Field(default=10, ge=0)  # linear warmup at the start of stage 1
+    min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
+    decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
+    checkpoint_interval: int = Field(default=25, gt=0)  # steps between checkpoints
+    keep_last: int = Field(default=2, ge=1)  # complete checkpoints kept besides stage ends
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA with NCCL+bf16 when present
+    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex on GPU, SDPA on CPU
+    num_threads: int | None = Field(default=None, gt=0)  # CPU threads per rank
+    peak_flops: float | None = Field(default=None, gt=0)  # declared peak for MFU (else measured)
+    log_interval: int = Field(default=1, gt=0)  # steps between metrics lines
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainingConfig:
+        per_step = self.micro_batch * self.nproc_per_node
+        if self.global_batch % per_step:
+            raise ValueError(
+                f"global_batch {self.global_batch} must be a multiple of micro_batch x "
+                f"nproc_per_node = {self.micro_batch} x {self.nproc_per_node}"
+            )
+        from model.config import ModelConfig
+
+        ModelConfig.from_preset(self.model)  # unknown presets fail at load time, listing the allowed
+        return self
+
+
+class StageRun(BaseModel):
+    """Everything one stage launch depends on (its fingerprint), resolved from the recipe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: StageConfig
+    training: TrainingConfig
+    kind: Literal["pretrain", "long_context"]
+    steps: int  # optimizer steps of this stage
+    schedule: Literal["wsd", "cosine"]
+    lr: float  # peak LR of this stage's schedule
+    warmup_steps: int
+    decay_fraction: float  # wsd: share of total_steps spent decaying
+    total_steps: int  # length of the schedule this stage is part of
+    start_step: int  # this stage's first position in that schedule
+    rope_theta: float | None  # RoPE base override (context extension)
+    fresh: bool  # fresh optimizer and schedule (context extension, annealing)
+
+
+def stage_steps(stage: StageConfig, training: TrainingConfig) -> int:
+    return max(1, math.ceil(stage.tokens / (training.global_batch * stage.seq_len)))
+
+
+def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig]) -> list[StageRun]:
+    """Resolve the recipe's stages into launches: one WSD across the pretrain stages, then a fresh
+    cosine schedule per long-context stage."""
+    main = [s for s in stages if s.kind == "pretrain"]
+    steps = [stage_steps(s, training) for s in main]
+    total = sum(steps)
+    decay = sum(steps[len(steps) - training.decay_stages :]) if training.decay_stages else 0
+    runs, position = [], 0
+    for s, n in zip(main, steps, strict=True):
+        runs.append(StageRun(
+            stage=s, training=training, kind="pretrain", steps=n, schedule="wsd", lr=training.lr,
+            warmup_steps=min(training.warmup_steps, total), decay_fraction=decay / total if total else 0.0,
+            total_steps=total, start_step=position, rope_theta=s.rope_theta, fresh=False,
+        ))
+        position += n
+    for s in stages:
+        if s.kind != "long_context":
+            continue
+        n = stage_steps(s, training)
+        runs.append(StageRun(
+            stage=s, training=training, kind="long_context", steps=n, schedule="cosine",
+            lr=training.lr * s.lr_scale, warmup_steps=min(s.warmup_steps, n), decay_fraction=1.0,
+            total_steps=n, start_step=0, rope_theta=s.rope_theta, fresh=True,
+        ))
+    return runs
+
+
+def trainer_spec(run: StageRun, plan: Path, out: Path, init_from: str | None) -> dict[str, Any]:
+    """The `model.spec.TrainSpec` JSON for one stage."""
+    t = run.training
+    return {
+        "mixture_plan": str(plan),
+        "out_dir": str(out),
+        "steps": run.steps,
+        "global_batch": t.global_batch,
+        "micro_batch": t.micro_batch,
+        "model_preset": t.model,
+        "model_overrides": dict(t.model_overrides),
+        "seq_len": run.stage.seq_len,
+        "rope_theta": run.rope_theta,
+        "optimizer": {"lr": run.lr, "betas": list(t.betas), "eps": t.eps,
+                      "weight_decay": t.weight_decay, "grad_clip": t.grad_clip},
+        "schedule": {"kind": run.schedule, "warmup_steps": run.warmup_steps,
+                     "decay_fraction": run.decay_fraction, "min_lr": t.min_lr,
+                     "total_steps": run.total_steps, "start_step": run.start_step},
+        "init_from": init_from,
+        "reset_optimizer": bool(init_from) and run.fresh,
+        "reset_schedule": bool(init_from) and run.fresh,
+        "checkpoint_interval": t.checkpoint_interval,
+        "keep_last": t.keep_last,
+        "seed": 0,
+        "log_interval": t.log_interval,
+        "device": t.device,
+        "attention_backend": t.attention_backend,
+        "num_threads": t.num_threads,
+        "peak_flops": t.peak_flops,
+    }
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    return rows
+
+
+def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:orange", lw=0.8, alpha=0.7)
+    ax2.set_ylabel("lr", color="tab:orange")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class _Watcher(threading.Thread):
+    """Reports progress from metrics.jsonl and, when asked, kills the trainer after its first
+    complete checkpoint (the failure-injection hook)."""
+
+    def __init__(self, out: Path, steps: int, progress, inject: bool):
+        super().__init__(daemon=True)
+        self.out, self.steps, self.progress, self.inject = out, steps, progress, inject
+        self.stop = threading.Event()
+        self.injected = False
+
+    def run(self) -> None:
+        from model.checkpoint import Checkpointer
+
+        while not self.stop.wait(1.0):
+            rows = read_metrics(self.out / "metrics.jsonl")
+            if rows and self.progress:
+                self.progress(100.0 * rows[-1]["step"] / self.steps)
+            if self.inject and Checkpointer(self.out / "checkpoints").latest() is not None:
+                (self.out / ".failure-injected").write_text(time.strftime("%FT%T"))
+                self.injected = True
+                pgid = _trainer_pgid(self.out)
+                if pgid:
+                    os.killpg(pgid, 9)
+                return
+
+
+def _trainer_pgid(out: Path) -> int | None:
+    try:
+        return int((out / ".trainer.pgid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_stage(run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=print, progress=None) -> dict[str, Any]:
+    plan = inputs[0]
+    previous = next((a for a in inputs[1:] if a.kind == "checkpoint"), None)
+    init_from = previous.meta["checkpoint"] if previous else None
+    spec = trainer_spec(run, plan.path / "plan.json", out, init_from)
+    (out / "spec.json").write_text(json.dumps(spec, indent=2))
+    resumed = (out / "checkpoints").exists() and any((out / "checkpoints").iterdir())
+    log(f"{run.stage.name}: {run.steps} steps x {run.training.global_batch} x {run.stage.seq_len} "
+        f"tokens, {run.schedule} lr {run.lr:g} (positions {run.start_step}..{run.start_step + run.steps} "
+        f"of {run.total_steps}){', resuming in ' + str(out) if resumed else ''}")
+    inject = os.environ.get(FAILURE_ENV) == run.stage.name and not (out / ".failure-injected").exists()
+    watcher = _Watcher(out, run.steps, progress, inject)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={run.training.nproc_per_node}", "-m", "model.train", str(out / "spec.json")]
+    env = {"OMP_NUM_THREADS": str(run.training.num_threads or os.cpu_count() or 1),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    watcher.start()
+    try:
+        run_streaming(cmd, log, env=env, on_start=lambda pid: (out / ".trainer.pgid").write_text(str(pid)))
+    except Exception:
+        if watcher.injected:
+            raise RuntimeError(f"injected failure ({FAILURE_ENV}={run.stage.name}): trainer killed "
+                               "after its first checkpoint") from None
+        raise
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    result = json.loads((out / "result.json").read_text())
+    rows = read_metrics(out / "metrics.jsonl")
+    if rows:
+        loss_curve(rows, out / "loss.png", f"{run.stage.name} ({run.kind})")
+    speeds = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
+    mfus = [r["mfu"] for r in rows[1:]] or [r["mfu"] for r in rows]
+    meta = {
+        "stage": run.stage.name,
+        "kind": run.kind,
+        "steps": run.steps,
+        "seq_len": run.stage.seq_len,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "checkpoint": result.get("checkpoint"),
+        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "resumed": resumed,
+        "init_from": init_from,
+    }
+    (out / "summary.md").write_text(stage_markdown(meta, rows))
+    return meta
+
+
+def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"# {meta['stage']} ({meta['kind']})",
+        "",
+        f"- steps: {meta['steps']}, sequence length {meta['seq_len']}",
+        f"- final loss: {meta['final_loss']:.4f}" if meta["final_loss"] is not None else "- no metrics",
+        f"- throughput: {meta['tokens_per_s']:.0f} tokens/s, MFU {meta['mfu']:.1%}" if meta["tokens_per_s"] else "",
+        f"- resumed from an earlier attempt: {meta['resumed']}",
+        f"- initialised from: {meta['init_from'] or 'scratch'}",
+        "",
+        "| source | tokens drawn |",
+        "|---|---|",
+        *[f"| {k} | {v:,} |" for k, v in sorted(meta["tokens_per_source"].items())],
+    ]
+    return "\n".join(x for x in lines if x is not None) + "\n"
+
+
+def publish_stage(artifact: Artifact, ws, label: str) -> None:
+    """Metrics to DuckDB; the stage summary with its loss curve to the Prefect UI."""
+    import re
+
+    from prefect.artifacts import create_markdown_artifact
+
+    rows = read_metrics(artifact.path / "metrics.jsonl")
+    facts = [
+        (artifact.fingerprint, r["step"], name, float(r[name]))
+        for r in rows for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+        if isinstance(r.get(name), int | float)
+    ]
+    ws.lineage().record_rows("metrics", facts)
+    markdown = (artifact.path / "summary.md").read_text()
+    png = artifact.path / "loss.png"
+    if png.exists():
+        data = base64.b64encode(png.read_bytes()).decode()
+        markdown += f"\n![loss curve](data:image/png;base64,{data})\n"
+    key = re.sub(r"[^a-z0-9-]+", "-", f"stage-{label}".lower())
+    create_markdown_artifact(markdown=markdown, key=key, description=f"{label}: loss and mixture")
+
+
+@step("pretrain", version=1, kind="checkpoint", resumable=True, publish=publish_stage)
+def pretrain(config: StageRun, inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+    """Prefect task: train one stage (inputs: its mixture plan, then the previous stage's checkpoint)."""
+    return build_stage(config, inputs, out, log, progress)
+
+
+def training_facts(training: TrainingConfig, vocab_size: int, stages: int) -> dict[str, Any]:
+    """What preflight needs to know about the training part of the recipe."""
+    import torch
+
+    from model.config import ModelConfig
+
+    device = training.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = ModelConfig.from_preset(training.model, **{**training.model_overrides, "vocab_size": vocab_size})
+    return {
+        "device": device,
+        "nproc_per_node": training.nproc_per_node,
+        "global_batch": training.global_batch,
+        "micro_batch": training.micro_batch,
+        "max_positions": model.max_seq_len,
+        "tokenizer_vocab": vocab_size,
+        "model_vocab": model.vocab_size,
+        "params": model.num_parameters(),
+        "checkpoint_keep": training.keep_last + stages,
+    }
