@@ -114,6 +114,8 @@ def retry(
     for attempt in range(attempts):
         try:
             return fn()
+        except FileNotFoundError:
+            raise  # a local file that vanished will not come back by waiting
         except retry_on as exc:
             if attempt == attempts - 1:
                 raise StorageError(
@@ -235,6 +237,8 @@ class S3Store:
         self.bucket, self.prefix = split_s3_uri(s3_uri)
         self.client = client or make_client(self.config)
         self._sleep = sleep
+        # (path, size, mtime_ns) -> digest: a long-lived mirror hashes each file once
+        self._digests: dict[tuple[str, int, int], FileDigest] = {}
         from boto3.s3.transfer import TransferConfig
 
         self.transfer = TransferConfig(
@@ -265,6 +269,14 @@ class S3Store:
 
         return ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
 
+    def digest(self, path: Path) -> FileDigest:
+        """The file's digests, computed once per (path, size, mtime) in this store's lifetime."""
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        if key not in self._digests:
+            self._digests[key] = file_digest(Path(path), self.part_size(st.st_size))
+        return self._digests[key]
+
     def head(self, key: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError
 
@@ -294,7 +306,7 @@ class S3Store:
     def put_file(self, path: Path, key: str, digest: FileDigest | None = None) -> bool:
         """Upload `path` to `key` unless an identical object is there; verify; True if sent."""
         path = Path(path)
-        digest = digest or file_digest(path, self.part_size(path.stat().st_size))
+        digest = digest or self.digest(path)
         if self.matches(key, digest):
             return False
 
@@ -362,20 +374,30 @@ class S3Store:
         report = FolderReport(uri=f"s3://{join_key(self.bucket, self.key(name))}")
         marker_key = self.key(name, marker)
         marker_bytes = (folder / marker).read_bytes()
+        files = folder_files(folder, exclude=(marker, MANIFEST))
         if self.get_bytes(marker_key) == marker_bytes and self._manifest_matches(folder, name, marker):
-            report.files = len(folder_files(folder))
+            report.files = len(files) + 1
             report.seconds = time.monotonic() - start
             return report  # already mirrored and verified
         if self.exists(marker_key):
             self.delete(marker_key)
         manifest: dict[str, dict[str, Any]] = {}
-        for rel in folder_files(folder, exclude=(marker, MANIFEST)):
+        for rel in files:
             path = folder / rel
-            digest = file_digest(path, self.part_size(path.stat().st_size))
+            digest = self.digest(path)
             manifest[rel] = {"size": digest.size, "sha256": digest.sha256}
             report.sent += self.put_file(path, self.key(name, rel), digest)
             report.files += 1
             report.bytes += digest.size
+        # The folder must still be what was uploaded before the remote may call it complete
+        # (the trainer prunes and rewrites step folders while a mirror reads them).
+        current = folder / marker
+        if (not current.is_file() or current.read_bytes() != marker_bytes
+                or folder_files(folder, exclude=(marker, MANIFEST)) != files):
+            raise FileNotFoundError(
+                f"{folder} changed or vanished while it was uploaded; {report.uri} is left "
+                "without its marker (incomplete) and the next sync retries it"
+            )
         body = json.dumps({"files": manifest}, indent=1, sort_keys=True).encode()
         self.put_bytes(body, self.key(name, MANIFEST))
         self.put_bytes(marker_bytes, marker_key)  # last: now the remote folder is complete
@@ -386,7 +408,12 @@ class S3Store:
         return report
 
     def _manifest_matches(self, folder: Path, name: str, marker: str) -> bool:
-        """The remote manifest lists exactly the local files with their sizes (no re-hashing)."""
+        """The remote manifest lists exactly the local files, with their sizes and sha256.
+
+        Content, not just sizes: a checkpoint re-trained at the same step after a resume from an
+        older one has the same marker and sizes but different bytes. Digests are cached, so a
+        long-lived mirror hashes each file once.
+        """
         raw = self.get_bytes(self.key(name, MANIFEST))
         if raw is None:
             return False
@@ -395,9 +422,13 @@ class S3Store:
         except (ValueError, KeyError):
             return False
         local = folder_files(folder, exclude=(marker, MANIFEST))
-        return sorted(remote) == local and all(
-            remote[rel]["size"] == (folder / rel).stat().st_size for rel in local
-        )
+        if sorted(remote) != local:
+            return False
+        for rel in local:
+            d = self.digest(folder / rel)
+            if remote[rel].get("size") != d.size or remote[rel].get("sha256") != d.sha256:
+                return False
+        return True
 
     def remote_complete(self, name: str, marker: str) -> bool:
         """A remote folder is complete when its marker object exists (it is uploaded last)."""
@@ -511,6 +542,7 @@ class SyncReport:
     uploaded: list[str] = field(default_factory=list)  # sent this time (verified)
     verified: list[str] = field(default_factory=list)  # complete on S3 after this sync
     skipped_incomplete: list[str] = field(default_factory=list)  # no valid marker: not sent
+    vanished: list[str] = field(default_factory=list)  # deleted locally (trainer pruning) mid-sync
     deleted_local: list[str] = field(default_factory=list)  # pruned after verified upload
     bytes_sent: int = 0
     seconds: float = 0.0
@@ -561,7 +593,18 @@ class CheckpointMirror:
             else:
                 complete.append((folder, record))
         for folder, _ in complete:
-            result = self.store.upload_folder(folder, folder.name, self.marker)
+            try:
+                result = self.store.upload_folder(folder, folder.name, self.marker)
+            except (OSError, StorageError):
+                if checkpoint_complete(folder, self.marker) is not None:
+                    raise
+                # The trainer pruned it while we read it (its keep_last is smaller than ours):
+                # not an error, but that checkpoint will be missing on S3, so say so.
+                log.warning("checkpoint %s disappeared while mirroring it; raise the trainer's "
+                            "keep_last above keep_local=%d so the mirror decides what is deleted",
+                            folder, self.config.keep_local)
+                report.vanished.append(folder.name)
+                continue
             if result.sent or result.bytes:
                 report.uploaded.append(folder.name)
                 report.bytes_sent += result.bytes

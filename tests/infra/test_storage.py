@@ -292,6 +292,44 @@ def test_replacing_a_mirrored_checkpoint_removes_the_remote_marker_first(s3, tmp
     assert remote == (folder / "__0_0.distcp").read_bytes()
 
 
+def test_same_sizes_but_new_content_is_uploaded_again(s3, tmp_path):
+    """A step re-trained after resuming from an older checkpoint: same marker, different bytes."""
+    endpoint, client = s3
+    root = tmp_path / "checkpoints"
+    folder = fake_checkpoint(root, 9)
+    marker = (folder / CHECKPOINT_MARKER).read_bytes()
+    CheckpointMirror("s3://ckpts/same", keep_local=2, config=cfg(endpoint)).sync(root)
+    import shutil
+
+    shutil.rmtree(folder)
+    fake_checkpoint(root, 9, seed=7)
+    assert (folder / CHECKPOINT_MARKER).read_bytes() == marker  # indistinguishable by marker
+    # a new process (fresh digest cache) must still notice
+    report = CheckpointMirror("s3://ckpts/same", keep_local=2, config=cfg(endpoint)).sync(root)
+    assert report.uploaded == ["step_00000009"]
+    remote = client.get_object(Bucket="ckpts", Key="same/step_00000009/__0_0.distcp")["Body"].read()
+    assert remote == (folder / "__0_0.distcp").read_bytes()
+
+
+def test_a_checkpoint_pruned_by_the_trainer_mid_sync_is_reported_not_fatal(s3, tmp_path, caplog):
+    endpoint, _ = s3
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root, 1)
+    fake_checkpoint(root, 2)
+    mirror = CheckpointMirror("s3://ckpts/gone", keep_local=2, config=cfg(endpoint, backoff_seconds=5))
+    import shutil
+
+    def prune_step_1(**_):
+        shutil.rmtree(root / "step_00000001", ignore_errors=True)  # the trainer's keep_last=1
+
+    mirror.store.client.meta.events.register("before-call.s3.GetObject", prune_step_1)
+    report = mirror.sync(root)
+    assert report.vanished == ["step_00000001"]
+    assert report.verified == ["step_00000002"]
+    assert mirror.remote_steps() == ["step_00000002"]
+    assert "raise the trainer's keep_last" in caplog.text
+
+
 def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path):
     endpoint, client = s3
     assert pull_latest_checkpoint("s3://ckpts/none", tmp_path / "x", cfg(endpoint)) is None
