@@ -68,6 +68,16 @@ def test_config_is_frozen_strict_and_refuses_credentials_in_env():
 # --- local torchrun -----------------------------------------------------------------------------
 
 
+def test_rendered_scripts_and_manifests_never_carry_the_submitter_credentials(monkeypatch, tmp_path):
+    secret = "SeCrEt-launch-sentinel-42"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", f"admin:{secret}")
+    for config in (LauncherConfig(), SLURM, K8S):
+        text = get_launcher(config).render(Path("/fsx/ws/spec.json"), tmp_path)
+        assert secret not in text and "AWS_SECRET_ACCESS_KEY" not in text
+        assert secret not in config.model_dump_json()
+
+
 def test_local_command_is_torchrun_on_one_node():
     launcher = get_launcher(LauncherConfig(procs_per_node=4, master_port=29555))
     assert launcher.render(Path("/ws/spec.json"), Path("/ws")) == (
