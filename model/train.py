@@ -61,23 +61,27 @@ def setup_runtime(spec: TrainSpec) -> Runtime:
     want_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("spec.device is 'cuda' but no CUDA device is visible")
-    owns = False
-    if not dist.is_initialized():
-        backend = "nccl" if want_cuda else "gloo"
-        if "RANK" in os.environ:  # under torchrun
-            dist.init_process_group(backend)
-        else:  # plain `python -m model.train`: a private one-process group
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        owns = True
-    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if want_cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        # Bind the GPU before NCCL starts, so its communicators land on the right device.
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
         # Bit-reproducible CPU runs (resume after SIGKILL == uninterrupted run).
         torch.use_deterministic_algorithms(True)
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if want_cuda else "gloo"
+        device_id = device if want_cuda else None
+        if "RANK" in os.environ:  # under torchrun
+            dist.init_process_group(backend, device_id=device_id)
+        else:  # plain `python -m model.train`: a private one-process group
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+            )
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     return Runtime(rank, world, device, owns)

@@ -1,8 +1,8 @@
 """End-to-end tests of model/train.py, run as real subprocesses (python -m / torchrun).
 
-Covered: SIGKILL mid-stage then resume == uninterrupted run, bit for bit; a 2-rank FSDP2 run
-under torchrun resumed on 1 rank continues the data stream exactly (skipping a truncated
-newest checkpoint); the non-finite guard; result.json and metrics.jsonl contents.
+Covered: SIGKILL mid-stage then resume == uninterrupted run, bit for bit; world size changes
+1 -> 2 (FSDP2 under torchrun) -> 1 continue the data stream exactly (skipping a truncated newest
+checkpoint); the non-finite guard; next-stage init; result.json and metrics.jsonl contents.
 """
 
 from __future__ import annotations
@@ -129,30 +129,34 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     )
 
 
-def test_two_rank_fsdp_run_resumes_on_one_rank_with_the_same_data_stream(plan_path, tmp_path):
+def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path, tmp_path):
+    """1 rank for 2 steps, a 2-rank FSDP2 torchrun for 2 more, then 1 rank again to the end."""
     reference = tmp_path / "reference"
     run_train(write_spec(tmp_path / "ref.json", plan_path, reference))
+    ref_metrics = metrics(reference)
 
     out = tmp_path / "run"
-    two = run_train(write_spec(tmp_path / "two.json", plan_path, out, steps=4), nproc=2)
-    first = json.loads((out / "result.json").read_text())
-    assert first["world_size"] == 2 and first["final_step"] == 4
-    ref_metrics = metrics(reference)
-    two_metrics = metrics(out)
-    for a, b in zip(two_metrics, ref_metrics[:4], strict=False):
+    run_train(write_spec(tmp_path / "a.json", plan_path, out, steps=2))
+    two = run_train(
+        write_spec(tmp_path / "b.json", plan_path, out, steps=4, checkpoint_interval=1), nproc=2
+    )
+    assert "world 2" in two.stderr
+    mid = json.loads((out / "result.json").read_text())
+    assert mid["world_size"] == 2 and mid["final_step"] == 4
+    assert mid["resumed_from"].endswith("step_00000002")
+    for a, b in zip(metrics(out), ref_metrics[:4], strict=True):
+        assert a["step"] == b["step"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["tokens_per_source"] == b["tokens_per_source"]
-    assert "world 2" in two.stderr
 
-    # Truncate the newest checkpoint: resume must skip it, warn, and take step 2.
-    newest = out / "checkpoints" / "step_00000004"
-    shard = next(newest.glob("*.distcp"))
+    # Truncate the newest checkpoint: resume must skip it, warn, and take step 3 (2 ranks').
+    shard = next((out / "checkpoints" / "step_00000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    one = run_train(write_spec(tmp_path / "one.json", plan_path, out, steps=6))
+    one = run_train(write_spec(tmp_path / "c.json", plan_path, out, steps=6))
     assert "step_00000004 is incomplete or truncated" in one.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 1 and result["final_step"] == 6
-    assert result["resumed_from"].endswith("step_00000002")
+    assert result["resumed_from"].endswith("step_00000003")
     ref_result = json.loads((reference / "result.json").read_text())
     assert result["tokens_per_source"] == ref_result["tokens_per_source"]
     assert result["final_loss"] == pytest.approx(ref_result["final_loss"], rel=1e-5)
@@ -222,6 +226,17 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     assert Path(result["checkpoint"]).name == "step_00000003"
     assert json.loads((Path(result["checkpoint"]) / "COMPLETE").read_text())["stage_end"]
     assert sum(result["tokens_per_source"].values()) == 3 * 4 * 32
+
+    # The stage folder exports straight to transformers (its newest complete checkpoint).
+    from transformers import SmolLM3ForCausalLM
+
+    from model.hf import export_hf
+
+    hf = SmolLM3ForCausalLM.from_pretrained(export_hf(out, tmp_path / "hf")).eval()
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        ours = load_model(result["checkpoint"])(ids).logits
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
 
 
 def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
