@@ -23,7 +23,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.artifact import Artifact
-from tasks.curate import CountingJsonlReader, read_stage_stats, shard_count
+from tasks.curate import read_stage_stats, shard_count
+from tasks.curate_parts import CountingJsonlReader
 from tasks.step import step
 
 
