@@ -97,7 +97,10 @@ def build_token_shards(
     documents = sum((f.with_name(f.name + ".index")).stat().st_size // 8 for f in files)
     if documents == 0:
         raise ValueError(f"tokenize: source {source!r} produced no tokens; is its curated corpus empty?")
-    log(f"tokenize {source}: {documents} documents, {tokens} tokens ({dtype}) in {len(files)} files")
+    log(
+        f"tokenize {source}: {documents} documents, {tokens} tokens ({dtype}) in {len(files)} files"
+        + (f"; rejected {rejected}" if rejected else "")
+    )
     meta = {
         "source": source,
         "tokens": int(tokens),
@@ -111,6 +114,9 @@ def build_token_shards(
         "tokenizer_path": tok["path"],
         "rejected": rejected,
         "input_documents": corpus.meta.get("documents"),
+        # documents of the corpus that are neither tokenized nor rejected (0 unless a bug)
+        "unaccounted": (corpus.meta["documents"] - documents - sum(rejected.values()))
+        if isinstance(corpus.meta.get("documents"), int) else None,
     }
     (out / "shards.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return meta

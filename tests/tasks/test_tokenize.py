@@ -34,6 +34,7 @@ def test_shards_hold_every_document_followed_by_eos(tmp_path):
 
     assert meta["token_dtype"] == "uint16" and meta["eos_id"] == 0 and meta["documents"] == 25
     assert meta["rejected"] == {"malformed_json": 1, "missing_text_field": 1}
+    assert meta["input_documents"] == 27 and meta["unaccounted"] == 0
     assert meta["files"] and all(f.startswith("dclm_dclm") and f.endswith(".ds") for f in meta["files"])
     tok = Tokenizer.from_file(tok_art.meta["tokenizer_json"])
     decoded = []
