@@ -138,12 +138,17 @@ class MetricsWriter:
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # drop lines of steps that were lost with a killed run
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
+        if path.exists():
+            # Drop lines of steps lost with a killed run (they will be redone) and a last line
+            # cut by SIGKILL mid-write.
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and record.get("step", 0) <= resume_step:
+                    kept.append(line)
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:

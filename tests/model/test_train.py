@@ -115,6 +115,9 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     assert not (killed / "result.json").exists()
     assert read_marker(killed / "checkpoints" / "step_00000008") is None
 
+    with open(killed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # a line cut by the kill must not break the resume
+
     run_train(spec)  # same spec, same out_dir: resumes from step 4
     result = json.loads((killed / "result.json").read_text())
     assert result["final_step"] == 8
