@@ -194,7 +194,10 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
 
     step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
-    latest = ckpt.latest()
+    # Rank 0 decides, so every rank loads the same folder even if a listing races a cleanup.
+    choice = [ckpt.latest() if is_main else None]
+    dist.broadcast_object_list(choice, src=0)
+    latest = choice[0]
     if latest is not None:
         state = ckpt.load(latest, model, optimizer)
         loader.load_state_dict(state["loader"])
