@@ -37,8 +37,10 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -619,6 +621,55 @@ class CheckpointMirror:
                 report.deleted_local.append(folder.name)
         report.seconds = time.monotonic() - start
         return report
+
+    @contextmanager
+    def syncing(
+        self, checkpoints_dir: str | Path, every_s: float = 300.0, log: Callable[[str], None] = print
+    ) -> Iterator[SyncReport]:
+        """Sync every `every_s` seconds in a background thread while the block runs, then once more.
+
+            with mirror.syncing(stage_dir / "checkpoints", every_s=300, log=logger.info) as final:
+                launcher.launch(spec, stage_dir, logger.info)
+            # here every complete checkpoint is on S3, verified; `final` holds the last report
+
+        A failing background round is logged and retried next round (S3 hiccups must not kill a
+        24-day run); the final sync's failure propagates. If the block raises, the final sync
+        still runs (the checkpoints written before the failure are what a retry resumes from) and
+        the block's exception wins.
+        """
+        final = SyncReport()
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                try:
+                    r = self.sync(checkpoints_dir)
+                    if r.uploaded:
+                        log(f"[mirror] uploaded {', '.join(r.uploaded)} to {self.s3_uri}")
+                except Exception as exc:  # noqa: BLE001 - reported, retried next round
+                    log(f"[mirror] background sync to {self.s3_uri} failed, retrying in "
+                        f"{every_s:.0f}s: {type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=loop, name="checkpoint-mirror", daemon=True)
+        thread.start()
+        failed = False
+        try:
+            yield final
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            stop.set()
+            thread.join()
+            try:
+                r = self.sync(checkpoints_dir)
+                final.__dict__.update(r.__dict__)
+                log(f"[mirror] {len(r.verified)} checkpoint(s) verified on {self.s3_uri}"
+                    + (f"; uploaded {', '.join(r.uploaded)}" if r.uploaded else ""))
+            except Exception as exc:
+                if not failed:
+                    raise
+                log(f"[mirror] final sync after a failed stage also failed: {exc}")
 
     def remote_steps(self) -> list[str]:
         """Complete checkpoints on S3 (marker present), oldest first."""

@@ -330,6 +330,36 @@ def test_a_checkpoint_pruned_by_the_trainer_mid_sync_is_reported_not_fatal(s3, t
     assert "raise the trainer's keep_last" in caplog.text
 
 
+def test_syncing_mirrors_in_the_background_while_training_and_once_at_the_end(s3, tmp_path):
+    import time as _time
+
+    endpoint, _ = s3
+    root = tmp_path / "checkpoints"
+    mirror = CheckpointMirror("s3://ckpts/bg", keep_local=1, config=cfg(endpoint))
+    seen_during: list[list[str]] = []
+    lines: list[str] = []
+    with mirror.syncing(root, every_s=0.2, log=lines.append) as final:
+        for step in (1, 2, 3):  # the "trainer": a checkpoint every ~0.5 s
+            fake_checkpoint(root, step)
+            deadline = _time.monotonic() + 10
+            while f"step_{step:08d}" not in mirror.remote_steps() and _time.monotonic() < deadline:
+                _time.sleep(0.1)
+            seen_during.append(mirror.remote_steps())
+        fake_checkpoint(root, 4, complete=False)  # still being written when the stage ends
+    assert seen_during[0] == ["step_00000001"]  # uploaded while the block was still running
+    assert seen_during[-1] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert final.verified == ["step_00000003"] and final.skipped_incomplete == ["step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    assert any("uploaded step_00000001" in line for line in lines)
+
+    # a failing stage: its exception wins, the final sync still runs
+    fake_checkpoint(root, 5)
+    with pytest.raises(RuntimeError, match="trainer died"):
+        with mirror.syncing(root, every_s=60, log=lines.append):
+            raise RuntimeError("trainer died")
+    assert "step_00000005" in mirror.remote_steps()
+
+
 def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path):
     endpoint, client = s3
     assert pull_latest_checkpoint("s3://ckpts/none", tmp_path / "x", cfg(endpoint)) is None
