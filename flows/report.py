@@ -14,7 +14,8 @@ def _facts(meta: Any, limit: int = 5) -> str:
     if isinstance(meta, str):
         meta = json.loads(meta)
     scalars = [
-        f"{k}={v}" for k, v in (meta or {}).items()
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in (meta or {}).items()
         if isinstance(v, int | float) or (isinstance(v, str) and len(v) <= 40)
     ]
     return " ".join(scalars[:limit])
@@ -49,20 +50,27 @@ def resolve_artifact(lineage: Lineage, ref: str) -> dict[str, Any]:
 
 
 def tree(lineage: Lineage, root: dict[str, Any], descendants: bool = False) -> str:
-    """The ancestor (or descendant) tree of one artifact, one line per artifact."""
+    """The ancestor (or descendant) tree of one artifact, one line per artifact.
+
+    Lineage is a DAG (every shard descends from the shared tokenizer), so an artifact whose
+    subtree was already printed appears once more as a single line marked `(above)`.
+    """
     step = lineage.children if descendants else lineage.parents
     lines = [_line(root)]
+    shown = {root["fingerprint"]}
 
-    def walk(fp: str, prefix: str, seen: frozenset[str]) -> None:
+    def walk(fp: str, prefix: str) -> None:
         rows = step(fp)
         for i, row in enumerate(rows):
             last = i == len(rows) - 1
-            lines.append(prefix + ("└── " if last else "├── ") + _line(row))
-            if row["fingerprint"] in seen:
-                continue
-            walk(row["fingerprint"], prefix + ("    " if last else "│   "), seen | {row["fingerprint"]})
+            repeat = row["fingerprint"] in shown
+            text = f"{row['kind']} {row['fingerprint'][:12]}  (above)" if repeat else _line(row)
+            lines.append(prefix + ("└── " if last else "├── ") + text)
+            if not repeat:
+                shown.add(row["fingerprint"])
+                walk(row["fingerprint"], prefix + ("    " if last else "│   "))
 
-    walk(root["fingerprint"], "", frozenset({root["fingerprint"]}))
+    walk(root["fingerprint"], "")
     return "\n".join(lines)
 
 
@@ -76,29 +84,66 @@ def runs_table(lineage: Lineage, limit: int = 20, steps: bool = True) -> str:
         )
         if steps:
             for s in lineage.steps_of(run["run_id"]):
-                label = f"[{s['label']}]" if s["label"] else ""
+                name = s["step"] + (f"[{s['label']}]" if s["label"] else "")
                 err = f"  {s['error'][:120]}" if s["error"] else ""
                 out.append(
-                    f"    {s['step']}{label:<14} {s['state']:<9} {(s['fingerprint'] or '')[:12]}  "
-                    f"{s['seconds']:.1f}s{err}"
+                    f"    {name:<26} {s['state']:<9} {(s['fingerprint'] or '')[:12]}  "
+                    f"{s['seconds']:7.1f}s{err}"
                 )
     return "\n".join(out) if out else f"no runs recorded in {lineage.path}"
 
 
+def eval_table(lineage: Lineage, run_id: str) -> str:
+    """Scores per stage (rows) and task (columns) of the evaluations a run used (built or cached)."""
+    rows = lineage.query_dicts(
+        """
+        SELECT DISTINCT s.label AS stage, e.task, e.metric, e.value, s.started
+        FROM steps s JOIN evals e ON e.fingerprint = s.fingerprint
+        WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state <> 'failed'
+              AND e.metric IN ('acc', 'acc_norm')
+        ORDER BY s.started
+        """,
+        [run_id],
+    )
+    if not rows:
+        return "no evaluations in this run"
+    tasks = sorted({r["task"] for r in rows})
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    value = {(r["stage"], r["task"], r["metric"]): r["value"] for r in rows}
+    metric = {t: "acc_norm" if t.endswith("_cloze") and t != "arithmetic_cloze" else "acc" for t in tasks}
+    head = "stage".ljust(10) + "".join(f"{t[:18]:>20}" for t in tasks)
+    lines = [head, "".ljust(10) + "".join(f"{'(' + metric[t] + ')':>20}" for t in tasks)]
+    for st in stages:
+        cells = [value.get((st, t, metric[t])) for t in tasks]
+        lines.append(st.ljust(10) + "".join(f"{c:>20.3f}" if c is not None else f"{'-':>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def final_artifact(lineage: Lineage, run_id: str) -> dict[str, Any] | None:
+    """The run's last exported model, else its newest artifact."""
+    for where in ("AND a.kind = 'hf_model'", ""):
+        rows = lineage.query_dicts(
+            "SELECT a.* FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
+            f"WHERE s.run_id = ? AND s.state <> 'failed' {where} ORDER BY s.ended DESC LIMIT 1",
+            [run_id],
+        )
+        if rows:
+            return rows[0]
+    return None
+
+
 def summary(lineage: Lineage, ui_url: str | None) -> str:
-    """What `make demo` prints at the end: the newest run, its steps, the newest artifact's lineage."""
+    """What `make demo` prints at the end: the newest run, its steps, eval scores per stage and
+    the lineage of the final model."""
     runs = lineage.runs(1)
     if not runs:
         return f"no runs recorded in {lineage.path}"
     run = runs[0]
-    parts = ["== newest run ==", runs_table(lineage, 1)]
-    newest = lineage.query_dicts(
-        "SELECT a.* FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-        "WHERE s.run_id = ? AND s.state <> 'failed' ORDER BY s.ended DESC LIMIT 1",
-        [run["run_id"]],
-    )
-    if newest:
-        parts += ["", "== lineage of the newest artifact ==", tree(lineage, newest[0])]
+    parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores per stage ==",
+             eval_table(lineage, run["run_id"])]
+    final = final_artifact(lineage, run["run_id"])
+    if final:
+        parts += ["", f"== lineage of the final {final['kind']} ==", tree(lineage, final)]
     parts += ["", "== where to look =="]
     if ui_url:
         parts.append(f"Prefect UI:   {ui_url}/runs/flow-run/{run['run_id']}")

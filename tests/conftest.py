@@ -22,6 +22,26 @@ SMALL = [
 ]
 
 
+# The data part of the DAG only (no stages: the flow stops after the data steps).
+DATA_ONLY = [*SMALL, "stages=[]"]
+
+# The whole DAG at a size that trains in about a minute on 2 cores: every stage a few steps.
+TINY_TRAIN = [
+    "sources.prose.max_documents=200",
+    "sources.code.max_documents=60",
+    "sources.math.max_documents=400",
+    "stages.stage1.tokens=12288",
+    "stages.stage2.tokens=8192",
+    "stages.stage3.tokens=4096",
+    "stages.long1.tokens=8192",
+    "stages.long2.tokens=16384",
+    "training.checkpoint_interval=1",
+    "eval.items_per_task=20",
+    "eval.passkey_items=5",
+    "preflight.max_epochs=1000",
+]
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server (SQLite) shared by every test that runs flows."""

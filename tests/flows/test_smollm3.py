@@ -9,7 +9,7 @@ import pytest
 from flows.smollm3 import smollm3
 from infra.lineage import Lineage
 from tasks.recipe import RecipeError
-from tests.conftest import SMALL
+from tests.conftest import DATA_ONLY
 
 
 def _states(lineage: Lineage, run_id: str) -> dict[str, str]:
@@ -19,7 +19,7 @@ def _states(lineage: Lineage, run_id: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_caching_partial_rerun_refresh_and_rebuild(tmp_path, prefect_harness):
     ws = tmp_path / "ws"
-    over = [*SMALL, f"workspace={ws}"]
+    over = [*DATA_ONLY, f"workspace={ws}"]
     lineage = Lineage(ws / "lineage.duckdb")
 
     first = smollm3(overrides=over)
@@ -72,4 +72,4 @@ def test_invalid_recipe_fails_before_any_step(tmp_path, prefect_harness):
 
 def test_unknown_refresh_step_is_named(tmp_path, prefect_harness):
     with pytest.raises(ValueError, match="refresh names unknown step\\(s\\) tokeniser"):
-        smollm3(overrides=[*SMALL, f"workspace={tmp_path}"], refresh=["tokeniser"])
+        smollm3(overrides=[*DATA_ONLY, f"workspace={tmp_path}"], refresh=["tokeniser"])

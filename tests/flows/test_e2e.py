@@ -1,0 +1,103 @@
+"""End to end: the tiny DAG as a served deployment, a crash in stage 2, and `prefect flow-run retry`.
+
+This is the test of what a user does: `prefect deployment run smollm3/full`, watch a stage fail,
+retry the run from the CLI, and find the earlier steps Cached, stage 2 resumed from its last
+checkpoint, eval scores for every stage and the final model's lineage reaching the raw sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.report import eval_table, final_artifact
+from infra.lineage import Lineage
+from tests.conftest import TINY_TRAIN
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def _state(run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id).state.type.value
+
+
+def _wait_terminal(run_id: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _state(run_id)
+        if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
+            return state
+        time.sleep(2)
+    raise AssertionError(f"flow run {run_id} still {state} after {timeout}s")
+
+
+@pytest.mark.slow
+def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
+    ws = tmp_path / "ws"
+    env = {**os.environ, "PREFECT_API_URL": api_url, "SMOLLM3_INJECT_FAILURE": "stage2"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "flows.deployments"], cwd=REPO, env=env,
+        stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
+        out = ""
+        for _ in range(90):  # until serve has registered the deployment
+            res = subprocess.run([PREFECT, "deployment", "run", "smollm3/full", "--params", params],
+                                 env=env, capture_output=True, text=True)
+            out = res.stdout
+            if res.returncode == 0:
+                break
+            time.sleep(1)
+        run_id = next(ln.split("UUID:")[1].strip() for ln in out.splitlines() if "UUID:" in ln)
+
+        assert _wait_terminal(run_id, 900) == "FAILED"
+        lineage = Lineage(ws / "lineage.duckdb")
+        first = lineage.steps_of(run_id)
+        failed = [s for s in first if s["state"] == "failed"]
+        assert [(s["step"], s["label"]) for s in failed] == [("pretrain", "stage2")]
+        assert "injected failure" in failed[0]["error"]
+        stage2_dir = ws / "pretrain" / failed[0]["fingerprint"][:12]
+        assert list((stage2_dir / "checkpoints").glob("step_*")), "stage 2 left no checkpoint"
+
+        subprocess.run([PREFECT, "flow-run", "retry", run_id], env=env, check=True,
+                       capture_output=True, text=True)
+        assert _wait_terminal(run_id, 900) == "COMPLETED", (tmp_path / "serve.log").read_text()[-4000:]
+
+        retry = lineage.steps_of(run_id)[len(first):]
+        states = {f"{s['step']}[{s['label']}]": s["state"] for s in retry}
+        before = [k for k in states if k.startswith(("source", "curate", "tokenize", "mixture"))]
+        before += ["tokenizer[bpe]", "fertility[fertility]", "eval_suite[suite]",
+                   "pretrain[stage1]", "export[stage1]", "evaluate[stage1]"]
+        assert {k: states[k] for k in before} == {k: "cached" for k in before}
+        assert states["pretrain[stage2]"] == "completed"
+        for stage in ("stage3", "long1", "long2"):
+            assert states[f"pretrain[{stage}]"] == "completed"
+        (stage2,) = lineage.query_dicts(
+            "SELECT meta FROM artifacts WHERE step = 'pretrain' AND label = 'stage2'")
+        meta = json.loads(stage2["meta"])
+        assert meta["resumed"] is True and meta["steps"] == 2
+        metrics = [json.loads(ln) for ln in (stage2_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2]  # resumed at step 2: step 1 not trained twice
+
+        table = eval_table(lineage, run_id)
+        for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
+            assert stage in table
+        assert "passkey_100" in table
+        final = final_artifact(lineage, run_id)
+        assert final["kind"] == "hf_model" and final["label"] == "long2"
+        raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}
+        assert raw == {"prose", "code", "math"}
+    finally:
+        os.killpg(serve.pid, 9)
+        serve.wait()
