@@ -36,6 +36,7 @@ _SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|P
                           re.IGNORECASE)
 
 LogFn = Callable[[str], None]
+OnStart = Callable[[int], object] | None
 
 
 class LaunchFailed(RuntimeError):
@@ -153,8 +154,14 @@ class Launcher(ABC):
         """The command, script or manifest that `launch` would run or submit."""
 
     @abstractmethod
-    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
-        """Run the trainer to completion, streaming its output to `log`; raise on failure."""
+    def launch(
+        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
+    ) -> None:
+        """Run the trainer to completion, streaming its output to `log`; raise on failure.
+
+        `on_start` receives the handle of what was started, as soon as it exists: the process
+        group id (local torchrun) or the Slurm job id; Kubernetes calls it with 0.
+        """
 
 
 LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")

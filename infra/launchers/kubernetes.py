@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from infra.launchers.base import LAUNCHERS, Launcher, LaunchFailed, LogFn, check_spec
+from infra.launchers.base import LAUNCHERS, Launcher, LaunchFailed, LogFn, OnStart, check_spec
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 
@@ -125,7 +125,9 @@ class KubernetesLauncher(Launcher):
         true = [cond["type"] for cond in conditions if cond.get("status") == "True"]
         return true[-1] if true else "Created"
 
-    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+    def launch(
+        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
+    ) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir)
         manifest = workdir / "launch" / "pytorchjob.yaml"
@@ -136,6 +138,8 @@ class KubernetesLauncher(Launcher):
         if proc.returncode != 0:
             raise LaunchFailed(f"kubectl apply -f {manifest} failed: {proc.stderr.strip()}")
         log(f"[launch] applied PyTorchJob {ns}/{name}")
+        if on_start is not None:
+            on_start(0)
         try:
             while (state := self.status(name)) not in {"Succeeded", "Failed"}:
                 self.sleep(self.config.kubernetes.poll_seconds)

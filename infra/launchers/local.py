@@ -17,6 +17,7 @@ from infra.launchers.base import (
     Launcher,
     LaunchFailed,
     LogFn,
+    OnStart,
     check_spec,
     free_port,
 )
@@ -53,7 +54,9 @@ class LocalTorchrun(Launcher):
     def render(self, spec_path: Path, workdir: Path) -> str:
         return shlex.join(self.command(Path(spec_path), port=self.config.master_port or 29500))
 
-    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+    def launch(
+        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
+    ) -> None:
         spec_path = check_spec(spec_path)
         Path(workdir).mkdir(parents=True, exist_ok=True)
         cmd = self.command(spec_path)
@@ -65,7 +68,7 @@ class LocalTorchrun(Launcher):
             log(line)
 
         try:
-            run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env())
+            run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
         except ChildFailed as exc:
             raise LaunchFailed(
                 f"local torchrun of {spec_path} exited with code {exc.returncode}", exc.tail,

@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from infra.launchers.base import LAUNCHERS, FirstError, Launcher, LaunchFailed, LogFn, check_spec
+from infra.launchers.base import (
+    LAUNCHERS,
+    FirstError,
+    Launcher,
+    LaunchFailed,
+    LogFn,
+    OnStart,
+    check_spec,
+)
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 DEFAULT_PORT = 29500
@@ -167,13 +175,17 @@ class SlurmLauncher(Launcher):
         raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; "
                            "check `squeue --me` and the job log")
 
-    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print) -> None:
+    def launch(
+        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
+    ) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         job = self.submit(spec_path, workdir)
         logfile = workdir / f"slurm-{job}.log"
         log(f"[launch] submitted Slurm job {job}; log {logfile}")
+        if on_start is not None:
+            on_start(int(job))
         tail: collections.deque[str] = collections.deque(maxlen=40)
         first = FirstError()
         offset, partial = 0, ""

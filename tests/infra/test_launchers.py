@@ -91,8 +91,10 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     out = tmp_path / "stage"
     spec = write_spec(out / "spec.json", plan, out)
     lines: list[str] = []
+    started: list[int] = []
     launcher = get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN))
-    launcher.launch(spec, out, lines.append)
+    launcher.launch(spec, out, lines.append, on_start=started.append)
+    assert len(started) == 1 and started[0] > 1  # the process group of torchrun and its ranks
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["final_step"] == 2
     assert lines[0].startswith("[launch] ") and "--nproc-per-node 2" in lines[0]
@@ -195,7 +197,10 @@ def test_slurm_launch_streams_the_log_and_reports_completion(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     fake = FakeSlurm(tmp_path, ["PENDING", "RUNNING", "RUNNING", "COMPLETED"])
     lines: list[str] = []
-    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    jobs: list[int] = []
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append,
+                                                                   on_start=jobs.append)
+    assert jobs == [4242]
     assert fake.calls[0] == ["sbatch", "--parsable", str(tmp_path / "launch" / "train.sbatch")]
     assert (tmp_path / "launch" / "train.sbatch").read_text().startswith("#!/bin/bash")
     assert lines == [
