@@ -215,3 +215,56 @@ class SlurmLauncher(Launcher):
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail,
                                first.line)
         log(f"[launch] Slurm job {job} completed")
+
+
+# --- datatrove Slurm chains -----------------------------------------------------------------------
+
+_FIELD = {name: re.compile(rf"\b{name}=(\S+)") for name in ("JobState", "Reason", "ArrayTaskId")}
+
+
+def job_states(job: str, runner: Runner = _run) -> list[tuple[str, str]]:
+    """(state, reason) of each record of a job (one per array task); [] once Slurm forgot it."""
+    proc = runner(["scontrol", "show", "job", "-o", str(job)])
+    if proc.returncode != 0:
+        return []
+    out = []
+    for line in proc.stdout.splitlines():
+        state, reason = _FIELD["JobState"].search(line), _FIELD["Reason"].search(line)
+        if state:
+            out.append((state.group(1), reason.group(1) if reason else "None"))
+    return out
+
+
+def wait_for_datatrove(
+    executors: Sequence,
+    poll_seconds: float = 60.0,
+    *,
+    runner: Runner = _run,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Wait for a chain of datatrove `SlurmPipelineExecutor`s launched by `executors[-1].run()`.
+
+    Polling `get_incomplete_ranks()` alone waits forever when a stage fails: the next stage's
+    `afterok` dependency can never be satisfied and Slurm keeps it pending. Here each stage's
+    array job is checked too; a failed task (or a dependency that can never be satisfied) raises
+    `LaunchFailed` naming the stage and its log folder, after cancelling the rest of the chain.
+    Cancelling or interrupting the wait cancels the chain as well.
+    """
+    jobs = [(ex.job_name, str(ex.job_id), ex.logging_dir.path) for ex in executors
+            if ex.job_id not in (None, -1, "-1")]
+    try:
+        while executors[-1].get_incomplete_ranks():
+            for name, job, logs in jobs:
+                for state, reason in job_states(job, runner):
+                    if state in FAILED or reason == "DependencyNeverSatisfied":
+                        why = "its dependency failed" if reason == "DependencyNeverSatisfied" else state
+                        raise LaunchFailed(
+                            f"datatrove stage {name!r} (Slurm job {job}) stopped: {why}; see "
+                            f"{logs}/slurm_logs and {logs}/logs, fix the cause and rerun (finished "
+                            "tasks are skipped)"
+                        )
+            sleep(poll_seconds)
+    except BaseException:
+        for _, job, _ in jobs:
+            runner(["scancel", job])
+        raise

@@ -321,3 +321,36 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
     with pytest.raises(LaunchFailed, match=f"PyTorchJob training/{name} failed") as err:
         launcher.launch(spec, ws, lambda _: None)
     assert "step 2 loss 4.7" in str(err.value)
+
+
+def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tmp_path):
+    from infra.launchers.slurm import job_states, wait_for_datatrove
+
+    class Stage:  # the attributes of a datatrove SlurmPipelineExecutor that the wait reads
+        def __init__(self, name, job):
+            self.job_name, self.job_id = name, job
+            self.logging_dir = type("Folder", (), {"path": str(tmp_path / name)})()
+
+        def get_incomplete_ranks(self):
+            return [0]
+
+    records = {
+        "11": "JobId=11 ArrayJobId=11 ArrayTaskId=0 JobName=curate-filter JobState=COMPLETED Reason=None\n"
+              "JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=curate-filter JobState=COMPLETED Reason=None\n",
+        "13": "JobId=13 ArrayJobId=13 ArrayTaskId=0-3%2 JobName=curate-exact JobState=PENDING "
+              "Reason=DependencyNeverSatisfied\n",
+    }
+    calls: list[list[str]] = []
+
+    def runner(cmd):
+        calls.append(list(cmd))
+        if cmd[0] == "scontrol":
+            return done(records.get(cmd[-1], ""), 0 if cmd[-1] in records else 1)
+        return done()
+
+    assert job_states("11", runner) == [("COMPLETED", "None"), ("COMPLETED", "None")]
+    assert job_states("99", runner) == []
+    with pytest.raises(LaunchFailed, match="stage 'curate-exact' \\(Slurm job 13\\) stopped: its dependency failed"):
+        wait_for_datatrove([Stage("curate-filter", "11"), Stage("curate-exact", "13")],
+                           runner=runner, sleep=lambda s: None)
+    assert ["scancel", "11"] in calls and ["scancel", "13"] in calls

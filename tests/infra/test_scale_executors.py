@@ -12,6 +12,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,34 @@ def test_ray_executor_runs_a_chained_pipeline_on_local_ray(tmp_path):
         ray.shutdown()
     assert read_docs(tmp_path / "out") == read_docs(tmp_path / "input")
     assert executors[1].get_incomplete_ranks() == []
+
+
+@pytest.mark.slow
+def test_a_failing_stage_stops_the_wait_instead_of_hanging(local_slurm, tmp_path):  # noqa: F811
+    """tasks/curate.py polls get_incomplete_ranks() only: after a failed stage the next one stays
+    pending forever (afterok never satisfied). wait_for_datatrove notices and cancels the chain."""
+    from infra.launchers import LaunchFailed
+    from infra.launchers.slurm import job_states, wait_for_datatrove
+
+    config = CurationConfig(
+        executor="slurm", tasks=1, workers=1,
+        slurm=SlurmConfig(partition="debug", time="00:10:00", cpus_per_task=1, mem_per_cpu_gb=1,
+                          venv_path=VENV_ACTIVATE, poll_seconds=0.5),
+    )
+    src, mid = tmp_path / "input", tmp_path / "mid"
+    src.mkdir()
+    (src / "00000.jsonl.gz").write_bytes(b"this is not gzip")  # the first stage's task fails
+    stages = [("broken", [JsonlReader(str(src)), JsonlWriter(str(mid))], 1),
+              ("after", [JsonlReader(str(mid)), JsonlWriter(str(tmp_path / "out"))], 1)]
+    executors = make_executors(config, stages, tmp_path / "logs")
+    executors[-1].run()  # submits both stages, chained
+    with pytest.raises(LaunchFailed, match=r"datatrove stage 'curate-broken' \(Slurm job \d+\) stopped: FAILED"):
+        wait_for_datatrove(executors, poll_seconds=0.5)
+    second = str(executors[1].job_id)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the dependent stage was cancelled
+        states = [s for s, _ in job_states(second)]
+        if not states or all(s == "CANCELLED" for s in states):
+            break
+        time.sleep(0.5)
+    assert not states or all(s == "CANCELLED" for s in states), states
