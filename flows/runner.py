@@ -78,6 +78,9 @@ class RunContext:
         self.recipe_name = recipe_name
         self.records: list[StepRow] = []
         self.last: Artifact | None = None
+        # Bad input per data step (rejected/removed/unaccounted counts from artifact meta), so a
+        # run's summary shows what was dropped and why, not only the step states.
+        self.dropped: dict[str, dict[str, Any]] = {}
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -121,6 +124,9 @@ class RunContext:
             row_state = "cached" if state.name == "Cached" else "completed"
             self._record(name, label, artifact.fingerprint, row_state, config, code, started, ended)
             self.last = artifact
+            counts = {k: artifact.meta[k] for k in ("rejected", "removed", "unaccounted") if artifact.meta.get(k)}
+            if counts:
+                self.dropped[f"{name}[{label}]"] = counts
             return artifact
         error = str(state.message or state.name)
         fp = task.definition.fingerprint(config, tuple(inputs), params or {})
@@ -152,6 +158,8 @@ class RunContext:
                 "| step | label | state | fingerprint | seconds |",
                 "|---|---|---|---|---|",
                 *rows,
+                *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if self.dropped else []),
+                *(f"| {k} | {v} |" for k, v in self.dropped.items()),
             ]
         )
         create_markdown_artifact(markdown=markdown, key=f"{self.flow}-summary", description="Steps and states")
@@ -163,4 +171,5 @@ class RunContext:
             "workspace": self.ws.root,
             "states": states,
             "final": self.last.model_dump(mode="json") if self.last else None,
+            "dropped": self.dropped,
         }

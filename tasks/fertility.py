@@ -17,6 +17,7 @@ Outputs: `fertility.csv`, `fertility.md`, `fertility.png` and `decision.json`.
 
 from __future__ import annotations
 
+import base64
 import csv
 import gzip
 import json
@@ -261,15 +262,18 @@ def build_fertility(
 
 
 def publish_fertility(artifact: Artifact, ws, label: str) -> None:
-    """The table and the decision as Prefect artifacts (the chart's path is in the markdown)."""
+    """The table, and the decision with the chart, as Prefect artifacts."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     with open(artifact.path / "fertility.csv", encoding="utf-8") as fh:
         table = list(csv.DictReader(fh))
     create_table_artifact(table=table, key="fertility", description="Tokenizer fertility per source")
     md = (artifact.path / "fertility.md").read_text(encoding="utf-8")
+    png = artifact.path / "fertility.png"
+    # the chart inline (a data URI: tens of kB), so the UI shows it without file access
+    image = base64.b64encode(png.read_bytes()).decode("ascii")
     create_markdown_artifact(
-        markdown=f"# Tokenizer fertility\n\n{md}\n\nChart: `{artifact.path / 'fertility.png'}`",
+        markdown=f"# Tokenizer fertility\n\n{md}\n\n![fertility](data:image/png;base64,{image})\n\nChart: `{png}`",
         key="fertility-decision",
         description="Tokenizer choice and its reason",
     )

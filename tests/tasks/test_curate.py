@@ -224,6 +224,7 @@ def test_data_flow_through_prefect_in_a_worker_thread(tmp_path, prefect_harness)
     thread.start()
     thread.join(timeout=240)
     assert not thread.is_alive() and set(result["states"]) == {"completed"}
+    assert result["dropped"]["curate[prose]"]["removed"]  # drop counts reach the run summary
     lineage = Lineage(ws / "lineage.duckdb")
     rows = lineage.query("SELECT source, filter, docs_in, docs_out FROM filter_stats ORDER BY source, position")
     assert {r[0] for r in rows} == {"prose", "code", "math"}
