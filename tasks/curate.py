@@ -303,9 +303,11 @@ def run_executors(config: CurationConfig, executors: list, logs: Path) -> None:
         return
     executors[-1].run()  # launches its dependencies first (slurm: sbatch with afterok)
     if config.executor == "slurm":
-        poll = config.slurm.poll_seconds if config.slurm else 60.0
-        while executors[-1].get_incomplete_ranks():
-            time.sleep(poll)
+        from infra.launchers.slurm import wait_for_datatrove
+
+        # polls the array jobs too: a failed stage raises (and cancels the chain) instead of
+        # leaving its afterok dependents pending forever
+        wait_for_datatrove(executors, config.slurm.poll_seconds if config.slurm else 60.0)
 
 
 # --- statistics -------------------------------------------------------------------------------
