@@ -29,6 +29,15 @@ def cmd_recipe(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from flows.plan import format_plan, plan
+    from tasks.recipe import load_recipe
+
+    rows = plan(load_recipe(args.recipe, args.overrides), frozenset(args.refresh))
+    print(format_plan(rows))
+    return 0
+
+
 def cmd_lineage(args) -> int:
     from flows.report import resolve_artifact, tree
 
@@ -125,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("recipe", cmd_recipe, "validate a recipe and print it resolved (with overrides)")
     p.add_argument("recipe", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*")
+
+    p = add("plan", cmd_plan, "dry run: every step as run or reuse, and why a step would rerun")
+    p.add_argument("recipe", nargs="?", default="tiny")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="comma-separated step names to plan as forced reruns")
 
     p = add("lineage", cmd_lineage, "print what produced an artifact (or what descends from it)", True)
     p.add_argument("artifact", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")

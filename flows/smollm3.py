@@ -15,7 +15,7 @@ from tasks.fertility import fertility
 from tasks.mixture import mixture
 from tasks.preflight import preflight, recipe_facts
 from tasks.pretrain import pretrain, schedule_stages, training_facts
-from tasks.recipe import load_recipe
+from tasks.recipe import Recipe, load_recipe
 from tasks.sources import source
 from tasks.tokenize import tokenize
 from tasks.tokenizer import tokenizer
@@ -37,45 +37,49 @@ def smollm3(
     """
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
     with RunContext("smollm3", cfg, recipe, STEPS, refresh or []) as ctx:
-        # Data: sources -> curated corpora -> tokenizer -> fertility -> token shards -> mixtures.
-        corpora = {
-            s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources
-        }
-        curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
-        tok = ctx.run(tokenizer, cfg.tokenizer, list(curated.values()), label="bpe")
-        fert = ctx.run(
-            fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
-            params={"weights": cfg.mixture_weights()},
-        )
-        shards = [
-            ctx.run(tokenize, cfg.tokenize, [fert, c], label=n, params={"seed": cfg.seed})
-            for n, c in curated.items()
-        ]
-        plans = {
-            st.name: ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
-            for st in cfg.stages
-        }
-        if not cfg.stages:
-            return ctx.summary()
-
-        # Training: preflight, eval suite, then every stage -> HF export -> evaluation.
-        facts = recipe_facts(
-            cfg, tuple(plans.values()),
-            **training_facts(cfg.training, fert.meta["selected"]["vocab_size"], len(cfg.stages)),
-        )
-        ctx.run(preflight, cfg.preflight, label="preflight",
-                params={"facts": facts.to_dict(), "run_id": ctx.run_id})
-        suite = ctx.run(
-            eval_suite, cfg.eval, [*corpora.values(), *curated.values()], label="suite",
-            params={"seed": cfg.seed, "n_sources": len(corpora)},
-        )
-        previous = None
-        for run in schedule_stages(cfg.training, cfg.stages):
-            inputs = [plans[run.stage.name], *([previous] if previous else [])]
-            previous = ctx.run(pretrain, run, inputs, label=run.stage.name)
-            model = ctx.run(export, cfg.export, [previous, fert], label=run.stage.name)
-            ctx.run(
-                evaluate, cfg.eval, [model, suite], label=run.stage.name,
-                params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
-            )
+        dag(ctx, cfg)
         return ctx.summary()
+
+
+def dag(ctx, cfg: Recipe) -> None:
+    """The DAG itself, shared by the flow (a RunContext runs each step) and by `smollm3 plan`
+    (a PlanContext only computes fingerprints and looks for finished step folders)."""
+    # Data: sources -> curated corpora -> tokenizer -> fertility -> token shards -> mixtures.
+    corpora = {s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources}
+    curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
+    tok = ctx.run(tokenizer, cfg.tokenizer, list(curated.values()), label="bpe")
+    fert = ctx.run(
+        fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
+        params={"weights": cfg.mixture_weights()},
+    )
+    shards = [
+        ctx.run(tokenize, cfg.tokenize, [fert, c], label=n, params={"seed": cfg.seed})
+        for n, c in curated.items()
+    ]
+    plans = {
+        st.name: ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
+        for st in cfg.stages
+    }
+    if not cfg.stages:
+        return
+
+    # Training: preflight, eval suite, then every stage -> HF export -> evaluation.
+    vocab = fert.meta.get("selected", {}).get("vocab_size", cfg.tokenizer.vocab_size)
+    facts = recipe_facts(
+        cfg, tuple(plans.values()), **training_facts(cfg.training, vocab, len(cfg.stages))
+    )
+    ctx.run(preflight, cfg.preflight, label="preflight",
+            params={"facts": facts.to_dict(), "run_id": ctx.run_id})
+    suite = ctx.run(
+        eval_suite, cfg.eval, [*corpora.values(), *curated.values()], label="suite",
+        params={"seed": cfg.seed, "n_sources": len(corpora)},
+    )
+    previous = None
+    for run in schedule_stages(cfg.training, cfg.stages):
+        inputs = [plans[run.stage.name], *([previous] if previous else [])]
+        previous = ctx.run(pretrain, run, inputs, label=run.stage.name)
+        model = ctx.run(export, cfg.export, [previous, fert], label=run.stage.name)
+        ctx.run(
+            evaluate, cfg.eval, [model, suite], label=run.stage.name,
+            params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
+        )

@@ -64,6 +64,8 @@ class StageConfig(BaseModel):
     rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override for this stage
     lr_scale: float = Field(default=1.0, gt=0)  # long_context: peak LR = training.lr x this
     warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
+    global_batch: int | None = Field(default=None, gt=0)  # sequences per step (None: training's)
+    micro_batch: int | None = Field(default=None, gt=0)  # per-rank micro-batch (None: training's)
 
 
 def mixture_path(path: str) -> Path:

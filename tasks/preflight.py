@@ -147,7 +147,7 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
         "stage_tokens": {st.name: st.tokens for st in stages},
         "stage_seq_len": {st.name: st.seq_len for st in stages},
         "seq_len": max((st.seq_len for st in stages), default=0),
-        "mixture_plans": tuple(a.meta["plan"] for a in plans if a.kind == "mixture"),
+        "mixture_plans": tuple(str(Path(a.uri) / "plan.json") for a in plans if a.kind == "mixture"),
     }
     return PreflightFacts(**{**known, **facts})
 

@@ -102,8 +102,13 @@ class StageRun(BaseModel):
     fresh: bool  # fresh optimizer and schedule (context extension, annealing)
 
 
+def stage_batch(stage: StageConfig, training: TrainingConfig) -> tuple[int, int]:
+    """(global_batch, micro_batch) of a stage: its own, else the training section's."""
+    return (stage.global_batch or training.global_batch, stage.micro_batch or training.micro_batch)
+
+
 def stage_steps(stage: StageConfig, training: TrainingConfig) -> int:
-    return max(1, math.ceil(stage.tokens / (training.global_batch * stage.seq_len)))
+    return max(1, math.ceil(stage.tokens / (stage_batch(stage, training)[0] * stage.seq_len)))
 
 
 def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig]) -> list[StageRun]:
@@ -136,12 +141,13 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig]) -> 
 def trainer_spec(run: StageRun, plan: Path, out: Path, init_from: str | None) -> dict[str, Any]:
     """The `model.spec.TrainSpec` JSON for one stage."""
     t = run.training
+    global_batch, micro_batch = stage_batch(run.stage, t)
     return {
         "mixture_plan": str(plan),
         "out_dir": str(out),
         "steps": run.steps,
-        "global_batch": t.global_batch,
-        "micro_batch": t.micro_batch,
+        "global_batch": global_batch,
+        "micro_batch": micro_batch,
         "model_preset": t.model,
         "model_overrides": dict(t.model_overrides),
         "seq_len": run.stage.seq_len,
@@ -237,7 +243,7 @@ def build_stage(run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=prin
     spec = trainer_spec(run, plan.path / "plan.json", out, init_from)
     (out / "spec.json").write_text(json.dumps(spec, indent=2))
     resumed = (out / "checkpoints").exists() and any((out / "checkpoints").iterdir())
-    log(f"{run.stage.name}: {run.steps} steps x {run.training.global_batch} x {run.stage.seq_len} "
+    log(f"{run.stage.name}: {run.steps} steps x {spec['global_batch']} x {run.stage.seq_len} "
         f"tokens, {run.schedule} lr {run.lr:g} (positions {run.start_step}..{run.start_step + run.steps} "
         f"of {run.total_steps}){', resuming in ' + str(out) if resumed else ''}")
     inject = os.environ.get(FAILURE_ENV) == run.stage.name and not (out / ".failure-injected").exists()

@@ -79,6 +79,14 @@ class Recipe(BaseModel):
             raise ValueError("stages: every pretrain stage must come before the long_context stages")
         if kinds and kinds[0] != "pretrain":
             raise ValueError("stages: the first stage must be a pretrain stage")
+        t = self.training
+        for st in self.stages:
+            gb, mb = st.global_batch or t.global_batch, st.micro_batch or t.micro_batch
+            if gb % (mb * t.nproc_per_node):
+                raise ValueError(
+                    f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
+                    f"training.nproc_per_node = {mb} x {t.nproc_per_node}"
+                )
         return self
 
     def mixture_weights(self) -> dict[str, float]:
@@ -165,7 +173,9 @@ def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str
         if err["type"] == "extra_forbidden":
             msg = f"unknown field; allowed: {', '.join(_allowed_fields(err['loc']))}"
         got = err.get("input")
-        shown = "" if err["type"] in {"extra_forbidden", "missing"} else f" (got {got!r})"
+        hide = err["type"] in {"extra_forbidden", "missing"} or isinstance(got, dict | list)
+        shown = "" if hide else f" (got {got!r})"
+        loc = loc or "recipe"
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 

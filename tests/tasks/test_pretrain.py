@@ -1,0 +1,53 @@
+"""Stage resolution: one WSD schedule across stages, fresh schedules for context extension."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.pretrain import schedule_stages, trainer_spec
+from tasks.recipe import RecipeError, load_recipe
+
+
+def test_smollm3_3b_schedule_matches_the_published_numbers():
+    recipe = load_recipe("smollm3-3b")
+    runs = {r.stage.name: r for r in schedule_stages(recipe.training, recipe.stages)}
+    main = [runs[s] for s in ("stage1", "stage2", "stage3")]
+    total = main[0].total_steps
+    # 11.1T tokens at 2.36M tokens/step: ~4.7M steps; the decay (stage 3) is ~11% of them.
+    assert 4.6e6 < total < 4.8e6 and all(r.total_steps == total for r in main)
+    assert [r.start_step for r in main] == [0, main[0].steps, main[0].steps + main[1].steps]
+    assert main[2].decay_fraction == pytest.approx(main[2].steps / total) and 0.10 < main[2].decay_fraction < 0.12
+    assert all(r.lr == 2e-4 and r.warmup_steps == 2000 and r.schedule == "wsd" and not r.fresh for r in main)
+    long32k, long64k = runs["long32k"], runs["long64k"]
+    assert long32k.fresh and long32k.schedule == "cosine" and long32k.lr == pytest.approx(2e-5)
+    assert long32k.rope_theta == 2e6 and long64k.rope_theta == 5e6
+    assert 19_000 < long32k.steps < 21_000  # published: 20k steps, ~47B tokens
+
+
+def test_trainer_spec_continues_or_resets(tmp_path):
+    recipe = load_recipe("tiny")
+    runs = schedule_stages(recipe.training, recipe.stages)
+    stage2 = trainer_spec(runs[1], tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage1")
+    assert stage2["schedule"]["start_step"] == runs[0].steps
+    assert stage2["schedule"]["total_steps"] == sum(r.steps for r in runs[:3])
+    assert not stage2["reset_optimizer"] and not stage2["reset_schedule"]
+    long1 = trainer_spec(runs[3], tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage3")
+    assert long1["reset_optimizer"] and long1["reset_schedule"] and long1["seq_len"] == 512
+    assert long1["rope_theta"] == 200000 and long1["optimizer"]["lr"] == pytest.approx(3e-4)
+    # The spec is what model.train accepts.
+    from model.spec import TrainSpec
+
+    TrainSpec.from_dict(json.loads(json.dumps(long1)))
+
+
+def test_stage_order_and_batch_layout_are_validated():
+    with pytest.raises(RecipeError, match="pretrain stage must come before the long_context"):
+        load_recipe("tiny", ["stages.stage2.kind=long_context"])
+    with pytest.raises(RecipeError, match=r"stages\[long1\]: global_batch 12 must be a multiple"):
+        load_recipe("tiny", ["stages.long1.global_batch=12"])
+    with pytest.raises(RecipeError, match="global_batch 20 must be a multiple of micro_batch"):
+        load_recipe("tiny", ["training.global_batch=20"])
+    with pytest.raises(RecipeError, match="allowed presets: ablation_1b, smollm3_3b, tiny"):
+        load_recipe("tiny", ["training.model=gpt5"])
