@@ -53,6 +53,15 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from flows.report import find_run, run_report
+
+    lineage = _lineage(args)
+    out = Path(args.out) if args.out else Path(args.workspace) / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
+    print(run_report(lineage, args.run, out))
+    return 0
+
+
 def cmd_summary(args) -> int:
     from flows.report import summary
 
@@ -148,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("runs", cmd_runs, "list flow runs with their steps and states", True)
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--no-steps", action="store_true", help="one line per run")
+
+    p = add("report", cmd_report, "write a run's report (steps, evals, stage summaries, loss curves, lineage) to a file", True)
+    p.add_argument("run", nargs="?", default="latest", help="run id, id prefix or `latest`")
+    p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/RUN_ID.md)")
 
     p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
     p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")

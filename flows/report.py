@@ -150,3 +150,70 @@ def summary(lineage: Lineage, ui_url: str | None) -> str:
     parts.append(f"lineage:      smollm3 lineage <fingerprint|path>   (DuckDB file {lineage.path})")
     parts.append("runs:         smollm3 runs")
     return "\n".join(parts)
+
+
+def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
+    """A run by id, id prefix, or `latest`."""
+    if ref == "latest":
+        runs = lineage.runs(1)
+    else:
+        runs = lineage.query_dicts("SELECT * FROM flow_runs WHERE run_id LIKE ? ORDER BY started DESC", [ref + "%"])
+    if not runs:
+        raise LookupError(f"no run {ref!r} in {lineage.path}; list them with `smollm3 runs`")
+    if len(runs) > 1:
+        raise LookupError(f"run prefix {ref!r} is ambiguous: {', '.join(r['run_id'][:8] for r in runs)}")
+    return runs[0]
+
+
+def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
+    """The run's report as markdown (plus the loss curves beside it): what the UI shows, in a file."""
+    import shutil
+
+    run = find_run(lineage, ref)
+    run_id = run["run_id"]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts = [
+        f"# smollm3 run {run_id}",
+        "",
+        f"Recipe `{run['recipe']}`, state **{run['state']}**, started {run['started']:%Y-%m-%d %H:%M:%S}.",
+        "",
+        "## Steps",
+        "",
+        "```",
+        _steps_only(lineage, run_id),
+        "```",
+        "",
+        "## Eval scores per stage",
+        "",
+        "```",
+        eval_table(lineage, run_id),
+        "```",
+    ]
+    stages = lineage.query_dicts(
+        "SELECT DISTINCT s.label, a.uri, s.started FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
+        "WHERE s.run_id = ? AND s.step = 'pretrain' AND s.state <> 'failed' ORDER BY s.started",
+        [run_id],
+    )
+    for st in stages:
+        folder = Path(st["uri"])
+        summary_md = folder / "summary.md"
+        parts += ["", summary_md.read_text().replace("# ", "## Stage ", 1) if summary_md.exists() else f"## Stage {st['label']}"]
+        png = folder / "loss.png"
+        if png.exists():
+            target = out.with_name(f"{out.stem}-{st['label']}-loss.png")
+            shutil.copyfile(png, target)
+            parts.append(f"![{st['label']} loss]({target.name})")
+    final = final_artifact(lineage, run_id)
+    if final:
+        parts += ["", f"## Lineage of the final {final['kind']}", "", "```", tree(lineage, final), "```"]
+    out.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return out
+
+
+def _steps_only(lineage: Lineage, run_id: str) -> str:
+    rows = lineage.steps_of(run_id)
+    return "\n".join(
+        f"{r['step'] + ('[' + r['label'] + ']' if r['label'] else ''):<28} {r['state']:<9} {r['seconds']:7.1f}s"
+        for r in rows
+    )

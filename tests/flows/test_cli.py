@@ -83,3 +83,14 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("run", "recipe", "lineage", "runs", "summary", "serve", "demo", "down"):
         assert cmd in out
+
+
+def test_report_writes_the_run_to_a_file(workspace, tmp_path, capsys):
+    root, _ = workspace
+    out = tmp_path / "r" / "report.md"
+    assert main(["report", "run-1", "--workspace", str(root), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# smollm3 run run-1") and "tokenize[prose]" in text
+    assert "## Eval scores per stage" in text
+    assert main(["report", "nope", "--workspace", str(root)]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
