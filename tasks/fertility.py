@@ -64,7 +64,16 @@ def load_candidate(name: str, trained: Path | None = None):
     if p.suffix == ".json" or name.startswith((".", "/", "~")):
         raise FileNotFoundError(f"fertility candidate {name!r}: no such tokenizer file")
     try:
-        return Tokenizer.from_pretrained(name), name
+        # through huggingface_hub: it uses the saved token (gated models) and the local cache, and
+        # hands datatrove a file path its workers can read without the hub
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(name, "tokenizer.json")
+        try:
+            hf_hub_download(name, "tokenizer_config.json")  # beside it: find_eos reads eos_token
+        except Exception:
+            pass
+        return Tokenizer.from_file(path), path
     except Exception as exc:  # the hub raises many types; the message is what the user needs
         raise RuntimeError(
             f"fertility candidate {name!r}: cannot load it from the Hugging Face hub ({exc}); "

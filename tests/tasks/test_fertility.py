@@ -85,3 +85,16 @@ def test_build_writes_table_chart_and_decision(tmp_path):
     assert json.loads((out / "decision.json").read_text())["tokenizer"]["path"].endswith("words.json")
     with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
         build_fertility(FertilityConfig(candidates=("./missing/tokenizer.json",)), [web], out)
+
+
+def test_hub_candidate_that_cannot_be_fetched_says_what_to_do(monkeypatch):
+    import huggingface_hub
+
+    from tasks.fertility import load_candidate
+
+    def offline(*args, **kwargs):
+        raise OSError("no connection")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(RuntimeError, match="'Qwen/Qwen3-4B': cannot load it from the Hugging Face hub"):
+        load_candidate("Qwen/Qwen3-4B")
