@@ -1,0 +1,129 @@
+"""Eval suite: cloze items from held-out text, passkeys, contamination, and lm-eval on a real model."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from infra.artifact import Artifact
+from tasks.evaluate import (
+    EvalConfig,
+    arithmetic_items,
+    build_suite,
+    contamination,
+    passkey_items,
+    prose_items,
+    run_lm_eval,
+    stage_tasks,
+)
+from tasks.sources import SourceConfig, build_corpus
+
+
+def _corpus(tmp_path, name, uri, domain, n):
+    out = tmp_path / name
+    cfg = SourceConfig(name=name, uri=uri, domain=domain, max_documents=n, held_out_fraction=0.3)
+    meta = build_corpus(cfg, 0, out, log=lambda _: None)
+    return Artifact(kind="corpus", uri=str(out), fingerprint=name * 8, meta=meta)
+
+
+def test_arithmetic_items_hold_the_right_answer(tmp_path):
+    rng = random.Random(0)
+    docs = [
+        "Problem: What is 12 + 30?\nSolution: 12 + 30 = 42.\nAnswer: 42",
+        "Problem: Ada buys 3 books at 5 dollars each. How many dollars does Ada spend?\n"
+        "Solution: Each costs 5 dollars, so 3 cost 3 * 5 = 15 dollars.\nAnswer: 15",
+    ]
+    items = arithmetic_items(docs, EvalConfig(), rng)
+    assert [it["choices"][it["gold"]] for it in items] == ["42", "15"]
+    assert items[0]["context"].endswith("12 + 30 =") and "42" not in items[0]["context"]
+    assert all(len(set(it["choices"])) == 4 for it in items)
+
+
+def test_prose_and_passkey_items(tmp_path):
+    rng = random.Random(1)
+    docs = [" ".join(f"w{d}_{i}" for i in range(400)) for d in range(5)]
+    cfg = EvalConfig(items_per_task=10)
+    items = prose_items(docs, cfg, rng)
+    assert len(items) == 10
+    for it in items:
+        gold = it["choices"][it["gold"]]
+        doc = next(d for d in docs if it["context"] in d)
+        assert it["context"] + " " + gold in doc  # the gold continues the context
+    keys = passkey_items(50, cfg, rng)
+    for it in keys:
+        assert f"The pass key is {it['choices'][it['gold']]}." in it["context"]
+
+
+def test_contamination_finds_planted_overlap():
+    items = {"t": [
+        {"context": "the quick brown fox jumps over the lazy", "choices": ["dog today", "cat"], "gold": 0, "delimiter": " "},
+        {"context": "entirely fresh words never seen in training", "choices": ["ok", "no"], "gold": 0, "delimiter": " "},
+    ]}
+    report = contamination(items, ["yesterday the quick brown fox jumps over the lazy dog today again"], n=8)
+    assert report["t"] == {"items": 2, "contaminated": 1, "rate": 0.5}
+
+
+def test_build_suite_writes_lm_eval_tasks(tmp_path):
+    sources = [
+        _corpus(tmp_path, "prose", "builtin:prose", "web", 60),
+        _corpus(tmp_path, "code", "builtin:code", "code", 40),
+        _corpus(tmp_path, "math", "builtin:math", "math", 300),
+    ]
+    cfg = EvalConfig(items_per_task=15, passkey_lengths=(50,), passkey_items=4)
+    # "Training" data that is a copy of the math held-out split: every arithmetic item leaks.
+    leaked = tmp_path / "leaked"
+    shutil.copytree(tmp_path / "math" / "heldout", leaked / "train")
+    training = [*sources, Artifact(kind="corpus", uri=str(leaked), fingerprint="l" * 64, meta={})]
+    meta = build_suite(cfg, sources, training, tmp_path / "suite", log=lambda _: None)
+    assert set(meta["tasks"]) == {"prose_cloze", "code_cloze", "arithmetic_cloze", "passkey_50"}
+    assert meta["contamination"]["arithmetic_cloze"] == 1.0
+    clean = build_suite(cfg, sources, sources, tmp_path / "suite2", log=lambda _: None)
+    assert clean["contamination"]["prose_cloze"] < 0.5
+    task_dir = tmp_path / "suite" / "tasks"
+    assert "dataset_path: json" in (task_dir / "prose_cloze.yaml").read_text()
+    suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta=meta)
+    assert stage_tasks(cfg, suite, long_context=False) == ["prose_cloze", "code_cloze", "arithmetic_cloze"]
+    assert "passkey_50" in stage_tasks(cfg, suite, long_context=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tmp_path_factory):
+    """A randomly initialised SmolLM3 exported with a small trained BPE tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from model.config import ModelConfig
+    from model.hf import export_hf
+    from model.model import SmolLM3
+
+    root = tmp_path_factory.mktemp("hf")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [f"Problem: What is {i} + {i + 1}? Answer: {2 * i + 1}" for i in range(300)]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root / "tok")
+    model = SmolLM3(ModelConfig.tiny(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2))
+    model.init_weights(seed=0)
+    return export_hf(model, root / "model", tokenizer_dir=root / "tok", eos_token_id=0)
+
+
+def test_lm_eval_scores_a_real_model(tmp_path, tiny_hf_model):
+    rng = random.Random(2)
+    docs = [f"Problem: What is {a} + {a + 3}?\nSolution: {a} + {a + 3} = {2 * a + 3}.\nAnswer: {2 * a + 3}" for a in range(10, 40)]
+    items = arithmetic_items(docs, EvalConfig(), rng)
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    from tasks.evaluate import task_yaml
+
+    (task_dir / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (task_dir / "arith.yaml").write_text(task_yaml("arith_test", task_dir / "arith.jsonl", " "))
+    scores = run_lm_eval(tiny_hf_model, task_dir, ["arith_test"], EvalConfig(batch_size=4, device="cpu"), tmp_path)
+    s = scores["arith_test"]
+    assert set(s) >= {"acc", "acc_norm", "acc_stderr"}
+    assert 0.0 <= s["acc"] <= 1.0 and s["acc"] * len(items) == pytest.approx(round(s["acc"] * len(items)))
+    assert json.loads((tmp_path / "lm_eval_results.json").read_text())["arith_test"]["sample_len"] == len(items)
