@@ -446,10 +446,31 @@ class S3Store:
             raise StorageError(f"{report.uri} is incomplete (no {marker} or {MANIFEST}); "
                                "upload it again from a complete local copy")
         files = json.loads(raw)["files"]
+        for rel in files:  # a manifest is remote input: never write outside the destination
+            if rel.startswith("/") or ".." in Path(rel).parts:
+                raise StorageError(f"{report.uri}/{MANIFEST} lists an unsafe path {rel!r}; "
+                                   "refusing to download it")
         dest = Path(dest)
         partial = dest.with_name(f".{dest.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        try:
+            self._download_files(name, files, partial, report)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # never leave a half folder behind
+            raise
+        (partial / MANIFEST).write_bytes(raw)
+        _write_atomic_bytes(partial / marker, marker_bytes)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(partial, dest)
+        report.files += 1
+        report.seconds = time.monotonic() - start
+        log.info("pulled %s into %s: %d files, %.1f MB in %.1fs", report.uri, dest,
+                 report.files, report.bytes / 1e6, report.seconds)
+        return report
+
+    def _download_files(self, name: str, files: dict, partial: Path, report: FolderReport) -> None:
         for rel, want in sorted(files.items()):
             target = partial / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -466,16 +487,6 @@ class S3Store:
             report.files += 1
             report.bytes += want["size"]
             report.sent += 1
-        (partial / MANIFEST).write_bytes(raw)
-        _write_atomic_bytes(partial / marker, marker_bytes)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(partial, dest)
-        report.files += 1
-        report.seconds = time.monotonic() - start
-        log.info("pulled %s into %s: %d files, %.1f MB in %.1fs", report.uri, dest,
-                 report.files, report.bytes / 1e6, report.seconds)
-        return report
 
 
 def _write_atomic_bytes(path: Path, data: bytes) -> None:

@@ -392,6 +392,13 @@ def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path):
     with pytest.raises(StorageError, match="does not match its manifest"):
         pull_latest_checkpoint("s3://ckpts/p", tmp_path / "other", cfg(endpoint, attempts=2))
     assert not (tmp_path / "other" / "step_00000008").exists()
+    assert list((tmp_path / "other").iterdir()) == []  # no half-downloaded folder either
+
+    # a manifest is remote input: paths escaping the destination are refused
+    client.put_object(Bucket="ckpts", Key=f"p/step_00000008/{MANIFEST}",
+                      Body=json.dumps({"files": {"../../escape": {"size": 1, "sha256": "0"}}}))
+    with pytest.raises(StorageError, match="unsafe path '../../escape'"):
+        pull_latest_checkpoint("s3://ckpts/p", tmp_path / "third", cfg(endpoint, attempts=1))
 
 
 def test_credentials_never_reach_logs_or_returned_metadata(s3, tmp_path, caplog, capsys):
