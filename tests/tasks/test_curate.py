@@ -63,6 +63,24 @@ def test_planted_exact_and_near_duplicates_are_all_found_without_false_positives
         assert b["docs_in"] == a["docs_out"] and b["chars_in"] == a["chars_out"]
 
 
+@pytest.mark.parametrize(
+    ("exact", "minhash", "removed"),
+    [(True, False, {"exact_dedup:exact_dedup": 2}), (False, True, {"minhash_dedup:minhash_dedup": 4})],
+)
+def test_each_dedup_pass_alone(tmp_path, exact, minhash, removed):
+    rng = random.Random(2)
+    unique = [(f"u{i}", random_text(rng)) for i in range(12)]
+    copies = [(f"exact{i}", unique[i][1]) for i in range(2)]
+    near = [(f"near{i}", unique[i][1].replace(" ", "  ", 1) + " Zeppelin.") for i in range(2, 4)]
+    art = corpus(tmp_path / "in", unique + copies + near, source="toy", shards=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = CurationConfig(presets={"toy": "none"}, exact_dedup=exact, minhash=minhash, tasks=2)
+    meta = build_curated(cfg, art, out)
+    assert meta["removed"] == removed and meta["unaccounted"] == 0 and meta["tasks"] == 2
+    assert meta["documents"] == 16 - sum(removed.values())
+
+
 def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
     rng = random.Random(1)
     good = [doc_line(f"g{i}", random_text(rng, 60)) for i in range(5)]
