@@ -11,9 +11,12 @@ Stages (each a datatrove executor run whose logs and `stats.json` stay in the st
 
 Design choices:
 - Presets per domain are lists of datatrove filters (a registry refuses duplicates): `web` is the
-  FineWeb stack (Gopher repetition and quality, C4, FineWeb quality), `code` is the heuristics in
-  this file that suit source code, `math` is light (length only). The English filters need spaCy's
-  tokenizer only: datatrove builds it with `spacy.blank("en")`, so nothing is downloaded.
+  FineWeb stack (Gopher repetition and quality, C4, FineWeb quality), `code` is heuristics that
+  suit source code, `math` is light (length only). Our own datatrove components (the counting
+  reader, code filters, sample writer) live in tasks/curate_parts.py, free of Prefect, because
+  datatrove's worker processes import the modules of the pipeline's components. The English
+  filters need spaCy's tokenizer only: datatrove builds it with `spacy.blank("en")`, so nothing
+  is downloaded.
 - Bad input is counted, never dropped silently: the reader counts malformed JSON, invalid UTF-8,
   missing or non-string text, empty and too large documents per reason; every filter's drops
   are counted per reason by datatrove; a few removed documents per filter and reason are kept in
