@@ -705,10 +705,11 @@ def pull_latest_checkpoint(
     """
     mirror = CheckpointMirror(s3_prefix, config=config, client=client, marker=marker)
     local_dir = Path(local_dir)
-    names = mirror.remote_steps()
-    if not names:
+    # newest first, stopping at the first complete one: a long run has thousands on S3
+    names = [n for n in mirror.store.subfolders() if n.startswith("step_") and n[5:].isdigit()]
+    newest = next((n for n in reversed(names) if mirror.store.remote_complete(n, marker)), None)
+    if newest is None:
         return None
-    newest = names[-1]
     local_complete = [f for f in step_folders(local_dir) if checkpoint_complete(f, marker)]
     if local_complete and local_complete[-1].name >= newest:
         return local_complete[-1]
