@@ -47,13 +47,21 @@ def dag(ctx, cfg: Recipe) -> None:
     # Data: sources -> curated corpora -> tokenizer -> fertility -> token shards -> mixtures.
     corpora = {s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources}
     curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
-    tok = ctx.run(tokenizer, cfg.tokenizer, list(curated.values()), label="bpe")
+    # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.
+    tok = ctx.run(
+        tokenizer, cfg.tokenizer, [] if cfg.tokenizer.path else list(curated.values()),
+        label="given" if cfg.tokenizer.path else "bpe",
+    )
     fert = ctx.run(
         fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
         params={"weights": cfg.mixture_weights()},
     )
+    # When the recipe fixes the tokenizer (no other candidates, or choose: trained), shards depend
+    # on the tokenizer itself rather than on the fertility report over every source, so changing
+    # one source re-tokenizes only that source.
+    chosen = tok if not cfg.fertility.candidates or cfg.fertility.choose == "trained" else fert
     shards = [
-        ctx.run(tokenize, cfg.tokenize, [fert, c], label=n, params={"seed": cfg.seed})
+        ctx.run(tokenize, cfg.tokenize, [chosen, c], label=n, params={"seed": cfg.seed})
         for n, c in curated.items()
     ]
     plans = {
@@ -64,7 +72,7 @@ def dag(ctx, cfg: Recipe) -> None:
         return
 
     # Training: preflight, eval suite, then every stage -> HF export -> evaluation.
-    vocab = fert.meta.get("selected", {}).get("vocab_size", cfg.tokenizer.vocab_size)
+    vocab = (fert.meta.get("selected") or chosen.meta).get("vocab_size", cfg.tokenizer.vocab_size)
     facts = recipe_facts(
         cfg, tuple(plans.values()), **training_facts(cfg.training, vocab, len(cfg.stages))
     )
@@ -78,7 +86,7 @@ def dag(ctx, cfg: Recipe) -> None:
     for run in schedule_stages(cfg.training, cfg.stages):
         inputs = [plans[run.stage.name], *([previous] if previous else [])]
         previous = ctx.run(pretrain, run, inputs, label=run.stage.name)
-        model = ctx.run(export, cfg.export, [previous, fert], label=run.stage.name)
+        model = ctx.run(export, cfg.export, [previous, chosen], label=run.stage.name)
         ctx.run(
             evaluate, cfg.eval, [model, suite], label=run.stage.name,
             params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
