@@ -189,6 +189,57 @@ def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
     ])
 
 
+# Generation (exact match) task for chat models: the ChatML prompt our tokenizer's template
+# renders is written into the prompt itself (not lm-eval's --apply_chat_template), so the task
+# file alone reproduces the score and a base model sees the same string; generation stops at the
+# end of the assistant turn and the final `Answer: N` is compared with the known answer.
+CHAT_PROMPT = "<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n"
+GENERATION_TASK = "arithmetic_exact"
+ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
+
+
+def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """Held-out math problems as {problem, answer} for the exact-match generation task."""
+    items = []
+    for text in docs:
+        m = _ANSWER.match(text.strip())
+        if m:
+            items.append({"problem": m["problem"].strip(), "answer": m["answer"]})
+        if len(items) >= n:
+            break
+    return items
+
+
+def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> str:
+    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
+    return "\n".join([
+        f"task: {name}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data_file))}",
+        "test_split: test",
+        "output_type: generate_until",
+        f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
+        'doc_to_target: "{{answer}}"',
+        "generation_kwargs:",
+        '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
+        f"  max_gen_toks: {max_gen_toks}",
+        "  do_sample: false",
+        "filter_list:",
+        "  - name: answer",
+        "    filter:",
+        "      - function: regex",
+        f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
+        "      - function: take_first",
+        "metric_list:",
+        "  - metric: exact_match",
+        "    aggregation: mean",
+        "    higher_is_better: true",
+        "",
+    ])
+
+
 def ngrams(text: str, n: int) -> Iterator[int]:
     words = re.findall(r"\w+", text.lower())
     for i in range(len(words) - n + 1):
@@ -229,9 +280,10 @@ def _texts(folder: Path, limit: int | None = None) -> Iterator[str]:
 
 def build_suite(
     cfg: EvalConfig, sources: Sequence[Artifact], training: Sequence[Artifact], out: Path,
-    seed: int = 0, log=print,
+    seed: int = 0, log=print, generation_items: int = 0, max_gen_tokens: int = 48,
 ) -> dict[str, Any]:
-    """Write every task's JSONL + YAML into `out/tasks` and the contamination report."""
+    """Write every task's JSONL + YAML into `out/tasks` and the contamination report; with
+    `generation_items`, also the exact-match generation task (for post-trained chat models)."""
     rng = random.Random(f"eval-suite:{seed}")
     by_domain: dict[str, list[str]] = {"web": [], "code": [], "math": []}
     for art in sources:
@@ -252,6 +304,13 @@ def build_suite(
         data = task_dir / f"{name}.jsonl"
         data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
         (task_dir / f"{name}.yaml").write_text(task_yaml(name, data, items[0]["delimiter"]))
+    gen: list[dict[str, Any]] = []
+    if generation_items:
+        gen = arithmetic_generation_items(by_domain["math"], generation_items)
+        if gen:
+            data = task_dir / f"{GENERATION_TASK}.jsonl"
+            data.write_text("".join(json.dumps(i) + "\n" for i in gen), encoding="utf-8")
+            (task_dir / f"{GENERATION_TASK}.yaml").write_text(generation_task_yaml(GENERATION_TASK, data, max_gen_tokens))
     cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
     report = contamination(
         cloze,
@@ -262,6 +321,8 @@ def build_suite(
     for name, r in report.items():
         log(f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
             f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})")
+    if gen:
+        tasks[GENERATION_TASK] = gen
     return {
         "tasks": {k: len(v) for k, v in tasks.items()},
         "choices": cfg.choices,
@@ -355,10 +416,12 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
 
 
 @step("eval_suite", version=1, kind="eval")
-def eval_suite(config: EvalConfig, inputs, out: Path, *, log=print, seed: int = 0, n_sources: int) -> dict[str, Any]:
+def eval_suite(config: EvalConfig, inputs, out: Path, *, log=print, seed: int = 0, n_sources: int,
+               **generation: int) -> dict[str, Any]:
     """Prefect task: the eval suite from the sources' held-out splits (first `n_sources` inputs)
-    and contamination against the curated training corpora (the rest)."""
-    return build_suite(config, inputs[:n_sources], inputs[n_sources:], out, seed, log)
+    and contamination against the curated training corpora (the rest). `generation`
+    (generation_items, max_gen_tokens) adds the exact-match task, only when asked."""
+    return build_suite(config, inputs[:n_sources], inputs[n_sources:], out, seed, log, **generation)
 
 
 @step("evaluate", version=1, kind="eval", publish=publish_eval)

@@ -1,0 +1,309 @@
+"""Post-training data: chat conversations, verifiable arithmetic prompts, and the verifier.
+
+`build_chat_data` writes, into one folder:
+- `train.jsonl`: SFT conversations (`{"messages": [{role, content}, ...]}`),
+- `heldout.jsonl`: conversations never trained on (SFT eval loss),
+- `prompts.jsonl`: arithmetic prompts with their answers and worked reference solutions
+  (`{"prompt": [...], "answer": "42", "reference": "..."}`) for preference pairs, GRPO and
+  on-policy distillation.
+
+Sources (`posttrain.data.uri`):
+- `builtin`: made from the curated corpora. Math documents ("Problem / Solution / Answer") become
+  a user question and an assistant worked solution ending in `Answer: N`; prose documents become
+  "Continue this passage" (the next words) and "Summarise this passage" (its lead sentence: an
+  extractive stand-in for a summary, honest about being one). Training conversations come from
+  each corpus's `train/` split, held-out ones from `heldout/`, which pretraining never saw either.
+  Prompts for preference/RL come from math train documents after those used for SFT, so RL does
+  not simply replay memorised SFT answers.
+- `files:GLOB`: local JSONL with a `messages` column; `hf:NAME` a hub dataset (e.g.
+  `HuggingFaceTB/smoltalk` with `hf_subset: all`, the SmolLM SFT mixture); `hf:/PATH` a
+  `datasets.save_to_disk` folder. Held-out rows are picked by a stable hash of the row index.
+  Prompts still come from the builtin math corpus, because the verifier needs known answers.
+
+The verifier reads the final `Answer: N` of a completion; rewards are plain functions with TRL's
+reward signature (`completions`, dataset columns as keyword arguments).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from infra.artifact import Artifact
+from tasks.posttrain.config import ChatDataConfig
+from tasks.sources import read_shards
+from tasks.step import step
+
+_MATH = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
+_ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+_FORMAT = re.compile(r"\S.*\nAnswer: -?\d+\s*$", re.S)
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+# --- verifier and rewards -------------------------------------------------------------------
+
+
+def extract_answer(text: str) -> str | None:
+    """The integer after the first `Answer:` (what the worked solutions end with), or None."""
+    m = _ANSWER.search(text)
+    return m.group(1) if m else None
+
+
+def is_correct(text: str, answer: str) -> bool:
+    return extract_answer(text) == str(answer).strip()
+
+
+def _text(completion: Any) -> str:
+    # TRL passes conversational completions as [{"role": "assistant", "content": ...}].
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion)
+    return str(completion)
+
+
+def exact_match_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion's final answer equals the known answer, else 0.0."""
+    return [1.0 if is_correct(_text(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def format_reward(completions: list[Any], **_: Any) -> list[float]:
+    """1.0 when the completion is a worked solution ending in `Answer: N` on its own line."""
+    return [1.0 if _FORMAT.match(_text(c).strip()) else 0.0 for c in completions]
+
+
+# --- conversations from the built-in corpora ------------------------------------------------
+
+
+def math_conversation(text: str) -> dict[str, Any] | None:
+    """A math document as (user question, assistant worked solution); None if not one."""
+    m = _MATH.match(text.strip())
+    if not m:
+        return None
+    return {
+        "messages": [
+            {"role": "user", "content": m["problem"].strip()},
+            {"role": "assistant", "content": f"{m['solution'].strip()}\nAnswer: {m['answer']}"},
+        ],
+        "answer": m["answer"],
+    }
+
+
+def prose_conversation(text: str, rng: random.Random, words: int = 60) -> dict[str, Any] | None:
+    """A prose passage as a "continue" or a "summarise" instruction."""
+    tokens = text.split()
+    if len(tokens) < words:
+        return None
+    start = rng.randrange(0, len(tokens) - words + 1)
+    passage = tokens[start : start + words]
+    if rng.random() < 0.5:
+        cut = words * 2 // 3
+        user = "Continue this passage:\n" + " ".join(passage[:cut])
+        reply = " ".join(passage[cut:])
+    else:
+        body = " ".join(passage)
+        lead = re.split(r"(?<=[.!?])\s", body, maxsplit=1)[0]
+        if len(lead.split()) < 5 or lead == body:
+            lead = " ".join(passage[:20])
+        user = "Summarise this passage in one sentence:\n" + body
+        reply = lead
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+
+
+def _corpus_texts(corpora: Sequence[Artifact], domain: str, split: str) -> Iterator[str]:
+    for art in corpora:
+        if art.meta.get("domain") == domain and (art.path / split).is_dir():
+            for doc in read_shards(art.path / split):
+                yield doc["text"]
+
+
+def builtin_conversations(
+    corpora: Sequence[Artifact], split: str, math_n: int, prose_n: int, seed: int
+) -> list[dict[str, Any]]:
+    """`math_n` arithmetic and `prose_n` instruction conversations from one split, shuffled."""
+    rng = random.Random(f"posttrain:{split}:{seed}")
+    math, prose = [], []
+    for text in _corpus_texts(corpora, "math", split):
+        if len(math) >= math_n:
+            break
+        conv = math_conversation(text)
+        if conv:
+            math.append({"messages": conv["messages"]})
+    for text in _corpus_texts(corpora, "web", split):
+        if len(prose) >= prose_n:
+            break
+        conv = prose_conversation(text, rng)
+        if conv:
+            prose.append(conv)
+    rows = math + prose
+    rng.shuffle(rows)
+    return rows
+
+
+def arithmetic_prompts(corpora: Sequence[Artifact], skip: int, n: int) -> list[dict[str, Any]]:
+    """`n` prompts with answers from math train documents after the first `skip` (SFT's)."""
+    out, seen = [], 0
+    for text in _corpus_texts(corpora, "math", "train"):
+        conv = math_conversation(text)
+        if conv is None:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        out.append({"prompt": conv["messages"][:1], "answer": conv["answer"],
+                    "reference": conv["messages"][1]["content"]})
+        if len(out) >= n:
+            break
+    return out
+
+
+# --- conversations from files and Hugging Face datasets --------------------------------------
+
+
+def check_messages(messages: Any, where: str) -> str | None:
+    """Why `messages` is not a usable conversation (None when it is)."""
+    if not isinstance(messages, list) or not messages:
+        return "not_a_list"
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return "bad_message"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no_assistant_turn"
+    return None
+
+
+def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
+    """Raw rows of a `files:GLOB`, `hf:NAME` or `hf:/PATH` dataset."""
+    target = uri.split(":", 1)[1]
+    if uri.startswith("files:"):
+        paths = sorted(glob.glob(str(Path(target).expanduser()), recursive=True))
+        if not paths:
+            raise FileNotFoundError(f"posttrain data {uri!r}: no file matches {target!r}")
+        for path in paths:
+            with open(path, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)
+                        except json.JSONDecodeError as exc:
+                            raise ValueError(f"posttrain data {path}:{n}: invalid JSON ({exc})") from None
+        return
+    import datasets
+
+    if Path(target).expanduser().exists():
+        ds = datasets.load_from_disk(str(Path(target).expanduser()))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.hf_split not in ds:
+                raise KeyError(f"posttrain data {uri!r}: no split {cfg.hf_split!r}; splits: {', '.join(ds)}")
+            ds = ds[cfg.hf_split]
+    else:
+        ds = datasets.load_dataset(target, cfg.hf_subset, split=cfg.hf_split, revision=cfg.hf_revision)
+    yield from ds
+
+
+def _held_out(i: int, fraction: float) -> bool:
+    h = int(hashlib.sha256(f"posttrain-row:{i}".encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < fraction
+
+
+def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict], Counter]:
+    """(train, held-out, rejected counts) from a files:/hf: dataset."""
+    train, heldout, rejected = [], [], Counter()
+    for i, row in enumerate(load_rows(cfg.uri, cfg)):
+        if cfg.max_examples and i >= cfg.max_examples:
+            break
+        messages = row.get(cfg.messages_field) if isinstance(row, dict) else None
+        why = check_messages(messages, f"{cfg.uri} row {i}")
+        if why:
+            rejected[why] += 1
+            continue
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        (heldout if _held_out(i, cfg.held_out_fraction) else train).append({"messages": messages})
+    if not train:
+        raise ValueError(
+            f"posttrain data {cfg.uri!r}: no usable conversations in field {cfg.messages_field!r} "
+            f"(rejected: {dict(rejected)}); set posttrain.data.messages_field to the right column"
+        )
+    return train, heldout, rejected
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def build_chat_data(
+    cfg: ChatDataConfig, corpora: Sequence[Artifact], out: Path, seed: int = 0, log=print
+) -> dict[str, Any]:
+    """Write train/heldout conversations and arithmetic prompts into `out`; return the meta."""
+    domains = {a.meta.get("domain") for a in corpora}
+    if "math" not in domains:
+        raise ValueError(
+            "posttrain data: no math corpus among the inputs; the arithmetic prompts and the "
+            "verifier need a builtin:math (domain: math) source in the recipe"
+        )
+    rejected: Counter = Counter()
+    if cfg.uri == "builtin":
+        train = builtin_conversations(corpora, "train", cfg.math_examples, cfg.prose_examples, seed)
+        heldout = builtin_conversations(
+            corpora, "heldout", cfg.heldout_examples - cfg.heldout_examples // 4,
+            cfg.heldout_examples // 4, seed,
+        )
+        if cfg.max_examples:
+            train = train[: cfg.max_examples]
+    else:
+        train, heldout, rejected = external_conversations(cfg)
+        heldout = heldout[: max(cfg.heldout_examples, 1)]
+    if not train:
+        raise ValueError("posttrain data: no training conversations could be built from the corpora")
+    skip = cfg.math_examples if cfg.uri == "builtin" else 0
+    prompts = arithmetic_prompts(corpora, skip, cfg.prompts)
+    if not prompts:
+        raise ValueError(
+            f"posttrain data: no arithmetic prompts left after the {skip} SFT math documents; raise "
+            "the math source's max_documents or lower posttrain.data.math_examples"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "heldout.jsonl", heldout)
+    write_jsonl(out / "prompts.jsonl", prompts)
+    log(f"posttrain data ({cfg.uri}): {len(train)} train and {len(heldout)} held-out conversations, "
+        f"{len(prompts)} arithmetic prompts")
+    return {
+        "origin": cfg.uri,
+        "train": len(train),
+        "heldout": len(heldout),
+        "prompts": len(prompts),
+        "rejected": dict(rejected),
+        "files": {k: str(out / f"{k}.jsonl") for k in ("train", "heldout", "prompts")},
+    }
+
+
+def preference_rows(uri: str, cfg: ChatDataConfig) -> list[dict[str, Any]]:
+    """prompt/chosen/rejected rows of a preference dataset (files:/hf:), checked."""
+    rows = []
+    for i, row in enumerate(load_rows(uri, cfg)):
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+        if missing:
+            raise ValueError(
+                f"preference data {uri!r} row {i}: missing {', '.join(missing)}; each row needs "
+                "prompt, chosen and rejected (strings or message lists)"
+            )
+        rows.append({k: row[k] for k in ("prompt", "chosen", "rejected")})
+    if not rows:
+        raise ValueError(f"preference data {uri!r} holds no rows")
+    return rows
+
+
+@step("posttrain_data", version=1, kind="corpus")
+def posttrain_data(config: ChatDataConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
+    """Prefect task: curated corpora -> SFT conversations, held-out conversations, prompts."""
+    return build_chat_data(config, inputs, out, seed, log)

@@ -1,0 +1,103 @@
+"""On-policy distillation (OPD): the student samples, the teacher scores every visited state.
+
+TRL's `DistillationTrainer` generates completions from the student for each prompt, then
+minimises a generalised Jensen-Shannon divergence between the student's and the teacher's
+next-token distributions at every generated position (`beta` = 1.0 is the reverse KL of
+on-policy distillation; 0.0 the forward KL). This is GKD with lmbda = 1 (all data on-policy).
+The step runs only when the recipe names `posttrain.distill.teacher`: a local HF folder or hub
+name whose tokenizer matches ours (same vocabulary: the divergence compares distributions over
+the same token ids).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from infra.artifact import Artifact
+from tasks.posttrain.common import (
+    load_policy,
+    model_dir,
+    model_meta,
+    progress_callback,
+    quiet,
+    save_policy,
+    trainer_args,
+    write_history,
+)
+from tasks.posttrain.config import DistillSection
+from tasks.posttrain.data import read_jsonl
+from tasks.step import step
+
+
+def check_teacher(teacher, student, teacher_name: str) -> None:
+    tv, sv = teacher.config.vocab_size, student.config.vocab_size
+    if tv != sv:
+        raise ValueError(
+            f"posttrain.distill.teacher {teacher_name!r} has vocabulary {tv}, the student {sv}: "
+            "on-policy distillation needs a teacher with the same tokenizer"
+        )
+
+
+def train_distill(
+    cfg: DistillSection, student: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
+    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
+    """Distil `cfg.teacher` into the model in `student` on-policy; write `out/model`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig, DistillationTrainer
+
+    if not cfg.teacher:
+        raise ValueError("posttrain.distill.teacher is not set: name a teacher model folder")
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_policy(student, cfg.bf16)
+    teacher_path = Path(cfg.teacher).expanduser()
+    teacher = AutoModelForCausalLM.from_pretrained(
+        str(teacher_path) if teacher_path.exists() else cfg.teacher,
+        dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+    )
+    check_teacher(teacher, model, cfg.teacher)
+    prompts = [{"prompt": r["prompt"]} for r in read_jsonl(data / "prompts.jsonl")]
+    args = DistillationConfig(
+        **trainer_args(cfg, out / "trainer", seed, device),
+        beta=cfg.beta,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+    )
+    trainer = DistillationTrainer(
+        model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(prompts),
+        processing_class=tokenizer, callbacks=[progress_callback(progress, log)],
+    )
+    quiet(trainer)
+    trainer.train()
+    facts = write_history(trainer, out)
+    folder = save_policy(trainer, tokenizer, out / "model")
+    log(f"distill from {cfg.teacher}: {facts['steps']} steps, divergence {facts['first_loss']} -> "
+        f"{facts['last_loss']}")
+    return model_meta("opd", folder, model, started, teacher=cfg.teacher, beta=cfg.beta, **facts)
+
+
+def teacher_state(config: DistillSection, **_: Any) -> str:
+    """The teacher's weights are outside the config: a changed local teacher reruns the step."""
+    import hashlib
+
+    if not config.teacher or not Path(config.teacher).expanduser().is_dir():
+        return config.teacher or ""
+    h = hashlib.sha256()
+    for f in sorted(Path(config.teacher).expanduser().glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+@step("distill", version=1, kind="hf_model", extra=teacher_state)
+def distill(config: DistillSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
+            progress=None, seed: int = 0, device: str = "auto") -> dict[str, Any]:
+    """Prefect task: (student hf_model, posttrain data) -> on-policy distilled model."""
+    student, data = inputs
+    return train_distill(config, model_dir(student), data.path, out, seed, device, log, progress)

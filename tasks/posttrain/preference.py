@@ -1,0 +1,163 @@
+"""Preference optimisation with TRL's `DPOTrainer` (APO-zero by default, as SmolLM3).
+
+Pairs come from a dataset (`pairs: files:...|hf:...`, rows of prompt/chosen/rejected) or, with
+`pairs: self`, from the SFT model's own samples judged by the arithmetic verifier: for each
+prompt the policy samples `samples_per_prompt` answers; an incorrect one is the rejected
+completion; the chosen one is a correct sample when the policy produced one, else the reference
+worked solution (at tiny scale the policy is rarely right, so the reference keeps the signal;
+SmolLM3 took chosen answers from a stronger model, which the reference stands in for). Prompts
+whose samples are all correct give no pair. The SFT model is the frozen reference.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from infra.artifact import Artifact
+from tasks.posttrain.common import (
+    load_policy,
+    model_dir,
+    model_meta,
+    progress_callback,
+    quiet,
+    save_policy,
+    trainer_args,
+    write_history,
+)
+from tasks.posttrain.config import ChatDataConfig, PreferenceSection
+from tasks.posttrain.data import is_correct, preference_rows, read_jsonl, write_jsonl
+from tasks.step import step
+
+
+def sample_completions(
+    model, tokenizer, prompts: list[list[dict]], n: int, max_new_tokens: int, temperature: float,
+    seed: int, batch_size: int = 64,
+) -> list[list[str]]:
+    """`n` sampled assistant replies per chat prompt (left-padded batches, chat template)."""
+    import torch
+
+    torch.manual_seed(seed)
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    flat = [t for t in texts for _ in range(n)]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    replies: list[str] = []
+    model.eval()
+    try:
+        for i in range(0, len(flat), batch_size):
+            enc = tokenizer(flat[i : i + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(model.device)
+            with torch.no_grad():
+                gen = model.generate(
+                    **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                    max_new_tokens=max_new_tokens, eos_token_id=model.generation_config.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new = gen[:, enc["input_ids"].shape[1] :]
+            replies += tokenizer.batch_decode(new, skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def verified_pairs(
+    prompts: list[dict[str, Any]], samples: list[list[str]], reference: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """prompt/chosen/rejected rows from judged samples, and counts for the meta."""
+    rows, correct, total, from_policy = [], 0, 0, 0
+    for item, outs in zip(prompts, samples, strict=True):
+        right = [s for s in outs if is_correct(s, item["answer"])]
+        wrong = [s for s in outs if not is_correct(s, item["answer"])]
+        correct += len(right)
+        total += len(outs)
+        if not wrong:
+            continue
+        chosen = right[0] if right else (reference or {}).get(item["prompt"][0]["content"])
+        if chosen is None:
+            continue
+        from_policy += bool(right)
+        rows.append({
+            "prompt": item["prompt"],
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": wrong[0]}],
+        })
+    return rows, {"sample_accuracy": round(correct / max(total, 1), 4), "pairs": len(rows),
+                  "chosen_from_policy": from_policy}
+
+
+def reference_solutions(data: Path) -> dict[str, str]:
+    """The reference worked solution of every prompt, keyed by its question."""
+    return {r["prompt"][0]["content"]: r["reference"] for r in read_jsonl(data / "prompts.jsonl") if "reference" in r}
+
+
+def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, log) -> tuple[list, dict]:
+    prompts = read_jsonl(data / "prompts.jsonl")
+    need = cfg.max_steps * cfg.per_device_batch * cfg.grad_accum
+    rng = random.Random(f"preference:{seed}")
+    rng.shuffle(prompts)
+    prompts = prompts[: max(need, 1)]
+    samples = sample_completions(model, tokenizer, [p["prompt"] for p in prompts], cfg.samples_per_prompt,
+                                 cfg.max_new_tokens, cfg.temperature, seed)
+    rows, facts = verified_pairs(prompts, samples, reference_solutions(data))
+    log(f"preference: {len(prompts)} prompts x {cfg.samples_per_prompt} samples, policy accuracy "
+        f"{facts['sample_accuracy']:.1%}, {facts['pairs']} pairs ({facts['chosen_from_policy']} with a "
+        "policy-sampled chosen answer)")
+    return rows, facts
+
+
+def train_preference(
+    cfg: PreferenceSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
+    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    data_cfg: ChatDataConfig | None = None,
+) -> dict[str, Any]:
+    """DPO/APO from the model in `policy`; write `out/model` and `out/pairs.jsonl`."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_policy(policy, cfg.bf16)
+    if cfg.pairs == "self":
+        rows, facts = self_pairs(cfg, model, tokenizer, data, seed, log)
+    else:
+        rows = preference_rows(cfg.pairs, data_cfg or ChatDataConfig())
+        facts = {"pairs": len(rows)}
+    if not rows:
+        raise ValueError(
+            "preference: no pairs (every sampled answer was correct, or the data is empty); "
+            "raise posttrain.preference.temperature or give pairs as a dataset"
+        )
+    write_jsonl(out / "pairs.jsonl", rows)
+    args = DPOConfig(
+        **trainer_args(cfg, out / "trainer", seed, device),
+        loss_type=[cfg.loss_type],
+        beta=cfg.beta,
+        max_length=cfg.max_length,
+    )
+    trainer = DPOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[progress_callback(progress, log)],
+    )
+    quiet(trainer)
+    trainer.train()
+    facts |= write_history(trainer, out)
+    folder = save_policy(trainer, tokenizer, out / "model")
+    log(f"preference ({cfg.loss_type}, beta {cfg.beta}): {facts['steps']} steps, loss "
+        f"{facts['first_loss']} -> {facts['last_loss']}")
+    return model_meta(cfg.loss_type.split("_")[0] if cfg.loss_type.startswith("apo") else cfg.loss_type,
+                      folder, model, started, loss_type=cfg.loss_type, beta=cfg.beta, **facts)
+
+
+@step("preference", version=1, kind="hf_model")
+def preference(config: PreferenceSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
+               progress=None, seed: int = 0, device: str = "auto",
+               data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prefect task: (SFT hf_model, posttrain data) -> preference-optimised model.
+    `data`: the recipe's posttrain.data section (hub split/revision for a pairs dataset)."""
+    policy, chat = inputs
+    return train_preference(config, model_dir(policy), chat.path, out, seed, device, log, progress,
+                            ChatDataConfig(**data) if data else None)

@@ -1,0 +1,298 @@
+"""Post-training steps on tiny data: chat data, verifier, SFT masks, APO pairs, merge, GRPO
+resume after a crash, on-policy distillation, and the exact-match generation eval.
+
+Models are 2-layer SmolLM3s (hidden 64) exported with our own BPE tokenizer and its ChatML
+template, built once per module; every trainer runs 2-4 optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from infra.artifact import Artifact, read_marker, run_step
+from tasks.posttrain.config import (
+    ChatDataConfig,
+    DistillSection,
+    GRPOSection,
+    MergeSection,
+    PreferenceSection,
+    SFTSection,
+)
+from tasks.posttrain.data import (
+    build_chat_data,
+    exact_match_reward,
+    external_conversations,
+    format_reward,
+    math_conversation,
+    read_jsonl,
+)
+
+
+def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
+    """A random 2-layer SmolLM3 exported with a BPE tokenizer (ChatML template) trained on `texts`."""
+    from model.config import ModelConfig
+    from model.hf import export_hf
+    from model.model import SmolLM3
+    from tasks.tokenizer import save_hf_tokenizer, train_bpe
+
+    tok_dir = folder / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        meta = save_hf_tokenizer(train_bpe(iter(texts), 512), tok_dir)
+    else:
+        meta = {"vocab_size": 512, "eos_id": 0}
+    model = SmolLM3(ModelConfig.tiny(vocab_size=meta["vocab_size"], hidden_size=hidden,
+                                      intermediate_size=2 * hidden, num_layers=2, max_seq_len=512))
+    model.init_weights(seed=seed)
+    return export_hf(model, folder / f"model-{hidden}-{seed}", tokenizer_dir=tok_dir, eos_token_id=meta["eos_id"])
+
+
+def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> list[Artifact]:
+    """Built-in math and prose corpora (train/heldout shards) as corpus artifacts."""
+    from tasks.sources import SourceConfig, build_corpus
+
+    arts = []
+    for name, uri, domain, n in (("math", "builtin:math", "math", math_docs), ("prose", "builtin:prose", "web", prose_docs)):
+        cfg = SourceConfig(name=name, uri=uri, domain=domain, max_documents=n, held_out_fraction=0.2)
+        meta = build_corpus(cfg, 0, folder / name, log=lambda _: None)
+        arts.append(Artifact(kind="corpus", uri=str(folder / name), fingerprint=name * 8, meta=meta))
+    return arts
+
+
+def corpus_texts(corpora: list[Artifact]) -> list[str]:
+    from tasks.sources import read_shards
+
+    return [d["text"] for a in corpora for d in read_shards(a.path / "train")][:400]
+
+
+DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Corpora, chat data, a base model and a 3-step SFT model (shared by this module's tests)."""
+    import torch
+
+    from tasks.posttrain.sft import train_sft
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("posttrain")
+    corpora = make_corpora(root / "corpora")
+    base = make_tiny_model(root, corpus_texts(corpora))
+    data_meta = build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    sft_meta = train_sft(SFTSection(max_steps=3, per_device_batch=4, max_length=128), base,
+                         root / "data", root / "sft", device="cpu", log=lambda _: None)
+    return {"root": root, "corpora": corpora, "base": base, "data": root / "data",
+            "data_meta": data_meta, "sft": sft_meta}
+
+
+# --- data and verifier ------------------------------------------------------------------------
+
+
+def test_verifier_and_rewards():
+    good = "12 + 30 = 42.\nAnswer: 42"
+    assert exact_match_reward([good, "Answer: 41", "no answer"], ["42", "42", "42"]) == [1.0, 0.0, 0.0]
+    # TRL passes conversational completions as message lists.
+    assert exact_match_reward([[{"role": "assistant", "content": good}]], ["42"]) == [1.0]
+    assert format_reward([good, "Answer: 42", "42"]) == [1.0, 0.0, 0.0]
+    conv = math_conversation("Problem: What is 2 + 3?\nSolution: 2 + 3 = 5.\nAnswer: 5")
+    assert conv["messages"][1]["content"] == "2 + 3 = 5.\nAnswer: 5" and conv["answer"] == "5"
+
+
+def test_builtin_chat_data_keeps_heldout_apart(world):
+    meta = world["data_meta"]
+    assert meta["train"] == 96 and meta["heldout"] == 8 and meta["prompts"] == 32
+    train = read_jsonl(world["data"] / "train.jsonl")
+    heldout = read_jsonl(world["data"] / "heldout.jsonl")
+    prompts = read_jsonl(world["data"] / "prompts.jsonl")
+    key = lambda r: r["messages"][0]["content"]  # noqa: E731
+    assert not {key(r) for r in heldout} & {key(r) for r in train}
+    # RL prompts are math documents after the SFT ones: not SFT conversations replayed.
+    sft_questions = {key(r) for r in train}
+    assert not {p["prompt"][0]["content"] for p in prompts} & sft_questions
+    kinds = {r["messages"][0]["content"].split("\n")[0] for r in train if "passage" in r["messages"][0]["content"]}
+    assert kinds <= {"Continue this passage:", "Summarise this passage in one sentence:"} and kinds
+    assert all(p["reference"].endswith(f"Answer: {p['answer']}") for p in prompts)
+
+
+def test_external_chat_data_from_jsonl_and_save_to_disk(tmp_path):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+            for i in range(40)]
+    rows += [{"messages": [{"role": "user", "content": "no reply"}]}, {"messages": "oops"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, heldout, rejected = external_conversations(
+        ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", held_out_fraction=0.2))
+    assert len(train) + len(heldout) == 40 and heldout and dict(rejected) == {"no_assistant_turn": 1, "not_a_list": 1}
+    datasets.Dataset.from_list(rows[:40]).save_to_disk(str(tmp_path / "disk"))
+    train2, heldout2, _ = external_conversations(ChatDataConfig(uri=f"hf:{tmp_path}/disk", held_out_fraction=0.2))
+    assert (len(train2), len(heldout2)) == (len(train), len(heldout))
+    with pytest.raises(ValueError, match="messages_field"):
+        external_conversations(ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", messages_field="conversation"))
+    with pytest.raises(ValueError, match="unknown chat data 'smoltalk'"):
+        ChatDataConfig(uri="smoltalk")
+
+
+# --- SFT ------------------------------------------------------------------------------------------
+
+
+def test_sft_trains_on_assistant_tokens_only(world):
+    from transformers import AutoTokenizer
+
+    meta = world["sft"]
+    assert meta["stage"] == "sft" and meta["steps"] == 3 and meta["eval_loss"] > 0
+    folder = Path(meta["model_dir"])
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    conv = read_jsonl(world["data"] / "train.jsonl")[0]["messages"]
+    enc = tok.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True)
+    masked = [t for t, m in zip(enc["input_ids"], enc["assistant_masks"], strict=True) if m]
+    assert tok.decode(masked) == conv[1]["content"] + "<|im_end|>"
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+# --- preference -------------------------------------------------------------------------------
+
+
+def test_verified_pairs_prefer_correct_answers():
+    from tasks.posttrain.preference import verified_pairs
+
+    prompts = [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("q1", "5"), ("q2", "7"), ("q3", "1"))]
+    samples = [["Answer: 5", "Answer: 4"], ["Answer: 8", "Answer: 9"], ["Answer: 1", "Answer: 1"]]
+    rows, facts = verified_pairs(prompts, samples, {"q2": "3 + 4 = 7.\nAnswer: 7"})
+    assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows] == [
+        ("Answer: 5", "Answer: 4"), ("3 + 4 = 7.\nAnswer: 7", "Answer: 8")]
+    assert facts == {"sample_accuracy": 0.5, "pairs": 2, "chosen_from_policy": 1}
+
+
+def test_apo_from_self_sampled_pairs(world):
+    from tasks.posttrain.preference import train_preference
+
+    cfg = PreferenceSection(max_steps=2, per_device_batch=4, samples_per_prompt=2, max_new_tokens=12)
+    meta = train_preference(cfg, Path(world["sft"]["model_dir"]), world["data"], world["root"] / "apo",
+                            device="cpu", log=lambda _: None)
+    assert meta["stage"] == "apo" and meta["loss_type"] == "apo_zero" and meta["steps"] == 2
+    assert meta["pairs"] > 0 and len(read_jsonl(world["root"] / "apo" / "pairs.jsonl")) == meta["pairs"]
+
+
+# --- merge ------------------------------------------------------------------------------------
+
+
+def test_linear_merge_is_the_weighted_sum(world, tmp_path):
+    from safetensors.torch import load_file
+
+    from infra.artifact import Artifact
+    from tasks.posttrain.merge import build_merge
+
+    post, base = Path(world["sft"]["model_dir"]), world["base"]
+    arts = [Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
+            for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))]
+    meta = build_merge(MergeSection(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
+    merged = load_file(str(tmp_path / "model" / "model.safetensors"))
+    a, b = load_file(str(post / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    for name in a:
+        assert (merged[name] - (0.9 * a[name] + 0.1 * b[name])).abs().max() < 1e-6
+    assert meta["merged"] == ["sft", "long2"] and (tmp_path / "model" / "tokenizer.json").is_file()
+    with pytest.raises(ValueError, match="summing to 1"):
+        MergeSection(weights=(0.9, 0.2))
+    other = make_tiny_model(world["root"], [], hidden=32)
+    with pytest.raises(ValueError, match="not the same architecture"):
+        build_merge(MergeSection(), [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64,
+                                                       meta={"model_dir": str(other)})], tmp_path / "x")
+
+
+# --- GRPO: crash after a checkpoint, rerun resumes ----------------------------------------
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
+    from transformers import TrainerCallback
+
+    from tasks.posttrain.grpo import grpo, newest_checkpoint, train_grpo
+
+    class CrashAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == 2:
+                raise _Crash("killed after the step-2 checkpoint")
+
+    class FirstStep(TrainerCallback):
+        seen: list[int] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.seen.append(state.global_step)
+
+    cfg = GRPOSection(max_steps=4, per_device_batch=4, num_generations=2, max_completion_length=12,
+                      save_steps=2, lr=1e-3)
+    policy = Path(world["sft"]["model_dir"])
+    d = grpo.definition
+    first, second = FirstStep(), FirstStep()
+    first.seen, second.seen = [], []
+
+    def build(callbacks):
+        return lambda out: train_grpo(cfg, policy, world["data"], out, device="cpu", log=lambda _: None,
+                                      callbacks=callbacks)
+
+    step_args = dict(root=tmp_path, step=d.name, version=d.version, kind=d.kind, config=cfg.model_dump(),
+                     inputs=(), resumable=d.resumable)
+    with pytest.raises(_Crash):
+        run_step(**step_args, build=build([CrashAfterSave(), first]))
+    folder = next(p for p in (tmp_path / "grpo").iterdir() if p.is_dir())
+    assert read_marker(folder) is None and newest_checkpoint(folder / "trainer").name == "checkpoint-2"
+    outcome = run_step(**step_args, build=build([second]))
+    meta = outcome.artifact.meta
+    assert outcome.built and meta["resumed_from_step"] == 2 and meta["steps"] == 4
+    assert first.seen[0] == 0 and second.seen[0] == 2  # continued at step 3, not from scratch
+    assert Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
+    rewards = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/exact_match_reward/mean" in r for r in rewards)
+
+
+# --- on-policy distillation -------------------------------------------------------------------
+
+
+def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
+    from tasks.posttrain.distill import train_distill
+
+    teacher = make_tiny_model(world["root"], [], seed=1, hidden=96)  # bigger, same tokenizer
+    cfg = DistillSection(teacher=str(teacher), max_steps=2, per_device_batch=4, max_completion_length=12)
+    meta = train_distill(cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu",
+                         log=lambda _: None)
+    assert meta["stage"] == "opd" and meta["steps"] == 2 and meta["last_loss"] is not None
+    small_vocab = tmp_path / "other"
+    make_tiny_model(small_vocab, ["abc def"] * 20)  # its own 300-token tokenizer
+    with pytest.raises(ValueError, match="same tokenizer"):
+        train_distill(cfg.model_copy(update={"teacher": str(next(small_vocab.glob("model-*")))}),
+                      Path(world["sft"]["model_dir"]), world["data"], tmp_path / "y", device="cpu")
+
+
+# --- exact-match generation eval ------------------------------------------------------------
+
+
+def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
+    from tasks.evaluate import (
+        EvalConfig,
+        arithmetic_generation_items,
+        generation_task_yaml,
+        run_lm_eval,
+    )
+    from tasks.sources import math_problem
+
+    rng = random.Random(3)
+    docs = ["Problem: {}\nSolution: {}\nAnswer: {}".format(*math_problem(rng)) for _ in range(6)]
+    items = arithmetic_generation_items(docs, 6)
+    assert all(set(i) == {"problem", "answer"} for i in items) and len(items) == 6
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (task_dir / "g.yaml").write_text(generation_task_yaml("gen_exact_test", task_dir / "g.jsonl", 8))
+    scores = run_lm_eval(Path(world["sft"]["model_dir"]), task_dir, ["gen_exact_test"],
+                         EvalConfig(batch_size=6, device="cpu"), tmp_path)
+    assert 0.0 <= scores["gen_exact_test"]["exact_match"] <= 1.0
