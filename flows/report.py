@@ -100,7 +100,7 @@ def eval_table(lineage: Lineage, run_id: str) -> str:
         SELECT DISTINCT s.label AS stage, e.task, e.metric, e.value, s.started
         FROM steps s JOIN evals e ON e.fingerprint = s.fingerprint
         WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state <> 'failed'
-              AND e.metric IN ('acc', 'acc_norm')
+              AND e.metric IN ('acc', 'acc_norm', 'exact_match')
         ORDER BY s.started
         """,
         [run_id],
@@ -111,6 +111,7 @@ def eval_table(lineage: Lineage, run_id: str) -> str:
     stages = list(dict.fromkeys(r["stage"] for r in rows))
     value = {(r["stage"], r["task"], r["metric"]): r["value"] for r in rows}
     metric = {t: "acc_norm" if t.endswith("_cloze") and t != "arithmetic_cloze" else "acc" for t in tasks}
+    metric |= {t: "exact_match" for t in tasks if t.endswith("_exact")}  # post-training generation
     head = "stage".ljust(10) + "".join(f"{t[:18]:>20}" for t in tasks)
     lines = [head, "".ljust(10) + "".join(f"{'(' + metric[t] + ')':>20}" for t in tasks)]
     for st in stages:

@@ -13,6 +13,12 @@ from tasks.evaluate import eval_suite, evaluate, stage_tasks
 from tasks.export import export
 from tasks.fertility import fertility
 from tasks.mixture import mixture
+from tasks.posttrain.data import posttrain_data
+from tasks.posttrain.distill import distill
+from tasks.posttrain.grpo import grpo
+from tasks.posttrain.merge import merge
+from tasks.posttrain.preference import preference
+from tasks.posttrain.sft import sft
 from tasks.preflight import preflight, recipe_facts
 from tasks.pretrain import pretrain, schedule_stages, training_facts
 from tasks.recipe import Recipe, load_recipe
@@ -23,6 +29,7 @@ from tasks.tokenizer import tokenizer
 STEPS = (
     "source", "curate", "tokenizer", "fertility", "tokenize", "mixture", "preflight",
     "eval_suite", "pretrain", "export", "evaluate",
+    "posttrain_data", "sft", "preference", "merge", "grpo", "distill",
 )
 
 
@@ -91,3 +98,44 @@ def dag(ctx, cfg: Recipe) -> None:
             evaluate, cfg.eval, [model, suite], label=run.stage.name,
             params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
         )
+
+    # Post-training on the last (long-context) export, each step scored like the stages.
+    if cfg.posttrain is not None:
+        post_train(ctx, cfg, model, list(corpora.values()), list(curated.values()))
+
+
+def post_train(ctx, cfg: Recipe, base, corpora: list, curated: list) -> None:
+    """SFT -> APO -> linear merge with the long-context base -> GRPO -> optional on-policy
+    distillation (docs/posttraining.md); every model is scored on the cloze tasks plus held-out
+    arithmetic exact match, under its label (base, sft, apo, merge, grpo, opd)."""
+    pt = cfg.posttrain
+    run = {"seed": pt.seed, "device": pt.device}
+    suite = ctx.run(
+        eval_suite, cfg.eval, [*corpora, *curated], label="posttrain",
+        params={"seed": cfg.seed, "n_sources": len(corpora),
+                "generation_items": pt.eval.generation_items, "max_gen_tokens": pt.eval.max_gen_tokens},
+    )
+    scoring = cfg.eval.model_copy(update={"limit": pt.eval.limit})
+    tasks = stage_tasks(cfg.eval, suite, long_context=False)
+
+    def score(model, label: str) -> None:
+        ctx.run(evaluate, scoring, [model, suite], label=label, params={"tasks": tasks})
+
+    if pt.eval.base:
+        score(base, "base")
+    data = ctx.run(posttrain_data, pt.data, curated, label="chat", params={"seed": pt.seed})
+    model = ctx.run(sft, pt.sft, [base, data], label="sft", params=run)
+    score(model, "sft")
+    if pt.preference.enabled:
+        label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
+        model = ctx.run(preference, pt.preference, [model, data], label=label, params=run)
+        score(model, label)
+    if pt.merge.enabled:
+        model = ctx.run(merge, pt.merge, [model, base], label="merge")
+        score(model, "merge")
+    if pt.grpo.enabled:
+        model = ctx.run(grpo, pt.grpo, [model, data], label="grpo", params=run)
+        score(model, "grpo")
+    if pt.distill.teacher:
+        model = ctx.run(distill, pt.distill, [model, data], label="opd", params=run)
+        score(model, "opd")

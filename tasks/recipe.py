@@ -21,6 +21,7 @@ from tasks.evaluate import EvalConfig
 from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig, check_stages, load_weights
+from tasks.posttrain.config import PosttrainConfig
 from tasks.pretrain import TrainingConfig
 from tasks.sources import SourceConfig
 from tasks.tokenize import TokenizeConfig
@@ -51,6 +52,7 @@ class Recipe(BaseModel):
     training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
     eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
+    posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:

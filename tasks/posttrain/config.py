@@ -80,6 +80,10 @@ class PreferenceSection(TrainerSection):
     # self: pairs from the SFT model's own samples judged by the arithmetic verifier; or a
     # dataset with prompt/chosen/rejected (files:GLOB, hf:NAME, hf:/PATH)
     pairs: str = "self"
+    pairs_subset: str | None = None  # dataset configuration of a hub pairs dataset
+    pairs_split: str = "train"  # split of a pairs dataset (ultrafeedback_binarized: train_prefs)
+    pairs_revision: str | None = None  # pinned hub revision of the pairs dataset
+    max_pairs: int | None = Field(default=None, gt=0)  # cap on pairs read from a dataset
     samples_per_prompt: int = Field(default=4, ge=2)  # self: samples drawn per prompt
     max_new_tokens: int = Field(default=48, gt=0)  # self: sampled completion length
     temperature: float = Field(default=1.0, gt=0)  # self: sampling temperature

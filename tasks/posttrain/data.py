@@ -287,17 +287,31 @@ def build_chat_data(
     }
 
 
-def preference_rows(uri: str, cfg: ChatDataConfig) -> list[dict[str, Any]]:
-    """prompt/chosen/rejected rows of a preference dataset (files:/hf:), checked."""
+def preference_rows(
+    uri: str, subset: str | None = None, split: str = "train", revision: str | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    """prompt/chosen/rejected rows of a preference dataset (files:/hf:), checked.
+
+    Rows whose chosen/rejected are whole conversations (UltraFeedback-binarized style: the prompt
+    repeated as the first turns) are split into a message-list prompt and the final replies."""
+    where = ChatDataConfig(uri=uri, hf_subset=subset, hf_split=split, hf_revision=revision)
     rows = []
-    for i, row in enumerate(load_rows(uri, cfg)):
+    for i, row in enumerate(load_rows(uri, where)):
+        if limit and i >= limit:
+            break
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
         if missing:
             raise ValueError(
                 f"preference data {uri!r} row {i}: missing {', '.join(missing)}; each row needs "
                 "prompt, chosen and rejected (strings or message lists)"
             )
-        rows.append({k: row[k] for k in ("prompt", "chosen", "rejected")})
+        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+        if isinstance(chosen, list) and len(chosen) > 1 and isinstance(rejected, list):
+            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        elif isinstance(prompt, str) and isinstance(chosen, list):
+            prompt = [{"role": "user", "content": prompt}]
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     if not rows:
         raise ValueError(f"preference data {uri!r} holds no rows")
     return rows

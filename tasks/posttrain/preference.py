@@ -28,7 +28,7 @@ from tasks.posttrain.common import (
     trainer_args,
     write_history,
 )
-from tasks.posttrain.config import ChatDataConfig, PreferenceSection
+from tasks.posttrain.config import PreferenceSection
 from tasks.posttrain.data import is_correct, preference_rows, read_jsonl, write_jsonl
 from tasks.step import step
 
@@ -112,7 +112,6 @@ def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, 
 def train_preference(
     cfg: PreferenceSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
-    data_cfg: ChatDataConfig | None = None,
 ) -> dict[str, Any]:
     """DPO/APO from the model in `policy`; write `out/model` and `out/pairs.jsonl`."""
     from datasets import Dataset
@@ -124,7 +123,7 @@ def train_preference(
     if cfg.pairs == "self":
         rows, facts = self_pairs(cfg, model, tokenizer, data, seed, log)
     else:
-        rows = preference_rows(cfg.pairs, data_cfg or ChatDataConfig())
+        rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision, cfg.max_pairs)
         facts = {"pairs": len(rows)}
     if not rows:
         raise ValueError(
@@ -154,10 +153,7 @@ def train_preference(
 
 @step("preference", version=1, kind="hf_model")
 def preference(config: PreferenceSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
-               progress=None, seed: int = 0, device: str = "auto",
-               data: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Prefect task: (SFT hf_model, posttrain data) -> preference-optimised model.
-    `data`: the recipe's posttrain.data section (hub split/revision for a pairs dataset)."""
+               progress=None, seed: int = 0, device: str = "auto") -> dict[str, Any]:
+    """Prefect task: (SFT hf_model, posttrain data) -> preference-optimised model."""
     policy, chat = inputs
-    return train_preference(config, model_dir(policy), chat.path, out, seed, device, log, progress,
-                            ChatDataConfig(**data) if data else None)
+    return train_preference(config, model_dir(policy), chat.path, out, seed, device, log, progress)

@@ -296,3 +296,20 @@ def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
     scores = run_lm_eval(Path(world["sft"]["model_dir"]), task_dir, ["gen_exact_test"],
                          EvalConfig(batch_size=6, device="cpu"), tmp_path)
     assert 0.0 <= scores["gen_exact_test"]["exact_match"] <= 1.0
+
+
+def test_preference_rows_from_a_pairs_file(tmp_path):
+    from tasks.posttrain.data import preference_rows
+
+    whole = {"prompt": "2+2?", "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+             "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]}
+    plain = {"prompt": "3+3?", "chosen": "6", "rejected": "7"}
+    (tmp_path / "p.jsonl").write_text(json.dumps(whole) + "\n" + json.dumps(plain) + "\n")
+    rows = preference_rows(f"files:{tmp_path}/p.jsonl")
+    assert rows[0] == {"prompt": [{"role": "user", "content": "2+2?"}],
+                       "chosen": [{"role": "assistant", "content": "4"}],
+                       "rejected": [{"role": "assistant", "content": "5"}]}
+    assert rows[1] == plain
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
+    with pytest.raises(ValueError, match="row 0: missing rejected"):
+        preference_rows(f"files:{tmp_path}/bad.jsonl")
