@@ -6,6 +6,8 @@ import gzip
 import json
 import random
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -167,6 +169,29 @@ def test_language_filter_only_with_a_local_model(tmp_path):
     assert "LanguageFilter" not in names(CurationConfig())
     with pytest.raises(FileNotFoundError, match="language_model 'missing.bin'"):
         names(CurationConfig(language_model="missing.bin"))
+
+
+def test_language_filter_reads_a_local_fasttext_model(tmp_path):
+    pytest.importorskip("fasttext")
+    en = ["the cat sat on the mat", "a river runs through the green valley", "we read books every day"]
+    fr = ["le chat est sur le tapis", "une rivière traverse la vallée", "nous lisons des livres"]
+    train = tmp_path / "lid.txt"
+    train.write_text("".join(f"__label__en {a}\n__label__fr {b}\n" for a, b in zip(en, fr, strict=True)) * 30)
+    # A tiny stand-in for lid.176.bin, trained offline. In a fresh process: inside the test
+    # session fastText's training hits NaN (some library loaded earlier changes float state).
+    script = (
+        "import fasttext, sys; m = fasttext.train_supervised(sys.argv[1], epoch=50, lr=0.1, "
+        "minn=2, maxn=4, dim=16, bucket=5000, thread=1, verbose=0); m.save_model(sys.argv[2])"
+    )
+    subprocess.run([sys.executable, "-c", script, str(train), str(tmp_path / "lid.bin")], check=True)
+    docs = [("en1", "the cat and the river"), ("fr1", "le chat et la rivière"), ("en2", "we read books")]
+    art = corpus(tmp_path / "in", docs, source="toy")
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = CurationConfig(presets={"toy": "none"}, language_model=str(tmp_path / "lid.bin"),
+                         exact_dedup=False, minhash=False)
+    meta = build_curated(cfg, art, out)
+    assert sorted(_ids(out / "train")) == ["en1", "en2"] and meta["removed"] == {"language:language": 1}
 
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
