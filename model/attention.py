@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with optional RoPE, QK-norm and document masking.
 
 Masking backends, chosen once per forward by `build_attention_mask`:
-- no document ids: SDPA with `is_causal=True` (the fast fused path everywhere);
+- no document ids: SDPA with `is_causal=True` and native GQA (the fast path everywhere);
 - document ids on CPU (or flex unavailable): SDPA with a dense block-diagonal causal bool mask,
   (B, 1, T, T). FlexAttention has no backward on CPU, so CPU training always takes this path;
 - document ids on CUDA with FlexAttention available: a compiled `flex_attention` with a
@@ -85,8 +85,9 @@ class Attention(nn.Module):
         self.head_dim = hidden // num_heads
         self.use_rope = use_rope
         kv = num_kv_heads * self.head_dim
-        # One fused projection, rows [q; k; v]: one GEMM instead of three.
-        self.qkv = nn.Linear(hidden, hidden + 2 * kv, bias=False)
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv, bias=False)
+        self.v = nn.Linear(hidden, kv, bias=False)
         self.o = nn.Linear(hidden, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -100,26 +101,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, H = x.shape
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = self.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        q = self.q(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if mask.kind == "flex":
             y = _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+        elif mask.kind == "causal":
+            # Native GQA: no copies of k/v; SDPA keeps its fused kernels without a mask.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif not q.is_cuda:
+            # The CPU flash kernel also takes GQA with a mask (measured faster than expanding).
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
         else:
-            # Expanding kv heads (a view, then one copy) keeps SDPA on its fused kernels, which
-            # the enable_gqa flag does not on every backend.
+            # CUDA kernels fall back to math for GQA with a mask: expand the kv heads instead.
             rep = nh // nkv
-            if rep > 1:
-                k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
-                v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
-            if mask.kind == "causal":
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+            k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+            v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
         y = y.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
         return self.o(y)

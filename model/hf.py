@@ -2,12 +2,11 @@
 
 `export_hf` writes a `save_pretrained` folder (safetensors, config.json, optional tokenizer) that
 evaluation (lm-eval `hf`), TRL post-training and serving load with `from_pretrained`;
-`import_hf` reads such a folder back into our model. The mapping is exact (no arithmetic), so a
-round trip reproduces every tensor bit for bit.
+`import_hf` reads such a folder back into our model. The mapping is a pure renaming (no
+arithmetic), so a round trip reproduces every tensor bit for bit.
 
-Layout differences handled here: our fused `qkv` and `gate_up` projections are split into
-q/k/v_proj and gate/up_proj; our NoPE interval becomes transformers' per-layer `no_rope_layers`
-list, where 1 means RoPE and 0 means NoPE.
+Our NoPE interval becomes transformers' per-layer `no_rope_layers` list, where 1 means RoPE and
+0 means NoPE; the tied head is written as `lm_head.weight` = the embedding.
 """
 
 from __future__ import annotations
@@ -90,50 +89,46 @@ def from_hf_config(hf_cfg) -> ModelConfig:
     )
 
 
-def to_hf_state_dict(model: SmolLM3) -> dict[str, torch.Tensor]:
-    cfg = model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    q_dim, kv_dim = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+# Our per-layer names -> transformers' per-layer names.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q.weight": "self_attn.q_proj.weight",
+    "attn.k.weight": "self_attn.k_proj.weight",
+    "attn.v.weight": "self_attn.v_proj.weight",
+    "attn.o.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate_proj.weight",
+    "mlp.up.weight": "mlp.up_proj.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
+
+
+def _name_map(cfg: ModelConfig) -> dict[str, str]:
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     for i in range(cfg.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = sd[src + "attn.qkv.weight"].split([q_dim, kv_dim, kv_dim], dim=0)
-        gate, up = sd[src + "mlp.gate_up.weight"].split(cfg.intermediate_size, dim=0)
-        out |= {
-            dst + "input_layernorm.weight": sd[src + "attn_norm.weight"],
-            dst + "self_attn.q_proj.weight": q,
-            dst + "self_attn.k_proj.weight": k,
-            dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": sd[src + "attn.o.weight"],
-            dst + "post_attention_layernorm.weight": sd[src + "mlp_norm.weight"],
-            dst + "mlp.gate_proj.weight": gate,
-            dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": sd[src + "mlp.down.weight"],
-        }
-    out["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+        for ours, theirs in _LAYER_NAMES.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def to_hf_state_dict(model: SmolLM3) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    out = {
+        theirs: sd[ours].detach().contiguous() for ours, theirs in _name_map(model.config).items()
+    }
+    if model.config.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = src + "self_attn.", src + "mlp."
-        out |= {
-            dst + "attn_norm.weight": sd[src + "input_layernorm.weight"],
-            dst + "attn.qkv.weight": torch.cat(
-                [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
-            ),
-            dst + "attn.o.weight": sd[attn + "o_proj.weight"],
-            dst + "mlp_norm.weight": sd[src + "post_attention_layernorm.weight"],
-            dst + "mlp.gate_up.weight": torch.cat(
-                [sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]]
-            ),
-            dst + "mlp.down.weight": sd[mlp + "down_proj.weight"],
-        }
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
-    return out
+    names = _name_map(cfg)
+    missing = [theirs for theirs in names.values() if theirs not in sd]
+    if missing:
+        raise KeyError(f"transformers state dict lacks {missing[:5]} (and {len(missing)} in all)")
+    return {ours: sd[theirs] for ours, theirs in names.items()}
 
 
 def to_hf_model(model: SmolLM3, eos_token_id: int | None = None):

@@ -108,12 +108,12 @@ class SmolLM3(nn.Module):
                 f"doc_ids shape {tuple(doc_ids.shape)} must equal input_ids shape {(B, T)}"
             )
         if doc_ids is None:
-            positions = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
+            positions = torch.arange(T, device=input_ids.device)[None]  # (1, T), broadcast over B
         else:
             positions = positions_from_doc_ids(doc_ids)  # (B, T)
         mask = build_attention_mask(doc_ids, self.attention_backend)
         x = self.embed(input_ids)  # (B, T, H)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, hd) each
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B or 1, 1, T, hd) each
         for block in self.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
         x = self.norm(x)

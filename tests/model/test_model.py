@@ -97,7 +97,7 @@ def test_flex_attention_forward_matches_dense_mask_on_cpu(tiny_cfg):
 def test_init_weights_is_normal_002_and_seedable(tiny_cfg):
     model = SmolLM3(tiny_cfg)
     model.init_weights(seed=3)
-    w = model.layers[0].mlp.gate_up.weight
+    w = model.layers[0].mlp.gate.weight
     assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
     assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
     other = SmolLM3(tiny_cfg)
