@@ -13,7 +13,12 @@ from __future__ import annotations
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
+from flows.anneal import anneal
+from flows.cpt import cpt
 from flows.smollm3 import smollm3
+
+# Nightly anneal: 02:00 (server time zone UTC), when the main run has had a day of new checkpoints.
+ANNEAL_CRON = "0 2 * * *"
 
 
 def deployments() -> list[RunnerDeployment]:
@@ -24,6 +29,24 @@ def deployments() -> list[RunnerDeployment]:
             parameters={"recipe": "tiny", "overrides": [], "refresh": []},
             concurrency_limit=1,
             tags=["smollm3"],
+        ),
+        # One anneal at a time: each trains several short runs, and two would share the base pin.
+        anneal.to_deployment(
+            name="nightly",
+            description="Anneal the recipe's candidate data from the newest stable-phase checkpoint "
+            "of the latest smollm3/full run; compare against a baseline anneal.",
+            parameters={"recipe": "tiny", "overrides": [], "base": "", "refresh": []},
+            cron=ANNEAL_CRON,
+            concurrency_limit=1,
+            tags=["smollm3", "anneal"],
+        ),
+        cpt.to_deployment(
+            name="on-demand",
+            description="Continued pretraining on the recipe's cpt.domain with general replay and "
+            "a forgetting monitor.",
+            parameters={"recipe": "tiny", "overrides": [], "base": "", "refresh": []},
+            concurrency_limit=1,
+            tags=["smollm3", "cpt"],
         ),
     ]
 

@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from infra.preflight import PreflightConfig
+from tasks.anneal import AnnealConfig
+from tasks.cpt import CptConfig
 from tasks.curate import PRESETS, CurationConfig
 from tasks.evaluate import EvalConfig
 from tasks.export import ExportConfig
@@ -52,6 +54,8 @@ class Recipe(BaseModel):
     training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
     eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
+    anneal: AnnealConfig = AnnealConfig()  # annealing experiments: candidates, budget, noise runs
+    cpt: CptConfig = CptConfig()  # continued pretraining: domain, replay, LR, forgetting monitor
     posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
 
     @model_validator(mode="after")
@@ -89,6 +93,13 @@ class Recipe(BaseModel):
                     f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
                     f"training.nproc_per_node = {mb} x {t.nproc_per_node}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _experiments_name_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        self.anneal.check_sources(names)
+        self.cpt.check_sources(names)
         return self
 
     def mixture_weights(self) -> dict[str, float]:
