@@ -111,15 +111,15 @@ def post_train(ctx, cfg: Recipe, base, corpora: list, curated: list) -> None:
     pt = cfg.posttrain
     run = {"seed": pt.seed, "device": pt.device}
     suite = ctx.run(
-        eval_suite, cfg.eval, [*corpora, *curated], label="posttrain",
+        eval_suite, cfg.eval.model_copy(update={"items_per_task": pt.eval.cloze_items}),
+        [*corpora, *curated], label="posttrain",
         params={"seed": cfg.seed, "n_sources": len(corpora),
                 "generation_items": pt.eval.generation_items, "max_gen_tokens": pt.eval.max_gen_tokens},
     )
-    scoring = cfg.eval.model_copy(update={"limit": pt.eval.limit})
     tasks = stage_tasks(cfg.eval, suite, long_context=False)
 
     def score(model, label: str) -> None:
-        ctx.run(evaluate, scoring, [model, suite], label=label, params={"tasks": tasks})
+        ctx.run(evaluate, cfg.eval, [model, suite], label=label, params={"tasks": tasks})
 
     if pt.eval.base:
         score(base, "base")

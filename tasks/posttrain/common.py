@@ -122,7 +122,8 @@ def quiet(trainer) -> None:
 def write_history(trainer, out: Path) -> dict[str, Any]:
     """Trainer log history to `metrics.jsonl`; the first and last logged loss for the meta."""
     history = trainer.state.log_history
-    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    if trainer.is_world_process_zero():  # one writer under accelerate/torchrun
+        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     losses = [h["loss"] for h in history if "loss" in h]
     return {
         "steps": trainer.state.global_step,

@@ -145,11 +145,13 @@ class DistillSection(TrainerSection):
 
 
 class PosttrainEvalConfig(_Section):
-    """`posttrain.eval`: the generation task and the cap on items per post-training evaluation."""
+    """`posttrain.eval`: the post-training eval suite, scored after every step."""
 
     generation_items: int = Field(default=100, gt=0)  # held-out arithmetic exact-match items
     max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
-    limit: int | None = Field(default=50, gt=0)  # items per task after each step (None = all)
+    # items per cloze task (regression check); fewer than the stages' suite, because every
+    # post-training step is scored (the first items of the same held-out tasks)
+    cloze_items: int = Field(default=100, gt=0)
     base: bool = True  # also score the pre-SFT base, so every step has a baseline row
 
 

@@ -27,7 +27,7 @@ POSTTRAIN = [
     "posttrain.sft={max_steps: 3, per_device_batch: 4, max_length: 128}",
     "posttrain.preference={max_steps: 2, per_device_batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
     "posttrain.grpo={max_steps: 2, per_device_batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
-    "posttrain.eval={generation_items: 6, max_gen_tokens: 12, limit: 4}",
+    "posttrain.eval={generation_items: 6, max_gen_tokens: 12, cloze_items: 4}",
 ]
 
 

@@ -313,3 +313,16 @@ def test_preference_rows_from_a_pairs_file(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
     with pytest.raises(ValueError, match="row 0: missing rejected"):
         preference_rows(f"files:{tmp_path}/bad.jsonl")
+
+
+def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
+    """What `accelerate launch -m tasks.posttrain sft spec.json` runs on every rank."""
+    from tasks.posttrain.__main__ import main
+
+    spec = {"config": {"max_steps": 1, "per_device_batch": 2, "max_length": 64}, "policy": str(world["base"]),
+            "data": str(world["data"]), "out": str(tmp_path / "sft"), "device": "cpu"}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert main(["sft", str(tmp_path / "spec.json")]) == 0
+    meta = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert meta["steps"] == 1 and Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
+    assert main(["pretrain", "x.json"]) == 2
