@@ -62,7 +62,7 @@ class PlanContext:
         except (OSError, ValueError, KeyError) as exc:
             # A fact outside the config is not available here (e.g. a files: source whose data
             # lives on the cluster): plan the step as a run and carry on with a stand-in.
-            fp = fingerprint(d.name, d.version, {"config": config, "params": params}, tuple(inputs),
+            fp = fingerprint(d.name, d.version, {"config": config, "params": d.identity(params)}, tuple(inputs),
                              extra=f"unresolved: {exc}")
             folder = self.ws.path / d.name / fp[:12]
             self.rows.append(PlanRow(d.name, label, fp, "run", f"input not available here: {exc}"))

@@ -92,7 +92,8 @@ def dag(ctx, cfg: Recipe) -> None:
     previous = None
     for run in schedule_stages(cfg.training, cfg.stages):
         inputs = [plans[run.stage.name], *([previous] if previous else [])]
-        previous = ctx.run(pretrain, run, inputs, label=run.stage.name)
+        previous = ctx.run(pretrain, run, inputs, label=run.stage.name,
+                           params={"launch": cfg.launch, "storage": cfg.storage})
         model = ctx.run(export, cfg.export, [previous, chosen], label=run.stage.name)
         ctx.run(
             evaluate, cfg.eval, [model, suite], label=run.stage.name,

@@ -1,7 +1,8 @@
 """Long-running children (torchrun, datatrove on a cluster) that never outlive their task.
 
-`run_streaming` starts the command in its own session (a new process group, so torchrun and all its
-ranks can be signalled together), streams its merged output line by line to a logger callback (the
+`run_streaming` starts the command in its own session (a new process group, so the child and what
+it forks can be signalled together; torchrun puts each rank in a session of its own, so the ranks
+are also tracked and killed by pid), streams its merged output line by line to a logger callback (the
 Prefect run logger in tasks), and kills the whole group when the caller fails, is interrupted, or is
 cancelled. Prefect cancels a flow run by sending SIGTERM to the flow-run process, which Prefect turns
 into a `TerminationSignal` exception: it unwinds through the wait loop here and the group is killed.
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
 
@@ -37,22 +40,53 @@ class ChildFailed(RuntimeError):
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the child's process group, then SIGKILL whatever is left after `grace` seconds."""
-    if proc.poll() is not None:
-        # The leader is gone but ranks it started may not be: signal the group anyway.
-        _signal_group(proc.pid, signal.SIGKILL)
-        return
-    _signal_group(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not _group_alive(proc.pid):
-            return
-        time.sleep(0.05)
-    _signal_group(proc.pid, signal.SIGKILL)
+    """SIGTERM the child's process group, then SIGKILL whatever is left after `grace` seconds.
+
+    torchrun starts every rank in a session of its own, so the child's group does not hold the
+    ranks: every descendant alive at the start is remembered and killed by pid at the end.
+    """
+    descendants = _descendants(proc.pid)
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(proc.pid) and not _any_alive(descendants):
+                return
+            time.sleep(0.05)
+    kill_tree(proc.pid, descendants)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def kill_tree(pid: int, known: list | None = None) -> None:
+    """SIGKILL a process's group and every descendant (also those in sessions of their own)."""
+    procs = _descendants(pid) + list(known or [])
+    _signal_group(pid, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _descendants(pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def _any_alive(procs: list) -> bool:
+    return any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs if _exists(p))
+
+
+def _exists(p) -> bool:
+    try:
+        return p.is_running()
+    except psutil.Error:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -129,7 +163,7 @@ def run_streaming(
             _live.discard(proc)
     # Ranks that outlived a finished leader are cleaned up too.
     if _group_alive(proc.pid):
-        _signal_group(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
     if returncode != 0:
         raise ChildFailed(cmd, returncode, tail)
     return returncode

@@ -76,6 +76,7 @@ class StorageConfig(BaseModel):
     max_backoff_seconds: float = Field(default=60.0, ge=0)  # cap on one retry delay
     keep_local: int = Field(default=2, gt=0)  # newest complete checkpoints kept on local disk
     keep_stage_ends: bool = True  # never delete a stage-end checkpoint locally (next stage inits)
+    sync_every_s: float = Field(default=300.0, gt=0)  # checkpoint sync period while a stage trains
 
     @field_validator("s3_uri")
     @classmethod

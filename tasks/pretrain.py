@@ -26,17 +26,19 @@ import base64
 import json
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.artifact import Artifact
-from infra.proc import run_streaming
+from infra.launchers import LauncherConfig, get_launcher
+from infra.proc import kill_tree
+from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from tasks.mixture import StageConfig
 from tasks.step import step
 
@@ -204,8 +206,8 @@ def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 class _Watcher(threading.Thread):
-    """Reports progress from metrics.jsonl and, when asked, kills the trainer after its first
-    complete checkpoint (the failure-injection hook)."""
+    """Reports progress from the last line of metrics.jsonl and, when asked, kills the trainer
+    right after its first complete checkpoint (the failure-injection hook)."""
 
     def __init__(self, out: Path, steps: int, progress, inject: bool):
         super().__init__(daemon=True)
@@ -216,17 +218,37 @@ class _Watcher(threading.Thread):
     def run(self) -> None:
         from model.checkpoint import Checkpointer
 
-        while not self.stop.wait(1.0):
-            rows = read_metrics(self.out / "metrics.jsonl")
-            if rows and self.progress:
-                self.progress(100.0 * rows[-1]["step"] / self.steps)
+        tick, last_report = (0.05 if self.inject else 2.0), 0.0
+        while not self.stop.wait(tick):
+            if self.progress and time.monotonic() - last_report >= 2.0:
+                last_report = time.monotonic()
+                step = _last_step(self.out / "metrics.jsonl")
+                if step is not None:
+                    self.progress(100.0 * step / self.steps)
             if self.inject and Checkpointer(self.out / "checkpoints").latest() is not None:
-                (self.out / ".failure-injected").write_text(time.strftime("%FT%T"))
-                self.injected = True
                 pgid = _trainer_pgid(self.out)
                 if pgid:
-                    os.killpg(pgid, 9)
-                return
+                    (self.out / ".failure-injected").write_text(time.strftime("%FT%T"))
+                    self.injected = True
+                    kill_tree(pgid)  # torchrun and its ranks (each in a session of its own)
+                    return
+
+
+def _last_step(path: Path) -> int | None:
+    """The step of the last complete line of a metrics file, reading only its tail."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 65536))
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return None
 
 
 def _trainer_pgid(out: Path) -> int | None:
@@ -236,25 +258,36 @@ def _trainer_pgid(out: Path) -> int | None:
         return None
 
 
-def build_stage(run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=print, progress=None) -> dict[str, Any]:
+def build_stage(
+    run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=print, progress=None,
+    launch: LauncherConfig | None = None, storage: StorageConfig | None = None,
+) -> dict[str, Any]:
     plan = inputs[0]
     previous = next((a for a in inputs[1:] if a.kind == "checkpoint"), None)
     init_from = previous.meta["checkpoint"] if previous else None
     spec = trainer_spec(run, plan.path / "plan.json", out, init_from)
     (out / "spec.json").write_text(json.dumps(spec, indent=2))
-    resumed = (out / "checkpoints").exists() and any((out / "checkpoints").iterdir())
+    storage = storage or StorageConfig()
+    s3_checkpoints = f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    ckpt_dir = out / "checkpoints"
+    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
+        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+        pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
+        if pulled is not None:
+            log(f"{run.stage.name}: pulled {pulled.name} from {s3_checkpoints}")
+    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
     log(f"{run.stage.name}: {run.steps} steps x {spec['global_batch']} x {run.stage.seq_len} "
         f"tokens, {run.schedule} lr {run.lr:g} (positions {run.start_step}..{run.start_step + run.steps} "
         f"of {run.total_steps}){', resuming in ' + str(out) if resumed else ''}")
+    launcher = get_launcher(launch_config(launch or LauncherConfig(), run.training))
     inject = os.environ.get(FAILURE_ENV) == run.stage.name and not (out / ".failure-injected").exists()
     watcher = _Watcher(out, run.steps, progress, inject)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={run.training.nproc_per_node}", "-m", "model.train", str(out / "spec.json")]
-    env = {"OMP_NUM_THREADS": str(run.training.num_threads or os.cpu_count() or 1),
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
     watcher.start()
     try:
-        run_streaming(cmd, log, env=env, on_start=lambda pid: (out / ".trainer.pgid").write_text(str(pid)))
+        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
+            launcher.launch(out / "spec.json", out, log,
+                            on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle)))
     except Exception:
         if watcher.injected:
             raise RuntimeError(f"injected failure ({FAILURE_ENV}={run.stage.name}): trainer killed "
@@ -281,9 +314,20 @@ def build_stage(run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=prin
         "mfu": sum(mfus) / len(mfus) if mfus else None,
         "resumed": resumed,
         "init_from": init_from,
+        **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }
     (out / "summary.md").write_text(stage_markdown(meta, rows))
     return meta
+
+
+def launch_config(launch: LauncherConfig, training: TrainingConfig) -> LauncherConfig:
+    """The launcher for a stage: ranks per node from the training section, and on CPU the
+    machine's cores split between the ranks (torchrun would otherwise pin one thread each)."""
+    env = dict(launch.env)
+    if "OMP_NUM_THREADS" not in env:
+        threads = training.num_threads or max(1, (os.cpu_count() or 1) // training.nproc_per_node)
+        env["OMP_NUM_THREADS"] = str(threads)
+    return launch.model_copy(update={"procs_per_node": training.nproc_per_node, "env": env})
 
 
 def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -325,10 +369,15 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     create_markdown_artifact(markdown=markdown, key=key, description=f"{label}: loss and mixture")
 
 
-@step("pretrain", version=1, kind="checkpoint", resumable=True, publish=publish_stage)
-def pretrain(config: StageRun, inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """Prefect task: train one stage (inputs: its mixture plan, then the previous stage's checkpoint)."""
-    return build_stage(config, inputs, out, log, progress)
+@step("pretrain", version=1, kind="checkpoint", resumable=True, publish=publish_stage,
+      ephemeral=("launch", "storage"))
+def pretrain(
+    config: StageRun, inputs, out: Path, *, log=print, progress=None,
+    launch: LauncherConfig | None = None, storage: StorageConfig | None = None,
+) -> dict[str, Any]:
+    """Prefect task: train one stage (inputs: its mixture plan, then the previous stage's
+    checkpoint; params `launch` and `storage` say where it runs and where checkpoints mirror)."""
+    return build_stage(config, inputs, out, log, progress, launch, storage)
 
 
 def training_facts(training: TrainingConfig, vocab_size: int, stages: int) -> dict[str, Any]:

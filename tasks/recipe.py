@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.launchers import LauncherConfig
 from infra.preflight import PreflightConfig
+from infra.storage import StorageConfig
 from tasks.anneal import AnnealConfig
 from tasks.cpt import CptConfig
 from tasks.curate import PRESETS, CurationConfig
@@ -54,9 +56,11 @@ class Recipe(BaseModel):
     training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
     eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
+    posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
+    launch: LauncherConfig = LauncherConfig()  # where stages run: local torchrun, Slurm, Kubernetes
+    storage: StorageConfig = StorageConfig()  # S3 mirror of checkpoints (and resume from it)
     anneal: AnnealConfig = AnnealConfig()  # annealing experiments: candidates, budget, noise runs
     cpt: CptConfig = CptConfig()  # continued pretraining: domain, replay, LR, forgetting monitor
-    posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:
@@ -86,12 +90,19 @@ class Recipe(BaseModel):
         if kinds and kinds[0] != "pretrain":
             raise ValueError("stages: the first stage must be a pretrain stage")
         t = self.training
+        if self.launch.procs_per_node not in (1, t.nproc_per_node):
+            raise ValueError(
+                f"launch.procs_per_node {self.launch.procs_per_node} differs from "
+                f"training.nproc_per_node {t.nproc_per_node}: set training.nproc_per_node only"
+            )
+        world = self.launch.nodes * t.nproc_per_node
         for st in self.stages:
             gb, mb = st.global_batch or t.global_batch, st.micro_batch or t.micro_batch
-            if gb % (mb * t.nproc_per_node):
+            if gb % (mb * world):
                 raise ValueError(
                     f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
-                    f"training.nproc_per_node = {mb} x {t.nproc_per_node}"
+                    f"world size = {mb} x {world} (launch.nodes {self.launch.nodes} x "
+                    f"training.nproc_per_node {t.nproc_per_node})"
                 )
         return self
 

@@ -43,6 +43,10 @@ class StepDef:
     # Called after a build (not on reuse) to publish Prefect artifacts and lineage fact rows:
     # publish(artifact, ws, label). Build functions stay free of Prefect and DuckDB.
     publish: Callable[..., None] | None = None
+    # Params that say how a step runs, not what it computes (launcher, storage mirror): they are
+    # passed to the build but left out of the fingerprint, so moving a stage to Slurm or adding
+    # an S3 mirror does not retrain it.
+    ephemeral: tuple[str, ...] = ()
 
     @cached_property
     def code_version(self) -> str:
@@ -50,9 +54,14 @@ class StepDef:
         source = inspect.getsource(module)
         return hashlib.sha256(source.encode()).hexdigest()[:12]
 
+    def identity(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in params.items() if k not in self.ephemeral}
+
     def fingerprint(self, config: Any, inputs: tuple[Artifact, ...], params: dict[str, Any]) -> str:
         extra = self.extra(config, **params) if self.extra else ""
-        return fingerprint(self.name, self.version, {"config": config, "params": params}, inputs, extra)
+        return fingerprint(
+            self.name, self.version, {"config": config, "params": self.identity(params)}, inputs, extra
+        )
 
 
 @dataclass
@@ -82,11 +91,12 @@ def step(
     extra: Callable[..., str] | None = None,
     resumable: bool = False,
     publish: Callable[..., None] | None = None,
+    ephemeral: tuple[str, ...] = (),
 ):
     """Declare a pipeline step; see the module docstring."""
 
     def wrap(build: Callable[..., dict[str, Any]]):
-        definition = StepDef(name, version, kind, build, extra, resumable, publish)
+        definition = StepDef(name, version, kind, build, extra, resumable, publish, ephemeral)
 
         @task(
             name=name,
@@ -127,7 +137,7 @@ def execute(
         step=d.name,
         version=d.version,
         kind=d.kind,
-        config={"config": config, "params": params},
+        config={"config": config, "params": d.identity(params)},
         inputs=inputs,
         build=lambda out: d.build(config, inputs, out, log=logger.info, **_progress(d, label), **params),
         extra=extra,

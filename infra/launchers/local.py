@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from infra.launchers.base import (
@@ -36,8 +38,10 @@ class LocalTorchrun(Launcher):
                 "only; use kind slurm or kubernetes for several nodes"
             )
         port = port or c.master_port or free_port()
+        # `make` runs .venv/bin/smollm3 without the venv on PATH: use this interpreter's torchrun.
+        torchrun = [c.torchrun] if shutil.which(c.torchrun) else [sys.executable, "-m", "torch.distributed.run"]
         return [
-            c.torchrun, "--nnodes", "1", "--nproc-per-node", str(c.procs_per_node),
+            *torchrun, "--nnodes", "1", "--nproc-per-node", str(c.procs_per_node),
             "--master-port", str(port), "-m", c.module, str(spec_path),
         ]
 

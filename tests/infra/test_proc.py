@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +76,42 @@ def test_an_error_in_the_caller_kills_the_whole_group(tmp_path):
     assert _wait_gone(pids, 10), "child or grandchild survived"
 
 
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    if sys.argv[2] == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank stuck in a collective
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    time.sleep(600)
+    """
+)
+
+
+def _torchrun(script: Path, pidfile: Path, mode: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            str(script), str(pidfile), mode]
+
+
+def test_torchrun_ranks_in_their_own_sessions_are_killed_too(tmp_path):
+    """torchrun starts each rank with start_new_session, so killing torchrun's group alone would
+    orphan a rank that ignores SIGTERM (one stuck in a collective); run_streaming kills it by pid."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    pidfile = tmp_path / "rank.pid"
+    seen: dict[str, int] = {}
+
+    def interrupt() -> None:  # as Ctrl-C or Prefect's cancellation would, once the rank runs
+        rank = _wait_file(pidfile)
+        seen["rank"], seen["sid"] = rank, os.getsid(rank)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_streaming(_torchrun(script, pidfile, "stubborn"), lambda _: None, grace=2)
+    assert seen["sid"] == seen["rank"]  # the rank really had a session of its own
+    assert _wait_gone([seen["rank"]], 15), "the torchrun rank survived"
+
+
 SERVED_FLOW = textwrap.dedent(
     """
     import sys
@@ -83,7 +121,10 @@ SERVED_FLOW = textwrap.dedent(
 
     @task
     def long_child(pidfile: str):
-        run_streaming(["bash", "-c", f"sleep 600 & echo $! > {{pidfile}}.gc; echo $$ > {{pidfile}}; wait"])
+        # torchrun (the leader) and one rank in a session of its own, as a training stage runs
+        run_streaming([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", "1", {worker!r}, pidfile + ".gc", "plain"],
+                      on_start=lambda pid: open(pidfile, "w").write(str(pid)))
 
     @flow(name="sleeper")
     def sleeper(pidfile: str):
@@ -98,7 +139,9 @@ SERVED_FLOW = textwrap.dedent(
 @pytest.mark.slow
 def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
     script = tmp_path / "served.py"
-    script.write_text(SERVED_FLOW.format(repo=str(REPO)))
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    script.write_text(SERVED_FLOW.format(repo=str(REPO), worker=str(worker)))
     env = {**os.environ, "PREFECT_API_URL": api_url}
     serve = subprocess.Popen(
         [sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
