@@ -39,6 +39,7 @@ TINY_TRAIN = [
     "eval.items_per_task=20",
     "eval.passkey_items=5",
     "preflight.max_epochs=1000",
+    "posttrain=null",  # the pretraining DAG only; post-training: tests/tasks/test_posttrain_*.py
 ]
 
 
