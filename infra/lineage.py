@@ -232,25 +232,20 @@ class Lineage:
 
     def ancestors(self, fingerprint: str) -> list[dict[str, Any]]:
         """Every artifact upstream of `fingerprint` (a recursive query over the edges)."""
-        return self.query_dicts(
-            """
-            WITH RECURSIVE up(fp) AS (
-                SELECT parent FROM edges WHERE child = ?
-                UNION SELECT e.parent FROM edges e JOIN up ON e.child = up.fp
-            )
-            SELECT a.* FROM artifacts a JOIN up ON a.fingerprint = up.fp ORDER BY a.step, a.label
-            """,
-            [fingerprint],
-        )
+        return self._closure(fingerprint, near="child", far="parent")
 
     def descendants(self, fingerprint: str) -> list[dict[str, Any]]:
+        """Every artifact downstream of `fingerprint`."""
+        return self._closure(fingerprint, near="parent", far="child")
+
+    def _closure(self, fingerprint: str, near: str, far: str) -> list[dict[str, Any]]:
         return self.query_dicts(
-            """
-            WITH RECURSIVE down(fp) AS (
-                SELECT child FROM edges WHERE parent = ?
-                UNION SELECT e.child FROM edges e JOIN down ON e.parent = down.fp
+            f"""
+            WITH RECURSIVE walk(fp) AS (
+                SELECT {far} FROM edges WHERE {near} = ?
+                UNION SELECT e.{far} FROM edges e JOIN walk ON e.{near} = walk.fp
             )
-            SELECT a.* FROM artifacts a JOIN down ON a.fingerprint = down.fp ORDER BY a.step, a.label
+            SELECT a.* FROM artifacts a JOIN walk ON a.fingerprint = walk.fp ORDER BY a.step, a.label
             """,
             [fingerprint],
         )
