@@ -1,0 +1,295 @@
+"""Eval-task quality: which tasks give signal at this scale (the playbook's four criteria).
+
+Per task, over a run's checkpoints (and, when there is one, an anneal comparison):
+- monotonicity: Spearman rho of score vs training step >= 0.5 (the score should grow with training);
+- noise: SNR = mean score / its noise > 20, the noise being the std across seeds when seed runs
+  exist, else the standard error of each score (lm-eval's binomial stderr, or a bootstrap of
+  per-item results);
+- margin above random: final score - random > 3 x noise;
+- ranking consistency: Kendall tau, either between the rankings of several models at successive
+  steps, or between this task's ranking of anneal candidates and the consensus of the other tasks
+  (threshold 0.5 here: the playbook names the statistic, not a cut-off).
+
+A task is kept when it passes every criterion that could be measured. The functions are pure and
+take plain lists; `run_series` reads a run's scores from lineage, and
+
+    python -m tasks.eval_quality WORKSPACE [--run RUN_ID] [--metric acc_norm]
+
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    spearman: float = 0.5  # playbook: monotonicity
+    snr: float = 20.0  # playbook: low noise
+    margin_sigmas: float = 3.0  # playbook: score - random > 3 x std
+    kendall: float = 0.5  # our cut-off for ranking consistency
+
+
+@dataclass(frozen=True)
+class TaskSeries:
+    """One task's scores over a run's checkpoints."""
+
+    task: str
+    steps: tuple[float, ...]  # training step of each checkpoint, increasing
+    scores: tuple[float, ...]  # score at each step
+    stderr: tuple[float, ...] = ()  # per-score standard error (binomial or bootstrap), if known
+    seed_scores: tuple[tuple[float, ...], ...] = ()  # final-checkpoint scores of several seeds
+    random: float = 0.0  # score of random guessing (1 / choices for multiple choice)
+    # model -> scores at the same steps (several models trained side by side), for ranking consistency
+    models: Mapping[str, Sequence[float]] = field(default_factory=dict)
+
+
+def monotonicity(steps: Sequence[float], scores: Sequence[float]) -> float:
+    """Spearman rho of score vs step; 0 when either is constant (no ranking to correlate)."""
+    from scipy.stats import spearmanr
+
+    if len(steps) != len(scores):
+        raise ValueError(f"monotonicity: {len(steps)} steps but {len(scores)} scores")
+    if len(scores) < 2 or len(set(scores)) < 2 or len(set(steps)) < 2:
+        return 0.0
+    rho = spearmanr(steps, scores).statistic
+    return 0.0 if math.isnan(rho) else float(rho)
+
+
+def bootstrap_std(item_scores: Sequence[float], samples: int = 1000, seed: int = 0) -> float:
+    """Std of the mean of per-item scores (0/1 correctness) under bootstrap resampling."""
+    import numpy as np
+
+    values = np.asarray(item_scores, dtype=float)
+    if values.size == 0:
+        raise ValueError("bootstrap_std: no item scores")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, size=(samples, values.size))].mean(axis=1)
+    return float(means.std(ddof=1))
+
+
+def noise_std(series: TaskSeries) -> float | None:
+    """Seed std at the final checkpoint when seeds exist, else the final score's stderr."""
+    finals = [s[-1] if isinstance(s, Sequence) else s for s in series.seed_scores]
+    if len(finals) >= 2:
+        return statistics.stdev(finals)
+    if series.stderr:
+        return float(series.stderr[-1])
+    return None
+
+
+def snr(signal: float, noise: float | None) -> float | None:
+    """Signal-to-noise ratio; inf for a noiseless non-zero signal, None when noise is unknown."""
+    if noise is None:
+        return None
+    if noise == 0:
+        return math.inf if signal else 0.0
+    return abs(signal) / noise
+
+
+def margin_sigmas(score: float, random: float, noise: float | None) -> float | None:
+    """(score - random) in units of the noise."""
+    if noise is None:
+        return None
+    if noise == 0:
+        return math.inf if score > random else -math.inf if score < random else 0.0
+    return (score - random) / noise
+
+
+def kendall(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall tau of two score lists over the same items; 0 when either is constant."""
+    from scipy.stats import kendalltau
+
+    if len(a) != len(b):
+        raise ValueError(f"kendall: {len(a)} vs {len(b)} items")
+    if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
+        return 0.0
+    tau = kendalltau(a, b).statistic
+    return 0.0 if math.isnan(tau) else float(tau)
+
+
+def ranking_consistency(models: Mapping[str, Sequence[float]]) -> float | None:
+    """Mean Kendall tau between the models' rankings at successive steps (None: < 2 models)."""
+    names = sorted(models)
+    if len(names) < 2:
+        return None
+    n = min(len(models[m]) for m in names)
+    if n < 2:
+        return None
+    taus = [kendall([models[m][i] for m in names], [models[m][i + 1] for m in names]) for i in range(n - 1)]
+    return statistics.fmean(taus)
+
+
+def candidate_consistency(by_task: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Per task, Kendall tau between its ranking of anneal candidates and the mean ranking of the
+    other tasks (leave-one-out consensus). by_task: task -> {candidate: score (higher better)}."""
+    from scipy.stats import rankdata
+
+    out: dict[str, float] = {}
+    tasks = sorted(by_task)
+    cands = sorted(set.intersection(*(set(v) for v in by_task.values()))) if by_task else []
+    if len(tasks) < 2 or len(cands) < 2:
+        return out
+    ranks = {t: rankdata([by_task[t][c] for c in cands]) for t in tasks}
+    for t in tasks:
+        others = [ranks[o] for o in tasks if o != t]
+        consensus = [statistics.fmean(r[i] for r in others) for i in range(len(cands))]
+        out[t] = kendall(list(ranks[t]), consensus)
+    return out
+
+
+@dataclass(frozen=True)
+class TaskQuality:
+    task: str
+    points: int
+    final: float
+    spearman: float
+    snr: float | None
+    margin: float | None  # in noise units
+    kendall: float | None
+    checks: dict[str, bool | None]  # criterion -> pass (None: not measurable here)
+
+    @property
+    def keep(self) -> bool:
+        measured = [v for v in self.checks.values() if v is not None]
+        return bool(measured) and all(measured)
+
+
+def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_tau: float | None = None) -> TaskQuality:
+    """The four criteria for one task. kendall_tau: an externally measured consistency (anneal
+    candidates); otherwise it comes from `series.models` when several models are given."""
+    if not series.scores:
+        raise ValueError(f"task {series.task!r} has no scores")
+    rho = monotonicity(series.steps, series.scores)
+    noise = noise_std(series)
+    final = float(series.scores[-1])
+    ratio = snr(final, noise)
+    margin = margin_sigmas(final, series.random, noise)
+    tau = kendall_tau if kendall_tau is not None else ranking_consistency(series.models)
+    checks = {
+        "monotonic": rho >= thresholds.spearman if len(series.scores) >= 3 else None,
+        "low_noise": None if ratio is None else ratio > thresholds.snr,
+        "above_random": None if margin is None else margin > thresholds.margin_sigmas,
+        "consistent": None if tau is None else tau >= thresholds.kendall,
+    }
+    return TaskQuality(series.task, len(series.scores), final, rho, ratio, margin, tau, checks)
+
+
+def quality_table(rows: Sequence[TaskQuality]) -> str:
+    """A fixed-width table for the terminal."""
+
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else ("inf" if math.isinf(v) else format(v, fmt))
+
+    def mark(v: bool | None) -> str:
+        return "-" if v is None else "ok" if v else "FAIL"
+
+    header = f"{'task':<22} {'n':>3} {'final':>7} {'spearman':>9} {'snr':>8} {'margin':>8} {'kendall':>8}  {'mono':>4} {'noise':>5} {'rand':>5} {'rank':>5}  keep"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        c = r.checks
+        lines.append(
+            f"{r.task:<22} {r.points:>3} {r.final:>7.3f} {r.spearman:>9.2f} {f(r.snr, '.1f'):>8} "
+            f"{f(r.margin, '.1f'):>8} {f(r.kendall, '.2f'):>8}  {mark(c['monotonic']):>4} "
+            f"{mark(c['low_noise']):>5} {mark(c['above_random']):>5} {mark(c['consistent']):>5}  "
+            f"{'yes' if r.keep else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+# --- reading a run from lineage ---------------------------------------------------------------
+
+
+def run_series(lineage, run_id: str, metric: str = "acc_norm") -> dict[str, TaskSeries]:
+    """Scores of every evaluate step of a run, in training order, as one series per task.
+
+    The step of each eval is the cumulative number of optimizer steps of the stages trained so far
+    (eval -> hf_model -> checkpoint in lineage)."""
+    evals = lineage.query_dicts(
+        "SELECT s.fingerprint, s.label, a.meta FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
+        "WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state IN ('completed', 'cached') ORDER BY s.started",
+        [run_id],
+    )
+    position, seen = 0, set()
+    points: dict[str, list[tuple[float, float, float | None]]] = {}
+    randoms: dict[str, float] = {}
+    for e in evals:
+        meta = json.loads(e["meta"])
+        ckpt = _checkpoint_of(lineage, e["fingerprint"])
+        if ckpt is None:
+            continue  # not a trained stage (e.g. an imported model)
+        if ckpt["fingerprint"] not in seen:
+            seen.add(ckpt["fingerprint"])
+            position += int(json.loads(ckpt["meta"]).get("steps") or 0)
+        for task, values in meta.get("scores", {}).items():
+            if metric in values and not math.isnan(values[metric]):
+                points.setdefault(task, []).append((position, values[metric], values.get(f"{metric}_stderr")))
+                randoms[task] = float(meta.get("random_accuracy") or 0.0)
+    return {
+        task: TaskSeries(
+            task=task, steps=tuple(p[0] for p in pts), scores=tuple(p[1] for p in pts),
+            stderr=tuple(p[2] for p in pts) if all(p[2] is not None for p in pts) else (),
+            random=randoms[task],
+        )
+        for task, pts in sorted(points.items())
+    }
+
+
+def _checkpoint_of(lineage, eval_fp: str) -> dict[str, Any] | None:
+    for parent in lineage.parents(eval_fp):
+        if parent["kind"] == "hf_model":
+            for grand in lineage.parents(parent["fingerprint"]):
+                if grand["kind"] == "checkpoint" and grand["step"] == "pretrain":
+                    return grand
+    return None
+
+
+def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
+    """Kendall tau per task from the latest anneal comparison (tasks/anneal.py)."""
+    from tasks.anneal import comparisons
+
+    rows = comparisons(lineage)
+    if not rows:
+        return {}
+    latest = rows[0]["comparison"]
+    by_task: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["comparison"] == latest and r["metric"] in (metric, "loss"):
+            # Lower loss is better: rank by its negation so every task ranks "higher is better".
+            by_task.setdefault(r["task"], {})[r["candidate"]] = -r["score"] if r["metric"] == "loss" else r["score"]
+    return candidate_consistency(by_task)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from infra.lineage import Lineage
+
+    p = argparse.ArgumentParser(prog="python -m tasks.eval_quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("workspace", help="workspace folder (holds lineage.duckdb)")
+    p.add_argument("--run", help="flow run id (default: the latest smollm3 run)")
+    p.add_argument("--metric", default="acc_norm")
+    args = p.parse_args(argv)
+    lineage = Lineage(Path(args.workspace) / "lineage.duckdb")
+    run = args.run
+    if run is None:
+        rows = lineage.query("SELECT run_id FROM flow_runs WHERE flow = 'smollm3' ORDER BY started DESC LIMIT 1")
+        if not rows:
+            print(f"no smollm3 run in {lineage.path}")
+            return 1
+        run = rows[0][0]
+    series = run_series(lineage, run, args.metric)
+    taus = anneal_consistency(lineage, args.metric)
+    print(f"eval-task quality of run {run} ({args.metric})")
+    print(quality_table([assess(s, kendall_tau=taus.get(t)) for t, s in series.items()]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Eval-task quality criteria on constructed score series: a monotone, low-noise task passes; a
+noisy flat one fails; ranking consistency across steps and across anneal candidates."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tasks.eval_quality import (
+    TaskSeries,
+    assess,
+    bootstrap_std,
+    candidate_consistency,
+    kendall,
+    monotonicity,
+    quality_table,
+    ranking_consistency,
+)
+
+STEPS = tuple(range(0, 1000, 100))
+
+
+def test_monotone_low_noise_task_is_kept():
+    scores = tuple(0.30 + 0.04 * i for i in range(10))  # 0.30 -> 0.66, steadily
+    series = TaskSeries("good", STEPS, scores, stderr=(0.01,) * 10, random=0.25,
+                        models={"a": scores, "b": tuple(s - 0.05 for s in scores)})
+    q = assess(series)
+    assert q.spearman == pytest.approx(1.0)
+    assert q.snr == pytest.approx(66.0) and q.margin == pytest.approx(41.0)
+    assert q.kendall == pytest.approx(1.0)
+    assert q.checks == {"monotonic": True, "low_noise": True, "above_random": True, "consistent": True}
+    assert q.keep
+
+
+def test_noisy_flat_task_is_dropped():
+    rng = random.Random(0)
+    scores = tuple(0.25 + rng.uniform(-0.03, 0.03) for _ in STEPS)  # random guessing, jittering
+    seeds = ((0.22,), (0.27,), (0.25,))
+    series = TaskSeries("noisy", STEPS, scores, seed_scores=seeds, random=0.25,
+                        models={"a": scores, "b": tuple(reversed(scores))})
+    q = assess(series)
+    assert abs(q.spearman) < 0.5 and not q.checks["monotonic"]
+    assert q.snr < 20 and not q.checks["low_noise"]  # noise from the seed spread (std 0.025)
+    assert not q.checks["above_random"]
+    assert not q.keep
+    table = quality_table([assess(TaskSeries("good", STEPS, tuple(0.3 + 0.04 * i for i in range(10)),
+                                             stderr=(0.01,) * 10, random=0.25)), q])
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["task", "n", "final"]
+    assert lines[2].startswith("good") and lines[2].endswith("yes")
+    assert lines[3].startswith("noisy") and lines[3].endswith("no") and "FAIL" in lines[3]
+
+
+def test_statistics_edge_cases():
+    assert monotonicity([1, 2, 3], [0.5, 0.5, 0.5]) == 0.0  # flat: no signal, not NaN
+    assert monotonicity([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="3 steps but 2 scores"):
+        monotonicity([1, 2, 3], [1, 2])
+    assert kendall([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # Bootstrap std of a mean of 400 coin flips is close to the binomial sqrt(p(1-p)/n).
+    items = [1.0] * 100 + [0.0] * 300
+    assert bootstrap_std(items) == pytest.approx(math.sqrt(0.25 * 0.75 / 400), rel=0.1)
+    assert ranking_consistency({"only": [1, 2]}) is None
+    # Two models swapping places every step: rankings disagree.
+    assert ranking_consistency({"a": [1, 3, 1, 3], "b": [2, 2, 2, 2]}) == pytest.approx(-1.0)
+
+
+def test_candidate_ranking_consistency_against_the_other_tasks():
+    by_task = {
+        "t1": {"math": 0.6, "code": 0.5, "web": 0.4},
+        "t2": {"math": 0.7, "code": 0.6, "web": 0.2},
+        "t3": {"math": 0.1, "code": 0.3, "web": 0.5},  # ranks the candidates backwards
+        "t4": {"math": 0.9, "code": 0.5, "web": 0.1},
+    }
+    taus = candidate_consistency(by_task)
+    assert taus["t1"] == taus["t2"] == taus["t4"] == pytest.approx(1.0)
+    assert taus["t3"] == pytest.approx(-1.0)
