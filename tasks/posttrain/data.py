@@ -206,6 +206,22 @@ def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
     yield from ds
 
 
+def data_state(uri: str) -> str:
+    """A digest of local data files (names, sizes, mtimes), so edited data changes fingerprints;
+    hub data is pinned by its revision in the config instead."""
+    if uri.startswith("files:"):
+        paths = [Path(p) for p in sorted(glob.glob(str(Path(uri[6:]).expanduser()), recursive=True))]
+    elif uri.startswith("hf:") and Path(uri[3:]).expanduser().exists():
+        paths = sorted(p for p in Path(uri[3:]).expanduser().rglob("*") if p.is_file())
+    else:
+        return ""
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def _held_out(i: int, fraction: float) -> bool:
     h = int(hashlib.sha256(f"posttrain-row:{i}".encode()).hexdigest()[:8], 16)
     return h / 0xFFFFFFFF < fraction
@@ -317,7 +333,7 @@ def preference_rows(
     return rows
 
 
-@step("posttrain_data", version=1, kind="corpus")
+@step("posttrain_data", version=1, kind="corpus", extra=lambda config, **_: data_state(config.uri))
 def posttrain_data(config: ChatDataConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
     """Prefect task: curated corpora -> SFT conversations, held-out conversations, prompts."""
     return build_chat_data(config, inputs, out, seed, log)

@@ -29,7 +29,7 @@ from tasks.posttrain.common import (
     write_history,
 )
 from tasks.posttrain.config import PreferenceSection
-from tasks.posttrain.data import is_correct, preference_rows, read_jsonl, write_jsonl
+from tasks.posttrain.data import data_state, is_correct, preference_rows, read_jsonl, write_jsonl
 from tasks.step import step
 
 
@@ -151,7 +151,7 @@ def train_preference(
                       folder, model, started, loss_type=cfg.loss_type, beta=cfg.beta, **facts)
 
 
-@step("preference", version=1, kind="hf_model")
+@step("preference", version=1, kind="hf_model", extra=lambda config, **_: data_state(config.pairs))
 def preference(config: PreferenceSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
                progress=None, seed: int = 0, device: str = "auto") -> dict[str, Any]:
     """Prefect task: (SFT hf_model, posttrain data) -> preference-optimised model."""

@@ -326,3 +326,17 @@ def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
     meta = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert meta["steps"] == 1 and Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
     assert main(["pretrain", "x.json"]) == 2
+
+
+def test_edited_local_data_changes_the_fingerprint(tmp_path):
+    import os
+
+    from tasks.posttrain.data import data_state
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text("{}\n")
+    before = data_state(f"files:{tmp_path}/*.jsonl")
+    f.write_text("{}\n{}\n")
+    os.utime(f, ns=(1, 1))
+    assert data_state(f"files:{tmp_path}/*.jsonl") != before
+    assert data_state("builtin") == "" and data_state("self") == ""
