@@ -62,7 +62,7 @@ def anneal(
         for run in runs:
             plan = ctx.run(weights_mixture, run.mixture, shards, label=run.label, params={"seed": run.seed})
             ckpt = ctx.run(pretrain, anneal_stage(cfg.anneal, resolved, run), [plan, pinned],
-                           label=f"anneal-{run.label}")
+                           label=f"anneal-{run.label}", params={"launch": cfg.launch, "storage": cfg.storage})
             model = ctx.run(export, cfg.export, [ckpt, tok], label=f"anneal-{run.label}")
             scores += [
                 ctx.run(evaluate, cfg.eval, [model, suite], label=f"anneal-{run.label}",

@@ -56,7 +56,8 @@ def cpt(
             shards, label="cpt", params={"seed": cfg.seed},
         )
         held = [ctx.run(heldout_tokens, h, [tok, *corpora], label=h.domain) for h in heldout_configs(c, general)]
-        stage = ctx.run(pretrain, cpt_stage(c, data, pinned.meta["model_config"]), [plan, pinned], label="cpt")
+        stage = ctx.run(pretrain, cpt_stage(c, data, pinned.meta["model_config"]), [plan, pinned], label="cpt",
+                        params={"launch": cfg.launch, "storage": cfg.storage})
         ctx.run(cpt_monitor, c, [pinned, stage, *held], label="cpt")
         ctx.run(export, cfg.export, [stage, tok], label="cpt")
         return ctx.summary()
