@@ -12,8 +12,8 @@ current mixture alone. What is here, as pure helpers plus thin steps:
   artifact fingerprint may be given instead. Everything the anneal needs (the stage's mixture,
   optimizer settings, batch, the run's shards, tokenizer and eval suite) is read from the stage
   folder's `spec.json` and from lineage, so the anneal trains the same model the run does.
-- `anneal_base` (step) pins that checkpoint by copying it into its own folder: the main run's
-  retention (`keep_last`) may delete the original while the anneal trains.
+- `anneal_base` (step) pins that checkpoint into its own folder (hard links, else copies): the
+  main run's retention (`keep_last`) may delete the original while the anneal trains.
 - `weights_mixture` (step) turns a weights mapping into a mixture plan with the mixture step's own
   `build_plan` (the plan.json contract), so anneal and CPT mixtures need no YAML file in the repo.
 - `anneal_runs` lays out the baseline (plus seed replicas of it: the same mixture with another
@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import statistics
 from collections.abc import Mapping, Sequence
@@ -338,14 +339,25 @@ def run_inputs(lineage: Lineage, base: BaseCheckpoint) -> tuple[list[Artifact], 
 # --- pinning the base -------------------------------------------------------------------------
 
 
+def link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a checkpoint file, else copy it. Checkpoint files are never rewritten in place
+    (a re-save of a step deletes the folder first), so a link pins the data at no cost: the
+    main run's retention removes its own name, the pin's name keeps the bytes."""
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)
+
+
 def pin_checkpoint(base: BaseCheckpoint, out: Path, log=print) -> dict[str, Any]:
-    """Copy the base checkpoint into `out/checkpoint/` and verify the copy against its manifest."""
+    """Pin the base checkpoint as `out/checkpoint/step_N` (hard links or copies) and verify the
+    pinned files against the checkpoint's manifest."""
     from model.checkpoint import read_marker
 
     source = Path(base.checkpoint)
     target = out / "checkpoint" / source.name
     try:
-        shutil.copytree(source, target)
+        shutil.copytree(source, target, copy_function=link_or_copy)
     except (OSError, shutil.Error) as err:
         raise RuntimeError(
             f"could not copy base checkpoint {source} (pruned by the main run's retention while "

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from infra.artifact import Artifact
 from infra.lineage import Lineage
 from infra.workspace import Workspace
-from tasks.anneal import BaseCheckpoint, describe_checkpoint, latest_run
+from tasks.anneal import BaseCheckpoint, describe_checkpoint, latest_run, link_or_copy
 from tasks.heldout import HeldoutConfig, heldout_loss
 from tasks.mixture import StageConfig
 from tasks.pretrain import StageRun
@@ -164,7 +164,7 @@ def build_cpt_base(config: CptBase, out: Path, log=print) -> dict[str, Any]:
         log(f"imported HF model {config.source} into {target}")
     else:
         target = out / "checkpoint" / Path(config.source).name
-        shutil.copytree(config.source, target)
+        shutil.copytree(config.source, target, copy_function=link_or_copy)
         if read_marker(target) is None:
             raise RuntimeError(f"the copy of {config.source} fails its manifest; rerun cpt")
         log(f"pinned {config.source} to {target}")

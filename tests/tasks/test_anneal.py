@@ -149,11 +149,15 @@ def test_pin_copies_the_checkpoint_so_pruning_the_original_does_not_matter(run_w
     base = resolve_base(ws.lineage(), ws, AnnealConfig())
     out = tmp_path / "pin"
     meta = pin_checkpoint(base, out)
+    pinned = Path(meta["checkpoint"])
+    # Same filesystem: pinned by hard links, so a multi-GB checkpoint costs no copy.
+    assert (pinned / "trainer_state.json").stat().st_nlink == 2
     shutil.rmtree(base.checkpoint)  # the main run's retention deletes it
     from model.checkpoint import read_marker
 
-    assert read_marker(Path(meta["checkpoint"])) is not None
+    assert read_marker(pinned) is not None
     assert meta["global_step"] == 8 and meta["source"] == base.checkpoint
+    assert json.loads((pinned / "trainer_state.json").read_text())["global_step"] == 8
 
 
 def test_blend_is_40_percent_current_60_percent_candidate():
