@@ -118,6 +118,7 @@ class BaseCheckpoint(BaseModel):
     peak_lr: float  # the run's peak learning rate
     weights: dict[str, float]  # the stage's normalised mixture weights
     seq_len: int  # the stage's sequence length
+    rope_theta: float | None = None  # the stage's RoPE base override (context-extension stages)
     training: TrainingConfig  # model, batch and optimizer settings of the stage (from spec.json)
     run_id: str | None  # the run that trained it, when lineage knows it
     shards: tuple[str, ...]  # fingerprints of the run's token shards (one artifact per source)
@@ -317,6 +318,7 @@ def describe_checkpoint(
         peak_lr=peak,
         weights={s["name"]: s["weight"] / total_weight for s in plan["sources"]},
         seq_len=int(spec.get("seq_len") or plan["seq_len"]),
+        rope_theta=spec.get("rope_theta"),
         training=training,
         run_id=run_id,
         shards=tuple(s["fingerprint"] for s in shards),
@@ -470,7 +472,7 @@ def anneal_stage(cfg: AnnealConfig, base: BaseCheckpoint, run: AnnealRun) -> Sta
     })
     return StageRun(
         stage=stage, training=training, kind="pretrain", steps=steps, schedule="wsd", lr=base.lr,
-        warmup_steps=0, decay_fraction=1.0, total_steps=steps, start_step=0, rope_theta=None,
+        warmup_steps=0, decay_fraction=1.0, total_steps=steps, start_step=0, rope_theta=base.rope_theta,
         fresh=False,
     )
 

@@ -135,6 +135,12 @@ def test_explicit_base_and_errors(run_ws, tmp_path):
     ws, folders = run_ws
     base = resolve_base(ws.lineage(), ws, AnnealConfig(), str(folders["stage1"]))
     assert base.step == 5 and base.global_step == 5
+    # A context-extension checkpoint keeps its RoPE base in the anneal.
+    spec = folders["stage1"] / "spec.json"
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "rope_theta": 2e6}))
+    base = resolve_base(ws.lineage(), ws, AnnealConfig(), str(folders["stage1"]))
+    runs = anneal_runs(AnnealConfig(candidates=(AnnealCandidate(name="b", weights={"b": 1}),)), base)
+    assert anneal_stage(AnnealConfig(), base, runs[-1]).rope_theta == 2e6
     with pytest.raises(LookupError, match="neither an existing path nor the fingerprint"):
         resolve_base(ws.lineage(), ws, AnnealConfig(), "feedface")
     empty = Workspace.at(tmp_path / "empty")
