@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -84,40 +83,29 @@ def main() -> None:
     # Packed rows of 4 documents each: the intra-document masking path (dense mask on CPU).
     doc_ids = (torch.arange(T) * 4 // T).expand(B, T).contiguous()
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from torch.distributed.fsdp import fully_shard
+    def deterministic(step):
+        """model.train on CPU turns deterministic algorithms on (bit-exact resume)."""
 
-    torch.manual_seed(0)
-    sharded = SmolLM3(cfg).train()
-    for block in sharded.layers:
-        fully_shard(block)
-    fully_shard(sharded)
+        def wrapped(*args):
+            torch.use_deterministic_algorithms(True)
+            try:
+                return step(*args)
+            finally:
+                torch.use_deterministic_algorithms(False)
 
+        return wrapped
+
+    ours_step = make_step(ours, build_optimizer(ours, opt_spec), ours_forward)
     variants = {
-        "ours": (
-            make_step(ours, build_optimizer(ours, opt_spec), ours_forward),
-            inputs,
-            targets,
-            None,
-        ),
+        "ours": (ours_step, inputs, targets, None),
         "transformers": (
             make_step(hf, build_optimizer(hf, opt_spec), hf_forward),
             inputs,
             inputs,
             None,
         ),
-        "ours, doc masking": (
-            make_step(ours, build_optimizer(ours, opt_spec), ours_forward),
-            inputs,
-            targets,
-            doc_ids,
-        ),
-        "ours, FSDP2 1 rank (as model.train)": (
-            make_step(sharded, build_optimizer(sharded, opt_spec), ours_forward),
-            inputs,
-            targets,
-            None,
-        ),
+        "ours, doc masking": (ours_step, inputs, targets, doc_ids),
+        "ours, doc masking + deterministic": (deterministic(ours_step), inputs, targets, doc_ids),
     }
     for step, x, y, d in variants.values():  # warm-up: allocator, thread pools
         for _ in range(2):
@@ -134,7 +122,6 @@ def main() -> None:
             step(x, y, d)
             seconds[name].append(time.perf_counter() - start)
             cpu_seconds[name].append(time.process_time() - cpu_start)
-    dist.destroy_process_group()
 
     peak = measure_matmul_flops("cpu", torch.float32, size=1024, seconds=2.0)
     cpu_peak = cpu_time_matmul_flops(args.threads)

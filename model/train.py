@@ -105,8 +105,9 @@ def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> Mode
 def shard_model(model: SmolLM3, rt: Runtime) -> None:
     """FSDP2 over ranks: one unit per block, then the root (embedding, final norm).
 
-    One rank has nothing to shard: FSDP2 would only add copies and DTensor dispatch (it halved
-    CPU throughput in benchmarks/train_throughput.py), so world size 1 trains the plain module.
+    One rank has nothing to shard: FSDP2 would only add copies and DTensor dispatch (a 1-rank
+    FSDP2 step measured 30-50% slower on CPU than the plain module), so
+    world size 1 trains the plain module.
     DCP checkpoints stay interchangeable: plain tensors and DTensor shards load into either.
     On CPU the gathered parameters stay until backward (no second all-gather): memory is
     cheap there, gloo collectives are not.
