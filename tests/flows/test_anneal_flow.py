@@ -53,7 +53,7 @@ def base_ws(tmp_path_factory, prefect_harness) -> Path:
 
 
 @pytest.mark.slow
-def test_anneal_two_candidates_compares_against_the_baseline(base_ws):
+def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from prefect.artifacts import Artifact as PrefectArtifact
 
     from flows.anneal import anneal
@@ -103,6 +103,19 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws):
     table = PrefectArtifact.get("anneal-comparison-stage1-8")
     assert table is not None and table.type == "table"
     assert {row["candidate"] for row in json.loads(table.data)} == {"math", "code"}
+
+    # Eval-task quality of the base run, with ranking consistency from this comparison.
+    from tasks.eval_quality import anneal_consistency
+    from tasks.eval_quality import main as eval_quality
+
+    taus = anneal_consistency(lineage)
+    assert {"prose_cloze", "heldout_math"} <= set(taus) and all(-1 <= t <= 1 for t in taus.values())
+    assert eval_quality([str(base_ws)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[3:]}
+    assert {"prose_cloze", "code_cloze", "arithmetic_cloze"} <= set(rows)
+    # 20 items per task: a binomial stderr of ~0.1 gives SNR far below 20, so none is kept.
+    assert all(line.endswith("no") for line in rows.values())
 
 
 def _scores(lineage: Lineage, label: str) -> list[dict]:
