@@ -118,9 +118,10 @@ def post_train(ctx, cfg: Recipe, base, corpora: list, curated: list) -> None:
                 "generation_items": pt.eval.generation_items, "max_gen_tokens": pt.eval.max_gen_tokens},
     )
     tasks = stage_tasks(cfg.eval, suite, long_context=False)
+    scoring = cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size})
 
     def score(model, label: str) -> None:
-        ctx.run(evaluate, cfg.eval, [model, suite], label=label, params={"tasks": tasks})
+        ctx.run(evaluate, scoring, [model, suite], label=label, params={"tasks": tasks})
 
     if pt.eval.base:
         score(base, "base")

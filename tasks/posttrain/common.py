@@ -10,16 +10,36 @@ on GPUs (see docs/posttraining.md); only the main process writes the model folde
 
 from __future__ import annotations
 
+import builtins
 import json
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from infra.artifact import Artifact
 
 IM_END = "<|im_end|>"
+_PRINT = builtins.print if getattr(builtins.print, "__module__", "builtins") == "builtins" else None
+
+
+@contextmanager
+def plain_print():
+    """Let `print` reach stdout while a trainer runs (also usable as a decorator).
+
+    Why: with Prefect's `log_prints`, every print becomes a log line, including the bytecode that
+    dill prints into a captured stdout while `datasets` fingerprints TRL's map functions (~500
+    lines per step). The trainers report through `log` (`progress_callback`) instead.
+    """
+    patched = builtins.print
+    if _PRINT is not None:
+        builtins.print = _PRINT
+    try:
+        yield
+    finally:
+        builtins.print = patched
 
 
 def resolve_device(device: str) -> str:

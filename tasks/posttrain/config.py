@@ -153,6 +153,9 @@ class PosttrainEvalConfig(_Section):
     # post-training step is scored (the first items of the same held-out tasks)
     cloze_items: int = Field(default=100, gt=0)
     base: bool = True  # also score the pre-SFT base, so every step has a baseline row
+    # lm-eval batch size of the post-training evaluations: larger than the stages' on CPU,
+    # because batched greedy generation dominates their time
+    batch_size: int = Field(default=32, gt=0)
 
 
 class PosttrainConfig(_Section):

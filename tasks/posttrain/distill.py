@@ -21,6 +21,7 @@ from tasks.posttrain.common import (
     load_policy,
     model_dir,
     model_meta,
+    plain_print,
     progress_callback,
     quiet,
     save_policy,
@@ -41,6 +42,7 @@ def check_teacher(teacher, student, teacher_name: str) -> None:
         )
 
 
+@plain_print()
 def train_distill(
     cfg: DistillSection, student: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,

@@ -25,6 +25,7 @@ from tasks.posttrain.common import (
     load_policy,
     model_dir,
     model_meta,
+    plain_print,
     progress_callback,
     quiet,
     save_policy,
@@ -59,6 +60,7 @@ def weighted(fn: Callable[..., list[float]], weight: float) -> Callable[..., lis
     return reward
 
 
+@plain_print()
 def train_grpo(
     cfg: GRPOSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,

@@ -22,6 +22,7 @@ from tasks.posttrain.common import (
     load_policy,
     model_dir,
     model_meta,
+    plain_print,
     progress_callback,
     quiet,
     save_policy,
@@ -109,6 +110,7 @@ def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, 
     return rows, facts
 
 
+@plain_print()
 def train_preference(
     cfg: PreferenceSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,

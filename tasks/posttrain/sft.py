@@ -19,6 +19,7 @@ from tasks.posttrain.common import (
     load_policy,
     model_dir,
     model_meta,
+    plain_print,
     progress_callback,
     quiet,
     save_policy,
@@ -30,6 +31,7 @@ from tasks.posttrain.data import read_jsonl
 from tasks.step import step
 
 
+@plain_print()
 def train_sft(
     cfg: SFTSection, base: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
