@@ -5,8 +5,9 @@ size that trains in about a minute on 2 cores; then
 - an anneal with two candidates (math, code): baseline + one run per candidate from the pinned
   base, each exported and scored with lm-eval and held-out loss, and a comparison with real
   deltas and noise in DuckDB and in a Prefect table artifact;
-- a CPT onto math with 10% replay: a tenth of the peak LR, fresh optimizer, held-out loss on
-  general and math data at every eval interval, forgetting flags in the metrics table.
+- a CPT onto math with 10% replay from the base's HF export: a tenth of the peak LR, fresh
+  optimizer, held-out loss on general and math data at every eval interval, forgetting flags in
+  the metrics table.
 """
 
 from __future__ import annotations
@@ -124,12 +125,16 @@ def _scores(lineage: Lineage, label: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_cpt_tracks_heldout_loss_on_both_domains(base_ws):
+def test_cpt_from_an_hf_folder_tracks_heldout_loss_on_both_domains(base_ws):
     from flows.cpt import cpt
 
-    result = cpt(overrides=[*OVERRIDES, f"workspace={base_ws}"])
-    assert set(result["states"]) == {"completed"}
     lineage = Lineage(base_ws / "lineage.duckdb")
+    (export,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'export' AND label = 'stage1'")
+    hf_dir = json.loads(export["meta"])["model_dir"]
+    result = cpt(overrides=[*OVERRIDES, f"workspace={base_ws}"], base=hf_dir)
+    assert set(result["states"]) == {"completed"}
+    (pin,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'cpt_base'")
+    assert json.loads(pin["meta"])["kind"] == "hf"  # imported with model.hf.import_hf
     (stage,) = lineage.query_dicts("SELECT uri, meta FROM artifacts WHERE step = 'pretrain' AND label = 'cpt'")
     spec = json.loads((Path(stage["uri"]) / "spec.json").read_text())
     assert spec["optimizer"]["lr"] == pytest.approx(0.1 * 0.003)  # a tenth of the base peak
