@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
     p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
 
+    p = add("eval-quality", cmd_eval_quality, "eval-quality WORKSPACE: which eval tasks give signal (monotonicity, SNR, margin, ranking)")
+    p.add_argument("args", nargs="*", help="see `smollm3 eval-quality --help`")
+
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
 
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
@@ -182,7 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity}
+def cmd_eval_quality(args) -> int:
+    from tasks.eval_quality import main as quality_main
+
+    return quality_main(args.args)
+
+
+PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity, "eval-quality": cmd_eval_quality}
 
 
 def main(argv: list[str] | None = None) -> int:
