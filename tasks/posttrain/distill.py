@@ -33,12 +33,15 @@ from tasks.posttrain.data import read_jsonl
 from tasks.step import step
 
 
-def check_teacher(teacher, student, teacher_name: str) -> None:
+def check_teacher(teacher, student, teacher_name: str, teacher_tok=None, student_tok=None) -> None:
+    """The divergence compares distributions over token ids: same size and, when the teacher
+    ships a tokenizer, the same token for every id."""
     tv, sv = teacher.config.vocab_size, student.config.vocab_size
-    if tv != sv:
+    same = tv == sv and (teacher_tok is None or teacher_tok.get_vocab() == student_tok.get_vocab())
+    if not same:
         raise ValueError(
-            f"posttrain.distill.teacher {teacher_name!r} has vocabulary {tv}, the student {sv}: "
-            "on-policy distillation needs a teacher with the same tokenizer"
+            f"posttrain.distill.teacher {teacher_name!r} has a different vocabulary (size {tv}, the "
+            f"student {sv}): on-policy distillation needs a teacher with the same tokenizer"
         )
 
 
@@ -63,7 +66,12 @@ def train_distill(
         str(teacher_path) if teacher_path.exists() else cfg.teacher,
         dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
     )
-    check_teacher(teacher, model, cfg.teacher)
+    teacher_tok = None
+    if teacher_path.is_dir() and (teacher_path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        teacher_tok = AutoTokenizer.from_pretrained(str(teacher_path))
+    check_teacher(teacher, model, cfg.teacher, teacher_tok, tokenizer)
     prompts = [{"prompt": r["prompt"]} for r in read_jsonl(data / "prompts.jsonl")]
     args = DistillationConfig(
         **trainer_args(cfg, out / "trainer", seed, device),

@@ -271,6 +271,17 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
     with pytest.raises(ValueError, match="same tokenizer"):
         train_distill(cfg.model_copy(update={"teacher": str(next(small_vocab.glob("model-*")))}),
                       Path(world["sft"]["model_dir"]), world["data"], tmp_path / "y", device="cpu")
+    # Same size, different tokens: a tokenizer trained on other text, padded to 512 entries.
+    other = tmp_path / "other512"
+    texts = [f"zq{i} xw{i * 7} vv{i % 13}" for i in range(3000)]
+    make_tiny_model(other, texts)
+    teacher2 = next(other.glob("model-*"))
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(str(teacher2)).vocab_size == 512
+    with pytest.raises(ValueError, match="different vocabulary"):
+        train_distill(cfg.model_copy(update={"teacher": str(teacher2)}),
+                      Path(world["sft"]["model_dir"]), world["data"], tmp_path / "z", device="cpu")
 
 
 # --- exact-match generation eval ------------------------------------------------------------
