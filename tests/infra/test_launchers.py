@@ -7,6 +7,7 @@ client, and the Kubernetes PyTorchJob manifest and its kubectl driver against a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +79,15 @@ def test_rendered_scripts_and_manifests_never_carry_the_submitter_credentials(mo
         assert secret not in config.model_dump_json()
 
 
-def test_local_command_is_torchrun_on_one_node():
+def test_local_command_is_torchrun_on_one_node(monkeypatch):
     launcher = get_launcher(LauncherConfig(procs_per_node=4, master_port=29555))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert launcher.render(Path("/ws/spec.json"), Path("/ws")) == (
         "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m model.train /ws/spec.json")
+    # Without torchrun on PATH (make runs .venv/bin/smollm3 outside the venv), this interpreter's.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert launcher.command(Path("/ws/spec.json"), port=29555)[:3] == [
+        sys.executable, "-m", "torch.distributed.run"]
     with pytest.raises(ValueError, match="launch.nodes=2 with kind local.*use kind slurm"):
         get_launcher(LauncherConfig(nodes=2)).render(Path("s.json"), Path("."))
 
