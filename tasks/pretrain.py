@@ -218,13 +218,15 @@ class _Watcher(threading.Thread):
     def run(self) -> None:
         from model.checkpoint import Checkpointer
 
-        tick, last_report = (0.05 if self.inject else 2.0), 0.0
+        tick, last_report, reported = (0.05 if self.inject else 2.0), 0.0, -10.0
         while not self.stop.wait(tick):
             if self.progress and time.monotonic() - last_report >= 2.0:
                 last_report = time.monotonic()
                 step = _last_step(self.out / "metrics.jsonl")
-                if step is not None:
-                    self.progress(100.0 * step / self.steps)
+                # Every update is an event in the UI and in `--watch` output: report in 10% steps.
+                if step is not None and 100.0 * step / self.steps >= reported + 10.0:
+                    reported = 100.0 * step / self.steps
+                    self.progress(reported)
             if self.inject and Checkpointer(self.out / "checkpoints").latest() is not None:
                 pgid = _trainer_pgid(self.out)
                 if pgid:
