@@ -63,7 +63,7 @@ class RunContext:
     ):
         self.flow = flow
         self.recipe = recipe
-        self.ws = Workspace.at(recipe.workspace)
+        self.ws = Workspace.at(recipe.workspace, recipe.storage)
         self.lineage = self.ws.lineage()
         self.steps = tuple(steps)
         unknown = sorted(set(refresh) - set(self.steps))

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from infra.lineage import Lineage
+from infra.storage import StorageConfig
 
 
 class Workspace(BaseModel):
@@ -24,10 +25,12 @@ class Workspace(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     root: str
+    # Where finished step folders are mirrored (the recipe's `storage`); None keeps them local.
+    storage: StorageConfig | None = None
 
     @classmethod
-    def at(cls, root: str | Path) -> Workspace:
-        return cls(root=str(Path(root).expanduser().resolve()))
+    def at(cls, root: str | Path, storage: StorageConfig | None = None) -> Workspace:
+        return cls(root=str(Path(root).expanduser().resolve()), storage=storage)
 
     @property
     def path(self) -> Path:

@@ -150,6 +150,14 @@ def execute(
     ws.lineage().record_artifact(artifact, d.name, label, config, inputs)
     if outcome.built and d.publish is not None:
         d.publish(artifact, ws, label)
+    if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
+        # Finished step folders go to S3 as they are built (marker last, checksums verified).
+        # Resumable steps (training stages) mirror their checkpoints while they run instead.
+        from infra.storage import mirror_artifact
+
+        target = f"{ws.storage.s3_uri.rstrip('/')}/{d.name}"
+        report = mirror_artifact(artifact.path, target, ws.storage)
+        logger.info(f"{d.name}[{label}] mirrored to {target}/{artifact.path.name} ({report})")
     return artifact
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,25 @@ def test_invalid_recipe_fails_before_any_step(tmp_path, prefect_harness):
 def test_unknown_refresh_step_is_named(tmp_path, prefect_harness):
     with pytest.raises(ValueError, match="refresh names unknown step\\(s\\) tokeniser"):
         smollm3(overrides=[*DATA_ONLY, f"workspace={tmp_path}"], refresh=["tokeniser"])
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    from tests.infra.test_storage import s3 as moto_s3
+
+    yield from moto_s3.__wrapped__(monkeypatch)
+
+
+@pytest.mark.slow
+def test_finished_step_folders_are_mirrored_to_s3(tmp_path, prefect_harness, s3):
+    endpoint, client = s3
+    ws = tmp_path / "ws"
+    over = [*DATA_ONLY, f"workspace={ws}", "storage.s3_uri=s3://ckpts/mirror",
+            f"storage.endpoint_url={endpoint}", "storage.backoff_seconds=0"]
+    smollm3(overrides=over)
+    lineage = Lineage(ws / "lineage.duckdb")
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix="mirror/")["Contents"]}
+    for step, uri in lineage.query("SELECT step, uri FROM artifacts"):
+        assert f"mirror/{step}/{Path(uri).name}/_COMPLETE.json" in keys, f"{step} not mirrored"
+    recorded = " ".join(str(r) for r in lineage.query("SELECT * FROM artifacts"))
+    assert "SeCrEt" not in recorded  # the fixture's sentinel secret never reaches lineage
