@@ -262,7 +262,8 @@ def plan_stages(
 
 
 def make_executors(config: CurationConfig, stages: list[tuple[str, list, int]], logs: Path) -> list:
-    """One datatrove executor per stage, each depending on the previous one."""
+    """One datatrove executor per stage, each depending on the previous one. `config` is any
+    section with `executor`, `workers`, `slurm` and `ray` (curation, tokenization)."""
     executors: list = []
     previous = None
     for name, pipeline, tasks in stages:
@@ -278,7 +279,9 @@ def make_executors(config: CurationConfig, stages: list[tuple[str, list, int]], 
             from datatrove.executor import SlurmPipelineExecutor
 
             if config.slurm is None:
-                raise ValueError("curation.executor is slurm but curation.slurm is not set; add a slurm section with at least partition")
+                section = {"CurationConfig": "curation", "TokenizeConfig": "tokenize"}.get(
+                    type(config).__name__, type(config).__name__)
+                raise ValueError(f"{section}.executor is slurm but {section}.slurm is not set; add a slurm section with at least partition")
             s = config.slurm
             ex = SlurmPipelineExecutor(
                 pipeline, tasks=tasks, workers=workers, time=s.time, partition=s.partition,

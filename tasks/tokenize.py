@@ -17,13 +17,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.artifact import Artifact
-from tasks.curate import read_stage_stats, shard_count
+from tasks.curate import (
+    RayConfig,
+    SlurmConfig,
+    make_executors,
+    read_stage_stats,
+    run_executors,
+    shard_count,
+)
 from tasks.curate_parts import CountingJsonlReader
 from tasks.step import step
 
@@ -33,8 +40,11 @@ class TokenizeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    executor: Literal["local", "slurm", "ray"] = "local"  # datatrove executor, as for curation
     tasks: int = Field(default=1, gt=0)  # datatrove tasks (capped by the number of input shards)
     workers: int = Field(default=1, gt=0)  # tasks run at once (local processes)
+    slurm: SlurmConfig | None = None  # required when executor is slurm (shared file system)
+    ray: RayConfig = RayConfig()  # used when executor is ray
     batch_size: int = Field(default=1000, gt=0)  # documents per encode_batch call
     shuffle_documents: bool = True  # shuffle documents within each output file (seeded)
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
@@ -63,7 +73,6 @@ def build_token_shards(
     config: TokenizeConfig, inputs: tuple[Artifact, ...], out: Path, seed: int = 0, log=print
 ) -> dict[str, Any]:
     """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
-    from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.tokens import DocumentTokenizer
 
     tok = selected_tokenizer(inputs)
@@ -85,9 +94,8 @@ def build_token_shards(
     )
     dtype = token_dtype(tokenizer_step.tokenizer.get_vocab_size())
     pipeline = [CountingJsonlReader(str(train), max_chars=config.max_document_chars), tokenizer_step]
-    LocalPipelineExecutor(
-        pipeline, tasks=tasks, workers=min(config.workers, tasks), logging_dir=str(logs / "tokenize")
-    ).run()
+    # The same executor choice as curation: local processes, Slurm array jobs or Ray tasks.
+    run_executors(config, make_executors(config, [("tokenize", pipeline, tasks)], logs), logs)
     stats = read_stage_stats(logs, "tokenize")
     reader = stats[0]["stats"] if stats else {}
     rejected = {k[len("rejected_"):]: int(v) for k, v in reader.items() if k.startswith("rejected_")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from infra.artifact import Artifact
@@ -72,3 +73,22 @@ def test_token_type_follows_vocabulary_size_as_datatrove_decides(tmp_path):
     assert meta["token_dtype"] == "uint32" and meta["tokens"] == 6
     tokens = np.fromfile(out / meta["files"][0], dtype=np.uint32)
     assert tokens.tolist() == [3, 70001, 7, 0, 68002, 0]
+
+
+def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
+    """The recipe's tokenize section selects datatrove's executor like curation does."""
+    from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+
+    from tasks.curate import SlurmConfig, make_executors
+    from tasks.tokenize import TokenizeConfig
+
+    stages = [("tokenize", [], 4)]
+    local = make_executors(TokenizeConfig(), stages, tmp_path / "a")
+    slurm = make_executors(TokenizeConfig(executor="slurm", slurm=SlurmConfig(partition="cpu")), stages, tmp_path / "b")
+    ray = make_executors(TokenizeConfig(executor="ray"), stages, tmp_path / "c")
+    assert [type(e[0]) for e in (local, slurm, ray)] == [
+        LocalPipelineExecutor, SlurmPipelineExecutor, RayPipelineExecutor
+    ]
+    assert slurm[0].partition == "cpu" and slurm[0].tasks == 4
+    with pytest.raises(ValueError, match="tokenize.executor is slurm but tokenize.slurm is not set"):
+        make_executors(TokenizeConfig(executor="slurm"), stages, tmp_path / "d")
