@@ -41,6 +41,19 @@ def _wait_terminal(run_id: str, timeout: float) -> str:
     raise AssertionError(f"flow run {run_id} still {state} after {timeout}s")
 
 
+def _message(run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return str(client.read_flow_run(run_id).state.message)[:2000]
+
+
+def _wait_leaves(run_id: str, state: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _state(run_id) == state:
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
     ws = tmp_path / "ws"
@@ -72,7 +85,12 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
 
         subprocess.run([PREFECT, "flow-run", "retry", run_id], env=env, check=True,
                        capture_output=True, text=True)
-        assert _wait_terminal(run_id, 900) == "COMPLETED", (tmp_path / "serve.log").read_text()[-4000:]
+        _wait_leaves(run_id, "FAILED", 120)  # the retry is scheduled before it runs
+        final = _wait_terminal(run_id, 900)
+        assert final == "COMPLETED", (
+            f"retry ended {final}: {_message(run_id)}\nsteps after the retry: "
+            f"{[(s['step'], s['label'], s['state'], s['error']) for s in lineage.steps_of(run_id)[len(first):]]}"
+        )
 
         retry = lineage.steps_of(run_id)[len(first):]
         states = {f"{s['step']}[{s['label']}]": s["state"] for s in retry}
