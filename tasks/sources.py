@@ -29,6 +29,7 @@ import json
 import random
 import sys
 import sysconfig
+from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ class Rejected:
     where: str  # file:line or record index, so the user can look
 
 
-class SourceKind:
+class SourceKind(ABC):
     """Base class of a source kind: yields Documents (and Rejected records) in a stable order."""
 
     def __init__(self, config: SourceConfig, seed: int):
@@ -95,8 +96,9 @@ class SourceKind:
         """A digest of what the text comes from, so changed inputs change the fingerprint."""
         return ""
 
+    @abstractmethod
     def records(self) -> Iterator[Document | Rejected]:
-        raise NotImplementedError
+        """Every record of the source, in a stable order."""
 
 
 SOURCE_KINDS: Registry[type[SourceKind]] = Registry("source kind")
