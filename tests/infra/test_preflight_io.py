@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra.test_storage import moto_reset
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # the repo is not installed into the venv
     sys.path.insert(0, str(REPO))
@@ -70,6 +72,7 @@ def moto_s3(monkeypatch):
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
+    moto_reset(url)  # moto's state is process-global: start from an empty store
     boto3.client("s3", endpoint_url=url).create_bucket(Bucket="ckpts")
     yield url
     server.stop()

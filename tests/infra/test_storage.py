@@ -54,12 +54,21 @@ def s3(monkeypatch):
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    moto_reset(endpoint)  # moto's state is process-global: start from an empty store
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="ckpts")
     try:
         yield endpoint, client
     finally:
+        moto_reset(endpoint)
         server.stop()
+
+
+def moto_reset(endpoint: str) -> None:
+    """Empty every moto backend (they live in process-global state shared by all servers)."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10)
 
 
 def cfg(endpoint: str, uri: str = "s3://ckpts/run", **kw) -> StorageConfig:
