@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,15 +202,16 @@ class CheckContext:
     memo: dict[str, Any] = field(default_factory=dict)  # results checks share (stress -> throttle)
 
 
-class Check:
+class Check(ABC):
     """Base class of a preflight check: set `name`, `group`, `order`; implement `run`."""
 
     name: ClassVar[str]
     group: ClassVar[str]  # gpu | compute | storage | data | config
     order: ClassVar[int]  # run order; cheap config checks first, GPU stress before its readers
 
+    @abstractmethod
     def run(self, ctx: CheckContext) -> CheckResult:
-        raise NotImplementedError
+        """Measure and judge; return one CheckResult."""
 
     # Helpers so checks read as one line per outcome.
     def result(self, status: Status, value: str = "", threshold: str = "", advice: str = "",

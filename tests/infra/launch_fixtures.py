@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
+from tests.model.conftest import write_two_source_plan
 
 TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_heads": 4,
               "num_kv_heads": 2}
@@ -17,22 +17,7 @@ TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num
 
 def write_plan(folder: Path, seq_len: int = 32) -> Path:
     """Two synthetic sources in datatrove's `.ds` / `.ds.index` layout plus their plan JSON."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    sources = []
-    for name, weight, low in (("prose", 0.7, 1), ("code", 0.3, 64)):
-        docs = [rng.integers(low, low + 60, rng.integers(5, 60)).tolist() + [0] for _ in range(80)]
-        flat = np.array([t for d in docs for t in d], dtype="<u2")
-        path = folder / f"000_{name}.ds"
-        flat.tofile(path)
-        np.cumsum([len(d) for d in docs]).astype("<u8").tofile(str(path) + ".index")
-        sources.append({"name": name, "weight": weight, "files": [str(path)],
-                        "available_tokens": len(flat), "budget_tokens": 4000,
-                        "expected_epochs": 1.0})
-    plan = {"stage": "stage1", "seed": 0, "seq_len": seq_len, "tokens": 8000, "vocab_size": 128,
-            "eos_id": 0, "token_dtype": "uint16", "sources": sources}
-    (folder / "plan.json").write_text(json.dumps(plan))
-    return folder / "plan.json"
+    return write_two_source_plan(folder, seq_len=seq_len)
 
 
 def write_spec(path: Path, plan: Path, out: Path, **kw) -> Path:
