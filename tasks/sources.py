@@ -22,12 +22,13 @@ example locations.
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import random
-import sys
 import sysconfig
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
@@ -117,11 +118,55 @@ def resolve_kind(uri: str) -> type[SourceKind]:
     )
 
 
-def _installed_digest() -> str:
-    dists = sorted(
-        f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
-    )
-    return hashlib.sha256("\n".join([sys.version, *dists]).encode()).hexdigest()[:16]
+# The project's own distribution is not "installed text": its description is this repo's README,
+# which changes with every docs edit and would retrain everything.
+_OWN_DISTRIBUTIONS = {"smollm3-pipeline"}
+
+
+def site_distributions() -> list[importlib.metadata.Distribution]:
+    """Installed distributions of this interpreter, one per name, in name order.
+
+    Read from the interpreter's site-packages folders only, never from `sys.path`: `sys.path`
+    differs between the console script, `python -m`, a served flow run and another cwd (the
+    repo's own `.egg-info` is seen from the repo root only), and a source must read, and
+    fingerprint, the same text from every process.
+    """
+    paths = sysconfig.get_paths()
+    folders = list(dict.fromkeys(str(Path(paths[k]).resolve()) for k in ("purelib", "platlib")))
+    by_name: dict[str, importlib.metadata.Distribution] = {}
+    for dist in importlib.metadata.distributions(path=folders):
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name and name not in _OWN_DISTRIBUTIONS:
+            by_name.setdefault(name, dist)
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def _digest_texts(parts: Iterator[tuple[str, bytes]]) -> str:
+    """sha256 over (name, bytes) of everything a builtin source reads."""
+    h = hashlib.sha256()
+    for name, data in parts:
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _file_parts(paths: list[Path]) -> Iterator[tuple[str, bytes]]:
+    for p in paths:
+        try:
+            yield p.name, p.read_bytes()
+        except OSError:
+            yield p.name, b"<unreadable>"
+
+
+def _metadata_parts(dists: list[importlib.metadata.Distribution]) -> Iterator[tuple[str, bytes]]:
+    for dist in dists:
+        yield dist.metadata["Name"], (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").encode()
+
+
+@functools.cache
+def _stdlib_digest() -> str:
+    """Digest of every standard-library file the builtin sources read (once per process)."""
+    return _digest_texts(_file_parts(_stdlib_files()))
 
 
 def _stdlib_files() -> list[Path]:
@@ -135,20 +180,19 @@ class BuiltinProse(SourceKind):
     """English prose shipped with Python and the installed distributions."""
 
     def state(self) -> str:
-        return _installed_digest()
+        import pydoc_data.topics
+
+        topics = Path(pydoc_data.topics.__file__)
+        stdlib = [("stdlib", _stdlib_digest().encode())]
+        return _digest_texts(itertools.chain(_file_parts([topics]), _metadata_parts(site_distributions()), stdlib))
 
     def records(self) -> Iterator[Document | Rejected]:
         from pydoc_data.topics import topics
 
         for name in sorted(topics):
             yield Document(f"pydoc:{name}", topics[name].strip(), {"kind": "pydoc_topic"})
-        seen: set[str] = set()
-        dists = sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"].lower())
-        for dist in dists:
+        for dist in site_distributions():
             name = dist.metadata["Name"]
-            if name.lower() in seen:
-                continue
-            seen.add(name.lower())
             text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
             if len(text.strip()) >= 500:
                 yield Document(f"dist:{name}", text.strip(), {"kind": "package_description"})
@@ -174,7 +218,7 @@ class BuiltinCode(SourceKind):
     """Standard-library Python source, one file per document."""
 
     def state(self) -> str:
-        return _installed_digest()
+        return _stdlib_digest()
 
     def records(self) -> Iterator[Document | Rejected]:
         root = Path(sysconfig.get_paths()["stdlib"])
