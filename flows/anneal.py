@@ -1,43 +1,79 @@
 """The `anneal` flow: base checkpoint -> baseline and candidate anneals -> evals -> comparison.
 
-Per run: mixture -> short decay (`pretrain`) -> HF export -> lm-eval, plus held-out loss per
-source; the comparison puts every candidate's deltas against the baseline next to their noise.
+`graph(recipe, base)` lays the anneal out as one DAG: the pinned base; one held-out token set
+per source; then per run (baseline, its seed replicas, one per candidate) a weights mixture, a
+short decay (`pretrain`), an HF export, lm-eval and held-out loss; and the comparison of every
+candidate against the baseline with its noise. The runs are independent branches: they train
+side by side as far as the recipe's train slots allow.
 
 Served as `anneal/nightly` (cron, concurrency 1) and run on demand. The base checkpoint is
 resolved when the run starts (the newest stable-phase checkpoint of the latest `smollm3/full`
-run, or the one given) and pinned by copying, so the main run may keep training and pruning.
-Reads like the DAG it builds; the logic lives in tasks/anneal.py.
+run, or the one given) and pinned, so the main run may keep training and pruning.
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runner import RunContext
-from tasks.anneal import (
-    CompareConfig,
-    anneal_base,
-    anneal_compare,
-    anneal_runs,
-    anneal_stage,
-    heldout_sets,
-    resolve_base,
-    run_inputs,
-    weights_mixture,
-)
-from tasks.evaluate import evaluate, stage_tasks
+from flows.graph import Given, Graph
+from flows.runner import run_flow
+from infra.lineage import Lineage
+from infra.workspace import Workspace
+from tasks.anneal import CompareConfig, anneal_compare, anneal_runs, anneal_stage, heldout_sets
+from tasks.base import BaseCheckpoint, pin, resolve_base
+from tasks.evaluate import EvalSpec, evaluate
 from tasks.export import export
-from tasks.heldout import HeldoutEval, corpora_of, heldout_eval, heldout_tokens
+from tasks.heldout import HeldoutEval, heldout_eval, heldout_tokens
+from tasks.mixture import weights_mixture
 from tasks.pretrain import pretrain
-from tasks.recipe import load_recipe
-
-STEPS = (
-    "anneal_base", "heldout_tokens", "weights_mixture", "pretrain", "export", "evaluate",
-    "heldout_eval", "anneal_compare",
-)
+from tasks.recipe import Recipe, load_recipe
 
 
-@flow(name="anneal", log_prints=True)
+def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
+    """The anneal's base, read from the workspace's lineage now."""
+    ws = Workspace.at(cfg.workspace)
+    return resolve_base(Lineage(ws.lineage_path), ws, base, phase="stable",
+                        flow=cfg.anneal.base_flow, deployment=cfg.anneal.base_deployment)
+
+
+def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph:
+    """The anneal DAG from a resolved base (its data run's shards, tokenizer and eval suite are
+    Given inputs: they exist already and are not steps of this run)."""
+    lineage = Lineage(Workspace.at(cfg.workspace).lineage_path)
+    if base.suite is None:
+        raise LookupError(
+            f"no eval suite in lineage for the data of {base.checkpoint}: run the smollm3 flow up to "
+            "its eval_suite step (it runs before the first stage) on the same data"
+        )
+    shards = [Given(a) for a in lineage.get_many(base.shards)]
+    tok, suite = Given(lineage.get(base.tokenizer)), Given(lineage.get(base.suite))
+    corpora = [Given(c) for s in base.shards for c in lineage.inputs_of(s, kind="corpus")]
+    g = Graph("anneal", tolerant=tolerant)
+    pinned = g.add(pin, base, label=base.label)
+    held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
+            for h in heldout_sets(cfg.anneal, base)]
+    threads = cfg.resources.threads("train")
+    scores: dict[str, list] = {}
+    candidates: dict[str, str] = {}
+    for run in anneal_runs(cfg.anneal, base, cfg.seed):
+        plan = g.add(weights_mixture, run.mixture, label=run.label, shards=shards)
+        stage = anneal_stage(cfg.anneal, base, run, cfg.training.nproc_per_node, threads)
+        stage = stage.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
+        ckpt = g.add(pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned)
+        model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
+        scores[run.label] = [
+            g.add(evaluate, EvalSpec(eval=cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite),
+            g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held),
+        ]
+        candidates[run.label] = run.candidate
+    g.add(anneal_compare,
+          CompareConfig(candidates=candidates, metric=cfg.anneal.metric, z_threshold=cfg.anneal.z_threshold),
+          label=base.label, base=pinned, **scores)
+    return g
+
+
+@flow(name="anneal", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))
 def anneal(
     recipe: str = "tiny",
     overrides: list[str] | None = None,
@@ -51,30 +87,4 @@ def anneal(
     overrides: `key=value` items over the recipe (e.g. `anneal.tokens=65536`).
     """
     cfg = load_recipe(recipe, overrides or [])
-    with RunContext("anneal", cfg, recipe, STEPS, refresh or []) as ctx:
-        resolved = resolve_base(ctx.lineage, ctx.ws, cfg.anneal, base, cfg.training.nproc_per_node)
-        pinned = ctx.run(anneal_base, resolved, label=f"{resolved.stage}-{resolved.step}")
-        shards, tok, suite = run_inputs(ctx.lineage, resolved)
-        held = [ctx.run(heldout_tokens, h, [tok, *corpora_of(ctx.lineage, shards)], label=h.domain)
-                for h in heldout_sets(cfg.anneal, shards)]
-        runs = anneal_runs(cfg.anneal, resolved, cfg.seed)
-        scores, labels, candidates = [], [], []
-        for run in runs:
-            plan = ctx.run(weights_mixture, run.mixture, shards, label=run.label, params={"seed": run.seed})
-            ckpt = ctx.run(pretrain, anneal_stage(cfg.anneal, resolved, run), [plan, pinned],
-                           label=f"anneal-{run.label}", params={"launch": cfg.launch, "storage": cfg.storage})
-            model = ctx.run(export, cfg.export, [ckpt, tok], label=f"anneal-{run.label}")
-            scores += [
-                ctx.run(evaluate, cfg.eval, [model, suite], label=f"anneal-{run.label}",
-                        params={"tasks": stage_tasks(cfg.eval, suite, False)}),
-                ctx.run(heldout_eval, HeldoutEval(), [ckpt, *held], label=f"anneal-{run.label}"),
-            ]
-            labels += [run.label] * 2
-            candidates += [run.candidate] * 2
-        ctx.run(
-            anneal_compare,
-            CompareConfig(labels=tuple(labels), candidates=tuple(candidates), metric=cfg.anneal.metric,
-                          z_threshold=cfg.anneal.z_threshold, base=pinned.meta),
-            scores, label=f"{resolved.stage}-{resolved.step}",
-        )
-        return ctx.summary()
+    return run_flow("anneal", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])

@@ -33,7 +33,7 @@ def cmd_plan(args) -> int:
     from flows.plan import format_plan, plan
     from tasks.recipe import load_recipe
 
-    rows = plan(load_recipe(args.recipe, args.overrides), frozenset(args.refresh))
+    rows = plan(load_recipe(args.recipe, args.overrides), frozenset(args.refresh), args.flow, args.base)
     print(format_plan(rows))
     return 0
 
@@ -78,14 +78,15 @@ def cmd_preflight(args) -> int:
         from infra.preflight.cli import main as preflight_main
 
         return preflight_main(argv)
-    from infra.preflight import format_table, run_preflight, should_stop
-    from tasks.preflight import recipe_facts
-    from tasks.pretrain import training_facts
+    from infra.preflight import PreflightFacts, format_table, run_preflight, should_stop
+    from tasks.preflight import model_facts, spec_for
     from tasks.recipe import load_recipe
 
     recipe = load_recipe(argv[0], argv[1:])
-    facts = recipe_facts(
-        recipe, (), **training_facts(recipe.training, recipe.tokenizer.vocab_size, len(recipe.stages))
+    spec = spec_for(recipe)
+    t = recipe.training
+    facts = PreflightFacts.from_dict(
+        {**spec.facts, **spec.run_facts, **model_facts(t.model, dict(t.model_overrides), recipe.tokenizer.vocab_size)}
     )
     results = run_preflight(recipe.preflight, facts, log=lambda _: None)
     print(format_table(results))
@@ -144,9 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*")
 
-    p = add("plan", cmd_plan, "dry run: every step as run or reuse, and why a step would rerun")
+    p = add("plan", cmd_plan, "dry run of a flow: every step as run or reuse, and why a step would run")
     p.add_argument("recipe", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--flow", default="smollm3", choices=("smollm3", "anneal", "cpt"),
+                   help="which deployed flow to plan: smollm3 (smollm3/full), anneal (anneal/nightly), "
+                        "cpt (cpt/on-demand); default smollm3")
+    p.add_argument("--base", default="",
+                   help="anneal/cpt: the base checkpoint (path or fingerprint; default: resolved as the flow does)")
     p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="comma-separated step names to plan as forced reruns")
 

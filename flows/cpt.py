@@ -2,33 +2,57 @@
 
 base (checkpoint, HF folder or fingerprint) -> pinned base -> domain + replay mixture -> one
 fresh-optimizer WSD stage at a tenth of the peak LR -> held-out loss on both domains at every
-eval interval, with forgetting flags -> HF export. The logic lives in tasks/cpt.py.
+eval interval, with forgetting flags -> HF export. The logic lives in tasks/cpt.py and
+tasks/base.py; `graph` is the DAG as a value (the flow runs it, `smollm3 plan` predicts it).
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runner import RunContext
-from tasks.anneal import WeightsMixture, artifacts, weights_mixture
-from tasks.cpt import (
-    cpt_base,
-    cpt_monitor,
-    cpt_stage,
-    cpt_weights,
-    general_weights,
-    heldout_configs,
-    resolve_cpt_base,
-)
+from flows.graph import Given, Graph
+from flows.runner import run_flow
+from infra.lineage import Lineage
+from infra.workspace import Workspace
+from tasks.base import BaseCheckpoint, pin, resolve_base
+from tasks.cpt import cpt_monitor, cpt_stage, cpt_weights, general_weights, heldout_configs
 from tasks.export import export
-from tasks.heldout import corpora_of, heldout_tokens
+from tasks.heldout import heldout_tokens
+from tasks.mixture import WeightsMixture, weights_mixture
 from tasks.pretrain import pretrain
-from tasks.recipe import load_recipe
-
-STEPS = ("cpt_base", "weights_mixture", "heldout_tokens", "pretrain", "cpt_monitor", "export")
+from tasks.recipe import Recipe, load_recipe
 
 
-@flow(name="cpt", log_prints=True)
+def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
+    """The CPT base, read from the workspace's lineage now."""
+    ws = Workspace.at(cfg.workspace)
+    return resolve_base(Lineage(ws.lineage_path), ws, base, phase="last", allow_hf=True)
+
+
+def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph:
+    c = cfg.cpt
+    lineage = Lineage(Workspace.at(cfg.workspace).lineage_path)
+    general = general_weights(c, base.weights)
+    shards = [Given(a) for a in lineage.get_many(base.shards)]
+    tok = Given(lineage.get(base.tokenizer))
+    corpora = [Given(x) for s in base.shards for x in lineage.inputs_of(s, kind="corpus")]
+    g = Graph("cpt", tolerant=tolerant)
+    pinned = g.add(pin, base, label=base.label)
+    plan = g.add(weights_mixture, WeightsMixture(name="cpt", weights=cpt_weights(c, general), tokens=c.tokens,
+                                                 seq_len=base.seq_len, seed=cfg.seed),
+                 label="cpt", shards=shards)
+    held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
+            for h in heldout_configs(c, general)]
+    run = cpt_stage(c, base, cfg.training.nproc_per_node, cfg.resources.threads("train"))
+    run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
+    stage = g.add(pretrain, run, label="cpt", mixture=plan, init=pinned)
+    g.add(cpt_monitor, c, label="cpt", base=pinned, stage=stage, heldout=held)
+    g.add(export, cfg.export, label="cpt", checkpoint=stage, tokenizer=tok)
+    return g
+
+
+@flow(name="cpt", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
 def cpt(
     recipe: str = "tiny",
     overrides: list[str] | None = None,
@@ -41,23 +65,4 @@ def cpt(
     `save_pretrained` folder or a checkpoint artifact fingerprint.
     """
     cfg = load_recipe(recipe, overrides or [])
-    c = cfg.cpt
-    with RunContext("cpt", cfg, recipe, STEPS, refresh or []) as ctx:
-        resolved = resolve_cpt_base(ctx.lineage, ctx.ws, base, nproc_per_node=cfg.training.nproc_per_node)
-        data = resolved.context
-        general = general_weights(c, data.weights)
-        pinned = ctx.run(cpt_base, resolved, label=resolved.kind)
-        shards = artifacts(ctx.lineage, data.shards)
-        (tok,) = artifacts(ctx.lineage, [data.tokenizer])
-        corpora = corpora_of(ctx.lineage, shards)
-        plan = ctx.run(
-            weights_mixture,
-            WeightsMixture(name="cpt", weights=cpt_weights(c, general), tokens=c.tokens, seq_len=data.seq_len),
-            shards, label="cpt", params={"seed": cfg.seed},
-        )
-        held = [ctx.run(heldout_tokens, h, [tok, *corpora], label=h.domain) for h in heldout_configs(c, general)]
-        stage = ctx.run(pretrain, cpt_stage(c, data, pinned.meta["model_config"]), [plan, pinned], label="cpt",
-                        params={"launch": cfg.launch, "storage": cfg.storage})
-        ctx.run(cpt_monitor, c, [pinned, stage, *held], label="cpt")
-        ctx.run(export, cfg.export, [stage, tok], label="cpt")
-        return ctx.summary()
+    return run_flow("cpt", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])

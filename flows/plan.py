@@ -1,21 +1,26 @@
-"""`smollm3 plan RECIPE`: a dry run of the DAG that lists every step as run or reuse.
+"""`smollm3 plan RECIPE [--flow smollm3|anneal|cpt]`: each step of a flow as run or reuse, and why.
 
-The plan is exact without any compute because a step's fingerprint depends only on its config,
-its version, cheap facts (`extra`: file digests, installed packages) and its inputs' fingerprints,
-never on what the inputs contain. `PlanContext.run` computes each fingerprint, looks for the
-finished step folder, and for a step that would run, names the config fields that changed since
-the newest version of the same step and label recorded in lineage (or that its inputs changed).
+The plan is the flow's own graph (flows/graph.py): every fingerprint is known before anything
+runs, because it depends only on the step's version, the identity fields of its config, the facts
+its `extra` reads (file digests) and its inputs' fingerprints, never on what the inputs contain.
+A step is reused when its folder for that fingerprint is finished; otherwise the plan says why it
+would run: never built, refresh requested, an unfinished attempt (resumable steps continue it),
+or what differs from the newest build of the same step and label in lineage (config fields with
+old -> new, inputs whose upstream step reruns or was rebuilt, facts such as source file digests,
+the step's version).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from infra.artifact import Artifact, config_dict, fingerprint, read_marker
+from flows.graph import Graph, Node
+from infra.artifact import identity, read_marker
 from infra.lineage import Lineage
 from infra.workspace import Workspace
+
+FLOWS = ("smollm3", "anneal", "cpt")
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,10 @@ class PlanRow:
     fingerprint: str
     action: str  # run | reuse
     reason: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}[{self.label}]"
 
 
 def diff(old: Any, new: Any, path: str = "") -> list[str]:
@@ -43,76 +52,85 @@ def diff(old: Any, new: Any, path: str = "") -> list[str]:
     return [] if old == new else [f"{path or '(value)'}: {old!r} -> {new!r}"]
 
 
-class PlanContext:
-    """Stands in for RunContext: same `run` interface, no compute."""
+def flow_graph(flow: str, recipe, base: str = "") -> Graph:
+    """The graph flow `flow` would run for `recipe` (tolerant of inputs missing on this machine)."""
+    if flow == "smollm3":
+        from flows.smollm3 import graph
 
-    run_id = "plan"
+        return graph(recipe, tolerant=True)
+    if flow == "anneal":
+        from flows.anneal import graph, resolve
 
-    def __init__(self, recipe, refresh: frozenset[str] = frozenset()):
-        self.ws = Workspace.at(recipe.workspace)
-        self.lineage = Lineage(self.ws.lineage_path)
-        self.refresh = refresh
-        self.rows: list[PlanRow] = []
+        return graph(recipe, resolve(recipe, base), tolerant=True)
+    if flow == "cpt":
+        from flows.cpt import graph, resolve
 
-    def run(self, task, config, inputs=(), label: str = "", params: dict[str, Any] | None = None) -> Artifact:
-        d = task.definition
-        params = params or {}
-        try:
-            fp = d.fingerprint(config, tuple(inputs), params)
-        except (OSError, ValueError, KeyError) as exc:
-            # A fact outside the config is not available here (e.g. a files: source whose data
-            # lives on the cluster): plan the step as a run and carry on with a stand-in.
-            fp = fingerprint(d.name, d.version, {"config": config, "params": d.identity(params)}, tuple(inputs),
-                             extra=f"unresolved: {exc}")
-            folder = self.ws.path / d.name / fp[:12]
-            self.rows.append(PlanRow(d.name, label, fp, "run", f"input not available here: {exc}"))
-            return Artifact(kind=d.kind, uri=str(folder), fingerprint=fp, meta={})
-        folder = self.ws.path / d.name / fp[:12]
-        record = read_marker(folder)
-        if record is not None and d.name not in self.refresh:
-            self.rows.append(PlanRow(d.name, label, fp, "reuse", f"finished at {folder}"))
-            return Artifact(**record["artifact"])
-        if record is not None:
-            reason = "refresh requested"
-        else:
-            reason = self._why(d.name, label, config, inputs, folder)
-        self.rows.append(PlanRow(d.name, label, fp, "run", reason))
-        return Artifact(kind=d.kind, uri=str(folder), fingerprint=fp, meta={})
+        return graph(recipe, resolve(recipe, base), tolerant=True)
+    raise ValueError(f"unknown flow {flow!r}; flows: {', '.join(FLOWS)}")
 
-    def _why(self, step: str, label: str, config, inputs, folder) -> str:
-        if folder.exists():
-            return "an earlier attempt left this folder unfinished (resumable steps continue it)"
-        previous = self.lineage.query_dicts(
-            "SELECT fingerprint, config FROM artifacts WHERE step = ? AND label = ? "
-            "ORDER BY created DESC LIMIT 1", [step, label],
+
+def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -> list[PlanRow]:
+    unknown = sorted(set(refresh) - set(g.steps))
+    if unknown:
+        raise ValueError(
+            f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {g.name!r}: {', '.join(g.steps)}"
         )
-        if not previous:
-            return "never built"
-        old = json.loads(previous[0]["config"]) if previous[0]["config"] else {}
-        changed = diff(old, config_dict(config))
-        parents = {r["fingerprint"] for r in self.lineage.parents(previous[0]["fingerprint"])}
-        upstream = {a.fingerprint for a in inputs} != parents
-        parts = []
-        if changed:
-            parts.append("config changed: " + "; ".join(changed[:8]) + (" ..." if len(changed) > 8 else ""))
-        if upstream:
-            parts.append("inputs changed (an upstream step reruns or was rebuilt)")
-        return ", ".join(parts) or "version, code facts or environment changed (e.g. source files, installed packages)"
+    lineage = Lineage(ws.lineage_path)
+    rows: list[PlanRow] = []
+    runs: set[str] = set()
+    for node in g:
+        action, reason = _decide(node, ws, lineage, refresh, runs)
+        if action == "run":
+            runs.add(node.key)
+        rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason))
+    return rows
 
 
-def plan(recipe, refresh: frozenset[str] = frozenset()) -> list[PlanRow]:
-    from flows.smollm3 import dag
+def _decide(node: Node, ws: Workspace, lineage: Lineage, refresh: frozenset[str], runs: set[str]) -> tuple[str, str]:
+    if node.unresolved:
+        return "run", f"input not available here: {node.unresolved}"
+    folder = ws.path / node.step.name / node.short
+    finished = read_marker(folder) is not None
+    if finished and node.step.name not in refresh:
+        return "reuse", f"finished at {folder}"
+    if finished:
+        return "run", "refresh requested"
+    if folder.exists():
+        return "run", "an earlier attempt left this folder unfinished (resumable steps continue it)"
+    previous = lineage.previous(node.step.name, node.label)
+    if previous is None:
+        return "run", "never built"
+    before, old_config, parents = previous
+    parts = []
+    changed = diff(old_config, identity(node.config))
+    if changed:
+        parts.append("config changed: " + "; ".join(changed[:8]) + (" ..." if len(changed) > 8 else ""))
+    moved = [ref for ref in node.refs() if ref.fingerprint not in parents]
+    if moved:
+        names = sorted({getattr(r, "key", "a given artifact") for r in moved})
+        why = [f"{n} reruns" if n in runs else f"{n} was rebuilt" for n in names]
+        parts.append("inputs changed: " + ", ".join(why))
+    if not parts:
+        marker = read_marker(before.path) if not before.uri.startswith("s3://") else None
+        if marker is not None and marker.get("version") != node.step.version:
+            parts.append(f"step version {marker.get('version')} -> {node.step.version}")
+        elif marker is not None and marker.get("extra") != node.extra:
+            parts.append(f"facts outside the config changed ({marker.get('extra')} -> {node.extra})")
+        else:
+            parts.append("version or facts outside the config changed (source files, step version)")
+    return "run", ", ".join(parts)
 
-    ctx = PlanContext(recipe, refresh)
-    dag(ctx, recipe)
-    return ctx.rows
+
+def plan(recipe, refresh: frozenset[str] = frozenset(), flow: str = "smollm3", base: str = "") -> list[PlanRow]:
+    """The plan of `flow` on `recipe` in the recipe's workspace."""
+    return plan_graph(flow_graph(flow, recipe, base), Workspace.at(recipe.workspace), frozenset(refresh))
 
 
 def format_plan(rows: list[PlanRow]) -> str:
-    width = max((len(f"{r.step}[{r.label}]") for r in rows), default=10) + 2
+    width = max((len(r.key) for r in rows), default=10) + 2
     lines = [f"{'step':<{width}}{'action':<8}{'fingerprint':<14}why"]
     for r in rows:
-        lines.append(f"{r.step + '[' + r.label + ']':<{width}}{r.action:<8}{r.fingerprint[:12]:<14}{r.reason}")
+        lines.append(f"{r.key:<{width}}{r.action:<8}{r.fingerprint[:12]:<14}{r.reason}")
     runs = sum(r.action == "run" for r in rows)
     lines.append(f"{len(rows)} steps: {runs} run, {len(rows) - runs} reuse")
     return "\n".join(lines)

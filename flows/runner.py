@@ -1,31 +1,59 @@
-"""Per-run glue between a flow and its steps: workspace, resolved recipe, step states in lineage.
+"""Run a flow's graph as Prefect tasks: every step a future, independent branches at once.
 
-A flow opens a `RunContext`, calls every step through `ctx.run(...)` and gets Artifacts back.
-`ctx.run` calls the Prefect task with the workspace's result storage, forces a rerun for steps the
-user named in `refresh`, and records the step's state (completed, cached or failed) in lineage,
-including for Cached steps whose body never ran.
+`run_graph(graph, ctx)` submits every node of the graph (flows/graph.py) in graph order as a
+Prefect future whose inputs are exactly its upstream futures, so:
+- a step starts as soon as its inputs are finished, and independent branches run side by side
+  (per-source data branches, the evaluation of stage N beside the training of stage N+1, anneal
+  candidates beside each other), bounded by the recipe's resource slots (infra/slots.py);
+- Prefect records each task run's inputs from those futures alone (every other parameter is
+  quoted), so the graph the UI draws is the graph that ran, and equals the lineage edges.
+
+One step (`execute`, the body of the Prefect task) reuses its finished folder or builds it
+under its slot, in this process or in a child process (tasks/step.py), then records its state,
+artifact and input edges in lineage, publishes its Prefect artifacts, and mirrors the folder to
+S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
+`{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
+their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
+deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
+after every independent branch has finished, naming each failed step and its cause.
 """
 
 from __future__ import annotations
 
 import subprocess
+import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect import get_run_logger, task
+from prefect.cache_policies import CachePolicy
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment as runtime_deployment
 from prefect.runtime import flow_run as runtime_flow_run
+from prefect.utilities.annotations import quote
 
-from infra.artifact import Artifact
+from flows.graph import Graph, Node
+from infra.artifact import Artifact, read_marker, run_step
 from infra.lineage import StepRow
+from infra.proc import ChildFailed, run_streaming
+from infra.slots import Resources, hold
 from infra.workspace import Workspace
 from tasks.recipe import Recipe, dump_recipe
-from tasks.step import results_storage
+from tasks.step import (
+    REPO_ROOT,
+    StepDef,
+    child_command,
+    child_env,
+    read_error,
+    read_result,
+    split_progress,
+    write_call,
+)
 
 
 def _now() -> datetime:
@@ -35,14 +63,13 @@ def _now() -> datetime:
 @cache
 def git_version() -> str:
     """The commit the code runs from (`+dirty` when the tree has changes), for lineage."""
-    root = Path(__file__).resolve().parent.parent
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
             text=True, timeout=5, check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
             capture_output=True, text=True, timeout=5,
         ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
@@ -50,37 +77,45 @@ def git_version() -> str:
         return "unknown"
 
 
-class RunContext:
-    """Everything one flow run's steps share."""
+class StepFailed(RuntimeError):
+    """A step failed; the message starts with `step[label] failed:` and names the cause."""
 
-    def __init__(
-        self,
-        flow: str,
-        recipe: Recipe,
-        recipe_name: str,
-        steps: Iterable[str],
-        refresh: Sequence[str] = (),
-    ):
+
+class FlowFailed(RuntimeError):
+    """Some steps of a run failed (each named with its cause); the others finished."""
+
+
+@dataclass(frozen=True, eq=False)
+class StepCall:
+    """What one task run needs besides its inputs (passed quoted: Prefect never inspects it)."""
+
+    node: Node
+    ctx: RunContext
+    refresh: bool
+    resources: Resources
+
+    @property
+    def ws(self) -> Workspace:
+        return self.ctx.ws
+
+    @property
+    def folder(self) -> Path:
+        return self.ws.path / self.node.step.name / self.node.short
+
+
+class RunContext:
+    """One flow run: its workspace, resolved recipe, and the run's row in lineage."""
+
+    def __init__(self, flow: str, recipe: Recipe, recipe_name: str):
         self.flow = flow
         self.recipe = recipe
+        self.recipe_name = recipe_name
         self.ws = Workspace.at(recipe.workspace, recipe.storage)
         self.lineage = self.ws.lineage()
-        self.steps = tuple(steps)
-        unknown = sorted(set(refresh) - set(self.steps))
-        if unknown:
-            raise ValueError(
-                f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {flow!r}: "
-                f"{', '.join(self.steps)}"
-            )
-        self.refresh = frozenset(refresh)
         self.run_id = str(runtime_flow_run.id or uuid.uuid4())
         self.deployment = runtime_deployment.name
-        self.recipe_name = recipe_name
         self.records: list[StepRow] = []
-        self.last: Artifact | None = None
-        # Bad input per data step (rejected/removed/unaccounted counts from artifact meta), so a
-        # run's summary shows what was dropped and why, not only the step states.
-        self.dropped: dict[str, dict[str, Any]] = {}
+        self._records_lock = threading.Lock()
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -99,77 +134,304 @@ class RunContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.lineage.end_run(self.run_id, "failed" if exc_type else "completed")
 
-    def run(
-        self,
-        task: Any,
-        config: Any,
-        inputs: Sequence[Artifact] = (),
-        label: str = "",
-        params: dict[str, Any] | None = None,
-    ) -> Artifact:
-        """Run one step and record its state; raises the step's error if it failed."""
-        name = task.definition.name
-        refresh = name in self.refresh
-        started = _now()
-        state = task.with_options(
-            result_storage=results_storage(self.ws), refresh_cache=refresh or None
-        )(
-            ws=self.ws, config=config, inputs=tuple(inputs), label=label, refresh=refresh,
-            params=params or {}, return_state=True,
-        )
-        ended = _now()
-        code = f"{git_version()}/{task.definition.code_version}"
-        if state.is_completed():
-            artifact: Artifact = state.result()
-            row_state = "cached" if state.name == "Cached" else "completed"
-            self._record(name, label, artifact.fingerprint, row_state, config, code, started, ended)
-            self.last = artifact
-            counts = {k: artifact.meta[k] for k in ("rejected", "removed", "unaccounted") if artifact.meta.get(k)}
-            if counts:
-                self.dropped[f"{name}[{label}]"] = counts
-            return artifact
-        error = str(state.message or state.name)
-        fp = task.definition.fingerprint(config, tuple(inputs), params or {})
-        self._record(name, label, fp, "failed", config, code, started, ended, error)
-        state.result()  # raises the task's exception
-        raise RuntimeError(f"step {name}[{label}] ended in state {state.name}: {error}")
-
-    def _record(self, name, label, fp, state, config, code, started, ended, error=None) -> None:
-        row = StepRow(
-            self.run_id, name, label, fp, state,
-            config.model_dump(mode="json") if hasattr(config, "model_dump") else config,
-            code, started, ended, error,
-        )
-        self.records.append(row)
+    def record(self, node: Node, state: str, started: datetime, ended: datetime,
+               error: str | None = None) -> None:
+        config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
+        row = StepRow(self.run_id, node.step.name, node.label, node.fingerprint, state, config,
+                      f"{git_version()}/{node.step.code_version}", started, ended, error)
+        with self._records_lock:
+            self.records.append(row)
         self.lineage.record_step(row)
 
-    def summary(self) -> dict[str, Any]:
-        """Steps and states of this run, also published as a markdown artifact in the UI."""
-        rows = [
-            f"| {r.step} | {r.label} | {r.state} | `{(r.fingerprint or '')[:12]}` | "
-            f"{(r.ended - r.started).total_seconds():.1f} |"
-            for r in self.records
-        ]
-        markdown = "\n".join(
-            [
-                f"# {self.flow} run `{self.run_id}`",
-                f"Recipe `{self.recipe_name}`, workspace `{self.ws.root}`.",
-                "",
-                "| step | label | state | fingerprint | seconds |",
-                "|---|---|---|---|---|",
-                *rows,
-                *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if self.dropped else []),
-                *(f"| {k} | {v} |" for k, v in self.dropped.items()),
-            ]
+
+# --- the Prefect task of a step --------------------------------------------------------------
+
+
+@dataclass
+class StepCache(CachePolicy):
+    """Cache key = step fingerprint + step code version + workspace; stale (a fresh key, so
+    Prefect misses and the step rebuilds) when the step folder is gone."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        call: StepCall = inputs["call"]
+        node = call.node
+        key = f"{node.step.name}-{node.fingerprint[:20]}-{node.step.code_version}-{_ws_tag(call.ws)}"
+        if (call.ws.results_dir / key).exists() and read_marker(call.folder) is None:
+            return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
+        return key
+
+
+def _ws_tag(ws: Workspace) -> str:
+    import hashlib
+
+    return hashlib.sha256(ws.root.encode()).hexdigest()[:8]
+
+
+_TASKS: dict[int, Any] = {}
+_TASKS_LOCK = threading.Lock()
+
+
+def prefect_task(d: StepDef):
+    """The Prefect task that runs step `d` (one per step definition)."""
+    with _TASKS_LOCK:
+        if id(d) not in _TASKS:
+            @task(name=d.name, cache_policy=StepCache(), persist_result=True, result_serializer="json")
+            def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
+                return execute(call, inputs, gates).model_dump(mode="json")
+
+            _TASKS[id(d)] = (d, run)
+        return _TASKS[id(d)][1]
+
+
+def _artifact(value: Any) -> Artifact:
+    return value if isinstance(value, Artifact) else Artifact(**value)
+
+
+def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = ()) -> Artifact:
+    """Reuse the step's finished folder or build it under its slot; record it in lineage (its
+    inputs and gates are its parents there, as they are in Prefect)."""
+    logger = get_run_logger()
+    node, d, ws = call.node, call.node.step, call.ws
+    inputs = {
+        name: tuple(_artifact(v) for v in value) if isinstance(value, list | tuple) else _artifact(value)
+        for name, value in raw_inputs.items()
+    }
+    ctx = call.ctx
+    started = _now()
+    try:
+        got = d.fingerprint(node.config, inputs, node.extra)
+        if got != node.fingerprint:  # an input changed between planning and running
+            raise RuntimeError(
+                f"inputs resolved to fingerprint {got[:12]}, the graph planned {node.short}; rerun the flow"
+            )
+        if read_marker(call.folder) is not None and not call.refresh:
+            outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
+                               config=node.config, inputs=inputs, extra=node.extra,
+                               build=_unreachable, resumable=d.resumable)
+        else:
+            resources = call.resources
+            slot = d.resource
+            threads = resources.threads(slot) if slot else None
+
+            def build(out: Path) -> dict[str, Any]:
+                if d.isolate:
+                    return _build_in_child(d, node, inputs, out, threads, logger.info)
+                return _build_here(d, node, inputs, out, threads, logger.info)
+
+            if slot:
+                with hold(ws.path / ".slots", slot, getattr(resources, slot).slots,
+                          poll=resources.poll_seconds, log=logger.info, who=node.key):
+                    outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
+                                       config=node.config, inputs=inputs, extra=node.extra, build=build,
+                                       refresh=call.refresh, resumable=d.resumable)
+            else:
+                outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
+                                   config=node.config, inputs=inputs, extra=node.extra, build=build,
+                                   refresh=call.refresh, resumable=d.resumable)
+    except BaseException as exc:
+        cause = _cause(exc)
+        ctx.record(node, "failed", started, _now(), cause)
+        if isinstance(exc, Exception):
+            raise StepFailed(f"{node.key} failed: {cause}") from exc
+        raise
+    artifact = outcome.artifact
+    verb = "built" if outcome.built else "reused finished"
+    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.uri}")
+    lineage = ws.lineage()
+    lineage.record_artifact(artifact, d.name, node.label, node.config,
+                            [*_flat(inputs), *(_artifact(g) for g in gates)])
+    ctx.record(node, "completed", started, _now())
+    if outcome.built and d.publish is not None:
+        d.publish(artifact, ws, node.label)
+    if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
+        # Finished step folders go to S3 as they are built (marker last, checksums verified).
+        # Resumable steps (training stages) mirror their checkpoints while they run instead.
+        from infra.storage import mirror_artifact
+
+        target = f"{ws.storage.s3_uri.rstrip('/')}/{d.name}"
+        report = mirror_artifact(artifact.path, target, ws.storage)
+        logger.info(f"{node.key} mirrored to {target}/{artifact.path.name} ({report})")
+    return artifact
+
+
+def _unreachable(out: Path) -> dict[str, Any]:
+    raise RuntimeError(f"{out} lost its marker while being reused; rerun the flow")
+
+
+def _flat(inputs: dict[str, Artifact | tuple[Artifact, ...]]) -> list[Artifact]:
+    out: list[Artifact] = []
+    for value in inputs.values():
+        out += list(value) if isinstance(value, tuple) else [value]
+    return out
+
+
+def _cause(exc: BaseException) -> str:
+    """One line (or a few) saying why a step failed, without the traceback."""
+    sentence = getattr(exc, "sentence", None)
+    if callable(sentence):
+        sentence = sentence()
+    text = str(sentence or exc).strip()
+    if type(exc) is not RuntimeError:  # a plain RuntimeError carries a child's "Type: message"
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text[:2000] or type(exc).__name__
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _progress(d: StepDef, node: Node):
+    """A `progress(percent)` backed by a Prefect progress artifact, for builds that report one."""
+    if not d.wants_progress:
+        return None
+    import re
+
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower())
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=node.key)
+
+    def progress(percent: float) -> None:
+        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
+
+    return progress
+
+
+def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
+    if d.resource == "eval" and threads:
+        _set_threads(threads)  # in-process torch work takes its slot's thread count
+    return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
+
+
+def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
+    progress = _progress(d, node)
+
+    def line(text: str) -> None:
+        percent = split_progress(text)
+        if percent is None:
+            log(text)
+        elif progress is not None:
+            progress(percent)
+
+    call_file = write_call(d, node.config, inputs, out)
+    try:
+        run_streaming(child_command(call_file), line, cwd=REPO_ROOT, env=child_env(threads))
+    except ChildFailed as exc:
+        error = read_error(out)
+        raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
+    return read_result(out)
+
+
+# --- running a graph -------------------------------------------------------------------------
+
+
+def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dict[str, Any]:
+    """Submit every node as a Prefect future, wait for all, record their states; return a summary.
+
+    Raises FlowFailed naming every failed step once every independent branch has finished."""
+    unknown = sorted(set(refresh) - set(graph.steps))
+    if unknown:
+        raise ValueError(
+            f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {graph.name!r}: "
+            f"{', '.join(graph.steps)}"
         )
-        create_markdown_artifact(markdown=markdown, key=f"{self.flow}-summary", description="Steps and states")
-        states: dict[str, int] = {}
-        for r in self.records:
-            states[r.state] = states.get(r.state, 0) + 1
-        return {
-            "run_id": self.run_id,
-            "workspace": self.ws.root,
-            "states": states,
-            "final": self.last.model_dump(mode="json") if self.last else None,
-            "dropped": self.dropped,
-        }
+    storage = ctx.ws.results_dir
+    storage.mkdir(parents=True, exist_ok=True)
+    resources = ctx.recipe.resources
+    futures: dict[str, PrefectFuture] = {}
+    node_of: dict[Any, Node] = {}
+    for node in graph:
+            inputs: dict[str, Any] = {}
+            for name, value in node.inputs.items():
+                refs = value if isinstance(value, tuple) else (value,)
+                resolved = [futures[r.key] if isinstance(r, Node) else quote(r.artifact) for r in refs]
+                inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
+            fresh = node.step.name in refresh
+            call = StepCall(node, ctx, fresh, resources)
+            future = prefect_task(node.step).with_options(
+                task_run_name=node.key, result_storage=storage, refresh_cache=fresh or None,
+            ).submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
+            futures[node.key] = future
+            node_of[future.task_run_id] = node
+    artifacts: dict[str, Artifact] = {}
+    failed: list[str] = []
+    for future in as_completed(list(futures.values())):
+        node = node_of[future.task_run_id]
+        future.wait()  # sets the future's final state from the worker (the API's copy may lag)
+        state = future.state
+        if state.is_completed():
+            artifacts[node.key] = _artifact(future.result())
+            if state.name == "Cached":
+                now = _now()
+                ctx.record(node, "cached", now, now)
+        elif state.is_failed() or state.is_crashed():
+            failed.append(_message(future) or f"{node.key} failed")
+        else:  # never ran: an input failed
+            blocked = [p.key for p in node.parents() if p.key not in artifacts]
+            now = _now()
+            ctx.record(node, "skipped", now, now, f"upstream {', '.join(blocked)} did not finish")
+    if failed:
+        raise FlowFailed(f"{len(failed)} step(s) failed:\n" + "\n".join(f"  {m}" for m in failed))
+    return summary(ctx, graph, artifacts)
+
+
+def _message(future: PrefectFuture) -> str | None:
+    try:
+        future.result(raise_on_failure=True)
+    except StepFailed as exc:
+        return str(exc)
+    except BaseException as exc:  # noqa: BLE001 (a crash outside `execute`)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> dict[str, Any]:
+    """Steps and states of this run, also published as a markdown artifact in the UI."""
+    from prefect.artifacts import create_markdown_artifact
+
+    order = {n.key: i for i, n in enumerate(graph)}
+    records = sorted(ctx.records, key=lambda r: order.get(f"{r.step}[{r.label}]", 1 << 30))
+    dropped = {
+        key: {k: a.meta[k] for k in ("rejected", "removed", "unaccounted") if a.meta.get(k)}
+        for key, a in artifacts.items()
+    }
+    dropped = {k: v for k, v in dropped.items() if v}
+    rows = [
+        f"| {r.step} | {r.label} | {r.state} | `{(r.fingerprint or '')[:12]}` | "
+        f"{(r.ended - r.started).total_seconds():.1f} |"
+        for r in records
+    ]
+    markdown = "\n".join([
+        f"# {ctx.flow} run `{ctx.run_id}`",
+        f"Recipe `{ctx.recipe_name}`, workspace `{ctx.ws.root}`.",
+        "",
+        "| step | label | state | fingerprint | seconds |",
+        "|---|---|---|---|---|",
+        *rows,
+        *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if dropped else []),
+        *(f"| {k} | {v} |" for k, v in dropped.items()),
+    ])
+    create_markdown_artifact(markdown=markdown, key=f"{ctx.flow}-summary", description="Steps and states")
+    states: dict[str, int] = {}
+    for r in records:
+        states[r.state] = states.get(r.state, 0) + 1
+    final = artifacts.get(graph.final.key) if graph.final is not None else None
+    return {
+        "run_id": ctx.run_id,
+        "workspace": ctx.ws.root,
+        "states": states,
+        "final": final.model_dump(mode="json") if final else None,
+        "dropped": dropped,
+    }
+
+
+def run_flow(flow: str, graph: Graph, recipe: Recipe, recipe_name: str, refresh: Sequence[str] = ()) -> dict[str, Any]:
+    """The body every flow shares: open the run, run its graph, close the run."""
+    with RunContext(flow, recipe, recipe_name) as ctx:
+        return run_graph(graph, ctx, refresh)
+
+

@@ -1,39 +1,128 @@
 """The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals.
 
-Reads like the DAG it builds; every call is one cached, fingerprinted step (see tasks/step.py).
+`graph(recipe)` is the DAG as a value (flows/graph.py): every step with its typed config and
+named inputs, fingerprinted before anything runs. The flow runs it (flows/runner.py: independent
+branches at once, within the recipe's resource slots) and `smollm3 plan` predicts it.
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runner import RunContext
+from flows.graph import Graph, Node
+from flows.runner import run_flow
 from tasks.curate import curate
-from tasks.evaluate import eval_suite, evaluate, stage_tasks
+from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
-from tasks.fertility import fertility
-from tasks.mixture import mixture
+from tasks.fertility import FertilitySpec, fertility
+from tasks.mixture import MixtureSpec, mixture
+from tasks.posttrain.config import ChatDataSpec, TrainerRun
 from tasks.posttrain.data import posttrain_data
 from tasks.posttrain.distill import distill
 from tasks.posttrain.grpo import grpo
 from tasks.posttrain.merge import merge
 from tasks.posttrain.preference import preference
 from tasks.posttrain.sft import sft
-from tasks.preflight import preflight, recipe_facts
-from tasks.pretrain import pretrain, schedule_stages, training_facts
+from tasks.preflight import preflight, spec_for
+from tasks.pretrain import pretrain, schedule_stages
 from tasks.recipe import Recipe, load_recipe
-from tasks.sources import source
-from tasks.tokenize import tokenize
+from tasks.sources import SourceSpec, source
+from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
 
-STEPS = (
-    "source", "curate", "tokenizer", "fertility", "tokenize", "mixture", "preflight",
-    "eval_suite", "pretrain", "export", "evaluate",
-    "posttrain_data", "sft", "preference", "merge", "grpo", "distill",
-)
+
+def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> Graph:
+    """The whole DAG of a recipe (tolerant: unreadable facts mark steps instead of failing)."""
+    g = Graph("smollm3", tolerant=tolerant)
+    # Data, one branch per source: source -> curate; then the tokenizer over every source.
+    raw = {s.name: g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources}
+    clean = {
+        s.name: g.add(curate, cfg.curation.for_source(s.name), label=s.name, corpus=raw[s.name])
+        for s in cfg.sources
+    }
+    # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.
+    if cfg.tokenizer.path:
+        tok = g.add(tokenizer, cfg.tokenizer, label="given")
+    else:
+        tok = g.add(tokenizer, cfg.tokenizer, label="bpe", corpora=list(clean.values()))
+    fert = g.add(fertility, FertilitySpec(fertility=cfg.fertility, weights=cfg.mixture_weights()),
+                 label="fertility", tokenizer=tok, corpora=list(clean.values()))
+    # When the recipe fixes the tokenizer (no other candidates, or choose: trained), shards depend
+    # on the tokenizer itself rather than on the fertility report over every source, so changing
+    # one source re-tokenizes only that source.
+    chosen = tok if not cfg.fertility.candidates or cfg.fertility.choose == "trained" else fert
+    shards = [
+        g.add(tokenize, TokenizeSpec(tokenize=cfg.tokenize, seed=cfg.seed), label=name,
+              tokenizer=chosen, corpus=node)
+        for name, node in clean.items()
+    ]
+    plans = {st.name: g.add(mixture, MixtureSpec.of(st, cfg.seed), label=st.name, shards=shards)
+             for st in cfg.stages}
+    if not cfg.stages:
+        return g
+
+    # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
+    # waits for the previous one only: its export and evaluation run beside the next stage.
+    check = g.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=chosen,
+                  mixtures=list(plans.values()))
+    suite = g.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
+                  heldout=list(raw.values()), train=list(clean.values()))
+    previous: Node | None = None
+    threads = cfg.resources.threads("train")
+    for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
+        run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage, "threads": threads})
+        init = {"init": previous} if previous is not None else {}
+        previous = g.add(pretrain, run, label=run.name, mixture=plans[run.name], after=[check], **init)
+        model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=chosen)
+        g.add(evaluate, EvalSpec(eval=cfg.eval, long_context=run.kind == "long_context"), label=run.name,
+              model=model, suite=suite)
+    final = model
+    if cfg.posttrain is not None:
+        final = post_train(g, cfg, model, list(raw.values()), list(clean.values()))
+    g.final = final
+    return g
 
 
-@flow(name="smollm3", log_prints=True)
+def post_train(g: Graph, cfg: Recipe, base: Node, raw: list[Node], clean: list[Node]) -> Node:
+    """SFT -> APO -> linear merge with the long-context base -> GRPO -> optional on-policy
+    distillation (docs/posttraining.md); every model is scored on the cloze tasks plus held-out
+    arithmetic exact match, under its label (base, sft, apo, merge, grpo, opd)."""
+    pt = cfg.posttrain
+    suite = g.add(
+        eval_suite,
+        SuiteSpec(eval=cfg.eval.for_suite().model_copy(update={"items_per_task": pt.eval.cloze_items}),
+                  seed=cfg.seed, generation_items=pt.eval.generation_items,
+                  max_gen_tokens=pt.eval.max_gen_tokens),
+        label="posttrain", heldout=raw, train=clean,
+    )
+    scoring = EvalSpec(eval=cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size}))
+
+    def score(model: Node, label: str) -> None:
+        g.add(evaluate, scoring, label=label, model=model, suite=suite)
+
+    if pt.eval.base:
+        score(base, "base")
+    data = g.add(posttrain_data, ChatDataSpec(data=pt.data, seed=pt.seed), label="chat", corpora=clean)
+    model = g.add(sft, TrainerRun.of(pt.sft, pt), label="sft", model=base, data=data)
+    score(model, "sft")
+    if pt.preference.enabled:
+        label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
+        model = g.add(preference, TrainerRun.of(pt.preference, pt), label=label, model=model, data=data)
+        score(model, label)
+    if pt.merge.enabled:
+        model = g.add(merge, pt.merge, label="merge", models=[model, base])
+        score(model, "merge")
+    if pt.grpo.enabled:
+        model = g.add(grpo, TrainerRun.of(pt.grpo, pt), label="grpo", model=model, data=data)
+        score(model, "grpo")
+    if pt.distill.teacher:
+        model = g.add(distill, TrainerRun.of(pt.distill, pt), label="opd", model=model, data=data)
+        score(model, "opd")
+    return model
+
+
+@flow(name="smollm3", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))
 def smollm3(
     recipe: str = "tiny", overrides: list[str] | None = None, refresh: list[str] | None = None
 ) -> dict:
@@ -42,102 +131,8 @@ def smollm3(
     overrides: `key=value` items applied over the recipe (e.g. `sources.math.max_documents=100`).
     refresh: step names to rerun even when a finished result exists.
     """
+    from prefect.runtime import flow_run
+
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
-    with RunContext("smollm3", cfg, recipe, STEPS, refresh or []) as ctx:
-        dag(ctx, cfg)
-        return ctx.summary()
-
-
-def dag(ctx, cfg: Recipe) -> None:
-    """The DAG itself, shared by the flow (a RunContext runs each step) and by `smollm3 plan`
-    (a PlanContext only computes fingerprints and looks for finished step folders)."""
-    # Data: sources -> curated corpora -> tokenizer -> fertility -> token shards -> mixtures.
-    corpora = {s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources}
-    curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
-    # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.
-    tok = ctx.run(
-        tokenizer, cfg.tokenizer, [] if cfg.tokenizer.path else list(curated.values()),
-        label="given" if cfg.tokenizer.path else "bpe",
-    )
-    fert = ctx.run(
-        fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
-        params={"weights": cfg.mixture_weights()},
-    )
-    # When the recipe fixes the tokenizer (no other candidates, or choose: trained), shards depend
-    # on the tokenizer itself rather than on the fertility report over every source, so changing
-    # one source re-tokenizes only that source.
-    chosen = tok if not cfg.fertility.candidates or cfg.fertility.choose == "trained" else fert
-    shards = [
-        ctx.run(tokenize, cfg.tokenize, [chosen, c], label=n, params={"seed": cfg.seed})
-        for n, c in curated.items()
-    ]
-    plans = {
-        st.name: ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
-        for st in cfg.stages
-    }
-    if not cfg.stages:
-        return
-
-    # Training: preflight, eval suite, then every stage -> HF export -> evaluation.
-    vocab = (fert.meta.get("selected") or chosen.meta).get("vocab_size", cfg.tokenizer.vocab_size)
-    facts = recipe_facts(
-        cfg, tuple(plans.values()), **training_facts(cfg.training, vocab, len(cfg.stages))
-    )
-    ctx.run(preflight, cfg.preflight, label="preflight",
-            params={"facts": facts.to_dict(), "run_id": ctx.run_id})
-    suite = ctx.run(
-        eval_suite, cfg.eval, [*corpora.values(), *curated.values()], label="suite",
-        params={"seed": cfg.seed, "n_sources": len(corpora)},
-    )
-    previous = None
-    for run in schedule_stages(cfg.training, cfg.stages):
-        inputs = [plans[run.stage.name], *([previous] if previous else [])]
-        previous = ctx.run(pretrain, run, inputs, label=run.stage.name,
-                           params={"launch": cfg.launch, "storage": cfg.storage})
-        model = ctx.run(export, cfg.export, [previous, chosen], label=run.stage.name)
-        ctx.run(
-            evaluate, cfg.eval, [model, suite], label=run.stage.name,
-            params={"tasks": stage_tasks(cfg.eval, suite, run.kind == "long_context")},
-        )
-
-    # Post-training on the last (long-context) export, each step scored like the stages.
-    if cfg.posttrain is not None:
-        post_train(ctx, cfg, model, list(corpora.values()), list(curated.values()))
-
-
-def post_train(ctx, cfg: Recipe, base, corpora: list, curated: list) -> None:
-    """SFT -> APO -> linear merge with the long-context base -> GRPO -> optional on-policy
-    distillation (docs/posttraining.md); every model is scored on the cloze tasks plus held-out
-    arithmetic exact match, under its label (base, sft, apo, merge, grpo, opd)."""
-    pt = cfg.posttrain
-    run = {"seed": pt.seed, "device": pt.device}
-    suite = ctx.run(
-        eval_suite, cfg.eval.model_copy(update={"items_per_task": pt.eval.cloze_items}),
-        [*corpora, *curated], label="posttrain",
-        params={"seed": cfg.seed, "n_sources": len(corpora),
-                "generation_items": pt.eval.generation_items, "max_gen_tokens": pt.eval.max_gen_tokens},
-    )
-    tasks = stage_tasks(cfg.eval, suite, long_context=False)
-    scoring = cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size})
-
-    def score(model, label: str) -> None:
-        ctx.run(evaluate, scoring, [model, suite], label=label, params={"tasks": tasks})
-
-    if pt.eval.base:
-        score(base, "base")
-    data = ctx.run(posttrain_data, pt.data, curated, label="chat", params={"seed": pt.seed})
-    model = ctx.run(sft, pt.sft, [base, data], label="sft", params=run)
-    score(model, "sft")
-    if pt.preference.enabled:
-        label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
-        model = ctx.run(preference, pt.preference, [model, data], label=label, params=run)
-        score(model, label)
-    if pt.merge.enabled:
-        model = ctx.run(merge, pt.merge, [model, base], label="merge")
-        score(model, "merge")
-    if pt.grpo.enabled:
-        model = ctx.run(grpo, pt.grpo, [model, data], label="grpo", params=run)
-        score(model, "grpo")
-    if pt.distill.teacher:
-        model = ctx.run(distill, pt.distill, [model, data], label="opd", params=run)
-        score(model, "opd")
+    dag = graph(cfg, run_id=str(flow_run.id) if flow_run.id else None)  # unreadable input data fails here
+    return run_flow("smollm3", dag, cfg, recipe, refresh or [])

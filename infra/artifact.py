@@ -15,12 +15,12 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 ArtifactKind = Literal[
     "corpus",
@@ -74,24 +74,88 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot fingerprint a {type(obj).__name__}: {obj!r}")
 
 
+def operational(default: Any = ..., **kwargs: Any) -> Any:
+    """A config field that says how a step runs, not what it computes (log intervals, worker
+    counts, launcher, storage mirror, evaluation batch size...). It never enters a fingerprint, so
+    changing it reruns nothing. Used like `Field`: `log_interval: int = operational(1, gt=0)`.
+
+    Operational fields may change results at the level of floating-point summation order (thread
+    counts, micro-batching), never the computation itself.
+    """
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    return Field(default, json_schema_extra={**extra, "operational": True}, **kwargs)
+
+
+def is_operational(model: type[BaseModel], name: str) -> bool:
+    """Whether field `name` of a config class is operational (see `operational`)."""
+    extra = model.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("operational"))
+
+
+def identity(config: Any) -> Any:
+    """The part of a config that determines a step's output, as plain JSON data.
+
+    Pydantic models lose their operational fields (recursively); everything else is kept.
+    """
+    if isinstance(config, BaseModel):
+        cls = type(config)
+        return {
+            name: identity(getattr(config, name))
+            for name in cls.model_fields
+            if not is_operational(cls, name)
+        }
+    if isinstance(config, Mapping):
+        return {str(k): identity(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return [identity(v) for v in config]
+    return json.loads(canonical_json(config))
+
+
 def config_dict(config: Any) -> Any:
     """A step config as plain JSON data (pydantic models are dumped, everything else kept)."""
     return json.loads(canonical_json(config))
 
 
+# Named inputs of a step: one artifact, or a tuple of them, per input name.
+Inputs = Mapping[str, Artifact | Sequence[Artifact]]
+
+
+def input_fingerprints(inputs: Inputs | Sequence[Artifact]) -> Any:
+    """What a fingerprint records of a step's inputs: fingerprints by input name (a list of them
+    for a list input); positional inputs (plain sequences) keep their order. Anything with a
+    `fingerprint` counts as an input (an Artifact, or a graph node before it has run)."""
+    if isinstance(inputs, Mapping):
+        return {
+            name: [a.fingerprint for a in value] if isinstance(value, list | tuple) else value.fingerprint
+            for name, value in inputs.items()
+        }
+    return [a.fingerprint for a in inputs]
+
+
+def flat_inputs(inputs: Inputs | Sequence[Artifact]) -> list[Artifact]:
+    """Every input artifact, in input order."""
+    if not isinstance(inputs, Mapping):
+        return list(inputs)
+    out: list[Artifact] = []
+    for value in inputs.values():
+        out += list(value) if isinstance(value, list | tuple) else [value]
+    return out
+
+
 def fingerprint(
-    step: str, version: int, config: Any, inputs: Sequence[Artifact] = (), extra: str = ""
+    step: str, version: int, config: Any, inputs: Inputs | Sequence[Artifact] = (), extra: str = ""
 ) -> str:
     """Hash of everything that determines a step's output.
 
-    `extra` carries facts outside the config that change the output: for a data source, a digest
-    of the input files or of the installed packages its text comes from.
+    The config enters through `identity` (operational fields left out). `extra` carries facts
+    outside the config that change the output: for a data source, a digest of the bytes it reads.
+    Nothing here depends on the process computing it (cwd, sys.path, how it was started).
     """
     payload = {
         "step": step,
         "version": version,
-        "config": config_dict(config),
-        "inputs": [a.fingerprint for a in inputs],
+        "config": identity(config),
+        "inputs": input_fingerprints(inputs),
         "extra": extra,
     }
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
@@ -156,7 +220,7 @@ def run_step(
     version: int,
     kind: ArtifactKind,
     config: Any,
-    inputs: Sequence[Artifact],
+    inputs: Inputs | Sequence[Artifact],
     build: Callable[[Path], dict[str, Any]],
     extra: str = "",
     refresh: bool = False,
@@ -166,9 +230,10 @@ def run_step(
 
     `build` writes its outputs into the folder and returns the Artifact's meta. A resumable step
     keeps what an interrupted earlier attempt left in its folder (training resumes from its last
-    checkpoint); any other step starts from an empty folder. The marker is written last.
+    checkpoint); any other step starts from an empty folder. The marker is written last and
+    records what the fingerprint hashed (the identity config, named input fingerprints, extra).
     """
-    for artifact in inputs:
+    for artifact in flat_inputs(inputs):
         if not artifact.uri.startswith("s3://") and read_marker(artifact.path) is None:
             raise FileNotFoundError(
                 f"input artifact {artifact.kind} {artifact.short} of step {step!r} is missing or "
@@ -192,8 +257,9 @@ def run_step(
             "artifact": artifact.model_dump(mode="json"),
             "step": step,
             "version": version,
-            "config": config_dict(config),
-            "inputs": [a.fingerprint for a in inputs],
+            "config": identity(config),
+            "settings": config_dict(config),
+            "inputs": input_fingerprints(inputs),
             "extra": extra,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -10,6 +10,7 @@ none. Torchrun ranks never open the database: the task ingests the trainer's JSO
 from __future__ import annotations
 
 import fcntl
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 import duckdb
 
-from infra.artifact import Artifact, canonical_json
+from infra.artifact import Artifact, canonical_json, identity
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS flow_runs (
@@ -167,13 +168,14 @@ class Lineage:
         config: Any,
         parents: Iterable[Artifact] = (),
     ) -> None:
-        """Insert an artifact and its input edges; recording the same artifact twice is a no-op."""
+        """Insert an artifact and its input edges; recording the same artifact twice is a no-op.
+        The config column holds what the fingerprint hashed (operational fields left out)."""
         with self.writer() as con:
             con.execute(
                 "INSERT OR IGNORE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     artifact.fingerprint, artifact.kind, step, label, artifact.uri,
-                    canonical_json(artifact.meta), canonical_json(config), _now(),
+                    canonical_json(artifact.meta), canonical_json(identity(config)), _now(),
                 ],
             )
             for parent in parents:
@@ -260,3 +262,71 @@ class Lineage:
             "SELECT * FROM steps WHERE run_id = ? ORDER BY started", [run_id]
         )
 
+
+    # --- typed lookups ----------------------------------------------------------------------
+    # What tasks and flows ask of lineage, as functions returning Artifacts: no SQL outside
+    # this module's class.
+
+    def get(self, fingerprint_prefix: str) -> Artifact:
+        """The artifact with this fingerprint (or unique prefix); an error names a missing one."""
+        row = self.artifact(fingerprint_prefix)
+        if row is None:
+            raise LookupError(f"artifact {fingerprint_prefix[:12]} is not in lineage {self.path}")
+        return artifact_of(row)
+
+    def get_many(self, fingerprints: Sequence[str]) -> list[Artifact]:
+        """Artifacts by fingerprint, in the order given."""
+        return [self.get(fp) for fp in fingerprints]
+
+    def find_by_path(self, path: Path) -> Artifact | None:
+        """The artifact whose step folder holds `path` (the innermost one)."""
+        row = self.artifact_by_uri(path)
+        return artifact_of(row) if row else None
+
+    def inputs_of(self, fingerprint: str, kind: str | None = None) -> list[Artifact]:
+        """The artifacts a step read to make this one (optionally only those of one kind)."""
+        return [artifact_of(r) for r in self.parents(fingerprint) if kind is None or r["kind"] == kind]
+
+    def made_from(self, fingerprint: str, step: str | None = None) -> list[Artifact]:
+        """The artifacts steps made from this one (optionally only those of one step), oldest first."""
+        rows = sorted(self.children(fingerprint), key=lambda r: r["created"])
+        return [artifact_of(r) for r in rows if step is None or r["step"] == step]
+
+    def latest_run(self, flow: str, deployment: str | None = None) -> str | None:
+        """The newest run of `flow`, runs of `deployment` first (a served `smollm3/full` run beats
+        an ad hoc run of the same flow)."""
+        rows = self.query(
+            "SELECT run_id FROM flow_runs WHERE flow = ? "
+            "ORDER BY coalesce(deployment = ?, false) DESC, started DESC LIMIT 1",
+            [flow, deployment],
+        )
+        return rows[0][0] if rows else None
+
+    def previous(self, step: str, label: str) -> tuple[Artifact, Any, set[str]] | None:
+        """The newest artifact of `step[label]`: the artifact, the identity config it was built
+        with, and its parents' fingerprints (what `smollm3 plan` compares against)."""
+        rows = self.query_dicts(
+            "SELECT * FROM artifacts WHERE step = ? AND label = ? ORDER BY created DESC LIMIT 1", [step, label]
+        )
+        if not rows:
+            return None
+        config = json.loads(rows[0]["config"]) if rows[0]["config"] else {}
+        parents = {r["fingerprint"] for r in self.parents(rows[0]["fingerprint"])}
+        return artifact_of(rows[0]), config, parents
+
+    def run_outputs(self, run_id: str, step: str) -> list[Artifact]:
+        """Artifacts of `step` that a run built or reused (completed or cached), in run order."""
+        rows = self.query_dicts(
+            "SELECT a.*, min(s.ended) AS finished FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
+            "WHERE s.run_id = ? AND s.step = ? AND s.state IN ('completed', 'cached') "
+            "GROUP BY ALL ORDER BY finished",
+            [run_id, step],
+        )
+        return [artifact_of(r) for r in rows]
+
+
+def artifact_of(row: dict[str, Any]) -> Artifact:
+    """An Artifact from a row of the `artifacts` table."""
+    meta = row["meta"]
+    return Artifact(kind=row["kind"], uri=row["uri"], fingerprint=row["fingerprint"],
+                    meta=json.loads(meta) if isinstance(meta, str) else dict(meta or {}))

@@ -4,22 +4,22 @@ The playbook's recipe: LR about a tenth of the original peak, a short warmup, a 
 state, replay of general data (default 10%) mixed into the new-domain data, a WSD decay at the
 end, and held-out loss tracked on both the old (general) and the new domain. Here:
 
-- the base is a checkpoint written by the pretrain step (path or fingerprint), an HF
-  `save_pretrained` folder (converted with `model.hf.import_hf` by the `cpt_base` step), or by
-  default the last pretrain stage of the latest smollm3 run; the data (shards, tokenizer,
-  held-out text) comes from that run through lineage;
-- `cpt_weights` blends the domain and general weights; `cpt_stage` lays out the launch;
-- `heldout_tokens` (step, tasks/heldout.py) tokenizes the held-out split of the general and of
-  the new-domain sources with the run's tokenizer, so the loss is measured on unseen text;
-- the stage checkpoints every `eval_interval` steps and keeps them all; `cpt_monitor` (step)
-  computes the held-out loss of the base and of every interval checkpoint on both domains, and
+- the base (tasks/base.py) is a checkpoint written by the pretrain step (path or fingerprint), an
+  HF `save_pretrained` folder (imported by the `pin` step), or by default the final checkpoint of
+  the last pretrain stage of the latest smollm3 run; the data (shards, tokenizer, held-out text)
+  comes from that run through lineage;
+- `cpt_weights` blends the domain and general weights; `cpt_stage` is the launch: the base
+  stage's own TrainSpec with a fresh optimizer and schedule at `lr_fraction` x its peak LR;
+- `heldout_tokens` (tasks/heldout.py) tokenizes the held-out split of the general and of the
+  new-domain sources with the run's tokenizer, so the loss is measured on unseen text;
+- the stage keeps a checkpoint every `eval_interval` steps; `cpt_monitor` (step) computes the
+  held-out loss of the base and of every kept checkpoint on both domains, and
   `forgetting_flags` marks the checkpoints whose general loss rose more than `threshold`
   (relative) above the base's. Scores go to DuckDB `metrics` and to a Prefect table artifact.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -28,14 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from infra.artifact import Artifact
-from infra.lineage import Lineage
-from infra.workspace import Workspace
-from tasks.anneal import BaseCheckpoint, describe_checkpoint, latest_run, link_or_copy
+from infra.artifact import Artifact, Inputs
+from model.spec import ScheduleSpec, TrainSpec
+from tasks.base import BaseCheckpoint
 from tasks.heldout import HeldoutConfig, heldout_loss
-from tasks.mixture import StageConfig
-from tasks.pretrain import StageRun
-from tasks.step import step
+from tasks.mixture import blend
+from tasks.pretrain import StageRun, optimizer_steps
+from tasks.step import many, one, step
 
 
 class CptConfig(BaseModel):
@@ -73,112 +72,6 @@ class CptConfig(BaseModel):
                 )
 
 
-# --- the base ---------------------------------------------------------------------------------
-
-
-class CptBase(BaseModel):
-    """The resolved CPT base: where the weights come from, and the data run around them."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    source: str  # checkpoint step folder or HF folder
-    kind: str  # "checkpoint" or "hf"
-    digest: str  # identity of the weights (marker hash, or hash of the safetensors sizes/mtimes)
-    context: BaseCheckpoint  # the data run's stage context (shards, tokenizer, training, weights)
-
-
-def resolve_cpt_base(lineage: Lineage, ws: Workspace, base: str = "", flow: str = "smollm3",
-                     nproc_per_node: int = 1) -> CptBase:
-    """base: "" = the last pretrain stage of the latest run; a checkpoint path; an HF folder; or a
-    checkpoint artifact fingerprint. The data context is the latest run's last pretrain stage
-    when the base itself carries none (an HF folder)."""
-    from model.checkpoint import resolve_checkpoint
-
-    def last_stage() -> Path:
-        run_id = latest_run(lineage, flow, "full")
-        rows = lineage.query(
-            "SELECT a.meta FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-            "WHERE s.run_id = ? AND s.step = 'pretrain' AND s.state IN ('completed', 'cached') "
-            "AND json_extract_string(a.meta, '$.kind') = 'pretrain' ORDER BY s.ended DESC LIMIT 1",
-            [run_id],
-        ) if run_id else []
-        if not rows:
-            raise LookupError(
-                f"no finished pretrain stage of a {flow!r} run in {lineage.path}: train one, or give "
-                "cpt an explicit base (checkpoint path, HF folder or fingerprint)"
-            )
-        return resolve_checkpoint(json.loads(rows[0][0])["checkpoint"])
-
-    path = Path(base) if base else None
-    if path is not None and (path / "config.json").is_file():
-        digest = hashlib.sha256(
-            "".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(path.glob("*.safetensors"))).encode()
-        ).hexdigest()[:16]
-        context = describe_checkpoint(lineage, last_stage(), None, nproc_per_node)
-        return CptBase(source=str(path.resolve()), kind="hf", digest=digest, context=context)
-    if not base:
-        ckpt = last_stage()
-    elif path is not None and path.exists():
-        ckpt = resolve_checkpoint(path)
-    else:
-        row = lineage.artifact(base)
-        if row is None or row["kind"] != "checkpoint":
-            raise LookupError(f"cpt base {base!r} is neither a path nor a checkpoint fingerprint in {lineage.path}")
-        ckpt = resolve_checkpoint(json.loads(row["meta"])["checkpoint"])
-    context = describe_checkpoint(lineage, ckpt, None, nproc_per_node)
-    return CptBase(source=str(ckpt), kind="checkpoint", digest=context.digest, context=context)
-
-
-def write_model_checkpoint(model, folder: Path) -> Path:
-    """A model-only checkpoint in the trainer's format (DCP + config + state + marker), for an
-    imported HF model: the trainer loads it with `init_from` and a fresh optimizer."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from model.checkpoint import MARKER, MODEL_CONFIG, TRAINER_STATE, atomic_write_text
-
-    folder.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
-    torch.save({"cpu": torch.get_rng_state()}, folder / "rng_rank0.pt")
-    atomic_write_text(folder / MODEL_CONFIG, json.dumps(model.config.to_dict(), indent=2))
-    state = {"step": 0, "global_step": 0, "schedule_start": 0, "stage": "hf", "stage_end": True,
-             "loss": None, "world_size": 1}
-    atomic_write_text(folder / TRAINER_STATE, json.dumps(state, indent=2))
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")}
-    atomic_write_text(folder / MARKER, json.dumps({"step": 0, "stage_end": True, "files": files}))
-    return folder
-
-
-def build_cpt_base(config: CptBase, out: Path, log=print) -> dict[str, Any]:
-    """Pin the base: copy a checkpoint, or convert an HF folder into one."""
-    import shutil
-
-    from model.checkpoint import MODEL_CONFIG, read_marker
-
-    target = out / "checkpoint" / "step_00000000"
-    if config.kind == "hf":
-        from model.hf import import_hf
-
-        write_model_checkpoint(import_hf(config.source), target)
-        log(f"imported HF model {config.source} into {target}")
-    else:
-        target = out / "checkpoint" / Path(config.source).name
-        shutil.copytree(config.source, target, copy_function=link_or_copy)
-        if read_marker(target) is None:
-            raise RuntimeError(f"the copy of {config.source} fails its manifest; rerun cpt")
-        log(f"pinned {config.source} to {target}")
-    model_config = json.loads((target / MODEL_CONFIG).read_text())
-    return {"checkpoint": str(target), "source": config.source, "stage": "cpt-base",
-            "kind": config.kind, "model_config": model_config}
-
-
-@step("cpt_base", version=1, kind="checkpoint")
-def cpt_base(config: CptBase, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: pin (copy or import) the CPT base as a trainer checkpoint."""
-    return build_cpt_base(config, out, log)
-
-
 # --- mixture and launch -----------------------------------------------------------------------
 
 
@@ -197,32 +90,25 @@ def cpt_weights(cfg: CptConfig, general: Mapping[str, float]) -> dict[str, float
     """(1 - replay) x new-domain data + replay x general data, each normalised first."""
     if not any(w > 0 for w in cfg.domain.values()):
         raise ValueError("cpt.domain names no new-domain source with a positive weight (e.g. cpt.domain={math: 1})")
-    out: dict[str, float] = {}
-    for weights, part in ((cfg.domain, 1 - cfg.replay), (general, cfg.replay)):
-        total = sum(weights.values())
-        for name, w in weights.items():
-            if total > 0 and part > 0:
-                out[name] = out.get(name, 0.0) + part * w / total
-    return {k: round(v, 10) for k, v in sorted(out.items()) if v > 0}
+    return blend([(cfg.domain, 1 - cfg.replay), (general, cfg.replay)])
 
 
-def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, model_config: Mapping[str, Any]) -> StageRun:
-    """The CPT launch: fresh optimizer and WSD schedule at lr_fraction x the base peak LR, a
-    checkpoint every eval_interval steps, all kept for the held-out evaluation."""
-    steps = max(1, math.ceil(cfg.tokens / (base.training.global_batch * base.seq_len)))
-    keep = steps // cfg.eval_interval + 1
-    # The model shape comes from the base's own checkpoint (an imported HF model need not be a preset).
-    overrides = {k: v for k, v in model_config.items() if k != "max_seq_len"}
-    training = base.training.model_copy(update={
-        "checkpoint_interval": cfg.eval_interval, "keep_last": keep, "min_lr": 0.0,
-        "model_overrides": overrides,
+def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, threads: int | None = None) -> StageRun:
+    """The CPT launch: the base stage's spec with a fresh optimizer and WSD schedule at
+    lr_fraction x its peak LR, keeping a checkpoint every eval_interval steps for the monitor.
+    The model shape comes from the base itself (an imported HF model need not be a preset)."""
+    steps = optimizer_steps(cfg.tokens, base.spec.global_batch, base.seq_len)
+    overrides = {k: v for k, v in base.model_shape.items() if k != "max_seq_len"} or base.spec.model_overrides
+    spec = base.spec.model_copy(update={
+        "stage": "cpt", "steps": steps, "model_overrides": overrides,
+        "optimizer": base.spec.optimizer.model_copy(update={"lr": base.peak_lr * cfg.lr_fraction}),
+        "schedule": ScheduleSpec(kind="wsd", warmup_steps=min(cfg.warmup_steps, steps),
+                                 decay_fraction=cfg.decay_fraction, min_lr=0.0, total_steps=steps, start_step=0),
+        "reset_optimizer": True, "reset_schedule": True,
+        "mixture_plan": "", "out_dir": "", "init_from": None,
     })
-    stage = StageConfig(name="cpt", mixture="weights:cpt", tokens=cfg.tokens, seq_len=base.seq_len)
-    return StageRun(
-        stage=stage, training=training, kind="pretrain", steps=steps, schedule="wsd",
-        lr=base.peak_lr * cfg.lr_fraction, warmup_steps=min(cfg.warmup_steps, steps),
-        decay_fraction=cfg.decay_fraction, total_steps=steps, start_step=0, rope_theta=None, fresh=True,
-    )
+    return StageRun(spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node,
+                    threads=threads)
 
 
 # --- held-out loss and forgetting ----------------------------------------------------------
@@ -254,18 +140,19 @@ def forgetting_flags(history: Sequence[Mapping[str, Any]], threshold: float) -> 
     return flagged
 
 
-def build_monitor(cfg: CptConfig, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
-    """Held-out loss of the base and of every kept CPT checkpoint, on both domains."""
+def build_monitor(cfg: CptConfig, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
+    """Held-out loss of the base (input `base`) and of every kept CPT checkpoint (input `stage`)
+    on both held-out sets (input `heldout`)."""
     import numpy as np
     import torch
 
     from model.checkpoint import Checkpointer, load_model, read_marker
 
-    base, stage = (a for a in inputs if a.kind == "checkpoint")
-    held = {a.meta["domain"]: a for a in inputs if a.kind == "shards"}
+    base, stage = one(inputs, "base"), one(inputs, "stage")
+    held = {a.meta["domain"]: a for a in many(inputs, "heldout")}
     data = {d: np.load(held[d].meta["file"]) for d in ("general", "domain") if d in held}
     eos = int(next(iter(held.values())).meta["eos_id"])
-    seq_len = int(json.loads((stage.path / "spec.json").read_text())["seq_len"])
+    seq_len = int(TrainSpec.load(stage.path / "spec.json").seq_len or 0)
     points = [(0, Path(base.meta["checkpoint"]))] + [
         (int(f.name[5:]), f) for f in Checkpointer(stage.path / "checkpoints").step_folders()
         if read_marker(f) is not None
@@ -304,7 +191,8 @@ def publish_monitor(artifact: Artifact, ws, label: str) -> None:
                           description="CPT held-out loss (general vs domain) and forgetting flags")
 
 
-@step("cpt_monitor", version=1, kind="eval", publish=publish_monitor)
-def cpt_monitor(config: CptConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: (base checkpoint, CPT stage, held-out tokens) -> loss history and flags."""
-    return build_monitor(config, tuple(inputs), out, log)
+@step("cpt_monitor", version=2, kind="eval", publish=publish_monitor, resource="eval", isolate=True)
+def cpt_monitor(config: CptConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The base (input `base`), the CPT stage (input `stage`) and held-out token sets (input
+    `heldout`) to the loss history and its forgetting flags."""
+    return build_monitor(config, inputs, out, log)

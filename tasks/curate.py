@@ -42,7 +42,7 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.writers import JsonlWriter
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
+from infra.artifact import Artifact, Inputs, operational
 from infra.registry import Registry
 from tasks.curate_parts import (  # noqa: F401  (re-exported: the pipeline components)
     AlphanumericFractionFilter,
@@ -54,7 +54,7 @@ from tasks.curate_parts import (  # noqa: F401  (re-exported: the pipeline compo
     SampleWriter,
     exact_text,
 )
-from tasks.step import step
+from tasks.step import one, step
 
 
 class SlurmConfig(BaseModel):
@@ -86,9 +86,9 @@ class CurationConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    executor: Literal["local", "slurm", "ray"] = "local"  # datatrove executor kind
-    tasks: int = Field(default=1, gt=0)  # datatrove tasks (capped by the number of input shards)
-    workers: int = Field(default=1, gt=0)  # tasks run at once (local: processes)
+    executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor kind
+    tasks: int = operational(1, gt=0)  # datatrove tasks (capped by the number of input shards)
+    workers: int = operational(1, gt=0)  # tasks run at once (local: processes)
     presets: dict[str, str] = {}  # source name -> preset name, overriding the domain's preset
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
     exact_dedup: bool = True  # drop documents whose text is identical to an earlier one
@@ -103,8 +103,16 @@ class CurationConfig(BaseModel):
     languages: tuple[str, ...] = ("en",)  # languages kept when language_model is set
     language_threshold: float = Field(default=0.65, ge=0, le=1)  # minimum LID score to keep
     removed_samples: int = Field(default=20, ge=0)  # removed documents kept per filter and reason
-    slurm: SlurmConfig | None = None  # required when executor is slurm
-    ray: RayConfig = RayConfig()  # used when executor is ray
+    slurm: SlurmConfig | None = operational(None)  # required when executor is slurm
+    ray: RayConfig = operational(RayConfig())  # used when executor is ray
+
+    def for_source(self, name: str) -> CurationConfig:
+        """This section as the curate step of source `name` sees it: its own preset and skip
+        entry only, so changing another source's entries does not rerun this one."""
+        return self.model_copy(update={
+            "presets": {k: v for k, v in self.presets.items() if k == name},
+            "minhash_skip": tuple(n for n in self.minhash_skip if n == name),
+        })
 
 
 # --- presets ----------------------------------------------------------------------------------
@@ -494,8 +502,7 @@ def publish_curated(artifact: Artifact, ws, label: str) -> None:
     )
 
 
-@step("curate", version=1, kind="corpus", publish=publish_curated)
-def curate(config: CurationConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: one source's corpus artifact to a curated corpus artifact."""
-    (corpus,) = inputs
-    return build_curated(config, corpus, out, log)
+@step("curate", version=2, kind="corpus", publish=publish_curated, resource="data", isolate=True)
+def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """One source's corpus (input `corpus`) to a curated corpus."""
+    return build_curated(config, one(inputs, "corpus"), out, log)

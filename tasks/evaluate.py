@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
+from infra.artifact import Artifact, Inputs, operational
 from tasks.sources import read_shards
-from tasks.step import step
+from tasks.step import many, one, step
 
 CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
 
@@ -47,9 +47,18 @@ class EvalConfig(BaseModel):
     lm_eval_tasks: tuple[str, ...] = ()  # extra lm-eval task names (hub data: needs network)
     contamination_ngram: int = Field(default=8, ge=4)  # word n-gram length for overlap
     contamination_max_docs: int = Field(default=50_000, gt=0)  # training docs scanned per corpus
-    batch_size: int = Field(default=8, gt=0)  # lm-eval batch size
+    batch_size: int = operational(8, gt=0)  # lm-eval batch size
     device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
     limit: int | None = Field(default=None, gt=0)  # cap items per task (quick checks)
+
+    def for_suite(self) -> EvalConfig:
+        """This section as the eval_suite step sees it: the fields that only say how models are
+        evaluated are at their defaults, so changing them does not rebuild the suite."""
+        return self.model_copy(update={f: type(self).model_fields[f].default for f in _RUN_FIELDS})
+
+
+# EvalConfig fields the evaluate step uses and the eval_suite step does not.
+_RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit")
 
 
 # --- building tasks -------------------------------------------------------------------------
@@ -156,8 +165,9 @@ def _item(context: str, gold: str, distractors: list[str], rng: random.Random, d
 
 
 def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool) -> list[str]:
-    """What to run after a stage: the cloze tasks always, passkey retrieval after context
-    extension, and the recipe's extra lm-eval tasks."""
+    """What to run on a model: every task of the suite but passkey retrieval (cloze tasks, and
+    the exact-match task of a post-training suite), passkey retrieval after context extension,
+    and the recipe's extra lm-eval tasks."""
     built = list(suite.meta.get("tasks", {}))
     cloze = [t for t in built if not t.startswith("passkey_")]
     passkey = [t for t in built if t.startswith("passkey_")] if long_context else []
@@ -415,17 +425,39 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
     create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
 
 
-@step("eval_suite", version=1, kind="eval")
-def eval_suite(config: EvalConfig, inputs, out: Path, *, log=print, seed: int = 0, n_sources: int,
-               **generation: int) -> dict[str, Any]:
-    """Prefect task: the eval suite from the sources' held-out splits (first `n_sources` inputs)
-    and contamination against the curated training corpora (the rest). `generation`
-    (generation_items, max_gen_tokens) adds the exact-match task, only when asked."""
-    return build_suite(config, inputs[:n_sources], inputs[n_sources:], out, seed, log, **generation)
+class SuiteSpec(BaseModel):
+    """The eval_suite step's config: the recipe's eval section (as `EvalConfig.for_suite`), the
+    seed of item sampling, and for post-training suites the exact-match generation task."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    eval: EvalConfig
+    seed: int = 0
+    generation_items: int = Field(default=0, ge=0)  # arithmetic exact-match items (0: none)
+    max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
 
 
-@step("evaluate", version=1, kind="eval", publish=publish_eval)
-def evaluate(config: EvalConfig, inputs, out: Path, *, log=print, tasks: list[str]) -> dict[str, Any]:
-    """Prefect task: lm-eval over one exported model (inputs: hf_model, eval suite)."""
-    model, suite = inputs
-    return build_eval(config, model, suite, out, tasks, log)
+class EvalSpec(BaseModel):
+    """The evaluate step's config: how to score a model, and whether it is long-context (passkey
+    retrieval runs only then). The tasks come from the suite input, not from the flow."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    eval: EvalConfig
+    long_context: bool = False
+
+
+@step("eval_suite", version=2, kind="eval", resource="data", isolate=True)
+def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The eval suite from the held-out splits of the corpora in input `heldout`, with
+    contamination measured against the training text of input `train`."""
+    return build_suite(config.eval, many(inputs, "heldout"), many(inputs, "train"), out, config.seed, log,
+                       generation_items=config.generation_items, max_gen_tokens=config.max_gen_tokens)
+
+
+@step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")
+def evaluate(config: EvalSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """lm-eval over one exported model (input `model`) on the suite (input `suite`)."""
+    suite = one(inputs, "suite")
+    tasks = stage_tasks(config.eval, suite, config.long_context)
+    return build_eval(config.eval, one(inputs, "model"), suite, out, tasks, log)

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.artifact import Artifact
-from tasks.step import step
+from infra.artifact import Artifact, Inputs
+from tasks.step import one, step
 from tasks.tokenize import selected_tokenizer
 
 
@@ -49,7 +49,8 @@ def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, 
             "model_dir": str(folder), "parameters": n, "dtype": config.dtype}
 
 
-@step("export", version=1, kind="hf_model")
-def export(config: ExportConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: checkpoint (+ fertility/tokenizer artifact) -> HF folder."""
-    return build_export(config, inputs, out, log)
+@step("export", version=2, kind="hf_model", resource="eval", isolate=True)
+def export(config: ExportConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """A stage's checkpoint (input `checkpoint`) and the run's tokenizer (`tokenizer`) to an
+    HF folder."""
+    return build_export(config, (one(inputs, "checkpoint"), one(inputs, "tokenizer")), out, log)

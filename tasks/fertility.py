@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
-from tasks.step import step
+from infra.artifact import Artifact, Inputs
+from tasks.step import many, step
 
 TRAINED = "trained"
 _WORD = re.compile(r"\S+")
@@ -288,9 +288,19 @@ def publish_fertility(artifact: Artifact, ws, label: str) -> None:
     )
 
 
-@step("fertility", version=1, kind="fertility", publish=publish_fertility)
-def fertility(
-    config: FertilityConfig, inputs, out: Path, *, log=print, weights: dict[str, float] | None = None
-) -> dict[str, Any]:
-    """Prefect task: tokenizer + curated corpora to a fertility report and tokenizer decision."""
-    return build_fertility(config, inputs, out, weights, log)
+class FertilitySpec(BaseModel):
+    """The fertility step's config: the recipe section and the first stage's source weights
+    (the selection rule weighs sources by them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fertility: FertilityConfig
+    weights: dict[str, float] = {}
+
+
+@step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True)
+def fertility(config: FertilitySpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The trained tokenizer (input `tokenizer`, if any) and curated corpora (`corpora`) to a
+    fertility report and the tokenizer decision."""
+    return build_fertility(config.fertility, [*many(inputs, "tokenizer"), *many(inputs, "corpora")], out,
+                           config.weights, log)

@@ -10,7 +10,6 @@ the eval scores.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
-from infra.lineage import Lineage
-from tasks.step import step
+from infra.artifact import Artifact, Inputs
+from tasks.step import many, one, step
 
 
 class HeldoutConfig(BaseModel):
@@ -68,10 +66,11 @@ def build_heldout(cfg: HeldoutConfig, inputs: Sequence[Artifact], out: Path, log
             "file": str(out / "tokens.npy"), "tokenizer": tok_info["path"]}
 
 
-@step("heldout_tokens", version=1, kind="shards")
-def heldout_tokens(config: HeldoutConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: (tokenizer artifact, curated corpora) -> held-out tokens of one domain."""
-    return build_heldout(config, tuple(inputs), out, log)
+@step("heldout_tokens", version=2, kind="shards", resource="data", isolate=True)
+def heldout_tokens(config: HeldoutConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The held-out tokens of one domain: the corpora of input `corpora`, tokenized with input
+    `tokenizer` (the run's fertility decision or tokenizer)."""
+    return build_heldout(config, (one(inputs, "tokenizer"), *many(inputs, "corpora")), out, log)
 
 
 def heldout_loss(model, tokens, seq_len: int, batch: int, eos_id: int) -> tuple[float, float]:
@@ -114,9 +113,10 @@ def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, 
     import numpy as np
 
     from model.checkpoint import load_model
+    from model.spec import TrainSpec
 
     ckpt = next(a for a in inputs if a.kind == "checkpoint")
-    seq_len = int(json.loads((ckpt.path / "spec.json").read_text())["seq_len"])
+    seq_len = int(TrainSpec.load(ckpt.path / "spec.json").seq_len or 0)
     model = load_model(ckpt.meta["checkpoint"])
     scores = {}
     for held in (a for a in inputs if a.kind == "shards"):
@@ -126,14 +126,7 @@ def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, 
     return {"stage": ckpt.meta.get("stage"), "scores": scores}
 
 
-@step("heldout_eval", version=1, kind="eval")
-def heldout_eval(config: HeldoutEval, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: (pretrain checkpoint, held-out token sets) -> held-out loss per set."""
-    return build_heldout_eval(config, tuple(inputs), out, log)
-
-
-def corpora_of(lineage: Lineage, shards: Sequence[Artifact]) -> list[Artifact]:
-    """The curated corpora the shards were tokenized from (they keep the held-out split)."""
-    from tasks.anneal import artifact_of
-
-    return [artifact_of(p) for s in shards for p in lineage.parents(s.fingerprint) if p["kind"] == "corpus"]
+@step("heldout_eval", version=2, kind="eval", resource="eval", isolate=True)
+def heldout_eval(config: HeldoutEval, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Held-out loss of a stage's checkpoint (input `checkpoint`) on each set of input `heldout`."""
+    return build_heldout_eval(config, (one(inputs, "checkpoint"), *many(inputs, "heldout")), out, log)

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
-from tasks.step import step
+from infra.artifact import Artifact, Inputs, operational
+from tasks.step import many, step
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,13 +129,32 @@ def normalised(weights: Mapping[str, float], where: str) -> tuple[dict[str, floa
     return {n: w / total for n, w in weights.items()}, total
 
 
-def mixture_digest(config: StageConfig, **_: Any) -> str:
+class MixtureSpec(BaseModel):
+    """The mixture step's config: what a stage's token plan depends on (the training-only fields
+    of the stage are left out, so changing them does not replan) and the data-order seed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # stage name
+    mixture: str  # YAML file of source weights (its content is in the fingerprint)
+    tokens: int = Field(gt=0)  # tokens of the stage
+    seq_len: int = Field(gt=0)  # sequence length
+    seed: int = 0  # seed of the data order the trainer draws
+    max_epochs: float = operational(4.0, gt=0)  # warn above this many repeats (a warning only)
+
+    @classmethod
+    def of(cls, stage: StageConfig, seed: int) -> MixtureSpec:
+        return cls(name=stage.name, mixture=stage.mixture, tokens=stage.tokens, seq_len=stage.seq_len,
+                   seed=seed, max_epochs=stage.max_epochs)
+
+
+def mixture_digest(config: MixtureSpec) -> str:
     """Content hash of the mixture file, so editing the YAML changes the step's fingerprint."""
     return hashlib.sha256(mixture_path(config.mixture).read_bytes()).hexdigest()[:16]
 
 
 def build_plan(
-    stage: StageConfig, shards: Sequence[Artifact], out: Path, seed: int = 0, log=print
+    stage: StageConfig | MixtureSpec, shards: Sequence[Artifact], out: Path, seed: int = 0, log=print
 ) -> dict[str, Any]:
     """Token budgets and expected epochs per source; writes `plan.json`; returns the meta."""
     by_source = {a.meta["source"]: a for a in shards if a.kind == "shards"}
@@ -213,7 +232,52 @@ def build_plan(
     }
 
 
-@step("mixture", version=1, kind="mixture", extra=mixture_digest)
-def mixture(config: StageConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
-    """Prefect task: every source's token shards to one stage's mixture plan."""
-    return build_plan(config, inputs, out, seed, log)
+class WeightsMixture(BaseModel):
+    """A mixture given as weights rather than as a YAML file (anneal, CPT and ablation runs)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # stage name in the plan
+    weights: dict[str, float] = Field(min_length=1)  # source name -> weight (normalised)
+    tokens: int = Field(gt=0)  # tokens of the run
+    seq_len: int = Field(gt=0)  # sequence length
+    seed: int = 0  # seed of the data order
+    max_epochs: float = operational(1000.0, gt=0)  # short runs on small data repeat by design
+
+
+def blend(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
+    """Sum of share x normalised weights over (weights, share) parts; parts with share 0 are
+    skipped. Anneals blend (current, 1 - share) with (candidate, share); continued pretraining
+    blends (new domain, 1 - replay) with (general data, replay)."""
+    out: dict[str, float] = {}
+    for weights, share in parts:
+        if share == 0:
+            continue
+        total = sum(weights.values())
+        if total <= 0 or any(w < 0 for w in weights.values()):
+            raise ValueError(f"mixture weights {dict(weights)} must be >= 0 and not all 0")
+        for name, w in weights.items():
+            out[name] = out.get(name, 0.0) + share * w / total
+    return {k: round(v, 10) for k, v in sorted(out.items()) if v > 0}
+
+
+def build_weights_mixture(config: WeightsMixture, shards: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+    """Write the weights as a mixture file in `out` and plan it with the mixture step's builder."""
+    path = out / "weights.yaml"
+    path.write_text(yaml.safe_dump({"weights": dict(config.weights)}), encoding="utf-8")
+    spec = MixtureSpec(name=config.name, mixture=str(path), tokens=config.tokens, seq_len=config.seq_len,
+                       seed=config.seed, max_epochs=config.max_epochs)
+    meta = build_plan(spec, shards, out, config.seed, log)
+    return {**meta, "weights": dict(config.weights)}
+
+
+@step("weights_mixture", version=2, kind="mixture")
+def weights_mixture(config: WeightsMixture, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Token shards (input `shards`) and weights to a mixture plan (the plan.json contract)."""
+    return build_weights_mixture(config, many(inputs, "shards"), out, log)
+
+
+@step("mixture", version=2, kind="mixture", extra=mixture_digest)
+def mixture(config: MixtureSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Every source's token shards (input `shards`) to one stage's mixture plan."""
+    return build_plan(config, many(inputs, "shards"), out, config.seed, log)

@@ -1,6 +1,7 @@
 """The preflight step: measure the machine, storage, data and recipe before training starts.
 
-    art = ctx.run(preflight, PreflightConfig(...), params={"facts": facts.to_dict(), "run_id": ctx.run_id})
+    g.add(preflight, PreflightSpec(preflight=cfg.preflight, **recipe_facts(cfg)), label="preflight",
+          tokenizer=chosen, mixtures=[...plans])
 
 The build runs `infra.preflight.run_preflight`, writes `preflight.json` (every result, the config,
 the facts, host and time) and `preflight.md` (the table) into the step folder, and raises
@@ -8,11 +9,13 @@ the facts, host and time) and `preflight.md` (the table) into the step folder, a
 any training stage launches. The publish hook records one `preflight` lineage row per check and a
 Prefect table artifact.
 
-Caching: preflight measures the machine, so a finished preflight must not stay Cached forever. The
-fingerprint therefore holds the run id (params `run_id`; each flow run passes its own, so every run
-measures again while a retry of the same run reuses its preflight) and, through `extra`, the host
-name (a retry on another machine measures that machine) and, when no run id is given, today's date
-(so a preflight outside a flow is reused at most for the day).
+Caching: a preflight is a measurement of this host for this recipe. Its fingerprint holds the
+host name (through `extra`), the checks' config and the facts of what the recipe trains (device,
+batch, sequence lengths, vocabulary, model size, token budgets), so a rerun on the same host reuses
+it and another host, model or data measures again; `--refresh preflight` measures again on demand.
+Facts that come from operational settings (ranks per node, micro-batch, checkpoints kept, the
+workspace path) and the run id are operational: they are checked, but changing them alone does not
+invalidate an earlier measurement.
 
 Deliberate break of the "build functions stay free of DuckDB" rule: a failing preflight never
 reaches `publish` (the step raises, no marker is written), yet failures are what lineage must
@@ -29,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from pydantic import BaseModel, ConfigDict
+
+from infra.artifact import Artifact, Inputs, operational
 from infra.lineage import Lineage
 from infra.preflight import (
     CheckResult,
@@ -43,7 +48,7 @@ from infra.preflight import (
     summary,
 )
 from infra.workspace import Workspace
-from tasks.step import step
+from tasks.step import many, step
 
 JSON_NAME, MD_NAME = "preflight.json", "preflight.md"
 
@@ -56,11 +61,22 @@ class PreflightFailed(RuntimeError):
         self.results = results
 
 
-def preflight_extra(config: PreflightConfig, *, facts: dict[str, Any] | None = None,
-                    run_id: str | None = None, **_: Any) -> str:
-    """Facts outside the config that change the output: this host, and the day without a run id."""
-    when = "" if run_id else time.strftime("%Y-%m-%d")
-    return f"{socket.gethostname()}|{when}"
+class PreflightSpec(BaseModel):
+    """The preflight step's config (see the module docstring for what is identity)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preflight: PreflightConfig
+    facts: dict[str, Any] = {}  # PreflightFacts fields of what the recipe trains
+    run_facts: dict[str, Any] = operational({})  # PreflightFacts fields of how it runs
+    model: str | None = None  # ModelConfig preset, sized at the tokenizer input's vocabulary
+    model_overrides: dict[str, Any] = {}  # its recipe overrides
+    run_id: str | None = operational(None)  # the flow run, for the lineage rows
+
+
+def preflight_extra(config: PreflightSpec) -> str:
+    """Facts outside the config that change the output: the host that is measured."""
+    return socket.gethostname()
 
 
 def _metric(results: list[CheckResult], name: str) -> float | None:
@@ -139,8 +155,7 @@ def build_preflight(
 
 def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) -> PreflightFacts:
     """Facts the recipe already knows (stage tokens, sequence length, workspace) plus the mixture
-    plans' paths; pass the rest (device, nproc_per_node, global_batch, model_vocab, ...) as keywords
-    until the recipe carries a training section."""
+    plans' paths; the rest (device, nproc_per_node, global_batch, model_vocab, ...) as keywords."""
     stages = tuple(getattr(recipe, "stages", ()) or ())
     known: dict[str, Any] = {
         "workspace": recipe.workspace,
@@ -150,6 +165,40 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
         "mixture_plans": tuple(str(Path(a.uri) / "plan.json") for a in plans if a.kind == "mixture"),
     }
     return PreflightFacts(**{**known, **facts})
+
+
+def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
+    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
+    import torch
+
+    t = recipe.training
+    device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    stages = tuple(recipe.stages)
+    facts = {
+        "device": device,
+        "global_batch": t.global_batch,
+        "stage_tokens": {st.name: st.tokens for st in stages},
+        "stage_seq_len": {st.name: st.seq_len for st in stages},
+        "seq_len": max((st.seq_len for st in stages), default=0),
+    }
+    run_facts = {
+        "nodes": recipe.launch.nodes,
+        "nproc_per_node": t.nproc_per_node,
+        "micro_batch": t.micro_batch,
+        "checkpoint_keep": t.keep_last + len(stages),
+        "workspace": str(recipe.workspace),
+    }
+    return PreflightSpec(preflight=recipe.preflight, facts=facts, run_facts=run_facts, model=t.model,
+                         model_overrides=dict(t.model_overrides), run_id=run_id)
+
+
+def model_facts(model: str, overrides: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The model's size and limits at the tokenizer's real vocabulary (the trainer's rule)."""
+    from model.config import ModelConfig
+
+    cfg = ModelConfig.from_preset(model, **{**overrides, "vocab_size": vocab_size})
+    return {"max_positions": cfg.max_seq_len, "tokenizer_vocab": vocab_size,
+            "model_vocab": cfg.vocab_size, "params": cfg.num_parameters()}
 
 
 def read_report(artifact: Artifact) -> dict[str, Any]:
@@ -173,15 +222,18 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     )
 
 
-@step("preflight", version=1, kind="preflight", extra=preflight_extra, publish=publish_preflight)
-def preflight(
-    config: PreflightConfig,
-    inputs: tuple[Artifact, ...],
-    out: Path,
-    *,
-    log=print,
-    facts: dict[str, Any],
-    run_id: str | None = None,
-) -> dict[str, Any]:
-    """Prefect task: run preflight for the recipe's facts (params: facts=PreflightFacts.to_dict())."""
-    return build_preflight(config, PreflightFacts.from_dict(facts), out, log=log, run_id=run_id)
+@step("preflight", version=2, kind="preflight", extra=preflight_extra, publish=publish_preflight,
+      resource="train", isolate=True)
+def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Preflight for the recipe's facts, with the vocabulary of the chosen tokenizer (input
+    `tokenizer`) and the stages' mixture plans (input `mixtures`)."""
+    from tasks.tokenize import selected_tokenizer
+
+    facts = {**config.facts, **config.run_facts}
+    tokenizer = many(inputs, "tokenizer")
+    if tokenizer and config.model:
+        vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
+        facts.update(model_facts(config.model, config.model_overrides, vocab))
+    facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in many(inputs, "mixtures"))
+    return build_preflight(config.preflight, PreflightFacts.from_dict(facts), out, log=log,
+                           run_id=config.run_id)

@@ -35,41 +35,47 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.artifact import Artifact
+from infra.artifact import Artifact, Inputs, operational
 from infra.launchers import LauncherConfig, get_launcher
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
+from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
 from tasks.mixture import StageConfig
-from tasks.step import step
+from tasks.step import one, step
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
 
+def _spec_default(name: str) -> Any:
+    """A TrainSpec default, so the recipe section and the trainer define it once."""
+    return TrainSpec.model_fields[name].default
+
+
 class TrainingConfig(BaseModel):
-    """The recipe's `training` section: model, batch, optimizer and schedule shared by stages."""
+    """The recipe's `training` section: model, batch, optimizer and schedule shared by stages.
+
+    `optimizer` is the trainer's own `OptimizerSpec` (`training.optimizer.lr` is the peak LR the
+    trainer uses, one name end to end). Operational fields change how stages run, not what they
+    compute, and never enter a fingerprint."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = "tiny"  # ModelConfig preset: tiny, smollm3_3b, ablation_1b
     model_overrides: dict[str, Any] = {}  # ModelConfig fields to change (vocab comes from the plan)
-    nproc_per_node: int = Field(default=1, gt=0)  # torchrun processes (GPUs) per node
     global_batch: int = Field(default=16, gt=0)  # sequences per optimizer step over all ranks
-    micro_batch: int = Field(default=8, gt=0)  # sequences per rank per forward/backward
-    lr: float = Field(default=3e-3, gt=0)  # peak learning rate (SmolLM3 3B: 2e-4)
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    eps: float = Field(default=1e-8, gt=0)  # AdamW epsilon
-    weight_decay: float = Field(default=0.1, ge=0)  # matrices only, never embeddings or norms
-    grad_clip: float = Field(default=1.0, ge=0)  # max gradient norm; 0 disables
+    optimizer: OptimizerSpec = OptimizerSpec()  # AdamW: lr (peak), betas, eps, weight_decay, grad_clip
     warmup_steps: int = Field(default=10, ge=0)  # linear warmup at the start of stage 1
     min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
-    checkpoint_interval: int = Field(default=25, gt=0)  # steps between checkpoints
-    keep_last: int = Field(default=2, ge=1)  # complete checkpoints kept besides stage ends
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA with NCCL+bf16 when present
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex on GPU, SDPA on CPU
-    num_threads: int | None = Field(default=None, gt=0)  # CPU threads per rank
-    peak_flops: float | None = Field(default=None, gt=0)  # declared peak for MFU (else measured)
-    log_interval: int = Field(default=1, gt=0)  # steps between metrics lines
+    nproc_per_node: int = operational(1, gt=0)  # torchrun processes (GPUs) per node
+    micro_batch: int = operational(8, gt=0)  # sequences per rank per forward/backward
+    checkpoint_interval: int = operational(25, gt=0)  # steps between checkpoints
+    keep_last: int = operational(_spec_default("keep_last"), ge=1)  # complete checkpoints kept besides stage ends
+    num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
+    peak_flops: float | None = operational(None, gt=0)  # declared peak for MFU (else measured)
+    log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:
@@ -86,22 +92,28 @@ class TrainingConfig(BaseModel):
 
 
 class StageRun(BaseModel):
-    """Everything one stage launch depends on (its fingerprint), resolved from the recipe."""
+    """The pretrain step's config: one stage's TrainSpec, and where and how it runs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    stage: StageConfig
-    training: TrainingConfig
-    kind: Literal["pretrain", "long_context"]
-    steps: int  # optimizer steps of this stage
-    schedule: Literal["wsd", "cosine"]
-    lr: float  # peak LR of this stage's schedule
-    warmup_steps: int
-    decay_fraction: float  # wsd: share of total_steps spent decaying
-    total_steps: int  # length of the schedule this stage is part of
-    start_step: int  # this stage's first position in that schedule
-    rope_theta: float | None  # RoPE base override (context extension)
-    fresh: bool  # fresh optimizer and schedule (context extension, annealing)
+    spec: TrainSpec  # what the trainer trains (its identity fields are the stage's identity)
+    kind: Literal["pretrain", "long_context", "anneal", "cpt"] = "pretrain"  # what the stage is for
+    # Downstream steps read a checkpoint every N steps (CPT's monitor): the stage then checkpoints
+    # every N steps and keeps them all. Identity: which checkpoints exist is part of the output.
+    keep_every: int | None = Field(default=None, gt=0)
+    launch: LauncherConfig = operational(LauncherConfig())  # local torchrun, Slurm or Kubernetes
+    storage: StorageConfig = operational(StorageConfig())  # S3 mirror of checkpoints
+    nproc_per_node: int = operational(1, gt=0)  # ranks per node
+    threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
+
+    @property
+    def name(self) -> str:
+        return self.spec.stage
+
+
+def optimizer_steps(tokens: int, global_batch: int, seq_len: int) -> int:
+    """Optimizer steps that train on `tokens` (at least one): the one steps formula."""
+    return max(1, math.ceil(tokens / (global_batch * seq_len)))
 
 
 def stage_batch(stage: StageConfig, training: TrainingConfig) -> tuple[int, int]:
@@ -110,67 +122,50 @@ def stage_batch(stage: StageConfig, training: TrainingConfig) -> tuple[int, int]
 
 
 def stage_steps(stage: StageConfig, training: TrainingConfig) -> int:
-    return max(1, math.ceil(stage.tokens / (stage_batch(stage, training)[0] * stage.seq_len)))
+    return optimizer_steps(stage.tokens, stage_batch(stage, training)[0], stage.seq_len)
 
 
-def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig]) -> list[StageRun]:
+def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields: Any) -> TrainSpec:
+    """A recipe stage as a TrainSpec; `fields` are what the schedule layout decides."""
+    global_batch, micro_batch = stage_batch(stage, training)
+    t = training
+    return TrainSpec(
+        stage=stage.name, global_batch=global_batch, micro_batch=micro_batch, seq_len=stage.seq_len,
+        model_preset=t.model, model_overrides=dict(t.model_overrides), rope_theta=stage.rope_theta,
+        seed=seed, device=t.device, attention_backend=t.attention_backend,
+        checkpoint_interval=t.checkpoint_interval, keep_last=t.keep_last, log_interval=t.log_interval,
+        num_threads=t.num_threads, peak_flops=t.peak_flops, **fields,
+    )
+
+
+def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageRun]:
     """Resolve the recipe's stages into launches: one WSD across the pretrain stages, then a fresh
-    cosine schedule per long-context stage."""
+    cosine schedule (and optimizer) per long-context stage at `lr_scale` x the peak LR."""
     main = [s for s in stages if s.kind == "pretrain"]
     steps = [stage_steps(s, training) for s in main]
     total = sum(steps)
     decay = sum(steps[len(steps) - training.decay_stages :]) if training.decay_stages else 0
     runs, position = [], 0
     for s, n in zip(main, steps, strict=True):
-        runs.append(StageRun(
-            stage=s, training=training, kind="pretrain", steps=n, schedule="wsd", lr=training.lr,
-            warmup_steps=min(training.warmup_steps, total), decay_fraction=decay / total if total else 0.0,
-            total_steps=total, start_step=position, rope_theta=s.rope_theta, fresh=False,
-        ))
+        schedule = ScheduleSpec(
+            kind="wsd", warmup_steps=min(training.warmup_steps, total),
+            decay_fraction=decay / total if total else 0.0, min_lr=training.min_lr,
+            total_steps=total, start_step=position,
+        )
+        spec = stage_spec(s, training, seed, steps=n, optimizer=training.optimizer, schedule=schedule)
+        runs.append(StageRun(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node))
         position += n
     for s in stages:
         if s.kind != "long_context":
             continue
         n = stage_steps(s, training)
-        runs.append(StageRun(
-            stage=s, training=training, kind="long_context", steps=n, schedule="cosine",
-            lr=training.lr * s.lr_scale, warmup_steps=min(s.warmup_steps, n), decay_fraction=1.0,
-            total_steps=n, start_step=0, rope_theta=s.rope_theta, fresh=True,
-        ))
+        schedule = ScheduleSpec(kind="cosine", warmup_steps=min(s.warmup_steps, n), decay_fraction=1.0,
+                                min_lr=training.min_lr, total_steps=n, start_step=0)
+        optimizer = training.optimizer.model_copy(update={"lr": training.optimizer.lr * s.lr_scale})
+        spec = stage_spec(s, training, seed, steps=n, optimizer=optimizer, schedule=schedule,
+                          reset_optimizer=True, reset_schedule=True)
+        runs.append(StageRun(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node))
     return runs
-
-
-def trainer_spec(run: StageRun, plan: Path, out: Path, init_from: str | None) -> dict[str, Any]:
-    """The `model.spec.TrainSpec` JSON for one stage."""
-    t = run.training
-    global_batch, micro_batch = stage_batch(run.stage, t)
-    return {
-        "mixture_plan": str(plan),
-        "out_dir": str(out),
-        "steps": run.steps,
-        "global_batch": global_batch,
-        "micro_batch": micro_batch,
-        "model_preset": t.model,
-        "model_overrides": dict(t.model_overrides),
-        "seq_len": run.stage.seq_len,
-        "rope_theta": run.rope_theta,
-        "optimizer": {"lr": run.lr, "betas": list(t.betas), "eps": t.eps,
-                      "weight_decay": t.weight_decay, "grad_clip": t.grad_clip},
-        "schedule": {"kind": run.schedule, "warmup_steps": run.warmup_steps,
-                     "decay_fraction": run.decay_fraction, "min_lr": t.min_lr,
-                     "total_steps": run.total_steps, "start_step": run.start_step},
-        "init_from": init_from,
-        "reset_optimizer": bool(init_from) and run.fresh,
-        "reset_schedule": bool(init_from) and run.fresh,
-        "checkpoint_interval": t.checkpoint_interval,
-        "keep_last": t.keep_last,
-        "seed": 0,
-        "log_interval": t.log_interval,
-        "device": t.device,
-        "attention_backend": t.attention_backend,
-        "num_threads": t.num_threads,
-        "peak_flops": t.peak_flops,
-    }
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -260,30 +255,39 @@ def _trainer_pgid(out: Path) -> int | None:
         return None
 
 
-def build_stage(
-    run: StageRun, inputs: tuple[Artifact, ...], out: Path, log=print, progress=None,
-    launch: LauncherConfig | None = None, storage: StorageConfig | None = None,
-) -> dict[str, Any]:
-    plan = inputs[0]
-    previous = next((a for a in inputs[1:] if a.kind == "checkpoint"), None)
-    init_from = previous.meta["checkpoint"] if previous else None
-    spec = trainer_spec(run, plan.path / "plan.json", out, init_from)
-    (out / "spec.json").write_text(json.dumps(spec, indent=2))
-    storage = storage or StorageConfig()
+def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=None) -> dict[str, Any]:
+    """Train one stage in `out` (resuming what an earlier attempt left there).
+
+    inputs: `mixture` (its mixture plan) and, when the stage continues a model, `init` (the
+    checkpoint artifact it starts from: the previous stage, or a pinned anneal/CPT base).
+    """
+    plan = one(inputs, "mixture")
+    previous = inputs.get("init")
+    init_from = previous.meta["checkpoint"] if isinstance(previous, Artifact) else None
+    spec = run.spec
+    if run.keep_every:
+        spec = spec.model_copy(update={"checkpoint_interval": run.keep_every,
+                                       "keep_last": spec.steps // run.keep_every + 1})
+    spec = spec.bind(plan.path / "plan.json", out, init_from)
+    spec.save(out / "spec.json")
+    storage = run.storage
     s3_checkpoints = f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
     ckpt_dir = out / "checkpoints"
     if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
         # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
         pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
         if pulled is not None:
-            log(f"{run.stage.name}: pulled {pulled.name} from {s3_checkpoints}")
+            log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
     resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
-    log(f"{run.stage.name}: {run.steps} steps x {spec['global_batch']} x {run.stage.seq_len} "
-        f"tokens, {run.schedule} lr {run.lr:g} (positions {run.start_step}..{run.start_step + run.steps} "
-        f"of {run.total_steps}){', resuming in ' + str(out) if resumed else ''}")
-    launcher = get_launcher(launch_config(launch or LauncherConfig(), run.training))
-    inject = os.environ.get(FAILURE_ENV) == run.stage.name and not (out / ".failure-injected").exists()
-    watcher = _Watcher(out, run.steps, progress, inject)
+    sched = spec.schedule
+    start = sched.start_step or 0
+    log(f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
+        f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
+        f"{sched.total_steps or spec.steps}), seed {spec.seed}"
+        f"{', resuming in ' + str(out) if resumed else ''}")
+    launcher = get_launcher(launch_config(run))
+    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
+    watcher = _Watcher(out, spec.steps, progress, inject)
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
     watcher.start()
     try:
@@ -292,7 +296,7 @@ def build_stage(
                             on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle)))
     except Exception:
         if watcher.injected:
-            raise RuntimeError(f"injected failure ({FAILURE_ENV}={run.stage.name}): trainer killed "
+            raise RuntimeError(f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed "
                                "after its first checkpoint") from None
         raise
     finally:
@@ -301,14 +305,14 @@ def build_stage(
     result = json.loads((out / "result.json").read_text())
     rows = read_metrics(out / "metrics.jsonl")
     if rows:
-        loss_curve(rows, out / "loss.png", f"{run.stage.name} ({run.kind})")
+        loss_curve(rows, out / "loss.png", f"{spec.stage} ({run.kind})")
     speeds = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
     mfus = [r["mfu"] for r in rows[1:]] or [r["mfu"] for r in rows]
     meta = {
-        "stage": run.stage.name,
+        "stage": spec.stage,
         "kind": run.kind,
-        "steps": run.steps,
-        "seq_len": run.stage.seq_len,
+        "steps": spec.steps,
+        "seq_len": spec.seq_len,
         "final_loss": rows[-1]["loss"] if rows else None,
         "checkpoint": result.get("checkpoint"),
         "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
@@ -322,14 +326,15 @@ def build_stage(
     return meta
 
 
-def launch_config(launch: LauncherConfig, training: TrainingConfig) -> LauncherConfig:
-    """The launcher for a stage: ranks per node from the training section, and on CPU the
-    machine's cores split between the ranks (torchrun would otherwise pin one thread each)."""
-    env = dict(launch.env)
+def launch_config(run: StageRun) -> LauncherConfig:
+    """The launcher for a stage: ranks per node from the recipe, and on CPU the stage's threads
+    (its train slot's, else the machine's cores split between the ranks; torchrun would
+    otherwise pin one thread per rank)."""
+    env = dict(run.launch.env)
     if "OMP_NUM_THREADS" not in env:
-        threads = training.num_threads or max(1, (os.cpu_count() or 1) // training.nproc_per_node)
+        threads = run.spec.num_threads or run.threads or max(1, (os.cpu_count() or 1) // run.nproc_per_node)
         env["OMP_NUM_THREADS"] = str(threads)
-    return launch.model_copy(update={"procs_per_node": training.nproc_per_node, "env": env})
+    return run.launch.model_copy(update={"procs_per_node": run.nproc_per_node, "env": env})
 
 
 def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -371,15 +376,10 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     create_markdown_artifact(markdown=markdown, key=key, description=f"{label}: loss and mixture")
 
 
-@step("pretrain", version=1, kind="checkpoint", resumable=True, publish=publish_stage,
-      ephemeral=("launch", "storage"))
-def pretrain(
-    config: StageRun, inputs, out: Path, *, log=print, progress=None,
-    launch: LauncherConfig | None = None, storage: StorageConfig | None = None,
-) -> dict[str, Any]:
-    """Prefect task: train one stage (inputs: its mixture plan, then the previous stage's
-    checkpoint; params `launch` and `storage` say where it runs and where checkpoints mirror)."""
-    return build_stage(config, inputs, out, log, progress, launch, storage)
+@step("pretrain", version=2, kind="checkpoint", resumable=True, publish=publish_stage, resource="train")
+def pretrain(config: StageRun, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+    """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
+    return build_stage(config, inputs, out, log, progress)
 
 
 def training_facts(training: TrainingConfig, vocab_size: int, stages: int) -> dict[str, Any]:

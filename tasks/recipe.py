@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from infra.launchers import LauncherConfig
 from infra.preflight import PreflightConfig
+from infra.slots import Resources
 from infra.storage import StorageConfig
 from tasks.anneal import AnnealConfig
 from tasks.cpt import CptConfig
@@ -61,6 +62,7 @@ class Recipe(BaseModel):
     storage: StorageConfig = StorageConfig()  # S3 mirror of checkpoints (and resume from it)
     anneal: AnnealConfig = AnnealConfig()  # annealing experiments: candidates, budget, noise runs
     cpt: CptConfig = CptConfig()  # continued pretraining: domain, replay, LR, forgetting monitor
+    resources: Resources = Resources()  # slots: how many train/eval/data steps run at once, threads each
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infra.artifact import Inputs
 from infra.registry import Registry
 from tasks.step import step
 
@@ -88,6 +89,8 @@ class Rejected:
 
 class SourceKind(ABC):
     """Base class of a source kind: yields Documents (and Rejected records) in a stable order."""
+
+    seeded = False  # whether the text depends on the recipe seed (generated data)
 
     def __init__(self, config: SourceConfig, seed: int):
         self.config = config
@@ -235,6 +238,8 @@ class BuiltinCode(SourceKind):
 @SOURCE_KINDS.register("builtin:math")
 class BuiltinMath(SourceKind):
     """Arithmetic and word problems with worked answers, deterministic per seed."""
+
+    seeded = True
 
     def records(self) -> Iterator[Document | Rejected]:
         rng = random.Random(f"builtin:math:{self.seed}")
@@ -476,8 +481,22 @@ def read_shards(folder: Path) -> Iterator[dict[str, Any]]:
                 yield {**row, "metadata": json.loads(row["metadata"])}
 
 
-def source_state(config: SourceConfig, seed: int) -> str:
-    return resolve_kind(config.uri)(config, seed).state()
+class SourceSpec(BaseModel):
+    """The source step's config: one recipe source, and the recipe seed for kinds that generate
+    text from it (builtin:math); None for kinds whose text does not depend on a seed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: SourceConfig
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, source: SourceConfig, seed: int) -> SourceSpec:
+        return cls(source=source, seed=seed if resolve_kind(source.uri).seeded else None)
+
+
+def source_state(config: SourceConfig, seed: int | None) -> str:
+    return resolve_kind(config.uri)(config, seed or 0).state()
 
 
 def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
@@ -543,7 +562,8 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
 
 
 
-@step("source", version=1, kind="corpus", extra=lambda config, seed: source_state(config, seed))
-def source(config: SourceConfig, inputs, out: Path, *, log=print, seed: int) -> dict[str, Any]:
-    """Prefect task: one recipe source to a corpus artifact."""
-    return build_corpus(config, seed, out, log)
+@step("source", version=2, kind="corpus", resource="data", isolate=True,
+      extra=lambda spec: source_state(spec.source, spec.seed))
+def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """One recipe source to a corpus artifact (no inputs)."""
+    return build_corpus(config.source, config.seed or 0, out, log)

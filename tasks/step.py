@@ -1,36 +1,50 @@
-"""The Prefect side of the step contract: a decorator that turns a build function into a task.
+"""A pipeline step as data: name, version, what it produces, its typed config and how it builds.
 
-    @step("corpus", version=1, kind="corpus", extra=lambda cfg, seed: ...)
-    def corpus(config, inputs, out, *, seed) -> dict: ...   # writes into `out`, returns meta
+    @step("curate", version=2, kind="corpus", resource="data", isolate=True)
+    def curate(config: CurationConfig, inputs: dict, out: Path, *, log=print) -> dict: ...
 
-gives a Prefect task `corpus(ws, config, inputs=(), label="", refresh=False, **params)` that returns
-an Artifact. Its cache key is the step fingerprint (name, version, config, input fingerprints, extra
-facts) plus a hash of the step module's source, with results persisted under the workspace, so a
-rerun or a UI retry comes back Cached and a changed config reruns only the steps downstream of it.
-If a cached result exists but its step folder was deleted, the key changes and the step rebuilds.
+makes `curate` a `StepDef` (Marin's "a step is data"). The build function receives its typed
+config, its inputs by name (one Artifact, or a tuple of them, per name), the step folder to write
+into and a `log` callback, plus `progress(percent)` when it declares one; it returns the Artifact's
+meta. Nothing here imports Prefect: flows/graph.py wires StepDefs into a graph, flows/runner.py
+runs it as Prefect tasks and flows/plan.py predicts it.
+
+Where a build runs:
+- `isolate=True`: in a child process (`python -m tasks.step CALL.json`), so Python-heavy work runs
+  in parallel despite the GIL, libraries that patch globals (TRL, datatrove's loggers) stay out of
+  the flow process, thread counts are the slot's own, and a cancelled or crashed run takes the
+  child down with it (infra/proc.py). The child prints its log lines; `progress` reaches the parent
+  as marked lines on the same stream.
+- otherwise in the flow process (light steps, and steps whose work is already a subprocess, such
+  as training stages launched through torchrun).
+`resource` names the slot (recipe `resources`) the build holds while it runs: train, eval or
+data; reusing a finished folder needs no slot.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
-import re
+import json
+import os
 import sys
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import CachePolicy
+from infra.artifact import Artifact, ArtifactKind, Inputs, fingerprint, write_atomic
 
-from infra.artifact import Artifact, ArtifactKind, fingerprint, read_marker, run_step
-from infra.workspace import Workspace
+Resource = Literal["train", "eval", "data"]
+PROGRESS_MARK = "@@smollm3-progress "  # a child's progress line: the mark, then a percentage
+CALL_FILE, RESULT_FILE, ERROR_FILE = ".step-call.json", ".step-result.json", ".step-error.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepDef:
     """A step as data: what it is called, its version, what it produces and how it builds."""
 
@@ -38,49 +52,50 @@ class StepDef:
     version: int
     kind: ArtifactKind
     build: Callable[..., dict[str, Any]]
-    extra: Callable[..., str] | None = None  # facts outside the config that change the output
+    extra: Callable[[Any], str] | None = None  # facts outside the config that change the output
     resumable: bool = False  # keep an interrupted attempt's files (training resumes from them)
     # Called after a build (not on reuse) to publish Prefect artifacts and lineage fact rows:
     # publish(artifact, ws, label). Build functions stay free of Prefect and DuckDB.
     publish: Callable[..., None] | None = None
-    # Params that say how a step runs, not what it computes (launcher, storage mirror): they are
-    # passed to the build but left out of the fingerprint, so moving a stage to Slurm or adding
-    # an S3 mirror does not retrain it.
-    ephemeral: tuple[str, ...] = ()
+    resource: Resource | None = None  # slot held while building (recipe `resources`)
+    isolate: bool = False  # build in a child process (see the module docstring)
+
+    @cached_property
+    def config_type(self) -> type:
+        """The class of the build's `config` argument (the step's typed config)."""
+        annotation = self.build.__annotations__["config"]
+        if isinstance(annotation, str):  # `from __future__ import annotations`
+            annotation = eval(annotation, vars(sys.modules[self.build.__module__]))  # noqa: S307
+        return annotation
 
     @cached_property
     def code_version(self) -> str:
+        """Hash of the step module's source: a changed module misses Prefect's cache (the marker
+        of an unchanged fingerprint is still reused: outputs change only with `version`)."""
         module = sys.modules[self.build.__module__]
-        source = inspect.getsource(module)
-        return hashlib.sha256(source.encode()).hexdigest()[:12]
+        return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:12]
 
-    def identity(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in params.items() if k not in self.ephemeral}
+    @cached_property
+    def wants_progress(self) -> bool:
+        return "progress" in inspect.signature(self.build).parameters
 
-    def fingerprint(self, config: Any, inputs: tuple[Artifact, ...], params: dict[str, Any]) -> str:
-        extra = self.extra(config, **params) if self.extra else ""
-        return fingerprint(
-            self.name, self.version, {"config": config, "params": self.identity(params)}, inputs, extra
-        )
+    def facts(self, config: Any) -> str:
+        """`extra` of this config: facts outside it that change the output ("" when none)."""
+        return self.extra(config) if self.extra else ""
 
+    def fingerprint(self, config: Any, inputs: Inputs, extra: str) -> str:
+        return fingerprint(self.name, self.version, config, inputs, extra)
 
-@dataclass
-class StepCache(CachePolicy):
-    """Cache key = step fingerprint + step code version; stale when the step folder is gone."""
+    def run(self, config: Any, inputs: Inputs, out: Path, log: Callable[[str], None] = print,
+            progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+        """Call the build function in this process."""
+        kwargs: dict[str, Any] = {"log": log}
+        if self.wants_progress:
+            kwargs["progress"] = progress or (lambda _: None)
+        return self.build(config, dict(inputs), out, **kwargs)
 
-    definition: StepDef | None = field(default=None)
-
-    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
-        d = self.definition
-        assert d is not None
-        ws: Workspace = inputs["ws"]
-        params = inputs.get("params") or {}
-        fp = d.fingerprint(inputs["config"], tuple(inputs.get("inputs") or ()), params)
-        key = f"{d.name}-{fp[:20]}-{d.code_version}-{hashlib.sha256(ws.root.encode()).hexdigest()[:8]}"
-        if (ws.results_dir / key).exists() and read_marker(ws.path / d.name / fp[:12]) is None:
-            # A cached result points at a folder that was deleted: make Prefect miss and rebuild.
-            return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
-        return key
+    def __repr__(self) -> str:
+        return f"StepDef({self.name!r}, version={self.version})"
 
 
 def step(
@@ -88,95 +103,139 @@ def step(
     *,
     version: int,
     kind: ArtifactKind,
-    extra: Callable[..., str] | None = None,
+    extra: Callable[[Any], str] | None = None,
     resumable: bool = False,
     publish: Callable[..., None] | None = None,
-    ephemeral: tuple[str, ...] = (),
-):
+    resource: Resource | None = None,
+    isolate: bool = False,
+) -> Callable[[Callable[..., dict[str, Any]]], StepDef]:
     """Declare a pipeline step; see the module docstring."""
 
-    def wrap(build: Callable[..., dict[str, Any]]):
-        definition = StepDef(name, version, kind, build, extra, resumable, publish, ephemeral)
-
-        @task(
-            name=name,
-            task_run_name=name + "[{label}]",
-            cache_policy=StepCache(definition=definition),
-            persist_result=True,
-        )
-        def run(
-            ws: Workspace,
-            config: Any,
-            inputs: tuple[Artifact, ...] = (),
-            label: str = "",
-            refresh: bool = False,
-            params: dict[str, Any] | None = None,
-        ) -> Artifact:
-            return execute(definition, ws, config, inputs, label, refresh, params or {})
-
-        run.definition = definition  # type: ignore[attr-defined]
-        return run
+    def wrap(build: Callable[..., dict[str, Any]]) -> StepDef:
+        return StepDef(name, version, kind, build, extra, resumable, publish, resource, isolate)
 
     return wrap
 
 
-def execute(
-    d: StepDef,
-    ws: Workspace,
-    config: Any,
-    inputs: tuple[Artifact, ...],
-    label: str,
-    refresh: bool,
-    params: dict[str, Any],
-) -> Artifact:
-    """Build (or reuse) the step folder and record the artifact and its edges in lineage."""
-    logger = get_run_logger()
-    extra = d.extra(config, **params) if d.extra else ""
-    outcome = run_step(
-        root=ws.path,
-        step=d.name,
-        version=d.version,
-        kind=d.kind,
-        config={"config": config, "params": d.identity(params)},
-        inputs=inputs,
-        build=lambda out: d.build(config, inputs, out, log=logger.info, **_progress(d, label), **params),
-        extra=extra,
-        refresh=refresh,
-        resumable=d.resumable,
-    )
-    artifact = outcome.artifact
-    verb = "built" if outcome.built else "reused finished"
-    logger.info(f"{d.name}[{label}] {verb} {artifact.kind} {artifact.short} at {artifact.uri}")
-    ws.lineage().record_artifact(artifact, d.name, label, config, inputs)
-    if outcome.built and d.publish is not None:
-        d.publish(artifact, ws, label)
-    if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
-        # Finished step folders go to S3 as they are built (marker last, checksums verified).
-        # Resumable steps (training stages) mirror their checkpoints while they run instead.
-        from infra.storage import mirror_artifact
-
-        target = f"{ws.storage.s3_uri.rstrip('/')}/{d.name}"
-        report = mirror_artifact(artifact.path, target, ws.storage)
-        logger.info(f"{d.name}[{label}] mirrored to {target}/{artifact.path.name} ({report})")
-    return artifact
+def one(inputs: Inputs, name: str) -> Artifact:
+    """The single artifact of input `name`."""
+    value = inputs[name]
+    if not isinstance(value, Artifact):
+        raise TypeError(f"input {name!r} is a list of {len(value)} artifacts, not one")
+    return value
 
 
-def _progress(d: StepDef, label: str) -> dict[str, Any]:
-    """A `progress(percent)` callback backed by a Prefect progress artifact, for build functions
-    that accept one (long steps such as training stages)."""
-    if "progress" not in inspect.signature(d.build).parameters:
-        return {}
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+def many(inputs: Inputs, name: str) -> tuple[Artifact, ...]:
+    """The artifacts of list input `name` (a single artifact counts as a list of one)."""
+    value = inputs.get(name, ())
+    return (value,) if isinstance(value, Artifact) else tuple(value)
 
-    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{label}-progress".lower())
-    artifact_id = create_progress_artifact(progress=0.0, key=key, description=f"{d.name}[{label}]")
+
+# --- running a build in a child process ------------------------------------------------------
+
+
+def child_command(call_file: Path) -> list[str]:
+    return [sys.executable, "-u", "-m", "tasks.step", str(call_file)]
+
+
+def child_env(threads: int | None) -> dict[str, str]:
+    """The child's environment: this code first on its path, and the slot's thread count for
+    every library that reads one (torch/OpenMP, MKL, tokenizers' rayon pool)."""
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+    if threads:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+            env[var] = str(threads)
+        env["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    return env
+
+
+def write_call(d: StepDef, config: Any, inputs: Inputs, out: Path) -> Path:
+    """Everything the child needs, as JSON in the step folder."""
+    payload = {
+        "module": d.build.__module__,
+        "attr": d.build.__name__,
+        "config": config.model_dump(mode="json") if hasattr(config, "model_dump") else config,
+        "inputs": {
+            name: v.model_dump(mode="json") if isinstance(v, Artifact) else [a.model_dump(mode="json") for a in v]
+            for name, v in inputs.items()
+        },
+        "out": str(out),
+    }
+    for stale in (RESULT_FILE, ERROR_FILE):
+        (out / stale).unlink(missing_ok=True)
+    path = out / CALL_FILE
+    write_atomic(path, json.dumps(payload, indent=2))
+    return path
+
+
+def read_result(out: Path) -> dict[str, Any]:
+    """The meta the child wrote; removes the call and result files (not part of the output)."""
+    meta = json.loads((out / RESULT_FILE).read_text(encoding="utf-8"))
+    for name in (CALL_FILE, RESULT_FILE):
+        (out / name).unlink(missing_ok=True)
+    return meta
+
+
+def read_error(out: Path) -> str | None:
+    """The one-line error the child recorded before failing, if any."""
+    try:
+        return json.loads((out / ERROR_FILE).read_text(encoding="utf-8"))["error"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def load_call(path: Path) -> tuple[StepDef, Any, dict[str, Any], Path]:
+    payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    d = getattr(importlib.import_module(payload["module"]), payload["attr"])
+    if not isinstance(d, StepDef):
+        raise TypeError(f"{payload['module']}.{payload['attr']} is not a step")
+    config = d.config_type.model_validate(payload["config"])
+    inputs = {
+        name: Artifact(**v) if isinstance(v, dict) else tuple(Artifact(**a) for a in v)
+        for name, v in payload["inputs"].items()
+    }
+    return d, config, inputs, Path(payload["out"])
+
+
+def _child(call_file: Path) -> int:
+    d, config, inputs, out = load_call(call_file)
 
     def progress(percent: float) -> None:
-        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
+        print(f"{PROGRESS_MARK}{float(percent):.2f}", flush=True)
 
-    return {"progress": progress}
+    try:
+        meta = d.run(config, inputs, out, log=lambda line: print(line, flush=True), progress=progress)
+    except BaseException as exc:  # noqa: BLE001 (recorded, then re-raised for the exit code)
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}".strip()
+        write_atomic(out / ERROR_FILE, json.dumps({"error": error[:4000]}))
+        raise
+    write_atomic(out / RESULT_FILE, json.dumps(meta, default=str))
+    return 0
 
 
-def results_storage(ws: Workspace) -> Path:
-    ws.results_dir.mkdir(parents=True, exist_ok=True)
-    return ws.results_dir
+def split_progress(line: str) -> float | None:
+    """The percentage of a child's progress line, None for an ordinary log line."""
+    if not line.startswith(PROGRESS_MARK):
+        return None
+    try:
+        return float(line[len(PROGRESS_MARK):])
+    except ValueError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1:
+        print("usage: python -m tasks.step CALL.json  (written by the flow runner)", file=sys.stderr)
+        return 2
+    return _child(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    # Run as `python -m tasks.step`: hand over to the imported module, so StepDef is one class
+    # (this file as __main__ would define a second one).
+    from tasks import step as _module
+
+    sys.exit(_module.main())

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
+from infra.artifact import Artifact, Inputs, operational
 from tasks.curate import (
     RayConfig,
     SlurmConfig,
@@ -32,7 +32,7 @@ from tasks.curate import (
     shard_count,
 )
 from tasks.curate_parts import CountingJsonlReader
-from tasks.step import step
+from tasks.step import one, step
 
 
 class TokenizeConfig(BaseModel):
@@ -40,12 +40,12 @@ class TokenizeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    executor: Literal["local", "slurm", "ray"] = "local"  # datatrove executor, as for curation
-    tasks: int = Field(default=1, gt=0)  # datatrove tasks (capped by the number of input shards)
-    workers: int = Field(default=1, gt=0)  # tasks run at once (local processes)
-    slurm: SlurmConfig | None = None  # required when executor is slurm (shared file system)
-    ray: RayConfig = RayConfig()  # used when executor is ray
-    batch_size: int = Field(default=1000, gt=0)  # documents per encode_batch call
+    executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor, as for curation
+    tasks: int = Field(default=1, gt=0)  # datatrove tasks = output files (capped by the input shards)
+    workers: int = operational(1, gt=0)  # tasks run at once (local processes)
+    slurm: SlurmConfig | None = operational(None)  # required when executor is slurm (shared file system)
+    ray: RayConfig = operational(RayConfig())  # used when executor is ray
+    batch_size: int = operational(1000, gt=0)  # documents per encode_batch call
     shuffle_documents: bool = True  # shuffle documents within each output file (seeded)
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
 
@@ -130,7 +130,18 @@ def build_token_shards(
     return meta
 
 
-@step("tokenize", version=1, kind="shards")
-def tokenize(config: TokenizeConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
-    """Prefect task: (fertility decision, curated corpus) to token shards of one source."""
-    return build_token_shards(config, tuple(inputs), out, seed, log)
+class TokenizeSpec(BaseModel):
+    """The tokenize step's config: the recipe section and the seed of the document shuffle."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokenize: TokenizeConfig
+    seed: int = 0
+
+
+@step("tokenize", version=2, kind="shards", resource="data", isolate=True)
+def tokenize(config: TokenizeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """A curated corpus (input `corpus`) to token shards with the chosen tokenizer (input
+    `tokenizer`: the fertility decision or the tokenizer itself)."""
+    return build_token_shards(config.tokenize, (one(inputs, "tokenizer"), one(inputs, "corpus")), out,
+                              config.seed, log)

@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact
-from tasks.step import step
+from infra.artifact import Artifact, Inputs
+from tasks.step import many, step
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>", "<|pad|>")  # EOS first: id 0
@@ -164,7 +164,18 @@ def build_tokenizer(
     return meta
 
 
-@step("tokenizer", version=1, kind="tokenizer")
-def tokenizer(config: TokenizerConfig, inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: curated corpora to a tokenizer folder."""
-    return build_tokenizer(config, inputs, out, log)
+def given_tokenizer_digest(config: TokenizerConfig) -> str:
+    """Digest of an adopted tokenizer file (a changed file changes the tokenizer)."""
+    if not config.path:
+        return ""
+    import hashlib
+
+    path = Path(config.path).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+
+
+@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest)
+def tokenizer(config: TokenizerConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Curated corpora (input `corpora`; none when adopting `tokenizer.path`) to a tokenizer."""
+    return build_tokenizer(config, many(inputs, "corpora"), out, log)

@@ -8,7 +8,7 @@ Each step receives only its own section (STYLE rule 4). Defaults are sized for t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -170,3 +170,25 @@ class PosttrainConfig(_Section):
     eval: PosttrainEvalConfig = PosttrainEvalConfig()
     seed: int = 0  # seed of data order, sampling and trainers
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda when available under "auto"
+
+
+S = TypeVar("S", bound=BaseModel)
+
+
+class TrainerRun(_Section, Generic[S]):
+    """A post-training step's config: its own section, plus the post-training seed and device."""
+
+    section: S
+    seed: int = 0  # posttrain.seed
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # posttrain.device
+
+    @classmethod
+    def of(cls, section: S, posttrain: PosttrainConfig) -> TrainerRun[S]:
+        return cls[type(section)](section=section, seed=posttrain.seed, device=posttrain.device)
+
+
+class ChatDataSpec(_Section):
+    """The posttrain_data step's config: the data section and the post-training seed."""
+
+    data: ChatDataConfig
+    seed: int = 0

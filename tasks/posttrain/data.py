@@ -36,10 +36,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
-from tasks.posttrain.config import ChatDataConfig
+from infra.artifact import Artifact, Inputs
+from tasks.posttrain.config import ChatDataConfig, ChatDataSpec
 from tasks.sources import read_shards
-from tasks.step import step
+from tasks.step import many, step
 
 _MATH = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
@@ -333,7 +333,8 @@ def preference_rows(
     return rows
 
 
-@step("posttrain_data", version=1, kind="corpus", extra=lambda config, **_: data_state(config.uri))
-def posttrain_data(config: ChatDataConfig, inputs, out: Path, *, log=print, seed: int = 0) -> dict[str, Any]:
-    """Prefect task: curated corpora -> SFT conversations, held-out conversations, prompts."""
-    return build_chat_data(config, inputs, out, seed, log)
+@step("posttrain_data", version=2, kind="corpus", resource="data", isolate=True,
+      extra=lambda spec: data_state(spec.data.uri))
+def posttrain_data(config: ChatDataSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Curated corpora (input `corpora`) to SFT conversations, held-out conversations, prompts."""
+    return build_chat_data(config.data, many(inputs, "corpora"), out, config.seed, log)

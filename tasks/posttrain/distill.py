@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from infra.artifact import Inputs
 from tasks.posttrain.common import (
     load_policy,
     model_dir,
@@ -28,9 +28,9 @@ from tasks.posttrain.common import (
     trainer_args,
     write_history,
 )
-from tasks.posttrain.config import DistillSection
+from tasks.posttrain.config import DistillSection, TrainerRun
 from tasks.posttrain.data import read_jsonl
-from tasks.step import step
+from tasks.step import one, step
 
 
 def check_teacher(teacher, student, teacher_name: str, teacher_tok=None, student_tok=None) -> None:
@@ -92,10 +92,11 @@ def train_distill(
     return model_meta("opd", folder, model, started, teacher=cfg.teacher, beta=cfg.beta, **facts)
 
 
-def teacher_state(config: DistillSection, **_: Any) -> str:
+def teacher_state(run: TrainerRun[DistillSection]) -> str:
     """The teacher's weights are outside the config: a changed local teacher reruns the step."""
     import hashlib
 
+    config = run.section
     if not config.teacher or not Path(config.teacher).expanduser().is_dir():
         return config.teacher or ""
     h = hashlib.sha256()
@@ -105,9 +106,9 @@ def teacher_state(config: DistillSection, **_: Any) -> str:
     return h.hexdigest()[:16]
 
 
-@step("distill", version=1, kind="hf_model", extra=teacher_state)
-def distill(config: DistillSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
-            progress=None, seed: int = 0, device: str = "auto") -> dict[str, Any]:
-    """Prefect task: (student hf_model, posttrain data) -> on-policy distilled model."""
-    student, data = inputs
-    return train_distill(config, model_dir(student), data.path, out, seed, device, log, progress)
+@step("distill", version=2, kind="hf_model", resource="train", isolate=True, extra=teacher_state)
+def distill(config: TrainerRun[DistillSection], inputs: Inputs, out: Path, *, log=print,
+            progress=None) -> dict[str, Any]:
+    """The student (input `model`) distilled on-policy from the recipe's teacher on input `data`."""
+    return train_distill(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
+                         config.seed, config.device, log, progress)

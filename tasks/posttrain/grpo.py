@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from infra.artifact import Inputs
 from tasks.posttrain.common import (
     load_policy,
     model_dir,
@@ -33,9 +33,9 @@ from tasks.posttrain.common import (
     trainer_args,
     write_history,
 )
-from tasks.posttrain.config import GRPOSection
+from tasks.posttrain.config import GRPOSection, TrainerRun
 from tasks.posttrain.data import exact_match_reward, format_reward, read_jsonl
-from tasks.step import step
+from tasks.step import one, step
 
 # What makes a checkpoint folder usable for resuming: Trainer writes trainer_state.json after
 # the weights and optimizer, so a folder cut short by a crash lacks it.
@@ -109,9 +109,8 @@ def train_grpo(
                       beta=cfg.beta, **facts)
 
 
-@step("grpo", version=1, kind="hf_model", resumable=True)
-def grpo(config: GRPOSection, inputs: tuple[Artifact, ...], out: Path, *, log=print, progress=None,
-         seed: int = 0, device: str = "auto") -> dict[str, Any]:
-    """Prefect task: (policy hf_model, posttrain data) -> GRPO model; resumes after a crash."""
-    policy, data = inputs
-    return train_grpo(config, model_dir(policy), data.path, out, seed, device, log, progress)
+@step("grpo", version=2, kind="hf_model", resumable=True, resource="train", isolate=True)
+def grpo(config: TrainerRun[GRPOSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+    """The policy (input `model`) trained with GRPO on the prompts of input `data`; resumes."""
+    return train_grpo(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
+                      config.seed, config.device, log, progress)

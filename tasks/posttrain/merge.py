@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from infra.artifact import Artifact, Inputs
 from tasks.posttrain.common import model_dir
 from tasks.posttrain.config import MergeSection
-from tasks.step import step
+from tasks.step import many, step
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt")
 
@@ -84,7 +84,7 @@ def build_merge(cfg: MergeSection, models: Sequence[Artifact], out: Path, log=pr
             "seconds": round(time.monotonic() - started, 1)}
 
 
-@step("merge", version=1, kind="hf_model")
-def merge(config: MergeSection, inputs: tuple[Artifact, ...], out: Path, *, log=print) -> dict[str, Any]:
-    """Prefect task: hf_models (post-trained first, then the long-context base) -> merged model."""
-    return build_merge(config, inputs, out, log)
+@step("merge", version=2, kind="hf_model", resource="eval", isolate=True)
+def merge(config: MergeSection, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """A linear merge of the models of input `models` (post-trained first, then the base)."""
+    return build_merge(config, many(inputs, "models"), out, log)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from infra.artifact import Inputs
 from tasks.posttrain.common import (
     load_policy,
     model_dir,
@@ -29,9 +29,9 @@ from tasks.posttrain.common import (
     trainer_args,
     write_history,
 )
-from tasks.posttrain.config import PreferenceSection
+from tasks.posttrain.config import PreferenceSection, TrainerRun
 from tasks.posttrain.data import data_state, is_correct, preference_rows, read_jsonl, write_jsonl
-from tasks.step import step
+from tasks.step import one, step
 
 
 def sample_completions(
@@ -153,9 +153,10 @@ def train_preference(
                       folder, model, started, loss_type=cfg.loss_type, beta=cfg.beta, **facts)
 
 
-@step("preference", version=1, kind="hf_model", extra=lambda config, **_: data_state(config.pairs))
-def preference(config: PreferenceSection, inputs: tuple[Artifact, ...], out: Path, *, log=print,
-               progress=None, seed: int = 0, device: str = "auto") -> dict[str, Any]:
-    """Prefect task: (SFT hf_model, posttrain data) -> preference-optimised model."""
-    policy, chat = inputs
-    return train_preference(config, model_dir(policy), chat.path, out, seed, device, log, progress)
+@step("preference", version=2, kind="hf_model", resource="train", isolate=True,
+      extra=lambda run: data_state(run.section.pairs))
+def preference(config: TrainerRun[PreferenceSection], inputs: Inputs, out: Path, *, log=print,
+               progress=None) -> dict[str, Any]:
+    """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the recipe)."""
+    return train_preference(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
+                            config.seed, config.device, log, progress)

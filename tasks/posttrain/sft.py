@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact
+from infra.artifact import Inputs
 from tasks.posttrain.common import (
     load_policy,
     model_dir,
@@ -26,9 +26,9 @@ from tasks.posttrain.common import (
     trainer_args,
     write_history,
 )
-from tasks.posttrain.config import SFTSection
+from tasks.posttrain.config import SFTSection, TrainerRun
 from tasks.posttrain.data import read_jsonl
-from tasks.step import step
+from tasks.step import one, step
 
 
 @plain_print()
@@ -69,9 +69,8 @@ def train_sft(
     return model_meta("sft", folder, model, started, examples=len(train), **facts)
 
 
-@step("sft", version=1, kind="hf_model")
-def sft(config: SFTSection, inputs: tuple[Artifact, ...], out: Path, *, log=print, progress=None,
-        seed: int = 0, device: str = "auto") -> dict[str, Any]:
-    """Prefect task: (base hf_model, posttrain data) -> SFT model."""
-    base, data = inputs
-    return train_sft(config, model_dir(base), data.path, out, seed, device, log, progress)
+@step("sft", version=2, kind="hf_model", resource="train", isolate=True)
+def sft(config: TrainerRun[SFTSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+    """The base model (input `model`) fine-tuned on the conversations (input `data`)."""
+    return train_sft(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
+                     config.seed, config.device, log, progress)
