@@ -95,16 +95,7 @@ def runs_table(lineage: Lineage, limit: int = 20, steps: bool = True) -> str:
 
 def eval_table(lineage: Lineage, run_id: str) -> str:
     """Scores per stage (rows) and task (columns) of the evaluations a run used (built or cached)."""
-    rows = lineage.query_dicts(
-        """
-        SELECT DISTINCT s.label AS stage, e.task, e.metric, e.value, s.started
-        FROM steps s JOIN evals e ON e.fingerprint = s.fingerprint
-        WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state <> 'failed'
-              AND e.metric IN ('acc', 'acc_norm', 'exact_match')
-        ORDER BY s.started
-        """,
-        [run_id],
-    )
+    rows = [{**r, "stage": r["label"]} for r in lineage.run_scores(run_id)]
     if not rows:
         return "no evaluations in this run"
     tasks = sorted({r["task"] for r in rows})
@@ -122,14 +113,10 @@ def eval_table(lineage: Lineage, run_id: str) -> str:
 
 def final_artifact(lineage: Lineage, run_id: str) -> dict[str, Any] | None:
     """The run's last exported model, else its newest artifact."""
-    for where in ("AND a.kind = 'hf_model'", ""):
-        rows = lineage.query_dicts(
-            "SELECT a.* FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-            f"WHERE s.run_id = ? AND s.state <> 'failed' {where} ORDER BY s.ended DESC LIMIT 1",
-            [run_id],
-        )
-        if rows:
-            return rows[0]
+    for kind in ("hf_model", None):
+        outputs = lineage.labelled_outputs(run_id, kind=kind)
+        if outputs:
+            return lineage.artifact(outputs[-1][1].fingerprint)
     return None
 
 
@@ -158,7 +145,7 @@ def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
     if ref == "latest":
         runs = lineage.runs(1)
     else:
-        runs = lineage.query_dicts("SELECT * FROM flow_runs WHERE run_id LIKE ? ORDER BY started DESC", [ref + "%"])
+        runs = lineage.find_runs(ref)
     if not runs:
         raise LookupError(f"no run {ref!r} in {lineage.path}; list them with `smollm3 runs`")
     if len(runs) > 1:
@@ -191,11 +178,7 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
         eval_table(lineage, run_id),
         "```",
     ]
-    stages = lineage.query_dicts(
-        "SELECT DISTINCT s.label, a.uri, s.started FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-        "WHERE s.run_id = ? AND s.step = 'pretrain' AND s.state <> 'failed' ORDER BY s.started",
-        [run_id],
-    )
+    stages = [{"label": label, "uri": a.uri} for label, a in lineage.labelled_outputs(run_id, "pretrain")]
     for st in stages:
         folder = Path(st["uri"])
         summary_md = folder / "summary.md"

@@ -197,7 +197,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         for name, value in raw_inputs.items()
     }
     ctx = call.ctx
-    started = _now()
+    started = [_now()]  # when the build began: after the slot was granted (waiting is not work)
     try:
         got = d.fingerprint(node.config, inputs, node.extra)
         if got != node.fingerprint:  # an input changed between planning and running
@@ -221,6 +221,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             if slot:
                 with hold(ws.path / ".slots", slot, getattr(resources, slot).slots,
                           poll=resources.poll_seconds, log=logger.info, who=node.key):
+                    started[0] = _now()
                     outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
                                        config=node.config, inputs=inputs, extra=node.extra, build=build,
                                        refresh=call.refresh, resumable=d.resumable)
@@ -230,7 +231,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                                    refresh=call.refresh, resumable=d.resumable)
     except BaseException as exc:
         cause = _cause(exc)
-        ctx.record(node, "failed", started, _now(), cause)
+        ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
             raise StepFailed(f"{node.key} failed: {cause}") from exc
         raise
@@ -240,7 +241,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
     lineage = ws.lineage()
     lineage.record_artifact(artifact, d.name, node.label, node.config,
                             [*_flat(inputs), *(_artifact(g) for g in gates)])
-    ctx.record(node, "completed", started, _now())
+    ctx.record(node, "completed", started[0], _now())
     if outcome.built and d.publish is not None:
         d.publish(artifact, ws, node.label)
     if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
@@ -301,10 +302,17 @@ def _progress(d: StepDef, node: Node):
     return progress
 
 
+# In-process evaluation (lm-eval) is not thread-safe and torch's thread count is per process: in
+# one flow process, one in-process eval build at a time, whatever the eval slot count.
+_IN_PROCESS_EVAL = threading.Lock()
+
+
 def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
-    if d.resource == "eval" and threads:
+    if d.resource != "eval":
+        return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
+    with _IN_PROCESS_EVAL:
         _set_threads(threads)  # in-process torch work takes its slot's thread count
-    return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
+        return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
 
 
 def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:

@@ -7,6 +7,8 @@ branches at once, within the recipe's resource slots) and `smollm3 plan` predict
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -35,7 +37,47 @@ from tasks.tokenizer import tokenizer
 def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> Graph:
     """The whole DAG of a recipe (tolerant: unreadable facts mark steps instead of failing)."""
     g = Graph("smollm3", tolerant=tolerant)
-    # Data, one branch per source: source -> curate; then the tokenizer over every source.
+    d = data(g, cfg)
+    if not cfg.stages:
+        return g
+
+    # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
+    # waits for the previous one only: its export and evaluation run beside the next stage.
+    check = g.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer,
+                  mixtures=list(d.plans.values()))
+    suite = g.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
+                  heldout=d.raw, train=d.clean)
+    previous: Node | None = None
+    threads = cfg.resources.threads("train")
+    for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
+        run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage, "threads": threads})
+        # The first stage waits for preflight (a gate, not an input); later ones for their init.
+        init = {"init": previous} if previous is not None else {}
+        gate = [check] if previous is None else []
+        previous = g.add(pretrain, run, label=run.name, mixture=d.plans[run.name], after=gate, **init)
+        model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)
+        g.add(evaluate, EvalSpec(eval=cfg.eval.for_run(), long_context=run.kind == "long_context"), label=run.name,
+              model=model, suite=suite)
+    final = model
+    if cfg.posttrain is not None:
+        final = post_train(g, cfg, model, d.raw, d.clean)
+    g.final = final
+    return g
+
+
+@dataclass(frozen=True)
+class DataNodes:
+    """The data part of the DAG, as the training part reads it."""
+
+    raw: list[Node]  # source corpora (their held-out splits feed the eval suites)
+    clean: list[Node]  # curated corpora
+    tokenizer: Node  # the tokenizer the shards were made with (or the fertility decision)
+    plans: dict[str, Node]  # mixture plan per stage
+
+
+def data(g: Graph, cfg: Recipe) -> DataNodes:
+    """Sources -> curation -> tokenizer -> fertility -> token shards -> mixture plans: one branch
+    per source up to the tokenizer, which samples every curated source."""
     raw = {s.name: g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources}
     clean = {
         s.name: g.add(curate, cfg.curation.for_source(s.name), label=s.name, corpus=raw[s.name])
@@ -59,29 +101,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     ]
     plans = {st.name: g.add(mixture, MixtureSpec.of(st, cfg.seed), label=st.name, shards=shards)
              for st in cfg.stages}
-    if not cfg.stages:
-        return g
-
-    # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
-    # waits for the previous one only: its export and evaluation run beside the next stage.
-    check = g.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=chosen,
-                  mixtures=list(plans.values()))
-    suite = g.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
-                  heldout=list(raw.values()), train=list(clean.values()))
-    previous: Node | None = None
-    threads = cfg.resources.threads("train")
-    for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
-        run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage, "threads": threads})
-        init = {"init": previous} if previous is not None else {}
-        previous = g.add(pretrain, run, label=run.name, mixture=plans[run.name], after=[check], **init)
-        model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=chosen)
-        g.add(evaluate, EvalSpec(eval=cfg.eval, long_context=run.kind == "long_context"), label=run.name,
-              model=model, suite=suite)
-    final = model
-    if cfg.posttrain is not None:
-        final = post_train(g, cfg, model, list(raw.values()), list(clean.values()))
-    g.final = final
-    return g
+    return DataNodes(list(raw.values()), list(clean.values()), chosen, plans)
 
 
 def post_train(g: Graph, cfg: Recipe, base: Node, raw: list[Node], clean: list[Node]) -> Node:
@@ -96,7 +116,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, raw: list[Node], clean: list[N
                   max_gen_tokens=pt.eval.max_gen_tokens),
         label="posttrain", heldout=raw, train=clean,
     )
-    scoring = EvalSpec(eval=cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size}))
+    scoring = EvalSpec(eval=cfg.eval.for_run().model_copy(update={"batch_size": pt.eval.batch_size}))
 
     def score(model: Node, label: str) -> None:
         g.add(evaluate, scoring, label=label, model=model, suite=suite)

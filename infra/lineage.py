@@ -316,13 +316,55 @@ class Lineage:
 
     def run_outputs(self, run_id: str, step: str) -> list[Artifact]:
         """Artifacts of `step` that a run built or reused (completed or cached), in run order."""
+        return [a for _, a in self.labelled_outputs(run_id, step)]
+
+    def labelled_outputs(self, run_id: str, step: str | None = None,
+                         kind: str | None = None) -> list[tuple[str, Artifact]]:
+        """(label, artifact) of the steps a run built or reused, optionally of one step name or
+        one artifact kind, in the order they finished."""
         rows = self.query_dicts(
-            "SELECT a.*, min(s.ended) AS finished FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-            "WHERE s.run_id = ? AND s.step = ? AND s.state IN ('completed', 'cached') "
+            "SELECT s.label AS step_label, a.*, min(s.ended) AS finished FROM steps s "
+            "JOIN artifacts a ON a.fingerprint = s.fingerprint "
+            "WHERE s.run_id = ? AND s.state IN ('completed', 'cached') "
+            "AND (? IS NULL OR s.step = ?) AND (? IS NULL OR a.kind = ?) "
             "GROUP BY ALL ORDER BY finished",
-            [run_id, step],
+            [run_id, step, step, kind, kind],
         )
-        return [artifact_of(r) for r in rows]
+        return [(r["step_label"], artifact_of(r)) for r in rows]
+
+    def run_scores(self, run_id: str, metrics: Sequence[str] = ("acc", "acc_norm", "exact_match")) -> list[dict[str, Any]]:
+        """Eval scores of a run's evaluate steps (built or reused): label (the evaluated stage or
+        model), task, metric, value, stderr, in the order the evaluations ran."""
+        return self.query_dicts(
+            f"""
+            SELECT DISTINCT s.label, e.task, e.metric, e.value, e.stderr, s.started
+            FROM steps s JOIN evals e ON e.fingerprint = s.fingerprint
+            WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state IN ('completed', 'cached')
+                  AND e.metric IN ({', '.join('?' * len(metrics))})
+            ORDER BY s.started
+            """,
+            [run_id, *metrics],
+        )
+
+    def find_runs(self, prefix: str) -> list[dict[str, Any]]:
+        """Runs whose id starts with `prefix`, newest first."""
+        return self.query_dicts("SELECT * FROM flow_runs WHERE run_id LIKE ? ORDER BY started DESC", [prefix + "%"])
+
+    # --- anneal comparisons (tasks/anneal.py): created on first use -------------------------
+
+    def record_comparisons(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Append rows to `anneal_comparisons` (see COMPARISON_SCHEMA for the columns)."""
+        with self.writer() as con:
+            con.execute(COMPARISON_SCHEMA)
+            con.executemany(f"INSERT INTO anneal_comparisons VALUES ({', '.join('?' * 19)})",
+                            [list(r) for r in rows])
+
+    def comparisons(self, comparison: str | None = None) -> list[dict[str, Any]]:
+        """Rows of `anneal_comparisons` (all, or one comparison's), newest first."""
+        if not self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'anneal_comparisons'"):
+            return []
+        where, params = ("WHERE comparison = ?", [comparison]) if comparison else ("", [])
+        return self.query_dicts(f"SELECT * FROM anneal_comparisons {where} ORDER BY created DESC, candidate, task", params)
 
 
 def artifact_of(row: dict[str, Any]) -> Artifact:
@@ -330,3 +372,13 @@ def artifact_of(row: dict[str, Any]) -> Artifact:
     meta = row["meta"]
     return Artifact(kind=row["kind"], uri=row["uri"], fingerprint=row["fingerprint"],
                     meta=json.loads(meta) if isinstance(meta, str) else dict(meta or {}))
+
+
+COMPARISON_SCHEMA = """
+CREATE TABLE IF NOT EXISTS anneal_comparisons (
+    comparison VARCHAR, run_id VARCHAR, base_checkpoint VARCHAR, base_global_step BIGINT,
+    candidate VARCHAR, task VARCHAR, metric VARCHAR, baseline DOUBLE, score DOUBLE, delta DOUBLE,
+    stderr DOUBLE, seed_std DOUBLE, noise DOUBLE, z DOUBLE, significant BOOLEAN, better VARCHAR,
+    improved BOOLEAN, eval_fingerprint VARCHAR, created TIMESTAMP
+)
+"""

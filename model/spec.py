@@ -31,7 +31,7 @@ class _Spec(BaseModel):
 class OptimizerSpec(_Spec):
     """AdamW, as SmolLM3 trained it; the recipe's `training.optimizer` is this class."""
 
-    lr: float = Field(default=3e-4, ge=0, allow_inf_nan=False)  # peak learning rate (SmolLM3 3B: 2e-4)
+    lr: float = Field(default=3e-4, ge=0)  # peak learning rate (SmolLM3 3B: 2e-4)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (SmolLM3)
     eps: float = Field(default=1e-8, gt=0)  # AdamW epsilon
     weight_decay: float = Field(default=0.1, ge=0)  # applied to matrices only: never to embeddings or norms
@@ -39,6 +39,8 @@ class OptimizerSpec(_Spec):
 
     @model_validator(mode="after")
     def _betas(self) -> OptimizerSpec:
+        if math.isnan(self.lr):
+            raise ValueError("optimizer.lr is NaN")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two values in [0, 1), got {list(self.betas)}")
         return self
@@ -101,8 +103,6 @@ class TrainSpec(_Spec):
             )
         if (self.reset_optimizer or self.reset_schedule) and self.init_from is None and self.out_dir:
             raise ValueError("reset_optimizer / reset_schedule only mean something with init_from")
-        if math.isnan(self.optimizer.lr):
-            raise ValueError("optimizer.lr is NaN")
         return self
 
     @property

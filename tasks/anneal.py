@@ -36,16 +36,6 @@ from tasks.mixture import WeightsMixture, blend
 from tasks.pretrain import StageRun, optimizer_steps
 from tasks.step import many, one, step
 
-COMPARISON_TABLE = "anneal_comparisons"
-COMPARISON_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {COMPARISON_TABLE} (
-    comparison VARCHAR, run_id VARCHAR, base_checkpoint VARCHAR, base_global_step BIGINT,
-    candidate VARCHAR, task VARCHAR, metric VARCHAR, baseline DOUBLE, score DOUBLE, delta DOUBLE,
-    stderr DOUBLE, seed_std DOUBLE, noise DOUBLE, z DOUBLE, significant BOOLEAN, better VARCHAR,
-    improved BOOLEAN, eval_fingerprint VARCHAR, created TIMESTAMP
-)
-"""
-
 
 class AnnealCandidate(BaseModel):
     """One candidate data source (or blend of sources) to test in an anneal."""
@@ -266,15 +256,12 @@ def publish_comparison(artifact: Artifact, ws, label: str) -> None:
     run_id = str(flow_run.id) if flow_run.id else None
     base = artifact.meta["base"]
     rows = artifact.meta["rows"]
-    with ws.lineage().writer() as con:
-        con.execute(COMPARISON_SCHEMA)
-        con.executemany(
-            f"INSERT INTO {COMPARISON_TABLE} VALUES ({', '.join('?' * 19)})",
-            [[artifact.fingerprint, run_id, base.get("source"), base.get("global_step"),
-              r["candidate"], r["task"], r["metric"], r["baseline"], r["score"], r["delta"],
-              r["stderr"], r["seed_std"], r["noise"], r["z"], r["significant"], r["better"],
-              r["improved"], r["eval_fingerprint"], now] for r in rows],
-        )
+    ws.lineage().record_comparisons(
+        [[artifact.fingerprint, run_id, base.get("source"), base.get("global_step"),
+          r["candidate"], r["task"], r["metric"], r["baseline"], r["score"], r["delta"],
+          r["stderr"], r["seed_std"], r["noise"], r["z"], r["significant"], r["better"],
+          r["improved"], r["eval_fingerprint"], now] for r in rows]
+    )
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "eval_fingerprint"}
              for r in rows]
     key = re.sub(r"[^a-z0-9-]+", "-", f"anneal-comparison-{label}".lower())
@@ -290,10 +277,4 @@ def anneal_compare(config: CompareConfig, inputs: Inputs, out: Path, *, log=prin
 
 def comparisons(lineage: Lineage, comparison: str | None = None) -> list[dict[str, Any]]:
     """Rows of `anneal_comparisons` (all, or one comparison's), newest first."""
-    if not lineage.query("SELECT 1 FROM information_schema.tables WHERE table_name = ?", [COMPARISON_TABLE]):
-        return []
-    where, params = ("WHERE comparison = ?", [comparison]) if comparison else ("", [])
-    return lineage.query_dicts(
-        f"SELECT * FROM {COMPARISON_TABLE} {where} ORDER BY created DESC, candidate, task", params
-    )
-
+    return lineage.comparisons(comparison)

@@ -87,7 +87,7 @@ class CurationConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor kind
-    tasks: int = operational(1, gt=0)  # datatrove tasks (capped by the number of input shards)
+    tasks: int = Field(default=1, gt=0)  # datatrove tasks = output shards (capped by the input shards)
     workers: int = operational(1, gt=0)  # tasks run at once (local: processes)
     presets: dict[str, str] = {}  # source name -> preset name, overriding the domain's preset
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large

@@ -213,17 +213,12 @@ def run_series(lineage, run_id: str, metric: str = "acc_norm") -> dict[str, Task
 
     The step of each eval is the cumulative number of optimizer steps of the stages trained so far
     (eval -> hf_model -> checkpoint in lineage)."""
-    evals = lineage.query_dicts(
-        "SELECT s.fingerprint, s.label, a.meta FROM steps s JOIN artifacts a ON a.fingerprint = s.fingerprint "
-        "WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state IN ('completed', 'cached') ORDER BY s.started",
-        [run_id],
-    )
     position, seen = 0, set()
     points: dict[str, list[tuple[float, float, float | None]]] = {}
     randoms: dict[str, float] = {}
-    for e in evals:
-        meta = json.loads(e["meta"])
-        ckpt = _checkpoint_of(lineage, e["fingerprint"])
+    for _, e in lineage.labelled_outputs(run_id, "evaluate"):
+        meta = e.meta
+        ckpt = _checkpoint_of(lineage, e.fingerprint)
         if ckpt is None:
             continue  # not a trained stage (e.g. an imported model)
         if ckpt["fingerprint"] not in seen:
@@ -249,7 +244,7 @@ def _checkpoint_of(lineage, eval_fp: str) -> dict[str, Any] | None:
             for grand in lineage.parents(parent["fingerprint"]):
                 if grand["kind"] == "checkpoint" and grand["step"] == "pretrain":
                     return grand
-    return None
+    return None  # not a trained stage (an imported or post-trained model)
 
 
 def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
@@ -279,11 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     lineage = Lineage(Path(args.workspace) / "lineage.duckdb")
     run = args.run
     if run is None:
-        rows = lineage.query("SELECT run_id FROM flow_runs WHERE flow = 'smollm3' ORDER BY started DESC LIMIT 1")
-        if not rows:
+        run = lineage.latest_run("smollm3")
+        if run is None:
             print(f"no smollm3 run in {lineage.path}")
             return 1
-        run = rows[0][0]
     series = run_series(lineage, run, args.metric)
     taus = anneal_consistency(lineage, args.metric)
     print(f"eval-task quality of run {run} ({args.metric})")

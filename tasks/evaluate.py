@@ -56,6 +56,14 @@ class EvalConfig(BaseModel):
         evaluated are at their defaults, so changing them does not rebuild the suite."""
         return self.model_copy(update={f: type(self).model_fields[f].default for f in _RUN_FIELDS})
 
+    def for_run(self) -> EvalConfig:
+        """This section as the evaluate step sees it: only the fields that say how models are
+        evaluated; the suite's fields are at their defaults (the suite input carries them)."""
+        keep = set(_RUN_FIELDS)
+        return self.model_copy(update={
+            f: type(self).model_fields[f].default for f in type(self).model_fields if f not in keep
+        })
+
 
 # EvalConfig fields the evaluate step uses and the eval_suite step does not.
 _RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit")

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.artifact import operational
 from infra.launchers import LauncherConfig
 from infra.preflight import PreflightConfig
 from infra.slots import Resources
@@ -46,7 +47,7 @@ class Recipe(BaseModel):
 
     name: str  # recipe name, shown in the UI and lineage
     seed: int = 0  # seed for generated data, sampling and initialisation
-    workspace: str = "workspace"  # folder for step outputs, lineage and Prefect state
+    workspace: str = operational("workspace")  # folder for step outputs, lineage and Prefect state
     sources: tuple[SourceConfig, ...] = Field(min_length=1)  # data sources, by unique name
     curation: CurationConfig = CurationConfig()  # filters, dedup and executor per source
     tokenizer: TokenizerConfig = TokenizerConfig()  # train a BPE or adopt a tokenizer.json
@@ -58,11 +59,11 @@ class Recipe(BaseModel):
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
     eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
     posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
-    launch: LauncherConfig = LauncherConfig()  # where stages run: local torchrun, Slurm, Kubernetes
-    storage: StorageConfig = StorageConfig()  # S3 mirror of checkpoints (and resume from it)
+    launch: LauncherConfig = operational(LauncherConfig())  # where stages run: local torchrun, Slurm, Kubernetes
+    storage: StorageConfig = operational(StorageConfig())  # S3 mirror of checkpoints (and resume from it)
     anneal: AnnealConfig = AnnealConfig()  # annealing experiments: candidates, budget, noise runs
     cpt: CptConfig = CptConfig()  # continued pretraining: domain, replay, LR, forgetting monitor
-    resources: Resources = Resources()  # slots: how many train/eval/data steps run at once, threads each
+    resources: Resources = operational(Resources())  # slots: how many train/eval/data steps run at once, threads each
 
     @model_validator(mode="after")
     def _unique_sources(self) -> Recipe:

@@ -22,11 +22,11 @@ from infra.preflight.core import (
     format_markdown,
     format_table,
     register,
-    run_preflight,
     should_stop,
     summary,
 )
 from infra.preflight.gpu import GpuBackend, GpuHealth, MemoryTest, StressSample, TorchNvmlBackend
+from infra.preflight.runner import run_preflight
 
 __all__ = [
     "CHECKS", "Check", "CheckContext", "CheckResult", "CommandOutput", "CommandRunner",

@@ -22,13 +22,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from infra.preflight.core import (
-    PreflightConfig,
-    PreflightFacts,
-    format_table,
-    run_preflight,
-    should_stop,
-)
+from infra.preflight.core import PreflightConfig, PreflightFacts, format_table, should_stop
+from infra.preflight.runner import run_preflight
 
 
 def _load(path: str | None, what: str) -> dict[str, Any]:

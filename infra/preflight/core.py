@@ -13,8 +13,6 @@ stage, ...). The caller fills the facts; checks never read the recipe or the env
 from __future__ import annotations
 
 import dataclasses
-import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -233,42 +231,6 @@ def register(cls: type[Check]) -> type[Check]:
 def selected(config: PreflightConfig) -> list[type[Check]]:
     names = config.checks if config.checks is not None else CHECKS.names()
     return sorted((CHECKS.get(n) for n in names), key=lambda c: (c.order, c.name))
-
-
-def run_preflight(
-    config: PreflightConfig,
-    facts: PreflightFacts,
-    *,
-    gpu: Any = None,
-    commands: Any = None,
-    log: Callable[[str], None] = print,
-) -> list[CheckResult]:
-    """Run the selected checks in order; a check that raises is reported as fail, never hidden."""
-    from infra.preflight.commands import SubprocessRunner
-    from infra.preflight.gpu import TorchNvmlBackend
-
-    ctx = CheckContext(
-        config=config,
-        facts=facts,
-        gpu=gpu if gpu is not None else TorchNvmlBackend(),
-        commands=commands if commands is not None else SubprocessRunner(),
-        log=log,
-    )
-    results: list[CheckResult] = []
-    for cls in selected(config):
-        if cls.name in config.skip:
-            results.append(CheckResult(cls.name, "skip", advice="skipped by config (skip)"))
-            continue
-        start = time.monotonic()
-        try:
-            res = cls().run(ctx)
-        except Exception as exc:  # a broken check must show up as a fail with its cause
-            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            res = CheckResult(cls.name, "fail", advice=f"check raised {last}")
-        res = dataclasses.replace(res, seconds=round(time.monotonic() - start, 3))
-        log(f"preflight {res.name}: {res.status} {res.value}".rstrip())
-        results.append(res)
-    return results
 
 
 def should_stop(results: list[CheckResult], allow_warn: bool = False) -> bool:

@@ -60,15 +60,17 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from flows.anneal import anneal
     from tasks.anneal import comparisons
 
-    result = anneal(overrides=[*OVERRIDES, f"workspace={base_ws}"])
+    # Two train slots: the anneal runs are independent branches and train side by side.
+    over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2"]
+    result = anneal(overrides=over)
     assert set(result["states"]) == {"completed"}
     lineage = Lineage(base_ws / "lineage.duckdb")
 
-    # The base: stage 1's newest complete checkpoint (step 8 of 8, all stable), pinned by copy.
-    (pin,) = lineage.query_dicts("SELECT * FROM artifacts WHERE step = 'anneal_base'")
+    # The base: stage 1's newest complete checkpoint (step 8 of 8, all stable), pinned by links.
+    (pin,) = lineage.query_dicts("SELECT * FROM artifacts WHERE step = 'pin'")
     meta = json.loads(pin["meta"])
     assert (meta["stage"], meta["step"], meta["global_step"]) == ("stage1", 8, 8)
-    assert meta["checkpoint"].startswith(str(base_ws / "anneal_base"))
+    assert meta["checkpoint"].startswith(str(base_ws / "pin"))
     assert Path(meta["source"]).parent.parent.parent == base_ws / "pretrain"
 
     # Three anneal runs from the pin, each its own data, LR decaying linearly to 0.
@@ -81,6 +83,16 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
         lrs = [r["lr"] for r in rows]
         assert lrs[-1] == 0.0 and all(a > b for a, b in zip(lrs, lrs[1:], strict=False)), (label, lrs)
     assert runs["anneal-math"]["tokens_per_source"]["math"] > runs["anneal-baseline"]["tokens_per_source"]["math"]
+    spans = [(s["started"], s["ended"]) for s in lineage.steps_of(result["run_id"])
+             if s["step"] == "pretrain" and s["state"] == "completed"]
+    assert len(spans) == 3 and any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b), spans
+
+    # `smollm3 plan --flow anneal` resolves the same base and graph: every step reused.
+    from flows.plan import plan
+    from tasks.recipe import load_recipe
+
+    rows = plan(load_recipe("tiny", over), flow="anneal")
+    assert {r.action for r in rows} == {"reuse"} and len(rows) == len(lineage.steps_of(result["run_id"]))
 
     # The comparison: every candidate x task, deltas of real scores, with their noise.
     rows = comparisons(lineage)
@@ -133,8 +145,13 @@ def test_cpt_from_an_hf_folder_tracks_heldout_loss_on_both_domains(base_ws):
     hf_dir = json.loads(export["meta"])["model_dir"]
     result = cpt(overrides=[*OVERRIDES, f"workspace={base_ws}"], base=hf_dir)
     assert set(result["states"]) == {"completed"}
-    (pin,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'cpt_base'")
-    assert json.loads(pin["meta"])["kind"] == "hf"  # imported with model.hf.import_hf
+    pins = [json.loads(r["meta"]) for r in lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'pin'")]
+    assert [p["base_kind"] for p in pins if p["stage"] == "hf"] == ["hf"]  # imported with model.hf.import_hf
+    from flows.plan import plan
+    from tasks.recipe import load_recipe
+
+    rows = plan(load_recipe("tiny", [*OVERRIDES, f"workspace={base_ws}"]), flow="cpt", base=hf_dir)
+    assert {r.action for r in rows} == {"reuse"}, [(r.key, r.reason) for r in rows if r.action == "run"]
     (stage,) = lineage.query_dicts("SELECT uri, meta FROM artifacts WHERE step = 'pretrain' AND label = 'cpt'")
     spec = json.loads((Path(stage["uri"]) / "spec.json").read_text())
     assert spec["optimizer"]["lr"] == pytest.approx(0.1 * 0.003)  # a tenth of the base peak

@@ -116,6 +116,16 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         assert final["kind"] == "hf_model" and final["label"] == "long2"
         raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}
         assert raw == {"prose", "code", "math"}
+
+        # After the served run, `smollm3 plan` from the console script in another cwd reuses
+        # every step: the served deployment and the CLI compute the same fingerprints.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        console = str(Path(sys.executable).parent / "smollm3")
+        out = subprocess.run([console, "plan", "tiny", *TINY_TRAIN, f"workspace={ws}"], cwd=elsewhere,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 33 reuse"), out.stdout
     finally:
         os.killpg(serve.pid, 9)
         serve.wait()

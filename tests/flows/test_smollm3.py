@@ -95,3 +95,59 @@ def test_finished_step_folders_are_mirrored_to_s3(tmp_path, prefect_harness, s3)
         assert f"mirror/{step}/{Path(uri).name}/_COMPLETE.json" in keys, f"{step} not mirrored"
     recorded = " ".join(str(r) for r in lineage.query("SELECT * FROM artifacts"))
     assert "SeCrEt" not in recorded  # the fixture's sentinel secret never reaches lineage
+
+
+def _ui_edges(run_id: str) -> set[tuple[str, str]]:
+    """(parent, child) task-run names from Prefect's API `task_inputs` of a flow run."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.objects import TaskRunResult
+
+    with get_client(sync_client=True) as client:
+        runs: list = []
+        for _ in range(60):  # task runs reach the API through events: wait until all are there
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            if runs and all(r.state and r.state.is_final() for r in runs):
+                break
+            time.sleep(0.5)
+    name = {r.id: r.name for r in runs}
+    return {
+        (name[i.id], r.name)
+        for r in runs for inputs in r.task_inputs.values() for i in inputs
+        if isinstance(i, TaskRunResult) and i.id in name
+    }
+
+
+def _lineage_edges(lineage: Lineage, run_id: str) -> set[tuple[str, str]]:
+    """(parent, child) step names of the lineage `edges` between the steps of one run."""
+    key = {s["fingerprint"]: f"{s['step']}[{s['label']}]" for s in lineage.steps_of(run_id)}
+    return {(key[p], key[c]) for p, c in lineage.query("SELECT parent, child FROM edges") if p in key and c in key}
+
+
+@pytest.mark.slow
+def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path, prefect_harness):
+    """The whole tiny DAG (pretraining, export and eval per stage) through Prefect: independent
+    branches overlap in time (per-source data steps; the evaluation of stage 1 beside the training
+    of stage 2), every task run's inputs in the Prefect API equal the lineage edges, and both equal
+    the graph the flow built."""
+    from flows.smollm3 import graph
+    from tasks.recipe import load_recipe
+    from tests.conftest import TINY_TRAIN
+
+    over = [*TINY_TRAIN, f"workspace={tmp_path / 'ws'}"]
+    result = smollm3(overrides=over)
+    assert set(result["states"]) == {"completed"}
+    lineage = Lineage(tmp_path / "ws" / "lineage.duckdb")
+    span = {f"{s['step']}[{s['label']}]": (s["started"], s["ended"]) for s in lineage.steps_of(result["run_id"])}
+
+    def overlap(a: str, b: str) -> bool:
+        return span[a][0] < span[b][1] and span[b][0] < span[a][1]
+
+    assert overlap("evaluate[stage1]", "pretrain[stage2]"), (span["evaluate[stage1]"], span["pretrain[stage2]"])
+    assert overlap("source[prose]", "source[code]") or overlap("curate[prose]", "curate[code]")
+
+    expected = graph(load_recipe("tiny", over)).edges()
+    assert _lineage_edges(lineage, result["run_id"]) == expected
+    assert _ui_edges(result["run_id"]) == expected

@@ -9,13 +9,8 @@ import torch
 from model.checkpoint import load_model
 from model.config import ModelConfig
 from model.model import SmolLM3
-from tasks.cpt import (
-    CptConfig,
-    cpt_weights,
-    forgetting_flags,
-    general_weights,
-    write_model_checkpoint,
-)
+from tasks.base import write_model_checkpoint
+from tasks.cpt import CptConfig, cpt_weights, forgetting_flags, general_weights
 from tasks.heldout import heldout_loss
 
 
@@ -49,26 +44,25 @@ def test_replay_mixture_and_general_data():
 
 
 def test_cpt_launch_is_a_tenth_of_the_peak_with_fresh_optimizer(tmp_path):
-    from pathlib import Path
-
-    from tasks.anneal import BaseCheckpoint
+    from model.spec import OptimizerSpec, TrainSpec
+    from tasks.base import BaseCheckpoint
     from tasks.cpt import cpt_stage
-    from tasks.pretrain import TrainingConfig, trainer_spec
 
+    spec = TrainSpec(stage="stage3", steps=20, global_batch=8, micro_batch=8, seq_len=64, seed=7,
+                     optimizer=OptimizerSpec(lr=3e-3))
     base = BaseCheckpoint(
-        checkpoint="c", digest="d", stage="stage3", step=5, global_step=80, lr=0.0, peak_lr=3e-3,
-        weights={"a": 1.0}, seq_len=64, training=TrainingConfig(global_batch=8, micro_batch=8),
-        run_id=None, shards=(), tokenizer="t", suite=None,
+        checkpoint="c", digest="d", stage="stage3", step=5, global_step=80, lr=0.0, spec=spec,
+        weights={"a": 1.0}, run_id=None, shards=(), tokenizer="t", suite=None,
+        model_shape={"vocab_size": 100, "hidden_size": 32, "max_seq_len": 64},
     )
     cfg = CptConfig(domain={"a": 1}, tokens=8 * 64 * 10, eval_interval=3, warmup_steps=2, decay_fraction=0.2)
-    run = cpt_stage(cfg, base, {"vocab_size": 100, "hidden_size": 32})
-    spec = trainer_spec(run, Path("plan.json"), Path("out"), "ckpt")
-    assert run.steps == 10 and spec["optimizer"]["lr"] == pytest.approx(3e-4)
-    assert spec["reset_optimizer"] and spec["reset_schedule"]
-    assert spec["schedule"] == {"kind": "wsd", "warmup_steps": 2, "decay_fraction": 0.2, "min_lr": 0.0,
-                                "total_steps": 10, "start_step": 0}
-    assert spec["checkpoint_interval"] == 3 and spec["keep_last"] == 4  # every interval kept
-    assert spec["model_overrides"] == {"vocab_size": 100, "hidden_size": 32}
+    run = cpt_stage(cfg, base)
+    assert run.spec.steps == 10 and run.spec.optimizer.lr == pytest.approx(3e-4)
+    assert run.spec.reset_optimizer and run.spec.reset_schedule and run.spec.seed == 7
+    assert run.spec.schedule.model_dump() == {"kind": "wsd", "warmup_steps": 2, "decay_fraction": 0.2,
+                                              "min_lr": 0.0, "total_steps": 10, "start_step": 0}
+    assert run.keep_every == 3  # the monitor reads a checkpoint every interval: all kept
+    assert run.spec.model_overrides == {"vocab_size": 100, "hidden_size": 32}  # the base's own shape
 
 
 def test_heldout_loss_matches_the_model_loss_and_hf_import_becomes_a_base(tmp_path):

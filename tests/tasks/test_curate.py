@@ -215,35 +215,21 @@ def test_recipe_rejects_unknown_presets_and_sources():
         load_recipe("tiny", ["curation.presets.poetry=web"])
 
 
-DATA_STEPS = ("source", "curate", "tokenizer", "fertility", "tokenize", "mixture")
-
-
 def data_flow(overrides: list[str]) -> dict:
     """The data part of flows/smollm3.py (sources -> ... -> mixture plans), as its own flow."""
     from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
 
-    from flows.runner import RunContext
-    from tasks.curate import curate
-    from tasks.fertility import fertility
-    from tasks.mixture import mixture
-    from tasks.sources import source
-    from tasks.tokenize import tokenize
-    from tasks.tokenizer import tokenizer
+    from flows.graph import Graph
+    from flows.runner import run_flow
+    from flows.smollm3 import data
 
-    @flow(name="smollm3-data-test")
+    @flow(name="smollm3-data-test", task_runner=ThreadPoolTaskRunner(max_workers=32))
     def run() -> dict:
         cfg = load_recipe("tiny", overrides)
-        with RunContext("smollm3-data-test", cfg, "tiny", DATA_STEPS) as ctx:
-            corpora = {s.name: ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources}
-            curated = {n: ctx.run(curate, cfg.curation, [c], label=n) for n, c in corpora.items()}
-            tok = ctx.run(tokenizer, cfg.tokenizer, list(curated.values()), label="bpe")
-            fert = ctx.run(fertility, cfg.fertility, [tok, *curated.values()], label="fertility",
-                           params={"weights": cfg.mixture_weights()})
-            shards = [ctx.run(tokenize, cfg.tokenize, [fert, c], label=n, params={"seed": cfg.seed})
-                      for n, c in curated.items()]
-            for st in cfg.stages:
-                ctx.run(mixture, st, shards, label=st.name, params={"seed": cfg.seed})
-            return ctx.summary()
+        g = Graph("smollm3-data-test")
+        data(g, cfg)
+        return run_flow("smollm3-data-test", g, cfg, "tiny")
 
     return run()
 

@@ -146,3 +146,15 @@ def test_tiny_mixtures_load():
         assert set(load_weights(st.mixture)) <= names
     for stage in ("stage1", "stage2", "stage3"):  # the pretraining stages use every source
         assert set(load_weights(f"mixtures/tiny/{stage}.yaml")) == names
+
+
+def test_blend_weighs_normalised_parts_by_their_share():
+    from tasks.mixture import blend
+
+    # an anneal: 40% of the current mixture, 60% of the candidate
+    assert blend([({"a": 3, "b": 1}, 0.4), ({"c": 2}, 0.6)]) == {"a": 0.3, "b": 0.1, "c": 0.6}
+    assert blend([({"a": 1}, 0.4), ({"a": 1}, 0.6)]) == {"a": 1.0}
+    # continued pretraining with no replay: the general part is skipped, even when empty
+    assert blend([({"m": 1}, 1.0), ({}, 0.0)]) == {"m": 1.0}
+    with pytest.raises(ValueError, match="must be >= 0 and not all 0"):
+        blend([({"a": 1}, 0.4), ({"c": 0}, 0.6)])

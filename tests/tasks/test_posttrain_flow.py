@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from tasks.step import step
+from infra.artifact import Inputs
+from tasks.step import many, step
 from tests.conftest import SMALL
 
 POSTTRAIN = [
@@ -32,27 +34,28 @@ POSTTRAIN = [
 
 
 @step("tiny_base", version=1, kind="hf_model")
-def tiny_base(config: dict, inputs, out: Path, *, log=print) -> dict:
+def tiny_base(config: dict, inputs: Inputs, out: Path, *, log=print) -> dict:
     """A random tiny SmolLM3 exported with a tokenizer trained on the input corpora."""
     from tests.tasks.test_posttrain_steps import corpus_texts, make_tiny_model
 
-    folder = make_tiny_model(out, corpus_texts(list(inputs)), hidden=config["hidden"])
+    folder = make_tiny_model(out, corpus_texts(list(many(inputs, "corpora"))), hidden=config["hidden"])
     return {"stage": "long2", "model_dir": str(folder)}
 
 
-@flow(name="posttrain-test")
+@flow(name="posttrain-test", task_runner=ThreadPoolTaskRunner(max_workers=64))
 def posttrain_flow(overrides: list[str]) -> str:
-    from flows.runner import RunContext
-    from flows.smollm3 import STEPS, post_train
+    from flows.graph import Graph
+    from flows.runner import run_flow
+    from flows.smollm3 import post_train
     from tasks.recipe import load_recipe
-    from tasks.sources import source
+    from tasks.sources import SourceSpec, source
 
     cfg = load_recipe("tiny", overrides)
-    with RunContext("posttrain-test", cfg, "tiny", [*STEPS, "tiny_base"]) as ctx:
-        corpora = [ctx.run(source, s, label=s.name, params={"seed": cfg.seed}) for s in cfg.sources]
-        base = ctx.run(tiny_base, {"hidden": 64}, corpora, label="long2")
-        post_train(ctx, cfg, base, corpora, corpora)
-        return ctx.run_id
+    g = Graph("posttrain-test")
+    corpora = [g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources]
+    base = g.add(tiny_base, {"hidden": 64}, label="long2", corpora=corpora)
+    post_train(g, cfg, base, corpora, corpora)
+    return run_flow("posttrain-test", g, cfg, "tiny")["run_id"]
 
 
 @pytest.mark.slow

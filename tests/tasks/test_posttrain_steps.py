@@ -232,7 +232,7 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     cfg = GRPOSection(max_steps=4, per_device_batch=4, num_generations=2, max_completion_length=12,
                       save_steps=2, lr=1e-3)
     policy = Path(world["sft"]["model_dir"])
-    d = grpo.definition
+    d = grpo
     first, second = FirstStep(), FirstStep()
     first.seen, second.seen = [], []
 

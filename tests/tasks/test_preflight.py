@@ -28,15 +28,17 @@ def config(**kw) -> PreflightConfig:
     return PreflightConfig(checks=FAST, cpu_matmul_size=64, cpu_matmul_seconds=0.05, **kw)
 
 
+def spec(cfg: PreflightConfig, facts: PreflightFacts, run_id: str = "run-1") -> tp.PreflightSpec:
+    return tp.PreflightSpec(preflight=cfg, facts=facts.to_dict(), run_id=run_id)
+
+
 def build(ws: Workspace, cfg: PreflightConfig, facts: PreflightFacts, run_id="run-1"):
     """The step's build through the step contract (folder by fingerprint, marker last)."""
-    d = tp.preflight.definition
-    params = {"facts": facts.to_dict(), "run_id": run_id}
+    d = tp.preflight
+    s = spec(cfg, facts, run_id)
     return run_step(
-        root=ws.path, step=d.name, version=d.version, kind=d.kind,
-        config={"config": cfg, "params": params}, inputs=(),
-        build=lambda out: d.build(cfg, (), out, log=lambda _: None, **params),
-        extra=d.extra(cfg, **params),
+        root=ws.path, step=d.name, version=d.version, kind=d.kind, config=s, inputs={},
+        build=lambda out: d.run(s, {}, out, log=lambda _: None), extra=d.facts(s),
     )
 
 
@@ -108,41 +110,50 @@ def test_publish_records_rows_and_a_prefect_table(tmp_path, monkeypatch):
     assert {r["check"] for r in tables[0]["table"]} == set(FAST)
 
 
-def test_fingerprint_changes_per_run_and_host(tmp_path, monkeypatch):
-    d = tp.preflight.definition
-    cfg = config()
+def test_fingerprint_is_per_host_and_recipe_facts_not_per_run(monkeypatch):
+    """A measurement of this host for this recipe: reused by the next run (the run id is
+    operational), redone on another host or for other identity facts."""
+    d = tp.preflight
 
-    def fp(run_id):
-        return d.fingerprint(cfg, (), {"facts": GOOD.to_dict(), "run_id": run_id})
+    def fp(s: tp.PreflightSpec) -> str:
+        return d.fingerprint(s, {}, d.facts(s))
 
-    assert fp("a") == fp("a") and fp("a") != fp("b")
-    assert tp.preflight_extra(cfg, facts={}).endswith(tp.time.strftime("%Y-%m-%d"))
-    before = fp("a")
+    base = fp(spec(config(), GOOD, "run-a"))
+    assert fp(spec(config(), GOOD, "run-b")) == base
+    # ranks per node, micro-batch and the workspace path are how a run runs: operational facts
+    run_facts = tp.PreflightSpec(preflight=config(), facts=GOOD.to_dict(), run_facts={"micro_batch": 4})
+    assert fp(run_facts) == base
+    assert fp(spec(config(), dataclasses.replace(GOOD, seq_len=128))) != base
     monkeypatch.setattr(tp.socket, "gethostname", lambda: "other-node")
-    assert fp("a") != before
+    assert fp(spec(config(), GOOD, "run-a")) != base
 
 
 def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
-    """Through Prefect: a passing preflight publishes its table; a failing one fails the flow."""
+    """Through the flow runner (a one-step graph, built in a child process): a passing preflight
+    publishes its table and lineage rows; a failing one fails the flow naming the step and check."""
     from prefect import flow
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    from tasks.step import results_storage
+    from flows.graph import Graph
+    from flows.runner import FlowFailed, run_flow
+    from tasks.recipe import load_recipe
 
     ws = Workspace.at(tmp_path / "ws")
+    recipe = load_recipe("tiny", [f"workspace={ws.root}"])
 
     @flow
     def pf(facts: dict, run_id: str):
-        task = tp.preflight.with_options(result_storage=results_storage(ws))
-        return task(ws=ws, config=config(), label="node0", params={"facts": facts, "run_id": run_id})
+        g = Graph("preflight-test")
+        g.add(tp.preflight, spec(config(), PreflightFacts.from_dict(facts), run_id), label="node0")
+        return run_flow("preflight-test", g, recipe, "tiny")
 
     good = dataclasses.replace(GOOD, workspace=ws.root)  # dcp_roundtrip writes under it
-    art = pf(good.to_dict(), "flow-ok")
-    assert art.kind == "preflight" and art.meta["summary"]["pass"] == 5
+    result = pf(good.to_dict(), "flow-ok")
+    assert result["final"]["kind"] == "preflight" and result["final"]["meta"]["summary"]["pass"] == 5
     assert PrefectArtifact.get("preflight-node0") is not None
     assert len(ws.lineage().query("SELECT * FROM preflight WHERE run_id = 'flow-ok'")) == 5
     bad = dataclasses.replace(good, max_positions=32)
-    with pytest.raises(tp.PreflightFailed, match="seq_len: FAIL"):
+    with pytest.raises(FlowFailed, match=r"(?s)preflight\[node0\] failed: PreflightFailed: .*seq_len: FAIL"):
         pf(bad.to_dict(), "flow-bad")
     assert ws.lineage().query("SELECT status FROM preflight WHERE run_id = 'flow-bad' AND "
                               "check_name = 'seq_len'") == [("fail",)]

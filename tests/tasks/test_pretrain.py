@@ -7,41 +7,48 @@ import shutil
 
 import pytest
 
-from tasks.pretrain import schedule_stages, trainer_spec
+from tasks.pretrain import schedule_stages
 from tasks.recipe import RecipeError, load_recipe
 
 
 def test_smollm3_3b_schedule_matches_the_published_numbers():
     recipe = load_recipe("smollm3-3b")
-    runs = {r.stage.name: r for r in schedule_stages(recipe.training, recipe.stages)}
+    runs = {r.name: r.spec for r in schedule_stages(recipe.training, recipe.stages, recipe.seed)}
     main = [runs[s] for s in ("stage1", "stage2", "stage3")]
-    total = main[0].total_steps
+    total = main[0].schedule.total_steps
     # 11.1T tokens at 2.36M tokens/step: ~4.7M steps; the decay (stage 3) is ~11% of them.
-    assert 4.6e6 < total < 4.8e6 and all(r.total_steps == total for r in main)
-    assert [r.start_step for r in main] == [0, main[0].steps, main[0].steps + main[1].steps]
-    assert main[2].decay_fraction == pytest.approx(main[2].steps / total) and 0.10 < main[2].decay_fraction < 0.12
-    assert all(r.lr == 2e-4 and r.warmup_steps == 2000 and r.schedule == "wsd" and not r.fresh for r in main)
+    assert 4.6e6 < total < 4.8e6 and all(r.schedule.total_steps == total for r in main)
+    assert [r.schedule.start_step for r in main] == [0, main[0].steps, main[0].steps + main[1].steps]
+    decay = main[2].schedule.decay_fraction
+    assert decay == pytest.approx(main[2].steps / total) and 0.10 < decay < 0.12
+    assert all(r.optimizer.lr == 2e-4 and r.schedule.warmup_steps == 2000 and r.schedule.kind == "wsd"
+               and not r.reset_optimizer for r in main)
     long32k, long64k = runs["long32k"], runs["long64k"]
-    assert long32k.fresh and long32k.schedule == "cosine" and long32k.lr == pytest.approx(2e-5)
+    assert long32k.reset_optimizer and long32k.schedule.kind == "cosine"
+    assert long32k.optimizer.lr == pytest.approx(2e-5)
     assert long32k.rope_theta == 2e6 and long64k.rope_theta == 5e6
     # 47B tokens at one 32k sequence per rank on 192 ranks (docs: fewer, larger steps than SmolLM3).
     assert long32k.steps == 7471 and recipe.launch.nodes * recipe.training.nproc_per_node == 192
 
 
-def test_trainer_spec_continues_or_resets(tmp_path):
-    recipe = load_recipe("tiny")
-    runs = schedule_stages(recipe.training, recipe.stages)
-    stage2 = trainer_spec(runs[1], tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage1")
-    assert stage2["schedule"]["start_step"] == runs[0].steps
-    assert stage2["schedule"]["total_steps"] == sum(r.steps for r in runs[:3])
-    assert not stage2["reset_optimizer"] and not stage2["reset_schedule"]
-    long1 = trainer_spec(runs[3], tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage3")
-    assert long1["reset_optimizer"] and long1["reset_schedule"] and long1["seq_len"] == 512
-    assert long1["rope_theta"] == 200000 and long1["optimizer"]["lr"] == pytest.approx(3e-4)
-    # The spec is what model.train accepts.
+def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
+    recipe = load_recipe("tiny", ["seed=7"])
+    runs = schedule_stages(recipe.training, recipe.stages, recipe.seed)
+    stage2 = runs[1].spec.bind(tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage1")
+    assert stage2.schedule.start_step == runs[0].spec.steps
+    assert stage2.schedule.total_steps == sum(r.spec.steps for r in runs[:3])
+    assert not stage2.reset_optimizer and not stage2.reset_schedule
+    long1 = runs[3].spec.bind(tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage3")
+    assert long1.reset_optimizer and long1.reset_schedule and long1.seq_len == 512
+    assert long1.rope_theta == 200000 and long1.optimizer.lr == pytest.approx(3e-4)
+    # training.optimizer is the trainer's own OptimizerSpec: one name and one default end to end.
+    assert runs[0].spec.optimizer is recipe.training.optimizer
+    assert {r.spec.seed for r in runs} == {7}  # the recipe seed reaches initialisation
+    # What the step writes is what model.train reads.
     from model.spec import TrainSpec
 
-    TrainSpec.from_dict(json.loads(json.dumps(long1)))
+    long1.save(tmp_path / "spec.json")
+    assert TrainSpec.load(tmp_path / "spec.json") == long1
 
 
 def test_stage_order_and_batch_layout_are_validated():
@@ -66,35 +73,34 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
     the newest complete checkpoint from S3 and continues from it instead of starting over."""
     from infra.artifact import Artifact
-    from tasks.mixture import StageConfig
-    from tasks.pretrain import FAILURE_ENV, StageRun, TrainingConfig, build_stage
+    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
+    from tasks.pretrain import FAILURE_ENV, StageRun, build_stage
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
 
     endpoint, client = s3
     plan = write_two_source_plan(tmp_path / "plan")
-    training = TrainingConfig(
-        model="tiny", global_batch=32, micro_batch=8, checkpoint_interval=10, keep_last=2,
-        model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
-                         "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 64},
+    spec = TrainSpec(
+        stage="stage1", steps=60, global_batch=32, micro_batch=8, checkpoint_interval=10, keep_last=2,
+        model_preset="tiny", model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+                                              "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 64},
+        optimizer=OptimizerSpec(lr=1e-3),
+        schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=60, start_step=0),
     )
-    stage = StageConfig(name="stage1", mixture="mixtures/tiny/stage1.yaml", tokens=1, seq_len=32)
-    run = StageRun(stage=stage, training=training, kind="pretrain", steps=60, schedule="wsd",
-                   lr=1e-3, warmup_steps=0, decay_fraction=0.2, total_steps=60, start_step=0,
-                   rope_theta=None, fresh=False)
+    storage = cfg(endpoint, "s3://ckpts/run")
+    run = StageRun(spec=spec, storage=storage)
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out = tmp_path / "pretrain" / "abcdef123456"
     out.mkdir(parents=True)
-    storage = cfg(endpoint, "s3://ckpts/run")
     monkeypatch.setenv(FAILURE_ENV, "stage1")
     with pytest.raises(RuntimeError, match="injected failure"):
-        build_stage(run, (mixture,), out, log=lambda _: None, storage=storage)
+        build_stage(run, {"mixture": mixture}, out, log=lambda _: None)
     remote = {k.split("/")[-2] for k in _keys(client) if k.endswith("_COMPLETE.json") or "/step_" in k}
     assert remote, "no checkpoint reached S3"
     shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
     (out / "metrics.jsonl").unlink()
     lines: list[str] = []
-    meta = build_stage(run, (mixture,), out, log=lines.append, storage=storage)
+    meta = build_stage(run, {"mixture": mixture}, out, log=lines.append)
     assert any("pulled step_" in line for line in lines)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert 10 < first["step"] < 60, "the rerun started from scratch instead of the S3 checkpoint"

@@ -42,7 +42,7 @@ def test_bad_value_names_field_and_allowed_values(tmp_path):
 
 
 def test_unknown_keys_are_rejected_with_the_allowed_ones(tmp_path):
-    with pytest.raises(RecipeError, match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, seed, sources, .*workspace"):
+    with pytest.raises(RecipeError, match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (resources, )?seed, sources, .*workspace"):
         load_recipe(_write(tmp_path, {**BASE, "colour": "red"}))
     with pytest.raises(RecipeError, match=r"sources\[m\]\.colour: unknown field; allowed: .*domain"):
         load_recipe(str(_write(tmp_path, BASE)), ["sources.m.colour=red"])
