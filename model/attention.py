@@ -39,6 +39,11 @@ from torch import nn
 from model.layers import RMSNorm
 from model.rope import apply_rope
 
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch < 2.5: no FlexAttention; the dense mask serves every device
+    create_block_mask = flex_attention = None
+
 
 @dataclass
 class AttentionMask:
@@ -55,27 +60,29 @@ PAD_DOC = -1  # document id of the padding (real ids are >= 0, see model.data.Ba
 
 
 def flex_available() -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return flex_attention is not None
 
 
 @functools.cache
-def _flex(device_type: str):
-    """flex_attention compiled for CUDA (where skipping masked blocks is the point), plain on CPU."""
-    from torch.nn.attention.flex_attention import flex_attention
+def _compiled_flex():
+    # Uncompiled flex attention materialises the full score matrix; compiling is the point.
+    return torch.compile(flex_attention, dynamic=False)
 
-    if device_type != "cpu":
-        return torch.compile(flex_attention, dynamic=False)
 
-    def uncompiled(*args, **kwargs):  # inductor's CPU kernel is wrong on AVX2 (module docstring)
-        with warnings.catch_warnings():  # its "materialises the scores" warning: on purpose here
-            warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-            return flex_attention(*args, **kwargs)
+@torch.compiler.disable  # never handed to inductor, even inside a compiled block
+def _flex_cpu(q, k, v, block_mask):
+    # Inductor's CPU kernel is wrong on AVX2 (module docstring): the reference implementation.
+    with warnings.catch_warnings():  # its "materialises the scores" warning: on purpose here
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
-    return uncompiled
+
+def _flex(q, k, v, block_mask):
+    if not q.is_cuda:
+        return _flex_cpu(q, k, v, block_mask)
+    if torch.compiler.is_compiling():  # inside a compiled block: its compile builds the kernel
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") -> AttentionMask:
@@ -87,8 +94,10 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") ->
     B, T = doc_ids.shape
     use_flex = backend == "flex" or (backend == "auto" and doc_ids.is_cuda and flex_available())
     if use_flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
+        if not flex_available():
+            raise RuntimeError(
+                f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}"
+            )
         pad = -T % FLEX_BLOCK
         docs = F.pad(doc_ids, (0, pad), value=PAD_DOC) if pad else doc_ids  # (B, T + pad)
 
@@ -146,7 +155,7 @@ class Attention(nn.Module):
         if mask.kind == "flex":
             if mask.flex_pad:  # whole blocks only (see the module docstring)
                 q, k, v = (F.pad(t, (0, 0, 0, mask.flex_pad)) for t in (q, k, v))
-            y = _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+            y = _flex(q, k, v, mask.block_mask)
             y = y[:, :, :T]  # (B, nh, T, hd)
         elif mask.kind == "causal":
             # Native GQA: no copies of k/v; SDPA keeps its fused kernels without a mask.

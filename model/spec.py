@@ -113,6 +113,8 @@ class TrainSpec:
     log_interval: int = 1  # write a metrics line every N steps
     device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
     attention_backend: str = "auto"  # "auto" (flex on cuda, sdpa on cpu), "sdpa" or "flex"
+    precision: str = "auto"  # "auto" (bf16 autocast on cuda, fp32 on cpu), "bf16" or "fp32"
+    compile_model: bool = False  # torch.compile each block (forward and backward)
     num_threads: int | None = None  # CPU threads per rank; fix it for bit-reproducible CPU runs
     peak_flops: float | None = (
         None  # declared peak FLOP/s per device for MFU; None = measured matmul peak
