@@ -66,4 +66,3 @@ def test_without_cuda_the_full_check_refuses_and_names_the_smoke():
     )
     assert proc.returncode == 2
     assert "no CUDA device visible" in proc.stderr and "--cpu-smoke" in proc.stderr
-
