@@ -96,7 +96,8 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") ->
     if use_flex:
         if not flex_available():
             raise RuntimeError(
-                f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}"
+                f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}: "
+                "use attention_backend 'sdpa' (or 'auto') or upgrade torch"
             )
         pad = -T % FLEX_BLOCK
         docs = F.pad(doc_ids, (0, pad), value=PAD_DOC) if pad else doc_ids  # (B, T + pad)
