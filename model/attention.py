@@ -5,12 +5,30 @@ Masking backends, chosen once per forward by `build_attention_mask`:
 - document ids on CPU (or flex unavailable): SDPA with a dense block-diagonal causal bool mask,
   (B, 1, T, T). FlexAttention has no backward on CPU, so CPU training always takes this path;
 - document ids on CUDA with FlexAttention available: a compiled `flex_attention` with a
-  BlockMask, which skips fully masked blocks instead of materialising T x T.
+  BlockMask, which skips fully masked blocks instead of materialising T x T. Forcing "flex" on CPU
+  runs `flex_attention` uncompiled (torch's reference implementation, T x T like the dense path):
+  it exists to test the mask, and inductor's CPU kernel for it is wrong on AVX2 (below).
+
+The flex path pads q, k, v (and the document ids, with a document of its own) to a multiple of
+FLEX_BLOCK and slices the output back, so the kernel only ever sees whole blocks: the non-divisible
+kernel variants are where bugs live (on CUDA, pytorch#153799: NaN in backward). Padded keys come
+after every real query, so causality alone keeps them out of real outputs; padded rows are
+discarded. Block-multiple lengths (GPU training shapes) pad nothing.
+
+Why the CPU path is not compiled (measured, torch 2.13, inductor's C++ template with AVX2 kernels,
+i.e. ATEN_CPU_CAPABILITY=avx2 or an AVX2-only host; the AVX512 kernels agree with dense):
+- a sequence shorter than one block whose length is 8 mod 16 (24, 40, 56, ...) with head_dim < 24:
+  the transposed micro-GEMM takes its full 16-column path for the 8-column tail and writes 8 floats
+  past the T x T score tile into the softmax running max; rows 0-7 come out wrong (max abs error
+  3.1 at T=40, NaN when the stray value is);
+- batch 2 with per-row document masks at T=128 (a whole block, so padding does not help): every
+  row wrong (max abs error 2.6); batch 1 and 3, or a batch-broadcast BlockMask, agree.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +39,11 @@ from torch import nn
 from model.layers import RMSNorm
 from model.rope import apply_rope
 
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch < 2.5: no FlexAttention; the dense mask serves every device
+    create_block_mask = flex_attention = None
+
 
 @dataclass
 class AttentionMask:
@@ -28,23 +51,38 @@ class AttentionMask:
 
     kind: str  # "causal" | "dense" | "flex"
     dense: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend; kind "dense"
-    block_mask: Any = None  # flex BlockMask; kind "flex"
+    block_mask: Any = None  # flex BlockMask over T + flex_pad positions; kind "flex"
+    flex_pad: int = 0  # kind "flex": zero positions appended so (T + flex_pad) % FLEX_BLOCK == 0
+
+
+FLEX_BLOCK = 128  # BlockMask block size (torch's default), the unit the flex path pads T to
+PAD_DOC = -1  # document id of the padding (real ids are >= 0, see model.data.Batch)
 
 
 def flex_available() -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return flex_attention is not None
 
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     # Uncompiled flex attention materialises the full score matrix; compiling is the point.
     return torch.compile(flex_attention, dynamic=False)
+
+
+@torch.compiler.disable  # never handed to inductor, even inside a compiled block
+def _flex_cpu(q, k, v, block_mask):
+    # Inductor's CPU kernel is wrong on AVX2 (module docstring): the reference implementation.
+    with warnings.catch_warnings():  # its "materialises the scores" warning: on purpose here
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _flex(q, k, v, block_mask):
+    if not q.is_cuda:
+        return _flex_cpu(q, k, v, block_mask)
+    if torch.compiler.is_compiling():  # inside a compiled block: its compile builds the kernel
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") -> AttentionMask:
@@ -56,15 +94,22 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") ->
     B, T = doc_ids.shape
     use_flex = backend == "flex" or (backend == "auto" and doc_ids.is_cuda and flex_available())
     if use_flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        docs = doc_ids
+        if not flex_available():
+            raise RuntimeError(
+                f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}: "
+                "use attention_backend 'sdpa' (or 'auto') or upgrade torch"
+            )
+        pad = -T % FLEX_BLOCK
+        docs = F.pad(doc_ids, (0, pad), value=PAD_DOC) if pad else doc_ids  # (B, T + pad)
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
-        block = create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
-        return AttentionMask("flex", block_mask=block)
+        n = T + pad
+        block = create_block_mask(
+            same_doc_causal, B, None, n, n, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK
+        )
+        return AttentionMask("flex", block_mask=block, flex_pad=pad)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return AttentionMask("dense", dense=(same & causal)[:, None])  # (B, 1, T, T)
@@ -109,7 +154,10 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if mask.kind == "flex":
-            y = _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+            if mask.flex_pad:  # whole blocks only (see the module docstring)
+                q, k, v = (F.pad(t, (0, 0, 0, mask.flex_pad)) for t in (q, k, v))
+            y = _flex(q, k, v, mask.block_mask)
+            y = y[:, :, :T]  # (B, nh, T, hd)
         elif mask.kind == "causal":
             # Native GQA: no copies of k/v; SDPA keeps its fused kernels without a mask.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -79,12 +79,14 @@ class TrainSpec(_Spec):
     seed: int = 0  # model initialisation seed (the recipe's seed); the data order is the plan's
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # flex on cuda, sdpa on cpu
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
 
     # --- how it runs (operational) ------------------------------------------------------------
     micro_batch: int = operational(gt=0)  # sequences per rank per forward/backward
     checkpoint_interval: int = operational(100, gt=0)  # save every N steps (and at the last step)
     keep_last: int = operational(2, ge=1)  # complete checkpoints kept besides stage ends
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps
+    compile_model: bool = operational(False)  # torch.compile each block (same math, fused kernels)
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (fix it for bit-reproducible CPU runs)
     peak_flops: float | None = operational(None, gt=0)  # peak FLOP/s per device for MFU; None = measured
     debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step

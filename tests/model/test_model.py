@@ -1,11 +1,10 @@
-"""Tests for the SmolLM3 decoder (model/model.py, attention.py, rope.py, layers.py)."""
+"""Tests for the SmolLM3 decoder (model/model.py, rope.py, layers.py; flex in test_attention.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from model.attention import build_attention_mask
 from model.model import SmolLM3
 from model.rope import positions_from_doc_ids
 
@@ -79,19 +78,6 @@ def test_nope_layer_ignores_positions(tiny_cfg):
         b = model(ids, shifted).logits
     torch.testing.assert_close(a, full)
     assert not torch.allclose(a[:, 1:], b[:, 1:])  # masking still changes what is seen
-
-
-def test_flex_attention_forward_matches_dense_mask_on_cpu(tiny_cfg):
-    sdpa = _model(tiny_cfg, attention_backend="sdpa")
-    flex = _model(tiny_cfg, attention_backend="flex")
-    flex.load_state_dict(sdpa.state_dict())
-    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 32))
-    doc_ids = torch.tensor([[0] * 10 + [1] * 22, [0] * 3 + [1] * 20 + [2] * 9])
-    assert build_attention_mask(doc_ids, "sdpa").kind == "dense"
-    with torch.no_grad():
-        torch.testing.assert_close(
-            flex(ids, doc_ids).logits, sdpa(ids, doc_ids).logits, atol=1e-5, rtol=1e-5
-        )
 
 
 def test_init_weights_is_normal_002_and_seedable(tiny_cfg):

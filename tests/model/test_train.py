@@ -2,12 +2,14 @@
 
 Covered: SIGKILL mid-stage then resume == uninterrupted run, bit for bit; world size changes
 1 -> 2 (FSDP2 under torchrun) -> 1 continue the data stream exactly (skipping a truncated newest
-checkpoint); the non-finite guard; next-stage init; result.json and metrics.jsonl contents.
+checkpoint); the non-finite guard; next-stage init; result.json and metrics.jsonl contents; bf16
+autocast and compiled blocks on CPU against fp32.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -221,8 +223,10 @@ def test_metrics_and_result_files(plan_path, tmp_path):
             "mfu",
             "tokens_per_source",
             "peak_source",
+            "peak_memory_gib",
         } <= row.keys()
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"]
+        assert row["peak_memory_gib"] is None  # CUDA allocations only
     assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup step 1 of 2
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == json.loads((out / "result.json").read_text())
@@ -240,6 +244,54 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     with torch.no_grad():
         ours = load_model(result["checkpoint"])(ids).logits
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+
+
+def test_bf16_autocast_and_compiled_blocks_train_close_to_fp32(plan_path, tmp_path):
+    """Two optimizer steps (2 micro-batches each) per path, through `python -m model.train`.
+
+    Tolerances, on loss and gradient norm at each step: bf16 keeps 8 significant bits, so one
+    rounding is up to 2^-9 (0.2%) relative; matmuls and softmax round a few times on the way to
+    the loss, so 1% bounds them with room (measured: 1e-5 at step 1, 5e-4 at step 2). A compiled
+    fp32 block differs from eager only by inductor's fused reduction order, float32 rounding
+    (measured: 1e-7), so 1e-4.
+    """
+    # No NoPE layer: every block is the same graph, so the compiled run compiles exactly once.
+    kw = dict(steps=2, checkpoint_interval=2, model_overrides=TINY | {"no_rope_interval": 0})
+    runs = {}
+    for name, extra in {
+        "fp32": {"precision": "fp32"},
+        "bf16": {"precision": "bf16"},
+        "compiled": {"precision": "fp32", "compile_model": True},
+    }.items():
+        out = tmp_path / name
+        proc = run_train(write_spec(tmp_path / f"{name}.json", plan_path, out, **kw, **extra))
+        runs[name] = (proc.stderr, metrics(out))
+    assert "bf16 autocast, eager" in runs["bf16"][0]
+    assert "fp32, compiled blocks" in runs["compiled"][0]
+    assert "torch.compile: 1 graphs compiled" in runs["compiled"][0]  # no recompile at step 2
+    ref = runs["fp32"][1]
+    for name, rel in (("bf16", 1e-2), ("compiled", 1e-4)):
+        rows = runs[name][1]
+        assert [r["step"] for r in rows] == [1, 2]
+        for row, base in zip(rows, ref, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert math.isfinite(row[key])
+                assert row[key] == pytest.approx(base[key], rel=rel), (name, row["step"], key)
+    # bf16 really ran: its numbers are not fp32's.
+    assert [r["grad_norm"] for r in runs["bf16"][1]] != [r["grad_norm"] for r in ref]
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # building a CUDA autocast on CPU
+def test_precision_is_validated_with_the_field_named(tmp_path):
+    from model.spec import TrainSpec
+    from model.train import autocast_for
+
+    spec = TrainSpec("plan.json", str(tmp_path), 1, 1, 1, precision="fp16")
+    with pytest.raises(ValueError, match="spec.precision must be auto, bf16 or fp32, got 'fp16'"):
+        autocast_for(spec, torch.device("cpu"))
+    auto = TrainSpec("plan.json", str(tmp_path), 1, 1, 1)
+    assert not isinstance(autocast_for(auto, torch.device("cpu")), torch.autocast)  # fp32 on CPU
+    assert autocast_for(auto, torch.device("cuda")).fast_dtype == torch.bfloat16  # GPU default
 
 
 def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
