@@ -286,10 +286,11 @@ def test_precision_is_validated_with_the_field_named(tmp_path):
     from model.spec import TrainSpec
     from model.train import autocast_for
 
-    spec = TrainSpec("plan.json", str(tmp_path), 1, 1, 1, precision="fp16")
-    with pytest.raises(ValueError, match="spec.precision must be auto, bf16 or fp32, got 'fp16'"):
-        autocast_for(spec, torch.device("cpu"))
-    auto = TrainSpec("plan.json", str(tmp_path), 1, 1, 1)
+    base = {"mixture_plan": "plan.json", "out_dir": str(tmp_path), "steps": 1, "global_batch": 1,
+            "micro_batch": 1}
+    with pytest.raises(ValueError, match="spec.precision: Input should be 'auto', 'bf16' or 'fp32'"):
+        TrainSpec.from_dict({**base, "precision": "fp16"})
+    auto = TrainSpec.from_dict(base)
     assert not isinstance(autocast_for(auto, torch.device("cpu")), torch.autocast)  # fp32 on CPU
     assert autocast_for(auto, torch.device("cuda")).fast_dtype == torch.bfloat16  # GPU default
 
