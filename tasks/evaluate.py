@@ -335,23 +335,42 @@ def build_suite(
 # --- running lm-eval ------------------------------------------------------------------------
 
 
+HARNESS_MODELS = ("prefix_sharing", "hf")
+
+
 def run_lm_eval(
-    model_dir: Path, task_dir: Path | None, tasks: Sequence[str], cfg: EvalConfig, out: Path
+    model_dir: Path, task_dir: Path | None, tasks: Sequence[str], cfg: EvalConfig, out: Path,
+    harness_model: str = "prefix_sharing",
 ) -> dict[str, dict[str, float]]:
-    """Scores per task from lm-eval's `hf` model: {task: {acc, acc_stderr, acc_norm, ...}}."""
+    """Scores per task from lm-eval: {task: {acc, acc_stderr, acc_norm, ...}}; lm-eval's own
+    results (configs, versions, n-shot, model args, environment) go to `out/lm_eval_results.json`.
+
+    `harness_model` "prefix_sharing" (default) is lm-eval's `hf` model with each shared context
+    scored once (tasks/eval_lm.py, same scores); "hf" is lm-eval's stock `hf` model."""
     import lm_eval
     import lm_eval.models  # noqa: F401  (registers the built-in `hf` model before any lookup)
     import torch
     from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
 
+    if harness_model not in HARNESS_MODELS:
+        raise ValueError(f"harness_model must be one of {HARNESS_MODELS}, got {harness_model!r}")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hub = [t for t in tasks if t in cfg.lm_eval_tasks]
     manager = TaskManager(
         include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub)
     )
+    model_args = {"pretrained": str(model_dir), "dtype": "float32", "device": device}
+    if harness_model == "hf":
+        model = "hf"
+    else:
+        from tasks.eval_lm import PrefixSharingLM
+
+        # An instance, not a registry name: nothing global is added per call.
+        model = PrefixSharingLM(**model_args, batch_size=cfg.batch_size)
     results = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={model_dir},dtype=float32,device={device}",
+        model=model,
+        model_args=",".join(f"{k}={v}" for k, v in model_args.items()),
         tasks=list(tasks),
         task_manager=manager,
         batch_size=cfg.batch_size,
@@ -365,12 +384,16 @@ def run_lm_eval(
             if isinstance(v, int | float) and not isinstance(v, bool) and "," in k
             and not (isinstance(v, float) and v != v)
         }
-    (out / "lm_eval_results.json").write_text(json.dumps(results["results"], indent=2, default=str))
+    results["config"]["harness_model"] = harness_model
+    (out / "lm_eval_results.json").write_text(
+        json.dumps(results, indent=2, default=handle_non_serializable)
+    )
     return scores
 
 
 def build_eval(
-    cfg: EvalConfig, model: Artifact, suite: Artifact, out: Path, tasks: Sequence[str], log=print
+    cfg: EvalConfig, model: Artifact, suite: Artifact, out: Path, tasks: Sequence[str], log=print,
+    harness_model: str = "prefix_sharing",
 ) -> dict[str, Any]:
     available = set(suite.meta["tasks"])
     missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
@@ -380,7 +403,8 @@ def build_eval(
             "the recipe's eval.lm_eval_tasks"
         )
     log(f"evaluating {model.meta.get('stage', model.short)} on {', '.join(tasks)}")
-    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out)
+    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out,
+                         harness_model)
     table = "\n".join(
         ["| task | acc | acc_norm | stderr |", "|---|---|---|---|"]
         + [f"| {t} | {s.get('acc', float('nan')):.3f} | {s.get('acc_norm', float('nan')):.3f} | "
