@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -48,6 +49,12 @@ def quiet(_: str) -> None:
 
 def artifact(kind: str, folder: Path, meta: dict, name: str) -> Artifact:
     return Artifact(kind=kind, uri=str(folder), fingerprint=(name * 64)[:64], meta=meta)
+
+
+def children_cpu() -> float:
+    """CPU seconds of finished child processes (the trainer and torchrun), all threads."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def load() -> str:
@@ -107,9 +114,9 @@ def main() -> None:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), children_cpu()
         meta = build_stage(run, (plan, *([previous] if previous else [])), out, log=quiet)
-        train_s = time.perf_counter() - t
+        train_s, train_cpu = time.perf_counter() - t, children_cpu() - c
         previous = artifact("checkpoint", out, meta, "c" + name)
         if args.stages and name not in args.stages:
             continue
@@ -117,15 +124,15 @@ def main() -> None:
         export_dir.mkdir(parents=True, exist_ok=True)
         model = artifact("hf_model", export_dir, build_export(ExportConfig(), (previous, tok), export_dir, quiet), "m" + name)
         tasks = stage_tasks(recipe.eval, suite, run.kind == "long_context")
-        timings, scores = {}, {}
+        timings, cpu, scores = {}, {}, {}
         for path in (["hf"] if not args.no_old else []) + ["default"]:
             eval_dir = root / "eval" / name / path
             eval_dir.mkdir(parents=True, exist_ok=True)
             cfg = recipe.eval
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             result = build_eval(cfg, model, suite, eval_dir, tasks, log=quiet,
                                 **({"harness_model": "hf"} if path == "hf" else {}))
-            timings[path] = time.perf_counter() - t
+            timings[path], cpu[path] = time.perf_counter() - t, time.process_time() - c
             scores[path] = result["scores"]
         same = "-"
         if "hf" in scores:
@@ -136,18 +143,24 @@ def main() -> None:
         row = {"stage": name, "steps": run.steps, "seq_len": run.stage.seq_len, "train_s": train_s,
                "eval_s": timings["default"], "ratio": timings["default"] / train_s,
                "old_eval_s": timings.get("hf"), "old_ratio": timings["hf"] / train_s if "hf" in timings else None,
-               "same_scores": same, "load": load()}
+               "same_scores": same, "train_cpu_s": train_cpu, "eval_cpu_s": cpu["default"],
+               "cpu_ratio": cpu["default"] / train_cpu, "old_eval_cpu_s": cpu.get("hf"), "load": load()}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     print(f"\nbaseline: stage training time (build_stage, trainer at {args.train_threads} thread(s)); "
           f"evaluation at {args.threads} torch thread(s); target ratio <= 0.25")
-    print("| stage | steps x seq | train s | evaluate s | ratio | old evaluate s | old ratio | same acc |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("wall seconds, then CPU seconds (robust to other load: eval in this process, training "
+          "in its child processes)")
+    print("| stage | steps x seq | train s | evaluate s | ratio | old evaluate s | old ratio | same acc "
+          "| train cpu s | evaluate cpu s | cpu ratio | old evaluate cpu s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         old = (f"{r['old_eval_s']:.1f} | {r['old_ratio']:.2f}" if r["old_eval_s"] is not None else "- | -")
+        old_cpu = f"{r['old_eval_cpu_s']:.1f}" if r["old_eval_cpu_s"] is not None else "-"
         print(f"| {r['stage']} | {r['steps']} x {r['seq_len']} | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
-              f"{r['ratio']:.2f} | {old} | {r['same_scores']} |")
+              f"{r['ratio']:.2f} | {old} | {r['same_scores']} | {r['train_cpu_s']:.1f} | "
+              f"{r['eval_cpu_s']:.1f} | {r['cpu_ratio']:.2f} | {old_cpu} |")
     print(f"load average after: {load()}")
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)

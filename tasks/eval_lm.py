@@ -65,19 +65,41 @@ def smollm3_view(hf_model) -> SmolLM3 | None:
 
 @dataclass
 class _Row:
-    """One group laid out as [prefix | branch 1 inputs | branch 2 inputs | ...]."""
+    """Requests laid out as a prefix tree in depth-first order: a token sees its ancestors."""
 
     tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    branch: list[int] = field(default_factory=list)  # 0 = shared prefix, j = j-th continuation
+    positions: list[int] = field(default_factory=list)  # depth in the tree = position in its sequence
+    parent: list[int] = field(default_factory=list)  # row index of the previous token, -1 at a root
     # Per scored request: (request index, row indices whose outputs predict it, its tokens).
     scored: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
+    def subtree_ends(self) -> list[int]:
+        """For each token, one past the last row index of its subtree (depth-first order makes
+        every subtree a contiguous run): token t sees s iff s <= t < end[s]."""
+        end = [i + 1 for i in range(len(self.tokens))]
+        for t in range(len(self.tokens) - 1, -1, -1):
+            if self.parent[t] >= 0:
+                end[self.parent[t]] = max(end[self.parent[t]], end[t])
+        return end
 
-def _rows(requests: list[tuple[list[int], list[int]]], max_length: int) -> list[_Row]:
-    """Group requests by the model input that precedes their continuation and pack each group
-    into rows of at most `max_length` tokens (a group too long for one row repeats its prefix)."""
-    groups: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+
+def _window(context: list[int], continuation: list[int], max_length: int) -> list[int]:
+    """The model input lm-eval's `hf` model scores the continuation from: the last
+    max_length + 1 tokens of context + continuation, minus the final one."""
+    return (context + continuation)[-(max_length + 1):][:-1]
+
+
+def _rows(
+    requests: list[tuple[list[int], list[int]]], max_length: int, row_tokens: int,
+    span: float = float("inf"),
+) -> list[_Row]:
+    """Lay requests out as prefix trees: requests sharing a prefix (the choices of one item, the
+    filler before a pass key) compute it once. Requests go in sorted order, so the longest
+    shared prefix is always with the previous one; a request joins the current row while its
+    new tokens cost less there than in a row of its own (attention grows with the row:
+    cost(T) = T + T^2 / span, `span` = the row length where attention costs as much as the rest
+    of the layer) and the row stays within `row_tokens`."""
+    inputs = []
     for i, (context, continuation) in enumerate(requests):
         if not continuation:
             raise ValueError(f"loglikelihood request {i} has an empty continuation")
@@ -86,36 +108,44 @@ def _rows(requests: list[tuple[list[int], list[int]]], max_length: int) -> list[
                 f"loglikelihood request {i}: continuation of {len(continuation)} tokens exceeds the "
                 f"model's {max_length}-token window; shorten the task's choices"
             )
-        # The `hf` model's window: the last max_length + 1 tokens, minus the final one.
-        whole = (context + continuation)[-(max_length + 1):]
-        prefix = tuple(whole[: len(whole) - len(continuation)])
-        groups.setdefault(prefix, []).append((i, continuation))
+        inputs.append(_window(context, continuation, max_length))
+
+    def cost(t: int) -> float:
+        return t + t * t / span
+
     rows: list[_Row] = []
-    for prefix, members in groups.items():
-        row = None
-        for i, continuation in members:
-            inputs = continuation[:-1]  # the last token is predicted, never fed
-            if row is None or len(row.tokens) + len(inputs) > max_length:
-                row = _Row(list(prefix), list(range(len(prefix))), [0] * len(prefix))
-                rows.append(row)
-            start, branch = len(row.tokens), len(row.scored) + 1
-            row.tokens += inputs
-            row.positions += range(len(prefix), len(prefix) + len(inputs))
-            row.branch += [branch] * len(inputs)
-            row.scored.append((i, [len(prefix) - 1, *range(start, start + len(inputs))], continuation))
+    row, path, previous = None, [], []
+    for i in sorted(range(len(requests)), key=lambda i: inputs[i]):
+        seq = inputs[i]
+        shared = 0
+        if row is not None:
+            limit = min(len(seq), len(previous))
+            while shared < limit and seq[shared] == previous[shared]:
+                shared += 1
+            new = len(seq) - shared
+            if len(row.tokens) + new > row_tokens or cost(len(row.tokens) + new) - cost(len(row.tokens)) > cost(len(seq)):
+                row, shared = None, 0
+        if row is None:
+            row, path = _Row(), []
+            rows.append(row)
+        path = path[:shared]
+        for depth in range(shared, len(seq)):
+            row.parent.append(path[-1] if path else -1)
+            path.append(len(row.tokens))
+            row.tokens.append(seq[depth])
+            row.positions.append(depth)
+        n = len(requests[i][1])
+        row.scored.append((i, path[len(seq) - n :], requests[i][1]))
+        previous = seq
     return rows
 
 
-def _mask(branch: torch.Tensor) -> torch.Tensor:
-    """(B, T) branch ids (-1 = padding) -> (B, 1, T, T) bool: causal, and a continuation sees
-    the shared prefix and its own tokens only. Padding attends to itself (never all-masked)."""
-    T = branch.shape[1]
-    idx = torch.arange(T, device=branch.device)
-    causal = idx[None, :] <= idx[:, None]  # (T, T): key <= query
-    q, k = branch[:, :, None], branch[:, None, :]  # (B, T, 1), (B, 1, T)
-    allowed = causal & (k >= 0) & ((k == 0) | (k == q))  # (B, T, T)
-    allowed |= torch.eye(T, dtype=torch.bool, device=branch.device) & (q < 0)
-    return allowed[:, None]
+def _mask(ends: torch.Tensor) -> torch.Tensor:
+    """(B, T) subtree ends (padding: its own index + 1) -> (B, 1, T, T) bool, True = query t may
+    attend key s: s is t or an ancestor of t. Padding sees only itself (never all-masked)."""
+    T = ends.shape[1]
+    idx = torch.arange(T, device=ends.device)
+    return ((idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < ends[:, None, :]))[:, None]
 
 
 @torch.no_grad()
@@ -124,12 +154,19 @@ def score_requests(
     batch_tokens: int = 4096,
 ) -> list[tuple[float, bool]]:
     """(log-probability of the continuation, whether it is the greedy continuation) for each
-    (context tokens, continuation tokens) request, as lm-eval's `hf` model defines them."""
+    (context tokens, continuation tokens) request, as lm-eval's `hf` model defines them. Rows
+    hold up to max(batch_tokens, longest request) tokens; a batch up to batch_tokens padded
+    tokens (or one row)."""
     device = model.embed.weight.device
     head = model.embed.weight if model.lm_head is None else model.lm_head.weight
     logprob = torch.zeros(len(requests), dtype=torch.float64)
     misses = torch.zeros(len(requests), dtype=torch.int64)
-    rows = sorted(_rows(requests, max_length), key=lambda r: -len(r.tokens))
+    cfg = model.config
+    # Per token and layer: the linears' multiply-adds against attention's 2 * T * hidden.
+    span = (cfg.hidden_size * (2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim)
+            + 3 * cfg.hidden_size * cfg.intermediate_size) / (2 * cfg.hidden_size)
+    longest = max((min(len(c) + len(k), max_length + 1) - 1 for c, k in requests), default=0)
+    rows = sorted(_rows(requests, max_length, max(batch_tokens, longest), span), key=lambda r: -len(r.tokens))
     start = 0
     while start < len(rows):
         # Longest first: the batch's first row sets its padded length.
@@ -139,21 +176,21 @@ def score_requests(
         B = len(batch)
         ids = torch.zeros(B, width, dtype=torch.long)
         pos = torch.zeros(B, width, dtype=torch.long)
-        branch = torch.full((B, width), -1, dtype=torch.long)
+        ends = torch.arange(1, width + 1).repeat(B, 1)  # padding: itself only
         at_b, at_t, targets, owner = [], [], [], []
         for b, row in enumerate(batch):
             n = len(row.tokens)
-            ids[b, :n], pos[b, :n], branch[b, :n] = (torch.tensor(row.tokens), torch.tensor(row.positions),
-                                                     torch.tensor(row.branch))
+            ids[b, :n], pos[b, :n], ends[b, :n] = (torch.tensor(row.tokens), torch.tensor(row.positions),
+                                                   torch.tensor(row.subtree_ends()))
             for i, where, tokens in row.scored:
                 at_b += [b] * len(where)
                 at_t += where
                 targets += tokens
                 owner += [i] * len(tokens)
-        ids, pos, branch = ids.to(device), pos.to(device), branch.to(device)
+        ids, pos, ends = ids.to(device), pos.to(device), ends.to(device)
         x = model.embed(ids)  # (B, T, H)
         cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype)  # (B, 1, T, hd) each
-        mask = AttentionMask("dense", dense=_mask(branch))
+        mask = AttentionMask("dense", dense=_mask(ends))
         for block in model.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
         h = model.norm(x)[torch.tensor(at_b, device=device), torch.tensor(at_t, device=device)]  # (N, H)
@@ -168,14 +205,16 @@ def score_requests(
 
 
 class PrefixSharingLM(HFLM):
-    """lm-eval's `hf` model whose log-likelihood requests are scored once per shared context on
-    our SmolLM3 (see the module docstring). `batch_tokens` bounds the padded tokens per forward."""
+    """lm-eval's `hf` model whose log-likelihood requests are scored once per shared prefix on
+    our SmolLM3 (see the module docstring). `batch_tokens` bounds the padded tokens per forward.
+    Requests whose window exceeds `dense_limit` tokens (long-context models) keep the `hf`
+    scoring: its causal attention needs no (T, T) mask."""
 
-    def __init__(self, pretrained: str, batch_tokens: int = 4096, **kwargs) -> None:
+    def __init__(self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192, **kwargs) -> None:
         super().__init__(pretrained=pretrained, **kwargs)
-        if batch_tokens <= 0:
-            raise ValueError(f"batch_tokens must be > 0, got {batch_tokens}")
-        self.batch_tokens = batch_tokens
+        if batch_tokens <= 0 or dense_limit <= 0:
+            raise ValueError(f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}")
+        self.batch_tokens, self.dense_limit = batch_tokens, dense_limit
         self.ours = smollm3_view(self.model)
 
     def _loglikelihood_tokens(
@@ -183,9 +222,19 @@ class PrefixSharingLM(HFLM):
     ) -> list[tuple[float, bool]]:
         if self.ours is None:  # not a SmolLM3 our model can run: the `hf` path, unchanged
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-        answers = score_requests(self.ours, [(ctx, cont) for _, ctx, cont in requests],
-                                 self.max_length, self.batch_tokens)
-        for (key, _, _), answer in zip(requests, answers, strict=True):
-            if key is not None:  # rolling windows come with no key: lm-eval caches those itself
-                self.cache_hook.add_partial("loglikelihood", key, answer)
+        # The model input of a request: its window (the last max_length + 1 tokens) minus one.
+        short = [i for i, (_, ctx, cont) in enumerate(requests)
+                 if min(len(ctx) + len(cont), self.max_length + 1) - 1 <= self.dense_limit]
+        answers: list[tuple[float, bool] | None] = [None] * len(requests)
+        scored = score_requests(self.ours, [requests[i][1:] for i in short], self.max_length,
+                                self.batch_tokens)
+        for i, answer in zip(short, scored, strict=True):
+            answers[i] = answer
+            if requests[i][0] is not None:  # rolling windows have no key: lm-eval caches those
+                self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        rest = [i for i in range(len(requests)) if answers[i] is None]
+        if rest:  # `hf` reports these to the cache itself
+            for i, answer in zip(rest, super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm,
+                                                                     override_bs), strict=True):
+                answers[i] = answer
         return answers

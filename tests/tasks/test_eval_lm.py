@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.eval_lm import _rows, score_requests, smollm3_view
+from tasks.eval_lm import _mask, _rows, score_requests, smollm3_view
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +32,37 @@ def tiny_export(tmp_path_factory):
     return export_hf(model, root / "model", tokenizer_dir=root / "tok", eos_token_id=0)
 
 
-def test_rows_share_a_prefix_and_respect_the_window():
+def test_rows_share_prefixes_and_respect_the_window():
     ctx = list(range(1, 9))  # 8 tokens
     requests = [(ctx, [20, 21, 22]), (ctx, [30]), (ctx, [40, 41, 42, 43]), ([5, 6], [50, 51])]
-    rows = _rows(requests, max_length=12)
-    # Request 2 (3 inputs) does not fit beside the first two in 12 tokens: a second row repeats
-    # the context; request 3 has its own context.
+    rows = _rows(requests, max_length=12, row_tokens=12)
+    # Request 2 (3 new tokens) does not fit beside 0 and 1 in 12 tokens: a second row repeats
+    # the context; request 3 shares nothing.
     assert [r.tokens for r in rows] == [ctx + [20, 21], ctx + [40, 41, 42], [5, 6, 50]]
-    assert rows[0].positions == list(range(8)) + [8, 9] and rows[1].positions == list(range(11))
-    assert rows[0].branch == [0] * 8 + [1, 1]  # request 1 feeds no token: only its target counts
-    assert rows[0].scored == [(0, [7, 8, 9], [20, 21, 22]), (1, [7], [30])]
+    assert rows[0].positions == list(range(10)) and rows[0].subtree_ends() == [10] * 10
+    # Request 1 feeds no token of its own: the context's last output predicts it.
+    assert rows[0].scored == [(1, [7], [30]), (0, [7, 8, 9], [20, 21, 22])]
+    # A tree: two continuations branch after a shared prefix; the second does not see the first.
+    (row,) = _rows([([1, 2, 3], [4, 5]), ([1, 2, 3], [6, 7])], max_length=12, row_tokens=12)
+    assert row.tokens == [1, 2, 3, 4, 6] and row.positions == [0, 1, 2, 3, 3]
+    assert row.parent == [-1, 0, 1, 2, 2] and row.subtree_ends() == [5, 5, 5, 4, 5]
+    assert row.scored == [(0, [2, 3], [4, 5]), (1, [2, 4], [6, 7])]
+    assert _mask(torch.tensor([row.subtree_ends()]))[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    # Attention that grows with the row (span 1): sharing one token of four is not worth it.
+    assert len(_rows([([1, 2, 3], [4, 5]), ([1, 7, 8], [9, 5])], 12, 12, span=1.0)) == 2
+    assert len(_rows([([1, 2, 3], [4, 5]), ([1, 7, 8], [9, 5])], 12, 12)) == 1
     # Truncation as lm-eval's `hf` does it: the last max_length + 1 tokens, minus the last.
-    (row,) = _rows([(list(range(1, 20)), [40, 41])], max_length=6)
+    (row,) = _rows([(list(range(1, 20)), [40, 41])], max_length=6, row_tokens=6)
     assert row.tokens == [15, 16, 17, 18, 19, 40] and row.scored == [(0, [4, 5], [40, 41])]
     with pytest.raises(ValueError, match="exceeds the model's 6-token window"):
-        _rows([(ctx, list(range(7)))], max_length=6)
+        _rows([(ctx, list(range(7)))], max_length=6, row_tokens=6)
 
 
 def test_scores_match_lm_eval_hf_request_by_request(tiny_export):
-    """Many choices per context, one-token and multi-token choices, greedy ones, a context past
-    the window: log-likelihoods and greedy flags equal to the stock `hf` model's."""
+    """Many choices per context, contexts sharing a prefix, one-token and multi-token choices,
+    greedy ones, a context past the window: log-likelihoods and greedy flags equal to the stock
+    `hf` model's."""
     import lm_eval.models  # noqa: F401
     from lm_eval.models.huggingface import HFLM
 
@@ -61,8 +72,10 @@ def test_scores_match_lm_eval_hf_request_by_request(tiny_export):
     args = {"pretrained": str(tiny_export), "dtype": "float32", "device": "cpu", "batch_size": 3}
     stock, ours = HFLM(**args), PrefixSharingLM(**args, batch_tokens=100)
     assert ours.ours is not None and ours.max_length == 64
+    # Contexts sharing prefixes across items too (like passkey filler), and one past the window.
     contexts = ["What is 3 + 4? It is", "The pass key is 81. " * 15 + "The pass key is",
-                "What is 10 + 11?", "The"]
+                "What is 10 + 11?", "The", "What is 3 + 4? It is not",
+                "The pass key is 81. " * 5 + "The pass key is 12. The pass key is"]
     requests = []
     for context in contexts:
         for choice in [" 7", " 81", " 21 and more words here", " 12345", "?"]:
@@ -75,10 +88,14 @@ def test_scores_match_lm_eval_hf_request_by_request(tiny_export):
         requests.append(((context, "greedy"), requests[-1][1], [first, second]))
     assert max(len(c) + len(k) for _, c, k in requests) > 65  # one context is truncated
     want = stock._loglikelihood_tokens(requests, disable_tqdm=True)
-    got = ours._loglikelihood_tokens(requests, disable_tqdm=True)
-    assert [g for _, g in got] == [g for _, g in want]
-    assert sum(g for _, g in got) >= len(contexts)
-    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4, rel=1e-5)
+    # dense_limit 30: requests with longer windows take the `hf` path, the rest ours, in order.
+    assert any(len(c) + len(k) > 31 for _, c, k in requests) and any(len(c) + len(k) <= 31 for _, c, k in requests)
+    ours_split = PrefixSharingLM(**args, batch_tokens=100, dense_limit=30)
+    for lm in (ours, ours_split):
+        got = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        assert [g for _, g in got] == [g for _, g in want]
+        assert sum(g for _, g in got) >= len(contexts)
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-4, rel=1e-5)
 
 
 def test_view_shares_the_transformers_weights(tiny_export):
