@@ -1,22 +1,21 @@
-"""lm-eval model for our SmolLM3 exports: lm-eval's `hf` model with log-likelihoods scored once
-per shared context.
+"""lm-eval model for our SmolLM3 exports: lm-eval's `hf` model with every shared prefix scored
+once.
 
 lm-eval's `hf` model scores each (context, choice) request as its own sequence, so a 4-choice
 item runs its context through the model 4 times, and it computes full-vocabulary logits at every
-position. On the tiny recipe that is ~3x the forward work needed (measured: 143k tokens for the
-three cloze tasks against 52k with each context scored once); the forward passes, not set-up,
-were 75% of `evaluate`'s time (see benchmarks/eval_cost.py).
+position. On the tiny suite's cloze tasks that is 143k tokens of forward work where 51k suffice;
+profiled at 1 thread, the forward passes (not model or task set-up) were ~75% of `evaluate`.
 
 `PrefixSharingLM` is `lm_eval.models.huggingface.HFLM` (same tokenisation, truncation, request
 plumbing, `generate_until` and rolling log-likelihoods, same results structure) with one method
-replaced: `_loglikelihood_tokens`. It groups requests whose model input before the continuation
-is identical (the choices of one item), lays each group out as one row [context | choice 1 |
-choice 2 | ...] with a mask that lets every choice see the context and itself but not the other
-choices, and RoPE positions that continue the context in every branch, so each choice's
-log-probability is the one the `hf` model computes for it alone. Logits are computed only at the
-positions that predict continuation tokens. The forward pass runs on our `model.SmolLM3` modules,
-sharing the loaded transformers model's weight tensors (no copy); exports of other architectures
-(or SmolLM3 variants our model does not express) fall back to the `hf` scoring unchanged.
+replaced: `_loglikelihood_tokens`. Each request's model input (lm-eval's window: the last
+max_length + 1 tokens of context + continuation, minus the last) becomes a path in a prefix tree
+laid out depth-first in a row: the choices of an item share their context, passkey items share
+their filler. A mask lets each token attend to its ancestors only and RoPE positions are depths,
+so every request gets exactly the log-probability the `hf` model computes for it alone. Logits
+are computed only at positions that predict continuation tokens. The forward pass runs on our
+`model.SmolLM3` modules over the loaded transformers model's weight tensors (no copy); other
+architectures (or SmolLM3 variants our model does not express) keep the `hf` scoring.
 
 Equality with the stock `hf` model is a test (tests/tasks/test_eval_lm.py): same log-likelihoods
 within float tolerance and the same greedy flags, hence the same acc / acc_norm.
@@ -123,7 +122,8 @@ def _rows(
             while shared < limit and seq[shared] == previous[shared]:
                 shared += 1
             new = len(seq) - shared
-            if len(row.tokens) + new > row_tokens or cost(len(row.tokens) + new) - cost(len(row.tokens)) > cost(len(seq)):
+            T = len(row.tokens)
+            if T + new > row_tokens or cost(T + new) - cost(T) > cost(len(seq)):
                 row, shared = None, 0
         if row is None:
             row, path = _Row(), []
@@ -145,7 +145,8 @@ def _mask(ends: torch.Tensor) -> torch.Tensor:
     attend key s: s is t or an ancestor of t. Padding sees only itself (never all-masked)."""
     T = ends.shape[1]
     idx = torch.arange(T, device=ends.device)
-    return ((idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < ends[:, None, :]))[:, None]
+    key, query = idx[None, None, :], idx[None, :, None]  # (1, 1, T), (1, T, 1)
+    return ((key <= query) & (query < ends[:, None, :]))[:, None]  # (B, 1, T, T)
 
 
 @torch.no_grad()
@@ -166,7 +167,8 @@ def score_requests(
     span = (cfg.hidden_size * (2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim)
             + 3 * cfg.hidden_size * cfg.intermediate_size) / (2 * cfg.hidden_size)
     longest = max((min(len(c) + len(k), max_length + 1) - 1 for c, k in requests), default=0)
-    rows = sorted(_rows(requests, max_length, max(batch_tokens, longest), span), key=lambda r: -len(r.tokens))
+    rows = _rows(requests, max_length, max(batch_tokens, longest), span)
+    rows.sort(key=lambda r: -len(r.tokens))
     start = 0
     while start < len(rows):
         # Longest first: the batch's first row sets its padded length.
@@ -180,8 +182,9 @@ def score_requests(
         at_b, at_t, targets, owner = [], [], [], []
         for b, row in enumerate(batch):
             n = len(row.tokens)
-            ids[b, :n], pos[b, :n], ends[b, :n] = (torch.tensor(row.tokens), torch.tensor(row.positions),
-                                                   torch.tensor(row.subtree_ends()))
+            ids[b, :n] = torch.tensor(row.tokens)
+            pos[b, :n] = torch.tensor(row.positions)
+            ends[b, :n] = torch.tensor(row.subtree_ends())
             for i, where, tokens in row.scored:
                 at_b += [b] * len(where)
                 at_t += where
@@ -193,15 +196,17 @@ def score_requests(
         mask = AttentionMask("dense", dense=_mask(ends))
         for block in model.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
-        h = model.norm(x)[torch.tensor(at_b, device=device), torch.tensor(at_t, device=device)]  # (N, H)
-        logp = F.log_softmax(F.linear(h, head).float(), dim=-1)  # (N, V), only where scored
+        at = (torch.tensor(at_b, device=device), torch.tensor(at_t, device=device))
+        h = model.norm(x)[at]  # (N, H): only the positions that predict a scored token
+        logits = F.linear(h, head).float()  # (N, V), only where scored
         target = torch.tensor(targets, device=device)
-        token_lp = logp.gather(1, target[:, None])[:, 0].double().cpu()  # (N,)
-        missed = (logp.argmax(dim=-1) != target).long().cpu()  # (N,)
+        # log_softmax at the targets only: the (N, V) log-probabilities are never materialised.
+        token_lp = (logits.gather(1, target[:, None])[:, 0] - logits.logsumexp(dim=-1)).double().cpu()
+        missed = (logits.argmax(dim=-1) != target).long().cpu()  # (N,)
         who = torch.tensor(owner)
         logprob.index_add_(0, who, token_lp)
         misses.index_add_(0, who, missed)
-    return [(float(lp), bool(m == 0)) for lp, m in zip(logprob.tolist(), misses.tolist(), strict=True)]
+    return [(lp, m == 0) for lp, m in zip(logprob.tolist(), misses.tolist(), strict=True)]
 
 
 class PrefixSharingLM(HFLM):
@@ -210,10 +215,14 @@ class PrefixSharingLM(HFLM):
     Requests whose window exceeds `dense_limit` tokens (long-context models) keep the `hf`
     scoring: its causal attention needs no (T, T) mask."""
 
-    def __init__(self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192, **kwargs) -> None:
+    def __init__(
+        self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192, **kwargs
+    ) -> None:
         super().__init__(pretrained=pretrained, **kwargs)
         if batch_tokens <= 0 or dense_limit <= 0:
-            raise ValueError(f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}")
+            raise ValueError(
+                f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}"
+            )
         self.batch_tokens, self.dense_limit = batch_tokens, dense_limit
         self.ours = smollm3_view(self.model)
 
@@ -234,7 +243,7 @@ class PrefixSharingLM(HFLM):
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         rest = [i for i in range(len(requests)) if answers[i] is None]
         if rest:  # `hf` reports these to the cache itself
-            for i, answer in zip(rest, super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm,
-                                                                     override_bs), strict=True):
+            stock = super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm, override_bs)
+            for i, answer in zip(rest, stock, strict=True):
                 answers[i] = answer
         return answers
