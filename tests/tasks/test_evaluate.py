@@ -134,14 +134,14 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
     tasks = ["arith_test", "passkey_test"]
     (tmp_path / "hf").mkdir()
     stock = run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path / "hf", harness_model="hf")
-    handlers = len(logging.getLogger("lm-eval").handlers)
+    handlers = len(logging.getLogger("lm_eval").handlers)
     ours = run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path)
     assert set(ours) == set(stock) == set(tasks)
     for task in tasks:
         assert set(ours[task]) >= {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr"}
         assert ours[task] == pytest.approx(stock[task], abs=1e-9)
     assert run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path) == ours
-    assert len(logging.getLogger("lm-eval").handlers) == handlers
+    assert len(logging.getLogger("lm_eval").handlers) == handlers
     # lm-eval's own results file: the whole dict simple_evaluate returns, JSON.
     saved = json.loads((tmp_path / "lm_eval_results.json").read_text())
     assert saved["results"]["arith_test"]["acc,none"] == ours["arith_test"]["acc"]
