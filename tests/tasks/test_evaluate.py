@@ -112,18 +112,58 @@ def tiny_hf_model(tmp_path_factory):
     return export_hf(model, root / "model", tokenizer_dir=root / "tok", eos_token_id=0)
 
 
-def test_lm_eval_scores_a_real_model(tmp_path, tiny_hf_model):
-    rng = random.Random(2)
-    docs = [f"Problem: What is {a} + {a + 3}?\nSolution: {a} + {a + 3} = {2 * a + 3}.\nAnswer: {2 * a + 3}" for a in range(10, 40)]
-    items = arithmetic_items(docs, EvalConfig(), rng)
-    task_dir = tmp_path / "tasks"
-    task_dir.mkdir()
+def _write_task(task_dir, name, items, delimiter=" "):
     from tasks.evaluate import task_yaml
 
-    (task_dir / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
-    (task_dir / "arith.yaml").write_text(task_yaml("arith_test", task_dir / "arith.jsonl", " "))
-    scores = run_lm_eval(tiny_hf_model, task_dir, ["arith_test"], EvalConfig(batch_size=4, device="cpu"), tmp_path)
-    s = scores["arith_test"]
-    assert set(s) >= {"acc", "acc_norm", "acc_stderr"}
-    assert 0.0 <= s["acc"] <= 1.0 and s["acc"] * len(items) == pytest.approx(round(s["acc"] * len(items)))
-    assert json.loads((tmp_path / "lm_eval_results.json").read_text())["arith_test"]["sample_len"] == len(items)
+    (task_dir / f"{name}.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (task_dir / f"{name}.yaml").write_text(task_yaml(name, task_dir / f"{name}.jsonl", delimiter))
+
+
+def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
+    """The default path (each shared context scored once) gives lm-eval's `hf` scores: acc,
+    acc_norm and their stderr, on cloze and passkey tasks; repeated calls in one process agree."""
+    import logging
+
+    rng = random.Random(2)
+    docs = [f"Problem: What is {a} + {a + 3}?\nSolution: {a} + {a + 3} = {2 * a + 3}.\nAnswer: {2 * a + 3}" for a in range(10, 40)]
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    _write_task(task_dir, "arith_test", arithmetic_items(docs, EvalConfig(), rng))
+    _write_task(task_dir, "passkey_test", passkey_items(60, EvalConfig(passkey_items=6), rng))
+    cfg = EvalConfig(batch_size=4, device="cpu")
+    tasks = ["arith_test", "passkey_test"]
+    (tmp_path / "hf").mkdir()
+    stock = run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path / "hf", harness_model="hf")
+    handlers = len(logging.getLogger("lm_eval").handlers)
+    ours = run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path)
+    assert set(ours) == set(stock) == set(tasks)
+    for task in tasks:
+        assert set(ours[task]) >= {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr"}
+        assert ours[task] == pytest.approx(stock[task], abs=1e-9)
+    assert run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path) == ours
+    assert len(logging.getLogger("lm_eval").handlers) == handlers
+    # lm-eval's own results file: the whole dict simple_evaluate returns, JSON.
+    saved = json.loads((tmp_path / "lm_eval_results.json").read_text())
+    assert saved["results"]["arith_test"]["acc,none"] == ours["arith_test"]["acc"]
+    assert saved["n-samples"]["arith_test"]["effective"] == 30
+    assert {"configs", "versions", "n-shot", "higher_is_better"} <= set(saved)
+    assert saved["configs"]["passkey_test"]["dataset_path"] == "json"
+    assert saved["config"]["model_args"].startswith(f"pretrained={tiny_hf_model}")
+    assert saved["config"]["harness_model"] == "prefix_sharing"
+    with pytest.raises(ValueError, match="harness_model must be one of"):
+        run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path, harness_model="vllm")
+
+
+def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
+    """The exact-match generation task (chat models) goes through lm-eval's `generate_until`."""
+    from tasks.evaluate import arithmetic_generation_items, generation_task_yaml
+
+    docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(5)]
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 5)))
+    (task_dir / "g.yaml").write_text(generation_task_yaml("gen_test", task_dir / "g.jsonl", 6))
+    cfg = EvalConfig(batch_size=5, device="cpu")
+    ours = run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], cfg, tmp_path)
+    assert ours == run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], cfg, tmp_path, harness_model="hf")
+    assert 0.0 <= ours["gen_test"]["exact_match"] <= 1.0
