@@ -101,9 +101,9 @@ def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
     out.mkdir()
     meta = build_curated(CurationConfig(max_document_chars=10_000), art, out)
     assert meta["documents"] == 5
+    # this step's own rejections, by reason; a source's rejections stay in the source's meta
     assert meta["rejected"] == {
-        "curate:malformed_json": 2, "curate:invalid_utf8": 2, "curate:missing_text_field": 2,
-        "curate:empty": 1, "curate:too_large": 1,
+        "malformed_json": 2, "invalid_utf8": 2, "missing_text_field": 2, "empty": 1, "too_large": 1,
     }
     assert meta["input_documents"] == 13 and meta["unaccounted"] == 0
 
@@ -144,7 +144,7 @@ def test_web_preset_runs_offline_with_spacy_blank(tmp_path, monkeypatch):
     assert meta["preset"] == "web" and "junk" not in _ids(out / "train")
     rows = json.loads((out / "filter_stats.json").read_text())
     assert [r["filter"] for r in rows] == [
-        "read", "gopher_repetition", "gopher_quality", "c4_quality", "fine_web_quality"
+        "read", "gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality"
     ]
     assert sum(sum(r["reasons"].values()) for r in rows) + meta["documents"] == 4
     assert list((out / "removed").iterdir())  # removed samples kept for inspection
