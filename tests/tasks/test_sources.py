@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tasks.sources import SourceConfig, build_corpus, is_held_out, read_shards, source_state
+from tasks.sources import SourceConfig, build_corpus, check_sources, is_held_out, read_shards, source_state
 
 
 def _cfg(**kw) -> SourceConfig:
@@ -117,8 +117,62 @@ def test_files_source_state_follows_the_files(tmp_path):
 
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
-    with pytest.raises(FileNotFoundError, match="no files match"):
+    with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
         build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+
+
+def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"content": "a", "url": "u"}] * 3), tmp_path / "p.parquet")
+    (tmp_path / "j.jsonl").write_text('{"body": "x", "id": 1}\n{"body": "y", "id": 2}\n')
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    (tmp_path / "array.json").write_text('[{"text": "x"}, {"text": "y"}]\n')
+    problems = check_sources([
+        _cfg(name="ok", uri="builtin:prose", domain="web"),
+        _cfg(name="hub", uri="hf:HuggingFaceFW/fineweb-edu", domain="web"),  # not checked offline
+        _cfg(name="none", uri=f"files:{tmp_path}/missing/*.jsonl", domain="web"),
+        _cfg(name="pq", uri=f"files:{tmp_path}/*.parquet", domain="web"),
+        _cfg(name="js", uri=f"files:{tmp_path}/j.jsonl", domain="web", text_field="body", id_field="doc_id"),
+        _cfg(name="csv", uri=f"files:{tmp_path}/*", domain="web"),
+        _cfg(name="arr", uri=f"files:{tmp_path}/array.json", domain="web"),
+    ])
+    assert len(problems) == 5, problems
+    none, pq_, js, csv, arr = problems
+    assert none.startswith("sources[none].uri: no files match") and "working directory" in none
+    assert pq_.startswith("sources[pq].text_field: 'text' is not a field of") and "(fields: content, url)" in pq_
+    assert js.startswith("sources[js].id_field: 'doc_id'") and "(fields: body, id)" in js
+    assert csv.startswith("sources[csv].uri: 1 of the 4 matched files are not JSONL or Parquet")
+    assert arr.startswith("sources[arr].uri: cannot read") and "JSON lines expected" in arr
+
+
+def test_check_sources_reads_a_save_to_disk_folder_without_loading_it(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": ["a"]})}).save_to_disk(str(tmp_path / "ds"))
+    ok = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", text_field="body")
+    assert check_sources([ok]) == []
+    split = ok.model_copy(update={"hf_split": "validation"})
+    column = ok.model_copy(update={"text_field": "text"})
+    missing = _cfg(uri=f"hf:{tmp_path / 'nothing'}", domain="web")
+    assert check_sources([split, column, missing]) == [
+        f"sources[s].hf_split: 'validation' is not a split of {tmp_path / 'ds'} (splits: train)",
+        f"sources[s].text_field: 'text' is not a column of {tmp_path / 'ds'} (columns: body)",
+        f"sources[s].uri: {tmp_path / 'nothing'} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk",
+    ]
+
+
+def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "p.parquet")
+    cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web")
+    with pytest.raises(ValueError) as err:
+        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    assert "rejected: {'missing_text_field': 10}" in str(err.value)
+    assert "sources[s].text_field 'text' is not a text field of the records (fields: content, url)" in str(err.value)
 
 
 def test_hf_save_to_disk_folder(tmp_path):
