@@ -34,7 +34,7 @@ from tasks.curate_parts import prose_text, word_ngrams
 from tasks.evaluate import EvalConfig, build_suite, contamination, prose_items
 from tasks.recipe import RecipeError, load_recipe
 from tasks.sources import SourceConfig, build_corpus, is_held_out
-from tests.tasks.datafiles import corpus, doc_line, random_text
+from tests.tasks.datafiles import PARAGRAPHS, corpus, doc_line, random_text
 
 
 def _ids(folder: Path) -> list[str]:
@@ -115,25 +115,6 @@ def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
         "malformed_json": 2, "invalid_utf8": 2, "missing_text_field": 2, "empty": 1, "too_large": 1,
     }
     assert meta["input_documents"] == 13 and meta["unaccounted"] == 0
-
-
-PARAGRAPHS = [
-    "The committee met on Tuesday to discuss the new library. Members agreed that the reading "
-    "room needs more light and that the children's section should open earlier in the day. "
-    "After a short debate, they voted to extend the opening hours during the summer months, "
-    "when students have more time to read. The treasurer explained how the budget would cover "
-    "the extra staff, and the chair thanked the volunteers who had repainted the entrance.",
-    "Our garden changed slowly over the spring. The tulips came first, followed by a wave of "
-    "bluebells under the old apple tree. We planted beans along the fence and watered them "
-    "every evening, hoping the dry weather would break. By June the tomatoes were climbing "
-    "their stakes, and the neighbours' cat had claimed the warm stones beside the pond as "
-    "its favourite place to sleep through the long afternoons.",
-    "Bread needs only flour, water, salt and yeast, yet the results vary widely. A wetter "
-    "dough gives a more open crumb, while a long cold rise develops a deeper flavour. Bakers "
-    "often fold the dough several times during the first hours instead of kneading it hard. "
-    "Before baking, the loaf is scored with a sharp blade so that it can expand evenly in the "
-    "oven, and a little steam helps the crust turn golden and crisp.",
-]
 
 
 def test_web_preset_runs_offline_with_spacy_blank(tmp_path, monkeypatch):
