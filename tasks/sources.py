@@ -605,6 +605,9 @@ def source_state(config: SourceConfig, seed: int) -> str:
 def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
     """Read one source into train/heldout shards; return the counts for the artifact's meta."""
     kind = resolve_kind(config.uri)(config, seed)
+    problems = kind.check()  # the same cheap check as `smollm3 recipe`, before the full read
+    if problems:
+        raise ValueError("; ".join(problems))
     writers = {
         split: ShardWriter(out / split, config.output_format, config.documents_per_shard)
         for split in ("train", "heldout")

@@ -117,8 +117,10 @@ def test_files_source_state_follows_the_files(tmp_path):
 
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
-    with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
+    with pytest.raises(ValueError, match=r"sources\[s\]\.uri: no files match"):
         build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
+        source_state(cfg, 0)  # the fingerprint, computed before the step runs, says the same
 
 
 def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
@@ -167,30 +169,23 @@ def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "p.parquet")
-    cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web")
+    for k in range(8):  # check() reads the first 8 files' schemas; the 9th is read by the step
+        pq.write_table(pa.Table.from_pylist([{"text": f"doc {k}"}]), tmp_path / f"a{k}.parquet")
+    pq.write_table(pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet")
+    cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web", held_out_fraction=0.0)
+    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 8 and meta["rejected"] == {"missing_text_field": 10}
+    assert meta["rejected_examples"]["missing_text_field"] == ["z.parquet: all 10 rows"]
+    only_bad = _cfg(uri=f"files:{tmp_path}/z.parquet", domain="web")
+    with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"):
+        build_corpus(only_bad, 0, tmp_path / "out2", log=lambda _: None)
+
+
+def test_no_documents_because_of_the_text_field_says_so(tmp_path):
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps({"text": i, "id": str(i)}) + "\n" for i in range(5)))
+    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
+    assert check_sources([cfg]) == []  # the field exists (not as text): only reading tells
     with pytest.raises(ValueError) as err:
         build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
-    assert "rejected: {'missing_text_field': 10}" in str(err.value)
-    assert "sources[s].text_field 'text' is not a text field of the records (fields: content, url)" in str(err.value)
-
-
-def test_hf_save_to_disk_folder(tmp_path):
-    import datasets
-
-    ds = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": ["first doc", "second doc", ""], "id": ["a", "b", "c"]}),
-        "test": datasets.Dataset.from_dict({"text": ["held"], "id": ["t"]}),
-    })
-    ds.save_to_disk(str(tmp_path / "ds"))
-    cfg = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", id_field="id", held_out_fraction=0.0)
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
-    assert meta["documents"] == 2 and meta["rejected"] == {"empty": 1}
-    bad = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", hf_split="validation")
-    with pytest.raises(KeyError, match="available: train, test"):
-        build_corpus(bad, 0, tmp_path / "out2", log=lambda _: None)
-
-
-def test_unknown_uri_lists_the_allowed_kinds():
-    with pytest.raises(ValueError, match="allowed: builtin:code, builtin:math, builtin:prose, files:, hf:"):
-        _cfg(uri="builtin:poetry")
+    assert "rejected: {'missing_text_field': 5}" in str(err.value)
+    assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)
