@@ -334,8 +334,7 @@ def _parquet_fields(path: Path) -> set[str]:
 
 
 def _jsonl_fields(path: Path) -> set[str]:
-    """Fields holding a value in the first records of a JSONL file (string fields only for
-    the text: a text field that is never a string rejects every record)."""
+    """Fields holding a non-null value in the first records of a JSONL file."""
     opener = gzip.open if path.suffix == ".gz" else open
     fields: set[str] = set()
     parsed = 0
@@ -400,6 +399,7 @@ class LocalFiles(SourceKind):
                 f"Parquet (e.g. {other[0]}); the files: scheme reads {', '.join(_FILE_SUFFIXES)}: narrow the glob"
             ]
         errors: list[str] = []
+        lacking: dict[str, list[tuple[Path, set[str]]]] = defaultdict(list)
         for path in paths[:_CHECK_FILES]:
             try:
                 fields = _parquet_fields(path) if path.suffix == ".parquet" else _jsonl_fields(path)
@@ -409,11 +409,15 @@ class LocalFiles(SourceKind):
             for key in ("text_field", "id_field"):
                 field = getattr(self.config, key)
                 if field is not None and field not in fields:
-                    shown = ", ".join(sorted(fields)) or "none"
-                    errors.append(
-                        f"{self.where}.{key}: {field!r} is not a field of {path} (fields: {shown}); "
-                        f"set {key} to the field that holds the {'text' if key == 'text_field' else 'document id'}"
-                    )
+                    lacking[key].append((path, fields))
+        for key, files in lacking.items():  # one error per field, however many files lack it
+            (path, fields), more = files[0], len(files) - 1
+            holds = "text" if key == "text_field" else "document id"
+            errors.append(
+                f"{self.where}.{key}: {getattr(self.config, key)!r} is not a field of {path}"
+                + (f" (nor of {more} more of the first {_CHECK_FILES} files)" if more else "")
+                + f" (fields: {', '.join(sorted(fields)) or 'none'}); set {key} to the field that holds the {holds}"
+            )
         return errors
 
     def state(self) -> str:

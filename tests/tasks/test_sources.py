@@ -127,7 +127,8 @@ def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"content": "a", "url": "u"}] * 3), tmp_path / "p.parquet")
+    for name in ("p.parquet", "q.parquet"):
+        pq.write_table(pa.Table.from_pylist([{"content": "a", "url": "u"}] * 3), tmp_path / name)
     (tmp_path / "j.jsonl").write_text('{"body": "x", "id": 1}\n{"body": "y", "id": 2}\n')
     (tmp_path / "notes.csv").write_text("a,b\n")
     (tmp_path / "array.json").write_text('[{"text": "x"}, {"text": "y"}]\n')
@@ -144,8 +145,9 @@ def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
     none, pq_, js, csv, arr = problems
     assert none.startswith("sources[none].uri: no files match") and "working directory" in none
     assert pq_.startswith("sources[pq].text_field: 'text' is not a field of") and "(fields: content, url)" in pq_
+    assert "p.parquet (nor of 1 more of the first 8 files)" in pq_  # one error for the field
     assert js.startswith("sources[js].id_field: 'doc_id'") and "(fields: body, id)" in js
-    assert csv.startswith("sources[csv].uri: 1 of the 4 matched files are not JSONL or Parquet")
+    assert csv.startswith("sources[csv].uri: 1 of the 5 matched files are not JSONL or Parquet")
     assert arr.startswith("sources[arr].uri: cannot read") and "JSON lines expected" in arr
 
 
