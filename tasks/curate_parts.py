@@ -230,9 +230,9 @@ class LocalLID(FastTextLID):
 # --- documentation prose ----------------------------------------------------------------------
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
-# Lines that are markup or code, never prose: doctest prompts, reST directives and field options
-# (`.. image::`, `   :target: url`), table rows, HTML, badges and images, heading underlines,
-# lines holding only a URL.
+# Lines that are markup or code, never prose: doctest prompts, reST directives and fields
+# (`.. image::`, `   :target: url`, `:param name: ...`), table rows, HTML, badges and images,
+# heading underlines, lines holding only a URL.
 _MARKUP_LINE = re.compile(
     r"^\s*(>>>|\.\.\.(\s|$)|\.\.(\s|$)|:[\w -]+:(\s|$)|\||<[a-zA-Z/!]|\[!\[|!\[|"
     r"[=\-*~^#+_`'\"]{3,}\s*$|https?://\S+\s*$)"

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from tasks.sources import SourceConfig, build_corpus, check_sources, is_held_out, read_shards, source_state
+from tasks.sources import (
+    SourceConfig,
+    build_corpus,
+    check_sources,
+    is_held_out,
+    read_shards,
+    source_state,
+)
 
 
 def _cfg(**kw) -> SourceConfig:
