@@ -51,7 +51,7 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
     mh = MinhashConfig(hash_config=HashConfig(precision=64))
     w = str(out)
     stages = [
-        ([JsonlReader(str(train)), *PRESETS.get(preset)(lambda name: None),
+        ([JsonlReader(str(train)), *PRESETS.get(preset)(),
           JsonlWriter(f"{w}/filtered"), ExactDedupSignature(f"{w}/es", config=exact)], 1),
         ([ExactFindDedups(f"{w}/es", f"{w}/ed", config=exact)], 1),
         ([JsonlReader(f"{w}/filtered"), ExactDedupFilter(f"{w}/ed", config=exact),

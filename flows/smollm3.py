@@ -79,8 +79,10 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     """Sources -> curation -> tokenizer -> fertility -> token shards -> mixture plans: one branch
     per source up to the tokenizer, which samples every curated source."""
     raw = {s.name: g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources}
+    # Each source's train split is decontaminated against every source's held-out split.
     clean = {
-        s.name: g.add(curate, cfg.curation.for_source(s.name), label=s.name, corpus=raw[s.name])
+        s.name: g.add(curate, cfg.curation.for_source(s.name), label=s.name, corpus=raw[s.name],
+                      others=[raw[o.name] for o in cfg.sources if o.name != s.name])
         for s in cfg.sources
     }
     # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.

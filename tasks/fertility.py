@@ -1,4 +1,4 @@
-"""Fertility analysis: compare candidate tokenizers on each source's held-out text, pick one.
+"""Fertility analysis: compare candidate tokenizers on each source's curated held-out text, pick one.
 
 Definitions (the Smol Training Playbook's, lower is better for the first two):
 - fertility: tokens per word (words are whitespace-separated strings);
@@ -13,6 +13,13 @@ gated models, a token; tests use local files). The recipe either fixes the token
 or it is selected by the rule `lowest_weighted_fertility`: the lowest mean fertility over sources
 weighted by the first stage's mixture weights. The decision and its reason go into the meta.
 Outputs: `fertility.csv`, `fertility.md`, `fertility.png` and `decision.json`.
+
+Measured on what is trained: the curated corpora's held-out split, which curation runs through
+the same filters as train (`heldout_curated` in the corpus meta). Uncurated text would judge
+tokenizers on markup and boilerplate that curation removes. A source whose curated held-out
+split is empty falls back to a sample of its curated train split, which the trained tokenizer
+learnt from (it favours `trained`); the text used per source is in the meta (`text`), the CSV
+and the report.
 """
 
 from __future__ import annotations
@@ -100,11 +107,11 @@ def find_eos(tok, path: str) -> tuple[str, int]:
     )
 
 
-def heldout_texts(corpus: Artifact, max_chars: int) -> list[str]:
-    """The held-out documents of a (curated) corpus, up to `max_chars` characters."""
+def split_texts(corpus: Artifact, split: str, max_chars: int) -> list[str]:
+    """Documents of one split of a corpus, up to `max_chars` characters."""
     texts: list[str] = []
     used = 0
-    for path in sorted((corpus.path / "heldout").glob("*.jsonl.gz")):
+    for path in sorted((corpus.path / split).glob("*.jsonl.gz")):
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             for line in fh:
                 text = json.loads(line)["text"][: max_chars - used]
@@ -113,6 +120,23 @@ def heldout_texts(corpus: Artifact, max_chars: int) -> list[str]:
                 if used >= max_chars:
                     return texts
     return texts
+
+
+def heldout_texts(corpus: Artifact, max_chars: int) -> list[str]:
+    """The held-out documents of a corpus, up to `max_chars` characters."""
+    return split_texts(corpus, "heldout", max_chars)
+
+
+def measured_texts(corpus: Artifact, max_chars: int) -> tuple[str, list[str]]:
+    """What fertility is measured on for one source, and its texts: the held-out split (curated
+    when the corpus says so), else a sample of the curated train split."""
+    curated = bool(corpus.meta.get("heldout_curated"))
+    texts = heldout_texts(corpus, max_chars)
+    if texts:
+        return ("curated held-out" if curated else "uncurated held-out"), texts
+    if curated:
+        return "curated train sample", split_texts(corpus, "train", max_chars)
+    return "uncurated held-out", []
 
 
 def measure(tok, texts: Sequence[str]) -> dict[str, float]:
@@ -212,11 +236,11 @@ def write_chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def markdown_table(rows: list[dict[str, Any]], decision: dict[str, Any]) -> str:
-    head = "| tokenizer | source | fertility | continued words | bytes/token | vocab used |"
-    lines = [head, "|---|---|---|---|---|---|"]
+    head = "| tokenizer | source | text | fertility | continued words | bytes/token | vocab used |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['tokenizer']} | {r['source']} | {r['fertility']:.3f} | "
+            f"| {r['tokenizer']} | {r['source']} | {r['text']} | {r['fertility']:.3f} | "
             f"{r['continued_words']:.3f} | {r['bytes_per_token']:.2f} | {r['vocab_used']:.3f} |"
         )
     lines += ["", f"Selected: **{decision['selected']}**: {decision['reason']}."]
@@ -230,7 +254,7 @@ def build_fertility(
     weights: Mapping[str, float] | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Measure every candidate on every source's held-out split; write tables, chart, decision."""
+    """Measure every candidate on every source's curated held-out text; write tables, chart, decision."""
     trained = next((a for a in inputs if a.kind == "tokenizer"), None)
     corpora = [a for a in inputs if a.kind == "corpus"]
     if not corpora:
@@ -238,7 +262,14 @@ def build_fertility(
     names = ([TRAINED] if trained else []) + [c for c in config.candidates if c != TRAINED]
     if not names:
         raise ValueError("fertility: no candidates (no tokenizer artifact and fertility.candidates empty)")
-    texts = {c.meta.get("source", c.short): heldout_texts(c, config.max_chars_per_source) for c in corpora}
+    measured = {c.meta.get("source", c.short): measured_texts(c, config.max_chars_per_source) for c in corpora}
+    texts = {source: t for source, (_, t) in measured.items()}
+    what = {source: label for source, (label, t) in measured.items() if t}
+    for source, label in what.items():
+        if label != "curated held-out":
+            log(f"WARNING fertility: source {source} is measured on its {label}"
+                + (" (the trained tokenizer learnt from it)" if label.endswith("train sample")
+                   else " (run it through curation first)"))
     rows: list[dict[str, Any]] = []
     loaded: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -249,9 +280,9 @@ def build_fertility(
             if not source_texts:
                 log(f"fertility: source {source} has no held-out text; skipped")
                 continue
-            rows.append({"tokenizer": name, "source": source, **measure(tok, source_texts)})
+            rows.append({"tokenizer": name, "source": source, "text": what[source], **measure(tok, source_texts)})
     if not rows:
-        raise ValueError("fertility: no source has held-out text; set held_out_fraction > 0")
+        raise ValueError("fertility: no source has held-out or curated text; set held_out_fraction > 0")
     decision = decide(rows, config, weights or {})
     with open(out / "fertility.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -267,6 +298,8 @@ def build_fertility(
         "reason": decision["reason"],
         "scores": {k: round(v, 4) for k, v in decision["scores"].items()},
         "candidates": list(loaded),
+        "text": what,  # per source: curated held-out | curated train sample | uncurated held-out
+        "text_chars": {source: sum(len(t) for t in texts[source]) for source in what},
     }
 
 

@@ -29,7 +29,7 @@ from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig, check_stages, load_weights
 from tasks.posttrain.config import PosttrainConfig
 from tasks.pretrain import TrainingConfig
-from tasks.sources import SourceConfig
+from tasks.sources import SourceConfig, check_sources
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 
@@ -192,9 +192,39 @@ def _child(node: Any, part: str, path: list[str], item: str) -> Any:
     return node[part]
 
 
+def check_data(recipe: Recipe) -> None:
+    """Raise RecipeError naming every source whose data cannot be read as configured (a glob
+    that matches nothing, a text field the files lack; tasks/sources.py check_sources), in
+    milliseconds, before any compute.
+
+    Not part of `load_recipe`: a recipe must load where its data is not (the laptop that
+    submits a cluster run whose `files:` paths exist on the cluster only, `lineage` and
+    `report` on a copy of the workspace), and hub datasets are not checked offline. Call it
+    where data will be read or planned: `smollm3 recipe`, `smollm3 plan`, the flow entry.
+    """
+    problems = check_sources(recipe.sources)
+    if problems:
+        raise RecipeError(
+            f"recipe {recipe.name}: {len(problems)} data source problem(s):\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
+
+
+def _relevant(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pydantic's errors without the echoes of another: a list whose item failed also reports
+    `too_short` ("at least 1 item after validation, not 0") at the list itself."""
+    locs = [tuple(e["loc"]) for e in errors]
+    return [
+        e for e in errors
+        if not (e["type"] == "too_short"
+                and any(len(other) > len(e["loc"]) and other[: len(e["loc"])] == tuple(e["loc"]) for other in locs))
+    ]
+
+
 def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
-    lines = [f"recipe {path} is invalid ({exc.error_count()} problem(s)):"]
-    for err in exc.errors():
+    errors = _relevant(exc.errors())
+    lines = [f"recipe {path} is invalid ({len(errors)} problem(s)):"]
+    for err in errors:
         loc = _readable_loc(data, err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":

@@ -13,10 +13,16 @@ A source is named in the recipe by a URI:
 
 The corpus step writes `train/` and `heldout/` shards (gzip JSONL with `id`, `text`, `metadata`
 as datatrove's readers expect, or Parquet) and returns counts in the artifact. The held-out split
-is chosen by a stable hash of each document's id, so evaluation never sees training text. Bad
-input never crashes the step and is never dropped silently: every rejected record is counted
-under its reason (malformed_json, invalid_utf8, missing_text_field, empty, too_large) with a few
-example locations.
+is chosen by a stable hash of each document's id (the same on every machine); copies of a
+held-out document under other ids land in train here, and curation removes them
+(tasks/curate.py, decontamination). Bad input never crashes the step and is never dropped
+silently: every rejected record is counted under its reason (malformed_json, invalid_utf8,
+missing_text_field, empty, too_large, duplicate_id) with a few example locations.
+
+`check_sources` finds the configuration mistakes that would otherwise surface only inside the
+step (a glob that matches nothing, a text field the files do not have) in milliseconds: it
+reads a Parquet schema or the first records of a file, never a whole file. Hub datasets are not
+checked (that needs the network).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import random
 import sysconfig
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -85,6 +91,8 @@ class Document:
 class Rejected:
     reason: str  # malformed_json | invalid_utf8 | missing_text_field | empty | too_large
     where: str  # file:line or record index, so the user can look
+    fields: tuple[str, ...] = ()  # missing_text_field: the fields the record has
+    count: int = 1  # records this stands for (a Parquet file without the text column: all rows)
 
 
 class SourceKind(ABC):
@@ -103,6 +111,15 @@ class SourceKind(ABC):
     @abstractmethod
     def records(self) -> Iterator[Document | Rejected]:
         """Every record of the source, in a stable order."""
+
+    def check(self) -> list[str]:
+        """Mistakes in the source's configuration that would fail the run, found cheaply
+        (no full read): each names the field at fault (`sources[NAME].uri`) and the fix."""
+        return []
+
+    @property
+    def where(self) -> str:
+        return f"sources[{self.config.name}]"
 
 
 SOURCE_KINDS: Registry[type[SourceKind]] = Registry("source kind")
@@ -310,12 +327,42 @@ def _files_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+_FILE_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".parquet")
+_CHECK_FILES = 8  # files whose fields check() reads (the first, in name order)
+_CHECK_RECORDS = 20  # JSON lines read per file
+
+
+def _parquet_fields(path: Path) -> set[str]:
+    import pyarrow.parquet as pq
+
+    return set(pq.read_schema(path).names)  # the footer only
+
+
+def _jsonl_fields(path: Path) -> set[str]:
+    """Fields holding a non-null value in the first records of a JSONL file."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    fields: set[str] = set()
+    parsed = 0
+    with opener(path, "rb") as fh:
+        for raw in itertools.islice((line for line in fh if line.strip()), _CHECK_RECORDS):
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(record, dict):
+                parsed += 1
+                fields.update(k for k, v in record.items() if v is not None)
+    if not parsed:
+        raise ValueError(f"none of its first {_CHECK_RECORDS} lines is a JSON object (JSON lines expected)")
+    return fields
+
+
 def _extract(record: Any, config: SourceConfig, where: str) -> Document | Rejected:
     if not isinstance(record, dict):
         return Rejected("malformed_json", where)
     text = record.get(config.text_field)
     if not isinstance(text, str):
-        return Rejected("missing_text_field", where)
+        return Rejected("missing_text_field", where, tuple(record))
     doc_id = record.get(config.id_field) if config.id_field else None
     meta = {k: v for k, v in record.items() if k != config.text_field and _small(v)}
     return Document(str(doc_id) if doc_id is not None else where, text, meta)
@@ -340,9 +387,43 @@ class LocalFiles(SourceKind):
         paths = [p for p in paths if p.is_file()]
         if not paths:
             raise FileNotFoundError(
-                f"source {self.config.name!r}: no files match {pattern!r} (from {Path.cwd()})"
+                f"{self.where}.uri: no files match {pattern!r} (a relative glob is taken from the "
+                f"working directory, {Path.cwd()}); fix the glob or give an absolute one"
             )
         return paths
+
+    def check(self) -> list[str]:
+        try:
+            paths = self._paths()
+        except FileNotFoundError as exc:
+            return [str(exc)]
+        other = [p for p in paths if not p.name.endswith(_FILE_SUFFIXES)]
+        if other:
+            return [
+                f"{self.where}.uri: {len(other)} of the {len(paths)} matched files are not JSONL or "
+                f"Parquet (e.g. {other[0]}); the files: scheme reads {', '.join(_FILE_SUFFIXES)}: narrow the glob"
+            ]
+        errors: list[str] = []
+        lacking: dict[str, list[tuple[Path, set[str]]]] = defaultdict(list)
+        for path in paths[:_CHECK_FILES]:
+            try:
+                fields = _parquet_fields(path) if path.suffix == ".parquet" else _jsonl_fields(path)
+            except (OSError, ValueError) as exc:
+                errors.append(f"{self.where}.uri: cannot read {path}: {exc}")
+                continue
+            for key in ("text_field", "id_field"):
+                field = getattr(self.config, key)
+                if field is not None and field not in fields:
+                    lacking[key].append((path, fields))
+        for key, files in lacking.items():  # one error per field, however many files lack it
+            (path, fields), more = files[0], len(files) - 1
+            holds = "text" if key == "text_field" else "document id"
+            errors.append(
+                f"{self.where}.{key}: {getattr(self.config, key)!r} is not a field of {path}"
+                + (f" (nor of {more} more of the first {_CHECK_FILES} files)" if more else "")
+                + f" (fields: {', '.join(sorted(fields)) or 'none'}); set {key} to the field that holds the {holds}"
+            )
+        return errors
 
     def state(self) -> str:
         return _files_digest(self._paths())
@@ -377,6 +458,11 @@ class LocalFiles(SourceKind):
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(path)
+        names = tuple(table.schema_arrow.names)
+        if self.config.text_field not in names:  # every row lacks it: count them, read none
+            yield Rejected("missing_text_field", f"{path.name}: all {table.metadata.num_rows} rows",
+                           names, count=table.metadata.num_rows)
+            return
         row = 0
         for batch in table.iter_batches():
             for record in batch.to_pylist():
@@ -397,6 +483,35 @@ class HuggingFace(SourceKind):
             return _files_digest(sorted(p for p in target.rglob("*") if p.is_file()))
         c = self.config
         return f"{self._target()}|{c.hf_subset}|{c.hf_split}|{c.hf_revision}"
+
+    def _is_local(self) -> bool:
+        target = self._target()
+        return target.startswith(("/", ".", "~")) or Path(target).expanduser().exists()
+
+    def check(self) -> list[str]:
+        if not self._is_local():
+            return []  # a hub dataset: checking it needs the network (the step reports it)
+        target = Path(self._target()).expanduser()
+        if not target.is_dir():
+            return [f"{self.where}.uri: {target} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk"]
+        info = target / "dataset_info.json"
+        splits = target / "dataset_dict.json"
+        if splits.is_file():
+            names = json.loads(splits.read_text(encoding="utf-8")).get("splits", [])
+            if self.config.hf_split not in names:
+                return [f"{self.where}.hf_split: {self.config.hf_split!r} is not a split of {target} "
+                        f"(splits: {', '.join(names)})"]
+            info = target / self.config.hf_split / "dataset_info.json"
+        if not info.is_file():
+            return [f"{self.where}.uri: {target} holds no dataset_info.json; is it a save_to_disk folder?"]
+        fields = set(json.loads(info.read_text(encoding="utf-8")).get("features") or {})
+        errors = []
+        for key in ("text_field", "id_field"):
+            field = getattr(self.config, key)
+            if field is not None and field not in fields:
+                errors.append(f"{self.where}.{key}: {field!r} is not a column of {target} "
+                              f"(columns: {', '.join(sorted(fields))})")
+        return errors
 
     def records(self) -> Iterator[Document | Rejected]:
         import datasets
@@ -499,9 +614,23 @@ def source_state(config: SourceConfig, seed: int | None) -> str:
     return resolve_kind(config.uri)(config, seed or 0).state()
 
 
+def check_sources(sources: Sequence[SourceConfig]) -> list[str]:
+    """Every configuration mistake of the recipe's sources that would fail the run, cheaply:
+    a glob matching nothing, files that are neither JSONL nor Parquet, a text or id field the
+    files lack (read from the Parquet schema or the first records), a save_to_disk folder
+    without the split or column. Hub datasets are not checked. An empty list: nothing found."""
+    errors: list[str] = []
+    for config in sources:
+        errors += resolve_kind(config.uri)(config, 0).check()
+    return errors
+
+
 def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
     """Read one source into train/heldout shards; return the counts for the artifact's meta."""
     kind = resolve_kind(config.uri)(config, seed)
+    problems = kind.check()  # the same cheap check as `smollm3 recipe`, before the full read
+    if problems:
+        raise ValueError("; ".join(problems))
     writers = {
         split: ShardWriter(out / split, config.output_format, config.documents_per_shard)
         for split in ("train", "heldout")
@@ -511,6 +640,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
     rejected: Counter[str] = Counter()
     examples: dict[str, list[str]] = defaultdict(list)
     seen_ids: set[str] = set()
+    fields_seen: tuple[str, ...] = ()
     kept = 0
     for record in kind.records():
         if isinstance(record, Document):
@@ -522,9 +652,10 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
             elif record.id in seen_ids:
                 record = Rejected("duplicate_id", record.id)
         if isinstance(record, Rejected):
-            rejected[record.reason] += 1
+            rejected[record.reason] += record.count
             if len(examples[record.reason]) < 5:
                 examples[record.reason].append(record.where)
+            fields_seen = fields_seen or record.fields
             continue
         seen_ids.add(record.id)
         split = "heldout" if is_held_out(config.name, record.id, config.held_out_fraction) else "train"
@@ -542,9 +673,13 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
         detail = ", ".join(f"{r}={n} (e.g. {', '.join(examples[r][:3])})" for r, n in sorted(rejected.items()))
         log(f"source {config.name}: rejected {sum(rejected.values())} records: {detail}")
     if docs["train"] == 0:
+        hint = ""
+        if rejected["missing_text_field"]:
+            hint = (f"; sources[{config.name}].text_field {config.text_field!r} is not a text field of "
+                    f"the records (fields: {', '.join(fields_seen) or 'none'}): set text_field")
         raise ValueError(
             f"source {config.name!r} ({config.uri}) produced no training documents"
-            + (f"; rejected: {dict(rejected)}" if rejected else "")
+            + (f"; rejected: {dict(rejected)}" if rejected else "") + hint
         )
     return {
         "source": config.name,

@@ -14,6 +14,10 @@ Design choices:
   does not decide the vocabulary alone; documents are taken in shard order (deterministic).
 - `path` adopts an existing `tokenizer.json` (or a folder holding one) instead of training; the
   chat template and missing special tokens are added so downstream steps see one contract.
+- BPE stops merging when no pair is seen `min_frequency` times: a small sample gives fewer
+  entries than `vocab_size`. That is said (a WARNING log line and `warnings` in the meta, with
+  `requested_vocab_size` beside `vocab_size`), and `vocab_size` in the meta is always the real
+  size: tokenize, the mixture plan and the model's embedding (model/train.py) take it from here.
 """
 
 from __future__ import annotations
@@ -155,11 +159,23 @@ def build_tokenizer(
         tok = train_bpe(counted(), config.vocab_size, config.min_frequency)
         origin = {
             "origin": "trained",
+            "requested_vocab_size": config.vocab_size,
             "sample_chars": sample["chars"],
             "sample_documents": sample["documents"],
             "sources": [c.meta.get("source", c.short) for c in corpora],
         }
-    meta = {**origin, **save_hf_tokenizer(tok, out)}
+    meta = {**origin, **save_hf_tokenizer(tok, out), "warnings": []}
+    if meta["origin"] == "trained" and meta["vocab_size"] < config.vocab_size:
+        meta["warnings"].append(
+            f"tokenizer: the trained vocabulary has {meta['vocab_size']} entries, "
+            f"{config.vocab_size} requested (tokenizer.vocab_size): the sample "
+            f"({meta['sample_chars']} characters from {', '.join(meta['sources'])}) has no more "
+            f"pairs seen {config.min_frequency}+ times. The model's embedding follows the real "
+            f"size; to reach the requested one, train on more text (tokenizer.sample_chars, more "
+            f"data) or lower tokenizer.min_frequency"
+        )
+    for warning in meta["warnings"]:
+        log(f"WARNING {warning}")
     log(f"tokenizer ({meta['origin']}): vocab {meta['vocab_size']}, eos id {meta['eos_id']}")
     return meta
 

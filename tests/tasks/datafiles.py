@@ -17,6 +17,25 @@ WORDS = (
     "jacket kettle ladder magnet needle oyster parrot quartz ribbon sponge tiger umbrella"
 ).split()
 
+# English prose that FineWeb's web filters keep (one topic per paragraph).
+PARAGRAPHS = [
+    "The committee met on Tuesday to discuss the new library. Members agreed that the reading "
+    "room needs more light and that the children's section should open earlier in the day. "
+    "After a short debate, they voted to extend the opening hours during the summer months, "
+    "when students have more time to read. The treasurer explained how the budget would cover "
+    "the extra staff, and the chair thanked the volunteers who had repainted the entrance.",
+    "Our garden changed slowly over the spring. The tulips came first, followed by a wave of "
+    "bluebells under the old apple tree. We planted beans along the fence and watered them "
+    "every evening, hoping the dry weather would break. By June the tomatoes were climbing "
+    "their stakes, and the neighbours' cat had claimed the warm stones beside the pond as "
+    "its favourite place to sleep through the long afternoons.",
+    "Bread needs only flour, water, salt and yeast, yet the results vary widely. A wetter "
+    "dough gives a more open crumb, while a long cold rise develops a deeper flavour. Bakers "
+    "often fold the dough several times during the first hours instead of kneading it hard. "
+    "Before baking, the loaf is scored with a sharp blade so that it can expand evenly in the "
+    "oven, and a little steam helps the crust turn golden and crisp.",
+]
+
 
 def random_text(rng: random.Random, words: int = 200) -> str:
     """Sentences of random words: unique per seed, no near duplicates between seeds."""

@@ -9,7 +9,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from infra.artifact import Artifact
 from tasks.fertility import FertilityConfig, build_fertility, decide, measure
-from tests.tasks.datafiles import corpus
+from tests.tasks.datafiles import PARAGRAPHS, corpus
 
 TEXTS = ["ab cd", "abc d"]
 
@@ -78,7 +78,7 @@ def test_build_writes_table_chart_and_decision(tmp_path):
     assert meta["selected"]["eos_token"] == "<|endoftext|>" and meta["selected"]["eos_id"] == 0
     assert meta["candidates"] == ["trained", str(tmp_path / "words.json")]
     csv_lines = (out / "fertility.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("tokenizer,source,words,tokens,fertility,continued_words")
+    assert csv_lines[0].startswith("tokenizer,source,text,words,tokens,fertility,continued_words")
     assert len(csv_lines) == 1 + 2 * 2
     assert "Selected: **" in (out / "fertility.md").read_text()
     assert (out / "fertility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -98,3 +98,43 @@ def test_hub_candidate_that_cannot_be_fetched_says_what_to_do(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(RuntimeError, match="'Qwen/Qwen3-4B': cannot load it from the Hugging Face hub"):
         load_candidate("Qwen/Qwen3-4B")
+
+
+def test_measured_on_curated_text_and_says_which(tmp_path):
+    """Fertility reads what curation keeps (here the prose of a README, not its markup and
+    code), falls back to curated train when the curated held-out split is empty, and says which
+    text it used per source; an uncurated corpus is named as such."""
+    import csv
+
+    from tasks.curate import CurationConfig, DecontaminationConfig, build_curated
+    from tasks.curate_parts import prose_text
+
+    words = tmp_path / "words.json"
+    word_level(words)
+    readme = (
+        f"Library\n=======\n\n{PARAGRAPHS[0]}\n\n    >>> ab(cd)\n    {{'abc': d}}\n\n"
+        f"| ab | cd |\n|---|---|\n\n```\nabc = d\n```\n\n{PARAGRAPHS[1]}\n\n{PARAGRAPHS[2]}"
+    )
+    train = "\n\n".join(PARAGRAPHS[::-1])
+    raw = corpus(tmp_path / "raw", [("t", train)], heldout=[("h", readme)], source="docs")
+    out = tmp_path / "cur"
+    out.mkdir()
+    cfg = CurationConfig(presets={"docs": "docs"}, exact_dedup=False, minhash=False,
+                         decontamination=DecontaminationConfig(enabled=False))
+    meta = build_curated(cfg, raw, out, log=lambda _: None)
+    assert meta["heldout_documents"] == 1
+    curated = Artifact(kind="corpus", uri=str(out), fingerprint="c" * 64, meta=meta)
+    emptied = corpus(tmp_path / "code", [("t", "abc d ab cd")], heldout=[], source="code")
+    emptied = emptied.model_copy(update={"meta": {**emptied.meta, "heldout_curated": True}})
+    other = corpus(tmp_path / "web", [("t", "ab")], heldout=[("h", "ab cd")], source="web")
+
+    logs: list[str] = []
+    fert = tmp_path / "fert"
+    fert.mkdir()
+    meta = build_fertility(FertilityConfig(candidates=(str(words),)), [curated, emptied, other], fert, log=logs.append)
+    assert meta["text"] == {"docs": "curated held-out", "code": "curated train sample", "web": "uncurated held-out"}
+    rows = {r["source"]: r for r in csv.DictReader(open(fert / "fertility.csv"))}
+    assert int(rows["docs"]["words"]) == len(prose_text(readme).split()) < len(readme.split())
+    assert rows["docs"]["text"] == "curated held-out" and "| curated held-out |" in (fert / "fertility.md").read_text()
+    assert any("source code is measured on its curated train sample" in line for line in logs)
+    assert any("source web is measured on its uncurated held-out" in line for line in logs)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tasks.recipe import CONFIGS_DIR, RecipeError, load_recipe
+from tasks.recipe import CONFIGS_DIR, RecipeError, check_data, load_recipe
 
 
 def _write(tmp_path: Path, data: dict) -> str:
@@ -39,6 +39,21 @@ def test_bad_value_names_field_and_allowed_values(tmp_path):
         load_recipe(_write(tmp_path, data))
     assert "sources[m].domain" in str(err.value)
     assert "'web', 'code' or 'math'" in str(err.value) and "'maths'" in str(err.value)
+
+
+def test_one_bad_source_field_is_one_error(tmp_path):
+    data = {**BASE, "sources": [{"name": "m", "uri": "builtin:math", "domain": "math", "max_documents": -1}]}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_write(tmp_path, data))
+    assert str(err.value).splitlines()[1:] == ["  sources[m].max_documents: Input should be greater than 0 (got -1)"]
+    assert "(1 problem(s))" in str(err.value)
+
+
+def test_check_data_names_the_source_field_before_any_compute(tmp_path):
+    recipe = load_recipe(_write(tmp_path, BASE), [f"sources.m.uri=files:{tmp_path}/none/*.jsonl", "sources.m.domain=web"])
+    with pytest.raises(RecipeError, match=r"1 data source problem\(s\):\n  sources\[m\]\.uri: no files match"):
+        check_data(recipe)
+    check_data(load_recipe("tiny"))  # builtin sources: nothing to find
 
 
 def test_unknown_keys_are_rejected_with_the_allowed_ones(tmp_path):

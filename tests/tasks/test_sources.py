@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from tasks.sources import SourceConfig, build_corpus, is_held_out, read_shards, source_state
+from tasks.sources import (
+    SourceConfig,
+    build_corpus,
+    check_sources,
+    is_held_out,
+    read_shards,
+    source_state,
+)
 
 
 def _cfg(**kw) -> SourceConfig:
@@ -117,26 +124,77 @@ def test_files_source_state_follows_the_files(tmp_path):
 
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
-    with pytest.raises(FileNotFoundError, match="no files match"):
+    with pytest.raises(ValueError, match=r"sources\[s\]\.uri: no files match"):
         build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
+        source_state(cfg, 0)  # the fingerprint, computed before the step runs, says the same
 
 
-def test_hf_save_to_disk_folder(tmp_path):
+def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in ("p.parquet", "q.parquet"):
+        pq.write_table(pa.Table.from_pylist([{"content": "a", "url": "u"}] * 3), tmp_path / name)
+    (tmp_path / "j.jsonl").write_text('{"body": "x", "id": 1}\n{"body": "y", "id": 2}\n')
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    (tmp_path / "array.json").write_text('[{"text": "x"}, {"text": "y"}]\n')
+    problems = check_sources([
+        _cfg(name="ok", uri="builtin:prose", domain="web"),
+        _cfg(name="hub", uri="hf:HuggingFaceFW/fineweb-edu", domain="web"),  # not checked offline
+        _cfg(name="none", uri=f"files:{tmp_path}/missing/*.jsonl", domain="web"),
+        _cfg(name="pq", uri=f"files:{tmp_path}/*.parquet", domain="web"),
+        _cfg(name="js", uri=f"files:{tmp_path}/j.jsonl", domain="web", text_field="body", id_field="doc_id"),
+        _cfg(name="csv", uri=f"files:{tmp_path}/*", domain="web"),
+        _cfg(name="arr", uri=f"files:{tmp_path}/array.json", domain="web"),
+    ])
+    assert len(problems) == 5, problems
+    none, pq_, js, csv, arr = problems
+    assert none.startswith("sources[none].uri: no files match") and "working directory" in none
+    assert pq_.startswith("sources[pq].text_field: 'text' is not a field of") and "(fields: content, url)" in pq_
+    assert "p.parquet (nor of 1 more of the first 8 files)" in pq_  # one error for the field
+    assert js.startswith("sources[js].id_field: 'doc_id'") and "(fields: body, id)" in js
+    assert csv.startswith("sources[csv].uri: 1 of the 5 matched files are not JSONL or Parquet")
+    assert arr.startswith("sources[arr].uri: cannot read") and "JSON lines expected" in arr
+
+
+def test_check_sources_reads_a_save_to_disk_folder_without_loading_it(tmp_path):
     import datasets
 
-    ds = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": ["first doc", "second doc", ""], "id": ["a", "b", "c"]}),
-        "test": datasets.Dataset.from_dict({"text": ["held"], "id": ["t"]}),
-    })
-    ds.save_to_disk(str(tmp_path / "ds"))
-    cfg = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", id_field="id", held_out_fraction=0.0)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": ["a"]})}).save_to_disk(str(tmp_path / "ds"))
+    ok = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", text_field="body")
+    assert check_sources([ok]) == []
+    split = ok.model_copy(update={"hf_split": "validation"})
+    column = ok.model_copy(update={"text_field": "text"})
+    missing = _cfg(uri=f"hf:{tmp_path / 'nothing'}", domain="web")
+    assert check_sources([split, column, missing]) == [
+        f"sources[s].hf_split: 'validation' is not a split of {tmp_path / 'ds'} (splits: train)",
+        f"sources[s].text_field: 'text' is not a column of {tmp_path / 'ds'} (columns: body)",
+        f"sources[s].uri: {tmp_path / 'nothing'} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk",
+    ]
+
+
+def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k in range(8):  # check() reads the first 8 files' schemas; the 9th is read by the step
+        pq.write_table(pa.Table.from_pylist([{"text": f"doc {k}"}]), tmp_path / f"a{k}.parquet")
+    pq.write_table(pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet")
+    cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web", held_out_fraction=0.0)
     meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
-    assert meta["documents"] == 2 and meta["rejected"] == {"empty": 1}
-    bad = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", hf_split="validation")
-    with pytest.raises(KeyError, match="available: train, test"):
-        build_corpus(bad, 0, tmp_path / "out2", log=lambda _: None)
+    assert meta["documents"] == 8 and meta["rejected"] == {"missing_text_field": 10}
+    assert meta["rejected_examples"]["missing_text_field"] == ["z.parquet: all 10 rows"]
+    only_bad = _cfg(uri=f"files:{tmp_path}/z.parquet", domain="web")
+    with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"):
+        build_corpus(only_bad, 0, tmp_path / "out2", log=lambda _: None)
 
 
-def test_unknown_uri_lists_the_allowed_kinds():
-    with pytest.raises(ValueError, match="allowed: builtin:code, builtin:math, builtin:prose, files:, hf:"):
-        _cfg(uri="builtin:poetry")
+def test_no_documents_because_of_the_text_field_says_so(tmp_path):
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps({"text": i, "id": str(i)}) + "\n" for i in range(5)))
+    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
+    assert check_sources([cfg]) == []  # the field exists (not as text): only reading tells
+    with pytest.raises(ValueError) as err:
+        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    assert "rejected: {'missing_text_field': 5}" in str(err.value)
+    assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)

@@ -7,6 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from infra.artifact import Artifact
 from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, build_tokenizer, train_bpe
 from tests.tasks.datafiles import corpus, random_text
 
@@ -85,3 +86,39 @@ def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
     assert (out / "tokenizer.json").is_file() and base.get_vocab_size() <= 300
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         build_tokenizer(TokenizerConfig(path=str(tmp_path / "nope")), [], out)
+
+
+def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(tmp_path):
+    """tokenizer meta -> tokenize meta -> mixture plan -> model/train.py build_model_config."""
+    from model.data import MixturePlan
+    from model.spec import TrainSpec
+    from model.train import build_model_config
+    from tasks.mixture import StageConfig, build_plan
+    from tasks.tokenize import TokenizeConfig, build_token_shards
+
+    rng = random.Random(4)
+    art = corpus(tmp_path / "c", [(f"d{i}", random_text(rng, 60)) for i in range(20)], source="toy")
+    out = tmp_path / "tok"
+    out.mkdir()
+    logs: list[str] = []
+    meta = build_tokenizer(TokenizerConfig(vocab_size=4096), [art], out, logs.append)
+    real = meta["vocab_size"]
+    assert real < 4096 and meta["requested_vocab_size"] == 4096
+    assert len(meta["warnings"]) == 1 and f"has {real} entries, 4096 requested" in meta["warnings"][0]
+    assert f"WARNING {meta['warnings'][0]}" in logs
+    tok = Artifact(kind="tokenizer", uri=str(out), fingerprint="1" * 64, meta=meta)
+    (tmp_path / "shards").mkdir()
+    smeta = build_token_shards(TokenizeConfig(), (tok, art), tmp_path / "shards", log=lambda _: None)
+    shards = Artifact(kind="shards", uri=str(tmp_path / "shards"), fingerprint="2" * 64, meta=smeta)
+    (tmp_path / "mix.yaml").write_text("weights: {toy: 1.0}\n")
+    (tmp_path / "plan").mkdir()
+    stage = StageConfig(name="s1", mixture=str(tmp_path / "mix.yaml"), tokens=1000, seq_len=16)
+    plan = build_plan(stage, [shards], tmp_path / "plan", log=lambda _: None)
+    loaded = MixturePlan.load(plan["plan"])
+    spec = TrainSpec(mixture_plan=plan["plan"], out_dir=str(tmp_path / "run"), steps=1, global_batch=1, micro_batch=1)
+    assert smeta["vocab_size"] == loaded.vocab_size == build_model_config(spec, loaded, 16).vocab_size == real
+
+
+def test_a_full_vocabulary_does_not_warn(trained):
+    _, meta = trained
+    assert meta["vocab_size"] == meta["requested_vocab_size"] == 512 and meta["warnings"] == []
