@@ -23,17 +23,22 @@ def cmd_run(args) -> int:
 
 
 def cmd_recipe(args) -> int:
-    from tasks.recipe import dump_recipe, load_recipe
+    from tasks.recipe import check_data, dump_recipe, load_recipe
 
-    print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_data(recipe)  # a glob matching nothing or a missing text field fails here, not mid-run
+    print(dump_recipe(recipe), end="")
     return 0
 
 
 def cmd_plan(args) -> int:
     from flows.plan import format_plan, plan
-    from tasks.recipe import load_recipe
+    from tasks.recipe import check_data, load_recipe
 
-    rows = plan(load_recipe(args.recipe, args.overrides), frozenset(args.refresh), args.flow, args.base)
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.flow == "smollm3":
+        check_data(recipe)
+    rows = plan(recipe, frozenset(args.refresh), args.flow, args.base)
     print(format_plan(rows))
     return 0
 

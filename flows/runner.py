@@ -404,7 +404,7 @@ def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> di
     order = {n.key: i for i, n in enumerate(graph)}
     records = sorted(ctx.records, key=lambda r: order.get(f"{r.step}[{r.label}]", 1 << 30))
     dropped = {
-        key: {k: a.meta[k] for k in ("rejected", "removed", "unaccounted") if a.meta.get(k)}
+        key: {k: a.meta[k] for k in ("rejected", "removed", "heldout_removed", "unaccounted") if a.meta.get(k)}
         for key, a in artifacts.items()
     }
     dropped = {k: v for k, v in dropped.items() if v}

@@ -28,7 +28,7 @@ from tasks.posttrain.preference import preference
 from tasks.posttrain.sft import sft
 from tasks.preflight import preflight, spec_for
 from tasks.pretrain import pretrain, schedule_stages
-from tasks.recipe import Recipe, load_recipe
+from tasks.recipe import Recipe, check_data, load_recipe
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
@@ -45,8 +45,9 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     # waits for the previous one only: its export and evaluation run beside the next stage.
     check = g.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer,
                   mixtures=list(d.plans.values()))
+    # Eval items come from the curated held-out splits: text like what is trained on, never in it.
     suite = g.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
-                  heldout=d.raw, train=d.clean)
+                  heldout=d.clean, train=d.clean)
     previous: Node | None = None
     threads = cfg.resources.threads("train")
     for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
@@ -60,7 +61,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
               model=model, suite=suite)
     final = model
     if cfg.posttrain is not None:
-        final = post_train(g, cfg, model, d.raw, d.clean)
+        final = post_train(g, cfg, model, d.clean)
     g.final = final
     return g
 
@@ -69,8 +70,8 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
 class DataNodes:
     """The data part of the DAG, as the training part reads it."""
 
-    raw: list[Node]  # source corpora (their held-out splits feed the eval suites)
-    clean: list[Node]  # curated corpora
+    raw: list[Node]  # source corpora, as read
+    clean: list[Node]  # curated corpora (their held-out splits feed the eval suites)
     tokenizer: Node  # the tokenizer the shards were made with (or the fertility decision)
     plans: dict[str, Node]  # mixture plan per stage
 
@@ -106,7 +107,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     return DataNodes(list(raw.values()), list(clean.values()), chosen, plans)
 
 
-def post_train(g: Graph, cfg: Recipe, base: Node, raw: list[Node], clean: list[Node]) -> Node:
+def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     """SFT -> APO -> linear merge with the long-context base -> GRPO -> optional on-policy
     distillation (docs/posttraining.md); every model is scored on the cloze tasks plus held-out
     arithmetic exact match, under its label (base, sft, apo, merge, grpo, opd)."""
@@ -116,7 +117,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, raw: list[Node], clean: list[N
         SuiteSpec(eval=cfg.eval.for_suite().model_copy(update={"items_per_task": pt.eval.cloze_items}),
                   seed=cfg.seed, generation_items=pt.eval.generation_items,
                   max_gen_tokens=pt.eval.max_gen_tokens),
-        label="posttrain", heldout=raw, train=clean,
+        label="posttrain", heldout=clean, train=clean,
     )
     scoring = EvalSpec(eval=cfg.eval.for_run().model_copy(update={"batch_size": pt.eval.batch_size}))
 
@@ -156,5 +157,6 @@ def smollm3(
     from prefect.runtime import flow_run
 
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
+    check_data(cfg)  # so does a source whose data cannot be read as configured
     dag = graph(cfg, run_id=str(flow_run.id) if flow_run.id else None)  # unreadable input data fails here
     return run_flow("smollm3", dag, cfg, recipe, refresh or [])

@@ -54,7 +54,7 @@ def posttrain_flow(overrides: list[str]) -> str:
     g = Graph("posttrain-test")
     corpora = [g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources]
     base = g.add(tiny_base, {"hidden": 64}, label="long2", corpora=corpora)
-    post_train(g, cfg, base, corpora, corpora)
+    post_train(g, cfg, base, corpora)
     return run_flow("posttrain-test", g, cfg, "tiny")["run_id"]
 
 
