@@ -12,7 +12,11 @@ One launch trains one stage as described by a `TrainSpec`:
   otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
-- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`.
+- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- ownership: rank 0 leases `out_dir` (`infra.lifeline.StageLease`) before writing anything, so a
+  second trainer in the same folder refuses to start (exit code 4) while the first lives; under
+  torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
+  sessions of their own where a kill of its process group does not reach them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from infra.lifeline import LeaseHeld, StageLease, protect_rank
 from model.checkpoint import Checkpointer, atomic_write_text, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.data import MixtureLoader, MixturePlan
@@ -43,6 +48,7 @@ from model.spec import TrainSpec
 
 log = logging.getLogger("model.train")
 EXIT_NON_FINITE = 3
+EXIT_LEASE_HELD = 4
 
 
 class NonFiniteError(RuntimeError):
@@ -158,11 +164,30 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
+def claim_stage(out_dir: Path, rt: Runtime) -> StageLease | None:
+    """Rank 0 leases the stage folder; every rank raises `LeaseHeld` if another trainer has it."""
+    lease, refused = None, None
+    if rt.rank == 0:
+        try:
+            lease = StageLease(out_dir).acquire()
+        except LeaseHeld as exc:
+            refused = str(exc)
+    verdict = [refused]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise LeaseHeld(verdict[0])
+    return lease
+
+
 def train(spec: TrainSpec) -> dict[str, Any]:
     rt = setup_runtime(spec)
+    lease = None
     try:
+        lease = claim_stage(Path(spec.out_dir), rt)
         return _train(spec, rt)
     finally:
+        if lease is not None:
+            lease.release()
         if rt.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -356,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m model.train SPEC.json  (or under torchrun)", file=sys.stderr)
         return 2
+    protect_rank()  # first: a rank must not outlive torchrun, even during startup
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.load(argv[0])
     try:
@@ -363,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NON_FINITE
+    except LeaseHeld as err:
+        print(f"error: LeaseHeld: {err}", file=sys.stderr)
+        return EXIT_LEASE_HELD
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
     return 0

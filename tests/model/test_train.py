@@ -280,3 +280,60 @@ def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path
     result = json.loads((stage2 / "result.json").read_text())
     assert result["resumed_from"].endswith("stage1/checkpoints/step_00000002")
     assert sum(result["tokens_per_source"].values()) == 2 * 4 * 64
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, tmp_path):
+    """A second trainer in a live stage folder refuses to start, naming the holder; a SIGKILLed
+    torchrun takes its rank along (the rank is in a session of its own); the next trainer takes
+    over the dead holder's lease and resumes, and metrics.jsonl keeps one row per step."""
+    out = tmp_path / "stage"
+    spec = write_spec(tmp_path / "spec.json", plan_path, out, steps=12, debug_step_sleep_s=3,
+                      checkpoint_interval=2, schedule={"warmup_steps": 2, "total_steps": 12})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = subprocess.Popen(
+        [str(TORCHRUN), "--nproc-per-node", "1", "--master-port", str(port), "-m", "model.train",
+         str(spec)], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    rank = None
+    try:
+        deadline = time.time() + 120
+        while read_marker(out / "checkpoints" / "step_00000002") is None and time.time() < deadline:
+            assert first.poll() is None, "the first trainer ended early"
+            time.sleep(0.05)
+        rank = json.loads((out / ".lease.json").read_text())["holder"]["pid"]
+        second = run_train(spec, check=False)
+        assert second.returncode == 4, second.stderr[-2000:]
+        assert f"LeaseHeld: stage folder {out} is in use by another trainer (pid {rank}" in second.stderr
+
+        assert first.poll() is None and _alive(rank), "the first trainer ended before the test"
+        os.kill(first.pid, signal.SIGKILL)  # torchrun alone, as `kill -9` of its group would
+        first.wait()
+        deadline = time.time() + 5
+        while _alive(rank) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _alive(rank), "the rank kept training after torchrun died"
+    finally:
+        first.kill()
+        if rank is not None and _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+
+    assert metrics(out)[-1]["step"] < 12  # it really was killed mid-stage
+    # the same stage without the per-step sleep: takes over the dead rank's lease, resumes
+    run_train(write_spec(tmp_path / "spec.json", plan_path, out, steps=12, checkpoint_interval=2,
+                         schedule={"warmup_steps": 2, "total_steps": 12}))
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_step"] == 12 and result["resumed_from"] is not None
+    assert [m["step"] for m in metrics(out)] == list(range(1, 13))
+    assert not (out / ".lease.json").exists()  # released at the end
