@@ -17,15 +17,20 @@ New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.r
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infra.lifeline import ProcessRef
 from infra.registry import Registry
 
 # The checkout holding `model/` (the trainer runs as `-m model.train` from here by default).
@@ -176,6 +181,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class JobRecord:
+    """`{workdir}/launch/{name}`: the cluster job a launch submitted and the process that owns it.
+
+    Written right after submission and removed once the job is known to have ended. A record left
+    behind means its owner died without cleaning up (SIGKILL, OOM, a lost node): the next launch
+    of the same stage folder cancels that job before submitting a new one, unless the owner is
+    still alive on this host, in which case it refuses (two trainers in one folder).
+    """
+
+    def __init__(self, workdir: Path, name: str):
+        self.path = Path(workdir) / "launch" / name
+
+    def write(self, job: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.current()),
+                                   "submitted": time.time()}))
+        os.replace(tmp, self.path)
+
+    def read(self) -> tuple[str, ProcessRef] | None:
+        try:
+            raw = json.loads(self.path.read_text())
+            return str(raw["job"]), ProcessRef(**raw["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def live_owner(self) -> ProcessRef | None:
+        """The owner of the recorded job when it is another process still alive on this host."""
+        found = self.read()
+        if found is None:
+            return None
+        owner = found[1]
+        return owner if owner.alive() and owner != ProcessRef.current() else None
 
 
 def check_spec(spec_path: Path) -> Path:

@@ -238,6 +238,62 @@ def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
     assert fake.calls[-1] == ["scancel", "4242"]
 
 
+def _record(path: Path, job: str, pid: int) -> None:
+    """A job record as a launch by process `pid` on this host writes it."""
+    from dataclasses import asdict
+
+    from infra.lifeline import ProcessRef
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.of(pid)), "submitted": 0}))
+
+
+def test_slurm_cancels_a_job_left_by_a_dead_launch_before_submitting(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _record(tmp_path / "launch" / "slurm-job.json", "4100", dead.pid)
+    leftover = iter(["RUNNING", "COMPLETING", "CANCELLED"])
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+
+    def runner(cmd):
+        if cmd[0] == "scontrol" and cmd[-1] == "4100":
+            return done(f"JobId=4100 JobState={next(leftover)} ExitCode=0:15\n")
+        return fake(cmd)
+
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert fake.calls[0] == ["scancel", "4100"]  # before anything was submitted
+    assert fake.calls[1][0] == "sbatch"
+    assert "Slurm job 4100 of an earlier launch" in lines[0]
+    assert not (tmp_path / "launch" / "slurm-job.json").exists()  # the new job ended: cleared
+
+
+def test_slurm_refuses_while_the_recorded_owner_lives_and_keeps_the_record_on_cancel(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fake = FakeSlurm(tmp_path, ["RUNNING"])
+    try:
+        _record(tmp_path / "launch" / "slurm-job.json", "4100", owner.pid)
+        with pytest.raises(LaunchFailed, match=f"Slurm job 4100, launched by pid {owner.pid}"):
+            SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path,
+                                                                           lambda _: None)
+        assert fake.calls == []
+    finally:
+        owner.kill()
+        owner.wait()
+    (tmp_path / "launch" / "slurm-job.json").unlink()
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        SlurmLauncher(SLURM, runner=fake, sleep=interrupted).launch(spec, tmp_path, lambda _: None)
+    assert fake.calls[-1] == ["scancel", "4242"]
+    record = json.loads((tmp_path / "launch" / "slurm-job.json").read_text())
+    assert record["job"] == "4242" and record["owner"]["pid"] == os.getpid()
+
+
 def test_slurm_submission_errors_name_the_cause(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
 
@@ -307,8 +363,17 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
                        [{"type": "Running", "status": "True"}],
                        [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}]])
 
+    exists = False
+
     def kubectl(cmd):
+        nonlocal exists
         calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":  # the sweeper asks whether the job exists
+            return done(f"pytorchjob/{cmd[3]}") if exists else done(returncode=1, stderr="NotFound")
+        if cmd[1] == "apply":
+            exists = True
+        if cmd[1] == "delete":
+            exists = False
         if cmd[1] == "get":
             return done(json.dumps({"status": {"conditions": next(conditions)}}))
         if cmd[1] == "logs":
@@ -319,14 +384,48 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
     launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
     launcher.launch(spec, ws, lines.append)
     name = launcher.job_name(spec.resolve())
-    assert calls[0] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
+    assert calls[1] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
     assert ["kubectl", "logs", "-n", "training", f"{name}-master-0", "--tail=200"] in calls
     assert lines[-2:] == ["step 2 loss 4.7", f"[launch] PyTorchJob training/{name} succeeded"]
+    assert not (ws / "launch" / "kubernetes-job.json").exists()  # ended: nothing to sweep
 
+    # The finished job is still there: the next launch deletes it (and its pods) before applying,
+    # or `apply` would leave the old job in place and report its old state.
+    calls.clear()
     conditions = iter([[{"type": "Failed", "status": "True"}]])
     with pytest.raises(LaunchFailed, match=f"PyTorchJob training/{name} failed") as err:
         launcher.launch(spec, ws, lambda _: None)
     assert "step 2 loss 4.7" in str(err.value)
+    assert calls[1][:5] == ["kubectl", "delete", "pytorchjob", name, "-n"]
+    assert "--cascade=foreground" in calls[1] and calls[2][1] == "apply"
+
+
+def test_kubernetes_refuses_a_job_whose_owner_is_alive_and_deletes_an_orphan(tmp_path):
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
+        update={"workspace_mount": str(tmp_path)})})
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    calls: list[list[str]] = []
+
+    def kubectl(cmd):
+        calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":
+            return done(f"pytorchjob/{cmd[3]}")
+        raise KeyboardInterrupt  # stop after the sweep: that is what is under test
+
+    launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
+    name = launcher.job_name(spec.resolve())
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _record(tmp_path / "launch" / "kubernetes-job.json", f"training/{name}", owner.pid)
+        with pytest.raises(LaunchFailed, match=f"applied by pid {owner.pid} .* still running"):
+            launcher.launch(spec, tmp_path, lambda _: None)
+        assert not any(c[1] == "delete" for c in calls)
+    finally:
+        owner.kill()
+        owner.wait()
+    with pytest.raises(KeyboardInterrupt):  # owner dead: the orphan is deleted, then applied
+        launcher.launch(spec, tmp_path, lambda _: None)
+    assert calls[-1][1] == "delete" and "--cascade=foreground" in calls[-1]
 
 
 def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tmp_path):
