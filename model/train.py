@@ -220,21 +220,20 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
 
     step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
-    # Rank 0 decides, so every rank loads the same folder even if a listing races a cleanup.
-    choice = [ckpt.latest() if is_main else None]
-    dist.broadcast_object_list(choice, src=0)
-    latest = choice[0]
+    # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
+    # a corrupt newer one is skipped with a warning naming what failed.
+    latest = ckpt.latest_verified(collective=True)
     if latest is not None:
-        state = ckpt.load(latest, model, optimizer)
+        state = ckpt.load(latest, model, optimizer, verified=True)
         loader.load_state_dict(state["loader"])
         step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
         log.info(
             "resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"]
         )
     elif spec.init_from is not None:
-        source = resolve_checkpoint(spec.init_from)
+        source = resolve_checkpoint(spec.init_from, collective=True)
         init_state = read_trainer_state(source)
-        ckpt.load(source, model, None if spec.reset_optimizer else optimizer)
+        ckpt.load(source, model, None if spec.reset_optimizer else optimizer, verified=True)
         if spec.schedule.start_step is None and not spec.reset_schedule:
             schedule_start = init_state["schedule_start"] + init_state["step"]
         resumed_from = str(source)

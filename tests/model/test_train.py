@@ -156,7 +156,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
     shard = next((out / "checkpoints" / "step_00000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     one = run_train(write_spec(tmp_path / "c.json", plan_path, out, steps=6))
-    assert "step_00000004 is incomplete or truncated" in one.stderr
+    assert "step_00000004 fails verification" in one.stderr and "(truncated" in one.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 1 and result["final_step"] == 6
     assert result["resumed_from"].endswith("step_00000003")
@@ -337,3 +337,26 @@ def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, t
     assert result["final_step"] == 12 and result["resumed_from"] is not None
     assert [m["step"] for m in metrics(out)] == list(range(1, 13))
     assert not (out / ".lease.json").exists()  # released at the end
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(
+    plan_path, tmp_path
+):
+    """Bytes flipped in the newest checkpoint's shard (same size): the old size-only check
+    resumed from it and died later with NaN; now the trainer resumes from the previous one."""
+    clean = tmp_path / "clean"
+    run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
+    out = tmp_path / "damaged"
+    run_train(write_spec(tmp_path / "six.json", plan_path, out, steps=6, keep_last=3))
+    shard = next((out / "checkpoints" / "step_00000006").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+
+    proc = run_train(write_spec(tmp_path / "eight.json", plan_path, out, steps=8, keep_last=3))
+    assert "step_00000006 fails verification" in proc.stderr
+    assert "content differs from the manifest" in proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["resumed_from"].endswith("step_00000004") and result["final_step"] == 8
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(clean)]
+    assert_same_weights(clean, out, exact=True)
