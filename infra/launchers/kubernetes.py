@@ -32,12 +32,15 @@ import yaml
 
 from infra.launchers.base import (
     LAUNCHERS,
+    FirstError,
     JobRecord,
     Launcher,
     LaunchFailed,
     LogFn,
     OnStart,
+    TorchrunSummary,
     check_spec,
+    failure_facts,
 )
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
@@ -182,10 +185,15 @@ class KubernetesLauncher(Launcher):
         record.clear()
         logs = self._kubectl("logs", "-n", ns, f"{name}-master-0", "--tail=200").stdout or ""
         tail = logs.splitlines()
+        first, summary = FirstError(), TorchrunSummary()
         for line in tail:
+            first.feed(line)
+            summary.feed(line)
             log(line)
         if state != "Succeeded":
+            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}",
+                                  state=state)
             raise LaunchFailed(f"PyTorchJob {ns}/{name} failed; see "
                                f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",
-                               tail[-40:])
+                               tail[-40:], first.line, facts)
         log(f"[launch] PyTorchJob {ns}/{name} succeeded")

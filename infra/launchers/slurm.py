@@ -33,7 +33,9 @@ from infra.launchers.base import (
     LaunchFailed,
     LogFn,
     OnStart,
+    TorchrunSummary,
     check_spec,
+    failure_facts,
 )
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
@@ -230,7 +232,7 @@ class SlurmLauncher(Launcher):
         if on_start is not None:
             on_start(int(job))
         tail: collections.deque[str] = collections.deque(maxlen=40)
-        first = FirstError()
+        first, summary = FirstError(), TorchrunSummary()
         offset, partial = 0, ""
         try:
             while True:
@@ -244,6 +246,7 @@ class SlurmLauncher(Launcher):
                     for line in lines:
                         tail.append(line)
                         first.feed(line)
+                        summary.feed(line)
                         log(line)
                 if state in DONE or state in FAILED:
                     break
@@ -258,9 +261,24 @@ class SlurmLauncher(Launcher):
             tail.append(partial)
             log(partial)
         if state not in DONE:
+            rc, _, sig = code.partition(":")  # Slurm's ExitCode is "code:signal"
+            facts = failure_facts(
+                spec_path, workdir, summary, first,
+                returncode=int(rc) if rc.lstrip("-").isdigit() else None, who=f"Slurm job {job}",
+                state=state, signal_name=_signal_name(sig),
+            )
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail,
-                               first.line)
+                               first.line, facts)
         log(f"[launch] Slurm job {job} completed")
+
+
+def _signal_name(number: str) -> str | None:
+    import signal
+
+    try:
+        return signal.Signals(int(number)).name if number and int(number) else None
+    except ValueError:
+        return None
 
 
 # --- datatrove Slurm chains -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,11 @@ from infra.launchers import (
     SlurmLaunch,
     get_launcher,
 )
+from infra.launchers.base import FirstError, TorchrunSummary, failure_facts
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
 from infra.launchers.slurm import SlurmLauncher
+from model.checkpoint import read_marker
 from tests.infra.launch_fixtures import write_plan, write_spec
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -107,13 +110,85 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     assert any("world_size" in line for line in lines[1:])  # the trainer's output was streamed
 
     bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
-    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json exited with code 1") as err:
+    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json failed: rank 0 "
+                                           r"exited with code 1 \(FileNotFoundError") as err:
         get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(
             bad, tmp_path / "bad", lambda _: None)
     assert err.value.first_error.startswith("FileNotFoundError")  # the real cause, named
     assert "missing-plan.json" in err.value.first_error
+    assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts "
+                                    "the stage over")
     with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
         launcher.launch(tmp_path / "nope.json", out, print)
+
+
+def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
+    """SIGKILL of one rank: torchrun's own last words are a ChildFailedError header; the cause is
+    in its summary and the stage folder, and LaunchFailed says it in one sentence."""
+    plan = write_plan(tmp_path / "shards")
+    out = tmp_path / "stage"
+    spec = write_spec(out / "spec.json", plan, out, steps=40, checkpoint_interval=2,
+                      debug_step_sleep_s=0.3, schedule={"warmup_steps": 1, "total_steps": 40})
+    killed: list[int] = []
+
+    def kill_rank_1_after_a_checkpoint(line: str) -> None:
+        if killed or not (out / "checkpoints").is_dir():
+            return
+        if any(read_marker(f) for f in (out / "checkpoints").glob("step_*")):
+            (lead,) = [int(p) for p in Path(f"/proc/{started[0]}/task/{started[0]}/children")
+                       .read_text().split()]  # the guard's child: torchrun
+            ranks = Path(f"/proc/{lead}/task/{lead}/children").read_text().split()
+            rank1 = next(int(p) for p in ranks
+                         if "LOCAL_RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+            os.kill(rank1, signal.SIGKILL)
+            killed.append(rank1)
+
+    started: list[int] = []
+    with pytest.raises(LaunchFailed) as err:
+        get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN)).launch(
+            spec, out, kill_rank_1_after_a_checkpoint, on_start=started.append)
+    assert killed, "the run ended before a rank could be killed"
+    facts = err.value.facts
+    assert facts.rank == 1 and facts.signal == "SIGKILL" and facts.exitcode == -9
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    newest = max(int(f.name[5:]) for f in (out / "checkpoints").glob("step_*") if read_marker(f))
+    assert (facts.last_step, facts.checkpoint_step) == (last, newest)
+    assert err.value.cause == (f"rank 1 killed by SIGKILL after step {last} (last checkpoint: "
+                               f"step {newest}); a retry resumes from step {newest}")
+    assert "ChildFailedError" not in (err.value.first_error or "")
+
+
+def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
+    summary = TorchrunSummary()
+    for line in [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -15 (pid: 28664)  (SIGTERM)",  # a victim of the cleanup, not the cause
+        "Root Cause (first observed failure):", "[0]:", "  host      : node-17",
+        "  rank      : 5 (local_rank: 5)", "  exitcode  : 3 (pid: 28665)",
+        "=======================================================",
+    ]:
+        summary.feed(line)
+    first = FirstError()
+    for line in ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+                 "[rank5]: error: loss is nan at step 12; stopping before any checkpoint"]:
+        first.feed(line)
+    out = tmp_path / "stage"
+    (out / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000010" / "COMPLETE").write_text(
+        json.dumps({"format": 2, "step": 10, "stage_end": False, "files": {}}))
+    (out / "checkpoints" / "step_00000012").mkdir()  # a save cut short: not complete
+    (out / "metrics.jsonl").write_text('{"step": 11}\n{"step": 12, "loss": NaN}\n{"step": 1')
+    spec = write_spec(out / "spec.json", tmp_path / "plan.json", out)
+    facts = failure_facts(spec, out, summary, first, returncode=1)
+    assert (facts.rank, facts.host, facts.exitcode, facts.signal) == (5, "node-17", 3, None)
+    assert facts.cause() == ("rank 5 stopped on a non-finite loss, gradient or weights (loss is nan "
+                             "at step 12; stopping before any checkpoint) after step 12 (last "
+                             "checkpoint: step 10); a retry resumes from step 10")
+    # torchrun itself killed (no summary): its own status is the cause
+    facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9,
+                          who="torchrun")
+    assert facts.cause().startswith("torchrun killed by SIGKILL after step 12")
 
 
 # --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
@@ -224,6 +299,15 @@ def test_slurm_failure_raises_with_state_and_log_tail(tmp_path):
         SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
     assert "line while FAILED" in str(err.value)
     assert err.value.first_error == "ValueError: spec.steps must be a positive int"
+    assert err.value.cause.startswith("Slurm job 4242 exited with code 1 (ValueError: spec.steps")
+
+    # a node lost mid-stage: Slurm's state is all there is, with the stage folder's progress
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    fake = FakeSlurm(tmp_path, ["RUNNING", "NODE_FAIL"], exit_code="0:9")
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert err.value.cause == ("Slurm job 4242 killed by SIGKILL (job state NODE_FAIL) after step "
+                               "7 (no checkpoint yet); a retry starts the stage over")
 
 
 def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
