@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict
 from infra.lineage import Lineage
 from infra.storage import StorageConfig
 
-
 HOME_ENV = "SMOLLM3_HOME"
 ROOTS_ENV = "SMOLLM3_WORKSPACE_ROOTS"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from model.checkpoint import (
-    Checkpointer,
     CheckpointCorrupt,
+    Checkpointer,
     load_model,
     read_marker,
     resolve_checkpoint,
