@@ -543,3 +543,29 @@ def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tm
         wait_for_datatrove([Stage("curate-filter", "11"), Stage("curate-exact", "13")],
                            runner=runner, sleep=lambda s: None)
     assert ["scancel", "11"] in calls and ["scancel", "13"] in calls
+
+
+def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
+        update={"workspace_mount": str(tmp_path)})})
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    calls: list[list[str]] = []
+
+    def kubectl(cmd):
+        calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":
+            return done(returncode=1, stderr="NotFound")
+        if cmd[1] == "get":
+            return done(json.dumps({"status": {"conditions": [{"type": "Running",
+                                                               "status": "True"}]}}))
+        return done()
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt  # what a Prefect cancellation looks like from inside the wait
+
+    launcher = KubernetesLauncher(config, runner=kubectl, sleep=interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch(spec, tmp_path, lambda _: None)
+    name = launcher.job_name(spec.resolve())
+    assert calls[-1] == ["kubectl", "delete", "pytorchjob", name, "-n", "training", "--wait=false"]
+    assert (tmp_path / "launch" / "kubernetes-job.json").exists()  # for the next launch's sweep
