@@ -6,9 +6,10 @@ Each deployment carries an explicit concurrency limit: `serve()` has none unless
 full runs on one machine would fight over its cores and the same workspace.
 `pause_on_shutdown=False` keeps schedules active when this process stops, so a restart of the serve
 process does not silently disable them. Before serving, flow runs are set to heartbeat every
-`PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (default 60) and the server gets the automation that
-marks a run Crashed when its heartbeats stop (infra/prefect_server.py), so a run whose process was
-killed with this one does not stay Running forever.
+`PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect's 180 unless set; the demo uses 60) and the
+server gets the automation that marks a run Crashed after three missed heartbeats
+(infra/prefect_server.py), so a run whose process was killed with this one does not stay Running
+forever.
 """
 
 from __future__ import annotations

@@ -134,7 +134,11 @@ def redacted(env: Mapping[str, str]) -> dict[str, str]:
 # --- crash detection for runs whose process died -----------------------------------------------
 
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
-DEFAULT_HEARTBEAT_S = 60  # Prefect's default is 180: a dead run would look alive for 9 minutes
+# Prefect's own default. The automation is server-wide, so its window must cover the slowest
+# heartbeat of any flow run on that server: a worker elsewhere left at Prefect's default would
+# otherwise see its healthy runs marked Crashed. Set the variable to the same value everywhere
+# to detect faster (the demo, whose server serves only its own runs, uses 60).
+DEFAULT_HEARTBEAT_S = 180
 CRASH_AUTOMATION = "smollm3: mark runs that stopped heartbeating as Crashed"
 
 
