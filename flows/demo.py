@@ -38,6 +38,8 @@ def prefect_env(workspace: Path, port: int) -> dict[str, str]:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+        # flow runs heartbeat; the serve process installs the automation that crashes silent ones
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60",
     }
 
 

@@ -5,10 +5,17 @@
 Each deployment carries an explicit concurrency limit: `serve()` has none unless given one, and two
 full runs on one machine would fight over its cores and the same workspace.
 `pause_on_shutdown=False` keeps schedules active when this process stops, so a restart of the serve
-process does not silently disable them.
+process does not silently disable them. Before serving, flow runs are set to heartbeat every
+`PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect's 180 unless set; the demo uses 60) and the
+server gets the automation that marks a run Crashed after three missed heartbeats
+(infra/prefect_server.py), so a run whose process was killed with this one does not stay Running
+forever.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
@@ -16,6 +23,7 @@ from prefect.deployments.runner import RunnerDeployment
 from flows.anneal import anneal
 from flows.cpt import cpt
 from flows.smollm3 import smollm3
+from infra.prefect_server import HEARTBEAT_ENV, ensure_crash_detection, heartbeat_seconds
 
 # Nightly anneal: 02:00 (server time zone UTC), when the main run has had a day of new checkpoints.
 ANNEAL_CRON = "0 2 * * *"
@@ -52,6 +60,13 @@ def deployments() -> list[RunnerDeployment]:
 
 
 def main() -> None:
+    os.environ[HEARTBEAT_ENV] = str(heartbeat_seconds())  # inherited by every flow-run process
+    try:
+        ensure_crash_detection()
+    except Exception as exc:  # noqa: BLE001 - serving matters more; say what is missing
+        logging.getLogger(__name__).warning(
+            "could not install the crash-detection automation (%s: %s): runs whose process dies "
+            "will stay Running until cancelled by hand", type(exc).__name__, exc)
     serve(*deployments(), pause_on_shutdown=False, limit=2)
 
 

@@ -8,6 +8,12 @@ cancelled. Prefect cancels a flow run by sending SIGTERM to the flow-run process
 into a `TerminationSignal` exception: it unwinds through the wait loop here and the group is killed.
 If the flow process instead exits while a child runs in another thread, an `atexit` hook kills every
 group still registered. A child's own failure raises `ChildFailed` with the tail of its output.
+
+None of that runs when the owner dies abruptly (SIGKILL, the OOM killer, `systemctl stop` killing
+the serve process and the flow process together): the child is therefore started under a guard
+(`infra/lifeline.py`) that kills its whole tree, ranks in their own sessions included, within a
+second of the owner's death (parent-death signal plus a watchdog on the owner's pid and start
+time).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
+
+from infra.lifeline import ProcessRef, guard_command
 
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
@@ -123,16 +131,20 @@ def run_streaming(
     tail_lines: int = 40,
     grace: float = 10.0,
     on_start: Callable[[int], object] | None = None,
+    guarded: bool = True,
 ) -> int:
     """Run `cmd` to completion, streaming its output to `log`; returns 0 or raises.
 
     `env` entries are added to the current environment. On any exception in the caller's thread
     (including Prefect's cancellation and KeyboardInterrupt), the child's group is killed first.
-    `on_start(pid)` receives the child's pid, which is also its process-group id.
+    `on_start(pid)` receives the child's pid, which is also its process-group id. With `guarded`
+    (the default) the child is the guard of `infra/lifeline.py`, which runs `cmd` and takes its
+    tree down if this process dies without cleaning up.
     """
     full_env = {**os.environ, **(env or {})}
+    argv = guard_command(ProcessRef.current(), cmd) if guarded else list(cmd)
     proc = subprocess.Popen(
-        list(cmd),
+        argv,
         cwd=cwd,
         env=full_env,
         stdin=subprocess.DEVNULL,

@@ -3,8 +3,10 @@
 What a 384-GPU run needs from object storage, and how this module provides it:
 
 - Only complete folders leave the machine, and they arrive complete-last. A checkpoint folder counts
-  as complete only when its marker (`COMPLETE`, written last by the trainer, listing every file and
-  its size) exists and the files match it; a step folder only when its `_COMPLETE.json` exists.
+  as complete only when its marker (`COMPLETE`, written last by the trainer, listing every file with
+  its size and SHA-256; infra/manifest.py) exists and the files match it; a step folder only when
+  its `_COMPLETE.json` exists. A checkpoint whose bytes no longer match the trainer's digests
+  (bit rot, a file changed on disk) is never uploaded: the mirror skips it with a warning.
   Uploads send every data file first, then `_SHA256SUMS.json` (our manifest: size and sha256 of each
   file), then the marker LAST. A remote reader applies the same rule as a local one: no marker
   object, no checkpoint. A stale marker of an earlier attempt at the same key is deleted before any
@@ -21,7 +23,9 @@ What a 384-GPU run needs from object storage, and how this module provides it:
 - `CheckpointMirror.sync` keeps the newest `keep_local` complete checkpoints (and stage ends) on
   local disk, as SmolLM3 did; an older local copy is deleted only after its upload was verified.
 - `pull_latest_checkpoint` brings back the newest complete remote checkpoint when the local copy is
-  gone (a new node, a wiped scratch disk), into a temporary folder renamed into place at the end.
+  gone (a new node, a wiped scratch disk), into a temporary folder renamed into place at the end,
+  and verifies it against the trainer's own digests in its marker; a remote checkpoint that fails
+  is skipped (with a warning naming the files) for the next older one.
 
 Credentials come only from boto3's standard chain (environment, shared config/credentials files,
 SSO, instance or pod roles); `endpoint_url` points at S3-compatible stores (MinIO, Ceph, R2). Nothing
@@ -47,6 +51,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infra import manifest
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "COMPLETE"  # model/checkpoint.py's marker: {"step", "stage_end", "files"}
@@ -58,6 +64,10 @@ T = TypeVar("T")
 
 class StorageError(RuntimeError):
     """A transfer or verification failed after every retry; the message names the object."""
+
+
+class CorruptCheckpoint(StorageError):
+    """A local checkpoint's files do not match the digests in its own marker: not uploaded."""
 
 
 class StorageConfig(BaseModel):
@@ -178,21 +188,9 @@ def folder_files(folder: Path, exclude: Iterable[str] = ()) -> list[str]:
 
 
 def checkpoint_complete(folder: Path, marker: str = CHECKPOINT_MARKER) -> dict[str, Any] | None:
-    """The checkpoint's marker when the folder is complete, else None.
-
-    The trainer's rule (model/checkpoint.py): the marker exists and every file it lists exists with
-    the listed size. Re-stated here so that infra does not import torch.
-    """
-    try:
-        record = json.loads((Path(folder) / marker).read_text())
-        files = record["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    for name, size in files.items():
-        path = Path(folder) / name
-        if not path.is_file() or path.stat().st_size != size:
-            return None
-    return record
+    """The checkpoint's marker when the folder is complete (every listed file there, with its
+    size), else None. The rule lives in infra/manifest.py, shared with the trainer."""
+    return manifest.quick_check(Path(folder), marker)
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -384,11 +382,22 @@ class S3Store:
             return report  # already mirrored and verified
         if self.exists(marker_key):
             self.delete(marker_key)
-        manifest: dict[str, dict[str, Any]] = {}
-        for rel in files:
+        # The trainer's digests, when the marker has them: a file that no longer matches is
+        # corrupt here, and a corrupt copy must not become the remote "good" one.
+        record = manifest.read_record(folder, marker)
+        trusted = record["files"] if record is not None else {}
+        digests = {rel: self.digest(folder / rel) for rel in files}  # all checked before any upload
+        for rel, digest in digests.items():
+            want = trusted.get(rel)
+            if isinstance(want, dict) and "sha256" in want and want["sha256"] != digest.sha256:
+                raise CorruptCheckpoint(
+                    f"{folder / rel} does not match the sha256 in its {marker} (corrupted on disk "
+                    f"after it was written); not uploading {folder.name}"
+                )
+        sums: dict[str, dict[str, Any]] = {}
+        for rel, digest in digests.items():
             path = folder / rel
-            digest = self.digest(path)
-            manifest[rel] = {"size": digest.size, "sha256": digest.sha256}
+            sums[rel] = {"size": digest.size, "sha256": digest.sha256}
             report.sent += self.put_file(path, self.key(name, rel), digest)
             report.files += 1
             report.bytes += digest.size
@@ -401,7 +410,7 @@ class S3Store:
                 f"{folder} changed or vanished while it was uploaded; {report.uri} is left "
                 "without its marker (incomplete) and the next sync retries it"
             )
-        body = json.dumps({"files": manifest}, indent=1, sort_keys=True).encode()
+        body = json.dumps({"files": sums}, indent=1, sort_keys=True).encode()
         self.put_bytes(body, self.key(name, MANIFEST))
         self.put_bytes(marker_bytes, marker_key)  # last: now the remote folder is complete
         report.files += 1
@@ -556,6 +565,7 @@ class SyncReport:
     uploaded: list[str] = field(default_factory=list)  # sent this time (verified)
     verified: list[str] = field(default_factory=list)  # complete on S3 after this sync
     skipped_incomplete: list[str] = field(default_factory=list)  # no valid marker: not sent
+    skipped_corrupt: list[str] = field(default_factory=list)  # files fail their digests: not sent
     vanished: list[str] = field(default_factory=list)  # deleted locally (trainer pruning) mid-sync
     deleted_local: list[str] = field(default_factory=list)  # pruned after verified upload
     bytes_sent: int = 0
@@ -609,6 +619,12 @@ class CheckpointMirror:
         for folder, _ in complete:
             try:
                 result = self.store.upload_folder(folder, folder.name, self.marker)
+            except CorruptCheckpoint as exc:
+                # Not fatal for training (the trainer itself skips it on resume), but it must
+                # never replace a good remote copy, nor be deleted locally as "mirrored".
+                log.warning("%s", exc)
+                report.skipped_corrupt.append(folder.name)
+                continue
             except (OSError, StorageError):
                 if checkpoint_complete(folder, self.marker) is not None:
                     raise
@@ -697,29 +713,46 @@ def pull_latest_checkpoint(
     client: Any = None,
     marker: str = CHECKPOINT_MARKER,
 ) -> Path | None:
-    """The newest complete checkpoint, downloaded from `s3_prefix` into `local_dir` if needed.
+    """The newest complete checkpoint that verifies, downloaded from `s3_prefix` into `local_dir`.
 
     `local_dir` is the trainer's checkpoints root. Returns the local step folder, or None when S3
     holds no complete checkpoint. A local complete copy that is as new as the newest remote one is
-    returned without downloading; remote folders without their marker are ignored (still uploading
-    or abandoned midway).
+    returned without downloading (the trainer verifies it before use); remote folders without
+    their marker are ignored (still uploading or abandoned midway). A download is checked against
+    the uploader's `_SHA256SUMS.json` file by file, then the whole folder against the trainer's
+    digests in its marker; a remote checkpoint that fails either is skipped, with a warning, for
+    the next older one. Raises `StorageError` when every complete remote checkpoint fails.
     """
     mirror = CheckpointMirror(s3_prefix, config=config, client=client, marker=marker)
     local_dir = Path(local_dir)
-    # newest first, stopping at the first complete one: a long run has thousands on S3
     names = [n for n in mirror.store.subfolders() if n.startswith("step_") and n[5:].isdigit()]
-    newest = next((n for n in reversed(names) if mirror.store.remote_complete(n, marker)), None)
-    if newest is None:
-        return None
     local_complete = [f for f in step_folders(local_dir) if checkpoint_complete(f, marker)]
-    if local_complete and local_complete[-1].name >= newest:
-        return local_complete[-1]
-    dest = local_dir / newest
-    mirror.store.download_folder(newest, dest, marker)
-    if checkpoint_complete(dest, marker) is None:
-        raise StorageError(f"{dest} pulled from {s3_prefix} fails its own {marker} manifest; "
-                           "the remote copy is damaged: delete it and re-upload from a good copy")
-    return dest
+    failures: list[str] = []
+    # newest first, stopping at the first good one: a long run has thousands on S3
+    for name in reversed(names):
+        if not mirror.store.remote_complete(name, marker):
+            continue
+        if local_complete and local_complete[-1].name >= name:
+            return local_complete[-1]
+        dest = local_dir / name
+        try:
+            mirror.store.download_folder(name, dest, marker)
+        except StorageError as exc:
+            failures.append(f"{name}: {exc}")
+            log.warning("remote checkpoint %s/%s is damaged (%s); trying an older one",
+                        s3_prefix, name, exc)
+            continue
+        problems = manifest.verify(dest, marker)
+        if not problems:
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+        failures.append(f"{name}: {'; '.join(problems)}")
+        log.warning("checkpoint %s pulled from %s fails the trainer's digests (%s); trying an older "
+                    "one", name, s3_prefix, "; ".join(problems))
+    if failures:
+        raise StorageError(f"no checkpoint under {s3_prefix} verifies: " + " | ".join(failures)
+                           + "; delete the damaged ones and re-upload from a good copy")
+    return None
 
 
 def describe(config: StorageConfig) -> dict[str, Any]:

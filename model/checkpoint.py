@@ -1,4 +1,4 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) folders with a completion marker.
+"""Checkpoints: torch.distributed.checkpoint (DCP) folders with a verified completion marker.
 
 Layout of one checkpoint, `{root}/step_{N:08d}/`:
     .metadata, __*_*.distcp   DCP: {"model": ..., "optim": ...} from `get_state_dict`, sharded
@@ -8,18 +8,30 @@ Layout of one checkpoint, `{root}/step_{N:08d}/`:
                               tokens drawn per source, world size, stage-end flag
     rng_rank{r}.pt            each rank's torch RNG states
     COMPLETE                  written last, atomically (tmp file + os.replace): step, stage-end
-                              flag and a manifest {file: size}. A folder without it, or whose
-                              files no longer match the manifest (truncated), is incomplete.
+                              flag and a manifest {file: {size, sha256}} (infra/manifest.py),
+                              hashed by all ranks in parallel after the save.
 
-Retention keeps the newest `keep_last` complete checkpoints plus every stage end. Resume takes
-the newest complete one and warns, naming each newer incomplete folder it skips.
+A folder without a valid marker is incomplete. Listing and pruning only check sizes
+(`read_marker`); anything that *trusts* a checkpoint (resume, next-stage init, export) verifies
+every file's SHA-256 first (`verify_checkpoint`) and falls back to the newest checkpoint that
+verifies, with a warning naming each file that failed (flipped bytes, a zeroed or missing
+`.metadata`, a truncated shard).
+
+Loading never unpickles arbitrary objects: DCP's `.metadata` is read with an unpickler that only
+builds DCP's own metadata classes (`SafeFileSystemReader`), its non-tensor items (optimizer
+hyperparameters) and the RNG files with `torch.load(weights_only=True)`. The digest check runs
+before any of it. See docs/architecture.md, "Threat model".
+
+Retention keeps the newest `keep_last` complete checkpoints plus every stage end.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -28,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -35,13 +48,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from infra import manifest
 from model.config import ModelConfig
 from model.model import SmolLM3
 
 log = logging.getLogger(__name__)
-MARKER = "COMPLETE"
+MARKER = manifest.MARKER
 TRAINER_STATE = "trainer_state.json"
 MODEL_CONFIG = "model_config.json"
+
+
+class CheckpointCorrupt(FileNotFoundError):
+    """A checkpoint folder failed verification: no usable checkpoint there (a FileNotFoundError,
+    so callers that handle a missing checkpoint handle this one too); the message lists why."""
 
 
 def step_dir_name(step: int) -> str:
@@ -57,35 +76,125 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _manifest(folder: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(folder)): p.stat().st_size
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")
-    }
-
-
 def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The marker of a complete checkpoint folder, or None when it is incomplete or truncated."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-        files = marker["files"]
-    except (OSError, ValueError, KeyError):
-        return None
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return None
-    return marker
+    """The marker of a complete checkpoint folder (sizes checked, not content), or None when it
+    is incomplete or truncated. Cheap; `verify_checkpoint` before trusting the content."""
+    return manifest.quick_check(Path(folder))
 
 
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _share(collective: bool, value: Any) -> list[Any]:
+    """Every rank's `value` (all-gather) when collective under a process group, else [value]."""
+    rank, world = _rank_world()
+    if not collective or world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def verify_checkpoint(folder: str | Path, *, collective: bool = False) -> list[str]:
+    """What is wrong with a checkpoint's files (empty: every size and SHA-256 matches).
+
+    `collective=True` (every rank calls it) splits the hashing over the ranks: each reads
+    1/world of the files.
+    """
+    folder = Path(folder)
+    record = manifest.read_record(folder)
+    if record is None:
+        return [f"{MARKER}: missing or unreadable (the save did not finish)"]
+    names = sorted(record["files"])
+    rank, world = _rank_world() if collective else (0, 1)
+    found = manifest.verify(folder, names=names[rank::world])
+    problems = sorted(p for part in _share(collective, found) for p in part)
+    if not problems and manifest.legacy_files(record) and _is_main():
+        log.warning("checkpoint %s was written before content digests: only its file sizes "
+                    "could be checked", folder)
+    return problems
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata objects and nothing else: a crafted `.metadata` naming any other
+    callable (os.system, builtins.eval, ...) is refused instead of run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == _DCP_METADATA:
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # the dataclasses and enums of DCP's metadata module
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not a DCP metadata type; "
+            "refusing to load it (the file was not written by torch.distributed.checkpoint)"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader with `.metadata` loaded by `_MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP "
+                                         "Metadata; refusing to load it")
+        # As FileSystemReader.read_metadata does after unpickling:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _safe_reader(folder: Path) -> SafeFileSystemReader:
+    """A reader for `folder` whose metadata has been read once already, so that a refused pickle
+    raises its own clear UnpicklingError here (DCP would wrap it into "metadata is None")."""
+    reader = SafeFileSystemReader(str(folder))
+    reader.read_metadata()
+    return reader
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor items load with `weights_only=True`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 class Checkpointer:
@@ -103,7 +212,8 @@ class Checkpointer:
         return sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
 
     def latest(self) -> Path | None:
-        """Newest complete checkpoint; newer incomplete ones are skipped with a warning."""
+        """Newest complete checkpoint by the cheap size check; newer incomplete ones are skipped
+        with a warning. Use `latest_verified` before trusting its content."""
         for folder in reversed(self.step_folders()):
             if read_marker(folder) is not None:
                 return folder
@@ -112,6 +222,26 @@ class Checkpointer:
                 folder,
                 MARKER,
             )
+        return None
+
+    def latest_verified(self, *, collective: bool = False) -> Path | None:
+        """Newest checkpoint whose every file matches its manifest's SHA-256.
+
+        Each newer checkpoint that fails is skipped with a warning naming the files and what is
+        wrong with them. `collective=True`: every rank calls it, rank 0's listing is used by all
+        and the hashing is shared out.
+        """
+        names = [[f.name for f in self.step_folders()] if _is_main() else None]
+        if collective and dist.is_initialized():
+            dist.broadcast_object_list(names, src=0)
+        for name in reversed(names[0]):
+            folder = self.root / name
+            problems = verify_checkpoint(folder, collective=collective)
+            if not problems:
+                return folder
+            if _is_main():
+                log.warning("checkpoint %s fails verification, so it is skipped and an older one "
+                            "is used: %s", folder, "; ".join(problems))
         return None
 
     def save(
@@ -142,9 +272,16 @@ class Checkpointer:
             state = dict(trainer_state, step=step, stage_end=stage_end)
             atomic_write_text(folder / TRAINER_STATE, json.dumps(state, indent=2))
         _barrier()
+        # Every rank hashes a share of the files (rank 0's listing); rank 0 writes the marker.
+        names = [manifest.payload_files(folder) if _is_main() else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(names, src=0)
+        rank, world = _rank_world()
+        hashed = _share(True, manifest.entries(folder, names[0][rank::world]))
         if _is_main():
-            marker = {"step": step, "stage_end": stage_end, "files": _manifest(folder)}
-            atomic_write_text(folder / MARKER, json.dumps(marker, indent=2))
+            files = {k: v for part in hashed for k, v in part.items()}
+            record = manifest.marker_record(step, stage_end, dict(sorted(files.items())))
+            atomic_write_text(folder / MARKER, json.dumps(record, indent=2))
             self.prune()
         _barrier()
         return folder
@@ -168,23 +305,30 @@ class Checkpointer:
         folder: str | Path,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
+        *,
+        verified: bool = False,
     ) -> dict[str, Any]:
         """Collective: load model (and optimizer) state from `folder` into the (sharded) model.
 
-        The DCP planner reshards, so the world size may differ from the one that saved it.
-        Returns the trainer state.
+        The folder is verified first (every rank hashes a share) unless the caller just did
+        (`verified=True`, e.g. after `latest_verified`). The DCP planner reshards, so the world
+        size may differ from the one that saved it. Returns the trainer state.
         """
         folder = Path(folder)
-        if read_marker(folder) is None:
-            raise FileNotFoundError(f"checkpoint {folder} is incomplete or truncated")
+        if not verified:
+            problems = verify_checkpoint(folder, collective=True)
+            if problems:
+                raise CheckpointCorrupt(f"checkpoint {folder} fails verification: "
+                                        + "; ".join(problems))
+        reader, planner = _safe_reader(folder), SafeLoadPlanner()
         if optimizer is None:
             model_sd = get_model_state_dict(model)
-            dcp.load({"model": model_sd}, checkpoint_id=str(folder))
+            dcp.load({"model": model_sd}, storage_reader=reader, planner=planner)
             set_model_state_dict(model, model_sd)
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(folder))
+            dcp.load(state, storage_reader=reader, planner=planner)
             set_state_dict(
                 model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
@@ -203,28 +347,35 @@ def read_trainer_state(folder: str | Path) -> dict[str, Any]:
     return json.loads((Path(folder) / TRAINER_STATE).read_text())
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete step folder from a step folder, a checkpoints root or a stage folder."""
+def resolve_checkpoint(path: str | Path, *, collective: bool = False) -> Path:
+    """A verified step folder from a step folder, a checkpoints root or a stage folder.
+
+    A step folder given directly must verify (else `CheckpointCorrupt`); under a root, the newest
+    checkpoint that verifies is taken, skipping newer ones that do not (with a warning).
+    `collective=True` when every rank calls it (the trainer): the hashing is shared out.
+    """
     path = Path(path)
     if (path / MARKER).exists():
-        if read_marker(path) is None:
-            raise FileNotFoundError(f"checkpoint {path} is truncated: its files fail the manifest")
+        problems = verify_checkpoint(path, collective=collective)
+        if problems:
+            raise CheckpointCorrupt(f"checkpoint {path} fails verification: " + "; ".join(problems))
         return path
     for root in (path / "checkpoints", path):
-        found = Checkpointer(root).latest()
+        found = Checkpointer(root).latest_verified(collective=collective)
         if found is not None:
             return found
-    raise FileNotFoundError(f"no complete checkpoint at or under {path}")
+    raise FileNotFoundError(f"no complete, verified checkpoint at or under {path}")
 
 
 def load_model(path: str | Path) -> SmolLM3:
-    """Our full (unsharded) model from a checkpoint, in one process, without a process group."""
+    """Our full (unsharded) model from a verified checkpoint, in one process, no process group."""
     folder = resolve_checkpoint(path)
     cfg = ModelConfig.from_dict(json.loads((folder / MODEL_CONFIG).read_text()))
     model = SmolLM3(cfg)
     sd = model.state_dict()
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": sd}, checkpoint_id=str(folder), no_dist=True)
+        dcp.load({"model": sd}, storage_reader=_safe_reader(folder), planner=SafeLoadPlanner(),
+                 no_dist=True)
     model.load_state_dict(sd)
     return model.eval()

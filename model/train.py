@@ -14,7 +14,11 @@ One launch trains one stage as described by a `TrainSpec`:
   otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
-- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`.
+- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- ownership: rank 0 leases `out_dir` (`infra.lifeline.StageLease`) before writing anything, so a
+  second trainer in the same folder refuses to start (exit code 4) while the first lives; under
+  torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
+  sessions of their own where a kill of its process group does not reach them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from infra.lifeline import LeaseHeld, StageLease, protect_rank
 from model.checkpoint import Checkpointer, atomic_write_text, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.data import MixtureLoader, MixturePlan
@@ -45,6 +50,7 @@ from model.spec import TrainSpec
 
 log = logging.getLogger("model.train")
 EXIT_NON_FINITE = 3
+EXIT_LEASE_HELD = 4
 
 
 class NonFiniteError(RuntimeError):
@@ -184,11 +190,30 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
+def claim_stage(out_dir: Path, rt: Runtime) -> StageLease | None:
+    """Rank 0 leases the stage folder; every rank raises `LeaseHeld` if another trainer has it."""
+    lease, refused = None, None
+    if rt.rank == 0:
+        try:
+            lease = StageLease(out_dir).acquire()
+        except LeaseHeld as exc:
+            refused = str(exc)
+    verdict = [refused]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise LeaseHeld(verdict[0])
+    return lease
+
+
 def train(spec: TrainSpec) -> dict[str, Any]:
     rt = setup_runtime(spec)
+    lease = None
     try:
+        lease = claim_stage(Path(spec.out_dir), rt)
         return _train(spec, rt)
     finally:
+        if lease is not None:
+            lease.release()
         if rt.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -224,21 +249,20 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
 
     step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
-    # Rank 0 decides, so every rank loads the same folder even if a listing races a cleanup.
-    choice = [ckpt.latest() if is_main else None]
-    dist.broadcast_object_list(choice, src=0)
-    latest = choice[0]
+    # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
+    # a corrupt newer one is skipped with a warning naming what failed.
+    latest = ckpt.latest_verified(collective=True)
     if latest is not None:
-        state = ckpt.load(latest, model, optimizer)
+        state = ckpt.load(latest, model, optimizer, verified=True)
         loader.load_state_dict(state["loader"])
         step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
         log.info(
             "resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"]
         )
     elif spec.init_from is not None:
-        source = resolve_checkpoint(spec.init_from)
+        source = resolve_checkpoint(spec.init_from, collective=True)
         init_state = read_trainer_state(source)
-        ckpt.load(source, model, None if spec.reset_optimizer else optimizer)
+        ckpt.load(source, model, None if spec.reset_optimizer else optimizer, verified=True)
         if spec.schedule.start_step is None and not spec.reset_schedule:
             schedule_start = init_state["schedule_start"] + init_state["step"]
         resumed_from = str(source)
@@ -390,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m model.train SPEC.json  (or under torchrun)", file=sys.stderr)
         return 2
+    protect_rank()  # first: a rank must not outlive torchrun, even during startup
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = TrainSpec.load(argv[0])
     try:
@@ -397,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NON_FINITE
+    except LeaseHeld as err:
+        print(f"error: LeaseHeld: {err}", file=sys.stderr)
+        return EXIT_LEASE_HELD
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
     return 0

@@ -81,13 +81,18 @@ def load_weights(path: str) -> dict[str, float]:
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise MixtureError(f"mixture file {file}: invalid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)  # no snippet of the file in the message
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise MixtureError(f"mixture file {file}: invalid YAML{where}: "
+                           f"{getattr(exc, 'problem', None) or 'cannot be parsed'}") from None
     if not isinstance(data, dict) or set(data) != {"weights"} or not isinstance(data["weights"], dict):
         raise MixtureError(f"mixture file {file}: expected one mapping `weights: {{source: weight}}`")
     weights: dict[str, float] = {}
     for name, w in data["weights"].items():
         if isinstance(w, bool) or not isinstance(w, int | float):
-            raise MixtureError(f"mixture file {file}: weight of {name!r} is {w!r}, not a number")
+            raise MixtureError(f"mixture file {file}: weight of {name!r} is "
+                               f"{'a boolean' if isinstance(w, bool) else 'a ' + type(w).__name__}"
+                               ", not a number")
         weights[str(name)] = float(w)
     return weights
 

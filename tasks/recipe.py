@@ -4,11 +4,20 @@ Precedence: model defaults < recipe YAML < overrides (CLI or deployment paramete
 named by a path or by the name of a file in `configs/` (`tiny` is embedded and the default). An
 invalid recipe fails here, before any step runs, with the field at fault and what it accepts.
 Each component receives only its own section.
+
+Numbers are strict in every section (`check_numbers`, one pass over the whole recipe against the
+section models' annotations): `true` is not 1, a float with a fraction is not an int, while
+scientific notation (`tokens: 1e9`, which YAML reads as a string) is an int when it is whole.
+Errors name the field and the *type* of the value found, never the value: recipe files and
+overrides can carry things that must not end up in logs.
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -144,15 +153,112 @@ def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Re
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {path}: invalid YAML: {exc}") from None
+        raise RecipeError(f"recipe {path}: invalid YAML{yaml_where(exc)}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {path}: expected a mapping at the top level")
     for item in overrides:
         apply_override(data, item)
+    problems = check_numbers(Recipe, data)
+    if problems:
+        raise RecipeError("\n".join([f"recipe {path} is invalid ({len(problems)} problem(s)):",
+                                     *(f"  {p}" for p in problems)]))
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(format_errors(path, data, exc)) from None
+
+
+def yaml_where(exc: yaml.YAMLError) -> str:
+    """Where and what YAML could not parse, without the snippet of the file PyYAML quotes."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None)
+    return f"{where}: {problem}" if problem else where
+
+
+def type_name(value: Any) -> str:
+    """How a value is described in errors: its YAML type, never the value itself."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return {int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _number(value: str) -> Decimal | None:
+    try:
+        number = Decimal(value.strip())
+    except InvalidOperation:
+        return None
+    return number if number.is_finite() else None
+
+
+def check_numbers(model: Any, data: Any, where: str = "") -> list[str]:
+    """Make every int and float field of `model` (recursively through sections, lists of
+    sections and mappings) strict, in place: booleans are refused; numeric strings such as
+    "1e9" become numbers (ints only when whole); floats with a fraction are refused for ints.
+    Returns the problems, each naming the field and the type of value found."""
+    problems: list[str] = []
+    if not isinstance(data, dict) or not hasattr(model, "model_fields"):
+        return problems
+    for name, field in model.model_fields.items():
+        if name in data:
+            here = f"{where}.{name}" if where else name
+            data[name], found = _check_value(field.annotation, data[name], here)
+            problems += found
+    return problems
+
+
+def _check_value(ann: Any, value: Any, where: str) -> tuple[Any, list[str]]:
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return _check_value(typing.get_args(ann)[0], value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(ann) if a is not type(None)]
+        if value is None:
+            return value, []
+        numeric = [a for a in options if a in (int, float)]
+        if numeric and len(numeric) == len(options):
+            return _check_value(float if float in numeric else int, value, where)
+        models = [a for a in options if hasattr(a, "model_fields")]
+        if isinstance(value, dict) and len(models) == 1:
+            return value, check_numbers(models[0], value, where)
+        return value, []
+    if ann in (int, float):
+        if isinstance(value, bool):
+            return value, [f"{where}: expected {'an integer' if ann is int else 'a number'}, "
+                           f"got a boolean (true and false are not numbers)"]
+        if isinstance(value, str) and (number := _number(value)) is not None:
+            if ann is float:
+                return float(number), []
+            if number == number.to_integral_value():
+                return int(number), []
+            return value, [f"{where}: expected an integer, got a string holding a number with a "
+                           "fractional part"]
+        if ann is int and isinstance(value, float) and not value.is_integer():
+            return value, [f"{where}: expected an integer, got a number with a fractional part"]
+        return value, []
+    if hasattr(ann, "model_fields"):
+        return value, check_numbers(ann, value, where)
+    if origin in (tuple, list) and isinstance(value, list):
+        args = [a for a in typing.get_args(ann) if a is not Ellipsis]
+        if len(args) == 1 or (args and all(a == args[0] for a in args)):
+            problems: list[str] = []
+            for i, item in enumerate(value):
+                label = item.get("name", i) if isinstance(item, dict) else i
+                value[i], found = _check_value(args[0], item, f"{where}[{label}]")
+                problems += found
+            return value, problems
+        return value, []
+    if origin is dict and isinstance(value, dict):
+        _, vtype = typing.get_args(ann) or (Any, Any)
+        problems = []
+        for key in list(value):
+            value[key], found = _check_value(vtype, value[key], f"{where}.{key}")
+            problems += found
+        return value, problems
+    return value, []
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -231,7 +337,7 @@ def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str
             msg = f"unknown field; allowed: {', '.join(_allowed_fields(err['loc']))}"
         got = err.get("input")
         hide = err["type"] in {"extra_forbidden", "missing"} or isinstance(got, dict | list)
-        shown = "" if hide else f" (got {got!r})"
+        shown = "" if hide else f" (got {type_name(got)})"  # the type only: values may be secrets
         loc = loc or "recipe"
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)

@@ -17,15 +17,22 @@ New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.r
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infra import manifest
+from infra.lifeline import ProcessRef
 from infra.registry import Registry
 
 # The checkout holding `model/` (the trainer runs as `-m model.train` from here by default).
@@ -39,30 +46,192 @@ LogFn = Callable[[str], None]
 OnStart = Callable[[int], object] | None
 
 
-class LaunchFailed(RuntimeError):
-    """The training job ended unsuccessfully; the message names the job, the first error line
-    of its output (torchrun's own summary, last, rarely says why a rank died) and its tail."""
+_SIGNALS = {int(sig): sig.name for sig in signal.Signals}
+EXIT_CODES = {3: "stopped on a non-finite loss, gradient or weights",
+              4: "refused to start: another trainer holds the stage folder"}  # model/train.py
 
-    def __init__(self, what: str, tail: Sequence[str] = (), first_error: str | None = None):
-        self.tail, self.first_error = list(tail), first_error
-        if first_error:
+
+@dataclass(frozen=True)
+class FailureFacts:
+    """What is known about how a training launch ended, from torchrun's failure summary, the
+    output and the stage folder. Every field may be unknown (None)."""
+
+    rank: int | None = None  # the rank torchrun names as the root cause
+    host: str | None = None
+    exitcode: int | None = None  # the rank's exit code (negative: killed by that signal)
+    signal: str | None = None  # e.g. "SIGKILL"
+    error: str | None = None  # the first error line the ranks printed ("ValueError: ...")
+    last_step: int | None = None  # last step in metrics.jsonl
+    checkpoint_step: int | None = None  # step of the newest complete checkpoint
+    who: str = "the trainer"  # when no rank is named: "torchrun", "Slurm job 12", ...
+    state: str | None = None  # the scheduler's final state when it says more (NODE_FAIL, TIMEOUT)
+
+    def cause(self) -> str:
+        """One sentence: who died how, where, and what a retry does."""
+        who = f"rank {self.rank}" if self.rank is not None else self.who
+        if self.signal:
+            how = f"killed by {self.signal}"
+        elif self.exitcode in EXIT_CODES:
+            how = EXIT_CODES[self.exitcode]
+        elif self.exitcode not in (None, 0):
+            how = f"exited with code {self.exitcode}"
+        elif self.state:
+            how = f"ended {self.state}"
+        else:
+            how = "failed"
+        if self.error and not self.signal:
+            how += f" ({self.error})"
+        elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
+            how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
+        where = (f" after step {self.last_step}" if self.last_step is not None
+                 else " before its first step")
+        if self.checkpoint_step is not None:
+            then = (f" (last checkpoint: step {self.checkpoint_step}); a retry resumes from step "
+                    f"{self.checkpoint_step}")
+        else:
+            then = " (no checkpoint yet); a retry starts the stage over"
+        return f"{who} {how}{where}{then}"
+
+
+class LaunchFailed(RuntimeError):
+    """The training job ended unsuccessfully.
+
+    `facts` (FailureFacts) holds what is known: which rank, the signal or exit code, the last
+    step in metrics.jsonl and the last complete checkpoint; `cause` is the sentence to show
+    ("rank 0 killed by SIGKILL after step 9 (last checkpoint: step 8); a retry resumes from step
+    8"). The message starts with the job and that sentence, then the output's tail.
+    """
+
+    def __init__(self, what: str, tail: Sequence[str] = (), first_error: str | None = None,
+                 facts: FailureFacts | None = None):
+        self.tail, self.first_error, self.facts = list(tail), first_error, facts
+        if facts is not None:
+            what = f"{what}: {facts.cause()}"
+        elif first_error:
             what = f"{what}; first error: {first_error}"
         shown = "\n".join(self.tail)
         super().__init__(f"{what}; last output:\n{shown}" if shown else what)
 
+    @property
+    def cause(self) -> str | None:
+        """The one-sentence cause, when facts were gathered (None for submission errors)."""
+        return self.facts.cause() if self.facts is not None else None
+
 
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+_TRAINER_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?error: (.+)$")  # model/train.py's exits 3, 4
+_WRAPPERS = ("ChildFailedError", "torch.distributed.elastic")  # torchrun's, names no cause
 
 
 class FirstError:
-    """Remembers the first line of a stream that looks like a Python exception (`XError: ...`)."""
+    """Remembers the first line of a stream that looks like a Python exception (`XError: ...`)
+    or the trainer's own `error: ...`, skipping torchrun's ChildFailedError wrapper."""
 
     def __init__(self) -> None:
         self.line: str | None = None
 
     def feed(self, line: str) -> None:
-        if self.line is None and (m := _ERROR_LINE.match(line.strip())):
+        if self.line is not None:
+            return
+        text = line.strip()
+        m = _TRAINER_ERROR.match(text) or _ERROR_LINE.match(text)
+        if m and not any(w in m.group(1) for w in _WRAPPERS):
             self.line = m.group(1)[:500]
+
+
+_ROOT_CAUSE = "Root Cause (first observed failure)"
+_SUMMARY_FIELD = re.compile(r"^(rank|exitcode|host)\s*:\s*(.*)$")
+
+
+class TorchrunSummary:
+    """Reads the 'Root Cause' block of torchrun's failure summary out of a stream:
+
+        Root Cause (first observed failure):
+        [0]:
+          host      : node-3
+          rank      : 1 (local_rank: 1)
+          exitcode  : -9 (pid: 28665)  (SIGKILL)
+    """
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.fields: dict[str, str] = {}
+
+    def feed(self, line: str) -> None:
+        text = line.strip()
+        if _ROOT_CAUSE in text:
+            self.inside, self.fields = True, {}
+        elif self.inside and text.startswith("==="):
+            self.inside = False
+        elif self.inside and (m := _SUMMARY_FIELD.match(text)):
+            self.fields[m.group(1)] = m.group(2)
+
+    def rank(self) -> int | None:
+        m = re.match(r"-?\d+", self.fields.get("rank", ""))
+        return int(m.group()) if m else None
+
+    def exitcode(self) -> int | None:
+        m = re.match(r"-?\d+", self.fields.get("exitcode", ""))
+        return int(m.group()) if m else None
+
+    def signal(self) -> str | None:
+        m = re.search(r"\((SIG[A-Z0-9]+)\)", self.fields.get("exitcode", ""))
+        if m:
+            return m.group(1)
+        code = self.exitcode()
+        return _SIGNALS.get(-code) if code is not None and code < 0 else None
+
+
+def _last_metrics_step(path: Path) -> int | None:
+    """The step of the last complete line of a metrics file, reading only its tail."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 65536))
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def stage_progress(spec_path: Path, workdir: Path) -> tuple[int | None, int | None]:
+    """(last step in metrics.jsonl, step of the newest complete checkpoint) of a stage folder."""
+    try:
+        spec = json.loads(Path(spec_path).read_text())
+    except (OSError, ValueError):
+        spec = {}
+    out = Path(spec.get("out_dir") or workdir)
+    metrics = Path(spec["metrics_path"]) if spec.get("metrics_path") else out / "metrics.jsonl"
+    checkpoint = None
+    root = out / "checkpoints"
+    if root.is_dir():
+        for folder in sorted(root.glob("step_*"), reverse=True):
+            record = manifest.quick_check(folder)
+            if record is not None:
+                checkpoint = int(record.get("step", folder.name[5:]))
+                break
+    return _last_metrics_step(metrics), checkpoint
+
+
+def failure_facts(spec_path: Path, workdir: Path, summary: TorchrunSummary, first: FirstError,
+                  returncode: int | None = None, who: str = "the trainer",
+                  state: str | None = None, signal_name: str | None = None) -> FailureFacts:
+    """Everything known about a failed launch: torchrun's summary when it printed one, else the
+    launcher's own view (torchrun itself killed, a node lost: no rank to name)."""
+    last_step, checkpoint_step = stage_progress(spec_path, workdir)
+    code, sig = summary.exitcode(), summary.signal()
+    if code is None:
+        code, sig = returncode, signal_name
+        if sig is None and returncode is not None and returncode < 0:
+            sig = _SIGNALS.get(-returncode)
+    return FailureFacts(rank=summary.rank(), host=summary.fields.get("host"), exitcode=code,
+                        signal=sig, error=first.line, last_step=last_step,
+                        checkpoint_step=checkpoint_step, who=who, state=state)
 
 
 class SlurmLaunch(BaseModel):
@@ -176,6 +345,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class JobRecord:
+    """`{workdir}/launch/{name}`: the cluster job a launch submitted and the process that owns it.
+
+    Written right after submission and removed once the job is known to have ended. A record left
+    behind means its owner died without cleaning up (SIGKILL, OOM, a lost node): the next launch
+    of the same stage folder cancels that job before submitting a new one, unless the owner is
+    still alive on this host, in which case it refuses (two trainers in one folder).
+    """
+
+    def __init__(self, workdir: Path, name: str):
+        self.path = Path(workdir) / "launch" / name
+
+    def write(self, job: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.current()),
+                                   "submitted": time.time()}))
+        os.replace(tmp, self.path)
+
+    def read(self) -> tuple[str, ProcessRef] | None:
+        try:
+            raw = json.loads(self.path.read_text())
+            return str(raw["job"]), ProcessRef(**raw["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def live_owner(self) -> ProcessRef | None:
+        """The owner of the recorded job when it is another process still alive on this host."""
+        found = self.read()
+        if found is None:
+            return None
+        owner = found[1]
+        return owner if owner.alive() and owner != ProcessRef.current() else None
 
 
 def check_spec(spec_path: Path) -> Path:

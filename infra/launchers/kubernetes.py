@@ -8,6 +8,11 @@ spec path and its out_dir mean the same thing everywhere; a restarted pod (`rest
 OnFailure`) reruns the same spec and the trainer resumes from its newest complete checkpoint.
 S3 credentials come from a pod identity (`service_account`) or a Secret's keys as env vars, never
 from the config.
+
+The job's name is derived from the spec path, so a PyTorchJob of that name that exists before
+`apply` is a leftover of a launch whose flow process died without deleting it (a cancelled or
+failed wait deletes it). It is deleted (foreground: its pods first) before the new one is applied,
+unless `launch/kubernetes-job.json` names an owner that is still alive on this host.
 """
 
 from __future__ import annotations
@@ -25,7 +30,18 @@ from typing import Any
 
 import yaml
 
-from infra.launchers.base import LAUNCHERS, Launcher, LaunchFailed, LogFn, OnStart, check_spec
+from infra.launchers.base import (
+    LAUNCHERS,
+    FirstError,
+    JobRecord,
+    Launcher,
+    LaunchFailed,
+    LogFn,
+    OnStart,
+    TorchrunSummary,
+    check_spec,
+    failure_facts,
+)
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 
@@ -125,6 +141,23 @@ class KubernetesLauncher(Launcher):
         true = [cond["type"] for cond in conditions if cond.get("status") == "True"]
         return true[-1] if true else "Created"
 
+    def sweep(self, name: str, workdir: Path, log: LogFn = print) -> None:
+        """Delete a leftover PyTorchJob of this stage (and its pods) before a new one is applied."""
+        ns = self.config.kubernetes.namespace
+        if self._kubectl("get", "pytorchjob", name, "-n", ns, "-o", "name").returncode != 0:
+            return  # none there (kubectl says NotFound)
+        owner = JobRecord(workdir, "kubernetes-job.json").live_owner()
+        if owner is not None:
+            raise LaunchFailed(f"PyTorchJob {ns}/{name} of stage folder {workdir} was applied by "
+                               f"{owner.describe()}, which is still running; wait for it, or "
+                               f"`kubectl delete pytorchjob {name} -n {ns}`")
+        log(f"[launch] PyTorchJob {ns}/{name} is left from an earlier launch: deleting it first")
+        proc = self._kubectl("delete", "pytorchjob", name, "-n", ns, "--cascade=foreground",
+                             "--wait=true", "--timeout=600s")
+        if proc.returncode != 0:
+            raise LaunchFailed(f"could not delete leftover PyTorchJob {ns}/{name}: "
+                               f"{proc.stderr.strip()}")
+
     def launch(
         self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
     ) -> None:
@@ -134,9 +167,12 @@ class KubernetesLauncher(Launcher):
         manifest.parent.mkdir(parents=True, exist_ok=True)
         manifest.write_text(self.render(spec_path, workdir))
         name, ns = self.job_name(spec_path), self.config.kubernetes.namespace
+        self.sweep(name, workdir, log)
+        record = JobRecord(workdir, "kubernetes-job.json")
         proc = self._kubectl("apply", "-f", str(manifest))
         if proc.returncode != 0:
             raise LaunchFailed(f"kubectl apply -f {manifest} failed: {proc.stderr.strip()}")
+        record.write(f"{ns}/{name}")
         log(f"[launch] applied PyTorchJob {ns}/{name}")
         if on_start is not None:
             on_start(0)
@@ -146,12 +182,18 @@ class KubernetesLauncher(Launcher):
         except BaseException:
             self._kubectl("delete", "pytorchjob", name, "-n", ns, "--wait=false")
             raise
+        record.clear()
         logs = self._kubectl("logs", "-n", ns, f"{name}-master-0", "--tail=200").stdout or ""
         tail = logs.splitlines()
+        first, summary = FirstError(), TorchrunSummary()
         for line in tail:
+            first.feed(line)
+            summary.feed(line)
             log(line)
         if state != "Succeeded":
+            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}",
+                                  state=state)
             raise LaunchFailed(f"PyTorchJob {ns}/{name} failed; see "
                                f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",
-                               tail[-40:])
+                               tail[-40:], first.line, facts)
         log(f"[launch] PyTorchJob {ns}/{name} succeeded")

@@ -20,7 +20,9 @@ from infra.launchers.base import (
     LaunchFailed,
     LogFn,
     OnStart,
+    TorchrunSummary,
     check_spec,
+    failure_facts,
     free_port,
 )
 from infra.proc import ChildFailed, run_streaming
@@ -65,16 +67,18 @@ class LocalTorchrun(Launcher):
         Path(workdir).mkdir(parents=True, exist_ok=True)
         cmd = self.command(spec_path)
         log(f"[launch] {shlex.join(cmd)}")
-        first = FirstError()
+        first, summary = FirstError(), TorchrunSummary()
 
         def stream(line: str) -> None:
             first.feed(line)
+            summary.feed(line)
             log(line)
 
         try:
             run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
         except ChildFailed as exc:
-            raise LaunchFailed(
-                f"local torchrun of {spec_path} exited with code {exc.returncode}", exc.tail,
-                first.line,
-            ) from exc
+            # No summary when torchrun itself was killed: then its own status is the cause.
+            facts = failure_facts(spec_path, Path(workdir), summary, first, exc.returncode,
+                                  who="torchrun")
+            raise LaunchFailed(f"local torchrun of {spec_path} failed", exc.tail, first.line,
+                               facts) from exc

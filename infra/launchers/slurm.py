@@ -9,7 +9,10 @@ dir. The log is opened in append mode, so all attempts share one file.
 
 `launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
 needed) while streaming new log lines to the caller; if the caller is interrupted or cancelled the
-job is `scancel`led, so a cancelled Prefect run does not leave 48 nodes training.
+job is `scancel`led, so a cancelled Prefect run does not leave 48 nodes training. A flow process
+that dies without that cleanup (SIGKILL, OOM) leaves the job id in `launch/slurm-job.json`; the
+next launch in the same stage folder cancels that job and waits for it to end before it submits
+(refusing while the recorded owner is still alive on this host).
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from pathlib import Path
 from infra.launchers.base import (
     LAUNCHERS,
     FirstError,
+    JobRecord,
     Launcher,
     LaunchFailed,
     LogFn,
     OnStart,
+    TorchrunSummary,
     check_spec,
+    failure_facts,
 )
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
@@ -175,19 +181,58 @@ class SlurmLauncher(Launcher):
         raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; "
                            "check `squeue --me` and the job log")
 
+    def sweep(self, workdir: Path, log: LogFn = print, timeout_s: float = 600.0) -> None:
+        """Cancel the job a dead earlier launch left running in this stage folder, and wait for it.
+
+        Two jobs in one stage folder would write the same checkpoints and metrics; the trainer's
+        lease would refuse the second one, but only after it has queued and taken its nodes.
+        """
+        record = JobRecord(workdir, "slurm-job.json")
+        found = record.read()
+        if found is None:
+            return
+        job, owner = found
+        if record.live_owner() is not None:
+            raise LaunchFailed(
+                f"stage folder {workdir} already has Slurm job {job}, launched by "
+                f"{owner.describe()} which is still running; wait for it, or `scancel {job}`"
+            )
+        deadline = time.monotonic() + timeout_s
+        cancelled = False
+        while True:
+            try:
+                state, _ = self.state(job)
+            except LaunchFailed:
+                break  # Slurm no longer knows the job: it ended long ago
+            if state in DONE or state in FAILED:
+                break
+            if not cancelled:
+                log(f"[launch] Slurm job {job} of an earlier launch of {workdir} is still {state} "
+                    f"(its owner {owner.describe()} is gone): cancelling it first")
+                self._call(["scancel", job], f"cancelling leftover job {job}")
+                cancelled = True
+            if time.monotonic() > deadline:
+                raise LaunchFailed(f"leftover Slurm job {job} in {workdir} did not end within "
+                                   f"{timeout_s:.0f}s of scancel; check `squeue -j {job}`")
+            self.sleep(self.config.slurm.poll_seconds)
+        record.clear()
+
     def launch(
         self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
     ) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
+        self.sweep(workdir, log)
+        record = JobRecord(workdir, "slurm-job.json")
         job = self.submit(spec_path, workdir)
+        record.write(job)
         logfile = workdir / f"slurm-{job}.log"
         log(f"[launch] submitted Slurm job {job}; log {logfile}")
         if on_start is not None:
             on_start(int(job))
         tail: collections.deque[str] = collections.deque(maxlen=40)
-        first = FirstError()
+        first, summary = FirstError(), TorchrunSummary()
         offset, partial = 0, ""
         try:
             while True:
@@ -201,20 +246,39 @@ class SlurmLauncher(Launcher):
                     for line in lines:
                         tail.append(line)
                         first.feed(line)
+                        summary.feed(line)
                         log(line)
                 if state in DONE or state in FAILED:
                     break
                 self.sleep(self.config.slurm.poll_seconds)
         except BaseException:
-            self.runner(["scancel", job])  # interrupted or cancelled: take the job down with us
+            # Interrupted or cancelled: take the job down with us. The record stays: the next
+            # launch checks that the job really ended.
+            self.runner(["scancel", job])
             raise
+        record.clear()  # the job ended by itself
         if partial:
             tail.append(partial)
             log(partial)
         if state not in DONE:
+            rc, _, sig = code.partition(":")  # Slurm's ExitCode is "code:signal"
+            facts = failure_facts(
+                spec_path, workdir, summary, first,
+                returncode=int(rc) if rc.lstrip("-").isdigit() else None, who=f"Slurm job {job}",
+                state=state, signal_name=_signal_name(sig),
+            )
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail,
-                               first.line)
+                               first.line, facts)
         log(f"[launch] Slurm job {job} completed")
+
+
+def _signal_name(number: str) -> str | None:
+    import signal
+
+    try:
+        return signal.Signals(int(number)).name if number and int(number) else None
+    except ValueError:
+        return None
 
 
 # --- datatrove Slurm chains -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,11 @@ from infra.launchers import (
     SlurmLaunch,
     get_launcher,
 )
+from infra.launchers.base import FirstError, TorchrunSummary, failure_facts
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
 from infra.launchers.slurm import SlurmLauncher
+from model.checkpoint import read_marker
 from tests.infra.launch_fixtures import write_plan, write_spec
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -107,13 +110,85 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     assert any("world_size" in line for line in lines[1:])  # the trainer's output was streamed
 
     bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
-    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json exited with code 1") as err:
+    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json failed: rank 0 "
+                                           r"exited with code 1 \(FileNotFoundError") as err:
         get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(
             bad, tmp_path / "bad", lambda _: None)
     assert err.value.first_error.startswith("FileNotFoundError")  # the real cause, named
     assert "missing-plan.json" in err.value.first_error
+    assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts "
+                                    "the stage over")
     with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
         launcher.launch(tmp_path / "nope.json", out, print)
+
+
+def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
+    """SIGKILL of one rank: torchrun's own last words are a ChildFailedError header; the cause is
+    in its summary and the stage folder, and LaunchFailed says it in one sentence."""
+    plan = write_plan(tmp_path / "shards")
+    out = tmp_path / "stage"
+    spec = write_spec(out / "spec.json", plan, out, steps=40, checkpoint_interval=2,
+                      debug_step_sleep_s=0.3, schedule={"warmup_steps": 1, "total_steps": 40})
+    killed: list[int] = []
+
+    def kill_rank_1_after_a_checkpoint(line: str) -> None:
+        if killed or not (out / "checkpoints").is_dir():
+            return
+        if any(read_marker(f) for f in (out / "checkpoints").glob("step_*")):
+            (lead,) = [int(p) for p in Path(f"/proc/{started[0]}/task/{started[0]}/children")
+                       .read_text().split()]  # the guard's child: torchrun
+            ranks = Path(f"/proc/{lead}/task/{lead}/children").read_text().split()
+            rank1 = next(int(p) for p in ranks
+                         if "LOCAL_RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+            os.kill(rank1, signal.SIGKILL)
+            killed.append(rank1)
+
+    started: list[int] = []
+    with pytest.raises(LaunchFailed) as err:
+        get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN)).launch(
+            spec, out, kill_rank_1_after_a_checkpoint, on_start=started.append)
+    assert killed, "the run ended before a rank could be killed"
+    facts = err.value.facts
+    assert facts.rank == 1 and facts.signal == "SIGKILL" and facts.exitcode == -9
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    newest = max(int(f.name[5:]) for f in (out / "checkpoints").glob("step_*") if read_marker(f))
+    assert (facts.last_step, facts.checkpoint_step) == (last, newest)
+    assert err.value.cause == (f"rank 1 killed by SIGKILL after step {last} (last checkpoint: "
+                               f"step {newest}); a retry resumes from step {newest}")
+    assert "ChildFailedError" not in (err.value.first_error or "")
+
+
+def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
+    summary = TorchrunSummary()
+    for line in [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -15 (pid: 28664)  (SIGTERM)",  # a victim of the cleanup, not the cause
+        "Root Cause (first observed failure):", "[0]:", "  host      : node-17",
+        "  rank      : 5 (local_rank: 5)", "  exitcode  : 3 (pid: 28665)",
+        "=======================================================",
+    ]:
+        summary.feed(line)
+    first = FirstError()
+    for line in ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+                 "[rank5]: error: loss is nan at step 12; stopping before any checkpoint"]:
+        first.feed(line)
+    out = tmp_path / "stage"
+    (out / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000010" / "COMPLETE").write_text(
+        json.dumps({"format": 2, "step": 10, "stage_end": False, "files": {}}))
+    (out / "checkpoints" / "step_00000012").mkdir()  # a save cut short: not complete
+    (out / "metrics.jsonl").write_text('{"step": 11}\n{"step": 12, "loss": NaN}\n{"step": 1')
+    spec = write_spec(out / "spec.json", tmp_path / "plan.json", out)
+    facts = failure_facts(spec, out, summary, first, returncode=1)
+    assert (facts.rank, facts.host, facts.exitcode, facts.signal) == (5, "node-17", 3, None)
+    assert facts.cause() == ("rank 5 stopped on a non-finite loss, gradient or weights (loss is nan "
+                             "at step 12; stopping before any checkpoint) after step 12 (last "
+                             "checkpoint: step 10); a retry resumes from step 10")
+    # torchrun itself killed (no summary): its own status is the cause
+    facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9,
+                          who="torchrun")
+    assert facts.cause().startswith("torchrun killed by SIGKILL after step 12")
 
 
 # --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
@@ -224,6 +299,15 @@ def test_slurm_failure_raises_with_state_and_log_tail(tmp_path):
         SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
     assert "line while FAILED" in str(err.value)
     assert err.value.first_error == "ValueError: spec.steps must be a positive int"
+    assert err.value.cause.startswith("Slurm job 4242 exited with code 1 (ValueError: spec.steps")
+
+    # a node lost mid-stage: Slurm's state is all there is, with the stage folder's progress
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    fake = FakeSlurm(tmp_path, ["RUNNING", "NODE_FAIL"], exit_code="0:9")
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert err.value.cause == ("Slurm job 4242 killed by SIGKILL (job state NODE_FAIL) after step "
+                               "7 (no checkpoint yet); a retry starts the stage over")
 
 
 def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
@@ -236,6 +320,62 @@ def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         SlurmLauncher(SLURM, runner=fake, sleep=interrupted).launch(spec, tmp_path, lambda _: None)
     assert fake.calls[-1] == ["scancel", "4242"]
+
+
+def _record(path: Path, job: str, pid: int) -> None:
+    """A job record as a launch by process `pid` on this host writes it."""
+    from dataclasses import asdict
+
+    from infra.lifeline import ProcessRef
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.of(pid)), "submitted": 0}))
+
+
+def test_slurm_cancels_a_job_left_by_a_dead_launch_before_submitting(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _record(tmp_path / "launch" / "slurm-job.json", "4100", dead.pid)
+    leftover = iter(["RUNNING", "COMPLETING", "CANCELLED"])
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+
+    def runner(cmd):
+        if cmd[0] == "scontrol" and cmd[-1] == "4100":
+            return done(f"JobId=4100 JobState={next(leftover)} ExitCode=0:15\n")
+        return fake(cmd)
+
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert fake.calls[0] == ["scancel", "4100"]  # before anything was submitted
+    assert fake.calls[1][0] == "sbatch"
+    assert "Slurm job 4100 of an earlier launch" in lines[0]
+    assert not (tmp_path / "launch" / "slurm-job.json").exists()  # the new job ended: cleared
+
+
+def test_slurm_refuses_while_the_recorded_owner_lives_and_keeps_the_record_on_cancel(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fake = FakeSlurm(tmp_path, ["RUNNING"])
+    try:
+        _record(tmp_path / "launch" / "slurm-job.json", "4100", owner.pid)
+        with pytest.raises(LaunchFailed, match=f"Slurm job 4100, launched by pid {owner.pid}"):
+            SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path,
+                                                                           lambda _: None)
+        assert fake.calls == []
+    finally:
+        owner.kill()
+        owner.wait()
+    (tmp_path / "launch" / "slurm-job.json").unlink()
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        SlurmLauncher(SLURM, runner=fake, sleep=interrupted).launch(spec, tmp_path, lambda _: None)
+    assert fake.calls[-1] == ["scancel", "4242"]
+    record = json.loads((tmp_path / "launch" / "slurm-job.json").read_text())
+    assert record["job"] == "4242" and record["owner"]["pid"] == os.getpid()
 
 
 def test_slurm_submission_errors_name_the_cause(tmp_path):
@@ -307,8 +447,17 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
                        [{"type": "Running", "status": "True"}],
                        [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}]])
 
+    exists = False
+
     def kubectl(cmd):
+        nonlocal exists
         calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":  # the sweeper asks whether the job exists
+            return done(f"pytorchjob/{cmd[3]}") if exists else done(returncode=1, stderr="NotFound")
+        if cmd[1] == "apply":
+            exists = True
+        if cmd[1] == "delete":
+            exists = False
         if cmd[1] == "get":
             return done(json.dumps({"status": {"conditions": next(conditions)}}))
         if cmd[1] == "logs":
@@ -319,14 +468,48 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
     launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
     launcher.launch(spec, ws, lines.append)
     name = launcher.job_name(spec.resolve())
-    assert calls[0] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
+    assert calls[1] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
     assert ["kubectl", "logs", "-n", "training", f"{name}-master-0", "--tail=200"] in calls
     assert lines[-2:] == ["step 2 loss 4.7", f"[launch] PyTorchJob training/{name} succeeded"]
+    assert not (ws / "launch" / "kubernetes-job.json").exists()  # ended: nothing to sweep
 
+    # The finished job is still there: the next launch deletes it (and its pods) before applying,
+    # or `apply` would leave the old job in place and report its old state.
+    calls.clear()
     conditions = iter([[{"type": "Failed", "status": "True"}]])
     with pytest.raises(LaunchFailed, match=f"PyTorchJob training/{name} failed") as err:
         launcher.launch(spec, ws, lambda _: None)
     assert "step 2 loss 4.7" in str(err.value)
+    assert calls[1][:5] == ["kubectl", "delete", "pytorchjob", name, "-n"]
+    assert "--cascade=foreground" in calls[1] and calls[2][1] == "apply"
+
+
+def test_kubernetes_refuses_a_job_whose_owner_is_alive_and_deletes_an_orphan(tmp_path):
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
+        update={"workspace_mount": str(tmp_path)})})
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    calls: list[list[str]] = []
+
+    def kubectl(cmd):
+        calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":
+            return done(f"pytorchjob/{cmd[3]}")
+        raise KeyboardInterrupt  # stop after the sweep: that is what is under test
+
+    launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
+    name = launcher.job_name(spec.resolve())
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _record(tmp_path / "launch" / "kubernetes-job.json", f"training/{name}", owner.pid)
+        with pytest.raises(LaunchFailed, match=f"applied by pid {owner.pid} .* still running"):
+            launcher.launch(spec, tmp_path, lambda _: None)
+        assert not any(c[1] == "delete" for c in calls)
+    finally:
+        owner.kill()
+        owner.wait()
+    with pytest.raises(KeyboardInterrupt):  # owner dead: the orphan is deleted, then applied
+        launcher.launch(spec, tmp_path, lambda _: None)
+    assert calls[-1][1] == "delete" and "--cascade=foreground" in calls[-1]
 
 
 def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tmp_path):
@@ -360,3 +543,29 @@ def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tm
         wait_for_datatrove([Stage("curate-filter", "11"), Stage("curate-exact", "13")],
                            runner=runner, sleep=lambda s: None)
     assert ["scancel", "11"] in calls and ["scancel", "13"] in calls
+
+
+def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
+        update={"workspace_mount": str(tmp_path)})})
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    calls: list[list[str]] = []
+
+    def kubectl(cmd):
+        calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":
+            return done(returncode=1, stderr="NotFound")
+        if cmd[1] == "get":
+            return done(json.dumps({"status": {"conditions": [{"type": "Running",
+                                                               "status": "True"}]}}))
+        return done()
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt  # what a Prefect cancellation looks like from inside the wait
+
+    launcher = KubernetesLauncher(config, runner=kubectl, sleep=interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launcher.launch(spec, tmp_path, lambda _: None)
+    name = launcher.job_name(spec.resolve())
+    assert calls[-1] == ["kubectl", "delete", "pytorchjob", name, "-n", "training", "--wait=false"]
+    assert (tmp_path / "launch" / "kubernetes-job.json").exists()  # for the next launch's sweep

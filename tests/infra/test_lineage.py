@@ -1,12 +1,19 @@
-"""Lineage in DuckDB: graph queries, and concurrent writers that lose nothing."""
+"""Lineage in DuckDB: graph queries, concurrent writers that lose nothing, outside readers that
+cannot make a write fail, the journal's exactly-once ingestion, and one row per run attempt."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
+import time
 from datetime import datetime
 
+import duckdb
+import pytest
+
 from infra.artifact import Artifact
-from infra.lineage import Lineage, StepRow
+from infra.lineage import Lineage, LineageError, StepRow
 
 
 def _art(name: str, kind: str = "corpus") -> Artifact:
@@ -65,3 +72,153 @@ def test_four_processes_times_200_writes_lose_nothing(tmp_path):
     assert lin.query("SELECT count(*) FROM metrics")[0][0] == 800
     per_worker = dict(lin.query("SELECT fingerprint, count(DISTINCT step) FROM metrics GROUP BY 1"))
     assert per_worker == {f"w{w}": 200 for w in range(4)}
+
+
+# --- outside readers, the journal, attempts ------------------------------------------------------
+
+HOLDER = (
+    "import duckdb, sys, time\n"
+    "con = duckdb.connect(sys.argv[1], read_only=True)  # a notebook, the duckdb CLI\n"
+    "print(con.execute('SELECT count(*) FROM metrics').fetchone()[0], flush=True)\n"
+    "sys.stdin.readline()  # held until the test says so\n"
+    "print(con.execute('SELECT count(*) FROM metrics').fetchone()[0], flush=True)\n"
+)
+
+
+def _hold(path) -> subprocess.Popen:
+    """Another process holding the database with a plain read-only DuckDB connection."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip().isdigit()
+    return proc
+
+
+def _release(proc: subprocess.Popen) -> int:
+    """Let the holder go; returns the row count it saw last."""
+    out, _ = proc.communicate("\n", timeout=30)
+    return int(out.strip())
+
+
+def _writer_reading_back(path: str, worker: int, n: int) -> None:
+    lin = Lineage(path)
+    for i in range(n):
+        lin.record_rows("metrics", [(f"w{worker}", i, "loss", float(i))])
+    # read-your-writes while the file is held: served from a copy with the journal applied
+    got = lin.query("SELECT count(*) FROM metrics WHERE fingerprint = ?", [f"w{worker}"])[0][0]
+    assert got == n, f"worker {worker} reads {got} of its {n} rows back"
+
+
+def test_an_outside_read_only_connection_makes_no_write_fail_or_get_lost(tmp_path):
+    path = tmp_path / "lineage.duckdb"
+    Lineage(path).record_rows("metrics", [("seed", 0, "loss", 0.0)])
+    holder = _hold(path)
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_writer_reading_back, args=(str(path), w, 50)) for w in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0]  # no write failed, all read back
+        assert holder.poll() is None  # ...and all of it while the file was held
+        with pytest.raises(duckdb.IOException, match="lock"):
+            duckdb.connect(str(path))  # really held: nobody could write the file itself
+    finally:
+        seen_by_outsider = _release(holder)
+    assert seen_by_outsider == 1  # outside readers see the last ingested state
+    lin = Lineage(path)
+    assert lin.query("SELECT count(*) FROM metrics")[0][0] == 201
+    per_worker = dict(lin.query("SELECT fingerprint, count(DISTINCT step) FROM metrics GROUP BY 1"))
+    assert per_worker == {"seed": 1} | {f"w{w}": 50 for w in range(4)}
+    assert lin.query("SELECT count(*) FROM _journal_rejected")[0][0] == 0
+
+
+def test_pending_events_land_by_themselves_once_the_file_is_free(tmp_path):
+    path = tmp_path / "lineage.duckdb"
+    lin = Lineage(path)
+    lin.start_run("r1", "smollm3", "full", "tiny", {})
+    holder = _hold(path)
+    try:
+        lin.end_run("r1", "completed")
+        assert lin.runs()[0]["state"] == "completed"  # read your writes: from a snapshot
+    finally:
+        _release(holder)
+    deadline = time.monotonic() + 20  # no further lineage call: the retry thread ingests
+    state = None
+    while time.monotonic() < deadline and state != "completed":
+        time.sleep(0.2)
+        try:  # a raw look at the file itself, not through Lineage (which would ingest)
+            con = duckdb.connect(str(path), read_only=True)
+        except duckdb.ConnectionException:
+            continue  # the retry thread has it open read-write right now
+        try:
+            state = con.execute("SELECT state FROM flow_runs").fetchone()[0]
+        finally:
+            con.close()
+    assert state == "completed"
+
+
+def test_an_event_is_applied_once_even_if_ingestion_is_repeated(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    lin.record_rows("metrics", [("a", 1, "loss", 1.0)])
+    (lin.journal_dir / "applied.json").unlink()  # as if an ingester died before its hint
+    with open(next(lin.journal_dir.glob("*.jsonl")), "ab") as fh:
+        fh.write(b'{"id": "cut", "t": 1, "ops": [["INSERT')  # a line cut by a crash
+    assert lin.query("SELECT count(*) FROM metrics")[0][0] == 1  # re-ingested: nothing doubled
+    assert lin.query("SELECT count(*) FROM _journal_rejected")[0][0] == 0  # the cut line waits
+
+
+def test_a_write_the_database_refuses_raises_and_is_kept(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    with pytest.raises(LineageError, match="no_such_table"):
+        with lin.writer() as con:
+            con.execute("INSERT INTO no_such_table VALUES (1)")
+    (row,) = lin.query_dicts("SELECT * FROM _journal_rejected")
+    assert "no_such_table" in row["error"] and "no_such_table" in row["event"]
+    lin.record_rows("metrics", [("a", 1, "loss", 1.0)])  # later writes are not blocked by it
+    assert lin.query("SELECT count(*) FROM metrics")[0][0] == 1
+
+
+def test_writer_blocks_are_one_transaction_and_write_only(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    with lin.writer() as con:  # what tasks/anneal.py does: DDL, then rows
+        con.execute("CREATE TABLE IF NOT EXISTS extra (a INTEGER, made TIMESTAMP)")
+        con.executemany("INSERT INTO extra VALUES (?, ?)", [[1, datetime(2026, 1, 2, 3, 4, 5)],
+                                                             [2, datetime(2026, 1, 2, 3, 4, 6)]])
+        with pytest.raises(TypeError, match="write-only"):
+            con.execute("SELECT * FROM extra").fetchall()
+    assert lin.query("SELECT a, made FROM extra ORDER BY a") == [
+        (1, datetime(2026, 1, 2, 3, 4, 5)), (2, datetime(2026, 1, 2, 3, 4, 6))]
+    with pytest.raises(RuntimeError, match="abandoned"):
+        with lin.writer() as con:
+            con.execute("INSERT INTO extra VALUES (3, NULL)")
+            raise RuntimeError("abandoned")
+    assert lin.query("SELECT count(*) FROM extra")[0][0] == 2  # the failed block wrote nothing
+
+
+def test_snapshot_reads_a_consistent_copy_without_blocking_writers(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    lin.record_rows("metrics", [("a", 1, "loss", 1.0)])
+    with lin.snapshot() as con:
+        lin.record_rows("metrics", [("a", 2, "loss", 2.0)])  # lands while the snapshot is open
+        assert con.sql("SELECT count(*) FROM metrics").fetchall() == [(1,)]
+    assert lin.snapshot_query("SELECT count(*) AS n FROM metrics") == [{"n": 2}]
+
+
+def test_every_attempt_of_a_run_is_kept_and_cancelled_is_its_own_state(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    lin.start_run("r1", "smollm3", "full", "tiny", {})
+    lin.end_run("r1", "crashed")
+    first_start = lin.runs()[0]["started"]
+    lin.start_run("r1", "smollm3", "full", "tiny", {})  # `prefect flow-run retry`
+    lin.end_run("r1", "failed")
+    lin.start_run("r1", "smollm3", "full", "tiny", {}, attempt=5)  # Prefect's run_count
+    lin.end_run("r1", "cancelled")
+    (run,) = lin.runs()
+    assert run["state"] == "cancelled" and run["started"] == first_start
+    attempts = lin.attempts_of("r1")
+    assert [(a["attempt"], a["state"]) for a in attempts] == [
+        (1, "crashed"), (2, "failed"), (5, "cancelled")]
+    assert all(a["ended"] >= a["started"] for a in attempts)
+    with pytest.raises(ValueError, match="not one of"):
+        lin.end_run("r1", "Cancelled")

@@ -170,3 +170,132 @@ def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
     finally:
         os.killpg(serve.pid, 9)
         serve.wait()
+
+
+# --- owners that die without cleaning up (SIGKILL, OOM killer) ------------------------------------
+
+RANK = textwrap.dedent(
+    """
+    # A torchrun rank as the trainer starts: protected against its parent's death.
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from infra.lifeline import protect_rank
+    assert protect_rank(), "not under torchrun?"
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    time.sleep(600)
+    """
+)
+
+OWNER = textwrap.dedent(
+    """
+    # A flow process: a step in a worker thread runs a long child through run_streaming.
+    import sys, threading, time
+    sys.path.insert(0, {repo!r})
+    from infra.proc import run_streaming
+
+    def step():
+        run_streaming({cmd!r}, lambda line: None,
+                      on_start=lambda pid: open({leader!r}, "w").write(str(pid)))
+
+    threading.Thread(target=step).start()
+    time.sleep(600)
+    """
+)
+
+
+def _start_owner(tmp_path: Path, cmd: list[str]) -> tuple[subprocess.Popen, Path]:
+    leader = tmp_path / "leader.pid"
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER.format(repo=str(REPO), cmd=cmd, leader=str(leader)))
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    return owner, leader
+
+
+def _kill_leftovers(pids) -> None:
+    """A failing test must not leave its processes behind: SIGKILL what it started, by pid."""
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_sigkilled_owner_takes_its_child_and_grandchild_along(tmp_path):
+    """SIGKILL of the owner: no atexit hook, no exception; the guard's watchdog and parent-death
+    signal kill the child and a grandchild in a session of its own within seconds."""
+    gc = tmp_path / "grandchild.pid"
+    spawn = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], "
+             f"start_new_session=True); open({str(gc)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    owner, leader_file = _start_owner(tmp_path, [sys.executable, "-c", spawn])
+    started = [owner.pid]
+    try:
+        guard = _wait_file(leader_file)
+        grandchild = _wait_file(gc)
+        (child,) = _children(guard)
+        started += [guard, child, grandchild]
+        assert os.getsid(grandchild) == grandchild  # out of reach of a process-group kill
+        assert all(_alive(p) for p in (guard, child, grandchild))
+        owner.kill()
+        owner.wait()
+        assert _wait_gone([guard, child, grandchild], 5), "something outlived its owner"
+    finally:
+        _kill_leftovers(started)
+
+
+def test_owner_guard_and_torchrun_sigkilled_together_leave_no_rank(tmp_path):
+    """The OOM killer or `kill -9` of the whole group takes the owner, the guard and torchrun at
+    once: nobody is left to clean up, so the rank ends itself (`protect_rank`, as the trainer)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK.format(repo=str(REPO)))
+    rank_file = tmp_path / "rank.pid"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(script), str(rank_file)]
+    owner, leader_file = _start_owner(tmp_path, cmd)
+    started = [owner.pid]
+    try:
+        guard = _wait_file(leader_file)
+        rank = _wait_file(rank_file)
+        (torchrun,) = _children(guard)
+        started += [guard, torchrun, rank]
+        assert os.getsid(rank) == rank and _alive(rank)
+        for pid in (owner.pid, guard, torchrun):
+            os.kill(pid, signal.SIGKILL)
+        owner.wait()
+        assert _wait_gone([guard, torchrun, rank], 5), "the rank outlived torchrun"
+    finally:
+        _kill_leftovers(started)
+
+
+def test_a_guarded_child_keeps_its_exit_status(tmp_path):
+    with pytest.raises(ChildFailed) as err:
+        run_streaming([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], lambda _: None)
+    assert err.value.returncode == -signal.SIGKILL
+    with pytest.raises(ChildFailed) as err:
+        run_streaming(["bash", "-c", "exit 7"], lambda _: None)
+    assert err.value.returncode == 7
+
+
+def test_owner_and_guard_sigkilled_together_leave_no_child(tmp_path):
+    """The guard itself is SIGKILLed with its owner: its child has a parent-death signal of its
+    own (armed by the guard between fork and exec), so it does not run on as an orphan."""
+    owner, leader_file = _start_owner(tmp_path, ["sleep", "600"])
+    started = [owner.pid]
+    try:
+        guard = _wait_file(leader_file)
+        deadline = time.monotonic() + 10
+        while not _children(guard) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = _children(guard)
+        started += [guard, child]
+        for pid in (owner.pid, guard):
+            os.kill(pid, signal.SIGKILL)
+        owner.wait()
+        assert _wait_gone([guard, child], 5), "the child outlived its guard"
+    finally:
+        _kill_leftovers(started)

@@ -87,9 +87,11 @@ def fake_checkpoint(root: Path, step: int, *, big: int = 0, complete: bool = Tru
     (folder / ".metadata").write_bytes(rnd.randbytes(300))
     (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
     if complete:
-        files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
+        from infra import manifest
+
+        files = manifest.entries(folder, manifest.payload_files(folder))
         (folder / CHECKPOINT_MARKER).write_text(
-            json.dumps({"step": step, "stage_end": stage_end, "files": files}))
+            json.dumps(manifest.marker_record(step, stage_end, files)))
     return folder
 
 
@@ -312,7 +314,9 @@ def test_same_sizes_but_new_content_is_uploaded_again(s3, tmp_path):
 
     shutil.rmtree(folder)
     fake_checkpoint(root, 9, seed=7)
-    assert (folder / CHECKPOINT_MARKER).read_bytes() == marker  # indistinguishable by marker
+    # the marker now carries content digests, so it differs too; sizes alone would not
+    assert (folder / CHECKPOINT_MARKER).read_bytes() != marker
+    assert checkpoint_complete(folder)["files"]["__0_0.distcp"]["size"] == 4096
     # a new process (fresh digest cache) must still notice
     report = CheckpointMirror("s3://ckpts/same", keep_local=2, config=cfg(endpoint)).sync(root)
     assert report.uploaded == ["step_00000009"]
@@ -369,7 +373,7 @@ def test_syncing_mirrors_in_the_background_while_training_and_once_at_the_end(s3
     assert "step_00000005" in mirror.remote_steps()
 
 
-def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path):
+def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path, caplog):
     endpoint, client = s3
     assert pull_latest_checkpoint("s3://ckpts/none", tmp_path / "x", cfg(endpoint)) is None
     root = tmp_path / "run" / "checkpoints"
@@ -396,12 +400,26 @@ def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path):
     # already there: returned without another download
     assert pull_latest_checkpoint("s3://ckpts/p", local, cfg(endpoint)) == got
 
-    # a remote object damaged after upload is caught by the manifest, never used
+    # a remote object damaged after upload is caught by the manifest, never used: the next
+    # older remote checkpoint is pulled instead, with a warning naming the damaged one
     client.put_object(Bucket="ckpts", Key="p/step_00000008/.metadata", Body=b"corrupted")
-    with pytest.raises(StorageError, match="does not match its manifest"):
-        pull_latest_checkpoint("s3://ckpts/p", tmp_path / "other", cfg(endpoint, attempts=2))
-    assert not (tmp_path / "other" / "step_00000008").exists()
-    assert list((tmp_path / "other").iterdir()) == []  # no half-downloaded folder either
+    with caplog.at_level(logging.WARNING, logger="infra.storage"):
+        got = pull_latest_checkpoint("s3://ckpts/p", tmp_path / "other", cfg(endpoint, attempts=2))
+    assert got == tmp_path / "other" / "step_00000007"
+    assert "step_00000008 is damaged" in caplog.text and "does not match its manifest" in caplog.text
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["step_00000007"]  # no half folder
+
+    # damage that also rewrote the uploader's _SHA256SUMS.json consistently: the trainer's own
+    # digests in COMPLETE still catch it
+    bad = b"x" * 300
+    client.put_object(Bucket="ckpts", Key="p/step_00000007/.metadata", Body=bad)
+    sums = json.loads(client.get_object(Bucket="ckpts", Key=f"p/step_00000007/{MANIFEST}")["Body"].read())
+    sums["files"][".metadata"] = {"size": 300, "sha256": __import__("hashlib").sha256(bad).hexdigest()}
+    client.put_object(Bucket="ckpts", Key=f"p/step_00000007/{MANIFEST}", Body=json.dumps(sums))
+    with pytest.raises(StorageError, match=r"no checkpoint under s3://ckpts/p verifies.*"
+                                           r"step_00000007: \.metadata: content differs"):
+        pull_latest_checkpoint("s3://ckpts/p", tmp_path / "fourth", cfg(endpoint, attempts=1))
+    assert list((tmp_path / "fourth").iterdir()) == []
 
     # a manifest is remote input: paths escaping the destination are refused
     client.put_object(Bucket="ckpts", Key=f"p/step_00000008/{MANIFEST}",
@@ -442,3 +460,23 @@ def test_credentials_never_reach_logs_or_returned_metadata(s3, tmp_path, caplog,
         if path.is_file():
             data = path.read_bytes()
             assert SECRET.encode() not in data and TOKEN.encode() not in data
+
+
+def test_a_checkpoint_corrupted_on_disk_is_never_uploaded_nor_pruned(s3, tmp_path, caplog):
+    """Bytes flipped after the trainer wrote its digests (same size): the mirror must not make the
+    damaged copy the remote one, nor delete it as if it were safely mirrored."""
+    endpoint, client = s3
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        fake_checkpoint(root, step)
+    shard = root / "step_00000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="infra.storage"):
+        report = CheckpointMirror("s3://ckpts/c", keep_local=2, config=cfg(endpoint)).sync(root)
+    assert report.skipped_corrupt == ["step_00000001"]
+    assert "does not match the sha256 in its COMPLETE" in caplog.text
+    assert not any(k.startswith("c/step_00000001/") for k in keys(client, "c/"))
+    assert (root / "step_00000001").exists()  # not "verified on S3", so not deleted locally
+    assert report.verified == ["step_00000002", "step_00000003", "step_00000004"]

@@ -1,15 +1,26 @@
-"""Tests for model/checkpoint.py: DCP save/load, completion markers, retention, truncation."""
+"""Tests for model/checkpoint.py: DCP save/load, completion markers, retention, truncation, and
+damage done from outside (flipped bytes, zeroed or missing .metadata, truncated shards, a crafted
+pickle): verified before trusted, fallback to the newest checkpoint that verifies."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import Checkpointer, load_model, read_marker, resolve_checkpoint
+from model.checkpoint import (
+    CheckpointCorrupt,
+    Checkpointer,
+    load_model,
+    read_marker,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from model.model import SmolLM3
 from model.optim import build_optimizer
 from model.spec import OptimizerSpec
@@ -100,3 +111,131 @@ def test_a_leftover_folder_at_the_same_step_is_replaced(one_rank_group, tiny_cfg
     model, opt = _trained(tiny_cfg)
     folder = ckpt.save(3, model, opt, {})
     assert not (folder / "junk.distcp").exists() and read_marker(folder) is not None
+
+
+# --- corruption from outside: the files on disk are changed after the save -------------------------
+
+
+def _flip(path, offset: int = -1, count: int = 16) -> None:
+    """Invert `count` bytes of a file in place (same size: a size check cannot see it)."""
+    data = bytearray(path.read_bytes())
+    start = offset if offset >= 0 else len(data) // 2
+    for i in range(start, min(start + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("flip_shard", r"__0_0.distcp: content differs from the manifest"),
+        ("zero_metadata", r"\.metadata: content differs from the manifest .*all zero bytes"),
+        ("delete_metadata", r"\.metadata: missing"),
+        ("truncate_shard", r"__0_0.distcp: \d+ bytes, the manifest says \d+ \(truncated"),
+        ("flip_rng", r"rng_rank0.pt: content differs"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_naming_what_failed(
+    one_rank_group, tiny_cfg, tmp_path, caplog, damage, expected
+):
+    ckpt = Checkpointer(tmp_path / "ckpt", keep_last=5)
+    models = _save_steps(ckpt, tiny_cfg, [1, 2])
+    newest = ckpt.root / "step_00000002"
+    shard, meta = newest / "__0_0.distcp", newest / ".metadata"
+    if damage == "flip_shard":
+        _flip(shard)
+    elif damage == "zero_metadata":
+        meta.write_bytes(bytes(meta.stat().st_size))
+    elif damage == "delete_metadata":
+        meta.unlink()
+    elif damage == "truncate_shard":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "flip_rng":
+        _flip(newest / "rng_rank0.pt")
+
+    problems = verify_checkpoint(newest)
+    assert len(problems) == 1 and re.search(expected, problems[0]), problems
+    with caplog.at_level(logging.WARNING, logger="model.checkpoint"):
+        assert ckpt.latest_verified() == ckpt.root / "step_00000001"
+    assert re.search(rf"step_00000002 fails verification.*{expected}", caplog.text)
+    loaded = load_model(ckpt.root)  # export's path: also falls back
+    for name, tensor in models[1].state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(CheckpointCorrupt, match=expected):
+        resolve_checkpoint(newest)  # named directly: refused, not silently replaced
+    fresh, fresh_opt = _trained(tiny_cfg, steps=0, seed=9)
+    with pytest.raises(CheckpointCorrupt, match=expected):
+        ckpt.load(newest, fresh, fresh_opt)
+
+
+EVIL = """
+import os, pickle
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch {canary}",))
+open({path!r}, "wb").write(pickle.dumps(Evil()))
+"""
+
+
+def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(
+    one_rank_group, tiny_cfg, tmp_path
+):
+    """Someone who can write the folder replaces `.metadata` with a pickle that runs a command
+    and rewrites COMPLETE to match: the digest passes, the restricted unpickler refuses."""
+    import subprocess
+    import sys
+
+    from infra import manifest
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model, opt = _trained(tiny_cfg)
+    folder = ckpt.save(1, model, opt, {})
+    canary = tmp_path / "pwned"
+    subprocess.run([sys.executable, "-c", EVIL.format(canary=canary,
+                                                      path=str(folder / ".metadata"))], check=True)
+    record = json.loads((folder / "COMPLETE").read_text())
+    record["files"][".metadata"] = manifest.entries(folder, [".metadata"])[".metadata"]
+    (folder / "COMPLETE").write_text(json.dumps(record))
+    assert verify_checkpoint(folder) == []  # the forger kept the manifest consistent
+
+    with pytest.raises(pickle.UnpicklingError, match=r"posix.system.*not a DCP metadata type"):
+        load_model(folder)
+    fresh, fresh_opt = _trained(tiny_cfg, steps=0, seed=9)
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        ckpt.load(folder, fresh, fresh_opt)
+    assert not canary.exists()
+
+
+def test_a_checkpoint_from_before_digests_still_loads(one_rank_group, tiny_cfg, tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model, opt = _trained(tiny_cfg)
+    folder = ckpt.save(1, model, opt, {})
+    record = json.loads((folder / "COMPLETE").read_text())
+    legacy = {"step": 1, "stage_end": False,
+              "files": {name: entry["size"] for name, entry in record["files"].items()}}
+    (folder / "COMPLETE").write_text(json.dumps(legacy))
+    with caplog.at_level(logging.WARNING, logger="model.checkpoint"):
+        loaded = load_model(folder)
+    assert "written before content digests" in caplog.text
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_non_tensor_items_never_unpickle_code(tmp_path):
+    """Optimizer hyperparameters are DCP 'bytes' items; DCP's default planner loads them with
+    weights_only=False. Ours refuses anything but plain data."""
+    import io
+    import os
+
+    from model.checkpoint import SafeLoadPlanner
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    buf = io.BytesIO()
+    torch.save(Evil(), buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        SafeLoadPlanner().load_bytes(None, buf)
+    assert not (tmp_path / "pwned").exists()

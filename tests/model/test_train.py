@@ -158,7 +158,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
     shard = next((out / "checkpoints" / "step_00000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     one = run_train(write_spec(tmp_path / "c.json", plan_path, out, steps=6))
-    assert "step_00000004 is incomplete or truncated" in one.stderr
+    assert "step_00000004 fails verification" in one.stderr and "(truncated" in one.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 1 and result["final_step"] == 6
     assert result["resumed_from"].endswith("step_00000003")
@@ -347,3 +347,83 @@ def test_the_spec_seed_initialises_the_model(plan_path, tmp_path):
     assert_same_weights(final["a"], final["b"])
     wa, wc = load_model(final["a"]).state_dict(), load_model(final["c"]).state_dict()
     assert not torch.equal(wa["embed.weight"], wc["embed.weight"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, tmp_path):
+    """A second trainer in a live stage folder refuses to start, naming the holder; a SIGKILLed
+    torchrun takes its rank along (the rank is in a session of its own); the next trainer takes
+    over the dead holder's lease and resumes, and metrics.jsonl keeps one row per step."""
+    out = tmp_path / "stage"
+    spec = write_spec(tmp_path / "spec.json", plan_path, out, steps=12, debug_step_sleep_s=3,
+                      checkpoint_interval=2, schedule={"warmup_steps": 2, "total_steps": 12})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = subprocess.Popen(
+        [str(TORCHRUN), "--nproc-per-node", "1", "--master-port", str(port), "-m", "model.train",
+         str(spec)], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    rank = None
+    try:
+        deadline = time.time() + 120
+        while read_marker(out / "checkpoints" / "step_00000002") is None and time.time() < deadline:
+            assert first.poll() is None, "the first trainer ended early"
+            time.sleep(0.05)
+        rank = json.loads((out / ".lease.json").read_text())["holder"]["pid"]
+        second = run_train(spec, check=False)
+        assert second.returncode == 4, second.stderr[-2000:]
+        assert f"LeaseHeld: stage folder {out} is in use by another trainer (pid {rank}" in second.stderr
+
+        assert first.poll() is None and _alive(rank), "the first trainer ended before the test"
+        os.kill(first.pid, signal.SIGKILL)  # torchrun alone, as `kill -9` of its group would
+        first.wait()
+        deadline = time.time() + 5
+        while _alive(rank) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _alive(rank), "the rank kept training after torchrun died"
+    finally:
+        first.kill()
+        if rank is not None and _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+
+    assert metrics(out)[-1]["step"] < 12  # it really was killed mid-stage
+    # the same stage without the per-step sleep: takes over the dead rank's lease, resumes
+    run_train(write_spec(tmp_path / "spec.json", plan_path, out, steps=12, checkpoint_interval=2,
+                         schedule={"warmup_steps": 2, "total_steps": 12}))
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_step"] == 12 and result["resumed_from"] is not None
+    assert [m["step"] for m in metrics(out)] == list(range(1, 13))
+    assert not (out / ".lease.json").exists()  # released at the end
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(
+    plan_path, tmp_path
+):
+    """Bytes flipped in the newest checkpoint's shard (same size): the old size-only check
+    resumed from it and died later with NaN; now the trainer resumes from the previous one."""
+    clean = tmp_path / "clean"
+    run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
+    out = tmp_path / "damaged"
+    run_train(write_spec(tmp_path / "six.json", plan_path, out, steps=6, keep_last=3))
+    shard = next((out / "checkpoints" / "step_00000006").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+
+    proc = run_train(write_spec(tmp_path / "eight.json", plan_path, out, steps=8, keep_last=3))
+    assert "step_00000006 fails verification" in proc.stderr
+    assert "content differs from the manifest" in proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["resumed_from"].endswith("step_00000004") and result["final_step"] == 8
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(clean)]
+    assert_same_weights(clean, out, exact=True)

@@ -38,7 +38,8 @@ def test_bad_value_names_field_and_allowed_values(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(_write(tmp_path, data))
     assert "sources[m].domain" in str(err.value)
-    assert "'web', 'code' or 'math'" in str(err.value) and "'maths'" in str(err.value)
+    assert "'web', 'code' or 'math'" in str(err.value) and "(got a string)" in str(err.value)
+    assert "maths" not in str(err.value)  # the type of the value, never the value
 
 
 def test_one_bad_source_field_is_one_error(tmp_path):
@@ -85,3 +86,36 @@ def test_bad_overrides_are_named():
         load_recipe("tiny", ["sources.poetry.max_documents=1"])
     with pytest.raises(RecipeError, match="no recipe 'huge'"):
         load_recipe("huge")
+
+
+def test_numbers_are_strict_in_every_section_and_scientific_notation_is_an_int():
+    recipe = load_recipe("tiny", ["stages.stage2.tokens=1e9", "training.lr=2e-4",
+                                  "training.global_batch=16.0"])
+    assert recipe.stages[1].tokens == 1_000_000_000 and isinstance(recipe.stages[1].tokens, int)
+    assert recipe.training.lr == 2e-4 and recipe.training.global_batch == 16
+    cases = {
+        "training.global_batch=true": "training.global_batch: expected an integer, got a boolean",
+        "training.lr=false": "training.lr: expected a number, got a boolean",
+        "seed=2.5": "seed: expected an integer, got a number with a fractional part",
+        "stages.stage1.tokens=1.5e0": r"stages\[stage1\].tokens: expected an integer, got a string "
+                                      "holding a number with a fractional part",
+        "sources.math.max_documents=yes": r"sources\[math\].max_documents: expected an integer, got "
+                                          "a boolean",  # YAML 1.1 reads `yes` as true
+        "training.betas=[0.9, true]": r"training.betas\[1\]: expected a number, got a boolean",
+    }
+    for override, message in cases.items():
+        with pytest.raises(RecipeError, match=message):
+            load_recipe("tiny", [override])
+
+
+def test_errors_about_a_file_never_quote_it(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: t\nworkspace: hunter2-secret\nsources: [\n  - {name: m: x}\n")
+    with pytest.raises(RecipeError, match=r"invalid YAML at line \d+, column \d+") as err:
+        load_recipe(str(bad))
+    assert "hunter2" not in str(err.value)
+    data = {**BASE, "seed": "token-abc123"}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_write(tmp_path, data))
+    assert "seed" in str(err.value) and "(got a string)" in str(err.value)
+    assert "abc123" not in str(err.value)
