@@ -11,7 +11,9 @@ from infra.lineage import Lineage
 
 
 def _lineage(args) -> Lineage:
-    return Lineage(Path(args.workspace) / "lineage.duckdb")
+    from infra.workspace import resolve_workspace
+
+    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
 
 
 def cmd_run(args) -> int:
@@ -58,11 +60,21 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_sql(args) -> int:
+    """A query on a private, consistent copy of the lineage: never blocks the writers."""
+    lineage = _lineage(args)
+    if not lineage.path.exists():
+        raise LookupError(f"no lineage at {lineage.path}")
+    with lineage.snapshot() as con:
+        print(con.sql(args.query))
+    return 0
+
+
 def cmd_report(args) -> int:
     from flows.report import find_run, run_report
 
     lineage = _lineage(args)
-    out = Path(args.out) if args.out else Path(args.workspace) / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
+    out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
     print(run_report(lineage, args.run, out))
     return 0
 
@@ -172,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("report", cmd_report, "write a run's report (steps, evals, stage summaries, loss curves, lineage) to a file", True)
     p.add_argument("run", nargs="?", default="latest", help="run id, id prefix or `latest`")
     p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/RUN_ID.md)")
+
+    p = add("sql", cmd_sql, "run a SQL query on a consistent copy of the lineage database (never blocks runs)", True)
+    p.add_argument("query", help="e.g. \"SELECT step, label, state, seconds FROM steps ORDER BY started\"")
 
     p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
     p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")

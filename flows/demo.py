@@ -119,7 +119,9 @@ def _wait(what: str, check, timeout: float, log: Path) -> None:
 
 
 def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full") -> int:
-    workspace = workspace.resolve()
+    from infra.workspace import resolve_workspace
+
+    workspace = resolve_workspace(workspace)  # the folder the served runs resolve it to
     env = prefect_env(workspace, port)
     bin_dir = Path(sys.executable).parent
     server, serve = Managed(state, "server"), Managed(state, "serve")

@@ -114,6 +114,7 @@ class RunContext:
         self.lineage = self.ws.lineage()
         self.run_id = str(runtime_flow_run.id or uuid.uuid4())
         self.deployment = runtime_deployment.name
+        self.attempt = int(runtime_flow_run.run_count or 1) if runtime_flow_run.id else None
         self.records: list[StepRow] = []
         self._records_lock = threading.Lock()
 
@@ -123,7 +124,7 @@ class RunContext:
         (run_dir / "recipe.yaml").write_text(dump_recipe(self.recipe), encoding="utf-8")
         self.lineage.start_run(
             self.run_id, self.flow, self.deployment, self.recipe_name,
-            self.recipe.model_dump(mode="json"),
+            self.recipe.model_dump(mode="json"), attempt=self.attempt,
         )
         get_run_logger().info(
             f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
@@ -132,7 +133,15 @@ class RunContext:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.lineage.end_run(self.run_id, "failed" if exc_type else "completed")
+        from prefect.exceptions import CancelledRun, TerminationSignal
+
+        if exc_type is None:
+            state = "completed"
+        elif issubclass(exc_type, TerminationSignal | CancelledRun | KeyboardInterrupt):
+            state = "cancelled"  # Prefect cancels a run with SIGTERM, raised as TerminationSignal
+        else:
+            state = "failed"
+        self.lineage.end_run(self.run_id, state, attempt=self.attempt)
 
     def record(self, node: Node, state: str, started: datetime, ended: datetime,
                error: str | None = None) -> None:
@@ -268,7 +277,7 @@ def _flat(inputs: dict[str, Artifact | tuple[Artifact, ...]]) -> list[Artifact]:
 
 def _cause(exc: BaseException) -> str:
     """One line (or a few) saying why a step failed, without the traceback."""
-    sentence = getattr(exc, "sentence", None)
+    sentence = getattr(exc, "cause", None)  # LaunchFailed: "rank 0 killed by SIGKILL after step 9 ..."
     if callable(sentence):
         sentence = sentence()
     text = str(sentence or exc).strip()
