@@ -22,8 +22,9 @@ from prefect.deployments.runner import RunnerDeployment
 
 from flows.anneal import anneal
 from flows.cpt import cpt
+from flows.crash_detection import ensure_crash_detection
 from flows.smollm3 import smollm3
-from infra.prefect_server import HEARTBEAT_ENV, ensure_crash_detection, heartbeat_seconds
+from infra.prefect_server import HEARTBEAT_ENV, heartbeat_seconds
 
 # Nightly anneal: 02:00 (server time zone UTC), when the main run has had a day of new checkpoints.
 ANNEAL_CRON = "0 2 * * *"

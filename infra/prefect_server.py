@@ -14,9 +14,8 @@ The auth string and database password are secrets: they travel only in the retur
 Runs whose process died: a flow-run process killed without a chance to report (SIGKILL, OOM
 killer, a lost node) stays `Running` in Prefect forever. Every flow run emits a
 `prefect.flow-run.heartbeat` event every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect
-3.1.8+; at least 30), and `ensure_crash_detection` installs the server-side automation Prefect
-documents for this ("detect zombie flows"): a proactive trigger that marks a run `Crashed` when
-neither a heartbeat nor a final state follows a heartbeat within `missed` heartbeat periods.
+3.1.8+; at least 30), and flows/crash_detection.py installs the server-side automation Prefect
+documents for this ("detect zombie flows"); `heartbeat_seconds` here is the period both use.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
 
 AUTH_SERVER = "PREFECT_SERVER_API_AUTH_STRING"
 AUTH_CLIENT = "PREFECT_API_AUTH_STRING"
@@ -154,64 +152,3 @@ def heartbeat_seconds(env: Mapping[str, str] | None = None) -> int:
     if value < 30:
         raise ValueError(f"{HEARTBEAT_ENV}={value}: Prefect requires at least 30 seconds")
     return value
-
-
-def crash_detection_automation(heartbeat_s: int, missed: int = 3) -> Any:
-    """The automation (not yet created): after a run's heartbeat, expect another heartbeat or a
-    final state within `missed` heartbeat periods, else set the run Crashed."""
-    from datetime import timedelta
-
-    from prefect.automations import Automation
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState
-    from prefect.events.schemas.automations import EventTrigger, Posture
-    from prefect.events.schemas.events import ResourceSpecification
-
-    within = heartbeat_s * missed
-    return Automation(
-        name=CRASH_AUTOMATION,
-        description=f"A flow run that emitted no heartbeat for {within}s (heartbeats every "
-                    f"{heartbeat_s}s) has lost its process: mark it Crashed so it can be retried.",
-        trigger=EventTrigger(
-            after={"prefect.flow-run.heartbeat"},
-            expect={
-                "prefect.flow-run.heartbeat",
-                "prefect.flow-run.Completed",
-                "prefect.flow-run.Failed",
-                "prefect.flow-run.Cancelled",
-                "prefect.flow-run.Crashed",
-                # a paused run stops heartbeating on purpose
-                "prefect.flow-run.Paused",
-                "prefect.flow-run.Suspended",
-            },
-            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            for_each={"prefect.resource.id"},
-            posture=Posture.Proactive,
-            threshold=1,
-            within=timedelta(seconds=within),
-        ),
-        actions=[ChangeFlowRunState(
-            state=StateType.CRASHED,
-            message=f"no heartbeat for {within}s: the flow-run process died (killed, out of "
-                    "memory, or its machine was lost); retry the run to resume from its "
-                    "completed steps and checkpoints",
-        )],
-    )
-
-
-def ensure_crash_detection(heartbeat_s: int | None = None, missed: int = 3) -> Any:
-    """Create (or update to this period) the crash-detection automation on the current API."""
-    from prefect.automations import Automation
-
-    wanted = crash_detection_automation(heartbeat_s or heartbeat_seconds(), missed)
-    try:
-        existing = Automation.read(name=CRASH_AUTOMATION)
-    except ValueError:  # not there yet
-        return wanted.create()
-    same = (existing.trigger.model_dump(exclude={"id"}) == wanted.trigger.model_dump(exclude={"id"})
-            and existing.actions == wanted.actions)
-    if same:
-        return existing
-    wanted.id = existing.id
-    wanted.update()
-    return wanted

@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -633,43 +632,6 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m tasks.curate RECIPE SOURCE [key=value ...] [--out DIR]`: one source and its
-    curation outside the flow (no Prefect, no cache), then the per-filter tables."""
-    import argparse
-    import tempfile
-
-    from tasks.recipe import load_recipe
-    from tasks.sources import build_corpus
-
-    parser = argparse.ArgumentParser(prog="python -m tasks.curate", description=main.__doc__)
-    parser.add_argument("recipe")
-    parser.add_argument("source")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--out", default=None, help="folder for the corpus and curated outputs (default: a temporary one)")
-    args = parser.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-    config = recipe.source(args.source)
-    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="curate-"))
-    raw, cur = root / "source", root / "curated"
-    for folder in (raw, cur):
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-    quiet = lambda _msg: None  # noqa: E731
-    meta = build_corpus(config, recipe.seed, raw, quiet)
-    corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
-    cmeta = build_curated(recipe.curation, corpus, cur, print)
-    print(f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
-          f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}")
-    print(f"\ntrain ({cmeta['preset']} preset):\n")
-    print(format_rows(json.loads((cur / "filter_stats.json").read_text(encoding="utf-8"))))
-    print("\nheld-out:\n")
-    print(format_rows(json.loads((cur / "heldout_filter_stats.json").read_text(encoding="utf-8"))))
-    print(f"\ncurated: {cmeta['documents']} documents, {cmeta['characters']:,} characters "
-          f"(held-out {cmeta['heldout_documents']}, {cmeta['heldout_characters']:,}); outputs in {root}")
-    return 0
-
-
 def publish_curated(artifact: Artifact, ws, label: str) -> None:
     """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
     from prefect.artifacts import create_table_artifact
@@ -702,6 +664,3 @@ def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> d
     against its own held-out split and those of the other sources (input `others`)."""
     return build_curated(config, one(inputs, "corpus"), out, log, others=many(inputs, "others"))
 
-
-if __name__ == "__main__":  # datatrove's local executor starts forkserver workers: guard the entry
-    sys.exit(main())

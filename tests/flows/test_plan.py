@@ -38,7 +38,7 @@ OPERATIONAL = [
     "tokenize.workers=3", "tokenize.batch_size=10", "resources.train.slots=3", "resources.eval.threads=2",
     "resources.data.slots=1", "launch.kind=slurm", "launch.slurm={partition: p}",
     "storage.s3_uri=s3://b/p", "preflight.allow_warn=false", "posttrain.eval.batch_size=4",
-    "stages.stage1.max_epochs=2",
+    "stages.stage1.max_epochs=2", "training.compile_model=true",
 ]
 
 
@@ -139,7 +139,9 @@ def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefec
     assert changed["source[math]"].action == "run"
     assert "max_documents: 200 -> 150" in changed["source[math]"].reason
     assert changed["curate[math]"].reason == "inputs changed: source[math] reruns"
-    assert changed["source[prose]"].action == "reuse" and changed["curate[code]"].action == "reuse"
+    assert changed["source[prose]"].action == "reuse" and changed["source[code]"].action == "reuse"
+    # every curation reads every source's held-out split (decontamination), so code's reruns too
+    assert changed["curate[code]"].reason == "inputs changed: source[math] reruns"
     # operational changes rerun nothing
     quiet = plan(load_recipe("tiny", [*over, "curation.workers=2", "resources.data.slots=1", "eval.batch_size=2"]))
     assert {r.action for r in quiet} == {"reuse"}

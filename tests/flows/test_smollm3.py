@@ -32,8 +32,9 @@ def test_caching_partial_rerun_refresh_and_rebuild(tmp_path, prefect_harness):
     assert set(_states(lineage, second["run_id"]).values()) == {"cached"}
     assert second["final"] == first["final"]
 
-    # With the tokenizer fixed by the recipe, changing one source's config reruns only that
-    # source's steps (and the steps that combine all sources: fertility report, mixtures).
+    # With the tokenizer fixed by the recipe, changing one source's config reruns that source,
+    # the curation of every source (each train split is decontaminated against every source's
+    # held-out split) and so their token shards; the tokenizer stays.
     trained = ws / "tokenizer" / lineage.query(
         "SELECT fingerprint FROM artifacts WHERE step = 'tokenizer'")[0][0][:12] / "tokenizer.json"
     fixed = [*over, f"tokenizer.path={trained}"]
@@ -41,8 +42,9 @@ def test_caching_partial_rerun_refresh_and_rebuild(tmp_path, prefect_harness):
     third = _states(lineage, smollm3(overrides=[*fixed, "sources.math.max_documents=150"])["run_id"])
     per_source = {k: v for k, v in third.items() if k.endswith(("[prose]", "[code]", "[math]"))}
     assert {k for k, v in per_source.items() if v == "completed"} == {
-        "source[math]", "curate[math]", "tokenize[math]"
+        "source[math]", *(f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math"))
     }
+    assert per_source["source[prose]"] == per_source["source[code]"] == "cached"
     assert third["tokenizer[given]"] == "cached"
 
     # refresh forces the named step for every source.

@@ -1,5 +1,5 @@
-"""infra/prefect_server.py crash detection: a flow run whose process is SIGKILLed is marked Crashed
-by the automation `ensure_crash_detection` installs (real Prefect server, real flow process).
+"""flows/crash_detection.py: a flow run whose process is SIGKILLed is marked Crashed by the
+automation `ensure_crash_detection` installs (real Prefect server, real flow process).
 
 The environment builders (`server_env`, auth, PostgreSQL) are tested in test_prefect_scale.py.
 """
@@ -15,13 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.prefect_server import (
-    CRASH_AUTOMATION,
-    HEARTBEAT_ENV,
-    crash_detection_automation,
-    ensure_crash_detection,
-    heartbeat_seconds,
-)
+from flows.crash_detection import crash_detection_automation, ensure_crash_detection
+from infra.prefect_server import CRASH_AUTOMATION, HEARTBEAT_ENV, heartbeat_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 
