@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from infra.artifact import Artifact  # noqa: E402
 from tasks.evaluate import build_eval, build_suite, stage_tasks  # noqa: E402
 from tasks.export import ExportConfig, build_export  # noqa: E402
-from tasks.mixture import build_plan  # noqa: E402
+from tasks.mixture import MixtureSpec, build_plan  # noqa: E402
 from tasks.pretrain import build_stage, schedule_stages  # noqa: E402
 from tasks.recipe import load_recipe  # noqa: E402
 from tasks.sources import build_corpus  # noqa: E402
@@ -106,24 +106,26 @@ def main() -> None:
     tok, shards, suite = build_data(recipe, root)
     print(f"data: {time.perf_counter() - t0:.1f}s; suite tasks {suite.meta['tasks']}", flush=True)
 
-    runs = schedule_stages(recipe.training, recipe.stages)
+    runs = schedule_stages(recipe.training, recipe.stages, recipe.seed)
     if args.stages:  # later stages need not train
-        unknown = set(args.stages) - {r.stage.name for r in runs}
+        unknown = set(args.stages) - {r.name for r in runs}
         if unknown:
             raise SystemExit(f"--stages {sorted(unknown)} are not stages of {args.recipe}")
-        runs = runs[: max(i for i, r in enumerate(runs) if r.stage.name in args.stages) + 1]
+        runs = runs[: max(i for i, r in enumerate(runs) if r.name in args.stages) + 1]
     rows, previous = [], None
     for run in runs:
-        name = run.stage.name
+        name = run.name
+        stage = next(s for s in recipe.stages if s.name == name)
         plan_dir = root / "plans" / name
         plan_dir.mkdir(parents=True, exist_ok=True)
-        plan = artifact("mixture", plan_dir, build_plan(run.stage, shards, plan_dir, recipe.seed, quiet), "p" + name)
+        spec = MixtureSpec.of(stage, recipe.seed)
+        plan = artifact("mixture", plan_dir, build_plan(spec, shards, plan_dir, recipe.seed, quiet), "p" + name)
         out = root / "stages" / name
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         t, c = time.perf_counter(), children_cpu()
-        meta = build_stage(run, (plan, *([previous] if previous else [])), out, log=quiet)
+        meta = build_stage(run, {"mixture": plan, **({"init": previous} if previous else {})}, out, log=quiet)
         train_s, train_cpu = time.perf_counter() - t, children_cpu() - c
         previous = artifact("checkpoint", out, meta, "c" + name)
         if args.stages and name not in args.stages:
@@ -148,7 +150,7 @@ def main() -> None:
                 abs(scores["hf"][t][m] - scores["default"][t][m]) < 1e-9
                 for t in scores["hf"] for m in ("acc", "acc_norm")
             )
-        row = {"stage": name, "steps": run.steps, "seq_len": run.stage.seq_len, "train_s": train_s,
+        row = {"stage": name, "steps": run.spec.steps, "seq_len": run.spec.seq_len, "train_s": train_s,
                "eval_s": timings["default"], "ratio": timings["default"] / train_s,
                "old_eval_s": timings.get("hf"), "old_ratio": timings["hf"] / train_s if "hf" in timings else None,
                "same_scores": same, "train_cpu_s": train_cpu, "eval_cpu_s": cpu["default"],

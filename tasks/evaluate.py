@@ -52,6 +52,10 @@ class EvalConfig(BaseModel):
     batch_size: int = operational(8, gt=0)  # lm-eval batch size (generation; the stock hf path)
     device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
     limit: int | None = Field(default=None, gt=0)  # cap items per task (quick checks)
+    # After a context-extension stage: also the short cloze tasks (a regression check), or only
+    # passkey retrieval (the tiny recipe: its long stages train a few steps, and the final long
+    # model is scored on the cloze tasks by post-training's `evaluate[base]` anyway)
+    long_context_cloze: bool = True
 
     def for_suite(self) -> EvalConfig:
         """This section as the eval_suite step sees it: the fields that only say how models are
@@ -68,7 +72,7 @@ class EvalConfig(BaseModel):
 
 
 # EvalConfig fields the evaluate step uses and the eval_suite step does not.
-_RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit")
+_RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit", "long_context_cloze")
 
 
 # --- building tasks -------------------------------------------------------------------------
@@ -176,10 +180,13 @@ def _item(context: str, gold: str, distractors: list[str], rng: random.Random, d
 
 def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool) -> list[str]:
     """What to run on a model: every task of the suite but passkey retrieval (cloze tasks, and
-    the exact-match task of a post-training suite), passkey retrieval after context extension,
-    and the recipe's extra lm-eval tasks."""
+    the exact-match task of a post-training suite; after context extension only if
+    `long_context_cloze`), passkey retrieval after context extension, and the recipe's extra
+    lm-eval tasks."""
     built = list(suite.meta.get("tasks", {}))
     cloze = [t for t in built if not t.startswith("passkey_")]
+    if long_context and not cfg.long_context_cloze:
+        cloze = []
     passkey = [t for t in built if t.startswith("passkey_")] if long_context else []
     return [*cloze, *passkey, *cfg.lm_eval_tasks]
 

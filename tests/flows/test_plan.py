@@ -67,6 +67,7 @@ IDENTITY = {
     "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
     | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "merge", "grpo")},
     "posttrain.sft.lr=0.001": {"sft[sft]"},
+    "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]"},
     "seed=3": None,  # the recipe seed: many consumers (math data, shuffles, eval items, init)
 }
 
