@@ -50,7 +50,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     tok, suite = Given(lineage.get(base.tokenizer)), Given(lineage.get(base.suite))
     corpora = [Given(c) for s in base.shards for c in lineage.inputs_of(s, kind="corpus")]
     g = Graph("anneal", tolerant=tolerant)
-    pinned = g.add(pin, base, label=base.label)
+    pinned = g.add(pin, base.pin_spec(), label=base.label)
     held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
             for h in heldout_sets(cfg.anneal, base)]
     threads = cfg.resources.threads("train")

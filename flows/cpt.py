@@ -38,7 +38,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     tok = Given(lineage.get(base.tokenizer))
     corpora = [Given(x) for s in base.shards for x in lineage.inputs_of(s, kind="corpus")]
     g = Graph("cpt", tolerant=tolerant)
-    pinned = g.add(pin, base, label=base.label)
+    pinned = g.add(pin, base.pin_spec(), label=base.label)
     plan = g.add(weights_mixture, WeightsMixture(name="cpt", weights=cpt_weights(c, general), tokens=c.tokens,
                                                  seq_len=base.seq_len, seed=cfg.seed),
                  label="cpt", shards=shards)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.artifact import Inputs
+from infra.artifact import Inputs, operational
 from infra.artifact import read_marker as read_step_marker
 from infra.lineage import Lineage
 from infra.workspace import Workspace
@@ -67,6 +67,28 @@ class BaseCheckpoint(BaseModel):
     @property
     def label(self) -> str:
         return f"{self.stage}-{self.step}" if self.kind == "checkpoint" else "hf"
+
+    def pin_spec(self) -> PinSpec:
+        """What the `pin` step needs: which weights (identity: the digest), and where they are."""
+        return PinSpec(checkpoint=self.checkpoint, kind=self.kind, digest=self.digest, stage=self.stage,
+                       step=self.step, global_step=self.global_step, lr=self.lr, run_id=self.run_id)
+
+
+class PinSpec(BaseModel):
+    """The `pin` step's config. Its identity is the weights (`digest`, `kind`); where they are and
+    the facts recorded with them are operational, so the same checkpoint found by another path,
+    or the context of the run around it changing, does not pin (and retrain from) it again."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str  # identity of the weights (manifest hash, or the HF weights' names/sizes/times)
+    kind: Literal["checkpoint", "hf"] = "checkpoint"
+    checkpoint: str = operational("")  # where they are now
+    stage: str = operational("")  # facts recorded in the pin's meta
+    step: int = operational(0)
+    global_step: int = operational(0)
+    lr: float = operational(0.0)
+    run_id: str | None = operational(None)
 
 
 # --- finding checkpoints ----------------------------------------------------------------------
@@ -284,7 +306,7 @@ def write_model_checkpoint(model, folder: Path) -> Path:
     return folder
 
 
-def pin_base(base: BaseCheckpoint, out: Path, log=print) -> dict[str, Any]:
+def pin_base(base: BaseCheckpoint | PinSpec, out: Path, log=print) -> dict[str, Any]:
     """Pin the base as `out/checkpoint/step_N` (hard links or copies, verified against the
     checkpoint's manifest), or import an HF base as a model-only checkpoint."""
     from model.checkpoint import MODEL_CONFIG, read_marker
@@ -314,7 +336,7 @@ def pin_base(base: BaseCheckpoint, out: Path, log=print) -> dict[str, Any]:
             "base_kind": base.kind, "model_config": json.loads((target / MODEL_CONFIG).read_text())}
 
 
-@step("pin", version=1, kind="checkpoint", resource="eval", isolate=True)
-def pin(config: BaseCheckpoint, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+@step("pin", version=2, kind="checkpoint", resource="eval", isolate=True)
+def pin(config: PinSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Pin (link, copy or import) a resolved base checkpoint (no inputs: the base is the config)."""
     return pin_base(config, out, log)
