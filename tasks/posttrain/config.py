@@ -145,7 +145,6 @@ class GRPOSection(TrainerSection):
 
     enabled: bool = True
     lr: float = Field(default=2e-5, gt=0)
-    per_device_batch: int = Field(default=8, gt=0)  # completions per device per step
     num_generations: int = Field(default=4, ge=2)  # group size: completions per prompt
     beta: float = Field(default=0.04, ge=0)  # KL penalty to the reference (0 = no reference)
     max_completion_length: int = Field(default=48, gt=0)  # generated tokens per completion
