@@ -258,6 +258,18 @@ class PosttrainLaunch(_Section):
     accelerate_config: str | None = None
     env: dict[str, str] = {}  # extra environment over launch.env; never credentials
 
+    @field_validator("env")
+    @classmethod
+    def _no_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        from pydantic import ValidationError
+
+        try:
+            LauncherConfig(env=env)  # the launcher's own rule, said for this section
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"posttrain.{msg}") from None
+        return env
+
     def resolve(self, launch: LauncherConfig, procs_per_node: int) -> LauncherConfig:
         """The recipe's launcher with these settings over it, running `tasks.posttrain`."""
         return LauncherConfig.model_validate({

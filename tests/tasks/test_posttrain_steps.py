@@ -458,3 +458,20 @@ def test_edited_local_data_changes_the_fingerprint(tmp_path):
     os.utime(f, ns=(1, 1))
     assert data_state(f"files:{tmp_path}/*.jsonl") != before
     assert data_state("builtin") == "" and data_state("self") == ""
+
+
+def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
+    from infra.launchers import LauncherConfig, SlurmLaunch
+    from tasks.posttrain.config import PosttrainLaunch
+
+    base = LauncherConfig(kind="slurm", nodes=24, gpus_per_node=8, env={"NCCL_DEBUG": "WARN"},
+                          slurm=SlurmLaunch(partition="hopper-prod"))
+    got = PosttrainLaunch(nodes=8, accelerate_config="configs/accelerate/fsdp.yaml",
+                          env={"NCCL_IB_DISABLE": "0"}).resolve(base, 8)
+    assert (got.kind, got.nodes, got.procs_per_node, got.gpus_per_node, got.module) == (
+        "slurm", 8, 8, 8, "tasks.posttrain")
+    assert got.slurm.partition == "hopper-prod" and got.accelerate_config == "configs/accelerate/fsdp.yaml"
+    assert got.env == {"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}
+    assert PosttrainLaunch().resolve(base, 8).nodes == 24  # unset: the recipe's
+    with pytest.raises(ValueError, match="posttrain.launch.env must not carry credentials"):
+        PosttrainLaunch(env={"HF_TOKEN": "x"})
