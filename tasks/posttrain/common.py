@@ -48,7 +48,9 @@ def plain_print():
 
     Why: with Prefect's `log_prints`, every print becomes a log line, including the bytecode that
     dill prints into a captured stdout while `datasets` fingerprints TRL's map functions (~500
-    lines per step). The trainers report through `log` (`progress_callback`) instead.
+    lines per step). The trainers report through `log` (`progress_callback`) instead. Only a
+    trainer called inside a flow process needs it (tests, notebooks): launched ranks have no
+    Prefect, and their stdout is the step's log.
     """
     patched = builtins.print
     if _PRINT is not None:
