@@ -181,6 +181,9 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path, dict[str, Any]]]:
 
 def publish_checkpoint(src: Path, root: Path, step: int, final: bool, keep: int) -> Path:
     """Seal TRL's `src` checkpoint (manifest written last) and move it to `root/step_N`; prune."""
+    # TRL pickles its arguments next to the weights; resuming never reads them, so no checkpoint
+    # (local or on S3) carries a pickle that something might load one day.
+    (src / "training_args.bin").unlink(missing_ok=True)
     files = manifest.payload_files(src)
     entries = manifest.entries(src, files)
     manifest.write_json_atomic(src / manifest.MARKER, manifest.marker_record(step, final, entries))
