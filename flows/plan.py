@@ -30,6 +30,7 @@ class PlanRow:
     fingerprint: str
     action: str  # run | reuse
     reason: str
+    launch: str = ""  # where a launched step's job runs (configs with `launch_summary`), else ""
 
     @property
     def key(self) -> str:
@@ -82,7 +83,9 @@ def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -
         action, reason = _decide(node, ws, lineage, refresh, runs)
         if action == "run":
             runs.add(node.key)
-        rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason))
+        summary = getattr(node.config, "launch_summary", None)
+        rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason,
+                            summary() if callable(summary) else ""))
     return rows
 
 
@@ -130,7 +133,8 @@ def format_plan(rows: list[PlanRow]) -> str:
     width = max((len(r.key) for r in rows), default=10) + 2
     lines = [f"{'step':<{width}}{'action':<8}{'fingerprint':<14}why"]
     for r in rows:
-        lines.append(f"{r.key:<{width}}{r.action:<8}{r.fingerprint[:12]:<14}{r.reason}")
+        where = f"  [launch: {r.launch}]" if r.launch else ""
+        lines.append(f"{r.key:<{width}}{r.action:<8}{r.fingerprint[:12]:<14}{r.reason}{where}")
     runs = sum(r.action == "run" for r in rows)
     lines.append(f"{len(rows)} steps: {runs} run, {len(rows) - runs} reuse")
     return "\n".join(lines)

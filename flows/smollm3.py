@@ -19,7 +19,7 @@ from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
 from tasks.fertility import FertilitySpec, fertility
 from tasks.mixture import MixtureSpec, mixture
-from tasks.posttrain.config import ChatDataSpec, TrainerRun
+from tasks.posttrain.config import ChatDataSpec, LinearMerge, TrainerRun
 from tasks.posttrain.data import posttrain_data
 from tasks.posttrain.distill import distill
 from tasks.posttrain.grpo import grpo
@@ -108,9 +108,11 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
 
 
 def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
-    """SFT -> APO -> linear merge with the long-context base -> GRPO -> optional on-policy
-    distillation (docs/posttraining.md); every model is scored on the cloze tasks plus held-out
-    arithmetic exact match, under its label (base, sft, apo, merge, grpo, opd)."""
+    """SFT -> APO (a soup of preference runs, merged) -> linear merge with a mid-training or
+    long-context checkpoint -> GRPO -> optional on-policy distillation (docs/posttraining.md).
+    Every model is scored on the cloze tasks plus held-out arithmetic exact match, under its label
+    (base, sft, apo and each soup run, soup, merge, grpo, opd). Trainers run as launched jobs on
+    `posttrain.launch` over the recipe's `launch` (tasks/posttrain/launch.py)."""
     pt = cfg.posttrain
     suite = g.add(
         eval_suite,
@@ -120,27 +122,52 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
         label="posttrain", heldout=clean, train=clean,
     )
     scoring = EvalSpec(eval=cfg.eval.for_run().model_copy(update={"batch_size": pt.eval.batch_size}))
+    launch = pt.launch.resolve(cfg.launch, cfg.training.nproc_per_node)
 
     def score(model: Node, label: str) -> None:
         g.add(evaluate, scoring, label=label, model=model, suite=suite)
 
+    def run(section, seed: int | None = None) -> TrainerRun:
+        return TrainerRun.of(section, pt, launch=launch, storage=cfg.storage,
+                             threads=cfg.resources.threads("train"), seed=seed)
+
     if pt.eval.base:
         score(base, "base")
     data = g.add(posttrain_data, ChatDataSpec(data=pt.data, seed=pt.seed), label="chat", corpora=clean)
-    model = g.add(sft, TrainerRun.of(pt.sft, pt), label="sft", model=base, data=data)
+    model = g.add(sft, run(pt.sft), label="sft", model=base, data=data)
     score(model, "sft")
     if pt.preference.enabled:
+        tuned = model
         label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
-        model = g.add(preference, TrainerRun.of(pt.preference, pt), label=label, model=model, data=data)
+        model = g.add(preference, run(pt.preference), label=label, model=tuned, data=data)
         score(model, label)
+        if pt.merge.enabled and pt.merge.soup:
+            # SmolLM3 merged a soup of APO checkpoints: more preference runs from the same SFT model
+            ingredients = [model]
+            for extra in pt.merge.soup:
+                node = g.add(preference, run(extra.apply(pt.preference), extra.seed), label=extra.name,
+                             model=tuned, data=data)
+                score(node, extra.name)
+                ingredients.append(node)
+            model = g.add(merge, LinearMerge(weights=pt.merge.soup_mix()), label="soup", models=ingredients)
+            score(model, "soup")
     if pt.merge.enabled:
-        model = g.add(merge, pt.merge, label="merge", models=[model, base])
+        other = base
+        if pt.merge.stage is not None:
+            try:
+                other = g.node(f"export[{pt.merge.stage}]")
+            except KeyError:
+                stages = ", ".join(st.name for st in cfg.stages) or "none"
+                raise ValueError(f"posttrain.merge.stage {pt.merge.stage!r} is not a stage of this recipe "
+                                 f"(stages: {stages}); name one, or leave it unset for the model "
+                                 "post-training starts from") from None
+        model = g.add(merge, LinearMerge(weights=pt.merge.weights), label="merge", models=[model, other])
         score(model, "merge")
     if pt.grpo.enabled:
-        model = g.add(grpo, TrainerRun.of(pt.grpo, pt), label="grpo", model=model, data=data)
+        model = g.add(grpo, run(pt.grpo), label="grpo", model=model, data=data)
         score(model, "grpo")
     if pt.distill.teacher:
-        model = g.add(distill, TrainerRun.of(pt.distill, pt), label="opd", model=model, data=data)
+        model = g.add(distill, run(pt.distill), label="opd", model=model, data=data)
         score(model, "opd")
     return model
 

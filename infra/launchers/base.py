@@ -2,7 +2,11 @@
 
 A launcher takes a resolved stage spec and a work folder and runs the trainer to completion on
 some substrate: this machine (torchrun), a Slurm allocation (sbatch + srun torchrun), or
-Kubernetes (a Kubeflow PyTorchJob). The interface is the same for all of them:
+Kubernetes (a Kubeflow PyTorchJob). The trainer is any module taking one spec path (`module`):
+pretraining stages run `model.train`, post-training steps `tasks.posttrain`. With
+`accelerate_config` the ranks start through `accelerate launch --config_file FILE` instead of
+plain torchrun (same rendezvous and process counts; the file picks FSDP, DeepSpeed ZeRO or mixed
+precision for Hugging Face trainers). The interface is the same for all of them:
 
     launcher = get_launcher(config)                  # config: LauncherConfig (the recipe's `launch`)
     launcher.render(spec_path, workdir)  -> str      # what would be submitted (script, manifest)
@@ -285,6 +289,11 @@ class LauncherConfig(BaseModel):
     master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500
     torchrun: str = "torchrun"  # torchrun executable (a venv path on clusters)
     module: str = "model.train"  # the trainer's module (`-m module SPEC.json`)
+    # accelerate config file (FSDP, DeepSpeed ZeRO, mixed precision) for Hugging Face trainers:
+    # ranks start with `accelerate launch --config_file FILE`, nodes and processes still from
+    # here; relative to code_dir. None: plain torchrun (DDP when the trainer asks for it)
+    accelerate_config: str | None = None
+    accelerate: str = "accelerate"  # accelerate executable (a venv path on clusters)
     code_dir: str | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
     env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS); never credentials
     slurm: SlurmLaunch = SlurmLaunch()  # used when kind is slurm
@@ -310,6 +319,19 @@ class LauncherConfig(BaseModel):
     @property
     def code_path(self) -> Path:
         return Path(self.code_dir) if self.code_dir else CODE_DIR
+
+    @property
+    def starter(self) -> str:
+        """What starts the ranks: `torchrun`, or `accelerate (FILE)`."""
+        return f"accelerate ({self.accelerate_config})" if self.accelerate_config else "torchrun"
+
+    def describe(self) -> str:
+        """One line for plans and logs: `slurm, 8 nodes x 8 processes (8 GPUs each), accelerate
+        (configs/accelerate/fsdp.yaml), -m tasks.posttrain`."""
+        gpus = f" ({self.gpus_per_node} GPUs each)" if self.gpus_per_node else ""
+        nodes = "1 node" if self.nodes == 1 else f"{self.nodes} nodes"
+        procs = "1 process" if self.procs_per_node == 1 else f"{self.procs_per_node} processes"
+        return f"{self.kind}, {nodes} x {procs}{gpus}, {self.starter}, -m {self.module}"
 
 
 class Launcher(ABC):
@@ -383,6 +405,17 @@ class JobRecord:
             return None
         owner = found[1]
         return owner if owner.alive() and owner != ProcessRef.current() else None
+
+
+def accelerate_args(config: LauncherConfig) -> list[str]:
+    """`accelerate launch` arguments every substrate shares: the config file and the totals.
+
+    accelerate's `--num_processes` counts every rank of every machine (torchrun's is per node);
+    arguments given here win over the file's own `num_machines` / `num_processes`.
+    """
+    return ["launch", "--config_file", str(config.accelerate_config),
+            "--num_machines", str(config.nodes), "--num_processes", str(config.world_size),
+            "--max_restarts", "0"]
 
 
 def check_spec(spec_path: Path) -> Path:

@@ -7,7 +7,8 @@ PersistentVolumeClaim mounted at the same path in every pod and in the Prefect w
 spec path and its out_dir mean the same thing everywhere; a restarted pod (`restartPolicy:
 OnFailure`) reruns the same spec and the trainer resumes from its newest complete checkpoint.
 S3 credentials come from a pod identity (`service_account`) or a Secret's keys as env vars, never
-from the config.
+from the config. With `accelerate_config` each pod runs `accelerate launch --config_file FILE`
+instead, its machine rank and rendezvous taken from the same operator variables in a shell.
 
 The job's name is derived from the spec path, so a PyTorchJob of that name that exists before
 `apply` is a leftover of a launch whose flow process died without deleting it (a cancelled or
@@ -39,6 +40,7 @@ from infra.launchers.base import (
     LogFn,
     OnStart,
     TorchrunSummary,
+    accelerate_args,
     check_spec,
     failure_facts,
 )
@@ -87,6 +89,7 @@ class KubernetesLauncher(Launcher):
             "command": [c.torchrun],
             "args": [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0",
                      "-m", c.module, str(spec)],
+            **(self._accelerate(spec) if c.accelerate_config else {}),
             "env": env,
             "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL needs shared memory
@@ -121,6 +124,17 @@ class KubernetesLauncher(Launcher):
                 "pytorchReplicaSpecs": replicas,
             },
         }
+
+    def _accelerate(self, spec: Path) -> dict[str, Any]:
+        """The container command for `accelerate launch`: accelerate reads no PET_* variables,
+        so a shell passes the operator's node rank and master address to it."""
+        c = self.config
+        run = (shlex.join([c.accelerate, *accelerate_args(c)])
+               + ' --machine_rank "${PET_NODE_RANK:-${RANK:-0}}"'
+               ' --main_process_ip "${PET_MASTER_ADDR:-${MASTER_ADDR:-127.0.0.1}}"'
+               ' --main_process_port "${PET_MASTER_PORT:-${MASTER_PORT:-29500}}" '
+               + shlex.join(["-m", c.module, str(spec)]))
+        return {"command": ["bash", "-c"], "args": ["exec " + run]}
 
     def render(self, spec_path: Path, workdir: Path) -> str:
         return yaml.safe_dump(self.manifest(Path(spec_path)), sort_keys=False)

@@ -2,7 +2,10 @@
 
 `torchrun --nnodes 1 --nproc-per-node N --master-port P -m model.train SPEC.json`, started in its
 own process group so a failed, interrupted or cancelled task kills every rank with it. A free port
-is picked per launch (fixed ports collide when two stages or test runs share a machine).
+is picked per launch (fixed ports collide when two stages or test runs share a machine). With
+`accelerate_config`, `accelerate launch --config_file FILE --num_machines 1 --num_processes N
+--main_process_port P -m MODULE SPEC.json` instead (accelerate starts the ranks through
+torch.distributed.run: the same ranks, sessions and failure summary).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from infra.launchers.base import (
     LogFn,
     OnStart,
     TorchrunSummary,
+    accelerate_args,
     check_spec,
     failure_facts,
     free_port,
@@ -40,7 +44,15 @@ class LocalTorchrun(Launcher):
                 "only; use kind slurm or kubernetes for several nodes"
             )
         port = port or c.master_port or free_port()
-        # `make` runs .venv/bin/smollm3 without the venv on PATH: use this interpreter's torchrun.
+        if c.accelerate_config:
+            # `make` runs .venv/bin/smollm3 without the venv on PATH: this interpreter's accelerate.
+            accelerate = ([c.accelerate] if shutil.which(c.accelerate)
+                          else [sys.executable, "-m", "accelerate.commands.launch"])
+            args = accelerate_args(c)
+            if accelerate[-1] == "accelerate.commands.launch":
+                args = args[1:]  # the module is the `launch` subcommand itself
+            return [*accelerate, *args, "--main_process_port", str(port), "-m", c.module,
+                    str(spec_path)]
         torchrun = [c.torchrun] if shutil.which(c.torchrun) else [sys.executable, "-m", "torch.distributed.run"]
         return [
             *torchrun, "--nnodes", "1", "--nproc-per-node", str(c.procs_per_node),
@@ -65,6 +77,13 @@ class LocalTorchrun(Launcher):
     ) -> None:
         spec_path = check_spec(spec_path)
         Path(workdir).mkdir(parents=True, exist_ok=True)
+        c = self.config
+        if c.accelerate_config and not (c.code_path / c.accelerate_config).is_file():
+            raise FileNotFoundError(
+                f"launch.accelerate_config {c.accelerate_config} does not exist (relative paths "
+                f"are read from {c.code_path}); write one with `accelerate config` or use the "
+                "examples in configs/accelerate/"
+            )
         cmd = self.command(spec_path)
         log(f"[launch] {shlex.join(cmd)}")
         first, summary = FirstError(), TorchrunSummary()
@@ -80,5 +99,5 @@ class LocalTorchrun(Launcher):
             # No summary when torchrun itself was killed: then its own status is the cause.
             facts = failure_facts(spec_path, Path(workdir), summary, first, exc.returncode,
                                   who="torchrun")
-            raise LaunchFailed(f"local torchrun of {spec_path} failed", exc.tail, first.line,
-                               facts) from exc
+            raise LaunchFailed(f"local {'accelerate' if c.accelerate_config else 'torchrun'} of "
+                               f"{spec_path} failed", exc.tail, first.line, facts) from exc

@@ -5,7 +5,9 @@ forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation
 is requeue-safe by construction: `--requeue` lets Slurm restart the job after a node failure or
 preemption, `--signal=B:USR1@300` plus a trap requeues it shortly before the time limit, and every
 start runs the same spec, so the trainer resumes from the newest complete checkpoint in its out
-dir. The log is opened in append mode, so all attempts share one file.
+dir. The log is opened in append mode, so all attempts share one file. With `accelerate_config`,
+each node's task runs `accelerate launch --config_file FILE --machine_rank $SLURM_PROCID` with
+the same c10d rendezvous instead of torchrun (the rank is expanded by the task's own shell).
 
 `launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
 needed) while streaming new log lines to the caller; if the caller is interrupted or cancelled the
@@ -34,6 +36,7 @@ from infra.launchers.base import (
     LogFn,
     OnStart,
     TorchrunSummary,
+    accelerate_args,
     check_spec,
     failure_facts,
 )
@@ -129,6 +132,16 @@ class SlurmLauncher(Launcher):
                 """trap 'echo "[launch] time limit near: requeueing $SLURM_JOB_ID"; """
                 """scontrol requeue "$SLURM_JOB_ID"' USR1""",
             ]
+        if c.accelerate_config:
+            # One task per node; each expands its own $SLURM_PROCID (the machine rank), so the
+            # command runs in `bash -c` and the rendezvous address is exported to the tasks.
+            inner = (shlex.join([c.accelerate, *accelerate_args(c), "--rdzv_backend", "c10d",
+                                 "--same_network"])
+                     + ' --machine_rank "$SLURM_PROCID" --main_process_ip "$MASTER_ADDR"'
+                     ' --main_process_port "$MASTER_PORT" '
+                     + shlex.join(["-m", c.module, str(spec)]))
+            lines += ["export MASTER_ADDR MASTER_PORT"]
+            torchrun = ["bash -c " + shlex.quote("exec " + inner)]
         lines += [
             "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
             "  " + " \\\n  ".join(torchrun) + " &",

@@ -1,46 +1,79 @@
-"""Run one post-training step's trainer outside Prefect, e.g. on every GPU of a node:
+"""One post-training trainer on every rank of a launch: `python -m tasks.posttrain SPEC.json`.
 
-    accelerate launch --num_processes 8 -m tasks.posttrain sft spec.json
+The post-training steps launch it through infra/launchers (tasks/posttrain/launch.py), e.g.
 
-`spec.json` holds {"config": {...the recipe's posttrain.<step> section...}, "policy": HF folder,
-"data": posttrain data folder, "out": output folder, "seed": 0}. TRL's trainers pick up the
-accelerate/torchrun environment (DDP, FSDP or DeepSpeed per the accelerate config); only the main
-process writes the model folder. The Prefect steps call the same functions in-process.
+    torchrun --nproc-per-node 8 -m tasks.posttrain spec.json
+    accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 \\
+        -m tasks.posttrain spec.json
+
+`spec.json` is a `TrainerSpec` (trainer, its recipe section, policy and data folders, out folder,
+seed, device). TRL's trainers pick up the torchrun/accelerate environment (DDP, or FSDP and
+DeepSpeed per the accelerate config). Like model/train.py: a rank ends itself when torchrun dies
+(`protect_rank`), rank 0 leases the out folder first (exit 4 when another trainer holds it),
+only rank 0 prints progress and writes `result.json` (the step's meta) last.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
-from tasks.posttrain import config as sections
+from infra.lifeline import LeaseHeld, StageLease, protect_rank
 
-TRAINERS = {
-    "sft": ("tasks.posttrain.sft", "train_sft", sections.SFTSection),
-    "preference": ("tasks.posttrain.preference", "train_preference", sections.PreferenceSection),
-    "grpo": ("tasks.posttrain.grpo", "train_grpo", sections.GRPOSection),
-    "distill": ("tasks.posttrain.distill", "train_distill", sections.DistillSection),
-}
+EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as model/train.py
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in TRAINERS:
-        print(f"usage: python -m tasks.posttrain {{{','.join(TRAINERS)}}} spec.json", file=sys.stderr)
+    if len(argv) != 1:
+        print("usage: python -m tasks.posttrain SPEC.json  (under torchrun or accelerate launch)",
+              file=sys.stderr)
         return 2
-    import importlib
+    protect_rank()  # first: a rank must not outlive torchrun, even during startup
+    from infra.artifact import write_atomic
+    from tasks.posttrain.common import is_main
+    from tasks.posttrain.launch import RESULT, TRAINERS, TrainerSpec
+    from tasks.step import PROGRESS_MARK
 
-    module, fn, section = TRAINERS[argv[0]]
-    spec = json.loads(Path(argv[1]).read_text())
-    missing = [k for k in ("config", "policy", "data", "out") if k not in spec]
-    if missing:
-        print(f"{argv[1]}: missing {', '.join(missing)}", file=sys.stderr)
-        return 2
-    train = getattr(importlib.import_module(module), fn)
-    meta = train(section(**spec["config"]), Path(spec["policy"]), Path(spec["data"]), Path(spec["out"]),
-                 seed=spec.get("seed", 0), device=spec.get("device", "auto"))
-    print(json.dumps(meta))
+    spec = TrainerSpec.load(Path(argv[0]))
+    out = Path(spec.out)
+    lease = None
+    if is_main():
+        try:
+            lease = StageLease(out).acquire()
+        except LeaseHeld as err:
+            print(f"error: LeaseHeld: {err}", file=sys.stderr)
+            return EXIT_LEASE_HELD
+        # TRL's unpublished checkpoint folders are what a killed attempt was writing: never used.
+        for partial in (out / "trainer").glob("checkpoint-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+    try:
+        module, fn, _ = TRAINERS[spec.trainer]
+        train = getattr(importlib.import_module(module), fn)
+        main_rank = is_main()
+        meta = train(
+            spec.typed_section(), Path(spec.policy), Path(spec.data), out, seed=spec.seed,
+            device=spec.device,
+            log=(lambda line: print(line, flush=True)) if main_rank else (lambda _: None),
+            progress=(lambda p: print(f"{PROGRESS_MARK}{p:.2f}", flush=True)) if main_rank else None,
+        )
+        if main_rank:
+            write_atomic(out / RESULT, json.dumps(meta, default=str))
+            print(json.dumps(meta, default=str), flush=True)
+    finally:
+        _end_process_group()
+        if lease is not None:
+            lease.release()
     return 0
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

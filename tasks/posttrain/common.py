@@ -1,17 +1,29 @@
-"""What every post-training step shares: loading a policy, trainer arguments, saving a model.
+"""What every post-training trainer shares: loading a policy, trainer arguments, checkpoints a
+killed run resumes from, live metrics and progress, saving a model.
 
 A post-training step reads an `hf_model` artifact (a `save_pretrained` folder with our tokenizer
 and its ChatML template) and writes another into `{step folder}/model`. Saved models stop
 generation at `<|im_end|>` (the end of an assistant turn) as well as at `<|endoftext|>`.
 
-Runs through TRL's trainers, so the same code runs on CPU (tiny) and under `accelerate launch`
-on GPUs (see docs/posttraining.md); only the main process writes the model folder.
+The trainers are TRL's and run on every rank of a launch (`python -m tasks.posttrain SPEC.json`
+under torchrun or `accelerate launch`, see tasks/posttrain/launch.py), or in the calling process
+when called directly (tests); the world size comes from the environment. Only the main process
+writes the model folder, `metrics.jsonl` and `result.json`.
+
+Checkpoints use the stage layout of model/checkpoint.py, so the launchers' failure reports, the
+S3 mirror and its pulls treat them like pretraining checkpoints: TRL writes
+`trainer/checkpoint-N` every `save_steps` (and at the last step); once every rank has written its
+part, the main process lists every file with its size and SHA-256 in `COMPLETE`
+(infra/manifest.py) and renames the folder to `checkpoints/step_{N:08d}`. A start resumes from
+the newest checkpoint whose files match their digests (each rank hashes a share), falling back
+to older ones with a warning.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -19,7 +31,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from infra import manifest
 from infra.artifact import Artifact
+from tasks.posttrain.config import micro_batches
+
+CHECKPOINTS = "checkpoints"  # {step folder}/checkpoints/step_{N:08d}, as model/checkpoint.py
+METRICS = "metrics.jsonl"
 
 IM_END = "<|im_end|>"
 _PRINT = builtins.print if getattr(builtins.print, "__module__", "builtins") == "builtins" else None
@@ -31,7 +48,9 @@ def plain_print():
 
     Why: with Prefect's `log_prints`, every print becomes a log line, including the bytecode that
     dill prints into a captured stdout while `datasets` fingerprints TRL's map functions (~500
-    lines per step). The trainers report through `log` (`progress_callback`) instead.
+    lines per step). The trainers report through `log` (`progress_callback`) instead. Only a
+    trainer called inside a flow process needs it (tests, notebooks): launched ranks have no
+    Prefect, and their stdout is the step's log.
     """
     patched = builtins.print
     if _PRINT is not None:
@@ -91,43 +110,188 @@ def load_policy(folder: Path, bf16: bool = False):
     return model, tokenizer
 
 
+def rank() -> int:
+    """This process's global rank in the launch (0 when not launched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def trainer_args(section, out: Path, seed: int, device: str, **overrides: Any) -> dict[str, Any]:
-    """TrainingArguments fields every TRL config here shares (section: a TrainerSection)."""
+    """TrainingArguments fields every TRL config here shares (section: a TrainerSection).
+
+    `section.batch` sequences per optimizer step whatever the world size: each rank takes an equal
+    share, in micro-batches of at most `per_device_batch` (the rest is gradient accumulation).
+    Checkpoints go to `out/trainer/checkpoint-N`, published by `Checkpoints` below.
+    """
+    micro, accum = micro_batches(section.batch, section.per_device_batch, world_size())
     args = {
-        "output_dir": str(out),
+        "output_dir": str(out / "trainer"),
         "max_steps": section.max_steps,
         "learning_rate": section.lr,
         "warmup_steps": int(section.warmup_ratio * section.max_steps),
         "lr_scheduler_type": "linear",
-        "per_device_train_batch_size": section.per_device_batch,
-        "gradient_accumulation_steps": section.grad_accum,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": accum,
         "bf16": section.bf16,
         "gradient_checkpointing": section.gradient_checkpointing,
         "use_cpu": resolve_device(device) == "cpu",
         "logging_steps": 1,
-        "save_strategy": "no",
+        "save_strategy": "steps",  # every save_steps, and at the last step
+        "save_steps": section.save_steps,
+        "save_total_limit": None,  # `Checkpoints` keeps and prunes the published ones
         "report_to": [],
         "seed": seed,
         "data_seed": seed,
         "dataloader_num_workers": 0,
         "disable_tqdm": True,
+        "ddp_find_unused_parameters": False,  # every parameter gets a gradient: skip the search
     }
     return {**args, **overrides}
 
 
-def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None]):
-    """A transformers TrainerCallback forwarding step progress and each logged loss."""
+def step_folder(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path, dict[str, Any]]]:
+    """(step, folder, marker) of the complete checkpoints under `root` (sizes checked), oldest first."""
+    found = []
+    for folder in Path(root).glob("step_*"):
+        if folder.is_dir() and folder.name[5:].isdigit():
+            record = manifest.quick_check(folder)
+            if record is not None:
+                found.append((int(folder.name[5:]), folder, record))
+    return sorted(found, key=lambda f: f[0])
+
+
+def publish_checkpoint(src: Path, root: Path, step: int, final: bool, keep: int) -> Path:
+    """Seal TRL's `src` checkpoint (manifest written last) and move it to `root/step_N`; prune."""
+    # TRL pickles its arguments next to the weights; resuming never reads them, so no checkpoint
+    # (local or on S3) carries a pickle that something might load one day.
+    (src / "training_args.bin").unlink(missing_ok=True)
+    files = manifest.payload_files(src)
+    entries = manifest.entries(src, files)
+    manifest.write_json_atomic(src / manifest.MARKER, manifest.marker_record(step, final, entries))
+    dest = step_folder(root, step)
+    root.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # an older attempt's checkpoint of this step that failed verification
+        shutil.rmtree(dest)
+    os.replace(src, dest)
+    prune_checkpoints(root, keep)
+    return dest
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints and the final one; incomplete ones stay (a
+    mirror or a human may be looking at them; the next publish of that step replaces them)."""
+    complete = complete_checkpoints(root)
+    keep_set = {f for _, f, _ in complete[-keep:]} | {f for _, f, r in complete if r.get("stage_end")}
+    for _, folder, _ in complete:
+        if folder not in keep_set:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def checkpoint_callback(out: Path, keep: int):
+    """A TrainerCallback publishing every checkpoint TRL saves (see the module docstring)."""
+    from transformers import TrainerCallback
+
+    class Checkpoints(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            # Every rank writes part of a checkpoint (its RNG state; FSDP/ZeRO shards): the
+            # manifest may list the files only once all of them are there.
+            barrier()
+            if state.is_world_process_zero:
+                src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                publish_checkpoint(src, out / CHECKPOINTS, state.global_step,
+                                   state.global_step >= state.max_steps, keep)
+            barrier()  # nobody reads the folder before it is published
+
+    return Checkpoints()
+
+
+def resume_point(out: Path, log: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint under `out/checkpoints` whose files match their digests, or None.
+
+    Collective when a process group exists: each rank hashes every world_size-th file and the
+    verdicts are shared, so every rank resumes from the same folder.
+    """
+    import torch.distributed as dist
+
+    collective = dist.is_available() and dist.is_initialized()
+    r, w = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
+    for _step, folder, record in reversed(complete_checkpoints(out / CHECKPOINTS)):
+        names = sorted(record["files"])
+        problems = manifest.verify(folder, names=names[r::w])
+        if collective:
+            shared: list[Any] = [None] * w
+            dist.all_gather_object(shared, problems)
+            problems = [p for part in shared for p in part]
+        if not problems:
+            return folder
+        if r == 0:
+            log(f"warning: checkpoint {folder.name} fails its digests ({'; '.join(problems[:3])}); "
+                "trying an older one")
+    return None
+
+
+def resumed_step(folder: Path | None) -> int | None:
+    return int(folder.name[5:]) if folder is not None else None
+
+
+def start_metrics(out: Path, resume: Path | None) -> None:
+    """Main process: keep the metrics lines up to the checkpoint a run resumes from (the steps a
+    killed attempt trained after it are trained again), or start an empty file."""
+    if not is_main():
+        return
+    path = out / METRICS
+    step = resumed_step(resume) or 0
+    kept = []
+    if resume is not None and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if int(json.loads(line).get("step", 0)) <= step:
+                    kept.append(line)
+            except (ValueError, TypeError, AttributeError):
+                continue  # a line cut by the kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None],
+                      out: Path | None = None):
+    """A transformers TrainerCallback forwarding step progress and each logged loss, and (with
+    `out`) appending every log row to `out/metrics.jsonl` as training goes."""
     from transformers import TrainerCallback
 
     class _Progress(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and state.is_world_process_zero:
-                keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
-                if keys:
-                    log(f"step {state.global_step}/{state.max_steps}: "
-                        + ", ".join(f"{k}={logs[k]:.4g}" for k in keys))
-                if progress is not None and state.max_steps:
-                    progress(100.0 * state.global_step / state.max_steps)
+            if not logs or not state.is_world_process_zero:
+                return
+            if out is not None:
+                with open(out / METRICS, "a") as fh:
+                    fh.write(json.dumps({**logs, "step": state.global_step}) + "\n")
+            keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
+            if keys:
+                log(f"step {state.global_step}/{state.max_steps}: "
+                    + ", ".join(f"{k}={logs[k]:.4g}" for k in keys))
+            if progress is not None and state.max_steps:
+                progress(100.0 * state.global_step / state.max_steps)
 
     return _Progress()
 
@@ -139,11 +303,23 @@ def quiet(trainer) -> None:
     trainer.remove_callback(PrinterCallback)
 
 
+def fit(trainer, out: Path, log: Callable[[str], None], what: str) -> int | None:
+    """Train, resuming from the newest verified checkpoint in `out`; returns its step (or None)."""
+    resume = resume_point(out, log)
+    start_metrics(out, resume)
+    if resume is not None:
+        log(f"{what}: resuming from {resume.name}")
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return resumed_step(resume)
+
+
 def write_history(trainer, out: Path) -> dict[str, Any]:
     """Trainer log history to `metrics.jsonl`; the first and last logged loss for the meta."""
     history = trainer.state.log_history
     if trainer.is_world_process_zero():  # one writer under accelerate/torchrun
-        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        tmp = out / (METRICS + ".tmp")
+        tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
+        os.replace(tmp, out / METRICS)
     losses = [h["loss"] for h in history if "loss" in h]
     return {
         "steps": trainer.state.global_step,
@@ -152,34 +328,58 @@ def write_history(trainer, out: Path) -> dict[str, Any]:
     }
 
 
-def save_policy(trainer_or_model, tokenizer, folder: Path) -> Path:
-    """Save model + tokenizer as an HF folder (main process only), published by rename."""
-    model = getattr(trainer_or_model, "model", trainer_or_model)
-    accelerator = getattr(trainer_or_model, "accelerator", None)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-        model = accelerator.unwrap_model(model)
-        if not accelerator.is_main_process:
-            return folder
+def save_policy(trainer, tokenizer, folder: Path) -> Path:
+    """Save the trained model and tokenizer as an HF folder, published by rename (main process).
+
+    Every rank calls this: under FSDP or ZeRO-3 the full weights are gathered for the save."""
     tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
+    if is_main() and tmp.exists():
         shutil.rmtree(tmp)
-    model.generation_config.eos_token_id = stop_ids(tokenizer)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    barrier()
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is not None:  # sharded checkpoints during training, one full state dict at the end
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(str(tmp))
+    barrier()
+    if is_main():
+        from transformers import GenerationConfig
+
+        tokenizer.save_pretrained(str(tmp))
+        generation = GenerationConfig.from_pretrained(str(tmp))
+        generation.eos_token_id = stop_ids(tokenizer)  # stop at the end of an assistant turn
+        generation.save_pretrained(str(tmp))
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle: nothing should load it
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    barrier()
     return folder
 
 
-def model_meta(stage: str, folder: Path, model, started: float, **facts: Any) -> dict[str, Any]:
+def count_parameters(folder: Path) -> int:
+    """Parameters stored in a saved model's safetensors (read from the headers only)."""
+    total = 0
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with open(shard, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in info["shape"]:
+                    n *= d
+                total += n
+    return total
+
+
+def model_meta(stage: str, folder: Path, started: float, **facts: Any) -> dict[str, Any]:
     """The `hf_model` artifact meta every post-training step returns."""
     return {
         "stage": stage,
         "kind": "posttrain",
         "model_dir": str(folder),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": count_parameters(folder) if is_main() else None,
+        "world_size": world_size(),
         "seconds": round(time.monotonic() - started, 1),
         **facts,
     }

@@ -2,8 +2,14 @@
 
 Each step receives only its own section (STYLE rule 4). Defaults are sized for the tiny recipe on
 2 CPU cores; configs/smollm3-3b.yaml carries the published SmolLM3 numbers (SFT LR 2e-5, APO
-`apo_zero` with beta 0.1 and LR 1e-6, merge 0.9 / 0.1). Training sizes are in optimizer steps
-(`max_steps`), so a tiny run's cost is known before it starts.
+`apo_zero` with beta 0.05-0.1 and LR 1e-6, merge 0.9 x APO soup + 0.1 x mid-training). Training
+sizes are in optimizer steps (`max_steps`) of `batch` sequences over all ranks, so a run's cost is
+known before it starts and does not depend on how many ranks run it: `per_device_batch` and the
+world size only decide the gradient accumulation (operational fields).
+
+Where the trainers run is `posttrain.launch` over the recipe's `launch` section: the same
+launchers as the pretraining stages (local torchrun, Slurm, Kubernetes), optionally through
+`accelerate launch` with an accelerate config file (FSDP, DeepSpeed ZeRO).
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ from __future__ import annotations
 from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.artifact import operational
+from infra.launchers import LauncherConfig
+from infra.storage import StorageConfig
 
 
 class _Section(BaseModel):
@@ -49,16 +59,36 @@ class ChatDataConfig(_Section):
         return _check_data_uri(v)
 
 
+def micro_batches(batch: int, per_device_max: int, world: int, what: str = "batch") -> tuple[int, int]:
+    """(sequences per rank per forward, accumulation steps) that make `batch` on `world` ranks:
+    the fewest accumulation steps whose micro-batch fits in `per_device_max`."""
+    if batch % world:
+        raise ValueError(
+            f"{what} {batch} is not divisible by the {world} ranks of posttrain.launch (nodes x "
+            "procs_per_node): every rank takes the same share of an optimizer step; change the "
+            "batch or the number of ranks"
+        )
+    per_rank = batch // world
+    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= per_device_max)
+    return per_rank // accum, accum
+
+
 class TrainerSection(_Section):
     """Knobs every TRL trainer shares."""
 
     max_steps: int = Field(default=20, gt=0)  # optimizer steps
     lr: float = Field(default=5e-4, gt=0)  # peak learning rate
     warmup_ratio: float = Field(default=0.1, ge=0, lt=1)  # linear warmup share of the steps
-    per_device_batch: int = Field(default=8, gt=0)  # sequences (or prompts) per device per step
-    grad_accum: int = Field(default=1, gt=0)  # micro-batches per optimizer step
+    # sequences per optimizer step over all ranks (SFT: packed rows; preference: pairs; GRPO:
+    # completions; distillation: prompts): the same on 1 CPU process or 64 GPUs
+    batch: int = Field(default=8, gt=0)
+    # at most this many sequences per rank per forward pass; gradient accumulation makes up
+    # `batch` (accumulation = batch / (ranks x micro-batch))
+    per_device_batch: int = operational(8, gt=0)
     bf16: bool = False  # bf16 mixed precision (GPU); the CPU recipe stays in float32
     gradient_checkpointing: bool = False  # recompute activations (3B on GPU), off for tiny
+    save_steps: int = operational(10, gt=0)  # checkpoint interval: a killed run resumes from the newest
+    keep_checkpoints: int = operational(2, gt=0)  # complete checkpoints kept besides the final one
 
 
 class SFTSection(TrainerSection):
@@ -94,44 +124,102 @@ class PreferenceSection(TrainerSection):
         return v if v == "self" else _check_data_uri(v)
 
 
+class SoupRun(_Section):
+    """One more preference run for the soup (`posttrain.merge.soup[]`): the main preference
+    section with the fields named here changed."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")  # its label (preference[NAME], evaluate[NAME])
+    seed: int | None = None  # posttrain seed of this run (data order, self-sampled pairs)
+    beta: float | None = Field(default=None, gt=0)  # APO/DPO beta (SmolLM3: 0.05-0.1)
+    lr: float | None = Field(default=None, gt=0)  # learning rate
+    loss_type: str | None = None  # TRL DPO loss
+    max_steps: int | None = Field(default=None, gt=0)  # optimizer steps
+
+    def apply(self, section: PreferenceSection) -> PreferenceSection:
+        changes = {k: v for k, v in self.model_dump(exclude={"name", "seed"}).items() if v is not None}
+        return PreferenceSection.model_validate({**section.model_dump(), **changes})
+
+
 class GRPOSection(TrainerSection):
     """`posttrain.grpo`: TRL GRPOTrainer with verifiable arithmetic rewards."""
 
     enabled: bool = True
     lr: float = Field(default=2e-5, gt=0)
-    per_device_batch: int = Field(default=8, gt=0)  # completions per device per step
     num_generations: int = Field(default=4, ge=2)  # group size: completions per prompt
     beta: float = Field(default=0.04, ge=0)  # KL penalty to the reference (0 = no reference)
     max_completion_length: int = Field(default=48, gt=0)  # generated tokens per completion
     temperature: float = Field(default=1.0, gt=0)  # sampling temperature
     format_weight: float = Field(default=0.2, ge=0)  # weight of the format reward vs exact match
-    save_steps: int = Field(default=5, gt=0)  # checkpoint interval: a crash resumes from here
-    save_total_limit: int = Field(default=2, gt=0)  # checkpoints kept in the step folder
+    save_steps: int = operational(5, gt=0)  # checkpoint interval: a killed run resumes from here
 
     @model_validator(mode="after")
     def _groups(self) -> GRPOSection:
-        if (self.per_device_batch * self.grad_accum) % self.num_generations:
+        if self.batch % self.num_generations:
             raise ValueError(
-                f"posttrain.grpo: per_device_batch x grad_accum = "
-                f"{self.per_device_batch * self.grad_accum} must be a multiple of num_generations "
-                f"= {self.num_generations} (whole groups per step)"
+                f"posttrain.grpo: batch {self.batch} (completions per step) must be a multiple of "
+                f"num_generations = {self.num_generations} (whole groups per step)"
             )
         return self
 
 
+def _check_weights(w: tuple[float, ...], field: str, n: int | None = None) -> tuple[float, ...]:
+    if (n is not None and len(w) != n) or len(w) < 2 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
+        size = f"{n} " if n is not None else "2+ "
+        raise ValueError(f"posttrain.merge.{field} must be {size}non-negative numbers summing to 1, "
+                         f"got {list(w)}")
+    return w
+
+
 class MergeSection(_Section):
-    """`posttrain.merge`: linear merge of the post-trained and long-context base models."""
+    """`posttrain.merge`, the SmolLM3 way: a soup (weighted average) of preference-trained
+    models, then a linear merge of the soup with a mid-training or long-context checkpoint."""
 
     enabled: bool = True
-    # weights of (post-trained, long-context base), as SmolLM3: 0.9 x APO + 0.1 x mid-training
+    # more preference runs for the soup, each the main `posttrain.preference` run with a few
+    # fields changed (seed, beta, lr, ...); the soup averages the main run and these. Empty: no
+    # soup, the preference model itself is merged
+    soup: tuple[SoupRun, ...] = ()
+    # soup weights, the main preference run first then `soup` in order; None: uniform
+    soup_weights: tuple[float, ...] | None = None
+    # the pretraining or long-context stage whose export is merged with the soup (SmolLM3: a
+    # mid-training checkpoint with strong long context); None: the model post-training started from
+    stage: str | None = None
+    # weights of (soup, that checkpoint), as SmolLM3: 0.9 x APO soup + 0.1 x mid-training
     weights: tuple[float, ...] = (0.9, 0.1)
 
     @field_validator("weights")
     @classmethod
     def _weights(cls, w: tuple[float, ...]) -> tuple[float, ...]:
-        if len(w) < 2 or abs(sum(w) - 1.0) > 1e-6:
-            raise ValueError(f"posttrain.merge.weights must be 2+ numbers summing to 1, got {list(w)}")
-        return w
+        return _check_weights(w, "weights", 2)
+
+    @model_validator(mode="after")
+    def _soup(self) -> MergeSection:
+        names = [r.name for r in self.soup]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"posttrain.merge.soup names must be unique; repeated: {', '.join(dupes)}")
+        if self.soup_weights is not None:
+            if not self.soup:
+                raise ValueError("posttrain.merge.soup_weights is set but posttrain.merge.soup is "
+                                 "empty: list the extra preference runs of the soup")
+            _check_weights(self.soup_weights, "soup_weights", len(self.soup) + 1)
+        return self
+
+    def soup_mix(self) -> tuple[float, ...]:
+        """The soup's weights: the main preference run first, then `soup` in order."""
+        n = len(self.soup) + 1
+        return self.soup_weights if self.soup_weights is not None else tuple(1.0 / n for _ in range(n))
+
+
+class LinearMerge(_Section):
+    """The merge step's config: one weight per model of its `models` input, in order."""
+
+    weights: tuple[float, ...]
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, w: tuple[float, ...]) -> tuple[float, ...]:
+        return _check_weights(w, "weights")
 
 
 class DistillSection(TrainerSection):
@@ -158,9 +246,47 @@ class PosttrainEvalConfig(_Section):
     batch_size: int = Field(default=32, gt=0)
 
 
+class PosttrainLaunch(_Section):
+    """`posttrain.launch`: where the post-training trainers run. Unset fields come from the
+    recipe's `launch` section (kind, Slurm/Kubernetes settings, env) and `training.nproc_per_node`."""
+
+    nodes: int | None = Field(default=None, gt=0)  # machines; None: launch.nodes
+    procs_per_node: int | None = Field(default=None, gt=0)  # ranks per node; None: training.nproc_per_node
+    gpus_per_node: int | None = Field(default=None, ge=0)  # GPUs per node; None: launch.gpus_per_node
+    # accelerate config file (FSDP / DeepSpeed ZeRO / bf16) the launcher passes to `accelerate
+    # launch`; relative to the checkout. None: plain torchrun (DDP)
+    accelerate_config: str | None = None
+    env: dict[str, str] = {}  # extra environment over launch.env; never credentials
+
+    @field_validator("env")
+    @classmethod
+    def _no_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        from pydantic import ValidationError
+
+        try:
+            LauncherConfig(env=env)  # the launcher's own rule, said for this section
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"posttrain.{msg}") from None
+        return env
+
+    def resolve(self, launch: LauncherConfig, procs_per_node: int) -> LauncherConfig:
+        """The recipe's launcher with these settings over it, running `tasks.posttrain`."""
+        return LauncherConfig.model_validate({
+            **launch.model_dump(),
+            "nodes": self.nodes or launch.nodes,
+            "procs_per_node": self.procs_per_node or procs_per_node,
+            "gpus_per_node": launch.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node,
+            "accelerate_config": self.accelerate_config,
+            "env": {**launch.env, **self.env},
+            "module": "tasks.posttrain",
+        })
+
+
 class PosttrainConfig(_Section):
     """The recipe's `posttrain` section (docs/posttraining.md)."""
 
+    launch: PosttrainLaunch = operational(PosttrainLaunch())  # nodes, ranks, accelerate config
     data: ChatDataConfig = ChatDataConfig()
     sft: SFTSection = SFTSection()
     preference: PreferenceSection = PreferenceSection()
@@ -171,20 +297,69 @@ class PosttrainConfig(_Section):
     seed: int = 0  # seed of data order, sampling and trainers
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda when available under "auto"
 
+    @model_validator(mode="after")
+    def _soup_needs_preference(self) -> PosttrainConfig:
+        if self.merge.enabled and self.merge.soup and not self.preference.enabled:
+            raise ValueError("posttrain.merge.soup lists preference runs but "
+                             "posttrain.preference.enabled is false")
+        taken = {"base", "sft", "soup", "merge", "grpo", "opd", "chat", "posttrain",
+                 self.preference.loss_type.split("_")[0] if self.preference.loss_type.startswith("apo")
+                 else self.preference.loss_type}
+        clash = sorted(r.name for r in self.merge.soup if r.name in taken)
+        if clash:
+            raise ValueError(f"posttrain.merge.soup name(s) {', '.join(clash)} are labels of other "
+                             f"post-training steps ({', '.join(sorted(taken))}); pick others")
+        return self
+
 
 S = TypeVar("S", bound=BaseModel)
+SECTIONS = {SFTSection: "sft", PreferenceSection: "preference", GRPOSection: "grpo", DistillSection: "distill"}
 
 
 class TrainerRun(_Section, Generic[S]):
-    """A post-training step's config: its own section, plus the post-training seed and device."""
+    """A post-training step's config: its own section, the post-training seed and device, and
+    where its trainer runs (operational: the launcher, the S3 mirror, CPU threads per rank)."""
 
     section: S
     seed: int = 0  # posttrain.seed
     device: Literal["auto", "cpu", "cuda"] = "auto"  # posttrain.device
+    launch: LauncherConfig = operational(LauncherConfig(module="tasks.posttrain"))  # posttrain.launch over launch
+    storage: StorageConfig = operational(StorageConfig())  # S3 mirror of the trainer's checkpoints
+    threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
+
+    @model_validator(mode="after")
+    def _batch_fits_the_ranks(self) -> TrainerRun[S]:
+        if self.launch.module != "tasks.posttrain":
+            raise ValueError(f"a post-training launch runs -m tasks.posttrain, not {self.launch.module}")
+        self.micro_batches()  # a batch that the ranks cannot share fails before anything runs
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    def micro_batches(self) -> tuple[int, int]:
+        """(sequences per rank per forward, gradient accumulation steps) on this launch."""
+        s = self.section
+        return micro_batches(s.batch, s.per_device_batch, self.world_size,
+                             f"posttrain.{SECTIONS.get(type(s), 'section')}.batch")
+
+    def launch_summary(self) -> str:
+        """Where and how the trainer runs, for plans and logs."""
+        micro, accum = self.micro_batches()
+        ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
+        return (f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x "
+                f"{accum} accumulation")
 
     @classmethod
-    def of(cls, section: S, posttrain: PosttrainConfig) -> TrainerRun[S]:
-        return cls[type(section)](section=section, seed=posttrain.seed, device=posttrain.device)
+    def of(cls, section: S, posttrain: PosttrainConfig, *, launch: LauncherConfig | None = None,
+           storage: StorageConfig | None = None, threads: int | None = None,
+           seed: int | None = None) -> TrainerRun[S]:
+        return cls[type(section)](
+            section=section, seed=posttrain.seed if seed is None else seed, device=posttrain.device,
+            launch=launch or LauncherConfig(module="tasks.posttrain"),
+            storage=storage or StorageConfig(), threads=threads,
+        )
 
 
 class ChatDataSpec(_Section):

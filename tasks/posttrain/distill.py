@@ -6,18 +6,21 @@ next-token distributions at every generated position (`beta` = 1.0 is the revers
 on-policy distillation; 0.0 the forward KL). This is GKD with lmbda = 1 (all data on-policy).
 The step runs only when the recipe names `posttrain.distill.teacher`: a local HF folder or hub
 name whose tokenizer matches ours (same vocabulary: the divergence compares distributions over
-the same token ids).
+the same token ids). The step launches `train_distill` on the recipe's launcher
+(tasks/posttrain/launch.py); it resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from infra.artifact import Inputs
 from tasks.posttrain.common import (
+    checkpoint_callback,
+    fit,
     load_policy,
     model_dir,
     model_meta,
@@ -30,6 +33,7 @@ from tasks.posttrain.common import (
 )
 from tasks.posttrain.config import DistillSection, TrainerRun
 from tasks.posttrain.data import read_jsonl
+from tasks.posttrain.launch import launch_trainer
 from tasks.step import one, step
 
 
@@ -49,8 +53,10 @@ def check_teacher(teacher, student, teacher_name: str, teacher_tok=None, student
 def train_distill(
     cfg: DistillSection, student: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Distil `cfg.teacher` into the model in `student` on-policy; write `out/model`."""
+    """Distil `cfg.teacher` into the model in `student` on-policy (resuming from a checkpoint in
+    `out`); write `out/model`."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -74,22 +80,25 @@ def train_distill(
     check_teacher(teacher, model, cfg.teacher, teacher_tok, tokenizer)
     prompts = [{"prompt": r["prompt"]} for r in read_jsonl(data / "prompts.jsonl")]
     args = DistillationConfig(
-        **trainer_args(cfg, out / "trainer", seed, device),
+        **trainer_args(cfg, out, seed, device),
         beta=cfg.beta,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,
     )
     trainer = DistillationTrainer(
         model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(prompts),
-        processing_class=tokenizer, callbacks=[progress_callback(progress, log)],
+        processing_class=tokenizer,
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
+                   *callbacks],
     )
     quiet(trainer)
-    trainer.train()
+    resumed = fit(trainer, out, log, "distill")
     facts = write_history(trainer, out)
     folder = save_policy(trainer, tokenizer, out / "model")
     log(f"distill from {cfg.teacher}: {facts['steps']} steps, divergence {facts['first_loss']} -> "
         f"{facts['last_loss']}")
-    return model_meta("opd", folder, model, started, teacher=cfg.teacher, beta=cfg.beta, **facts)
+    return model_meta("opd", folder, started, teacher=cfg.teacher, beta=cfg.beta,
+                      resumed_from_step=resumed, **facts)
 
 
 def teacher_state(run: TrainerRun[DistillSection]) -> str:
@@ -106,9 +115,10 @@ def teacher_state(run: TrainerRun[DistillSection]) -> str:
     return h.hexdigest()[:16]
 
 
-@step("distill", version=2, kind="hf_model", resource="train", isolate=True, extra=teacher_state)
+@step("distill", version=3, kind="hf_model", resource="train", resumable=True, extra=teacher_state)
 def distill(config: TrainerRun[DistillSection], inputs: Inputs, out: Path, *, log=print,
             progress=None) -> dict[str, Any]:
-    """The student (input `model`) distilled on-policy from the recipe's teacher on input `data`."""
-    return train_distill(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
-                         config.seed, config.device, log, progress)
+    """The student (input `model`) distilled on-policy from the recipe's teacher on input `data`,
+    by a launched job (tasks/posttrain/launch.py)."""
+    return launch_trainer("distill", config, model_dir(one(inputs, "model")), one(inputs, "data").path,
+                          out, log, progress)

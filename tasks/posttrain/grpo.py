@@ -6,15 +6,15 @@ answer still get a gradient towards the right shape. Each prompt gets `num_gener
 completions whose rewards are normalised within the group; `beta` is the KL penalty to the
 starting policy.
 
-The step is resumable: the trainer checkpoints into `{step folder}/trainer/checkpoint-N` every
-`save_steps`; after a crash the rerun (same fingerprint, folder kept by `resumable=True`)
-resumes from the newest complete checkpoint (weights, optimizer, scheduler, RNG, data position)
-instead of starting over.
+The step launches `train_grpo` on the recipe's launcher (tasks/posttrain/launch.py) and is
+resumable like every post-training step: the trainer checkpoints every `save_steps` into
+`{step folder}/checkpoints/step_N` (tasks/posttrain/common.py); after a crash the rerun (same
+fingerprint, folder kept by `resumable=True`) resumes from the newest verified checkpoint
+(weights, optimizer, scheduler, RNG, data position) instead of starting over.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +22,8 @@ from typing import Any
 
 from infra.artifact import Inputs
 from tasks.posttrain.common import (
+    checkpoint_callback,
+    fit,
     load_policy,
     model_dir,
     model_meta,
@@ -35,21 +37,8 @@ from tasks.posttrain.common import (
 )
 from tasks.posttrain.config import GRPOSection, TrainerRun
 from tasks.posttrain.data import exact_match_reward, format_reward, read_jsonl
+from tasks.posttrain.launch import launch_trainer
 from tasks.step import one, step
-
-# What makes a checkpoint folder usable for resuming: Trainer writes trainer_state.json after
-# the weights and optimizer, so a folder cut short by a crash lacks it.
-_CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
-
-
-def newest_checkpoint(folder: Path) -> Path | None:
-    """The highest-step complete `checkpoint-N` under `folder`, or None."""
-    found = []
-    for path in Path(folder).glob("checkpoint-*"):
-        m = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if m and path.is_dir() and all((path / f).is_file() for f in _CHECKPOINT_FILES):
-            found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
 
 
 def weighted(fn: Callable[..., list[float]], weight: float) -> Callable[..., list[float]]:
@@ -66,8 +55,8 @@ def train_grpo(
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """GRPO from the model in `policy` on `data/prompts.jsonl`; resume if `out/trainer` holds a
-    checkpoint; write `out/model`; return the meta."""
+    """GRPO from the model in `policy` on `data/prompts.jsonl` (resuming from a checkpoint in
+    `out`); write `out/model`; return the meta."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -76,8 +65,7 @@ def train_grpo(
     model, tokenizer = load_policy(policy, cfg.bf16)
     prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in read_jsonl(data / "prompts.jsonl")]
     args = GRPOConfig(
-        **trainer_args(cfg, out / "trainer", seed, device, save_strategy="steps",
-                       save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit),
+        **trainer_args(cfg, out, seed, device),
         num_generations=cfg.num_generations,
         beta=cfg.beta,
         max_completion_length=cfg.max_completion_length,
@@ -87,30 +75,29 @@ def train_grpo(
     trainer = GRPOTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(prompts), processing_class=tokenizer,
         reward_funcs=[exact_match_reward, weighted(format_reward, cfg.format_weight)],
-        callbacks=[progress_callback(progress, log), *callbacks],
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
+                   *callbacks],
     )
     quiet(trainer)
-    resume = newest_checkpoint(out / "trainer")
-    if resume is not None:
-        log(f"grpo: resuming from {resume.name}")
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    resumed = fit(trainer, out, log, "grpo")
     facts = write_history(trainer, out)
     rewards = [h["rewards/exact_match_reward/mean"] for h in trainer.state.log_history
                if "rewards/exact_match_reward/mean" in h]
     facts |= {
-        "resumed_from_step": int(resume.name.split("-")[1]) if resume else None,
+        "resumed_from_step": resumed,
         "first_exact_reward": round(rewards[0], 4) if rewards else None,
         "last_exact_reward": round(rewards[-1], 4) if rewards else None,
     }
     folder = save_policy(trainer, tokenizer, out / "model")
     log(f"grpo: {facts['steps']} steps, exact-match reward {facts['first_exact_reward']} -> "
         f"{facts['last_exact_reward']}")
-    return model_meta("grpo", folder, model, started, num_generations=cfg.num_generations,
+    return model_meta("grpo", folder, started, num_generations=cfg.num_generations,
                       beta=cfg.beta, **facts)
 
 
-@step("grpo", version=2, kind="hf_model", resumable=True, resource="train", isolate=True)
+@step("grpo", version=3, kind="hf_model", resumable=True, resource="train")
 def grpo(config: TrainerRun[GRPOSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """The policy (input `model`) trained with GRPO on the prompts of input `data`; resumes."""
-    return train_grpo(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
-                      config.seed, config.device, log, progress)
+    """The policy (input `model`) trained with GRPO on the prompts of input `data` by a launched
+    job (tasks/posttrain/launch.py); resumes."""
+    return launch_trainer("grpo", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
+                          log, progress)

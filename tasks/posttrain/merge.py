@@ -1,4 +1,11 @@
-"""Linear merge of models over safetensors (SmolLM3: 0.9 x APO soup + 0.1 x mid-training).
+"""Linear merges over safetensors, the SmolLM3 way: a soup of preference-trained models, then
+0.9 x that soup + 0.1 x a mid-training (here: long-context) checkpoint.
+
+One step, two uses in the DAG (flows/smollm3.py `post_train`): `merge[soup]` averages the
+preference runs (`posttrain.merge.soup`, weights `soup_weights` or uniform) and `merge[merge]`
+merges the soup (or the single preference model) with the export of `posttrain.merge.stage`
+(weights `posttrain.merge.weights`). Every ingredient is a named input (`models`, in weight
+order), so lineage lists each one; the meta lists them with their weights.
 
 `merged = sum_i w_i * theta_i`, tensor by tensor, in float32, saved in the first model's dtype.
 Every model must have the same tensor names and shapes (same architecture and tokenizer); the
@@ -17,7 +24,7 @@ from typing import Any
 
 from infra.artifact import Artifact, Inputs
 from tasks.posttrain.common import model_dir
-from tasks.posttrain.config import MergeSection
+from tasks.posttrain.config import LinearMerge
 from tasks.step import many, step
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt")
@@ -72,19 +79,32 @@ def linear_merge(folders: Sequence[Path], weights: Sequence[float], out: Path) -
     return {"tensors": len(merged), "parameters": sum(t.numel() for t in merged.values())}
 
 
-def build_merge(cfg: MergeSection, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+def build_merge(cfg: LinearMerge, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     started = time.monotonic()
+    if len(models) != len(cfg.weights):
+        raise ValueError(f"merge: input `models` has {len(models)} models but the config has "
+                         f"{len(cfg.weights)} weights ({list(cfg.weights)})")
     folders = [model_dir(m) for m in models]
     facts = linear_merge(folders, cfg.weights, out / "model")
-    parts = " + ".join(f"{w} x {m.meta.get('stage', m.short)}" for w, m in zip(cfg.weights, models, strict=True))
-    log(f"merge: {parts} ({facts['tensors']} tensors)")
+    names = [_name(m) for m in models]
+    log("merge: " + " + ".join(f"{w} x {n}" for w, n in zip(cfg.weights, names, strict=True))
+        + f" ({facts['tensors']} tensors)")
     return {"stage": "merge", "kind": "posttrain", "model_dir": str(out / "model"),
-            "parameters": facts["parameters"], "weights": list(cfg.weights),
-            "merged": [m.meta.get("stage", m.short) for m in models],
+            "parameters": facts["parameters"], "weights": list(cfg.weights), "merged": names,
+            "ingredients": [{"fingerprint": m.fingerprint, "stage": m.meta.get("stage"), "weight": w,
+                             **{k: m.meta[k] for k in ("seed", "beta", "loss_type") if k in m.meta}}
+                            for m, w in zip(models, cfg.weights, strict=True)],
             "seconds": round(time.monotonic() - started, 1)}
 
 
-@step("merge", version=2, kind="hf_model", resource="eval", isolate=True)
-def merge(config: MergeSection, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """A linear merge of the models of input `models` (post-trained first, then the base)."""
+def _name(model: Artifact) -> str:
+    """How an ingredient is called in logs: its stage, and seed/beta when a soup has several."""
+    name = str(model.meta.get("stage", model.short))
+    extra = [f"{k} {model.meta[k]}" for k in ("seed", "beta") if k in model.meta]
+    return f"{name} ({', '.join(extra)})" if extra else name
+
+
+@step("merge", version=3, kind="hf_model", resource="eval", isolate=True)
+def merge(config: LinearMerge, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The weighted sum of the models of input `models` (weights in the same order)."""
     return build_merge(config, many(inputs, "models"), out, log)

@@ -7,18 +7,26 @@ completion; the chosen one is a correct sample when the policy produced one, els
 worked solution (at tiny scale the policy is rarely right, so the reference keeps the signal;
 SmolLM3 took chosen answers from a stronger model, which the reference stands in for). Prompts
 whose samples are all correct give no pair. The SFT model is the frozen reference.
+
+Pairs are made once, by the main rank, before training (the others wait, then read them), and
+kept in `pairs.jsonl`: every rank trains on the same pairs whatever the world size, and a resumed
+run trains on the pairs of the run it continues. The step launches `train_preference` on the
+recipe's launcher (tasks/posttrain/launch.py); it resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Inputs
+from infra.artifact import Inputs, write_atomic
 from tasks.posttrain.common import (
+    checkpoint_callback,
+    fit,
     load_policy,
     model_dir,
     model_meta,
@@ -30,7 +38,8 @@ from tasks.posttrain.common import (
     write_history,
 )
 from tasks.posttrain.config import PreferenceSection, TrainerRun
-from tasks.posttrain.data import data_state, is_correct, preference_rows, read_jsonl, write_jsonl
+from tasks.posttrain.data import data_state, is_correct, preference_rows, read_jsonl
+from tasks.posttrain.launch import launch_trainer
 from tasks.step import one, step
 
 
@@ -97,7 +106,7 @@ def reference_solutions(data: Path) -> dict[str, str]:
 
 def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, log) -> tuple[list, dict]:
     prompts = read_jsonl(data / "prompts.jsonl")
-    need = cfg.max_steps * cfg.per_device_batch * cfg.grad_accum
+    need = cfg.max_steps * cfg.batch
     rng = random.Random(f"preference:{seed}")
     rng.shuffle(prompts)
     prompts = prompts[: max(need, 1)]
@@ -110,53 +119,73 @@ def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, 
     return rows, facts
 
 
+def make_pairs(cfg: PreferenceSection, args, model, tokenizer, data: Path, out: Path, seed: int,
+               log) -> tuple[list, dict]:
+    """The preference pairs of this step: made by the main rank (once per step folder), read by
+    the others; `out/pairs.jsonl` and its counts `out/pairs.json` are written atomically."""
+    rows_path, facts_path = out / "pairs.jsonl", out / "pairs.json"
+    with args.main_process_first(local=False, desc="preference pairs"):
+        if rows_path.exists() and facts_path.exists():
+            return read_jsonl(rows_path), json.loads(facts_path.read_text())
+        if cfg.pairs == "self":
+            rows, facts = self_pairs(cfg, model.to(args.device), tokenizer, data, seed, log)
+        else:
+            rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision,
+                                   cfg.max_pairs)
+            facts = {"pairs": len(rows)}
+        if rows:
+            write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            write_atomic(facts_path, json.dumps(facts))
+        return rows, facts
+
+
 @plain_print()
 def train_preference(
     cfg: PreferenceSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
     log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """DPO/APO from the model in `policy`; write `out/model` and `out/pairs.jsonl`."""
+    """DPO/APO from the model in `policy` (resuming from a checkpoint in `out`); write
+    `out/model` and `out/pairs.jsonl`."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(policy, cfg.bf16)
-    if cfg.pairs == "self":
-        rows, facts = self_pairs(cfg, model, tokenizer, data, seed, log)
-    else:
-        rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision, cfg.max_pairs)
-        facts = {"pairs": len(rows)}
+    args = DPOConfig(
+        **trainer_args(cfg, out, seed, device),
+        loss_type=[cfg.loss_type],
+        beta=cfg.beta,
+        max_length=cfg.max_length,
+    )
+    rows, facts = make_pairs(cfg, args, model, tokenizer, data, out, seed, log)
     if not rows:
         raise ValueError(
             "preference: no pairs (every sampled answer was correct, or the data is empty); "
             "raise posttrain.preference.temperature or give pairs as a dataset"
         )
-    write_jsonl(out / "pairs.jsonl", rows)
-    args = DPOConfig(
-        **trainer_args(cfg, out / "trainer", seed, device),
-        loss_type=[cfg.loss_type],
-        beta=cfg.beta,
-        max_length=cfg.max_length,
-    )
     trainer = DPOTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-        callbacks=[progress_callback(progress, log)],
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
+                   *callbacks],
     )
     quiet(trainer)
-    trainer.train()
-    facts |= write_history(trainer, out)
+    resumed = fit(trainer, out, log, "preference")
+    facts = {**facts, **write_history(trainer, out)}
     folder = save_policy(trainer, tokenizer, out / "model")
     log(f"preference ({cfg.loss_type}, beta {cfg.beta}): {facts['steps']} steps, loss "
         f"{facts['first_loss']} -> {facts['last_loss']}")
     return model_meta(cfg.loss_type.split("_")[0] if cfg.loss_type.startswith("apo") else cfg.loss_type,
-                      folder, model, started, loss_type=cfg.loss_type, beta=cfg.beta, **facts)
+                      folder, started, loss_type=cfg.loss_type, beta=cfg.beta, seed=seed,
+                      resumed_from_step=resumed, **facts)
 
 
-@step("preference", version=2, kind="hf_model", resource="train", isolate=True,
+@step("preference", version=3, kind="hf_model", resource="train", resumable=True,
       extra=lambda run: data_state(run.section.pairs))
 def preference(config: TrainerRun[PreferenceSection], inputs: Inputs, out: Path, *, log=print,
                progress=None) -> dict[str, Any]:
-    """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the recipe)."""
-    return train_preference(config.section, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
-                            config.seed, config.device, log, progress)
+    """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the
+    recipe), trained by a launched job (tasks/posttrain/launch.py)."""
+    return launch_trainer("preference", config, model_dir(one(inputs, "model")), one(inputs, "data").path,
+                          out, log, progress)

@@ -39,6 +39,14 @@ OPERATIONAL = [
     "resources.data.slots=1", "launch.kind=slurm", "launch.slurm={partition: p}",
     "storage.s3_uri=s3://b/p", "preflight.allow_warn=false", "posttrain.eval.batch_size=4",
     "stages.stage1.max_epochs=2", "training.compile_model=true",
+    # post-training: where the trainers run, their micro-batches and checkpoints
+    "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
+    "posttrain.sft.per_device_batch=4", "posttrain.sft.save_steps=3", "posttrain.sft.keep_checkpoints=1",
+    "posttrain.preference.per_device_batch=2", "posttrain.preference.save_steps=2",
+    "posttrain.preference.keep_checkpoints=3", "posttrain.grpo.per_device_batch=4",
+    "posttrain.grpo.save_steps=2", "posttrain.grpo.keep_checkpoints=1",
+    "posttrain.distill.per_device_batch=4", "posttrain.distill.save_steps=2",
+    "posttrain.distill.keep_checkpoints=1",
 ]
 
 
@@ -65,7 +73,7 @@ IDENTITY = {
                                     "pretrain[stage3]", "preflight[preflight]"},
     "eval.items_per_task=50": {"eval_suite[suite]"},
     "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
-    | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "merge", "grpo")},
+    | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo")},
     "posttrain.sft.lr=0.001": {"sft[sft]"},
     "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]"},
     "seed=3": None,  # the recipe seed: many consumers (math data, shuffles, eval items, init)

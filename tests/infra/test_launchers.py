@@ -569,3 +569,81 @@ def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
     name = launcher.job_name(spec.resolve())
     assert calls[-1] == ["kubectl", "delete", "pytorchjob", name, "-n", "training", "--wait=false"]
     assert (tmp_path / "launch" / "kubernetes-job.json").exists()  # for the next launch's sweep
+
+
+# --- accelerate launch (post-training trainers) --------------------------------------------
+
+
+ACCEL = "configs/accelerate/fsdp.yaml"
+
+
+def _fake_accelerate(tmp_path: Path) -> Path:
+    """An `accelerate` that prints its arguments one per line, to run rendered commands."""
+    fake = tmp_path / "bin" / "accelerate"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text('#!/bin/bash\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_local_command_is_accelerate_launch_with_the_config_file(monkeypatch):
+    config = LauncherConfig(procs_per_node=2, master_port=29555, module="tasks.posttrain",
+                            accelerate_config=ACCEL)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert get_launcher(config).render(Path("/ws/spec.json"), Path("/ws")) == (
+        "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_machines 1 "
+        "--num_processes 2 --max_restarts 0 --main_process_port 29555 -m tasks.posttrain /ws/spec.json")
+    monkeypatch.setenv("PATH", "/nonexistent")  # `make` without the venv on PATH: this interpreter's
+    cmd = get_launcher(config).command(Path("/ws/spec.json"), port=29555)
+    assert cmd[:4] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    assert config.describe() == ("local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), "
+                                 "-m tasks.posttrain")
+    assert LauncherConfig().describe() == "local, 1 node x 1 process, torchrun, -m model.train"
+
+
+def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path):
+    config = SLURM.model_copy(update={"accelerate_config": ACCEL, "module": "tasks.posttrain",
+                                      "accelerate": "/fsx/venv/bin/accelerate"})
+    script = get_launcher(config).render(Path("/fsx/ws/sft/ab12/spec.json"), Path("/fsx/ws/sft/ab12"))
+    path = tmp_path / "train.sbatch"
+    path.write_text(script)
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert sbatch_lines(script)["nodes"] == "48" and "export MASTER_ADDR MASTER_PORT" in script
+    flat = script.replace("\\\n", " ")
+    srun = " ".join(next(ln for ln in flat.splitlines() if ln.startswith("srun ")).split(" "))
+    head = "srun --kill-on-bad-exit=1 --ntasks-per-node=1"
+    assert srun.startswith(head) and srun.endswith(" &")
+    # What one task runs: its own shell expands its rank (not the batch script's shell).
+    inner = srun[len(head):-2].strip()
+    assert inner.startswith("bash -c 'exec /fsx/venv/bin/accelerate launch ")
+    fake = _fake_accelerate(tmp_path)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "SLURM_PROCID": "3", "MASTER_ADDR": "node-0",
+           "MASTER_PORT": "29512"}
+    out = subprocess.run(["bash", "-c", inner.replace("/fsx/venv/bin/accelerate", str(fake))],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:-1] == [
+        "launch", "--config_file", ACCEL, "--num_machines", "48", "--num_processes", "384",
+        "--max_restarts", "0", "--rdzv_backend", "c10d", "--same_network", "--machine_rank", "3",
+        "--main_process_ip", "node-0", "--main_process_port", "29512", "-m", "tasks.posttrain",
+        "/fsx/ws/sft/ab12/spec.json"]
+
+
+def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
+    config = K8S.model_copy(update={"accelerate_config": ACCEL, "module": "tasks.posttrain"})
+    job = yaml.safe_load(get_launcher(config).render(Path("/fsx/ws/sft/ab12/spec.json"), tmp_path))
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["command"] == ["bash", "-c"] and len(container["args"]) == 1
+    fake = _fake_accelerate(tmp_path)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "PET_NODE_RANK": "5", "PET_MASTER_ADDR": "job-master-0",
+           "PET_MASTER_PORT": "23456"}
+    out = subprocess.run(["bash", "-c", container["args"][0]], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.split("\n")[:-1]
+    assert args[:8] == ["launch", "--config_file", ACCEL, "--num_machines", "48", "--num_processes",
+                        "384", "--max_restarts"]
+    assert args[args.index("--machine_rank") + 1] == "5"
+    assert args[args.index("--main_process_ip") + 1] == "job-master-0"
+    assert args[args.index("--main_process_port") + 1] == "23456"
+    assert args[-3:] == ["-m", "tasks.posttrain", "/fsx/ws/sft/ab12/spec.json"]

@@ -2,10 +2,13 @@
 
 A small flow runs the sources, a stand-in base model step (a random tiny SmolLM3 plus a BPE
 tokenizer trained on the sources: the pretraining stages are tested elsewhere), then the
-post-training DAG: posttrain data -> SFT -> APO -> merge -> GRPO, each scored by `evaluate` on
-the cloze tasks and the held-out arithmetic exact-match task. Checks: every step completed, the
-run's eval table has a row per step with the exact-match column, and the final model's lineage
-reaches the raw sources; a second run comes back Cached.
+post-training DAG: posttrain data -> SFT -> APO and a second APO run (seed 1) -> soup -> merge
+with the base -> GRPO, each model scored by `evaluate` on the cloze tasks and the held-out
+arithmetic exact-match task. Every trainer runs as a launched job (local torchrun) like a
+pretraining stage. Checks: every step completed, the flow process never imported TRL's trainers,
+the run's eval table has a row per model with the exact-match column, the merges' lineage names
+every ingredient and the final model's lineage reaches the raw sources; a second run comes back
+Cached.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ POSTTRAIN = [
     "posttrain.device=cpu",
     "posttrain.data.math_examples=80", "posttrain.data.prose_examples=16",
     "posttrain.data.heldout_examples=8", "posttrain.data.prompts=32",
-    "posttrain.sft={max_steps: 3, per_device_batch: 4, max_length: 128}",
-    "posttrain.preference={max_steps: 2, per_device_batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
-    "posttrain.grpo={max_steps: 2, per_device_batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
+    "posttrain.sft={max_steps: 3, batch: 4, max_length: 128, save_steps: 2}",
+    "posttrain.preference={max_steps: 2, batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
+    "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
+    "posttrain.grpo={max_steps: 2, batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
     "posttrain.eval={generation_items: 6, max_gen_tokens: 12, cloze_items: 4}",
 ]
 
@@ -60,6 +64,8 @@ def posttrain_flow(overrides: list[str]) -> str:
 
 @pytest.mark.slow
 def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_harness):
+    import sys
+
     import torch
 
     from flows.report import eval_table
@@ -68,24 +74,75 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     torch.set_num_threads(2)
     ws = tmp_path / "ws"
     over = [*SMALL, *POSTTRAIN, f"workspace={ws}"]
-    run_id = posttrain_flow(over)
+    # The trainers run as launched jobs: TRL never enters this (the flow) process. Modules other
+    # tests of this session imported are set aside, so that an import during the run shows.
+    preloaded = {m: sys.modules.pop(m) for m in list(sys.modules) if m == "trl" or m.startswith("trl.")}
+    try:
+        run_id = posttrain_flow(over)
+        imported = sorted(m for m in sys.modules if m.startswith("trl.trainer"))
+    finally:
+        sys.modules.update(preloaded)
+    assert imported == []
     lineage = Lineage(ws / "lineage.duckdb")
     steps = lineage.steps_of(run_id)
     states = {f"{s['step']}[{s['label']}]": s["state"] for s in steps}
-    for name in ("posttrain_data[chat]", "sft[sft]", "preference[apo]", "merge[merge]", "grpo[grpo]",
-                 "eval_suite[posttrain]", "evaluate[base]", "evaluate[sft]", "evaluate[apo]",
+    for name in ("posttrain_data[chat]", "sft[sft]", "preference[apo]", "preference[apo-s1]",
+                 "merge[soup]", "merge[merge]", "grpo[grpo]", "eval_suite[posttrain]", "evaluate[base]",
+                 "evaluate[sft]", "evaluate[apo]", "evaluate[apo-s1]", "evaluate[soup]",
                  "evaluate[merge]", "evaluate[grpo]"):
         assert states.get(name) == "completed", (name, states)
 
     table = eval_table(lineage, run_id)
     assert "arithmetic_exact" in table and "(exact_match)" in table
     rows = {line.split()[0] for line in table.splitlines()[2:]}
-    assert rows == {"base", "sft", "apo", "merge", "grpo"}, table
+    assert rows == {"base", "sft", "apo", "apo-s1", "soup", "merge", "grpo"}, table
+
+    by_key = {f"{s['step']}[{s['label']}]": s["fingerprint"] for s in steps}
+    soup = lineage.get(by_key["merge[soup]"])
+    assert [i["fingerprint"] for i in soup.meta["ingredients"]] == [by_key["preference[apo]"],
+                                                                     by_key["preference[apo-s1]"]]
+    assert [i["weight"] for i in soup.meta["ingredients"]] == [0.5, 0.5]
+    assert {i["seed"] for i in soup.meta["ingredients"]} == {0, 1}
+    parents = {a.fingerprint for a in lineage.inputs_of(by_key["merge[merge]"])}
+    assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
+    for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]"):
+        meta = lineage.get(by_key[trainer]).meta
+        assert meta["launch"].startswith("local, 1 node x 1 process, torchrun, -m tasks.posttrain")
+        assert (Path(lineage.get(by_key[trainer]).uri) / "spec.json").is_file()
 
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
     up = lineage.ancestors(final)
     assert {a["step"] for a in up} >= {"source", "tiny_base", "posttrain_data", "sft", "preference", "merge"}
+    assert {a["label"] for a in up if a["step"] == "preference"} == {"apo", "apo-s1"}
     assert {a["label"] for a in up if a["step"] == "source"} == {"prose", "code", "math"}
 
     again = posttrain_flow(over)
     assert {s["state"] for s in lineage.steps_of(again)} == {"cached"}
+
+
+def test_the_3b_plan_shows_each_trainer_with_its_launcher_and_the_published_settings(tmp_path):
+    """`smollm3 plan smollm3-3b`'s rows (the CLI also checks that the recipe's data exists, which
+    it does not on this machine): every trainer with where it runs, the soup and the merge."""
+    from flows.plan import flow_graph, format_plan, plan
+    from tasks.recipe import load_recipe
+
+    cfg = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}"])
+    pt = cfg.posttrain
+    assert (pt.sft.lr, pt.sft.assistant_only_loss, pt.sft.packing) == (2e-5, True, True)
+    assert (pt.preference.loss_type, pt.preference.lr) == ("apo_zero", 1e-6)
+    betas = {pt.preference.beta} | {r.apply(pt.preference).beta for r in pt.merge.soup}
+    assert betas == {0.1, 0.075, 0.05} and all(0.05 <= b <= 0.1 for b in betas)  # the published range
+    assert pt.merge.weights == (0.9, 0.1) and pt.merge.stage == "long64k"
+    rows = {r.key: r for r in plan(cfg)}
+    where = ("slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), "
+             "-m tasks.posttrain")
+    for key in ("sft[sft]", "preference[apo]", "preference[apo-b0075]", "preference[apo-b005]", "grpo[grpo]"):
+        assert rows[key].launch.startswith(where), (key, rows[key].launch)
+    assert rows["sft[sft]"].launch.endswith("batch 256 = 64 ranks x 1 x 4 accumulation")
+    assert rows["merge[soup]"].launch == "" and f"[launch: {where}" in format_plan(list(rows.values()))
+    g = flow_graph("smollm3", cfg)
+    soup, final = g.node("merge[soup]"), g.node("merge[merge]")
+    assert [n.key for n in soup.inputs["models"]] == ["preference[apo]", "preference[apo-b0075]",
+                                                     "preference[apo-b005]"]
+    assert [n.key for n in final.inputs["models"]] == ["merge[soup]", "export[long64k]"]
+    assert soup.config.weights == pytest.approx((1 / 3, 1 / 3, 1 / 3)) and final.config.weights == (0.9, 0.1)

@@ -1,8 +1,10 @@
-"""Post-training steps on tiny data: chat data, verifier, SFT masks, APO pairs, merge, GRPO
-resume after a crash, on-policy distillation, and the exact-match generation eval.
+"""Post-training trainers on tiny data, called in this process: chat data, verifier, SFT masks,
+APO pairs, the soup and linear merges, GRPO resume after a crash, on-policy distillation, the
+exact-match generation eval, the rank entry point and the recipe section's checks.
 
 Models are 2-layer SmolLM3s (hidden 64) exported with our own BPE tokenizer and its ChatML
-template, built once per module; every trainer runs 2-4 optimizer steps.
+template, built once per module; every trainer runs 2-4 optimizer steps. The same trainers as
+launched jobs (1 and 2 processes, killed and resumed): tests/tasks/test_posttrain_launch.py.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from tasks.posttrain.config import (
     ChatDataConfig,
     DistillSection,
     GRPOSection,
+    LinearMerge,
     MergeSection,
+    PosttrainConfig,
     PreferenceSection,
     SFTSection,
+    SoupRun,
+    micro_batches,
 )
 from tasks.posttrain.data import (
     build_chat_data,
@@ -83,7 +89,7 @@ def world(tmp_path_factory):
     corpora = make_corpora(root / "corpora")
     base = make_tiny_model(root, corpus_texts(corpora))
     data_meta = build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
-    sft_meta = train_sft(SFTSection(max_steps=3, per_device_batch=4, max_length=128), base,
+    sft_meta = train_sft(SFTSection(max_steps=3, batch=4, max_length=128), base,
                          root / "data", root / "sft", device="cpu", log=lambda _: None)
     return {"root": root, "corpora": corpora, "base": base, "data": root / "data",
             "data_meta": data_meta, "sft": sft_meta}
@@ -173,7 +179,7 @@ def test_verified_pairs_prefer_correct_answers():
 def test_apo_from_self_sampled_pairs(world):
     from tasks.posttrain.preference import train_preference
 
-    cfg = PreferenceSection(max_steps=2, per_device_batch=4, samples_per_prompt=2, max_new_tokens=12)
+    cfg = PreferenceSection(max_steps=2, batch=4, samples_per_prompt=2, max_new_tokens=12)
     meta = train_preference(cfg, Path(world["sft"]["model_dir"]), world["data"], world["root"] / "apo",
                             device="cpu", log=lambda _: None)
     assert meta["stage"] == "apo" and meta["loss_type"] == "apo_zero" and meta["steps"] == 2
@@ -192,18 +198,78 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     post, base = Path(world["sft"]["model_dir"]), world["base"]
     arts = [Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
             for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))]
-    meta = build_merge(MergeSection(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
+    meta = build_merge(LinearMerge(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
     merged = load_file(str(tmp_path / "model" / "model.safetensors"))
     a, b = load_file(str(post / "model.safetensors")), load_file(str(base / "model.safetensors"))
     for name in a:
         assert (merged[name] - (0.9 * a[name] + 0.1 * b[name])).abs().max() < 1e-6
     assert meta["merged"] == ["sft", "long2"] and (tmp_path / "model" / "tokenizer.json").is_file()
+    assert [(i["fingerprint"][0], i["weight"]) for i in meta["ingredients"]] == [("a", 0.9), ("b", 0.1)]
     with pytest.raises(ValueError, match="summing to 1"):
-        MergeSection(weights=(0.9, 0.2))
+        LinearMerge(weights=(0.9, 0.2))
+    with pytest.raises(ValueError, match="2 models but the config has 3 weights"):
+        build_merge(LinearMerge(weights=(0.5, 0.3, 0.2)), arts, tmp_path / "w")
     other = make_tiny_model(world["root"], [], hidden=32)
     with pytest.raises(ValueError, match="not the same architecture"):
-        build_merge(MergeSection(), [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64,
-                                                       meta={"model_dir": str(other)})], tmp_path / "x")
+        build_merge(LinearMerge(weights=(0.9, 0.1)),
+                    [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64,
+                                       meta={"model_dir": str(other)})], tmp_path / "x")
+
+
+def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path):
+    """0.9 x uniform soup of three models + 0.1 x the base, through the two merge steps."""
+    from safetensors.torch import load_file
+
+    from tasks.posttrain.merge import build_merge
+
+    soup_in = [make_tiny_model(world["root"], [], seed=s) for s in (3, 4, 5)]
+    arts = [Artifact(kind="hf_model", uri=str(p), fingerprint=f"{i}" * 64,
+                     meta={"model_dir": str(p), "stage": "apo", "seed": i}) for i, p in enumerate(soup_in)]
+    section = MergeSection(soup=(SoupRun(name="apo-s1", seed=1), SoupRun(name="apo-s2", seed=2)))
+    assert section.soup_mix() == pytest.approx((1 / 3, 1 / 3, 1 / 3))
+    soup = build_merge(LinearMerge(weights=section.soup_mix()), arts, tmp_path / "soup", log=lambda _: None)
+    assert soup["merged"] == ["apo (seed 0)", "apo (seed 1)", "apo (seed 2)"]
+    soup_art = Artifact(kind="hf_model", uri=str(tmp_path / "soup"), fingerprint="s" * 64,
+                        meta={"model_dir": soup["model_dir"], "stage": "merge"})
+    base = Artifact(kind="hf_model", uri=str(world["base"]), fingerprint="b" * 64,
+                    meta={"model_dir": str(world["base"]), "stage": "long2"})
+    build_merge(LinearMerge(weights=section.weights), [soup_art, base], tmp_path / "final", log=lambda _: None)
+    final = load_file(str(tmp_path / "final" / "model" / "model.safetensors"))
+    parts = [load_file(str(p / "model.safetensors")) for p in soup_in]
+    b = load_file(str(world["base"] / "model.safetensors"))
+    for name in final:
+        want = 0.9 * sum(p[name] for p in parts) / 3 + 0.1 * b[name]
+        assert (final[name] - want).abs().max() < 1e-5
+
+
+def test_merge_section_checks_the_soup():
+    weighted = MergeSection(soup=(SoupRun(name="apo-b005", beta=0.05),), soup_weights=(0.7, 0.3))
+    assert weighted.soup_mix() == (0.7, 0.3)
+    assert SoupRun(name="b", beta=0.05).apply(PreferenceSection(beta=0.1, lr=1e-6)).beta == 0.05
+    with pytest.raises(ValueError, match="soup_weights must be 2 non-negative numbers summing to 1"):
+        MergeSection(soup=(SoupRun(name="x"),), soup_weights=(0.5, 0.3, 0.2))
+    with pytest.raises(ValueError, match="soup_weights is set but posttrain.merge.soup is empty"):
+        MergeSection(soup_weights=(0.5, 0.5))
+    with pytest.raises(ValueError, match="repeated: x"):
+        MergeSection(soup=(SoupRun(name="x"), SoupRun(name="x", seed=2)))
+    with pytest.raises(ValueError, match="must be 2 non-negative"):
+        MergeSection(weights=(0.8, 0.1, 0.1))
+    with pytest.raises(ValueError, match="labels of other post-training steps"):
+        PosttrainConfig(merge={"soup": [{"name": "apo"}]})
+    with pytest.raises(ValueError, match="preference.enabled is false"):
+        PosttrainConfig(merge={"soup": [{"name": "apo2"}]}, preference={"enabled": False})
+    with pytest.raises(ValueError, match="beta"):
+        SoupRun(name="y", beta=-1)
+
+
+def test_micro_batches_make_the_batch_on_any_world_size():
+    assert micro_batches(8, 8, 1) == (8, 1)
+    assert micro_batches(8, 4, 1) == (4, 2)
+    assert micro_batches(8, 8, 2) == (4, 1)
+    assert micro_batches(256, 1, 64) == (1, 4)
+    assert micro_batches(12, 5, 2) == (3, 2)  # 6 per rank: the largest divisor that fits is 3
+    with pytest.raises(ValueError, match="posttrain.sft.batch 6 is not divisible by the 4 ranks"):
+        micro_batches(6, 8, 4, "posttrain.sft.batch")
 
 
 # --- GRPO: crash after a checkpoint, rerun resumes ----------------------------------------
@@ -214,9 +280,12 @@ class _Crash(Exception):
 
 
 def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
+    """An exception right after the step-2 checkpoint; the rerun in the kept folder continues at
+    step 3 (the launched variant, killed from outside: test_posttrain_launch.py)."""
     from transformers import TrainerCallback
 
-    from tasks.posttrain.grpo import grpo, newest_checkpoint, train_grpo
+    from tasks.posttrain.common import complete_checkpoints
+    from tasks.posttrain.grpo import grpo, train_grpo
 
     class CrashAfterSave(TrainerCallback):
         def on_save(self, args, state, control, **kw):
@@ -229,7 +298,7 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
         def on_step_begin(self, args, state, control, **kw):
             self.seen.append(state.global_step)
 
-    cfg = GRPOSection(max_steps=4, per_device_batch=4, num_generations=2, max_completion_length=12,
+    cfg = GRPOSection(max_steps=4, batch=4, num_generations=2, max_completion_length=12,
                       save_steps=2, lr=1e-3)
     policy = Path(world["sft"]["model_dir"])
     d = grpo
@@ -237,6 +306,7 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     first.seen, second.seen = [], []
 
     def build(callbacks):
+        # the crash callback runs after the publishing one: the checkpoint is complete first
         return lambda out: train_grpo(cfg, policy, world["data"], out, device="cpu", log=lambda _: None,
                                       callbacks=callbacks)
 
@@ -245,14 +315,18 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     with pytest.raises(_Crash):
         run_step(**step_args, build=build([CrashAfterSave(), first]))
     folder = next(p for p in (tmp_path / "grpo").iterdir() if p.is_dir())
-    assert read_marker(folder) is None and newest_checkpoint(folder / "trainer").name == "checkpoint-2"
+    assert read_marker(folder) is None
+    assert [s for s, _, _ in complete_checkpoints(folder / "checkpoints")] == [2]
     outcome = run_step(**step_args, build=build([second]))
     meta = outcome.artifact.meta
     assert outcome.built and meta["resumed_from_step"] == 2 and meta["steps"] == 4
     assert first.seen[0] == 0 and second.seen[0] == 2  # continued at step 3, not from scratch
     assert Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
-    rewards = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert any("rewards/exact_match_reward/mean" in r for r in rewards)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/exact_match_reward/mean" in r for r in rows)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]  # no step twice after the resume
+    final = complete_checkpoints(folder / "checkpoints")[-1]
+    assert final[0] == 4 and final[2]["stage_end"] is True
 
 
 # --- on-policy distillation -------------------------------------------------------------------
@@ -262,7 +336,7 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
     from tasks.posttrain.distill import train_distill
 
     teacher = make_tiny_model(world["root"], [], seed=1, hidden=96)  # bigger, same tokenizer
-    cfg = DistillSection(teacher=str(teacher), max_steps=2, per_device_batch=4, max_completion_length=12)
+    cfg = DistillSection(teacher=str(teacher), max_steps=2, batch=4, max_completion_length=12)
     meta = train_distill(cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu",
                          log=lambda _: None)
     assert meta["stage"] == "opd" and meta["steps"] == 2 and meta["last_loss"] is not None
@@ -327,16 +401,49 @@ def test_preference_rows_from_a_pairs_file(tmp_path):
 
 
 def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
-    """What `accelerate launch -m tasks.posttrain sft spec.json` runs on every rank."""
+    """What every rank of a launch runs: `python -m tasks.posttrain spec.json` (here rank 0 alone)."""
     from tasks.posttrain.__main__ import main
+    from tasks.posttrain.launch import TrainerSpec
 
-    spec = {"config": {"max_steps": 1, "per_device_batch": 2, "max_length": 64}, "policy": str(world["base"]),
-            "data": str(world["data"]), "out": str(tmp_path / "sft"), "device": "cpu"}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    assert main(["sft", str(tmp_path / "spec.json")]) == 0
+    out = tmp_path / "sft"
+    spec = TrainerSpec(trainer="sft", section={"max_steps": 1, "batch": 2, "max_length": 64},
+                       policy=str(world["base"]), data=str(world["data"]), out=str(out), device="cpu")
+    spec.save(tmp_path / "spec.json")
+    assert main([str(tmp_path / "spec.json")]) == 0
     meta = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert meta["steps"] == 1 and Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
-    assert main(["pretrain", "x.json"]) == 2
+    assert json.loads((out / "result.json").read_text()) == meta  # what the launching step reads
+    assert not (out / ".lease.json").exists()  # released
+    assert main(["sft", str(tmp_path / "spec.json")]) == 2  # the old two-argument form is refused
+
+
+def test_a_second_trainer_in_the_same_folder_is_refused(world, tmp_path, capsys):
+    """Rank 0 leases the step folder first: a retry that starts while the old trainer lives exits
+    with code 4 (the launchers' "another trainer holds the stage folder") and writes nothing."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tasks.posttrain.__main__ import main
+    from tasks.posttrain.launch import TrainerSpec
+
+    out = tmp_path / "sft"
+    TrainerSpec(trainer="sft", section={"max_steps": 1, "batch": 2}, policy=str(world["base"]),
+                data=str(world["data"]), out=str(out), device="cpu").save(tmp_path / "spec.json")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from infra.lifeline import StageLease; "
+         "StageLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)", str(out)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        assert main([str(tmp_path / "spec.json")]) == 4
+        assert time.monotonic() - started < 30  # refused before loading anything
+        assert "LeaseHeld" in capsys.readouterr().err and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_edited_local_data_changes_the_fingerprint(tmp_path):
@@ -351,3 +458,20 @@ def test_edited_local_data_changes_the_fingerprint(tmp_path):
     os.utime(f, ns=(1, 1))
     assert data_state(f"files:{tmp_path}/*.jsonl") != before
     assert data_state("builtin") == "" and data_state("self") == ""
+
+
+def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
+    from infra.launchers import LauncherConfig, SlurmLaunch
+    from tasks.posttrain.config import PosttrainLaunch
+
+    base = LauncherConfig(kind="slurm", nodes=24, gpus_per_node=8, env={"NCCL_DEBUG": "WARN"},
+                          slurm=SlurmLaunch(partition="hopper-prod"))
+    got = PosttrainLaunch(nodes=8, accelerate_config="configs/accelerate/fsdp.yaml",
+                          env={"NCCL_IB_DISABLE": "0"}).resolve(base, 8)
+    assert (got.kind, got.nodes, got.procs_per_node, got.gpus_per_node, got.module) == (
+        "slurm", 8, 8, 8, "tasks.posttrain")
+    assert got.slurm.partition == "hopper-prod" and got.accelerate_config == "configs/accelerate/fsdp.yaml"
+    assert got.env == {"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}
+    assert PosttrainLaunch().resolve(base, 8).nodes == 24  # unset: the recipe's
+    with pytest.raises(ValueError, match="posttrain.launch.env must not carry credentials"):
+        PosttrainLaunch(env={"HF_TOKEN": "x"})
