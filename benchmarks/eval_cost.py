@@ -133,7 +133,8 @@ def main() -> None:
         export_dir = root / "export" / name
         export_dir.mkdir(parents=True, exist_ok=True)
         model = artifact("hf_model", export_dir, build_export(ExportConfig(), (previous, tok), export_dir, quiet), "m" + name)
-        tasks = stage_tasks(recipe.eval, suite, run.kind == "long_context")
+        long = run.kind == "long_context"
+        tasks = stage_tasks(recipe.eval, suite, long, cloze=not long or recipe.eval.long_context_cloze)
         timings, cpu, scores = {}, {}, {}
         for path in (["hf"] if not args.no_old else []) + ["default"]:
             eval_dir = root / "eval" / name / path

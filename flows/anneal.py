@@ -63,7 +63,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
         ckpt = g.add(pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned)
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
         scores[run.label] = [
-            g.add(evaluate, EvalSpec(eval=cfg.eval.for_run()), label=f"anneal-{run.label}", model=model, suite=suite),
+            g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite),
             g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held),
         ]
         candidates[run.label] = run.candidate

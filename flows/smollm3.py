@@ -57,7 +57,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
         gate = [check] if previous is None else []
         previous = g.add(pretrain, run, label=run.name, mixture=d.plans[run.name], after=gate, **init)
         model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)
-        g.add(evaluate, EvalSpec(eval=cfg.eval.for_run(), long_context=run.kind == "long_context"), label=run.name,
+        g.add(evaluate, EvalSpec.of(cfg.eval, long_context=run.kind == "long_context"), label=run.name,
               model=model, suite=suite)
     final = model
     if cfg.posttrain is not None:
@@ -121,7 +121,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
                   max_gen_tokens=pt.eval.max_gen_tokens),
         label="posttrain", heldout=clean, train=clean,
     )
-    scoring = EvalSpec(eval=cfg.eval.for_run().model_copy(update={"batch_size": pt.eval.batch_size}))
+    scoring = EvalSpec.of(cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size}))
     launch = pt.launch.resolve(cfg.launch, cfg.training.nproc_per_node)
 
     def score(model: Node, label: str) -> None:

@@ -60,19 +60,20 @@ class EvalConfig(BaseModel):
     def for_suite(self) -> EvalConfig:
         """This section as the eval_suite step sees it: the fields that only say how models are
         evaluated are at their defaults, so changing them does not rebuild the suite."""
-        return self.model_copy(update={f: type(self).model_fields[f].default for f in _RUN_FIELDS})
+        return self.model_copy(update={f: type(self).model_fields[f].default
+                                       for f in (*_RUN_FIELDS, "long_context_cloze")})
 
     def for_run(self) -> EvalConfig:
         """This section as the evaluate step sees it: only the fields that say how models are
         evaluated; the suite's fields are at their defaults (the suite input carries them)."""
-        keep = set(_RUN_FIELDS)
+        keep = set(_RUN_FIELDS)  # long_context_cloze reaches the step as EvalSpec.cloze
         return self.model_copy(update={
             f: type(self).model_fields[f].default for f in type(self).model_fields if f not in keep
         })
 
 
 # EvalConfig fields the evaluate step uses and the eval_suite step does not.
-_RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit", "long_context_cloze")
+_RUN_FIELDS = ("lm_eval_tasks", "batch_size", "device", "limit")
 
 
 # --- building tasks -------------------------------------------------------------------------
@@ -178,17 +179,14 @@ def _item(context: str, gold: str, distractors: list[str], rng: random.Random, d
     return {"context": context, "choices": choices, "gold": choices.index(gold), "delimiter": delimiter}
 
 
-def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool) -> list[str]:
-    """What to run on a model: every task of the suite but passkey retrieval (cloze tasks, and
-    the exact-match task of a post-training suite; after context extension only if
-    `long_context_cloze`), passkey retrieval after context extension, and the recipe's extra
-    lm-eval tasks."""
+def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool, cloze: bool = True) -> list[str]:
+    """What to run on a model: every task of the suite but passkey retrieval (the cloze tasks,
+    and the exact-match task of a post-training suite) unless `cloze` is off, passkey retrieval
+    after context extension, and the recipe's extra lm-eval tasks."""
     built = list(suite.meta.get("tasks", {}))
-    cloze = [t for t in built if not t.startswith("passkey_")]
-    if long_context and not cfg.long_context_cloze:
-        cloze = []
+    short = [t for t in built if not t.startswith("passkey_")] if cloze else []
     passkey = [t for t in built if t.startswith("passkey_")] if long_context else []
-    return [*cloze, *passkey, *cfg.lm_eval_tasks]
+    return [*short, *passkey, *cfg.lm_eval_tasks]
 
 
 def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
@@ -485,7 +483,13 @@ class EvalSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     eval: EvalConfig
-    long_context: bool = False
+    long_context: bool = False  # a context-extension stage: passkey retrieval runs too
+    cloze: bool = True  # the suite's short tasks run too (`eval.long_context_cloze` after extension)
+
+    @classmethod
+    def of(cls, eval: EvalConfig, long_context: bool = False) -> EvalSpec:
+        return cls(eval=eval.for_run(), long_context=long_context,
+                   cloze=not long_context or eval.long_context_cloze)
 
 
 @step("eval_suite", version=2, kind="eval", resource="data", isolate=True)
@@ -500,5 +504,5 @@ def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> di
 def evaluate(config: EvalSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """lm-eval over one exported model (input `model`) on the suite (input `suite`)."""
     suite = one(inputs, "suite")
-    tasks = stage_tasks(config.eval, suite, config.long_context)
+    tasks = stage_tasks(config.eval, suite, config.long_context, config.cloze)
     return build_eval(config.eval, one(inputs, "model"), suite, out, tasks, log)
