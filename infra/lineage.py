@@ -120,7 +120,7 @@ class StepRow:
     step: str
     label: str
     fingerprint: str | None
-    state: str  # completed | cached | failed
+    state: str  # completed | cached | failed | skipped | retried (failed, the next attempt runs)
     config: Any
     code_version: str
     started: datetime
@@ -373,6 +373,7 @@ class Lineage:
         self.path = Path(path)
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self.journal_dir = self.path.with_name(self.path.name + ".journal")
+        self._session: tuple[int, duckdb.DuckDBPyConnection] | None = None  # see `reading`
 
     @contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
@@ -556,6 +557,9 @@ class Lineage:
     # --- reads --------------------------------------------------------------------------------
 
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
+        session = self._session
+        if session is not None and session[0] == threading.get_ident():  # inside `reading()`
+            return _fetch(session[1], sql, params, dicts)
         if self._has_pending():
             try:
                 landed = self._ingest()
@@ -879,6 +883,43 @@ class Lineage:
             return []
         where, params = ("WHERE comparison = ?", [comparison]) if comparison else ("", [])
         return self.query_dicts(f"SELECT * FROM anneal_comparisons {where} ORDER BY created DESC, candidate, task", params)
+
+
+    # --- many reads at once (the CLI's views) ----------------------------------------------
+
+    @contextmanager
+    def reading(self) -> Iterator[Lineage]:
+        """Reads made in this block by this thread share one connection: a view that asks a
+        hundred small questions (a lineage tree, a run listing) opens the database once instead
+        of once per question (~50 ms each). Pending journal events are ingested first, or, while
+        an outside process holds the file, read from a private copy (`snapshot`). The open
+        connection holds DuckDB's read lock like an outside reader: writes made meanwhile are
+        journaled at once and land when the block ends (the background retry), so keep a block to
+        one view."""
+        if self._has_pending():
+            try:
+                landed = self._ingest()
+            except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
+                landed = False
+            if not landed:
+                with self.snapshot() as con:
+                    self._session = (threading.get_ident(), con)
+                    try:
+                        yield self
+                    finally:
+                        self._session = None
+                return
+        if not self.path.exists():
+            yield self  # nothing recorded yet: every read is empty, as outside a session
+            return
+        with self._locked(fcntl.LOCK_SH):  # not while an ingestion is applying events
+            con = duckdb.connect(str(self.path), read_only=True)
+        self._session = (threading.get_ident(), con)
+        try:
+            yield self
+        finally:
+            self._session = None
+            con.close()
 
 
 def artifact_of(row: dict[str, Any]) -> Artifact:

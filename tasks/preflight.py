@@ -167,12 +167,23 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
     return PreflightFacts(**{**known, **facts})
 
 
-def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
-    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch (a second or more) on a host that has
+    no GPU device node at all, where torch can only answer False: `smollm3 plan` builds this
+    config on laptops and login nodes."""
+    import os
+
+    if not any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
     import torch
 
+    return torch.cuda.is_available()
+
+
+def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
+    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
     t = recipe.training
-    device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = t.device if t.device != "auto" else ("cuda" if cuda_available() else "cpu")
     stages = tuple(recipe.stages)
     facts = {
         "device": device,

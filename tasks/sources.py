@@ -697,7 +697,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
 
 
 
-@step("source", version=2, kind="corpus", resource="data", isolate=True,
+@step("source", version=2, kind="corpus", resource="data", isolate=True, retries=2,
       extra=lambda spec: source_state(spec.source, spec.seed))
 def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One recipe source to a corpus artifact (no inputs)."""

@@ -31,7 +31,6 @@ from tasks.curate import (
     run_executors,
     shard_count,
 )
-from tasks.curate_parts import CountingJsonlReader
 from tasks.step import one, step
 
 
@@ -74,6 +73,8 @@ def build_token_shards(
 ) -> dict[str, Any]:
     """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
     from datatrove.pipeline.tokens import DocumentTokenizer
+
+    from tasks.curate_parts import CountingJsonlReader
 
     tok = selected_tokenizer(inputs)
     corpus = next((a for a in inputs if a.kind == "corpus"), None)
@@ -139,7 +140,7 @@ class TokenizeSpec(BaseModel):
     seed: int = 0
 
 
-@step("tokenize", version=2, kind="shards", resource="data", isolate=True)
+@step("tokenize", version=2, kind="shards", resource="data", isolate=True, retries=1)
 def tokenize(config: TokenizeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """A curated corpus (input `corpus`) to token shards with the chosen tokenizer (input
     `tokenizer`: the fertility decision or the tokenizer itself)."""
