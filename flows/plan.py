@@ -78,11 +78,12 @@ def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -
     lineage = Lineage(ws.lineage_path)
     rows: list[PlanRow] = []
     runs: set[str] = set()
-    for node in g:
-        action, reason = _decide(node, ws, lineage, refresh, runs)
-        if action == "run":
-            runs.add(node.key)
-        rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason))
+    with lineage.reading():  # a few reads per step: one connection, not one per read
+        for node in g:
+            action, reason = _decide(node, ws, lineage, refresh, runs)
+            if action == "run":
+                runs.add(node.key)
+            rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason))
     return rows
 
 

@@ -13,9 +13,9 @@ Per task, over a run's checkpoints (and, when there is one, an anneal comparison
 A task is kept when it passes every criterion that could be measured. The functions are pure and
 take plain lists; `run_series` reads a run's scores from lineage, and
 
-    python -m tasks.eval_quality WORKSPACE [--run RUN_ID] [--metric acc_norm]
+    smollm3 eval-quality [WORKSPACE] [--run RUN_ID] [--metric acc_norm]
 
-prints the table.
+prints the table and, under each dropped task, which criteria failed with their values.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -162,6 +161,35 @@ class TaskQuality:
         measured = [v for v in self.checks.values() if v is not None]
         return bool(measured) and all(measured)
 
+    def why(self, thresholds: Thresholds = Thresholds()) -> tuple[list[str], list[str]]:
+        """(the criteria that failed, with the values and thresholds; those not measurable here
+        and why) in words: what `keep: no` rests on."""
+
+        def num(v: float | None, fmt: str) -> str:
+            return "-" if v is None else ("inf" if math.isinf(v) else format(v, fmt))
+
+        failed, unmeasured = [], []
+        c = self.checks
+        if c["monotonic"] is False:
+            failed.append(f"not monotonic: Spearman rho {self.spearman:.2f} < {thresholds.spearman:g} over "
+                          f"{self.points} checkpoints")
+        elif c["monotonic"] is None:
+            unmeasured.append(f"monotonicity (needs 3+ checkpoints, has {self.points})")
+        if c["low_noise"] is False:
+            failed.append(f"noisy: SNR {num(self.snr, '.1f')} <= {thresholds.snr:g}")
+        elif c["low_noise"] is None:
+            unmeasured.append("noise (no stderr and no seed runs)")
+        if c["above_random"] is False:
+            failed.append(f"too close to random: margin {num(self.margin, '.1f')} sigma <= "
+                          f"{thresholds.margin_sigmas:g} sigma")
+        elif c["above_random"] is None:
+            unmeasured.append("margin above random (no noise estimate)")
+        if c["consistent"] is False:
+            failed.append(f"inconsistent ranking: Kendall tau {num(self.kendall, '.2f')} < {thresholds.kendall:g}")
+        elif c["consistent"] is None:
+            unmeasured.append("ranking consistency (needs an anneal comparison or several models)")
+        return failed, unmeasured
+
 
 def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_tau: float | None = None) -> TaskQuality:
     """The four criteria for one task. kendall_tau: an externally measured consistency (anneal
@@ -183,8 +211,9 @@ def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_ta
     return TaskQuality(series.task, len(series.scores), final, rho, ratio, margin, tau, checks)
 
 
-def quality_table(rows: Sequence[TaskQuality]) -> str:
-    """A fixed-width table for the terminal."""
+def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Thresholds()) -> str:
+    """A fixed-width table for the terminal; under each dropped task, which criteria failed (with
+    the values) and which could not be measured."""
 
     def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else ("inf" if math.isinf(v) else format(v, fmt))
@@ -202,7 +231,20 @@ def quality_table(rows: Sequence[TaskQuality]) -> str:
             f"{mark(c['low_noise']):>5} {mark(c['above_random']):>5} {mark(c['consistent']):>5}  "
             f"{'yes' if r.keep else 'no'}"
         )
+        failed, unmeasured = r.why(thresholds)
+        if not r.keep:
+            lines.append("    dropped: " + ("; ".join(failed) if failed else "no criterion could be measured"))
+        if unmeasured:
+            lines.append("    not measured: " + "; ".join(unmeasured))
     return "\n".join(lines)
+
+
+CRITERIA = """\
+A task is kept when every criterion that could be measured passes:
+  mono   monotonic: Spearman rho of score vs training step >= {t.spearman:g}
+  noise  low noise: SNR = final score / noise > {t.snr:g} (noise: seed std, else the final score's stderr)
+  rand   above random: final score - random > {t.margin_sigmas:g} x noise
+  rank   consistent: Kendall tau of its ranking (anneal candidates, or models over steps) >= {t.kendall:g}"""
 
 
 # --- reading a run from lineage ---------------------------------------------------------------
@@ -263,25 +305,36 @@ def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
     return candidate_consistency(by_task)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m tasks.eval_quality") -> int:
     from infra.lineage import Lineage
+    from infra.workspace import resolve_workspace
 
-    p = argparse.ArgumentParser(prog="python -m tasks.eval_quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("workspace", help="workspace folder (holds lineage.duckdb)")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                epilog=CRITERIA.format(t=Thresholds()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workspace", nargs="?", default="workspace",
+                   help="workspace folder holding lineage.duckdb (default: workspace, relative to "
+                        "$SMOLLM3_HOME or else the project root)")
     p.add_argument("--run", help="flow run id (default: the latest smollm3 run)")
-    p.add_argument("--metric", default="acc_norm")
+    p.add_argument("--metric", default="acc_norm",
+                   help="score to judge: acc_norm (default, the cloze tasks), acc or exact_match")
     args = p.parse_args(argv)
-    lineage = Lineage(Path(args.workspace) / "lineage.duckdb")
-    run = args.run
-    if run is None:
-        run = lineage.latest_run("smollm3")
+    lineage = Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    with lineage.reading():  # dozens of small reads on one connection
+        run = args.run
         if run is None:
-            print(f"no smollm3 run in {lineage.path}")
-            return 1
-    series = run_series(lineage, run, args.metric)
-    taus = anneal_consistency(lineage, args.metric)
+            run = lineage.latest_run("smollm3")
+            if run is None:
+                print(f"no smollm3 run in {lineage.path}")
+                return 1
+        series = run_series(lineage, run, args.metric)
+        taus = anneal_consistency(lineage, args.metric)
+    if not series:
+        print(f"run {run} has no {args.metric} scores of trained stages in {lineage.path}")
+        return 1
     print(f"eval-task quality of run {run} ({args.metric})")
     print(quality_table([assess(s, kendall_tau=taus.get(t)) for t, s in series.items()]))
+    print(CRITERIA.format(t=Thresholds()))
     return 0
 
 
