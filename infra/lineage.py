@@ -1039,7 +1039,9 @@ class Lineage:
             raise LookupError(f"artifact {row['fingerprint'][:12]} is a {row['kind']} made by "
                               f"{row['step']}, not a source, curated corpus or token shards")
         # Follow only the data of this one source: curation also reads every other source's
-        # held-out split (decontamination), which makes their corpora descendants too.
+        # held-out split (decontamination), which makes their corpora descendants too. Names are
+        # unique within a recipe and those other sources are the run's others, so keeping to
+        # artifacts of this source's name keeps to its own data.
         shards = self.query(
             """
             WITH RECURSIVE walk(fp) AS (

@@ -50,7 +50,27 @@ def test_noisy_flat_task_is_dropped():
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["task", "n", "final"]
     assert lines[2].startswith("good") and lines[2].endswith("yes")
-    assert lines[3].startswith("noisy") and lines[3].endswith("no") and "FAIL" in lines[3]
+    # a kept task whose ranking could not be judged says so, without being dropped
+    assert lines[3] == "    not measured: ranking consistency (needs an anneal comparison or several models)"
+    noisy = lines.index(next(line for line in lines if line.startswith("noisy")))
+    assert lines[noisy].endswith("no") and "FAIL" in lines[noisy]
+    # why it is dropped: each failed criterion with its value and threshold
+    why = lines[noisy + 1]
+    assert why.startswith("    dropped: not monotonic: Spearman rho ")
+    assert f"noisy: SNR {q.snr:.1f} <= 20" in why
+    assert f"too close to random: margin {q.margin:.1f} sigma <= 3 sigma" in why
+    assert "Kendall tau" in why and "< 0.5" in why
+
+
+def test_a_task_with_nothing_measurable_says_so():
+    q = assess(TaskSeries("short", (0, 100), (0.3, 0.4), random=0.25))  # 2 points, no stderr
+    assert not q.keep
+    failed, unmeasured = q.why()
+    assert failed == []
+    assert unmeasured[0] == "monotonicity (needs 3+ checkpoints, has 2)"
+    lines = quality_table([q]).splitlines()
+    assert lines[3] == "    dropped: no criterion could be measured"
+    assert lines[4].startswith("    not measured: monotonicity (needs 3+ checkpoints, has 2); noise")
 
 
 def test_statistics_edge_cases():
