@@ -259,3 +259,19 @@ def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
                           cwd=Path(__file__).resolve().parents[2], timeout=120)
     loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert not loaded & set(absent), f"smollm3 {' '.join(argv)} imported {sorted(loaded & set(absent))}"
+
+
+def test_the_sql_in_the_docs_gives_the_per_stage_answer(trained):
+    """docs/architecture.md shows the query for "which checkpoints trained on prose": it must agree
+    with `Lineage.trained_on` on the stages that drew tokens themselves."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("### Which checkpoints trained on a source"):]
+    sql = re.search(r"```sql\n(.*?)```", section, re.S).group(1)
+    root, _ = trained
+    lin = Lineage(root / "lineage.duckdb")
+    rows = lin.snapshot_query(sql)
+    expected = [(r.label, r.checkpoint.fingerprint, r.stage_tokens) for r in lin.trained_on("prose") if r.stage_tokens]
+    assert [(r["stage"], r["checkpoint"], r["tokens"]) for r in rows] == expected
+    assert [label for label, *_ in expected] == ["stage1", "anneal-x"]
