@@ -4,13 +4,15 @@
 
 Each command runs `--runs` times as `python -m flows.cli ...` (the `smollm3` console script is
 the same entry point) and the median wall time is printed against its target: 1.5 s for `--help`,
-`runs`, `summary`, `lineage`, `lineage --trained-on` and `recipe`, 3 s for `plan tiny`.
+`runs`, `summary`, `lineage`, `lineage --trained-on`, `recipe` and `eval-quality`, 3 s for
+`plan tiny`.
 
 The lineage commands need a lineage to read. With `--workspace`, the benchmark reads that
 workspace (a real run's). Without it, it writes one of the tiny recipe's shape into a temporary
 `$SMOLLM3_HOME`: every node of the tiny DAG (as `smollm3 plan tiny` builds it) recorded as an
-artifact with its real fingerprint and input edges, three runs of step rows, and a mixture ledger
-on each training stage, through the same `Lineage` writes the runner uses. It measures the reads,
+artifact with its real fingerprint and input edges, three runs of step rows, a mixture ledger on
+each training stage and scores on each evaluation, through the same `Lineage` writes the runner
+uses. It measures the reads,
 not a training run, so it takes seconds. `plan tiny` plans against that workspace too.
 
 Print `uptime` with the figures: the machine is shared, and the load changes them.
@@ -52,7 +54,13 @@ def build_tiny_lineage(home: Path, runs: int = 3) -> tuple[str, str]:
         if node.step.name in ("source", "curate", "tokenize"):
             meta["source"] = node.label
         if node.step.name == "pretrain":  # every stage draws from every source of the tiny mixes
-            meta |= {"stage": node.label, "tokens_per_source": {s: 4096 * (i + 1) for i, s in enumerate(sources)}}
+            meta |= {"stage": node.label, "steps": 10,
+                     "tokens_per_source": {s: 4096 * (i + 1) for i, s in enumerate(sources)}}
+        if node.step.name == "evaluate":  # scores for eval-quality: rising a little per stage
+            k = sum(n.step.name == "evaluate" for n in list(g)[:list(g).index(node)])
+            meta |= {"random_accuracy": 0.25, "scores": {
+                t: {"acc_norm": 0.25 + 0.01 * k * (j + 1), "acc_norm_stderr": 0.03}
+                for j, t in enumerate(("prose_cloze", "code_cloze", "math_cloze"))}}
         art = Artifact(kind=node.step.kind, uri=str(home / "workspace" / node.step.name / node.short),
                        fingerprint=node.fingerprint, meta=meta)
         artifacts[node.key] = art
@@ -126,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         (["lineage", "--trained-on", source, "--workspace", workspace], FAST),
         (["recipe", "smollm3-3b"], FAST),
         (["recipe", "tiny"], FAST),
+        (["eval-quality", workspace], FAST),
         (["plan", "tiny", f"workspace={workspace}"], PLAN),
     ]
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "

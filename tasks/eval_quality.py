@@ -51,15 +51,41 @@ class TaskSeries:
     models: Mapping[str, Sequence[float]] = field(default_factory=dict)
 
 
+# The statistics are computed here, in plain Python, rather than with scipy.stats: importing it
+# takes a second or more (two on a busy 2-core machine), longer than the whole command should,
+# and a run has tens of checkpoints, not millions. They equal scipy's `rankdata`, `spearmanr`
+# and `kendalltau` (tau-b) (tests/tasks/test_eval_quality.py compares them).
+
+
+def rankdata(values: Sequence[float]) -> list[float]:
+    """Ranks from 1, ties sharing the average of their ranks (scipy's `rankdata` 'average')."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson(a: Sequence[float], b: Sequence[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return cov / var if var else math.nan
+
+
 def monotonicity(steps: Sequence[float], scores: Sequence[float]) -> float:
     """Spearman rho of score vs step; 0 when either is constant (no ranking to correlate)."""
-    from scipy.stats import spearmanr
-
     if len(steps) != len(scores):
         raise ValueError(f"monotonicity: {len(steps)} steps but {len(scores)} scores")
     if len(scores) < 2 or len(set(scores)) < 2 or len(set(steps)) < 2:
         return 0.0
-    rho = spearmanr(steps, scores).statistic
+    rho = _pearson(rankdata(steps), rankdata(scores))
     return 0.0 if math.isnan(rho) else float(rho)
 
 
@@ -104,14 +130,27 @@ def margin_sigmas(score: float, random: float, noise: float | None) -> float | N
 
 
 def kendall(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall tau of two score lists over the same items; 0 when either is constant."""
-    from scipy.stats import kendalltau
-
+    """Kendall tau-b of two score lists over the same items; 0 when either is constant."""
     if len(a) != len(b):
         raise ValueError(f"kendall: {len(a)} vs {len(b)} items")
     if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
         return 0.0
-    tau = kendalltau(a, b).statistic
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue  # tied in both: counts in neither denominator term
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+    tau = (concordant - discordant) / denom if denom else math.nan
     return 0.0 if math.isnan(tau) else float(tau)
 
 
@@ -130,8 +169,6 @@ def ranking_consistency(models: Mapping[str, Sequence[float]]) -> float | None:
 def candidate_consistency(by_task: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """Per task, Kendall tau between its ranking of anneal candidates and the mean ranking of the
     other tasks (leave-one-out consensus). by_task: task -> {candidate: score (higher better)}."""
-    from scipy.stats import rankdata
-
     out: dict[str, float] = {}
     tasks = sorted(by_task)
     cands = sorted(set.intersection(*(set(v) for v in by_task.values()))) if by_task else []
@@ -291,9 +328,7 @@ def _checkpoint_of(lineage, eval_fp: str) -> dict[str, Any] | None:
 
 def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
     """Kendall tau per task from the latest anneal comparison (tasks/anneal.py)."""
-    from tasks.anneal import comparisons
-
-    rows = comparisons(lineage)
+    rows = lineage.comparisons()  # what tasks.anneal.comparisons reads
     if not rows:
         return {}
     latest = rows[0]["comparison"]

@@ -97,3 +97,20 @@ def test_candidate_ranking_consistency_against_the_other_tasks():
     taus = candidate_consistency(by_task)
     assert taus["t1"] == taus["t2"] == taus["t4"] == pytest.approx(1.0)
     assert taus["t3"] == pytest.approx(-1.0)
+
+
+def test_statistics_equal_scipys():
+    """Computed without scipy (a second to import); the same numbers, ties included."""
+    from scipy.stats import kendalltau, rankdata, spearmanr
+
+    from tasks.eval_quality import rankdata as ours
+
+    rng = random.Random(7)
+    for n in (2, 3, 5, 12, 40):
+        for _ in range(20):
+            a = [rng.choice((0.1, 0.2, 0.3, rng.random())) for _ in range(n)]  # with ties
+            b = [rng.choice((0.5, rng.random())) for _ in range(n)]
+            assert ours(a) == list(rankdata(a))
+            if len(set(a)) > 1 and len(set(b)) > 1:
+                assert monotonicity(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+                assert kendall(a, b) == pytest.approx(kendalltau(a, b).statistic, abs=1e-12)
