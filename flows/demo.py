@@ -150,7 +150,7 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
 
     flow_run = run_deployment(deployment, timeout=0, as_subflow=False)
     print(f"[demo] started {deployment} run {flow_run.id}; UI: http://127.0.0.1:{port}/runs/flow-run/{flow_run.id}")
-    final, message = watch(flow_run.id)
+    final, message = watch(flow_run.id, lineage=Lineage(workspace / "lineage.duckdb"))
     code = 0
     if final != "Completed":  # still show what happened, then fail
         print(f"[demo] the run ended {final}: {message}")
@@ -179,8 +179,10 @@ class RunWatch:
     """What changed in a flow run since the last look: its state, each task run's state (one line
     per change) and each running step's progress (in steps of `every` percent)."""
 
-    def __init__(self, flow_run_id, every: float = 10.0):
+    def __init__(self, flow_run_id, every: float = 10.0, lineage: Lineage | None = None):
         self.flow_run_id = flow_run_id
+        self.lineage = lineage  # where the runner recorded why an attempt failed (Prefect's
+        # AwaitingRetry state carries no message)
         self.every = every
         self.states: dict = {}  # task run id -> last state name shown
         self.progress: dict[str, float] = {}  # step key -> last percentage shown
@@ -213,6 +215,8 @@ class RunWatch:
             self.width = max(self.width, *(len(t.name) + 2 for t in tasks))
         for t in tasks:
             name = t.state.name if t.state else "Pending"
+            if name in ("AwaitingRetry", "Retrying"):  # waiting for, then running, the next attempt
+                name = "retrying"
             if self.states.get(t.id) == name or name in ("Scheduled", "Pending"):
                 continue
             self.states[t.id] = name
@@ -220,8 +224,8 @@ class RunWatch:
             if name in ("Completed", "Cached"):
                 retries = (t.run_count or 1) - 1  # a retry faster than a poll is still told
                 note = _seconds(t) + (f" (after {retries} retr{'y' if retries == 1 else 'ies'})" if retries > 0 else "")
-            elif name in ("AwaitingRetry", "Retrying"):
-                name, note = "retrying", (t.state.message or "")[:160]
+            elif name == "retrying":
+                note = (t.state.message or self._retried_cause(t.name))[:160]
             elif t.state and (t.state.is_failed() or t.state.is_crashed()):
                 note = (t.state.message or "")[:300]
             lines.append(f"{_clock()} {t.name:<{self.width}} {name:<10} {note}".rstrip())
@@ -243,11 +247,20 @@ class RunWatch:
         return lines, flow_run
 
 
-def watch(flow_run_id, poll: float = 2.0, out=print) -> tuple[str, str]:
+    def _retried_cause(self, key: str) -> str:
+        """The cause the runner recorded for the newest failed attempt of step `key`."""
+        if self.lineage is None:
+            return ""
+        rows = [r for r in self.lineage.steps_of(str(self.flow_run_id))
+                if f"{r['step']}[{r['label']}]" == key and r["state"] == "retried"]
+        return rows[-1]["error"] or "" if rows else ""
+
+
+def watch(flow_run_id, poll: float = 2.0, out=print, lineage: Lineage | None = None) -> tuple[str, str]:
     """Print what changes in a flow run until it ends; returns (final state name, its message)."""
     from prefect.client.orchestration import get_client
 
-    w = RunWatch(flow_run_id)
+    w = RunWatch(flow_run_id, lineage=lineage)
     with get_client(sync_client=True) as client:
         while True:
             lines, flow_run = w.poll(client)
