@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--workspace", default="workspace", help=WORKSPACE_HELP)
         return p
 
-    recipe_help = "recipe name in configs/ (tiny, smollm3-3b) or a YAML path (default: tiny)"
+    known = ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")))
+    recipe_help = f"recipe name in configs/ ({known}) or a YAML path (default: tiny)"
     overrides_help = ("key=value overrides of the recipe, list items by name, e.g. "
                       "sources.math.max_documents=100 stages.stage2.tokens=1e9")
 

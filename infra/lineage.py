@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -925,7 +925,8 @@ class Lineage:
     # --- which checkpoints trained on a source ---------------------------------------------
 
     def trained_on(self, source: str,
-                   pinned_tokens: Any = None) -> list[TrainedOn]:
+                   pinned_tokens: Callable[[Artifact], dict[str, int] | None] | None = None,
+                   ) -> list[TrainedOn]:
         """The training stages whose weights saw tokens of `source`, oldest first.
 
         `source` is a source name (`prose`: every source artifact of that name) or the

@@ -23,6 +23,7 @@ data; reusing a finished folder needs no slot.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import inspect
@@ -151,7 +152,8 @@ TRANSIENT_ERRORS = frozenset({
     "EndpointConnectionError", "ConnectionClosedError", "ResponseStreamingError",
 })
 # OSErrors that say something about the input or the machine that waiting does not change.
-_LASTING_ERRNOS = {2, 13, 17, 20, 21, 28, 30, 36, 122}  # ENOENT EACCES EEXIST ENOTDIR EISDIR ENOSPC EROFS ENAMETOOLONG EDQUOT
+_LASTING_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+                   errno.ENOSPC, errno.EROFS, errno.ENAMETOOLONG, errno.EDQUOT}
 _S3_RETRYABLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                  "InternalError", "ServiceUnavailable", "503", "500"}
 # Scheduler end states of a training job that a resumed job outlives.
