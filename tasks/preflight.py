@@ -30,12 +30,11 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from infra.artifact import Artifact, Inputs, operational
-from infra.lineage import Lineage
 from infra.preflight import (
     CheckResult,
     PreflightConfig,
@@ -49,6 +48,9 @@ from infra.preflight import (
 )
 from infra.workspace import Workspace
 from tasks.step import many, step
+
+if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
+    from infra.lineage import Lineage
 
 JSON_NAME, MD_NAME = "preflight.json", "preflight.md"
 

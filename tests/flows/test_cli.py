@@ -241,7 +241,7 @@ def test_unknown_refresh_names_are_refused_with_the_steps(capsys):
 @pytest.mark.parametrize(("argv", "absent"), [
     (["--help"], ("prefect", "torch", "datatrove", "transformers", "duckdb")),
     (["runs"], ("prefect", "torch", "datatrove", "transformers")),
-    (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval")),
+    (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval", "duckdb")),
     (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
 ])
 def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
