@@ -203,17 +203,21 @@ def _steps_only(lineage: Lineage, run_id: str) -> str:
     )
 
 
+# model.checkpoint.TRAINER_STATE, named here because that module imports torch (a second or more
+# for a lineage question); tests/flows/test_cli.py checks that the two agree.
+TRAINER_STATE = "trainer_state.json"
+
+
 def _pinned_tokens(pin) -> dict[str, int] | None:
-    """Tokens per source a pinned checkpoint had drawn in its stage (its trainer state), or None
-    when the pinned folder is not readable here."""
+    """Tokens per source a pinned checkpoint had drawn in its stage (its trainer state, plain
+    JSON), or None when the pinned folder is not readable here."""
     path = pin.meta.get("checkpoint")
     if not path:
         return None
-    from model.checkpoint import read_trainer_state
-
     try:
-        return dict(read_trainer_state(path).get("tokens_per_source") or {})
-    except (OSError, ValueError):
+        state = json.loads((Path(path) / TRAINER_STATE).read_text(encoding="utf-8"))
+        return {str(k): int(v) for k, v in (state.get("tokens_per_source") or {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 

@@ -179,6 +179,13 @@ def test_trained_on_counts_what_each_stage_drew_not_descent_through_the_tokenize
     assert row.runs == ("run-1",) and row.shards == (a["shards"]["prose"].fingerprint,)
 
 
+def test_the_trainer_state_file_name_is_the_trainers():
+    from flows.report import TRAINER_STATE
+    from model.checkpoint import TRAINER_STATE as TRAINERS
+
+    assert TRAINER_STATE == TRAINERS
+
+
 def test_trained_on_through_an_unreadable_pin_is_a_lower_bound(trained):
     root, a = trained
     (a["pin"].path / "checkpoint" / "step_00000004" / "trainer_state.json").unlink()
@@ -241,6 +248,7 @@ def test_unknown_refresh_names_are_refused_with_the_steps(capsys):
 @pytest.mark.parametrize(("argv", "absent"), [
     (["--help"], ("prefect", "torch", "datatrove", "transformers", "duckdb")),
     (["runs"], ("prefect", "torch", "datatrove", "transformers")),
+    (["lineage", "--trained-on", "prose"], ("prefect", "torch", "datatrove", "transformers")),
     (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval", "duckdb")),
     (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
 ])
