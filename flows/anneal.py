@@ -17,6 +17,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.graph import Given, Graph
+from flows.params import RecipeParam, step_names
 from flows.runner import run_flow
 from infra.lineage import Lineage
 from infra.workspace import Workspace
@@ -73,18 +74,26 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     return g
 
 
+Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
+
+
 @flow(name="anneal", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))
 def anneal(
-    recipe: str = "tiny",
+    recipe: RecipeParam = "tiny",
     overrides: list[str] | None = None,
     base: str = "",
-    refresh: list[str] | None = None,
+    refresh: list[Step] | None = None,
 ) -> dict:
-    """Anneal the recipe's candidate data sources from a base checkpoint and compare them.
+    """Anneal the recipe's candidate data sources from a base checkpoint and compare each
+    against a baseline anneal and its seed noise.
 
-    base: "" = the newest stable-phase checkpoint of the latest smollm3 run (resolved now);
-    else a checkpoint path or a pretrain artifact fingerprint.
-    overrides: `key=value` items over the recipe (e.g. `anneal.tokens=65536`).
+    Args:
+        recipe: A recipe in configs/ or the path of a recipe YAML file; its `anneal` section
+            names the candidates, the token budget and the noise runs.
+        overrides: `key=value` items applied over the recipe, e.g. `anneal.tokens=65536`.
+        base: Empty: the newest stable-phase checkpoint of the latest smollm3 run, resolved when
+            the run starts; else a checkpoint path or a pretrain artifact fingerprint.
+        refresh: Steps to rebuild even when their finished folder exists.
     """
     cfg = load_recipe(recipe, overrides or [])
     return run_flow("anneal", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])

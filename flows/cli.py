@@ -1,4 +1,10 @@
-"""The `smollm3` command line: run the flow, inspect recipes, lineage and runs, drive the demo."""
+"""The `smollm3` command line: run the flow, inspect recipes, plans, lineage and runs, drive the demo.
+
+Installed as `.venv/bin/smollm3` (the `[project.scripts]` entry of pyproject.toml). Light commands
+(`--help`, `runs`, `summary`, `lineage`, `recipe`, `plan`) import only what they use: no torch,
+datatrove or transformers at module level anywhere on their import path, and Prefect only where a
+flow graph is built (`plan`, `run`). `benchmarks/cli_latency.py` measures them.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,30 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from infra.lineage import Lineage
+if TYPE_CHECKING:
+    from infra.lineage import Lineage
+
+WORKSPACE_HELP = ("workspace folder holding lineage.duckdb (default: workspace, relative to "
+                  "$SMOLLM3_HOME or else the project root, as the flows resolve it)")
 
 
 def _lineage(args) -> Lineage:
+    from infra.lineage import Lineage
     from infra.workspace import resolve_workspace
 
     return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
 
 
+def _refresh(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def cmd_run(args) -> int:
+    from flows.params import check_refresh
+
+    check_refresh("smollm3", args.refresh)  # before Prefect opens a run
     from flows.smollm3 import smollm3
 
     result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
@@ -34,6 +53,9 @@ def cmd_recipe(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from flows.params import check_refresh
+
+    check_refresh(args.flow, args.refresh)
     from flows.plan import format_plan, plan
     from tasks.recipe import check_data, load_recipe
 
@@ -46,17 +68,28 @@ def cmd_plan(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from flows.report import resolve_artifact, tree
+    from flows.report import resolve_artifact, trained_on_table, tree
 
     lineage = _lineage(args)
-    print(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+    if bool(args.artifact) == bool(args.trained_on):
+        raise ValueError("give an ARTIFACT (fingerprint or path) or --trained-on SOURCE")
+    with lineage.reading():
+        if args.trained_on:
+            source = args.trained_on
+            if Path(source).exists():  # a path inside a source, corpus or shards folder
+                source = resolve_artifact(lineage, source)["fingerprint"]
+            print(trained_on_table(lineage, source))
+        else:
+            print(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
     return 0
 
 
 def cmd_runs(args) -> int:
     from flows.report import runs_table
 
-    print(runs_table(_lineage(args), args.limit, steps=not args.no_steps))
+    lineage = _lineage(args)
+    with lineage.reading():
+        print(runs_table(lineage, args.limit, steps=not args.no_steps))
     return 0
 
 
@@ -74,27 +107,53 @@ def cmd_report(args) -> int:
     from flows.report import find_run, run_report
 
     lineage = _lineage(args)
-    out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
-    print(run_report(lineage, args.run, out))
+    with lineage.reading():
+        out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
+        print(run_report(lineage, args.run, out))
     return 0
 
 
 def cmd_summary(args) -> int:
     from flows.report import summary
 
-    print(summary(_lineage(args), args.ui))
+    ui = args.ui
+    if ui is None:
+        ui = os.environ.get("PREFECT_API_URL", "").removesuffix("/api") or None
+    lineage = _lineage(args)
+    with lineage.reading():
+        print(summary(lineage, ui))
     return 0
+
+
+PREFLIGHT_USAGE = ("smollm3 preflight RECIPE [key=value ...]\n"
+                   "       smollm3 preflight [--config FILE] [--facts FILE] [--json FILE] [--list] "
+                   "[key=value | facts.key=value ...]")
+PREFLIGHT_HELP = """\
+Check that this machine can train a recipe before training starts: the config (batch layout,
+sequence length, stage plan), GPUs (count, matmul throughput, throttling, memory, ECC, DCGM, NCCL
+all-reduce) or CPU and gloo, storage (free space, checkpoint IO, S3, DCP) and data (shards, epochs,
+vocabulary, eval tasks); `--list` names every check. Prints one row per check.
+Exit status: 0 go, 1 stop (a check failed), 2 bad input.
+
+With a RECIPE (a name in configs/ or a YAML path, plus key=value overrides of it), the facts come
+from the recipe, as the flow's preflight step takes them. Without one, give the facts by hand."""
+PREFLIGHT_EPILOG = """\
+examples:
+  smollm3 preflight tiny                                the tiny recipe on this machine
+  smollm3 preflight smollm3-3b training.nproc_per_node=8
+  smollm3 preflight --list                              the registered checks
+  smollm3 preflight --facts facts.yaml allow_warn=true facts.nproc_per_node=8 --json out.json"""
 
 
 def cmd_preflight(args) -> int:
     """`smollm3 preflight RECIPE [key=value ...]` checks a recipe's training setup on this machine;
-    without a recipe name the arguments go to `python -m infra.preflight` (facts and thresholds
-    given by hand)."""
+    without a recipe the arguments are the hand-given form (facts and thresholds)."""
     argv = list(args.args)
-    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+    if not argv or argv[0].startswith("-") or "=" in argv[0] or {"-h", "--help"} & set(argv):
         from infra.preflight.cli import main as preflight_main
 
-        return preflight_main(argv)
+        return preflight_main(argv, prog="smollm3 preflight", usage=PREFLIGHT_USAGE,
+                              description=PREFLIGHT_HELP, epilog=PREFLIGHT_EPILOG)
     from infra.preflight import PreflightFacts, format_table, run_preflight, should_stop
     from tasks.preflight import model_facts, spec_for
     from tasks.recipe import load_recipe
@@ -116,6 +175,12 @@ def cmd_capacity(args) -> int:
     from infra.planner import main as planner_main
 
     return planner_main(args.args)
+
+
+def cmd_eval_quality(args) -> int:
+    from tasks.eval_quality import main as quality_main
+
+    return quality_main(args.args, prog="smollm3 eval-quality")
 
 
 def cmd_serve(args) -> int:
@@ -141,44 +206,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smollm3",
         description="Train a SmolLM3-style model end to end as a Prefect DAG with DuckDB lineage.",
+        epilog="`smollm3 COMMAND --help` explains a command and its arguments.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn, help: str, workspace: bool = False) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def add(name: str, fn, help: str, workspace: bool = False, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=kw.pop("description", help), **kw)
         p.set_defaults(fn=fn)
         if workspace:
-            p.add_argument("--workspace", default="workspace",
-                           help="workspace folder holding lineage.duckdb (default: ./workspace)")
+            p.add_argument("--workspace", default="workspace", help=WORKSPACE_HELP)
         return p
 
-    p = add("run", cmd_run, "run the smollm3 flow in this process (no deployment needed)")
-    p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in configs/ or a YAML path")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sources.math.max_documents=100")
-    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="comma-separated step names to rerun even if finished")
+    known = ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")))
+    recipe_help = f"recipe name in configs/ ({known}) or a YAML path (default: tiny)"
+    overrides_help = ("key=value overrides of the recipe, list items by name, e.g. "
+                      "sources.math.max_documents=100 stages.stage2.tokens=1e9")
 
-    p = add("recipe", cmd_recipe, "validate a recipe and print it resolved (with overrides)")
-    p.add_argument("recipe", nargs="?", default="tiny")
-    p.add_argument("overrides", nargs="*")
+    p = add("run", cmd_run, "run the smollm3 flow in this process (no server or deployment needed)")
+    p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--refresh", type=_refresh, default=[], metavar="STEP[,STEP]",
+                   help="step names to rebuild even if finished, e.g. preflight,evaluate "
+                        "(unknown names are refused with the flow's steps)")
+
+    p = add("recipe", cmd_recipe, "validate a recipe (and its data sources) and print it resolved")
+    p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
+    p.add_argument("overrides", nargs="*", help=overrides_help)
 
     p = add("plan", cmd_plan, "dry run of a flow: every step as run or reuse, and why a step would run")
-    p.add_argument("recipe", nargs="?", default="tiny")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
+    p.add_argument("overrides", nargs="*", help=overrides_help)
     p.add_argument("--flow", default="smollm3", choices=("smollm3", "anneal", "cpt"),
                    help="which deployed flow to plan: smollm3 (smollm3/full), anneal (anneal/nightly), "
                         "cpt (cpt/on-demand); default smollm3")
     p.add_argument("--base", default="",
                    help="anneal/cpt: the base checkpoint (path or fingerprint; default: resolved as the flow does)")
-    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="comma-separated step names to plan as forced reruns")
+    p.add_argument("--refresh", type=_refresh, default=[], metavar="STEP[,STEP]",
+                   help="step names to plan as forced reruns (unknown names are refused with the flow's steps)")
 
-    p = add("lineage", cmd_lineage, "print what produced an artifact (or what descends from it)", True)
-    p.add_argument("artifact", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
+    p = add("lineage", cmd_lineage,
+            "what produced an artifact, what descends from it, or which checkpoints trained on a source",
+            True, description="Print the ancestor tree of an artifact (or its descendants), or, with "
+            "--trained-on, the checkpoints whose training drew tokens from a source.")
+    p.add_argument("artifact", nargs="?",
+                   help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
     p.add_argument("--descendants", action="store_true", help="walk downstream instead of upstream")
+    p.add_argument("--trained-on", metavar="SOURCE",
+                   help="list the checkpoints that drew tokens from SOURCE (a source name such as "
+                        "prose, or the fingerprint or folder of one source, curated corpus or shards "
+                        "artifact), per stage and cumulative through init; descent through the "
+                        "tokenizer is not training on a source and is not listed")
 
     p = add("runs", cmd_runs, "list flow runs with their steps and states", True)
-    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--limit", type=int, default=10, help="newest runs to list (default 10)")
     p.add_argument("--no-steps", action="store_true", help="one line per run")
 
     p = add("report", cmd_report, "write a run's report (steps, evals, stage summaries, loss curves, lineage) to a file", True)
@@ -191,30 +271,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
     p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")
 
+    # These three have parsers of their own (they run standalone too): `smollm3 X --help`.
     p = add("preflight", cmd_preflight, "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)")
     p.add_argument("args", nargs="*", help="see `smollm3 preflight --help`")
-
     p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
     p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
-
-    p = add("eval-quality", cmd_eval_quality, "eval-quality WORKSPACE: which eval tasks give signal (monotonicity, SNR, margin, ranking)")
+    p = add("eval-quality", cmd_eval_quality,
+            "which eval tasks give signal in a run (monotonicity, SNR, margin, ranking) and why")
     p.add_argument("args", nargs="*", help="see `smollm3 eval-quality --help`")
 
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
 
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
-    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     p.add_argument("--state", default=".demo", help="folder for the demo's pid and log files")
 
     p = add("down", cmd_down, "stop exactly the processes `smollm3 demo` started")
-    p.add_argument("--state", default=".demo")
+    p.add_argument("--state", default=".demo", help="folder `smollm3 demo` kept its pid files in")
     return parser
-
-
-def cmd_eval_quality(args) -> int:
-    from tasks.eval_quality import main as quality_main
-
-    return quality_main(args.args)
 
 
 PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity, "eval-quality": cmd_eval_quality}
@@ -223,17 +297,14 @@ PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity, "eval-qual
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASS_THROUGH:  # their own parsers own every option, --help included
-        return PASS_THROUGH[argv[0]](argparse.Namespace(args=argv[1:])) or 0
-    args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) == "summary" and args.ui is None:
-        api = os.environ.get("PREFECT_API_URL", "")
-        args.ui = api.removesuffix("/api") or None
-    from tasks.recipe import RecipeError
-
+        command, fn, args = argv[0], PASS_THROUGH[argv[0]], argparse.Namespace(args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, fn = args.command, args.fn
     try:
-        return args.fn(args) or 0
-    except (RecipeError, LookupError, ValueError, FileNotFoundError) as exc:
-        print(f"smollm3 {args.command}: error: {exc}", file=sys.stderr)
+        return fn(args) or 0
+    except (LookupError, ValueError, FileNotFoundError) as exc:  # RecipeError is a ValueError
+        print(f"smollm3 {command}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.graph import Given, Graph
+from flows.params import RecipeParam, step_names
 from flows.runner import run_flow
 from infra.lineage import Lineage
 from infra.workspace import Workspace
@@ -52,17 +53,26 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     return g
 
 
+Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
+
+
 @flow(name="cpt", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
 def cpt(
-    recipe: str = "tiny",
+    recipe: RecipeParam = "tiny",
     overrides: list[str] | None = None,
     base: str = "",
-    refresh: list[str] | None = None,
+    refresh: list[Step] | None = None,
 ) -> dict:
-    """Continue pretraining `base` on the recipe's `cpt.domain` sources with general replay.
+    """Continue pretraining a base checkpoint on the recipe's `cpt.domain` sources with general
+    replay, watching held-out loss on both domains for forgetting.
 
-    base: "" = the last pretrain stage of the latest smollm3 run; else a checkpoint path, an HF
-    `save_pretrained` folder or a checkpoint artifact fingerprint.
+    Args:
+        recipe: A recipe in configs/ or the path of a recipe YAML file; its `cpt` section names
+            the domain sources, the replay share, the tokens and the LR.
+        overrides: `key=value` items applied over the recipe, e.g. `cpt.tokens=65536`.
+        base: Empty: the last pretrain stage of the latest smollm3 run; else a checkpoint path,
+            an HF `save_pretrained` folder or a checkpoint artifact fingerprint.
+        refresh: Steps to rebuild even when their finished folder exists.
     """
     cfg = load_recipe(recipe, overrides or [])
     return run_flow("cpt", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])

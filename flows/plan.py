@@ -79,13 +79,14 @@ def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -
     lineage = Lineage(ws.lineage_path)
     rows: list[PlanRow] = []
     runs: set[str] = set()
-    for node in g:
-        action, reason = _decide(node, ws, lineage, refresh, runs)
-        if action == "run":
-            runs.add(node.key)
-        summary = getattr(node.config, "launch_summary", None)
-        rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason,
-                            summary() if callable(summary) else ""))
+    with lineage.reading():  # a few reads per step: one connection, not one per read
+        for node in g:
+            action, reason = _decide(node, ws, lineage, refresh, runs)
+            if action == "run":
+                runs.add(node.key)
+            summary = getattr(node.config, "launch_summary", None)
+            rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason,
+                                summary() if callable(summary) else ""))
     return rows
 
 

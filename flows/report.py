@@ -201,3 +201,48 @@ def _steps_only(lineage: Lineage, run_id: str) -> str:
         f"{r['step'] + ('[' + r['label'] + ']' if r['label'] else ''):<28} {r['state']:<9} {r['seconds']:7.1f}s"
         for r in rows
     )
+
+
+# model.checkpoint.TRAINER_STATE, named here because that module imports torch (a second or more
+# for a lineage question); tests/flows/test_cli.py checks that the two agree.
+TRAINER_STATE = "trainer_state.json"
+
+
+def _pinned_tokens(pin) -> dict[str, int] | None:
+    """Tokens per source a pinned checkpoint had drawn in its stage (its trainer state, plain
+    JSON), or None when the pinned folder is not readable here."""
+    path = pin.meta.get("checkpoint")
+    if not path:
+        return None
+    try:
+        state = json.loads((Path(path) / TRAINER_STATE).read_text(encoding="utf-8"))
+        return {str(k): int(v) for k, v in (state.get("tokens_per_source") or {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def trained_on_table(lineage: Lineage, source: str) -> str:
+    """`smollm3 lineage --trained-on SOURCE`: every checkpoint whose weights saw tokens of a
+    source, with the tokens drawn in its own stage and in its whole init chain."""
+    rows = lineage.trained_on(source, pinned_tokens=_pinned_tokens)
+    if not rows:
+        return (f"no training stage in {lineage.path} drew tokens from {source!r} (nor continues "
+                "one that did)")
+    name = rows[0].source
+    out = [f"checkpoints trained on source {name!r} (tokens: the mixture ledger at the end of each "
+           "stage; cumulative: this stage and the stages its init chain continues)",
+           f"{'stage':<22}{'checkpoint':<14}{'this stage':>14}{'cumulative':>14}  runs (built or reused it)"]
+    for r in rows:
+        cumulative = f"{r.cumulative_tokens:,}" + ("" if r.complete else "+")
+        runs = f"{len(r.runs)}, last {r.runs[-1][:8]}" if r.runs else "-"
+        out.append(f"{'pretrain[' + r.label + ']':<22}{r.checkpoint.short:<14}{r.stage_tokens:>14,}"
+                   f"{cumulative:>14}  {runs}")
+        if len(r.chain) > 1:
+            out.append(" " * 4 + "chain: " + " -> ".join(f"{label} {tokens:,}" for label, _, tokens in r.chain))
+        out.append(" " * 4 + r.checkpoint.uri)
+    if any(not r.complete for r in rows):
+        out.append("+: at least; a pinned base checkpoint's own count was not readable here")
+    out.append("Every checkpoint also descends from every source through the tokenizer (and each "
+               "curation reads the other sources' held-out text): that is not training on them, "
+               "and is not counted here. The query: docs/architecture.md (Lineage).")
+    return "\n".join(out)

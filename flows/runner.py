@@ -52,6 +52,7 @@ from tasks.step import (
     read_error,
     read_result,
     split_progress,
+    transient,
     write_call,
 )
 
@@ -184,12 +185,29 @@ def prefect_task(d: StepDef):
     """The Prefect task that runs step `d` (one per step definition)."""
     with _TASKS_LOCK:
         if id(d) not in _TASKS:
-            @task(name=d.name, cache_policy=StepCache(), persist_result=True, result_serializer="json")
+            # Retries only for failures a second attempt can fix (tasks.step.transient): the
+            # attempt records its own lineage row, a resumable step continues its folder.
+            @task(name=d.name, cache_policy=StepCache(), persist_result=True, result_serializer="json",
+                  retries=d.retries, retry_delay_seconds=d.retry_delay, retry_condition_fn=_retry_if_transient)
             def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
                 return execute(call, inputs, gates).model_dump(mode="json")
 
             _TASKS[id(d)] = (d, run)
         return _TASKS[id(d)][1]
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    """Prefect's retry condition: only a transient failure (IO, network, a killed trainer)."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, Exception) and transient(exc)
+
+
+def _retrying(d: StepDef, exc: BaseException) -> bool:
+    """Whether Prefect will run this attempt again (what `_retry_if_transient` will answer)."""
+    from prefect.runtime import task_run
+
+    attempt = task_run.run_count or 0  # 0 outside a task run
+    return 0 < attempt <= d.retries and isinstance(exc, Exception) and transient(exc)
 
 
 def _artifact(value: Any) -> Artifact:
@@ -240,7 +258,10 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                                    refresh=call.refresh, resumable=d.resumable)
     except BaseException as exc:
         cause = _cause(exc)
-        ctx.record(node, "failed", started[0], _now(), cause)
+        if _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
+            ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
+        else:
+            ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
             raise StepFailed(f"{node.key} failed: {cause}") from exc
         raise

@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.graph import Graph, Node
+from flows.params import RecipeParam, step_names
 from flows.runner import run_flow
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
@@ -172,14 +173,23 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     return model
 
 
+Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
+
+
 @flow(name="smollm3", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))
 def smollm3(
-    recipe: str = "tiny", overrides: list[str] | None = None, refresh: list[str] | None = None
+    recipe: RecipeParam = "tiny", overrides: list[str] | None = None, refresh: list[Step] | None = None
 ) -> dict:
-    """Train SmolLM3 end to end from `recipe` (a name in configs/ or a path).
+    """Train SmolLM3 end to end from a recipe: data, tokenizer, shards, mixtures, preflight,
+    pretraining stages with their exports and evaluations, post-training.
 
-    overrides: `key=value` items applied over the recipe (e.g. `sources.math.max_documents=100`).
-    refresh: step names to rerun even when a finished result exists.
+    Args:
+        recipe: A recipe in configs/ (tiny: the CPU recipe, minutes; smollm3-3b: the published
+            3B run) or the path of a recipe YAML file.
+        overrides: `key=value` items applied over the recipe, list items addressed by name, e.g.
+            `sources.math.max_documents=100`, `stages.stage2.tokens=1e9`, `stages=[]`.
+        refresh: Steps to rebuild even when their finished folder exists, e.g. `preflight` to
+            measure this host again; the others reuse what is finished.
     """
     from prefect.runtime import flow_run
 

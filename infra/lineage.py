@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -120,7 +120,7 @@ class StepRow:
     step: str
     label: str
     fingerprint: str | None
-    state: str  # completed | cached | failed
+    state: str  # completed | cached | failed | skipped | retried (failed, the next attempt runs)
     config: Any
     code_version: str
     started: datetime
@@ -373,6 +373,7 @@ class Lineage:
         self.path = Path(path)
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self.journal_dir = self.path.with_name(self.path.name + ".journal")
+        self._session: tuple[int, duckdb.DuckDBPyConnection] | None = None  # see `reading`
 
     @contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
@@ -556,6 +557,9 @@ class Lineage:
     # --- reads --------------------------------------------------------------------------------
 
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
+        session = self._session
+        if session is not None and session[0] == threading.get_ident():  # inside `reading()`
+            return _fetch(session[1], sql, params, dicts)
         if self._has_pending():
             try:
                 landed = self._ingest()
@@ -879,6 +883,195 @@ class Lineage:
             return []
         where, params = ("WHERE comparison = ?", [comparison]) if comparison else ("", [])
         return self.query_dicts(f"SELECT * FROM anneal_comparisons {where} ORDER BY created DESC, candidate, task", params)
+
+
+    # --- many reads at once (the CLI's views) ----------------------------------------------
+
+    @contextmanager
+    def reading(self) -> Iterator[Lineage]:
+        """Reads made in this block by this thread share one connection: a view that asks a
+        hundred small questions (a lineage tree, a run listing) opens the database once instead
+        of once per question (~50 ms each). Pending journal events are ingested first, or, while
+        an outside process holds the file, read from a private copy (`snapshot`). The open
+        connection holds DuckDB's read lock like an outside reader: writes made meanwhile are
+        journaled at once and land when the block ends (the background retry), so keep a block to
+        one view."""
+        if self._has_pending():
+            try:
+                landed = self._ingest()
+            except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
+                landed = False
+            if not landed:
+                with self.snapshot() as con:
+                    self._session = (threading.get_ident(), con)
+                    try:
+                        yield self
+                    finally:
+                        self._session = None
+                return
+        if not self.path.exists():
+            yield self  # nothing recorded yet: every read is empty, as outside a session
+            return
+        with self._locked(fcntl.LOCK_SH):  # not while an ingestion is applying events
+            con = duckdb.connect(str(self.path), read_only=True)
+        self._session = (threading.get_ident(), con)
+        try:
+            yield self
+        finally:
+            self._session = None
+            con.close()
+
+
+    # --- which checkpoints trained on a source ---------------------------------------------
+
+    def trained_on(self, source: str,
+                   pinned_tokens: Callable[[Artifact], dict[str, int] | None] | None = None,
+                   ) -> list[TrainedOn]:
+        """The training stages whose weights saw tokens of `source`, oldest first.
+
+        `source` is a source name (`prose`: every source artifact of that name) or the
+        fingerprint (prefix) of one source, curated corpus or shards artifact (only the data
+        that came from it). A stage *drew* from the source when its mixture read those shards
+        and its ledger (the pretrain meta `tokens_per_source`, the loader's count at the end of
+        the stage) counts tokens of that name; a stage that continues such a stage through its
+        `init` input trained on it too (its `cumulative_tokens`), even at weight 0. Descent
+        through the tokenizer (trained on every source) or through decontamination (a curation
+        reads every source's held-out split) is not training on a source and is left out.
+
+        An anneal or CPT stage starts from a pin of a checkpoint part-way through a stage: the
+        tokens that stage had drawn by then are in the pinned checkpoint, which lineage does not
+        hold; `pinned_tokens(pin: Artifact) -> {source: tokens} | None` reads them (the CLI reads
+        the checkpoint's trainer state). Without it, or when it returns None, cumulative counts
+        through that pin are lower bounds (`complete` False).
+        """
+        name, shards = self._source_shards(source)
+        rows = self.query_dicts(
+            "SELECT a.*, list(DISTINCT s.fingerprint) AS read FROM artifacts s "
+            "JOIN edges e1 ON e1.parent = s.fingerprint "
+            "JOIN artifacts m ON m.fingerprint = e1.child AND m.kind = 'mixture' "
+            "JOIN edges e2 ON e2.parent = m.fingerprint "
+            "JOIN artifacts a ON a.fingerprint = e2.child AND a.step = 'pretrain' "
+            f"WHERE s.fingerprint IN ({', '.join('?' * len(shards)) or 'NULL'}) GROUP BY ALL",
+            list(shards),
+        )
+        drew = {r["fingerprint"]: r for r in rows}
+        stages = {r["fingerprint"]: r for r in self.query_dicts(
+            "SELECT * FROM artifacts WHERE step IN ('pretrain', 'pin')")}
+        init = dict(self.query(
+            "SELECT e.child, e.parent FROM edges e "
+            "JOIN artifacts c ON c.fingerprint = e.child AND c.step = 'pretrain' "
+            "JOIN artifacts p ON p.fingerprint = e.parent AND p.step IN ('pretrain', 'pin')"))
+        runs: dict[str, list[str]] = {}
+        for fp, run in self.query(
+                "SELECT fingerprint, run_id FROM steps WHERE step = 'pretrain' AND state IN "
+                "('completed', 'cached') GROUP BY ALL ORDER BY min(started)"):
+            runs.setdefault(fp, []).append(run)
+
+        def ledger(row: dict[str, Any]) -> int:
+            meta = row["meta"] if isinstance(row["meta"], dict) else json.loads(row["meta"] or "{}")
+            return int((meta.get("tokens_per_source") or {}).get(name, 0))
+
+        def base_of(pin: dict[str, Any]) -> str | None:
+            """The pretrain artifact whose folder holds the pinned checkpoint."""
+            meta = json.loads(pin["meta"] or "{}") if isinstance(pin["meta"], str) else pin["meta"]
+            path = str(meta.get("source") or "")
+            owners = [fp for fp, r in stages.items()
+                      if r["step"] == "pretrain" and path.startswith(r["uri"].rstrip("/") + "/")]
+            return owners[0] if owners else None
+
+        Walk = tuple[int, tuple[tuple[str, str, int], ...], bool]
+        memo: dict[str, Walk] = {}
+        nothing: Walk = (0, (), True)
+
+        def walk(fp: str, depth: int = 0) -> Walk:
+            """(cumulative tokens, the chain of (label, fingerprint, tokens), complete) of a stage
+            or a pin, following `init` edges and pins back to the first stage."""
+            if fp in memo:
+                return memo[fp]
+            row = stages[fp]
+            if row["step"] == "pin":  # what its base stage had drawn at the pinned step, and before
+                base = base_of(row)
+                earlier = walk(init[base], depth + 1) if base and init.get(base) in stages and depth < 64 else nothing
+                known = pinned_tokens(artifact_of(row)) if pinned_tokens else None
+                got = int(known.get(name, 0)) if known is not None and base in drew else 0
+                complete = earlier[2] and (known is not None or base not in drew)
+                label = f"{stages[base]['label']} (pinned)" if base else row["label"]
+                memo[fp] = (earlier[0] + got, (*earlier[1], (label, fp, got)), complete)
+            else:
+                before = walk(init[fp], depth + 1) if init.get(fp) in stages and depth < 64 else nothing
+                mine = ledger(row) if fp in drew else 0
+                memo[fp] = (before[0] + mine, (*before[1], (row["label"], fp, mine)), before[2])
+            return memo[fp]
+
+        out = []
+        for fp, row in sorted(stages.items(), key=lambda kv: kv[1]["created"]):
+            if row["step"] != "pretrain":
+                continue
+            cumulative, chain, complete = walk(fp)
+            if cumulative > 0 or not complete:  # incomplete: a pinned base drew from it
+                mine = chain[-1][2]
+                out.append(TrainedOn(
+                    checkpoint=artifact_of(row), label=row["label"], source=name,
+                    shards=tuple(sorted(drew[fp]["read"])) if fp in drew else (),
+                    stage_tokens=mine, cumulative_tokens=cumulative, chain=chain,
+                    complete=complete, runs=tuple(runs.get(fp, ())),
+                ))
+        return out
+
+    def _source_shards(self, source: str) -> tuple[str, tuple[str, ...]]:
+        """(source name, fingerprints of the token shards made from it) for a source name or the
+        fingerprint of a source, curated corpus or shards artifact of one source."""
+        named = self.query(
+            "SELECT fingerprint FROM artifacts WHERE step = 'tokenize' "
+            "AND json_extract_string(meta, '$.source') = ?", [source])
+        if named:
+            return source, tuple(sorted(r[0] for r in named))
+        row = self.artifact(source.lower()) if re.fullmatch(r"[0-9a-fA-F]{4,64}", source) else None
+        if row is None:
+            names = sorted({r[0] for r in self.query(
+                "SELECT json_extract_string(meta, '$.source') FROM artifacts WHERE step = 'tokenize'")
+                if r[0]})
+            raise LookupError(f"no token shards of a source {source!r} in {self.path}, and no "
+                              f"artifact with that fingerprint; sources with shards: "
+                              f"{', '.join(names) or 'none'}")
+        meta = json.loads(row["meta"] or "{}") if isinstance(row["meta"], str) else row["meta"]
+        name = meta.get("source")
+        if row["step"] not in ("source", "curate", "tokenize") or not name:
+            raise LookupError(f"artifact {row['fingerprint'][:12]} is a {row['kind']} made by "
+                              f"{row['step']}, not a source, curated corpus or token shards")
+        # Follow only the data of this one source: curation also reads every other source's
+        # held-out split (decontamination), which makes their corpora descendants too. Names are
+        # unique within a recipe and those other sources are the run's others, so keeping to
+        # artifacts of this source's name keeps to its own data.
+        shards = self.query(
+            """
+            WITH RECURSIVE walk(fp) AS (
+                SELECT ?
+                UNION SELECT e.child FROM edges e JOIN walk ON e.parent = walk.fp
+                JOIN artifacts c ON c.fingerprint = e.child
+                WHERE c.step IN ('curate', 'tokenize') AND json_extract_string(c.meta, '$.source') = ?
+            )
+            SELECT a.fingerprint FROM walk JOIN artifacts a ON a.fingerprint = walk.fp
+            WHERE a.step = 'tokenize'
+            """,
+            [row["fingerprint"], name],
+        )
+        return name, tuple(sorted(r[0] for r in shards))
+
+
+@dataclass(frozen=True)
+class TrainedOn:
+    """One training stage's checkpoint and the tokens of one source behind its weights."""
+
+    checkpoint: Artifact  # the pretrain step's artifact (the stage folder and its checkpoints)
+    label: str  # the stage (stage1, long2, anneal-math, cpt)
+    source: str  # the source name, as the mixture ledger counts it
+    shards: tuple[str, ...]  # the source's token shards this stage's mixture read (none: it read none)
+    stage_tokens: int  # tokens of the source drawn in this stage
+    cumulative_tokens: int  # ... in this stage and every stage its init chain continues
+    chain: tuple[tuple[str, str, int], ...]  # (stage label, fingerprint, tokens), first stage first
+    complete: bool  # False: a pinned checkpoint's own count was not available (a lower bound)
+    runs: tuple[str, ...]  # flow runs that built or reused the stage
 
 
 def artifact_of(row: dict[str, Any]) -> Artifact:

@@ -261,12 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default gpus/(tp x pp))")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation: none keeps every activation, selective drops the "
+                   "attention scores, full keeps only each layer's input")
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
-    p.add_argument("--layers", type=int, default=36)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=36, help="transformer layers (SmolLM3-3B: 36)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (SmolLM3-3B: 2048)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (SmolLM3-3B: 16)")
     p.add_argument("--fp32-grad-accum", action="store_true", help="add 4 Psi fp32 gradient buffers")
     return p
 

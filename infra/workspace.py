@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.lineage import Lineage
 from infra.storage import StorageConfig
+
+if TYPE_CHECKING:  # imported where used: resolving a workspace needs no DuckDB
+    from infra.lineage import Lineage
 
 HOME_ENV = "SMOLLM3_HOME"
 ROOTS_ENV = "SMOLLM3_WORKSPACE_ROOTS"
@@ -114,6 +117,8 @@ class Workspace(BaseModel):
         return self.path / "lineage.duckdb"
 
     def lineage(self) -> Lineage:
+        from infra.lineage import Lineage
+
         return Lineage(self.lineage_path)
 
     @property

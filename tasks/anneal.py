@@ -23,18 +23,20 @@ import statistics
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.artifact import Artifact, Inputs
-from infra.lineage import Lineage
 from model.spec import ScheduleSpec
 from tasks.base import BaseCheckpoint
 from tasks.heldout import HeldoutConfig
 from tasks.mixture import WeightsMixture, blend
 from tasks.pretrain import StageRun, optimizer_steps
 from tasks.step import many, one, step
+
+if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
+    from infra.lineage import Lineage
 
 
 class AnnealCandidate(BaseModel):

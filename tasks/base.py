@@ -24,16 +24,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from infra.artifact import Inputs, operational
 from infra.artifact import read_marker as read_step_marker
-from infra.lineage import Lineage
 from infra.workspace import Workspace
 from model.spec import TrainSpec
 from tasks.step import step
+
+if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
+    from infra.lineage import Lineage
 
 
 class BaseCheckpoint(BaseModel):

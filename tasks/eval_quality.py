@@ -13,9 +13,9 @@ Per task, over a run's checkpoints (and, when there is one, an anneal comparison
 A task is kept when it passes every criterion that could be measured. The functions are pure and
 take plain lists; `run_series` reads a run's scores from lineage, and
 
-    python -m tasks.eval_quality WORKSPACE [--run RUN_ID] [--metric acc_norm]
+    smollm3 eval-quality [WORKSPACE] [--run RUN_ID] [--metric acc_norm]
 
-prints the table.
+prints the table and, under each dropped task, which criteria failed with their values.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -52,15 +51,41 @@ class TaskSeries:
     models: Mapping[str, Sequence[float]] = field(default_factory=dict)
 
 
+# The statistics are computed here, in plain Python, rather than with scipy.stats: importing it
+# takes a second or more (two on a busy 2-core machine), longer than the whole command should,
+# and a run has tens of checkpoints, not millions. They equal scipy's `rankdata`, `spearmanr`
+# and `kendalltau` (tau-b) (tests/tasks/test_eval_quality.py compares them).
+
+
+def rankdata(values: Sequence[float]) -> list[float]:
+    """Ranks from 1, ties sharing the average of their ranks (scipy's `rankdata` 'average')."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson(a: Sequence[float], b: Sequence[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return cov / var if var else math.nan
+
+
 def monotonicity(steps: Sequence[float], scores: Sequence[float]) -> float:
     """Spearman rho of score vs step; 0 when either is constant (no ranking to correlate)."""
-    from scipy.stats import spearmanr
-
     if len(steps) != len(scores):
         raise ValueError(f"monotonicity: {len(steps)} steps but {len(scores)} scores")
     if len(scores) < 2 or len(set(scores)) < 2 or len(set(steps)) < 2:
         return 0.0
-    rho = spearmanr(steps, scores).statistic
+    rho = _pearson(rankdata(steps), rankdata(scores))
     return 0.0 if math.isnan(rho) else float(rho)
 
 
@@ -105,14 +130,27 @@ def margin_sigmas(score: float, random: float, noise: float | None) -> float | N
 
 
 def kendall(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall tau of two score lists over the same items; 0 when either is constant."""
-    from scipy.stats import kendalltau
-
+    """Kendall tau-b of two score lists over the same items; 0 when either is constant."""
     if len(a) != len(b):
         raise ValueError(f"kendall: {len(a)} vs {len(b)} items")
     if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
         return 0.0
-    tau = kendalltau(a, b).statistic
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue  # tied in both: counts in neither denominator term
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+    tau = (concordant - discordant) / denom if denom else math.nan
     return 0.0 if math.isnan(tau) else float(tau)
 
 
@@ -131,8 +169,6 @@ def ranking_consistency(models: Mapping[str, Sequence[float]]) -> float | None:
 def candidate_consistency(by_task: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """Per task, Kendall tau between its ranking of anneal candidates and the mean ranking of the
     other tasks (leave-one-out consensus). by_task: task -> {candidate: score (higher better)}."""
-    from scipy.stats import rankdata
-
     out: dict[str, float] = {}
     tasks = sorted(by_task)
     cands = sorted(set.intersection(*(set(v) for v in by_task.values()))) if by_task else []
@@ -162,6 +198,35 @@ class TaskQuality:
         measured = [v for v in self.checks.values() if v is not None]
         return bool(measured) and all(measured)
 
+    def why(self, thresholds: Thresholds = Thresholds()) -> tuple[list[str], list[str]]:
+        """(the criteria that failed, with the values and thresholds; those not measurable here
+        and why) in words: what `keep: no` rests on."""
+
+        def num(v: float | None, fmt: str) -> str:
+            return "-" if v is None else ("inf" if math.isinf(v) else format(v, fmt))
+
+        failed, unmeasured = [], []
+        c = self.checks
+        if c["monotonic"] is False:
+            failed.append(f"not monotonic: Spearman rho {self.spearman:.2f} < {thresholds.spearman:g} over "
+                          f"{self.points} checkpoints")
+        elif c["monotonic"] is None:
+            unmeasured.append(f"monotonicity (needs 3+ checkpoints, has {self.points})")
+        if c["low_noise"] is False:
+            failed.append(f"noisy: SNR {num(self.snr, '.1f')} <= {thresholds.snr:g}")
+        elif c["low_noise"] is None:
+            unmeasured.append("noise (no stderr and no seed runs)")
+        if c["above_random"] is False:
+            failed.append(f"too close to random: margin {num(self.margin, '.1f')} sigma <= "
+                          f"{thresholds.margin_sigmas:g} sigma")
+        elif c["above_random"] is None:
+            unmeasured.append("margin above random (no noise estimate)")
+        if c["consistent"] is False:
+            failed.append(f"inconsistent ranking: Kendall tau {num(self.kendall, '.2f')} < {thresholds.kendall:g}")
+        elif c["consistent"] is None:
+            unmeasured.append("ranking consistency (needs an anneal comparison or several models)")
+        return failed, unmeasured
+
 
 def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_tau: float | None = None) -> TaskQuality:
     """The four criteria for one task. kendall_tau: an externally measured consistency (anneal
@@ -183,8 +248,9 @@ def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_ta
     return TaskQuality(series.task, len(series.scores), final, rho, ratio, margin, tau, checks)
 
 
-def quality_table(rows: Sequence[TaskQuality]) -> str:
-    """A fixed-width table for the terminal."""
+def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Thresholds()) -> str:
+    """A fixed-width table for the terminal; under each dropped task, which criteria failed (with
+    the values) and which could not be measured."""
 
     def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else ("inf" if math.isinf(v) else format(v, fmt))
@@ -202,7 +268,20 @@ def quality_table(rows: Sequence[TaskQuality]) -> str:
             f"{mark(c['low_noise']):>5} {mark(c['above_random']):>5} {mark(c['consistent']):>5}  "
             f"{'yes' if r.keep else 'no'}"
         )
+        failed, unmeasured = r.why(thresholds)
+        if not r.keep:
+            lines.append("    dropped: " + ("; ".join(failed) if failed else "no criterion could be measured"))
+        if unmeasured:
+            lines.append("    not measured: " + "; ".join(unmeasured))
     return "\n".join(lines)
+
+
+CRITERIA = """\
+A task is kept when every criterion that could be measured passes:
+  mono   monotonic: Spearman rho of score vs training step >= {t.spearman:g}
+  noise  low noise: SNR = final score / noise > {t.snr:g} (noise: seed std, else the final score's stderr)
+  rand   above random: final score - random > {t.margin_sigmas:g} x noise
+  rank   consistent: Kendall tau of its ranking (anneal candidates, or models over steps) >= {t.kendall:g}"""
 
 
 # --- reading a run from lineage ---------------------------------------------------------------
@@ -249,9 +328,7 @@ def _checkpoint_of(lineage, eval_fp: str) -> dict[str, Any] | None:
 
 def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
     """Kendall tau per task from the latest anneal comparison (tasks/anneal.py)."""
-    from tasks.anneal import comparisons
-
-    rows = comparisons(lineage)
+    rows = lineage.comparisons()  # what tasks.anneal.comparisons reads
     if not rows:
         return {}
     latest = rows[0]["comparison"]
@@ -263,25 +340,36 @@ def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
     return candidate_consistency(by_task)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m tasks.eval_quality") -> int:
     from infra.lineage import Lineage
+    from infra.workspace import resolve_workspace
 
-    p = argparse.ArgumentParser(prog="python -m tasks.eval_quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("workspace", help="workspace folder (holds lineage.duckdb)")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                epilog=CRITERIA.format(t=Thresholds()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workspace", nargs="?", default="workspace",
+                   help="workspace folder holding lineage.duckdb (default: workspace, relative to "
+                        "$SMOLLM3_HOME or else the project root)")
     p.add_argument("--run", help="flow run id (default: the latest smollm3 run)")
-    p.add_argument("--metric", default="acc_norm")
+    p.add_argument("--metric", default="acc_norm",
+                   help="score to judge: acc_norm (default, the cloze tasks), acc or exact_match")
     args = p.parse_args(argv)
-    lineage = Lineage(Path(args.workspace) / "lineage.duckdb")
-    run = args.run
-    if run is None:
-        run = lineage.latest_run("smollm3")
+    lineage = Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    with lineage.reading():  # dozens of small reads on one connection
+        run = args.run
         if run is None:
-            print(f"no smollm3 run in {lineage.path}")
-            return 1
-    series = run_series(lineage, run, args.metric)
-    taus = anneal_consistency(lineage, args.metric)
+            run = lineage.latest_run("smollm3")
+            if run is None:
+                print(f"no smollm3 run in {lineage.path}")
+                return 1
+        series = run_series(lineage, run, args.metric)
+        taus = anneal_consistency(lineage, args.metric)
+    if not series:
+        print(f"run {run} has no {args.metric} scores of trained stages in {lineage.path}")
+        return 1
     print(f"eval-task quality of run {run} ({args.metric})")
     print(quality_table([assess(s, kendall_tau=taus.get(t)) for t, s in series.items()]))
+    print(CRITERIA.format(t=Thresholds()))
     return 0
 
 

@@ -492,7 +492,7 @@ class EvalSpec(BaseModel):
                    cloze=not long_context or eval.long_context_cloze)
 
 
-@step("eval_suite", version=2, kind="eval", resource="data", isolate=True)
+@step("eval_suite", version=2, kind="eval", resource="data", isolate=True, retries=1)
 def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The eval suite from the held-out splits of the corpora in input `heldout`, with
     contamination measured against the training text of input `train`."""

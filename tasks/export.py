@@ -49,7 +49,7 @@ def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, 
             "model_dir": str(folder), "parameters": n, "dtype": config.dtype}
 
 
-@step("export", version=2, kind="hf_model", resource="eval", isolate=True)
+@step("export", version=2, kind="hf_model", resource="eval", isolate=True, retries=1)
 def export(config: ExportConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """A stage's checkpoint (input `checkpoint`) and the run's tokenizer (`tokenizer`) to an
     HF folder."""

@@ -331,7 +331,8 @@ class FertilitySpec(BaseModel):
     weights: dict[str, float] = {}
 
 
-@step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True)
+@step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True,
+      retries=1)
 def fertility(config: FertilitySpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The trained tokenizer (input `tokenizer`, if any) and curated corpora (`corpora`) to a
     fertility report and the tokenizer decision."""

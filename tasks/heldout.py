@@ -66,7 +66,7 @@ def build_heldout(cfg: HeldoutConfig, inputs: Sequence[Artifact], out: Path, log
             "file": str(out / "tokens.npy"), "tokenizer": tok_info["path"]}
 
 
-@step("heldout_tokens", version=2, kind="shards", resource="data", isolate=True)
+@step("heldout_tokens", version=2, kind="shards", resource="data", isolate=True, retries=1)
 def heldout_tokens(config: HeldoutConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The held-out tokens of one domain: the corpora of input `corpora`, tokenized with input
     `tokenizer` (the run's fertility decision or tokenizer)."""

@@ -30,12 +30,11 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from infra.artifact import Artifact, Inputs, operational
-from infra.lineage import Lineage
 from infra.preflight import (
     CheckResult,
     PreflightConfig,
@@ -49,6 +48,9 @@ from infra.preflight import (
 )
 from infra.workspace import Workspace
 from tasks.step import many, step
+
+if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
+    from infra.lineage import Lineage
 
 JSON_NAME, MD_NAME = "preflight.json", "preflight.md"
 
@@ -167,12 +169,23 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
     return PreflightFacts(**{**known, **facts})
 
 
-def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
-    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch (a second or more) on a host that has
+    no GPU device node at all, where torch can only answer False: `smollm3 plan` builds this
+    config on laptops and login nodes."""
+    import os
+
+    if not any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
     import torch
 
+    return torch.cuda.is_available()
+
+
+def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
+    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
     t = recipe.training
-    device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = t.device if t.device != "auto" else ("cuda" if cuda_available() else "cpu")
     stages = tuple(recipe.stages)
     facts = {
         "device": device,

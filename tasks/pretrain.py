@@ -379,7 +379,10 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     create_markdown_artifact(markdown=markdown, key=key, description=f"{label}: loss and mixture")
 
 
-@step("pretrain", version=2, kind="checkpoint", resumable=True, publish=publish_stage, resource="train")
+# Retried once when the trainer was killed or its node failed: the retry resumes from the last
+# complete checkpoint (a Python error or a non-finite loss fails at once: tasks.step.transient).
+@step("pretrain", version=2, kind="checkpoint", resumable=True, publish=publish_stage, resource="train",
+      retries=1, retry_delay=30)
 def pretrain(config: StageRun, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
     return build_stage(config, inputs, out, log, progress)

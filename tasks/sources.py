@@ -28,12 +28,14 @@ checked (that needs the network).
 from __future__ import annotations
 
 import ast
+import fnmatch
 import functools
 import gzip
 import hashlib
 import importlib.metadata
 import itertools
 import json
+import os
 import random
 import sysconfig
 from abc import ABC, abstractmethod
@@ -190,9 +192,16 @@ def _stdlib_digest() -> str:
 
 
 def _stdlib_files() -> list[Path]:
+    """Every `*.py` under the standard library outside the skipped folders, sorted: the same list
+    as `sorted(root.rglob("*.py"))` filtered by `skip`, without walking site-packages (thousands
+    of files; 0.76 s against 0.02 s on the dev machine, which every `smollm3 plan` paid)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
-    return [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
+    found: list[Path] = []
+    for folder, dirs, files in os.walk(root):  # like rglob: symlinked folders are not entered
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(folder, name) for name in (*files, *dirs) if fnmatch.fnmatchcase(name, "*.py")]
+    return sorted(found)
 
 
 @SOURCE_KINDS.register("builtin:prose")
@@ -697,7 +706,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
 
 
 
-@step("source", version=2, kind="corpus", resource="data", isolate=True,
+@step("source", version=2, kind="corpus", resource="data", isolate=True, retries=2,
       extra=lambda spec: source_state(spec.source, spec.seed))
 def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One recipe source to a corpus artifact (no inputs)."""

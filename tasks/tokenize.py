@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.artifact import Artifact, Inputs, operational
@@ -31,7 +30,6 @@ from tasks.curate import (
     run_executors,
     shard_count,
 )
-from tasks.curate_parts import CountingJsonlReader
 from tasks.step import one, step
 
 
@@ -52,6 +50,8 @@ class TokenizeConfig(BaseModel):
 
 def token_dtype(vocab_size: int) -> str:
     """The `.ds` token type for a vocabulary: datatrove's rule (uint16 up to 65,536 entries)."""
+    import numpy as np  # here, not at module level: the recipe imports this module's config
+
     return "uint32" if vocab_size > np.iinfo(np.uint16).max + 1 else "uint16"
 
 
@@ -74,6 +74,8 @@ def build_token_shards(
 ) -> dict[str, Any]:
     """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
     from datatrove.pipeline.tokens import DocumentTokenizer
+
+    from tasks.curate_parts import CountingJsonlReader
 
     tok = selected_tokenizer(inputs)
     corpus = next((a for a in inputs if a.kind == "corpus"), None)
@@ -100,6 +102,8 @@ def build_token_shards(
     reader = stats[0]["stats"] if stats else {}
     rejected = {k[len("rejected_"):]: int(v) for k, v in reader.items() if k.startswith("rejected_")}
     files = sorted(out.glob("*.ds"))
+    import numpy as np
+
     itemsize = np.dtype(dtype).itemsize
     tokens = sum(f.stat().st_size // itemsize for f in files)
     documents = sum((f.with_name(f.name + ".index")).stat().st_size // 8 for f in files)
@@ -139,7 +143,7 @@ class TokenizeSpec(BaseModel):
     seed: int = 0
 
 
-@step("tokenize", version=2, kind="shards", resource="data", isolate=True)
+@step("tokenize", version=2, kind="shards", resource="data", isolate=True, retries=1)
 def tokenize(config: TokenizeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """A curated corpus (input `corpus`) to token shards with the chosen tokenizer (input
     `tokenizer`: the fertility decision or the tokenizer itself)."""

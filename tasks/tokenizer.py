@@ -191,7 +191,8 @@ def given_tokenizer_digest(config: TokenizerConfig) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
-@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest)
+@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest,
+      retries=1)
 def tokenizer(config: TokenizerConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Curated corpora (input `corpora`; none when adopting `tokenizer.path`) to a tokenizer."""
     return build_tokenizer(config, many(inputs, "corpora"), out, log)

@@ -38,8 +38,12 @@ def _load(path: str | None, what: str) -> dict[str, Any]:
     return data
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="smollm3 preflight", description=__doc__.splitlines()[0])
+def build_parser(**kw: str) -> argparse.ArgumentParser:
+    """The parser; `kw` (prog, usage, description, epilog) lets `smollm3 preflight` present it as
+    its own."""
+    p = argparse.ArgumentParser(**{"prog": "python -m infra.preflight",
+                                   "description": __doc__.splitlines()[0], **kw},
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML/JSON file of PreflightConfig fields")
     p.add_argument("--facts", help="YAML/JSON file of PreflightFacts fields (from the recipe)")
     p.add_argument("--json", help="write every result (and host, config, facts) to this file")
@@ -48,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, **parser: str) -> int:
+    args = build_parser(**parser).parse_args(argv)
     from infra.preflight.core import CHECKS, selected
 
     if args.list:

@@ -333,7 +333,7 @@ def preference_rows(
     return rows
 
 
-@step("posttrain_data", version=2, kind="corpus", resource="data", isolate=True,
+@step("posttrain_data", version=2, kind="corpus", resource="data", isolate=True, retries=1,
       extra=lambda spec: data_state(spec.data.uri))
 def posttrain_data(config: ChatDataSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Curated corpora (input `corpora`) to SFT conversations, held-out conversations, prompts."""

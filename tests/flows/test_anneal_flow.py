@@ -125,10 +125,14 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     assert {"prose_cloze", "heldout_math"} <= set(taus) and all(-1 <= t <= 1 for t in taus.values())
     assert eval_quality([str(base_ws)]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line for line in out[3:]}
+    table = out[3:out.index("A task is kept when every criterion that could be measured passes:")]
+    rows = {line.split()[0]: line for line in table if not line.startswith(" ")}
     assert {"prose_cloze", "code_cloze", "arithmetic_cloze"} <= set(rows)
-    # 20 items per task: a binomial stderr of ~0.1 gives SNR far below 20, so none is kept.
+    # 20 items per task: a binomial stderr of ~0.1 gives SNR far below 20, so none is kept,
+    # and each dropped task says so with its value.
     assert all(line.endswith("no") for line in rows.values())
+    why = [line for line in table if line.startswith("    dropped: ")]
+    assert len(why) == len(rows) and all("noisy: SNR " in line and "<= 20" in line for line in why)
 
 
 def _scores(lineage: Lineage, label: str) -> list[dict]:

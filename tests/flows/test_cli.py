@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,191 @@ def test_report_writes_the_run_to_a_file(workspace, tmp_path, capsys):
     assert "## Eval scores per stage" in text
     assert main(["report", "nope", "--workspace", str(root)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+# --- lineage --trained-on -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """Two runs' worth of lineage, recorded through the real step contract:
+
+        source prose, math (run 1), math (run 2, other data) -> curate (each decontaminated
+        against the raw corpora of the other sources of its run) -> tokenizer (trained on every curated corpus)
+        -> tokenize per source -> mixtures -> pretrain stage1 (prose only) -> stage2 (init
+        stage1; math of run 1) ; stage3 (math of run 2) ; pin of stage1 at step 4 -> anneal.
+    """
+    import json
+
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    kinds = {"source": "corpus", "curate": "corpus", "tokenizer": "tokenizer", "tokenize": "shards",
+             "mixture": "mixture", "pretrain": "checkpoint", "pin": "checkpoint"}
+
+    def make(step, label, inputs, meta, config=None, build=None):
+        config = config or {"label": label}
+        out = run_step(root=tmp_path, step=step, version=1, kind=kinds[step], config=config,
+                       inputs=inputs, build=build or (lambda _: meta)).artifact
+        lin.record_artifact(out, step, label, config, inputs)
+        return out
+
+    raw = {"prose": make("source", "prose", [], {"source": "prose"}),
+           "math": make("source", "math", [], {"source": "math"}),
+           "math2": make("source", "math", [], {"source": "math"}, config={"label": "math", "v": 2})}
+    runs = {"prose": ("math", "math2"), "math": ("prose",), "math2": ("prose",)}  # each run's other sources
+    clean = {k: make("curate", v.meta["source"], [v, *(raw[o] for o in runs[k])],
+                     {"source": v.meta["source"]}, config={"of": k}) for k, v in raw.items()}
+    tok = make("tokenizer", "bpe", list(clean.values()), {"vocab_size": 512})
+    shards = {k: make("tokenize", c.meta["source"], [tok, c], {"source": c.meta["source"]}, config={"of": k})
+              for k, c in clean.items()}
+    mix1 = make("mixture", "stage1", [shards["prose"], shards["math"]], {})
+    stage1 = make("pretrain", "stage1", [mix1], {"tokens_per_source": {"prose": 100, "math": 0}})
+    mix2 = make("mixture", "stage2", [shards["prose"], shards["math"]], {})
+    stage2 = make("pretrain", "stage2", [mix2, stage1], {"tokens_per_source": {"prose": 0, "math": 50}})
+    mix3 = make("mixture", "stage3", [shards["prose"], shards["math2"]], {})
+    stage3 = make("pretrain", "stage3", [mix3], {"tokens_per_source": {"math": 70}})
+
+    def pin_build(out):
+        ckpt = out / "checkpoint" / "step_00000004"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"tokens_per_source": {"prose": 40, "math": 0}}))
+        return {"checkpoint": str(ckpt), "source": str(stage1.path / "checkpoints" / "step_00000004")}
+
+    pin = make("pin", "stage1-4", [], {}, build=pin_build)
+    mix4 = make("mixture", "anneal-x", [shards["prose"]], {})
+    anneal = make("pretrain", "anneal-x", [mix4, pin], {"tokens_per_source": {"prose": 30}})
+    lin.start_run("run-1", "smollm3", "full", "tiny", {})
+    now = datetime.now()
+    for a, label in [(stage1, "stage1"), (stage2, "stage2")]:
+        lin.record_step(StepRow("run-1", "pretrain", label, a.fingerprint, "completed", {}, "v", now, now))
+    lin.end_run("run-1", "completed")
+    return tmp_path, {"raw": raw, "shards": shards, "stage1": stage1, "stage2": stage2, "stage3": stage3,
+                      "anneal": anneal, "pin": pin}
+
+
+def _trained(root, source):
+    from flows.report import _pinned_tokens
+
+    lin = Lineage(root / "lineage.duckdb")
+    return {r.label: (r.stage_tokens, r.cumulative_tokens, r.complete)
+            for r in lin.trained_on(source, pinned_tokens=_pinned_tokens)}
+
+
+def test_trained_on_counts_what_each_stage_drew_not_descent_through_the_tokenizer(trained):
+    root, a = trained
+    # every stage descends from every source (tokenizer, decontamination), but:
+    assert _trained(root, "prose") == {"stage1": (100, 100, True), "stage2": (0, 100, True),
+                                       "anneal-x": (30, 70, True)}  # 40 drawn by stage1 at the pin
+    assert _trained(root, "math") == {"stage2": (50, 50, True), "stage3": (70, 70, True)}
+    # one source artifact: only stages whose mixture read the shards made from it
+    assert _trained(root, a["raw"]["math"].short) == {"stage2": (50, 50, True)}
+    assert _trained(root, a["raw"]["math2"].fingerprint) == {"stage3": (70, 70, True)}
+    assert _trained(root, a["shards"]["math2"].short) == {"stage3": (70, 70, True)}
+    (row,) = [r for r in Lineage(root / "lineage.duckdb").trained_on("prose") if r.label == "stage2"]
+    assert [(label, tokens) for label, _, tokens in row.chain] == [("stage1", 100), ("stage2", 0)]
+    assert row.runs == ("run-1",) and row.shards == (a["shards"]["prose"].fingerprint,)
+
+
+def test_the_trainer_state_file_name_is_the_trainers():
+    from flows.report import TRAINER_STATE
+    from model.checkpoint import TRAINER_STATE as TRAINERS
+
+    assert TRAINER_STATE == TRAINERS
+
+
+def test_trained_on_through_an_unreadable_pin_is_a_lower_bound(trained):
+    root, a = trained
+    (a["pin"].path / "checkpoint" / "step_00000004" / "trainer_state.json").unlink()
+    assert _trained(root, "prose")["anneal-x"] == (30, 30, False)
+
+
+def test_cli_lineage_trained_on(trained, capsys):
+    root, a = trained
+    assert main(["lineage", "--trained-on", "math", "--workspace", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints trained on source 'math'" in out
+    assert f"pretrain[stage2]      {a['stage2'].short}" in out and a["stage3"].short in out
+    assert a["stage1"].short not in out.split("chain")[0]  # stage1 drew no math
+    # a folder of the source's shards names the source artifact
+    assert main(["lineage", "--trained-on", str(a["shards"]["math2"].path), "--workspace", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert a["stage3"].short in out and a["stage2"].short not in out
+    assert main(["lineage", "--trained-on", "poetry", "--workspace", str(root)]) == 2
+    assert "sources with shards: math, prose" in capsys.readouterr().err
+    assert main(["lineage", "--trained-on", a["stage1"].short, "--workspace", str(root)]) == 2
+    assert "not a source, curated corpus or token shards" in capsys.readouterr().err
+    assert main(["lineage", "--workspace", str(root)]) == 2
+    assert "--trained-on SOURCE" in capsys.readouterr().err
+
+
+# --- a self-explaining command line -------------------------------------------------------------
+
+
+def test_every_subcommand_help_names_itself_and_explains_its_arguments(capsys):
+    import argparse
+
+    from flows.cli import PASS_THROUGH, build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sub.choices.items():
+        if name in PASS_THROUGH:
+            continue
+        assert p.prog == f"smollm3 {name}"
+        for action in p._actions:
+            assert action.help, f"smollm3 {name}: {action.dest} has no help"
+    for name in PASS_THROUGH:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: smollm3 {name}"), out[:80]
+        assert "python -m" not in out and "infra." not in out and "tasks." not in out
+
+
+def test_unknown_refresh_names_are_refused_with_the_steps(capsys):
+    assert main(["plan", "tiny", "--refresh", "preflight,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown step(s) bogus; steps of flow 'smollm3':" in err and "pretrain" in err
+    assert main(["run", "tiny", "--refresh", "tokeniser"]) == 2
+    assert "unknown step(s) tokeniser" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--flow", "cpt", "--refresh", "curate"]) == 2
+    assert "steps of flow 'cpt'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "absent"), [
+    (["--help"], ("prefect", "torch", "datatrove", "transformers", "duckdb")),
+    (["runs"], ("prefect", "torch", "datatrove", "transformers")),
+    (["lineage", "--trained-on", "prose"], ("prefect", "torch", "datatrove", "transformers")),
+    (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval", "duckdb")),
+    (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
+])
+def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
+    """What makes them answer in about a second (benchmarks/cli_latency.py has the times)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom flows.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(json.dumps(sorted(m for m in sys.modules if '.' not in m)))")
+    env = {**os.environ, "SMOLLM3_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert not loaded & set(absent), f"smollm3 {' '.join(argv)} imported {sorted(loaded & set(absent))}"
+
+
+def test_the_sql_in_the_docs_gives_the_per_stage_answer(trained):
+    """docs/architecture.md shows the query for "which checkpoints trained on prose": it must agree
+    with `Lineage.trained_on` on the stages that drew tokens themselves."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("### Which checkpoints trained on a source"):]
+    sql = re.search(r"```sql\n(.*?)```", section, re.S).group(1)
+    root, _ = trained
+    lin = Lineage(root / "lineage.duckdb")
+    rows = lin.snapshot_query(sql)
+    expected = [(r.label, r.checkpoint.fingerprint, r.stage_tokens) for r in lin.trained_on("prose") if r.stage_tokens]
+    assert [(r["stage"], r["checkpoint"], r["tokens"]) for r in rows] == expected
+    assert [label for label, *_ in expected] == ["stage1", "anneal-x"]

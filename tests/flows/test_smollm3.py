@@ -73,8 +73,14 @@ def test_invalid_recipe_fails_before_any_step(tmp_path, prefect_harness):
 
 
 def test_unknown_refresh_step_is_named(tmp_path, prefect_harness):
-    with pytest.raises(ValueError, match="refresh names unknown step\\(s\\) tokeniser"):
+    from prefect.exceptions import ParameterTypeError
+
+    # not a step of the flow: refused by the parameter schema, before the run starts
+    with pytest.raises(ParameterTypeError, match="refresh"):
         smollm3(overrides=[*DATA_ONLY, f"workspace={tmp_path}"], refresh=["tokeniser"])
+    # a step of the flow that this recipe's graph does not have (no stages, no post-training)
+    with pytest.raises(ValueError, match="refresh names unknown step\\(s\\) sft"):
+        smollm3(overrides=[*DATA_ONLY, f"workspace={tmp_path}"], refresh=["sft"])
 
 
 @pytest.fixture

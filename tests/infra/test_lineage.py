@@ -222,3 +222,30 @@ def test_every_attempt_of_a_run_is_kept_and_cancelled_is_its_own_state(tmp_path)
     assert all(a["ended"] >= a["started"] for a in attempts)
     with pytest.raises(ValueError, match="not one of"):
         lin.end_run("r1", "Cancelled")
+
+
+def test_reading_block_shares_one_connection_and_sees_every_write(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    with lin.reading():  # nothing recorded yet: reads are empty, as outside a block
+        assert lin.runs() == []
+    lin.record_artifact(_art("a"), "source", "a", {})
+    with lin.reading():
+        con = lin._session[1]
+        assert lin.artifact("aaaa")["step"] == "source" and lin.parents("a" * 64) == []
+        assert lin._session[1] is con  # the same connection for every read of the block
+        # a write from inside the block is journaled at once and lands once the block ends
+        lin.record_artifact(_art("b"), "source", "b", {})
+    assert lin._session is None
+    assert lin.artifact("bbbb")["step"] == "source"
+
+
+def test_reading_block_reads_pending_events_while_an_outside_reader_holds_the_file(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    lin.record_artifact(_art("a"), "source", "a", {})
+    outside = duckdb.connect(str(lin.path), read_only=True)  # a notebook: ingestion must wait
+    try:
+        lin.record_artifact(_art("b"), "source", "b", {})  # pending in the journal
+        with lin.reading():
+            assert {r["fingerprint"][0] for r in lin.query_dicts("SELECT * FROM artifacts")} == {"a", "b"}
+    finally:
+        outside.close()

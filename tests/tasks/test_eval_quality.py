@@ -50,7 +50,27 @@ def test_noisy_flat_task_is_dropped():
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["task", "n", "final"]
     assert lines[2].startswith("good") and lines[2].endswith("yes")
-    assert lines[3].startswith("noisy") and lines[3].endswith("no") and "FAIL" in lines[3]
+    # a kept task whose ranking could not be judged says so, without being dropped
+    assert lines[3] == "    not measured: ranking consistency (needs an anneal comparison or several models)"
+    noisy = lines.index(next(line for line in lines if line.startswith("noisy")))
+    assert lines[noisy].endswith("no") and "FAIL" in lines[noisy]
+    # why it is dropped: each failed criterion with its value and threshold
+    why = lines[noisy + 1]
+    assert why.startswith("    dropped: not monotonic: Spearman rho ")
+    assert f"noisy: SNR {q.snr:.1f} <= 20" in why
+    assert f"too close to random: margin {q.margin:.1f} sigma <= 3 sigma" in why
+    assert "Kendall tau" in why and "< 0.5" in why
+
+
+def test_a_task_with_nothing_measurable_says_so():
+    q = assess(TaskSeries("short", (0, 100), (0.3, 0.4), random=0.25))  # 2 points, no stderr
+    assert not q.keep
+    failed, unmeasured = q.why()
+    assert failed == []
+    assert unmeasured[0] == "monotonicity (needs 3+ checkpoints, has 2)"
+    lines = quality_table([q]).splitlines()
+    assert lines[3] == "    dropped: no criterion could be measured"
+    assert lines[4].startswith("    not measured: monotonicity (needs 3+ checkpoints, has 2); noise")
 
 
 def test_statistics_edge_cases():
@@ -77,3 +97,20 @@ def test_candidate_ranking_consistency_against_the_other_tasks():
     taus = candidate_consistency(by_task)
     assert taus["t1"] == taus["t2"] == taus["t4"] == pytest.approx(1.0)
     assert taus["t3"] == pytest.approx(-1.0)
+
+
+def test_statistics_equal_scipys():
+    """Computed without scipy (a second to import); the same numbers, ties included."""
+    from scipy.stats import kendalltau, rankdata, spearmanr
+
+    from tasks.eval_quality import rankdata as ours
+
+    rng = random.Random(7)
+    for n in (2, 3, 5, 12, 40):
+        for _ in range(20):
+            a = [rng.choice((0.1, 0.2, 0.3, rng.random())) for _ in range(n)]  # with ties
+            b = [rng.choice((0.5, rng.random())) for _ in range(n)]
+            assert ours(a) == list(rankdata(a))
+            if len(set(a)) > 1 and len(set(b)) > 1:
+                assert monotonicity(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+                assert kendall(a, b) == pytest.approx(kendalltau(a, b).statistic, abs=1e-12)

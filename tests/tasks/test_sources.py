@@ -198,3 +198,17 @@ def test_no_documents_because_of_the_text_field_says_so(tmp_path):
         build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
     assert "rejected: {'missing_text_field': 5}" in str(err.value)
     assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)
+
+
+def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():
+    """The builtin sources' fingerprint reads these files: the fast walk must list exactly what
+    `rglob` did, in the same order, or every tiny-recipe fingerprint would move."""
+    import sysconfig
+    from pathlib import Path
+
+    from tasks.sources import _stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
+    expected = [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
+    assert len(expected) > 100 and _stdlib_files() == expected

@@ -1,0 +1,149 @@
+"""Step retries in the runner: transient failures run again (each attempt its own lineage row),
+deterministic ones fail at once, in the flow process and in a child process alike."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from pydantic import BaseModel, ConfigDict
+
+from flows.graph import Graph
+from flows.runner import FlowFailed, run_flow
+from infra.artifact import Inputs
+from infra.lineage import Lineage
+from tasks.recipe import load_recipe
+from tasks.step import step
+
+
+class Flaky(BaseModel):
+    """How a test step fails: `fail_times` attempts raise `error`, then it succeeds. Attempts are
+    counted in `counter` (a file outside the step folder, which a failed attempt loses)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    counter: str
+    fail_times: int
+    error: str  # eio | enoent | value
+
+
+def _attempt(config: Flaky) -> dict:
+    counter = Path(config.counter)
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    if n <= config.fail_times:
+        if config.error == "eio":
+            raise OSError(errno.EIO, "Input/output error", "/mnt/flaky")
+        if config.error == "enoent":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/missing.jsonl")
+        raise ValueError("sources.prose.uri: no files match (a config error)")
+    return {"attempts": n}
+
+
+@step("flaky_here", version=1, kind="report", retries=2, retry_delay=0)
+def flaky_here(config: Flaky, inputs: Inputs, out: Path, *, log=print) -> dict:
+    return _attempt(config)
+
+
+@step("flaky_child", version=1, kind="report", isolate=True, retries=1, retry_delay=0)
+def flaky_child(config: Flaky, inputs: Inputs, out: Path, *, log=print) -> dict:
+    return _attempt(config)
+
+
+def _run(tmp_path: Path, step_def, config: Flaky) -> tuple[Lineage, str, list[dict]]:
+    ws = tmp_path / "ws"
+    recipe = load_recipe("tiny", [f"workspace={ws}"])
+    lineage = Lineage(ws / "lineage.duckdb")
+
+    @flow(name="retry-test")
+    def run() -> dict:
+        g = Graph("retry-test")
+        g.add(step_def, config, label="x")
+        return run_flow("retry-test", g, recipe, "tiny")
+
+    try:
+        run()
+    finally:
+        run_id = lineage.runs(1)[0]["run_id"]
+    return lineage, run_id, lineage.steps_of(run_id)
+
+
+def test_transient_failure_in_the_flow_process_is_retried_with_a_row_per_attempt(tmp_path, prefect_harness):
+    config = Flaky(counter=str(tmp_path / "n"), fail_times=2, error="eio")
+    lineage, run_id, rows = _run(tmp_path, flaky_here, config)
+    assert [r["state"] for r in rows] == ["retried", "retried", "completed"]
+    assert "OSError" in rows[0]["error"] and "retrying" in rows[0]["error"]
+    assert (tmp_path / "n").read_text() == "3"
+    assert lineage.runs(1)[0]["state"] == "completed"
+
+
+def test_deterministic_failure_is_not_retried(tmp_path, prefect_harness):
+    config = Flaky(counter=str(tmp_path / "n"), fail_times=5, error="value")
+    with pytest.raises(FlowFailed, match="flaky_here\\[x\\] failed: ValueError"):
+        _run(tmp_path, flaky_here, config)
+    rows = Lineage(tmp_path / "ws" / "lineage.duckdb").query_dicts("SELECT state, error FROM steps")
+    assert [r["state"] for r in rows] == ["failed"]
+    assert (tmp_path / "n").read_text() == "1"  # retries=2, yet one attempt
+
+
+def test_a_missing_file_is_not_retried(tmp_path, prefect_harness):
+    config = Flaky(counter=str(tmp_path / "n"), fail_times=5, error="enoent")
+    with pytest.raises(FlowFailed, match="FileNotFoundError"):
+        _run(tmp_path, flaky_here, config)
+    assert (tmp_path / "n").read_text() == "1"
+
+
+def test_transient_failure_in_a_child_process_is_retried_once(tmp_path, prefect_harness):
+    config = Flaky(counter=str(tmp_path / "n"), fail_times=1, error="eio")
+    _, _, rows = _run(tmp_path, flaky_child, config)
+    assert [r["state"] for r in rows] == ["retried", "completed"]
+    assert rows[0]["error"].startswith("OSError: [Errno 5]")
+    # still failing after its one retry: the step fails, with both attempts recorded
+    config = Flaky(counter=str(tmp_path / "m"), fail_times=5, error="eio")
+    with pytest.raises(FlowFailed, match="flaky_child\\[x\\] failed: OSError"):
+        _run(tmp_path / "second", flaky_child, config)
+    rows = Lineage(tmp_path / "second" / "ws" / "lineage.duckdb").query_dicts(
+        "SELECT state FROM steps ORDER BY started")
+    assert [r["state"] for r in rows] == ["retried", "failed"]
+    assert (tmp_path / "m").read_text() == "2"
+
+
+class Stage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    counter: str
+    exitcode: int  # how the first attempt's "trainer" ends: -9 (SIGKILL) or 3 (non-finite loss)
+
+
+@step("stage_like", version=1, kind="checkpoint", resumable=True, retries=1, retry_delay=0)
+def stage_like(config: Stage, inputs: Inputs, out: Path, *, log=print) -> dict:
+    """A training stage's contract: checkpoints in its folder, LaunchFailed when the job dies."""
+    from infra.launchers.base import FailureFacts, LaunchFailed
+
+    counter = Path(config.counter)
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    ckpt = out / "checkpoints" / "step_00000004"
+    resumed = ckpt.exists()
+    if n == 1:
+        ckpt.mkdir(parents=True)
+        signal = "SIGKILL" if config.exitcode == -9 else None
+        facts = FailureFacts(rank=1, exitcode=config.exitcode, signal=signal, last_step=5, checkpoint_step=4)
+        raise LaunchFailed("torchrun", facts=facts)
+    return {"resumed_from_step": 4 if resumed else None}
+
+
+def test_a_killed_training_stage_is_retried_once_and_resumes_from_its_checkpoint(tmp_path, prefect_harness):
+    lineage, run_id, rows = _run(tmp_path, stage_like, Stage(counter=str(tmp_path / "n"), exitcode=-9))
+    assert [r["state"] for r in rows] == ["retried", "completed"]
+    assert "rank 1 killed by SIGKILL after step 5 (last checkpoint: step 4)" in rows[0]["error"]
+    (label, artifact), = lineage.labelled_outputs(run_id, "stage_like")
+    assert artifact.meta["resumed_from_step"] == 4
+
+
+def test_a_stage_stopped_on_a_non_finite_loss_is_not_retried(tmp_path, prefect_harness):
+    with pytest.raises(FlowFailed, match="non-finite"):
+        _run(tmp_path, stage_like, Stage(counter=str(tmp_path / "n"), exitcode=3))
+    assert (tmp_path / "n").read_text() == "1"
