@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
-
 from flows.graph import Graph, Node
 from flows.params import RecipeParam, step_names
-from flows.runner import run_flow
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
@@ -176,8 +172,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
 Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
 
 
-@flow(name="smollm3", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))
-def smollm3(
+def _smollm3(
     recipe: RecipeParam = "tiny", overrides: list[str] | None = None, refresh: list[Step] | None = None
 ) -> dict:
     """Train SmolLM3 end to end from a recipe: data, tokenizer, shards, mixtures, preflight,
@@ -193,7 +188,25 @@ def smollm3(
     """
     from prefect.runtime import flow_run
 
+    from flows.runner import run_flow
+
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
     check_data(cfg)  # so does a source whose data cannot be read as configured
     dag = graph(cfg, run_id=str(flow_run.id) if flow_run.id else None)  # unreadable input data fails here
     return run_flow("smollm3", dag, cfg, recipe, refresh or [])
+
+
+_smollm3.__name__ = _smollm3.__qualname__ = "smollm3"  # the deployment entrypoint: flows/smollm3.py:smollm3
+
+
+def __getattr__(attr: str):
+    """`smollm3`, the Prefect flow, is built on first use: planning, the CLI and the graph tests
+    import this module without importing Prefect."""
+    if attr == "smollm3":
+        from prefect import flow
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        built = flow(name="smollm3", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))(_smollm3)
+        globals()[attr] = built
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
