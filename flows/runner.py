@@ -147,7 +147,7 @@ class RunContext:
                error: str | None = None) -> None:
         config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
         row = StepRow(self.run_id, node.step.name, node.label, node.fingerprint, state, config,
-                      f"{git_version()}/{node.step.code_version}", started, ended, error)
+                      f"{git_version()}/{node.step.code_version}", started, ended, error, self.attempt)
         with self._records_lock:
             self.records.append(row)
         self.lineage.record_step(row)
