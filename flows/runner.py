@@ -163,11 +163,15 @@ class RunContext:
 
     def owner_crash(self) -> State:
         """The final state of a run that lost its serve process (see flows/owner.py)."""
-        stopped = [f"{r.step}[{r.label}]" for r in self.records if r.state == "failed"]
+        failed = [r for r in self.records if r.state == "failed"]
+        stopped = [f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: ")]
+        earlier = [f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: ")]
         unstarted = [r for r in self.records if r.state == "skipped"]
         return Crashed(message=(
             f"{self.owner_gone}. Stopped while running: {', '.join(stopped) or 'none'}; "
-            f"{len(unstarted)} step(s) not started. Finished steps keep their outputs. Resume with "
+            f"{len(unstarted)} step(s) not started"
+            f"{'; failed before: ' + ', '.join(earlier) if earlier else ''}. "
+            "Finished steps keep their outputs. Resume with "
             f"`prefect flow-run retry {self.run_id}` once a serve process runs again "
             "(`python -m flows.deployments`)."
         ))

@@ -123,7 +123,15 @@ def stop_all(grace: float = 2.0) -> list[str]:
         procs = list(_live)
     for proc in procs:
         kill_group(proc, grace=grace)
-    return [" ".join(map(str, proc.args))[:200] for proc in procs]
+    return [_shown(proc.args) for proc in procs]
+
+
+def _shown(argv) -> str:
+    """A child's command as started, without the guard in front of it."""
+    argv = [str(a) for a in argv]
+    if "guard" in argv and "--" in argv:
+        argv = argv[argv.index("--") + 1:]
+    return " ".join(argv)[:300]
 
 
 def run_streaming(
