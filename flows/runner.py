@@ -15,7 +15,8 @@ S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
 `{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
 their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
 deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
-after every independent branch has finished, naming each failed step and its cause.
+after every independent branch has finished, naming each failed step and its cause. A served run
+whose serve process dies stops its steps and ends `Crashed`, saying so (flows/owner.py).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from prefect.cache_policies import CachePolicy
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment as runtime_deployment
 from prefect.runtime import flow_run as runtime_flow_run
+from prefect.states import Crashed, State
 from prefect.utilities.annotations import quote
 
 from flows.graph import Graph, Node
+from flows.owner import mute_console, run_owner, survive_broken_console, watch_owner
 from infra.artifact import Artifact, read_marker, run_step
+from infra.lifeline import ProcessRef
 from infra.lineage import StepRow
-from infra.proc import ChildFailed, run_streaming
+from infra.proc import ChildFailed, run_streaming, stop_all
 from infra.slots import Resources, hold
 from infra.workspace import Workspace
 from tasks.recipe import Recipe, dump_recipe
@@ -82,8 +86,16 @@ class StepFailed(RuntimeError):
     """A step failed; the message starts with `step[label] failed:` and names the cause."""
 
 
+class StepStopped(StepFailed):
+    """A step stopped because its run lost its owner (the serve process died): never retried."""
+
+
 class FlowFailed(RuntimeError):
     """Some steps of a run failed (each named with its cause); the others finished."""
+
+
+class OwnerGone(RuntimeError):
+    """A step not started because the serve process that owns the run died."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +130,7 @@ class RunContext:
         self.attempt = int(runtime_flow_run.run_count or 1) if runtime_flow_run.id else None
         self.records: list[StepRow] = []
         self._records_lock = threading.Lock()
+        self.owner_gone: str | None = None  # set when the serve process that owns the run died
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -131,12 +144,49 @@ class RunContext:
             f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
             f"resolved recipe saved to {run_dir / 'recipe.yaml'}"
         )
+        survive_broken_console()
+        owner = run_owner()
+        if owner is not None:
+            self.logger = get_run_logger()  # usable from the watchdog's thread
+            watch_owner(owner, self._owner_died)
         return self
+
+    def _owner_died(self, owner: ProcessRef) -> None:
+        """The serve process died: stop the children, start no further step (flows/owner.py)."""
+        mute_console()  # nobody reads the console any more; the API keeps the log
+        when = datetime.now(UTC).strftime("%H:%M:%S UTC")
+        self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
+        self.logger.error(f"{self.owner_gone}: stopping the steps that run and starting no new one; "
+                          f"`prefect flow-run retry {self.run_id}` resumes the run")
+        stopped = stop_all(grace=5.0)
+        if stopped:
+            self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
+
+    def check_owner(self) -> None:
+        if self.owner_gone is not None:
+            raise OwnerGone(f"not started: {self.owner_gone}")
+
+    def owner_crash(self) -> State:
+        """The final state of a run that lost its serve process (see flows/owner.py)."""
+        failed = [r for r in self.records if r.state == "failed"]
+        stopped = [f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: ")]
+        earlier = [f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: ")]
+        unstarted = [r for r in self.records if r.state == "skipped"]
+        return Crashed(message=(
+            f"{self.owner_gone}. Stopped while running: {', '.join(stopped) or 'none'}; "
+            f"{len(unstarted)} step(s) not started"
+            f"{'; failed before: ' + ', '.join(earlier) if earlier else ''}. "
+            "Finished steps keep their outputs. Resume with "
+            f"`prefect flow-run retry {self.run_id}` once a serve process runs again "
+            "(`python -m flows.deployments`)."
+        ))
 
     def __exit__(self, exc_type, exc, tb) -> None:
         from prefect.exceptions import CancelledRun, TerminationSignal
 
-        if exc_type is None:
+        if self.owner_gone is not None:
+            state = "crashed"
+        elif exc_type is None:
             state = "completed"
         elif issubclass(exc_type, TerminationSignal | CancelledRun | KeyboardInterrupt):
             state = "cancelled"  # Prefect cancels a run with SIGTERM, raised as TerminationSignal
@@ -148,7 +198,7 @@ class RunContext:
                error: str | None = None) -> None:
         config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
         row = StepRow(self.run_id, node.step.name, node.label, node.fingerprint, state, config,
-                      f"{git_version()}/{node.step.code_version}", started, ended, error)
+                      f"{git_version()}/{node.step.code_version}", started, ended, error, self.attempt)
         with self._records_lock:
             self.records.append(row)
         self.lineage.record_step(row)
@@ -199,7 +249,7 @@ def prefect_task(d: StepDef):
 def _retry_if_transient(task, task_run, state) -> bool:
     """Prefect's retry condition: only a transient failure (IO, network, a killed trainer)."""
     exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return isinstance(exc, Exception) and transient(exc)
+    return isinstance(exc, Exception) and not isinstance(exc, StepStopped) and transient(exc)
 
 
 def _retrying(d: StepDef, exc: BaseException) -> bool:
@@ -226,6 +276,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
     ctx = call.ctx
     started = [_now()]  # when the build began: after the slot was granted (waiting is not work)
     try:
+        ctx.check_owner()
         got = d.fingerprint(node.config, inputs, node.extra)
         if got != node.fingerprint:  # an input changed between planning and running
             raise RuntimeError(
@@ -241,6 +292,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             threads = resources.threads(slot) if slot else None
 
             def build(out: Path) -> dict[str, Any]:
+                ctx.check_owner()  # the run may have lost its owner while this step waited
                 if d.isolate:
                     return _build_in_child(d, node, inputs, out, threads, logger.info)
                 return _build_here(d, node, inputs, out, threads, logger.info)
@@ -258,12 +310,19 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                                    refresh=call.refresh, resumable=d.resumable)
     except BaseException as exc:
         cause = _cause(exc)
-        if _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
+        if isinstance(exc, OwnerGone):
+            cause = str(exc)
+            ctx.record(node, "skipped", started[0], _now(), cause)
+        elif ctx.owner_gone is not None:  # killed because the run lost its owner: no retry
+            cause = f"stopped: {ctx.owner_gone} ({cause})"
+            ctx.record(node, "failed", started[0], _now(), cause)
+        elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
             ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
-            raise StepFailed(f"{node.key} failed: {cause}") from exc
+            kind = StepStopped if ctx.owner_gone is not None else StepFailed
+            raise kind(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
     verb = "built" if outcome.built else "reused finished"
@@ -367,10 +426,11 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
 # --- running a graph -------------------------------------------------------------------------
 
 
-def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dict[str, Any]:
+def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dict[str, Any] | State:
     """Submit every node as a Prefect future, wait for all, record their states; return a summary.
 
-    Raises FlowFailed naming every failed step once every independent branch has finished."""
+    Raises FlowFailed naming every failed step once every independent branch has finished; a run
+    whose serve process died returns the `Crashed` state that says so (the flow's final state)."""
     unknown = sorted(set(refresh) - set(graph.steps))
     if unknown:
         raise ValueError(
@@ -412,6 +472,9 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             blocked = [p.key for p in node.parents() if p.key not in artifacts]
             now = _now()
             ctx.record(node, "skipped", now, now, f"upstream {', '.join(blocked)} did not finish")
+    if failed and ctx.owner_gone is not None:
+        summary(ctx, graph, artifacts)
+        return ctx.owner_crash()
     if failed:
         raise FlowFailed(f"{len(failed)} step(s) failed:\n" + "\n".join(f"  {m}" for m in failed))
     return summary(ctx, graph, artifacts)
@@ -467,8 +530,10 @@ def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> di
     }
 
 
-def run_flow(flow: str, graph: Graph, recipe: Recipe, recipe_name: str, refresh: Sequence[str] = ()) -> dict[str, Any]:
-    """The body every flow shares: open the run, run its graph, close the run."""
+def run_flow(flow: str, graph: Graph, recipe: Recipe, recipe_name: str,
+             refresh: Sequence[str] = ()) -> dict[str, Any] | State:
+    """The body every flow shares: open the run, run its graph, close the run (a served run that
+    lost its serve process returns its `Crashed` state, which the flow returns)."""
     with RunContext(flow, recipe, recipe_name) as ctx:
         return run_graph(graph, ctx, refresh)
 

@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS run_attempts (
 CREATE TABLE IF NOT EXISTS steps (
     run_id VARCHAR, step VARCHAR, label VARCHAR, fingerprint VARCHAR, state VARCHAR,
     config JSON, code_version VARCHAR, started TIMESTAMP, ended TIMESTAMP, seconds DOUBLE,
-    error VARCHAR
+    error VARCHAR, attempt INTEGER
 );
 CREATE TABLE IF NOT EXISTS artifacts (
     fingerprint VARCHAR PRIMARY KEY, kind VARCHAR, step VARCHAR, label VARCHAR, uri VARCHAR,
@@ -106,6 +106,20 @@ RETIRE_IDLE_S = 60.0  # ...or one not written for this long
 
 _TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
 
+# Columns added after a table's first release: a database made before gains them (existing rows
+# read NULL there) the first time this code opens it, under the ingestion lock.
+ADDED_COLUMNS = (("steps", "attempt", "INTEGER"),)  # the flow run's attempt (Prefect's run_count)
+MIGRATE = "".join(f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} {ty};\n" for t, c, ty in ADDED_COLUMNS)
+
+STEP_COLUMNS = ("run_id, step, label, fingerprint, state, config, code_version, started, ended, "
+                "seconds, error, attempt")
+# Statements journaled by earlier code, still valid events: rewritten to name their columns, so an
+# event written before an upgrade and ingested after it lands instead of being rejected.
+LEGACY_SQL = {
+    "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)":
+        f"INSERT INTO steps ({STEP_COLUMNS.rsplit(', ', 1)[0]}) VALUES ({', '.join('?' * 11)})",
+}
+
 # States a flow run's row (and each attempt's) can end in.
 RUN_STATES = frozenset({"completed", "failed", "cancelled", "crashed"})
 
@@ -126,6 +140,7 @@ class StepRow:
     started: datetime
     ended: datetime
     error: str | None = None
+    attempt: int | None = None  # the flow run's attempt (Prefect's run_count): one row per attempt
 
 
 class LineageError(RuntimeError):
@@ -349,12 +364,29 @@ def _is_lock_conflict(exc: BaseException) -> bool:
 
 def _apply(con: duckdb.DuckDBPyConnection, ops: Sequence[Op]) -> None:
     for sql, params, many in ops:
+        sql = LEGACY_SQL.get(sql, sql)
         if many:
             con.executemany(sql, params or [])
         elif params is None:
             con.execute(sql)
         else:
             con.execute(sql, params)
+
+
+_CURRENT: set[str] = set()  # databases this process has seen with the current schema
+
+
+def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """Create missing tables and add columns newer than the database (a no-op when current)."""
+    # 11 DDL statements cost ~15 ms per connection; counting tables and columns costs ~1 ms
+    present = con.execute(
+        "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name IN "
+        f"({', '.join('?' * len(_TABLES))})), (SELECT count(*) FROM duckdb_columns() WHERE "
+        f"{' OR '.join(['(table_name = ? AND column_name = ?)'] * len(ADDED_COLUMNS))})",
+        [*_TABLES, *(x for t, c, _ in ADDED_COLUMNS for x in (t, c))],
+    ).fetchone()
+    if present != (len(_TABLES), len(ADDED_COLUMNS)):
+        con.execute(SCHEMA + MIGRATE)
 
 
 def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool) -> list:
@@ -438,14 +470,11 @@ class Lineage:
                 return None
             raise
         try:
-            # 11 DDL statements cost ~15 ms per connection; counting the tables costs ~1 ms
-            present = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name IN "
-                                  f"({', '.join('?' * len(_TABLES))})", list(_TABLES)).fetchone()[0]
-            if present != len(_TABLES):
-                con.execute(SCHEMA)
+            _ensure_schema(con)
         except BaseException:
             con.close()
             raise
+        _CURRENT.add(str(self.path.resolve()))
         return con
 
     def _ingest(self) -> bool:
@@ -556,6 +585,19 @@ class Lineage:
 
     # --- reads --------------------------------------------------------------------------------
 
+    def _schema_current(self) -> bool:
+        """The database has this code's tables and columns (brought up to date once per process;
+        False while an outside process holds the file and it still lacks some)."""
+        key = str(self.path.resolve())
+        if key in _CURRENT:
+            return True
+        with self._locked(fcntl.LOCK_EX):
+            con = self._connect_for_ingest()  # adds what is missing
+        if con is None:
+            return False
+        con.close()
+        return True
+
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
         session = self._session
         if session is not None and session[0] == threading.get_ident():  # inside `reading()`
@@ -569,6 +611,12 @@ class Lineage:
                 return self.snapshot_query(sql, params, dicts=dicts)
         if not self.path.exists():
             return []
+        try:
+            current = self._schema_current()
+        except Exception:  # noqa: BLE001 - e.g. no write permission: a copy brought up to date
+            current = False
+        if not current:
+            return self.snapshot_query(sql, params, dicts=dicts)
         with self._locked(fcntl.LOCK_SH):
             con = duckdb.connect(str(self.path), read_only=True)
             try:
@@ -604,7 +652,7 @@ class Lineage:
                 files = {p: _read_lines(p) for p in self._journal_files()}
             con = duckdb.connect(str(copy))
             try:
-                con.execute(SCHEMA)
+                _ensure_schema(con)
                 progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
                 per_file = [[(_event_time(line), p.name, i, line) for i, line in enumerate(lines)
                              if i >= progress.get(p.name, 0)] for p, lines in files.items()]
@@ -633,9 +681,13 @@ class Lineage:
         *, attempt: int | None = None,
     ) -> None:
         """Record the start of an attempt of a flow run (`attempt`: Prefect's run_count; None
-        numbers it after the last recorded one). The run's row keeps its first start time."""
+        numbers it after the last recorded one). The run's row keeps its first start time. An
+        earlier attempt still `running` lost its process without a word (SIGKILL, a lost node):
+        it is marked `crashed`, its end unknown (NULL)."""
         now = _now()
         self._write([
+            ("UPDATE run_attempts SET state = 'crashed' WHERE run_id = ? AND state = 'running' "
+             "AND attempt IS DISTINCT FROM ?", [run_id, attempt], False),
             ("INSERT INTO flow_runs VALUES (?, ?, ?, ?, ?, ?, NULL, 'running') "
              "ON CONFLICT (run_id) DO UPDATE SET flow = excluded.flow, "
              "deployment = excluded.deployment, recipe = excluded.recipe, "
@@ -662,13 +714,14 @@ class Lineage:
         ])
 
     def record_step(self, row: StepRow) -> None:
+        """One step's state in one attempt of a run (completed, cached, failed or skipped)."""
         with self.writer() as con:
             con.execute(
-                "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO steps ({STEP_COLUMNS}) VALUES ({', '.join('?' * 12)})",
                 [
                     row.run_id, row.step, row.label, row.fingerprint, row.state,
                     canonical_json(row.config), row.code_version, row.started, row.ended,
-                    (row.ended - row.started).total_seconds(), row.error,
+                    (row.ended - row.started).total_seconds(), row.error, row.attempt,
                 ],
             )
 
@@ -775,9 +828,13 @@ class Lineage:
             "SELECT * FROM flow_runs ORDER BY started DESC LIMIT ?", [limit]
         )
 
-    def steps_of(self, run_id: str) -> list[dict[str, Any]]:
+    def steps_of(self, run_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
+        """The step rows of a run (one per step per attempt), attempt by attempt; or of one
+        attempt."""
         return self.query_dicts(
-            "SELECT * FROM steps WHERE run_id = ? ORDER BY started", [run_id]
+            "SELECT * FROM steps WHERE run_id = ? AND (? IS NULL OR attempt = ?) "
+            "ORDER BY attempt NULLS FIRST, started",
+            [run_id, attempt, attempt],
         )
 
 

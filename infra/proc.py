@@ -115,11 +115,23 @@ def _group_alive(pgid: int) -> bool:
 
 
 @atexit.register
-def _kill_all_live() -> None:
+def stop_all(grace: float = 2.0) -> list[str]:
+    """Kill every child `run_streaming` is running in this process (from any thread), each with
+    its whole tree; returns their commands. Their callers see them fail (`ChildFailed`). Runs at
+    exit too, for children started from threads that never got to clean up."""
     with _live_lock:
         procs = list(_live)
     for proc in procs:
-        kill_group(proc, grace=2.0)
+        kill_group(proc, grace=grace)
+    return [_shown(proc.args) for proc in procs]
+
+
+def _shown(argv) -> str:
+    """A child's command as started, without the guard in front of it."""
+    argv = [str(a) for a in argv]
+    if "guard" in argv and "--" in argv:
+        argv = argv[argv.index("--") + 1:]
+    return " ".join(argv)[:300]
 
 
 def run_streaming(

@@ -249,3 +249,70 @@ def test_reading_block_reads_pending_events_while_an_outside_reader_holds_the_fi
             assert {r["fingerprint"][0] for r in lin.query_dicts("SELECT * FROM artifacts")} == {"a", "b"}
     finally:
         outside.close()
+
+
+def test_step_rows_carry_their_attempt_and_a_dead_attempt_is_marked_crashed(tmp_path):
+    lin = Lineage(tmp_path / "lineage.duckdb")
+    now = datetime.now()
+    lin.start_run("r1", "smollm3", "full", "tiny", {}, attempt=1)
+    lin.record_step(StepRow("r1", "source", "prose", "f" * 64, "completed", {}, "v", now, now, None, 1))
+    # attempt 1's process was SIGKILLed: no end_run; `prefect flow-run retry` starts attempt 2
+    lin.start_run("r1", "smollm3", "full", "tiny", {}, attempt=2)
+    lin.record_step(StepRow("r1", "source", "prose", "f" * 64, "cached", {}, "v", now, now, None, 2))
+    lin.end_run("r1", "completed", attempt=2)
+    assert [(s["attempt"], s["state"]) for s in lin.steps_of("r1")] == [(1, "completed"), (2, "cached")]
+    assert [s["state"] for s in lin.steps_of("r1", attempt=2)] == ["cached"]
+    assert [(a["attempt"], a["state"], a["ended"]) for a in lin.attempts_of("r1")][0] == (1, "crashed", None)
+    assert lin.attempts_of("r1")[1]["state"] == "completed"
+
+
+OLD_STEPS = """
+CREATE TABLE steps (
+    run_id VARCHAR, step VARCHAR, label VARCHAR, fingerprint VARCHAR, state VARCHAR,
+    config JSON, code_version VARCHAR, started TIMESTAMP, ended TIMESTAMP, seconds DOUBLE,
+    error VARCHAR
+);
+INSERT INTO steps VALUES ('old', 'source', 'prose', 'f', 'completed', '{}', 'v',
+                          '2026-01-01', '2026-01-01', 0.0, NULL);
+"""
+
+
+def test_a_database_from_before_the_attempt_column_gains_it_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "lineage.duckdb"
+    con = duckdb.connect(str(path))  # made by the previous release: steps without `attempt`
+    con.execute(OLD_STEPS)
+    con.close()
+    lin = Lineage(path)
+    # a read before any write brings the file up to date (queries may name the new column)
+    assert [(s["run_id"], s["attempt"]) for s in lin.steps_of("old")] == [("old", None)]
+    # an event journaled by the previous release (11 values, no column list) still lands
+    from infra.lineage import _event_line, _journal_for
+
+    legacy = [("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               ["legacy", "tokenize", "code", "e", "failed", "{}", "v", datetime(2026, 1, 2),
+                datetime(2026, 1, 2), 0.0, "boom"], False)]
+    _journal_for(lin.journal_dir).append(_event_line(legacy, "legacy-event"))
+    now = datetime.now()
+    lin.record_step(StepRow("new", "curate", "math", "d", "completed", {}, "v", now, now, None, 3))
+    rows = lin.query("SELECT run_id, state, error, attempt FROM steps ORDER BY run_id")
+    assert rows == [("legacy", "failed", "boom", None), ("new", "completed", None, 3),
+                    ("old", "completed", None, None)]
+    assert lin.query("SELECT count(*) FROM _journal_rejected")[0][0] == 0
+
+
+def test_an_old_database_held_by_an_outside_reader_is_read_through_an_updated_copy(tmp_path):
+    path = tmp_path / "lineage.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(OLD_STEPS)
+    con.execute("CREATE TABLE metrics (fingerprint VARCHAR, step BIGINT, name VARCHAR, value DOUBLE)")
+    con.close()
+    holder = _hold(path)  # cannot be migrated in place while held
+    try:
+        assert [s["attempt"] for s in Lineage(path).steps_of("old")] == [None]
+    finally:
+        _release(holder)
+    con = duckdb.connect(str(path), read_only=True)
+    cols = [r[0] for r in con.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE table_name = 'steps'").fetchall()]
+    con.close()
+    assert "attempt" not in cols  # the file itself was left alone while held
