@@ -252,8 +252,8 @@ def assess_runs(
     """The four criteria for one task over an experiment's runs (variants x seeds):
     - monotonic: mean Spearman rho of score vs step over the runs with 3+ checkpoints (of the
       negated score when lower is better);
-    - low noise: SNR of the mean final score over the seed noise pooled across variants (else
-      the mean stderr of the final scores);
+    - low noise: SNR of the mean final score over the seed noise pooled across variants (else,
+      with one seed or seeds that all scored the same, the mean stderr of the final scores);
     - above random: (final - random) / noise, towards better;
     - consistent: Kendall tau of the variants' ordering (mean over seeds) between successive
       common checkpoints, else `cross_task_tau` (agreement with the other tasks, for experiments
@@ -266,6 +266,8 @@ def assess_runs(
     rhos = [monotonicity(r.steps, [sign * x for x in r.scores]) for r in runs if len(r.scores) >= 3]
     rho = statistics.fmean(rhos) if rhos else None
     noise, _ = seed_noise(runs)
+    # Seeds that all scored the same (a coarse metric) measured its resolution, not its noise.
+    noise = noise or None
     source = "seeds" if noise is not None else None
     if noise is None and all(r.stderr for r in runs):
         noise, source = statistics.fmean(float(r.stderr[-1]) for r in runs), "stderr"

@@ -292,7 +292,9 @@ def difference(baseline: Sequence[float], variant: Sequence[float], confidence: 
 
     Noise is estimated from the spread across seeds inside each group, pooled (sum of squared
     deviations over m - 1 + n - 1 degrees of freedom); with no group of two or more it is
-    unknown and so is significance."""
+    unknown and so is significance. So it is when every seed scored exactly the same (a coarse
+    metric, e.g. accuracy on 20 items): a spread of 0 measures the metric's resolution, not the
+    absence of noise, and would make any difference "significant" with p = 0."""
     from scipy.stats import t as student
 
     m, n = len(baseline), len(variant)
@@ -307,14 +309,13 @@ def difference(baseline: Sequence[float], variant: Sequence[float], confidence: 
         return out
     ss = sum((x - mb) ** 2 for x in baseline) + sum((x - mv) ** 2 for x in variant)
     std = math.sqrt(ss / df)
+    out["seed_std"] = std
+    if std == 0:
+        return out
     se = std * math.sqrt(1 / m + 1 / n)
     half = student_t(confidence, df) * se
-    if se > 0:
-        p = float(2 * student.sf(abs(delta) / se, df))
-    else:  # identical seeds: any difference is exact
-        p = 0.0 if delta else 1.0
-    out.update(seed_std=std, ci_low=delta - half, ci_high=delta + half, p_value=p,
-               significant=bool(p < 1 - confidence))
+    p = float(2 * student.sf(abs(delta) / se, df))
+    out.update(ci_low=delta - half, ci_high=delta + half, p_value=p, significant=bool(p < 1 - confidence))
     return out
 
 
@@ -348,7 +349,9 @@ def compare(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores],
 
 
 def verdict(d: Mapping[str, Any], improved: bool | None, trusted: bool, why: Sequence[str]) -> str:
-    if d["significant"] is None:
+    if d["significant"] is None and d["seed_std"] == 0:
+        call = "noise unknown (every seed scored the same)"
+    elif d["significant"] is None:
         call = "noise unknown (one seed per variant)"
     elif d["significant"]:
         call = "better" if improved else "worse"
@@ -415,7 +418,7 @@ def report_markdown(cfg: ExperimentConfig, quality: Mapping[str, TaskQuality], r
             f"| {r['variant']} | {r['task']} | {r['metric']} ({r['better']} better) | {r['baseline']:.4f} | "
             f"{r['score']:.4f} | {r['delta']:+.4f} | {_num(r['seed_std'])} | {r['df']} | {ci} | "
             f"{_num(r['p_value'], '.3g')} | {r['verdict']} |")
-    if all(r["significant"] is None for r in rows):
+    if all(r["df"] == 0 for r in rows):
         lines += ["", "One seed per variant: the seed noise is unknown, so no difference is called "
                       "significant. Rerun with more seeds (`--seeds 2` or more)."]
     return "\n".join(lines) + "\n"

@@ -138,3 +138,12 @@ def test_a_run_without_its_scores_is_refused(tmp_path):
     with pytest.raises(ValueError, match="nothing to compare the baseline with"):
         ExperimentConfig(kind="ablation", name="x", variants={"baseline": ()},
                          runs=(RunRef(label="a", variant="baseline"), RunRef(label="b", variant="baseline", seed=1)))
+
+
+def test_seeds_that_all_score_the_same_measure_resolution_not_noise():
+    d = difference([0.25, 0.25], [0.30, 0.30], 0.95)  # accuracy on 20 items: steps of 0.05
+    assert d["seed_std"] == 0 and d["significant"] is None and d["p_value"] is None
+    from tasks.eval_quality import RunSeries, assess_runs
+
+    runs = [RunSeries(v, k, (5,), (x,), (0.1,)) for v, x in (("a", 0.25), ("b", 0.30)) for k in (0, 1)]
+    assert assess_runs("cloze", runs, random=0.25).noise_source == "stderr"
