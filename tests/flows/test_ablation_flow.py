@@ -114,3 +114,48 @@ def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
     assert main(["ablate", "tiny", *over, "--variant", VARIANT, "--seeds", "2", "--eval-every", "2",
                  "--heldout-tokens", "4096", "--lm-eval", "final", "--plan"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"{len(steps)} steps: 0 run, {len(steps)} reuse"
+
+
+def test_bad_variants_fail_before_anything_runs_naming_the_variant(tmp_path, capsys):
+    from flows.cli import main
+
+    ws = f"workspace={tmp_path / 'ws'}"
+    cases = [
+        ("nocolon", "must look like NAME:key=value"),
+        ("same:seed=0", "variant same: its overrides ['seed=0'] leave the recipe unchanged"),
+        (f"elsewhere:workspace={tmp_path / 'other'}", "variant elsewhere changes workspace"),
+        ("odd:training.model_overrides.num_heads=3", "variant odd: training.model_overrides: ModelConfig.hidden_size"),
+        ("typo:training.learning_rate=1", "variant typo: recipe"),
+    ]
+    for variant, message in cases:
+        assert main(["ablate", "tiny", ws, "--variant", variant, "--plan"]) == 2, variant
+        assert message in capsys.readouterr().err, variant
+    assert not (tmp_path / "ws").exists()  # nothing ran, nothing was written
+
+
+def test_plan_builds_shared_data_once_and_each_variant_its_own_training(tmp_path, capsys):
+    from flows.cli import main
+
+    assert main(["ablate", "tiny", f"workspace={tmp_path / 'ws'}", "--variant", "lr_low:training.optimizer.lr=0.001",
+                 "--variant", "docmask_off:training.doc_masking=false", "--seeds", "2", "--plan"]) == 0
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert len(keys) == len(set(keys))
+    steps = [k.split("[")[0] for k in keys]
+    # Data, tokenizer, suite, held-out sets and preflight: the variants change none of them.
+    assert steps.count("tokenize") == steps.count("heldout_tokens") == 3 and steps.count("tokenizer") == 1
+    assert steps.count("preflight") == steps.count("eval_suite") == 1
+    # 3 arms x 2 seeds x 3 pretrain stages, each with its held-out curve; lm-eval after every stage.
+    assert steps.count("pretrain") == steps.count("heldout_eval") == steps.count("evaluate") == 18
+    assert "pretrain[docmask_off-s1-stage3]" in keys and keys[-1] == "compare[lr_low+docmask_off]"
+
+
+def test_experiments_lists_nothing_in_an_empty_workspace_and_the_deployment_is_served(tmp_path, capsys):
+    from flows.cli import main
+    from flows.deployments import deployments
+
+    assert main(["experiments", "--workspace", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("no experiments in")
+    assert main(["experiments", "abcd", "--workspace", str(tmp_path)]) == 2
+    assert "no experiment 'abcd'" in capsys.readouterr().err
+    (ablate,) = [d for d in deployments() if d.name == "on-demand" and "ablation" in d.tags]
+    assert ablate.parameters["variants"] == [] and ablate.parameters["seeds"] == 2
