@@ -30,6 +30,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.graph import Graph, Node
 from flows.runner import run_flow
 from flows.smollm3 import data
+from infra.artifact import identity
 from tasks.eval_quality import CRITERIA
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.experiment import (
@@ -85,6 +86,9 @@ def arm_recipes(recipe: str, overrides: Sequence[str], variants: Sequence[Varian
         if changed:
             raise ValueError(f"variant {v.name} changes {', '.join(changed)}: those are settings of the whole "
                              "run, give them as overrides of the ablation instead")
+        if identity(cfg) == identity(base):  # every step would be the baseline's own
+            raise ValueError(f"variant {v.name}: its overrides {list(v.overrides)} change only how steps run "
+                             "(operational fields), not what they compute: it would be the baseline again")
         arms[v.name] = cfg
     for name, cfg in arms.items():
         t = cfg.training

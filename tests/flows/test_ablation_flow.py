@@ -126,6 +126,7 @@ def test_bad_variants_fail_before_anything_runs_naming_the_variant(tmp_path, cap
         (f"elsewhere:workspace={tmp_path / 'other'}", "variant elsewhere changes workspace"),
         ("odd:training.model_overrides.num_heads=3", "variant odd: training.model_overrides: ModelConfig.hidden_size"),
         ("typo:training.learning_rate=1", "variant typo: recipe"),
+        ("quiet:training.log_interval=5", "variant quiet: its overrides ['training.log_interval=5'] change only how"),
     ]
     for variant, message in cases:
         assert main(["ablate", "tiny", ws, "--variant", variant, "--plan"]) == 2, variant
