@@ -2,9 +2,11 @@
 
 `graph(recipe, base)` lays the anneal out as one DAG: the pinned base; one held-out token set
 per source; then per run (baseline, its seed replicas, one per candidate) a weights mixture, a
-short decay (`pretrain`), an HF export, lm-eval and held-out loss; and the comparison of every
-candidate against the baseline with its noise. The runs are independent branches: they train
-side by side as far as the recipe's train slots allow.
+short decay (`pretrain`), an HF export, lm-eval and held-out loss and bits per byte; and the
+comparison of every candidate against the baseline with its seed noise. An anneal is an
+experiment (tasks/experiment.py): its variants are the baseline and the candidates, sharing the
+pinned base, and its comparison is the ablations' (`add_comparison`, the `compare` step). The runs
+are independent branches: they train side by side as far as the recipe's train slots allow.
 
 Served as `anneal/nightly` (cron, concurrency 1) and run on demand. The base checkpoint is
 resolved when the run starts (the newest stable-phase checkpoint of the latest `smollm3/full`
@@ -13,13 +15,15 @@ run, or the one given) and pinned, so the main run may keep training and pruning
 
 from __future__ import annotations
 
-from flows.graph import Given, Graph
+from flows.ablation import add_comparison
+from flows.graph import Given, Graph, Node
 from flows.params import RecipeParam, step_names
 from infra.lineage import Lineage
 from infra.workspace import Workspace
-from tasks.anneal import CompareConfig, anneal_compare, anneal_runs, anneal_stage, heldout_sets
+from tasks.anneal import anneal_runs, anneal_stage, heldout_sets
 from tasks.base import BaseCheckpoint, pin, resolve_base
 from tasks.evaluate import EvalSpec, evaluate
+from tasks.experiment import BASELINE, ExperimentConfig, RunRef
 from tasks.export import export
 from tasks.heldout import HeldoutEval, heldout_eval, heldout_tokens
 from tasks.mixture import weights_mixture
@@ -51,22 +55,28 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
             for h in heldout_sets(cfg.anneal, base)]
     threads = cfg.resources.threads("train")
-    scores: dict[str, list] = {}
-    candidates: dict[str, str] = {}
+    lm: dict[str, list[Node]] = {}
+    held_scores: dict[str, list[Node]] = {}
+    refs: list[RunRef] = []
     for run in anneal_runs(cfg.anneal, base, cfg.seed):
         plan = g.add(weights_mixture, run.mixture, label=run.label, shards=shards)
         stage = anneal_stage(cfg.anneal, base, run, cfg.training.nproc_per_node, threads)
         stage = stage.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
         ckpt = g.add(pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned)
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
-        scores[run.label] = [
-            g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite),
-            g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held),
-        ]
-        candidates[run.label] = run.candidate
-    g.add(anneal_compare,
-          CompareConfig(candidates=candidates, metric=cfg.anneal.metric, z_threshold=cfg.anneal.z_threshold),
-          label=base.label, base=pinned, **scores)
+        lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}",
+                               model=model, suite=suite)]
+        held_scores[run.label] = [g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt,
+                                        heldout=held)]
+        refs.append(RunRef(label=run.label, variant=run.candidate, seed=run.replica,
+                           lm_steps=(stage.spec.steps,)))
+    variants = {BASELINE: (f"weights={base.weights}",)}
+    variants.update({c.name: (f"candidate={c.weights}", f"candidate_share={cfg.anneal.candidate_share}")
+                     for c in cfg.anneal.candidates})
+    experiment = ExperimentConfig(kind="anneal", name=f"{base.label}: {', '.join(c.name for c in cfg.anneal.candidates)}",
+                                  variants=variants, runs=tuple(refs), metric=cfg.anneal.metric,
+                                  confidence=cfg.anneal.confidence)
+    add_comparison(g, experiment, lm, held_scores, label=base.label, base=pinned)
     return g
 
 

@@ -288,7 +288,68 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("down", cmd_down, "stop exactly the processes `smollm3 demo` started")
     p.add_argument("--state", default=".demo", help="folder `smollm3 demo` kept its pid files in")
+    add_experiment_commands(add)
     return parser
+
+
+# --- experiments: `smollm3 ablate`, `smollm3 experiments` (flows/ablation.py, tasks/experiment.py) ---
+
+
+def cmd_ablate(args) -> int:
+    """Run the ablation flow in this process (or plan it) and print the comparison."""
+    if args.plan:
+        from flows.ablation import ablation_spec, arm_recipes, graph
+        from flows.plan import format_plan, plan_graph
+        from infra.workspace import Workspace
+
+        spec = ablation_spec(args.variant, args.seeds, args.eval_every, args.heldout_tokens, args.lm_eval,
+                             args.confidence, args.name)
+        arms = arm_recipes(args.recipe, args.overrides, spec.variants)
+        base = arms["baseline"]
+        print(format_plan(plan_graph(graph(arms, spec, tolerant=True), Workspace.at(base.workspace),
+                                     frozenset(args.refresh))))
+        return 0
+    from flows.ablation import ablation
+
+    result = ablation(recipe=args.recipe, variants=args.variant, seeds=args.seeds, overrides=args.overrides,
+                      refresh=args.refresh, eval_every=args.eval_every, heldout_tokens=args.heldout_tokens,
+                      lm_eval=args.lm_eval, confidence=args.confidence, name=args.name)
+    print(Path(result["report"]).read_text())
+    print(f"experiment {result['experiment'][:12]} (run {result['run_id']}): "
+          f"`smollm3 experiments {result['experiment'][:12]}` prints it again")
+    return 0
+
+
+def cmd_experiments(args) -> int:
+    from tasks.experiment import experiment_text
+
+    print(experiment_text(_lineage(args), args.experiment, args.kind))
+    return 0
+
+
+def add_experiment_commands(add) -> None:
+    p = add("ablate", cmd_ablate, "ablate RECIPE --variant NAME:key=value,... [--seeds N]: train the recipe and "
+            "each variant with N seeds, compare them on the evals that carry signal")
+    p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in configs/ or a YAML path (the baseline)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every arm, e.g. a shorter stage")
+    p.add_argument("--variant", action="append", default=[], required=True, metavar="NAME:key=value[,key=value]",
+                   help="a variant: recipe overrides over the baseline (repeat for several), e.g. "
+                        "docmask_off:training.doc_masking=false")
+    p.add_argument("--seeds", type=int, default=2, help="runs per variant (seed + k); 1 leaves the noise unknown")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between kept checkpoints scored on held-out bits per byte (default: ~8 per run)")
+    p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens per source (default 8192)")
+    p.add_argument("--lm-eval", choices=("stages", "final", "none"), default="stages",
+                   help="lm-eval cloze tasks after every pretrain stage (default), the last one, or never")
+    p.add_argument("--confidence", type=float, default=0.95, help="of each difference's interval (default 0.95)")
+    p.add_argument("--name", default="", help="experiment name (default: the variant names joined by +)")
+    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="comma-separated step names to rerun even if finished")
+    p.add_argument("--plan", action="store_true", help="print the plan (each step run or reuse, and why); train nothing")
+
+    p = add("experiments", cmd_experiments, "list experiments (ablations, anneals), or print one's comparison", True)
+    p.add_argument("experiment", nargs="?", default=None, help="experiment id or prefix (default: list them)")
+    p.add_argument("--kind", choices=("ablation", "anneal"), default=None, help="list only this kind")
 
 
 PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity, "eval-quality": cmd_eval_quality}

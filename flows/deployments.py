@@ -21,6 +21,7 @@ import os
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
+from flows.ablation import ablation
 from flows.anneal import anneal
 from flows.cpt import cpt
 from flows.crash_detection import ensure_crash_detection
@@ -50,6 +51,15 @@ def deployments() -> list[RunnerDeployment]:
             cron=ANNEAL_CRON,
             concurrency_limit=1,
             tags=["smollm3", "anneal"],
+        ),
+        # One ablation at a time: its variants x seeds already fill the train slots.
+        ablation.to_deployment(
+            name="on-demand",
+            description="Train the recipe and each variant (NAME:key=value,... overrides) with several "
+            "seeds; compare them on the evals that carry signal, with seed noise.",
+            parameters={"recipe": "tiny", "variants": [], "seeds": 2, "overrides": [], "refresh": []},
+            concurrency_limit=1,
+            tags=["smollm3", "ablation"],
         ),
         cpt.to_deployment(
             name="on-demand",

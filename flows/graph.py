@@ -98,17 +98,20 @@ class Graph:
     final: Node | None = None  # the node whose artifact the run reports as its result
 
     def add(self, step: StepDef, config: Any, *, label: str, after: Sequence[Node] = (),
-            **inputs: Ref | Sequence[Ref]) -> Node:
+            reuse: bool = False, **inputs: Ref | Sequence[Ref]) -> Node:
         """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them);
-        `after` names gates (see Node.after)."""
+        `after` names gates (see Node.after).
+
+        reuse: when this exact step (same step, same fingerprint) is already in the graph, return
+        that node, whatever its label, instead of adding a second one. An experiment builds each
+        variant's graph into one graph this way, so the steps variants share appear once (its
+        gates and label are the first one's)."""
         if not isinstance(config, step.config_type):
             raise TypeError(
                 f"{step.name}[{label}]: config must be a {step.config_type.__name__}, "
                 f"got {type(config).__name__}"
             )
         key = f"{step.name}[{label}]"
-        if any(n.key == key for n in self.nodes):
-            raise ValueError(f"graph {self.name}: step {key} is added twice; give it another label")
         mine = {id(n) for n in self.nodes}
         named: dict[str, Ref | tuple[Ref, ...]] = {}
         for name, value in inputs.items():
@@ -129,8 +132,14 @@ class Graph:
         for gate in after:
             if id(gate) not in mine:
                 raise ValueError(f"{key}: gate {gate!r} is not a node of graph {self.name}")
-        node = Node(step, label, config, named, extra, step.fingerprint(config, named, extra), unresolved,
-                    tuple(after))
+        fp = step.fingerprint(config, named, extra)
+        if reuse:
+            same = next((n for n in self.nodes if n.step is step and n.fingerprint == fp), None)
+            if same is not None:
+                return same
+        if any(n.key == key for n in self.nodes):
+            raise ValueError(f"graph {self.name}: step {key} is added twice; give it another label")
+        node = Node(step, label, config, named, extra, fp, unresolved, tuple(after))
         self.nodes.append(node)
         self.final = node
         return node

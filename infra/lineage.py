@@ -925,21 +925,63 @@ class Lineage:
         """Runs whose id starts with `prefix`, newest first."""
         return self.query_dicts("SELECT * FROM flow_runs WHERE run_id LIKE ? ORDER BY started DESC", [prefix + "%"])
 
-    # --- anneal comparisons (tasks/anneal.py): created on first use -------------------------
+    # --- experiments (tasks/experiment.py: ablations and anneals): created on first use -------
 
-    def record_comparisons(self, rows: Sequence[Sequence[Any]]) -> None:
-        """Append rows to `anneal_comparisons` (see COMPARISON_SCHEMA for the columns)."""
+    def record_experiment(self, experiment: dict[str, Any], runs: Sequence[dict[str, Any]],
+                          results: Sequence[dict[str, Any]]) -> None:
+        """One experiment's rows, replacing any earlier ones of the same experiment id (a rebuilt
+        comparison), in one transaction: `experiment` is a row of `experiments`, `runs` rows of
+        `experiment_runs` (every score of every run at every evaluated step) and `results` rows of
+        `experiment_results` (each variant vs the baseline per task); see EXPERIMENT_SCHEMA."""
+        exp_id = experiment["experiment"]
         with self.writer() as con:
-            con.execute(COMPARISON_SCHEMA)
-            con.executemany(f"INSERT INTO anneal_comparisons VALUES ({', '.join('?' * 19)})",
-                            [list(r) for r in rows])
+            con.execute(EXPERIMENT_SCHEMA)
+            for table, rows in (("experiments", [experiment]), ("experiment_runs", runs),
+                                ("experiment_results", results)):
+                columns = EXPERIMENT_COLUMNS[table]
+                con.execute(f"DELETE FROM {table} WHERE experiment = ?", [exp_id])
+                bad = [sorted(set(r) ^ set(columns)) for r in rows if set(r) != set(columns)]
+                if bad:
+                    raise ValueError(f"{table} row columns differ from the table's: {bad[0]}")
+                if rows:
+                    con.executemany(
+                        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                        [[r[c] for c in columns] for r in rows])
 
-    def comparisons(self, comparison: str | None = None) -> list[dict[str, Any]]:
-        """Rows of `anneal_comparisons` (all, or one comparison's), newest first."""
-        if not self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'anneal_comparisons'"):
+    def _has_experiments(self) -> bool:
+        return bool(self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'experiments'"))
+
+    def experiments(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Experiments (all, or of one kind: ablation, anneal), newest first."""
+        if not self._has_experiments():
             return []
-        where, params = ("WHERE comparison = ?", [comparison]) if comparison else ("", [])
-        return self.query_dicts(f"SELECT * FROM anneal_comparisons {where} ORDER BY created DESC, candidate, task", params)
+        return self.query_dicts("SELECT * FROM experiments WHERE ? IS NULL OR kind = ? ORDER BY created DESC",
+                                [kind, kind])
+
+    def find_experiment(self, prefix: str) -> dict[str, Any] | None:
+        """The experiment whose id starts with `prefix` (None: none; an ambiguous prefix is an error)."""
+        if not self._has_experiments():
+            return None
+        rows = self.query_dicts("SELECT * FROM experiments WHERE experiment LIKE ? ORDER BY created DESC",
+                                [prefix + "%"])
+        if len(rows) > 1:
+            raise ValueError(f"experiment id prefix {prefix!r} is ambiguous: "
+                             + ", ".join(r["experiment"][:12] for r in rows))
+        return rows[0] if rows else None
+
+    def experiment_runs(self, experiment: str) -> list[dict[str, Any]]:
+        """Every score of an experiment's runs: label, variant, seed, task, metric, step, value, stderr."""
+        if not self._has_experiments():
+            return []
+        return self.query_dicts("SELECT * FROM experiment_runs WHERE experiment = ? "
+                                "ORDER BY variant, seed, task, step", [experiment])
+
+    def experiment_results(self, experiment: str) -> list[dict[str, Any]]:
+        """An experiment's comparison: each variant vs the baseline, per task."""
+        if not self._has_experiments():
+            return []
+        return self.query_dicts("SELECT * FROM experiment_results WHERE experiment = ? ORDER BY variant, task",
+                                [experiment])
 
 
     # --- many reads at once (the CLI's views) ----------------------------------------------
@@ -1138,11 +1180,33 @@ def artifact_of(row: dict[str, Any]) -> Artifact:
                     meta=json.loads(meta) if isinstance(meta, str) else dict(meta or {}))
 
 
-COMPARISON_SCHEMA = """
-CREATE TABLE IF NOT EXISTS anneal_comparisons (
-    comparison VARCHAR, run_id VARCHAR, base_checkpoint VARCHAR, base_global_step BIGINT,
-    candidate VARCHAR, task VARCHAR, metric VARCHAR, baseline DOUBLE, score DOUBLE, delta DOUBLE,
-    stderr DOUBLE, seed_std DOUBLE, noise DOUBLE, z DOUBLE, significant BOOLEAN, better VARCHAR,
-    improved BOOLEAN, eval_fingerprint VARCHAR, created TIMESTAMP
+# Experiment tables (tasks/experiment.py), as (column, type); created on first use.
+EXPERIMENT_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
+    # one row per experiment: what was compared and which eval tasks the comparison trusts
+    "experiments": (
+        ("experiment", "VARCHAR"), ("run_id", "VARCHAR"), ("kind", "VARCHAR"), ("name", "VARCHAR"),
+        ("baseline", "VARCHAR"), ("variants", "JSON"), ("seeds", "JSON"), ("confidence", "DOUBLE"),
+        ("trusted", "JSON"), ("quality", "JSON"), ("base_checkpoint", "VARCHAR"),
+        ("base_global_step", "BIGINT"), ("created", "TIMESTAMP"),
+    ),
+    # every score of every run (variant x seed) at every evaluated step
+    "experiment_runs": (
+        ("experiment", "VARCHAR"), ("label", "VARCHAR"), ("variant", "VARCHAR"), ("seed", "INTEGER"),
+        ("task", "VARCHAR"), ("metric", "VARCHAR"), ("step", "BIGINT"), ("value", "DOUBLE"),
+        ("stderr", "DOUBLE"), ("eval_fingerprint", "VARCHAR"),
+    ),
+    # each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
+    "experiment_results": (
+        ("experiment", "VARCHAR"), ("variant", "VARCHAR"), ("task", "VARCHAR"), ("metric", "VARCHAR"),
+        ("better", "VARCHAR"), ("baseline", "DOUBLE"), ("score", "DOUBLE"), ("delta", "DOUBLE"),
+        ("seed_std", "DOUBLE"), ("df", "INTEGER"), ("ci_low", "DOUBLE"), ("ci_high", "DOUBLE"),
+        ("p_value", "DOUBLE"), ("significant", "BOOLEAN"), ("improved", "BOOLEAN"), ("stderr", "DOUBLE"),
+        ("trusted", "BOOLEAN"), ("why", "VARCHAR"), ("verdict", "VARCHAR"), ("baseline_runs", "INTEGER"),
+        ("variant_runs", "INTEGER"), ("created", "TIMESTAMP"),
+    ),
+}
+EXPERIMENT_COLUMNS = {t: tuple(c for c, _ in cols) for t, cols in EXPERIMENT_TABLES.items()}
+EXPERIMENT_SCHEMA = "\n".join(
+    f"CREATE TABLE IF NOT EXISTS {t} ({', '.join(f'{c} {kind}' for c, kind in cols)});"
+    for t, cols in EXPERIMENT_TABLES.items()
 )
-"""

@@ -20,7 +20,7 @@ class ModelConfig:
     intermediate_size: int = 768  # SwiGLU inner width (gate and up projections)
     num_layers: int = 4  # decoder blocks
     num_heads: int = 4  # query heads; head_dim = hidden_size // num_heads
-    num_kv_heads: int = 2  # GQA: key/value heads shared by num_heads // num_kv_heads queries
+    num_kv_heads: int = 2  # GQA: key/value heads, each shared by num_heads // num_kv_heads queries (= num_heads: MHA, 1: MQA)
     max_seq_len: int = 4096  # longest sequence the RoPE tables are sized for (grows on demand)
     rope_theta: float = 50_000.0  # RoPE base; raised for context extension (2M, 5M in SmolLM3)
     no_rope_interval: int = 4  # every Nth layer (1-indexed) skips RoPE (NoPE); 0 disables NoPE

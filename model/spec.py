@@ -77,6 +77,10 @@ class TrainSpec(_Spec):
     reset_optimizer: bool = False  # with init_from: fresh AdamW moments instead of the checkpoint's
     reset_schedule: bool = False  # with init_from: schedule restarts at 0 instead of continuing
     seed: int = 0  # model initialisation seed (the recipe's seed); the data order is the plan's
+    # Intra-document masking (SmolLM3): attention stays inside each packed document and RoPE
+    # positions restart at each document. False = plain causal attention over the whole packed
+    # sequence (positions 0..T-1), the ablation the playbook runs against it.
+    doc_masking: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # flex on cuda, sdpa on cpu
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu

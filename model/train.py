@@ -9,7 +9,8 @@ One launch trains one stage as described by a `TrainSpec`:
   fp32 on CPU ("bf16" forces autocast on either); `spec.compile_model` compiles each block in place
   (`Module.compile`, so parameter names and checkpoints do not change);
 - data: `MixtureLoader` with global state; gradient accumulation over
-  global_batch / (micro_batch x world) micro-batches;
+  global_batch / (micro_batch x world) micro-batches; document ids mask attention inside each
+  packed document unless `spec.doc_masking` is False (plain causal attention, positions 0..T-1);
 - resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size);
   otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
@@ -284,7 +285,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     loss_value, last_ckpt = float("nan"), latest
     if is_main:
         log.info(
-            "stage %s: %d params, world %d, accum %d, steps %d..%d, %s, %s, peak %.3g FLOP/s (%s)",
+            "stage %s: %d params, world %d, accum %d, steps %d..%d, %s, %s, %s, peak %.3g FLOP/s (%s)",
             plan.stage,
             cfg.num_parameters(),
             rt.world_size,
@@ -293,6 +294,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             spec.steps,
             "bf16 autocast" if isinstance(autocast, torch.autocast) else "fp32",
             "compiled blocks" if spec.compile_model else "eager",
+            "intra-document masking" if spec.doc_masking else "causal attention across documents",
             peak,
             peak_source,
         )
@@ -310,7 +312,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             with autocast:
                 out = model(
                     batch.input_ids.to(rt.device),
-                    batch.doc_ids.to(rt.device),
+                    batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
                     batch.labels.to(rt.device),
                 )
             (out.loss / accum).backward()

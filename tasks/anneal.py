@@ -10,33 +10,23 @@ mixtures are tasks/mixture.py's `weights_mixture`; each run is a `pretrain` stag
   data order, which measures seed noise) and one run per candidate;
 - `anneal_stage` is the `pretrain` config of one run: the base stage's own TrainSpec, from the
   pinned checkpoint with its optimizer state, LR decaying linearly from the checkpoint's LR to 0;
-- `compare` (pure) and `anneal_compare` (step) turn the runs' eval scores into deltas against the
-  baseline with a noise estimate; the publish hook writes them to DuckDB (`anneal_comparisons`)
-  and to a Prefect table artifact.
+- the comparison is the experiment framework's (tasks/experiment.py, flows/ablation.py
+  `add_comparison`): the baseline and its replicas and each candidate are the variants of an
+  experiment of kind "anneal", compared on the runs' lm-eval scores and held-out bits per byte
+  with seed noise; DuckDB `experiments` / `experiment_runs` / `experiment_results`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import statistics
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from infra.artifact import Artifact, Inputs
 from model.spec import ScheduleSpec
 from tasks.base import BaseCheckpoint
 from tasks.heldout import HeldoutConfig
 from tasks.mixture import WeightsMixture, blend
 from tasks.pretrain import StageRun, optimizer_steps
-from tasks.step import many, one, step
-
-if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
-    from infra.lineage import Lineage
 
 
 class AnnealCandidate(BaseModel):
@@ -59,8 +49,8 @@ class AnnealConfig(BaseModel):
     seed_runs: int = Field(default=1, ge=0)  # extra baseline runs with another data order (noise)
     checkpoint_interval: int = Field(default=100, gt=0)  # anneal runs checkpoint (resume) this often
     metric: str = "acc_norm"  # lm-eval metric compared (cloze: length-normalised accuracy)
-    heldout_tokens: int = Field(default=16384, gt=0)  # held-out tokens per source for the loss deltas
-    z_threshold: float = Field(default=2.0, gt=0)  # |delta| / noise above this counts as real
+    heldout_tokens: int = Field(default=16384, gt=0)  # held-out tokens per source (bits per byte)
+    confidence: float = Field(default=0.95, gt=0, lt=1)  # of each difference's interval (needs seed_runs >= 1)
     base_flow: str = "smollm3"  # flow whose latest run provides the default base checkpoint
     base_deployment: str = "full"  # runs of this deployment are preferred for the default base
 
@@ -95,6 +85,7 @@ class AnnealRun(BaseModel):
     label: str  # baseline, baseline-s1, or the candidate name
     candidate: str  # "baseline" for the baseline and its seed replicas
     mixture: WeightsMixture  # weights, tokens, sequence length and data-order seed
+    replica: int = 0  # seed index within its candidate (baseline-sK: K)
 
 
 def anneal_runs(cfg: AnnealConfig, base: BaseCheckpoint, seed: int = 0) -> list[AnnealRun]:
@@ -108,7 +99,8 @@ def anneal_runs(cfg: AnnealConfig, base: BaseCheckpoint, seed: int = 0) -> list[
 
     runs = [AnnealRun(label="baseline", candidate="baseline", mixture=mix("baseline", base.weights, seed))]
     runs += [
-        AnnealRun(label=f"baseline-s{i}", candidate="baseline", mixture=mix("baseline", base.weights, seed + i))
+        AnnealRun(label=f"baseline-s{i}", candidate="baseline", mixture=mix("baseline", base.weights, seed + i),
+                  replica=i)
         for i in range(1, cfg.seed_runs + 1)
     ]
     runs += [
@@ -141,142 +133,3 @@ def heldout_sets(cfg: AnnealConfig, base: BaseCheckpoint) -> list[HeldoutConfig]
     """One held-out set per source of the base stage's mixture: the loss deltas show which
     domain each candidate moves, long before cloze accuracy of a small model does."""
     return [HeldoutConfig(domain=n, sources=(n,), max_tokens=cfg.heldout_tokens) for n in sorted(base.weights)]
-
-
-# --- comparison -------------------------------------------------------------------------------
-
-
-class CompareConfig(BaseModel):
-    """What `anneal_compare` compares. Its inputs are named by run label (each a list of that
-    run's score artifacts: lm-eval and held-out loss) plus `base`, the pinned checkpoint."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    candidates: dict[str, str]  # run label -> candidate name ("baseline" for the baselines)
-    metric: str = "acc_norm"  # lm-eval metric compared
-    z_threshold: float = 2.0  # |delta| / noise above this counts as real
-
-
-def compare(
-    baselines: Sequence[Mapping[str, Mapping[str, float]]],
-    candidates: Mapping[str, Mapping[str, Mapping[str, float]]],
-    metric: str = "acc_norm",
-    z_threshold: float = 2.0,
-) -> list[dict[str, Any]]:
-    """Score deltas of each candidate against the baseline, per task, with their noise.
-
-    Scores are {task: {metric: value, metric_stderr: value}}: lm-eval tasks are compared on
-    `metric` (higher is better), held-out sets on `loss` (lower is better).
-    baselines: the scores of the baseline and of its seed replicas.
-    Noise of a delta: the larger of the standard error of the difference of two scores
-    (sqrt(se_c^2 + se_b^2): lm-eval's binomial stderr, or the loss's stderr over windows) and the
-    seed noise of a difference of two runs (sqrt(2) x the std of the baseline replicas, when
-    there are at least two). `significant` when |delta| / noise >= z_threshold.
-    """
-    if not baselines:
-        raise ValueError("compare: no baseline scores")
-    rows = []
-    for name, scores in candidates.items():
-        for task in sorted(scores):
-            m = metric if metric in scores[task] else "loss" if "loss" in scores[task] else None
-            if m is None or any(m not in b.get(task, {}) for b in baselines):
-                continue
-            base_values = [float(b[task][m]) for b in baselines]
-            base_se = [float(b[task].get(f"{m}_stderr") or 0.0) for b in baselines]
-            baseline = statistics.fmean(base_values)
-            score = float(scores[task][m])
-            se_b = math.sqrt(sum(s * s for s in base_se)) / len(base_se)  # stderr of the mean
-            se_c = float(scores[task].get(f"{m}_stderr") or 0.0)
-            stderr = math.sqrt(se_b**2 + se_c**2)
-            seed_std = statistics.stdev(base_values) if len(base_values) > 1 else None
-            noise = max(stderr, math.sqrt(2) * seed_std if seed_std is not None else 0.0)
-            delta = score - baseline
-            z = delta / noise if noise > 0 else (math.copysign(math.inf, delta) if delta else 0.0)
-            lower = m == "loss"
-            significant = abs(z) >= z_threshold
-            rows.append({
-                "candidate": name, "task": task, "metric": m, "baseline": baseline,
-                "score": score, "delta": delta, "stderr": stderr, "seed_std": seed_std,
-                "noise": noise, "z": z, "significant": significant,
-                "better": "lower" if lower else "higher",
-                "improved": significant and (delta < 0 if lower else delta > 0),
-            })
-    return rows
-
-
-def comparison_markdown(rows: Sequence[Mapping[str, Any]], base: Mapping[str, Any]) -> str:
-    lines = [
-        f"# Anneal comparison from {base.get('stage', '?')} step {base.get('step', '?')} "
-        f"(global step {base.get('global_step', '?')})",
-        "",
-        "| candidate | task | metric | baseline | score | delta | noise | z | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *(
-            f"| {r['candidate']} | {r['task']} | {r['metric']} | {r['baseline']:.4f} | {r['score']:.4f} | "
-            f"{r['delta']:+.4f} | {r['noise']:.4f} | {r['z']:+.2f} | "
-            f"{('better' if r['improved'] else 'worse') if r['significant'] else 'within noise'} |"
-            for r in rows
-        ),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def build_comparison(cfg: CompareConfig, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
-    """Merge each run's score artifacts (lm-eval and held-out loss) by label, then compare."""
-    missing = sorted(set(cfg.candidates) - set(inputs))
-    if missing:
-        raise ValueError(f"anneal_compare: no scores for run(s) {', '.join(missing)}")
-    scores: dict[str, dict[str, Any]] = {}
-    source_of: dict[str, str] = {}
-    for label in cfg.candidates:
-        for art in many(inputs, label):
-            scores.setdefault(label, {}).update(art.meta["scores"])
-            source_of.setdefault(label, art.fingerprint)
-    baselines = [s for label, s in scores.items() if cfg.candidates[label] == "baseline"]
-    candidates = {cfg.candidates[label]: s for label, s in scores.items() if cfg.candidates[label] != "baseline"}
-    rows = compare(baselines, candidates, cfg.metric, cfg.z_threshold)
-    by_candidate = {cfg.candidates[label]: fp for label, fp in source_of.items()}
-    for r in rows:
-        r["eval_fingerprint"] = by_candidate[r["candidate"]]
-    base = one(inputs, "base").meta
-    (out / "comparison.json").write_text(json.dumps(rows, indent=2))
-    markdown = comparison_markdown(rows, base)
-    (out / "comparison.md").write_text(markdown)
-    log("\n" + markdown)
-    return {"rows": rows, "base": dict(base), "metric": cfg.metric,
-            "baseline_runs": len(baselines), "candidates": sorted(candidates)}
-
-
-def publish_comparison(artifact: Artifact, ws, label: str) -> None:
-    """Rows to DuckDB (`anneal_comparisons`, created on first use) and a Prefect table artifact."""
-    import re
-
-    from prefect.artifacts import create_table_artifact
-    from prefect.runtime import flow_run
-
-    now = datetime.now(UTC).replace(tzinfo=None)
-    run_id = str(flow_run.id) if flow_run.id else None
-    base = artifact.meta["base"]
-    rows = artifact.meta["rows"]
-    ws.lineage().record_comparisons(
-        [[artifact.fingerprint, run_id, base.get("source"), base.get("global_step"),
-          r["candidate"], r["task"], r["metric"], r["baseline"], r["score"], r["delta"],
-          r["stderr"], r["seed_std"], r["noise"], r["z"], r["significant"], r["better"],
-          r["improved"], r["eval_fingerprint"], now] for r in rows]
-    )
-    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "eval_fingerprint"}
-             for r in rows]
-    key = re.sub(r"[^a-z0-9-]+", "-", f"anneal-comparison-{label}".lower())
-    create_table_artifact(table=table, key=key, description="Anneal candidates vs baseline (delta, noise, z)")
-
-
-@step("anneal_compare", version=2, kind="report", publish=publish_comparison)
-def anneal_compare(config: CompareConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The runs' score artifacts (one input per run label) and the pinned base (input `base`) to
-    the comparison."""
-    return build_comparison(config, inputs, out, log)
-
-
-def comparisons(lineage: Lineage, comparison: str | None = None) -> list[dict[str, Any]]:
-    """Rows of `anneal_comparisons` (all, or one comparison's), newest first."""
-    return lineage.comparisons(comparison)

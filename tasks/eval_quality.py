@@ -10,8 +10,12 @@ Per task, over a run's checkpoints (and, when there is one, an anneal comparison
   steps, or between this task's ranking of anneal candidates and the consensus of the other tasks
   (threshold 0.5 here: the playbook names the statistic, not a cut-off).
 
-A task is kept when it passes every criterion that could be measured. The functions are pure and
-take plain lists; `run_series` reads a run's scores from lineage, and
+A task is kept when it passes every criterion that could be measured. An experiment (an ablation
+or an anneal, tasks/experiment.py) assesses each task over all its runs (`assess_runs`): the mean
+Spearman rho over the runs' checkpoints, the seed noise pooled over its variants, the ordering
+of the variants at successive checkpoints; it may require criteria to be measured (`trust`).
+Lower-is-better metrics (held-out bits per byte) are assessed with `better="lower"`. The functions
+are pure and take plain lists; `run_series` reads a run's scores from lineage, and
 
     smollm3 eval-quality [WORKSPACE] [--run RUN_ID] [--metric acc_norm]
 
@@ -182,16 +186,21 @@ def candidate_consistency(by_task: Mapping[str, Mapping[str, float]]) -> dict[st
     return out
 
 
+CRITERIA = ("monotonic", "low_noise", "above_random", "consistent")
+
+
 @dataclass(frozen=True)
 class TaskQuality:
     task: str
     points: int
     final: float
-    spearman: float
+    spearman: float | None  # None: fewer than 3 checkpoints in every run
     snr: float | None
     margin: float | None  # in noise units
     kendall: float | None
     checks: dict[str, bool | None]  # criterion -> pass (None: not measurable here)
+    better: str = "higher"  # "lower" for losses and bits per byte
+    noise_source: str | None = None  # "seeds" (std across seed runs) or "stderr" (of each score)
 
     @property
     def keep(self) -> bool:
@@ -227,6 +236,32 @@ class TaskQuality:
             unmeasured.append("ranking consistency (needs an anneal comparison or several models)")
         return failed, unmeasured
 
+    def trusted(self, require: Sequence[str] = ()) -> bool:
+        """Kept, and every criterion in `require` was measured."""
+        return self.keep and all(self.checks[c] is not None for c in require)
+
+    def reasons(self, thresholds: Thresholds = Thresholds(), require: Sequence[str] = ()) -> list[str]:
+        """Why the task is not trusted, one phrase per failed or missing criterion ([] = trusted)."""
+        out = []
+        c, t = self.checks, thresholds
+        noise = f" ({self.noise_source})" if self.noise_source else ""
+        if c["monotonic"] is False:
+            out.append(f"not monotonic (rho {self.spearman:.2f} < {t.spearman})")
+        if c["low_noise"] is False:
+            out.append(f"noisy (SNR {self.snr:.1f} <= {t.snr:g}{noise})")
+        if c["above_random"] is False:
+            out.append(f"not above random ({self.margin:.1f} sigma <= {t.margin_sigmas:g})")
+        if c["consistent"] is False:
+            out.append(f"inconsistent ordering (tau {self.kendall:.2f} < {t.kendall})")
+        missing = {"monotonic": "monotonicity unmeasured (fewer than 3 checkpoints)",
+                   "low_noise": "noise unmeasured (one seed, no stderr)",
+                   "above_random": "margin unmeasured (no noise)",
+                   "consistent": "ordering unmeasured (one variant or one checkpoint)"}
+        out += [missing[k] for k in require if c[k] is None]
+        if not any(v is not None for v in c.values()):
+            out.append("nothing measurable")
+        return out
+
 
 def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_tau: float | None = None) -> TaskQuality:
     """The four criteria for one task. kendall_tau: an externally measured consistency (anneal
@@ -248,6 +283,80 @@ def assess(series: TaskSeries, thresholds: Thresholds = Thresholds(), kendall_ta
     return TaskQuality(series.task, len(series.scores), final, rho, ratio, margin, tau, checks)
 
 
+@dataclass(frozen=True)
+class RunSeries:
+    """One training run's scores on one task: an experiment has one per variant and seed."""
+
+    variant: str
+    seed: int
+    steps: tuple[float, ...]  # global step of each evaluated checkpoint, increasing
+    scores: tuple[float, ...]
+    stderr: tuple[float, ...] = ()  # per-score standard error, if known
+
+
+def seed_noise(runs: Sequence[RunSeries]) -> tuple[float | None, int]:
+    """Std of the final score across seeds, pooled over the variants that have several seeds
+    (sum of squared deviations from each variant's mean over the sum of its degrees of freedom),
+    and those degrees of freedom; (None, 0) when no variant has two seeds."""
+    by_variant: dict[str, list[float]] = {}
+    for r in runs:
+        by_variant.setdefault(r.variant, []).append(float(r.scores[-1]))
+    ss, df = 0.0, 0
+    for finals in by_variant.values():
+        if len(finals) > 1:
+            mean = statistics.fmean(finals)
+            ss += sum((x - mean) ** 2 for x in finals)
+            df += len(finals) - 1
+    return (math.sqrt(ss / df), df) if df else (None, 0)
+
+
+def assess_runs(
+    task: str, runs: Sequence[RunSeries], random: float, better: str = "higher",
+    thresholds: Thresholds = Thresholds(), cross_task_tau: float | None = None,
+) -> TaskQuality:
+    """The four criteria for one task over an experiment's runs (variants x seeds):
+    - monotonic: mean Spearman rho of score vs step over the runs with 3+ checkpoints (of the
+      negated score when lower is better);
+    - low noise: SNR of the mean final score over the seed noise pooled across variants (else,
+      with one seed or seeds that all scored the same, the mean stderr of the final scores);
+    - above random: (final - random) / noise, towards better;
+    - consistent: Kendall tau of the variants' ordering (mean over seeds) between successive
+      common checkpoints, else `cross_task_tau` (agreement with the other tasks, for experiments
+      evaluated once per run, such as anneals)."""
+    if not runs:
+        raise ValueError(f"task {task!r} has no runs")
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
+    sign = 1.0 if better == "higher" else -1.0
+    rhos = [monotonicity(r.steps, [sign * x for x in r.scores]) for r in runs if len(r.scores) >= 3]
+    rho = statistics.fmean(rhos) if rhos else None
+    noise, _ = seed_noise(runs)
+    # Seeds that all scored the same (a coarse metric) measured its resolution, not its noise.
+    noise = noise or None
+    source = "seeds" if noise is not None else None
+    if noise is None and all(r.stderr for r in runs):
+        noise, source = statistics.fmean(float(r.stderr[-1]) for r in runs), "stderr"
+    final = statistics.fmean(float(r.scores[-1]) for r in runs)
+    ratio = snr(final, noise)
+    margin = margin_sigmas(sign * final, sign * random, noise)
+    common = sorted(set.intersection(*(set(r.steps) for r in runs)))
+    curves: dict[str, list[float]] = {}
+    for variant in dict.fromkeys(r.variant for r in runs):
+        mine = [dict(zip(r.steps, r.scores, strict=True)) for r in runs if r.variant == variant]
+        curves[variant] = [statistics.fmean(m[s] for m in mine) for s in common]
+    tau = ranking_consistency(curves) if len(common) >= 2 else None
+    if tau is None:
+        tau = cross_task_tau
+    checks = {
+        "monotonic": None if rho is None else rho >= thresholds.spearman,
+        "low_noise": None if ratio is None else ratio > thresholds.snr,
+        "above_random": None if margin is None else margin > thresholds.margin_sigmas,
+        "consistent": None if tau is None else tau >= thresholds.kendall,
+    }
+    return TaskQuality(task, max(len(r.scores) for r in runs), final, rho, ratio, margin, tau, checks,
+                       better, source)
+
+
 def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Thresholds()) -> str:
     """A fixed-width table for the terminal; under each dropped task, which criteria failed (with
     the values) and which could not be measured."""
@@ -263,7 +372,7 @@ def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Threshol
     for r in rows:
         c = r.checks
         lines.append(
-            f"{r.task:<22} {r.points:>3} {r.final:>7.3f} {r.spearman:>9.2f} {f(r.snr, '.1f'):>8} "
+            f"{r.task:<22} {r.points:>3} {r.final:>7.3f} {f(r.spearman, '.2f'):>9} {f(r.snr, '.1f'):>8} "
             f"{f(r.margin, '.1f'):>8} {f(r.kendall, '.2f'):>8}  {mark(c['monotonic']):>4} "
             f"{mark(c['low_noise']):>5} {mark(c['above_random']):>5} {mark(c['consistent']):>5}  "
             f"{'yes' if r.keep else 'no'}"
@@ -327,16 +436,18 @@ def _checkpoint_of(lineage, eval_fp: str) -> dict[str, Any] | None:
 
 
 def anneal_consistency(lineage, metric: str = "acc_norm") -> dict[str, float]:
-    """Kendall tau per task from the latest anneal comparison (tasks/anneal.py)."""
-    rows = lineage.comparisons()  # what tasks.anneal.comparisons reads
-    if not rows:
+    """Kendall tau per task from the latest anneal experiment (tasks/experiment.py): how each
+    task orders the baseline and the candidates against the other tasks' consensus."""
+    latest = lineage.experiments("anneal")
+    if not latest:
         return {}
-    latest = rows[0]["comparison"]
     by_task: dict[str, dict[str, float]] = {}
-    for r in rows:
-        if r["comparison"] == latest and r["metric"] in (metric, "loss"):
-            # Lower loss is better: rank by its negation so every task ranks "higher is better".
-            by_task.setdefault(r["task"], {})[r["candidate"]] = -r["score"] if r["metric"] == "loss" else r["score"]
+    for r in lineage.experiment_results(latest[0]["experiment"]):
+        if r["metric"] in (metric, "bpb"):
+            # Lower bits per byte is better: rank by its negation so every task ranks "higher is better".
+            sign = -1.0 if r["better"] == "lower" else 1.0
+            by_task.setdefault(r["task"], {})[r["variant"]] = sign * r["score"]
+            by_task[r["task"]]["baseline"] = sign * r["baseline"]
     return candidate_consistency(by_task)
 
 

@@ -68,6 +68,7 @@ class TrainingConfig(BaseModel):
     min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA with NCCL+bf16 when present
+    doc_masking: bool = _spec_default("doc_masking")  # attention inside each packed document (SmolLM3)
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex on GPU, SDPA on CPU
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile_model: bool = operational(False)  # torch.compile each block (GPU stages, once checked)
@@ -134,7 +135,8 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
     return TrainSpec(
         stage=stage.name, global_batch=global_batch, micro_batch=micro_batch, seq_len=stage.seq_len,
         model_preset=t.model, model_overrides=dict(t.model_overrides), rope_theta=stage.rope_theta,
-        seed=seed, device=t.device, attention_backend=t.attention_backend, precision=t.precision,
+        seed=seed, device=t.device, doc_masking=t.doc_masking, attention_backend=t.attention_backend,
+        precision=t.precision,
         compile_model=t.compile_model,
         checkpoint_interval=t.checkpoint_interval, keep_last=t.keep_last, log_interval=t.log_interval,
         num_threads=t.num_threads, peak_flops=t.peak_flops, **fields,

@@ -3,8 +3,9 @@
 One module-scoped base run (the smollm3 flow: data, one stable-phase stage, export, eval) at a
 size that trains in about a minute on 2 cores; then
 - an anneal with two candidates (math, code): baseline + one run per candidate from the pinned
-  base, each exported and scored with lm-eval and held-out loss, and a comparison with real
-  deltas and noise in DuckDB and in a Prefect table artifact;
+  base, each exported and scored with lm-eval and held-out loss and bits per byte, and the
+  experiment framework's comparison (tasks/experiment.py) with real differences in DuckDB
+  (`experiments`, `experiment_results`) and in a Prefect table artifact;
 - a CPT onto math with 10% replay from the base's HF export: a tenth of the peak LR, fresh
   optimizer, held-out loss on general and math data at every eval interval, forgetting flags in
   the metrics table.
@@ -58,7 +59,6 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from prefect.artifacts import Artifact as PrefectArtifact
 
     from flows.anneal import anneal
-    from tasks.anneal import comparisons
 
     # Two train slots: the anneal runs are independent branches and train side by side.
     over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2"]
@@ -94,28 +94,35 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     rows = plan(load_recipe("tiny", over), flow="anneal")
     assert {r.action for r in rows} == {"reuse"} and len(rows) == len(lineage.steps_of(result["run_id"]))
 
-    # The comparison: every candidate x task, deltas of real scores, with their noise.
-    rows = comparisons(lineage)
-    assert {r["candidate"] for r in rows} == {"math", "code"}
+    # The comparison (the experiment framework's, tasks/experiment.py): every candidate x task,
+    # differences of real scores. seed_runs=0 here: one run per variant, so the seed noise is
+    # unknown and no difference is called significant (the eval stderr is still reported).
+    (exp,) = lineage.experiments("anneal")
+    assert exp["run_id"] == result["run_id"] and exp["base_global_step"] == 8
+    assert json.loads(exp["seeds"]) == {"baseline": 1, "math": 1, "code": 1}
+    rows = lineage.experiment_results(exp["experiment"])
+    assert {r["variant"] for r in rows} == {"math", "code"}
     tasks = {r["task"] for r in rows}
     assert {"prose_cloze", "code_cloze", "arithmetic_cloze"} <= tasks
     assert {"heldout_prose", "heldout_code", "heldout_math"} <= tasks
     for r in rows:
         metric = r["metric"]
+        assert metric == ("bpb" if r["task"].startswith("heldout_") else "acc_norm")
         assert r["score"] == pytest.approx(
-            next(s[r["task"]][metric] for s in _scores(lineage, f"anneal-{r['candidate']}") if r["task"] in s))
+            next(s[r["task"]][metric] for s in _scores(lineage, f"anneal-{r['variant']}") if r["task"] in s))
         assert r["baseline"] == pytest.approx(
             next(s[r["task"]][metric] for s in _scores(lineage, "anneal-baseline") if r["task"] in s))
         assert r["delta"] == pytest.approx(r["score"] - r["baseline"])
-        assert r["noise"] > 0 and r["z"] == pytest.approx(r["delta"] / r["noise"])
-    loss = {(r["candidate"], r["task"]): r["delta"] for r in rows if r["metric"] == "loss"}
-    assert any(abs(d) > 1e-4 for d in loss.values())  # the runs really differ
+        assert r["df"] == 0 and r["significant"] is None and r["ci_low"] is None and r["stderr"] > 0
+        assert r["verdict"].endswith("noise unknown (one seed per variant)")
+    bpb = {(r["variant"], r["task"]): r["delta"] for r in rows if r["metric"] == "bpb"}
+    assert any(abs(d) > 1e-4 for d in bpb.values())  # the runs really differ
     # 60% math data helps held-out math more than 60% code data does.
-    assert loss[("math", "heldout_math")] < loss[("code", "heldout_math")]
+    assert bpb[("math", "heldout_math")] < bpb[("code", "heldout_math")]
 
     table = PrefectArtifact.get("anneal-comparison-stage1-8")
     assert table is not None and table.type == "table"
-    assert {row["candidate"] for row in json.loads(table.data)} == {"math", "code"}
+    assert {row["variant"] for row in json.loads(table.data)} == {"math", "code"}
 
     # Eval-task quality of the base run, with ranking consistency from this comparison.
     from tasks.eval_quality import anneal_consistency

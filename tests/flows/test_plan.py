@@ -68,6 +68,8 @@ IDENTITY = {
     "curation.minhash_ngrams=4": {"curate[prose]", "curate[code]", "curate[math]"},
     "training.optimizer.lr=0.001": {"pretrain[stage1]", "pretrain[stage2]", "pretrain[stage3]",
                                     "pretrain[long1]", "pretrain[long2]"},
+    "training.doc_masking=false": {"pretrain[stage1]", "pretrain[stage2]", "pretrain[stage3]",
+                                   "pretrain[long1]", "pretrain[long2]"},
     "stages.long1.rope_theta=300000": {"pretrain[long1]"},
     "stages.stage2.tokens=200000": {"mixture[stage2]", "pretrain[stage1]", "pretrain[stage2]",
                                     "pretrain[stage3]", "preflight[preflight]"},

@@ -316,3 +316,44 @@ def test_an_old_database_held_by_an_outside_reader_is_read_through_an_updated_co
         "SELECT column_name FROM duckdb_columns() WHERE table_name = 'steps'").fetchall()]
     con.close()
     assert "attempt" not in cols  # the file itself was left alone while held
+
+
+def _experiment_rows(exp: str, kind: str, created: datetime, delta: float):
+    experiment = {"experiment": exp, "run_id": "r1", "kind": kind, "name": exp[:4], "baseline": "baseline",
+                  "variants": '{"baseline": [], "v": ["x=1"]}', "seeds": '{"baseline": 2, "v": 2}',
+                  "confidence": 0.95, "trusted": '["heldout_prose"]', "quality": "{}", "base_checkpoint": None,
+                  "base_global_step": None, "created": created}
+    runs = [{"experiment": exp, "label": f"{v}-s{k}", "variant": v, "seed": k, "task": "heldout_prose",
+             "metric": "bpb", "step": s, "value": 3.0 - s / 100, "stderr": 0.01, "eval_fingerprint": "e"}
+            for v in ("baseline", "v") for k in (0, 1) for s in (10, 20)]
+    results = [{"experiment": exp, "variant": "v", "task": "heldout_prose", "metric": "bpb", "better": "lower",
+                "baseline": 2.8, "score": 2.8 + delta, "delta": delta, "seed_std": 0.01, "df": 2, "ci_low": delta - 0.03,
+                "ci_high": delta + 0.03, "p_value": 0.01, "significant": True, "improved": delta < 0, "stderr": 0.01,
+                "trusted": True, "why": "", "verdict": "better", "baseline_runs": 2, "variant_runs": 2,
+                "created": created}]
+    return experiment, runs, results
+
+
+def test_experiments_are_recorded_once_and_read_back_by_id_prefix(tmp_path):
+    lineage = Lineage(tmp_path / "lineage.duckdb")
+    assert lineage.experiments() == [] and lineage.find_experiment("ab") is None
+    lineage.record_experiment(*_experiment_rows("abc1" + "0" * 60, "ablation", datetime(2026, 1, 1), -0.1))
+    lineage.record_experiment(*_experiment_rows("abd2" + "0" * 60, "anneal", datetime(2026, 1, 2), 0.05))
+    # A rebuilt comparison replaces its rows instead of adding a second copy.
+    lineage.record_experiment(*_experiment_rows("abc1" + "0" * 60, "ablation", datetime(2026, 1, 3), -0.2))
+    assert [e["kind"] for e in lineage.experiments()] == ["ablation", "anneal"]  # newest first
+    assert [e["experiment"][:4] for e in lineage.experiments("anneal")] == ["abd2"]
+    found = lineage.find_experiment("abc")
+    assert found["name"] == "abc1" and found["seeds"] == '{"baseline": 2, "v": 2}'
+    with pytest.raises(ValueError, match="ambiguous"):
+        lineage.find_experiment("ab")
+    runs = lineage.experiment_runs(found["experiment"])
+    assert len(runs) == 8 and {(r["variant"], r["seed"]) for r in runs} == {("baseline", 0), ("baseline", 1),
+                                                                             ("v", 0), ("v", 1)}
+    (result,) = lineage.experiment_results(found["experiment"])
+    assert result["delta"] == pytest.approx(-0.2) and result["significant"] is True
+    bad = _experiment_rows("abe3" + "0" * 60, "ablation", datetime(2026, 1, 4), 0.0)
+    del bad[2][0]["verdict"]
+    with pytest.raises(ValueError, match=r"experiment_results row columns differ from the table's: \['verdict'\]"):
+        lineage.record_experiment(*bad)
+    assert lineage.find_experiment("abe") is None  # nothing of the refused experiment landed

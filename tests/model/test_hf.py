@@ -92,3 +92,57 @@ def test_tokenizer_is_copied_next_to_the_weights(trained_like, tmp_path):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
+
+
+# The architecture options the ablation flow varies (docs/ablations.md), each exported and loaded
+# by transformers' SmolLM3 with the same logits, and imported back to the same config.
+ABLATION_OPTIONS = {
+    "nope-none": {"no_rope_interval": 0},  # RoPE on every layer
+    "nope-every-2nd": {"no_rope_interval": 2},
+    "untied": {"tie_embeddings": False},
+    "mha": {"num_kv_heads": 4},  # as many KV heads as query heads
+    "mqa": {"num_kv_heads": 1},  # one KV head shared by all
+    "rope-theta-1e6": {"rope_theta": 1_000_000.0},
+}
+
+
+@pytest.mark.parametrize("option", sorted(ABLATION_OPTIONS))
+def test_ablation_options_have_transformers_parity(tiny_cfg, tmp_path, option):
+    cfg = tiny_cfg.replace(init_std=0.2, rope_theta=10_000.0).replace(**ABLATION_OPTIONS[option])
+    torch.manual_seed(0)
+    ours = SmolLM3(cfg).eval()
+    if not cfg.tie_embeddings:  # a head of its own, visibly different from the embedding
+        assert ours.lm_head is not None and not torch.equal(ours.lm_head.weight, ours.embed.weight)
+    out = export_hf(ours, tmp_path / "hf", eos_token_id=0)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_key_value_heads"] == cfg.num_kv_heads
+    assert config["tie_word_embeddings"] is cfg.tie_embeddings
+    assert config["no_rope_layers"] == [int(cfg.uses_rope(i)) for i in range(cfg.num_layers)]
+    assert config["rope_parameters"]["rope_theta"] == cfg.rope_theta
+    hf = SmolLM3ForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=1e-4, rtol=0)
+    back = import_hf(out)
+    assert back.config == cfg
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, ours.state_dict()[name]), name
+
+
+def test_the_options_change_the_network(tiny_cfg):
+    """Each option really changes what the model computes (so the parity above is not vacuous)."""
+    cfg = tiny_cfg.replace(init_std=0.2, rope_theta=10_000.0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40))
+    torch.manual_seed(0)
+    base = SmolLM3(cfg).eval()
+    for option in ("nope-none", "nope-every-2nd", "rope-theta-1e6"):
+        other = SmolLM3(cfg.replace(**ABLATION_OPTIONS[option])).eval()
+        other.load_state_dict(base.state_dict())  # same weights, other positions
+        with torch.no_grad():
+            assert (other(ids).logits - base(ids).logits).abs().max() > 1e-3, option
+
+
+def test_what_transformers_cannot_express_is_refused_at_export(tiny_cfg, tmp_path):
+    with pytest.raises(ValueError, match=r"qk_norm=True has no transformers SmolLM3 equivalent"):
+        export_hf(SmolLM3(tiny_cfg.replace(qk_norm=True)), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()

@@ -427,3 +427,32 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_r
     assert result["resumed_from"].endswith("step_00000004") and result["final_step"] == 8
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(clean)]
     assert_same_weights(clean, out, exact=True)
+
+
+@pytest.mark.parametrize("doc_masking", [True, False])
+def test_doc_masking_option_decides_what_the_first_step_attends_to(plan_path, tmp_path, doc_masking):
+    """`spec.doc_masking` is what the trainer trains with: its first-step loss equals the loss of
+    the same initial model on the same batches with document ids (masking) or without (plain
+    causal attention over the packed sequence), and differs from the other."""
+    from model.data import MixtureLoader, MixturePlan
+    from model.model import SmolLM3
+    from model.spec import TrainSpec
+    from model.train import build_model_config
+
+    out = tmp_path / "run"
+    spec_file = write_spec(tmp_path / "spec.json", plan_path, out, steps=1, doc_masking=doc_masking,
+                           checkpoint_interval=1, schedule={"total_steps": 1})
+    run_train(spec_file)
+    logged = metrics(out)[0]["loss"]
+    spec = TrainSpec.load(spec_file)
+    plan = MixturePlan.load(plan_path)
+    cfg = build_model_config(spec, plan, plan.seq_len)
+    model = SmolLM3(cfg).eval()
+    model.init_weights(seed=spec.seed)
+    loader = MixtureLoader(plan, seq_len=plan.seq_len, rank=0, world_size=1, vocab_size=cfg.vocab_size)
+    batches = [loader.next_batch(spec.micro_batch) for _ in range(spec.global_batch // spec.micro_batch)]
+    with torch.no_grad():
+        masked = sum(model(b.input_ids, b.doc_ids, b.labels).loss.item() for b in batches) / len(batches)
+        causal = sum(model(b.input_ids, None, b.labels).loss.item() for b in batches) / len(batches)
+    assert abs(masked - causal) > 1e-4  # the batches hold several documents per row
+    assert logged == pytest.approx(masked if doc_masking else causal, abs=1e-5)

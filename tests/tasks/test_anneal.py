@@ -1,14 +1,13 @@
-"""Anneal helpers: the runs (baseline, seed replicas, candidates), the linear-decay launch built
-from the base stage's own spec, and the comparison with noise."""
+"""Anneal helpers: the runs (baseline, seed replicas, candidates) and the linear-decay launch built
+from the base stage's own spec. The comparison is the experiment framework's
+(tests/tasks/test_experiment.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from model.schedule import lr_at
-from tasks.anneal import AnnealCandidate, AnnealConfig, anneal_runs, anneal_stage, compare
+from tasks.anneal import AnnealCandidate, AnnealConfig, anneal_runs, anneal_stage
 from tasks.base import resolve_base
 
 
@@ -17,9 +16,9 @@ def test_runs_are_baseline_seed_replicas_and_candidates_with_linear_decay(run_ws
     base = resolve_base(ws.lineage(), ws)
     cfg = AnnealConfig(candidates=(AnnealCandidate(name="code", weights={"b": 1}),), tokens=4 * 32 * 8, seed_runs=2)
     runs = anneal_runs(cfg, base)
-    assert [(r.label, r.candidate, r.mixture.seed) for r in runs] == [
-        ("baseline", "baseline", 0), ("baseline-s1", "baseline", 1), ("baseline-s2", "baseline", 2),
-        ("code", "code", 0),
+    assert [(r.label, r.candidate, r.mixture.seed, r.replica) for r in runs] == [
+        ("baseline", "baseline", 0, 0), ("baseline-s1", "baseline", 1, 1), ("baseline-s2", "baseline", 2, 2),
+        ("code", "code", 0, 0),
     ]
     assert runs[-1].mixture.weights == {"a": 0.3, "b": 0.7}
     stage = anneal_stage(cfg, base, runs[-1])
@@ -32,28 +31,6 @@ def test_runs_are_baseline_seed_replicas_and_candidates_with_linear_decay(run_ws
     assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))  # linear decay to 0
     with pytest.raises(ValueError, match="anneal.candidates is empty"):
         anneal_runs(AnnealConfig(), base)
-
-
-def test_compare_deltas_noise_and_direction():
-    def s(acc, se, loss=None):
-        out = {"t": {"acc_norm": acc, "acc_norm_stderr": se}}
-        if loss is not None:
-            out["heldout_x"] = {"loss": loss, "loss_stderr": 0.001}
-        return out
-
-    rows = compare([s(0.50, 0.03, 3.0)], {"good": s(0.70, 0.04, 2.9), "same": s(0.52, 0.03, 3.0005)})
-    by = {(r["candidate"], r["task"]): r for r in rows}
-    good = by[("good", "t")]
-    assert good["delta"] == pytest.approx(0.2) and good["noise"] == pytest.approx(0.05)
-    assert good["z"] == pytest.approx(4.0) and good["significant"] and good["improved"]
-    assert not by[("same", "t")]["significant"]
-    loss = by[("good", "heldout_x")]
-    assert loss["metric"] == "loss" and loss["better"] == "lower" and loss["improved"]
-    # With seed replicas, seed noise dominates a tiny binomial stderr.
-    rows = compare([s(0.50, 0.001), s(0.54, 0.001)], {"c": s(0.56, 0.001)})
-    assert rows[0]["seed_std"] == pytest.approx(math.sqrt(0.0008))
-    assert rows[0]["noise"] == pytest.approx(math.sqrt(2) * rows[0]["seed_std"])
-    assert rows[0]["delta"] == pytest.approx(0.04) and not rows[0]["significant"]
 
 
 def test_recipe_rejects_candidates_naming_unknown_sources():

@@ -114,3 +114,36 @@ def test_statistics_equal_scipys():
             if len(set(a)) > 1 and len(set(b)) > 1:
                 assert monotonicity(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
                 assert kendall(a, b) == pytest.approx(kendalltau(a, b).statistic, abs=1e-12)
+
+
+def test_runs_of_an_experiment_lower_is_better_and_seed_noise():
+    from tasks.eval_quality import RunSeries, assess_runs, seed_noise
+
+    steps = (10, 20, 30, 40)
+
+    def run(variant, seed, shift, jitter):
+        return RunSeries(variant, seed, steps, tuple(3.0 - 0.2 * i + shift + jitter for i in range(4)))
+
+    runs = [run("base", 0, 0.0, 0.01), run("base", 1, 0.0, -0.01), run("v", 0, -0.1, 0.0), run("v", 1, -0.1, 0.02)]
+    noise, df = seed_noise(runs)
+    assert df == 2 and noise == pytest.approx(math.sqrt((2 * 0.01**2 + 2 * 0.01**2) / 2))
+    q = assess_runs("heldout_x", runs, random=3.6, better="lower")
+    # Falling bits per byte is progress: monotonic with rho 1 (of the negated score).
+    assert q.spearman == pytest.approx(1.0) and q.checks["monotonic"]
+    assert q.margin == pytest.approx((3.6 - q.final) / noise) and q.checks["above_random"]
+    assert q.kendall == pytest.approx(1.0) and q.noise_source == "seeds"
+    assert q.trusted(("monotonic", "low_noise", "above_random", "consistent")) and q.reasons() == []
+    # Read as higher-is-better the same numbers fall: not monotonic, and the reasons say so.
+    wrong = assess_runs("heldout_x", runs, random=3.6, better="higher")
+    assert wrong.spearman == pytest.approx(-1.0) and not wrong.keep
+    assert wrong.reasons()[0].startswith("not monotonic (rho -1.00 < 0.5)")
+    # Variants that swap places at every checkpoint are inconsistent.
+    zigzag = [RunSeries("a", 0, steps, (1, 3, 1, 3)), RunSeries("b", 0, steps, (2, 2, 2, 2))]
+    assert assess_runs("t", zigzag, random=0).kendall == pytest.approx(-1.0)
+    # One checkpoint per run: monotonicity and ordering are unmeasurable; required, they block trust.
+    single = [RunSeries("a", 0, (5,), (0.6,), (0.01,)), RunSeries("b", 0, (5,), (0.5,), (0.01,))]
+    q1 = assess_runs("t", single, random=0.25)
+    assert q1.spearman is None and q1.checks["monotonic"] is None and q1.noise_source == "stderr"
+    assert q1.keep and not q1.trusted(("monotonic",))
+    assert q1.reasons(require=("monotonic",)) == ["monotonicity unmeasured (fewer than 3 checkpoints)"]
+    assert assess_runs("t", single, random=0.25, cross_task_tau=0.2).checks["consistent"] is False

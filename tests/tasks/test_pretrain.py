@@ -51,6 +51,17 @@ def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
     assert TrainSpec.load(tmp_path / "spec.json") == long1
 
 
+def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerprint():
+    from infra.artifact import identity
+
+    on = schedule_stages(load_recipe("tiny").training, load_recipe("tiny").stages)
+    off_recipe = load_recipe("tiny", ["training.doc_masking=false"])
+    off = schedule_stages(off_recipe.training, off_recipe.stages)
+    assert all(r.spec.doc_masking for r in on) and not any(r.spec.doc_masking for r in off)
+    assert identity(on[0])["spec"]["doc_masking"] is True  # identity: another model, another folder
+    assert identity(on[0]) != identity(off[0])
+
+
 def test_stage_order_and_batch_layout_are_validated():
     with pytest.raises(RecipeError, match="pretrain stage must come before the long_context"):
         load_recipe("tiny", ["stages.stage2.kind=long_context"])

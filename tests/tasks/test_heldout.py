@@ -1,0 +1,167 @@
+"""tasks/heldout.py: held-out token sets with the bytes of text each token covers, bits per byte
+against a hand computation and against uniform guessing, and the evaluation of every kept
+checkpoint of a stage trained by the real trainer."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from infra.artifact import Artifact
+from model.config import ModelConfig
+from model.model import SmolLM3
+from tasks.heldout import (
+    HeldoutConfig,
+    HeldoutEval,
+    build_heldout,
+    build_heldout_eval,
+    heldout_loss,
+    heldout_scores,
+    token_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Café déjà vu: naïve façade, 東京 and Zürich — emoji 🙂 too.",
+    "def f(x):\n    return x * 2  # doubled\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from tasks.tokenizer import save_hf_tokenizer, train_bpe
+
+    out = tmp_path_factory.mktemp("tok")
+    save_hf_tokenizer(train_bpe(iter(TEXTS * 20), vocab_size=320), out)
+    return out
+
+
+def test_token_bytes_count_every_byte_of_a_document_once(tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    for text in [*TEXTS, "🙂🙂", "x"]:
+        enc = tok.encode(text)
+        counts = token_bytes(text, enc.offsets)
+        assert len(counts) == len(enc.ids) and sum(counts) == len(text.encode("utf-8")), text
+        assert all(c >= 0 for c in counts)
+    # Offsets that skip text (a normaliser dropping characters) give it to the next token.
+    assert token_bytes("a  b", [(0, 1), (3, 4)]) == [1, 3]
+    assert token_bytes("abc!", [(0, 3)]) == [4]  # a trailing rest goes to the last token
+    with pytest.raises(ValueError, match="produced no tokens"):
+        token_bytes("text", [])
+
+
+def _corpus(root: Path, name: str, texts: list[str]) -> Artifact:
+    folder = root / name / "heldout"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "00000.jsonl.gz", "wt", encoding="utf-8") as fh:
+        for i, t in enumerate(texts):
+            fh.write(json.dumps({"id": f"{name}-{i}", "text": t, "metadata": {}}) + "\n")
+    return Artifact(kind="corpus", uri=str(root / name), fingerprint=name * 16, meta={"source": name})
+
+
+def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
+    tok = Artifact(kind="tokenizer", uri=str(tokenizer_dir), fingerprint="t" * 64,
+                   meta={"tokenizer_json": str(tokenizer_dir / "tokenizer.json"), "vocab_size": 320,
+                         "eos_token": "<|endoftext|>", "eos_id": 0})
+    corpus = _corpus(tmp_path, "prose", TEXTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = build_heldout(HeldoutConfig(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out,
+                         log=lambda _: None)
+    ids, nbytes = np.load(meta["file"]), np.load(meta["bytes_file"])
+    assert len(ids) == len(nbytes) == meta["tokens"]
+    assert meta["bytes"] == sum(len(t.encode("utf-8")) for t in TEXTS)  # every document whole
+    assert (ids == 0).sum() == len(TEXTS) and nbytes[ids == 0].sum() == 0  # EOS after each, no text
+
+
+def _model(vocab: int = 64) -> SmolLM3:
+    cfg = ModelConfig.tiny(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=2, num_kv_heads=1, max_seq_len=64)
+    model = SmolLM3(cfg)
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+def test_bits_per_byte_is_nats_of_text_over_ln2_over_bytes():
+    torch.manual_seed(0)
+    model = _model()
+    tokens = torch.randint(1, 64, (8 * 16 + 1,))
+    tokens[::7] = 0  # documents end here and there (EOS id 0)
+    nbytes = torch.randint(1, 5, tokens.shape)
+    nbytes[tokens == 0] = 0
+    s = heldout_scores(model, tokens, nbytes, seq_len=16, batch=3, eos_id=0)
+    # By hand: every target once, EOS targets out of BPB, windows with document masking.
+    x, y = tokens[:-1].view(8, 16), tokens[1:].view(8, 16)
+    ends = (x == 0).long()
+    docs = torch.cumsum(ends, 1) - ends
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(model(x, docs).logits.flatten(0, 1), y.flatten(),
+                                               reduction="none").view(8, 16)
+    text = y != 0
+    want = float((ce * text).sum()) / math.log(2) / float(nbytes[1:].sum())
+    assert s["bpb"] == pytest.approx(want, rel=1e-6) and s["bpb_stderr"] > 0
+    assert s["loss"] == pytest.approx(heldout_loss(model, tokens, 16, 3, 0)[0], rel=1e-6)
+    assert s["random_bpb"] == pytest.approx(math.log2(64) * float(text.sum()) / float(nbytes[1:].sum()))
+    # A model that guesses uniformly (zero logits) scores exactly the random BPB.
+    with torch.no_grad():
+        model.embed.weight.zero_()
+    uniform = heldout_scores(model, tokens, nbytes, seq_len=16, batch=3, eos_id=0)
+    assert uniform["bpb"] == pytest.approx(uniform["random_bpb"], rel=1e-6)
+    assert uniform["loss"] == pytest.approx(math.log(64), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def trained_stage(tmp_path_factory) -> Artifact:
+    """A 4-step stage of the real trainer keeping a checkpoint every 2 steps."""
+    from tests.model.conftest import write_two_source_plan
+
+    root = tmp_path_factory.mktemp("stage")
+    plan = write_two_source_plan(root / "shards", seq_len=16, vocab_size=128)
+    out = root / "pretrain"
+    spec = {"mixture_plan": str(plan), "out_dir": str(out), "steps": 4, "global_batch": 4, "micro_batch": 4,
+            "model_overrides": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,
+                                "num_kv_heads": 1},
+            "optimizer": {"lr": 1e-2}, "checkpoint_interval": 2, "keep_last": 3, "num_threads": 1,
+            "peak_flops": 1e10}
+    out.mkdir(parents=True)
+    (out / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([sys.executable, "-m", "model.train", str(out / "spec.json")], cwd=REPO, check=True,
+                   capture_output=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                             "PATH": "/usr/bin:/bin"}, timeout=300)
+    final = out / "checkpoints" / "step_00000004"
+    return Artifact(kind="checkpoint", uri=str(out), fingerprint="c" * 64,
+                    meta={"stage": "stage1", "checkpoint": str(final)})
+
+
+def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
+    rng = np.random.default_rng(0)
+    held = tmp_path / "held"
+    held.mkdir()
+    tokens = rng.integers(1, 128, 16 * 6 + 1)
+    tokens[::9] = 0
+    np.save(held / "tokens.npy", tokens)
+    np.save(held / "bytes.npy", np.where(tokens == 0, 0, 3).astype(np.int32))
+    heldout = Artifact(kind="shards", uri=str(held), fingerprint="h" * 64,
+                       meta={"domain": "prose", "eos_id": 0, "file": str(held / "tokens.npy"),
+                             "bytes_file": str(held / "bytes.npy")})
+    every = build_heldout_eval(HeldoutEval(every_checkpoint=True), [trained_stage, heldout], tmp_path,
+                               log=lambda _: None)
+    assert [p["step"] for p in every["points"]] == [2, 4]
+    assert [p["global_step"] for p in every["points"]] == [2, 4]
+    last = build_heldout_eval(HeldoutEval(), [trained_stage, heldout], tmp_path, log=lambda _: None)
+    assert [p["step"] for p in last["points"]] == [4]
+    assert every["scores"] == last["scores"] == every["points"][-1]["scores"]
+    first, final = (p["scores"]["heldout_prose"]["bpb"] for p in every["points"])
+    assert final != first  # two different models
+    assert every["random"]["heldout_prose"]["bpb"] == pytest.approx(math.log2(128) / 3)
