@@ -385,7 +385,7 @@ def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Threshol
     return "\n".join(lines)
 
 
-CRITERIA = """\
+CRITERIA_HELP = """\
 A task is kept when every criterion that could be measured passes:
   mono   monotonic: Spearman rho of score vs training step >= {t.spearman:g}
   noise  low noise: SNR = final score / noise > {t.snr:g} (noise: seed std, else the final score's stderr)
@@ -456,7 +456,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m tasks.eval_qu
     from infra.workspace import resolve_workspace
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                epilog=CRITERIA.format(t=Thresholds()),
+                                epilog=CRITERIA_HELP.format(t=Thresholds()),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workspace", nargs="?", default="workspace",
                    help="workspace folder holding lineage.duckdb (default: workspace, relative to "
@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m tasks.eval_qu
         return 1
     print(f"eval-task quality of run {run} ({args.metric})")
     print(quality_table([assess(s, kendall_tau=taus.get(t)) for t, s in series.items()]))
-    print(CRITERIA.format(t=Thresholds()))
+    print(CRITERIA_HELP.format(t=Thresholds()))
     return 0
 
 

@@ -85,12 +85,13 @@ def test_storage_error_after_retries_is_transient_when_its_cause_is():
 def test_retries_are_declared_where_they_help():
     """Data steps and exports retry transient IO; a training stage retries once (it resumes from
     its checkpoint); evaluations and post-training do not."""
-    from flows import anneal, cpt, smollm3
+    from flows import ablation, anneal, cpt, smollm3
 
-    steps = {v.name: v for m in (smollm3, anneal, cpt) for v in vars(m).values() if isinstance(v, StepDef)}
+    steps = {v.name: v for m in (smollm3, anneal, cpt, ablation) for v in vars(m).values()
+             if isinstance(v, StepDef)}
     for name in ("source", "curate", "tokenizer", "fertility", "tokenize", "eval_suite",
                  "posttrain_data", "heldout_tokens", "export"):
         assert steps[name].retries >= 1, name
     assert steps["pretrain"].retries == 1 and steps["pretrain"].resumable
-    for name in ("evaluate", "sft", "preference", "grpo", "mixture", "preflight", "anneal_compare"):
+    for name in ("evaluate", "sft", "preference", "grpo", "mixture", "preflight", "compare"):
         assert steps[name].retries == 0, name
