@@ -116,18 +116,35 @@ def trainer_args(section, out: Path, seed: int, device: str, **overrides: Any) -
 
 
 def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None]):
-    """A transformers TrainerCallback forwarding step progress and each logged loss."""
+    """A transformers TrainerCallback: on the main process, a line per logged step (step/total,
+    loss or reward, LR, ETA at the pace so far) and the step's progress percentage."""
     from transformers import TrainerCallback
 
+    from infra.progress import duration, eta
+
     class _Progress(TrainerCallback):
+        started, reported = 0.0, -1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.monotonic()
+            if state.is_world_process_zero:
+                log(f"training {state.max_steps} steps")
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and state.is_world_process_zero:
-                keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
-                if keys:
-                    log(f"step {state.global_step}/{state.max_steps}: "
-                        + ", ".join(f"{k}={logs[k]:.4g}" for k in keys))
-                if progress is not None and state.max_steps:
-                    progress(100.0 * state.global_step / state.max_steps)
+            if not (logs and state.is_world_process_zero):
+                return
+            keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
+            if keys:
+                elapsed = time.monotonic() - self.started
+                parts = [f"step {state.global_step}/{state.max_steps}",
+                         *(f"{k} {logs[k]:.4g}" for k in keys)]
+                if "learning_rate" in logs:
+                    parts.append(f"lr {logs['learning_rate']:.2e}")
+                parts.append(f"ETA {duration(eta(state.global_step, state.max_steps, elapsed))}")
+                log(" | ".join(parts))
+            if progress is not None and state.max_steps and state.global_step != self.reported:
+                self.reported = state.global_step  # eval and summary logs repeat the last step
+                progress(100.0 * state.global_step / state.max_steps)
 
     return _Progress()
 
