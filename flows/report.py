@@ -181,7 +181,11 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
         "",
         eval_table(lineage, run_id, markdown=True),
     ]
-    stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
+    try:
+        stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
+    except (OSError, ValueError) as exc:  # stage folders deleted, or only on S3
+        stages = []
+        parts += ["", f"(no loss curve: a stage folder of this run is not readable here: {exc})"]
     if stages:
         png = plot_run_loss(stages, out.with_name(f"{out.stem}-loss.png"))
         parts += ["", "## Loss over the run", "", f"![loss over the run]({png.name})", "",

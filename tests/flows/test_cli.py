@@ -156,3 +156,19 @@ def test_every_printed_model_path_loads_with_from_pretrained(model_run, tmp_path
     text = report.read_text()
     assert re.search(r"Final model: `(\S+)`", text).group(1) == path
     assert "| stage1 | 0.320±0.047 |" in text
+
+
+def test_report_of_a_run_whose_stage_folder_is_gone_says_so(model_run, tmp_path):
+    import shutil
+
+    root, model = model_run
+    lin = Lineage(root / "lineage.duckdb")
+    stage = run_step(root=root, step="pretrain", version=1, kind="checkpoint", config={"label": "stage1"},
+                     inputs=[], build=lambda _: {"stage": "stage1"}).artifact
+    lin.record_artifact(stage, "pretrain", "stage1", {"label": "stage1"}, [])
+    now = datetime.now()
+    lin.record_step(StepRow("run-2", "pretrain", "stage1", stage.fingerprint, "completed", {}, "v", now, now))
+    shutil.rmtree(stage.path)
+    out = tmp_path / "r.md"
+    assert main(["report", "run-2", "--workspace", str(root), "--out", str(out)]) == 0
+    assert "(no loss curve: a stage folder of this run is not readable here:" in out.read_text()

@@ -78,9 +78,10 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
         assert states.get(name) == "completed", (name, states)
 
     table = eval_table(lineage, run_id)
-    assert "arithmetic_exact" in table and "(exact_match)" in table
-    rows = {line.split()[0] for line in table.splitlines()[2:]}
-    assert rows == {"base", "sft", "apo", "merge", "grpo"}, table
+    head, models, _note = table.split("\n\n")
+    assert head.splitlines()[0].split()[-1] == "arithmetic_exact" and head.splitlines()[1].split()[-1] == "exact_match"
+    assert [line.split()[0] for line in models.splitlines()] == ["base", "sft", "apo", "merge", "grpo"], table
+    assert all("±" in line for line in models.splitlines()), table
 
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
     up = lineage.ancestors(final)
