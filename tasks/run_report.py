@@ -84,9 +84,18 @@ def _items(art: Artifact) -> dict[str, int]:
         return {}
 
 
+def _task_order(task: str) -> tuple:
+    """Columns: cloze tasks, passkeys by length, generation, then other (hub) tasks."""
+    if task.endswith("_cloze"):
+        return (0, task)
+    if task.startswith("passkey_") and task[8:].isdigit():
+        return (1, int(task[8:]))
+    return (2, "") if task == GENERATION_TASK else (3, task)
+
+
 def _columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per task (in order of first appearance): its metric and the usual items and baseline."""
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    """Per task (in `_task_order`): its metric and the usual items and baseline."""
+    tasks = sorted({r["task"] for r in rows}, key=_task_order)
     out = []
     for task in tasks:
         mine = [r for r in rows if r["task"] == task]

@@ -79,7 +79,8 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
 
     table = eval_table(lineage, run_id)
     head, models, _note = table.split("\n\n")
-    assert head.splitlines()[0].split()[-1] == "arithmetic_exact" and head.splitlines()[1].split()[-1] == "exact_match"
+    tasks, metrics = head.splitlines()[0].split(), head.splitlines()[1].split()
+    assert tasks[-1] == "arithmetic_exact" and metrics[-1] == "exact_match", table
     assert [line.split()[0] for line in models.splitlines()] == ["base", "sft", "apo", "merge", "grpo"], table
     assert all("±" in line for line in models.splitlines()), table
 

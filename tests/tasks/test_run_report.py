@@ -109,18 +109,18 @@ def test_eval_table_one_metric_per_task_with_stderr_random_and_items(tmp_path):
     rows = eval_rows(_evals(tmp_path))
     text = eval_table_text(rows)
     lines = text.splitlines()
-    assert lines[0].split() == ["model", "prose_cloze", "arithmetic_cloze", "arithmetic_exact"]
-    assert lines[1].split() == ["metric", "acc_norm", "acc", "exact_match"]
-    assert lines[2].split() == ["random", "0.250", "0.253", "0.000"]
+    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact"]
+    assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match"]
+    assert lines[2].split() == ["random", "0.253", "0.250", "0.000"]
     assert lines[3].split() == ["items", "100", "100", "50"]
-    assert lines[5].split() == ["stage1", "0.310±0.046", "0.410±0.049", "-"]
-    assert lines[6].split() == ["stage2", "0.310±0.046", "0.410±0.049", "-"]  # same items, 1/choices
+    assert lines[5].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-"]
+    assert lines[6].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-"]  # same items, 1/choices
     # 20 items: the cell says so; its stderr says 0.40 is within noise of 0.31.
-    assert lines[7].split() == ["sft", "0.400±0.112", "(n=20)", "-", "0.100±0.043"]
+    assert lines[7].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043"]
     assert "two stderr" in text
     markdown = eval_table_markdown(rows)
-    assert "| *metric* | *acc_norm* | *acc* | *exact_match* |" in markdown
-    assert "| sft | 0.400±0.112 (n=20) | - | 0.100±0.043 |" in markdown
+    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |" in markdown
+    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in markdown
     assert eval_table_text([]) == "no evaluations in this run"
 
 
@@ -142,4 +142,4 @@ def test_run_report_step_publishes_two_artifacts_under_stable_keys(two_stages, t
     flow(publish_run_report)(Artifact(kind="report", uri=str(out), fingerprint="r" * 64, meta=meta), None, "smollm3")
     curve = PrefectArtifact.get("smollm3-loss-curve")
     assert "data:image/png;base64," in curve.data and "| stage1 | pretrain | 1-3 |" in curve.data
-    assert "| sft | 0.400±0.112 (n=20) | - | 0.100±0.043 |" in PrefectArtifact.get("smollm3-evals").data
+    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in PrefectArtifact.get("smollm3-evals").data
