@@ -355,22 +355,23 @@ def ours_rows(setup: Setup, work: Path, budget: Budget) -> tuple[list[Row], dict
         return [Row("train_ours", "FAIL", "", f"{why}: {log_tail(out)}", seconds)], {}
     timed = rows[setup.warmup :] or rows[-1:]
     tps = statistics.median(r["tokens_per_s"] for r in timed)
-    mfu = statistics.median(r["mfu"] for r in timed)
-    peak = rows[-1]["peak_flops_per_device"]
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    mfu = statistics.median(mfus) if mfus else None  # None: no known peak (CPU without preflight)
+    peak = rows[-1]["mfu_peak_flops"]
     memory = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
     losses = [r["loss"] for r in rows]
     first, last = losses[0], statistics.median(losses[-max(1, len(losses) // 10) :])
     learns = all(math.isfinite(x) for x in losses) and last < first
     value = (
-        f"{tps:,.0f} tok/s, MFU {100 * mfu:.1f}%, "
+        f"{tps:,.0f} tok/s, " + ("MFU n/a, " if mfu is None else f"MFU {100 * mfu:.1f}%, ")
         + (f"peak mem {max(memory):.1f} GiB, " if memory else "peak mem n/a (CPU), ")
         + f"loss {first:.3f} -> {last:.3f}"
     )
     detail = (
         f"{cfg.num_parameters() / 1e6:,.1f}M params ({setup.preset}), seq {setup.seq_len}, "
         f"micro batch {setup.micro_batch}, {setup.steps} steps, medians of steps "
-        f"{setup.warmup + 1}-{setup.steps}; MFU vs {rows[-1]['peak_source']} "
-        f"= {peak / 1e12:.3g} TFLOP/s; "
+        f"{setup.warmup + 1}-{setup.steps}; MFU vs {rows[-1]['mfu_peak_source']}"
+        + (f" = {peak / 1e12:.3g} TFLOP/s; " if peak else "; ")
         + (
             "bf16 autocast, FlexAttention doc masking, compiled blocks, NCCL group"
             if setup.cuda

@@ -21,10 +21,20 @@ def _facts(meta: Any, limit: int = 5) -> str:
     return " ".join(scalars[:limit])
 
 
+def model_path(row: dict[str, Any]) -> str | None:
+    """The folder `AutoModelForCausalLM.from_pretrained` loads, for a model artifact row (its
+    `model_dir`: the step folder holds the model one level down, in `model/`)."""
+    meta = row.get("meta")
+    if isinstance(meta, str):
+        meta = json.loads(meta)
+    return (meta or {}).get("model_dir") if row.get("kind") == "hf_model" else None
+
+
 def _line(row: dict[str, Any]) -> str:
     label = f"[{row['label']}]" if row.get("label") else ""
+    where = model_path(row) or row["uri"]  # a model: the path that loads, not its step folder
     return (
-        f"{row['kind']} {row['fingerprint'][:12]}  {row['step']}{label}  {row['uri']}  "
+        f"{row['kind']} {row['fingerprint'][:12]}  {row['step']}{label}  {where}  "
         f"{_facts(row['meta'])}".rstrip()
     )
 
@@ -93,22 +103,15 @@ def runs_table(lineage: Lineage, limit: int = 20, steps: bool = True) -> str:
     return "\n".join(out) if out else f"no runs recorded in {lineage.path}"
 
 
-def eval_table(lineage: Lineage, run_id: str) -> str:
-    """Scores per stage (rows) and task (columns) of the evaluations a run used (built or cached)."""
-    rows = [{**r, "stage": r["label"]} for r in lineage.run_scores(run_id)]
-    if not rows:
-        return "no evaluations in this run"
-    tasks = sorted({r["task"] for r in rows})
-    stages = list(dict.fromkeys(r["stage"] for r in rows))
-    value = {(r["stage"], r["task"], r["metric"]): r["value"] for r in rows}
-    metric = {t: "acc_norm" if t.endswith("_cloze") and t != "arithmetic_cloze" else "acc" for t in tasks}
-    metric |= {t: "exact_match" for t in tasks if t.endswith("_exact")}  # post-training generation
-    head = "stage".ljust(10) + "".join(f"{t[:18]:>20}" for t in tasks)
-    lines = [head, "".ljust(10) + "".join(f"{'(' + metric[t] + ')':>20}" for t in tasks)]
-    for st in stages:
-        cells = [value.get((st, t, metric[t])) for t in tasks]
-        lines.append(st.ljust(10) + "".join(f"{c:>20.3f}" if c is not None else f"{'-':>20}" for c in cells))
-    return "\n".join(lines)
+def eval_table(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
+    """Every model a run evaluated (rows: stages, then post-trained models) on every task
+    (columns): each task's one metric, score ± stderr, with the random baseline and the items
+    scored. The same table as the run report step's (tasks/run_report.py), from the same
+    evaluate artifacts."""
+    from tasks.run_report import eval_rows, eval_table_markdown, eval_table_text
+
+    rows = eval_rows(lineage.labelled_outputs(run_id, "evaluate"))
+    return eval_table_markdown(rows) if markdown else eval_table_text(rows)
 
 
 def final_artifact(lineage: Lineage, run_id: str) -> dict[str, Any] | None:
@@ -127,11 +130,13 @@ def summary(lineage: Lineage, ui_url: str | None) -> str:
     if not runs:
         return f"no runs recorded in {lineage.path}"
     run = runs[0]
-    parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores per stage ==",
+    parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores ==",
              eval_table(lineage, run["run_id"])]
     final = final_artifact(lineage, run["run_id"])
     if final:
         parts += ["", f"== lineage of the final {final['kind']} ==", tree(lineage, final)]
+        if model_path(final):
+            parts += ["", f"final model:  {model_path(final)}  (AutoModelForCausalLM.from_pretrained loads it)"]
     parts += ["", "== where to look =="]
     if ui_url:
         parts.append(f"Prefect UI:   {ui_url}/runs/flow-run/{run['run_id']}")
@@ -154,8 +159,8 @@ def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
 
 
 def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
-    """The run's report as markdown (plus the loss curves beside it): what the UI shows, in a file."""
-    import shutil
+    """The run's report as markdown (plus its loss curve beside it): what the UI shows, in a file."""
+    from tasks.run_report import plot_run_loss, stage_rows, stages_markdown
 
     run = find_run(lineage, ref)
     run_id = run["run_id"]
@@ -172,25 +177,28 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
         _steps_only(lineage, run_id),
         "```",
         "",
-        "## Eval scores per stage",
+        "## Eval scores",
         "",
-        "```",
-        eval_table(lineage, run_id),
-        "```",
+        eval_table(lineage, run_id, markdown=True),
     ]
-    stages = [{"label": label, "uri": a.uri} for label, a in lineage.labelled_outputs(run_id, "pretrain")]
+    try:
+        stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
+    except (OSError, ValueError) as exc:  # stage folders deleted, or only on S3
+        stages = []
+        parts += ["", f"(no loss curve: a stage folder of this run is not readable here: {exc})"]
+    if stages:
+        png = plot_run_loss(stages, out.with_name(f"{out.stem}-loss.png"))
+        parts += ["", "## Loss over the run", "", f"![loss over the run]({png.name})", "",
+                  stages_markdown(stages)]
     for st in stages:
-        folder = Path(st["uri"])
-        summary_md = folder / "summary.md"
-        parts += ["", summary_md.read_text().replace("# ", "## Stage ", 1) if summary_md.exists() else f"## Stage {st['label']}"]
-        png = folder / "loss.png"
-        if png.exists():
-            target = out.with_name(f"{out.stem}-{st['label']}-loss.png")
-            shutil.copyfile(png, target)
-            parts.append(f"![{st['label']} loss]({target.name})")
+        summary_md = st["folder"] / "summary.md"
+        if summary_md.exists():
+            parts += ["", summary_md.read_text().replace("# ", "## Stage ", 1)]
     final = final_artifact(lineage, run_id)
     if final:
         parts += ["", f"## Lineage of the final {final['kind']}", "", "```", tree(lineage, final), "```"]
+        if model_path(final):
+            parts += ["", f"Final model: `{model_path(final)}` (`AutoModelForCausalLM.from_pretrained` loads it)."]
     out.write_text("\n".join(parts) + "\n", encoding="utf-8")
     return out
 

@@ -326,7 +326,9 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         raise
     artifact = outcome.artifact
     verb = "built" if outcome.built else "reused finished"
-    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.uri}")
+    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
+    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at "
+                f"{artifact.meta.get('model_dir') or artifact.uri}")
     lineage = ws.lineage()
     lineage.record_artifact(artifact, d.name, node.label, node.config,
                             [*_flat(inputs), *(_artifact(g) for g in gates)])
@@ -397,11 +399,16 @@ _IN_PROCESS_EVAL = threading.Lock()
 
 
 def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
+    progress = _progress(d, node)
     if d.resource != "eval":
-        return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
-    with _IN_PROCESS_EVAL:
-        _set_threads(threads)  # in-process torch work takes its slot's thread count
-        return d.run(node.config, inputs, out, log=log, progress=_progress(d, node))
+        meta = d.run(node.config, inputs, out, log=log, progress=progress)
+    else:
+        with _IN_PROCESS_EVAL:
+            _set_threads(threads)  # in-process torch work takes its slot's thread count
+            meta = d.run(node.config, inputs, out, log=log, progress=progress)
+    if progress is not None:
+        progress(100.0)  # a finished build is done, whatever its last report said
+    return meta
 
 
 def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
@@ -420,7 +427,10 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
     except ChildFailed as exc:
         error = read_error(out)
         raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
-    return read_result(out)
+    meta = read_result(out)
+    if progress is not None:
+        progress(100.0)  # a finished build is done, whatever its last report said
+    return meta
 
 
 # --- running a graph -------------------------------------------------------------------------

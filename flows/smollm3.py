@@ -1,4 +1,5 @@
-"""The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals.
+"""The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals
+-> post-training -> the run report (one loss curve, one eval table).
 
 `graph(recipe)` is the DAG as a value (flows/graph.py): every step with its typed config and
 named inputs, fingerprinted before anything runs. The flow runs it (flows/runner.py: independent
@@ -26,6 +27,7 @@ from tasks.posttrain.sft import sft
 from tasks.preflight import preflight, spec_for
 from tasks.pretrain import pretrain, schedule_stages
 from tasks.recipe import Recipe, check_data, load_recipe
+from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
@@ -59,6 +61,11 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     final = model
     if cfg.posttrain is not None:
         final = post_train(g, cfg, model, d.clean)
+    # Last: the run-wide loss curve and eval table, from every stage and every evaluation.
+    stages = [n for n in g if n.step is pretrain]
+    evals = [n for n in g if n.step is evaluate]
+    g.add(run_report, RunReportSpec(stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals)),
+          label="smollm3", stages=stages, evals=evals)
     g.final = final
     return g
 

@@ -61,6 +61,18 @@ class ScheduleSpec(_Spec):
     start_step: int | None = Field(default=None, ge=0)
 
 
+class PeakCalibration(_Spec):
+    """A host's measured matmul rate, stored by preflight: the MFU peak where no datasheet value
+    applies (CPU, unknown GPUs). See model/flops.py `resolve_peak`."""
+
+    host: str  # where it was measured: a rank on another host does not use it
+    device: Literal["cpu", "cuda"]  # what was measured
+    dtype: Literal["float32", "bfloat16"]  # in which precision
+    flops: float = Field(gt=0)  # FLOP/s per device (CPU: per process at `threads` threads)
+    threads: int | None = Field(default=None, gt=0)  # CPU threads of the measurement
+    source: str  # how it was measured, for the metrics (`mfu_peak_source`)
+
+
 class TrainSpec(_Spec):
     """One training stage (see the module docstring)."""
 
@@ -92,7 +104,9 @@ class TrainSpec(_Spec):
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps
     compile_model: bool = operational(False)  # torch.compile each block (same math, fused kernels)
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (fix it for bit-reproducible CPU runs)
-    peak_flops: float | None = operational(None, gt=0)  # peak FLOP/s per device for MFU; None = measured
+    peak_flops: float | None = operational(None, gt=0)  # declared peak FLOP/s per device for MFU
+    # else the datasheet (known GPUs), else this calibration (model/flops.py resolve_peak)
+    peak_calibration: PeakCalibration | None = operational(None)
     debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step
     metrics_path: str | None = operational(None)  # JSONL metrics file; None = {out_dir}/metrics.jsonl
 

@@ -16,6 +16,11 @@ One launch trains one stage as described by a `TrainSpec`:
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
 - outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
+  gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
+  log; other ranks say only warnings and errors. MFU is against the peak of
+  `model.flops.resolve_peak` (declared, datasheet, preflight calibration, else not reported);
+  above 100% it is reported as it is, with a warning: the peak or the FLOP count is wrong;
 - ownership: rank 0 leases `out_dir` (`infra.lifeline.StageLease`) before writing anything, so a
   second trainer in the same folder refuses to start (exit code 4) while the first lives; under
   torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
@@ -28,6 +33,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from contextlib import nullcontext
@@ -40,10 +46,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from infra.lifeline import LeaseHeld, StageLease, protect_rank
+from infra.progress import duration
 from model.checkpoint import Checkpointer, atomic_write_text, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.data import MixtureLoader, MixturePlan
-from model.flops import measure_matmul_flops, training_flops_per_token
+from model.flops import resolve_peak, training_flops_per_token
 from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
 from model.schedule import lr_at
@@ -191,6 +198,66 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
+class StepReport:
+    """Rank 0's log lines: every `log_interval` steps and at the end, what a person watching the
+    task log wants (step/total, loss, LR, gradient norm, tokens/s and MFU since the last line,
+    ETA at the pace of this launch). Warns once if MFU exceeds 1 (a wrong peak or FLOP count)."""
+
+    def __init__(self, stage: str, total: int, tokens_per_step: int, flops_per_token: float,
+                 peak: float | None, peak_source: str) -> None:
+        self.stage, self.total = stage, total
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.peak_source = peak, peak_source  # peak over all ranks
+        self.seconds = 0.0  # training time of this launch's steps (checkpoints excluded)
+        self.steps = 0  # steps of this launch
+        self.since = (0.0, 0)  # (seconds, steps) at the last line
+        self.started = time.perf_counter()
+        self.warned = False
+
+    def stepped(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.peak is None:
+            return None
+        mfu = self.flops_per_token * tokens_per_s / self.peak
+        if mfu > 1 and not self.warned:
+            self.warned = True
+            log.warning(
+                "%s: MFU %.1f%% exceeds 100%%: %.3g FLOP/s computed against a peak of %.3g FLOP/s "
+                "(%s); the peak or the FLOP count is wrong (declare training.peak_flops)",
+                self.stage, 100 * mfu, self.flops_per_token * tokens_per_s, self.peak, self.peak_source,
+            )
+        return mfu
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+        seconds, steps = self.seconds - self.since[0], self.steps - self.since[1]
+        self.since = (self.seconds, self.steps)
+        rate = self.tokens_per_step * steps / seconds if seconds > 0 else float("nan")
+        wall = time.perf_counter() - self.started  # checkpoints included: the real pace
+        left = (self.total - step) * wall / self.steps if self.steps else None
+        mfu = self.mfu(rate) if rate == rate else None
+        log.info(
+            "%s step %d/%d | loss %.4f | lr %.2e | grad %.3f | %s tok/s%s | ETA %s",
+            self.stage, step, self.total, loss, lr, grad_norm, f"{rate:,.0f}",
+            f" | MFU {100 * mfu:.1f}%" if mfu is not None else "", duration(left),
+        )
+
+    def log_end(self, loss: float) -> None:
+        if not self.steps:
+            log.info("%s: already finished at step %d (loss %.4f)", self.stage, self.total, loss)
+            return
+        rate = self.tokens_per_step * self.steps / self.seconds
+        mfu = self.mfu(rate)
+        log.info(
+            "%s done: %d steps in %s | loss %.4f | %s tok/s%s",
+            self.stage, self.steps, duration(time.perf_counter() - self.started), loss,
+            f"{rate:,.0f}", f" | MFU {100 * mfu:.1f}% ({self.peak_source})" if mfu is not None
+            else " | MFU not reported (no peak)",
+        )
+
+
 def claim_stage(out_dir: Path, rt: Runtime) -> StageLease | None:
     """Rank 0 leases the stage folder; every rank raises `LeaseHeld` if another trainer has it."""
     lease, refused = None, None
@@ -272,32 +339,26 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     total = spec.schedule.total_steps or schedule_start + spec.steps
 
     metrics = MetricsWriter(spec.metrics_file, is_main, step)
-    if spec.peak_flops is not None:
-        peak, peak_source = spec.peak_flops, "declared (spec.peak_flops)"
-    elif rt.device.type == "cuda":
-        peak = measure_matmul_flops(rt.device, torch.bfloat16, size=8192, seconds=1.0)
-        peak_source = "measured bf16 8192^2 matmul on this GPU"
-    else:
-        peak = measure_matmul_flops("cpu", torch.float32, size=1024, seconds=0.5)
-        peak_source = "measured fp32 1024^2 matmul per rank on this CPU"
+    bf16 = isinstance(autocast, torch.autocast)
+    peak, peak_source = resolve_peak(
+        spec.peak_flops, spec.peak_calibration, device=rt.device.type, bf16=bf16,
+        host=socket.gethostname(), threads=torch.get_num_threads(),
+        device_name=torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "",
+    )
     flops_per_token = training_flops_per_token(cfg, seq_len)
     params = list(model.parameters())
     loss_value, last_ckpt = float("nan"), latest
     if is_main:
         log.info(
-            "stage %s: %d params, world %d, accum %d, steps %d..%d, %s, %s, %s, peak %.3g FLOP/s (%s)",
-            plan.stage,
-            cfg.num_parameters(),
-            rt.world_size,
-            accum,
-            step,
-            spec.steps,
-            "bf16 autocast" if isinstance(autocast, torch.autocast) else "fp32",
+            "%s: %s params, world %d, accum %d, steps %d..%d, %s, %s, %s, MFU peak %s (%s)",
+            plan.stage, f"{cfg.num_parameters():,}", rt.world_size, accum, step, spec.steps,
+            "bf16 autocast" if bf16 else "fp32",
             "compiled blocks" if spec.compile_model else "eager",
             "intra-document masking" if spec.doc_masking else "causal attention across documents",
-            peak,
-            peak_source,
+            f"{peak:.3g} FLOP/s" if peak else "unknown", peak_source,
         )
+    report = StepReport(plan.stage, spec.steps, spec.global_batch * seq_len, flops_per_token,
+                        peak * rt.world_size if peak else None, peak_source)
 
     while step < spec.steps:
         t0 = time.perf_counter()
@@ -345,6 +406,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         tokens_per_s = spec.global_batch * seq_len / elapsed
+        report.stepped(elapsed)
         if is_main and (step % spec.log_interval == 0 or step == spec.steps):
             metrics.write(
                 {
@@ -353,15 +415,16 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
                     "grad_norm": grad_norm,
                     "lr": lr,
                     "tokens_per_s": tokens_per_s,
-                    "mfu": flops_per_token * tokens_per_s / (peak * rt.world_size),
-                    "peak_flops_per_device": peak,
-                    "peak_source": peak_source,
+                    "mfu": report.mfu(tokens_per_s),
+                    "mfu_peak_flops": peak,
+                    "mfu_peak_source": peak_source,
                     "tokens_per_source": loader.tokens_per_source(),
                     "epochs_per_source": loader.epochs_per_source(),
                     "time": time.time(),
                     "peak_memory_gib": peak_memory_gib(rt.device),
                 }
             )
+            report.log_step(step, loss_value, lr, grad_norm)
         stage_end = step == spec.steps
         if stage_end or step % spec.checkpoint_interval == 0:
             if not _all_finite(params):
@@ -402,6 +465,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         "resumed_from": resumed_from,
     }
     if is_main:
+        report.log_end(loss_value)
         atomic_write_text(out_dir / "result.json", json.dumps(result, indent=2) + "\n")
         if spec.compile_model:
             from torch._dynamo.utils import counters
@@ -411,13 +475,25 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     return result
 
 
+class _Concise(logging.Formatter):
+    """The message alone for INFO; `WARNING: message` otherwise."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m model.train SPEC.json  (or under torchrun)", file=sys.stderr)
         return 2
     protect_rank()  # first: a rank must not outlive torchrun, even during startup
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Rank 0 speaks for the stage; the others only warn. No timestamps: the task log has them.
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Concise())
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, handlers=[handler])
     spec = TrainSpec.load(argv[0])
     try:
         result = train(spec)

@@ -19,16 +19,26 @@ architectures (or SmolLM3 variants our model does not express) keep the `hf` sco
 
 Equality with the stock `hf` model is a test (tests/tasks/test_eval_lm.py): same log-likelihoods
 within float tolerance and the same greedy flags, hence the same acc / acc_norm.
+
+Progress: `EvalProgress` is lm-eval's cache hook used as a meter. lm-eval's `hf` code reports
+every answered request to `cache_hook.add_partial`; `PrefixSharingLM` does the same as each batch
+finishes and, before each request type runs, tells the hook which requests come (task, document),
+so it can log items done per task and an ETA while lm-eval runs.
 """
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lm_eval.api.model import CacheHook
 from lm_eval.models.huggingface import HFLM
 
+from infra.progress import Progress
 from model.attention import AttentionMask
 from model.model import SmolLM3
 from model.rope import inv_frequencies, rope_cos_sin
@@ -152,12 +162,13 @@ def _mask(ends: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def score_requests(
     model: SmolLM3, requests: list[tuple[list[int], list[int]]], max_length: int,
-    batch_tokens: int = 4096,
+    batch_tokens: int = 4096, on_batch: Callable[[dict[int, tuple[float, bool]]], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """(log-probability of the continuation, whether it is the greedy continuation) for each
     (context tokens, continuation tokens) request, as lm-eval's `hf` model defines them. Rows
     hold up to max(batch_tokens, longest request) tokens; a batch up to batch_tokens padded
-    tokens (or one row)."""
+    tokens (or one row). `on_batch` receives each batch's answers by request index as soon as
+    the batch is scored (a request lies in one row, so its answer is final then)."""
     device = model.embed.weight.device
     head = model.embed.weight if model.lm_head is None else model.lm_head.weight
     logprob = torch.zeros(len(requests), dtype=torch.float64)
@@ -206,6 +217,9 @@ def score_requests(
         who = torch.tensor(owner)
         logprob.index_add_(0, who, token_lp)
         misses.index_add_(0, who, missed)
+        if on_batch is not None:
+            done = [i for row in batch for i, _, _ in row.scored]
+            on_batch({i: (logprob[i].item(), misses[i].item() == 0) for i in done})
     return [(lp, m == 0) for lp, m in zip(logprob.tolist(), misses.tolist(), strict=True)]
 
 
@@ -216,7 +230,8 @@ class PrefixSharingLM(HFLM):
     scoring: its causal attention needs no (T, T) mask."""
 
     def __init__(
-        self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192, **kwargs
+        self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192,
+        progress: EvalProgress | None = None, **kwargs
     ) -> None:
         super().__init__(pretrained=pretrained, **kwargs)
         if batch_tokens <= 0 or dense_limit <= 0:
@@ -225,6 +240,25 @@ class PrefixSharingLM(HFLM):
             )
         self.batch_tokens, self.dense_limit = batch_tokens, dense_limit
         self.ours = smollm3_view(self.model)
+        if progress is not None:
+            self.set_cache_hook(progress)
+
+    # Each request type announces its requests to a progress hook, then runs as lm-eval's `hf`.
+    def _expect(self, kind: str, requests: list) -> None:
+        if isinstance(self.cache_hook, EvalProgress):
+            self.cache_hook.expect(kind, requests)
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._expect("loglikelihood", requests)
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        self._expect("loglikelihood_rolling", requests)
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        self._expect("generate_until", requests)
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(
         self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None,
@@ -235,15 +269,71 @@ class PrefixSharingLM(HFLM):
         short = [i for i, (_, ctx, cont) in enumerate(requests)
                  if min(len(ctx) + len(cont), self.max_length + 1) - 1 <= self.dense_limit]
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
+
+        def finished(batch: dict[int, tuple[float, bool]]) -> None:
+            # Reported as each batch finishes, as the `hf` path reports each request.
+            for j, answer in batch.items():
+                key = requests[short[j]][0]
+                if key is not None:  # rolling windows have no key: lm-eval caches those
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+
         scored = score_requests(self.ours, [requests[i][1:] for i in short], self.max_length,
-                                self.batch_tokens)
+                                self.batch_tokens, on_batch=finished)
         for i, answer in zip(short, scored, strict=True):
             answers[i] = answer
-            if requests[i][0] is not None:  # rolling windows have no key: lm-eval caches those
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         rest = [i for i in range(len(requests)) if answers[i] is None]
         if rest:  # `hf` reports these to the cache itself
             stock = super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm, override_bs)
             for i, answer in zip(rest, stock, strict=True):
                 answers[i] = answer
         return answers
+
+
+def _request_key(kind: str, args: Any) -> tuple:
+    """What identifies a request in `add_partial`: (context, continuation) for log-likelihoods,
+    the context for generations (their generation kwargs are a dict) and rolling windows."""
+    return (kind, args[0], args[1]) if kind == "loglikelihood" else (kind, args[0])
+
+
+class EvalProgress(CacheHook):
+    """lm-eval's cache hook as a progress meter (caches nothing): items done per task, ETA.
+
+    `expected` holds the items per task known before lm-eval starts (the suite's counts), so the
+    percentage covers every request type from the start; tasks it does not name are counted
+    when their requests are announced. An item is done when all its requests are answered."""
+
+    def __init__(self, log: Callable[[str], None], report: Callable[[float], None] | None = None,
+                 expected: dict[str, int] | None = None, every_pct: float = 10.0,
+                 every_s: float = 30.0) -> None:
+        super().__init__(None)
+        self.items = dict(expected or {})  # task -> items to score
+        self.done: Counter[str] = Counter()  # task -> items scored
+        self._pending: dict[tuple, list[tuple[str, int]]] = defaultdict(list)  # request -> (task, doc)
+        self._left: Counter[tuple[str, int]] = Counter()  # (task, doc) -> requests unanswered
+        self._docs: dict[str, set[int]] = defaultdict(set)  # task -> documents announced
+        self.meter = Progress("lm-eval", sum(self.items.values()), "items", log, report,
+                              every_pct=every_pct, every_s=every_s)
+
+    def expect(self, kind: str, requests: list) -> None:
+        """The requests of one type, before lm-eval runs them (lm_eval Instances)."""
+        for r in requests:
+            item = (str(r.task_name), int(r.doc_id) if r.doc_id is not None else -1)
+            self._pending[_request_key(kind, r.args)].append(item)
+            self._left[item] += 1
+            self._docs[item[0]].add(item[1])
+        for task, docs in self._docs.items():
+            self.items[task] = max(self.items.get(task, 0), len(docs))
+        self.meter.total = sum(self.items.values())
+
+    def add_partial(self, attr: str, req: Any, res: Any) -> None:
+        waiting = self._pending.get(_request_key(attr, req))
+        if not waiting:
+            return  # not announced (a model without the hook's `expect`): nothing to count
+        item = waiting.pop()
+        self._left[item] -= 1
+        if self._left[item] == 0:
+            self.done[item[0]] += 1
+            self.meter.advance(1, self._detail)
+
+    def _detail(self) -> str:
+        return ", ".join(f"{t} {self.done[t]}/{n}" for t, n in self.items.items())

@@ -14,6 +14,13 @@ Two steps:
 Cloze formulation (the playbook's choice for early checkpoints): the model scores each choice's
 log-likelihood after the context; `acc_norm` normalises by the choice's length, so it does not
 favour short continuations. Random accuracy is 1 / choices, recorded for margin checks.
+
+Each task has one headline metric (`headline_metric`: acc_norm for the prose and code cloze tasks
+and hub tasks that report it, acc for arithmetic numbers and passkeys, exact_match for
+generation), shown with its stderr, the items scored and the task's random baseline (the mean of
+1 / choices over its items; 0 for exact match), so a score on 20 items reads as what it is.
+`evaluate` logs items done per task and an ETA while lm-eval runs (tasks/eval_lm.EvalProgress)
+and reports the same as a progress artifact.
 """
 
 from __future__ import annotations
@@ -365,13 +372,15 @@ HARNESS_MODELS = ("prefix_sharing", "hf")
 
 def run_lm_eval(
     model_dir: Path, task_dir: Path | None, tasks: Sequence[str], cfg: EvalConfig, out: Path,
-    harness_model: str = "prefix_sharing",
+    harness_model: str = "prefix_sharing", progress: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Scores per task from lm-eval: {task: {acc, acc_stderr, acc_norm, ...}}; lm-eval's own
-    results (configs, versions, n-shot, model args, environment) go to `out/lm_eval_results.json`.
+    results (configs, versions, n-shot, n-samples, model args, environment) go to
+    `out/lm_eval_results.json`, in lm-eval's format (what `lm_eval --output_path` writes).
 
     `harness_model` "prefix_sharing" (default) is lm-eval's `hf` model with each shared context
-    scored once (tasks/eval_lm.py, same scores); "hf" is lm-eval's stock `hf` model."""
+    scored once (tasks/eval_lm.py, same scores); "hf" is lm-eval's stock `hf` model.
+    `progress`: a `tasks.eval_lm.EvalProgress` (prefix_sharing only) that logs items done."""
     import lm_eval
     import lm_eval.models  # noqa: F401  (registers the built-in `hf` model before any lookup)
     import torch
@@ -392,7 +401,7 @@ def run_lm_eval(
         from tasks.eval_lm import PrefixSharingLM
 
         # An instance, not a registry name: nothing global is added per call.
-        model = PrefixSharingLM(**model_args, batch_size=cfg.batch_size)
+        model = PrefixSharingLM(**model_args, batch_size=cfg.batch_size, progress=progress)
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=",".join(f"{k}={v}" for k, v in model_args.items()),
@@ -416,10 +425,67 @@ def run_lm_eval(
     return scores
 
 
+# One metric per task: what the task is built to measure (see the module docstring).
+_HEADLINE = {"arithmetic_cloze": "acc", GENERATION_TASK: "exact_match"}
+
+
+def headline_metric(task: str, metrics: Iterable[str]) -> str | None:
+    """The one metric a task is reported by (None when it has none of ours)."""
+    have = set(metrics)
+    wanted = _HEADLINE.get(task) or ("acc" if task.startswith("passkey_") else None)
+    if wanted in have:
+        return wanted
+    return next((m for m in ("exact_match", "acc_norm", "acc") if m in have), None)
+
+
+def random_baselines(suite: Artifact, tasks: Sequence[str], limit: int | None) -> dict[str, float | None]:
+    """Per task, the score of guessing: the mean of 1 / choices over the items lm-eval scores
+    (the first `limit`), 0 for exact match; None for hub tasks (their items are not here)."""
+    task_dir = Path(suite.meta["task_dir"])
+    out: dict[str, float | None] = {}
+    for task in tasks:
+        data = task_dir / f"{task}.jsonl"
+        if task == GENERATION_TASK:
+            out[task] = 0.0
+        elif data.is_file():
+            rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line]
+            rows = rows[:limit] if limit else rows
+            out[task] = sum(1 / len(r["choices"]) for r in rows) / len(rows) if rows else None
+        else:
+            out[task] = None
+    return out
+
+
+def items_scored(results_file: Path) -> dict[str, int]:
+    """Items lm-eval scored per task, from its results file (`n-samples`, effective)."""
+    try:
+        samples = json.loads(results_file.read_text(encoding="utf-8")).get("n-samples", {})
+    except (OSError, ValueError):
+        return {}
+    return {t: int(n["effective"]) for t, n in samples.items() if isinstance(n, dict) and "effective" in n}
+
+
+def scores_markdown(scores: dict[str, dict[str, float]], items: dict[str, int],
+                    random: dict[str, float | None]) -> str:
+    """One row per task: its headline metric, value ± stderr, items, random baseline."""
+    lines = ["| task | metric | score | ± stderr | items | random |", "|---|---|---|---|---|---|"]
+    for task, metrics in sorted(scores.items()):
+        metric = headline_metric(task, metrics)
+        if metric is None:
+            continue
+        se, base = metrics.get(f"{metric}_stderr"), random.get(task)
+        lines.append(f"| {task} | {metric} | {metrics[metric]:.3f} | "
+                     f"{'-' if se is None else f'{se:.3f}'} | {items.get(task, '-')} | "
+                     f"{'-' if base is None else f'{base:.3f}'} |")
+    return "\n".join(lines)
+
+
 def build_eval(
     cfg: EvalConfig, model: Artifact, suite: Artifact, out: Path, tasks: Sequence[str], log=print,
-    harness_model: str = "prefix_sharing",
+    harness_model: str = "prefix_sharing", progress=None,
 ) -> dict[str, Any]:
+    from tasks.eval_lm import EvalProgress
+
     available = set(suite.meta["tasks"])
     missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
     if missing:
@@ -427,23 +493,25 @@ def build_eval(
             f"eval tasks {missing} are not in the suite ({', '.join(sorted(available))}) nor in "
             "the recipe's eval.lm_eval_tasks"
         )
-    log(f"evaluating {model.meta.get('stage', model.short)} on {', '.join(tasks)}")
+    expected = {t: min(suite.meta["tasks"][t], cfg.limit or 1 << 60) for t in tasks if t in available}
+    listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
+    log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
+    meter = EvalProgress(log, progress, expected)
     scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out,
-                         harness_model)
-    table = "\n".join(
-        ["| task | acc | acc_norm | stderr |", "|---|---|---|---|"]
-        + [f"| {t} | {s.get('acc', float('nan')):.3f} | {s.get('acc_norm', float('nan')):.3f} | "
-           f"{s.get('acc_stderr', float('nan')):.3f} |" for t, s in sorted(scores.items())]
-    )
+                         harness_model, progress=meter)
+    items = items_scored(out / "lm_eval_results.json")
+    random = random_baselines(suite, tasks, cfg.limit)
+    table = scores_markdown(scores, items, random)
     (out / "scores.md").write_text(table + "\n")
     (out / "scores.json").write_text(json.dumps(scores, indent=2))
     log("\n" + table)
-    return {"stage": model.meta.get("stage"), "scores": scores,
-            "random_accuracy": suite.meta["random_accuracy"]}
+    return {"stage": model.meta.get("stage"), "model_dir": model.meta["model_dir"], "scores": scores,
+            "items": items, "random_baseline": random, "random_accuracy": suite.meta["random_accuracy"]}
 
 
 def publish_eval(artifact: Artifact, ws, label: str) -> None:
-    """Scores to DuckDB (`evals`) and a Prefect table artifact."""
+    """Scores to DuckDB (`evals`) and a Prefect table artifact: per task its headline metric,
+    ± stderr, items and random baseline."""
     from datetime import UTC, datetime
 
     from prefect.artifacts import create_table_artifact
@@ -452,13 +520,19 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
     now = datetime.now(UTC).replace(tzinfo=None)
     run_id = str(flow_run.id) if flow_run.id else None
     rows, table = [], []
+    items, random = artifact.meta.get("items", {}), artifact.meta.get("random_baseline", {})
     for task, metrics in sorted(artifact.meta["scores"].items()):
         for metric, value in metrics.items():
             if metric.endswith("_stderr"):
                 continue
             rows.append((artifact.fingerprint, run_id, task, metric, value,
                          metrics.get(f"{metric}_stderr"), now))
-        table.append({"stage": label, "task": task, **{k: round(v, 4) for k, v in metrics.items()}})
+        metric = headline_metric(task, metrics)
+        if metric is not None:
+            se, base = metrics.get(f"{metric}_stderr"), random.get(task)
+            table.append({"model": label, "task": task, "metric": metric, "score": round(metrics[metric], 4),
+                          "stderr": None if se is None else round(se, 4), "items": items.get(task),
+                          "random": None if base is None else round(base, 4)})
     ws.lineage().record_rows("evals", rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{label}".lower())
     create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
@@ -501,8 +575,8 @@ def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> di
 
 
 @step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")
-def evaluate(config: EvalSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def evaluate(config: EvalSpec, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """lm-eval over one exported model (input `model`) on the suite (input `suite`)."""
     suite = one(inputs, "suite")
     tasks = stage_tasks(config.eval, suite, config.long_context, config.cloze)
-    return build_eval(config.eval, one(inputs, "model"), suite, out, tasks, log)
+    return build_eval(config.eval, one(inputs, "model"), suite, out, tasks, log, progress=progress)

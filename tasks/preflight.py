@@ -17,6 +17,13 @@ Facts that come from operational settings (ranks per node, micro-batch, checkpoi
 workspace path) and the run id are operational: they are checked, but changing them alone does not
 invalidate an earlier measurement.
 
+Calibration: the report holds this host's measured matmul rates (`calibration`: the fp32
+`cpu_matmul` at the preflight's threads, the bf16 `gpu_matmul` of the slowest GPU), measured
+once, before training, under the `train` slot. The pretrain step reads the newest calibration of
+its workspace for the host it runs on (`host_calibration`) into the trainer's operational
+`peak_calibration`: the MFU peak where no datasheet value applies (model/flops.py). A host fact,
+like the slot's thread count: it never enters a fingerprint.
+
 Deliberate break of the "build functions stay free of DuckDB" rule: a failing preflight never
 reaches `publish` (the step raises, no marker is written), yet failures are what lineage must
 remember. The build therefore records the rows of a failing run itself, in the lineage database of
@@ -47,6 +54,7 @@ from infra.preflight import (
     summary,
 )
 from infra.workspace import Workspace
+from model.spec import PeakCalibration
 from tasks.step import many, step
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
@@ -114,15 +122,17 @@ def build_preflight(
     results = run_preflight(config, facts, gpu=gpu, commands=commands, log=log)
     stop = should_stop(results, config.allow_warn)
     counts = summary(results)
+    host = socket.gethostname()
     report = {
         "run_id": run_id,
-        "host": socket.gethostname(),
+        "host": host,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "stop": stop,
         "summary": counts,
         "config": config.model_dump(mode="json"),
         "facts": facts.to_dict(),
         "results": [r.to_dict() for r in results],
+        "calibration": [c.model_dump(mode="json") for c in calibrations(results, config, host, out.name)],
     }
     (out / JSON_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
     head = f"# Preflight on `{report['host']}` ({'STOP' if stop else 'go'})\n\nrun `{run_id}`\n\n"
@@ -152,7 +162,55 @@ def build_preflight(
         "nccl_busbw_gbps": _metric(results, "nccl_allreduce"),
         "cpu_gflops": _metric(results, "cpu_matmul"),
         "gloo_busbw_gbps": _metric(results, "gloo_allreduce"),
+        "calibration": report["calibration"],
     }
+
+
+def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
+                 folder: str) -> list[PeakCalibration]:
+    """The MFU peaks this preflight measured: `cpu_matmul` (fp32, at this process's threads) and
+    `gpu_matmul` (bf16, the slowest GPU: it paces every synchronous step)."""
+    import torch
+
+    out = []
+    cpu = _metric(results, "cpu_matmul")
+    if cpu:
+        threads = torch.get_num_threads()
+        out.append(PeakCalibration(
+            host=host, device="cpu", dtype="float32", flops=cpu * 1e9, threads=threads,
+            source=(f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
+                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"),
+        ))
+    gpu = _metric(results, "gpu_matmul")
+    if gpu:
+        out.append(PeakCalibration(
+            host=host, device="cuda", dtype="bfloat16", flops=gpu * 1e12,
+            source=f"preflight {folder} on {host}: gpu_matmul bf16 {config.matmul_size}^2, slowest GPU",
+        ))
+    return out
+
+
+def host_calibration(workspace: Path, device: str, host: str | None = None) -> PeakCalibration | None:
+    """The newest calibration for `device` ("cpu"/"cuda") measured on `host` (default: this one)
+    by a finished preflight in `workspace`; None when there is none."""
+    from infra.artifact import read_marker
+
+    host = host or socket.gethostname()
+    best: tuple[float, PeakCalibration] | None = None
+    for report in sorted(Path(workspace, "preflight").glob(f"*/{JSON_NAME}")):
+        if read_marker(report.parent) is None:
+            continue  # a failed or unfinished preflight measured nothing it stands behind
+        try:
+            data = json.loads(report.read_text(encoding="utf-8"))
+            found = [PeakCalibration(**c) for c in data.get("calibration", [])]
+        except (OSError, ValueError, TypeError):
+            continue
+        for c in found:
+            if c.host == host and c.device == device:
+                when = report.stat().st_mtime
+                if best is None or when > best[0]:
+                    best = (when, c)
+    return best[1] if best else None
 
 
 def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) -> PreflightFacts:
@@ -235,7 +293,7 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     )
 
 
-@step("preflight", version=2, kind="preflight", extra=preflight_extra, publish=publish_preflight,
+@step("preflight", version=3, kind="preflight", extra=preflight_extra, publish=publish_preflight,
       resource="train", isolate=True)
 def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Preflight for the recipe's facts, with the vocabulary of the chosen tokenizer (input

@@ -41,6 +41,7 @@ from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
 from tasks.mixture import StageConfig
+from tasks.preflight import host_calibration
 from tasks.step import one, step
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
@@ -77,7 +78,7 @@ class TrainingConfig(BaseModel):
     checkpoint_interval: int = operational(25, gt=0)  # steps between checkpoints
     keep_last: int = operational(_spec_default("keep_last"), ge=1)  # complete checkpoints kept besides stage ends
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
-    peak_flops: float | None = operational(None, gt=0)  # declared peak for MFU (else measured)
+    peak_flops: float | None = operational(None, gt=0)  # declared MFU peak per device (else datasheet or preflight's)
     log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
 
     @model_validator(mode="after")
@@ -274,6 +275,9 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
         spec = spec.model_copy(update={"checkpoint_interval": run.keep_every,
                                        "keep_last": spec.steps // run.keep_every + 1})
     spec = spec.bind(plan.path / "plan.json", out, init_from)
+    if spec.peak_flops is None:
+        # The MFU peak where no datasheet value applies: this host's preflight measurement.
+        spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
     spec.save(out / "spec.json")
     storage = run.storage
     s3_checkpoints = f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
@@ -311,24 +315,42 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
     rows = read_metrics(out / "metrics.jsonl")
     if rows:
         loss_curve(rows, out / "loss.png", f"{spec.stage} ({run.kind})")
-    speeds = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
-    mfus = [r["mfu"] for r in rows[1:]] or [r["mfu"] for r in rows]
+    timed = rows[1:] or rows  # the first step carries start-up costs
+    speeds = [r["tokens_per_s"] for r in timed]
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
     meta = {
         "stage": spec.stage,
         "kind": run.kind,
         "steps": spec.steps,
         "seq_len": spec.seq_len,
+        "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
         "final_loss": rows[-1]["loss"] if rows else None,
         "checkpoint": result.get("checkpoint"),
         "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # Never clamped: above 1 means the peak or the FLOP count is wrong, and says so.
         "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
+        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
         "resumed": resumed,
         "init_from": init_from,
         **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }
+    if meta["mfu"] is not None and meta["mfu"] > 1:
+        log(f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
+            f"{meta['mfu_peak_flops']:.3g} FLOP/s ({meta['mfu_peak_source']}): the peak or the FLOP "
+            "count is wrong; declare training.peak_flops")
     (out / "summary.md").write_text(stage_markdown(meta, rows))
     return meta
+
+
+def _device(spec: TrainSpec) -> str:
+    """Where the trainer will run ("cpu" or "cuda"), as it decides it."""
+    if spec.device != "auto":
+        return spec.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def launch_config(run: StageRun) -> LauncherConfig:
@@ -348,7 +370,8 @@ def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"- steps: {meta['steps']}, sequence length {meta['seq_len']}",
         f"- final loss: {meta['final_loss']:.4f}" if meta["final_loss"] is not None else "- no metrics",
-        f"- throughput: {meta['tokens_per_s']:.0f} tokens/s, MFU {meta['mfu']:.1%}" if meta["tokens_per_s"] else "",
+        f"- throughput: {meta['tokens_per_s']:,.0f} tokens/s" if meta["tokens_per_s"] else "",
+        _mfu_line(meta),
         f"- resumed from an earlier attempt: {meta['resumed']}",
         f"- initialised from: {meta['init_from'] or 'scratch'}",
         "",
@@ -357,6 +380,17 @@ def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         *[f"| {k} | {v:,} |" for k, v in sorted(meta["tokens_per_source"].items())],
     ]
     return "\n".join(x for x in lines if x is not None) + "\n"
+
+
+def _mfu_line(meta: dict[str, Any]) -> str:
+    source = meta.get("mfu_peak_source") or "no peak recorded"
+    if meta.get("mfu") is None:
+        return f"- MFU: not reported ({source})"
+    line = f"- MFU: {meta['mfu']:.1%} of {meta['mfu_peak_flops']:.3g} FLOP/s per device ({source})"
+    if meta["mfu"] > 1:
+        line += ("\n- **MFU above 100%: the peak or the FLOP count is wrong** (declare "
+                 "`training.peak_flops`)")
+    return line
 
 
 def publish_stage(artifact: Artifact, ws, label: str) -> None:

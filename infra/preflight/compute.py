@@ -12,28 +12,34 @@ from infra.preflight.collective import run_allreduce
 from infra.preflight.core import Check, CheckContext, CheckResult, register
 
 
-def cpu_matmul_gflops(n: int, seconds: float) -> float:
-    """Sustained fp32 n x n matmul GFLOP/s on this process's torch threads."""
+def cpu_matmul_gflops(n: int, seconds: float, burst: float = 0.05) -> float:
+    """fp32 n x n matmul GFLOP/s on this process's torch threads: the best of bursts of about
+    `burst` seconds over `seconds`. The trainer's MFU peak on CPU is this figure (tasks/preflight.py
+    stores it): a mean would measure the neighbours' load (a shared machine, data steps beside
+    preflight) and read low, and MFU against it high."""
     import torch
 
     a = torch.randn(n, n)  # (n, n) fp32
     b = torch.randn(n, n)
     c = torch.empty(n, n)
     torch.mm(a, b, out=c)  # warm up
-    count = 0
-    start = time.perf_counter()
+    best, deadline = 0.0, time.perf_counter() + seconds
     while True:
-        torch.mm(a, b, out=c)
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            break
-    return 2.0 * n**3 * count / elapsed / 1e9
+        count, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b, out=c)
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= burst:
+                break
+        best = max(best, 2.0 * n**3 * count / elapsed / 1e9)
+        if time.perf_counter() >= deadline:
+            return best
 
 
 @register
 class CpuMatmul(Check):
-    """Sustained fp32 matmul GFLOP/s on this process's CPU threads."""
+    """fp32 matmul GFLOP/s on this process's CPU threads (best burst)."""
 
     name, group, order = "cpu_matmul", "compute", 60
 
@@ -43,7 +49,7 @@ class CpuMatmul(Check):
         c = ctx.config
         rate = cpu_matmul_gflops(c.cpu_matmul_size, c.cpu_matmul_seconds)
         value = (f"{rate:.1f} GFLOP/s fp32 ({c.cpu_matmul_size}^2, "
-                 f"{torch.get_num_threads()} threads)")
+                 f"{torch.get_num_threads()} threads, best burst)")
         return self.result("pass", value, "informational", metric=rate)
 
 

@@ -275,22 +275,39 @@ def start_metrics(out: Path, resume: Path | None) -> None:
 
 def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None],
                       out: Path | None = None):
-    """A transformers TrainerCallback forwarding step progress and each logged loss, and (with
-    `out`) appending every log row to `out/metrics.jsonl` as training goes."""
+    """A transformers TrainerCallback: on the main process, a line per logged step (step/total,
+    loss or reward, LR, ETA at the pace since this launch began), the step's progress percentage,
+    and (with `out`) every log row appended to `out/metrics.jsonl` as training goes."""
     from transformers import TrainerCallback
 
+    from infra.progress import duration, eta
+
     class _Progress(TrainerCallback):
+        started, reported, first = 0.0, -1, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started, self.first = time.monotonic(), state.global_step
+            if state.is_world_process_zero:
+                log(f"training {state.max_steps} steps")
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or not state.is_world_process_zero:
+            if not (logs and state.is_world_process_zero):
                 return
             if out is not None:
                 with open(out / METRICS, "a") as fh:
                     fh.write(json.dumps({**logs, "step": state.global_step}) + "\n")
             keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
             if keys:
-                log(f"step {state.global_step}/{state.max_steps}: "
-                    + ", ".join(f"{k}={logs[k]:.4g}" for k in keys))
-            if progress is not None and state.max_steps:
+                elapsed = time.monotonic() - self.started
+                parts = [f"step {state.global_step}/{state.max_steps}",
+                         *(f"{k} {logs[k]:.4g}" for k in keys)]
+                if "learning_rate" in logs:
+                    parts.append(f"lr {logs['learning_rate']:.2e}")
+                done = state.global_step - self.first  # a resumed launch: steps since it began
+                parts.append(f"ETA {duration(eta(done, state.max_steps - self.first, elapsed))}")
+                log(" | ".join(parts))
+            if progress is not None and state.max_steps and state.global_step != self.reported:
+                self.reported = state.global_step  # eval and summary logs repeat the last step
                 progress(100.0 * state.global_step / state.max_steps)
 
     return _Progress()

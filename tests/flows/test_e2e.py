@@ -125,7 +125,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         out = subprocess.run([console, "plan", "tiny", *TINY_TRAIN, f"workspace={ws}"], cwd=elsewhere,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 33 reuse"), out.stdout
+        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 34 reuse"), out.stdout
     finally:
         os.killpg(serve.pid, 9)
         serve.wait()

@@ -159,3 +159,29 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     expected = graph(load_recipe("tiny", over)).edges()
     assert _lineage_edges(lineage, result["run_id"]) == expected
     assert _ui_edges(result["run_id"]) == expected
+
+    # What a user sees: progress artifacts end at 100%; every stage's MFU is against this host's
+    # preflight calibration and below 1 (evaluations ran beside training); one loss curve and one
+    # eval table for the run, under stable keys.
+    from prefect.artifacts import Artifact as PrefectArtifact
+
+    stages = ("stage1", "stage2", "stage3", "long1", "long2")
+    for key in [*(f"pretrain-{s}-progress" for s in stages), *(f"evaluate-{s}-progress" for s in stages)]:
+        assert PrefectArtifact.get(key).data == 100.0, key
+    for label, stage in lineage.labelled_outputs(result["run_id"], "pretrain"):
+        assert stage.meta["mfu_peak_source"].startswith("preflight "), (label, stage.meta["mfu_peak_source"])
+        assert 0 < stage.meta["mfu"] < 1, (label, stage.meta["mfu"])
+    assert "data:image/png;base64," in PrefectArtifact.get("smollm3-loss-curve").data
+    table = PrefectArtifact.get("smollm3-evals").data
+    assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table
+    # The model path the summary prints loads; lm-eval's own results sit beside every eval's scores.
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from flows.report import summary
+
+    final = re.search(r"^final model:  (\S+)", summary(lineage, None), re.M).group(1)
+    assert final.endswith("/model") and AutoModelForCausalLM.from_pretrained(final) is not None
+    for _, ev in lineage.labelled_outputs(result["run_id"], "evaluate"):
+        assert (ev.path / "scores.json").is_file() and (ev.path / "lm_eval_results.json").is_file()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,6 +147,9 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
         write_spec(tmp_path / "b.json", plan_path, out, steps=4, checkpoint_interval=1), nproc=2
     )
     assert "world 2" in two.stderr
+    # Rank 0 speaks for the stage: one line per step (resumed at 2), none from rank 1.
+    assert [int(m) for m in re.findall(r" step (\d+)/4 \|", two.stderr)] == [3, 4]
+    assert two.stderr.count(" done: 2 steps in ") == 1
     mid = json.loads((out / "result.json").read_text())
     assert mid["world_size"] == 2 and mid["final_step"] == 4
     assert mid["resumed_from"].endswith("step_00000002")
@@ -222,10 +226,12 @@ def test_metrics_and_result_files(plan_path, tmp_path):
             "tokens_per_s",
             "mfu",
             "tokens_per_source",
-            "peak_source",
+            "mfu_peak_flops",
+            "mfu_peak_source",
             "peak_memory_gib",
         } <= row.keys()
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"]
+        assert row["mfu_peak_flops"] == 1e10 and row["mfu_peak_source"] == "declared (training.peak_flops)"
         assert row["peak_memory_gib"] is None  # CUDA allocations only
     assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup step 1 of 2
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -244,6 +250,74 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     with torch.no_grad():
         ours = load_model(result["checkpoint"])(ids).logits
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+
+
+STEP_LINE = re.compile(
+    r"^(?P<stage>\S+) step (?P<step>\d+)/(?P<total>\d+) \| loss (?P<loss>[\d.]+) \| lr (?P<lr>\S+) \| "
+    r"grad (?P<grad>[\d.]+) \| (?P<tps>[\d,]+) tok/s( \| MFU (?P<mfu>[\d.]+)%)? \| ETA (?P<eta>\S+)$"
+)
+
+
+def test_rank_0_logs_step_loss_lr_grad_throughput_mfu_and_eta_every_interval(plan_path, tmp_path):
+    """Every `log_interval` steps and at the last one, a line the task log shows; its numbers
+    are the metrics rows' (loss, LR, gradient norm); a start line names the MFU peak's source."""
+    out = tmp_path / "run"
+    proc = run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=5, log_interval=2))
+    lines = [STEP_LINE.match(line) for line in proc.stderr.splitlines()]
+    steps = [m for m in lines if m]
+    assert [int(m["step"]) for m in steps] == [2, 4, 5]  # every 2 steps, and the end
+    assert {m["total"] for m in steps} == {"5"} and steps[-1]["eta"] == "0s"
+    rows = {r["step"]: r for r in metrics(out)}
+    assert sorted(rows) == [2, 4, 5]
+    for m in steps:
+        row = rows[int(m["step"])]
+        assert float(m["loss"]) == pytest.approx(row["loss"], abs=1e-4)
+        assert float(m["lr"]) == pytest.approx(row["lr"], rel=1e-2)
+        assert float(m["grad"]) == pytest.approx(row["grad_norm"], abs=1e-3)
+        assert int(m["tps"].replace(",", "")) > 0 and m["mfu"] is not None
+    assert "MFU peak 1e+10 FLOP/s (declared (training.peak_flops))" in proc.stderr
+    assert re.search(r"done: 5 steps in \S+ \| loss [\d.]+ \| [\d,]+ tok/s \| MFU [\d.]+% \(declared", proc.stderr)
+    assert "INFO" not in proc.stderr  # no logging boilerplate in the task log
+
+
+def test_mfu_is_never_clamped_and_a_peak_below_the_work_is_reported(plan_path, tmp_path):
+    """A peak below what the stage computes gives MFU > 1 as it is, and one warning naming the
+    peak and its source: a wrong peak is a bug to see, not to hide."""
+    out = tmp_path / "run"
+    proc = run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=3, peak_flops=1e3))
+    assert all(r["mfu"] > 1 for r in metrics(out))
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING:")]
+    assert len(warnings) == 1 and "exceeds 100%" in warnings[0] and "declared (training.peak_flops)" in warnings[0]
+
+
+def test_without_a_known_peak_mfu_is_not_reported_and_the_metrics_say_why(plan_path, tmp_path):
+    """CPU, nothing declared, no calibration: no probe under load, no MFU, and the reason."""
+    out = tmp_path / "run"
+    proc = run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=2, peak_flops=None))
+    rows = metrics(out)
+    assert all(r["mfu"] is None and r["mfu_peak_flops"] is None for r in rows)
+    assert rows[0]["mfu_peak_source"].startswith("none: no datasheet peak for cpu float32")
+    assert "run preflight on this host" in rows[0]["mfu_peak_source"]
+    assert "MFU not reported" in proc.stderr
+
+
+def test_mfu_against_this_hosts_preflight_calibration_stays_below_1(plan_path, tmp_path):
+    """The peak preflight measures here (best burst of its fp32 matmul) is above what training
+    achieves, so MFU against it is a fraction; the rows name the calibration."""
+    from infra.preflight.compute import cpu_matmul_gflops
+    from model.spec import PeakCalibration
+
+    torch.set_num_threads(1)
+    flops = cpu_matmul_gflops(1024, 1.0) * 1e9
+    calibration = PeakCalibration(host=socket.gethostname(), device="cpu", dtype="float32", flops=flops,
+                                  threads=1, source="test calibration")
+    out = tmp_path / "run"
+    run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=4, peak_flops=None,
+                         peak_calibration=calibration.model_dump()))
+    rows = metrics(out)
+    assert all(0 < r["mfu"] < 1 for r in rows), [r["mfu"] for r in rows]
+    assert {r["mfu_peak_source"] for r in rows} == {"test calibration"}
+    assert {r["mfu_peak_flops"] for r in rows} == {flops}
 
 
 def test_bf16_autocast_and_compiled_blocks_train_close_to_fp32(plan_path, tmp_path):

@@ -167,3 +167,63 @@ def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     ours = run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], cfg, tmp_path)
     assert ours == run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], cfg, tmp_path, harness_model="hf")
     assert 0.0 <= ours["gen_test"]["exact_match"] <= 1.0
+
+
+def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_items_and_random(
+        tmp_path, tiny_hf_model):
+    """`evaluate`'s build on a real suite and model: items done per task and an ETA while lm-eval
+    runs, 100% at the end; per task its headline metric ± stderr, items and random baseline;
+    lm-eval's own results file beside the scores, readable by lm-eval's own table printer."""
+    from lm_eval.utils import make_table
+
+    from tasks.evaluate import build_eval
+
+    sources = [_corpus(tmp_path, "prose", "builtin:prose", "web", 60),
+               _corpus(tmp_path, "math", "builtin:math", "math", 300)]
+    cfg = EvalConfig(items_per_task=12, passkey_lengths=(30,), passkey_items=3, batch_size=4, device="cpu")
+    suite_meta = build_suite(cfg, sources, sources, tmp_path / "suite", log=lambda _: None)
+    suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta=suite_meta)
+    model = Artifact(kind="hf_model", uri=str(tiny_hf_model.parent), fingerprint="m" * 64,
+                     meta={"stage": "stage1", "model_dir": str(tiny_hf_model)})
+    tasks = stage_tasks(cfg, suite, long_context=True)
+    lines, percents = [], []
+    out = tmp_path / "eval"
+    out.mkdir()
+    meta = build_eval(cfg, model, suite, out, tasks, log=lines.append, progress=percents.append)
+
+    counts = suite_meta["tasks"]
+    assert meta["items"] == {t: counts[t] for t in tasks}
+    progress = [line for line in lines if line.startswith("lm-eval: ")]
+    assert progress and percents and percents[-1] == 100.0 and percents == sorted(percents)
+    total = sum(counts[t] for t in tasks)
+    assert progress[-1].startswith(f"lm-eval: {total}/{total} items (100%)")
+    assert all(f"{t} {counts[t]}/{counts[t]}" in progress[-1] for t in tasks)
+    assert all(" | ETA " in line for line in progress[:-1]) and " | took " in progress[-1]
+    # Random baseline: the mean of 1 / choices over the items (arithmetic items may have fewer).
+    for task in tasks:
+        rows = [json.loads(x) for x in (tmp_path / "suite" / "tasks" / f"{task}.jsonl").read_text().splitlines()]
+        assert meta["random_baseline"][task] == pytest.approx(sum(1 / len(r["choices"]) for r in rows) / len(rows))
+    table = (out / "scores.md").read_text()
+    assert "| prose_cloze | acc_norm |" in table and "| arithmetic_cloze | acc |" in table
+    assert f"| passkey_30 | acc | {meta['scores']['passkey_30']['acc']:.3f} | " in table
+    saved = json.loads((out / "lm_eval_results.json").read_text())
+    assert set(saved["results"]) == set(tasks)
+    assert all(t in make_table(saved) for t in tasks)
+
+
+def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
+    """Generation requests (lm-eval's own `generate_until`) are counted as they are answered."""
+    from tasks.eval_lm import EvalProgress
+    from tasks.evaluate import arithmetic_generation_items, generation_task_yaml
+
+    docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(6)]
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 6)))
+    (task_dir / "g.yaml").write_text(generation_task_yaml("gen_test", task_dir / "g.jsonl", 4))
+    lines: list[str] = []
+    meter = EvalProgress(lines.append, every_pct=50)  # nothing expected: counted as announced
+    run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], EvalConfig(batch_size=2, device="cpu"), tmp_path,
+                progress=meter)
+    assert [line.split(" |")[0] for line in lines] == ["lm-eval: 3/6 items (50%)", "lm-eval: 6/6 items (100%)"]
+    assert meter.done == {"gen_test": 6}

@@ -93,9 +93,12 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
         assert states.get(name) == "completed", (name, states)
 
     table = eval_table(lineage, run_id)
-    assert "arithmetic_exact" in table and "(exact_match)" in table
-    rows = {line.split()[0] for line in table.splitlines()[2:]}
+    head, models, _note = table.split("\n\n")
+    tasks, metrics = head.splitlines()[0].split(), head.splitlines()[1].split()
+    assert tasks[-1] == "arithmetic_exact" and metrics[-1] == "exact_match", table
+    rows = {line.split()[0] for line in models.splitlines()}
     assert rows == {"base", "sft", "apo", "apo-s1", "soup", "merge", "grpo"}, table
+    assert all("±" in line for line in models.splitlines()), table
 
     by_key = {f"{s['step']}[{s['label']}]": s["fingerprint"] for s in steps}
     soup = lineage.get(by_key["merge[soup]"])

@@ -89,10 +89,13 @@ def world(tmp_path_factory):
     corpora = make_corpora(root / "corpora")
     base = make_tiny_model(root, corpus_texts(corpora))
     data_meta = build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    sft_log: list[str] = []
+    sft_progress: list[float] = []
     sft_meta = train_sft(SFTSection(max_steps=3, batch=4, max_length=128), base,
-                         root / "data", root / "sft", device="cpu", log=lambda _: None)
+                         root / "data", root / "sft", device="cpu", log=sft_log.append,
+                         progress=sft_progress.append)
     return {"root": root, "corpora": corpora, "base": base, "data": root / "data",
-            "data_meta": data_meta, "sft": sft_meta}
+            "data_meta": data_meta, "sft": sft_meta, "sft_log": sft_log, "sft_progress": sft_progress}
 
 
 # --- data and verifier ------------------------------------------------------------------------
@@ -160,6 +163,21 @@ def test_sft_trains_on_assistant_tokens_only(world):
     assert tok.decode(masked) == conv[1]["content"] + "<|im_end|>"
     gen = json.loads((folder / "generation_config.json").read_text())
     assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_post_training_logs_step_loss_lr_and_eta_and_reports_progress(world):
+    """The TRL callback's lines in the step's log: the steps to come, then per logged step
+    step/total, loss, LR and ETA; the progress percentage reaches 100 with the last step."""
+    import re
+
+    lines = world["sft_log"]
+    assert lines[0] == "training 3 steps"
+    steps = [line for line in lines if line.startswith("step ") and " | loss " in line]
+    assert [line.split(" |")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert any(line.startswith("step 3/3 | eval_loss ") for line in lines)  # held-out loss after training
+    assert all(re.fullmatch(r"step \d/3 \| loss [\d.e-]+ \| lr \S+ \| ETA \S+", line) for line in steps), steps
+    assert steps[-1].endswith("ETA 0s")
+    assert world["sft_progress"] == pytest.approx([100 / 3, 200 / 3, 100.0])
 
 
 # --- preference -------------------------------------------------------------------------------

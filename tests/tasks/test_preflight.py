@@ -56,6 +56,37 @@ def test_passing_preflight_writes_its_report(tmp_path):
     assert "| vocab | pass |" in (art.path / "preflight.md").read_text()
 
 
+def test_preflight_stores_this_hosts_calibration_and_stages_find_the_newest(tmp_path):
+    """cpu_matmul's figure becomes the host's MFU calibration (fp32, at the preflight's threads);
+    `host_calibration` finds it for this host and device only, in finished preflights only."""
+    import os
+    import socket
+    import time
+
+    import torch
+
+    ws = Workspace.at(tmp_path / "ws")
+    facts = dataclasses.replace(GOOD, workspace=ws.root)
+    art = build(ws, config(), facts).artifact
+    [cal] = art.meta["calibration"]
+    assert cal["host"] == socket.gethostname() and (cal["device"], cal["dtype"]) == ("cpu", "float32")
+    assert cal["flops"] == pytest.approx(art.meta["cpu_gflops"] * 1e9) and cal["threads"] == torch.get_num_threads()
+    assert cal["source"].startswith(f"preflight {art.path.name} on {cal['host']}: cpu_matmul fp32 64^2, best burst")
+    assert json.loads((art.path / "preflight.json").read_text())["calibration"] == [cal]
+
+    found = tp.host_calibration(ws.path, "cpu")
+    assert found is not None and found.model_dump() == cal
+    assert tp.host_calibration(ws.path, "cuda") is None  # no GPU measured here
+    assert tp.host_calibration(ws.path, "cpu", host="another-node") is None
+    # A newer preflight (another recipe, same host) wins; an unfinished one does not count.
+    newer = build(ws, PreflightConfig(checks=FAST, cpu_matmul_size=32, cpu_matmul_seconds=0.05), facts).artifact
+    future = time.time() + 10
+    os.utime(newer.path / "preflight.json", (future, future))
+    assert tp.host_calibration(ws.path, "cpu").source.startswith(f"preflight {newer.path.name}")
+    (newer.path / "_COMPLETE.json").unlink()
+    assert tp.host_calibration(ws.path, "cpu").source.startswith(f"preflight {art.path.name}")
+
+
 def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_path):
     ws = Workspace.at(tmp_path / "ws")
     bad = PreflightFacts(nproc_per_node=2, global_batch=7, micro_batch=2, seq_len=256,

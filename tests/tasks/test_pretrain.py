@@ -121,3 +121,49 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
 def _keys(client) -> list[str]:
     resp = client.list_objects_v2(Bucket="ckpts")
     return [o["Key"] for o in resp.get("Contents", [])]
+
+
+def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_preflight(tmp_path):
+    """A stage in a workspace where preflight calibrated this host: the trainer's step lines
+    reach the step's log through the launcher, and MFU (below 1) names the calibration it used,
+    in the metrics, the stage meta and its summary."""
+    import socket
+
+    import torch
+
+    from infra.artifact import MARKER, Artifact
+    from infra.preflight.compute import cpu_matmul_gflops
+    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
+    from tasks.pretrain import StageRun, build_stage
+    from tests.model.conftest import write_two_source_plan
+
+    ws = tmp_path / "ws"
+    calibrated = ws / "preflight" / "0123456789ab"
+    calibrated.mkdir(parents=True)
+    source = "preflight 0123456789ab on this host: cpu_matmul fp32 1024^2, best burst, 1 thread"
+    torch.set_num_threads(1)
+    (calibrated / "preflight.json").write_text(json.dumps({"calibration": [{
+        "host": socket.gethostname(), "device": "cpu", "dtype": "float32",
+        "flops": cpu_matmul_gflops(1024, 1.0) * 1e9, "threads": 1, "source": source}]}))
+    (calibrated / MARKER).write_text("{}")
+
+    plan = write_two_source_plan(tmp_path / "plan")
+    spec = TrainSpec(
+        stage="stage1", steps=3, global_batch=8, micro_batch=8, checkpoint_interval=10, num_threads=1,
+        device="cpu", model_preset="tiny", model_overrides={"hidden_size": 64, "intermediate_size": 128,
+                                                              "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                                                              "max_seq_len": 64},
+        optimizer=OptimizerSpec(lr=1e-3), schedule=ScheduleSpec(kind="wsd", total_steps=3, start_step=0),
+    )
+    mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
+    out = ws / "pretrain" / "abcdef123456"
+    out.mkdir(parents=True)
+    lines: list[str] = []
+    meta = build_stage(StageRun(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
+
+    assert [line.split(" |")[0] for line in lines if " step " in line and "/3 |" in line] == [
+        "stage1 step 1/3", "stage1 step 2/3", "stage1 step 3/3"]
+    assert any(line.startswith("stage1 done: 3 steps in ") for line in lines)
+    assert json.loads((out / "spec.json").read_text())["peak_calibration"]["source"] == source
+    assert meta["mfu_peak_source"] == source and 0 < meta["mfu"] < 1
+    assert f"({source})" in (out / "summary.md").read_text()

@@ -1,0 +1,306 @@
+"""The run-wide views: one loss curve over every stage, one eval table over every model.
+
+The `run_report` step is the last step of the smollm3 graph; its inputs are the run's training
+stages (`stages`, in training order) and evaluations (`evals`), its config their labels. It writes
+into its folder:
+- `loss.png`: loss against the optimizer step of the whole run (top axis: tokens), the learning
+  rate drawn on a second axis (the one WSD schedule across the pretraining stages, the fresh
+  schedules of context extension), stage boundaries marked and named;
+- `stages.md`: per stage its steps, tokens, final loss, throughput and MFU with the peak's source;
+- `evals.md` / `evals.json`: one row per evaluated model (stages, then post-trained models), one
+  column per task, each cell the task's headline metric ± stderr (tasks/evaluate.py), the column
+  head naming the metric, the random baseline and the items scored (a cell whose items or
+  baseline differ says so).
+It publishes them as two Prefect markdown artifacts with stable keys, `<label>-loss-curve` and
+`<label>-evals` (label "smollm3": `smollm3-loss-curve`, `smollm3-evals`), and it is cached and
+lineage-tracked like every step. `smollm3 summary` and `smollm3 report` (flows/report.py) print
+the same table from the same functions over the run's artifacts in lineage.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from infra.artifact import Artifact, Inputs
+from tasks.evaluate import GENERATION_TASK, headline_metric, items_scored
+from tasks.pretrain import read_metrics
+from tasks.step import many, step
+
+
+class RunReportSpec(BaseModel):
+    """The labels of the report's inputs, in input order (what its rows are called)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stages: tuple[str, ...] = ()  # labels of the `stages` inputs (training order)
+    evals: tuple[str, ...] = ()  # labels of the `evals` inputs (stages, then post-trained models)
+
+    @model_validator(mode="after")
+    def _unique(self) -> RunReportSpec:
+        for name, labels in (("stages", self.stages), ("evals", self.evals)):
+            if len(set(labels)) != len(labels):
+                raise ValueError(f"run report {name} labels repeat: {list(labels)}")
+        return self
+
+
+# --- the eval table ---------------------------------------------------------------------------
+
+
+def eval_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
+    """One row per (model, task): the headline metric, score, stderr, items, random baseline.
+
+    Evaluations made before `items` and `random_baseline` were recorded read the items from
+    lm-eval's results file and take 1 / choices (the suite's) as the multiple-choice baseline."""
+    rows = []
+    for label, art in labelled:
+        meta = art.meta
+        items = meta.get("items") or _items(art)
+        random = meta.get("random_baseline") or {}
+        for task, metrics in meta.get("scores", {}).items():
+            metric = headline_metric(task, metrics)
+            if metric is None:
+                continue
+            base = random.get(task)
+            if base is None and task not in random:
+                base = 0.0 if metric == "exact_match" else meta.get("random_accuracy")
+            rows.append({"model": label, "task": task, "metric": metric, "score": metrics[metric],
+                         "stderr": metrics.get(f"{metric}_stderr"), "items": items.get(task),
+                         "random": base})
+    return rows
+
+
+def _items(art: Artifact) -> dict[str, int]:
+    try:
+        return items_scored(art.path / "lm_eval_results.json")
+    except ValueError:  # an artifact only on S3
+        return {}
+
+
+def _task_order(task: str) -> tuple:
+    """Columns: cloze tasks, passkeys by length, generation, then other (hub) tasks."""
+    if task.endswith("_cloze"):
+        return (0, task)
+    if task.startswith("passkey_") and task[8:].isdigit():
+        return (1, int(task[8:]))
+    return (2, "") if task == GENERATION_TASK else (3, task)
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task (in `_task_order`): its metric and the usual items and baseline."""
+    tasks = sorted({r["task"] for r in rows}, key=_task_order)
+    out = []
+    for task in tasks:
+        mine = [r for r in rows if r["task"] == task]
+        items = Counter(r["items"] for r in mine).most_common(1)[0][0]
+        random = next((r["random"] for r in mine if r["items"] == items), mine[0]["random"])
+        out.append({"task": task, "metric": mine[0]["metric"], "items": items, "random": random})
+    return out
+
+
+def _cell(row: dict[str, Any] | None, column: dict[str, Any]) -> str:
+    if row is None:
+        return "-"
+    text = f"{row['score']:.3f}" + (f"±{row['stderr']:.3f}" if row["stderr"] is not None else "")
+    notes = []
+    if row["items"] != column["items"]:
+        notes.append(f"n={row['items'] if row['items'] is not None else '?'}")
+    if row["random"] is not None and (column["random"] is None or abs(row["random"] - column["random"]) > 0.005):
+        notes.append(f"random {row['random']:.3f}")
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _matrix(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of the table: three head rows (metric, random, items), then the models."""
+    columns = _columns(rows)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    at = {(r["model"], r["task"]): r for r in rows}
+    header = ["model", *(c["task"] for c in columns)]
+
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    body = [
+        ["metric", *(c["metric"] for c in columns)],
+        ["random", *(fmt(c["random"]) for c in columns)],
+        ["items", *(fmt(c["items"]) for c in columns)],
+        *([m, *(_cell(at.get((m, c["task"])), c) for c in columns)] for m in models),
+    ]
+    return header, body
+
+
+def eval_table_text(rows: list[dict[str, Any]]) -> str:
+    """The eval table as aligned text (the CLI's)."""
+    if not rows:
+        return "no evaluations in this run"
+    header, body = _matrix(rows)
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
+             for line in [header, *body]]
+    lines.insert(4, "")  # between the column heads and the models
+    return "\n".join(line.rstrip() for line in lines) + (
+        "\n\nscore ± stderr of each task's metric; a model is ahead of another, or of random, only "
+        "by more than about two stderr")
+
+
+def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
+    """The eval table as markdown (the UI's and the report file's)."""
+    if not rows:
+        return "No evaluations in this run."
+    header, body = _matrix(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, line in enumerate(body):
+        cells = [f"*{c}*" for c in line] if i < 3 else line
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        "\n\nScore ± stderr of each task's metric (acc_norm: length-normalised accuracy; "
+        f"{GENERATION_TASK}: exact match of the final answer). A difference smaller than about two "
+        "stderr, to another model or to the random baseline, is noise.")
+
+
+# --- the run's loss curve ---------------------------------------------------------------------
+
+
+def stage_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
+    """Per stage in training order: where it sits in the run (first step and token), its size
+    and metrics rows. Steps and tokens come from the stage's own spec.json."""
+    out, step0, token0 = [], 0, 0
+    for label, art in labelled:
+        spec = json.loads((art.path / "spec.json").read_text(encoding="utf-8"))
+        steps = int(spec["steps"])
+        per_step = int(spec["global_batch"]) * int(spec.get("seq_len") or art.meta.get("seq_len") or 0)
+        out.append({"label": label, "kind": art.meta.get("kind"), "first_step": step0, "steps": steps,
+                    "first_token": token0, "tokens": steps * per_step, "tokens_per_step": per_step,
+                    "metrics": read_metrics(art.path / "metrics.jsonl"), "meta": art.meta,
+                    "folder": art.path})
+        step0, token0 = step0 + steps, token0 + steps * per_step
+    return out
+
+
+def run_series(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage, its metrics on the run's axis: x = the optimizer step of the whole run."""
+    return [{"label": st["label"], "x": [st["first_step"] + r["step"] for r in st["metrics"]],
+             "loss": [r["loss"] for r in st["metrics"]], "lr": [r["lr"] for r in st["metrics"]]}
+            for st in stages]
+
+
+def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss over the run") -> Path:
+    """Loss and learning rate against the run's optimizer step, stage boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
+    lr_ax = ax.twinx()
+    total = sum(st["steps"] for st in stages) or 1
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (st, series) in enumerate(zip(stages, run_series(stages), strict=True)):
+        x = series["x"]
+        ax.plot(x, series["loss"], lw=1.4, color=colors[i % len(colors)], label=st["label"])
+        lr_ax.plot(x, series["lr"], lw=0.9, ls="--", color="tab:gray")
+        if i:
+            ax.axvline(st["first_step"], color="black", lw=0.6, alpha=0.4)
+        ax.annotate(st["label"], (st["first_step"] + st["steps"] / 2, 0.98), xycoords=("data", "axes fraction"),
+                    ha="center", va="top", fontsize=8, rotation=90 if st["steps"] < total / 12 else 0)
+    ax.set_xlabel("optimizer step (whole run)")
+    ax.set_ylabel("training loss")
+    lr_ax.set_ylabel("learning rate (dashed)", color="tab:gray")
+    ax.grid(alpha=0.3)
+    if stages:
+        last = stages[-1]
+        ax.set_xlim(0, last["first_step"] + last["steps"])
+        # Tokens on top: piecewise linear in steps (tokens per step change with sequence length).
+        steps = [0, *(s["first_step"] + s["steps"] for s in stages)]
+        tokens = [0, *(s["first_token"] + s["tokens"] for s in stages)]
+        top = ax.secondary_xaxis(
+            "top", functions=(lambda s: np.interp(s, steps, tokens), lambda t: np.interp(t, tokens, steps)))
+        top.set_xlabel("tokens", fontsize=8)
+        top.xaxis.set_major_formatter(EngFormatter(sep=""))
+        top.xaxis.set_major_locator(MaxNLocator(6))
+        top.tick_params(labelsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def stages_markdown(stages: list[dict[str, Any]]) -> str:
+    lines = ["| stage | kind | steps (run) | tokens | final loss | tokens/s | MFU (peak) |",
+             "|---|---|---|---|---|---|---|"]
+    for st in stages:
+        m = st["meta"]
+        mfu = m.get("mfu")
+        peak = m.get("mfu_peak_source")
+        mfu_text = "n/a" if mfu is None else f"{mfu:.1%}" + (" **(> 100%: wrong peak)**" if mfu > 1 else "")
+        if peak:
+            mfu_text += f" ({peak})"
+        loss = m.get("final_loss")
+        speed = m.get("tokens_per_s")
+        lines.append(
+            f"| {st['label']} | {st['kind'] or '-'} | {st['first_step'] + 1}-{st['first_step'] + st['steps']} | "
+            f"{st['tokens']:,} | {'-' if loss is None else f'{loss:.4f}'} | "
+            f"{'-' if speed is None else f'{speed:,.0f}'} | {mfu_text} |")
+    return "\n".join(lines)
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+def _labelled(labels: Sequence[str], arts: Sequence[Artifact], name: str) -> list[tuple[str, Artifact]]:
+    if len(labels) != len(arts):
+        raise ValueError(f"run report: {len(arts)} `{name}` inputs but {len(labels)} labels in "
+                         f"config.{name} ({list(labels)}); the graph must give one label per input")
+    return list(zip(labels, arts, strict=True))
+
+
+def build_run_report(config: RunReportSpec, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
+    stages = stage_rows(_labelled(config.stages, many(inputs, "stages"), "stages"))
+    rows = eval_rows(_labelled(config.evals, many(inputs, "evals"), "evals"))
+    if stages:
+        plot_run_loss(stages, out / "loss.png")
+    (out / "stages.md").write_text(stages_markdown(stages) + "\n", encoding="utf-8")
+    (out / "evals.md").write_text(eval_table_markdown(rows) + "\n", encoding="utf-8")
+    (out / "evals.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    log("eval scores of the run\n" + eval_table_text(rows))
+    steps = sum(s["steps"] for s in stages)
+    tokens = sum(s["tokens"] for s in stages)
+    final = next((s["metrics"][-1]["loss"] for s in reversed(stages) if s["metrics"]), None)
+    return {"stages": list(config.stages), "models": list(dict.fromkeys(r["model"] for r in rows)),
+            "steps": steps, "tokens": tokens, "final_loss": final}
+
+
+def publish_run_report(artifact: Artifact, ws, label: str) -> None:
+    """The loss curve (with the stage table) and the eval table as Prefect markdown artifacts
+    with stable keys: `<label>-loss-curve`, `<label>-evals`."""
+    from prefect.artifacts import create_markdown_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")
+    folder = artifact.path
+    meta = artifact.meta
+    markdown = [f"# Loss over the run: {meta['steps']:,} steps, {meta['tokens']:,} tokens", ""]
+    png = folder / "loss.png"
+    if png.exists():
+        markdown.append(f"![loss over the run](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})")
+    markdown += ["", (folder / "stages.md").read_text(encoding="utf-8")]
+    create_markdown_artifact(markdown="\n".join(markdown), key=f"{key}-loss-curve",
+                             description="Loss and learning rate over every stage of the run")
+    create_markdown_artifact(markdown="# Eval scores\n\n" + (folder / "evals.md").read_text(encoding="utf-8"),
+                             key=f"{key}-evals", description="Every model of the run on every task")
+
+
+@step("run_report", version=1, kind="report", publish=publish_run_report)
+def run_report(config: RunReportSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """The run's loss curve and eval table (inputs: `stages`, the trained stages in order;
+    `evals`, the evaluations), labelled by the config."""
+    return build_run_report(config, inputs, out, log)

@@ -1,0 +1,145 @@
+"""The run-wide views (tasks/run_report.py): one loss curve over the stages of a run on the
+run's step axis, one eval table over every evaluated model, and the step that publishes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.artifact import Artifact
+from tasks.run_report import (
+    RunReportSpec,
+    build_run_report,
+    eval_rows,
+    eval_table_markdown,
+    eval_table_text,
+    run_series,
+    stage_rows,
+)
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "max_seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    """Two real stages of one WSD schedule (3 + 3 steps, the decay in the second), trained by the
+    pretrain step's build: stage 2 continues stage 1's checkpoint and schedule."""
+    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
+    from tasks.pretrain import StageRun, build_stage
+    from tests.model.conftest import write_two_source_plan
+
+    root = tmp_path_factory.mktemp("stages")
+    plan = write_two_source_plan(root / "plan")
+    mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
+    out, previous = [], None
+    for i, name in enumerate(("stage1", "stage2")):
+        spec = TrainSpec(stage=name, steps=3, global_batch=8, micro_batch=8, seq_len=32, num_threads=1,
+                         device="cpu", model_overrides=TINY, optimizer=OptimizerSpec(lr=1e-3),
+                         schedule=ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6,
+                                               start_step=3 * i))
+        folder = root / "pretrain" / name
+        folder.mkdir(parents=True)
+        inputs = {"mixture": mixture, **({"init": previous} if previous else {})}
+        meta = build_stage(StageRun(spec=spec, threads=1), inputs, folder, log=lambda _: None)
+        previous = Artifact(kind="checkpoint", uri=str(folder), fingerprint=name * 10, meta=meta)
+        out.append((name, previous))
+    return out
+
+
+def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, tmp_path):
+    from model.schedule import lr_at
+    from model.spec import ScheduleSpec
+
+    stages = stage_rows(two_stages)
+    assert [(s["label"], s["first_step"], s["steps"], s["first_token"], s["tokens"]) for s in stages] == [
+        ("stage1", 0, 3, 0, 3 * 8 * 32), ("stage2", 3, 3, 3 * 8 * 32, 3 * 8 * 32)]
+    series = run_series(stages)
+    assert [s["x"] for s in series] == [[1, 2, 3], [4, 5, 6]]  # one axis, no restart at stage 2
+    schedule = ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6)
+    lrs = [lr for s in series for lr in s["lr"]]
+    assert lrs == pytest.approx([lr_at(x - 1, 1e-3, schedule, 6) for x in range(1, 7)])
+    assert lrs[-1] < lrs[2]  # the decay is in stage 2
+
+    inputs = {"stages": tuple(a for _, a in two_stages), "evals": ()}
+    out = tmp_path / "report"
+    out.mkdir()
+    meta = build_run_report(RunReportSpec(stages=("stage1", "stage2")), inputs, out, log=lambda _: None)
+    assert meta["steps"] == 6 and meta["tokens"] == 6 * 8 * 32
+    assert meta["final_loss"] == two_stages[-1][1].meta["final_loss"]
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+    table = (out / "stages.md").read_text()
+    assert "| stage2 | pretrain | 4-6 | 768 |" in table
+    assert "MFU" in table and "(none: no datasheet peak for cpu float32" in table  # no peak here: said so
+    with pytest.raises(ValueError, match="2 `stages` inputs but 1 labels in config.stages"):
+        build_run_report(RunReportSpec(stages=("stage1",)), inputs, out)
+
+
+def _eval(root: Path, name: str, scores: dict, **meta) -> Artifact:
+    folder = root / "evaluate" / name
+    folder.mkdir(parents=True)
+    results = meta.pop("results", None)
+    if results:
+        (folder / "lm_eval_results.json").write_text(json.dumps(results))
+    return Artifact(kind="eval", uri=str(folder), fingerprint=name * 8,
+                    meta={"stage": name, "scores": scores, "random_accuracy": 0.25, **meta})
+
+
+def _evals(root: Path) -> list[tuple[str, Artifact]]:
+    cloze = {"prose_cloze": {"acc": 0.29, "acc_stderr": 0.045, "acc_norm": 0.31, "acc_norm_stderr": 0.046},
+             "arithmetic_cloze": {"acc": 0.41, "acc_stderr": 0.049, "acc_norm": 0.2, "acc_norm_stderr": 0.04}}
+    return [
+        ("stage1", _eval(root, "stage1", cloze, items={"prose_cloze": 100, "arithmetic_cloze": 100},
+                         random_baseline={"prose_cloze": 0.25, "arithmetic_cloze": 0.2525})),
+        # Recorded before items and baselines were: items from lm-eval's file, 1 / choices.
+        ("stage2", _eval(root, "stage2", cloze, results={"n-samples": {
+            "prose_cloze": {"original": 100, "effective": 100},
+            "arithmetic_cloze": {"original": 100, "effective": 100}}})),
+        ("sft", _eval(root, "sft", {"prose_cloze": {"acc": 0.35, "acc_stderr": 0.11, "acc_norm": 0.4,
+                                                    "acc_norm_stderr": 0.112},
+                                    "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.043}},
+                      items={"prose_cloze": 20, "arithmetic_exact": 50},
+                      random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0})),
+    ]
+
+
+def test_eval_table_one_metric_per_task_with_stderr_random_and_items(tmp_path):
+    rows = eval_rows(_evals(tmp_path))
+    text = eval_table_text(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact"]
+    assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match"]
+    assert lines[2].split() == ["random", "0.253", "0.250", "0.000"]
+    assert lines[3].split() == ["items", "100", "100", "50"]
+    assert lines[5].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-"]
+    assert lines[6].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-"]  # same items, 1/choices
+    # 20 items: the cell says so; its stderr says 0.40 is within noise of 0.31.
+    assert lines[7].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043"]
+    assert "two stderr" in text
+    markdown = eval_table_markdown(rows)
+    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |" in markdown
+    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in markdown
+    assert eval_table_text([]) == "no evaluations in this run"
+
+
+def test_run_report_step_publishes_two_artifacts_under_stable_keys(two_stages, tmp_path, prefect_harness):
+    from prefect import flow
+    from prefect.artifacts import Artifact as PrefectArtifact
+
+    from tasks.run_report import publish_run_report, run_report
+
+    evals = _evals(tmp_path)
+    config = RunReportSpec(stages=("stage1", "stage2"), evals=tuple(label for label, _ in evals))
+    inputs = {"stages": tuple(a for _, a in two_stages), "evals": tuple(a for _, a in evals)}
+    out = tmp_path / "run_report"
+    out.mkdir()
+    lines: list[str] = []
+    meta = run_report.run(config, inputs, out, log=lines.append)
+    assert meta["models"] == ["stage1", "stage2", "sft"] and "0.400±0.112 (n=20)" in lines[0]
+    assert json.loads((out / "evals.json").read_text()) == eval_rows(evals)
+    flow(publish_run_report)(Artifact(kind="report", uri=str(out), fingerprint="r" * 64, meta=meta), None, "smollm3")
+    curve = PrefectArtifact.get("smollm3-loss-curve")
+    assert "data:image/png;base64," in curve.data and "| stage1 | pretrain | 1-3 |" in curve.data
+    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in PrefectArtifact.get("smollm3-evals").data
