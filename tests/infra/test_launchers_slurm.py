@@ -95,7 +95,7 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
     script = (tmp_path / "slurm" / "launch" / "train.sbatch").read_text()
     assert "accelerate launch --config_file configs/accelerate/cpu-ddp.yaml" in script
     text = "\n".join(lines)
-    assert "[launch] submitted Slurm job" in text and "step 3/3: loss=" in text  # the trainer's log
+    assert "[launch] submitted Slurm job" in text and "step 3/3 | loss " in text  # the trainer's log
     curves = {name: [(json.loads(line)["step"], json.loads(line)["loss"])
                      for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                      if "loss" in json.loads(line)] for name in runs}
