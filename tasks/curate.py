@@ -2,8 +2,8 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
-    filter   read train shards (counting unreadable lines) -> held-out decontamination
-             -> [language] -> preset filters -> write `filtered/` -> exact-dedup signatures
+    filter   read train shards (counting unreadable lines) -> [language] -> preset filters
+             -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
     unique   read `filtered/` -> drop exact duplicates -> write `unique/` -> MinHash signatures
     buckets  MinHash buckets;   cluster  MinHash clusters
@@ -12,7 +12,8 @@ Stages (each a datatrove executor run whose logs and `stats.json` stay in the st
 
 Design choices:
 - Held-out is held out. The source splits by document id, before any dedup, so copies of a
-  held-out document can sit in train. Before the filters, every training document is matched
+  held-out document can sit in train. After the filters (so on the text as it will be trained
+  on: the `docs` preset rewrites documents to their prose), every training document is matched
   against an index of the held-out documents (this source's, plus those of the `others` corpora
   given): the same text, or a word n-gram overlap with one held-out document at or above
   `decontamination.threshold`, removes the training copy (`heldout_decont:exact`,
@@ -335,10 +336,11 @@ def plan_stages(
     final = str(out / "train")
     filtered = final if not (config.exact_dedup or config.minhash) else str(work / "filtered")
     stages: list[tuple[str, list, int]] = []
-    first: list = [read]
+    # Decontamination judges the text that will be trained on: after the filters, one of which
+    # (documentation prose) rewrites the text and can turn a partial copy into a near duplicate.
+    first: list = [read, *quality_filters(config, preset)]
     if index is not None:
         first.append(HeldoutDecontFilter(str(index), decont.threshold, decont.min_ngrams))
-    first += quality_filters(config, preset)
     first.append(JsonlWriter(filtered, output_filename="${rank}.jsonl.gz"))
     if config.exact_dedup:
         first.append(ExactDedupSignature(str(work / "exact_sigs"), config=exact_cfg))
@@ -690,7 +692,7 @@ def publish_curated(artifact: Artifact, ws, label: str) -> None:
     )
 
 
-@step("curate", version=3, kind="corpus", publish=publish_curated, resource="data", isolate=True,
+@step("curate", version=4, kind="corpus", publish=publish_curated, resource="data", isolate=True,
       retries=1)
 def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One source's corpus (input `corpus`) to a curated corpus, its train split decontaminated

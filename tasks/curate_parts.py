@@ -306,6 +306,11 @@ def _unwrap(block: str) -> str:
     return "\n".join(out)
 
 
+# Metadata key: the hash of a document's text before a filter rewrote it (read and removed by
+# the held-out decontamination that runs after the filters).
+REWRITTEN_FROM = "rewritten_from_hash"
+
+
 class DocumentationProseFilter(BaseFilter):
     """Keeps the prose of documentation (see `prose_text`); a document with none is dropped.
 
@@ -319,6 +324,8 @@ class DocumentationProseFilter(BaseFilter):
         text = prose_text(doc.text)
         if not text:
             return False, "no_prose"
+        if text != doc.text:  # decontamination still recognises a verbatim copy as written
+            doc.metadata.setdefault(REWRITTEN_FROM, text_hash(doc.text))
         doc.text = text
         return True
 
@@ -396,6 +403,11 @@ class HeldoutIndex:
         with np.load(path) as z:
             return cls(head["ngram"], head["ids"], z["exact"], z["grams"], z["owners"], z["sizes"])
 
+    def has_text_hash(self, h: int) -> bool:
+        """Whether a held-out document's text has hash `h` (`text_hash`)."""
+        i = np.searchsorted(self.exact, np.uint64(h))
+        return bool(i < len(self.exact) and self.exact[i] == np.uint64(h))
+
     def match(self, text: str, min_ngrams: int) -> tuple[str | None, float, str | None]:
         """(reason, overlap, held-out id) of the held-out document `text` copies most.
 
@@ -447,8 +459,9 @@ class HeldoutDecontFilter(BaseFilter):
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
         if self._index is None:
             self._index = HeldoutIndex.load(Path(self.index_path))
+        written = doc.metadata.pop(REWRITTEN_FROM, None)  # the hash of the text as the source wrote it
         reason, overlap, heldout_id = self._index.match(doc.text, self.min_ngrams)
-        if reason == "exact":
+        if reason == "exact" or (written is not None and self._index.has_text_hash(written)):
             return False, "exact"
         if overlap >= self.threshold:
             doc.metadata["heldout_overlap"] = round(overlap, 4)

@@ -210,6 +210,35 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     assert meta["decontaminated_against"] == ["mine", "other"]
 
 
+def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(tmp_path):
+    """The `docs` preset keeps a document's prose and drops its code. A README whose prose is a
+    held-out README's, with other code around it, shares under a third of its n-grams as written
+    but all of them as trained: it must leave train. A verbatim copy stays an exact match though
+    the preset rewrote it."""
+
+    def code(offset: int) -> str:
+        return "```python\n" + "\n".join(f"value_{i} = compute_{i}(x_{i}, y_{i})" for i in range(offset, offset + 150)) + "\n```"
+
+    prose = "\n\n".join(PARAGRAPHS[:2])
+    other = PARAGRAPHS[2] + (" The market opens early on Saturdays, and the farmers arrive before dawn."
+                             " Most of them sell vegetables from their own fields and eggs from their hens."
+                             " Visitors come from the nearby towns to buy fresh bread and cheese.")
+    held = ("readme-a", f"# Alpha\n\n{prose}\n\n{code(0)}\n")
+    fork = f"# Alpha2\n\n{prose}\n\n{code(1000)}\n"  # the same prose, other code
+    grams = [set(word_ngrams(t, 8).tolist()) for t in (held[1], fork)]
+    assert len(grams[0] & grams[1]) / min(map(len, grams)) < 0.35  # as written: far below 0.5
+    art = corpus(tmp_path / "src", [("fork", fork), ("copy", held[1]), ("other", other)],
+                 heldout=[held], source="docs")
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = build_curated(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out, log=lambda _: None)
+    assert meta["removed"].get("heldout_decont:overlap") == 1, meta["removed"]
+    assert meta["removed"].get("heldout_decont:exact") == 1, meta["removed"]
+    assert not {"fork", "copy"} & set(_ids(out / "train"))
+    for line in gzip.open(out / "train" / "00000.jsonl.gz", "rt"):  # the working hash is gone
+        assert "rewritten_from_hash" not in json.loads(line)["metadata"]
+
+
 def test_heldout_index_overlap_rules():
     rng = random.Random(3)
     held = [("h/long", random_text(rng, 300)), ("h/short", "Copyright the authors. All rights reserved by them here.")]
@@ -257,7 +286,10 @@ def test_filter_names_agree_in_stats_removed_folders_and_meta(tmp_path):
         "The harbour was quiet before dawn. Fishing boats rocked against the pier while the "
         "gulls waited on the posts, and the smell of salt and diesel hung over the water. When "
         "the first engine started, the whole village seemed to wake at once: lights came on in "
-        "the bakery, a dog barked at the milk van, and the ferry sounded its horn for the island."
+        "the bakery, a dog barked at the milk van, and the ferry sounded its horn for the island. "
+        "The fishermen loaded their nets and checked the weather once more. An old man sat on a "
+        "bench by the harbour wall and watched them leave. By the time the sun rose over the hills, "
+        "the boats were far out at sea and the village had settled into its morning routine."
     )
     docs += [("junk", "click here " * 200), ("copy", docs[0][1]), ("heldcopy", held)]
     art = corpus(tmp_path / "in", docs, heldout=[("h", held)])
