@@ -30,6 +30,7 @@ OVERRIDES = [
     "preflight.max_epochs=1000",
     "posttrain=null",
     "resources.train.slots=2",
+    "resources.train.threads=1",  # two trainers side by side on 2 cores
 ]
 VARIANT = "lr_low:training.optimizer.lr=0.0003"
 

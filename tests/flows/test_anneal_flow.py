@@ -61,7 +61,8 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from flows.anneal import anneal
 
     # Two train slots: the anneal runs are independent branches and train side by side.
-    over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2"]
+    over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2",
+            "resources.train.threads=1"]
     result = anneal(overrides=over)
     assert set(result["states"]) == {"completed"}
     lineage = Lineage(base_ws / "lineage.duckdb")
