@@ -542,16 +542,25 @@ def _has_lines(folder: Path) -> bool:
     return False
 
 
-def heldout_documents(corpora: Sequence[Artifact]) -> Iterator[tuple[str, str]]:
-    """(source/id, text) of every held-out document of the corpora, as their sources wrote them."""
+def heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> Iterator[tuple[str, str]]:
+    """(source/id, text) of every held-out document of the corpora, as their sources wrote them
+    and, where the source's preset rewrites text (`docs`: prose only), also as curation keeps it:
+    the eval suite's items come from that form, and rewriting changes the n-grams (links and
+    inline markup unwrapped, code dropped) so that the written form alone misses copies of it."""
+    from tasks.curate_parts import DocumentationProseFilter, prose_text
     from tasks.sources import read_shards
 
     for art in corpora:
         folder = art.path / "heldout"
         if folder.is_dir():
             source = art.meta.get("source", art.short)
+            preset = config.presets.get(source, art.meta.get("domain", "web"))
+            rewrites = any(isinstance(f, DocumentationProseFilter) for f in PRESETS.get(preset)())
             for doc in read_shards(folder):
                 yield f"{source}/{doc['id']}", doc["text"]
+                kept = prose_text(doc["text"]) if rewrites else ""
+                if kept and kept != doc["text"]:
+                    yield f"{source}/{doc['id']}", kept
 
 
 def build_curated(
@@ -582,7 +591,7 @@ def build_curated(
     start = time.monotonic()
     index_path, against = None, [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
     if config.decontamination.enabled:
-        index = HeldoutIndex.build(heldout_documents(against), config.decontamination.ngram)
+        index = HeldoutIndex.build(heldout_documents(against, config), config.decontamination.ngram)
         if len(index):
             (out / "work").mkdir(parents=True, exist_ok=True)
             index_path = out / "work" / "heldout_index.npz"
@@ -692,7 +701,7 @@ def publish_curated(artifact: Artifact, ws, label: str) -> None:
     )
 
 
-@step("curate", version=4, kind="corpus", publish=publish_curated, resource="data", isolate=True,
+@step("curate", version=5, kind="corpus", publish=publish_curated, resource="data", isolate=True,
       retries=1)
 def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One source's corpus (input `corpus`) to a curated corpus, its train split decontaminated

@@ -211,30 +211,50 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
 
 
 def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(tmp_path):
-    """The `docs` preset keeps a document's prose and drops its code. A README whose prose is a
-    held-out README's, with other code around it, shares under a third of its n-grams as written
-    but all of them as trained: it must leave train. A verbatim copy stays an exact match though
-    the preset rewrote it."""
+    """The `docs` preset keeps a document's prose: code dropped, links unwrapped. Copies that only
+    show as trained must leave train (both cases were found in a tiny demo's workspace):
+
+    - a fork's README (the held-out README's prose, other code) shares under a third of its
+      n-grams as written, all of them as trained;
+    - plain prose whose held-out original is full of links: the URLs break most n-grams of the
+      held-out text as written; its form as curation keeps it (indexed too) is the same text;
+    - a verbatim copy stays an exact match though the preset rewrote it.
+    """
 
     def code(offset: int) -> str:
         return "```python\n" + "\n".join(f"value_{i} = compute_{i}(x_{i}, y_{i})" for i in range(offset, offset + 150)) + "\n```"
 
+    def linked(text: str) -> str:  # every fourth word a Markdown link
+        words = text.split(" ")
+        return " ".join(f"[{w}](https://docs.example.org/ref/{k}.html)" if k % 4 == 0 else w for k, w in enumerate(words))
+
     prose = "\n\n".join(PARAGRAPHS[:2])
-    other = PARAGRAPHS[2] + (" The market opens early on Saturdays, and the farmers arrive before dawn."
-                             " Most of them sell vegetables from their own fields and eggs from their hens."
-                             " Visitors come from the nearby towns to buy fresh bread and cheese.")
-    held = ("readme-a", f"# Alpha\n\n{prose}\n\n{code(0)}\n")
+    market = ("The market opens early on Saturdays, and the farmers arrive before dawn. Most of them"
+              " sell vegetables from their own fields and eggs from their hens. Visitors come from the"
+              " nearby towns to buy fresh bread and cheese.")
+    keep = ("The river rose after a week of rain and covered the lower meadow. Children watched the "
+            "water from the bridge while their parents moved the sheep to higher ground. By evening the "
+            "rain had stopped, and the swallows returned to hunt over the flooded grass. The farmer said "
+            "the field would be green again within a month. Nobody in the valley remembered a wetter "
+            "spring than this one.")
+    held = [("readme-a", f"# Alpha\n\n{prose}\n\n{code(0)}\n"), ("guide-b", linked(f"{PARAGRAPHS[2]} {market}"))]
     fork = f"# Alpha2\n\n{prose}\n\n{code(1000)}\n"  # the same prose, other code
-    grams = [set(word_ngrams(t, 8).tolist()) for t in (held[1], fork)]
-    assert len(grams[0] & grams[1]) / min(map(len, grams)) < 0.35  # as written: far below 0.5
-    art = corpus(tmp_path / "src", [("fork", fork), ("copy", held[1]), ("other", other)],
-                 heldout=[held], source="docs")
+    plain = f"{PARAGRAPHS[2]} {market}"
+    for h, t in ((held[0][1], fork), (held[1][1], plain)):
+        grams = [set(word_ngrams(x, 8).tolist()) for x in (h, t)]
+        assert len(grams[0] & grams[1]) / min(map(len, grams)) < 0.35  # as written: far below 0.5
+    train = [("fork", fork), ("copy", held[0][1]), ("plain", plain), ("keep", keep)]
+    art = corpus(tmp_path / "src", train, heldout=held, source="docs")
     out = tmp_path / "out"
     out.mkdir()
     meta = build_curated(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out, log=lambda _: None)
-    assert meta["removed"].get("heldout_decont:overlap") == 1, meta["removed"]
-    assert meta["removed"].get("heldout_decont:exact") == 1, meta["removed"]
-    assert not {"fork", "copy"} & set(_ids(out / "train"))
+    assert meta["removed"] == {"heldout_decont:overlap": 1, "heldout_decont:exact": 2}, meta["removed"]
+    assert _ids(out / "train") == ["keep"]
+    reasons = {}
+    for line in gzip.open(out / "removed" / "heldout_decont" / "00000.jsonl.gz", "rt"):
+        doc = json.loads(line)
+        reasons[doc["id"]] = doc["metadata"]["filter_reason"]
+    assert reasons == {"fork": "overlap", "copy": "exact", "plain": "exact"}
     for line in gzip.open(out / "train" / "00000.jsonl.gz", "rt"):  # the working hash is gone
         assert "rewritten_from_hash" not in json.loads(line)["metadata"]
 
