@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flows.graph import Graph, Node
+from flows.graph import Graph, Node, lazy_flow
 from flows.smollm3 import data
 from infra.artifact import identity
 from tasks.eval_quality import CRITERIA
@@ -227,17 +227,4 @@ def _ablation(
     return result
 
 
-_ablation.__name__ = _ablation.__qualname__ = "ablation"  # the deployment entrypoint: flows/ablation.py:ablation
-
-
-def __getattr__(attr: str):
-    """`ablation`, the Prefect flow, is built on first use: `smollm3 ablate --plan`, the anneal's
-    graph (`add_comparison`) and the graph tests import this module without importing Prefect."""
-    if attr == "ablation":
-        from prefect import flow
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        built = flow(name="ablation", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))(_ablation)
-        globals()[attr] = built
-        return built
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+__getattr__ = lazy_flow("ablation", _ablation, globals())  # the Prefect flow `ablation`, built on first use

@@ -16,7 +16,7 @@ run, or the one given) and pinned, so the main run may keep training and pruning
 from __future__ import annotations
 
 from flows.ablation import add_comparison
-from flows.graph import Given, Graph, Node
+from flows.graph import Given, Graph, Node, lazy_flow
 from flows.params import RecipeParam, step_names
 from infra.lineage import Lineage
 from infra.workspace import Workspace
@@ -106,17 +106,4 @@ def _anneal(
     return run_flow("anneal", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])
 
 
-_anneal.__name__ = _anneal.__qualname__ = "anneal"  # the deployment entrypoint: flows/anneal.py:anneal
-
-
-def __getattr__(attr: str):
-    """`anneal`, the Prefect flow, is built on first use: planning, the CLI and the graph tests
-    import this module without importing Prefect."""
-    if attr == "anneal":
-        from prefect import flow
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        built = flow(name="anneal", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))(_anneal)
-        globals()[attr] = built
-        return built
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+__getattr__ = lazy_flow("anneal", _anneal, globals())  # the Prefect flow `anneal`, built on first use

@@ -8,7 +8,7 @@ tasks/base.py; `graph` is the DAG as a value (the flow runs it, `smollm3 plan` p
 
 from __future__ import annotations
 
-from flows.graph import Given, Graph
+from flows.graph import Given, Graph, lazy_flow
 from flows.params import RecipeParam, step_names
 from infra.lineage import Lineage
 from infra.workspace import Workspace
@@ -75,17 +75,4 @@ def _cpt(
     return run_flow("cpt", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])
 
 
-_cpt.__name__ = _cpt.__qualname__ = "cpt"  # the deployment entrypoint: flows/cpt.py:cpt
-
-
-def __getattr__(attr: str):
-    """`cpt`, the Prefect flow, is built on first use: planning, the CLI and the graph tests
-    import this module without importing Prefect."""
-    if attr == "cpt":
-        from prefect import flow
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        built = flow(name="cpt", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))(_cpt)
-        globals()[attr] = built
-        return built
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+__getattr__ = lazy_flow("cpt", _cpt, globals(), max_workers=64)  # the Prefect flow `cpt`, built on first use

@@ -18,7 +18,7 @@ anneal's token shards, found through lineage): those are inputs but not steps of
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -180,3 +180,23 @@ class Graph:
             before = max((best[p.key] for p in n.parents()), default=(0.0, []), key=lambda b: b[0])
             best[n.key] = (before[0] + seconds.get(n.key, 0.0), [*before[1], n.key])
         return max(best.values(), default=(0.0, []), key=lambda b: b[0])
+
+
+def lazy_flow(name: str, fn: Callable[..., Any], namespace: dict[str, Any], max_workers: int = 256):
+    """A module `__getattr__` that builds the Prefect flow `name` around `fn` on first use and
+    keeps it in `namespace` (the module's globals): planning, the CLI and the graph tests import
+    flow modules without importing Prefect. `fn` takes the flow's name (the deployment
+    entrypoint `flows/<module>.py:<name>`)."""
+    fn.__name__ = fn.__qualname__ = name
+
+    def __getattr__(attr: str):
+        if attr == name:
+            from prefect import flow
+            from prefect.task_runners import ThreadPoolTaskRunner
+
+            built = flow(name=name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=max_workers))(fn)
+            namespace[attr] = built
+            return built
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")
+
+    return __getattr__

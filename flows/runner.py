@@ -53,9 +53,9 @@ from tasks.step import (
     StepDef,
     child_command,
     child_env,
+    progress_lines,
     read_error,
     read_result,
-    split_progress,
     transient,
     write_call,
 )
@@ -413,13 +413,7 @@ def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, 
 
 def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
     progress = _progress(d, node)
-
-    def line(text: str) -> None:
-        percent = split_progress(text)
-        if percent is None:
-            log(text)
-        elif progress is not None:
-            progress(percent)
+    line = progress_lines(log, progress)
 
     call_file = write_call(d, node.config, inputs, out)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flows.graph import Graph, Node
+from flows.graph import Graph, Node, lazy_flow
 from flows.params import RecipeParam, step_names
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
@@ -203,17 +203,4 @@ def _smollm3(
     return run_flow("smollm3", dag, cfg, recipe, refresh or [])
 
 
-_smollm3.__name__ = _smollm3.__qualname__ = "smollm3"  # the deployment entrypoint: flows/smollm3.py:smollm3
-
-
-def __getattr__(attr: str):
-    """`smollm3`, the Prefect flow, is built on first use: planning, the CLI and the graph tests
-    import this module without importing Prefect."""
-    if attr == "smollm3":
-        from prefect import flow
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        built = flow(name="smollm3", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=256))(_smollm3)
-        globals()[attr] = built
-        return built
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+__getattr__ = lazy_flow("smollm3", _smollm3, globals())  # the Prefect flow `smollm3`, built on first use

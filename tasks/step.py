@@ -285,6 +285,19 @@ def split_progress(line: str) -> float | None:
         return None
 
 
+def progress_lines(log: Callable[[str], None], progress: Callable[[float], None] | None) -> Callable[[str], None]:
+    """A line sink for a child's output: progress marks go to `progress`, other lines to `log`."""
+
+    def line(text: str) -> None:
+        percent = split_progress(text)
+        if percent is None:
+            log(text)
+        elif progress is not None:
+            progress(percent)
+
+    return line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1:

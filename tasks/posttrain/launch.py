@@ -35,7 +35,7 @@ from infra.launchers import LauncherConfig, get_launcher
 from infra.storage import CheckpointMirror, pull_latest_checkpoint
 from tasks.posttrain import config as sections
 from tasks.posttrain.config import TrainerRun
-from tasks.step import split_progress
+from tasks.step import progress_lines
 
 SPEC, RESULT = "spec.json", "result.json"
 
@@ -106,13 +106,7 @@ def launch_trainer(trainer: str, run: TrainerRun, policy: Path, data: Path, out:
             log(f"{trainer}: pulled {pulled.name} from {remote}")
     config = launch_config(run)
     log(f"{trainer}: {run.section.max_steps} steps of {run.section.batch} on {config.describe()}")
-
-    def line(text: str) -> None:
-        percent = split_progress(text)
-        if percent is None:
-            log(text)
-        elif progress is not None:
-            progress(percent)
+    line = progress_lines(log, progress)
 
     mirror = CheckpointMirror(remote, config=run.storage) if remote else None
     with mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext():
