@@ -27,7 +27,9 @@ test: install
 down:
 	@if [ -x $(BIN)/smollm3 ]; then $(BIN)/smollm3 down; else echo "nothing to stop"; fi
 
+# The formatter and linter are the project's: CI runs this before the tests.
 lint: install
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 clean: down

@@ -54,15 +54,26 @@ def build_tiny_lineage(home: Path, runs: int = 3) -> tuple[str, str]:
         if node.step.name in ("source", "curate", "tokenize"):
             meta["source"] = node.label
         if node.step.name == "pretrain":  # every stage draws from every source of the tiny mixes
-            meta |= {"stage": node.label, "steps": 10,
-                     "tokens_per_source": {s: 4096 * (i + 1) for i, s in enumerate(sources)}}
+            meta |= {
+                "stage": node.label,
+                "steps": 10,
+                "tokens_per_source": {s: 4096 * (i + 1) for i, s in enumerate(sources)},
+            }
         if node.step.name == "evaluate":  # scores for eval-quality: rising a little per stage
-            k = sum(n.step.name == "evaluate" for n in list(g)[:list(g).index(node)])
-            meta |= {"random_accuracy": 0.25, "scores": {
-                t: {"acc_norm": 0.25 + 0.01 * k * (j + 1), "acc_norm_stderr": 0.03}
-                for j, t in enumerate(("prose_cloze", "code_cloze", "math_cloze"))}}
-        art = Artifact(kind=node.step.kind, uri=str(home / "workspace" / node.step.name / node.short),
-                       fingerprint=node.fingerprint, meta=meta)
+            k = sum(n.step.name == "evaluate" for n in list(g)[: list(g).index(node)])
+            meta |= {
+                "random_accuracy": 0.25,
+                "scores": {
+                    t: {"acc_norm": 0.25 + 0.01 * k * (j + 1), "acc_norm_stderr": 0.03}
+                    for j, t in enumerate(("prose_cloze", "code_cloze", "math_cloze"))
+                },
+            }
+        art = Artifact(
+            kind=node.step.kind,
+            uri=str(home / "workspace" / node.step.name / node.short),
+            fingerprint=node.fingerprint,
+            meta=meta,
+        )
         artifacts[node.key] = art
         parents = [artifacts[r.key] for r in node.refs() if hasattr(r, "key")]
         parents += [artifacts[gate.key] for gate in node.after]
@@ -73,9 +84,19 @@ def build_tiny_lineage(home: Path, runs: int = 3) -> tuple[str, str]:
         lineage.start_run(run_id, "smollm3", "full", "tiny", {"name": "tiny"}, attempt=1)
         for i, node in enumerate(g):
             t = start + timedelta(hours=r, seconds=i)
-            lineage.record_step(StepRow(run_id, node.step.name, node.label, node.fingerprint,
-                                        "completed" if r == 0 else "cached", {}, "bench",
-                                        t, t + timedelta(seconds=1)))
+            lineage.record_step(
+                StepRow(
+                    run_id,
+                    node.step.name,
+                    node.label,
+                    node.fingerprint,
+                    "completed" if r == 0 else "cached",
+                    {},
+                    "bench",
+                    t,
+                    t + timedelta(seconds=1),
+                )
+            )
         lineage.end_run(run_id, "completed", attempt=1)
     return g.final.fingerprint, sources[0]
 
@@ -88,8 +109,9 @@ def time_command(args: list[str], env: dict[str, str], runs: int) -> tuple[float
     times, code = [], 0
     for _ in range(runs):
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        )
         times.append(time.perf_counter() - t0)
         code = done.returncode
         if code not in (0, 2):
@@ -100,8 +122,7 @@ def time_command(args: list[str], env: dict[str, str], runs: int) -> tuple[float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per command (median reported)")
-    parser.add_argument("--workspace", default=None,
-                        help="read this workspace's lineage instead of a generated one")
+    parser.add_argument("--workspace", default=None, help="read this workspace's lineage instead of a generated one")
     parser.add_argument("--keep", action="store_true", help="keep the generated workspace")
     args = parser.parse_args(argv)
 
@@ -137,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         (["eval-quality", workspace], FAST),
         (["plan", "tiny", f"workspace={workspace}"], PLAN),
     ]
-    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
-          f"(1/5/15 min), {os.cpu_count()} CPUs, {args.runs} runs per command")
+    print(
+        f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
+        f"(1/5/15 min), {os.cpu_count()} CPUs, {args.runs} runs per command"
+    )
     print(f"{'command':<48}{'median':>8}{'target':>8}  {'ok':<4}{'exit':<5}runs")
     failed = 0
     for cmd, target in commands:
@@ -146,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         ok = median <= target
         failed += not ok
         shown = " ".join(c if len(c) < 24 else "..." + c[-12:] for c in cmd if c != "--workspace" and c != workspace)
-        print(f"smollm3 {shown:<40}{median:>7.2f}s{target:>7.1f}s  {'yes' if ok else 'NO':<4}{code:<5}"
-              + " ".join(f"{t:.2f}" for t in times))
+        print(
+            f"smollm3 {shown:<40}{median:>7.2f}s{target:>7.1f}s  {'yes' if ok else 'NO':<4}{code:<5}"
+            + " ".join(f"{t:.2f}" for t in times)
+        )
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if tmp is not None and not args.keep:
         import shutil

@@ -51,11 +51,25 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
     mh = MinhashConfig(hash_config=HashConfig(precision=64))
     w = str(out)
     stages = [
-        ([JsonlReader(str(train)), *PRESETS.get(preset)(),
-          JsonlWriter(f"{w}/filtered"), ExactDedupSignature(f"{w}/es", config=exact)], 1),
+        (
+            [
+                JsonlReader(str(train)),
+                *PRESETS.get(preset)(),
+                JsonlWriter(f"{w}/filtered"),
+                ExactDedupSignature(f"{w}/es", config=exact),
+            ],
+            1,
+        ),
         ([ExactFindDedups(f"{w}/es", f"{w}/ed", config=exact)], 1),
-        ([JsonlReader(f"{w}/filtered"), ExactDedupFilter(f"{w}/ed", config=exact),
-          JsonlWriter(f"{w}/unique"), MinhashDedupSignature(f"{w}/ms", config=mh)], 1),
+        (
+            [
+                JsonlReader(f"{w}/filtered"),
+                ExactDedupFilter(f"{w}/ed", config=exact),
+                JsonlWriter(f"{w}/unique"),
+                MinhashDedupSignature(f"{w}/ms", config=mh),
+            ],
+            1,
+        ),
         ([MinhashDedupBuckets(f"{w}/ms", f"{w}/mb", config=mh)], mh.num_buckets),
         ([MinhashDedupCluster(f"{w}/mb", f"{w}/mr", config=mh)], 1),
         ([JsonlReader(f"{w}/unique"), MinhashDedupFilter(f"{w}/mr"), JsonlWriter(f"{w}/train")], 1),

@@ -54,8 +54,15 @@ def run_timing(workspace: Path, run_id: str | None = None, flow: str = "smollm3"
     critical = max((chain(k) for k in order), default=(0.0, []), key=lambda b: b[0])
     wall = (run["ended"] - run["started"]).total_seconds()
     total = sum(seconds.values())
-    return {"run_id": run_id, "wall": wall, "sum": total, "parallelism": total / wall if wall else 0.0,
-            "critical": critical, "steps": steps, "states": sorted({s["state"] for s in steps})}
+    return {
+        "run_id": run_id,
+        "wall": wall,
+        "sum": total,
+        "parallelism": total / wall if wall else 0.0,
+        "critical": critical,
+        "steps": steps,
+        "states": sorted({s["state"] for s in steps}),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         t0 = min(s["started"] for s in t["steps"])
         for s in sorted(t["steps"], key=lambda s: s["started"]):
-            print(f"  {s['step'] + '[' + s['label'] + ']':26} {(s['started'] - t0).total_seconds():8.1f} "
-                  f"{(s['ended'] - t0).total_seconds():8.1f} {s['seconds']:7.1f}  {s['state']}")
+            print(
+                f"  {s['step'] + '[' + s['label'] + ']':26} {(s['started'] - t0).total_seconds():8.1f} "
+                f"{(s['ended'] - t0).total_seconds():8.1f} {s['seconds']:7.1f}  {s['state']}"
+            )
     print(f"run {t['run_id']} ({', '.join(t['states'])}): {len(t['steps'])} steps")
     print(f"wall {t['wall']:.1f} s, sum of step seconds {t['sum']:.1f} s")
     print(f"parallelism {t['parallelism']:.2f} (baseline: serial execution 1.00)")

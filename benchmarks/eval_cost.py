@@ -101,6 +101,7 @@ def main() -> None:
     import transformers.models.smollm3.modeling_smollm3  # noqa: F401
 
     import tasks.eval_lm  # noqa: F401
+
     print(f"one-time imports of evaluation: {time.perf_counter() - t0:.1f}s", flush=True)
     t0 = time.perf_counter()
     tok, shards, suite = build_data(recipe, root)
@@ -132,7 +133,9 @@ def main() -> None:
             continue
         export_dir = root / "export" / name
         export_dir.mkdir(parents=True, exist_ok=True)
-        model = artifact("hf_model", export_dir, build_export(ExportConfig(), (previous, tok), export_dir, quiet), "m" + name)
+        model = artifact(
+            "hf_model", export_dir, build_export(ExportConfig(), (previous, tok), export_dir, quiet), "m" + name
+        )
         long = run.kind == "long_context"
         tasks = stage_tasks(recipe.eval, suite, long, cloze=not long or recipe.eval.long_context_cloze)
         timings, cpu, scores = {}, {}, {}
@@ -141,37 +144,57 @@ def main() -> None:
             eval_dir.mkdir(parents=True, exist_ok=True)
             cfg = recipe.eval
             t, c = time.perf_counter(), time.process_time()
-            result = build_eval(cfg, model, suite, eval_dir, tasks, log=quiet,
-                                **({"harness_model": "hf"} if path == "hf" else {}))
+            result = build_eval(
+                cfg, model, suite, eval_dir, tasks, log=quiet, **({"harness_model": "hf"} if path == "hf" else {})
+            )
             timings[path], cpu[path] = time.perf_counter() - t, time.process_time() - c
             scores[path] = result["scores"]
         same = "-"
         if "hf" in scores:
             same = all(
                 abs(scores["hf"][t][m] - scores["default"][t][m]) < 1e-9
-                for t in scores["hf"] for m in ("acc", "acc_norm")
+                for t in scores["hf"]
+                for m in ("acc", "acc_norm")
             )
-        row = {"stage": name, "steps": run.spec.steps, "seq_len": run.spec.seq_len, "train_s": train_s,
-               "eval_s": timings["default"], "ratio": timings["default"] / train_s,
-               "old_eval_s": timings.get("hf"), "old_ratio": timings["hf"] / train_s if "hf" in timings else None,
-               "same_scores": same, "train_cpu_s": train_cpu, "eval_cpu_s": cpu["default"],
-               "cpu_ratio": cpu["default"] / train_cpu, "old_eval_cpu_s": cpu.get("hf"), "load": load()}
+        row = {
+            "stage": name,
+            "steps": run.spec.steps,
+            "seq_len": run.spec.seq_len,
+            "train_s": train_s,
+            "eval_s": timings["default"],
+            "ratio": timings["default"] / train_s,
+            "old_eval_s": timings.get("hf"),
+            "old_ratio": timings["hf"] / train_s if "hf" in timings else None,
+            "same_scores": same,
+            "train_cpu_s": train_cpu,
+            "eval_cpu_s": cpu["default"],
+            "cpu_ratio": cpu["default"] / train_cpu,
+            "old_eval_cpu_s": cpu.get("hf"),
+            "load": load(),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\nbaseline: stage training time (build_stage, trainer at {args.train_threads} thread(s)); "
-          f"evaluation at {args.threads} torch thread(s); target ratio <= 0.25")
-    print("wall seconds, then CPU seconds (robust to other load: eval in this process, training "
-          "in its child processes)")
-    print("| stage | steps x seq | train s | evaluate s | ratio | old evaluate s | old ratio | same acc "
-          "| train cpu s | evaluate cpu s | cpu ratio | old evaluate cpu s |")
+    print(
+        f"\nbaseline: stage training time (build_stage, trainer at {args.train_threads} thread(s)); "
+        f"evaluation at {args.threads} torch thread(s); target ratio <= 0.25"
+    )
+    print(
+        "wall seconds, then CPU seconds (robust to other load: eval in this process, training in its child processes)"
+    )
+    print(
+        "| stage | steps x seq | train s | evaluate s | ratio | old evaluate s | old ratio | same acc "
+        "| train cpu s | evaluate cpu s | cpu ratio | old evaluate cpu s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        old = (f"{r['old_eval_s']:.1f} | {r['old_ratio']:.2f}" if r["old_eval_s"] is not None else "- | -")
+        old = f"{r['old_eval_s']:.1f} | {r['old_ratio']:.2f}" if r["old_eval_s"] is not None else "- | -"
         old_cpu = f"{r['old_eval_cpu_s']:.1f}" if r["old_eval_cpu_s"] is not None else "-"
-        print(f"| {r['stage']} | {r['steps']} x {r['seq_len']} | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
-              f"{r['ratio']:.2f} | {old} | {r['same_scores']} | {r['train_cpu_s']:.1f} | "
-              f"{r['eval_cpu_s']:.1f} | {r['cpu_ratio']:.2f} | {old_cpu} |")
+        print(
+            f"| {r['stage']} | {r['steps']} x {r['seq_len']} | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
+            f"{r['ratio']:.2f} | {old} | {r['same_scores']} | {r['train_cpu_s']:.1f} | "
+            f"{r['eval_cpu_s']:.1f} | {r['cpu_ratio']:.2f} | {old_cpu} |"
+        )
     print(f"load average after: {load()}")
     if args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)

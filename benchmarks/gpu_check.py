@@ -363,7 +363,8 @@ def ours_rows(setup: Setup, work: Path, budget: Budget) -> tuple[list[Row], dict
     first, last = losses[0], statistics.median(losses[-max(1, len(losses) // 10) :])
     learns = all(math.isfinite(x) for x in losses) and last < first
     value = (
-        f"{tps:,.0f} tok/s, " + ("MFU n/a, " if mfu is None else f"MFU {100 * mfu:.1f}%, ")
+        f"{tps:,.0f} tok/s, "
+        + ("MFU n/a, " if mfu is None else f"MFU {100 * mfu:.1f}%, ")
         + (f"peak mem {max(memory):.1f} GiB, " if memory else "peak mem n/a (CPU), ")
         + f"loss {first:.3f} -> {last:.3f}"
     )
@@ -426,9 +427,7 @@ def transformers_rows(setup: Setup, ours: dict) -> list[Row]:
     )
     if not ok:
         detail = f"non-finite loss {losses}; {detail}"
-    return [
-        Row("train_transformers", "PASS" if ok else "FAIL", value, detail, time.monotonic() - start)
-    ]
+    return [Row("train_transformers", "PASS" if ok else "FAIL", value, detail, time.monotonic() - start)]
 
 
 def ratio_rows(setup: Setup, ours: dict) -> list[Row]:
@@ -441,9 +440,7 @@ def ratio_rows(setup: Setup, ours: dict) -> list[Row]:
         )
         return [Row("ratio_vs_transformers", "SKIP", value, why)]
     ok = ratio >= 1.0
-    return [
-        Row("ratio_vs_transformers", "PASS" if ok else "FAIL", value, ">= 1.00: ours is not slower")
-    ]
+    return [Row("ratio_vs_transformers", "PASS" if ok else "FAIL", value, ">= 1.00: ours is not slower")]
 
 
 def packed_doc_ids(B: int, T: int, generator: torch.Generator) -> torch.Tensor:
@@ -567,8 +564,7 @@ def resume_rows(setup: Setup, work: Path, budget: Budget) -> list[Row]:
                 "resume_identical",
                 "FAIL",
                 "",
-                f"the run was not killed after its step-4 checkpoint "
-                f"(exit {rc_killed}): {log_tail(killed_dir)}",
+                f"the run was not killed after its step-4 checkpoint (exit {rc_killed}): {log_tail(killed_dir)}",
                 time.monotonic() - start,
             )
         ]
@@ -590,18 +586,14 @@ def resume_rows(setup: Setup, work: Path, budget: Budget) -> list[Row]:
     clean_loss = [m["loss"] for m in read_metrics(clean_dir)]
     resumed_loss = [m["loss"] for m in read_metrics(killed_dir)]
     setting = f"{steps} steps, killed after step 4's checkpoint; " + (
-        "bf16 autocast, FlexAttention, compiled blocks"
-        if setup.cuda
-        else "fp32, dense SDPA, compiled blocks"
+        "bf16 autocast, FlexAttention, compiled blocks" if setup.cuda else "fp32, dense SDPA, compiled blocks"
     )
     if identical:
         return [
             Row(
                 "resume_identical",
                 "PASS",
-                "bit-identical weights, equal losses"
-                if clean_loss == resumed_loss
-                else "bit-identical weights",
+                "bit-identical weights, equal losses" if clean_loss == resumed_loss else "bit-identical weights",
                 setting,
                 time.monotonic() - start,
             )
@@ -634,9 +626,7 @@ def format_table(rows: list[Row]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:4], widths, strict=True)) + "  " + head[4]]
     lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
     for c in cells:
-        lines.append(
-            "  ".join(x.ljust(w) for x, w in zip(c[:4], widths, strict=True)) + "  " + c[4]
-        )
+        lines.append("  ".join(x.ljust(w) for x, w in zip(c[:4], widths, strict=True)) + "  " + c[4])
     lines.append(summary_line(rows))
     return "\n".join(line.rstrip() for line in lines)
 
@@ -646,16 +636,12 @@ def format_markdown(rows: list[Row], meta: dict) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
 
     lines = [
-        f"GPU check ({meta['mode']}) on {meta['device']}, torch {meta['torch']}, "
-        f"{meta['seconds']:.0f} s",
+        f"GPU check ({meta['mode']}) on {meta['device']}, torch {meta['torch']}, {meta['seconds']:.0f} s",
         "",
         "| check | status | s | value | detail |",
         "|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {esc(r.check)} | {r.status} | {r.seconds:.0f} | {esc(r.value)} | {esc(r.detail)} |"
-        for r in rows
-    ]
+    lines += [f"| {esc(r.check)} | {r.status} | {r.seconds:.0f} | {esc(r.value)} | {esc(r.detail)} |" for r in rows]
     return "\n".join([*lines, "", summary_line(rows)]) + "\n"
 
 
@@ -678,9 +664,7 @@ def run_section(rows: list[Row], name: str, fn, *args) -> None:
                 time.monotonic() - start,
             )
         )
-    print(
-        f"[gpu_check] {name}: done at {time.monotonic() - START:.0f} s", file=sys.stderr, flush=True
-    )
+    print(f"[gpu_check] {name}: done at {time.monotonic() - START:.0f} s", file=sys.stderr, flush=True)
 
 
 START = time.monotonic()
@@ -696,19 +680,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE.json|FILE.md",
         help="also write the table there (repeatable)",
     )
-    parser.add_argument(
-        "--preset", default="ablation_1b", help="model preset of the throughput rows"
-    )
+    parser.add_argument("--preset", default="ablation_1b", help="model preset of the throughput rows")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200, help="trainer steps of train_ours")
     parser.add_argument("--dcgm-level", type=int, default=1, choices=[0, 1, 2, 3])
-    parser.add_argument(
-        "--budget-s", type=float, default=480.0, help="skip what would run past this"
-    )
-    parser.add_argument(
-        "--workdir", help="keep data, checkpoints and logs here (default: a temp dir, removed)"
-    )
+    parser.add_argument("--budget-s", type=float, default=480.0, help="skip what would run past this")
+    parser.add_argument("--workdir", help="keep data, checkpoints and logs here (default: a temp dir, removed)")
     args = parser.parse_args(argv)
     for out in args.out:
         if not out.endswith((".json", ".md")):
@@ -718,8 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workdir {args.workdir} is not empty: give a new or empty folder")
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(
-            "error: no CUDA device visible to torch; run on a GPU machine, or pass --cpu-smoke "
-            "for the CPU code paths",
+            "error: no CUDA device visible to torch; run on a GPU machine, or pass --cpu-smoke for the CPU code paths",
             file=sys.stderr,
         )
         return 2
@@ -727,11 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    folder = (
-        nullcontext(args.workdir)
-        if args.workdir
-        else tempfile.TemporaryDirectory(prefix="gpu_check-")
-    )
+    folder = nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="gpu_check-")
     with folder as tmp:
         work = Path(tmp)
         rows: list[Row] = []
@@ -755,9 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ours.get("hf_tokens_per_s"):
                     rows += ratio_rows(setup, ours)
                 else:
-                    rows.append(
-                        Row("ratio_vs_transformers", "SKIP", detail="transformers row failed")
-                    )
+                    rows.append(Row("ratio_vs_transformers", "SKIP", detail="transformers row failed"))
             else:
                 rows += [Row(n, "SKIP", detail="train_ours failed") for n in ours_names[1:]]
         flex_names = [f"flex_{p} T={T}" for T in setup.flex_lengths for p in ("fwd", "bwd")]

@@ -43,7 +43,7 @@ def documents(root: Path, pattern: str) -> list[tuple[str, str]]:
 
 def grams(text: str, n: int) -> set[str]:
     words = WORD.findall(text.lower())
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                 pairs.append((share, name, train[i][0]))
     print(f"{ws}: {len(held)} held-out documents (as written and as curated), {len(train)} curated train documents")
     print(f"identical to a held-out document: {len(identical)} (baseline 0) {identical[:5]}")
-    print(f"worst pair overlap: {worst:.4f} (threshold {args.threshold}); pairs at or above it: {len(pairs)} (baseline 0)")
+    print(
+        f"worst pair overlap: {worst:.4f} (threshold {args.threshold}); pairs at or above it: {len(pairs)} (baseline 0)"
+    )
     for share, h, t in sorted(pairs, reverse=True)[:10]:
         print(f"  {share:.3f}  held-out {h}  <->  train {t}")
     print(f"pooled: {pooled} of {measured} held-out documents have half their {args.ngram}-grams somewhere in train")

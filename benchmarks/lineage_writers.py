@@ -20,8 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HOLDER = ("import duckdb, sys; con = duckdb.connect(sys.argv[1], read_only=True); "
-          "print('held', flush=True); sys.stdin.readline()")
+HOLDER = (
+    "import duckdb, sys; con = duckdb.connect(sys.argv[1], read_only=True); "
+    "print('held', flush=True); sys.stdin.readline()"
+)
 
 
 def writer(path: str, worker: int, rows: int) -> None:
@@ -39,8 +41,9 @@ def run(rows: int, held: bool) -> tuple[float, int, int]:
     Lineage(path).record_rows("metrics", [("seed", 0, "loss", 0.0)])
     holder = None
     if held:
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         holder.stdout.readline()
     ctx = mp.get_context("spawn")
     start = time.perf_counter()
@@ -62,8 +65,10 @@ def main() -> None:
     args = ap.parse_args()
     for held in (False, True):
         seconds, landed, failed = run(args.rows, held)
-        print(f"{'held by an outside reader' if held else 'free file':26s} 4 x {args.rows} writes: "
-              f"{seconds:6.1f} s, {landed}/{4 * args.rows} rows landed, {failed} writers failed")
+        print(
+            f"{'held by an outside reader' if held else 'free file':26s} 4 x {args.rows} writes: "
+            f"{seconds:6.1f} s, {landed}/{4 * args.rows} rows landed, {failed} writers failed"
+        )
 
 
 if __name__ == "__main__":

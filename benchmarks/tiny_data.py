@@ -62,22 +62,31 @@ def main() -> None:
     out = folder("tok")
     tok = art("tokenizer", out, build_tokenizer(recipe.tokenizer, list(curated.values()), out, quiet))
     out = folder("fert")
-    fert = art("fertility", out, build_fertility(recipe.fertility, [tok, *curated.values()], out,
-                                                  recipe.mixture_weights(), quiet))
+    fert = art(
+        "fertility",
+        out,
+        build_fertility(recipe.fertility, [tok, *curated.values()], out, recipe.mixture_weights(), quiet),
+    )
     shards = []
     for name, c in curated.items():
         out = folder(f"shards-{name}")
         shards.append(art("shards", out, build_token_shards(recipe.tokenize, (fert, c), out, recipe.seed, quiet)))
-    print(f"recipe {recipe.name} {' '.join(args.overrides)}: data steps in {time.perf_counter() - start:.0f}s; "
-          f"tokenizer vocab {tok.meta['vocab_size']} of {recipe.tokenizer.vocab_size} requested; "
-          f"fertility on {fert.meta['text']}")
-    print("\n| source | preset | documents in -> kept | characters kept | held-out kept | removed as held-out copies | tokens |")
+    print(
+        f"recipe {recipe.name} {' '.join(args.overrides)}: data steps in {time.perf_counter() - start:.0f}s; "
+        f"tokenizer vocab {tok.meta['vocab_size']} of {recipe.tokenizer.vocab_size} requested; "
+        f"fertility on {fert.meta['text']}"
+    )
+    print(
+        "\n| source | preset | documents in -> kept | characters kept | held-out kept | removed as held-out copies | tokens |"
+    )
     print("|---|---|---|---|---|---|---|")
     for sh in shards:
         c = curated[sh.meta["source"]].meta
         decont = sum(v for k, v in c["removed"].items() if k.startswith("heldout_decont:"))
-        print(f"| {c['source']} | {c['preset']} | {c['input_documents']} -> {c['documents']} | {c['characters']:,} | "
-              f"{c['heldout_documents']} | {decont} | {sh.meta['tokens']:,} |")
+        print(
+            f"| {c['source']} | {c['preset']} | {c['input_documents']} -> {c['documents']} | {c['characters']:,} | "
+            f"{c['heldout_documents']} | {decont} | {sh.meta['tokens']:,} |"
+        )
     print("\n| stage | source | weight | budget tokens | available tokens | epochs |")
     print("|---|---|---|---|---|---|")
     for st in recipe.stages:
@@ -88,8 +97,10 @@ def main() -> None:
 
         for s in json.loads(Path(meta["plan"]).read_text())["sources"]:
             flag = " (above max_epochs)" if s["expected_epochs"] > st.max_epochs else ""
-            print(f"| {st.name} | {s['name']} | {s['weight']:.3f} | {s['budget_tokens']:,} | "
-                  f"{s['available_tokens']:,} | {s['expected_epochs']:.3f}{flag} |")
+            print(
+                f"| {st.name} | {s['name']} | {s['weight']:.3f} | {s['budget_tokens']:,} | "
+                f"{s['available_tokens']:,} | {s['expected_epochs']:.3f}{flag} |"
+            )
     print(f"\noutputs in {root}")
 
 

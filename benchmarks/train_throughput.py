@@ -135,10 +135,7 @@ def main() -> None:
         f"fp32 1024^2 matmul peak, {args.threads} threads: best wall burst {peak / 1e9:.1f} "
         f"GFLOP/s, per CPU time x threads {cpu_peak / 1e9:.1f} GFLOP/s"
     )
-    print(
-        f"{'variant':38s} {'best tok/s':>10s} {'median':>8s} {'cpu tok/s':>10s} "
-        f"{'GFLOP/s':>8s} {'of peak':>8s}"
-    )
+    print(f"{'variant':38s} {'best tok/s':>10s} {'median':>8s} {'cpu tok/s':>10s} {'GFLOP/s':>8s} {'of peak':>8s}")
     best, median, per_cpu = {}, {}, {}
     for name, values in seconds.items():
         best[name] = B * T / min(values)

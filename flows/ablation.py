@@ -80,26 +80,37 @@ def arm_recipes(recipe: str, overrides: Sequence[str], variants: Sequence[Varian
             raise ValueError(f"variant {v.name}: its overrides {list(v.overrides)} leave the recipe unchanged")
         changed = [f for f in RUN_LEVEL if getattr(cfg, f) != getattr(base, f)]
         if changed:
-            raise ValueError(f"variant {v.name} changes {', '.join(changed)}: those are settings of the whole "
-                             "run, give them as overrides of the ablation instead")
+            raise ValueError(
+                f"variant {v.name} changes {', '.join(changed)}: those are settings of the whole "
+                "run, give them as overrides of the ablation instead"
+            )
         if identity(cfg) == identity(base):  # every step would be the baseline's own
-            raise ValueError(f"variant {v.name}: its overrides {list(v.overrides)} change only how steps run "
-                             "(operational fields), not what they compute: it would be the baseline again")
+            raise ValueError(
+                f"variant {v.name}: its overrides {list(v.overrides)} change only how steps run "
+                "(operational fields), not what they compute: it would be the baseline again"
+            )
         arms[v.name] = cfg
     for name, cfg in arms.items():
         t = cfg.training
         try:  # a model the trainer could not build fails here, not after the data steps
             ModelConfig.from_preset(t.model, **{**t.model_overrides, "vocab_size": cfg.tokenizer.vocab_size})
         except (ValueError, TypeError) as err:
-            raise ValueError(f"{'the recipe' if name == BASELINE else 'variant ' + name}: training.model_overrides: "
-                             f"{err}") from None
+            raise ValueError(
+                f"{'the recipe' if name == BASELINE else 'variant ' + name}: training.model_overrides: {err}"
+            ) from None
         if not any(s.kind == "pretrain" for s in cfg.stages):
             raise ValueError(f"{name}: the recipe has no pretrain stage to train")
     return arms
 
 
-def add_comparison(g: Graph, cfg: ExperimentConfig, lm: Mapping[str, Sequence[Node]],
-                   heldout: Mapping[str, Sequence[Node]], label: str, base: Node | None = None) -> Node:
+def add_comparison(
+    g: Graph,
+    cfg: ExperimentConfig,
+    lm: Mapping[str, Sequence[Node]],
+    heldout: Mapping[str, Sequence[Node]],
+    label: str,
+    base: Node | None = None,
+) -> Node:
     """The experiment's `compare` step over every run's lm-eval and held-out scores (inputs
     `{run}.lm`, `{run}.heldout`, and an anneal's pinned `base`); it is the graph's result."""
     inputs: dict[str, Any] = {}
@@ -113,8 +124,9 @@ def add_comparison(g: Graph, cfg: ExperimentConfig, lm: Mapping[str, Sequence[No
     return node
 
 
-def graph(arms: Mapping[str, Recipe], spec: AblationSpec, *, run_id: str | None = None,
-          tolerant: bool = False) -> Graph:
+def graph(
+    arms: Mapping[str, Recipe], spec: AblationSpec, *, run_id: str | None = None, tolerant: bool = False
+) -> Graph:
     """The ablation DAG (see the module docstring); `arms` starts with the baseline."""
     g = Graph("ablation", tolerant=tolerant)
     runs: list[RunRef] = []
@@ -123,14 +135,28 @@ def graph(arms: Mapping[str, Recipe], spec: AblationSpec, *, run_id: str | None 
     for name, cfg in arms.items():
         arm = Arm(g, "" if name == BASELINE else f"{name}.")
         d = data(arm, cfg)  # type: ignore[arg-type]  # Arm adds like a Graph
-        check = arm.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer,
-                        mixtures=list(d.plans.values()))
+        check = arm.add(
+            preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer, mixtures=list(d.plans.values())
+        )
         suite = None
         if spec.lm_eval != "none":
-            suite = arm.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
-                            heldout=d.clean, train=d.clean)
-        held = [arm.add(heldout_tokens, HeldoutConfig(domain=s.name, sources=(s.name,), max_tokens=spec.heldout_tokens),
-                        label=s.name, tokenizer=d.tokenizer, corpora=d.clean) for s in cfg.sources]
+            suite = arm.add(
+                eval_suite,
+                SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed),
+                label="suite",
+                heldout=d.clean,
+                train=d.clean,
+            )
+        held = [
+            arm.add(
+                heldout_tokens,
+                HeldoutConfig(domain=s.name, sources=(s.name,), max_tokens=spec.heldout_tokens),
+                label=s.name,
+                tokenizer=d.tokenizer,
+                corpora=d.clean,
+            )
+            for s in cfg.sources
+        ]
         stages = {s.name: s for s in cfg.stages}
         threads = cfg.resources.threads("train")
         for k in range(spec.seeds):
@@ -140,41 +166,95 @@ def graph(arms: Mapping[str, Recipe], spec: AblationSpec, *, run_id: str | None 
             previous: Node | None = None
             lm[label], held_scores[label], lm_steps = [], [], []
             for i, run in enumerate(plan):
-                run = run.model_copy(update={"keep_every": every, "launch": cfg.launch, "storage": cfg.storage,
-                                             "threads": threads})
+                run = run.model_copy(
+                    update={"keep_every": every, "launch": cfg.launch, "storage": cfg.storage, "threads": threads}
+                )
                 # Seed k draws the data in another order: its own mixture plan (k = 0: the recipe's).
-                mix = arm.add(mixture, MixtureSpec.of(stages[run.name], cfg.seed + k), label=f"{run.name}-s{k}",
-                              shards=list(d.plans[run.name].inputs["shards"]))
+                mix = arm.add(
+                    mixture,
+                    MixtureSpec.of(stages[run.name], cfg.seed + k),
+                    label=f"{run.name}-s{k}",
+                    shards=list(d.plans[run.name].inputs["shards"]),
+                )
                 init = {"init": previous} if previous is not None else {}
-                previous = g.add(pretrain, run, label=f"{label}-{run.name}", reuse=True, mixture=mix,
-                                 after=[check] if previous is None else [], **init)
+                previous = g.add(
+                    pretrain,
+                    run,
+                    label=f"{label}-{run.name}",
+                    reuse=True,
+                    mixture=mix,
+                    after=[check] if previous is None else [],
+                    **init,
+                )
                 held_scores[label].append(
-                    g.add(heldout_eval, HeldoutEval(every_checkpoint=True), label=f"{label}-{run.name}", reuse=True,
-                          checkpoint=previous, heldout=held))
+                    g.add(
+                        heldout_eval,
+                        HeldoutEval(every_checkpoint=True),
+                        label=f"{label}-{run.name}",
+                        reuse=True,
+                        checkpoint=previous,
+                        heldout=held,
+                    )
+                )
                 if suite is not None and (spec.lm_eval == "stages" or i == len(plan) - 1):
-                    model = g.add(export, cfg.export, label=f"{label}-{run.name}", reuse=True, checkpoint=previous,
-                                  tokenizer=d.tokenizer)
-                    lm[label].append(g.add(evaluate, EvalSpec(eval=cfg.eval.for_run()), label=f"{label}-{run.name}",
-                                           reuse=True, model=model, suite=suite))
+                    model = g.add(
+                        export,
+                        cfg.export,
+                        label=f"{label}-{run.name}",
+                        reuse=True,
+                        checkpoint=previous,
+                        tokenizer=d.tokenizer,
+                    )
+                    lm[label].append(
+                        g.add(
+                            evaluate,
+                            EvalSpec(eval=cfg.eval.for_run()),
+                            label=f"{label}-{run.name}",
+                            reuse=True,
+                            model=model,
+                            suite=suite,
+                        )
+                    )
                     lm_steps.append((run.spec.schedule.start_step or 0) + run.spec.steps)
             runs.append(RunRef(label=label, variant=name, seed=k, lm_steps=tuple(lm_steps)))
     variants = {name: () for name in arms}
     variants.update({v.name: v.overrides for v in spec.variants})
-    cfg = ExperimentConfig(kind="ablation", name=spec.label, variants=variants, runs=tuple(runs),
-                           confidence=spec.confidence, trust=TrustConfig(require=CRITERIA))
+    cfg = ExperimentConfig(
+        kind="ablation",
+        name=spec.label,
+        variants=variants,
+        runs=tuple(runs),
+        confidence=spec.confidence,
+        trust=TrustConfig(require=CRITERIA),
+    )
     add_comparison(g, cfg, lm, held_scores, label=spec.label)
     return g
 
 
-def ablation_spec(variants: Sequence[str], seeds: int = 2, eval_every: int | None = None,
-                  heldout_tokens: int = 8192, lm_eval: str = "stages", confidence: float = 0.95,
-                  name: str = "") -> AblationSpec:
+def ablation_spec(
+    variants: Sequence[str],
+    seeds: int = 2,
+    eval_every: int | None = None,
+    heldout_tokens: int = 8192,
+    lm_eval: str = "stages",
+    confidence: float = 0.95,
+    name: str = "",
+) -> AblationSpec:
     """The flow's parameters as an AblationSpec (variants as `NAME:key=value,...` strings)."""
     if not variants:
-        raise ValueError("an ablation needs at least one variant: NAME:key=value[,key=value...] "
-                         "(e.g. lr_low:training.optimizer.lr=0.001)")
-    return AblationSpec(variants=tuple(parse_variant(v) for v in variants), seeds=seeds, eval_every=eval_every,
-                        heldout_tokens=heldout_tokens, lm_eval=lm_eval, confidence=confidence, name=name)
+        raise ValueError(
+            "an ablation needs at least one variant: NAME:key=value[,key=value...] "
+            "(e.g. lr_low:training.optimizer.lr=0.001)"
+        )
+    return AblationSpec(
+        variants=tuple(parse_variant(v) for v in variants),
+        seeds=seeds,
+        eval_every=eval_every,
+        heldout_tokens=heldout_tokens,
+        lm_eval=lm_eval,
+        confidence=confidence,
+        name=name,
+    )
 
 
 def _ablation(

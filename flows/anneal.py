@@ -34,8 +34,14 @@ from tasks.recipe import Recipe, load_recipe
 def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
     """The anneal's base, read from the workspace's lineage now."""
     ws = Workspace.at(cfg.workspace)
-    return resolve_base(Lineage(ws.lineage_path), ws, base, phase="stable",
-                        flow=cfg.anneal.base_flow, deployment=cfg.anneal.base_deployment)
+    return resolve_base(
+        Lineage(ws.lineage_path),
+        ws,
+        base,
+        phase="stable",
+        flow=cfg.anneal.base_flow,
+        deployment=cfg.anneal.base_deployment,
+    )
 
 
 def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph:
@@ -52,8 +58,9 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     corpora = [Given(c) for s in base.shards for c in lineage.inputs_of(s, kind="corpus")]
     g = Graph("anneal", tolerant=tolerant)
     pinned = g.add(pin, base.pin_spec(), label=base.label)
-    held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
-            for h in heldout_sets(cfg.anneal, base)]
+    held = [
+        g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora) for h in heldout_sets(cfg.anneal, base)
+    ]
     threads = cfg.resources.threads("train")
     lm: dict[str, list[Node]] = {}
     held_scores: dict[str, list[Node]] = {}
@@ -64,18 +71,26 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
         stage = stage.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
         ckpt = g.add(pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned)
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
-        lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}",
-                               model=model, suite=suite)]
-        held_scores[run.label] = [g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt,
-                                        heldout=held)]
-        refs.append(RunRef(label=run.label, variant=run.candidate, seed=run.replica,
-                           lm_steps=(stage.spec.steps,)))
+        lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite)]
+        held_scores[run.label] = [
+            g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held)
+        ]
+        refs.append(RunRef(label=run.label, variant=run.candidate, seed=run.replica, lm_steps=(stage.spec.steps,)))
     variants = {BASELINE: (f"weights={base.weights}",)}
-    variants.update({c.name: (f"candidate={c.weights}", f"candidate_share={cfg.anneal.candidate_share}")
-                     for c in cfg.anneal.candidates})
-    experiment = ExperimentConfig(kind="anneal", name=f"{base.label}: {', '.join(c.name for c in cfg.anneal.candidates)}",
-                                  variants=variants, runs=tuple(refs), metric=cfg.anneal.metric,
-                                  confidence=cfg.anneal.confidence)
+    variants.update(
+        {
+            c.name: (f"candidate={c.weights}", f"candidate_share={cfg.anneal.candidate_share}")
+            for c in cfg.anneal.candidates
+        }
+    )
+    experiment = ExperimentConfig(
+        kind="anneal",
+        name=f"{base.label}: {', '.join(c.name for c in cfg.anneal.candidates)}",
+        variants=variants,
+        runs=tuple(refs),
+        metric=cfg.anneal.metric,
+        confidence=cfg.anneal.confidence,
+    )
     add_comparison(g, experiment, lm, held_scores, label=base.label, base=pinned)
     return g
 

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from infra.lineage import Lineage
 
-WORKSPACE_HELP = ("workspace folder holding lineage.duckdb (default: workspace, relative to "
-                  "$SMOLLM3_HOME or else the project root, as the flows resolve it)")
+WORKSPACE_HELP = (
+    "workspace folder holding lineage.duckdb (default: workspace, relative to "
+    "$SMOLLM3_HOME or else the project root, as the flows resolve it)"
+)
 
 
 def _lineage(args) -> Lineage:
@@ -108,7 +110,11 @@ def cmd_report(args) -> int:
 
     lineage = _lineage(args)
     with lineage.reading():
-        out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
+        out = (
+            Path(args.out)
+            if args.out
+            else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
+        )
         print(run_report(lineage, args.run, out))
     return 0
 
@@ -125,9 +131,11 @@ def cmd_summary(args) -> int:
     return 0
 
 
-PREFLIGHT_USAGE = ("smollm3 preflight RECIPE [key=value ...]\n"
-                   "       smollm3 preflight [--config FILE] [--facts FILE] [--json FILE] [--list] "
-                   "[key=value | facts.key=value ...]")
+PREFLIGHT_USAGE = (
+    "smollm3 preflight RECIPE [key=value ...]\n"
+    "       smollm3 preflight [--config FILE] [--facts FILE] [--json FILE] [--list] "
+    "[key=value | facts.key=value ...]"
+)
 PREFLIGHT_HELP = """\
 Check that this machine can train a recipe before training starts: the config (batch layout,
 sequence length, stage plan), GPUs (count, matmul throughput, throttling, memory, ECC, DCGM, NCCL
@@ -152,8 +160,9 @@ def cmd_preflight(args) -> int:
     if not argv or argv[0].startswith("-") or "=" in argv[0] or {"-h", "--help"} & set(argv):
         from infra.preflight.cli import main as preflight_main
 
-        return preflight_main(argv, prog="smollm3 preflight", usage=PREFLIGHT_USAGE,
-                              description=PREFLIGHT_HELP, epilog=PREFLIGHT_EPILOG)
+        return preflight_main(
+            argv, prog="smollm3 preflight", usage=PREFLIGHT_USAGE, description=PREFLIGHT_HELP, epilog=PREFLIGHT_EPILOG
+        )
     from infra.preflight import PreflightFacts, format_table, run_preflight, should_stop
     from tasks.preflight import model_facts, spec_for
     from tasks.recipe import load_recipe
@@ -219,15 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     known = ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")))
     recipe_help = f"recipe name in configs/ ({known}) or a YAML path (default: tiny)"
-    overrides_help = ("key=value overrides of the recipe, list items by name, e.g. "
-                      "sources.math.max_documents=100 stages.stage2.tokens=1e9")
+    overrides_help = (
+        "key=value overrides of the recipe, list items by name, e.g. "
+        "sources.math.max_documents=100 stages.stage2.tokens=1e9"
+    )
 
     p = add("run", cmd_run, "run the smollm3 flow in this process (no server or deployment needed)")
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
-    p.add_argument("--refresh", type=_refresh, default=[], metavar="STEP[,STEP]",
-                   help="step names to rebuild even if finished, e.g. preflight,evaluate "
-                        "(unknown names are refused with the flow's steps)")
+    p.add_argument(
+        "--refresh",
+        type=_refresh,
+        default=[],
+        metavar="STEP[,STEP]",
+        help="step names to rebuild even if finished, e.g. preflight,evaluate "
+        "(unknown names are refused with the flow's steps)",
+    )
 
     p = add("recipe", cmd_recipe, "validate a recipe (and its data sources) and print it resolved")
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
@@ -236,48 +252,78 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plan", cmd_plan, "dry run of a flow: every step as run or reuse, and why a step would run")
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
-    p.add_argument("--flow", default="smollm3", choices=("smollm3", "anneal", "cpt"),
-                   help="which deployed flow to plan: smollm3 (smollm3/full), anneal (anneal/nightly), "
-                        "cpt (cpt/on-demand); default smollm3")
-    p.add_argument("--base", default="",
-                   help="anneal/cpt: the base checkpoint (path or fingerprint; default: resolved as the flow does)")
-    p.add_argument("--refresh", type=_refresh, default=[], metavar="STEP[,STEP]",
-                   help="step names to plan as forced reruns (unknown names are refused with the flow's steps)")
+    p.add_argument(
+        "--flow",
+        default="smollm3",
+        choices=("smollm3", "anneal", "cpt"),
+        help="which deployed flow to plan: smollm3 (smollm3/full), anneal (anneal/nightly), "
+        "cpt (cpt/on-demand); default smollm3",
+    )
+    p.add_argument(
+        "--base",
+        default="",
+        help="anneal/cpt: the base checkpoint (path or fingerprint; default: resolved as the flow does)",
+    )
+    p.add_argument(
+        "--refresh",
+        type=_refresh,
+        default=[],
+        metavar="STEP[,STEP]",
+        help="step names to plan as forced reruns (unknown names are refused with the flow's steps)",
+    )
 
-    p = add("lineage", cmd_lineage,
-            "what produced an artifact, what descends from it, or which checkpoints trained on a source",
-            True, description="Print the ancestor tree of an artifact (or its descendants), or, with "
-            "--trained-on, the checkpoints whose training drew tokens from a source.")
-    p.add_argument("artifact", nargs="?",
-                   help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
+    p = add(
+        "lineage",
+        cmd_lineage,
+        "what produced an artifact, what descends from it, or which checkpoints trained on a source",
+        True,
+        description="Print the ancestor tree of an artifact (or its descendants), or, with "
+        "--trained-on, the checkpoints whose training drew tokens from a source.",
+    )
+    p.add_argument("artifact", nargs="?", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
     p.add_argument("--descendants", action="store_true", help="walk downstream instead of upstream")
-    p.add_argument("--trained-on", metavar="SOURCE",
-                   help="list the checkpoints that drew tokens from SOURCE (a source name such as "
-                        "prose, or the fingerprint or folder of one source, curated corpus or shards "
-                        "artifact), per stage and cumulative through init; descent through the "
-                        "tokenizer is not training on a source and is not listed")
+    p.add_argument(
+        "--trained-on",
+        metavar="SOURCE",
+        help="list the checkpoints that drew tokens from SOURCE (a source name such as "
+        "prose, or the fingerprint or folder of one source, curated corpus or shards "
+        "artifact), per stage and cumulative through init; descent through the "
+        "tokenizer is not training on a source and is not listed",
+    )
 
     p = add("runs", cmd_runs, "list flow runs with their steps and states", True)
     p.add_argument("--limit", type=int, default=10, help="newest runs to list (default 10)")
     p.add_argument("--no-steps", action="store_true", help="one line per run")
 
-    p = add("report", cmd_report, "write a run's report (steps, evals, stage summaries, loss curves, lineage) to a file", True)
+    p = add(
+        "report",
+        cmd_report,
+        "write a run's report (steps, evals, stage summaries, loss curves, lineage) to a file",
+        True,
+    )
     p.add_argument("run", nargs="?", default="latest", help="run id, id prefix or `latest`")
     p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/RUN_ID.md)")
 
     p = add("sql", cmd_sql, "run a SQL query on a consistent copy of the lineage database (never blocks runs)", True)
-    p.add_argument("query", help="e.g. \"SELECT step, label, state, seconds FROM steps ORDER BY started\"")
+    p.add_argument("query", help='e.g. "SELECT step, label, state, seconds FROM steps ORDER BY started"')
 
     p = add("summary", cmd_summary, "the newest run, its steps and the newest artifact's lineage", True)
     p.add_argument("--ui", default=None, help="Prefect UI address to print (default: from PREFECT_API_URL)")
 
     # These three have parsers of their own (they run standalone too): `smollm3 X --help`.
-    p = add("preflight", cmd_preflight, "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)")
+    p = add(
+        "preflight",
+        cmd_preflight,
+        "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)",
+    )
     p.add_argument("args", nargs="*", help="see `smollm3 preflight --help`")
     p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
     p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
-    p = add("eval-quality", cmd_eval_quality,
-            "which eval tasks give signal in a run (monotonicity, SNR, margin, ranking) and why")
+    p = add(
+        "eval-quality",
+        cmd_eval_quality,
+        "which eval tasks give signal in a run (monotonicity, SNR, margin, ranking) and why",
+    )
     p.add_argument("args", nargs="*", help="see `smollm3 eval-quality --help`")
 
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
@@ -302,21 +348,36 @@ def cmd_ablate(args) -> int:
         from flows.plan import format_plan, plan_graph
         from infra.workspace import Workspace
 
-        spec = ablation_spec(args.variant, args.seeds, args.eval_every, args.heldout_tokens, args.lm_eval,
-                             args.confidence, args.name)
+        spec = ablation_spec(
+            args.variant, args.seeds, args.eval_every, args.heldout_tokens, args.lm_eval, args.confidence, args.name
+        )
         arms = arm_recipes(args.recipe, args.overrides, spec.variants)
         base = arms["baseline"]
-        print(format_plan(plan_graph(graph(arms, spec, tolerant=True), Workspace.at(base.workspace),
-                                     frozenset(args.refresh))))
+        print(
+            format_plan(
+                plan_graph(graph(arms, spec, tolerant=True), Workspace.at(base.workspace), frozenset(args.refresh))
+            )
+        )
         return 0
     from flows.ablation import ablation
 
-    result = ablation(recipe=args.recipe, variants=args.variant, seeds=args.seeds, overrides=args.overrides,
-                      refresh=args.refresh, eval_every=args.eval_every, heldout_tokens=args.heldout_tokens,
-                      lm_eval=args.lm_eval, confidence=args.confidence, name=args.name)
+    result = ablation(
+        recipe=args.recipe,
+        variants=args.variant,
+        seeds=args.seeds,
+        overrides=args.overrides,
+        refresh=args.refresh,
+        eval_every=args.eval_every,
+        heldout_tokens=args.heldout_tokens,
+        lm_eval=args.lm_eval,
+        confidence=args.confidence,
+        name=args.name,
+    )
     print(Path(result["report"]).read_text())
-    print(f"experiment {result['experiment'][:12]} (run {result['run_id']}): "
-          f"`smollm3 experiments {result['experiment'][:12]}` prints it again")
+    print(
+        f"experiment {result['experiment'][:12]} (run {result['run_id']}): "
+        f"`smollm3 experiments {result['experiment'][:12]}` prints it again"
+    )
     return 0
 
 
@@ -328,24 +389,48 @@ def cmd_experiments(args) -> int:
 
 
 def add_experiment_commands(add) -> None:
-    p = add("ablate", cmd_ablate, "ablate RECIPE --variant NAME:key=value,... [--seeds N]: train the recipe and "
-            "each variant with N seeds, compare them on the evals that carry signal")
+    p = add(
+        "ablate",
+        cmd_ablate,
+        "ablate RECIPE --variant NAME:key=value,... [--seeds N]: train the recipe and "
+        "each variant with N seeds, compare them on the evals that carry signal",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in configs/ or a YAML path (the baseline)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every arm, e.g. a shorter stage")
-    p.add_argument("--variant", action="append", default=[], required=True, metavar="NAME:key=value[,key=value]",
-                   help="a variant: recipe overrides over the baseline (repeat for several), e.g. "
-                        "docmask_off:training.doc_masking=false")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        required=True,
+        metavar="NAME:key=value[,key=value]",
+        help="a variant: recipe overrides over the baseline (repeat for several), e.g. "
+        "docmask_off:training.doc_masking=false",
+    )
     p.add_argument("--seeds", type=int, default=2, help="runs per variant (seed + k); 1 leaves the noise unknown")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="steps between kept checkpoints scored on held-out bits per byte (default: ~8 per run)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="steps between kept checkpoints scored on held-out bits per byte (default: ~8 per run)",
+    )
     p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens per source (default 8192)")
-    p.add_argument("--lm-eval", choices=("stages", "final", "none"), default="stages",
-                   help="lm-eval cloze tasks after every pretrain stage (default), the last one, or never")
+    p.add_argument(
+        "--lm-eval",
+        choices=("stages", "final", "none"),
+        default="stages",
+        help="lm-eval cloze tasks after every pretrain stage (default), the last one, or never",
+    )
     p.add_argument("--confidence", type=float, default=0.95, help="of each difference's interval (default 0.95)")
     p.add_argument("--name", default="", help="experiment name (default: the variant names joined by +)")
-    p.add_argument("--refresh", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="comma-separated step names to rerun even if finished")
-    p.add_argument("--plan", action="store_true", help="print the plan (each step run or reuse, and why); train nothing")
+    p.add_argument(
+        "--refresh",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="comma-separated step names to rerun even if finished",
+    )
+    p.add_argument(
+        "--plan", action="store_true", help="print the plan (each step run or reuse, and why); train nothing"
+    )
 
     p = add("experiments", cmd_experiments, "list experiments (ablations, anneals), or print one's comparison", True)
     p.add_argument("experiment", nargs="?", default=None, help="experiment id or prefix (default: list them)")

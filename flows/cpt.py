@@ -36,11 +36,17 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     corpora = [Given(x) for s in base.shards for x in lineage.inputs_of(s, kind="corpus")]
     g = Graph("cpt", tolerant=tolerant)
     pinned = g.add(pin, base.pin_spec(), label=base.label)
-    plan = g.add(weights_mixture, WeightsMixture(name="cpt", weights=cpt_weights(c, general), tokens=c.tokens,
-                                                 seq_len=base.seq_len, seed=cfg.seed),
-                 label="cpt", shards=shards)
-    held = [g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora)
-            for h in heldout_configs(c, general)]
+    plan = g.add(
+        weights_mixture,
+        WeightsMixture(
+            name="cpt", weights=cpt_weights(c, general), tokens=c.tokens, seq_len=base.seq_len, seed=cfg.seed
+        ),
+        label="cpt",
+        shards=shards,
+    )
+    held = [
+        g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora) for h in heldout_configs(c, general)
+    ]
     run = cpt_stage(c, base, cfg.training.nproc_per_node, cfg.resources.threads("train"))
     run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
     stage = g.add(pretrain, run, label="cpt", mixture=plan, init=pinned)

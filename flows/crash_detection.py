@@ -31,7 +31,7 @@ def crash_detection_automation(heartbeat_s: int, missed: int = 3) -> Any:
     return Automation(
         name=CRASH_AUTOMATION,
         description=f"A flow run that emitted no heartbeat for {within}s (heartbeats every "
-                    f"{heartbeat_s}s) has lost its process: mark it Crashed so it can be retried.",
+        f"{heartbeat_s}s) has lost its process: mark it Crashed so it can be retried.",
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"},
             expect={
@@ -50,12 +50,14 @@ def crash_detection_automation(heartbeat_s: int, missed: int = 3) -> Any:
             threshold=1,
             within=timedelta(seconds=within),
         ),
-        actions=[ChangeFlowRunState(
-            state=StateType.CRASHED,
-            message=f"no heartbeat for {within}s: the flow-run process died (killed, out of "
-                    "memory, or its machine was lost); retry the run to resume from its "
-                    "completed steps and checkpoints",
-        )],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {within}s: the flow-run process died (killed, out of "
+                "memory, or its machine was lost); retry the run to resume from its "
+                "completed steps and checkpoints",
+            )
+        ],
     )
 
 
@@ -68,8 +70,10 @@ def ensure_crash_detection(heartbeat_s: int | None = None, missed: int = 3) -> A
         existing = Automation.read(name=CRASH_AUTOMATION)
     except ValueError:  # not there yet
         return wanted.create()
-    same = (existing.trigger.model_dump(exclude={"id"}) == wanted.trigger.model_dump(exclude={"id"})
-            and existing.actions == wanted.actions)
+    same = (
+        existing.trigger.model_dump(exclude={"id"}) == wanted.trigger.model_dump(exclude={"id"})
+        and existing.actions == wanted.actions
+    )
     if same:
         return existing
     wanted.id = existing.id

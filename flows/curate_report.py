@@ -30,7 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("source")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--out", default=None, help="folder for the corpus and curated outputs (default: a temporary one)")
+    parser.add_argument(
+        "--out", default=None, help="folder for the corpus and curated outputs (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     config = recipe.source(args.source)
@@ -43,14 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = build_corpus(config, recipe.seed, raw, quiet)
     corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
     cmeta = build_curated(recipe.curation, corpus, cur, print)
-    print(f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
-          f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}")
+    print(
+        f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
+        f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}"
+    )
     print(f"\ntrain ({cmeta['preset']} preset):\n")
     print(format_rows(json.loads((cur / "filter_stats.json").read_text(encoding="utf-8"))))
     print("\nheld-out:\n")
     print(format_rows(json.loads((cur / "heldout_filter_stats.json").read_text(encoding="utf-8"))))
-    print(f"\ncurated: {cmeta['documents']} documents, {cmeta['characters']:,} characters "
-          f"(held-out {cmeta['heldout_documents']}, {cmeta['heldout_characters']:,}); outputs in {root}")
+    print(
+        f"\ncurated: {cmeta['documents']} documents, {cmeta['characters']:,} characters "
+        f"(held-out {cmeta['heldout_documents']}, {cmeta['heldout_characters']:,}); outputs in {root}"
+    )
     return 0
 
 

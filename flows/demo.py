@@ -70,8 +70,13 @@ class Managed:
         self.file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.file.write_text(json.dumps({"pid": proc.pid, "start": _start_time(proc.pid), "cmd": cmd}))
 
@@ -100,9 +105,7 @@ def _healthy(port: int) -> bool:
 
 
 def _deployment_ready(env: dict[str, str], name: str) -> bool:
-    req = urllib.request.Request(
-        f"{env['PREFECT_API_URL']}/deployments/name/{name}", method="GET"
-    )
+    req = urllib.request.Request(f"{env['PREFECT_API_URL']}/deployments/name/{name}", method="GET")
     try:
         with urllib.request.urlopen(req, timeout=2) as r:
             return r.status == 200
@@ -136,8 +139,7 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
         )
     else:
         print(f"[demo] starting Prefect server on 127.0.0.1:{port} (SQLite in {env['PREFECT_HOME']})")
-        server.start([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
-                      "--port", str(port)], env)
+        server.start([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env)
     _wait("Prefect server", lambda: _healthy(port), 120, server.log)
     if serve.alive():
         print("[demo] serve process already running")
@@ -157,8 +159,9 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
         code = 1
     print()
     print(summary(Lineage(workspace / "lineage.duckdb"), ui_url=f"http://127.0.0.1:{port}"))
-    print(f"\nServer and serve process keep running for the UI; `make down` stops them. "
-          f"Logs: {server.log}, {serve.log}")
+    print(
+        f"\nServer and serve process keep running for the UI; `make down` stops them. Logs: {server.log}, {serve.log}"
+    )
     return code
 
 
@@ -206,7 +209,10 @@ class RunWatch:
         while True:  # the API returns at most 200 rows at a time
             page = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[self.flow_run_id])),
-                sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200, offset=offset)
+                sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+                limit=200,
+                offset=offset,
+            )
             tasks += page
             offset += len(page)
             if len(page) < 200:
@@ -230,9 +236,11 @@ class RunWatch:
                 note = (t.state.message or "")[:300]
             lines.append(f"{_clock()} {t.name:<{self.width}} {name:<10} {note}".rstrip())
         running = {t.name for t in tasks if t.state and t.state.is_running()}
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id]),
-            type=ArtifactFilterType(any_=["progress"])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id]), type=ArtifactFilterType(any_=["progress"])
+            )
+        )
         for a in artifacts:  # the runner's progress artifacts: description = the step key
             key, percent = a.description or a.key or "", float(a.data or 0.0)
             last = self.progress.get(key, 0.0)
@@ -242,17 +250,25 @@ class RunWatch:
         name = flow_run.state.name if flow_run.state else "Pending"
         if name != self.flow_state:
             self.flow_state = name
-            lines.append(f"{_clock()} flow run {name}" + (f": {flow_run.state.message}" if
-                         flow_run.state and flow_run.state.message and flow_run.state.is_final() else ""))
+            lines.append(
+                f"{_clock()} flow run {name}"
+                + (
+                    f": {flow_run.state.message}"
+                    if flow_run.state and flow_run.state.message and flow_run.state.is_final()
+                    else ""
+                )
+            )
         return lines, flow_run
-
 
     def _retried_cause(self, key: str) -> str:
         """The cause the runner recorded for the newest failed attempt of step `key`."""
         if self.lineage is None:
             return ""
-        rows = [r for r in self.lineage.steps_of(str(self.flow_run_id))
-                if f"{r['step']}[{r['label']}]" == key and r["state"] == "retried"]
+        rows = [
+            r
+            for r in self.lineage.steps_of(str(self.flow_run_id))
+            if f"{r['step']}[{r['label']}]" == key and r["state"] == "retried"
+        ]
         return rows[-1]["error"] or "" if rows else ""
 
 

@@ -80,7 +80,10 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - serving matters more; say what is missing
         logging.getLogger(__name__).warning(
             "could not install the crash-detection automation (%s: %s): runs whose process dies "
-            "will stay Running until cancelled by hand", type(exc).__name__, exc)
+            "will stay Running until cancelled by hand",
+            type(exc).__name__,
+            exc,
+        )
     serve(*deployments(), pause_on_shutdown=False, limit=2)
 
 

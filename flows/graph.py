@@ -97,8 +97,16 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     final: Node | None = None  # the node whose artifact the run reports as its result
 
-    def add(self, step: StepDef, config: Any, *, label: str, after: Sequence[Node] = (),
-            reuse: bool = False, **inputs: Ref | Sequence[Ref]) -> Node:
+    def add(
+        self,
+        step: StepDef,
+        config: Any,
+        *,
+        label: str,
+        after: Sequence[Node] = (),
+        reuse: bool = False,
+        **inputs: Ref | Sequence[Ref],
+    ) -> Node:
         """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them);
         `after` names gates (see Node.after).
 
@@ -108,8 +116,7 @@ class Graph:
         gates and label are the first one's)."""
         if not isinstance(config, step.config_type):
             raise TypeError(
-                f"{step.name}[{label}]: config must be a {step.config_type.__name__}, "
-                f"got {type(config).__name__}"
+                f"{step.name}[{label}]: config must be a {step.config_type.__name__}, got {type(config).__name__}"
             )
         key = f"{step.name}[{label}]"
         mine = {id(n) for n in self.nodes}

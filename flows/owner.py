@@ -71,9 +71,14 @@ def survive_broken_console() -> None:
     Prefect's console handler prints through rich, whose `Console.on_broken_pipe` (documented as
     the method to override) mutes the console and raises `SystemExit(1)`, so the first log line
     after the serve process died ended the run from inside a step. Idempotent."""
-    for logger in (logging.getLogger(), *(
-            lg for name, lg in logging.Logger.manager.loggerDict.items()
-            if isinstance(lg, logging.Logger) and name.startswith("prefect"))):
+    for logger in (
+        logging.getLogger(),
+        *(
+            lg
+            for name, lg in logging.Logger.manager.loggerDict.items()
+            if isinstance(lg, logging.Logger) and name.startswith("prefect")
+        ),
+    ):
         for handler in logger.handlers:
             console = getattr(handler, "console", None)
             if console is not None and hasattr(console, "on_broken_pipe"):

@@ -53,5 +53,6 @@ def check_refresh(flow: str, names: Iterable[str]) -> None:
     steps = flow_steps(vars(importlib.import_module(f"flows.{flow}")))
     unknown = sorted(set(names) - set(steps))
     if unknown:
-        raise ValueError(f"--refresh names unknown step(s) {', '.join(unknown)}; steps of flow "
-                         f"{flow!r}: {', '.join(steps)}")
+        raise ValueError(
+            f"--refresh names unknown step(s) {', '.join(unknown)}; steps of flow {flow!r}: {', '.join(steps)}"
+        )

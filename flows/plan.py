@@ -85,8 +85,11 @@ def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -
             if action == "run":
                 runs.add(node.key)
             summary = getattr(node.config, "launch_summary", None)
-            rows.append(PlanRow(node.step.name, node.label, node.fingerprint, action, reason,
-                                summary() if callable(summary) else ""))
+            rows.append(
+                PlanRow(
+                    node.step.name, node.label, node.fingerprint, action, reason, summary() if callable(summary) else ""
+                )
+            )
     return rows
 
 

@@ -33,10 +33,7 @@ def model_path(row: dict[str, Any]) -> str | None:
 def _line(row: dict[str, Any]) -> str:
     label = f"[{row['label']}]" if row.get("label") else ""
     where = model_path(row) or row["uri"]  # a model: the path that loads, not its step folder
-    return (
-        f"{row['kind']} {row['fingerprint'][:12]}  {row['step']}{label}  {where}  "
-        f"{_facts(row['meta'])}".rstrip()
-    )
+    return f"{row['kind']} {row['fingerprint'][:12]}  {row['step']}{label}  {where}  {_facts(row['meta'])}".rstrip()
 
 
 def resolve_artifact(lineage: Lineage, ref: str) -> dict[str, Any]:
@@ -96,10 +93,7 @@ def runs_table(lineage: Lineage, limit: int = 20, steps: bool = True) -> str:
             for s in lineage.steps_of(run["run_id"]):
                 name = s["step"] + (f"[{s['label']}]" if s["label"] else "")
                 err = f"  {s['error'][:120]}" if s["error"] else ""
-                out.append(
-                    f"    {name:<26} {s['state']:<9} {(s['fingerprint'] or '')[:12]}  "
-                    f"{s['seconds']:7.1f}s{err}"
-                )
+                out.append(f"    {name:<26} {s['state']:<9} {(s['fingerprint'] or '')[:12]}  {s['seconds']:7.1f}s{err}")
     return "\n".join(out) if out else f"no runs recorded in {lineage.path}"
 
 
@@ -130,8 +124,7 @@ def summary(lineage: Lineage, ui_url: str | None) -> str:
     if not runs:
         return f"no runs recorded in {lineage.path}"
     run = runs[0]
-    parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores ==",
-             eval_table(lineage, run["run_id"])]
+    parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores ==", eval_table(lineage, run["run_id"])]
     final = final_artifact(lineage, run["run_id"])
     if final:
         parts += ["", f"== lineage of the final {final['kind']} ==", tree(lineage, final)]
@@ -188,8 +181,7 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
         parts += ["", f"(no loss curve: a stage folder of this run is not readable here: {exc})"]
     if stages:
         png = plot_run_loss(stages, out.with_name(f"{out.stem}-loss.png"))
-        parts += ["", "## Loss over the run", "", f"![loss over the run]({png.name})", "",
-                  stages_markdown(stages)]
+        parts += ["", "## Loss over the run", "", f"![loss over the run]({png.name})", "", stages_markdown(stages)]
     for st in stages:
         summary_md = st["folder"] / "summary.md"
         if summary_md.exists():
@@ -234,23 +226,27 @@ def trained_on_table(lineage: Lineage, source: str) -> str:
     source, with the tokens drawn in its own stage and in its whole init chain."""
     rows = lineage.trained_on(source, pinned_tokens=_pinned_tokens)
     if not rows:
-        return (f"no training stage in {lineage.path} drew tokens from {source!r} (nor continues "
-                "one that did)")
+        return f"no training stage in {lineage.path} drew tokens from {source!r} (nor continues one that did)"
     name = rows[0].source
-    out = [f"checkpoints trained on source {name!r} (tokens: the mixture ledger at the end of each "
-           "stage; cumulative: this stage and the stages its init chain continues)",
-           f"{'stage':<22}{'checkpoint':<14}{'this stage':>14}{'cumulative':>14}  runs (built or reused it)"]
+    out = [
+        f"checkpoints trained on source {name!r} (tokens: the mixture ledger at the end of each "
+        "stage; cumulative: this stage and the stages its init chain continues)",
+        f"{'stage':<22}{'checkpoint':<14}{'this stage':>14}{'cumulative':>14}  runs (built or reused it)",
+    ]
     for r in rows:
         cumulative = f"{r.cumulative_tokens:,}" + ("" if r.complete else "+")
         runs = f"{len(r.runs)}, last {r.runs[-1][:8]}" if r.runs else "-"
-        out.append(f"{'pretrain[' + r.label + ']':<22}{r.checkpoint.short:<14}{r.stage_tokens:>14,}"
-                   f"{cumulative:>14}  {runs}")
+        out.append(
+            f"{'pretrain[' + r.label + ']':<22}{r.checkpoint.short:<14}{r.stage_tokens:>14,}{cumulative:>14}  {runs}"
+        )
         if len(r.chain) > 1:
             out.append(" " * 4 + "chain: " + " -> ".join(f"{label} {tokens:,}" for label, _, tokens in r.chain))
         out.append(" " * 4 + r.checkpoint.uri)
     if any(not r.complete for r in rows):
         out.append("+: at least; a pinned base checkpoint's own count was not readable here")
-    out.append("Every checkpoint also descends from every source through the tokenizer (and each "
-               "curation reads the other sources' held-out text): that is not training on them, "
-               "and is not counted here. The query: docs/architecture.md (Lineage).")
+    out.append(
+        "Every checkpoint also descends from every source through the tokenizer (and each "
+        "curation reads the other sources' held-out text): that is not training on them, "
+        "and is not counted here. The query: docs/architecture.md (Lineage)."
+    )
     return "\n".join(out)

@@ -70,12 +70,19 @@ def git_version() -> str:
     """The commit the code runs from (`+dirty` when the tree has changes), for lineage."""
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-            text=True, timeout=5, check=True,
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-            capture_output=True, text=True, timeout=5,
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
         ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -137,8 +144,12 @@ class RunContext:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_recipe(self.recipe), encoding="utf-8")
         self.lineage.start_run(
-            self.run_id, self.flow, self.deployment, self.recipe_name,
-            self.recipe.model_dump(mode="json"), attempt=self.attempt,
+            self.run_id,
+            self.flow,
+            self.deployment,
+            self.recipe_name,
+            self.recipe.model_dump(mode="json"),
+            attempt=self.attempt,
         )
         get_run_logger().info(
             f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
@@ -156,8 +167,10 @@ class RunContext:
         mute_console()  # nobody reads the console any more; the API keeps the log
         when = datetime.now(UTC).strftime("%H:%M:%S UTC")
         self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
-        self.logger.error(f"{self.owner_gone}: stopping the steps that run and starting no new one; "
-                          f"`prefect flow-run retry {self.run_id}` resumes the run")
+        self.logger.error(
+            f"{self.owner_gone}: stopping the steps that run and starting no new one; "
+            f"`prefect flow-run retry {self.run_id}` resumes the run"
+        )
         stopped = stop_all(grace=5.0)
         if stopped:
             self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
@@ -172,14 +185,16 @@ class RunContext:
         stopped = [f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: ")]
         earlier = [f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: ")]
         unstarted = [r for r in self.records if r.state == "skipped"]
-        return Crashed(message=(
-            f"{self.owner_gone}. Stopped while running: {', '.join(stopped) or 'none'}; "
-            f"{len(unstarted)} step(s) not started"
-            f"{'; failed before: ' + ', '.join(earlier) if earlier else ''}. "
-            "Finished steps keep their outputs. Resume with "
-            f"`prefect flow-run retry {self.run_id}` once a serve process runs again "
-            "(`python -m flows.deployments`)."
-        ))
+        return Crashed(
+            message=(
+                f"{self.owner_gone}. Stopped while running: {', '.join(stopped) or 'none'}; "
+                f"{len(unstarted)} step(s) not started"
+                f"{'; failed before: ' + ', '.join(earlier) if earlier else ''}. "
+                "Finished steps keep their outputs. Resume with "
+                f"`prefect flow-run retry {self.run_id}` once a serve process runs again "
+                "(`python -m flows.deployments`)."
+            )
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         from prefect.exceptions import CancelledRun, TerminationSignal
@@ -194,11 +209,21 @@ class RunContext:
             state = "failed"
         self.lineage.end_run(self.run_id, state, attempt=self.attempt)
 
-    def record(self, node: Node, state: str, started: datetime, ended: datetime,
-               error: str | None = None) -> None:
+    def record(self, node: Node, state: str, started: datetime, ended: datetime, error: str | None = None) -> None:
         config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
-        row = StepRow(self.run_id, node.step.name, node.label, node.fingerprint, state, config,
-                      f"{git_version()}/{node.step.code_version}", started, ended, error, self.attempt)
+        row = StepRow(
+            self.run_id,
+            node.step.name,
+            node.label,
+            node.fingerprint,
+            state,
+            config,
+            f"{git_version()}/{node.step.code_version}",
+            started,
+            ended,
+            error,
+            self.attempt,
+        )
         with self._records_lock:
             self.records.append(row)
         self.lineage.record_step(row)
@@ -237,8 +262,15 @@ def prefect_task(d: StepDef):
         if id(d) not in _TASKS:
             # Retries only for failures a second attempt can fix (tasks.step.transient): the
             # attempt records its own lineage row, a resumable step continues its folder.
-            @task(name=d.name, cache_policy=StepCache(), persist_result=True, result_serializer="json",
-                  retries=d.retries, retry_delay_seconds=d.retry_delay, retry_condition_fn=_retry_if_transient)
+            @task(
+                name=d.name,
+                cache_policy=StepCache(),
+                persist_result=True,
+                result_serializer="json",
+                retries=d.retries,
+                retry_delay_seconds=d.retry_delay,
+                retry_condition_fn=_retry_if_transient,
+            )
             def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
                 return execute(call, inputs, gates).model_dump(mode="json")
 
@@ -283,9 +315,17 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                 f"inputs resolved to fingerprint {got[:12]}, the graph planned {node.short}; rerun the flow"
             )
         if read_marker(call.folder) is not None and not call.refresh:
-            outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
-                               config=node.config, inputs=inputs, extra=node.extra,
-                               build=_unreachable, resumable=d.resumable)
+            outcome = run_step(
+                root=ws.path,
+                step=d.name,
+                version=d.version,
+                kind=d.kind,
+                config=node.config,
+                inputs=inputs,
+                extra=node.extra,
+                build=_unreachable,
+                resumable=d.resumable,
+            )
         else:
             resources = call.resources
             slot = d.resource
@@ -298,16 +338,40 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                 return _build_here(d, node, inputs, out, threads, logger.info)
 
             if slot:
-                with hold(ws.path / ".slots", slot, getattr(resources, slot).slots,
-                          poll=resources.poll_seconds, log=logger.info, who=node.key):
+                with hold(
+                    ws.path / ".slots",
+                    slot,
+                    getattr(resources, slot).slots,
+                    poll=resources.poll_seconds,
+                    log=logger.info,
+                    who=node.key,
+                ):
                     started[0] = _now()
-                    outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
-                                       config=node.config, inputs=inputs, extra=node.extra, build=build,
-                                       refresh=call.refresh, resumable=d.resumable)
+                    outcome = run_step(
+                        root=ws.path,
+                        step=d.name,
+                        version=d.version,
+                        kind=d.kind,
+                        config=node.config,
+                        inputs=inputs,
+                        extra=node.extra,
+                        build=build,
+                        refresh=call.refresh,
+                        resumable=d.resumable,
+                    )
             else:
-                outcome = run_step(root=ws.path, step=d.name, version=d.version, kind=d.kind,
-                                   config=node.config, inputs=inputs, extra=node.extra, build=build,
-                                   refresh=call.refresh, resumable=d.resumable)
+                outcome = run_step(
+                    root=ws.path,
+                    step=d.name,
+                    version=d.version,
+                    kind=d.kind,
+                    config=node.config,
+                    inputs=inputs,
+                    extra=node.extra,
+                    build=build,
+                    refresh=call.refresh,
+                    resumable=d.resumable,
+                )
     except BaseException as exc:
         cause = _cause(exc)
         if isinstance(exc, OwnerGone):
@@ -327,11 +391,11 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
     artifact = outcome.artifact
     verb = "built" if outcome.built else "reused finished"
     # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
-    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at "
-                f"{artifact.meta.get('model_dir') or artifact.uri}")
+    logger.info(
+        f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.meta.get('model_dir') or artifact.uri}"
+    )
     lineage = ws.lineage()
-    lineage.record_artifact(artifact, d.name, node.label, node.config,
-                            [*_flat(inputs), *(_artifact(g) for g in gates)])
+    lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
     ctx.record(node, "completed", started[0], _now())
     if outcome.built and d.publish is not None:
         d.publish(artifact, ws, node.label)
@@ -447,18 +511,24 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
     futures: dict[str, PrefectFuture] = {}
     node_of: dict[Any, Node] = {}
     for node in graph:
-            inputs: dict[str, Any] = {}
-            for name, value in node.inputs.items():
-                refs = value if isinstance(value, tuple) else (value,)
-                resolved = [futures[r.key] if isinstance(r, Node) else quote(r.artifact) for r in refs]
-                inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
-            fresh = node.step.name in refresh
-            call = StepCall(node, ctx, fresh, resources)
-            future = prefect_task(node.step).with_options(
-                task_run_name=node.key, result_storage=storage, refresh_cache=fresh or None,
-            ).submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
-            futures[node.key] = future
-            node_of[future.task_run_id] = node
+        inputs: dict[str, Any] = {}
+        for name, value in node.inputs.items():
+            refs = value if isinstance(value, tuple) else (value,)
+            resolved = [futures[r.key] if isinstance(r, Node) else quote(r.artifact) for r in refs]
+            inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
+        fresh = node.step.name in refresh
+        call = StepCall(node, ctx, fresh, resources)
+        future = (
+            prefect_task(node.step)
+            .with_options(
+                task_run_name=node.key,
+                result_storage=storage,
+                refresh_cache=fresh or None,
+            )
+            .submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
+        )
+        futures[node.key] = future
+        node_of[future.task_run_id] = node
     artifacts: dict[str, Artifact] = {}
     failed: list[str] = []
     for future in as_completed(list(futures.values())):
@@ -510,16 +580,18 @@ def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> di
         f"{(r.ended - r.started).total_seconds():.1f} |"
         for r in records
     ]
-    markdown = "\n".join([
-        f"# {ctx.flow} run `{ctx.run_id}`",
-        f"Recipe `{ctx.recipe_name}`, workspace `{ctx.ws.root}`.",
-        "",
-        "| step | label | state | fingerprint | seconds |",
-        "|---|---|---|---|---|",
-        *rows,
-        *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if dropped else []),
-        *(f"| {k} | {v} |" for k, v in dropped.items()),
-    ])
+    markdown = "\n".join(
+        [
+            f"# {ctx.flow} run `{ctx.run_id}`",
+            f"Recipe `{ctx.recipe_name}`, workspace `{ctx.ws.root}`.",
+            "",
+            "| step | label | state | fingerprint | seconds |",
+            "|---|---|---|---|---|",
+            *rows,
+            *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if dropped else []),
+            *(f"| {k} | {v} |" for k, v in dropped.items()),
+        ]
+    )
     create_markdown_artifact(markdown=markdown, key=f"{ctx.flow}-summary", description="Steps and states")
     states: dict[str, int] = {}
     for r in records:
@@ -534,11 +606,10 @@ def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> di
     }
 
 
-def run_flow(flow: str, graph: Graph, recipe: Recipe, recipe_name: str,
-             refresh: Sequence[str] = ()) -> dict[str, Any] | State:
+def run_flow(
+    flow: str, graph: Graph, recipe: Recipe, recipe_name: str, refresh: Sequence[str] = ()
+) -> dict[str, Any] | State:
     """The body every flow shares: open the run, run its graph, close the run (a served run that
     lost its serve process returns its `Crashed` state, which the flow returns)."""
     with RunContext(flow, recipe, recipe_name) as ctx:
         return run_graph(graph, ctx, refresh)
-
-

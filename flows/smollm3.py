@@ -42,11 +42,13 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
 
     # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
     # waits for the previous one only: its export and evaluation run beside the next stage.
-    check = g.add(preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer,
-                  mixtures=list(d.plans.values()))
+    check = g.add(
+        preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer, mixtures=list(d.plans.values())
+    )
     # Eval items come from the curated held-out splits: text like what is trained on, never in it.
-    suite = g.add(eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite",
-                  heldout=d.clean, train=d.clean)
+    suite = g.add(
+        eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite", heldout=d.clean, train=d.clean
+    )
     previous: Node | None = None
     threads = cfg.resources.threads("train")
     for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
@@ -56,16 +58,26 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
         gate = [check] if previous is None else []
         previous = g.add(pretrain, run, label=run.name, mixture=d.plans[run.name], after=gate, **init)
         model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)
-        g.add(evaluate, EvalSpec.of(cfg.eval, long_context=run.kind == "long_context"), label=run.name,
-              model=model, suite=suite)
+        g.add(
+            evaluate,
+            EvalSpec.of(cfg.eval, long_context=run.kind == "long_context"),
+            label=run.name,
+            model=model,
+            suite=suite,
+        )
     final = model
     if cfg.posttrain is not None:
         final = post_train(g, cfg, model, d.clean)
     # Last: the run-wide loss curve and eval table, from every stage and every evaluation.
     stages = [n for n in g if n.step is pretrain]
     evals = [n for n in g if n.step is evaluate]
-    g.add(run_report, RunReportSpec(stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals)),
-          label="smollm3", stages=stages, evals=evals)
+    g.add(
+        run_report,
+        RunReportSpec(stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals)),
+        label="smollm3",
+        stages=stages,
+        evals=evals,
+    )
     g.final = final
     return g
 
@@ -86,8 +98,13 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     raw = {s.name: g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources}
     # Each source's train split is decontaminated against every source's held-out split.
     clean = {
-        s.name: g.add(curate, cfg.curation.for_source(s.name), label=s.name, corpus=raw[s.name],
-                      others=[raw[o.name] for o in cfg.sources if o.name != s.name])
+        s.name: g.add(
+            curate,
+            cfg.curation.for_source(s.name),
+            label=s.name,
+            corpus=raw[s.name],
+            others=[raw[o.name] for o in cfg.sources if o.name != s.name],
+        )
         for s in cfg.sources
     }
     # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.
@@ -95,19 +112,22 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
         tok = g.add(tokenizer, cfg.tokenizer, label="given")
     else:
         tok = g.add(tokenizer, cfg.tokenizer, label="bpe", corpora=list(clean.values()))
-    fert = g.add(fertility, FertilitySpec(fertility=cfg.fertility, weights=cfg.mixture_weights()),
-                 label="fertility", tokenizer=tok, corpora=list(clean.values()))
+    fert = g.add(
+        fertility,
+        FertilitySpec(fertility=cfg.fertility, weights=cfg.mixture_weights()),
+        label="fertility",
+        tokenizer=tok,
+        corpora=list(clean.values()),
+    )
     # When the recipe fixes the tokenizer (no other candidates, or choose: trained), shards depend
     # on the tokenizer itself rather than on the fertility report over every source, so changing
     # one source re-tokenizes only that source.
     chosen = tok if not cfg.fertility.candidates or cfg.fertility.choose == "trained" else fert
     shards = [
-        g.add(tokenize, TokenizeSpec(tokenize=cfg.tokenize, seed=cfg.seed), label=name,
-              tokenizer=chosen, corpus=node)
+        g.add(tokenize, TokenizeSpec(tokenize=cfg.tokenize, seed=cfg.seed), label=name, tokenizer=chosen, corpus=node)
         for name, node in clean.items()
     ]
-    plans = {st.name: g.add(mixture, MixtureSpec.of(st, cfg.seed), label=st.name, shards=shards)
-             for st in cfg.stages}
+    plans = {st.name: g.add(mixture, MixtureSpec.of(st, cfg.seed), label=st.name, shards=shards) for st in cfg.stages}
     return DataNodes(list(raw.values()), list(clean.values()), chosen, plans)
 
 
@@ -120,10 +140,15 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     pt = cfg.posttrain
     suite = g.add(
         eval_suite,
-        SuiteSpec(eval=cfg.eval.for_suite().model_copy(update={"items_per_task": pt.eval.cloze_items}),
-                  seed=cfg.seed, generation_items=pt.eval.generation_items,
-                  max_gen_tokens=pt.eval.max_gen_tokens),
-        label="posttrain", heldout=clean, train=clean,
+        SuiteSpec(
+            eval=cfg.eval.for_suite().model_copy(update={"items_per_task": pt.eval.cloze_items}),
+            seed=cfg.seed,
+            generation_items=pt.eval.generation_items,
+            max_gen_tokens=pt.eval.max_gen_tokens,
+        ),
+        label="posttrain",
+        heldout=clean,
+        train=clean,
     )
     scoring = EvalSpec.of(cfg.eval.model_copy(update={"batch_size": pt.eval.batch_size}))
     launch = pt.launch.resolve(cfg.launch, cfg.training.nproc_per_node)
@@ -132,8 +157,9 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
         g.add(evaluate, scoring, label=label, model=model, suite=suite)
 
     def run(section, seed: int | None = None) -> TrainerRun:
-        return TrainerRun.of(section, pt, launch=launch, storage=cfg.storage,
-                             threads=cfg.resources.threads("train"), seed=seed)
+        return TrainerRun.of(
+            section, pt, launch=launch, storage=cfg.storage, threads=cfg.resources.threads("train"), seed=seed
+        )
 
     if pt.eval.base:
         score(base, "base")
@@ -149,8 +175,9 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
             # SmolLM3 merged a soup of APO checkpoints: more preference runs from the same SFT model
             ingredients = [model]
             for extra in pt.merge.soup:
-                node = g.add(preference, run(extra.apply(pt.preference), extra.seed), label=extra.name,
-                             model=tuned, data=data)
+                node = g.add(
+                    preference, run(extra.apply(pt.preference), extra.seed), label=extra.name, model=tuned, data=data
+                )
                 score(node, extra.name)
                 ingredients.append(node)
             model = g.add(merge, LinearMerge(weights=pt.merge.soup_mix()), label="soup", models=ingredients)
@@ -162,9 +189,11 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
                 other = g.node(f"export[{pt.merge.stage}]")
             except KeyError:
                 stages = ", ".join(st.name for st in cfg.stages) or "none"
-                raise ValueError(f"posttrain.merge.stage {pt.merge.stage!r} is not a stage of this recipe "
-                                 f"(stages: {stages}); name one, or leave it unset for the model "
-                                 "post-training starts from") from None
+                raise ValueError(
+                    f"posttrain.merge.stage {pt.merge.stage!r} is not a stage of this recipe "
+                    f"(stages: {stages}); name one, or leave it unset for the model "
+                    "post-training starts from"
+                ) from None
         model = g.add(merge, LinearMerge(weights=pt.merge.weights), label="merge", models=[model, other])
         score(model, "merge")
     if pt.grpo.enabled:

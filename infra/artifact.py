@@ -99,11 +99,7 @@ def identity(config: Any) -> Any:
     """
     if isinstance(config, BaseModel):
         cls = type(config)
-        return {
-            name: identity(getattr(config, name))
-            for name in cls.model_fields
-            if not is_operational(cls, name)
-        }
+        return {name: identity(getattr(config, name)) for name in cls.model_fields if not is_operational(cls, name)}
     if isinstance(config, Mapping):
         return {str(k): identity(v) for k, v in config.items()}
     if isinstance(config, list | tuple):
@@ -142,9 +138,7 @@ def flat_inputs(inputs: Inputs | Sequence[Artifact]) -> list[Artifact]:
     return out
 
 
-def fingerprint(
-    step: str, version: int, config: Any, inputs: Inputs | Sequence[Artifact] = (), extra: str = ""
-) -> str:
+def fingerprint(step: str, version: int, config: Any, inputs: Inputs | Sequence[Artifact] = (), extra: str = "") -> str:
     """Hash of everything that determines a step's output.
 
     The config enters through `identity` (operational fields left out). `extra` carries facts
@@ -245,9 +239,7 @@ def run_step(
     with folder_lock(folder):
         record = read_marker(folder)
         if record is not None and not refresh:
-            return StepOutcome(
-                artifact=Artifact(**record["artifact"]), built=False, seconds=0.0
-            )
+            return StepOutcome(artifact=Artifact(**record["artifact"]), built=False, seconds=0.0)
         if folder.exists() and (refresh or not resumable):
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)

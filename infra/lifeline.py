@@ -139,8 +139,9 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def watch(owner: ProcessRef, on_gone: Callable[[], object], interval: float = WATCH_INTERVAL_S,
-          name: str = "owner-watchdog") -> threading.Thread:
+def watch(
+    owner: ProcessRef, on_gone: Callable[[], object], interval: float = WATCH_INTERVAL_S, name: str = "owner-watchdog"
+) -> threading.Thread:
     """Call `on_gone()` once, from a daemon thread, when `owner` (on this host) has died."""
 
     def loop() -> None:
@@ -182,8 +183,7 @@ def protect_rank() -> bool:
     arm_parent_death(signal.SIGTERM)
     if os.getppid() != parent.pid or parent.start is None:  # torchrun died before we armed
         _die_with_grace(f"parent torchrun {parent.pid} is gone at startup")
-    watch(parent, lambda: _die_with_grace(f"parent torchrun {parent.pid} died"),
-          name="torchrun-watchdog")
+    watch(parent, lambda: _die_with_grace(f"parent torchrun {parent.pid} died"), name="torchrun-watchdog")
     return True
 
 
@@ -254,8 +254,7 @@ def guard_command(owner: ProcessRef, cmd: Sequence[str]) -> list[str]:
     its folder on sys.path): it needs the standard library only, so it works from any working
     directory and whatever checkout `cmd` imports its code from.
     """
-    return [sys.executable, "-I", str(Path(__file__).resolve()), "guard", "--owner",
-            owner.encode(), "--", *cmd]
+    return [sys.executable, "-I", str(Path(__file__).resolve()), "guard", "--owner", owner.encode(), "--", *cmd]
 
 
 def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
@@ -284,8 +283,8 @@ def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
     # other thread runs yet in the guard.
     prctl = _libc_prctl()
     child = subprocess.Popen(  # same stdout/stderr (the owner's pipe), same process group
-        list(cmd), preexec_fn=(lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0))
-        if prctl else None)
+        list(cmd), preexec_fn=(lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)) if prctl else None
+    )
     watch(owner, lambda: (why.append(f"owner {owner_pid} died"), stop.set()))
     while child.poll() is None and not stop.wait(0.1):
         pass
@@ -329,14 +328,15 @@ class Lease:
     ttl_s: float
 
     def to_json(self) -> str:
-        return json.dumps({"holder": asdict(self.holder), "acquired": self.acquired,
-                           "renewed": self.renewed, "ttl_s": self.ttl_s}, indent=1)
+        return json.dumps(
+            {"holder": asdict(self.holder), "acquired": self.acquired, "renewed": self.renewed, "ttl_s": self.ttl_s},
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Lease:
         raw = json.loads(text)
-        return cls(ProcessRef(**raw["holder"]), float(raw["acquired"]), float(raw["renewed"]),
-                   float(raw["ttl_s"]))
+        return cls(ProcessRef(**raw["holder"]), float(raw["acquired"]), float(raw["renewed"]), float(raw["ttl_s"]))
 
     def live(self, now: float | None = None) -> bool:
         """Same host: the holder process still runs. Elsewhere: renewed within the TTL."""
@@ -357,9 +357,13 @@ class StageLease:
     the lease file itself is written atomically (temp file + rename).
     """
 
-    def __init__(self, folder: str | Path, ttl_s: float = LEASE_TTL_S,
-                 renew_s: float = LEASE_RENEW_S,
-                 on_lost: Callable[[str], object] | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        ttl_s: float = LEASE_TTL_S,
+        renew_s: float = LEASE_RENEW_S,
+        on_lost: Callable[[str], object] | None = None,
+    ):
         self.folder = Path(folder)
         self.path = self.folder / LEASE_FILE
         self.ttl_s, self.renew_s = ttl_s, renew_s
@@ -398,10 +402,14 @@ class StageLease:
                 )
             if current is not None and current.holder != self.me:
                 self.took_over = current
-                log.warning("taking over the lease of %s from %s (%s)", self.folder,
-                            current.holder.describe(),
-                            "process gone" if current.holder.alive() is False else
-                            f"not renewed for {time.time() - current.renewed:.0f}s")
+                log.warning(
+                    "taking over the lease of %s from %s (%s)",
+                    self.folder,
+                    current.holder.describe(),
+                    "process gone"
+                    if current.holder.alive() is False
+                    else f"not renewed for {time.time() - current.renewed:.0f}s",
+                )
             now = time.time()
             self._write(Lease(self.me, now, now, self.ttl_s))
         self._thread = threading.Thread(target=self._renew, name="stage-lease", daemon=True)
@@ -413,8 +421,9 @@ class StageLease:
             current = self.read()
             if current is None or current.holder != self.me:
                 who = current.holder.describe() if current else "nobody (lease file removed)"
-                self.on_lost(f"lost the lease of {self.folder} to {who}; stopping so that only "
-                             "one trainer writes there")
+                self.on_lost(
+                    f"lost the lease of {self.folder} to {who}; stopping so that only one trainer writes there"
+                )
                 return
             self._write(Lease(self.me, current.acquired, time.time(), self.ttl_s))
 
@@ -437,11 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) >= 4 and argv[0] == "guard" and argv[1] == "--owner" and "--" in argv:
         pid, _, start = argv[2].partition(":")
-        cmd = argv[argv.index("--") + 1:]
+        cmd = argv[argv.index("--") + 1 :]
         if cmd:
             return guard(int(pid), None if start in ("", "None") else int(start), cmd)
-    print("usage: python -I infra/lifeline.py guard --owner PID:START -- CMD [ARGS...]",
-          file=sys.stderr)
+    print("usage: python -I infra/lifeline.py guard --owner PID:START -- CMD [ARGS...]", file=sys.stderr)
     return 2
 
 

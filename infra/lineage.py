@@ -111,13 +111,11 @@ _TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
 ADDED_COLUMNS = (("steps", "attempt", "INTEGER"),)  # the flow run's attempt (Prefect's run_count)
 MIGRATE = "".join(f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} {ty};\n" for t, c, ty in ADDED_COLUMNS)
 
-STEP_COLUMNS = ("run_id, step, label, fingerprint, state, config, code_version, started, ended, "
-                "seconds, error, attempt")
+STEP_COLUMNS = "run_id, step, label, fingerprint, state, config, code_version, started, ended, seconds, error, attempt"
 # Statements journaled by earlier code, still valid events: rewritten to name their columns, so an
 # event written before an upgrade and ingested after it lands instead of being rejected.
 LEGACY_SQL = {
-    "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)":
-        f"INSERT INTO steps ({STEP_COLUMNS.rsplit(', ', 1)[0]}) VALUES ({', '.join('?' * 11)})",
+    "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)": f"INSERT INTO steps ({STEP_COLUMNS.rsplit(', ', 1)[0]}) VALUES ({', '.join('?' * 11)})",
 }
 
 # States a flow run's row (and each attempt's) can end in.
@@ -160,8 +158,10 @@ def _encode(value: Any) -> Any:
         return int(value)  # numpy integers are not ints
     if isinstance(value, numbers.Real) and not isinstance(value, bool | float):
         return float(value)
-    raise TypeError(f"lineage parameter {value!r} of type {type(value).__name__} cannot be stored; "
-                    "pass str, int, float, bool, None, datetime, date or a list of them")
+    raise TypeError(
+        f"lineage parameter {value!r} of type {type(value).__name__} cannot be stored; "
+        "pass str, int, float, bool, None, datetime, date or a list of them"
+    )
 
 
 def _decode(obj: dict) -> Any:
@@ -177,8 +177,7 @@ Op = tuple[str, list[Any] | None, bool]  # (sql, params or rows, executemany?)
 
 
 def _event_line(ops: Sequence[Op], event_id: str) -> bytes:
-    body = {"id": event_id, "t": time.time(),
-            "ops": [[sql, params, many] for sql, params, many in ops]}
+    body = {"id": event_id, "t": time.time(), "ops": [[sql, params, many] for sql, params, many in ops]}
     return (json.dumps(body, default=_encode, separators=(",", ":")) + "\n").encode()
 
 
@@ -282,8 +281,9 @@ class _Retrier:
     def kick(self) -> None:
         with self.lock:
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, daemon=True,
-                                               name=f"lineage-ingest:{self.lineage.path.name}")
+                self.thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"lineage-ingest:{self.lineage.path.name}"
+                )
                 self.thread.start()
             else:
                 self.wake.set()  # a new event while retrying: try again now
@@ -296,8 +296,7 @@ class _Retrier:
             try:
                 landed = self.lineage._ingest()
             except Exception as exc:  # noqa: BLE001 - keep retrying; say why
-                log.warning("lineage ingestion into %s failed: %s: %s", self.lineage.path,
-                            type(exc).__name__, exc)
+                log.warning("lineage ingestion into %s failed: %s: %s", self.lineage.path, type(exc).__name__, exc)
                 landed = False
             if landed:
                 with self.lock:  # exit only if no event arrived since (kick holds this lock)
@@ -348,8 +347,10 @@ class JournaledConnection:
         return self
 
     def _no_reads(self, *_a, **_k):
-        raise TypeError("a lineage writer connection is write-only: its statements are journaled "
-                        "and applied when the `with` block ends; read with Lineage.query")
+        raise TypeError(
+            "a lineage writer connection is write-only: its statements are journaled "
+            "and applied when the `with` block ends; read with Lineage.query"
+        )
 
     fetchall = fetchone = fetchdf = df = sql = _no_reads
 
@@ -358,8 +359,9 @@ def _is_lock_conflict(exc: BaseException) -> bool:
     """Another process holds the file (IOException), or this process has it open read-only
     elsewhere (a notebook's own connection: DuckDB refuses a second configuration)."""
     text = str(exc).lower()
-    return ((isinstance(exc, duckdb.IOException) and "lock" in text)
-            or (isinstance(exc, duckdb.ConnectionException) and "different configuration" in text))
+    return (isinstance(exc, duckdb.IOException) and "lock" in text) or (
+        isinstance(exc, duckdb.ConnectionException) and "different configuration" in text
+    )
 
 
 def _apply(con: duckdb.DuckDBPyConnection, ops: Sequence[Op]) -> None:
@@ -455,8 +457,9 @@ class Lineage:
         for path in self._journal_files():
             lines = _read_lines(path)
             done = progress.get(path.name, 0)
-            per_file.append([(_event_time(line), path.name, i, path, line)
-                             for i, line in enumerate(lines) if i >= done])
+            per_file.append(
+                [(_event_time(line), path.name, i, path, line) for i, line in enumerate(lines) if i >= done]
+            )
         for _, _, i, path, line in heapq.merge(*per_file, key=lambda e: e[0]):
             yield path, i, line
 
@@ -498,8 +501,7 @@ class Lineage:
                         con.execute("ROLLBACK")
                         self._reject(con, path, index, line, f"{type(exc).__name__}: {exc}")
                         con.execute("BEGIN TRANSACTION")
-                    con.execute("INSERT OR REPLACE INTO _journal_progress VALUES (?, ?)",
-                                [path.name, index + 1])
+                    con.execute("INSERT OR REPLACE INTO _journal_progress VALUES (?, ?)", [path.name, index + 1])
                     con.execute("COMMIT")
                     progress[path.name] = index + 1
                 self._retire_files(con, progress)
@@ -510,8 +512,10 @@ class Lineage:
     def _reject(self, con, path: Path, index: int, line: bytes, error: str) -> None:
         """Keep an event the database refused (in `_journal_rejected`) and tell its writer."""
         log.error("lineage event %s#%d was rejected by %s: %s", path.name, index, self.path, error)
-        con.execute("INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
-                    [path.name, index, error, line.decode(errors="replace"), _now()])
+        con.execute(
+            "INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
+            [path.name, index, error, line.decode(errors="replace"), _now()],
+        )
         try:
             event_id = json.loads(line)["id"]
             (self.journal_dir / f"{event_id}.rejected").write_text(error)
@@ -562,8 +566,12 @@ class Lineage:
         try:
             landed = self._ingest()
         except Exception as exc:  # noqa: BLE001 - the event is safe in the journal
-            log.warning("lineage ingestion into %s failed (%s: %s); retrying in the background",
-                        self.path, type(exc).__name__, exc)
+            log.warning(
+                "lineage ingestion into %s failed (%s: %s); retrying in the background",
+                self.path,
+                type(exc).__name__,
+                exc,
+            )
             landed = False
         if not landed:
             _retrier_for(self).kick()
@@ -572,8 +580,7 @@ class Lineage:
         if marker.exists():
             error = marker.read_text()
             marker.unlink(missing_ok=True)
-            raise LineageError(f"lineage write to {self.path} was rejected: {error} (kept in "
-                               "table _journal_rejected)")
+            raise LineageError(f"lineage write to {self.path} was rejected: {error} (kept in table _journal_rejected)")
 
     @contextmanager
     def writer(self) -> Iterator[JournaledConnection]:
@@ -654,8 +661,14 @@ class Lineage:
             try:
                 _ensure_schema(con)
                 progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
-                per_file = [[(_event_time(line), p.name, i, line) for i, line in enumerate(lines)
-                             if i >= progress.get(p.name, 0)] for p, lines in files.items()]
+                per_file = [
+                    [
+                        (_event_time(line), p.name, i, line)
+                        for i, line in enumerate(lines)
+                        if i >= progress.get(p.name, 0)
+                    ]
+                    for p, lines in files.items()
+                ]
                 for *_, line in heapq.merge(*per_file, key=lambda e: e[0]):
                     try:
                         con.execute("BEGIN TRANSACTION")
@@ -677,27 +690,45 @@ class Lineage:
     # --- writes -------------------------------------------------------------------------------
 
     def start_run(
-        self, run_id: str, flow: str, deployment: str | None, recipe: str, config: Any,
-        *, attempt: int | None = None,
+        self,
+        run_id: str,
+        flow: str,
+        deployment: str | None,
+        recipe: str,
+        config: Any,
+        *,
+        attempt: int | None = None,
     ) -> None:
         """Record the start of an attempt of a flow run (`attempt`: Prefect's run_count; None
         numbers it after the last recorded one). The run's row keeps its first start time. An
         earlier attempt still `running` lost its process without a word (SIGKILL, a lost node):
         it is marked `crashed`, its end unknown (NULL)."""
         now = _now()
-        self._write([
-            ("UPDATE run_attempts SET state = 'crashed' WHERE run_id = ? AND state = 'running' "
-             "AND attempt IS DISTINCT FROM ?", [run_id, attempt], False),
-            ("INSERT INTO flow_runs VALUES (?, ?, ?, ?, ?, ?, NULL, 'running') "
-             "ON CONFLICT (run_id) DO UPDATE SET flow = excluded.flow, "
-             "deployment = excluded.deployment, recipe = excluded.recipe, "
-             "config = excluded.config, ended = NULL, state = 'running'",
-             [run_id, flow, deployment, recipe, canonical_json(config), now], False),
-            ("INSERT OR REPLACE INTO run_attempts SELECT ?, coalesce(?, (SELECT "
-             "coalesce(max(attempt), 0) + 1 FROM run_attempts WHERE run_id = ?)), ?, NULL, "
-             "'running'",
-             [run_id, attempt, run_id, now], False),
-        ])
+        self._write(
+            [
+                (
+                    "UPDATE run_attempts SET state = 'crashed' WHERE run_id = ? AND state = 'running' "
+                    "AND attempt IS DISTINCT FROM ?",
+                    [run_id, attempt],
+                    False,
+                ),
+                (
+                    "INSERT INTO flow_runs VALUES (?, ?, ?, ?, ?, ?, NULL, 'running') "
+                    "ON CONFLICT (run_id) DO UPDATE SET flow = excluded.flow, "
+                    "deployment = excluded.deployment, recipe = excluded.recipe, "
+                    "config = excluded.config, ended = NULL, state = 'running'",
+                    [run_id, flow, deployment, recipe, canonical_json(config), now],
+                    False,
+                ),
+                (
+                    "INSERT OR REPLACE INTO run_attempts SELECT ?, coalesce(?, (SELECT "
+                    "coalesce(max(attempt), 0) + 1 FROM run_attempts WHERE run_id = ?)), ?, NULL, "
+                    "'running'",
+                    [run_id, attempt, run_id, now],
+                    False,
+                ),
+            ]
+        )
 
     def end_run(self, run_id: str, state: str, *, attempt: int | None = None) -> None:
         """Record how an attempt ended (`state`: completed, failed, cancelled or crashed); None
@@ -705,13 +736,17 @@ class Lineage:
         if state not in RUN_STATES:
             raise ValueError(f"flow run state {state!r} is not one of {sorted(RUN_STATES)}")
         now = _now()
-        self._write([
-            ("UPDATE flow_runs SET ended = ?, state = ? WHERE run_id = ?", [now, state, run_id],
-             False),
-            ("UPDATE run_attempts SET ended = ?, state = ? WHERE run_id = ? AND attempt = "
-             "coalesce(?, (SELECT max(attempt) FROM run_attempts WHERE run_id = ?))",
-             [now, state, run_id, attempt, run_id], False),
-        ])
+        self._write(
+            [
+                ("UPDATE flow_runs SET ended = ?, state = ? WHERE run_id = ?", [now, state, run_id], False),
+                (
+                    "UPDATE run_attempts SET ended = ?, state = ? WHERE run_id = ? AND attempt = "
+                    "coalesce(?, (SELECT max(attempt) FROM run_attempts WHERE run_id = ?))",
+                    [now, state, run_id, attempt, run_id],
+                    False,
+                ),
+            ]
+        )
 
     def record_step(self, row: StepRow) -> None:
         """One step's state in one attempt of a run (completed, cached, failed or skipped)."""
@@ -719,9 +754,18 @@ class Lineage:
             con.execute(
                 f"INSERT INTO steps ({STEP_COLUMNS}) VALUES ({', '.join('?' * 12)})",
                 [
-                    row.run_id, row.step, row.label, row.fingerprint, row.state,
-                    canonical_json(row.config), row.code_version, row.started, row.ended,
-                    (row.ended - row.started).total_seconds(), row.error, row.attempt,
+                    row.run_id,
+                    row.step,
+                    row.label,
+                    row.fingerprint,
+                    row.state,
+                    canonical_json(row.config),
+                    row.code_version,
+                    row.started,
+                    row.ended,
+                    (row.ended - row.started).total_seconds(),
+                    row.error,
+                    row.attempt,
                 ],
             )
 
@@ -739,8 +783,14 @@ class Lineage:
             con.execute(
                 "INSERT OR IGNORE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    artifact.fingerprint, artifact.kind, step, label, artifact.uri,
-                    canonical_json(artifact.meta), canonical_json(identity(config)), _now(),
+                    artifact.fingerprint,
+                    artifact.kind,
+                    step,
+                    label,
+                    artifact.uri,
+                    canonical_json(artifact.meta),
+                    canonical_json(identity(config)),
+                    _now(),
                 ],
             )
             for parent in parents:
@@ -757,15 +807,11 @@ class Lineage:
             return
         width = len(rows[0])
         with self.writer() as con:
-            con.executemany(
-                f"INSERT INTO {table} VALUES ({', '.join('?' * width)})", [list(r) for r in rows]
-            )
+            con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * width)})", [list(r) for r in rows])
 
     def attempts_of(self, run_id: str) -> list[dict[str, Any]]:
         """Every attempt of a flow run (retries keep their own start, end and state)."""
-        return self.query_dicts(
-            "SELECT * FROM run_attempts WHERE run_id = ? ORDER BY attempt", [run_id]
-        )
+        return self.query_dicts("SELECT * FROM run_attempts WHERE run_id = ? ORDER BY attempt", [run_id])
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -824,19 +870,15 @@ class Lineage:
         )
 
     def runs(self, limit: int = 20) -> list[dict[str, Any]]:
-        return self.query_dicts(
-            "SELECT * FROM flow_runs ORDER BY started DESC LIMIT ?", [limit]
-        )
+        return self.query_dicts("SELECT * FROM flow_runs ORDER BY started DESC LIMIT ?", [limit])
 
     def steps_of(self, run_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
         """The step rows of a run (one per step per attempt), attempt by attempt; or of one
         attempt."""
         return self.query_dicts(
-            "SELECT * FROM steps WHERE run_id = ? AND (? IS NULL OR attempt = ?) "
-            "ORDER BY attempt NULLS FIRST, started",
+            "SELECT * FROM steps WHERE run_id = ? AND (? IS NULL OR attempt = ?) ORDER BY attempt NULLS FIRST, started",
             [run_id, attempt, attempt],
         )
-
 
     # --- typed lookups ----------------------------------------------------------------------
     # What tasks and flows ask of lineage, as functions returning Artifacts: no SQL outside
@@ -893,8 +935,9 @@ class Lineage:
         """Artifacts of `step` that a run built or reused (completed or cached), in run order."""
         return [a for _, a in self.labelled_outputs(run_id, step)]
 
-    def labelled_outputs(self, run_id: str, step: str | None = None,
-                         kind: str | None = None) -> list[tuple[str, Artifact]]:
+    def labelled_outputs(
+        self, run_id: str, step: str | None = None, kind: str | None = None
+    ) -> list[tuple[str, Artifact]]:
         """(label, artifact) of the steps a run built or reused, optionally of one step name or
         one artifact kind, in the order they finished."""
         rows = self.query_dicts(
@@ -907,7 +950,9 @@ class Lineage:
         )
         return [(r["step_label"], artifact_of(r)) for r in rows]
 
-    def run_scores(self, run_id: str, metrics: Sequence[str] = ("acc", "acc_norm", "exact_match")) -> list[dict[str, Any]]:
+    def run_scores(
+        self, run_id: str, metrics: Sequence[str] = ("acc", "acc_norm", "exact_match")
+    ) -> list[dict[str, Any]]:
         """Eval scores of a run's evaluate steps (built or reused): label (the evaluated stage or
         model), task, metric, value, stderr, in the order the evaluations ran."""
         return self.query_dicts(
@@ -915,7 +960,7 @@ class Lineage:
             SELECT DISTINCT s.label, e.task, e.metric, e.value, e.stderr, s.started
             FROM steps s JOIN evals e ON e.fingerprint = s.fingerprint
             WHERE s.run_id = ? AND s.step = 'evaluate' AND s.state IN ('completed', 'cached')
-                  AND e.metric IN ({', '.join('?' * len(metrics))})
+                  AND e.metric IN ({", ".join("?" * len(metrics))})
             ORDER BY s.started
             """,
             [run_id, *metrics],
@@ -927,8 +972,9 @@ class Lineage:
 
     # --- experiments (tasks/experiment.py: ablations and anneals): created on first use -------
 
-    def record_experiment(self, experiment: dict[str, Any], runs: Sequence[dict[str, Any]],
-                          results: Sequence[dict[str, Any]]) -> None:
+    def record_experiment(
+        self, experiment: dict[str, Any], runs: Sequence[dict[str, Any]], results: Sequence[dict[str, Any]]
+    ) -> None:
         """One experiment's rows, replacing any earlier ones of the same experiment id (a rebuilt
         comparison), in one transaction: `experiment` is a row of `experiments`, `runs` rows of
         `experiment_runs` (every score of every run at every evaluated step) and `results` rows of
@@ -936,8 +982,11 @@ class Lineage:
         exp_id = experiment["experiment"]
         with self.writer() as con:
             con.execute(EXPERIMENT_SCHEMA)
-            for table, rows in (("experiments", [experiment]), ("experiment_runs", runs),
-                                ("experiment_results", results)):
+            for table, rows in (
+                ("experiments", [experiment]),
+                ("experiment_runs", runs),
+                ("experiment_results", results),
+            ):
                 columns = EXPERIMENT_COLUMNS[table]
                 con.execute(f"DELETE FROM {table} WHERE experiment = ?", [exp_id])
                 bad = [sorted(set(r) ^ set(columns)) for r in rows if set(r) != set(columns)]
@@ -946,7 +995,8 @@ class Lineage:
                 if rows:
                     con.executemany(
                         f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
-                        [[r[c] for c in columns] for r in rows])
+                        [[r[c] for c in columns] for r in rows],
+                    )
 
     def _has_experiments(self) -> bool:
         return bool(self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'experiments'"))
@@ -955,34 +1005,38 @@ class Lineage:
         """Experiments (all, or of one kind: ablation, anneal), newest first."""
         if not self._has_experiments():
             return []
-        return self.query_dicts("SELECT * FROM experiments WHERE ? IS NULL OR kind = ? ORDER BY created DESC",
-                                [kind, kind])
+        return self.query_dicts(
+            "SELECT * FROM experiments WHERE ? IS NULL OR kind = ? ORDER BY created DESC", [kind, kind]
+        )
 
     def find_experiment(self, prefix: str) -> dict[str, Any] | None:
         """The experiment whose id starts with `prefix` (None: none; an ambiguous prefix is an error)."""
         if not self._has_experiments():
             return None
-        rows = self.query_dicts("SELECT * FROM experiments WHERE experiment LIKE ? ORDER BY created DESC",
-                                [prefix + "%"])
+        rows = self.query_dicts(
+            "SELECT * FROM experiments WHERE experiment LIKE ? ORDER BY created DESC", [prefix + "%"]
+        )
         if len(rows) > 1:
-            raise ValueError(f"experiment id prefix {prefix!r} is ambiguous: "
-                             + ", ".join(r["experiment"][:12] for r in rows))
+            raise ValueError(
+                f"experiment id prefix {prefix!r} is ambiguous: " + ", ".join(r["experiment"][:12] for r in rows)
+            )
         return rows[0] if rows else None
 
     def experiment_runs(self, experiment: str) -> list[dict[str, Any]]:
         """Every score of an experiment's runs: label, variant, seed, task, metric, step, value, stderr."""
         if not self._has_experiments():
             return []
-        return self.query_dicts("SELECT * FROM experiment_runs WHERE experiment = ? "
-                                "ORDER BY variant, seed, task, step", [experiment])
+        return self.query_dicts(
+            "SELECT * FROM experiment_runs WHERE experiment = ? ORDER BY variant, seed, task, step", [experiment]
+        )
 
     def experiment_results(self, experiment: str) -> list[dict[str, Any]]:
         """An experiment's comparison: each variant vs the baseline, per task."""
         if not self._has_experiments():
             return []
-        return self.query_dicts("SELECT * FROM experiment_results WHERE experiment = ? ORDER BY variant, task",
-                                [experiment])
-
+        return self.query_dicts(
+            "SELECT * FROM experiment_results WHERE experiment = ? ORDER BY variant, task", [experiment]
+        )
 
     # --- many reads at once (the CLI's views) ----------------------------------------------
 
@@ -1020,12 +1074,13 @@ class Lineage:
             self._session = None
             con.close()
 
-
     # --- which checkpoints trained on a source ---------------------------------------------
 
-    def trained_on(self, source: str,
-                   pinned_tokens: Callable[[Artifact], dict[str, int] | None] | None = None,
-                   ) -> list[TrainedOn]:
+    def trained_on(
+        self,
+        source: str,
+        pinned_tokens: Callable[[Artifact], dict[str, int] | None] | None = None,
+    ) -> list[TrainedOn]:
         """The training stages whose weights saw tokens of `source`, oldest first.
 
         `source` is a source name (`prose`: every source artifact of that name) or the
@@ -1054,16 +1109,21 @@ class Lineage:
             list(shards),
         )
         drew = {r["fingerprint"]: r for r in rows}
-        stages = {r["fingerprint"]: r for r in self.query_dicts(
-            "SELECT * FROM artifacts WHERE step IN ('pretrain', 'pin')")}
-        init = dict(self.query(
-            "SELECT e.child, e.parent FROM edges e "
-            "JOIN artifacts c ON c.fingerprint = e.child AND c.step = 'pretrain' "
-            "JOIN artifacts p ON p.fingerprint = e.parent AND p.step IN ('pretrain', 'pin')"))
+        stages = {
+            r["fingerprint"]: r for r in self.query_dicts("SELECT * FROM artifacts WHERE step IN ('pretrain', 'pin')")
+        }
+        init = dict(
+            self.query(
+                "SELECT e.child, e.parent FROM edges e "
+                "JOIN artifacts c ON c.fingerprint = e.child AND c.step = 'pretrain' "
+                "JOIN artifacts p ON p.fingerprint = e.parent AND p.step IN ('pretrain', 'pin')"
+            )
+        )
         runs: dict[str, list[str]] = {}
         for fp, run in self.query(
-                "SELECT fingerprint, run_id FROM steps WHERE step = 'pretrain' AND state IN "
-                "('completed', 'cached') GROUP BY ALL ORDER BY min(started)"):
+            "SELECT fingerprint, run_id FROM steps WHERE step = 'pretrain' AND state IN "
+            "('completed', 'cached') GROUP BY ALL ORDER BY min(started)"
+        ):
             runs.setdefault(fp, []).append(run)
 
         def ledger(row: dict[str, Any]) -> int:
@@ -1074,8 +1134,11 @@ class Lineage:
             """The pretrain artifact whose folder holds the pinned checkpoint."""
             meta = json.loads(pin["meta"] or "{}") if isinstance(pin["meta"], str) else pin["meta"]
             path = str(meta.get("source") or "")
-            owners = [fp for fp, r in stages.items()
-                      if r["step"] == "pretrain" and path.startswith(r["uri"].rstrip("/") + "/")]
+            owners = [
+                fp
+                for fp, r in stages.items()
+                if r["step"] == "pretrain" and path.startswith(r["uri"].rstrip("/") + "/")
+            ]
             return owners[0] if owners else None
 
         Walk = tuple[int, tuple[tuple[str, str, int], ...], bool]
@@ -1109,35 +1172,53 @@ class Lineage:
             cumulative, chain, complete = walk(fp)
             if cumulative > 0 or not complete:  # incomplete: a pinned base drew from it
                 mine = chain[-1][2]
-                out.append(TrainedOn(
-                    checkpoint=artifact_of(row), label=row["label"], source=name,
-                    shards=tuple(sorted(drew[fp]["read"])) if fp in drew else (),
-                    stage_tokens=mine, cumulative_tokens=cumulative, chain=chain,
-                    complete=complete, runs=tuple(runs.get(fp, ())),
-                ))
+                out.append(
+                    TrainedOn(
+                        checkpoint=artifact_of(row),
+                        label=row["label"],
+                        source=name,
+                        shards=tuple(sorted(drew[fp]["read"])) if fp in drew else (),
+                        stage_tokens=mine,
+                        cumulative_tokens=cumulative,
+                        chain=chain,
+                        complete=complete,
+                        runs=tuple(runs.get(fp, ())),
+                    )
+                )
         return out
 
     def _source_shards(self, source: str) -> tuple[str, tuple[str, ...]]:
         """(source name, fingerprints of the token shards made from it) for a source name or the
         fingerprint of a source, curated corpus or shards artifact of one source."""
         named = self.query(
-            "SELECT fingerprint FROM artifacts WHERE step = 'tokenize' "
-            "AND json_extract_string(meta, '$.source') = ?", [source])
+            "SELECT fingerprint FROM artifacts WHERE step = 'tokenize' AND json_extract_string(meta, '$.source') = ?",
+            [source],
+        )
         if named:
             return source, tuple(sorted(r[0] for r in named))
         row = self.artifact(source.lower()) if re.fullmatch(r"[0-9a-fA-F]{4,64}", source) else None
         if row is None:
-            names = sorted({r[0] for r in self.query(
-                "SELECT json_extract_string(meta, '$.source') FROM artifacts WHERE step = 'tokenize'")
-                if r[0]})
-            raise LookupError(f"no token shards of a source {source!r} in {self.path}, and no "
-                              f"artifact with that fingerprint; sources with shards: "
-                              f"{', '.join(names) or 'none'}")
+            names = sorted(
+                {
+                    r[0]
+                    for r in self.query(
+                        "SELECT json_extract_string(meta, '$.source') FROM artifacts WHERE step = 'tokenize'"
+                    )
+                    if r[0]
+                }
+            )
+            raise LookupError(
+                f"no token shards of a source {source!r} in {self.path}, and no "
+                f"artifact with that fingerprint; sources with shards: "
+                f"{', '.join(names) or 'none'}"
+            )
         meta = json.loads(row["meta"] or "{}") if isinstance(row["meta"], str) else row["meta"]
         name = meta.get("source")
         if row["step"] not in ("source", "curate", "tokenize") or not name:
-            raise LookupError(f"artifact {row['fingerprint'][:12]} is a {row['kind']} made by "
-                              f"{row['step']}, not a source, curated corpus or token shards")
+            raise LookupError(
+                f"artifact {row['fingerprint'][:12]} is a {row['kind']} made by "
+                f"{row['step']}, not a source, curated corpus or token shards"
+            )
         # Follow only the data of this one source: curation also reads every other source's
         # held-out split (decontamination), which makes their corpora descendants too. Names are
         # unique within a recipe and those other sources are the run's others, so keeping to
@@ -1176,33 +1257,69 @@ class TrainedOn:
 def artifact_of(row: dict[str, Any]) -> Artifact:
     """An Artifact from a row of the `artifacts` table."""
     meta = row["meta"]
-    return Artifact(kind=row["kind"], uri=row["uri"], fingerprint=row["fingerprint"],
-                    meta=json.loads(meta) if isinstance(meta, str) else dict(meta or {}))
+    return Artifact(
+        kind=row["kind"],
+        uri=row["uri"],
+        fingerprint=row["fingerprint"],
+        meta=json.loads(meta) if isinstance(meta, str) else dict(meta or {}),
+    )
 
 
 # Experiment tables (tasks/experiment.py), as (column, type); created on first use.
 EXPERIMENT_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     # one row per experiment: what was compared and which eval tasks the comparison trusts
     "experiments": (
-        ("experiment", "VARCHAR"), ("run_id", "VARCHAR"), ("kind", "VARCHAR"), ("name", "VARCHAR"),
-        ("baseline", "VARCHAR"), ("variants", "JSON"), ("seeds", "JSON"), ("confidence", "DOUBLE"),
-        ("trusted", "JSON"), ("quality", "JSON"), ("base_checkpoint", "VARCHAR"),
-        ("base_global_step", "BIGINT"), ("created", "TIMESTAMP"),
+        ("experiment", "VARCHAR"),
+        ("run_id", "VARCHAR"),
+        ("kind", "VARCHAR"),
+        ("name", "VARCHAR"),
+        ("baseline", "VARCHAR"),
+        ("variants", "JSON"),
+        ("seeds", "JSON"),
+        ("confidence", "DOUBLE"),
+        ("trusted", "JSON"),
+        ("quality", "JSON"),
+        ("base_checkpoint", "VARCHAR"),
+        ("base_global_step", "BIGINT"),
+        ("created", "TIMESTAMP"),
     ),
     # every score of every run (variant x seed) at every evaluated step
     "experiment_runs": (
-        ("experiment", "VARCHAR"), ("label", "VARCHAR"), ("variant", "VARCHAR"), ("seed", "INTEGER"),
-        ("task", "VARCHAR"), ("metric", "VARCHAR"), ("step", "BIGINT"), ("value", "DOUBLE"),
-        ("stderr", "DOUBLE"), ("eval_fingerprint", "VARCHAR"),
+        ("experiment", "VARCHAR"),
+        ("label", "VARCHAR"),
+        ("variant", "VARCHAR"),
+        ("seed", "INTEGER"),
+        ("task", "VARCHAR"),
+        ("metric", "VARCHAR"),
+        ("step", "BIGINT"),
+        ("value", "DOUBLE"),
+        ("stderr", "DOUBLE"),
+        ("eval_fingerprint", "VARCHAR"),
     ),
     # each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
     "experiment_results": (
-        ("experiment", "VARCHAR"), ("variant", "VARCHAR"), ("task", "VARCHAR"), ("metric", "VARCHAR"),
-        ("better", "VARCHAR"), ("baseline", "DOUBLE"), ("score", "DOUBLE"), ("delta", "DOUBLE"),
-        ("seed_std", "DOUBLE"), ("df", "INTEGER"), ("ci_low", "DOUBLE"), ("ci_high", "DOUBLE"),
-        ("p_value", "DOUBLE"), ("significant", "BOOLEAN"), ("improved", "BOOLEAN"), ("stderr", "DOUBLE"),
-        ("trusted", "BOOLEAN"), ("why", "VARCHAR"), ("verdict", "VARCHAR"), ("baseline_runs", "INTEGER"),
-        ("variant_runs", "INTEGER"), ("created", "TIMESTAMP"),
+        ("experiment", "VARCHAR"),
+        ("variant", "VARCHAR"),
+        ("task", "VARCHAR"),
+        ("metric", "VARCHAR"),
+        ("better", "VARCHAR"),
+        ("baseline", "DOUBLE"),
+        ("score", "DOUBLE"),
+        ("delta", "DOUBLE"),
+        ("seed_std", "DOUBLE"),
+        ("df", "INTEGER"),
+        ("ci_low", "DOUBLE"),
+        ("ci_high", "DOUBLE"),
+        ("p_value", "DOUBLE"),
+        ("significant", "BOOLEAN"),
+        ("improved", "BOOLEAN"),
+        ("stderr", "DOUBLE"),
+        ("trusted", "BOOLEAN"),
+        ("why", "VARCHAR"),
+        ("verdict", "VARCHAR"),
+        ("baseline_runs", "INTEGER"),
+        ("variant_runs", "INTEGER"),
+        ("created", "TIMESTAMP"),
     ),
 }
 EXPERIMENT_COLUMNS = {t: tuple(c for c, _ in cols) for t, cols in EXPERIMENT_TABLES.items()}

@@ -46,8 +46,11 @@ def sha256_file(path: Path) -> str:
 def payload_files(folder: Path, marker: str = MARKER) -> list[str]:
     """Relative paths of the files a marker must list: everything but the marker and temporaries."""
     folder = Path(folder)
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != marker and not p.name.endswith(".tmp")]
+    return [
+        p.relative_to(folder).as_posix()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != marker and not p.name.endswith(".tmp")
+    ]
 
 
 def entries(folder: Path, names: Iterable[str], threads: int = 4) -> dict[str, dict[str, Any]]:
@@ -128,8 +131,10 @@ def file_problem(folder: Path, name: str, entry: Any) -> str | None:
         got = sha256_file(path)
         if got != entry["sha256"]:
             zeros = _all_zero(path)
-            return (f"{name}: content differs from the manifest (sha256 {got[:12]}..., expected "
-                    f"{entry['sha256'][:12]}...){'; the file is all zero bytes' if zeros else ''}")
+            return (
+                f"{name}: content differs from the manifest (sha256 {got[:12]}..., expected "
+                f"{entry['sha256'][:12]}...){'; the file is all zero bytes' if zeros else ''}"
+            )
     return None
 
 
@@ -141,8 +146,7 @@ def _all_zero(path: Path) -> bool:
     return True
 
 
-def verify(folder: Path, marker: str = MARKER, names: Sequence[str] | None = None,
-           threads: int = 4) -> list[str]:
+def verify(folder: Path, marker: str = MARKER, names: Sequence[str] | None = None, threads: int = 4) -> list[str]:
     """Problems found in the folder (empty when it verifies): no marker, or for each listed file
     (or only `names` of them) missing, resized or with a different SHA-256."""
     folder = Path(folder)

@@ -63,8 +63,7 @@ class GpuPlan:
 
 def plan_gpus(params: float, tokens: float, days: float, tflops_per_gpu: float, mfu: float) -> GpuPlan:
     """GPUs = 6 N D / (per-GPU throughput x MFU x time)."""
-    for name, v in (("params", params), ("tokens", tokens), ("days", days),
-                    ("tflops_per_gpu", tflops_per_gpu)):
+    for name, v in (("params", params), ("tokens", tokens), ("days", days), ("tflops_per_gpu", tflops_per_gpu)):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
     if not 0 < mfu <= 1:
@@ -72,8 +71,18 @@ def plan_gpus(params: float, tokens: float, days: float, tflops_per_gpu: float, 
     flops = 6.0 * params * tokens
     effective = tflops_per_gpu * mfu * 1e12
     gpus = flops / (effective * days * SECONDS_PER_DAY)
-    return GpuPlan(params, tokens, days, tflops_per_gpu, mfu, flops, tflops_per_gpu * mfu, gpus,
-                   math.ceil(gpus - 1e-9), flops / effective / 3600.0)
+    return GpuPlan(
+        params,
+        tokens,
+        days,
+        tflops_per_gpu,
+        mfu,
+        flops,
+        tflops_per_gpu * mfu,
+        gpus,
+        math.ceil(gpus - 1e-9),
+        flops / effective / 3600.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -203,9 +212,7 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def format_plan(
-    gpus: GpuPlan | None = None, memory: MemoryPlan | None = None, time: TimePlan | None = None
-) -> str:
+def format_plan(gpus: GpuPlan | None = None, memory: MemoryPlan | None = None, time: TimePlan | None = None) -> str:
     """A plain-text report of whichever plans are given."""
     lines: list[str] = []
     if gpus is not None:
@@ -248,22 +255,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="3B", help="model parameters (3B, 3.08e9)")
     p.add_argument("--tokens", default="11T", help="training tokens (11T)")
     p.add_argument("--days", type=float, default=28.0, help="wall-clock budget in days")
-    p.add_argument("--tflops", type=float, default=None,
-                   help="measured bf16 TFLOP/s per GPU (default 720, the playbook's H100)")
-    p.add_argument("--preflight", default=None,
-                   help="preflight.json to take the measured gpu_matmul TFLOP/s from")
+    p.add_argument(
+        "--tflops", type=float, default=None, help="measured bf16 TFLOP/s per GPU (default 720, the playbook's H100)"
+    )
+    p.add_argument("--preflight", default=None, help="preflight.json to take the measured gpu_matmul TFLOP/s from")
     p.add_argument("--mfu", type=float, default=0.30, help="model FLOPs utilisation (0-1)")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="GPUs you have: also report the wall time and the DP degree")
-    p.add_argument("--tokens-per-gpu-s", type=float, default=None,
-                   help="measured training tokens/s/GPU for the time estimate (overrides TFLOP/s x MFU)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs you have: also report the wall time and the DP degree")
+    p.add_argument(
+        "--tokens-per-gpu-s",
+        type=float,
+        default=None,
+        help="measured training tokens/s/GPU for the time estimate (overrides TFLOP/s x MFU)",
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default gpus/(tp x pp))")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="activation recomputation: none keeps every activation, selective drops the "
-                   "attention scores, full keeps only each layer's input")
+    p.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="activation recomputation: none keeps every activation, selective drops the "
+        "attention scores, full keeps only each layer's input",
+    )
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
     p.add_argument("--layers", type=int, default=36, help="transformer layers (SmolLM3-3B: 36)")
@@ -287,16 +301,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     time_plan = plan_time(params, tokens, gpus, tflops, args.mfu, args.tokens_per_gpu_s)
     dp = args.dp or max(1, gpus // (args.tp * args.pp))
     mem = memory_per_gpu(
-        params, dp=dp, zero=args.zero, tp=args.tp, pp=args.pp, recompute=args.recompute,
-        seq=args.seq, micro_batch=args.micro_batch, layers=args.layers, hidden=args.hidden,
-        heads=args.heads, fp32_grad_accum=args.fp32_grad_accum,
+        params,
+        dp=dp,
+        zero=args.zero,
+        tp=args.tp,
+        pp=args.pp,
+        recompute=args.recompute,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        fp32_grad_accum=args.fp32_grad_accum,
     )
     print(format_plan(gpu_plan, mem, time_plan))
     return 0
 
 
-def plan_dict(gpus: GpuPlan | None = None, memory: MemoryPlan | None = None,
-              time: TimePlan | None = None) -> dict:
+def plan_dict(gpus: GpuPlan | None = None, memory: MemoryPlan | None = None, time: TimePlan | None = None) -> dict:
     """The plans as JSON data (for artifacts)."""
     out: dict = {}
     if gpus:
@@ -304,8 +326,11 @@ def plan_dict(gpus: GpuPlan | None = None, memory: MemoryPlan | None = None,
     if time:
         out["time"] = asdict(time)
     if memory:
-        out["memory"] = {**asdict(memory), "model_state_bytes": memory.model_state_bytes,
-                         "total_bytes": memory.total_bytes}
+        out["memory"] = {
+            **asdict(memory),
+            "model_state_bytes": memory.model_state_bytes,
+            "total_bytes": memory.total_bytes,
+        }
     return out
 
 

@@ -42,9 +42,7 @@ class ChildFailed(RuntimeError):
     def __init__(self, cmd: Sequence[str], returncode: int, tail: Sequence[str]):
         self.cmd, self.returncode, self.tail = list(cmd), returncode, list(tail)
         shown = "\n".join(tail)
-        super().__init__(
-            f"command {' '.join(cmd)!r} exited with code {returncode}; last output:\n{shown}"
-        )
+        super().__init__(f"command {' '.join(cmd)!r} exited with code {returncode}; last output:\n{shown}")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -130,7 +128,7 @@ def _shown(argv) -> str:
     """A child's command as started, without the guard in front of it."""
     argv = [str(a) for a in argv]
     if "guard" in argv and "--" in argv:
-        argv = argv[argv.index("--") + 1:]
+        argv = argv[argv.index("--") + 1 :]
     return " ".join(argv)[:300]
 
 

@@ -44,9 +44,18 @@ class Progress:
     `every_s` seconds have passed with some progress, and once at the end (`done == total`).
     `detail()` adds a short text to each line (per-task counts, a loss)."""
 
-    def __init__(self, what: str, total: int, unit: str, log: Callable[[str], None],
-                 report: Callable[[float], None] | None = None, *, every_pct: float = 10.0,
-                 every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        unit: str,
+        log: Callable[[str], None],
+        report: Callable[[float], None] | None = None,
+        *,
+        every_pct: float = 10.0,
+        every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.what, self.total, self.unit = what, max(0, int(total)), unit
         self.log, self.report = log, report
         self.every_pct, self.every_s, self.clock = every_pct, every_s, clock
@@ -64,8 +73,9 @@ class Progress:
         parts = [f"{self.what}: {self.done:,}/{self.total:,} {self.unit} ({self.percent:.0f}%)"]
         if detail:
             parts.append(detail)
-        parts.append(f"{'took' if self.done >= self.total else 'ETA'} "
-                     f"{duration(elapsed if self.done >= self.total else left)}")
+        parts.append(
+            f"{'took' if self.done >= self.total else 'ETA'} {duration(elapsed if self.done >= self.total else left)}"
+        )
         return " | ".join(parts)
 
     def advance(self, n: int = 1, detail: Callable[[], str] | None = None) -> None:

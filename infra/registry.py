@@ -26,9 +26,7 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except KeyError:
-            raise KeyError(
-                f"unknown {self.what} {name!r}; allowed: {', '.join(sorted(self._items))}"
-            ) from None
+            raise KeyError(f"unknown {self.what} {name!r}; allowed: {', '.join(sorted(self._items))}") from None
 
     def names(self) -> list[str]:
         return sorted(self._items)

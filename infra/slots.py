@@ -57,7 +57,12 @@ class Resources(BaseModel):
 
 @contextmanager
 def hold(
-    folder: Path, name: str, slots: int, *, poll: float = 0.5, log: Callable[[str], None] = print,
+    folder: Path,
+    name: str,
+    slots: int,
+    *,
+    poll: float = 0.5,
+    log: Callable[[str], None] = print,
     who: str = "",
 ) -> Iterator[int]:
     """Hold one of `slots` slots named `name` (blocks until one is free); yields its index."""

@@ -131,12 +131,17 @@ def retry(
             raise  # a local file that vanished will not come back by waiting
         except retry_on as exc:
             if attempt == attempts - 1:
-                raise StorageError(
-                    f"{what} failed after {attempts} attempts: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise StorageError(f"{what} failed after {attempts} attempts: {type(exc).__name__}: {exc}") from exc
             delay = min(cap, base * (2**attempt)) * random.uniform(0.5, 1.0)
-            log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what,
-                        type(exc).__name__, exc, attempt + 1, attempts - 1, delay)
+            log.warning(
+                "%s failed (%s: %s); retry %d/%d in %.1fs",
+                what,
+                type(exc).__name__,
+                exc,
+                attempt + 1,
+                attempts - 1,
+                delay,
+            )
             sleep(delay)
     raise AssertionError("unreachable")
 
@@ -169,9 +174,7 @@ def file_digest(path: Path, part_size: int | None) -> FileDigest:
             if part_size:
                 parts.append(hashlib.sha256(chunk).digest())
     size = path.stat().st_size
-    composite = (
-        base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode() if part_size else None
-    )
+    composite = base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode() if part_size else None
     return FileDigest(size, whole.hexdigest(), composite, len(parts) if part_size else 1)
 
 
@@ -215,8 +218,13 @@ class FolderReport:
     seconds: float = 0.0
 
     def as_meta(self) -> dict[str, Any]:
-        return {"uri": self.uri, "files": self.files, "bytes": self.bytes, "sent": self.sent,
-                "seconds": round(self.seconds, 3)}
+        return {
+            "uri": self.uri,
+            "files": self.files,
+            "bytes": self.bytes,
+            "sent": self.sent,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 class S3Store:
@@ -257,8 +265,9 @@ class S3Store:
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         c = self.config
-        return retry(fn, what=what, attempts=c.attempts, base=c.backoff_seconds,
-                     cap=c.max_backoff_seconds, sleep=self._sleep)
+        return retry(
+            fn, what=what, attempts=c.attempts, base=c.backoff_seconds, cap=c.max_backoff_seconds, sleep=self._sleep
+        )
 
     # -- objects --
 
@@ -313,7 +322,10 @@ class S3Store:
 
         def once() -> None:
             self.client.upload_file(
-                str(path), self.bucket, key, Config=self.transfer,
+                str(path),
+                self.bucket,
+                key,
+                Config=self.transfer,
                 ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": digest.sha256}},
             )
             if not self.matches(key, digest):
@@ -329,8 +341,9 @@ class S3Store:
         sha = base64.b64encode(hashlib.sha256(data).digest()).decode()
 
         def once() -> None:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data,
-                                   ChecksumAlgorithm="SHA256", ChecksumSHA256=sha)
+            self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256", ChecksumSHA256=sha
+            )
 
         self._retry(once, f"upload s3://{self.bucket}/{key}")
 
@@ -348,8 +361,7 @@ class S3Store:
         return self._retry(once, f"download s3://{self.bucket}/{key}")
 
     def delete(self, key: str) -> None:
-        self._retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=key),
-                    f"delete s3://{self.bucket}/{key}")
+        self._retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=key), f"delete s3://{self.bucket}/{key}")
 
     def subfolders(self, *parts: str) -> list[str]:
         """Names of the immediate 'folders' under a key prefix (S3 common prefixes)."""
@@ -404,8 +416,11 @@ class S3Store:
         # The folder must still be what was uploaded before the remote may call it complete
         # (the trainer prunes and rewrites step folders while a mirror reads them).
         current = folder / marker
-        if (not current.is_file() or current.read_bytes() != marker_bytes
-                or folder_files(folder, exclude=(marker, MANIFEST)) != files):
+        if (
+            not current.is_file()
+            or current.read_bytes() != marker_bytes
+            or folder_files(folder, exclude=(marker, MANIFEST)) != files
+        ):
             raise FileNotFoundError(
                 f"{folder} changed or vanished while it was uploaded; {report.uri} is left "
                 "without its marker (incomplete) and the next sync retries it"
@@ -415,8 +430,15 @@ class S3Store:
         self.put_bytes(marker_bytes, marker_key)  # last: now the remote folder is complete
         report.files += 1
         report.seconds = time.monotonic() - start
-        log.info("mirrored %s to %s: %d files, %.1f MB (%d sent) in %.1fs", folder, report.uri,
-                 report.files, report.bytes / 1e6, report.sent, report.seconds)
+        log.info(
+            "mirrored %s to %s: %d files, %.1f MB (%d sent) in %.1fs",
+            folder,
+            report.uri,
+            report.files,
+            report.bytes / 1e6,
+            report.sent,
+            report.seconds,
+        )
         return report
 
     def _manifest_matches(self, folder: Path, name: str, marker: str) -> bool:
@@ -453,13 +475,13 @@ class S3Store:
         marker_bytes = self.get_bytes(self.key(name, marker))
         raw = self.get_bytes(self.key(name, MANIFEST))
         if marker_bytes is None or raw is None:
-            raise StorageError(f"{report.uri} is incomplete (no {marker} or {MANIFEST}); "
-                               "upload it again from a complete local copy")
+            raise StorageError(
+                f"{report.uri} is incomplete (no {marker} or {MANIFEST}); upload it again from a complete local copy"
+            )
         files = json.loads(raw)["files"]
         for rel in files:  # a manifest is remote input: never write outside the destination
             if rel.startswith("/") or ".." in Path(rel).parts:
-                raise StorageError(f"{report.uri}/{MANIFEST} lists an unsafe path {rel!r}; "
-                                   "refusing to download it")
+                raise StorageError(f"{report.uri}/{MANIFEST} lists an unsafe path {rel!r}; refusing to download it")
         dest = Path(dest)
         partial = dest.with_name(f".{dest.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -476,8 +498,14 @@ class S3Store:
         os.replace(partial, dest)
         report.files += 1
         report.seconds = time.monotonic() - start
-        log.info("pulled %s into %s: %d files, %.1f MB in %.1fs", report.uri, dest,
-                 report.files, report.bytes / 1e6, report.seconds)
+        log.info(
+            "pulled %s into %s: %d files, %.1f MB in %.1fs",
+            report.uri,
+            dest,
+            report.files,
+            report.bytes / 1e6,
+            report.seconds,
+        )
         return report
 
     def _download_files(self, name: str, files: dict, partial: Path, report: FolderReport) -> None:
@@ -490,8 +518,10 @@ class S3Store:
                 self.client.download_file(self.bucket, key, str(target), Config=self.transfer)
                 got = file_digest(target, None)
                 if got.size != want["size"] or got.sha256 != want["sha256"]:
-                    raise StorageError(f"s3://{self.bucket}/{key} does not match its manifest "
-                                       f"entry (size {got.size} vs {want['size']})")
+                    raise StorageError(
+                        f"s3://{self.bucket}/{key} does not match its manifest "
+                        f"entry (size {got.size} vs {want['size']})"
+                    )
 
             self._retry(once, f"download s3://{self.bucket}/{key}")
             report.files += 1
@@ -630,9 +660,12 @@ class CheckpointMirror:
                     raise
                 # The trainer pruned it while we read it (its keep_last is smaller than ours):
                 # not an error, but that checkpoint will be missing on S3, so say so.
-                log.warning("checkpoint %s disappeared while mirroring it; raise the trainer's "
-                            "keep_last above keep_local=%d so the mirror decides what is deleted",
-                            folder, self.config.keep_local)
+                log.warning(
+                    "checkpoint %s disappeared while mirroring it; raise the trainer's "
+                    "keep_last above keep_local=%d so the mirror decides what is deleted",
+                    folder,
+                    self.config.keep_local,
+                )
                 report.vanished.append(folder.name)
                 continue
             if result.sent or result.bytes:
@@ -675,8 +708,10 @@ class CheckpointMirror:
                     if r.uploaded:
                         log(f"[mirror] uploaded {', '.join(r.uploaded)} to {self.s3_uri}")
                 except Exception as exc:  # noqa: BLE001 - reported, retried next round
-                    log(f"[mirror] background sync to {self.s3_uri} failed, retrying in "
-                        f"{every_s:.0f}s: {type(exc).__name__}: {exc}")
+                    log(
+                        f"[mirror] background sync to {self.s3_uri} failed, retrying in "
+                        f"{every_s:.0f}s: {type(exc).__name__}: {exc}"
+                    )
 
         thread = threading.Thread(target=loop, name="checkpoint-mirror", daemon=True)
         thread.start()
@@ -692,8 +727,10 @@ class CheckpointMirror:
             try:
                 r = self.sync(checkpoints_dir)
                 final.__dict__.update(r.__dict__)
-                log(f"[mirror] {len(r.verified)} checkpoint(s) verified on {self.s3_uri}"
-                    + (f"; uploaded {', '.join(r.uploaded)}" if r.uploaded else ""))
+                log(
+                    f"[mirror] {len(r.verified)} checkpoint(s) verified on {self.s3_uri}"
+                    + (f"; uploaded {', '.join(r.uploaded)}" if r.uploaded else "")
+                )
             except Exception as exc:
                 if not failed:
                     raise
@@ -701,8 +738,11 @@ class CheckpointMirror:
 
     def remote_steps(self) -> list[str]:
         """Complete checkpoints on S3 (marker present), oldest first."""
-        return [n for n in self.store.subfolders() if n.startswith("step_") and n[5:].isdigit()
-                and self.store.remote_complete(n, self.marker)]
+        return [
+            n
+            for n in self.store.subfolders()
+            if n.startswith("step_") and n[5:].isdigit() and self.store.remote_complete(n, self.marker)
+        ]
 
 
 def pull_latest_checkpoint(
@@ -739,29 +779,47 @@ def pull_latest_checkpoint(
             mirror.store.download_folder(name, dest, marker)
         except StorageError as exc:
             failures.append(f"{name}: {exc}")
-            log.warning("remote checkpoint %s/%s is damaged (%s); trying an older one",
-                        s3_prefix, name, exc)
+            log.warning("remote checkpoint %s/%s is damaged (%s); trying an older one", s3_prefix, name, exc)
             continue
         problems = manifest.verify(dest, marker)
         if not problems:
             return dest
         shutil.rmtree(dest, ignore_errors=True)
         failures.append(f"{name}: {'; '.join(problems)}")
-        log.warning("checkpoint %s pulled from %s fails the trainer's digests (%s); trying an older "
-                    "one", name, s3_prefix, "; ".join(problems))
+        log.warning(
+            "checkpoint %s pulled from %s fails the trainer's digests (%s); trying an older one",
+            name,
+            s3_prefix,
+            "; ".join(problems),
+        )
     if failures:
-        raise StorageError(f"no checkpoint under {s3_prefix} verifies: " + " | ".join(failures)
-                           + "; delete the damaged ones and re-upload from a good copy")
+        raise StorageError(
+            f"no checkpoint under {s3_prefix} verifies: "
+            + " | ".join(failures)
+            + "; delete the damaged ones and re-upload from a good copy"
+        )
     return None
 
 
 def describe(config: StorageConfig) -> dict[str, Any]:
     """Facts about the storage setup for lineage and logs: never credentials."""
-    return {"s3_uri": config.s3_uri, "endpoint_url": config.endpoint_url, "region": config.region,
-            "keep_local": config.keep_local}
+    return {
+        "s3_uri": config.s3_uri,
+        "endpoint_url": config.endpoint_url,
+        "region": config.region,
+        "keep_local": config.keep_local,
+    }
 
 
 __all__: Sequence[str] = (
-    "CheckpointMirror", "S3Store", "StorageConfig", "StorageError", "SyncReport", "describe",
-    "fetch_artifact", "mirror_artifact", "pull_latest_checkpoint", "split_s3_uri",
+    "CheckpointMirror",
+    "S3Store",
+    "StorageConfig",
+    "StorageError",
+    "SyncReport",
+    "describe",
+    "fetch_artifact",
+    "mirror_artifact",
+    "pull_latest_checkpoint",
+    "split_s3_uri",
 )

@@ -38,12 +38,47 @@ HOME_ENV = "SMOLLM3_HOME"
 ROOTS_ENV = "SMOLLM3_WORKSPACE_ROOTS"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Neither these nor anything under them can hold a workspace.
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
-                "/run", "/sbin", "/sys", "/usr", "/var/lib", "/var/log", "/var/run", "/var/cache",
-                "/var/spool", "/var/mail", "/snap", "/System", "/Library", "/private/etc")
+SYSTEM_TREES = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/usr",
+    "/var/lib",
+    "/var/log",
+    "/var/run",
+    "/var/cache",
+    "/var/spool",
+    "/var/mail",
+    "/snap",
+    "/System",
+    "/Library",
+    "/private/etc",
+)
 # These themselves cannot (their subfolders can).
-BARE_FOLDERS = ("/", "/home", "/tmp", "/var", "/var/tmp", "/opt", "/mnt", "/srv", "/media",
-                "/root", "/Users", "/private", "/private/tmp")
+BARE_FOLDERS = (
+    "/",
+    "/home",
+    "/tmp",
+    "/var",
+    "/var/tmp",
+    "/opt",
+    "/mnt",
+    "/srv",
+    "/media",
+    "/root",
+    "/Users",
+    "/private",
+    "/private/tmp",
+)
 
 
 class WorkspaceError(ValueError):

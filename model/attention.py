@@ -106,9 +106,7 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") ->
             return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
         n = T + pad
-        block = create_block_mask(
-            same_doc_causal, B, None, n, n, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK
-        )
+        block = create_block_mask(same_doc_causal, B, None, n, n, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
         return AttentionMask("flex", block_mask=block, flex_pad=pad)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)

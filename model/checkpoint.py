@@ -122,8 +122,7 @@ def verify_checkpoint(folder: str | Path, *, collective: bool = False) -> list[s
     found = manifest.verify(folder, names=names[rank::world])
     problems = sorted(p for part in _share(collective, found) for p in part)
     if not problems and manifest.legacy_files(record) and _is_main():
-        log.warning("checkpoint %s was written before content digests: only its file sizes "
-                    "could be checked", folder)
+        log.warning("checkpoint %s was written before content digests: only its file sizes could be checked", folder)
     return problems
 
 
@@ -167,8 +166,9 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as fh:
             metadata = _MetadataUnpickler(fh).load()
         if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP "
-                                         "Metadata; refusing to load it")
+            raise pickle.UnpicklingError(
+                f"{path} holds a {type(metadata).__name__}, not DCP Metadata; refusing to load it"
+            )
         # As FileSystemReader.read_metadata does after unpickling:
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -240,8 +240,11 @@ class Checkpointer:
             if not problems:
                 return folder
             if _is_main():
-                log.warning("checkpoint %s fails verification, so it is skipped and an older one "
-                            "is used: %s", folder, "; ".join(problems))
+                log.warning(
+                    "checkpoint %s fails verification, so it is skipped and an older one is used: %s",
+                    folder,
+                    "; ".join(problems),
+                )
         return None
 
     def save(
@@ -291,9 +294,7 @@ class Checkpointer:
         complete = [(f, m) for f in self.step_folders() if (m := read_marker(f)) is not None]
         if not complete:
             return
-        keep = {f for f, _ in complete[-self.keep_last :]} | {
-            f for f, m in complete if m["stage_end"]
-        }
+        keep = {f for f, _ in complete[-self.keep_last :]} | {f for f, m in complete if m["stage_end"]}
         newest = complete[-1][0]
         for folder in self.step_folders():
             # Incomplete folders newer than the newest complete one may still be being written.
@@ -318,8 +319,7 @@ class Checkpointer:
         if not verified:
             problems = verify_checkpoint(folder, collective=True)
             if problems:
-                raise CheckpointCorrupt(f"checkpoint {folder} fails verification: "
-                                        + "; ".join(problems))
+                raise CheckpointCorrupt(f"checkpoint {folder} fails verification: " + "; ".join(problems))
         reader, planner = _safe_reader(folder), SafeLoadPlanner()
         if optimizer is None:
             model_sd = get_model_state_dict(model)
@@ -329,9 +329,7 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, storage_reader=reader, planner=planner)
-            set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank = dist.get_rank() if dist.is_initialized() else 0
         rng_file = folder / f"rng_rank{rank}.pt"
         if not rng_file.exists():  # resumed on more ranks than saved: take rank 0's
@@ -375,7 +373,6 @@ def load_model(path: str | Path) -> SmolLM3:
     sd = model.state_dict()
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": sd}, storage_reader=_safe_reader(folder), planner=SafeLoadPlanner(),
-                 no_dist=True)
+        dcp.load({"model": sd}, storage_reader=_safe_reader(folder), planner=SafeLoadPlanner(), no_dist=True)
     model.load_state_dict(sd)
     return model.eval()

@@ -20,15 +20,15 @@ class ModelConfig:
     intermediate_size: int = 768  # SwiGLU inner width (gate and up projections)
     num_layers: int = 4  # decoder blocks
     num_heads: int = 4  # query heads; head_dim = hidden_size // num_heads
-    num_kv_heads: int = 2  # GQA: key/value heads, each shared by num_heads // num_kv_heads queries (= num_heads: MHA, 1: MQA)
+    num_kv_heads: int = (
+        2  # GQA: key/value heads, each shared by num_heads // num_kv_heads queries (= num_heads: MHA, 1: MQA)
+    )
     max_seq_len: int = 4096  # longest sequence the RoPE tables are sized for (grows on demand)
     rope_theta: float = 50_000.0  # RoPE base; raised for context extension (2M, 5M in SmolLM3)
     no_rope_interval: int = 4  # every Nth layer (1-indexed) skips RoPE (NoPE); 0 disables NoPE
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon, as SmolLM3
     tie_embeddings: bool = True  # output head reuses the token embedding (saves V*H params)
-    qk_norm: bool = (
-        False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
-    )
+    qk_norm: bool = False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss (0 = off, as SmolLM3)
     init_std: float = 0.02  # std of the normal init of every linear and embedding weight
 
@@ -48,8 +48,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                f"num_heads={self.num_heads}"
+                f"ModelConfig.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -59,9 +58,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig head_dim={self.head_dim} must be even for RoPE")
         if not isinstance(self.no_rope_interval, int) or self.no_rope_interval < 0:
-            raise ValueError(
-                f"ModelConfig.no_rope_interval must be an int >= 0, got {self.no_rope_interval!r}"
-            )
+            raise ValueError(f"ModelConfig.no_rope_interval must be an int >= 0, got {self.no_rope_interval!r}")
         for name in ("rope_theta", "rms_norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -163,7 +160,5 @@ class ModelConfig:
         presets = {"tiny": cls.tiny, "smollm3_3b": cls.smollm3_3b, "ablation_1b": cls.ablation_1b}
         key = name.replace("-", "_")
         if key not in presets:
-            raise ValueError(
-                f"unknown model preset {name!r}; allowed presets: {', '.join(sorted(presets))}"
-            )
+            raise ValueError(f"unknown model preset {name!r}; allowed presets: {', '.join(sorted(presets))}")
         return presets[key](**overrides)

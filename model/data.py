@@ -69,9 +69,7 @@ class MixturePlan:
 
     def __post_init__(self) -> None:
         if self.token_dtype not in TOKEN_DTYPES:
-            raise ValueError(
-                f"mixture plan token_dtype {self.token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}"
-            )
+            raise ValueError(f"mixture plan token_dtype {self.token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
         if not self.sources:
             raise ValueError(f"mixture plan for stage {self.stage!r} has no sources")
         names = [s.name for s in self.sources]
@@ -156,10 +154,7 @@ class SourceStream:
         if self.num_tokens == 0:
             raise ValueError(f"source {plan.name!r}: its files hold no tokens")
         self.doc_ends = np.concatenate(
-            [
-                s.doc_ends + start
-                for s, start in zip(self.shards, self.file_starts[:-1], strict=True)
-            ]
+            [s.doc_ends + start for s, start in zip(self.shards, self.file_starts[:-1], strict=True)]
         )  # (D,) global exclusive document ends
         self.num_docs = len(self.doc_ends)
 
@@ -266,9 +261,7 @@ class MixtureLoader:
             sources.append(self.names[src])
         self.sequence += total
         self.source_sequences = counts
-        return Batch(
-            torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources
-        )
+        return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
 
     # -- accounting --
 

@@ -58,8 +58,14 @@ def datasheet_peak(device_name: str) -> float | None:
 
 
 def resolve_peak(
-    declared: float | None, calibration: PeakCalibration | None, *, device: str, bf16: bool,
-    host: str, device_name: str = "", threads: int | None = None,
+    declared: float | None,
+    calibration: PeakCalibration | None,
+    *,
+    device: str,
+    bf16: bool,
+    host: str,
+    device_name: str = "",
+    threads: int | None = None,
 ) -> tuple[float | None, str]:
     """(peak FLOP/s per device or CPU rank, where it comes from); (None, why) when unknown.
 
@@ -76,8 +82,10 @@ def resolve_peak(
         if calibration.host != host:
             why = f"the calibration was measured on {calibration.host}, this rank runs on {host}"
         elif calibration.device != device or calibration.dtype != dtype:
-            why = (f"the calibration is a {calibration.device} {calibration.dtype} matmul, this "
-                   f"stage trains in {dtype} on {device}")
+            why = (
+                f"the calibration is a {calibration.device} {calibration.dtype} matmul, this "
+                f"stage trains in {dtype} on {device}"
+            )
         else:
             peak, source = calibration.flops, calibration.source
             if device == "cpu" and calibration.threads and threads and threads != calibration.threads:
@@ -88,8 +96,10 @@ def resolve_peak(
     else:
         why = "no preflight calibration for this host"
     name = f"{device_name} " if device_name else ""
-    return None, (f"none: no datasheet peak for {name}{device} {dtype} and {why}; declare "
-                  "training.peak_flops or run preflight on this host")
+    return None, (
+        f"none: no datasheet peak for {name}{device} {dtype} and {why}; declare "
+        "training.peak_flops or run preflight on this host"
+    )
 
 
 def measure_matmul_flops(

@@ -25,8 +25,7 @@ def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None):
 
     if cfg.qk_norm:
         raise ValueError(
-            "ModelConfig.qk_norm=True has no transformers SmolLM3 equivalent; export a model "
-            "trained with qk_norm=False"
+            "ModelConfig.qk_norm=True has no transformers SmolLM3 equivalent; export a model trained with qk_norm=False"
         )
     # z_loss is not exported: it only shapes training, the network itself is the same.
     return SmolLM3Config(
@@ -115,9 +114,7 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
 
 def to_hf_state_dict(model: SmolLM3) -> dict[str, torch.Tensor]:
     sd = model.state_dict()
-    out = {
-        theirs: sd[ours].detach().contiguous() for ours, theirs in _name_map(model.config).items()
-    }
+    out = {theirs: sd[ours].detach().contiguous() for ours, theirs in _name_map(model.config).items()}
     if model.config.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -157,9 +154,7 @@ def _copy_tokenizer(tokenizer_dir: str | Path, out_dir: Path) -> None:
         tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
         tok.save_pretrained(str(out_dir))
     else:
-        raise FileNotFoundError(
-            f"tokenizer_dir {tokenizer_dir} has neither tokenizer_config.json nor tokenizer.json"
-        )
+        raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} has neither tokenizer_config.json nor tokenizer.json")
 
 
 def export_hf(

@@ -66,14 +66,10 @@ class SmolLM3(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (
-            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Not persistent: RoPE tables are a function of the config (rope_theta may change
         # between stages for context extension) and must never come back from a checkpoint.
-        self.register_buffer(
-            "inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -104,9 +100,7 @@ class SmolLM3(nn.Module):
     ) -> CausalLMOutput:
         B, T = input_ids.shape
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"doc_ids shape {tuple(doc_ids.shape)} must equal input_ids shape {(B, T)}"
-            )
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal input_ids shape {(B, T)}")
         if doc_ids is None:
             positions = torch.arange(T, device=input_ids.device)[None]  # (1, T), broadcast over B
         else:

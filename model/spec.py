@@ -118,9 +118,7 @@ class TrainSpec(_Spec):
     @model_validator(mode="after")
     def _consistent(self) -> TrainSpec:
         if self.global_batch % self.micro_batch:
-            raise ValueError(
-                f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}"
-            )
+            raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}")
         if (self.reset_optimizer or self.reset_schedule) and self.init_from is None and self.out_dir:
             raise ValueError("reset_optimizer / reset_schedule only mean something with init_from")
         return self
@@ -131,10 +129,14 @@ class TrainSpec(_Spec):
 
     def bind(self, mixture_plan: Path | str, out_dir: Path | str, init_from: str | None) -> TrainSpec:
         """This stage with the paths its step resolved from its inputs and folder."""
-        return TrainSpec.model_validate({
-            **self.model_dump(), "mixture_plan": str(mixture_plan), "out_dir": str(out_dir),
-            "init_from": init_from,
-        })
+        return TrainSpec.model_validate(
+            {
+                **self.model_dump(),
+                "mixture_plan": str(mixture_plan),
+                "out_dir": str(out_dir),
+                "init_from": init_from,
+            }
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainSpec:

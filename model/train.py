@@ -93,9 +93,7 @@ def setup_runtime(spec: TrainSpec) -> Runtime:
         if "RANK" in os.environ:  # under torchrun
             dist.init_process_group(backend, device_id=device_id)
         else:  # plain `python -m model.train`: a private one-process group
-            dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
-            )
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
     if spec.num_threads:
@@ -112,9 +110,7 @@ def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> Mode
     if cfg.max_seq_len < seq_len:
         cfg = cfg.replace(max_seq_len=seq_len)
     if plan.vocab_size > cfg.vocab_size:
-        raise ValueError(
-            f"mixture plan vocab_size {plan.vocab_size} exceeds the model's {cfg.vocab_size}"
-        )
+        raise ValueError(f"mixture plan vocab_size {plan.vocab_size} exceeds the model's {cfg.vocab_size}")
     return cfg
 
 
@@ -203,8 +199,9 @@ class StepReport:
     task log wants (step/total, loss, LR, gradient norm, tokens/s and MFU since the last line,
     ETA at the pace of this launch). Warns once if MFU exceeds 1 (a wrong peak or FLOP count)."""
 
-    def __init__(self, stage: str, total: int, tokens_per_step: int, flops_per_token: float,
-                 peak: float | None, peak_source: str) -> None:
+    def __init__(
+        self, stage: str, total: int, tokens_per_step: int, flops_per_token: float, peak: float | None, peak_source: str
+    ) -> None:
         self.stage, self.total = stage, total
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.peak_source = peak, peak_source  # peak over all ranks
@@ -227,7 +224,11 @@ class StepReport:
             log.warning(
                 "%s: MFU %.1f%% exceeds 100%%: %.3g FLOP/s computed against a peak of %.3g FLOP/s "
                 "(%s); the peak or the FLOP count is wrong (declare training.peak_flops)",
-                self.stage, 100 * mfu, self.flops_per_token * tokens_per_s, self.peak, self.peak_source,
+                self.stage,
+                100 * mfu,
+                self.flops_per_token * tokens_per_s,
+                self.peak,
+                self.peak_source,
             )
         return mfu
 
@@ -240,8 +241,15 @@ class StepReport:
         mfu = self.mfu(rate) if rate == rate else None
         log.info(
             "%s step %d/%d | loss %.4f | lr %.2e | grad %.3f | %s tok/s%s | ETA %s",
-            self.stage, step, self.total, loss, lr, grad_norm, f"{rate:,.0f}",
-            f" | MFU {100 * mfu:.1f}%" if mfu is not None else "", duration(left),
+            self.stage,
+            step,
+            self.total,
+            loss,
+            lr,
+            grad_norm,
+            f"{rate:,.0f}",
+            f" | MFU {100 * mfu:.1f}%" if mfu is not None else "",
+            duration(left),
         )
 
     def log_end(self, loss: float) -> None:
@@ -252,9 +260,12 @@ class StepReport:
         mfu = self.mfu(rate)
         log.info(
             "%s done: %d steps in %s | loss %.4f | %s tok/s%s",
-            self.stage, self.steps, duration(time.perf_counter() - self.started), loss,
-            f"{rate:,.0f}", f" | MFU {100 * mfu:.1f}% ({self.peak_source})" if mfu is not None
-            else " | MFU not reported (no peak)",
+            self.stage,
+            self.steps,
+            duration(time.perf_counter() - self.started),
+            loss,
+            f"{rate:,.0f}",
+            f" | MFU {100 * mfu:.1f}% ({self.peak_source})" if mfu is not None else " | MFU not reported (no peak)",
         )
 
 
@@ -311,9 +322,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         compile_blocks(model)
     shard_model(model, rt)
     optimizer = build_optimizer(model, spec.optimizer)
-    loader = MixtureLoader(
-        plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size
-    )
+    loader = MixtureLoader(plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size)
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
 
     step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
@@ -324,9 +333,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         state = ckpt.load(latest, model, optimizer, verified=True)
         loader.load_state_dict(state["loader"])
         step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
-        log.info(
-            "resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"]
-        )
+        log.info("resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"])
     elif spec.init_from is not None:
         source = resolve_checkpoint(spec.init_from, collective=True)
         init_state = read_trainer_state(source)
@@ -341,8 +348,12 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     metrics = MetricsWriter(spec.metrics_file, is_main, step)
     bf16 = isinstance(autocast, torch.autocast)
     peak, peak_source = resolve_peak(
-        spec.peak_flops, spec.peak_calibration, device=rt.device.type, bf16=bf16,
-        host=socket.gethostname(), threads=torch.get_num_threads(),
+        spec.peak_flops,
+        spec.peak_calibration,
+        device=rt.device.type,
+        bf16=bf16,
+        host=socket.gethostname(),
+        threads=torch.get_num_threads(),
         device_name=torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "",
     )
     flops_per_token = training_flops_per_token(cfg, seq_len)
@@ -351,14 +362,26 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     if is_main:
         log.info(
             "%s: %s params, world %d, accum %d, steps %d..%d, %s, %s, %s, MFU peak %s (%s)",
-            plan.stage, f"{cfg.num_parameters():,}", rt.world_size, accum, step, spec.steps,
+            plan.stage,
+            f"{cfg.num_parameters():,}",
+            rt.world_size,
+            accum,
+            step,
+            spec.steps,
             "bf16 autocast" if bf16 else "fp32",
             "compiled blocks" if spec.compile_model else "eager",
             "intra-document masking" if spec.doc_masking else "causal attention across documents",
-            f"{peak:.3g} FLOP/s" if peak else "unknown", peak_source,
+            f"{peak:.3g} FLOP/s" if peak else "unknown",
+            peak_source,
         )
-    report = StepReport(plan.stage, spec.steps, spec.global_batch * seq_len, flops_per_token,
-                        peak * rt.world_size if peak else None, peak_source)
+    report = StepReport(
+        plan.stage,
+        spec.steps,
+        spec.global_batch * seq_len,
+        flops_per_token,
+        peak * rt.world_size if peak else None,
+        peak_source,
+    )
 
     while step < spec.steps:
         t0 = time.perf_counter()
@@ -388,9 +411,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         if spec.optimizer.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
         else:
-            grad_norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in params if p.grad is not None]
-            )
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.item()
@@ -429,8 +450,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         if stage_end or step % spec.checkpoint_interval == 0:
             if not _all_finite(params):
                 raise NonFiniteError(
-                    f"weights are not finite after step {step}; not saving them (last good "
-                    f"checkpoint: {last_ckpt})"
+                    f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
                 )
             last_ckpt = ckpt.save(
                 step,

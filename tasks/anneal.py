@@ -94,38 +94,53 @@ def anneal_runs(cfg: AnnealConfig, base: BaseCheckpoint, seed: int = 0) -> list[
         raise ValueError("anneal.candidates is empty: name at least one candidate data source")
 
     def mix(name: str, weights: Mapping[str, float], run_seed: int) -> WeightsMixture:
-        return WeightsMixture(name=f"anneal-{name}", weights=dict(weights), tokens=cfg.tokens,
-                              seq_len=base.seq_len, seed=run_seed)
+        return WeightsMixture(
+            name=f"anneal-{name}", weights=dict(weights), tokens=cfg.tokens, seq_len=base.seq_len, seed=run_seed
+        )
 
     runs = [AnnealRun(label="baseline", candidate="baseline", mixture=mix("baseline", base.weights, seed))]
     runs += [
-        AnnealRun(label=f"baseline-s{i}", candidate="baseline", mixture=mix("baseline", base.weights, seed + i),
-                  replica=i)
+        AnnealRun(
+            label=f"baseline-s{i}", candidate="baseline", mixture=mix("baseline", base.weights, seed + i), replica=i
+        )
         for i in range(1, cfg.seed_runs + 1)
     ]
     runs += [
-        AnnealRun(label=c.name, candidate=c.name,
-                  mixture=mix(c.name, blend([(base.weights, 1 - cfg.candidate_share),
-                                             (c.weights, cfg.candidate_share)]), seed))
+        AnnealRun(
+            label=c.name,
+            candidate=c.name,
+            mixture=mix(
+                c.name, blend([(base.weights, 1 - cfg.candidate_share), (c.weights, cfg.candidate_share)]), seed
+            ),
+        )
         for c in cfg.candidates
     ]
     return runs
 
 
-def anneal_stage(cfg: AnnealConfig, base: BaseCheckpoint, run: AnnealRun, nproc_per_node: int = 1,
-                 threads: int | None = None) -> StageRun:
+def anneal_stage(
+    cfg: AnnealConfig, base: BaseCheckpoint, run: AnnealRun, nproc_per_node: int = 1, threads: int | None = None
+) -> StageRun:
     """The `pretrain` config of one anneal: the base stage's spec, from the pinned checkpoint with
     its optimizer state, LR decaying linearly from the checkpoint's LR to 0 over the run."""
     steps = optimizer_steps(cfg.tokens, base.spec.global_batch, base.seq_len)
-    spec = base.spec.model_copy(update={
-        "stage": run.mixture.name, "steps": steps,
-        "optimizer": base.spec.optimizer.model_copy(update={"lr": base.lr}),
-        "schedule": ScheduleSpec(kind="wsd", warmup_steps=0, decay_fraction=1.0, min_lr=0.0,
-                                 total_steps=steps, start_step=0),
-        "reset_optimizer": False, "reset_schedule": False,
-        "checkpoint_interval": min(cfg.checkpoint_interval, steps), "keep_last": 1,
-        "mixture_plan": "", "out_dir": "", "init_from": None,
-    })
+    spec = base.spec.model_copy(
+        update={
+            "stage": run.mixture.name,
+            "steps": steps,
+            "optimizer": base.spec.optimizer.model_copy(update={"lr": base.lr}),
+            "schedule": ScheduleSpec(
+                kind="wsd", warmup_steps=0, decay_fraction=1.0, min_lr=0.0, total_steps=steps, start_step=0
+            ),
+            "reset_optimizer": False,
+            "reset_schedule": False,
+            "checkpoint_interval": min(cfg.checkpoint_interval, steps),
+            "keep_last": 1,
+            "mixture_plan": "",
+            "out_dir": "",
+            "init_from": None,
+        }
+    )
     return StageRun(spec=spec, kind="anneal", nproc_per_node=nproc_per_node, threads=threads)
 
 

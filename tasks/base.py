@@ -72,8 +72,16 @@ class BaseCheckpoint(BaseModel):
 
     def pin_spec(self) -> PinSpec:
         """What the `pin` step needs: which weights (identity: the digest), and where they are."""
-        return PinSpec(checkpoint=self.checkpoint, kind=self.kind, digest=self.digest, stage=self.stage,
-                       step=self.step, global_step=self.global_step, lr=self.lr, run_id=self.run_id)
+        return PinSpec(
+            checkpoint=self.checkpoint,
+            kind=self.kind,
+            digest=self.digest,
+            stage=self.stage,
+            step=self.step,
+            global_step=self.global_step,
+            lr=self.lr,
+            run_id=self.run_id,
+        )
 
 
 class PinSpec(BaseModel):
@@ -151,8 +159,14 @@ def _last_stage_checkpoint(lineage: Lineage, run_id: str) -> Path | None:
 
 
 def resolve_base(
-    lineage: Lineage, ws: Workspace, base: str = "", *, phase: Literal["stable", "last"] = "stable",
-    flow: str = "smollm3", deployment: str = "full", allow_hf: bool = False,
+    lineage: Lineage,
+    ws: Workspace,
+    base: str = "",
+    *,
+    phase: Literal["stable", "last"] = "stable",
+    flow: str = "smollm3",
+    deployment: str = "full",
+    allow_hf: bool = False,
 ) -> BaseCheckpoint:
     """The base checkpoint of a continuation, resolved now (see the module docstring).
 
@@ -257,10 +271,17 @@ def describe_hf(lineage: Lineage, folder: Path, data_checkpoint: Path, run_id: s
     from model.hf import from_hf_config
 
     model_config = from_hf_config(SmolLM3Config.from_pretrained(str(folder))).to_dict()
-    return context.model_copy(update={
-        "checkpoint": str(folder.resolve()), "kind": "hf", "digest": h.hexdigest()[:16],
-        "stage": "hf", "step": 0, "global_step": 0, "model_shape": model_config,
-    })
+    return context.model_copy(
+        update={
+            "checkpoint": str(folder.resolve()),
+            "kind": "hf",
+            "digest": h.hexdigest()[:16],
+            "stage": "hf",
+            "step": 0,
+            "global_step": 0,
+            "model_shape": model_config,
+        }
+    )
 
 
 def eval_suite_of(lineage: Lineage, shards: list[str]) -> str | None:
@@ -299,11 +320,21 @@ def write_model_checkpoint(model, folder: Path) -> Path:
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
     torch.save({"cpu": torch.get_rng_state()}, folder / "rng_rank0.pt")
     atomic_write_text(folder / MODEL_CONFIG, json.dumps(model.config.to_dict(), indent=2))
-    state = {"step": 0, "global_step": 0, "schedule_start": 0, "stage": "hf", "stage_end": True,
-             "loss": None, "world_size": 1}
+    state = {
+        "step": 0,
+        "global_step": 0,
+        "schedule_start": 0,
+        "stage": "hf",
+        "stage_end": True,
+        "loss": None,
+        "world_size": 1,
+    }
     atomic_write_text(folder / TRAINER_STATE, json.dumps(state, indent=2))
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")}
+    files = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")
+    }
     atomic_write_text(folder / MARKER, json.dumps({"step": 0, "stage_end": True, "files": files}))
     return folder
 
@@ -331,11 +362,22 @@ def pin_base(base: BaseCheckpoint | PinSpec, out: Path, log=print) -> dict[str, 
             ) from None
         if read_marker(target) is None:
             raise RuntimeError(f"the copy of base checkpoint {source} fails its manifest; rerun")
-        log(f"pinned {base.stage} step {base.step} (global step {base.global_step}, lr {base.lr:.3g}) "
-            f"from {source} to {target}")
-    return {"checkpoint": str(target), "source": str(source), "stage": base.stage, "step": base.step,
-            "global_step": base.global_step, "lr": base.lr, "run_id": base.run_id, "digest": base.digest,
-            "base_kind": base.kind, "model_config": json.loads((target / MODEL_CONFIG).read_text())}
+        log(
+            f"pinned {base.stage} step {base.step} (global step {base.global_step}, lr {base.lr:.3g}) "
+            f"from {source} to {target}"
+        )
+    return {
+        "checkpoint": str(target),
+        "source": str(source),
+        "stage": base.stage,
+        "step": base.step,
+        "global_step": base.global_step,
+        "lr": base.lr,
+        "run_id": base.run_id,
+        "digest": base.digest,
+        "base_kind": base.kind,
+        "model_config": json.loads((target / MODEL_CONFIG).read_text()),
+    }
 
 
 @step("pin", version=2, kind="checkpoint", resource="eval", isolate=True)

@@ -99,16 +99,28 @@ def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, thr
     The model shape comes from the base itself (an imported HF model need not be a preset)."""
     steps = optimizer_steps(cfg.tokens, base.spec.global_batch, base.seq_len)
     overrides = {k: v for k, v in base.model_shape.items() if k != "max_seq_len"} or base.spec.model_overrides
-    spec = base.spec.model_copy(update={
-        "stage": "cpt", "steps": steps, "model_overrides": overrides,
-        "optimizer": base.spec.optimizer.model_copy(update={"lr": base.peak_lr * cfg.lr_fraction}),
-        "schedule": ScheduleSpec(kind="wsd", warmup_steps=min(cfg.warmup_steps, steps),
-                                 decay_fraction=cfg.decay_fraction, min_lr=0.0, total_steps=steps, start_step=0),
-        "reset_optimizer": True, "reset_schedule": True,
-        "mixture_plan": "", "out_dir": "", "init_from": None,
-    })
-    return StageRun(spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node,
-                    threads=threads)
+    spec = base.spec.model_copy(
+        update={
+            "stage": "cpt",
+            "steps": steps,
+            "model_overrides": overrides,
+            "optimizer": base.spec.optimizer.model_copy(update={"lr": base.peak_lr * cfg.lr_fraction}),
+            "schedule": ScheduleSpec(
+                kind="wsd",
+                warmup_steps=min(cfg.warmup_steps, steps),
+                decay_fraction=cfg.decay_fraction,
+                min_lr=0.0,
+                total_steps=steps,
+                start_step=0,
+            ),
+            "reset_optimizer": True,
+            "reset_schedule": True,
+            "mixture_plan": "",
+            "out_dir": "",
+            "init_from": None,
+        }
+    )
+    return StageRun(spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node, threads=threads)
 
 
 # --- held-out loss and forgetting ----------------------------------------------------------
@@ -154,7 +166,8 @@ def build_monitor(cfg: CptConfig, inputs: Inputs, out: Path, log=print) -> dict[
     eos = int(next(iter(held.values())).meta["eos_id"])
     seq_len = int(TrainSpec.load(stage.path / "spec.json").seq_len or 0)
     points = [(0, Path(base.meta["checkpoint"]))] + [
-        (int(f.name[5:]), f) for f in Checkpointer(stage.path / "checkpoints").step_folders()
+        (int(f.name[5:]), f)
+        for f in Checkpointer(stage.path / "checkpoints").step_folders()
         if read_marker(f) is not None
     ]
     torch.manual_seed(0)
@@ -170,11 +183,17 @@ def build_monitor(cfg: CptConfig, inputs: Inputs, out: Path, log=print) -> dict[
     first = next((r["step"] for r in rows if r["forgetting"]), None)
     (out / "history.json").write_text(json.dumps(rows, indent=2))
     if first is not None:
-        log(f"FORGETTING: general held-out loss rose more than {cfg.forgetting_threshold:.0%} over the "
-            f"base by step {first}; raise cpt.replay or lower cpt.lr_fraction")
-    return {"history": rows, "forgetting": first is not None, "first_forgetting_step": first,
-            "threshold": cfg.forgetting_threshold,
-            "domain_gain": rows[0].get("domain", 0) - rows[-1].get("domain", 0) if "domain" in data else None}
+        log(
+            f"FORGETTING: general held-out loss rose more than {cfg.forgetting_threshold:.0%} over the "
+            f"base by step {first}; raise cpt.replay or lower cpt.lr_fraction"
+        )
+    return {
+        "history": rows,
+        "forgetting": first is not None,
+        "first_forgetting_step": first,
+        "threshold": cfg.forgetting_threshold,
+        "domain_gain": rows[0].get("domain", 0) - rows[-1].get("domain", 0) if "domain" in data else None,
+    }
 
 
 def publish_monitor(artifact: Artifact, ws, label: str) -> None:
@@ -182,13 +201,20 @@ def publish_monitor(artifact: Artifact, ws, label: str) -> None:
     from prefect.artifacts import create_table_artifact
 
     rows = artifact.meta["history"]
-    facts = [(artifact.fingerprint, r["step"], f"heldout_loss_{d}", float(r[d]))
-             for r in rows for d in ("general", "domain") if d in r]
+    facts = [
+        (artifact.fingerprint, r["step"], f"heldout_loss_{d}", float(r[d]))
+        for r in rows
+        for d in ("general", "domain")
+        if d in r
+    ]
     facts += [(artifact.fingerprint, r["step"], "forgetting", float(r["forgetting"])) for r in rows]
     ws.lineage().record_rows("metrics", facts)
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
-    create_table_artifact(table=table, key=f"cpt-heldout-{label}".lower().replace("_", "-"),
-                          description="CPT held-out loss (general vs domain) and forgetting flags")
+    create_table_artifact(
+        table=table,
+        key=f"cpt-heldout-{label}".lower().replace("_", "-"),
+        description="CPT held-out loss (general vs domain) and forgetting flags",
+    )
 
 
 @step("cpt_monitor", version=2, kind="eval", publish=publish_monitor, resource="eval", isolate=True)

@@ -387,8 +387,14 @@ class HeldoutIndex:
         all_grams = np.concatenate(grams) if grams else np.empty(0, dtype=np.uint64)
         all_owners = np.concatenate(owners) if owners else np.empty(0, dtype=np.int32)
         order = np.argsort(all_grams, kind="stable")
-        return cls(ngram, ids, np.unique(np.asarray(exact, dtype=np.uint64)), all_grams[order],
-                   all_owners[order], np.asarray(sizes, dtype=np.int64))
+        return cls(
+            ngram,
+            ids,
+            np.unique(np.asarray(exact, dtype=np.uint64)),
+            all_grams[order],
+            all_owners[order],
+            np.asarray(sizes, dtype=np.int64),
+        )
 
     def __len__(self) -> int:
         return len(self.ids)

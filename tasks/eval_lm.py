@@ -55,8 +55,11 @@ def smollm3_view(hf_model) -> SmolLM3 | None:
     config = hf_model.config
     if getattr(config, "model_type", None) != "smollm3":
         return None
-    if getattr(config, "use_sliding_window", False) or getattr(config, "attention_bias", False) \
-            or getattr(config, "mlp_bias", False):
+    if (
+        getattr(config, "use_sliding_window", False)
+        or getattr(config, "attention_bias", False)
+        or getattr(config, "mlp_bias", False)
+    ):
         return None
     try:
         cfg = from_hf_config(config)
@@ -95,11 +98,13 @@ class _Row:
 def _window(context: list[int], continuation: list[int], max_length: int) -> list[int]:
     """The model input lm-eval's `hf` model scores the continuation from: the last
     max_length + 1 tokens of context + continuation, minus the final one."""
-    return (context + continuation)[-(max_length + 1):][:-1]
+    return (context + continuation)[-(max_length + 1) :][:-1]
 
 
 def _rows(
-    requests: list[tuple[list[int], list[int]]], max_length: int, row_tokens: int,
+    requests: list[tuple[list[int], list[int]]],
+    max_length: int,
+    row_tokens: int,
     span: float = float("inf"),
 ) -> list[_Row]:
     """Lay requests out as prefix trees: requests sharing a prefix (the choices of one item, the
@@ -161,8 +166,11 @@ def _mask(ends: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def score_requests(
-    model: SmolLM3, requests: list[tuple[list[int], list[int]]], max_length: int,
-    batch_tokens: int = 4096, on_batch: Callable[[dict[int, tuple[float, bool]]], None] | None = None,
+    model: SmolLM3,
+    requests: list[tuple[list[int], list[int]]],
+    max_length: int,
+    batch_tokens: int = 4096,
+    on_batch: Callable[[dict[int, tuple[float, bool]]], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """(log-probability of the continuation, whether it is the greedy continuation) for each
     (context tokens, continuation tokens) request, as lm-eval's `hf` model defines them. Rows
@@ -175,8 +183,10 @@ def score_requests(
     misses = torch.zeros(len(requests), dtype=torch.int64)
     cfg = model.config
     # Per token and layer: the linears' multiply-adds against attention's 2 * T * hidden.
-    span = (cfg.hidden_size * (2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim)
-            + 3 * cfg.hidden_size * cfg.intermediate_size) / (2 * cfg.hidden_size)
+    span = (
+        cfg.hidden_size * (2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    ) / (2 * cfg.hidden_size)
     longest = max((min(len(c) + len(k), max_length + 1) - 1 for c, k in requests), default=0)
     rows = _rows(requests, max_length, max(batch_tokens, longest), span)
     rows.sort(key=lambda r: -len(r.tokens))
@@ -230,14 +240,16 @@ class PrefixSharingLM(HFLM):
     scoring: its causal attention needs no (T, T) mask."""
 
     def __init__(
-        self, pretrained: str, batch_tokens: int = 4096, dense_limit: int = 8192,
-        progress: EvalProgress | None = None, **kwargs
+        self,
+        pretrained: str,
+        batch_tokens: int = 4096,
+        dense_limit: int = 8192,
+        progress: EvalProgress | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(pretrained=pretrained, **kwargs)
         if batch_tokens <= 0 or dense_limit <= 0:
-            raise ValueError(
-                f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}"
-            )
+            raise ValueError(f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}")
         self.batch_tokens, self.dense_limit = batch_tokens, dense_limit
         self.ours = smollm3_view(self.model)
         if progress is not None:
@@ -261,13 +273,19 @@ class PrefixSharingLM(HFLM):
         return super().generate_until(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(
-        self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None,
+        self,
+        requests: list[Request],
+        disable_tqdm: bool = False,
+        override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
         if self.ours is None:  # not a SmolLM3 our model can run: the `hf` path, unchanged
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         # The model input of a request: its window (the last max_length + 1 tokens) minus one.
-        short = [i for i, (_, ctx, cont) in enumerate(requests)
-                 if min(len(ctx) + len(cont), self.max_length + 1) - 1 <= self.dense_limit]
+        short = [
+            i
+            for i, (_, ctx, cont) in enumerate(requests)
+            if min(len(ctx) + len(cont), self.max_length + 1) - 1 <= self.dense_limit
+        ]
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
 
         def finished(batch: dict[int, tuple[float, bool]]) -> None:
@@ -277,8 +295,9 @@ class PrefixSharingLM(HFLM):
                 if key is not None:  # rolling windows have no key: lm-eval caches those
                     self.cache_hook.add_partial("loglikelihood", key, answer)
 
-        scored = score_requests(self.ours, [requests[i][1:] for i in short], self.max_length,
-                                self.batch_tokens, on_batch=finished)
+        scored = score_requests(
+            self.ours, [requests[i][1:] for i in short], self.max_length, self.batch_tokens, on_batch=finished
+        )
         for i, answer in zip(short, scored, strict=True):
             answers[i] = answer
         rest = [i for i in range(len(requests)) if answers[i] is None]
@@ -302,17 +321,23 @@ class EvalProgress(CacheHook):
     percentage covers every request type from the start; tasks it does not name are counted
     when their requests are announced. An item is done when all its requests are answered."""
 
-    def __init__(self, log: Callable[[str], None], report: Callable[[float], None] | None = None,
-                 expected: dict[str, int] | None = None, every_pct: float = 10.0,
-                 every_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        log: Callable[[str], None],
+        report: Callable[[float], None] | None = None,
+        expected: dict[str, int] | None = None,
+        every_pct: float = 10.0,
+        every_s: float = 30.0,
+    ) -> None:
         super().__init__(None)
         self.items = dict(expected or {})  # task -> items to score
         self.done: Counter[str] = Counter()  # task -> items scored
         self._pending: dict[tuple, list[tuple[str, int]]] = defaultdict(list)  # request -> (task, doc)
         self._left: Counter[tuple[str, int]] = Counter()  # (task, doc) -> requests unanswered
         self._docs: dict[str, set[int]] = defaultdict(set)  # task -> documents announced
-        self.meter = Progress("lm-eval", sum(self.items.values()), "items", log, report,
-                              every_pct=every_pct, every_s=every_s)
+        self.meter = Progress(
+            "lm-eval", sum(self.items.values()), "items", log, report, every_pct=every_pct, every_s=every_s
+        )
 
     def expect(self, kind: str, requests: list) -> None:
         """The requests of one type, before lm-eval runs them (lm_eval Instances)."""

@@ -217,8 +217,10 @@ class TaskQuality:
         failed, unmeasured = [], []
         c = self.checks
         if c["monotonic"] is False:
-            failed.append(f"not monotonic: Spearman rho {self.spearman:.2f} < {thresholds.spearman:g} over "
-                          f"{self.points} checkpoints")
+            failed.append(
+                f"not monotonic: Spearman rho {self.spearman:.2f} < {thresholds.spearman:g} over "
+                f"{self.points} checkpoints"
+            )
         elif c["monotonic"] is None:
             unmeasured.append(f"monotonicity (needs 3+ checkpoints, has {self.points})")
         if c["low_noise"] is False:
@@ -226,8 +228,9 @@ class TaskQuality:
         elif c["low_noise"] is None:
             unmeasured.append("noise (no stderr and no seed runs)")
         if c["above_random"] is False:
-            failed.append(f"too close to random: margin {num(self.margin, '.1f')} sigma <= "
-                          f"{thresholds.margin_sigmas:g} sigma")
+            failed.append(
+                f"too close to random: margin {num(self.margin, '.1f')} sigma <= {thresholds.margin_sigmas:g} sigma"
+            )
         elif c["above_random"] is None:
             unmeasured.append("margin above random (no noise estimate)")
         if c["consistent"] is False:
@@ -253,10 +256,12 @@ class TaskQuality:
             out.append(f"not above random ({self.margin:.1f} sigma <= {t.margin_sigmas:g})")
         if c["consistent"] is False:
             out.append(f"inconsistent ordering (tau {self.kendall:.2f} < {t.kendall})")
-        missing = {"monotonic": "monotonicity unmeasured (fewer than 3 checkpoints)",
-                   "low_noise": "noise unmeasured (one seed, no stderr)",
-                   "above_random": "margin unmeasured (no noise)",
-                   "consistent": "ordering unmeasured (one variant or one checkpoint)"}
+        missing = {
+            "monotonic": "monotonicity unmeasured (fewer than 3 checkpoints)",
+            "low_noise": "noise unmeasured (one seed, no stderr)",
+            "above_random": "margin unmeasured (no noise)",
+            "consistent": "ordering unmeasured (one variant or one checkpoint)",
+        }
         out += [missing[k] for k in require if c[k] is None]
         if not any(v is not None for v in c.values()):
             out.append("nothing measurable")
@@ -311,8 +316,12 @@ def seed_noise(runs: Sequence[RunSeries]) -> tuple[float | None, int]:
 
 
 def assess_runs(
-    task: str, runs: Sequence[RunSeries], random: float, better: str = "higher",
-    thresholds: Thresholds = Thresholds(), cross_task_tau: float | None = None,
+    task: str,
+    runs: Sequence[RunSeries],
+    random: float,
+    better: str = "higher",
+    thresholds: Thresholds = Thresholds(),
+    cross_task_tau: float | None = None,
 ) -> TaskQuality:
     """The four criteria for one task over an experiment's runs (variants x seeds):
     - monotonic: mean Spearman rho of score vs step over the runs with 3+ checkpoints (of the
@@ -353,8 +362,7 @@ def assess_runs(
         "above_random": None if margin is None else margin > thresholds.margin_sigmas,
         "consistent": None if tau is None else tau >= thresholds.kendall,
     }
-    return TaskQuality(task, max(len(r.scores) for r in runs), final, rho, ratio, margin, tau, checks,
-                       better, source)
+    return TaskQuality(task, max(len(r.scores) for r in runs), final, rho, ratio, margin, tau, checks, better, source)
 
 
 def quality_table(rows: Sequence[TaskQuality], thresholds: Thresholds = Thresholds()) -> str:
@@ -418,7 +426,9 @@ def run_series(lineage, run_id: str, metric: str = "acc_norm") -> dict[str, Task
                 randoms[task] = float(meta.get("random_accuracy") or 0.0)
     return {
         task: TaskSeries(
-            task=task, steps=tuple(p[0] for p in pts), scores=tuple(p[1] for p in pts),
+            task=task,
+            steps=tuple(p[0] for p in pts),
+            scores=tuple(p[1] for p in pts),
             stderr=tuple(p[2] for p in pts) if all(p[2] is not None for p in pts) else (),
             random=randoms[task],
         )
@@ -455,15 +465,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m tasks.eval_qu
     from infra.lineage import Lineage
     from infra.workspace import resolve_workspace
 
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                epilog=CRITERIA_HELP.format(t=Thresholds()),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workspace", nargs="?", default="workspace",
-                   help="workspace folder holding lineage.duckdb (default: workspace, relative to "
-                        "$SMOLLM3_HOME or else the project root)")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=CRITERIA_HELP.format(t=Thresholds()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "workspace",
+        nargs="?",
+        default="workspace",
+        help="workspace folder holding lineage.duckdb (default: workspace, relative to "
+        "$SMOLLM3_HOME or else the project root)",
+    )
     p.add_argument("--run", help="flow run id (default: the latest smollm3 run)")
-    p.add_argument("--metric", default="acc_norm",
-                   help="score to judge: acc_norm (default, the cloze tasks), acc or exact_match")
+    p.add_argument(
+        "--metric", default="acc_norm", help="score to judge: acc_norm (default, the cloze tasks), acc or exact_match"
+    )
     args = p.parse_args(argv)
     lineage = Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
     with lineage.reading():  # dozens of small reads on one connection

@@ -67,16 +67,17 @@ class EvalConfig(BaseModel):
     def for_suite(self) -> EvalConfig:
         """This section as the eval_suite step sees it: the fields that only say how models are
         evaluated are at their defaults, so changing them does not rebuild the suite."""
-        return self.model_copy(update={f: type(self).model_fields[f].default
-                                       for f in (*_RUN_FIELDS, "long_context_cloze")})
+        return self.model_copy(
+            update={f: type(self).model_fields[f].default for f in (*_RUN_FIELDS, "long_context_cloze")}
+        )
 
     def for_run(self) -> EvalConfig:
         """This section as the evaluate step sees it: only the fields that say how models are
         evaluated; the suite's fields are at their defaults (the suite input carries them)."""
         keep = set(_RUN_FIELDS)  # long_context_cloze reaches the step as EvalSpec.cloze
-        return self.model_copy(update={
-            f: type(self).model_fields[f].default for f in type(self).model_fields if f not in keep
-        })
+        return self.model_copy(
+            update={f: type(self).model_fields[f].default for f in type(self).model_fields if f not in keep}
+        )
 
 
 # EvalConfig fields the evaluate step uses and the eval_suite step does not.
@@ -105,7 +106,9 @@ def prose_items(docs: Sequence[str], cfg: EvalConfig, rng: random.Random) -> lis
         if len(others) < cfg.choices - 1:
             break
         distractors = [" ".join(p[cfg.context_words :]) for p in rng.sample(others, cfg.choices - 1)]
-        items.append(_item(" ".join(words[: cfg.context_words]), " ".join(words[cfg.context_words :]), distractors, rng))
+        items.append(
+            _item(" ".join(words[: cfg.context_words]), " ".join(words[cfg.context_words :]), distractors, rng)
+        )
     return items
 
 
@@ -160,9 +163,7 @@ def arithmetic_items(docs: Sequence[str], cfg: EvalConfig, rng: random.Random) -
     return items
 
 
-_FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-).split()
+_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ").split()
 
 
 def passkey_items(length_words: int, cfg: EvalConfig, rng: random.Random) -> list[dict[str, Any]]:
@@ -198,27 +199,29 @@ def stage_tasks(cfg: EvalConfig, suite: Artifact, long_context: bool, cloze: boo
 
 def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
     """An lm-eval task over a local JSONL file (offline: `dataset_path: json`)."""
-    return "\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data_file))}",
-        "test_split: test",
-        "output_type: multiple_choice",
-        'doc_to_text: "{{context}}"',
-        'doc_to_choice: "{{choices}}"',
-        "doc_to_target: gold",
-        f"target_delimiter: {json.dumps(delimiter)}",
-        "metric_list:",
-        "  - metric: acc",
-        "    aggregation: mean",
-        "    higher_is_better: true",
-        "  - metric: acc_norm",
-        "    aggregation: mean",
-        "    higher_is_better: true",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"task: {name}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            "  data_files:",
+            f"    test: {json.dumps(str(data_file))}",
+            "test_split: test",
+            "output_type: multiple_choice",
+            'doc_to_text: "{{context}}"',
+            'doc_to_choice: "{{choices}}"',
+            "doc_to_target: gold",
+            f"target_delimiter: {json.dumps(delimiter)}",
+            "metric_list:",
+            "  - metric: acc",
+            "    aggregation: mean",
+            "    higher_is_better: true",
+            "  - metric: acc_norm",
+            "    aggregation: mean",
+            "    higher_is_better: true",
+            "",
+        ]
+    )
 
 
 # Generation (exact match) task for chat models: the ChatML prompt our tokenizer's template
@@ -244,32 +247,34 @@ def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, A
 
 def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> str:
     """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
-    return "\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data_file))}",
-        "test_split: test",
-        "output_type: generate_until",
-        f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
-        'doc_to_target: "{{answer}}"',
-        "generation_kwargs:",
-        '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
-        f"  max_gen_toks: {max_gen_toks}",
-        "  do_sample: false",
-        "filter_list:",
-        "  - name: answer",
-        "    filter:",
-        "      - function: regex",
-        f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
-        "      - function: take_first",
-        "metric_list:",
-        "  - metric: exact_match",
-        "    aggregation: mean",
-        "    higher_is_better: true",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"task: {name}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            "  data_files:",
+            f"    test: {json.dumps(str(data_file))}",
+            "test_split: test",
+            "output_type: generate_until",
+            f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
+            'doc_to_target: "{{answer}}"',
+            "generation_kwargs:",
+            '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
+            f"  max_gen_toks: {max_gen_toks}",
+            "  do_sample: false",
+            "filter_list:",
+            "  - name: answer",
+            "    filter:",
+            "      - function: regex",
+            f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
+            "      - function: take_first",
+            "metric_list:",
+            "  - metric: exact_match",
+            "    aggregation: mean",
+            "    higher_is_better: true",
+            "",
+        ]
+    )
 
 
 def ngrams(text: str, n: int) -> Iterator[int]:
@@ -298,8 +303,7 @@ def contamination(
     report = {}
     for name, items in tasks.items():
         hit = sum(1 for i in range(len(items)) if item_grams[(name, i)] & seen)
-        report[name] = {"items": len(items), "contaminated": hit,
-                        "rate": hit / len(items) if items else 0.0}
+        report[name] = {"items": len(items), "contaminated": hit, "rate": hit / len(items) if items else 0.0}
     return report
 
 
@@ -311,8 +315,14 @@ def _texts(folder: Path, limit: int | None = None) -> Iterator[str]:
 
 
 def build_suite(
-    cfg: EvalConfig, sources: Sequence[Artifact], training: Sequence[Artifact], out: Path,
-    seed: int = 0, log=print, generation_items: int = 0, max_gen_tokens: int = 48,
+    cfg: EvalConfig,
+    sources: Sequence[Artifact],
+    training: Sequence[Artifact],
+    out: Path,
+    seed: int = 0,
+    log=print,
+    generation_items: int = 0,
+    max_gen_tokens: int = 48,
 ) -> dict[str, Any]:
     """Write every task's JSONL + YAML into `out/tasks` and the contamination report; with
     `generation_items`, also the exact-match generation task (for post-trained chat models)."""
@@ -342,7 +352,9 @@ def build_suite(
         if gen:
             data = task_dir / f"{GENERATION_TASK}.jsonl"
             data.write_text("".join(json.dumps(i) + "\n" for i in gen), encoding="utf-8")
-            (task_dir / f"{GENERATION_TASK}.yaml").write_text(generation_task_yaml(GENERATION_TASK, data, max_gen_tokens))
+            (task_dir / f"{GENERATION_TASK}.yaml").write_text(
+                generation_task_yaml(GENERATION_TASK, data, max_gen_tokens)
+            )
     cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
     report = contamination(
         cloze,
@@ -351,8 +363,10 @@ def build_suite(
     )
     (out / "contamination.json").write_text(json.dumps(report, indent=2))
     for name, r in report.items():
-        log(f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
-            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})")
+        log(
+            f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
+            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})"
+        )
     if gen:
         tasks[GENERATION_TASK] = gen
     return {
@@ -371,8 +385,13 @@ HARNESS_MODELS = ("prefix_sharing", "hf")
 
 
 def run_lm_eval(
-    model_dir: Path, task_dir: Path | None, tasks: Sequence[str], cfg: EvalConfig, out: Path,
-    harness_model: str = "prefix_sharing", progress: Any = None,
+    model_dir: Path,
+    task_dir: Path | None,
+    tasks: Sequence[str],
+    cfg: EvalConfig,
+    out: Path,
+    harness_model: str = "prefix_sharing",
+    progress: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Scores per task from lm-eval: {task: {acc, acc_stderr, acc_norm, ...}}; lm-eval's own
     results (configs, versions, n-shot, n-samples, model args, environment) go to
@@ -391,9 +410,7 @@ def run_lm_eval(
         raise ValueError(f"harness_model must be one of {HARNESS_MODELS}, got {harness_model!r}")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hub = [t for t in tasks if t in cfg.lm_eval_tasks]
-    manager = TaskManager(
-        include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub)
-    )
+    manager = TaskManager(include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub))
     model_args = {"pretrained": str(model_dir), "dtype": "float32", "device": device}
     if harness_model == "hf":
         model = "hf"
@@ -414,14 +431,15 @@ def run_lm_eval(
     scores: dict[str, dict[str, float]] = {}
     for task, metrics in results["results"].items():
         scores[task] = {
-            k.split(",")[0]: float(v) for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and "," in k
+            k.split(",")[0]: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and "," in k
             and not (isinstance(v, float) and v != v)
         }
     results["config"]["harness_model"] = harness_model
-    (out / "lm_eval_results.json").write_text(
-        json.dumps(results, indent=2, default=handle_non_serializable)
-    )
+    (out / "lm_eval_results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable))
     return scores
 
 
@@ -465,8 +483,7 @@ def items_scored(results_file: Path) -> dict[str, int]:
     return {t: int(n["effective"]) for t, n in samples.items() if isinstance(n, dict) and "effective" in n}
 
 
-def scores_markdown(scores: dict[str, dict[str, float]], items: dict[str, int],
-                    random: dict[str, float | None]) -> str:
+def scores_markdown(scores: dict[str, dict[str, float]], items: dict[str, int], random: dict[str, float | None]) -> str:
     """One row per task: its headline metric, value ± stderr, items, random baseline."""
     lines = ["| task | metric | score | ± stderr | items | random |", "|---|---|---|---|---|---|"]
     for task, metrics in sorted(scores.items()):
@@ -474,15 +491,23 @@ def scores_markdown(scores: dict[str, dict[str, float]], items: dict[str, int],
         if metric is None:
             continue
         se, base = metrics.get(f"{metric}_stderr"), random.get(task)
-        lines.append(f"| {task} | {metric} | {metrics[metric]:.3f} | "
-                     f"{'-' if se is None else f'{se:.3f}'} | {items.get(task, '-')} | "
-                     f"{'-' if base is None else f'{base:.3f}'} |")
+        lines.append(
+            f"| {task} | {metric} | {metrics[metric]:.3f} | "
+            f"{'-' if se is None else f'{se:.3f}'} | {items.get(task, '-')} | "
+            f"{'-' if base is None else f'{base:.3f}'} |"
+        )
     return "\n".join(lines)
 
 
 def build_eval(
-    cfg: EvalConfig, model: Artifact, suite: Artifact, out: Path, tasks: Sequence[str], log=print,
-    harness_model: str = "prefix_sharing", progress=None,
+    cfg: EvalConfig,
+    model: Artifact,
+    suite: Artifact,
+    out: Path,
+    tasks: Sequence[str],
+    log=print,
+    harness_model: str = "prefix_sharing",
+    progress=None,
 ) -> dict[str, Any]:
     from tasks.eval_lm import EvalProgress
 
@@ -497,16 +522,23 @@ def build_eval(
     listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
     log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
     meter = EvalProgress(log, progress, expected)
-    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out,
-                         harness_model, progress=meter)
+    scores = run_lm_eval(
+        Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out, harness_model, progress=meter
+    )
     items = items_scored(out / "lm_eval_results.json")
     random = random_baselines(suite, tasks, cfg.limit)
     table = scores_markdown(scores, items, random)
     (out / "scores.md").write_text(table + "\n")
     (out / "scores.json").write_text(json.dumps(scores, indent=2))
     log("\n" + table)
-    return {"stage": model.meta.get("stage"), "model_dir": model.meta["model_dir"], "scores": scores,
-            "items": items, "random_baseline": random, "random_accuracy": suite.meta["random_accuracy"]}
+    return {
+        "stage": model.meta.get("stage"),
+        "model_dir": model.meta["model_dir"],
+        "scores": scores,
+        "items": items,
+        "random_baseline": random,
+        "random_accuracy": suite.meta["random_accuracy"],
+    }
 
 
 def publish_eval(artifact: Artifact, ws, label: str) -> None:
@@ -525,14 +557,21 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
         for metric, value in metrics.items():
             if metric.endswith("_stderr"):
                 continue
-            rows.append((artifact.fingerprint, run_id, task, metric, value,
-                         metrics.get(f"{metric}_stderr"), now))
+            rows.append((artifact.fingerprint, run_id, task, metric, value, metrics.get(f"{metric}_stderr"), now))
         metric = headline_metric(task, metrics)
         if metric is not None:
             se, base = metrics.get(f"{metric}_stderr"), random.get(task)
-            table.append({"model": label, "task": task, "metric": metric, "score": round(metrics[metric], 4),
-                          "stderr": None if se is None else round(se, 4), "items": items.get(task),
-                          "random": None if base is None else round(base, 4)})
+            table.append(
+                {
+                    "model": label,
+                    "task": task,
+                    "metric": metric,
+                    "score": round(metrics[metric], 4),
+                    "stderr": None if se is None else round(se, 4),
+                    "items": items.get(task),
+                    "random": None if base is None else round(base, 4),
+                }
+            )
     ws.lineage().record_rows("evals", rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{label}".lower())
     create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
@@ -562,16 +601,23 @@ class EvalSpec(BaseModel):
 
     @classmethod
     def of(cls, eval: EvalConfig, long_context: bool = False) -> EvalSpec:
-        return cls(eval=eval.for_run(), long_context=long_context,
-                   cloze=not long_context or eval.long_context_cloze)
+        return cls(eval=eval.for_run(), long_context=long_context, cloze=not long_context or eval.long_context_cloze)
 
 
 @step("eval_suite", version=2, kind="eval", resource="data", isolate=True, retries=1)
 def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The eval suite from the held-out splits of the corpora in input `heldout`, with
     contamination measured against the training text of input `train`."""
-    return build_suite(config.eval, many(inputs, "heldout"), many(inputs, "train"), out, config.seed, log,
-                       generation_items=config.generation_items, max_gen_tokens=config.max_gen_tokens)
+    return build_suite(
+        config.eval,
+        many(inputs, "heldout"),
+        many(inputs, "train"),
+        out,
+        config.seed,
+        log,
+        generation_items=config.generation_items,
+        max_gen_tokens=config.max_gen_tokens,
+    )
 
 
 @step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")

@@ -91,12 +91,12 @@ def parse_variant(text: str) -> Variant:
     commas: `wide:training.model_overrides={hidden_size: 512, num_heads: 8}`)."""
     name, sep, rest = text.partition(":")
     if not sep or not name.strip():
-        raise ValueError(f"variant {text!r} must look like NAME:key=value[,key=value...] "
-                         "(e.g. lr_low:training.optimizer.lr=0.001)")
+        raise ValueError(
+            f"variant {text!r} must look like NAME:key=value[,key=value...] (e.g. lr_low:training.optimizer.lr=0.001)"
+        )
     name = name.strip()
     if not re.match(NAME, name) or name == BASELINE:
-        raise ValueError(f"variant name {name!r} must be lowercase letters, digits, '-' or '_' and not "
-                         f"{BASELINE!r}")
+        raise ValueError(f"variant name {name!r} must be lowercase letters, digits, '-' or '_' and not {BASELINE!r}")
     overrides = tuple(split_top_level(rest))
     if not overrides:
         raise ValueError(f"variant {name!r} changes nothing: give key=value overrides after the colon")
@@ -115,7 +115,9 @@ class AblationSpec(BaseModel):
     seeds: int = Field(default=2, ge=1)  # runs per variant (init seed and data order seed + k)
     eval_every: int | None = Field(default=None, gt=0)  # steps between kept, evaluated checkpoints; None: ~8 per run
     heldout_tokens: int = Field(default=8192, gt=0)  # held-out tokens per source for bits per byte
-    lm_eval: Literal["stages", "final", "none"] = "stages"  # lm-eval (cloze) after every pretrain stage, the last, or never
+    lm_eval: Literal["stages", "final", "none"] = (
+        "stages"  # lm-eval (cloze) after every pretrain stage, the last, or never
+    )
     confidence: float = Field(default=0.95, gt=0, lt=1)  # of the difference's confidence interval
     name: str = ""  # experiment name; "" = the variant names joined by '+'
 
@@ -216,15 +218,24 @@ def collect(cfg: ExperimentConfig, inputs: Inputs) -> dict[str, TaskScores]:
     """Every task's points per run, from the lm-eval and held-out artifacts of the inputs."""
     tasks: dict[str, TaskScores] = {}
 
-    def add(task: str, metric: str, better: str, random: float, label: str, step_no: int,
-            values: Mapping[str, float], fingerprint: str) -> None:
+    def add(
+        task: str,
+        metric: str,
+        better: str,
+        random: float,
+        label: str,
+        step_no: int,
+        values: Mapping[str, float],
+        fingerprint: str,
+    ) -> None:
         t = tasks.setdefault(task, TaskScores(metric, better))
         if t.metric != metric:
             raise ValueError(f"task {task}: scored on {t.metric} in one run and {metric} in another")
         t.randoms.append(random)
         stderr = values.get(f"{metric}_stderr")
         t.points.setdefault(label, []).append(
-            (int(step_no), float(values[metric]), None if stderr is None else float(stderr), fingerprint))
+            (int(step_no), float(values[metric]), None if stderr is None else float(stderr), fingerprint)
+        )
 
     for run in cfg.runs:
         lm = many(inputs, f"{run.label}.lm")
@@ -240,8 +251,16 @@ def collect(cfg: ExperimentConfig, inputs: Inputs) -> dict[str, TaskScores]:
         for art in many(inputs, f"{run.label}.heldout"):
             for point in art.meta["points"]:
                 for task, values in point["scores"].items():
-                    add(task, "bpb", "lower", float(art.meta["random"][task]["bpb"]), run.label,
-                        point["global_step"], values, art.fingerprint)
+                    add(
+                        task,
+                        "bpb",
+                        "lower",
+                        float(art.meta["random"][task]["bpb"]),
+                        run.label,
+                        point["global_step"],
+                        values,
+                        art.fingerprint,
+                    )
     for t in tasks.values():
         for label, pts in t.points.items():
             pts.sort()
@@ -254,8 +273,13 @@ def collect(cfg: ExperimentConfig, inputs: Inputs) -> dict[str, TaskScores]:
 def run_series(cfg: ExperimentConfig, scores: TaskScores) -> list[RunSeries]:
     by_label = {r.label: r for r in cfg.runs}
     return [
-        RunSeries(by_label[label].variant, by_label[label].seed, tuple(p[0] for p in pts), tuple(p[1] for p in pts),
-                  tuple(p[2] for p in pts) if all(p[2] is not None for p in pts) else ())
+        RunSeries(
+            by_label[label].variant,
+            by_label[label].seed,
+            tuple(p[0] for p in pts),
+            tuple(p[1] for p in pts),
+            tuple(p[2] for p in pts) if all(p[2] is not None for p in pts) else (),
+        )
         for label, pts in scores.points.items()
     ]
 
@@ -276,8 +300,10 @@ def assess(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores]) -> dict[str, 
             per_variant.setdefault(s.variant, []).append(sign * s.scores[-1])
         finals[name] = {v: statistics.fmean(xs) for v, xs in per_variant.items()}
     taus = candidate_consistency(finals)
-    return {name: assess_runs(name, run_series(cfg, t), t.random, t.better, cfg.trust.thresholds, taus.get(name))
-            for name, t in complete.items()}
+    return {
+        name: assess_runs(name, run_series(cfg, t), t.random, t.better, cfg.trust.thresholds, taus.get(name))
+        for name, t in complete.items()
+    }
 
 
 def student_t(confidence: float, df: int) -> float:
@@ -303,8 +329,17 @@ def difference(baseline: Sequence[float], variant: Sequence[float], confidence: 
     mb, mv = statistics.fmean(baseline), statistics.fmean(variant)
     delta = mv - mb
     df = (m - 1) + (n - 1)
-    out: dict[str, Any] = {"baseline": mb, "score": mv, "delta": delta, "df": df, "seed_std": None,
-                           "ci_low": None, "ci_high": None, "p_value": None, "significant": None}
+    out: dict[str, Any] = {
+        "baseline": mb,
+        "score": mv,
+        "delta": delta,
+        "df": df,
+        "seed_std": None,
+        "ci_low": None,
+        "ci_high": None,
+        "p_value": None,
+        "significant": None,
+    }
     if df == 0:
         return out
     ss = sum((x - mb) ** 2 for x in baseline) + sum((x - mv) ** 2 for x in variant)
@@ -319,8 +354,9 @@ def difference(baseline: Sequence[float], variant: Sequence[float], confidence: 
     return out
 
 
-def compare(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores],
-            quality: Mapping[str, TaskQuality]) -> list[dict[str, Any]]:
+def compare(
+    cfg: ExperimentConfig, tasks: Mapping[str, TaskScores], quality: Mapping[str, TaskQuality]
+) -> list[dict[str, Any]]:
     """One row per variant and task: the difference of final scores with its noise and verdict."""
     runs = {r.label: r for r in cfg.runs}
     rows = []
@@ -332,19 +368,35 @@ def compare(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores],
             mine = [finals[lb] for lb, r in runs.items() if r.variant == variant]
             d = difference([p[1] for p in base], [p[1] for p in mine], cfg.confidence)
             errs = [p[2] for p in base + mine]
-            stderr = (math.sqrt(statistics.fmean(e * e for e in errs[:len(base)]) / len(base)
-                                + statistics.fmean(e * e for e in errs[len(base):]) / len(mine))
-                      if all(e is not None for e in errs) else None)
+            stderr = (
+                math.sqrt(
+                    statistics.fmean(e * e for e in errs[: len(base)]) / len(base)
+                    + statistics.fmean(e * e for e in errs[len(base) :]) / len(mine)
+                )
+                if all(e is not None for e in errs)
+                else None
+            )
             why = q.reasons(cfg.trust.thresholds, cfg.trust.require)
             trusted = q.trusted(cfg.trust.require)
             sign = 1 if t.better == "higher" else -1
             improved = None if d["significant"] is None else bool(d["significant"] and sign * d["delta"] > 0)
-            rows.append({
-                "variant": variant, "task": name, "metric": t.metric, "better": t.better, **d,
-                "improved": improved, "stderr": stderr, "trusted": trusted, "why": "; ".join(why),
-                "verdict": verdict(d, improved, trusted, why),
-                "baseline_runs": len(base), "variant_runs": len(mine), "eval_fingerprint": mine[-1][3],
-            })
+            rows.append(
+                {
+                    "variant": variant,
+                    "task": name,
+                    "metric": t.metric,
+                    "better": t.better,
+                    **d,
+                    "improved": improved,
+                    "stderr": stderr,
+                    "trusted": trusted,
+                    "why": "; ".join(why),
+                    "verdict": verdict(d, improved, trusted, why),
+                    "baseline_runs": len(base),
+                    "variant_runs": len(mine),
+                    "eval_fingerprint": mine[-1][3],
+                }
+            )
     return rows
 
 
@@ -371,18 +423,28 @@ def _num(v: Any, fmt: str = ".4f") -> str:
     return format(v, fmt)
 
 
-def report_markdown(cfg: ExperimentConfig, quality: Mapping[str, TaskQuality], rows: Sequence[Mapping[str, Any]],
-                    seeds: Mapping[str, int], base: Mapping[str, Any] | None = None) -> str:
+def report_markdown(
+    cfg: ExperimentConfig,
+    quality: Mapping[str, TaskQuality],
+    rows: Sequence[Mapping[str, Any]],
+    seeds: Mapping[str, int],
+    base: Mapping[str, Any] | None = None,
+) -> str:
     t = cfg.trust
-    where = (f" from {base.get('stage', '?')} step {base.get('step', '?')} (global step {base.get('global_step', '?')})"
-             if base else "")
+    where = (
+        f" from {base.get('stage', '?')} step {base.get('step', '?')} (global step {base.get('global_step', '?')})"
+        if base
+        else ""
+    )
     lines = [
         f"# {cfg.kind.capitalize()} {cfg.name}{where}",
         "",
         "| variant | runs (seeds) | what it changes |",
         "|---|---|---|",
-        *(f"| {v} | {seeds.get(v, 0)} | {', '.join(f'`{o}`' for o in ov) or 'the baseline'} |"
-          for v, ov in cfg.variants.items()),
+        *(
+            f"| {v} | {seeds.get(v, 0)} | {', '.join(f'`{o}`' for o in ov) or 'the baseline'} |"
+            for v, ov in cfg.variants.items()
+        ),
         "",
         "## Which evals the comparison trusts",
         "",
@@ -400,7 +462,8 @@ def report_markdown(cfg: ExperimentConfig, quality: Mapping[str, TaskQuality], r
             f"| {name} | {next((r['metric'] for r in rows if r['task'] == name), '-')} | {q.points} | "
             f"{_num(q.spearman, '.2f')} | {_num(q.snr, '.1f')} ({q.noise_source or '-'}) | "
             f"{_num(q.margin, '.1f')} | {_num(q.kendall, '.2f')} | {'yes' if q.trusted(t.require) else 'no'} | "
-            f"{'; '.join(why) or '-'} |")
+            f"{'; '.join(why) or '-'} |"
+        )
     level = f"{cfg.confidence:.0%}"
     lines += [
         "",
@@ -417,15 +480,20 @@ def report_markdown(cfg: ExperimentConfig, quality: Mapping[str, TaskQuality], r
         lines.append(
             f"| {r['variant']} | {r['task']} | {r['metric']} ({r['better']} better) | {r['baseline']:.4f} | "
             f"{r['score']:.4f} | {r['delta']:+.4f} | {_num(r['seed_std'])} | {r['df']} | {ci} | "
-            f"{_num(r['p_value'], '.3g')} | {r['verdict']} |")
+            f"{_num(r['p_value'], '.3g')} | {r['verdict']} |"
+        )
     if all(r["df"] == 0 for r in rows):
-        lines += ["", "One seed per variant: the seed noise is unknown, so no difference is called "
-                      "significant. Rerun with more seeds (`--seeds 2` or more)."]
+        lines += [
+            "",
+            "One seed per variant: the seed noise is unknown, so no difference is called "
+            "significant. Rerun with more seeds (`--seeds 2` or more).",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def chart(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores], quality: Mapping[str, TaskQuality],
-          path: Path) -> bool:
+def chart(
+    cfg: ExperimentConfig, tasks: Mapping[str, TaskScores], quality: Mapping[str, TaskQuality], path: Path
+) -> bool:
     """Every task with two or more points per run: its score over training, one colour per
     variant (thin: each seed; thick: their mean). False when there is nothing to draw."""
     names = [n for n in sorted(quality) if max(len(p) for p in tasks[n].points.values()) >= 2][:6]
@@ -456,7 +524,7 @@ def chart(cfg: ExperimentConfig, tasks: Mapping[str, TaskScores], quality: Mappi
         ax.set_xlabel("step")
         ax.set_ylabel(f"{t.metric} ({t.better} better)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
@@ -484,23 +552,57 @@ def build_experiment(cfg: ExperimentConfig, inputs: Inputs, out: Path, log=print
     (out / "comparison.md").write_text(markdown)
     (out / "comparison.json").write_text(json.dumps(rows, indent=2))
     by_label = {r.label: r for r in cfg.runs}
-    points = [{"label": lb, "variant": by_label[lb].variant, "seed": by_label[lb].seed, "task": name,
-               "metric": t.metric, "step": p[0], "value": p[1], "stderr": p[2], "eval_fingerprint": p[3]}
-              for name, t in sorted(tasks.items()) for lb, pts in t.points.items() for p in pts]
+    points = [
+        {
+            "label": lb,
+            "variant": by_label[lb].variant,
+            "seed": by_label[lb].seed,
+            "task": name,
+            "metric": t.metric,
+            "step": p[0],
+            "value": p[1],
+            "stderr": p[2],
+            "eval_fingerprint": p[3],
+        }
+        for name, t in sorted(tasks.items())
+        for lb, pts in t.points.items()
+        for p in pts
+    ]
     (out / "points.json").write_text(json.dumps(points))
     drawn = chart(cfg, tasks, quality, out / "comparison.png")
     log("\n" + markdown)
     t = cfg.trust
-    return _json_safe({
-        "kind": cfg.kind, "name": cfg.name, "baseline": cfg.baseline, "variants": dict(cfg.variants),
-        "seeds": seeds, "confidence": cfg.confidence, "rows": rows, "base": base,
-        "trusted": sorted(n for n, q in quality.items() if q.trusted(t.require)),
-        "quality": {n: {"points": q.points, "final": q.final, "spearman": q.spearman, "snr": q.snr,
-                        "margin": q.margin, "kendall": q.kendall, "checks": q.checks, "better": q.better,
-                        "noise": q.noise_source, "trusted": q.trusted(t.require),
-                        "why": q.reasons(t.thresholds, t.require)} for n, q in sorted(quality.items())},
-        "not_compared": partial, "chart": drawn,
-    })
+    return _json_safe(
+        {
+            "kind": cfg.kind,
+            "name": cfg.name,
+            "baseline": cfg.baseline,
+            "variants": dict(cfg.variants),
+            "seeds": seeds,
+            "confidence": cfg.confidence,
+            "rows": rows,
+            "base": base,
+            "trusted": sorted(n for n, q in quality.items() if q.trusted(t.require)),
+            "quality": {
+                n: {
+                    "points": q.points,
+                    "final": q.final,
+                    "spearman": q.spearman,
+                    "snr": q.snr,
+                    "margin": q.margin,
+                    "kendall": q.kendall,
+                    "checks": q.checks,
+                    "better": q.better,
+                    "noise": q.noise_source,
+                    "trusted": q.trusted(t.require),
+                    "why": q.reasons(t.thresholds, t.require),
+                }
+                for n, q in sorted(quality.items())
+            },
+            "not_compared": partial,
+            "chart": drawn,
+        }
+    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -527,28 +629,44 @@ def publish_experiment(artifact: Artifact, ws, label: str) -> None:
     meta, exp_id = artifact.meta, artifact.fingerprint
     base = meta.get("base") or {}
     experiment = {
-        "experiment": exp_id, "run_id": str(flow_run.id) if flow_run.id else None, "kind": meta["kind"],
-        "name": meta["name"], "baseline": meta["baseline"], "variants": json.dumps(meta["variants"]),
-        "seeds": json.dumps(meta["seeds"]), "confidence": meta["confidence"], "trusted": json.dumps(meta["trusted"]),
-        "quality": json.dumps(meta["quality"]), "base_checkpoint": base.get("source"),
-        "base_global_step": base.get("global_step"), "created": now,
+        "experiment": exp_id,
+        "run_id": str(flow_run.id) if flow_run.id else None,
+        "kind": meta["kind"],
+        "name": meta["name"],
+        "baseline": meta["baseline"],
+        "variants": json.dumps(meta["variants"]),
+        "seeds": json.dumps(meta["seeds"]),
+        "confidence": meta["confidence"],
+        "trusted": json.dumps(meta["trusted"]),
+        "quality": json.dumps(meta["quality"]),
+        "base_checkpoint": base.get("source"),
+        "base_global_step": base.get("global_step"),
+        "created": now,
     }
     points = json.loads((artifact.path / "points.json").read_text())
     runs = [{"experiment": exp_id, **p} for p in points]
-    results = [{"experiment": exp_id, "created": now, **{k: v for k, v in r.items() if k != "eval_fingerprint"}}
-               for r in meta["rows"]]
+    results = [
+        {"experiment": exp_id, "created": now, **{k: v for k, v in r.items() if k != "eval_fingerprint"}}
+        for r in meta["rows"]
+    ]
     ws.lineage().record_experiment(experiment, runs, results)
     key = re.sub(r"[^a-z0-9-]+", "-", f"{meta['kind']}-comparison-{label}".lower())
-    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "eval_fingerprint"}
-             for r in meta["rows"]]
-    create_table_artifact(table=table, key=key,
-                          description=f"{meta['kind']} {meta['name']}: variants vs {meta['baseline']}")
+    table = [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "eval_fingerprint"}
+        for r in meta["rows"]
+    ]
+    create_table_artifact(
+        table=table, key=key, description=f"{meta['kind']} {meta['name']}: variants vs {meta['baseline']}"
+    )
     markdown = (artifact.path / "comparison.md").read_text()
     png = artifact.path / "comparison.png"
     if png.exists():
         markdown += f"\n![scores over training](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})\n"
-    create_markdown_artifact(markdown=markdown, key=re.sub(r"[^a-z0-9-]+", "-", f"{meta['kind']}-report-{label}".lower()),
-                             description=f"{meta['kind']} {meta['name']}: trusted evals, comparison and curves")
+    create_markdown_artifact(
+        markdown=markdown,
+        key=re.sub(r"[^a-z0-9-]+", "-", f"{meta['kind']}-report-{label}".lower()),
+        description=f"{meta['kind']} {meta['name']}: trusted evals, comparison and curves",
+    )
 
 
 @step("compare", version=1, kind="report", publish=publish_experiment)
@@ -571,7 +689,9 @@ def experiment_text(lineage, experiment: str | None = None, kind: str | None = N
         for r in rows:
             variants = ", ".join(json.loads(r["variants"]))
             trusted = ", ".join(json.loads(r["trusted"])) or "none"
-            lines.append(f"{r['experiment'][:12]:<14}{r['kind']:<10}{str(r['created'])[:19]:<21}{variants:<30}{trusted}")
+            lines.append(
+                f"{r['experiment'][:12]:<14}{r['kind']:<10}{str(r['created'])[:19]:<21}{variants:<30}{trusted}"
+            )
         return "\n".join(lines)
     row = lineage.find_experiment(experiment)
     if row is None:
@@ -582,5 +702,6 @@ def experiment_text(lineage, experiment: str | None = None, kind: str | None = N
     if report.exists():
         return head + report.read_text()
     results = lineage.experiment_results(row["experiment"])  # the folder is gone: lineage still has it
-    return head + "\n".join(f"{r['variant']} {r['task']} {r['metric']} delta {r['delta']:+.4f}: {r['verdict']}"
-                            for r in results)
+    return head + "\n".join(
+        f"{r['variant']} {r['task']} {r['metric']} delta {r['delta']:+.4f}: {r['verdict']}" for r in results
+    )

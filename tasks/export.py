@@ -41,12 +41,18 @@ def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, 
     checkpoint = next(a for a in inputs if a.kind == "checkpoint")
     tok_dir, eos_id = tokenizer_folder(tuple(a for a in inputs if a.kind in ("fertility", "tokenizer")))
     model = load_model(checkpoint.meta["checkpoint"])
-    folder = export_hf(model, out / "model", tokenizer_dir=tok_dir, eos_token_id=eos_id,
-                       dtype=getattr(torch, config.dtype))
+    folder = export_hf(
+        model, out / "model", tokenizer_dir=tok_dir, eos_token_id=eos_id, dtype=getattr(torch, config.dtype)
+    )
     n = sum(p.numel() for p in model.parameters())
     log(f"exported {checkpoint.meta['stage']} ({n:,} parameters) to {folder}")
-    return {"stage": checkpoint.meta["stage"], "kind": checkpoint.meta.get("kind"),
-            "model_dir": str(folder), "parameters": n, "dtype": config.dtype}
+    return {
+        "stage": checkpoint.meta["stage"],
+        "kind": checkpoint.meta.get("kind"),
+        "model_dir": str(folder),
+        "parameters": n,
+        "dtype": config.dtype,
+    }
 
 
 @step("export", version=2, kind="hf_model", resource="eval", isolate=True, retries=1)

@@ -172,9 +172,7 @@ def measure(tok, texts: Sequence[str]) -> dict[str, float]:
     }
 
 
-def decide(
-    rows: list[dict[str, Any]], config: FertilityConfig, weights: Mapping[str, float]
-) -> dict[str, Any]:
+def decide(rows: list[dict[str, Any]], config: FertilityConfig, weights: Mapping[str, float]) -> dict[str, Any]:
     """Which candidate to use, and why (a fixed choice or the rule's scores)."""
     names = list(dict.fromkeys(r["tokenizer"] for r in rows))
     sources = list(dict.fromkeys(r["source"] for r in rows))
@@ -182,15 +180,10 @@ def decide(
     if sum(w.values()) <= 0:
         w = {s: 1.0 for s in sources}  # no mixture weights for these sources: equal weights
     total = sum(w.values())
-    scores = {
-        n: sum(r["fertility"] * w[r["source"]] for r in rows if r["tokenizer"] == n) / total
-        for n in names
-    }
+    scores = {n: sum(r["fertility"] * w[r["source"]] for r in rows if r["tokenizer"] == n) / total for n in names}
     if config.choose is not None:
         if config.choose not in names:
-            raise ValueError(
-                f"fertility.choose {config.choose!r} is not a candidate; candidates: {', '.join(names)}"
-            )
+            raise ValueError(f"fertility.choose {config.choose!r} is not a candidate; candidates: {', '.join(names)}")
         return {
             "selected": config.choose,
             "reason": f"fixed by the recipe (fertility.choose); weighted fertility {scores[config.choose]:.3f}",
@@ -222,10 +215,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path) -> None:
         (axes[1], "continued_words", "continued words (share)"),
     ):
         for i, name in enumerate(names):
-            values = [
-                next(r[metric] for r in rows if r["tokenizer"] == name and r["source"] == s)
-                for s in sources
-            ]
+            values = [next(r[metric] for r in rows if r["tokenizer"] == name and r["source"] == s) for s in sources]
             ax.bar([x + i * width for x in range(len(sources))], values, width, label=name[-30:])
         ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(sources))], sources)
         ax.set_title(title)
@@ -267,9 +257,14 @@ def build_fertility(
     what = {source: label for source, (label, t) in measured.items() if t}
     for source, label in what.items():
         if label != "curated held-out":
-            log(f"WARNING fertility: source {source} is measured on its {label}"
-                + (" (the trained tokenizer learnt from it)" if label.endswith("train sample")
-                   else " (run it through curation first)"))
+            log(
+                f"WARNING fertility: source {source} is measured on its {label}"
+                + (
+                    " (the trained tokenizer learnt from it)"
+                    if label.endswith("train sample")
+                    else " (run it through curation first)"
+                )
+            )
     rows: list[dict[str, Any]] = []
     loaded: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -331,10 +326,10 @@ class FertilitySpec(BaseModel):
     weights: dict[str, float] = {}
 
 
-@step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True,
-      retries=1)
+@step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True, retries=1)
 def fertility(config: FertilitySpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The trained tokenizer (input `tokenizer`, if any) and curated corpora (`corpora`) to a
     fertility report and the tokenizer decision."""
-    return build_fertility(config.fertility, [*many(inputs, "tokenizer"), *many(inputs, "corpora")], out,
-                           config.weights, log)
+    return build_fertility(
+        config.fertility, [*many(inputs, "tokenizer"), *many(inputs, "corpora")], out, config.weights, log
+    )

@@ -92,9 +92,16 @@ def build_heldout(cfg: HeldoutConfig, inputs: Sequence[Artifact], out: Path, log
     np.save(out / "tokens.npy", np.asarray(ids, dtype=np.int64))
     np.save(out / "bytes.npy", np.asarray(nbytes, dtype=np.int32))
     log(f"held-out {cfg.domain}: {len(ids)} tokens, {sum(nbytes)} bytes of text from {counts}")
-    return {"domain": cfg.domain, "tokens": len(ids), "bytes": sum(nbytes), "per_source": counts,
-            "eos_id": eos, "file": str(out / "tokens.npy"), "bytes_file": str(out / "bytes.npy"),
-            "tokenizer": tok_info["path"]}
+    return {
+        "domain": cfg.domain,
+        "tokens": len(ids),
+        "bytes": sum(nbytes),
+        "per_source": counts,
+        "eos_id": eos,
+        "file": str(out / "tokens.npy"),
+        "bytes_file": str(out / "bytes.npy"),
+        "tokenizer": tok_info["path"],
+    }
 
 
 @step("heldout_tokens", version=3, kind="shards", resource="data", isolate=True, retries=1)
@@ -162,7 +169,8 @@ def heldout_scores(model, tokens, nbytes, seq_len: int, batch: int, eos_id: int)
     return {
         "loss": float(per_window.mean()),
         "loss_stderr": float(per_window.std() / math.sqrt(n)) if n > 1 else 0.0,
-        "bpb": bpb, "bpb_stderr": se_bpb,
+        "bpb": bpb,
+        "bpb_stderr": se_bpb,
         "random_bpb": math.log2(vocab) * float(text.sum()) / float(size.sum()),
         "random_loss": math.log(vocab),
     }
@@ -197,8 +205,10 @@ def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, 
     if cfg.every_checkpoint:
         folders = [f for f in Checkpointer(ckpt.path / "checkpoints").step_folders() if read_marker(f) is not None]
         if final not in folders:
-            raise ValueError(f"{ckpt.meta.get('stage')}: the stage's last checkpoint {final} is not among "
-                             f"the complete checkpoints of {ckpt.path / 'checkpoints'}")
+            raise ValueError(
+                f"{ckpt.meta.get('stage')}: the stage's last checkpoint {final} is not among "
+                f"the complete checkpoints of {ckpt.path / 'checkpoints'}"
+            )
     held = [(a, np.load(a.meta["file"]), np.load(a.meta["bytes_file"])) for a in inputs if a.kind == "shards"]
     points, random = [], {}
     for folder in folders:
@@ -211,8 +221,10 @@ def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, 
             random[task] = {"bpb": s.pop("random_bpb"), "loss": s.pop("random_loss")}
             scores[task] = s
         points.append({"step": int(state["step"]), "global_step": int(state["global_step"]), "scores": scores})
-        log(f"{ckpt.meta.get('stage')} step {state['step']}: held-out "
-            + ", ".join(f"{t[8:]} {s['bpb']:.4f} bpb ({s['loss']:.4f} nats/token)" for t, s in scores.items()))
+        log(
+            f"{ckpt.meta.get('stage')} step {state['step']}: held-out "
+            + ", ".join(f"{t[8:]} {s['bpb']:.4f} bpb ({s['loss']:.4f} nats/token)" for t, s in scores.items())
+        )
     return {"stage": ckpt.meta.get("stage"), "scores": points[-1]["scores"], "points": points, "random": random}
 
 

@@ -83,16 +83,19 @@ def load_weights(path: str) -> dict[str, float]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)  # no snippet of the file in the message
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise MixtureError(f"mixture file {file}: invalid YAML{where}: "
-                           f"{getattr(exc, 'problem', None) or 'cannot be parsed'}") from None
+        raise MixtureError(
+            f"mixture file {file}: invalid YAML{where}: {getattr(exc, 'problem', None) or 'cannot be parsed'}"
+        ) from None
     if not isinstance(data, dict) or set(data) != {"weights"} or not isinstance(data["weights"], dict):
         raise MixtureError(f"mixture file {file}: expected one mapping `weights: {{source: weight}}`")
     weights: dict[str, float] = {}
     for name, w in data["weights"].items():
         if isinstance(w, bool) or not isinstance(w, int | float):
-            raise MixtureError(f"mixture file {file}: weight of {name!r} is "
-                               f"{'a boolean' if isinstance(w, bool) else 'a ' + type(w).__name__}"
-                               ", not a number")
+            raise MixtureError(
+                f"mixture file {file}: weight of {name!r} is "
+                f"{'a boolean' if isinstance(w, bool) else 'a ' + type(w).__name__}"
+                ", not a number"
+            )
         weights[str(name)] = float(w)
     return weights
 
@@ -128,9 +131,7 @@ def normalised(weights: Mapping[str, float], where: str) -> tuple[dict[str, floa
     """Weights scaled to sum to 1, and the original sum (with a warning when it was not 1)."""
     total = sum(weights.values())
     if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-9):
-        warnings.warn(
-            MixtureWarning(f"mixture {where}: weights sum to {total:g}, not 1; normalised"), stacklevel=2
-        )
+        warnings.warn(MixtureWarning(f"mixture {where}: weights sum to {total:g}, not 1; normalised"), stacklevel=2)
     return {n: w / total for n, w in weights.items()}, total
 
 
@@ -149,8 +150,14 @@ class MixtureSpec(BaseModel):
 
     @classmethod
     def of(cls, stage: StageConfig, seed: int) -> MixtureSpec:
-        return cls(name=stage.name, mixture=stage.mixture, tokens=stage.tokens, seq_len=stage.seq_len,
-                   seed=seed, max_epochs=stage.max_epochs)
+        return cls(
+            name=stage.name,
+            mixture=stage.mixture,
+            tokens=stage.tokens,
+            seq_len=stage.seq_len,
+            seed=seed,
+            max_epochs=stage.max_epochs,
+        )
 
 
 def mixture_digest(config: MixtureSpec) -> str:
@@ -270,8 +277,14 @@ def build_weights_mixture(config: WeightsMixture, shards: Sequence[Artifact], ou
     """Write the weights as a mixture file in `out` and plan it with the mixture step's builder."""
     path = out / "weights.yaml"
     path.write_text(yaml.safe_dump({"weights": dict(config.weights)}), encoding="utf-8")
-    spec = MixtureSpec(name=config.name, mixture=str(path), tokens=config.tokens, seq_len=config.seq_len,
-                       seed=config.seed, max_epochs=config.max_epochs)
+    spec = MixtureSpec(
+        name=config.name,
+        mixture=str(path),
+        tokens=config.tokens,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        max_epochs=config.max_epochs,
+    )
     meta = build_plan(spec, shards, out, config.seed, log)
     return {**meta, "weights": dict(config.weights)}
 

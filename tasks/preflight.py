@@ -144,8 +144,10 @@ def build_preflight(
             lineage = Workspace.at(out.parent.parent).lineage()
         lineage.record_rows("preflight", lineage_rows(run_id, results))
         listing = "\n".join(f"  {r.name}: {r.status.upper()} {r.value} -- {r.advice}" for r in bad)
-        warn_hint = "" if config.allow_warn or any(r.status == "fail" for r in bad) else (
-            "\nonly warnings: rerun with allow_warn=true to proceed anyway"
+        warn_hint = (
+            ""
+            if config.allow_warn or any(r.status == "fail" for r in bad)
+            else ("\nonly warnings: rerun with allow_warn=true to proceed anyway")
         )
         raise PreflightFailed(
             f"preflight stopped the run: {len(bad)} blocking check(s) of {len(results)} "
@@ -166,8 +168,7 @@ def build_preflight(
     }
 
 
-def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
-                 folder: str) -> list[PeakCalibration]:
+def calibrations(results: list[CheckResult], config: PreflightConfig, host: str, folder: str) -> list[PeakCalibration]:
     """The MFU peaks this preflight measured: `cpu_matmul` (fp32, at this process's threads) and
     `gpu_matmul` (bf16, the slowest GPU: it paces every synchronous step)."""
     import torch
@@ -176,17 +177,30 @@ def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
     cpu = _metric(results, "cpu_matmul")
     if cpu:
         threads = torch.get_num_threads()
-        out.append(PeakCalibration(
-            host=host, device="cpu", dtype="float32", flops=cpu * 1e9, threads=threads,
-            source=(f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
-                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"),
-        ))
+        out.append(
+            PeakCalibration(
+                host=host,
+                device="cpu",
+                dtype="float32",
+                flops=cpu * 1e9,
+                threads=threads,
+                source=(
+                    f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
+                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"
+                ),
+            )
+        )
     gpu = _metric(results, "gpu_matmul")
     if gpu:
-        out.append(PeakCalibration(
-            host=host, device="cuda", dtype="bfloat16", flops=gpu * 1e12,
-            source=f"preflight {folder} on {host}: gpu_matmul bf16 {config.matmul_size}^2, slowest GPU",
-        ))
+        out.append(
+            PeakCalibration(
+                host=host,
+                device="cuda",
+                dtype="bfloat16",
+                flops=gpu * 1e12,
+                source=f"preflight {folder} on {host}: gpu_matmul bf16 {config.matmul_size}^2, slowest GPU",
+            )
+        )
     return out
 
 
@@ -259,8 +273,14 @@ def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
         "checkpoint_keep": t.keep_last + len(stages),
         "workspace": str(recipe.workspace),
     }
-    return PreflightSpec(preflight=recipe.preflight, facts=facts, run_facts=run_facts, model=t.model,
-                         model_overrides=dict(t.model_overrides), run_id=run_id)
+    return PreflightSpec(
+        preflight=recipe.preflight,
+        facts=facts,
+        run_facts=run_facts,
+        model=t.model,
+        model_overrides=dict(t.model_overrides),
+        run_id=run_id,
+    )
 
 
 def model_facts(model: str, overrides: dict[str, Any], vocab_size: int) -> dict[str, Any]:
@@ -268,8 +288,12 @@ def model_facts(model: str, overrides: dict[str, Any], vocab_size: int) -> dict[
     from model.config import ModelConfig
 
     cfg = ModelConfig.from_preset(model, **{**overrides, "vocab_size": vocab_size})
-    return {"max_positions": cfg.max_seq_len, "tokenizer_vocab": vocab_size,
-            "model_vocab": cfg.vocab_size, "params": cfg.num_parameters()}
+    return {
+        "max_positions": cfg.max_seq_len,
+        "tokenizer_vocab": vocab_size,
+        "model_vocab": cfg.vocab_size,
+        "params": cfg.num_parameters(),
+    }
 
 
 def read_report(artifact: Artifact) -> dict[str, Any]:
@@ -286,15 +310,24 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     key = re.sub(r"[^a-z0-9-]+", "-", f"preflight-{label}".lower()).strip("-")
     counts = ", ".join(f"{n} {s}" for s, n in report["summary"].items())
     create_table_artifact(
-        table=[{"check": r.name, "status": r.status, "value": r.value, "threshold": r.threshold,
-                "advice": r.advice} for r in results],
+        table=[
+            {"check": r.name, "status": r.status, "value": r.value, "threshold": r.threshold, "advice": r.advice}
+            for r in results
+        ],
         key=key,
         description=f"Preflight on {report['host']}: {counts}",
     )
 
 
-@step("preflight", version=3, kind="preflight", extra=preflight_extra, publish=publish_preflight,
-      resource="train", isolate=True)
+@step(
+    "preflight",
+    version=3,
+    kind="preflight",
+    extra=preflight_extra,
+    publish=publish_preflight,
+    resource="train",
+    isolate=True,
+)
 def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Preflight for the recipe's facts, with the vocabulary of the chosen tokenizer (input
     `tokenizer`) and the stages' mixture plans (input `mixtures`)."""
@@ -306,5 +339,4 @@ def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) ->
         vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
         facts.update(model_facts(config.model, config.model_overrides, vocab))
     facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in many(inputs, "mixtures"))
-    return build_preflight(config.preflight, PreflightFacts.from_dict(facts), out, log=log,
-                           run_id=config.run_id)
+    return build_preflight(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)

@@ -134,13 +134,25 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
     global_batch, micro_batch = stage_batch(stage, training)
     t = training
     return TrainSpec(
-        stage=stage.name, global_batch=global_batch, micro_batch=micro_batch, seq_len=stage.seq_len,
-        model_preset=t.model, model_overrides=dict(t.model_overrides), rope_theta=stage.rope_theta,
-        seed=seed, device=t.device, doc_masking=t.doc_masking, attention_backend=t.attention_backend,
+        stage=stage.name,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        seq_len=stage.seq_len,
+        model_preset=t.model,
+        model_overrides=dict(t.model_overrides),
+        rope_theta=stage.rope_theta,
+        seed=seed,
+        device=t.device,
+        doc_masking=t.doc_masking,
+        attention_backend=t.attention_backend,
         precision=t.precision,
         compile_model=t.compile_model,
-        checkpoint_interval=t.checkpoint_interval, keep_last=t.keep_last, log_interval=t.log_interval,
-        num_threads=t.num_threads, peak_flops=t.peak_flops, **fields,
+        checkpoint_interval=t.checkpoint_interval,
+        keep_last=t.keep_last,
+        log_interval=t.log_interval,
+        num_threads=t.num_threads,
+        peak_flops=t.peak_flops,
+        **fields,
     )
 
 
@@ -154,9 +166,12 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
     runs, position = [], 0
     for s, n in zip(main, steps, strict=True):
         schedule = ScheduleSpec(
-            kind="wsd", warmup_steps=min(training.warmup_steps, total),
-            decay_fraction=decay / total if total else 0.0, min_lr=training.min_lr,
-            total_steps=total, start_step=position,
+            kind="wsd",
+            warmup_steps=min(training.warmup_steps, total),
+            decay_fraction=decay / total if total else 0.0,
+            min_lr=training.min_lr,
+            total_steps=total,
+            start_step=position,
         )
         spec = stage_spec(s, training, seed, steps=n, optimizer=training.optimizer, schedule=schedule)
         runs.append(StageRun(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node))
@@ -165,11 +180,25 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
         if s.kind != "long_context":
             continue
         n = stage_steps(s, training)
-        schedule = ScheduleSpec(kind="cosine", warmup_steps=min(s.warmup_steps, n), decay_fraction=1.0,
-                                min_lr=training.min_lr, total_steps=n, start_step=0)
+        schedule = ScheduleSpec(
+            kind="cosine",
+            warmup_steps=min(s.warmup_steps, n),
+            decay_fraction=1.0,
+            min_lr=training.min_lr,
+            total_steps=n,
+            start_step=0,
+        )
         optimizer = training.optimizer.model_copy(update={"lr": training.optimizer.lr * s.lr_scale})
-        spec = stage_spec(s, training, seed, steps=n, optimizer=optimizer, schedule=schedule,
-                          reset_optimizer=True, reset_schedule=True)
+        spec = stage_spec(
+            s,
+            training,
+            seed,
+            steps=n,
+            optimizer=optimizer,
+            schedule=schedule,
+            reset_optimizer=True,
+            reset_schedule=True,
+        )
         runs.append(StageRun(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node))
     return runs
 
@@ -272,15 +301,18 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
     init_from = previous.meta["checkpoint"] if isinstance(previous, Artifact) else None
     spec = run.spec
     if run.keep_every:
-        spec = spec.model_copy(update={"checkpoint_interval": run.keep_every,
-                                       "keep_last": spec.steps // run.keep_every + 1})
+        spec = spec.model_copy(
+            update={"checkpoint_interval": run.keep_every, "keep_last": spec.steps // run.keep_every + 1}
+        )
     spec = spec.bind(plan.path / "plan.json", out, init_from)
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
     spec.save(out / "spec.json")
     storage = run.storage
-    s3_checkpoints = f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    s3_checkpoints = (
+        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    )
     ckpt_dir = out / "checkpoints"
     if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
         # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
@@ -290,10 +322,12 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
     resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
     sched = spec.schedule
     start = sched.start_step or 0
-    log(f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
+    log(
+        f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
         f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
         f"{sched.total_steps or spec.steps}), seed {spec.seed}"
-        f"{', resuming in ' + str(out) if resumed else ''}")
+        f"{', resuming in ' + str(out) if resumed else ''}"
+    )
     launcher = get_launcher(launch_config(run))
     inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
     watcher = _Watcher(out, spec.steps, progress, inject)
@@ -301,12 +335,14 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
     watcher.start()
     try:
         with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-            launcher.launch(out / "spec.json", out, log,
-                            on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle)))
+            launcher.launch(
+                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+            )
     except Exception:
         if watcher.injected:
-            raise RuntimeError(f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed "
-                               "after its first checkpoint") from None
+            raise RuntimeError(
+                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+            ) from None
         raise
     finally:
         watcher.stop.set()
@@ -337,9 +373,11 @@ def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=No
         **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }
     if meta["mfu"] is not None and meta["mfu"] > 1:
-        log(f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
+        log(
+            f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
             f"{meta['mfu_peak_flops']:.3g} FLOP/s ({meta['mfu_peak_source']}): the peak or the FLOP "
-            "count is wrong; declare training.peak_flops")
+            "count is wrong; declare training.peak_flops"
+        )
     (out / "summary.md").write_text(stage_markdown(meta, rows))
     return meta
 
@@ -388,8 +426,7 @@ def _mfu_line(meta: dict[str, Any]) -> str:
         return f"- MFU: not reported ({source})"
     line = f"- MFU: {meta['mfu']:.1%} of {meta['mfu_peak_flops']:.3g} FLOP/s per device ({source})"
     if meta["mfu"] > 1:
-        line += ("\n- **MFU above 100%: the peak or the FLOP count is wrong** (declare "
-                 "`training.peak_flops`)")
+        line += "\n- **MFU above 100%: the peak or the FLOP count is wrong** (declare `training.peak_flops`)"
     return line
 
 
@@ -402,7 +439,8 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     rows = read_metrics(artifact.path / "metrics.jsonl")
     facts = [
         (artifact.fingerprint, r["step"], name, float(r[name]))
-        for r in rows for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+        for r in rows
+        for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
         if isinstance(r.get(name), int | float)
     ]
     ws.lineage().record_rows("metrics", facts)
@@ -417,8 +455,16 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
 
 # Retried once when the trainer was killed or its node failed: the retry resumes from the last
 # complete checkpoint (a Python error or a non-finite loss fails at once: tasks.step.transient).
-@step("pretrain", version=2, kind="checkpoint", resumable=True, publish=publish_stage, resource="train",
-      retries=1, retry_delay=30)
+@step(
+    "pretrain",
+    version=2,
+    kind="checkpoint",
+    resumable=True,
+    publish=publish_stage,
+    resource="train",
+    retries=1,
+    retry_delay=30,
+)
 def pretrain(config: StageRun, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
     return build_stage(config, inputs, out, log, progress)

@@ -97,7 +97,7 @@ class Recipe(BaseModel):
             raise ValueError(f"curation.minhash_skip names unknown source(s) {', '.join(unknown)}")
         check_stages(self.stages, names)  # mixtures fail here, before any compute
         kinds = [st.kind for st in self.stages]
-        if "long_context" in kinds and "pretrain" in kinds[kinds.index("long_context"):]:
+        if "long_context" in kinds and "pretrain" in kinds[kinds.index("long_context") :]:
             raise ValueError("stages: every pretrain stage must come before the long_context stages")
         if kinds and kinds[0] != "pretrain":
             raise ValueError("stages: the first stage must be a pretrain stage")
@@ -160,8 +160,9 @@ def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Re
         apply_override(data, item)
     problems = check_numbers(Recipe, data)
     if problems:
-        raise RecipeError("\n".join([f"recipe {path} is invalid ({len(problems)} problem(s)):",
-                                     *(f"  {p}" for p in problems)]))
+        raise RecipeError(
+            "\n".join([f"recipe {path} is invalid ({len(problems)} problem(s)):", *(f"  {p}" for p in problems)])
+        )
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
@@ -182,8 +183,9 @@ def type_name(value: Any) -> str:
         return "a boolean"
     if value is None:
         return "null"
-    return {int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
 
 
 def _number(value: str) -> Decimal | None:
@@ -227,15 +229,16 @@ def _check_value(ann: Any, value: Any, where: str) -> tuple[Any, list[str]]:
         return value, []
     if ann in (int, float):
         if isinstance(value, bool):
-            return value, [f"{where}: expected {'an integer' if ann is int else 'a number'}, "
-                           f"got a boolean (true and false are not numbers)"]
+            return value, [
+                f"{where}: expected {'an integer' if ann is int else 'a number'}, "
+                f"got a boolean (true and false are not numbers)"
+            ]
         if isinstance(value, str) and (number := _number(value)) is not None:
             if ann is float:
                 return float(number), []
             if number == number.to_integral_value():
                 return int(number), []
-            return value, [f"{where}: expected an integer, got a string holding a number with a "
-                           "fractional part"]
+            return value, [f"{where}: expected an integer, got a string holding a number with a fractional part"]
         if ann is int and isinstance(value, float) and not value.is_integer():
             return value, [f"{where}: expected an integer, got a number with a fractional part"]
         return value, []
@@ -311,8 +314,7 @@ def check_data(recipe: Recipe) -> None:
     problems = check_sources(recipe.sources)
     if problems:
         raise RecipeError(
-            f"recipe {recipe.name}: {len(problems)} data source problem(s):\n"
-            + "\n".join(f"  {p}" for p in problems)
+            f"recipe {recipe.name}: {len(problems)} data source problem(s):\n" + "\n".join(f"  {p}" for p in problems)
         )
 
 
@@ -321,9 +323,12 @@ def _relevant(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     `too_short` ("at least 1 item after validation, not 0") at the list itself."""
     locs = [tuple(e["loc"]) for e in errors]
     return [
-        e for e in errors
-        if not (e["type"] == "too_short"
-                and any(len(other) > len(e["loc"]) and other[: len(e["loc"])] == tuple(e["loc"]) for other in locs))
+        e
+        for e in errors
+        if not (
+            e["type"] == "too_short"
+            and any(len(other) > len(e["loc"]) and other[: len(e["loc"])] == tuple(e["loc"]) for other in locs)
+        )
     ]
 
 

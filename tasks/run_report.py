@@ -71,9 +71,17 @@ def eval_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
             base = random.get(task)
             if base is None and task not in random:
                 base = 0.0 if metric == "exact_match" else meta.get("random_accuracy")
-            rows.append({"model": label, "task": task, "metric": metric, "score": metrics[metric],
-                         "stderr": metrics.get(f"{metric}_stderr"), "items": items.get(task),
-                         "random": base})
+            rows.append(
+                {
+                    "model": label,
+                    "task": task,
+                    "metric": metric,
+                    "score": metrics[metric],
+                    "stderr": metrics.get(f"{metric}_stderr"),
+                    "items": items.get(task),
+                    "random": base,
+                }
+            )
     return rows
 
 
@@ -142,12 +150,17 @@ def eval_table_text(rows: list[dict[str, Any]]) -> str:
         return "no evaluations in this run"
     header, body = _matrix(rows)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
-             for line in [header, *body]]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in [header, *body]
+    ]
     lines.insert(4, "")  # between the column heads and the models
     return "\n".join(line.rstrip() for line in lines) + (
         "\n\nscore ± stderr of each task's metric; a model is ahead of another, or of random, only "
-        "by more than about two stderr")
+        "by more than about two stderr"
+    )
 
 
 def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
@@ -162,7 +175,8 @@ def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + (
         "\n\nScore ± stderr of each task's metric (acc_norm: length-normalised accuracy; "
         f"{GENERATION_TASK}: exact match of the final answer). A difference smaller than about two "
-        "stderr, to another model or to the random baseline, is noise.")
+        "stderr, to another model or to the random baseline, is noise."
+    )
 
 
 # --- the run's loss curve ---------------------------------------------------------------------
@@ -176,19 +190,35 @@ def stage_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]
         spec = json.loads((art.path / "spec.json").read_text(encoding="utf-8"))
         steps = int(spec["steps"])
         per_step = int(spec["global_batch"]) * int(spec.get("seq_len") or art.meta.get("seq_len") or 0)
-        out.append({"label": label, "kind": art.meta.get("kind"), "first_step": step0, "steps": steps,
-                    "first_token": token0, "tokens": steps * per_step, "tokens_per_step": per_step,
-                    "metrics": read_metrics(art.path / "metrics.jsonl"), "meta": art.meta,
-                    "folder": art.path})
+        out.append(
+            {
+                "label": label,
+                "kind": art.meta.get("kind"),
+                "first_step": step0,
+                "steps": steps,
+                "first_token": token0,
+                "tokens": steps * per_step,
+                "tokens_per_step": per_step,
+                "metrics": read_metrics(art.path / "metrics.jsonl"),
+                "meta": art.meta,
+                "folder": art.path,
+            }
+        )
         step0, token0 = step0 + steps, token0 + steps * per_step
     return out
 
 
 def run_series(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per stage, its metrics on the run's axis: x = the optimizer step of the whole run."""
-    return [{"label": st["label"], "x": [st["first_step"] + r["step"] for r in st["metrics"]],
-             "loss": [r["loss"] for r in st["metrics"]], "lr": [r["lr"] for r in st["metrics"]]}
-            for st in stages]
+    return [
+        {
+            "label": st["label"],
+            "x": [st["first_step"] + r["step"] for r in st["metrics"]],
+            "loss": [r["loss"] for r in st["metrics"]],
+            "lr": [r["lr"] for r in st["metrics"]],
+        }
+        for st in stages
+    ]
 
 
 def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss over the run") -> Path:
@@ -210,8 +240,15 @@ def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss o
         lr_ax.plot(x, series["lr"], lw=0.9, ls="--", color="tab:gray")
         if i:
             ax.axvline(st["first_step"], color="black", lw=0.6, alpha=0.4)
-        ax.annotate(st["label"], (st["first_step"] + st["steps"] / 2, 0.98), xycoords=("data", "axes fraction"),
-                    ha="center", va="top", fontsize=8, rotation=90 if st["steps"] < total / 12 else 0)
+        ax.annotate(
+            st["label"],
+            (st["first_step"] + st["steps"] / 2, 0.98),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="top",
+            fontsize=8,
+            rotation=90 if st["steps"] < total / 12 else 0,
+        )
     ax.set_xlabel("optimizer step (whole run)")
     ax.set_ylabel("training loss")
     lr_ax.set_ylabel("learning rate (dashed)", color="tab:gray")
@@ -223,7 +260,8 @@ def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss o
         steps = [0, *(s["first_step"] + s["steps"] for s in stages)]
         tokens = [0, *(s["first_token"] + s["tokens"] for s in stages)]
         top = ax.secondary_xaxis(
-            "top", functions=(lambda s: np.interp(s, steps, tokens), lambda t: np.interp(t, tokens, steps)))
+            "top", functions=(lambda s: np.interp(s, steps, tokens), lambda t: np.interp(t, tokens, steps))
+        )
         top.set_xlabel("tokens", fontsize=8)
         top.xaxis.set_major_formatter(EngFormatter(sep=""))
         top.xaxis.set_major_locator(MaxNLocator(6))
@@ -236,8 +274,10 @@ def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss o
 
 
 def stages_markdown(stages: list[dict[str, Any]]) -> str:
-    lines = ["| stage | kind | steps (run) | tokens | final loss | tokens/s | MFU (peak) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stage | kind | steps (run) | tokens | final loss | tokens/s | MFU (peak) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for st in stages:
         m = st["meta"]
         mfu = m.get("mfu")
@@ -250,7 +290,8 @@ def stages_markdown(stages: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {st['label']} | {st['kind'] or '-'} | {st['first_step'] + 1}-{st['first_step'] + st['steps']} | "
             f"{st['tokens']:,} | {'-' if loss is None else f'{loss:.4f}'} | "
-            f"{'-' if speed is None else f'{speed:,.0f}'} | {mfu_text} |")
+            f"{'-' if speed is None else f'{speed:,.0f}'} | {mfu_text} |"
+        )
     return "\n".join(lines)
 
 
@@ -259,8 +300,10 @@ def stages_markdown(stages: list[dict[str, Any]]) -> str:
 
 def _labelled(labels: Sequence[str], arts: Sequence[Artifact], name: str) -> list[tuple[str, Artifact]]:
     if len(labels) != len(arts):
-        raise ValueError(f"run report: {len(arts)} `{name}` inputs but {len(labels)} labels in "
-                         f"config.{name} ({list(labels)}); the graph must give one label per input")
+        raise ValueError(
+            f"run report: {len(arts)} `{name}` inputs but {len(labels)} labels in "
+            f"config.{name} ({list(labels)}); the graph must give one label per input"
+        )
     return list(zip(labels, arts, strict=True))
 
 
@@ -276,8 +319,13 @@ def build_run_report(config: RunReportSpec, inputs: Inputs, out: Path, log=print
     steps = sum(s["steps"] for s in stages)
     tokens = sum(s["tokens"] for s in stages)
     final = next((s["metrics"][-1]["loss"] for s in reversed(stages) if s["metrics"]), None)
-    return {"stages": list(config.stages), "models": list(dict.fromkeys(r["model"] for r in rows)),
-            "steps": steps, "tokens": tokens, "final_loss": final}
+    return {
+        "stages": list(config.stages),
+        "models": list(dict.fromkeys(r["model"] for r in rows)),
+        "steps": steps,
+        "tokens": tokens,
+        "final_loss": final,
+    }
 
 
 def publish_run_report(artifact: Artifact, ws, label: str) -> None:
@@ -293,10 +341,16 @@ def publish_run_report(artifact: Artifact, ws, label: str) -> None:
     if png.exists():
         markdown.append(f"![loss over the run](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})")
     markdown += ["", (folder / "stages.md").read_text(encoding="utf-8")]
-    create_markdown_artifact(markdown="\n".join(markdown), key=f"{key}-loss-curve",
-                             description="Loss and learning rate over every stage of the run")
-    create_markdown_artifact(markdown="# Eval scores\n\n" + (folder / "evals.md").read_text(encoding="utf-8"),
-                             key=f"{key}-evals", description="Every model of the run on every task")
+    create_markdown_artifact(
+        markdown="\n".join(markdown),
+        key=f"{key}-loss-curve",
+        description="Loss and learning rate over every stage of the run",
+    )
+    create_markdown_artifact(
+        markdown="# Eval scores\n\n" + (folder / "evals.md").read_text(encoding="utf-8"),
+        key=f"{key}-evals",
+        description="Every model of the run on every task",
+    )
 
 
 @step("run_report", version=1, kind="report", publish=publish_run_report)

@@ -321,8 +321,7 @@ def math_problem(rng: random.Random) -> tuple[str, str, str]:
     total = have + more
     gave = min(gave, total)
     return (
-        f"{name} has {have} {item}, finds {more} more, then gives away {gave}. "
-        f"How many {item} does {name} have now?",
+        f"{name} has {have} {item}, finds {more} more, then gives away {gave}. How many {item} does {name} have now?",
         f"{have} + {more} = {total}, and {total} - {gave} = {total - gave}.",
         str(total - gave),
     )
@@ -469,8 +468,12 @@ class LocalFiles(SourceKind):
         table = pq.ParquetFile(path)
         names = tuple(table.schema_arrow.names)
         if self.config.text_field not in names:  # every row lacks it: count them, read none
-            yield Rejected("missing_text_field", f"{path.name}: all {table.metadata.num_rows} rows",
-                           names, count=table.metadata.num_rows)
+            yield Rejected(
+                "missing_text_field",
+                f"{path.name}: all {table.metadata.num_rows} rows",
+                names,
+                count=table.metadata.num_rows,
+            )
             return
         row = 0
         for batch in table.iter_batches():
@@ -502,14 +505,18 @@ class HuggingFace(SourceKind):
             return []  # a hub dataset: checking it needs the network (the step reports it)
         target = Path(self._target()).expanduser()
         if not target.is_dir():
-            return [f"{self.where}.uri: {target} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk"]
+            return [
+                f"{self.where}.uri: {target} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk"
+            ]
         info = target / "dataset_info.json"
         splits = target / "dataset_dict.json"
         if splits.is_file():
             names = json.loads(splits.read_text(encoding="utf-8")).get("splits", [])
             if self.config.hf_split not in names:
-                return [f"{self.where}.hf_split: {self.config.hf_split!r} is not a split of {target} "
-                        f"(splits: {', '.join(names)})"]
+                return [
+                    f"{self.where}.hf_split: {self.config.hf_split!r} is not a split of {target} "
+                    f"(splits: {', '.join(names)})"
+                ]
             info = target / self.config.hf_split / "dataset_info.json"
         if not info.is_file():
             return [f"{self.where}.uri: {target} holds no dataset_info.json; is it a save_to_disk folder?"]
@@ -518,8 +525,9 @@ class HuggingFace(SourceKind):
         for key in ("text_field", "id_field"):
             field = getattr(self.config, key)
             if field is not None and field not in fields:
-                errors.append(f"{self.where}.{key}: {field!r} is not a column of {target} "
-                              f"(columns: {', '.join(sorted(fields))})")
+                errors.append(
+                    f"{self.where}.{key}: {field!r} is not a column of {target} (columns: {', '.join(sorted(fields))})"
+                )
         return errors
 
     def records(self) -> Iterator[Document | Rejected]:
@@ -565,9 +573,7 @@ class ShardWriter:
         self.shards: list[str] = []
 
     def add(self, doc: Document, source: str) -> None:
-        self.buffer.append(
-            {"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}}
-        )
+        self.buffer.append({"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}})
         if len(self.buffer) >= self.per_shard:
             self.flush()
 
@@ -684,11 +690,14 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
     if docs["train"] == 0:
         hint = ""
         if rejected["missing_text_field"]:
-            hint = (f"; sources[{config.name}].text_field {config.text_field!r} is not a text field of "
-                    f"the records (fields: {', '.join(fields_seen) or 'none'}): set text_field")
+            hint = (
+                f"; sources[{config.name}].text_field {config.text_field!r} is not a text field of "
+                f"the records (fields: {', '.join(fields_seen) or 'none'}): set text_field"
+            )
         raise ValueError(
             f"source {config.name!r} ({config.uri}) produced no training documents"
-            + (f"; rejected: {dict(rejected)}" if rejected else "") + hint
+            + (f"; rejected: {dict(rejected)}" if rejected else "")
+            + hint
         )
     return {
         "source": config.name,
@@ -704,10 +713,15 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
     }
 
 
-
-
-@step("source", version=2, kind="corpus", resource="data", isolate=True, retries=2,
-      extra=lambda spec: source_state(spec.source, spec.seed))
+@step(
+    "source",
+    version=2,
+    kind="corpus",
+    resource="data",
+    isolate=True,
+    retries=2,
+    extra=lambda spec: source_state(spec.source, spec.seed),
+)
 def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One recipe source to a corpus artifact (no inputs)."""
     return build_corpus(config.source, config.seed or 0, out, log)

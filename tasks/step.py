@@ -91,8 +91,14 @@ class StepDef:
     def fingerprint(self, config: Any, inputs: Inputs, extra: str) -> str:
         return fingerprint(self.name, self.version, config, inputs, extra)
 
-    def run(self, config: Any, inputs: Inputs, out: Path, log: Callable[[str], None] = print,
-            progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+    def run(
+        self,
+        config: Any,
+        inputs: Inputs,
+        out: Path,
+        log: Callable[[str], None] = print,
+        progress: Callable[[float], None] | None = None,
+    ) -> dict[str, Any]:
         """Call the build function in this process."""
         kwargs: dict[str, Any] = {"log": log}
         if self.wants_progress:
@@ -119,8 +125,7 @@ def step(
     """Declare a pipeline step; see the module docstring."""
 
     def wrap(build: Callable[..., dict[str, Any]]) -> StepDef:
-        return StepDef(name, version, kind, build, extra, resumable, publish, resource, isolate,
-                       retries, retry_delay)
+        return StepDef(name, version, kind, build, extra, resumable, publish, resource, isolate, retries, retry_delay)
 
     return wrap
 
@@ -144,18 +149,54 @@ def many(inputs: Inputs, name: str) -> tuple[Artifact, ...]:
 # Errors of the file system or the network that a second attempt can outlive (a flaky mount, a
 # dropped connection, S3 throttling after its own backoff), by class name: a build in a child
 # process reaches the runner as "ClassName: message" (tasks.step._child), not as the exception.
-TRANSIENT_ERRORS = frozenset({
-    "OSError", "IOError", "TimeoutError", "ConnectionError", "ConnectionResetError",
-    "ConnectionAbortedError", "ConnectionRefusedError", "BrokenPipeError", "InterruptedError",
-    "IncompleteRead", "RemoteDisconnected", "ProtocolError", "ChunkedEncodingError",
-    "ReadTimeout", "ConnectTimeout", "ReadTimeoutError", "ConnectTimeoutError",
-    "EndpointConnectionError", "ConnectionClosedError", "ResponseStreamingError",
-})
+TRANSIENT_ERRORS = frozenset(
+    {
+        "OSError",
+        "IOError",
+        "TimeoutError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+        "InterruptedError",
+        "IncompleteRead",
+        "RemoteDisconnected",
+        "ProtocolError",
+        "ChunkedEncodingError",
+        "ReadTimeout",
+        "ConnectTimeout",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ResponseStreamingError",
+    }
+)
 # OSErrors that say something about the input or the machine that waiting does not change.
-_LASTING_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
-                   errno.ENOSPC, errno.EROFS, errno.ENAMETOOLONG, errno.EDQUOT}
-_S3_RETRYABLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                 "InternalError", "ServiceUnavailable", "503", "500"}
+_LASTING_ERRNOS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EEXIST,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.ENAMETOOLONG,
+    errno.EDQUOT,
+}
+_S3_RETRYABLE = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+}
 # Scheduler end states of a training job that a resumed job outlives.
 _JOB_STATES = {"NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "TIMEOUT", "DEADLINE"}
 
@@ -182,7 +223,8 @@ def transient(exc: BaseException | None) -> bool:
             return status in (408, 429, 500, 502, 503, 504)
         elif isinstance(exc, OSError) or name in TRANSIENT_ERRORS:
             return getattr(exc, "errno", None) not in _LASTING_ERRNOS and not isinstance(
-                exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError | FileExistsError)
+                exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError | FileExistsError
+            )
         elif type(exc) is RuntimeError:  # a child's failure: "ClassName: message"
             head, sep, rest = str(exc).partition(": ")
             if sep and head in TRANSIENT_ERRORS:
@@ -280,7 +322,7 @@ def split_progress(line: str) -> float | None:
     if not line.startswith(PROGRESS_MARK):
         return None
     try:
-        return float(line[len(PROGRESS_MARK):])
+        return float(line[len(PROGRESS_MARK) :])
     except ValueError:
         return None
 

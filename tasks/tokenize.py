@@ -63,8 +63,11 @@ def selected_tokenizer(inputs: tuple[Artifact, ...]) -> dict[str, Any]:
     for a in inputs:
         if a.kind == "tokenizer":
             return {
-                "name": "trained", "path": a.meta["tokenizer_json"], "vocab_size": a.meta["vocab_size"],
-                "eos_token": a.meta["eos_token"], "eos_id": a.meta["eos_id"],
+                "name": "trained",
+                "path": a.meta["tokenizer_json"],
+                "vocab_size": a.meta["vocab_size"],
+                "eos_token": a.meta["eos_token"],
+                "eos_id": a.meta["eos_id"],
             }
     raise ValueError("tokenize: give a fertility or tokenizer artifact as input")
 
@@ -100,7 +103,7 @@ def build_token_shards(
     run_executors(config, make_executors(config, [("tokenize", pipeline, tasks)], logs), logs)
     stats = read_stage_stats(logs, "tokenize")
     reader = stats[0]["stats"] if stats else {}
-    rejected = {k[len("rejected_"):]: int(v) for k, v in reader.items() if k.startswith("rejected_")}
+    rejected = {k[len("rejected_") :]: int(v) for k, v in reader.items() if k.startswith("rejected_")}
     files = sorted(out.glob("*.ds"))
     import numpy as np
 
@@ -128,7 +131,8 @@ def build_token_shards(
         "input_documents": corpus.meta.get("documents"),
         # documents of the corpus that are neither tokenized nor rejected (0 unless a bug)
         "unaccounted": (corpus.meta["documents"] - documents - sum(rejected.values()))
-        if isinstance(corpus.meta.get("documents"), int) else None,
+        if isinstance(corpus.meta.get("documents"), int)
+        else None,
     }
     (out / "shards.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return meta
@@ -147,5 +151,4 @@ class TokenizeSpec(BaseModel):
 def tokenize(config: TokenizeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """A curated corpus (input `corpus`) to token shards with the chosen tokenizer (input
     `tokenizer`: the fertility decision or the tokenizer itself)."""
-    return build_token_shards(config.tokenize, (one(inputs, "tokenizer"), one(inputs, "corpus")), out,
-                              config.seed, log)
+    return build_token_shards(config.tokenize, (one(inputs, "tokenizer"), one(inputs, "corpus")), out, config.seed, log)

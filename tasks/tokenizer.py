@@ -138,9 +138,7 @@ def save_hf_tokenizer(tok, out: Path) -> dict[str, Any]:
     }
 
 
-def build_tokenizer(
-    config: TokenizerConfig, corpora: Sequence[Artifact], out: Path, log=print
-) -> dict[str, Any]:
+def build_tokenizer(config: TokenizerConfig, corpora: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     """Train (or adopt) the tokenizer and save it into `out`; return the artifact meta."""
     if config.path:
         tok = load_tokenizer_file(config.path)
@@ -191,8 +189,7 @@ def given_tokenizer_digest(config: TokenizerConfig) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
-@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest,
-      retries=1)
+@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest, retries=1)
 def tokenizer(config: TokenizerConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Curated corpora (input `corpora`; none when adopting `tokenizer.path`) to a tokenizer."""
     return build_tokenizer(config, many(inputs, "corpora"), out, log)

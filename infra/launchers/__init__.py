@@ -21,6 +21,11 @@ from infra.launchers.base import (
 )
 
 __all__ = [
-    "LAUNCHERS", "KubernetesLaunch", "LaunchFailed", "Launcher", "LauncherConfig", "SlurmLaunch",
+    "LAUNCHERS",
+    "KubernetesLaunch",
+    "LaunchFailed",
+    "Launcher",
+    "LauncherConfig",
+    "SlurmLaunch",
     "get_launcher",
 ]

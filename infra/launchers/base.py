@@ -43,16 +43,17 @@ from infra.registry import Registry
 CODE_DIR = Path(__file__).resolve().parents[2]
 
 # Environment names that look like credentials: refused in configs, which end up in lineage.
-_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|AUTH",
-                          re.IGNORECASE)
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|AUTH", re.IGNORECASE)
 
 LogFn = Callable[[str], None]
 OnStart = Callable[[int], object] | None
 
 
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
-EXIT_CODES = {3: "stopped on a non-finite loss, gradient or weights",
-              4: "refused to start: another trainer holds the stage folder"}  # model/train.py
+EXIT_CODES = {
+    3: "stopped on a non-finite loss, gradient or weights",
+    4: "refused to start: another trainer holds the stage folder",
+}  # model/train.py
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,9 @@ class FailureFacts:
             how += f" ({self.error})"
         elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
-        where = (f" after step {self.last_step}" if self.last_step is not None
-                 else " before its first step")
+        where = f" after step {self.last_step}" if self.last_step is not None else " before its first step"
         if self.checkpoint_step is not None:
-            then = (f" (last checkpoint: step {self.checkpoint_step}); a retry resumes from step "
-                    f"{self.checkpoint_step}")
+            then = f" (last checkpoint: step {self.checkpoint_step}); a retry resumes from step {self.checkpoint_step}"
         else:
             then = " (no checkpoint yet); a retry starts the stage over"
         return f"{who} {how}{where}{then}"
@@ -106,8 +105,9 @@ class LaunchFailed(RuntimeError):
     8"). The message starts with the job and that sentence, then the output's tail.
     """
 
-    def __init__(self, what: str, tail: Sequence[str] = (), first_error: str | None = None,
-                 facts: FailureFacts | None = None):
+    def __init__(
+        self, what: str, tail: Sequence[str] = (), first_error: str | None = None, facts: FailureFacts | None = None
+    ):
         self.tail, self.first_error, self.facts = list(tail), first_error, facts
         if facts is not None:
             what = f"{what}: {facts.cause()}"
@@ -150,11 +150,11 @@ _SUMMARY_FIELD = re.compile(r"^(rank|exitcode|host)\s*:\s*(.*)$")
 class TorchrunSummary:
     """Reads the 'Root Cause' block of torchrun's failure summary out of a stream:
 
-        Root Cause (first observed failure):
-        [0]:
-          host      : node-3
-          rank      : 1 (local_rank: 1)
-          exitcode  : -9 (pid: 28665)  (SIGKILL)
+    Root Cause (first observed failure):
+    [0]:
+      host      : node-3
+      rank      : 1 (local_rank: 1)
+      exitcode  : -9 (pid: 28665)  (SIGKILL)
     """
 
     def __init__(self) -> None:
@@ -222,9 +222,16 @@ def stage_progress(spec_path: Path, workdir: Path) -> tuple[int | None, int | No
     return _last_metrics_step(metrics), checkpoint
 
 
-def failure_facts(spec_path: Path, workdir: Path, summary: TorchrunSummary, first: FirstError,
-                  returncode: int | None = None, who: str = "the trainer",
-                  state: str | None = None, signal_name: str | None = None) -> FailureFacts:
+def failure_facts(
+    spec_path: Path,
+    workdir: Path,
+    summary: TorchrunSummary,
+    first: FirstError,
+    returncode: int | None = None,
+    who: str = "the trainer",
+    state: str | None = None,
+    signal_name: str | None = None,
+) -> FailureFacts:
     """Everything known about a failed launch: torchrun's summary when it printed one, else the
     launcher's own view (torchrun itself killed, a node lost: no rank to name)."""
     last_step, checkpoint_step = stage_progress(spec_path, workdir)
@@ -233,9 +240,17 @@ def failure_facts(spec_path: Path, workdir: Path, summary: TorchrunSummary, firs
         code, sig = returncode, signal_name
         if sig is None and returncode is not None and returncode < 0:
             sig = _SIGNALS.get(-returncode)
-    return FailureFacts(rank=summary.rank(), host=summary.fields.get("host"), exitcode=code,
-                        signal=sig, error=first.line, last_step=last_step,
-                        checkpoint_step=checkpoint_step, who=who, state=state)
+    return FailureFacts(
+        rank=summary.rank(),
+        host=summary.fields.get("host"),
+        exitcode=code,
+        signal=sig,
+        error=first.line,
+        last_step=last_step,
+        checkpoint_step=checkpoint_step,
+        who=who,
+        state=state,
+    )
 
 
 class SlurmLaunch(BaseModel):
@@ -345,9 +360,7 @@ class Launcher(ABC):
         """The command, script or manifest that `launch` would run or submit."""
 
     @abstractmethod
-    def launch(
-        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
-    ) -> None:
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         """Run the trainer to completion, streaming its output to `log`; raise on failure.
 
         `on_start` receives the handle of what was started, as soon as it exists: the process
@@ -384,8 +397,7 @@ class JobRecord:
     def write(self, job: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.current()),
-                                   "submitted": time.time()}))
+        tmp.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.current()), "submitted": time.time()}))
         os.replace(tmp, self.path)
 
     def read(self) -> tuple[str, ProcessRef] | None:
@@ -413,15 +425,21 @@ def accelerate_args(config: LauncherConfig) -> list[str]:
     accelerate's `--num_processes` counts every rank of every machine (torchrun's is per node);
     arguments given here win over the file's own `num_machines` / `num_processes`.
     """
-    return ["launch", "--config_file", str(config.accelerate_config),
-            "--num_machines", str(config.nodes), "--num_processes", str(config.world_size),
-            "--max_restarts", "0"]
+    return [
+        "launch",
+        "--config_file",
+        str(config.accelerate_config),
+        "--num_machines",
+        str(config.nodes),
+        "--num_processes",
+        str(config.world_size),
+        "--max_restarts",
+        "0",
+    ]
 
 
 def check_spec(spec_path: Path) -> Path:
     spec_path = Path(spec_path)
     if not spec_path.is_file():
-        raise FileNotFoundError(
-            f"stage spec {spec_path} does not exist; write the resolved TrainSpec JSON first"
-        )
+        raise FileNotFoundError(f"stage spec {spec_path} does not exist; write the resolved TrainSpec JSON first")
     return spec_path.resolve()

@@ -87,8 +87,7 @@ class KubernetesLauncher(Launcher):
             "image": k.image,
             "workingDir": k.code_dir,
             "command": [c.torchrun],
-            "args": [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0",
-                     "-m", c.module, str(spec)],
+            "args": [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", "-m", c.module, str(spec)],
             **(self._accelerate(spec) if c.accelerate_config else {}),
             "env": env,
             "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
@@ -97,8 +96,7 @@ class KubernetesLauncher(Launcher):
         volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
         if k.workspace_claim:
             container["volumeMounts"].append({"name": "workspace", "mountPath": k.workspace_mount})
-            volumes.append({"name": "workspace",
-                            "persistentVolumeClaim": {"claimName": k.workspace_claim}})
+            volumes.append({"name": "workspace", "persistentVolumeClaim": {"claimName": k.workspace_claim}})
         if k.credentials_secret:
             container["envFrom"] = [{"secretRef": {"name": k.credentials_secret}}]
         pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
@@ -116,8 +114,11 @@ class KubernetesLauncher(Launcher):
         return {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
-            "metadata": {"name": self.job_name(spec), "namespace": k.namespace,
-                         "labels": {"app.kubernetes.io/part-of": "smollm3-pipeline"}},
+            "metadata": {
+                "name": self.job_name(spec),
+                "namespace": k.namespace,
+                "labels": {"app.kubernetes.io/part-of": "smollm3-pipeline"},
+            },
             "spec": {
                 "nprocPerNode": str(c.procs_per_node),
                 "runPolicy": {"backoffLimit": 10, "cleanPodPolicy": "None"},
@@ -129,11 +130,12 @@ class KubernetesLauncher(Launcher):
         """The container command for `accelerate launch`: accelerate reads no PET_* variables,
         so a shell passes the operator's node rank and master address to it."""
         c = self.config
-        run = (shlex.join([c.accelerate, *accelerate_args(c)])
-               + ' --machine_rank "${PET_NODE_RANK:-${RANK:-0}}"'
-               ' --main_process_ip "${PET_MASTER_ADDR:-${MASTER_ADDR:-127.0.0.1}}"'
-               ' --main_process_port "${PET_MASTER_PORT:-${MASTER_PORT:-29500}}" '
-               + shlex.join(["-m", c.module, str(spec)]))
+        run = (
+            shlex.join([c.accelerate, *accelerate_args(c)]) + ' --machine_rank "${PET_NODE_RANK:-${RANK:-0}}"'
+            ' --main_process_ip "${PET_MASTER_ADDR:-${MASTER_ADDR:-127.0.0.1}}"'
+            ' --main_process_port "${PET_MASTER_PORT:-${MASTER_PORT:-29500}}" '
+            + shlex.join(["-m", c.module, str(spec)])
+        )
         return {"command": ["bash", "-c"], "args": ["exec " + run]}
 
     def render(self, spec_path: Path, workdir: Path) -> str:
@@ -143,8 +145,10 @@ class KubernetesLauncher(Launcher):
         try:
             return self.runner(["kubectl", *args])
         except FileNotFoundError:
-            raise LaunchFailed("kubectl not found: launch.kind is kubernetes but this machine has "
-                               "no kubectl; run the flow in the kubernetes work pool") from None
+            raise LaunchFailed(
+                "kubectl not found: launch.kind is kubernetes but this machine has "
+                "no kubectl; run the flow in the kubernetes work pool"
+            ) from None
 
     def status(self, name: str) -> str:
         ns = self.config.kubernetes.namespace
@@ -162,19 +166,19 @@ class KubernetesLauncher(Launcher):
             return  # none there (kubectl says NotFound)
         owner = JobRecord(workdir, "kubernetes-job.json").live_owner()
         if owner is not None:
-            raise LaunchFailed(f"PyTorchJob {ns}/{name} of stage folder {workdir} was applied by "
-                               f"{owner.describe()}, which is still running; wait for it, or "
-                               f"`kubectl delete pytorchjob {name} -n {ns}`")
+            raise LaunchFailed(
+                f"PyTorchJob {ns}/{name} of stage folder {workdir} was applied by "
+                f"{owner.describe()}, which is still running; wait for it, or "
+                f"`kubectl delete pytorchjob {name} -n {ns}`"
+            )
         log(f"[launch] PyTorchJob {ns}/{name} is left from an earlier launch: deleting it first")
-        proc = self._kubectl("delete", "pytorchjob", name, "-n", ns, "--cascade=foreground",
-                             "--wait=true", "--timeout=600s")
+        proc = self._kubectl(
+            "delete", "pytorchjob", name, "-n", ns, "--cascade=foreground", "--wait=true", "--timeout=600s"
+        )
         if proc.returncode != 0:
-            raise LaunchFailed(f"could not delete leftover PyTorchJob {ns}/{name}: "
-                               f"{proc.stderr.strip()}")
+            raise LaunchFailed(f"could not delete leftover PyTorchJob {ns}/{name}: {proc.stderr.strip()}")
 
-    def launch(
-        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
-    ) -> None:
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir)
         manifest = workdir / "launch" / "pytorchjob.yaml"
@@ -205,9 +209,12 @@ class KubernetesLauncher(Launcher):
             summary.feed(line)
             log(line)
         if state != "Succeeded":
-            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}",
-                                  state=state)
-            raise LaunchFailed(f"PyTorchJob {ns}/{name} failed; see "
-                               f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",
-                               tail[-40:], first.line, facts)
+            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state)
+            raise LaunchFailed(
+                f"PyTorchJob {ns}/{name} failed; see "
+                f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",
+                tail[-40:],
+                first.line,
+                facts,
+            )
         log(f"[launch] PyTorchJob {ns}/{name} succeeded")

@@ -46,17 +46,25 @@ class LocalTorchrun(Launcher):
         port = port or c.master_port or free_port()
         if c.accelerate_config:
             # `make` runs .venv/bin/smollm3 without the venv on PATH: this interpreter's accelerate.
-            accelerate = ([c.accelerate] if shutil.which(c.accelerate)
-                          else [sys.executable, "-m", "accelerate.commands.launch"])
+            accelerate = (
+                [c.accelerate] if shutil.which(c.accelerate) else [sys.executable, "-m", "accelerate.commands.launch"]
+            )
             args = accelerate_args(c)
             if accelerate[-1] == "accelerate.commands.launch":
                 args = args[1:]  # the module is the `launch` subcommand itself
-            return [*accelerate, *args, "--main_process_port", str(port), "-m", c.module,
-                    str(spec_path)]
+            return [*accelerate, *args, "--main_process_port", str(port), "-m", c.module, str(spec_path)]
         torchrun = [c.torchrun] if shutil.which(c.torchrun) else [sys.executable, "-m", "torch.distributed.run"]
         return [
-            *torchrun, "--nnodes", "1", "--nproc-per-node", str(c.procs_per_node),
-            "--master-port", str(port), "-m", c.module, str(spec_path),
+            *torchrun,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(c.procs_per_node),
+            "--master-port",
+            str(port),
+            "-m",
+            c.module,
+            str(spec_path),
         ]
 
     def env(self) -> dict[str, str]:
@@ -72,9 +80,7 @@ class LocalTorchrun(Launcher):
     def render(self, spec_path: Path, workdir: Path) -> str:
         return shlex.join(self.command(Path(spec_path), port=self.config.master_port or 29500))
 
-    def launch(
-        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
-    ) -> None:
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)
         Path(workdir).mkdir(parents=True, exist_ok=True)
         c = self.config
@@ -97,7 +103,10 @@ class LocalTorchrun(Launcher):
             run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
         except ChildFailed as exc:
             # No summary when torchrun itself was killed: then its own status is the cause.
-            facts = failure_facts(spec_path, Path(workdir), summary, first, exc.returncode,
-                                  who="torchrun")
-            raise LaunchFailed(f"local {'accelerate' if c.accelerate_config else 'torchrun'} of "
-                               f"{spec_path} failed", exc.tail, first.line, facts) from exc
+            facts = failure_facts(spec_path, Path(workdir), summary, first, exc.returncode, who="torchrun")
+            raise LaunchFailed(
+                f"local {'accelerate' if c.accelerate_config else 'torchrun'} of {spec_path} failed",
+                exc.tail,
+                first.line,
+                facts,
+            ) from exc

@@ -47,8 +47,18 @@ TIME_LIMIT_SIGNAL_S = 300  # USR1 this long before the limit: time to requeue cl
 
 # Job states after which the job will not run again by itself.
 DONE = {"COMPLETED"}
-FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+FAILED = {
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 
 
 def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
@@ -80,8 +90,7 @@ class SlurmLauncher(Launcher):
             sb.append(("gpus-per-node", str(c.gpus_per_node)))
         if s.cpus_per_task:
             sb.append(("cpus-per-task", str(s.cpus_per_task)))
-        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account),
-                           ("qos", s.qos)):
+        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
             if value is not None:
                 sb.append((key, value))
         sb.append(("time", s.time))
@@ -135,11 +144,11 @@ class SlurmLauncher(Launcher):
         if c.accelerate_config:
             # One task per node; each expands its own $SLURM_PROCID (the machine rank), so the
             # command runs in `bash -c` and the rendezvous address is exported to the tasks.
-            inner = (shlex.join([c.accelerate, *accelerate_args(c), "--rdzv_backend", "c10d",
-                                 "--same_network"])
-                     + ' --machine_rank "$SLURM_PROCID" --main_process_ip "$MASTER_ADDR"'
-                     ' --main_process_port "$MASTER_PORT" '
-                     + shlex.join(["-m", c.module, str(spec)]))
+            inner = (
+                shlex.join([c.accelerate, *accelerate_args(c), "--rdzv_backend", "c10d", "--same_network"])
+                + ' --machine_rank "$SLURM_PROCID" --main_process_ip "$MASTER_ADDR"'
+                ' --main_process_port "$MASTER_PORT" ' + shlex.join(["-m", c.module, str(spec)])
+            )
             lines += ["export MASTER_ADDR MASTER_PORT"]
             torchrun = ["bash -c " + shlex.quote("exec " + inner)]
         lines += [
@@ -164,8 +173,9 @@ class SlurmLauncher(Launcher):
                 "run the flow on a login node (or a Prefect worker there), or use kind local"
             ) from None
         if proc.returncode != 0:
-            raise LaunchFailed(f"{what} failed ({shlex.join(cmd)} exited {proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout).strip()}")
+            raise LaunchFailed(
+                f"{what} failed ({shlex.join(cmd)} exited {proc.returncode}): {(proc.stderr or proc.stdout).strip()}"
+            )
         return proc.stdout
 
     def submit(self, spec_path: Path, workdir: Path) -> str:
@@ -191,8 +201,7 @@ class SlurmLauncher(Launcher):
         if proc.returncode == 0 and proc.stdout.strip():
             state, _, code = proc.stdout.strip().splitlines()[0].partition("|")
             return state.split()[0], code
-        raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; "
-                           "check `squeue --me` and the job log")
+        raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; check `squeue --me` and the job log")
 
     def sweep(self, workdir: Path, log: LogFn = print, timeout_s: float = 600.0) -> None:
         """Cancel the job a dead earlier launch left running in this stage folder, and wait for it.
@@ -220,19 +229,21 @@ class SlurmLauncher(Launcher):
             if state in DONE or state in FAILED:
                 break
             if not cancelled:
-                log(f"[launch] Slurm job {job} of an earlier launch of {workdir} is still {state} "
-                    f"(its owner {owner.describe()} is gone): cancelling it first")
+                log(
+                    f"[launch] Slurm job {job} of an earlier launch of {workdir} is still {state} "
+                    f"(its owner {owner.describe()} is gone): cancelling it first"
+                )
                 self._call(["scancel", job], f"cancelling leftover job {job}")
                 cancelled = True
             if time.monotonic() > deadline:
-                raise LaunchFailed(f"leftover Slurm job {job} in {workdir} did not end within "
-                                   f"{timeout_s:.0f}s of scancel; check `squeue -j {job}`")
+                raise LaunchFailed(
+                    f"leftover Slurm job {job} in {workdir} did not end within "
+                    f"{timeout_s:.0f}s of scancel; check `squeue -j {job}`"
+                )
             self.sleep(self.config.slurm.poll_seconds)
         record.clear()
 
-    def launch(
-        self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None
-    ) -> None:
+    def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -276,12 +287,16 @@ class SlurmLauncher(Launcher):
         if state not in DONE:
             rc, _, sig = code.partition(":")  # Slurm's ExitCode is "code:signal"
             facts = failure_facts(
-                spec_path, workdir, summary, first,
-                returncode=int(rc) if rc.lstrip("-").isdigit() else None, who=f"Slurm job {job}",
-                state=state, signal_name=_signal_name(sig),
+                spec_path,
+                workdir,
+                summary,
+                first,
+                returncode=int(rc) if rc.lstrip("-").isdigit() else None,
+                who=f"Slurm job {job}",
+                state=state,
+                signal_name=_signal_name(sig),
             )
-            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail,
-                               first.line, facts)
+            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
 
 
@@ -327,8 +342,7 @@ def wait_for_datatrove(
     `LaunchFailed` naming the stage and its log folder, after cancelling the rest of the chain.
     Cancelling or interrupting the wait cancels the chain as well.
     """
-    jobs = [(ex.job_name, str(ex.job_id), ex.logging_dir.path) for ex in executors
-            if ex.job_id not in (None, -1, "-1")]
+    jobs = [(ex.job_name, str(ex.job_id), ex.logging_dir.path) for ex in executors if ex.job_id not in (None, -1, "-1")]
     try:
         while executors[-1].get_incomplete_ranks():
             for name, job, logs in jobs:

@@ -64,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         algbw = numel * 4 / per_op / 1e9
         if rank == 0:
             result = {
-                "backend": args.backend, "world": world, "mib": args.mib, "iters": args.iters,
-                "seconds_per_op": per_op, "algbw_gbps": algbw,
-                "busbw_gbps": bus_bandwidth(algbw, world), "correct": correct,
+                "backend": args.backend,
+                "world": world,
+                "mib": args.mib,
+                "iters": args.iters,
+                "seconds_per_op": per_op,
+                "algbw_gbps": algbw,
+                "busbw_gbps": bus_bandwidth(algbw, world),
+                "correct": correct,
             }
             print(MARK + json.dumps(result), flush=True)
     finally:

@@ -41,9 +41,10 @@ def _load(path: str | None, what: str) -> dict[str, Any]:
 def build_parser(**kw: str) -> argparse.ArgumentParser:
     """The parser; `kw` (prog, usage, description, epilog) lets `smollm3 preflight` present it as
     its own."""
-    p = argparse.ArgumentParser(**{"prog": "python -m infra.preflight",
-                                   "description": __doc__.splitlines()[0], **kw},
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        **{"prog": "python -m infra.preflight", "description": __doc__.splitlines()[0], **kw},
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML/JSON file of PreflightConfig fields")
     p.add_argument("--facts", help="YAML/JSON file of PreflightFacts fields (from the recipe)")
     p.add_argument("--json", help="write every result (and host, config, facts) to this file")
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None, **parser: str) -> int:
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw)
         if key.startswith("facts."):
-            facts_data[key[len("facts."):]] = value
+            facts_data[key[len("facts.") :]] = value
         else:
             config_data[key] = value
     try:
@@ -83,10 +84,16 @@ def main(argv: Sequence[str] | None = None, **parser: str) -> int:
     stop = should_stop(results, config.allow_warn)
     if args.json:
         report = {
-            "host": socket.gethostname(), "stop": stop, "config": config.model_dump(mode="json"),
-            "facts": facts.to_dict(), "results": [r.to_dict() for r in results],
+            "host": socket.gethostname(),
+            "stop": stop,
+            "config": config.model_dump(mode="json"),
+            "facts": facts.to_dict(),
+            "results": [r.to_dict() for r in results],
         }
         Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
-    print("STOP: fix the failing checks" + ("" if config.allow_warn else " (or allow_warn=true for warnings)")
-          if stop else "GO: training may start")
+    print(
+        "STOP: fix the failing checks" + ("" if config.allow_warn else " (or allow_warn=true for warnings)")
+        if stop
+        else "GO: training may start"
+    )
     return 1 if stop else 0

@@ -35,16 +35,26 @@ class AllReduceResult:
 
 def allreduce_command(backend: str, nproc: int, mib: float, iters: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "infra.preflight.allreduce",
-        "--backend", backend, "--mib", f"{mib:g}", "--iters", str(iters),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "infra.preflight.allreduce",
+        "--backend",
+        backend,
+        "--mib",
+        f"{mib:g}",
+        "--iters",
+        str(iters),
     ]
 
 
 def parse_allreduce(stdout: str) -> dict | None:
     for line in stdout.splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     return None
 
 
@@ -61,8 +71,9 @@ def run_allreduce(
     }
     out = commands.run(allreduce_command(backend, nproc, mib, iters), timeout=timeout, env=env)
     if out.timed_out:
-        return AllReduceResult(error=f"torchrun did not finish in {timeout:g} s (killed): a hung "
-                                     "rendezvous or collective")
+        return AllReduceResult(
+            error=f"torchrun did not finish in {timeout:g} s (killed): a hung rendezvous or collective"
+        )
     data = parse_allreduce(out.stdout)
     if out.rc != 0 or data is None:
         tail = " | ".join((out.stderr or out.stdout).strip().splitlines()[-4:])
@@ -70,6 +81,8 @@ def run_allreduce(
     if not data.get("correct", False):
         return AllReduceResult(error=f"all-reduce returned a wrong sum: {data}")
     return AllReduceResult(
-        busbw_gbps=data["busbw_gbps"], algbw_gbps=data["algbw_gbps"],
-        seconds_per_op=data["seconds_per_op"], world=data["world"],
+        busbw_gbps=data["busbw_gbps"],
+        algbw_gbps=data["algbw_gbps"],
+        seconds_per_op=data["seconds_per_op"],
+        world=data["world"],
     )

@@ -28,9 +28,7 @@ class CommandOutput:
 class CommandRunner(Protocol):
     def which(self, program: str) -> str | None: ...
 
-    def run(
-        self, args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
-    ) -> CommandOutput: ...
+    def run(self, args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> CommandOutput: ...
 
 
 class SubprocessRunner:
@@ -39,13 +37,15 @@ class SubprocessRunner:
     def which(self, program: str) -> str | None:
         return shutil.which(program)
 
-    def run(
-        self, args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
-    ) -> CommandOutput:
+    def run(self, args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> CommandOutput:
         full_env = {**os.environ, **(env or {})}
         proc = subprocess.Popen(
-            list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=full_env, start_new_session=True,
+            list(args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            start_new_session=True,
         )
         try:
             out, err = proc.communicate(timeout=timeout)

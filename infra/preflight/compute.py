@@ -48,8 +48,7 @@ class CpuMatmul(Check):
 
         c = ctx.config
         rate = cpu_matmul_gflops(c.cpu_matmul_size, c.cpu_matmul_seconds)
-        value = (f"{rate:.1f} GFLOP/s fp32 ({c.cpu_matmul_size}^2, "
-                 f"{torch.get_num_threads()} threads, best burst)")
+        value = f"{rate:.1f} GFLOP/s fp32 ({c.cpu_matmul_size}^2, {torch.get_num_threads()} threads, best burst)"
         return self.result("pass", value, "informational", metric=rate)
 
 
@@ -61,19 +60,23 @@ class GlooAllReduce(Check):
 
     def run(self, ctx: CheckContext) -> CheckResult:
         c = ctx.config
-        res = run_allreduce(ctx.commands, "gloo", c.gloo_ranks, c.gloo_mib, c.collective_iters,
-                            c.collective_timeout_s)
+        res = run_allreduce(ctx.commands, "gloo", c.gloo_ranks, c.gloo_mib, c.collective_iters, c.collective_timeout_s)
         if res.error:
             return self.result(
-                "fail", "", "",
+                "fail",
+                "",
+                "",
                 f"gloo all-reduce over {c.gloo_ranks} ranks failed: {res.error}; check that "
                 "localhost resolves and that GLOO_SOCKET_IFNAME (if set) names an interface",
             )
-        value = (f"{res.busbw_gbps:.2f} GB/s busbw ({res.algbw_gbps:.2f} algbw, {c.gloo_mib:g} MiB, "
-                 f"{res.world} ranks)")
+        value = f"{res.busbw_gbps:.2f} GB/s busbw ({res.algbw_gbps:.2f} algbw, {c.gloo_mib:g} MiB, {res.world} ranks)"
         if c.min_gloo_busbw_gbps and res.busbw_gbps < c.min_gloo_busbw_gbps:
-            return self.result("warn", value, f">= {c.min_gloo_busbw_gbps:g} GB/s",
-                               "slow CPU collectives: other jobs on the node, or a slow loopback",
-                               metric=res.busbw_gbps)
+            return self.result(
+                "warn",
+                value,
+                f">= {c.min_gloo_busbw_gbps:g} GB/s",
+                "slow CPU collectives: other jobs on the node, or a slow loopback",
+                metric=res.busbw_gbps,
+            )
         threshold = f">= {c.min_gloo_busbw_gbps:g} GB/s" if c.min_gloo_busbw_gbps else "informational"
         return self.result("pass", value, threshold, metric=res.busbw_gbps)

@@ -79,11 +79,19 @@ class PreflightFacts:
         for name in ("nodes", "nproc_per_node", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"preflight facts: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("global_batch", "micro_batch", "seq_len", "max_positions", "tokenizer_vocab",
-                     "model_vocab", "params", "checkpoint_keep", "checkpoint_bytes"):
+        for name in (
+            "global_batch",
+            "micro_batch",
+            "seq_len",
+            "max_positions",
+            "tokenizer_vocab",
+            "model_vocab",
+            "params",
+            "checkpoint_keep",
+            "checkpoint_bytes",
+        ):
             if getattr(self, name) < 0:
-                raise ValueError(f"preflight facts: {name} must be >= 0 (0: not known), got "
-                                 f"{getattr(self, name)}")
+                raise ValueError(f"preflight facts: {name} must be >= 0 (0: not known), got {getattr(self, name)}")
         for name in ("stage_tokens", "available_tokens"):
             negative = {k: v for k, v in dict(getattr(self, name)).items() if v < 0}
             if negative:
@@ -115,8 +123,7 @@ class PreflightFacts:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"preflight facts: unknown field(s) {', '.join(unknown)}; allowed: "
-                f"{', '.join(sorted(known))}"
+                f"preflight facts: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
             )
         d = dict(data)
         for name in ("shards", "mixture_plans", "eval_tasks"):
@@ -177,9 +184,7 @@ class PreflightConfig(BaseModel):
         named = list(self.checks or ()) + list(self.skip)
         unknown = sorted({n for n in named if n not in CHECKS})
         if unknown:
-            raise ValueError(
-                f"unknown preflight check(s) {', '.join(unknown)}; known: {', '.join(CHECKS.names())}"
-            )
+            raise ValueError(f"unknown preflight check(s) {', '.join(unknown)}; known: {', '.join(CHECKS.names())}")
         if self.s3_uri is not None and not self.s3_uri.startswith("s3://"):
             raise ValueError(f"s3_uri {self.s3_uri!r} must look like s3://bucket/prefix")
         return self
@@ -212,8 +217,9 @@ class Check(ABC):
         """Measure and judge; return one CheckResult."""
 
     # Helpers so checks read as one line per outcome.
-    def result(self, status: Status, value: str = "", threshold: str = "", advice: str = "",
-               metric: float | None = None) -> CheckResult:
+    def result(
+        self, status: Status, value: str = "", threshold: str = "", advice: str = "", metric: float | None = None
+    ) -> CheckResult:
         return CheckResult(self.name, status, value, threshold, advice, metric)
 
     def skip(self, why: str) -> CheckResult:
@@ -256,14 +262,11 @@ def format_table(results: list[CheckResult]) -> str:
     """A fixed-width table for terminals: check, status, value, threshold, advice."""
     head = ("check", "status", "value", "threshold", "advice")
     rows = [(r.name, r.status.upper(), r.value, r.threshold, r.advice) for r in results]
-    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
-              for i in range(4)]
+    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i]) for i in range(4)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:4], widths, strict=True)) + "  " + head[4]]
     lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(head[4]))
     for row in rows:
-        lines.append(
-            "  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
-        )
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
     counts = summary(results)
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
     return "\n".join(line.rstrip() for line in lines)
@@ -271,14 +274,13 @@ def format_table(results: list[CheckResult]) -> str:
 
 def format_markdown(results: list[CheckResult]) -> str:
     """The same table as Markdown (step folder, Prefect UI)."""
+
     def esc(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| check | status | value | threshold | advice |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append(
-            f"| {esc(r.name)} | {r.status} | {esc(r.value)} | {esc(r.threshold)} | {esc(r.advice)} |"
-        )
+        lines.append(f"| {esc(r.name)} | {r.status} | {esc(r.value)} | {esc(r.threshold)} | {esc(r.advice)} |")
     counts = summary(results)
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
     return "\n".join(lines)

@@ -50,8 +50,10 @@ def load_plans(paths: tuple[str, ...]) -> list[dict]:
             plan = json.loads(file.read_text(encoding="utf-8"))
             plan["stage"], plan["sources"]  # noqa: B018  (the fields every check relies on)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"mixture plan {file} is unreadable ({type(exc).__name__}: {exc}); "
-                             "rerun the mixture step or fix facts.mixture_plans") from None
+            raise ValueError(
+                f"mixture plan {file} is unreadable ({type(exc).__name__}: {exc}); "
+                "rerun the mixture step or fix facts.mixture_plans"
+            ) from None
         plans.append(plan)
     return plans
 
@@ -94,9 +96,13 @@ class Shards(Check):
         if missing or empty:
             problems = [f"missing: {', '.join(missing)}"] if missing else []
             problems += [f"no tokens: {', '.join(empty)}"] if empty else []
-            return self.result("fail", value, "every folder holds .ds tokens",
-                               f"{'; '.join(problems)[:600]}: run the tokenize step or fix the paths",
-                               metric=total)
+            return self.result(
+                "fail",
+                value,
+                "every folder holds .ds tokens",
+                f"{'; '.join(problems)[:600]}: run the tokenize step or fix the paths",
+                metric=total,
+            )
         return self.result("pass", value, "every folder holds .ds tokens", metric=total)
 
 
@@ -134,16 +140,19 @@ class DataEpochs(Check):
         if worst > c.max_epochs:
             too_many = [s for s, e in epochs.items() if e > c.max_epochs]
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"stage(s) {', '.join(too_many)} repeat their data more than {c.max_epochs:g} times: "
                 "add data, lower the stage's tokens, or reweight the mixture",
                 metric=worst,
             )
         if over:
             return self.result(
-                "warn", value, threshold,
-                f"stage(s) {', '.join(over)} repeat data; up to ~4 epochs costs little, beyond "
-                "that returns fall fast",
+                "warn",
+                value,
+                threshold,
+                f"stage(s) {', '.join(over)} repeat data; up to ~4 epochs costs little, beyond that returns fall fast",
                 metric=worst,
             )
         return self.result("pass", value, threshold, metric=worst)
@@ -158,14 +167,15 @@ class Vocab(Check):
     def run(self, ctx: CheckContext) -> CheckResult:
         tok, model = ctx.facts.tokenizer_vocab, ctx.facts.model_vocab
         if not tok and ctx.facts.mixture_plans:  # the shards' tokenizer, as the plans record it
-            tok = max((int(p.get("vocab_size") or 0) for p in load_plans(ctx.facts.mixture_plans)),
-                      default=0)
+            tok = max((int(p.get("vocab_size") or 0) for p in load_plans(ctx.facts.mixture_plans)), default=0)
         if not tok or not model:
             return self.skip("facts give no tokenizer_vocab or model_vocab")
         value = f"tokenizer {tok}, model {model}"
         if tok > model:
             return self.result(
-                "fail", value, "tokenizer <= model",
+                "fail",
+                value,
+                "tokenizer <= model",
                 f"token ids {model}..{tok - 1} have no embedding row (index error mid-run): "
                 f"set the model's vocab_size to at least {tok} (a multiple of 128 is fastest)",
             )
@@ -209,8 +219,12 @@ class EvalTasks(Check):
             try:
                 from lm_eval.tasks import TaskManager
             except ImportError:
-                return self.result("warn", "", "", "lm-eval is not installed; cannot resolve "
-                                   f"{', '.join(unresolved)} (pip install lm-eval)")
+                return self.result(
+                    "warn",
+                    "",
+                    "",
+                    f"lm-eval is not installed; cannot resolve {', '.join(unresolved)} (pip install lm-eval)",
+                )
             manager = TaskManager(include_path=str(folder) if folder else None)
             known |= set(manager.all_tasks)
             unresolved = [t for t in wanted if t not in known]
@@ -221,6 +235,5 @@ class EvalTasks(Check):
             for t in unresolved:
                 close = difflib.get_close_matches(t, sorted(known), n=2)
                 hints.append(f"{t}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-            return self.result("fail", value, "every task resolves",
-                               f"unknown eval task(s): {'; '.join(hints)}")
+            return self.result("fail", value, "every task resolves", f"unknown eval task(s): {'; '.join(hints)}")
         return self.result("pass", value, "every task resolves")

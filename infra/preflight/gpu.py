@@ -242,8 +242,9 @@ class TorchNvmlBackend:
                 return None
 
         # the newer name first; older pynvml only has the "throttle" spelling
-        reasons_fn = (getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                      or nv.nvmlDeviceGetCurrentClocksThrottleReasons)
+        reasons_fn = (
+            getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         mask = read(reasons_fn) or 0
         remap = read(getattr(nv, "nvmlDeviceGetRemappedRows", lambda _h: None))
         return GpuHealth(
@@ -284,7 +285,9 @@ class GpuCount(Check):
         if reason is not None:
             if expected:
                 return self.result(
-                    "fail", "0 GPUs", f"== {expected} per node",
+                    "fail",
+                    "0 GPUs",
+                    f"== {expected} per node",
                     f"the recipe trains on {expected} GPU(s) per node but {reason}; "
                     "run preflight on a GPU node or fix the driver/CUDA install",
                 )
@@ -296,14 +299,18 @@ class GpuCount(Check):
             return self.result("pass", value, "none set", metric=n)
         if n < expected:
             return self.result(
-                "fail", value, f"== {expected} per node",
+                "fail",
+                value,
+                f"== {expected} per node",
                 f"the recipe launches {expected} ranks per node (nproc_per_node) but only {n} "
                 "GPUs are visible: check CUDA_VISIBLE_DEVICES, the Slurm --gpus request, or a dead GPU",
                 metric=n,
             )
         if n > expected:
             return self.result(
-                "warn", value, f"== {expected} per node",
+                "warn",
+                value,
+                f"== {expected} per node",
                 f"{n - expected} GPU(s) would sit idle: raise nproc_per_node or set expected_gpus",
                 metric=n,
             )
@@ -321,9 +328,7 @@ class GpuMatmul(Check):
         if reason is not None:
             return self.skip(reason)
         c = ctx.config
-        samples: dict[int, StressSample] = _each_gpu(
-            ctx, lambda i: ctx.gpu.matmul(i, c.matmul_size, c.matmul_seconds)
-        )
+        samples: dict[int, StressSample] = _each_gpu(ctx, lambda i: ctx.gpu.matmul(i, c.matmul_size, c.matmul_seconds))
         ctx.memo["gpu_stress"] = samples
         rates = {i: s.tflops for i, s in samples.items()}
         best, worst = max(rates.values()), min(rates.values())
@@ -336,7 +341,9 @@ class GpuMatmul(Check):
         if slow:
             detail = ", ".join(f"GPU {i}: {r:.1f} ({100 * (r / best - 1):+.1f}%)" for i, r in slow.items())
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"slow GPU(s) {detail}: check gpu_throttle, reseat or drain the node; one slow GPU "
                 "sets the pace of every synchronous step",
                 metric=worst,
@@ -390,18 +397,21 @@ class GpuThrottle(Check):
             parts.append(f"power-capped GPUs {notes}")
         value = ", ".join(parts) + f" ({when})"
         threshold = (
-            f"no thermal/HW slowdown, < {c.max_gpu_temp_c:.0f} C, clock >= "
-            f"{100 * c.min_clock_fraction:.0f}% of max"
+            f"no thermal/HW slowdown, < {c.max_gpu_temp_c:.0f} C, clock >= {100 * c.min_clock_fraction:.0f}% of max"
         )
         if fails:
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"throttling {'; '.join(fails)}: check cooling, airflow and power delivery "
                 "(nvidia-smi -q -d PERFORMANCE), then drain the node",
             )
         if warns:
             return self.result(
-                "warn", value, threshold,
+                "warn",
+                value,
+                threshold,
                 f"low clocks {'; '.join(warns)}: check application clocks and power limits "
                 "(nvidia-smi -q -d CLOCK,POWER)",
             )
@@ -418,9 +428,7 @@ class GpuMemory(Check):
         reason = ctx.gpu.unavailable_reason()
         if reason is not None:
             return self.skip(reason)
-        tests: dict[int, MemoryTest] = _each_gpu(
-            ctx, lambda i: ctx.gpu.memory_test(i, ctx.config.gpu_memory_gib)
-        )
+        tests: dict[int, MemoryTest] = _each_gpu(ctx, lambda i: ctx.gpu.memory_test(i, ctx.config.gpu_memory_gib))
         gib = min(t.bytes_tested for t in tests.values()) / 2**30
         bad = {i: t.mismatches for i, t in tests.items() if t.mismatches}
         slowest = min(t.gbps for t in tests.values())
@@ -431,7 +439,9 @@ class GpuMemory(Check):
         if bad:
             detail = ", ".join(f"GPU {i}: {n}" for i, n in bad.items())
             return self.result(
-                "fail", value, "0 mismatches",
+                "fail",
+                value,
+                "0 mismatches",
                 f"memory corruption on {detail}: drain the node and report the GPU for RMA",
             )
         return self.result("pass", value, "0 mismatches", metric=slowest)
@@ -459,7 +469,9 @@ class GpuEcc(Check):
         failing = [i for i, h in readings.items() if h and (h.ecc_uncorrected or h.remap_failure)]
         if failing:
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"uncorrected ECC errors or failed row remapping on GPU(s) {failing}: drain the "
                 "node; the GPU needs a reset or service",
                 metric=uncorrected,
@@ -467,14 +479,18 @@ class GpuEcc(Check):
         pending = [i for i, h in readings.items() if h and h.remap_pending]
         if pending:
             return self.result(
-                "warn", value, threshold,
+                "warn",
+                value,
+                threshold,
                 f"row remapping pending on GPU(s) {pending}: reset the GPU (nvidia-smi -r) before training",
                 metric=uncorrected,
             )
         noisy = [i for i, h in reported.items() if (h.ecc_corrected or 0) >= c.ecc_corrected_warn]
         if noisy:
             return self.result(
-                "warn", value, threshold,
+                "warn",
+                value,
+                threshold,
                 f"corrected ECC errors on GPU(s) {noisy}: watch for growth; a rising count precedes "
                 "uncorrectable errors",
                 metric=uncorrected,
@@ -526,11 +542,17 @@ class DcgmDiag(Check):
         said = (out.stdout + out.stderr).lower()
         if out.rc != 0 and not (fails or warns or passed) and "connect" in said:
             # the client is installed but no host engine runs: DCGM could not test anything
-            return self.skip("dcgmi cannot reach the DCGM host engine (start nv-hostengine): "
-                             + (out.stderr or out.stdout).strip()[-200:])
+            return self.skip(
+                "dcgmi cannot reach the DCGM host engine (start nv-hostengine): "
+                + (out.stderr or out.stdout).strip()[-200:]
+            )
         if out.timed_out:
-            return self.result("fail", value, threshold, f"dcgmi diag -r {level} timed out after "
-                               f"{DCGM_TIMEOUT_S[level]:.0f} s: a hung GPU or hostengine")
+            return self.result(
+                "fail",
+                value,
+                threshold,
+                f"dcgmi diag -r {level} timed out after {DCGM_TIMEOUT_S[level]:.0f} s: a hung GPU or hostengine",
+            )
         if fails or out.rc != 0:
             tail = "; ".join(fails) or (out.stderr or out.stdout).strip()[-300:]
             return self.result("fail", value, threshold, f"dcgmi diag failed (rc {out.rc}): {tail}")
@@ -553,15 +575,16 @@ class NcclAllReduce(Check):
         if n < 2:
             return self.skip(f"needs 2+ GPUs on this node, found {n}")
         c = ctx.config
-        res = run_allreduce(ctx.commands, "nccl", n, c.nccl_mib, c.collective_iters,
-                            c.collective_timeout_s)
+        res = run_allreduce(ctx.commands, "nccl", n, c.nccl_mib, c.collective_iters, c.collective_timeout_s)
         if res.error:
             return self.result("fail", "", "", f"NCCL all-reduce over {n} GPUs failed: {res.error}")
         value = f"{res.busbw_gbps:.1f} GB/s busbw ({res.algbw_gbps:.1f} algbw, {c.nccl_mib:g} MiB, {n} ranks)"
         threshold = f">= {c.min_nccl_busbw_gbps:g} GB/s"
         if res.busbw_gbps < c.min_nccl_busbw_gbps:
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 "slow intra-node all-reduce: check NVLink/NVSwitch (nvidia-smi topo -m, "
                 "nvidia-smi nvlink -s) and NCCL_P2P/NCCL_SHM settings",
                 metric=res.busbw_gbps,

@@ -23,7 +23,9 @@ class BatchLayout(Check):
         world, model_parallel = f.world_size, f.tp * f.pp
         if world % model_parallel:
             return self.result(
-                "fail", f"world {world}, tp {f.tp} x pp {f.pp}", "world % (tp x pp) == 0",
+                "fail",
+                f"world {world}, tp {f.tp} x pp {f.pp}",
+                "world % (tp x pp) == 0",
                 f"world size {world} (nodes {f.nodes} x nproc_per_node {f.nproc_per_node}) is not "
                 f"a multiple of tp x pp = {model_parallel}",
             )
@@ -34,7 +36,9 @@ class BatchLayout(Check):
             lower = f.global_batch // unit * unit
             options = " or ".join(str(x) for x in (lower, lower + unit) if x > 0)
             return self.result(
-                "fail", f"global_batch {f.global_batch}", threshold,
+                "fail",
+                f"global_batch {f.global_batch}",
+                threshold,
                 f"global_batch {f.global_batch} is not a multiple of {unit}: use {options}, or "
                 "change micro_batch / the number of ranks",
             )
@@ -58,7 +62,9 @@ class SeqLen(Check):
         value, threshold = f"seq_len {f.seq_len}", f"<= max_positions {f.max_positions}"
         if f.seq_len > f.max_positions:
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"seq_len {f.seq_len} exceeds the model's max_position_embeddings "
                 f"{f.max_positions}: raise max_positions (and RoPE theta) or shorten seq_len",
             )
@@ -78,17 +84,19 @@ class StagePlan(Check):
         threshold = "tokens > 0 and >= 1 step per stage"
         bad = [s for s, t in f.stage_tokens.items() if t <= 0]
         if bad:
-            return self.result("fail", "", threshold,
-                               f"stage(s) {', '.join(bad)} train on no tokens: set their tokens")
+            return self.result("fail", "", threshold, f"stage(s) {', '.join(bad)} train on no tokens: set their tokens")
         strays = sorted(set(f.available_tokens) - set(f.stage_tokens))
         if strays:
             return self.result(
-                "fail", "", threshold,
+                "fail",
+                "",
+                threshold,
                 f"available_tokens names stage(s) {', '.join(strays)} that stage_tokens lacks; "
                 f"stages: {', '.join(f.stage_tokens)}",
             )
         total = sum(f.stage_tokens.values())
         value = f"{len(f.stage_tokens)} stages, {human_tokens(total)} tokens"
+
         def per_step(stage: str) -> int:
             return f.global_batch * f.stage_seq_len.get(stage, f.seq_len)
 
@@ -98,7 +106,9 @@ class StagePlan(Check):
             value += f", {human_tokens(sum(steps.values()))} steps"
             if short:
                 return self.result(
-                    "fail", value, threshold,
+                    "fail",
+                    value,
+                    threshold,
                     f"stage(s) {', '.join(short)} are shorter than one optimizer step "
                     f"({', '.join(f'{s}: {human_tokens(per_step(s))} tokens' for s in short)})",
                 )

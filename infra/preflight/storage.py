@@ -48,13 +48,18 @@ class DiskFree(Check):
         size, keep = f.checkpoint_size, f.checkpoint_keep
         value = f"{human_bytes(free)} free at {folder}"
         if not size or not keep:
-            return self.result("skip", value, advice="facts give no checkpoint_keep and "
-                               "checkpoint_bytes (or params) to size the retention")
+            return self.result(
+                "skip",
+                value,
+                advice="facts give no checkpoint_keep and checkpoint_bytes (or params) to size the retention",
+            )
         need = keep * size * c.disk_headroom
         threshold = f">= {human_bytes(need)} ({keep} x {human_bytes(size)} x {c.disk_headroom:g})"
         if free < need:
             return self.result(
-                "fail", value, threshold,
+                "fail",
+                value,
+                threshold,
                 f"not enough space for {keep} retained checkpoints: free space, lower "
                 "checkpoint_keep, or point checkpoint_dir at a larger volume",
                 metric=free,
@@ -116,7 +121,9 @@ class CheckpointIO(Check):
         eta = f"; one {human_bytes(size)} checkpoint takes ~{size / (write * 1e6):.1f} s" if size else ""
         if write < c.min_write_mbps or read < c.min_read_mbps:
             return self.result(
-                "warn", value, threshold,
+                "warn",
+                value,
+                threshold,
                 f"slow checkpoint storage{eta}: use local NVMe and upload asynchronously",
                 metric=write,
             )
@@ -125,7 +132,7 @@ class CheckpointIO(Check):
 
 def split_s3(uri: str) -> tuple[str, str]:
     """(bucket, key prefix) of s3://bucket/prefix."""
-    rest = uri[len("s3://"):]
+    rest = uri[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise ValueError(f"s3_uri {uri!r} names no bucket (expected s3://bucket/prefix)")
@@ -158,7 +165,9 @@ class S3RoundTrip(Check):
             client.delete_object(Bucket=bucket, Key=key)
         except Exception as exc:  # botocore errors: credentials, missing bucket, endpoint down
             return self.result(
-                "fail", "", "",
+                "fail",
+                "",
+                "",
                 f"S3 round trip to {c.s3_uri} failed: {type(exc).__name__}: {exc}; check the "
                 "bucket exists, the credentials (AWS_PROFILE / AWS_ACCESS_KEY_ID) and s3_endpoint_url",
             )
@@ -200,6 +209,10 @@ class DcpRoundTrip(Check):
         same = all(torch.equal(state[k][n], target[k][n]) for k in state for n in state[k])
         value = f"saved and loaded {len(files)} files in {seconds * 1000:.0f} ms"
         if not same:
-            return self.result("fail", value, "tensors identical after load",
-                               f"torch.distributed.checkpoint round trip in {folder} changed tensors")
+            return self.result(
+                "fail",
+                value,
+                "tensors identical after load",
+                f"torch.distributed.checkpoint round trip in {folder} changed tensors",
+            )
         return self.result("pass", value, "tensors identical after load")

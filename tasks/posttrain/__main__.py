@@ -28,8 +28,7 @@ EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as model/train.py
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m tasks.posttrain SPEC.json  (under torchrun or accelerate launch)",
-              file=sys.stderr)
+        print("usage: python -m tasks.posttrain SPEC.json  (under torchrun or accelerate launch)", file=sys.stderr)
         return 2
     protect_rank()  # first: a rank must not outlive torchrun, even during startup
     from infra.artifact import write_atomic
@@ -54,7 +53,11 @@ def main(argv: list[str]) -> int:
         train = getattr(importlib.import_module(module), fn)
         main_rank = is_main()
         meta = train(
-            spec.typed_section(), Path(spec.policy), Path(spec.data), out, seed=spec.seed,
+            spec.typed_section(),
+            Path(spec.policy),
+            Path(spec.data),
+            out,
+            seed=spec.seed,
             device=spec.device,
             log=(lambda line: print(line, flush=True)) if main_rank else (lambda _: None),
             progress=(lambda p: print(f"{PROGRESS_MARK}{p:.2f}", flush=True)) if main_rank else None,

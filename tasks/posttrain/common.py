@@ -74,9 +74,7 @@ def resolve_device(device: str) -> str:
 def model_dir(artifact: Artifact) -> Path:
     """The HF folder of an `hf_model` artifact, or an error naming the artifact."""
     if artifact.kind != "hf_model" or "model_dir" not in artifact.meta:
-        raise ValueError(
-            f"expected an hf_model artifact with meta model_dir, got {artifact.kind} {artifact.short}"
-        )
+        raise ValueError(f"expected an hf_model artifact with meta model_dir, got {artifact.kind} {artifact.short}")
     return Path(artifact.meta["model_dir"])
 
 
@@ -102,9 +100,7 @@ def load_policy(folder: Path, bf16: bool = False):
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.bfloat16 if bf16 else torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16 if bf16 else torch.float32)
     model.generation_config.eos_token_id = stop_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
@@ -217,8 +213,9 @@ def checkpoint_callback(out: Path, keep: int):
             barrier()
             if state.is_world_process_zero:
                 src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                publish_checkpoint(src, out / CHECKPOINTS, state.global_step,
-                                   state.global_step >= state.max_steps, keep)
+                publish_checkpoint(
+                    src, out / CHECKPOINTS, state.global_step, state.global_step >= state.max_steps, keep
+                )
             barrier()  # nobody reads the folder before it is published
 
     return Checkpoints()
@@ -244,8 +241,7 @@ def resume_point(out: Path, log: Callable[[str], None] = print) -> Path | None:
         if not problems:
             return folder
         if r == 0:
-            log(f"warning: checkpoint {folder.name} fails its digests ({'; '.join(problems[:3])}); "
-                "trying an older one")
+            log(f"warning: checkpoint {folder.name} fails its digests ({'; '.join(problems[:3])}); trying an older one")
     return None
 
 
@@ -273,8 +269,7 @@ def start_metrics(out: Path, resume: Path | None) -> None:
     os.replace(tmp, path)
 
 
-def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None],
-                      out: Path | None = None):
+def progress_callback(progress: Callable[[float], None] | None, log: Callable[[str], None], out: Path | None = None):
     """A transformers TrainerCallback: on the main process, a line per logged step (step/total,
     loss or reward, LR, ETA at the pace since this launch began), the step's progress percentage,
     and (with `out`) every log row appended to `out/metrics.jsonl` as training goes."""
@@ -299,8 +294,7 @@ def progress_callback(progress: Callable[[float], None] | None, log: Callable[[s
             keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
             if keys:
                 elapsed = time.monotonic() - self.started
-                parts = [f"step {state.global_step}/{state.max_steps}",
-                         *(f"{k} {logs[k]:.4g}" for k in keys)]
+                parts = [f"step {state.global_step}/{state.max_steps}", *(f"{k} {logs[k]:.4g}" for k in keys)]
                 if "learning_rate" in logs:
                     parts.append(f"lr {logs['learning_rate']:.2e}")
                 done = state.global_step - self.first  # a resumed launch: steps since it began

@@ -165,8 +165,7 @@ class GRPOSection(TrainerSection):
 def _check_weights(w: tuple[float, ...], field: str, n: int | None = None) -> tuple[float, ...]:
     if (n is not None and len(w) != n) or len(w) < 2 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
         size = f"{n} " if n is not None else "2+ "
-        raise ValueError(f"posttrain.merge.{field} must be {size}non-negative numbers summing to 1, "
-                         f"got {list(w)}")
+        raise ValueError(f"posttrain.merge.{field} must be {size}non-negative numbers summing to 1, got {list(w)}")
     return w
 
 
@@ -200,8 +199,10 @@ class MergeSection(_Section):
             raise ValueError(f"posttrain.merge.soup names must be unique; repeated: {', '.join(dupes)}")
         if self.soup_weights is not None:
             if not self.soup:
-                raise ValueError("posttrain.merge.soup_weights is set but posttrain.merge.soup is "
-                                 "empty: list the extra preference runs of the soup")
+                raise ValueError(
+                    "posttrain.merge.soup_weights is set but posttrain.merge.soup is "
+                    "empty: list the extra preference runs of the soup"
+                )
             _check_weights(self.soup_weights, "soup_weights", len(self.soup) + 1)
         return self
 
@@ -272,15 +273,17 @@ class PosttrainLaunch(_Section):
 
     def resolve(self, launch: LauncherConfig, procs_per_node: int) -> LauncherConfig:
         """The recipe's launcher with these settings over it, running `tasks.posttrain`."""
-        return LauncherConfig.model_validate({
-            **launch.model_dump(),
-            "nodes": self.nodes or launch.nodes,
-            "procs_per_node": self.procs_per_node or procs_per_node,
-            "gpus_per_node": launch.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node,
-            "accelerate_config": self.accelerate_config,
-            "env": {**launch.env, **self.env},
-            "module": "tasks.posttrain",
-        })
+        return LauncherConfig.model_validate(
+            {
+                **launch.model_dump(),
+                "nodes": self.nodes or launch.nodes,
+                "procs_per_node": self.procs_per_node or procs_per_node,
+                "gpus_per_node": launch.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node,
+                "accelerate_config": self.accelerate_config,
+                "env": {**launch.env, **self.env},
+                "module": "tasks.posttrain",
+            }
+        )
 
 
 class PosttrainConfig(_Section):
@@ -300,15 +303,26 @@ class PosttrainConfig(_Section):
     @model_validator(mode="after")
     def _soup_needs_preference(self) -> PosttrainConfig:
         if self.merge.enabled and self.merge.soup and not self.preference.enabled:
-            raise ValueError("posttrain.merge.soup lists preference runs but "
-                             "posttrain.preference.enabled is false")
-        taken = {"base", "sft", "soup", "merge", "grpo", "opd", "chat", "posttrain",
-                 self.preference.loss_type.split("_")[0] if self.preference.loss_type.startswith("apo")
-                 else self.preference.loss_type}
+            raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
+        taken = {
+            "base",
+            "sft",
+            "soup",
+            "merge",
+            "grpo",
+            "opd",
+            "chat",
+            "posttrain",
+            self.preference.loss_type.split("_")[0]
+            if self.preference.loss_type.startswith("apo")
+            else self.preference.loss_type,
+        }
         clash = sorted(r.name for r in self.merge.soup if r.name in taken)
         if clash:
-            raise ValueError(f"posttrain.merge.soup name(s) {', '.join(clash)} are labels of other "
-                             f"post-training steps ({', '.join(sorted(taken))}); pick others")
+            raise ValueError(
+                f"posttrain.merge.soup name(s) {', '.join(clash)} are labels of other "
+                f"post-training steps ({', '.join(sorted(taken))}); pick others"
+            )
         return self
 
 
@@ -341,24 +355,34 @@ class TrainerRun(_Section, Generic[S]):
     def micro_batches(self) -> tuple[int, int]:
         """(sequences per rank per forward, gradient accumulation steps) on this launch."""
         s = self.section
-        return micro_batches(s.batch, s.per_device_batch, self.world_size,
-                             f"posttrain.{SECTIONS.get(type(s), 'section')}.batch")
+        return micro_batches(
+            s.batch, s.per_device_batch, self.world_size, f"posttrain.{SECTIONS.get(type(s), 'section')}.batch"
+        )
 
     def launch_summary(self) -> str:
         """Where and how the trainer runs, for plans and logs."""
         micro, accum = self.micro_batches()
         ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
-        return (f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x "
-                f"{accum} accumulation")
+        return f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x {accum} accumulation"
 
     @classmethod
-    def of(cls, section: S, posttrain: PosttrainConfig, *, launch: LauncherConfig | None = None,
-           storage: StorageConfig | None = None, threads: int | None = None,
-           seed: int | None = None) -> TrainerRun[S]:
+    def of(
+        cls,
+        section: S,
+        posttrain: PosttrainConfig,
+        *,
+        launch: LauncherConfig | None = None,
+        storage: StorageConfig | None = None,
+        threads: int | None = None,
+        seed: int | None = None,
+    ) -> TrainerRun[S]:
         return cls[type(section)](
-            section=section, seed=posttrain.seed if seed is None else seed, device=posttrain.device,
+            section=section,
+            seed=posttrain.seed if seed is None else seed,
+            device=posttrain.device,
             launch=launch or LauncherConfig(module="tasks.posttrain"),
-            storage=storage or StorageConfig(), threads=threads,
+            storage=storage or StorageConfig(),
+            threads=threads,
         )
 
 

@@ -155,8 +155,9 @@ def arithmetic_prompts(corpora: Sequence[Artifact], skip: int, n: int) -> list[d
         seen += 1
         if seen <= skip:
             continue
-        out.append({"prompt": conv["messages"][:1], "answer": conv["answer"],
-                    "reference": conv["messages"][1]["content"]})
+        out.append(
+            {"prompt": conv["messages"][:1], "answer": conv["answer"], "reference": conv["messages"][1]["content"]}
+        )
         if len(out) >= n:
             break
     return out
@@ -270,8 +271,11 @@ def build_chat_data(
     if cfg.uri == "builtin":
         train = builtin_conversations(corpora, "train", cfg.math_examples, cfg.prose_examples, seed)
         heldout = builtin_conversations(
-            corpora, "heldout", cfg.heldout_examples - cfg.heldout_examples // 4,
-            cfg.heldout_examples // 4, seed,
+            corpora,
+            "heldout",
+            cfg.heldout_examples - cfg.heldout_examples // 4,
+            cfg.heldout_examples // 4,
+            seed,
         )
         if cfg.max_examples:
             train = train[: cfg.max_examples]
@@ -291,8 +295,10 @@ def build_chat_data(
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "heldout.jsonl", heldout)
     write_jsonl(out / "prompts.jsonl", prompts)
-    log(f"posttrain data ({cfg.uri}): {len(train)} train and {len(heldout)} held-out conversations, "
-        f"{len(prompts)} arithmetic prompts")
+    log(
+        f"posttrain data ({cfg.uri}): {len(train)} train and {len(heldout)} held-out conversations, "
+        f"{len(prompts)} arithmetic prompts"
+    )
     return {
         "origin": cfg.uri,
         "train": len(train),
@@ -304,7 +310,10 @@ def build_chat_data(
 
 
 def preference_rows(
-    uri: str, subset: str | None = None, split: str = "train", revision: str | None = None,
+    uri: str,
+    subset: str | None = None,
+    split: str = "train",
+    revision: str | None = None,
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
     """prompt/chosen/rejected rows of a preference dataset (files:/hf:), checked.
@@ -333,8 +342,15 @@ def preference_rows(
     return rows
 
 
-@step("posttrain_data", version=2, kind="corpus", resource="data", isolate=True, retries=1,
-      extra=lambda spec: data_state(spec.data.uri))
+@step(
+    "posttrain_data",
+    version=2,
+    kind="corpus",
+    resource="data",
+    isolate=True,
+    retries=1,
+    extra=lambda spec: data_state(spec.data.uri),
+)
 def posttrain_data(config: ChatDataSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Curated corpora (input `corpora`) to SFT conversations, held-out conversations, prompts."""
     return build_chat_data(config.data, many(inputs, "corpora"), out, config.seed, log)

@@ -51,8 +51,14 @@ def check_teacher(teacher, student, teacher_name: str, teacher_tok=None, student
 
 @plain_print()
 def train_distill(
-    cfg: DistillSection, student: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
-    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    cfg: DistillSection,
+    student: Path,
+    data: Path,
+    out: Path,
+    seed: int = 0,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Distil `cfg.teacher` into the model in `student` on-policy (resuming from a checkpoint in
@@ -86,19 +92,19 @@ def train_distill(
         temperature=cfg.temperature,
     )
     trainer = DistillationTrainer(
-        model=model, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(prompts),
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=Dataset.from_list(prompts),
         processing_class=tokenizer,
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
-                   *callbacks],
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
     )
     quiet(trainer)
     resumed = fit(trainer, out, log, "distill")
     facts = write_history(trainer, out)
     folder = save_policy(trainer, tokenizer, out / "model")
-    log(f"distill from {cfg.teacher}: {facts['steps']} steps, divergence {facts['first_loss']} -> "
-        f"{facts['last_loss']}")
-    return model_meta("opd", folder, started, teacher=cfg.teacher, beta=cfg.beta,
-                      resumed_from_step=resumed, **facts)
+    log(f"distill from {cfg.teacher}: {facts['steps']} steps, divergence {facts['first_loss']} -> {facts['last_loss']}")
+    return model_meta("opd", folder, started, teacher=cfg.teacher, beta=cfg.beta, resumed_from_step=resumed, **facts)
 
 
 def teacher_state(run: TrainerRun[DistillSection]) -> str:
@@ -116,9 +122,11 @@ def teacher_state(run: TrainerRun[DistillSection]) -> str:
 
 
 @step("distill", version=3, kind="hf_model", resource="train", resumable=True, extra=teacher_state)
-def distill(config: TrainerRun[DistillSection], inputs: Inputs, out: Path, *, log=print,
-            progress=None) -> dict[str, Any]:
+def distill(
+    config: TrainerRun[DistillSection], inputs: Inputs, out: Path, *, log=print, progress=None
+) -> dict[str, Any]:
     """The student (input `model`) distilled on-policy from the recipe's teacher on input `data`,
     by a launched job (tasks/posttrain/launch.py)."""
-    return launch_trainer("distill", config, model_dir(one(inputs, "model")), one(inputs, "data").path,
-                          out, log, progress)
+    return launch_trainer(
+        "distill", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress
+    )

@@ -51,8 +51,14 @@ def weighted(fn: Callable[..., list[float]], weight: float) -> Callable[..., lis
 
 @plain_print()
 def train_grpo(
-    cfg: GRPOSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
-    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    cfg: GRPOSection,
+    policy: Path,
+    data: Path,
+    out: Path,
+    seed: int = 0,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """GRPO from the model in `policy` on `data/prompts.jsonl` (resuming from a checkpoint in
@@ -73,31 +79,36 @@ def train_grpo(
         generation_kwargs={"eos_token_id": stop_ids(tokenizer)},
     )
     trainer = GRPOTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(prompts), processing_class=tokenizer,
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(prompts),
+        processing_class=tokenizer,
         reward_funcs=[exact_match_reward, weighted(format_reward, cfg.format_weight)],
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
-                   *callbacks],
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
     )
     quiet(trainer)
     resumed = fit(trainer, out, log, "grpo")
     facts = write_history(trainer, out)
-    rewards = [h["rewards/exact_match_reward/mean"] for h in trainer.state.log_history
-               if "rewards/exact_match_reward/mean" in h]
+    rewards = [
+        h["rewards/exact_match_reward/mean"]
+        for h in trainer.state.log_history
+        if "rewards/exact_match_reward/mean" in h
+    ]
     facts |= {
         "resumed_from_step": resumed,
         "first_exact_reward": round(rewards[0], 4) if rewards else None,
         "last_exact_reward": round(rewards[-1], 4) if rewards else None,
     }
     folder = save_policy(trainer, tokenizer, out / "model")
-    log(f"grpo: {facts['steps']} steps, exact-match reward {facts['first_exact_reward']} -> "
-        f"{facts['last_exact_reward']}")
-    return model_meta("grpo", folder, started, num_generations=cfg.num_generations,
-                      beta=cfg.beta, **facts)
+    log(
+        f"grpo: {facts['steps']} steps, exact-match reward {facts['first_exact_reward']} -> "
+        f"{facts['last_exact_reward']}"
+    )
+    return model_meta("grpo", folder, started, num_generations=cfg.num_generations, beta=cfg.beta, **facts)
 
 
 @step("grpo", version=3, kind="hf_model", resumable=True, resource="train")
 def grpo(config: TrainerRun[GRPOSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """The policy (input `model`) trained with GRPO on the prompts of input `data` by a launched
     job (tasks/posttrain/launch.py); resumes."""
-    return launch_trainer("grpo", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
-                          log, progress)
+    return launch_trainer("grpo", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress)

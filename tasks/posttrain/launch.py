@@ -88,13 +88,26 @@ def s3_checkpoints(run: TrainerRun, out: Path) -> str | None:
     return f"{uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if uri else None
 
 
-def launch_trainer(trainer: str, run: TrainerRun, policy: Path, data: Path, out: Path,
-                   log: Callable[[str], None] = print,
-                   progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+def launch_trainer(
+    trainer: str,
+    run: TrainerRun,
+    policy: Path,
+    data: Path,
+    out: Path,
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
     """Run trainer `trainer` on `run.launch` until it finishes; return the meta its main rank wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    spec = TrainerSpec(trainer=trainer, section=run.section.model_dump(mode="json"), policy=str(policy),
-                       data=str(data), out=str(out), seed=run.seed, device=run.device)
+    spec = TrainerSpec(
+        trainer=trainer,
+        section=run.section.model_dump(mode="json"),
+        policy=str(policy),
+        data=str(data),
+        out=str(out),
+        seed=run.seed,
+        device=run.device,
+    )
     spec.save(out / SPEC)
     (out / RESULT).unlink(missing_ok=True)  # only this launch's result counts
     remote = s3_checkpoints(run, out)
@@ -110,11 +123,13 @@ def launch_trainer(trainer: str, run: TrainerRun, policy: Path, data: Path, out:
 
     mirror = CheckpointMirror(remote, config=run.storage) if remote else None
     with mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext():
-        get_launcher(config).launch(out / SPEC, out, line,
-                                    on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle)))
+        get_launcher(config).launch(
+            out / SPEC, out, line, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+        )
     try:
         meta = json.loads((out / RESULT).read_text())
     except (OSError, ValueError) as exc:
-        raise RuntimeError(f"{trainer}: the launch finished but its main rank wrote no {out / RESULT} "
-                           f"({exc}); see the log above") from None
+        raise RuntimeError(
+            f"{trainer}: the launch finished but its main rank wrote no {out / RESULT} ({exc}); see the log above"
+        ) from None
     return {**meta, "launch": config.describe(), **({"s3_checkpoints": remote} if remote else {})}

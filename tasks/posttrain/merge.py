@@ -70,8 +70,11 @@ def linear_merge(folders: Sequence[Path], weights: Sequence[float], out: Path) -
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(folders[0], tmp, ignore=lambda _, names: [n for n in names if n.endswith(_WEIGHT_FILES)
-                                                               or n == "model.safetensors.index.json"])
+    shutil.copytree(
+        folders[0],
+        tmp,
+        ignore=lambda _, names: [n for n in names if n.endswith(_WEIGHT_FILES) or n == "model.safetensors.index.json"],
+    )
     save_file(merged, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if out.exists():
         shutil.rmtree(out)
@@ -82,19 +85,36 @@ def linear_merge(folders: Sequence[Path], weights: Sequence[float], out: Path) -
 def build_merge(cfg: LinearMerge, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     started = time.monotonic()
     if len(models) != len(cfg.weights):
-        raise ValueError(f"merge: input `models` has {len(models)} models but the config has "
-                         f"{len(cfg.weights)} weights ({list(cfg.weights)})")
+        raise ValueError(
+            f"merge: input `models` has {len(models)} models but the config has "
+            f"{len(cfg.weights)} weights ({list(cfg.weights)})"
+        )
     folders = [model_dir(m) for m in models]
     facts = linear_merge(folders, cfg.weights, out / "model")
     names = [_name(m) for m in models]
-    log("merge: " + " + ".join(f"{w} x {n}" for w, n in zip(cfg.weights, names, strict=True))
-        + f" ({facts['tensors']} tensors)")
-    return {"stage": "merge", "kind": "posttrain", "model_dir": str(out / "model"),
-            "parameters": facts["parameters"], "weights": list(cfg.weights), "merged": names,
-            "ingredients": [{"fingerprint": m.fingerprint, "stage": m.meta.get("stage"), "weight": w,
-                             **{k: m.meta[k] for k in ("seed", "beta", "loss_type") if k in m.meta}}
-                            for m, w in zip(models, cfg.weights, strict=True)],
-            "seconds": round(time.monotonic() - started, 1)}
+    log(
+        "merge: "
+        + " + ".join(f"{w} x {n}" for w, n in zip(cfg.weights, names, strict=True))
+        + f" ({facts['tensors']} tensors)"
+    )
+    return {
+        "stage": "merge",
+        "kind": "posttrain",
+        "model_dir": str(out / "model"),
+        "parameters": facts["parameters"],
+        "weights": list(cfg.weights),
+        "merged": names,
+        "ingredients": [
+            {
+                "fingerprint": m.fingerprint,
+                "stage": m.meta.get("stage"),
+                "weight": w,
+                **{k: m.meta[k] for k in ("seed", "beta", "loss_type") if k in m.meta},
+            }
+            for m, w in zip(models, cfg.weights, strict=True)
+        ],
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def _name(model: Artifact) -> str:

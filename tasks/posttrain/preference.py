@@ -44,8 +44,14 @@ from tasks.step import one, step
 
 
 def sample_completions(
-    model, tokenizer, prompts: list[list[dict]], n: int, max_new_tokens: int, temperature: float,
-    seed: int, batch_size: int = 64,
+    model,
+    tokenizer,
+    prompts: list[list[dict]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    batch_size: int = 64,
 ) -> list[list[str]]:
     """`n` sampled assistant replies per chat prompt (left-padded batches, chat template)."""
     import torch
@@ -59,12 +65,18 @@ def sample_completions(
     model.eval()
     try:
         for i in range(0, len(flat), batch_size):
-            enc = tokenizer(flat[i : i + batch_size], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(model.device)
+            enc = tokenizer(flat[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(
+                model.device
+            )
             with torch.no_grad():
                 gen = model.generate(
-                    **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                    max_new_tokens=max_new_tokens, eos_token_id=model.generation_config.eos_token_id,
+                    **enc,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=model.generation_config.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
                 )
             new = gen[:, enc["input_ids"].shape[1] :]
@@ -90,13 +102,18 @@ def verified_pairs(
         if chosen is None:
             continue
         from_policy += bool(right)
-        rows.append({
-            "prompt": item["prompt"],
-            "chosen": [{"role": "assistant", "content": chosen}],
-            "rejected": [{"role": "assistant", "content": wrong[0]}],
-        })
-    return rows, {"sample_accuracy": round(correct / max(total, 1), 4), "pairs": len(rows),
-                  "chosen_from_policy": from_policy}
+        rows.append(
+            {
+                "prompt": item["prompt"],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": wrong[0]}],
+            }
+        )
+    return rows, {
+        "sample_accuracy": round(correct / max(total, 1), 4),
+        "pairs": len(rows),
+        "chosen_from_policy": from_policy,
+    }
 
 
 def reference_solutions(data: Path) -> dict[str, str]:
@@ -110,17 +127,27 @@ def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, 
     rng = random.Random(f"preference:{seed}")
     rng.shuffle(prompts)
     prompts = prompts[: max(need, 1)]
-    samples = sample_completions(model, tokenizer, [p["prompt"] for p in prompts], cfg.samples_per_prompt,
-                                 cfg.max_new_tokens, cfg.temperature, seed)
+    samples = sample_completions(
+        model,
+        tokenizer,
+        [p["prompt"] for p in prompts],
+        cfg.samples_per_prompt,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        seed,
+    )
     rows, facts = verified_pairs(prompts, samples, reference_solutions(data))
-    log(f"preference: {len(prompts)} prompts x {cfg.samples_per_prompt} samples, policy accuracy "
+    log(
+        f"preference: {len(prompts)} prompts x {cfg.samples_per_prompt} samples, policy accuracy "
         f"{facts['sample_accuracy']:.1%}, {facts['pairs']} pairs ({facts['chosen_from_policy']} with a "
-        "policy-sampled chosen answer)")
+        "policy-sampled chosen answer)"
+    )
     return rows, facts
 
 
-def make_pairs(cfg: PreferenceSection, args, model, tokenizer, data: Path, out: Path, seed: int,
-               log) -> tuple[list, dict]:
+def make_pairs(
+    cfg: PreferenceSection, args, model, tokenizer, data: Path, out: Path, seed: int, log
+) -> tuple[list, dict]:
     """The preference pairs of this step: made by the main rank (once per step folder), read by
     the others; `out/pairs.jsonl` and its counts `out/pairs.json` are written atomically."""
     rows_path, facts_path = out / "pairs.jsonl", out / "pairs.json"
@@ -130,8 +157,7 @@ def make_pairs(cfg: PreferenceSection, args, model, tokenizer, data: Path, out: 
         if cfg.pairs == "self":
             rows, facts = self_pairs(cfg, model.to(args.device), tokenizer, data, seed, log)
         else:
-            rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision,
-                                   cfg.max_pairs)
+            rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision, cfg.max_pairs)
             facts = {"pairs": len(rows)}
         if rows:
             write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -141,8 +167,14 @@ def make_pairs(cfg: PreferenceSection, args, model, tokenizer, data: Path, out: 
 
 @plain_print()
 def train_preference(
-    cfg: PreferenceSection, policy: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
-    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    cfg: PreferenceSection,
+    policy: Path,
+    data: Path,
+    out: Path,
+    seed: int = 0,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """DPO/APO from the model in `policy` (resuming from a checkpoint in `out`); write
@@ -166,26 +198,45 @@ def train_preference(
             "raise posttrain.preference.temperature or give pairs as a dataset"
         )
     trainer = DPOTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
-                   *callbacks],
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
     )
     quiet(trainer)
     resumed = fit(trainer, out, log, "preference")
     facts = {**facts, **write_history(trainer, out)}
     folder = save_policy(trainer, tokenizer, out / "model")
-    log(f"preference ({cfg.loss_type}, beta {cfg.beta}): {facts['steps']} steps, loss "
-        f"{facts['first_loss']} -> {facts['last_loss']}")
-    return model_meta(cfg.loss_type.split("_")[0] if cfg.loss_type.startswith("apo") else cfg.loss_type,
-                      folder, started, loss_type=cfg.loss_type, beta=cfg.beta, seed=seed,
-                      resumed_from_step=resumed, **facts)
+    log(
+        f"preference ({cfg.loss_type}, beta {cfg.beta}): {facts['steps']} steps, loss "
+        f"{facts['first_loss']} -> {facts['last_loss']}"
+    )
+    return model_meta(
+        cfg.loss_type.split("_")[0] if cfg.loss_type.startswith("apo") else cfg.loss_type,
+        folder,
+        started,
+        loss_type=cfg.loss_type,
+        beta=cfg.beta,
+        seed=seed,
+        resumed_from_step=resumed,
+        **facts,
+    )
 
 
-@step("preference", version=3, kind="hf_model", resource="train", resumable=True,
-      extra=lambda run: data_state(run.section.pairs))
-def preference(config: TrainerRun[PreferenceSection], inputs: Inputs, out: Path, *, log=print,
-               progress=None) -> dict[str, Any]:
+@step(
+    "preference",
+    version=3,
+    kind="hf_model",
+    resource="train",
+    resumable=True,
+    extra=lambda run: data_state(run.section.pairs),
+)
+def preference(
+    config: TrainerRun[PreferenceSection], inputs: Inputs, out: Path, *, log=print, progress=None
+) -> dict[str, Any]:
     """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the
     recipe), trained by a launched job (tasks/posttrain/launch.py)."""
-    return launch_trainer("preference", config, model_dir(one(inputs, "model")), one(inputs, "data").path,
-                          out, log, progress)
+    return launch_trainer(
+        "preference", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress
+    )

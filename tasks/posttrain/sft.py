@@ -39,8 +39,14 @@ from tasks.step import one, step
 
 @plain_print()
 def train_sft(
-    cfg: SFTSection, base: Path, data: Path, out: Path, seed: int = 0, device: str = "auto",
-    log: Callable[[str], None] = print, progress: Callable[[float], None] | None = None,
+    cfg: SFTSection,
+    base: Path,
+    data: Path,
+    out: Path,
+    seed: int = 0,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
     callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Fine-tune the model in `base` on `data/train.jsonl` (resuming from a checkpoint in `out`);
@@ -64,9 +70,12 @@ def train_sft(
         eval_strategy="no",
     )
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=train, eval_dataset=heldout, processing_class=tokenizer,
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints),
-                   *callbacks],
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=heldout,
+        processing_class=tokenizer,
+        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
     )
     quiet(trainer)
     resumed = fit(trainer, out, log, "sft")
@@ -74,8 +83,10 @@ def train_sft(
     if heldout is not None:
         facts["eval_loss"] = round(float(trainer.evaluate()["eval_loss"]), 5)
     folder = save_policy(trainer, tokenizer, out / "model")
-    log(f"sft: {facts['steps']} steps, loss {facts['first_loss']} -> {facts['last_loss']}, "
-        f"held-out loss {facts.get('eval_loss')}")
+    log(
+        f"sft: {facts['steps']} steps, loss {facts['first_loss']} -> {facts['last_loss']}, "
+        f"held-out loss {facts.get('eval_loss')}"
+    )
     return model_meta("sft", folder, started, examples=len(train), resumed_from_step=resumed, **facts)
 
 
@@ -83,5 +94,4 @@ def train_sft(
 def sft(config: TrainerRun[SFTSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """The base model (input `model`) fine-tuned on the conversations (input `data`), trained by
     a launched job (tasks/posttrain/launch.py)."""
-    return launch_trainer("sft", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out,
-                          log, progress)
+    return launch_trainer("sft", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress)

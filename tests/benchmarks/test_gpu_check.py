@@ -61,8 +61,6 @@ def test_without_cuda_the_full_check_refuses_and_names_the_smoke():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: the full check would run")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT)], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device visible" in proc.stderr and "--cpu-smoke" in proc.stderr

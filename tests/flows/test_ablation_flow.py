@@ -55,7 +55,8 @@ def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
     # preflight. Per run (2 variants x 2 seeds): a stage, its held-out eval, export and lm-eval;
     # seed 1 draws its own data order (one more mixture plan, shared by both variants).
     assert {k: count[k] for k in ("source", "curate", "tokenize", "heldout_tokens")} == dict.fromkeys(
-        ("source", "curate", "tokenize", "heldout_tokens"), 3)
+        ("source", "curate", "tokenize", "heldout_tokens"), 3
+    )
     assert count["tokenizer"] == count["eval_suite"] == count["preflight"] == count["compare"] == 1
     assert count["mixture"] == 2
     assert count["pretrain"] == count["heldout_eval"] == count["export"] == count["evaluate"] == 4
@@ -67,11 +68,16 @@ def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
         points = json.loads(row["meta"])["points"]
         assert [p["global_step"] for p in points] == [2, 4, 6, 8], row["label"]
         assert set(points[0]["scores"]) == {"heldout_prose", "heldout_code", "heldout_math"}
-    specs = {r["label"]: json.loads(r["config"])["spec"] for r in lineage.query_dicts(
-        "SELECT label, config FROM artifacts WHERE step = 'pretrain'")}
+    specs = {
+        r["label"]: json.loads(r["config"])["spec"]
+        for r in lineage.query_dicts("SELECT label, config FROM artifacts WHERE step = 'pretrain'")
+    }
     assert {k: (v["seed"], v["optimizer"]["lr"]) for k, v in specs.items()} == {
-        "baseline-s0-stage1": (0, 0.003), "baseline-s1-stage1": (1, 0.003),
-        "lr_low-s0-stage1": (0, 0.0003), "lr_low-s1-stage1": (1, 0.0003)}
+        "baseline-s0-stage1": (0, 0.003),
+        "baseline-s1-stage1": (1, 0.003),
+        "lr_low-s0-stage1": (0, 0.0003),
+        "lr_low-s1-stage1": (1, 0.0003),
+    }
 
     # The experiment in DuckDB: runs, the trusted evals and the comparison with seed noise.
     (exp,) = lineage.experiments("ablation")
@@ -94,8 +100,9 @@ def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
         assert r["metric"] == "bpb" and r["better"] == "lower" and r["df"] == 2 and r["seed_std"] > 0
         assert r["ci_low"] < r["delta"] < r["ci_high"] and r["trusted"] == (task in trusted)
         finals = {(x["variant"], x["seed"]): x["value"] for x in runs if x["task"] == task and x["step"] == 8}
-        assert r["delta"] == pytest.approx((finals["lr_low", 0] + finals["lr_low", 1]
-                                            - finals["baseline", 0] - finals["baseline", 1]) / 2)
+        assert r["delta"] == pytest.approx(
+            (finals["lr_low", 0] + finals["lr_low", 1] - finals["baseline", 0] - finals["baseline", 1]) / 2
+        )
         assert r["delta"] > 0  # ten times less learning rate, eight steps: it has learned less
     assert any(results[t]["significant"] for t in trusted), results
 
@@ -112,8 +119,27 @@ def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
     assert main(["experiments", exp["experiment"][:8], "--workspace", str(ws)]) == 0
     assert "## Variants vs baseline" in capsys.readouterr().out
     # The same ablation again would reuse every step (the plan walks the same graph).
-    assert main(["ablate", "tiny", *over, "--variant", VARIANT, "--seeds", "2", "--eval-every", "2",
-                 "--heldout-tokens", "4096", "--lm-eval", "final", "--plan"]) == 0
+    assert (
+        main(
+            [
+                "ablate",
+                "tiny",
+                *over,
+                "--variant",
+                VARIANT,
+                "--seeds",
+                "2",
+                "--eval-every",
+                "2",
+                "--heldout-tokens",
+                "4096",
+                "--lm-eval",
+                "final",
+                "--plan",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.splitlines()[-1] == f"{len(steps)} steps: 0 run, {len(steps)} reuse"
 
 
@@ -138,8 +164,23 @@ def test_bad_variants_fail_before_anything_runs_naming_the_variant(tmp_path, cap
 def test_plan_builds_shared_data_once_and_each_variant_its_own_training(tmp_path, capsys):
     from flows.cli import main
 
-    assert main(["ablate", "tiny", f"workspace={tmp_path / 'ws'}", "--variant", "lr_low:training.optimizer.lr=0.001",
-                 "--variant", "docmask_off:training.doc_masking=false", "--seeds", "2", "--plan"]) == 0
+    assert (
+        main(
+            [
+                "ablate",
+                "tiny",
+                f"workspace={tmp_path / 'ws'}",
+                "--variant",
+                "lr_low:training.optimizer.lr=0.001",
+                "--variant",
+                "docmask_off:training.doc_masking=false",
+                "--seeds",
+                "2",
+                "--plan",
+            ]
+        )
+        == 0
+    )
     keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
     assert len(keys) == len(set(keys))
     steps = [k.split("[")[0] for k in keys]

@@ -61,8 +61,7 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from flows.anneal import anneal
 
     # Two train slots: the anneal runs are independent branches and train side by side.
-    over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2",
-            "resources.train.threads=1"]
+    over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2", "resources.train.threads=1"]
     result = anneal(overrides=over)
     assert set(result["states"]) == {"completed"}
     lineage = Lineage(base_ws / "lineage.duckdb")
@@ -75,17 +74,27 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     assert Path(meta["source"]).parent.parent.parent == base_ws / "pretrain"
 
     # Three anneal runs from the pin, each its own data, LR decaying linearly to 0.
-    runs = {r["label"]: json.loads(r["meta"]) for r in lineage.query_dicts(
-        "SELECT label, meta FROM artifacts WHERE step = 'pretrain' AND label LIKE 'anneal-%'")}
+    runs = {
+        r["label"]: json.loads(r["meta"])
+        for r in lineage.query_dicts(
+            "SELECT label, meta FROM artifacts WHERE step = 'pretrain' AND label LIKE 'anneal-%'"
+        )
+    }
     assert set(runs) == {"anneal-baseline", "anneal-math", "anneal-code"}
     for label, m in runs.items():
         assert m["init_from"] == meta["checkpoint"] and m["steps"] == 4, label
-        rows = [json.loads(line) for line in (Path(m["checkpoint"]).parent.parent / "metrics.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (Path(m["checkpoint"]).parent.parent / "metrics.jsonl").read_text().splitlines()
+        ]
         lrs = [r["lr"] for r in rows]
         assert lrs[-1] == 0.0 and all(a > b for a, b in zip(lrs, lrs[1:], strict=False)), (label, lrs)
     assert runs["anneal-math"]["tokens_per_source"]["math"] > runs["anneal-baseline"]["tokens_per_source"]["math"]
-    spans = [(s["started"], s["ended"]) for s in lineage.steps_of(result["run_id"])
-             if s["step"] == "pretrain" and s["state"] == "completed"]
+    spans = [
+        (s["started"], s["ended"])
+        for s in lineage.steps_of(result["run_id"])
+        if s["step"] == "pretrain" and s["state"] == "completed"
+    ]
     assert len(spans) == 3 and any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b), spans
 
     # `smollm3 plan --flow anneal` resolves the same base and graph: every step reused.
@@ -110,9 +119,11 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
         metric = r["metric"]
         assert metric == ("bpb" if r["task"].startswith("heldout_") else "acc_norm")
         assert r["score"] == pytest.approx(
-            next(s[r["task"]][metric] for s in _scores(lineage, f"anneal-{r['variant']}") if r["task"] in s))
+            next(s[r["task"]][metric] for s in _scores(lineage, f"anneal-{r['variant']}") if r["task"] in s)
+        )
         assert r["baseline"] == pytest.approx(
-            next(s[r["task"]][metric] for s in _scores(lineage, "anneal-baseline") if r["task"] in s))
+            next(s[r["task"]][metric] for s in _scores(lineage, "anneal-baseline") if r["task"] in s)
+        )
         assert r["delta"] == pytest.approx(r["score"] - r["baseline"])
         assert r["df"] == 0 and r["significant"] is None and r["ci_low"] is None and r["stderr"] > 0
         assert r["verdict"].endswith("noise unknown (one seed per variant)")
@@ -133,7 +144,7 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     assert {"prose_cloze", "heldout_math"} <= set(taus) and all(-1 <= t <= 1 for t in taus.values())
     assert eval_quality([str(base_ws)]) == 0
     out = capsys.readouterr().out.splitlines()
-    table = out[3:out.index("A task is kept when every criterion that could be measured passes:")]
+    table = out[3 : out.index("A task is kept when every criterion that could be measured passes:")]
     rows = {line.split()[0]: line for line in table if not line.startswith(" ")}
     assert {"prose_cloze", "code_cloze", "arithmetic_cloze"} <= set(rows)
     # 20 items per task: a binomial stderr of ~0.1 gives SNR far below 20, so none is kept,
@@ -144,8 +155,10 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
 
 
 def _scores(lineage: Lineage, label: str) -> list[dict]:
-    return [json.loads(r["meta"])["scores"] for r in lineage.query_dicts(
-        "SELECT meta FROM artifacts WHERE kind = 'eval' AND label = ?", [label])]
+    return [
+        json.loads(r["meta"])["scores"]
+        for r in lineage.query_dicts("SELECT meta FROM artifacts WHERE kind = 'eval' AND label = ?", [label])
+    ]
 
 
 @pytest.mark.slow

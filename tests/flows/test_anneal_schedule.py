@@ -30,8 +30,12 @@ def _deployment(name: str):
 
 def _serve(tmp_path: Path, env: dict, attempt: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.deployments"], cwd=REPO, env=env, start_new_session=True,
-        stdout=open(tmp_path / f"serve{attempt}.log", "wb"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "flows.deployments"],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=open(tmp_path / f"serve{attempt}.log", "wb"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -39,7 +43,11 @@ def _wait_registered(proc: subprocess.Popen, after: float, log: Path):
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         dep = _deployment("anneal/nightly")
-        if dep is not None and dep.updated.timestamp() >= after and "Your deployments are being served" in log.read_text(errors="replace"):
+        if (
+            dep is not None
+            and dep.updated.timestamp() >= after
+            and "Your deployments are being served" in log.read_text(errors="replace")
+        ):
             return dep
         assert proc.poll() is None, log.read_text()[-3000:]
         time.sleep(1)

@@ -77,8 +77,11 @@ class Chaos:
 
     def __init__(self, tmp: Path, api_url: str, seed: int):
         self.tmp, self.ws = tmp, tmp / "ws"
-        self.env = {**os.environ, "PREFECT_API_URL": api_url,
-                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}  # Prefect's minimum
+        self.env = {
+            **os.environ,
+            "PREFECT_API_URL": api_url,
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+        }  # Prefect's minimum
         self.rng = random.Random(seed)
         self.logfile = tmp / "chaos.log"
         self.serve: subprocess.Popen | None = None
@@ -97,9 +100,14 @@ class Chaos:
     def start_serve(self) -> None:
         self.serves += 1
         log = open(self.tmp / f"serve{self.serves}.log", "wb")
-        self.serve = subprocess.Popen([sys.executable, "-m", "flows.deployments"], cwd=REPO,
-                                      env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        self.serve = subprocess.Popen(
+            [sys.executable, "-m", "flows.deployments"],
+            cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.say(f"serve process {self.serve.pid} started")
 
     def stop_serve(self) -> None:
@@ -109,8 +117,7 @@ class Chaos:
             self.serve.wait()
 
     def prefect(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([PREFECT, *args], env=self.env, capture_output=True, text=True,
-                              check=check, timeout=120)
+        return subprocess.run([PREFECT, *args], env=self.env, capture_output=True, text=True, check=check, timeout=120)
 
     def flow_process(self) -> psutil.Process:
         """The flow-run process of this run (Prefect's runner starts it under serve)."""
@@ -220,8 +227,12 @@ class Chaos:
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info["cmdline"] or []
             try:
-                if ("model.train" in cmd and spec in cmd and "torch.distributed.run" not in cmd
-                        and "torch.distributed.run" in psutil.Process(p.ppid()).cmdline()):
+                if (
+                    "model.train" in cmd
+                    and spec in cmd
+                    and "torch.distributed.run" not in cmd
+                    and "torch.distributed.run" in psutil.Process(p.ppid()).cmdline()
+                ):
                     return p
             except psutil.Error:
                 continue
@@ -242,7 +253,7 @@ def _corrupt_newest_checkpoint(stage_dir: Path) -> tuple[Path, Path]:
     shard = next(complete[-1].glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     shard.write_bytes(bytes(data))
     return complete[-1], shard
 
@@ -259,8 +270,10 @@ def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_p
     k1 = c.rng.randint(1, STEPS - 3)  # stage 1 step after which a rank dies
     k2 = c.rng.randint(1, STEPS - 5)  # stage 2 step after which the serve process dies
     k3 = c.rng.randint(k2 + 2, STEPS - 2)  # ...and later, the serve and flow processes together
-    c.say(f"plan: rank kill after stage1 step {k1}, serve kill after stage2 step {k2}, serve+flow "
-          f"kill after stage2 step {k3}, then corrupt stage2's newest checkpoint")
+    c.say(
+        f"plan: rank kill after stage1 step {k1}, serve kill after stage2 step {k2}, serve+flow "
+        f"kill after stage2 step {k3}, then corrupt stage2's newest checkpoint"
+    )
     reference = None
     started = time.monotonic()
     try:
@@ -314,8 +327,12 @@ def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_p
         ref_ws = tmp_path / "reference"
         reference = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "run", "tiny", *CHAOS, f"workspace={ref_ws}"],
-            cwd=REPO, env=c.env, stdout=open(tmp_path / "reference.log", "wb"),
-            stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO,
+            env=c.env,
+            stdout=open(tmp_path / "reference.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         c.say(f"reference run started (pid {reference.pid}) in {ref_ws}")
         state, message = c.wait_terminal(400)
         assert state == "CRASHED" and "no heartbeat" in message, message
@@ -349,8 +366,9 @@ def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_p
         last = {k: r["state"] for (a, k), r in zip(keys, rows, strict=True) if a == 3}
         assert set(last) == nodes and set(last.values()) <= {"completed", "cached"}, last
         stopped = [r for r in rows if r["attempt"] == 1 and r["state"] == "failed"]
-        assert [f"{r['step']}[{r['label']}]" for r in stopped if r["step"] == "pretrain"] == [
-            "pretrain[stage2]"], stopped
+        assert [f"{r['step']}[{r['label']}]" for r in stopped if r["step"] == "pretrain"] == ["pretrain[stage2]"], (
+            stopped
+        )
         assert all("stopped: the serve process" in r["error"] for r in stopped), stopped
 
         # the weights of a run never interrupted
@@ -361,11 +379,15 @@ def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_p
         assert want.keys() == got.keys()
         for name in want:
             assert torch.equal(want[name], got[name]), f"{name} differs from the uninterrupted run"
-        losses = [[json.loads(ln)["loss"] for ln in (d / "metrics.jsonl").read_text().splitlines()]
-                  for d in (c.stage_dir("stage2", ref_ws), stage2)]
+        losses = [
+            [json.loads(ln)["loss"] for ln in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (c.stage_dir("stage2", ref_ws), stage2)
+        ]
         assert losses[0] == losses[1] and len(losses[0]) == STEPS
-        c.say(f"final weights equal the uninterrupted run's, bit for bit; test took "
-              f"{time.monotonic() - started:.0f}s; load {os.getloadavg()}")
+        c.say(
+            f"final weights equal the uninterrupted run's, bit for bit; test took "
+            f"{time.monotonic() - started:.0f}s; load {os.getloadavg()}"
+        )
     finally:
         c.stop_serve()
         if reference is not None and reference.poll() is None:

@@ -18,8 +18,15 @@ def workspace(tmp_path):
     lin = Lineage(tmp_path / "lineage.duckdb")
 
     def make(step, label, inputs, meta):
-        out = run_step(root=tmp_path, step=step, version=1, kind={"source": "corpus", "tokenizer": "tokenizer", "tokenize": "shards"}[step],
-                       config={"label": label}, inputs=inputs, build=lambda _: meta).artifact
+        out = run_step(
+            root=tmp_path,
+            step=step,
+            version=1,
+            kind={"source": "corpus", "tokenizer": "tokenizer", "tokenize": "shards"}[step],
+            config={"label": label},
+            inputs=inputs,
+            build=lambda _: meta,
+        ).artifact
         lin.record_artifact(out, step, label, {"label": label}, inputs)
         return out
 
@@ -49,8 +56,7 @@ def test_lineage_prints_the_ancestor_tree(workspace, capsys):
 
 def test_lineage_by_path_and_descendants(workspace, capsys):
     root, arts = workspace
-    assert main(["lineage", str(arts["math"].path / "_COMPLETE.json"), "--descendants",
-                 "--workspace", str(root)]) == 0
+    assert main(["lineage", str(arts["math"].path / "_COMPLETE.json"), "--descendants", "--workspace", str(root)]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"corpus {arts['math'].short}")
     assert arts["tok"].short in text and arts["shards"].short in text
@@ -104,33 +110,55 @@ def test_report_writes_the_run_to_a_file(workspace, tmp_path, capsys):
 def trained(tmp_path):
     """Two runs' worth of lineage, recorded through the real step contract:
 
-        source prose, math (run 1), math (run 2, other data) -> curate (each decontaminated
-        against the raw corpora of the other sources of its run) -> tokenizer (trained on every curated corpus)
-        -> tokenize per source -> mixtures -> pretrain stage1 (prose only) -> stage2 (init
-        stage1; math of run 1) ; stage3 (math of run 2) ; pin of stage1 at step 4 -> anneal.
+    source prose, math (run 1), math (run 2, other data) -> curate (each decontaminated
+    against the raw corpora of the other sources of its run) -> tokenizer (trained on every curated corpus)
+    -> tokenize per source -> mixtures -> pretrain stage1 (prose only) -> stage2 (init
+    stage1; math of run 1) ; stage3 (math of run 2) ; pin of stage1 at step 4 -> anneal.
     """
     import json
 
     lin = Lineage(tmp_path / "lineage.duckdb")
-    kinds = {"source": "corpus", "curate": "corpus", "tokenizer": "tokenizer", "tokenize": "shards",
-             "mixture": "mixture", "pretrain": "checkpoint", "pin": "checkpoint"}
+    kinds = {
+        "source": "corpus",
+        "curate": "corpus",
+        "tokenizer": "tokenizer",
+        "tokenize": "shards",
+        "mixture": "mixture",
+        "pretrain": "checkpoint",
+        "pin": "checkpoint",
+    }
 
     def make(step, label, inputs, meta, config=None, build=None):
         config = config or {"label": label}
-        out = run_step(root=tmp_path, step=step, version=1, kind=kinds[step], config=config,
-                       inputs=inputs, build=build or (lambda _: meta)).artifact
+        out = run_step(
+            root=tmp_path,
+            step=step,
+            version=1,
+            kind=kinds[step],
+            config=config,
+            inputs=inputs,
+            build=build or (lambda _: meta),
+        ).artifact
         lin.record_artifact(out, step, label, config, inputs)
         return out
 
-    raw = {"prose": make("source", "prose", [], {"source": "prose"}),
-           "math": make("source", "math", [], {"source": "math"}),
-           "math2": make("source", "math", [], {"source": "math"}, config={"label": "math", "v": 2})}
+    raw = {
+        "prose": make("source", "prose", [], {"source": "prose"}),
+        "math": make("source", "math", [], {"source": "math"}),
+        "math2": make("source", "math", [], {"source": "math"}, config={"label": "math", "v": 2}),
+    }
     runs = {"prose": ("math", "math2"), "math": ("prose",), "math2": ("prose",)}  # each run's other sources
-    clean = {k: make("curate", v.meta["source"], [v, *(raw[o] for o in runs[k])],
-                     {"source": v.meta["source"]}, config={"of": k}) for k, v in raw.items()}
+    clean = {
+        k: make(
+            "curate", v.meta["source"], [v, *(raw[o] for o in runs[k])], {"source": v.meta["source"]}, config={"of": k}
+        )
+        for k, v in raw.items()
+    }
     tok = make("tokenizer", "bpe", list(clean.values()), {"vocab_size": 512})
-    shards = {k: make("tokenize", c.meta["source"], [tok, c], {"source": c.meta["source"]}, config={"of": k})
-              for k, c in clean.items()}
+    shards = {
+        k: make("tokenize", c.meta["source"], [tok, c], {"source": c.meta["source"]}, config={"of": k})
+        for k, c in clean.items()
+    }
     mix1 = make("mixture", "stage1", [shards["prose"], shards["math"]], {})
     stage1 = make("pretrain", "stage1", [mix1], {"tokens_per_source": {"prose": 100, "math": 0}})
     mix2 = make("mixture", "stage2", [shards["prose"], shards["math"]], {})
@@ -152,23 +180,35 @@ def trained(tmp_path):
     for a, label in [(stage1, "stage1"), (stage2, "stage2")]:
         lin.record_step(StepRow("run-1", "pretrain", label, a.fingerprint, "completed", {}, "v", now, now))
     lin.end_run("run-1", "completed")
-    return tmp_path, {"raw": raw, "shards": shards, "stage1": stage1, "stage2": stage2, "stage3": stage3,
-                      "anneal": anneal, "pin": pin}
+    return tmp_path, {
+        "raw": raw,
+        "shards": shards,
+        "stage1": stage1,
+        "stage2": stage2,
+        "stage3": stage3,
+        "anneal": anneal,
+        "pin": pin,
+    }
 
 
 def _trained(root, source):
     from flows.report import _pinned_tokens
 
     lin = Lineage(root / "lineage.duckdb")
-    return {r.label: (r.stage_tokens, r.cumulative_tokens, r.complete)
-            for r in lin.trained_on(source, pinned_tokens=_pinned_tokens)}
+    return {
+        r.label: (r.stage_tokens, r.cumulative_tokens, r.complete)
+        for r in lin.trained_on(source, pinned_tokens=_pinned_tokens)
+    }
 
 
 def test_trained_on_counts_what_each_stage_drew_not_descent_through_the_tokenizer(trained):
     root, a = trained
     # every stage descends from every source (tokenizer, decontamination), but:
-    assert _trained(root, "prose") == {"stage1": (100, 100, True), "stage2": (0, 100, True),
-                                       "anneal-x": (30, 70, True)}  # 40 drawn by stage1 at the pin
+    assert _trained(root, "prose") == {
+        "stage1": (100, 100, True),
+        "stage2": (0, 100, True),
+        "anneal-x": (30, 70, True),
+    }  # 40 drawn by stage1 at the pin
     assert _trained(root, "math") == {"stage2": (50, 50, True), "stage3": (70, 70, True)}
     # one source artifact: only stages whose mixture read the shards made from it
     assert _trained(root, a["raw"]["math"].short) == {"stage2": (50, 50, True)}
@@ -245,13 +285,16 @@ def test_unknown_refresh_names_are_refused_with_the_steps(capsys):
     assert "steps of flow 'cpt'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "absent"), [
-    (["--help"], ("prefect", "torch", "datatrove", "transformers", "duckdb")),
-    (["runs"], ("prefect", "torch", "datatrove", "transformers")),
-    (["lineage", "--trained-on", "prose"], ("prefect", "torch", "datatrove", "transformers")),
-    (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval", "duckdb")),
-    (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
-])
+@pytest.mark.parametrize(
+    ("argv", "absent"),
+    [
+        (["--help"], ("prefect", "torch", "datatrove", "transformers", "duckdb")),
+        (["runs"], ("prefect", "torch", "datatrove", "transformers")),
+        (["lineage", "--trained-on", "prose"], ("prefect", "torch", "datatrove", "transformers")),
+        (["recipe", "tiny"], ("prefect", "torch", "datatrove", "transformers", "lm_eval", "duckdb")),
+        (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
+    ],
+)
 def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
     """What makes them answer in about a second (benchmarks/cli_latency.py has the times)."""
     import json
@@ -259,12 +302,20 @@ def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, sys\nfrom flows.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(json.dumps(sorted(m for m in sys.modules if '.' not in m)))")
+    code = (
+        "import json, sys\nfrom flows.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(json.dumps(sorted(m for m in sys.modules if '.' not in m)))"
+    )
     env = {**os.environ, "SMOLLM3_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
     loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert not loaded & set(absent), f"smollm3 {' '.join(argv)} imported {sorted(loaded & set(absent))}"
 
@@ -275,7 +326,7 @@ def test_the_sql_in_the_docs_gives_the_per_stage_answer(trained):
     import re
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
-    section = doc[doc.index("### Which checkpoints trained on a source"):]
+    section = doc[doc.index("### Which checkpoints trained on a source") :]
     sql = re.search(r"```sql\n(.*?)```", section, re.S).group(1)
     root, _ = trained
     lin = Lineage(root / "lineage.duckdb")
@@ -300,13 +351,25 @@ def model_run(tmp_path):
         model.init_weights(seed=0)
         return {"stage": "stage1", "model_dir": str(export_hf(model, out / "model"))}
 
-    model = run_step(root=tmp_path, step="export", version=1, kind="hf_model", config={"label": "stage1"},
-                     inputs=[], build=export).artifact
+    model = run_step(
+        root=tmp_path, step="export", version=1, kind="hf_model", config={"label": "stage1"}, inputs=[], build=export
+    ).artifact
     scores = {"prose_cloze": {"acc": 0.3, "acc_stderr": 0.05, "acc_norm": 0.32, "acc_norm_stderr": 0.047}}
-    ev = run_step(root=tmp_path, step="evaluate", version=1, kind="eval", config={"label": "stage1"},
-                  inputs=[model], build=lambda _: {"stage": "stage1", "scores": scores, "items": {"prose_cloze": 100},
-                                                   "random_baseline": {"prose_cloze": 0.25}, "random_accuracy": 0.25}
-                  ).artifact
+    ev = run_step(
+        root=tmp_path,
+        step="evaluate",
+        version=1,
+        kind="eval",
+        config={"label": "stage1"},
+        inputs=[model],
+        build=lambda _: {
+            "stage": "stage1",
+            "scores": scores,
+            "items": {"prose_cloze": 100},
+            "random_baseline": {"prose_cloze": 0.25},
+            "random_accuracy": 0.25,
+        },
+    ).artifact
     lin.start_run("run-2", "smollm3", "full", "tiny", {})
     now = datetime.now()
     for art, step in [(model, "export"), (ev, "evaluate")]:
@@ -351,8 +414,15 @@ def test_report_of_a_run_whose_stage_folder_is_gone_says_so(model_run, tmp_path)
 
     root, model = model_run
     lin = Lineage(root / "lineage.duckdb")
-    stage = run_step(root=root, step="pretrain", version=1, kind="checkpoint", config={"label": "stage1"},
-                     inputs=[], build=lambda _: {"stage": "stage1"}).artifact
+    stage = run_step(
+        root=root,
+        step="pretrain",
+        version=1,
+        kind="checkpoint",
+        config={"label": "stage1"},
+        inputs=[],
+        build=lambda _: {"stage": "stage1"},
+    ).artifact
     lin.record_artifact(stage, "pretrain", "stage1", {"label": "stage1"}, [])
     now = datetime.now()
     lin.record_step(StepRow("run-2", "pretrain", "stage1", stage.fingerprint, "completed", {}, "v", now, now))

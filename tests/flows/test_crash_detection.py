@@ -63,9 +63,12 @@ def test_a_sigkilled_flow_run_is_marked_crashed(prefect_harness, api_url, tmp_pa
 
     script = tmp_path / "flow.py"
     script.write_text(FLOW)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                            env=os.environ | {"PREFECT_API_URL": api_url, HEARTBEAT_ENV: "30"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ | {"PREFECT_API_URL": api_url, HEARTBEAT_ENV: "30"},
+    )
     try:
         with get_client(sync_client=True) as client:
             flows = FlowFilter(name=FlowFilterName(any_=["sleeps-forever"]))
@@ -89,8 +92,7 @@ def test_a_sigkilled_flow_run_is_marked_crashed(prefect_harness, api_url, tmp_pa
                 time.sleep(2)
             assert state.is_crashed(), f"still {state.name} after its process was killed"
             assert "no heartbeat for 30s" in state.message
-            assert client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))[0].state.is_crashed()
+            assert client.read_flow_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))[0].state.is_crashed()
     finally:
         proc.kill()
         Automation.read(name=CRASH_AUTOMATION).delete()

@@ -79,8 +79,11 @@ def test_watch_prints_state_changes_and_progress_not_events(tmp_path, prefect_ha
     (retrying,) = [line for line in lines if "flaky_slow[x]" in line and " retrying " in line]
     assert "OSError: [Errno 5]" in retrying
     assert next(line for line in lines if "flaky_slow[x]" in line and "Completed" in line).endswith("(after 1 retry)")
-    assert steps.index(["gated[stage1]", "Running"]) < steps.index(["gated[stage1]", "50.0%"]) \
+    assert (
+        steps.index(["gated[stage1]", "Running"])
+        < steps.index(["gated[stage1]", "50.0%"])
         < steps.index(["gated[stage1]", "Completed"])
+    )
     assert lines[-1].endswith("flow run Completed")
     assert "prefect." not in text  # no raw event names
     assert len(lines) < 15  # a line per change, not a stream

@@ -43,10 +43,11 @@ def test_prefect_deploy_of_full_carries_the_described_run_form(api_url, tmp_path
     from prefect.client.orchestration import get_client
 
     prefect = str(Path(sys.executable).parent / "prefect")
-    env = {**os.environ, "PREFECT_API_URL": api_url, "SMOLLM3_CODE_DIR": str(REPO),
-           "PYTHONPATH": str(REPO)}
-    for cmd in (["work-pool", "create", "smollm3-process", "--type", "process"],
-                ["--no-prompt", "deploy", "--prefect-file", str(REPO / "prefect.yaml"), "--name", "full"]):
+    env = {**os.environ, "PREFECT_API_URL": api_url, "SMOLLM3_CODE_DIR": str(REPO), "PYTHONPATH": str(REPO)}
+    for cmd in (
+        ["work-pool", "create", "smollm3-process", "--type", "process"],
+        ["--no-prompt", "deploy", "--prefect-file", str(REPO / "prefect.yaml"), "--name", "full"],
+    ):
         done = subprocess.run([prefect, *cmd], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     with get_client(sync_client=True) as client:

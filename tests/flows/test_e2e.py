@@ -59,15 +59,23 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
     ws = tmp_path / "ws"
     env = {**os.environ, "PREFECT_API_URL": api_url, "SMOLLM3_INJECT_FAILURE": "stage2"}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.deployments"], cwd=REPO, env=env,
-        stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        [sys.executable, "-m", "flows.deployments"],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "serve.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
         out = ""
         for _ in range(90):  # until serve has registered the deployment
-            res = subprocess.run([PREFECT, "deployment", "run", "smollm3/full", "--params", params],
-                                 env=env, capture_output=True, text=True)
+            res = subprocess.run(
+                [PREFECT, "deployment", "run", "smollm3/full", "--params", params],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             out = res.stdout
             if res.returncode == 0:
                 break
@@ -83,26 +91,30 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         stage2_dir = ws / "pretrain" / failed[0]["fingerprint"][:12]
         assert list((stage2_dir / "checkpoints").glob("step_*")), "stage 2 left no checkpoint"
 
-        subprocess.run([PREFECT, "flow-run", "retry", run_id], env=env, check=True,
-                       capture_output=True, text=True)
+        subprocess.run([PREFECT, "flow-run", "retry", run_id], env=env, check=True, capture_output=True, text=True)
         _wait_leaves(run_id, "FAILED", 120)  # the retry is scheduled before it runs
         final = _wait_terminal(run_id, 900)
         assert final == "COMPLETED", (
             f"retry ended {final}: {_message(run_id)}\nsteps after the retry: "
-            f"{[(s['step'], s['label'], s['state'], s['error']) for s in lineage.steps_of(run_id)[len(first):]]}"
+            f"{[(s['step'], s['label'], s['state'], s['error']) for s in lineage.steps_of(run_id)[len(first) :]]}"
         )
 
-        retry = lineage.steps_of(run_id)[len(first):]
+        retry = lineage.steps_of(run_id)[len(first) :]
         states = {f"{s['step']}[{s['label']}]": s["state"] for s in retry}
         before = [k for k in states if k.startswith(("source", "curate", "tokenize", "mixture"))]
-        before += ["tokenizer[bpe]", "fertility[fertility]", "eval_suite[suite]",
-                   "pretrain[stage1]", "export[stage1]", "evaluate[stage1]"]
+        before += [
+            "tokenizer[bpe]",
+            "fertility[fertility]",
+            "eval_suite[suite]",
+            "pretrain[stage1]",
+            "export[stage1]",
+            "evaluate[stage1]",
+        ]
         assert {k: states[k] for k in before} == {k: "cached" for k in before}
         assert states["pretrain[stage2]"] == "completed"
         for stage in ("stage3", "long1", "long2"):
             assert states[f"pretrain[{stage}]"] == "completed"
-        (stage2,) = lineage.query_dicts(
-            "SELECT meta FROM artifacts WHERE step = 'pretrain' AND label = 'stage2'")
+        (stage2,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'pretrain' AND label = 'stage2'")
         meta = json.loads(stage2["meta"])
         assert meta["resumed"] is True and meta["steps"] == 2
         metrics = [json.loads(ln) for ln in (stage2_dir / "metrics.jsonl").read_text().splitlines()]
@@ -122,8 +134,13 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
         console = str(Path(sys.executable).parent / "smollm3")
-        out = subprocess.run([console, "plan", "tiny", *TINY_TRAIN, f"workspace={ws}"], cwd=elsewhere,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [console, "plan", "tiny", *TINY_TRAIN, f"workspace={ws}"],
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 34 reuse"), out.stdout
     finally:

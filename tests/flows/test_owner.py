@@ -57,9 +57,14 @@ CHILD = textwrap.dedent("""
 def _log_into_a_closed_pipe(mode: str) -> tuple[str, int]:
     out_r, out_w = os.pipe()
     res_r, res_w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(res_w)], cwd=REPO,
-                            stdin=subprocess.PIPE, stderr=out_w, pass_fds=(res_w,),
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, str(res_w)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stderr=out_w,
+        pass_fds=(res_w,),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     os.close(out_w)
     os.close(res_w)
     with os.fdopen(out_r, "rb") as reader:

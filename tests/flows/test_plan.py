@@ -20,9 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_diff_names_changed_fields():
-    assert diff({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}, "d": 4}) == [
-        "b.c: 2 -> 3", "d: (new) -> 4"
-    ]
+    assert diff({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}, "d": 4}) == ["b.c: 2 -> 3", "d: (new) -> 4"]
 
 
 def _fingerprints(overrides: list[str]) -> dict[str, str]:
@@ -32,20 +30,41 @@ def _fingerprints(overrides: list[str]) -> dict[str, str]:
 
 # Fields that say how steps run, never what they compute: changing them must rerun nothing.
 OPERATIONAL = [
-    "training.log_interval=7", "training.peak_flops=1e15", "training.checkpoint_interval=3",
-    "training.keep_last=5", "training.num_threads=2", "training.micro_batch=4",
-    "training.nproc_per_node=2", "eval.batch_size=64", "curation.workers=2", "curation.executor=ray",
-    "tokenize.workers=3", "tokenize.batch_size=10", "resources.train.slots=3", "resources.eval.threads=2",
-    "resources.data.slots=1", "launch.kind=slurm", "launch.slurm={partition: p}",
-    "storage.s3_uri=s3://b/p", "preflight.allow_warn=false", "posttrain.eval.batch_size=4",
-    "stages.stage1.max_epochs=2", "training.compile_model=true",
+    "training.log_interval=7",
+    "training.peak_flops=1e15",
+    "training.checkpoint_interval=3",
+    "training.keep_last=5",
+    "training.num_threads=2",
+    "training.micro_batch=4",
+    "training.nproc_per_node=2",
+    "eval.batch_size=64",
+    "curation.workers=2",
+    "curation.executor=ray",
+    "tokenize.workers=3",
+    "tokenize.batch_size=10",
+    "resources.train.slots=3",
+    "resources.eval.threads=2",
+    "resources.data.slots=1",
+    "launch.kind=slurm",
+    "launch.slurm={partition: p}",
+    "storage.s3_uri=s3://b/p",
+    "preflight.allow_warn=false",
+    "posttrain.eval.batch_size=4",
+    "stages.stage1.max_epochs=2",
+    "training.compile_model=true",
     # post-training: where the trainers run, their micro-batches and checkpoints
     "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
-    "posttrain.sft.per_device_batch=4", "posttrain.sft.save_steps=3", "posttrain.sft.keep_checkpoints=1",
-    "posttrain.preference.per_device_batch=2", "posttrain.preference.save_steps=2",
-    "posttrain.preference.keep_checkpoints=3", "posttrain.grpo.per_device_batch=4",
-    "posttrain.grpo.save_steps=2", "posttrain.grpo.keep_checkpoints=1",
-    "posttrain.distill.per_device_batch=4", "posttrain.distill.save_steps=2",
+    "posttrain.sft.per_device_batch=4",
+    "posttrain.sft.save_steps=3",
+    "posttrain.sft.keep_checkpoints=1",
+    "posttrain.preference.per_device_batch=2",
+    "posttrain.preference.save_steps=2",
+    "posttrain.preference.keep_checkpoints=3",
+    "posttrain.grpo.per_device_batch=4",
+    "posttrain.grpo.save_steps=2",
+    "posttrain.grpo.keep_checkpoints=1",
+    "posttrain.distill.per_device_batch=4",
+    "posttrain.distill.save_steps=2",
     "posttrain.distill.keep_checkpoints=1",
 ]
 
@@ -66,13 +85,28 @@ IDENTITY = {
     "sources.math.max_documents=150": {"source[math]"},
     "curation.presets.prose=code": {"curate[prose]"},
     "curation.minhash_ngrams=4": {"curate[prose]", "curate[code]", "curate[math]"},
-    "training.optimizer.lr=0.001": {"pretrain[stage1]", "pretrain[stage2]", "pretrain[stage3]",
-                                    "pretrain[long1]", "pretrain[long2]"},
-    "training.doc_masking=false": {"pretrain[stage1]", "pretrain[stage2]", "pretrain[stage3]",
-                                   "pretrain[long1]", "pretrain[long2]"},
+    "training.optimizer.lr=0.001": {
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "pretrain[long1]",
+        "pretrain[long2]",
+    },
+    "training.doc_masking=false": {
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "pretrain[long1]",
+        "pretrain[long2]",
+    },
     "stages.long1.rope_theta=300000": {"pretrain[long1]"},
-    "stages.stage2.tokens=200000": {"mixture[stage2]", "pretrain[stage1]", "pretrain[stage2]",
-                                    "pretrain[stage3]", "preflight[preflight]"},
+    "stages.stage2.tokens=200000": {
+        "mixture[stage2]",
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "preflight[preflight]",
+    },
     "eval.items_per_task=50": {"eval_suite[suite]"},
     "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
     | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo")},
@@ -90,8 +124,9 @@ def test_an_identity_field_reruns_exactly_its_downstream(override):
     from infra.artifact import identity
 
     # the steps whose own config (or own facts) changed ...
-    direct = {n.key for n in g1 if identity(n.config) != identity(before[n.key].config)
-              or n.extra != before[n.key].extra}
+    direct = {
+        n.key for n in g1 if identity(n.config) != identity(before[n.key].config) or n.extra != before[n.key].extra
+    }
     expected = IDENTITY[override]
     if expected is not None:
         assert direct == expected
@@ -103,8 +138,15 @@ def test_an_identity_field_reruns_exactly_its_downstream(override):
 def test_every_operational_recipe_field_is_exercised_above():
     """An operational marker on a recipe field is a promise that changing it reruns nothing: each
     marked field is changed by a case of OPERATIONAL (or listed here with why it is not)."""
-    not_settable_here = {"curation.slurm", "curation.ray", "tokenize.slurm", "tokenize.ray",
-                         "tokenize.executor", "resources.poll_seconds", "workspace"}  # need a cluster, or move outputs
+    not_settable_here = {
+        "curation.slurm",
+        "curation.ray",
+        "tokenize.slurm",
+        "tokenize.ray",
+        "tokenize.executor",
+        "resources.poll_seconds",
+        "workspace",
+    }  # need a cluster, or move outputs
     marked = []
 
     def walk(model, prefix):
@@ -121,8 +163,9 @@ def test_every_operational_recipe_field_is_exercised_above():
     walk(Recipe, "")
     assert {"training.log_interval", "eval.batch_size", "resources", "launch", "storage"} <= set(marked)
     changed = {o.split("=")[0] for o in OPERATIONAL}
-    missing = [m for m in marked if m not in not_settable_here
-               and not any(c == m or c.startswith(m + ".") for c in changed)]
+    missing = [
+        m for m in marked if m not in not_settable_here and not any(c == m or c.startswith(m + ".") for c in changed)
+    ]
     assert missing == []
 
 
@@ -141,8 +184,10 @@ def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefec
     elsewhere.mkdir()
     console = Path(sys.executable).parent / "smollm3"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for cmd, cwd in (([str(console), "plan", "tiny", *over], elsewhere),
-                     ([sys.executable, "-m", "flows.cli", "plan", "tiny", *over], REPO)):
+    for cmd, cwd in (
+        ([str(console), "plan", "tiny", *over], elsewhere),
+        ([sys.executable, "-m", "flows.cli", "plan", "tiny", *over], REPO),
+    ):
         out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == f"{len(after)} steps: 0 run, {len(after)} reuse", out.stdout

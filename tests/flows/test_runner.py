@@ -109,7 +109,8 @@ def test_transient_failure_in_a_child_process_is_retried_once(tmp_path, prefect_
     with pytest.raises(FlowFailed, match="flaky_child\\[x\\] failed: OSError"):
         _run(tmp_path / "second", flaky_child, config)
     rows = Lineage(tmp_path / "second" / "ws" / "lineage.duckdb").query_dicts(
-        "SELECT state FROM steps ORDER BY started")
+        "SELECT state FROM steps ORDER BY started"
+    )
     assert [r["state"] for r in rows] == ["retried", "failed"]
     assert (tmp_path / "m").read_text() == "2"
 
@@ -143,7 +144,7 @@ def test_a_killed_training_stage_is_retried_once_and_resumes_from_its_checkpoint
     lineage, run_id, rows = _run(tmp_path, stage_like, Stage(counter=str(tmp_path / "n"), exitcode=-9))
     assert [r["state"] for r in rows] == ["retried", "completed"]
     assert "rank 1 killed by SIGKILL after step 5 (last checkpoint: step 4)" in rows[0]["error"]
-    (label, artifact), = lineage.labelled_outputs(run_id, "stage_like")
+    ((label, artifact),) = lineage.labelled_outputs(run_id, "stage_like")
     assert artifact.meta["resumed_from_step"] == 4
 
 

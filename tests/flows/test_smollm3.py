@@ -35,14 +35,19 @@ def test_caching_partial_rerun_refresh_and_rebuild(tmp_path, prefect_harness):
     # With the tokenizer fixed by the recipe, changing one source's config reruns that source,
     # the curation of every source (each train split is decontaminated against every source's
     # held-out split) and so their token shards; the tokenizer stays.
-    trained = ws / "tokenizer" / lineage.query(
-        "SELECT fingerprint FROM artifacts WHERE step = 'tokenizer'")[0][0][:12] / "tokenizer.json"
+    trained = (
+        ws
+        / "tokenizer"
+        / lineage.query("SELECT fingerprint FROM artifacts WHERE step = 'tokenizer'")[0][0][:12]
+        / "tokenizer.json"
+    )
     fixed = [*over, f"tokenizer.path={trained}"]
     smollm3(overrides=fixed)
     third = _states(lineage, smollm3(overrides=[*fixed, "sources.math.max_documents=150"])["run_id"])
     per_source = {k: v for k, v in third.items() if k.endswith(("[prose]", "[code]", "[math]"))}
     assert {k for k, v in per_source.items() if v == "completed"} == {
-        "source[math]", *(f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math"))
+        "source[math]",
+        *(f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math")),
     }
     assert per_source["source[prose]"] == per_source["source[code]"] == "cached"
     assert third["tokenizer[given]"] == "cached"
@@ -94,8 +99,13 @@ def s3(monkeypatch):
 def test_finished_step_folders_are_mirrored_to_s3(tmp_path, prefect_harness, s3):
     endpoint, client = s3
     ws = tmp_path / "ws"
-    over = [*DATA_ONLY, f"workspace={ws}", "storage.s3_uri=s3://ckpts/mirror",
-            f"storage.endpoint_url={endpoint}", "storage.backoff_seconds=0"]
+    over = [
+        *DATA_ONLY,
+        f"workspace={ws}",
+        "storage.s3_uri=s3://ckpts/mirror",
+        f"storage.endpoint_url={endpoint}",
+        "storage.backoff_seconds=0",
+    ]
     smollm3(overrides=over)
     lineage = Lineage(ws / "lineage.duckdb")
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix="mirror/")["Contents"]}
@@ -123,7 +133,9 @@ def _ui_edges(run_id: str) -> set[tuple[str, str]]:
     name = {r.id: r.name for r in runs}
     return {
         (name[i.id], r.name)
-        for r in runs for inputs in r.task_inputs.values() for i in inputs
+        for r in runs
+        for inputs in r.task_inputs.values()
+        for i in inputs
         if isinstance(i, TaskRunResult) and i.id in name
     }
 

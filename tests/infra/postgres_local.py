@@ -37,9 +37,23 @@ class Postgres:
     def sql(self, query: str) -> str:
         """Run `query` with psql and return its unaligned output."""
         proc = subprocess.run(
-            [str(self.bindir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user,
-             "-d", self.database, "-At", "-c", query],
-            capture_output=True, text=True, timeout=30,
+            [
+                str(self.bindir / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                self.user,
+                "-d",
+                self.database,
+                "-At",
+                "-c",
+                query,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         if proc.returncode != 0:
             raise AssertionError(f"psql {query!r} failed: {proc.stderr}")
@@ -47,8 +61,10 @@ class Postgres:
 
 
 def _bindir() -> Path | None:
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
-                      key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
     return versions[-1].parent if versions else None
 
 
@@ -57,11 +73,11 @@ def ensure_installed(timeout: float = 900) -> Path:
     if bindir is not None:
         return bindir
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.fail("PostgreSQL test needs Debian's postgresql package: "
-                    "`apt-get install -y postgresql` (as root), then rerun")
+        pytest.fail(
+            "PostgreSQL test needs Debian's postgresql package: `apt-get install -y postgresql` (as root), then rerun"
+        )
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"],
-                ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -105,22 +121,36 @@ def local_postgres():
         if proc.returncode != 0:
             log = root / "server.log"
             tail = log.read_text()[-2000:] if log.exists() else ""
-            pytest.fail(f"test PostgreSQL: `{' '.join(cmd)}` failed ({proc.returncode}):\n"
-                        f"{proc.stderr[-2000:]}\n{tail}")
+            pytest.fail(
+                f"test PostgreSQL: `{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}\n{tail}"
+            )
 
-    run([str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-         "--no-sync", "-E", "UTF8"])
+    run([str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"])
     started = False
     try:
-        run([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
-             "-t", "60", "-o", f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off",
-             "start"])
+        run(
+            [
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(root / "server.log"),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off",
+                "start",
+            ]
+        )
         started = True
-        run([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
-             "prefect"])
+        run([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "prefect"])
         yield Postgres(port=port, database="prefect", user="postgres", bindir=bindir)
     finally:
         if started:
-            subprocess.run(prefix + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w",
-                                     "stop"], capture_output=True, timeout=60)
+            subprocess.run(
+                prefix + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                capture_output=True,
+                timeout=60,
+            )
         shutil.rmtree(root, ignore_errors=True)

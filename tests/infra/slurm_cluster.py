@@ -43,8 +43,7 @@ def ensure_installed(timeout: float = 900) -> None:
             f"`apt-get install -y {' '.join(PACKAGES)}` (Debian/Ubuntu, as root) and rerun"
         )
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"],
-                ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,13 +161,23 @@ def local_slurm():
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             logs = "".join(p.read_text()[-1500:] for p in (root / "log").glob("*.log"))
-            pytest.fail(f"starting the test Slurm cluster: `{' '.join(cmd)}` failed "
-                        f"({proc.returncode}): {proc.stderr.strip()}\n{logs}")
+            pytest.fail(
+                f"starting the test Slurm cluster: `{' '.join(cmd)}` failed "
+                f"({proc.returncode}): {proc.stderr.strip()}\n{logs}"
+            )
 
     try:
-        run([_sbin("munged"), "--force", f"--socket={root}/munge/munge.socket",
-             f"--key-file={key}", f"--log-file={root}/munge/munged.log",
-             f"--pid-file={root}/munge/munged.pid", f"--seed-file={root}/munge/munged.seed"])
+        run(
+            [
+                _sbin("munged"),
+                "--force",
+                f"--socket={root}/munge/munge.socket",
+                f"--key-file={key}",
+                f"--log-file={root}/munge/munged.log",
+                f"--pid-file={root}/munge/munged.pid",
+                f"--seed-file={root}/munge/munged.seed",
+            ]
+        )
         started.append(root / "munge" / "munged.pid")
         run([_sbin("slurmctld"), "-f", str(conf)])
         started.append(root / "slurmctld.pid")
@@ -177,8 +186,9 @@ def local_slurm():
         deadline = time.monotonic() + 60
         state = ""
         while time.monotonic() < deadline:
-            proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env,
-                                  capture_output=True, text=True, timeout=30)
+            proc = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
+            )
             state = proc.stdout.strip()
             if state == "idle":
                 break

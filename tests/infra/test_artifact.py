@@ -11,8 +11,14 @@ from infra.artifact import MARKER, Artifact, find_marker, fingerprint, read_mark
 
 def _run(tmp_path, build, config=None, inputs=(), **kw):
     return run_step(
-        root=tmp_path, step="demo", version=1, kind="corpus",
-        config=config if config is not None else {"a": 1}, inputs=inputs, build=build, **kw,
+        root=tmp_path,
+        step="demo",
+        version=1,
+        kind="corpus",
+        config=config if config is not None else {"a": 1},
+        inputs=inputs,
+        build=build,
+        **kw,
     )
 
 

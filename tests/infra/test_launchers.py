@@ -86,11 +86,11 @@ def test_local_command_is_torchrun_on_one_node(monkeypatch):
     launcher = get_launcher(LauncherConfig(procs_per_node=4, master_port=29555))
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert launcher.render(Path("/ws/spec.json"), Path("/ws")) == (
-        "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m model.train /ws/spec.json")
+        "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m model.train /ws/spec.json"
+    )
     # Without torchrun on PATH (make runs .venv/bin/smollm3 outside the venv), this interpreter's.
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert launcher.command(Path("/ws/spec.json"), port=29555)[:3] == [
-        sys.executable, "-m", "torch.distributed.run"]
+    assert launcher.command(Path("/ws/spec.json"), port=29555)[:3] == [sys.executable, "-m", "torch.distributed.run"]
     with pytest.raises(ValueError, match="launch.nodes=2 with kind local.*use kind slurm"):
         get_launcher(LauncherConfig(nodes=2)).render(Path("s.json"), Path("."))
 
@@ -110,14 +110,15 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     assert any("world_size" in line for line in lines[1:])  # the trainer's output was streamed
 
     bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
-    with pytest.raises(LaunchFailed, match=r"local torchrun of .*bad/spec.json failed: rank 0 "
-                                           r"exited with code 1 \(FileNotFoundError") as err:
-        get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(
-            bad, tmp_path / "bad", lambda _: None)
+    with pytest.raises(
+        LaunchFailed,
+        match=r"local torchrun of .*bad/spec.json failed: rank 0 "
+        r"exited with code 1 \(FileNotFoundError",
+    ) as err:
+        get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lambda _: None)
     assert err.value.first_error.startswith("FileNotFoundError")  # the real cause, named
     assert "missing-plan.json" in err.value.first_error
-    assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts "
-                                    "the stage over")
+    assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts the stage over")
     with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
         launcher.launch(tmp_path / "nope.json", out, print)
 
@@ -127,34 +128,44 @@ def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
     in its summary and the stage folder, and LaunchFailed says it in one sentence."""
     plan = write_plan(tmp_path / "shards")
     out = tmp_path / "stage"
-    spec = write_spec(out / "spec.json", plan, out, steps=40, checkpoint_interval=2,
-                      debug_step_sleep_s=0.3, schedule={"warmup_steps": 1, "total_steps": 40})
+    spec = write_spec(
+        out / "spec.json",
+        plan,
+        out,
+        steps=40,
+        checkpoint_interval=2,
+        debug_step_sleep_s=0.3,
+        schedule={"warmup_steps": 1, "total_steps": 40},
+    )
     killed: list[int] = []
 
     def kill_rank_1_after_a_checkpoint(line: str) -> None:
         if killed or not (out / "checkpoints").is_dir():
             return
         if any(read_marker(f) for f in (out / "checkpoints").glob("step_*")):
-            (lead,) = [int(p) for p in Path(f"/proc/{started[0]}/task/{started[0]}/children")
-                       .read_text().split()]  # the guard's child: torchrun
+            (lead,) = [
+                int(p) for p in Path(f"/proc/{started[0]}/task/{started[0]}/children").read_text().split()
+            ]  # the guard's child: torchrun
             ranks = Path(f"/proc/{lead}/task/{lead}/children").read_text().split()
-            rank1 = next(int(p) for p in ranks
-                         if "LOCAL_RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
+            rank1 = next(int(p) for p in ranks if "LOCAL_RANK=1\0" in Path(f"/proc/{p}/environ").read_text())
             os.kill(rank1, signal.SIGKILL)
             killed.append(rank1)
 
     started: list[int] = []
     with pytest.raises(LaunchFailed) as err:
         get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN)).launch(
-            spec, out, kill_rank_1_after_a_checkpoint, on_start=started.append)
+            spec, out, kill_rank_1_after_a_checkpoint, on_start=started.append
+        )
     assert killed, "the run ended before a rank could be killed"
     facts = err.value.facts
     assert facts.rank == 1 and facts.signal == "SIGKILL" and facts.exitcode == -9
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     newest = max(int(f.name[5:]) for f in (out / "checkpoints").glob("step_*") if read_marker(f))
     assert (facts.last_step, facts.checkpoint_step) == (last, newest)
-    assert err.value.cause == (f"rank 1 killed by SIGKILL after step {last} (last checkpoint: "
-                               f"step {newest}); a retry resumes from step {newest}")
+    assert err.value.cause == (
+        f"rank 1 killed by SIGKILL after step {last} (last checkpoint: "
+        f"step {newest}); a retry resumes from step {newest}"
+    )
     assert "ChildFailedError" not in (err.value.first_error or "")
 
 
@@ -162,44 +173,66 @@ def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
     summary = TorchrunSummary()
     for line in [
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+        "Failures:",
+        "[1]:",
+        "  rank      : 0 (local_rank: 0)",
         "  exitcode  : -15 (pid: 28664)  (SIGTERM)",  # a victim of the cleanup, not the cause
-        "Root Cause (first observed failure):", "[0]:", "  host      : node-17",
-        "  rank      : 5 (local_rank: 5)", "  exitcode  : 3 (pid: 28665)",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  host      : node-17",
+        "  rank      : 5 (local_rank: 5)",
+        "  exitcode  : 3 (pid: 28665)",
         "=======================================================",
     ]:
         summary.feed(line)
     first = FirstError()
-    for line in ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-                 "[rank5]: error: loss is nan at step 12; stopping before any checkpoint"]:
+    for line in [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "[rank5]: error: loss is nan at step 12; stopping before any checkpoint",
+    ]:
         first.feed(line)
     out = tmp_path / "stage"
     (out / "checkpoints" / "step_00000010").mkdir(parents=True)
     (out / "checkpoints" / "step_00000010" / "COMPLETE").write_text(
-        json.dumps({"format": 2, "step": 10, "stage_end": False, "files": {}}))
+        json.dumps({"format": 2, "step": 10, "stage_end": False, "files": {}})
+    )
     (out / "checkpoints" / "step_00000012").mkdir()  # a save cut short: not complete
     (out / "metrics.jsonl").write_text('{"step": 11}\n{"step": 12, "loss": NaN}\n{"step": 1')
     spec = write_spec(out / "spec.json", tmp_path / "plan.json", out)
     facts = failure_facts(spec, out, summary, first, returncode=1)
     assert (facts.rank, facts.host, facts.exitcode, facts.signal) == (5, "node-17", 3, None)
-    assert facts.cause() == ("rank 5 stopped on a non-finite loss, gradient or weights (loss is nan "
-                             "at step 12; stopping before any checkpoint) after step 12 (last "
-                             "checkpoint: step 10); a retry resumes from step 10")
+    assert facts.cause() == (
+        "rank 5 stopped on a non-finite loss, gradient or weights (loss is nan "
+        "at step 12; stopping before any checkpoint) after step 12 (last "
+        "checkpoint: step 10); a retry resumes from step 10"
+    )
     # torchrun itself killed (no summary): its own status is the cause
-    facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9,
-                          who="torchrun")
+    facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9, who="torchrun")
     assert facts.cause().startswith("torchrun killed by SIGKILL after step 12")
 
 
 # --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
 
 SLURM = LauncherConfig(
-    kind="slurm", nodes=48, procs_per_node=8, gpus_per_node=8, master_port=29512,
-    torchrun="/fsx/venv/bin/torchrun", code_dir="/fsx/smollm3-pipeline",
+    kind="slurm",
+    nodes=48,
+    procs_per_node=8,
+    gpus_per_node=8,
+    master_port=29512,
+    torchrun="/fsx/venv/bin/torchrun",
+    code_dir="/fsx/smollm3-pipeline",
     env={"NCCL_DEBUG": "WARN", "WEIRD": "a b'c"},
-    slurm=SlurmLaunch(partition="hopper-prod", account="lm", qos="high", time="2-00:00:00",
-                      cpus_per_task=96, mem="0", setup=("source /fsx/venv/bin/activate",),
-                      sbatch_args={"reservation": "smollm3"}, poll_seconds=0.01),
+    slurm=SlurmLaunch(
+        partition="hopper-prod",
+        account="lm",
+        qos="high",
+        time="2-00:00:00",
+        cpus_per_task=96,
+        mem="0",
+        setup=("source /fsx/venv/bin/activate",),
+        sbatch_args={"reservation": "smollm3"},
+        poll_seconds=0.01,
+    ),
 )
 
 
@@ -207,7 +240,7 @@ def sbatch_lines(script: str) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for line in script.splitlines():
         if line.startswith("#SBATCH --"):
-            key, _, value = line[len("#SBATCH --"):].partition("=")
+            key, _, value = line[len("#SBATCH --") :].partition("=")
             out[key] = value or None
     return out
 
@@ -221,11 +254,23 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     assert script.startswith("#!/bin/bash\n")
     sb = sbatch_lines(script)
     assert sb == {
-        "job-name": "smollm3", "nodes": "48", "ntasks-per-node": "1", "gpus-per-node": "8",
-        "cpus-per-task": "96", "mem": "0", "partition": "hopper-prod", "account": "lm",
-        "qos": "high", "time": "2-00:00:00", "exclusive": None, "requeue": None,
-        "signal": "B:USR1@300", "open-mode": "append", "output": "/fsx/ws/train/ab12/slurm-%j.log",
-        "chdir": "/fsx/smollm3-pipeline", "reservation": "smollm3",
+        "job-name": "smollm3",
+        "nodes": "48",
+        "ntasks-per-node": "1",
+        "gpus-per-node": "8",
+        "cpus-per-task": "96",
+        "mem": "0",
+        "partition": "hopper-prod",
+        "account": "lm",
+        "qos": "high",
+        "time": "2-00:00:00",
+        "exclusive": None,
+        "requeue": None,
+        "signal": "B:USR1@300",
+        "open-mode": "append",
+        "output": "/fsx/ws/train/ab12/slurm-%j.log",
+        "chdir": "/fsx/smollm3-pipeline",
+        "reservation": "smollm3",
     }
     # every #SBATCH line comes before the first command, or sbatch ignores it
     body = [ln for ln in script.splitlines() if ln and not ln.startswith("#")]
@@ -237,10 +282,21 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     flat = script.replace("\\\n", " ")
     srun = next(ln for ln in flat.splitlines() if ln.startswith("srun "))
     assert srun.split() == [
-        "srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "/fsx/venv/bin/torchrun",
-        '--nnodes="$SLURM_JOB_NUM_NODES"', "--nproc-per-node=8", "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
-        "--max-restarts=0", "-m", "model.train", "/fsx/ws/train/ab12/spec.json", "&"]
+        "srun",
+        "--kill-on-bad-exit=1",
+        "--ntasks-per-node=1",
+        "/fsx/venv/bin/torchrun",
+        '--nnodes="$SLURM_JOB_NUM_NODES"',
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+        "--max-restarts=0",
+        "-m",
+        "model.train",
+        "/fsx/ws/train/ab12/spec.json",
+        "&",
+    ]
     assert "export NCCL_DEBUG=WARN" in script and "export WEIRD='a b'\"'\"'c'" in script
     assert "scontrol requeue" in script and "trap " in script
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
@@ -269,8 +325,7 @@ class FakeSlurm:
                     fh.write(f"line while {state}\n")
                     if state == "FAILED":
                         fh.write("[rank3]: ValueError: spec.steps must be a positive int\n")
-            return done(f"JobId=4242 JobName=smollm3 JobState={state} Reason=None "
-                        f"ExitCode={self.exit_code}\n")
+            return done(f"JobId=4242 JobName=smollm3 JobState={state} Reason=None ExitCode={self.exit_code}\n")
         return done()
 
 
@@ -279,14 +334,15 @@ def test_slurm_launch_streams_the_log_and_reports_completion(tmp_path):
     fake = FakeSlurm(tmp_path, ["PENDING", "RUNNING", "RUNNING", "COMPLETED"])
     lines: list[str] = []
     jobs: list[int] = []
-    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append,
-                                                                   on_start=jobs.append)
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append, on_start=jobs.append)
     assert jobs == [4242]
     assert fake.calls[0] == ["sbatch", "--parsable", str(tmp_path / "launch" / "train.sbatch")]
     assert (tmp_path / "launch" / "train.sbatch").read_text().startswith("#!/bin/bash")
     assert lines == [
         f"[launch] submitted Slurm job 4242; log {tmp_path / 'slurm-4242.log'}",
-        "line while RUNNING", "line while RUNNING", "line while COMPLETED",
+        "line while RUNNING",
+        "line while RUNNING",
+        "line while COMPLETED",
         "[launch] Slurm job 4242 completed",
     ]
     assert not any(c[0] == "scancel" for c in fake.calls)
@@ -306,8 +362,10 @@ def test_slurm_failure_raises_with_state_and_log_tail(tmp_path):
     fake = FakeSlurm(tmp_path, ["RUNNING", "NODE_FAIL"], exit_code="0:9")
     with pytest.raises(LaunchFailed) as err:
         SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
-    assert err.value.cause == ("Slurm job 4242 killed by SIGKILL (job state NODE_FAIL) after step "
-                               "7 (no checkpoint yet); a retry starts the stage over")
+    assert err.value.cause == (
+        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL) after step "
+        "7 (no checkpoint yet); a retry starts the stage over"
+    )
 
 
 def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
@@ -360,8 +418,7 @@ def test_slurm_refuses_while_the_recorded_owner_lives_and_keeps_the_record_on_ca
     try:
         _record(tmp_path / "launch" / "slurm-job.json", "4100", owner.pid)
         with pytest.raises(LaunchFailed, match=f"Slurm job 4100, launched by pid {owner.pid}"):
-            SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path,
-                                                                           lambda _: None)
+            SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
         assert fake.calls == []
     finally:
         owner.kill()
@@ -397,13 +454,23 @@ def test_slurm_submission_errors_name_the_cause(tmp_path):
 # --- Kubernetes -------------------------------------------------------------------------------------
 
 K8S = LauncherConfig(
-    kind="kubernetes", nodes=48, procs_per_node=8, gpus_per_node=8,
+    kind="kubernetes",
+    nodes=48,
+    procs_per_node=8,
+    gpus_per_node=8,
     env={"NCCL_DEBUG": "WARN"},
-    kubernetes=KubernetesLaunch(image="registry.example/smollm3:1.0", namespace="training",
-                                service_account="s3-writer", workspace_claim="fsx-workspace",
-                                workspace_mount="/fsx/ws", credentials_secret="aws-s3",
-                                cpu="96", memory="1800Gi", poll_seconds=0.01,
-                                node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"}),
+    kubernetes=KubernetesLaunch(
+        image="registry.example/smollm3:1.0",
+        namespace="training",
+        service_account="s3-writer",
+        workspace_claim="fsx-workspace",
+        workspace_mount="/fsx/ws",
+        credentials_secret="aws-s3",
+        cpu="96",
+        memory="1800Gi",
+        poll_seconds=0.01,
+        node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"},
+    ),
 )
 
 
@@ -421,8 +488,13 @@ def test_pytorchjob_manifest(tmp_path):
     (container,) = pod["containers"]
     assert container["name"] == "pytorch" and container["image"] == "registry.example/smollm3:1.0"
     assert container["command"] == ["torchrun"]
-    assert container["args"] == ["--nproc-per-node=8", "--max-restarts=0", "-m", "model.train",
-                                 "/fsx/ws/train/ab12/spec.json"]
+    assert container["args"] == [
+        "--nproc-per-node=8",
+        "--max-restarts=0",
+        "-m",
+        "model.train",
+        "/fsx/ws/train/ab12/spec.json",
+    ]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1800Gi"}
     assert container["envFrom"] == [{"secretRef": {"name": "aws-s3"}}]
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
@@ -439,13 +511,17 @@ def test_pytorchjob_manifest(tmp_path):
 
 def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
     ws = tmp_path
-    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
-        update={"workspace_mount": str(ws)})})
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(ws)})})
     spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
     calls: list[list[str]] = []
-    conditions = iter([[], [{"type": "Created", "status": "True"}],
-                       [{"type": "Running", "status": "True"}],
-                       [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}]])
+    conditions = iter(
+        [
+            [],
+            [{"type": "Created", "status": "True"}],
+            [{"type": "Running", "status": "True"}],
+            [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}],
+        ]
+    )
 
     exists = False
 
@@ -485,8 +561,7 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
 
 
 def test_kubernetes_refuses_a_job_whose_owner_is_alive_and_deletes_an_orphan(tmp_path):
-    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
-        update={"workspace_mount": str(tmp_path)})})
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(tmp_path)})})
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     calls: list[list[str]] = []
 
@@ -525,9 +600,9 @@ def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tm
 
     records = {
         "11": "JobId=11 ArrayJobId=11 ArrayTaskId=0 JobName=curate-filter JobState=COMPLETED Reason=None\n"
-              "JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=curate-filter JobState=COMPLETED Reason=None\n",
+        "JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=curate-filter JobState=COMPLETED Reason=None\n",
         "13": "JobId=13 ArrayJobId=13 ArrayTaskId=0-3%2 JobName=curate-exact JobState=PENDING "
-              "Reason=DependencyNeverSatisfied\n",
+        "Reason=DependencyNeverSatisfied\n",
     }
     calls: list[list[str]] = []
 
@@ -540,14 +615,14 @@ def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tm
     assert job_states("11", runner) == [("COMPLETED", "None"), ("COMPLETED", "None")]
     assert job_states("99", runner) == []
     with pytest.raises(LaunchFailed, match="stage 'curate-exact' \\(Slurm job 13\\) stopped: its dependency failed"):
-        wait_for_datatrove([Stage("curate-filter", "11"), Stage("curate-exact", "13")],
-                           runner=runner, sleep=lambda s: None)
+        wait_for_datatrove(
+            [Stage("curate-filter", "11"), Stage("curate-exact", "13")], runner=runner, sleep=lambda s: None
+        )
     assert ["scancel", "11"] in calls and ["scancel", "13"] in calls
 
 
 def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
-    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(
-        update={"workspace_mount": str(tmp_path)})})
+    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(tmp_path)})})
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     calls: list[list[str]] = []
 
@@ -556,8 +631,7 @@ def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
         if cmd[1] == "get" and cmd[-1] == "name":
             return done(returncode=1, stderr="NotFound")
         if cmd[1] == "get":
-            return done(json.dumps({"status": {"conditions": [{"type": "Running",
-                                                               "status": "True"}]}}))
+            return done(json.dumps({"status": {"conditions": [{"type": "Running", "status": "True"}]}}))
         return done()
 
     def interrupted(_seconds):
@@ -587,23 +661,25 @@ def _fake_accelerate(tmp_path: Path) -> Path:
 
 
 def test_local_command_is_accelerate_launch_with_the_config_file(monkeypatch):
-    config = LauncherConfig(procs_per_node=2, master_port=29555, module="tasks.posttrain",
-                            accelerate_config=ACCEL)
+    config = LauncherConfig(procs_per_node=2, master_port=29555, module="tasks.posttrain", accelerate_config=ACCEL)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert get_launcher(config).render(Path("/ws/spec.json"), Path("/ws")) == (
         "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_machines 1 "
-        "--num_processes 2 --max_restarts 0 --main_process_port 29555 -m tasks.posttrain /ws/spec.json")
+        "--num_processes 2 --max_restarts 0 --main_process_port 29555 -m tasks.posttrain /ws/spec.json"
+    )
     monkeypatch.setenv("PATH", "/nonexistent")  # `make` without the venv on PATH: this interpreter's
     cmd = get_launcher(config).command(Path("/ws/spec.json"), port=29555)
     assert cmd[:4] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    assert config.describe() == ("local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), "
-                                 "-m tasks.posttrain")
+    assert config.describe() == (
+        "local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), -m tasks.posttrain"
+    )
     assert LauncherConfig().describe() == "local, 1 node x 1 process, torchrun, -m model.train"
 
 
 def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path):
-    config = SLURM.model_copy(update={"accelerate_config": ACCEL, "module": "tasks.posttrain",
-                                      "accelerate": "/fsx/venv/bin/accelerate"})
+    config = SLURM.model_copy(
+        update={"accelerate_config": ACCEL, "module": "tasks.posttrain", "accelerate": "/fsx/venv/bin/accelerate"}
+    )
     script = get_launcher(config).render(Path("/fsx/ws/sft/ab12/spec.json"), Path("/fsx/ws/sft/ab12"))
     path = tmp_path / "train.sbatch"
     path.write_text(script)
@@ -615,19 +691,37 @@ def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path
     head = "srun --kill-on-bad-exit=1 --ntasks-per-node=1"
     assert srun.startswith(head) and srun.endswith(" &")
     # What one task runs: its own shell expands its rank (not the batch script's shell).
-    inner = srun[len(head):-2].strip()
+    inner = srun[len(head) : -2].strip()
     assert inner.startswith("bash -c 'exec /fsx/venv/bin/accelerate launch ")
     fake = _fake_accelerate(tmp_path)
-    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "SLURM_PROCID": "3", "MASTER_ADDR": "node-0",
-           "MASTER_PORT": "29512"}
-    out = subprocess.run(["bash", "-c", inner.replace("/fsx/venv/bin/accelerate", str(fake))],
-                         env=env, capture_output=True, text=True)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "SLURM_PROCID": "3", "MASTER_ADDR": "node-0", "MASTER_PORT": "29512"}
+    out = subprocess.run(
+        ["bash", "-c", inner.replace("/fsx/venv/bin/accelerate", str(fake))], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:-1] == [
-        "launch", "--config_file", ACCEL, "--num_machines", "48", "--num_processes", "384",
-        "--max_restarts", "0", "--rdzv_backend", "c10d", "--same_network", "--machine_rank", "3",
-        "--main_process_ip", "node-0", "--main_process_port", "29512", "-m", "tasks.posttrain",
-        "/fsx/ws/sft/ab12/spec.json"]
+        "launch",
+        "--config_file",
+        ACCEL,
+        "--num_machines",
+        "48",
+        "--num_processes",
+        "384",
+        "--max_restarts",
+        "0",
+        "--rdzv_backend",
+        "c10d",
+        "--same_network",
+        "--machine_rank",
+        "3",
+        "--main_process_ip",
+        "node-0",
+        "--main_process_port",
+        "29512",
+        "-m",
+        "tasks.posttrain",
+        "/fsx/ws/sft/ab12/spec.json",
+    ]
 
 
 def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
@@ -636,13 +730,25 @@ def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["command"] == ["bash", "-c"] and len(container["args"]) == 1
     fake = _fake_accelerate(tmp_path)
-    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "PET_NODE_RANK": "5", "PET_MASTER_ADDR": "job-master-0",
-           "PET_MASTER_PORT": "23456"}
+    env = {
+        "PATH": f"{fake.parent}:/usr/bin:/bin",
+        "PET_NODE_RANK": "5",
+        "PET_MASTER_ADDR": "job-master-0",
+        "PET_MASTER_PORT": "23456",
+    }
     out = subprocess.run(["bash", "-c", container["args"][0]], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split("\n")[:-1]
-    assert args[:8] == ["launch", "--config_file", ACCEL, "--num_machines", "48", "--num_processes",
-                        "384", "--max_restarts"]
+    assert args[:8] == [
+        "launch",
+        "--config_file",
+        ACCEL,
+        "--num_machines",
+        "48",
+        "--num_processes",
+        "384",
+        "--max_restarts",
+    ]
     assert args[args.index("--machine_rank") + 1] == "5"
     assert args[args.index("--main_process_ip") + 1] == "job-master-0"
     assert args[args.index("--main_process_port") + 1] == "23456"

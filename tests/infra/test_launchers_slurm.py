@@ -22,9 +22,11 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 def slurm_config(procs: int = 2, **kw) -> LauncherConfig:
     return LauncherConfig(
-        kind="slurm", nodes=1, procs_per_node=procs, torchrun=TORCHRUN,
-        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test",
-                          **kw),
+        kind="slurm",
+        nodes=1,
+        procs_per_node=procs,
+        torchrun=TORCHRUN,
+        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test", **kw),
     )
 
 
@@ -81,26 +83,44 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
     (tmp_path / "data" / MARKER).write_text("{}")
     section = SFTSection(max_steps=3, batch=8, max_length=128, save_steps=2)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    slurm = LauncherConfig(kind="slurm", nodes=1, procs_per_node=2, module="tasks.posttrain",
-                           accelerate_config="configs/accelerate/cpu-ddp.yaml", accelerate=accelerate,
-                           slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5,
-                                             job_name="smollm3-posttrain-test"))
-    runs = {name: TrainerRun.of(section, PosttrainConfig(device="cpu"), launch=launch, threads=1)
-            for name, launch in (("slurm", slurm), ("local", LauncherConfig(module="tasks.posttrain")))}
+    slurm = LauncherConfig(
+        kind="slurm",
+        nodes=1,
+        procs_per_node=2,
+        module="tasks.posttrain",
+        accelerate_config="configs/accelerate/cpu-ddp.yaml",
+        accelerate=accelerate,
+        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-posttrain-test"),
+    )
+    runs = {
+        name: TrainerRun.of(section, PosttrainConfig(device="cpu"), launch=launch, threads=1)
+        for name, launch in (("slurm", slurm), ("local", LauncherConfig(module="tasks.posttrain")))
+    }
     lines: list[str] = []
-    metas = {name: launch_trainer("sft", run, base, tmp_path / "data", tmp_path / name,
-                                  lines.append if name == "slurm" else (lambda _: None))
-             for name, run in runs.items()}
+    metas = {
+        name: launch_trainer(
+            "sft", run, base, tmp_path / "data", tmp_path / name, lines.append if name == "slurm" else (lambda _: None)
+        )
+        for name, run in runs.items()
+    }
     assert metas["slurm"]["world_size"] == 2 and metas["slurm"]["launch"].startswith("slurm, 1 node x 2")
     script = (tmp_path / "slurm" / "launch" / "train.sbatch").read_text()
     assert "accelerate launch --config_file configs/accelerate/cpu-ddp.yaml" in script
     text = "\n".join(lines)
     assert "[launch] submitted Slurm job" in text and "step 3/3 | loss " in text  # the trainer's log
-    curves = {name: [(json.loads(line)["step"], json.loads(line)["loss"])
-                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-                     if "loss" in json.loads(line)] for name in runs}
+    curves = {
+        name: [
+            (json.loads(line)["step"], json.loads(line)["loss"])
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)
+        ]
+        for name in runs
+    }
     assert [s for s, _ in curves["slurm"]] == [1, 2, 3]
     for (_, a), (_, b) in zip(curves["slurm"], curves["local"], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
-    assert Artifact(kind="hf_model", uri=metas["slurm"]["model_dir"], fingerprint="x" * 64).path.joinpath(
-        "model.safetensors").is_file()
+    assert (
+        Artifact(kind="hf_model", uri=metas["slurm"]["model_dir"], fingerprint="x" * 64)
+        .path.joinpath("model.safetensors")
+        .is_file()
+    )

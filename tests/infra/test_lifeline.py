@@ -92,15 +92,13 @@ def test_a_lease_cut_short_by_a_crash_holds_nothing(tmp_path):
 def test_the_holder_renews_and_notices_a_takeover(tmp_path):
     lost = threading.Event()
     reasons: list[str] = []
-    lease = StageLease(tmp_path, renew_s=0.05,
-                       on_lost=lambda why: (reasons.append(why), lost.set())).acquire()
+    lease = StageLease(tmp_path, renew_s=0.05, on_lost=lambda why: (reasons.append(why), lost.set())).acquire()
     try:
         first = lease.read().renewed
         time.sleep(0.3)
         assert lease.read().renewed > first
         thief = ProcessRef(4242, 1, "node-17", "another-boot")
-        (tmp_path / LEASE_FILE).write_text(
-            json.dumps(json.loads(Lease(thief, 0, time.time(), 120).to_json())))
+        (tmp_path / LEASE_FILE).write_text(json.dumps(json.loads(Lease(thief, 0, time.time(), 120).to_json())))
         assert lost.wait(5) and "node-17" in reasons[0]
     finally:
         lease.release()

@@ -87,8 +87,9 @@ HOLDER = (
 
 def _hold(path) -> subprocess.Popen:
     """Another process holding the database with a plain read-only DuckDB connection."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip().isdigit()
     return proc
 
@@ -183,12 +184,15 @@ def test_writer_blocks_are_one_transaction_and_write_only(tmp_path):
     lin = Lineage(tmp_path / "lineage.duckdb")
     with lin.writer() as con:  # what tasks/anneal.py does: DDL, then rows
         con.execute("CREATE TABLE IF NOT EXISTS extra (a INTEGER, made TIMESTAMP)")
-        con.executemany("INSERT INTO extra VALUES (?, ?)", [[1, datetime(2026, 1, 2, 3, 4, 5)],
-                                                             [2, datetime(2026, 1, 2, 3, 4, 6)]])
+        con.executemany(
+            "INSERT INTO extra VALUES (?, ?)", [[1, datetime(2026, 1, 2, 3, 4, 5)], [2, datetime(2026, 1, 2, 3, 4, 6)]]
+        )
         with pytest.raises(TypeError, match="write-only"):
             con.execute("SELECT * FROM extra").fetchall()
     assert lin.query("SELECT a, made FROM extra ORDER BY a") == [
-        (1, datetime(2026, 1, 2, 3, 4, 5)), (2, datetime(2026, 1, 2, 3, 4, 6))]
+        (1, datetime(2026, 1, 2, 3, 4, 5)),
+        (2, datetime(2026, 1, 2, 3, 4, 6)),
+    ]
     with pytest.raises(RuntimeError, match="abandoned"):
         with lin.writer() as con:
             con.execute("INSERT INTO extra VALUES (3, NULL)")
@@ -217,8 +221,7 @@ def test_every_attempt_of_a_run_is_kept_and_cancelled_is_its_own_state(tmp_path)
     (run,) = lin.runs()
     assert run["state"] == "cancelled" and run["started"] == first_start
     attempts = lin.attempts_of("r1")
-    assert [(a["attempt"], a["state"]) for a in attempts] == [
-        (1, "crashed"), (2, "failed"), (5, "cancelled")]
+    assert [(a["attempt"], a["state"]) for a in attempts] == [(1, "crashed"), (2, "failed"), (5, "cancelled")]
     assert all(a["ended"] >= a["started"] for a in attempts)
     with pytest.raises(ValueError, match="not one of"):
         lin.end_run("r1", "Cancelled")
@@ -288,15 +291,30 @@ def test_a_database_from_before_the_attempt_column_gains_it_and_keeps_its_rows(t
     # an event journaled by the previous release (11 values, no column list) still lands
     from infra.lineage import _event_line, _journal_for
 
-    legacy = [("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               ["legacy", "tokenize", "code", "e", "failed", "{}", "v", datetime(2026, 1, 2),
-                datetime(2026, 1, 2), 0.0, "boom"], False)]
+    legacy = [
+        (
+            "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                "legacy",
+                "tokenize",
+                "code",
+                "e",
+                "failed",
+                "{}",
+                "v",
+                datetime(2026, 1, 2),
+                datetime(2026, 1, 2),
+                0.0,
+                "boom",
+            ],
+            False,
+        )
+    ]
     _journal_for(lin.journal_dir).append(_event_line(legacy, "legacy-event"))
     now = datetime.now()
     lin.record_step(StepRow("new", "curate", "math", "d", "completed", {}, "v", now, now, None, 3))
     rows = lin.query("SELECT run_id, state, error, attempt FROM steps ORDER BY run_id")
-    assert rows == [("legacy", "failed", "boom", None), ("new", "completed", None, 3),
-                    ("old", "completed", None, None)]
+    assert rows == [("legacy", "failed", "boom", None), ("new", "completed", None, 3), ("old", "completed", None, None)]
     assert lin.query("SELECT count(*) FROM _journal_rejected")[0][0] == 0
 
 
@@ -312,25 +330,70 @@ def test_an_old_database_held_by_an_outside_reader_is_read_through_an_updated_co
     finally:
         _release(holder)
     con = duckdb.connect(str(path), read_only=True)
-    cols = [r[0] for r in con.execute(
-        "SELECT column_name FROM duckdb_columns() WHERE table_name = 'steps'").fetchall()]
+    cols = [r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'steps'").fetchall()]
     con.close()
     assert "attempt" not in cols  # the file itself was left alone while held
 
 
 def _experiment_rows(exp: str, kind: str, created: datetime, delta: float):
-    experiment = {"experiment": exp, "run_id": "r1", "kind": kind, "name": exp[:4], "baseline": "baseline",
-                  "variants": '{"baseline": [], "v": ["x=1"]}', "seeds": '{"baseline": 2, "v": 2}',
-                  "confidence": 0.95, "trusted": '["heldout_prose"]', "quality": "{}", "base_checkpoint": None,
-                  "base_global_step": None, "created": created}
-    runs = [{"experiment": exp, "label": f"{v}-s{k}", "variant": v, "seed": k, "task": "heldout_prose",
-             "metric": "bpb", "step": s, "value": 3.0 - s / 100, "stderr": 0.01, "eval_fingerprint": "e"}
-            for v in ("baseline", "v") for k in (0, 1) for s in (10, 20)]
-    results = [{"experiment": exp, "variant": "v", "task": "heldout_prose", "metric": "bpb", "better": "lower",
-                "baseline": 2.8, "score": 2.8 + delta, "delta": delta, "seed_std": 0.01, "df": 2, "ci_low": delta - 0.03,
-                "ci_high": delta + 0.03, "p_value": 0.01, "significant": True, "improved": delta < 0, "stderr": 0.01,
-                "trusted": True, "why": "", "verdict": "better", "baseline_runs": 2, "variant_runs": 2,
-                "created": created}]
+    experiment = {
+        "experiment": exp,
+        "run_id": "r1",
+        "kind": kind,
+        "name": exp[:4],
+        "baseline": "baseline",
+        "variants": '{"baseline": [], "v": ["x=1"]}',
+        "seeds": '{"baseline": 2, "v": 2}',
+        "confidence": 0.95,
+        "trusted": '["heldout_prose"]',
+        "quality": "{}",
+        "base_checkpoint": None,
+        "base_global_step": None,
+        "created": created,
+    }
+    runs = [
+        {
+            "experiment": exp,
+            "label": f"{v}-s{k}",
+            "variant": v,
+            "seed": k,
+            "task": "heldout_prose",
+            "metric": "bpb",
+            "step": s,
+            "value": 3.0 - s / 100,
+            "stderr": 0.01,
+            "eval_fingerprint": "e",
+        }
+        for v in ("baseline", "v")
+        for k in (0, 1)
+        for s in (10, 20)
+    ]
+    results = [
+        {
+            "experiment": exp,
+            "variant": "v",
+            "task": "heldout_prose",
+            "metric": "bpb",
+            "better": "lower",
+            "baseline": 2.8,
+            "score": 2.8 + delta,
+            "delta": delta,
+            "seed_std": 0.01,
+            "df": 2,
+            "ci_low": delta - 0.03,
+            "ci_high": delta + 0.03,
+            "p_value": 0.01,
+            "significant": True,
+            "improved": delta < 0,
+            "stderr": 0.01,
+            "trusted": True,
+            "why": "",
+            "verdict": "better",
+            "baseline_runs": 2,
+            "variant_runs": 2,
+            "created": created,
+        }
+    ]
     return experiment, runs, results
 
 
@@ -348,8 +411,12 @@ def test_experiments_are_recorded_once_and_read_back_by_id_prefix(tmp_path):
     with pytest.raises(ValueError, match="ambiguous"):
         lineage.find_experiment("ab")
     runs = lineage.experiment_runs(found["experiment"])
-    assert len(runs) == 8 and {(r["variant"], r["seed"]) for r in runs} == {("baseline", 0), ("baseline", 1),
-                                                                             ("v", 0), ("v", 1)}
+    assert len(runs) == 8 and {(r["variant"], r["seed"]) for r in runs} == {
+        ("baseline", 0),
+        ("baseline", 1),
+        ("v", 0),
+        ("v", 1),
+    }
     (result,) = lineage.experiment_results(found["experiment"])
     assert result["delta"] == pytest.approx(-0.2) and result["significant"] is True
     bad = _experiment_rows("abe3" + "0" * 60, "ablation", datetime(2026, 1, 4), 0.0)

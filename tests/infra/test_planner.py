@@ -60,7 +60,8 @@ def test_zero_stages_follow_ultra_scale(zero, expected):
 def test_fp32_grad_accumulation_adds_4_psi_and_tp_pp_divide_psi():
     assert memory_per_gpu(PSI, zero=0, fp32_grad_accum=True).model_state_bytes == pytest.approx(20 * PSI)
     assert memory_per_gpu(PSI, dp=8, zero=2, fp32_grad_accum=True).model_state_bytes == pytest.approx(
-        2 * PSI + 18 * PSI / 8)
+        2 * PSI + 18 * PSI / 8
+    )
     assert memory_per_gpu(PSI, tp=2, pp=2).model_state_bytes == pytest.approx(4 * PSI)
 
 
@@ -74,8 +75,7 @@ def test_activation_formula_and_recompute():
     m = memory_per_gpu(PSI, seq=s, micro_batch=b, layers=36, hidden=h, heads=a)
     assert m.activation_bytes == pytest.approx(36 * none)
     # 1F1B: the first stage keeps pp micro-batches of layers/pp layers: no saving from pp
-    assert memory_per_gpu(PSI, pp=4, seq=s, layers=36, hidden=h, heads=a).activation_bytes == \
-        pytest.approx(36 * none)
+    assert memory_per_gpu(PSI, pp=4, seq=s, layers=36, hidden=h, heads=a).activation_bytes == pytest.approx(36 * none)
     with pytest.raises(ValueError, match="recompute"):
         activation_bytes_per_layer(s, b, h, a, recompute="some")  # type: ignore[arg-type]
 
@@ -105,9 +105,31 @@ def test_parse_count():
 
 
 def test_cli_prints_every_plan(capsys):
-    assert main(["--params", "3B", "--tokens", "11T", "--days", "28", "--tflops", "720",
-                 "--mfu", "0.3", "--tp", "2", "--zero", "1", "--recompute", "selective",
-                 "--micro-batch", "3"]) == 0
+    assert (
+        main(
+            [
+                "--params",
+                "3B",
+                "--tokens",
+                "11T",
+                "--days",
+                "28",
+                "--tflops",
+                "720",
+                "--mfu",
+                "0.3",
+                "--tp",
+                "2",
+                "--zero",
+                "1",
+                "--recompute",
+                "selective",
+                "--micro-batch",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "378.9 -> 379" in out and "ZeRO-1" in out and "recompute selective" in out
 

@@ -60,8 +60,9 @@ def test_server_env_refuses_an_exposed_server_without_auth():
     with pytest.raises(ValueError, match="port 70000"):
         server_env("127.0.0.1", 70000)
 
-    env = server_env("0.0.0.0", 4300, AUTH, database_url="postgresql+asyncpg://p:pw@db:5432/prefect",
-                     home="/srv/prefect")
+    env = server_env(
+        "0.0.0.0", 4300, AUTH, database_url="postgresql+asyncpg://p:pw@db:5432/prefect", home="/srv/prefect"
+    )
     assert env["PREFECT_SERVER_API_HOST"] == "0.0.0.0"
     assert env["PREFECT_API_URL"] == "http://127.0.0.1:4300/api"  # wildcard: clients use loopback
     assert env[AUTH_SERVER] == env[AUTH_CLIENT] == AUTH
@@ -72,7 +73,9 @@ def test_server_env_refuses_an_exposed_server_without_auth():
     with pytest.raises(ValueError, match="postgresql\\+asyncpg://"):
         server_env("127.0.0.1", 4200, database_url="postgresql://u:secret@db/prefect")
     assert client_env("http://login-01:4200/api", AUTH) == {
-        "PREFECT_API_URL": "http://login-01:4200/api", AUTH_CLIENT: AUTH}
+        "PREFECT_API_URL": "http://login-01:4200/api",
+        AUTH_CLIENT: AUTH,
+    }
     assert server_env("::1", 4200)["PREFECT_API_URL"] == "http://[::1]:4200/api"
 
 
@@ -115,8 +118,7 @@ def _free_port() -> int:
 
 def _request(url: str, auth: str | None, body: dict | None = None) -> tuple[int, dict]:
     data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
     if auth is not None:
         req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
@@ -150,9 +152,13 @@ def test_prefect_server_on_postgres_with_auth_runs_a_flow_and_deploys(local_post
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     full = base | env | {"PREFECT_SERVER_LOGGING_LEVEL": "WARNING"}
     log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "0.0.0.0", "--port", str(port),
-                               "--no-services"],
-                              env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "0.0.0.0", "--port", str(port), "--no-services"],
+        env=full,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     api = env["PREFECT_API_URL"]
     try:
         deadline = time.monotonic() + 120
@@ -175,16 +181,13 @@ def test_prefect_server_on_postgres_with_auth_runs_a_flow_and_deploys(local_post
         # a client with the auth string runs a flow against it
         script = tmp_path / "probe.py"
         script.write_text(TINY_FLOW)
-        client = base | client_env(api, AUTH) | {"PREFECT_HOME": str(home),
-                                                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        proc = subprocess.run([sys.executable, str(script)], env=client, capture_output=True,
-                              text=True, timeout=120)
+        client = base | client_env(api, AUTH) | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        proc = subprocess.run([sys.executable, str(script)], env=client, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "RESULT 42" in proc.stdout
         # ... and without it the same client is refused
         no_auth = {k: v for k, v in client.items() if k != AUTH_CLIENT}
-        proc = subprocess.run([sys.executable, str(script)], env=no_auth, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([sys.executable, str(script)], env=no_auth, capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and "401" in (proc.stdout + proc.stderr)
 
         status, runs = _request(f"{api}/flow_runs/filter", AUTH)
@@ -196,14 +199,34 @@ def test_prefect_server_on_postgres_with_auth_runs_a_flow_and_deploys(local_post
 
         # prefect.yaml deploys to the process pool (the kubernetes pool needs prefect-kubernetes)
         before = (REPO / "prefect.yaml").read_text()
-        run = subprocess.run([PREFECT, "work-pool", "create", "smollm3-process", "--type", "process"],
-                             env=client, capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [PREFECT, "work-pool", "create", "smollm3-process", "--type", "process"],
+            env=client,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stdout + run.stderr
         deploy = subprocess.run(
-            [PREFECT, "--no-prompt", "deploy", "--prefect-file", str(REPO / "prefect.yaml"),
-             "--name", "smollm3-3b", "--name", "experiment", "--name", "tiny-smoke"],
-            env=client | {"SMOLLM3_CODE_DIR": str(REPO)}, cwd=REPO, capture_output=True,
-            text=True, timeout=300)
+            [
+                PREFECT,
+                "--no-prompt",
+                "deploy",
+                "--prefect-file",
+                str(REPO / "prefect.yaml"),
+                "--name",
+                "smollm3-3b",
+                "--name",
+                "experiment",
+                "--name",
+                "tiny-smoke",
+            ],
+            env=client | {"SMOLLM3_CODE_DIR": str(REPO)},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert deploy.returncode == 0, (deploy.stdout + deploy.stderr)[-3000:]
         assert (REPO / "prefect.yaml").read_text() == before  # deploy must not rewrite it
         status, deps = _request(f"{api}/deployments/filter", AUTH)
@@ -213,7 +236,8 @@ def test_prefect_server_on_postgres_with_auth_runs_a_flow_and_deploys(local_post
         assert got["smollm3-3b"]["work_pool_name"] == "smollm3-process"
         assert got["experiment"]["work_queue_name"] == "experiments"
         assert got["smollm3-3b"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"][
-            "directory"] == str(REPO)
+            "directory"
+        ] == str(REPO)
         limits = {n: (d.get("global_concurrency_limit") or {}).get("limit") for n, d in got.items()}
         assert limits == {"smollm3-3b": 1, "experiment": 4, "tiny-smoke": 1}
         text = (tmp_path / "server.log").read_text() + deploy.stdout + deploy.stderr

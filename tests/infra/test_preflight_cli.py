@@ -28,8 +28,7 @@ def test_bad_input_exits_2_naming_the_field(capsys):
 
 def test_exit_code_follows_the_stop_rule(tmp_path, capsys):
     facts = tmp_path / "facts.yaml"
-    facts.write_text("nproc_per_node: 2\nglobal_batch: 8\nmicro_batch: 2\nseq_len: 64\n"
-                     "max_positions: 32\n")
+    facts.write_text("nproc_per_node: 2\nglobal_batch: 8\nmicro_batch: 2\nseq_len: 64\nmax_positions: 32\n")
     report = tmp_path / "pf.json"
     rc = main(["--facts", str(facts), "checks=[batch_layout,seq_len]", "--json", str(report)])
     out = capsys.readouterr().out

@@ -28,10 +28,17 @@ from infra.preflight import (  # noqa: E402
 from infra.preflight.core import register  # noqa: E402
 
 SMOLLM3 = PreflightFacts(  # the published 3B recipe: 384 GPUs, TP 2, DP 192 x micro 3 x 4096
-    device="cuda", nodes=48, nproc_per_node=8, tp=2, global_batch=576, micro_batch=3,
-    seq_len=4096, max_positions=65536, tokenizer_vocab=128256, model_vocab=128256,
-    stage_tokens={"stable": 8_100_000_000_000, "stable2": 1_800_000_000_000,
-                  "decay": 1_200_000_000_000},
+    device="cuda",
+    nodes=48,
+    nproc_per_node=8,
+    tp=2,
+    global_batch=576,
+    micro_batch=3,
+    seq_len=4096,
+    max_positions=65536,
+    tokenizer_vocab=128256,
+    model_vocab=128256,
+    stage_tokens={"stable": 8_100_000_000_000, "stable2": 1_800_000_000_000, "decay": 1_200_000_000_000},
 )
 
 
@@ -87,8 +94,11 @@ def test_a_raising_check_is_reported_as_fail(monkeypatch):
 
 
 def test_skip_list_shows_up_as_skip_rows():
-    results = run_preflight(PreflightConfig(checks=("vocab", "seq_len"), skip=("vocab",)),
-                            PreflightFacts(seq_len=8, max_positions=16), log=lambda _: None)
+    results = run_preflight(
+        PreflightConfig(checks=("vocab", "seq_len"), skip=("vocab",)),
+        PreflightFacts(seq_len=8, max_positions=16),
+        log=lambda _: None,
+    )
     assert [(r.name, r.status) for r in results] == [("seq_len", "pass"), ("vocab", "skip")]
 
 
@@ -158,8 +168,11 @@ def write_shard(folder: Path, tokens: int, width: int = 2, metadata: bool = True
 def test_shards_count_tokens_and_epochs_follow(tmp_path):
     write_shard(tmp_path / "web", 3000)
     write_shard(tmp_path / "code", 1000, width=4, metadata=False)
-    facts = PreflightFacts(shards=(str(tmp_path / "web"), str(tmp_path / "code")),
-                           tokenizer_vocab=70000, stage_tokens={"s1": 2000, "s2": 6000})
+    facts = PreflightFacts(
+        shards=(str(tmp_path / "web"), str(tmp_path / "code")),
+        tokenizer_vocab=70000,
+        stage_tokens={"s1": 2000, "s2": 6000},
+    )
     r = run(["shards", "data_epochs"], facts)
     assert r["shards"].status == "pass" and r["shards"].metric == 4000
     assert r["data_epochs"].status == "warn"  # s2 needs 1.5 epochs of 4000 tokens
@@ -180,19 +193,35 @@ def test_missing_or_empty_shard_folders_fail(tmp_path):
 def test_eval_tasks_resolve_from_a_local_folder(tmp_path):
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "arc.yaml").write_text("task: smol_arc\ndataset_path: json\n")
-    ok = run(["eval_tasks"], PreflightFacts(eval_tasks=("smol_arc",)),
-             eval_tasks_dir=str(tmp_path / "tasks"), eval_lm_eval_lookup=False)["eval_tasks"]
+    ok = run(
+        ["eval_tasks"],
+        PreflightFacts(eval_tasks=("smol_arc",)),
+        eval_tasks_dir=str(tmp_path / "tasks"),
+        eval_lm_eval_lookup=False,
+    )["eval_tasks"]
     assert ok.status == "pass"
-    bad = run(["eval_tasks"], PreflightFacts(eval_tasks=("smol_arcc",)),
-              eval_tasks_dir=str(tmp_path / "tasks"), eval_lm_eval_lookup=False)["eval_tasks"]
+    bad = run(
+        ["eval_tasks"],
+        PreflightFacts(eval_tasks=("smol_arcc",)),
+        eval_tasks_dir=str(tmp_path / "tasks"),
+        eval_lm_eval_lookup=False,
+    )["eval_tasks"]
     assert bad.status == "fail" and "did you mean smol_arc" in bad.advice
     gone = run(["eval_tasks"], PreflightFacts(eval_tasks=("x",)), eval_tasks_dir=str(tmp_path / "no"))
     assert "does not exist" in gone["eval_tasks"].advice
 
 
 def write_plan(path: Path, stage: str, sources: list[dict]) -> str:
-    plan = {"stage": stage, "seed": 0, "seq_len": 64, "tokens": 1000, "vocab_size": 300,
-            "eos_id": 0, "token_dtype": "uint16", "sources": sources}
+    plan = {
+        "stage": stage,
+        "seed": 0,
+        "seq_len": 64,
+        "tokens": 1000,
+        "vocab_size": 300,
+        "eos_id": 0,
+        "token_dtype": "uint16",
+        "sources": sources,
+    }
     path.write_text(json.dumps(plan))
     return str(path)
 
@@ -200,19 +229,22 @@ def write_plan(path: Path, stage: str, sources: list[dict]) -> str:
 def test_mixture_plans_give_per_source_epochs_files_and_vocab(tmp_path):
     write_shard(tmp_path / "web", 900)
     web = str(tmp_path / "web" / "000.ds")
-    one = write_plan(tmp_path / "s1.json", "s1", [
-        {"name": "web", "files": [web], "available_tokens": 900, "budget_tokens": 800,
-         "expected_epochs": 0.89},
-        {"name": "math", "files": [web], "available_tokens": 20, "budget_tokens": 200,
-         "expected_epochs": 10.0},
-    ])
+    one = write_plan(
+        tmp_path / "s1.json",
+        "s1",
+        [
+            {"name": "web", "files": [web], "available_tokens": 900, "budget_tokens": 800, "expected_epochs": 0.89},
+            {"name": "math", "files": [web], "available_tokens": 20, "budget_tokens": 200, "expected_epochs": 10.0},
+        ],
+    )
     facts = PreflightFacts(mixture_plans=(one,), model_vocab=256)
     r = run(["shards", "data_epochs", "vocab"], facts, max_epochs=4)
     assert r["shards"].status == "pass" and "1/1 planned files present (1 plans)" in r["shards"].value
     assert r["data_epochs"].status == "fail" and "s1: 10.00 epochs (math)" in r["data_epochs"].value
     assert r["vocab"].status == "fail" and "tokenizer 300, model 256" == r["vocab"].value
-    gone = write_plan(tmp_path / "s2.json", "s2", [
-        {"name": "web", "files": [str(tmp_path / "gone.ds")], "expected_epochs": 0.5}])
+    gone = write_plan(
+        tmp_path / "s2.json", "s2", [{"name": "web", "files": [str(tmp_path / "gone.ds")], "expected_epochs": 0.5}]
+    )
     res = run(["shards"], PreflightFacts(mixture_plans=(gone,)))["shards"]
     assert res.status == "fail" and "gone.ds" in res.advice
     broken = run(["shards"], PreflightFacts(mixture_plans=(str(tmp_path / "nope.json"),)))["shards"]

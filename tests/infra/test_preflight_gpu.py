@@ -22,10 +22,15 @@ from infra.preflight import (  # noqa: E402
 )
 from infra.preflight.gpu import parse_dcgm, throttle_names  # noqa: E402
 
-GPU_CHECKS = ("gpu_count", "gpu_matmul", "gpu_throttle", "gpu_memory", "gpu_ecc", "dcgm_diag",
-              "nccl_allreduce")
-COOL = GpuHealth(sm_clock_mhz=1980, max_sm_clock_mhz=1980, temperature_c=62, throttle=("sw_power_cap",),
-                 ecc_corrected=0, ecc_uncorrected=0)
+GPU_CHECKS = ("gpu_count", "gpu_matmul", "gpu_throttle", "gpu_memory", "gpu_ecc", "dcgm_diag", "nccl_allreduce")
+COOL = GpuHealth(
+    sm_clock_mhz=1980,
+    max_sm_clock_mhz=1980,
+    temperature_c=62,
+    throttle=("sw_power_cap",),
+    ecc_corrected=0,
+    ecc_uncorrected=0,
+)
 
 
 @dataclass
@@ -52,8 +57,9 @@ class FakeGpus:
 
     def matmul(self, index, n, seconds):
         self.calls.append(f"matmul {index} {n}")
-        return StressSample(self.tflops.get(index, 730.0), self.health_under_load.get(index, COOL)
-                            if self.nvml else None)
+        return StressSample(
+            self.tflops.get(index, 730.0), self.health_under_load.get(index, COOL) if self.nvml else None
+        )
 
     def memory_test(self, index, gib):
         return MemoryTest(int(gib * 2**30), 5, self.mismatches.get(index, 0), 2500.0)
@@ -81,8 +87,7 @@ class FakeCommands:
 
 
 def nccl_ok(busbw=380.0) -> CommandOutput:
-    data = {"busbw_gbps": busbw, "algbw_gbps": busbw * 8 / 14, "seconds_per_op": 0.001,
-            "world": 8, "correct": True}
+    data = {"busbw_gbps": busbw, "algbw_gbps": busbw * 8 / 14, "seconds_per_op": 0.001, "world": 8, "correct": True}
     return CommandOutput(0, "PREFLIGHT_ALLREDUCE " + json.dumps(data) + "\n", "")
 
 
@@ -99,8 +104,10 @@ def run_gpu(gpus, commands=None, facts=None, **config):
 
 
 def test_healthy_node_passes_every_gpu_check():
-    cmds = FakeCommands(programs={"dcgmi": "/usr/bin/dcgmi"},
-                        outputs={"torchrun": nccl_ok(), "dcgmi": CommandOutput(0, "| Memory | Pass |\n", "")})
+    cmds = FakeCommands(
+        programs={"dcgmi": "/usr/bin/dcgmi"},
+        outputs={"torchrun": nccl_ok(), "dcgmi": CommandOutput(0, "| Memory | Pass |\n", "")},
+    )
     r = run_gpu(FakeGpus(), cmds)
     assert {n: x.status for n, x in r.items()} == {n: "pass" for n in GPU_CHECKS}
     assert r["gpu_matmul"].metric == 730.0
@@ -188,17 +195,24 @@ def test_without_cuda_every_other_gpu_check_skips_with_the_reason():
 
 
 def test_dcgm_failure_and_absence():
-    table = ("| Denylist | Pass |\n| Memory | Fail - GPU: 0 |\n| PCIe | Warn - GPU: 1 |\n")
-    cmds = FakeCommands(programs={"dcgmi": "dcgmi"},
-                        outputs={"torchrun": nccl_ok(), "dcgmi": CommandOutput(226, table, "")})
+    table = "| Denylist | Pass |\n| Memory | Fail - GPU: 0 |\n| PCIe | Warn - GPU: 1 |\n"
+    cmds = FakeCommands(
+        programs={"dcgmi": "dcgmi"}, outputs={"torchrun": nccl_ok(), "dcgmi": CommandOutput(226, table, "")}
+    )
     r = run_gpu(FakeGpus(), cmds, dcgm_level=2)
     assert r["dcgm_diag"].status == "fail" and "Memory: Fail - GPU: 0" in r["dcgm_diag"].advice
     assert ["dcgmi", "diag", "-r", "2"] in cmds.ran
     assert run_gpu(FakeGpus())["dcgm_diag"].status == "skip"  # not on PATH
     assert run_gpu(FakeGpus(), dcgm_level=0)["dcgm_diag"].status == "skip"
-    no_engine = FakeCommands(programs={"dcgmi": "dcgmi"}, outputs={"torchrun": nccl_ok(), "dcgmi":
-                             CommandOutput(255, "Error: unable to establish a connection to the "
-                                           "specified host: localhost\n", "")})
+    no_engine = FakeCommands(
+        programs={"dcgmi": "dcgmi"},
+        outputs={
+            "torchrun": nccl_ok(),
+            "dcgmi": CommandOutput(
+                255, "Error: unable to establish a connection to the specified host: localhost\n", ""
+            ),
+        },
+    )
     res = run_gpu(FakeGpus(), no_engine)["dcgm_diag"]
     assert res.status == "skip" and "nv-hostengine" in res.advice
 
@@ -213,8 +227,9 @@ def test_slow_or_broken_nccl_fails():
     assert slow["nccl_allreduce"].status == "fail" and "NVLink" in slow["nccl_allreduce"].advice
     hung = FakeCommands(outputs={"torchrun": CommandOutput(-1, "", "", timed_out=True)})
     assert "did not finish" in run_gpu(FakeGpus(), hung)["nccl_allreduce"].advice
-    assert run_gpu(FakeGpus(n=1), facts=PreflightFacts(device="cuda", nproc_per_node=1))[
-        "nccl_allreduce"].status == "skip"
+    assert (
+        run_gpu(FakeGpus(n=1), facts=PreflightFacts(device="cuda", nproc_per_node=1))["nccl_allreduce"].status == "skip"
+    )
 
 
 def test_throttle_bits_decode():
@@ -243,8 +258,11 @@ def test_nvml_backend_reads_health_from_pynvml(monkeypatch):
     from infra.preflight.gpu import TorchNvmlBackend
 
     nv = types.SimpleNamespace(
-        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
-        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0,
+        NVML_CLOCK_SM=1,
+        NVML_TEMPERATURE_GPU=0,
+        NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
         nvmlInit=lambda: None,
         nvmlDeviceGetHandleByPciBusId_v2=lambda bus: ("pci", bus),
         nvmlDeviceGetHandleByIndex=lambda i: ("idx", i),
@@ -259,8 +277,9 @@ def test_nvml_backend_reads_health_from_pynvml(monkeypatch):
     backend = TorchNvmlBackend()
     assert backend.nvml_reason() is None
     h = backend.health(0)
-    assert h == GpuHealth(1755, 1980, 71, ("sw_power_cap", "sw_thermal_slowdown"), 3, 0,
-                          remap_pending=True, remap_failure=False)
+    assert h == GpuHealth(
+        1755, 1980, 71, ("sw_power_cap", "sw_thermal_slowdown"), 3, 0, remap_pending=True, remap_failure=False
+    )
 
 
 def test_nvml_backend_without_pynvml_says_what_to_install(monkeypatch):

@@ -33,12 +33,19 @@ def test_disk_free_against_retention(tmp_path):
 
 
 def test_checkpoint_io_measures_and_cleans_up(tmp_path):
-    res = run(["checkpoint_io"], PreflightFacts(), checkpoint_dir=str(tmp_path), io_probe_mib=8,
-              min_write_mbps=0, min_read_mbps=0)["checkpoint_io"]
+    res = run(
+        ["checkpoint_io"],
+        PreflightFacts(),
+        checkpoint_dir=str(tmp_path),
+        io_probe_mib=8,
+        min_write_mbps=0,
+        min_read_mbps=0,
+    )["checkpoint_io"]
     assert res.status == "pass" and "MB/s" in res.value and res.metric > 0
     assert list(tmp_path.iterdir()) == []
-    slow = run(["checkpoint_io"], PreflightFacts(), checkpoint_dir=str(tmp_path), io_probe_mib=4,
-               min_write_mbps=1e9)["checkpoint_io"]
+    slow = run(["checkpoint_io"], PreflightFacts(), checkpoint_dir=str(tmp_path), io_probe_mib=4, min_write_mbps=1e9)[
+        "checkpoint_io"
+    ]
     assert slow.status == "warn"
 
 
@@ -81,14 +88,14 @@ def moto_s3(monkeypatch):
 def test_s3_roundtrip_against_moto(moto_s3):
     import boto3
 
-    r = run(["s3_roundtrip"], PreflightFacts(), s3_uri="s3://ckpts/runs/a", s3_endpoint_url=moto_s3,
-            s3_probe_mib=1)
+    r = run(["s3_roundtrip"], PreflightFacts(), s3_uri="s3://ckpts/runs/a", s3_endpoint_url=moto_s3, s3_probe_mib=1)
     assert r["s3_roundtrip"].status == "pass", r["s3_roundtrip"].advice
     assert "MB/s" in r["s3_roundtrip"].value
     left = boto3.client("s3", endpoint_url=moto_s3).list_objects_v2(Bucket="ckpts")
     assert left.get("KeyCount", 0) == 0  # the probe object was deleted
-    missing = run(["s3_roundtrip"], PreflightFacts(), s3_uri="s3://nobucket/x",
-                  s3_endpoint_url=moto_s3, s3_probe_mib=1)["s3_roundtrip"]
+    missing = run(
+        ["s3_roundtrip"], PreflightFacts(), s3_uri="s3://nobucket/x", s3_endpoint_url=moto_s3, s3_probe_mib=1
+    )["s3_roundtrip"]
     assert missing.status == "fail" and "s3://nobucket/x" in missing.advice
 
 
@@ -105,8 +112,15 @@ def test_bus_bandwidth_formula():
 def test_cpu_report_gloo_allreduce_and_matmul_with_gpu_rows_skipped(tmp_path):
     """The CPU path of this machine: real gloo ranks under torchrun, small tensors."""
     checks = ["cpu_matmul", "gloo_allreduce", "gpu_matmul", "nccl_allreduce"]
-    r = run(checks, PreflightFacts(workspace=str(tmp_path)), gloo_mib=1, collective_iters=3,
-            cpu_matmul_size=256, cpu_matmul_seconds=0.2, collective_timeout_s=120)
+    r = run(
+        checks,
+        PreflightFacts(workspace=str(tmp_path)),
+        gloo_mib=1,
+        collective_iters=3,
+        cpu_matmul_size=256,
+        cpu_matmul_seconds=0.2,
+        collective_timeout_s=120,
+    )
     assert r["gloo_allreduce"].status == "pass", r["gloo_allreduce"].advice
     assert r["gloo_allreduce"].metric > 0 and "GB/s busbw" in r["gloo_allreduce"].value
     assert r["cpu_matmul"].status == "pass" and r["cpu_matmul"].metric > 0

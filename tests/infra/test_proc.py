@@ -70,7 +70,8 @@ def test_an_error_in_the_caller_kills_the_whole_group(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_streaming(
             ["bash", "-c", f"sleep 300 & echo $! > {gc}; echo $$ > {gc}.leader; echo ready; wait"],
-            log, grace=2,
+            log,
+            grace=2,
         )
     pids = [int(gc.read_text()), int(Path(f"{gc}.leader").read_text())]
     assert _wait_gone(pids, 10), "child or grandchild survived"
@@ -88,8 +89,17 @@ WORKER = textwrap.dedent(
 
 
 def _torchrun(script: Path, pidfile: Path, mode: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-            str(script), str(pidfile), mode]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(script),
+        str(pidfile),
+        mode,
+    ]
 
 
 def test_torchrun_ranks_in_their_own_sessions_are_killed_too(tmp_path):
@@ -144,8 +154,11 @@ def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
     script.write_text(SERVED_FLOW.format(repo=str(REPO), worker=str(worker)))
     env = {**os.environ, "PREFECT_API_URL": api_url}
     serve = subprocess.Popen(
-        [sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT, start_new_session=True,
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     prefect = str(Path(sys.executable).parent / "prefect")
     pidfile = tmp_path / "child.pid"
@@ -154,7 +167,9 @@ def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
         for _ in range(60):  # the deployment appears once serve has registered it
             res = subprocess.run(
                 [prefect, "deployment", "run", "sleeper/cancel-test", "--param", f"pidfile={pidfile}"],
-                env=env, capture_output=True, text=True,
+                env=env,
+                capture_output=True,
+                text=True,
             )
             out = res.stdout
             if res.returncode == 0:
@@ -164,8 +179,7 @@ def test_cancelling_a_run_leaves_no_child_behind(tmp_path, api_url):
         leader = _wait_file(pidfile)
         grandchild = _wait_file(Path(f"{pidfile}.gc"))
         assert _alive(leader) and _alive(grandchild)
-        subprocess.run([prefect, "flow-run", "cancel", run_id], env=env, check=True,
-                       capture_output=True)
+        subprocess.run([prefect, "flow-run", "cancel", run_id], env=env, check=True, capture_output=True)
         assert _wait_gone([leader, grandchild], 60), "a child of the cancelled run survived"
     finally:
         os.killpg(serve.pid, 9)
@@ -207,8 +221,7 @@ def _start_owner(tmp_path: Path, cmd: list[str]) -> tuple[subprocess.Popen, Path
     leader = tmp_path / "leader.pid"
     script = tmp_path / "owner.py"
     script.write_text(OWNER.format(repo=str(REPO), cmd=cmd, leader=str(leader)))
-    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return owner, leader
 
 
@@ -230,8 +243,10 @@ def test_sigkilled_owner_takes_its_child_and_grandchild_along(tmp_path):
     """SIGKILL of the owner: no atexit hook, no exception; the guard's watchdog and parent-death
     signal kill the child and a grandchild in a session of its own within seconds."""
     gc = tmp_path / "grandchild.pid"
-    spawn = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], "
-             f"start_new_session=True); open({str(gc)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    spawn = (
+        f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], "
+        f"start_new_session=True); open({str(gc)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    )
     owner, leader_file = _start_owner(tmp_path, [sys.executable, "-c", spawn])
     started = [owner.pid]
     try:
@@ -254,8 +269,16 @@ def test_owner_guard_and_torchrun_sigkilled_together_leave_no_rank(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK.format(repo=str(REPO)))
     rank_file = tmp_path / "rank.pid"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           str(script), str(rank_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(script),
+        str(rank_file),
+    ]
     owner, leader_file = _start_owner(tmp_path, cmd)
     started = [owner.pid]
     try:

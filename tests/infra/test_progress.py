@@ -14,8 +14,7 @@ def test_duration_and_eta():
 def test_reports_every_step_of_percent_or_seconds_and_always_the_end():
     now = [0.0]
     lines, percents = [], []
-    p = Progress("lm-eval", 100, "items", lines.append, percents.append, every_pct=25, every_s=60,
-                 clock=lambda: now[0])
+    p = Progress("lm-eval", 100, "items", lines.append, percents.append, every_pct=25, every_s=60, clock=lambda: now[0])
     for _ in range(10):  # 10% in 10 s: nothing due yet
         now[0] += 1
         p.advance()

@@ -60,10 +60,18 @@ def two_stages(tmp_path: Path) -> list[tuple[str, list, int]]:
 
 def test_slurm_executors_for_the_curation_stages_render_valid_sbatch_without_submitting(tmp_path):
     config = CurationConfig(
-        executor="slurm", tasks=8, workers=4,
-        slurm=SlurmConfig(partition="cpu", time="04:00:00", cpus_per_task=2, mem_per_cpu_gb=3,
-                          qos="high", venv_path="/fsx/venv/bin/activate",
-                          sbatch_args={"account": "lm"}),
+        executor="slurm",
+        tasks=8,
+        workers=4,
+        slurm=SlurmConfig(
+            partition="cpu",
+            time="04:00:00",
+            cpus_per_task=2,
+            mem_per_cpu_gb=3,
+            qos="high",
+            venv_path="/fsx/venv/bin/activate",
+            sbatch_args={"account": "lm"},
+        ),
     )
     stages = plan_stages(config, "web", tmp_path / "corpus" / "train", tmp_path / "out", tasks=8)
     executors = make_executors(config, stages, tmp_path / "logs")
@@ -74,16 +82,24 @@ def test_slurm_executors_for_the_curation_stages_render_valid_sbatch_without_sub
     for previous, ex in zip(executors, executors[1:], strict=False):
         assert ex.depends is previous  # launched together, each after the one before (afterok)
     for (name, _, tasks), ex in zip(stages, executors, strict=True):
-        script = ex.get_launch_file_contents(ex.get_sbatch_args(max_array=tasks),
-                                             "srun -l -n 1 launch_pickled_pipeline executor.pik")
+        script = ex.get_launch_file_contents(
+            ex.get_sbatch_args(max_array=tasks), "srun -l -n 1 launch_pickled_pipeline executor.pik"
+        )
         path = tmp_path / f"{name}.slurm"
         path.write_text(script)
         check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         lines = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
-        for expected in ("--partition=cpu", "--time=04:00:00", "--cpus-per-task=2",
-                         "--mem-per-cpu=3G", "--qos=high", "--account=lm", "--requeue",
-                         f"--job-name=curate-{name}"):
+        for expected in (
+            "--partition=cpu",
+            "--time=04:00:00",
+            "--cpus-per-task=2",
+            "--mem-per-cpu=3G",
+            "--qos=high",
+            "--account=lm",
+            "--requeue",
+            f"--job-name=curate-{name}",
+        ):
             assert f"#SBATCH {expected}" in lines, (name, expected)
         workers = min(4, tasks)
         assert f"#SBATCH --array=0-{tasks - 1}%{workers}" in lines
@@ -98,9 +114,17 @@ def test_slurm_executors_for_the_curation_stages_render_valid_sbatch_without_sub
 def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     config = CurationConfig(
-        executor="slurm", tasks=2, workers=2,
-        slurm=SlurmConfig(partition="debug", time="00:10:00", cpus_per_task=1, mem_per_cpu_gb=1,
-                          venv_path=VENV_ACTIVATE, poll_seconds=0.5),
+        executor="slurm",
+        tasks=2,
+        workers=2,
+        slurm=SlurmConfig(
+            partition="debug",
+            time="00:10:00",
+            cpus_per_task=1,
+            mem_per_cpu_gb=1,
+            venv_path=VENV_ACTIVATE,
+            poll_seconds=0.5,
+        ),
     )
     stages = two_stages(tmp_path)
     executors = make_executors(config, stages, tmp_path / "logs")
@@ -115,11 +139,15 @@ def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_p
 def test_ray_executor_runs_a_chained_pipeline_on_local_ray(tmp_path):
     import ray
 
-    config = CurationConfig(executor="ray", tasks=2, workers=2,
-                            ray=RayConfig(cpus_per_task=1, mem_per_cpu_gb=0.25))
+    config = CurationConfig(executor="ray", tasks=2, workers=2, ray=RayConfig(cpus_per_task=1, mem_per_cpu_gb=0.25))
     stages = two_stages(tmp_path)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, object_store_memory=100 * 1024 * 1024)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        object_store_memory=100 * 1024 * 1024,
+    )
     try:
         executors = make_executors(config, stages, tmp_path / "logs")
         from datatrove.executor import RayPipelineExecutor
@@ -140,15 +168,25 @@ def test_a_failing_stage_stops_the_wait_instead_of_hanging(local_slurm, tmp_path
     from infra.launchers.slurm import job_states, wait_for_datatrove
 
     config = CurationConfig(
-        executor="slurm", tasks=1, workers=1,
-        slurm=SlurmConfig(partition="debug", time="00:10:00", cpus_per_task=1, mem_per_cpu_gb=1,
-                          venv_path=VENV_ACTIVATE, poll_seconds=0.5),
+        executor="slurm",
+        tasks=1,
+        workers=1,
+        slurm=SlurmConfig(
+            partition="debug",
+            time="00:10:00",
+            cpus_per_task=1,
+            mem_per_cpu_gb=1,
+            venv_path=VENV_ACTIVATE,
+            poll_seconds=0.5,
+        ),
     )
     src, mid = tmp_path / "input", tmp_path / "mid"
     src.mkdir()
     (src / "00000.jsonl.gz").write_bytes(b"this is not gzip")  # the first stage's task fails
-    stages = [("broken", [JsonlReader(str(src)), JsonlWriter(str(mid))], 1),
-              ("after", [JsonlReader(str(mid)), JsonlWriter(str(tmp_path / "out"))], 1)]
+    stages = [
+        ("broken", [JsonlReader(str(src)), JsonlWriter(str(mid))], 1),
+        ("after", [JsonlReader(str(mid)), JsonlWriter(str(tmp_path / "out"))], 1),
+    ]
     executors = make_executors(config, stages, tmp_path / "logs")
     executors[-1].run()  # submits both stages, chained
     with pytest.raises(LaunchFailed, match=r"datatrove stage 'curate-broken' \(Slurm job \d+\) stopped: FAILED"):

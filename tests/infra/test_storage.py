@@ -72,13 +72,21 @@ def moto_reset(endpoint: str) -> None:
 
 
 def cfg(endpoint: str, uri: str = "s3://ckpts/run", **kw) -> StorageConfig:
-    base = dict(s3_uri=uri, endpoint_url=endpoint, multipart_threshold_mb=5, multipart_chunk_mb=5,
-                max_concurrency=2, attempts=3, backoff_seconds=0.0)
+    base = dict(
+        s3_uri=uri,
+        endpoint_url=endpoint,
+        multipart_threshold_mb=5,
+        multipart_chunk_mb=5,
+        max_concurrency=2,
+        attempts=3,
+        backoff_seconds=0.0,
+    )
     return StorageConfig(**(base | kw))
 
 
-def fake_checkpoint(root: Path, step: int, *, big: int = 0, complete: bool = True,
-                    stage_end: bool = False, seed: int = 0) -> Path:
+def fake_checkpoint(
+    root: Path, step: int, *, big: int = 0, complete: bool = True, stage_end: bool = False, seed: int = 0
+) -> Path:
     """A folder shaped like model/checkpoint.py's: data files, then the COMPLETE marker."""
     folder = root / f"step_{step:08d}"
     folder.mkdir(parents=True)
@@ -90,8 +98,7 @@ def fake_checkpoint(root: Path, step: int, *, big: int = 0, complete: bool = Tru
         from infra import manifest
 
         files = manifest.entries(folder, manifest.payload_files(folder))
-        (folder / CHECKPOINT_MARKER).write_text(
-            json.dumps(manifest.marker_record(step, stage_end, files)))
+        (folder / CHECKPOINT_MARKER).write_text(json.dumps(manifest.marker_record(step, stage_end, files)))
     return folder
 
 
@@ -182,15 +189,13 @@ def test_mirror_artifact_uploads_marker_last_and_fetches_back_verified(s3, tmp_p
     meta = mirror_artifact(folder, "s3://ckpts/ws/curate", cfg(endpoint), client=store_client)
     assert meta["uri"] == "s3://ckpts/ws/curate/abcdef123456" and meta["files"] == 3
     put_keys = [k for op, k in writes if op in ("PutObject", "CreateMultipartUpload")]
-    assert put_keys[-2:] == ["ws/curate/abcdef123456/" + MANIFEST,
-                             "ws/curate/abcdef123456/" + STEP_MARKER]
+    assert put_keys[-2:] == ["ws/curate/abcdef123456/" + MANIFEST, "ws/curate/abcdef123456/" + STEP_MARKER]
     assert keys(client, "ws/") == sorted(
-        f"ws/curate/abcdef123456/{n}"
-        for n in ("train/00000.jsonl.gz", "stats.json", STEP_MARKER, MANIFEST))
+        f"ws/curate/abcdef123456/{n}" for n in ("train/00000.jsonl.gz", "stats.json", STEP_MARKER, MANIFEST)
+    )
 
     back = fetch_artifact("s3://ckpts/ws/curate/abcdef123456", tmp_path / "back", cfg(endpoint))
-    assert (back / "train" / "00000.jsonl.gz").read_bytes() == (
-        folder / "train" / "00000.jsonl.gz").read_bytes()
+    assert (back / "train" / "00000.jsonl.gz").read_bytes() == (folder / "train" / "00000.jsonl.gz").read_bytes()
     assert (back / STEP_MARKER).is_file()
 
     (tmp_path / "unfinished").mkdir()
@@ -219,12 +224,10 @@ def test_sync_uploads_only_complete_checkpoints_multipart_verified_and_prunes_af
     assert mirror.remote_steps() == ["step_00000010", "step_00000020", "step_00000030"]
     assert not any(k.startswith("run/stage1/step_00000040") for k in keys(client))
 
-    head = client.head_object(Bucket="ckpts", Key="run/stage1/step_00000020/__0_0.distcp",
-                              ChecksumMode="ENABLED")
+    head = client.head_object(Bucket="ckpts", Key="run/stage1/step_00000020/__0_0.distcp", ChecksumMode="ENABLED")
     assert head["ContentLength"] == 12 * MiB and head["ChecksumSHA256"]
     assert head["ETag"].strip('"').endswith("-3")  # really multipart
-    manifest = json.loads(client.get_object(
-        Bucket="ckpts", Key=f"run/stage1/step_00000020/{MANIFEST}")["Body"].read())
+    manifest = json.loads(client.get_object(Bucket="ckpts", Key=f"run/stage1/step_00000020/{MANIFEST}")["Body"].read())
     assert manifest["files"]["__0_0.distcp"]["size"] == 12 * MiB
 
     # a second sync sends nothing and keeps the local newest two
@@ -267,11 +270,10 @@ def test_upload_failing_midway_leaves_remote_incomplete_and_a_retry_completes_it
 
     # With retries and backoff, the same failure is absorbed and the upload completes.
     sleeps: list[float] = []
-    mirror = CheckpointMirror("s3://ckpts/fail", keep_local=1,
-                              config=cfg(endpoint, attempts=3, backoff_seconds=0.01),
-                              sleep=sleeps.append)
-    mirror.store.client.meta.events.register("before-call.s3.UploadPart",
-                                             FailParts(fail_from=3, failures=1))
+    mirror = CheckpointMirror(
+        "s3://ckpts/fail", keep_local=1, config=cfg(endpoint, attempts=3, backoff_seconds=0.01), sleep=sleeps.append
+    )
+    mirror.store.client.meta.events.register("before-call.s3.UploadPart", FailParts(fail_from=3, failures=1))
     report = mirror.sync(root)
     assert len(sleeps) == 1
     assert report.verified == ["step_00000100", "step_00000200", "step_00000300"]
@@ -416,14 +418,20 @@ def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path, c
     sums = json.loads(client.get_object(Bucket="ckpts", Key=f"p/step_00000007/{MANIFEST}")["Body"].read())
     sums["files"][".metadata"] = {"size": 300, "sha256": __import__("hashlib").sha256(bad).hexdigest()}
     client.put_object(Bucket="ckpts", Key=f"p/step_00000007/{MANIFEST}", Body=json.dumps(sums))
-    with pytest.raises(StorageError, match=r"no checkpoint under s3://ckpts/p verifies.*"
-                                           r"step_00000007: \.metadata: content differs"):
+    with pytest.raises(
+        StorageError,
+        match=r"no checkpoint under s3://ckpts/p verifies.*"
+        r"step_00000007: \.metadata: content differs",
+    ):
         pull_latest_checkpoint("s3://ckpts/p", tmp_path / "fourth", cfg(endpoint, attempts=1))
     assert list((tmp_path / "fourth").iterdir()) == []
 
     # a manifest is remote input: paths escaping the destination are refused
-    client.put_object(Bucket="ckpts", Key=f"p/step_00000008/{MANIFEST}",
-                      Body=json.dumps({"files": {"../../escape": {"size": 1, "sha256": "0"}}}))
+    client.put_object(
+        Bucket="ckpts",
+        Key=f"p/step_00000008/{MANIFEST}",
+        Body=json.dumps({"files": {"../../escape": {"size": 1, "sha256": "0"}}}),
+    )
     with pytest.raises(StorageError, match="unsafe path '../../escape'"):
         pull_latest_checkpoint("s3://ckpts/p", tmp_path / "third", cfg(endpoint, attempts=1))
 

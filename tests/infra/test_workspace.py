@@ -16,9 +16,7 @@ from infra.workspace import (
 )
 
 
-def test_relative_workspaces_resolve_against_the_base_not_the_current_directory(
-    tmp_path, monkeypatch
-):
+def test_relative_workspaces_resolve_against_the_base_not_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("SMOLLM3_HOME", raising=False)
     monkeypatch.chdir(tmp_path)  # a serve process started from anywhere
     assert resolve_workspace("workspace") == PROJECT_ROOT.resolve() / "workspace"
@@ -31,8 +29,9 @@ def test_relative_workspaces_resolve_against_the_base_not_the_current_directory(
         resolve_workspace("w")
 
 
-@pytest.mark.parametrize("root", ["/etc", "/etc/smollm3", "/usr/local/ws", "/proc/self", "/", "/tmp",
-                                  "~", "/var/lib/ws", "/home"])
+@pytest.mark.parametrize(
+    "root", ["/etc", "/etc/smollm3", "/usr/local/ws", "/proc/self", "/", "/tmp", "~", "/var/lib/ws", "/home"]
+)
 def test_system_and_top_level_folders_are_refused(root):
     with pytest.raises(WorkspaceError, match="system or top-level folder"):
         resolve_workspace(root)

@@ -74,9 +74,7 @@ def test_save_then_load_restores_model_optimizer_and_state(one_rank_group, tiny_
         assert float(loaded_moments[idx]["step"]) == 2.0
 
 
-def test_truncated_or_unmarked_newest_is_skipped_with_a_warning(
-    one_rank_group, tiny_cfg, tmp_path, caplog
-):
+def test_truncated_or_unmarked_newest_is_skipped_with_a_warning(one_rank_group, tiny_cfg, tmp_path, caplog):
     ckpt = Checkpointer(tmp_path / "ckpt", keep_last=5)
     models = _save_steps(ckpt, tiny_cfg, [1, 2, 3])
     shard = next((ckpt.root / "step_00000003").glob("*.distcp"))
@@ -177,9 +175,7 @@ open({path!r}, "wb").write(pickle.dumps(Evil()))
 """
 
 
-def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(
-    one_rank_group, tiny_cfg, tmp_path
-):
+def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path):
     """Someone who can write the folder replaces `.metadata` with a pickle that runs a command
     and rewrites COMPLETE to match: the digest passes, the restricted unpickler refuses."""
     import subprocess
@@ -191,8 +187,7 @@ def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(
     model, opt = _trained(tiny_cfg)
     folder = ckpt.save(1, model, opt, {})
     canary = tmp_path / "pwned"
-    subprocess.run([sys.executable, "-c", EVIL.format(canary=canary,
-                                                      path=str(folder / ".metadata"))], check=True)
+    subprocess.run([sys.executable, "-c", EVIL.format(canary=canary, path=str(folder / ".metadata"))], check=True)
     record = json.loads((folder / "COMPLETE").read_text())
     record["files"][".metadata"] = manifest.entries(folder, [".metadata"])[".metadata"]
     (folder / "COMPLETE").write_text(json.dumps(record))
@@ -211,8 +206,7 @@ def test_a_checkpoint_from_before_digests_still_loads(one_rank_group, tiny_cfg, 
     model, opt = _trained(tiny_cfg)
     folder = ckpt.save(1, model, opt, {})
     record = json.loads((folder / "COMPLETE").read_text())
-    legacy = {"step": 1, "stage_end": False,
-              "files": {name: entry["size"] for name, entry in record["files"].items()}}
+    legacy = {"step": 1, "stage_end": False, "files": {name: entry["size"] for name, entry in record["files"].items()}}
     (folder / "COMPLETE").write_text(json.dumps(legacy))
     with caplog.at_level(logging.WARNING, logger="model.checkpoint"):
         loaded = load_model(folder)

@@ -8,28 +8,32 @@ from model.flops import datasheet_peak, resolve_peak
 from model.spec import PeakCalibration
 
 
-@pytest.mark.parametrize("name, flops", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA B200", 2250e12),
-    ("AMD Instinct MI300X", 1307e12),
-    ("NVIDIA GeForce RTX 4090", None),
-    ("NVIDIA L40", None),  # not L4, not L40S
-])
+@pytest.mark.parametrize(
+    "name, flops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA B200", 2250e12),
+        ("AMD Instinct MI300X", 1307e12),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA L40", None),  # not L4, not L40S
+    ],
+)
 def test_datasheet_peaks_by_device_name(name, flops):
     assert datasheet_peak(name) == flops
 
 
-CPU = PeakCalibration(host="node-1", device="cpu", dtype="float32", flops=4e10, threads=2,
-                      source="preflight abc on node-1: cpu_matmul")
+CPU = PeakCalibration(
+    host="node-1", device="cpu", dtype="float32", flops=4e10, threads=2, source="preflight abc on node-1: cpu_matmul"
+)
 GPU = PeakCalibration(host="node-1", device="cuda", dtype="bfloat16", flops=7e14, source="preflight gpu_matmul")
 
 

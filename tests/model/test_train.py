@@ -129,10 +129,7 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     clean_metrics, resumed_metrics = metrics(clean), metrics(killed)
     assert [m["step"] for m in resumed_metrics] == list(range(1, 9))  # lost steps dropped
     assert [m["loss"] for m in resumed_metrics] == [m["loss"] for m in clean_metrics]
-    assert (
-        result["tokens_per_source"]
-        == json.loads((clean / "result.json").read_text())["tokens_per_source"]
-    )
+    assert result["tokens_per_source"] == json.loads((clean / "result.json").read_text())["tokens_per_source"]
 
 
 def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path, tmp_path):
@@ -143,9 +140,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
 
     out = tmp_path / "run"
     run_train(write_spec(tmp_path / "a.json", plan_path, out, steps=2))
-    two = run_train(
-        write_spec(tmp_path / "b.json", plan_path, out, steps=4, checkpoint_interval=1), nproc=2
-    )
+    two = run_train(write_spec(tmp_path / "b.json", plan_path, out, steps=4, checkpoint_interval=1), nproc=2)
     assert "world 2" in two.stderr
     # Rank 0 speaks for the stage: one line per step (resumed at 2), none from rank 1.
     assert [int(m) for m in re.findall(r" step (\d+)/4 \|", two.stderr)] == [3, 4]
@@ -309,11 +304,15 @@ def test_mfu_against_this_hosts_preflight_calibration_stays_below_1(plan_path, t
 
     torch.set_num_threads(1)
     flops = cpu_matmul_gflops(1024, 1.0) * 1e9
-    calibration = PeakCalibration(host=socket.gethostname(), device="cpu", dtype="float32", flops=flops,
-                                  threads=1, source="test calibration")
+    calibration = PeakCalibration(
+        host=socket.gethostname(), device="cpu", dtype="float32", flops=flops, threads=1, source="test calibration"
+    )
     out = tmp_path / "run"
-    run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=4, peak_flops=None,
-                         peak_calibration=calibration.model_dump()))
+    run_train(
+        write_spec(
+            tmp_path / "s.json", plan_path, out, steps=4, peak_flops=None, peak_calibration=calibration.model_dump()
+        )
+    )
     rows = metrics(out)
     assert all(0 < r["mfu"] < 1 for r in rows), [r["mfu"] for r in rows]
     assert {r["mfu_peak_source"] for r in rows} == {"test calibration"}
@@ -360,8 +359,7 @@ def test_precision_is_validated_with_the_field_named(tmp_path):
     from model.spec import TrainSpec
     from model.train import autocast_for
 
-    base = {"mixture_plan": "plan.json", "out_dir": str(tmp_path), "steps": 1, "global_batch": 1,
-            "micro_batch": 1}
+    base = {"mixture_plan": "plan.json", "out_dir": str(tmp_path), "steps": 1, "global_batch": 1, "micro_batch": 1}
     with pytest.raises(ValueError, match="spec.precision: Input should be 'auto', 'bf16' or 'fp32'"):
         TrainSpec.from_dict({**base, "precision": "fp16"})
     auto = TrainSpec.from_dict(base)
@@ -380,9 +378,7 @@ def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
 @pytest.mark.parametrize("reset", [False, True])
 def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path, reset):
     stage1 = tmp_path / "stage1"
-    run_train(
-        write_spec(tmp_path / "s1.json", plan_path, stage1, steps=2, schedule={"total_steps": 10})
-    )
+    run_train(write_spec(tmp_path / "s1.json", plan_path, stage1, steps=2, schedule={"total_steps": 10}))
     stage2 = tmp_path / "stage2"
     spec = write_spec(
         tmp_path / "s2.json",
@@ -415,8 +411,17 @@ def test_the_spec_seed_initialises_the_model(plan_path, tmp_path):
     outs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         outs[name] = tmp_path / name
-        run_train(write_spec(tmp_path / f"{name}.json", plan_path, outs[name], steps=1, seed=seed,
-                             checkpoint_interval=1, schedule={"total_steps": 1}))
+        run_train(
+            write_spec(
+                tmp_path / f"{name}.json",
+                plan_path,
+                outs[name],
+                steps=1,
+                seed=seed,
+                checkpoint_interval=1,
+                schedule={"total_steps": 1},
+            )
+        )
     final = {k: Checkpointer(v / "checkpoints").latest() for k, v in outs.items()}
     assert_same_weights(final["a"], final["b"])
     wa, wc = load_model(final["a"]).state_dict(), load_model(final["c"]).state_dict()
@@ -437,14 +442,24 @@ def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, t
     torchrun takes its rank along (the rank is in a session of its own); the next trainer takes
     over the dead holder's lease and resumes, and metrics.jsonl keeps one row per step."""
     out = tmp_path / "stage"
-    spec = write_spec(tmp_path / "spec.json", plan_path, out, steps=12, debug_step_sleep_s=3,
-                      checkpoint_interval=2, schedule={"warmup_steps": 2, "total_steps": 12})
+    spec = write_spec(
+        tmp_path / "spec.json",
+        plan_path,
+        out,
+        steps=12,
+        debug_step_sleep_s=3,
+        checkpoint_interval=2,
+        schedule={"warmup_steps": 2, "total_steps": 12},
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     first = subprocess.Popen(
-        [str(TORCHRUN), "--nproc-per-node", "1", "--master-port", str(port), "-m", "model.train",
-         str(spec)], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [str(TORCHRUN), "--nproc-per-node", "1", "--master-port", str(port), "-m", "model.train", str(spec)],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     rank = None
@@ -472,17 +487,23 @@ def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, t
 
     assert metrics(out)[-1]["step"] < 12  # it really was killed mid-stage
     # the same stage without the per-step sleep: takes over the dead rank's lease, resumes
-    run_train(write_spec(tmp_path / "spec.json", plan_path, out, steps=12, checkpoint_interval=2,
-                         schedule={"warmup_steps": 2, "total_steps": 12}))
+    run_train(
+        write_spec(
+            tmp_path / "spec.json",
+            plan_path,
+            out,
+            steps=12,
+            checkpoint_interval=2,
+            schedule={"warmup_steps": 2, "total_steps": 12},
+        )
+    )
     result = json.loads((out / "result.json").read_text())
     assert result["final_step"] == 12 and result["resumed_from"] is not None
     assert [m["step"] for m in metrics(out)] == list(range(1, 13))
     assert not (out / ".lease.json").exists()  # released at the end
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(
-    plan_path, tmp_path
-):
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(plan_path, tmp_path):
     """Bytes flipped in the newest checkpoint's shard (same size): the old size-only check
     resumed from it and died later with NaN; now the trainer resumes from the previous one."""
     clean = tmp_path / "clean"
@@ -514,8 +535,15 @@ def test_doc_masking_option_decides_what_the_first_step_attends_to(plan_path, tm
     from model.train import build_model_config
 
     out = tmp_path / "run"
-    spec_file = write_spec(tmp_path / "spec.json", plan_path, out, steps=1, doc_masking=doc_masking,
-                           checkpoint_interval=1, schedule={"total_steps": 1})
+    spec_file = write_spec(
+        tmp_path / "spec.json",
+        plan_path,
+        out,
+        steps=1,
+        doc_masking=doc_masking,
+        checkpoint_interval=1,
+        schedule={"total_steps": 1},
+    )
     run_train(spec_file)
     logged = metrics(out)[0]["loss"]
     spec = TrainSpec.load(spec_file)

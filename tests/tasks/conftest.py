@@ -61,15 +61,21 @@ def run_ws(tmp_path):
         plan_dir = root / "mixture" / f"m{i}"
         plan_dir.mkdir(parents=True)
         weights = {"a": 3.0, "b": 1.0} if i == 2 else {"a": 1.0, "b": 1.0}
-        (plan_dir / "plan.json").write_text(json.dumps({
-            "stage": run.name, "seq_len": 32,
-            "sources": [{"name": k, "weight": v} for k, v in weights.items()],
-        }))
+        (plan_dir / "plan.json").write_text(
+            json.dumps(
+                {
+                    "stage": run.name,
+                    "seq_len": 32,
+                    "sources": [{"name": k, "weight": v} for k, v in weights.items()],
+                }
+            )
+        )
         plan = Artifact(kind="mixture", uri=str(plan_dir), fingerprint=(f"m{i}" * 32), meta={})
         (plan_dir / MARKER).write_text("{}")
         lineage.record_artifact(plan, "mixture", run.name, {}, shards)
-        lineage.record_step(StepRow(run_id, "mixture", run.name, plan.fingerprint, "completed", {}, "x",
-                                    _now(), _now()))
+        lineage.record_step(
+            StepRow(run_id, "mixture", run.name, plan.fingerprint, "completed", {}, "x", _now(), _now())
+        )
         stage_dir = root / "pretrain" / f"p{i}"
         stage_dir.mkdir(parents=True)
         run.spec.bind(plan_dir / "plan.json", stage_dir, None).save(stage_dir / "spec.json")
@@ -81,8 +87,12 @@ def run_ws(tmp_path):
     finals = {"stage1": 5, "stage3": 5}
     for name in ("stage1", "stage3"):
         final = folders[name] / "checkpoints" / f"step_{finals[name]:08d}"
-        art = Artifact(kind="checkpoint", uri=str(folders[name]), fingerprint=(name * 16)[:64],
-                       meta={"kind": "pretrain", "stage": name, "checkpoint": str(final)})
+        art = Artifact(
+            kind="checkpoint",
+            uri=str(folders[name]),
+            fingerprint=(name * 16)[:64],
+            meta={"kind": "pretrain", "stage": name, "checkpoint": str(final)},
+        )
         (folders[name] / MARKER).write_text("{}")
         lineage.record_artifact(art, "pretrain", name, {}, [])
         lineage.record_step(StepRow(run_id, "pretrain", name, art.fingerprint, "completed", {}, "x", _now(), _now()))
@@ -92,8 +102,14 @@ def run_ws(tmp_path):
     # A stage folder of another run (its plan is not one of this run's mixtures) is ignored.
     other = root / "pretrain" / "zz"
     other.mkdir()
-    (other / "spec.json").write_text(json.dumps({**json.loads((folders["stage2"] / "spec.json").read_text()),
-                                                  "mixture_plan": str(root / "elsewhere" / "plan.json")}))
+    (other / "spec.json").write_text(
+        json.dumps(
+            {
+                **json.loads((folders["stage2"] / "spec.json").read_text()),
+                "mixture_plan": str(root / "elsewhere" / "plan.json"),
+            }
+        )
+    )
     _checkpoint(other, 4, 9)
     return ws, folders
 

@@ -76,7 +76,10 @@ def corpus(
         write_lines(root / "train" / f"{k:05d}.jsonl.gz", lines[k * per : (k + 1) * per])
     write_lines(root / "heldout" / "00000.jsonl.gz", [doc_line(i, t, source) for i, t in heldout])
     meta = {
-        "source": source, "domain": domain, "format": "jsonl",
-        "documents": len(lines), "heldout_documents": len(heldout),
+        "source": source,
+        "domain": domain,
+        "format": "jsonl",
+        "documents": len(lines),
+        "heldout_documents": len(heldout),
     }
     return Artifact(kind="corpus", uri=str(root), fingerprint=hashlib.sha256(str(root).encode()).hexdigest(), meta=meta)

@@ -17,7 +17,9 @@ def test_runs_are_baseline_seed_replicas_and_candidates_with_linear_decay(run_ws
     cfg = AnnealConfig(candidates=(AnnealCandidate(name="code", weights={"b": 1}),), tokens=4 * 32 * 8, seed_runs=2)
     runs = anneal_runs(cfg, base)
     assert [(r.label, r.candidate, r.mixture.seed, r.replica) for r in runs] == [
-        ("baseline", "baseline", 0, 0), ("baseline-s1", "baseline", 1, 1), ("baseline-s2", "baseline", 2, 2),
+        ("baseline", "baseline", 0, 0),
+        ("baseline-s1", "baseline", 1, 1),
+        ("baseline-s2", "baseline", 2, 2),
         ("code", "code", 0, 0),
     ]
     assert runs[-1].mixture.weights == {"a": 0.3, "b": 0.7}

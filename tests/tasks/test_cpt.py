@@ -48,19 +48,36 @@ def test_cpt_launch_is_a_tenth_of_the_peak_with_fresh_optimizer(tmp_path):
     from tasks.base import BaseCheckpoint
     from tasks.cpt import cpt_stage
 
-    spec = TrainSpec(stage="stage3", steps=20, global_batch=8, micro_batch=8, seq_len=64, seed=7,
-                     optimizer=OptimizerSpec(lr=3e-3))
+    spec = TrainSpec(
+        stage="stage3", steps=20, global_batch=8, micro_batch=8, seq_len=64, seed=7, optimizer=OptimizerSpec(lr=3e-3)
+    )
     base = BaseCheckpoint(
-        checkpoint="c", digest="d", stage="stage3", step=5, global_step=80, lr=0.0, spec=spec,
-        weights={"a": 1.0}, run_id=None, shards=(), tokenizer="t", suite=None,
+        checkpoint="c",
+        digest="d",
+        stage="stage3",
+        step=5,
+        global_step=80,
+        lr=0.0,
+        spec=spec,
+        weights={"a": 1.0},
+        run_id=None,
+        shards=(),
+        tokenizer="t",
+        suite=None,
         model_shape={"vocab_size": 100, "hidden_size": 32, "max_seq_len": 64},
     )
     cfg = CptConfig(domain={"a": 1}, tokens=8 * 64 * 10, eval_interval=3, warmup_steps=2, decay_fraction=0.2)
     run = cpt_stage(cfg, base)
     assert run.spec.steps == 10 and run.spec.optimizer.lr == pytest.approx(3e-4)
     assert run.spec.reset_optimizer and run.spec.reset_schedule and run.spec.seed == 7
-    assert run.spec.schedule.model_dump() == {"kind": "wsd", "warmup_steps": 2, "decay_fraction": 0.2,
-                                              "min_lr": 0.0, "total_steps": 10, "start_step": 0}
+    assert run.spec.schedule.model_dump() == {
+        "kind": "wsd",
+        "warmup_steps": 2,
+        "decay_fraction": 0.2,
+        "min_lr": 0.0,
+        "total_steps": 10,
+        "start_step": 0,
+    }
     assert run.keep_every == 3  # the monitor reads a checkpoint every interval: all kept
     assert run.spec.model_overrides == {"vocab_size": 100, "hidden_size": 32}  # the base's own shape
 
@@ -69,8 +86,9 @@ def test_heldout_loss_matches_the_model_loss_and_hf_import_becomes_a_base(tmp_pa
     from model.hf import export_hf, import_hf
 
     torch.manual_seed(0)
-    cfg = ModelConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                           num_heads=2, num_kv_heads=1, max_seq_len=64)
+    cfg = ModelConfig.tiny(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_seq_len=64
+    )
     model = SmolLM3(cfg)
     model.init_weights(seed=0)
     model.eval()

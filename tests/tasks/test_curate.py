@@ -112,7 +112,11 @@ def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
     assert meta["documents"] == 5
     # this step's own rejections, by reason; a source's rejections stay in the source's meta
     assert meta["rejected"] == {
-        "malformed_json": 2, "invalid_utf8": 2, "missing_text_field": 2, "empty": 1, "too_large": 1,
+        "malformed_json": 2,
+        "invalid_utf8": 2,
+        "missing_text_field": 2,
+        "empty": 1,
+        "too_large": 1,
     }
     assert meta["input_documents"] == 13 and meta["unaccounted"] == 0
 
@@ -136,7 +140,11 @@ def test_web_preset_runs_offline_with_spacy_blank(tmp_path, monkeypatch):
     assert meta["preset"] == "web" and "junk" not in _ids(out / "train")
     rows = json.loads((out / "filter_stats.json").read_text())
     assert [r["filter"] for r in rows] == [
-        "read", "gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality"
+        "read",
+        "gopher_repetition",
+        "gopher_quality",
+        "c4_quality",
+        "fineweb_quality",
     ]
     assert sum(sum(r["reasons"].values()) for r in rows) + meta["documents"] == 4
     assert list((out / "removed").iterdir())  # removed samples kept for inspection
@@ -222,21 +230,31 @@ def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(t
     """
 
     def code(offset: int) -> str:
-        return "```python\n" + "\n".join(f"value_{i} = compute_{i}(x_{i}, y_{i})" for i in range(offset, offset + 150)) + "\n```"
+        return (
+            "```python\n"
+            + "\n".join(f"value_{i} = compute_{i}(x_{i}, y_{i})" for i in range(offset, offset + 150))
+            + "\n```"
+        )
 
     def linked(text: str) -> str:  # every fourth word a Markdown link
         words = text.split(" ")
-        return " ".join(f"[{w}](https://docs.example.org/ref/{k}.html)" if k % 4 == 0 else w for k, w in enumerate(words))
+        return " ".join(
+            f"[{w}](https://docs.example.org/ref/{k}.html)" if k % 4 == 0 else w for k, w in enumerate(words)
+        )
 
     prose = "\n\n".join(PARAGRAPHS[:2])
-    market = ("The market opens early on Saturdays, and the farmers arrive before dawn. Most of them"
-              " sell vegetables from their own fields and eggs from their hens. Visitors come from the"
-              " nearby towns to buy fresh bread and cheese.")
-    keep = ("The river rose after a week of rain and covered the lower meadow. Children watched the "
-            "water from the bridge while their parents moved the sheep to higher ground. By evening the "
-            "rain had stopped, and the swallows returned to hunt over the flooded grass. The farmer said "
-            "the field would be green again within a month. Nobody in the valley remembered a wetter "
-            "spring than this one.")
+    market = (
+        "The market opens early on Saturdays, and the farmers arrive before dawn. Most of them"
+        " sell vegetables from their own fields and eggs from their hens. Visitors come from the"
+        " nearby towns to buy fresh bread and cheese."
+    )
+    keep = (
+        "The river rose after a week of rain and covered the lower meadow. Children watched the "
+        "water from the bridge while their parents moved the sheep to higher ground. By evening the "
+        "rain had stopped, and the swallows returned to hunt over the flooded grass. The farmer said "
+        "the field would be green again within a month. Nobody in the valley remembered a wetter "
+        "spring than this one."
+    )
     held = [("readme-a", f"# Alpha\n\n{prose}\n\n{code(0)}\n"), ("guide-b", linked(f"{PARAGRAPHS[2]} {market}"))]
     fork = f"# Alpha2\n\n{prose}\n\n{code(1000)}\n"  # the same prose, other code
     plain = f"{PARAGRAPHS[2]} {market}"
@@ -275,8 +293,13 @@ def test_heldout_index_overlap_rules():
     assert index.match(held[1][1] + " Yes.", 50)[1] > 0.5
     # hashes are the same in every process (datatrove workers load the parent's index)
     script = "from tasks.curate_parts import word_ngrams; print(word_ngrams('a b c d e f g h i', 8).tolist())"
-    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env={
-        **__import__("os").environ, "PYTHONHASHSEED": "123"})
+    other = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "123"},
+    )
     assert json.loads(other.stdout) == word_ngrams("a b c d e f g h i", 8).tolist()
 
 
@@ -287,8 +310,9 @@ def test_heldout_split_is_curated_and_counted_apart(tmp_path):
     art = corpus(tmp_path / "in", [(f"t{i}", random_text(rng, 120)) for i in range(4)], heldout=heldout)
     out = tmp_path / "out"
     out.mkdir()
-    cfg = CurationConfig(minhash=False, exact_dedup=False, presets={"toy": "math"},
-                         decontamination=DecontaminationConfig(enabled=False))
+    cfg = CurationConfig(
+        minhash=False, exact_dedup=False, presets={"toy": "math"}, decontamination=DecontaminationConfig(enabled=False)
+    )
     meta = build_curated(cfg, art, out, log=lambda _: None)
     assert sorted(_ids(out / "heldout")) == ["h1", "h3", "h4"]  # the copy of h1 goes
     assert meta["heldout_removed"] == {"exact_dedup:exact_dedup": 1} and meta["heldout_curated"]
@@ -366,7 +390,9 @@ def test_code_filters():
     gen = Document(text="# Code generated by protoc. DO NOT EDIT.\nx = 1\n", id="g")
     assert AutogeneratedFilter().filter(gen) == (False, "autogenerated")
     fine = Document(text="def add(a, b):\n    return a + b\n", id="f")
-    assert all(f.filter(fine) is True for f in (CodeLineLengthFilter(), AlphanumericFractionFilter(), AutogeneratedFilter()))
+    assert all(
+        f.filter(fine) is True for f in (CodeLineLengthFilter(), AlphanumericFractionFilter(), AutogeneratedFilter())
+    )
 
 
 def test_language_filter_only_with_a_local_model(tmp_path):
@@ -394,14 +420,17 @@ def test_language_filter_reads_a_local_fasttext_model(tmp_path):
     art = corpus(tmp_path / "in", docs, source="toy")
     out = tmp_path / "out"
     out.mkdir()
-    cfg = CurationConfig(presets={"toy": "none"}, language_model=str(tmp_path / "lid.bin"),
-                         exact_dedup=False, minhash=False)
+    cfg = CurationConfig(
+        presets={"toy": "none"}, language_model=str(tmp_path / "lid.bin"), exact_dedup=False, minhash=False
+    )
     meta = build_curated(cfg, art, out)
     assert sorted(_ids(out / "train")) == ["en1", "en2"] and meta["removed"] == {"language:language": 1}
 
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
-    slurm = CurationConfig(executor="slurm", tasks=4, workers=2, slurm=SlurmConfig(partition="cpu", sbatch_args={"account": "lm"}))
+    slurm = CurationConfig(
+        executor="slurm", tasks=4, workers=2, slurm=SlurmConfig(partition="cpu", sbatch_args={"account": "lm"})
+    )
     stages = plan_stages(slurm, "web", tmp_path / "train", tmp_path, 4)
     ex = make_executors(slurm, stages, tmp_path / "logs")
     assert [type(e).__name__ for e in ex] == ["SlurmPipelineExecutor"] * len(stages)
@@ -451,8 +480,12 @@ def test_data_flow_through_prefect_in_a_worker_thread(tmp_path, prefect_harness)
 
     ws = tmp_path / "ws"
     over = [
-        *SMALL, f"workspace={ws}", "sources.prose.max_documents=200",
-        "sources.math.documents_per_shard=100", "curation.tasks=2", "curation.workers=2",
+        *SMALL,
+        f"workspace={ws}",
+        "sources.prose.max_documents=200",
+        "sources.math.documents_per_shard=100",
+        "curation.tasks=2",
+        "curation.workers=2",
     ]
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(data_flow(over)))

@@ -23,11 +23,18 @@ def tiny_export(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [f"The pass key is {i * 37 % 1000}. What is {i} + {i + 1}? It is {2 * i + 1}." for i in range(300)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root / "tok")
-    model = SmolLM3(ModelConfig.tiny(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                                     no_rope_interval=2, max_seq_len=64))
+    model = SmolLM3(
+        ModelConfig.tiny(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, no_rope_interval=2, max_seq_len=64
+        )
+    )
     model.init_weights(seed=1)
     return export_hf(model, root / "model", tokenizer_dir=root / "tok", eos_token_id=0)
 
@@ -48,7 +55,12 @@ def test_rows_share_prefixes_and_respect_the_window():
     assert row.parent == [-1, 0, 1, 2, 2] and row.subtree_ends() == [5, 5, 5, 4, 5]
     assert row.scored == [(0, [2, 3], [4, 5]), (1, [2, 4], [6, 7])]
     assert _mask(torch.tensor([row.subtree_ends()]))[0, 0].int().tolist() == [
-        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 1],
+    ]
     # Attention that grows with the row (span 1): sharing one token of four is not worth it.
     assert len(_rows([([1, 2, 3], [4, 5]), ([1, 7, 8], [9, 5])], 12, 12, span=1.0)) == 2
     assert len(_rows([([1, 2, 3], [4, 5]), ([1, 7, 8], [9, 5])], 12, 12)) == 1
@@ -73,9 +85,14 @@ def test_scores_match_lm_eval_hf_request_by_request(tiny_export):
     stock, ours = HFLM(**args), PrefixSharingLM(**args, batch_tokens=100)
     assert ours.ours is not None and ours.max_length == 64
     # Contexts sharing prefixes across items too (like passkey filler), and one past the window.
-    contexts = ["What is 3 + 4? It is", "The pass key is 81. " * 15 + "The pass key is",
-                "What is 10 + 11?", "The", "What is 3 + 4? It is not",
-                "The pass key is 81. " * 5 + "The pass key is 12. The pass key is"]
+    contexts = [
+        "What is 3 + 4? It is",
+        "The pass key is 81. " * 15 + "The pass key is",
+        "What is 10 + 11?",
+        "The",
+        "What is 3 + 4? It is not",
+        "The pass key is 81. " * 5 + "The pass key is 12. The pass key is",
+    ]
     requests = []
     for context in contexts:
         for choice in [" 7", " 81", " 21 and more words here", " 12345", "?"]:
@@ -108,10 +125,11 @@ def test_view_shares_the_transformers_weights(tiny_export):
     ids = torch.tensor([[5, 9, 33, 2, 7, 100]])
     with torch.no_grad():
         logp = torch.log_softmax(hf(ids).logits[0], -1)  # (6, V)
-    (lp, greedy), = score_requests(ours, [([5, 9, 33], [2, 7, 100])], max_length=64)
+    ((lp, greedy),) = score_requests(ours, [([5, 9, 33], [2, 7, 100])], max_length=64)
     assert lp == pytest.approx(float(logp[2, 2] + logp[3, 7] + logp[4, 100]), abs=1e-5)
     assert greedy == bool((logp[2:5].argmax(-1) == torch.tensor([2, 7, 100])).all())
     # Another architecture: no view, PrefixSharingLM keeps lm-eval's own scoring.
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2))
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     assert smollm3_view(llama) is None

@@ -24,8 +24,14 @@ STEPS = tuple(range(0, 1000, 100))
 
 def test_monotone_low_noise_task_is_kept():
     scores = tuple(0.30 + 0.04 * i for i in range(10))  # 0.30 -> 0.66, steadily
-    series = TaskSeries("good", STEPS, scores, stderr=(0.01,) * 10, random=0.25,
-                        models={"a": scores, "b": tuple(s - 0.05 for s in scores)})
+    series = TaskSeries(
+        "good",
+        STEPS,
+        scores,
+        stderr=(0.01,) * 10,
+        random=0.25,
+        models={"a": scores, "b": tuple(s - 0.05 for s in scores)},
+    )
     q = assess(series)
     assert q.spearman == pytest.approx(1.0)
     assert q.snr == pytest.approx(66.0) and q.margin == pytest.approx(41.0)
@@ -38,15 +44,22 @@ def test_noisy_flat_task_is_dropped():
     rng = random.Random(0)
     scores = tuple(0.25 + rng.uniform(-0.03, 0.03) for _ in STEPS)  # random guessing, jittering
     seeds = ((0.22,), (0.27,), (0.25,))
-    series = TaskSeries("noisy", STEPS, scores, seed_scores=seeds, random=0.25,
-                        models={"a": scores, "b": tuple(reversed(scores))})
+    series = TaskSeries(
+        "noisy", STEPS, scores, seed_scores=seeds, random=0.25, models={"a": scores, "b": tuple(reversed(scores))}
+    )
     q = assess(series)
     assert abs(q.spearman) < 0.5 and not q.checks["monotonic"]
     assert q.snr < 20 and not q.checks["low_noise"]  # noise from the seed spread (std 0.025)
     assert not q.checks["above_random"]
     assert not q.keep
-    table = quality_table([assess(TaskSeries("good", STEPS, tuple(0.3 + 0.04 * i for i in range(10)),
-                                             stderr=(0.01,) * 10, random=0.25)), q])
+    table = quality_table(
+        [
+            assess(
+                TaskSeries("good", STEPS, tuple(0.3 + 0.04 * i for i in range(10)), stderr=(0.01,) * 10, random=0.25)
+            ),
+            q,
+        ]
+    )
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["task", "n", "final"]
     assert lines[2].startswith("good") and lines[2].endswith("yes")

@@ -58,10 +58,22 @@ def test_prose_and_passkey_items(tmp_path):
 
 
 def test_contamination_finds_planted_overlap():
-    items = {"t": [
-        {"context": "the quick brown fox jumps over the lazy", "choices": ["dog today", "cat"], "gold": 0, "delimiter": " "},
-        {"context": "entirely fresh words never seen in training", "choices": ["ok", "no"], "gold": 0, "delimiter": " "},
-    ]}
+    items = {
+        "t": [
+            {
+                "context": "the quick brown fox jumps over the lazy",
+                "choices": ["dog today", "cat"],
+                "gold": 0,
+                "delimiter": " ",
+            },
+            {
+                "context": "entirely fresh words never seen in training",
+                "choices": ["ok", "no"],
+                "gold": 0,
+                "delimiter": " ",
+            },
+        ]
+    }
     report = contamination(items, ["yesterday the quick brown fox jumps over the lazy dog today again"], n=8)
     assert report["t"] == {"items": 2, "contaminated": 1, "rate": 0.5}
 
@@ -104,8 +116,12 @@ def tiny_hf_model(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [f"Problem: What is {i} + {i + 1}? Answer: {2 * i + 1}" for i in range(300)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root / "tok")
     model = SmolLM3(ModelConfig.tiny(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2))
     model.init_weights(seed=0)
@@ -125,7 +141,10 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
     import logging
 
     rng = random.Random(2)
-    docs = [f"Problem: What is {a} + {a + 3}?\nSolution: {a} + {a + 3} = {2 * a + 3}.\nAnswer: {2 * a + 3}" for a in range(10, 40)]
+    docs = [
+        f"Problem: What is {a} + {a + 3}?\nSolution: {a} + {a + 3} = {2 * a + 3}.\nAnswer: {2 * a + 3}"
+        for a in range(10, 40)
+    ]
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     _write_task(task_dir, "arith_test", arithmetic_items(docs, EvalConfig(), rng))
@@ -169,8 +188,7 @@ def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     assert 0.0 <= ours["gen_test"]["exact_match"] <= 1.0
 
 
-def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_items_and_random(
-        tmp_path, tiny_hf_model):
+def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_items_and_random(tmp_path, tiny_hf_model):
     """`evaluate`'s build on a real suite and model: items done per task and an ETA while lm-eval
     runs, 100% at the end; per task its headline metric ± stderr, items and random baseline;
     lm-eval's own results file beside the scores, readable by lm-eval's own table printer."""
@@ -178,13 +196,19 @@ def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_it
 
     from tasks.evaluate import build_eval
 
-    sources = [_corpus(tmp_path, "prose", "builtin:prose", "web", 60),
-               _corpus(tmp_path, "math", "builtin:math", "math", 300)]
+    sources = [
+        _corpus(tmp_path, "prose", "builtin:prose", "web", 60),
+        _corpus(tmp_path, "math", "builtin:math", "math", 300),
+    ]
     cfg = EvalConfig(items_per_task=12, passkey_lengths=(30,), passkey_items=3, batch_size=4, device="cpu")
     suite_meta = build_suite(cfg, sources, sources, tmp_path / "suite", log=lambda _: None)
     suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta=suite_meta)
-    model = Artifact(kind="hf_model", uri=str(tiny_hf_model.parent), fingerprint="m" * 64,
-                     meta={"stage": "stage1", "model_dir": str(tiny_hf_model)})
+    model = Artifact(
+        kind="hf_model",
+        uri=str(tiny_hf_model.parent),
+        fingerprint="m" * 64,
+        meta={"stage": "stage1", "model_dir": str(tiny_hf_model)},
+    )
     tasks = stage_tasks(cfg, suite, long_context=True)
     lines, percents = [], []
     out = tmp_path / "eval"
@@ -223,7 +247,6 @@ def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     (task_dir / "g.yaml").write_text(generation_task_yaml("gen_test", task_dir / "g.jsonl", 4))
     lines: list[str] = []
     meter = EvalProgress(lines.append, every_pct=50)  # nothing expected: counted as announced
-    run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], EvalConfig(batch_size=2, device="cpu"), tmp_path,
-                progress=meter)
+    run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], EvalConfig(batch_size=2, device="cpu"), tmp_path, progress=meter)
     assert [line.split(" |")[0] for line in lines] == ["lm-eval: 3/6 items (50%)", "lm-eval: 6/6 items (100%)"]
     assert meter.done == {"gen_test": 6}

@@ -31,8 +31,13 @@ def test_variants_parse_from_the_command_line():
     v = parse_variant("wide:training.model_overrides={hidden_size: 512, num_heads: 8},seed=3")
     assert v.overrides == ("training.model_overrides={hidden_size: 512, num_heads: 8}", "seed=3")
     assert split_top_level("a=[1, 2],b='x,y',c=3") == ["a=[1, 2]", "b='x,y'", "c=3"]
-    for bad, match in [("nocolon", "NAME:key=value"), ("baseline:seed=1", "not 'baseline'"),
-                       ("x:", "changes nothing"), ("x:seed", "is not key=value"), ("Bad:seed=1", "lowercase")]:
+    for bad, match in [
+        ("nocolon", "NAME:key=value"),
+        ("baseline:seed=1", "not 'baseline'"),
+        ("x:", "changes nothing"),
+        ("x:seed", "is not key=value"),
+        ("Bad:seed=1", "lowercase"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_variant(bad)
     with pytest.raises(ValueError, match="repeated: a"):
@@ -60,16 +65,25 @@ def test_difference_is_the_pooled_two_sample_t_test():
 
 
 def _heldout(run: str, steps, values, *, task="heldout_prose", se=0.002, random=3.5) -> Artifact:
-    points = [{"step": s, "global_step": s, "scores": {task: {"bpb": v, "bpb_stderr": se, "loss": v, "loss_stderr": se}}}
-              for s, v in zip(steps, values, strict=True)]
-    return Artifact(kind="eval", uri=f"/x/{run}", fingerprint=(run * 64)[:64],
-                    meta={"points": points, "scores": points[-1]["scores"], "random": {task: {"bpb": random}}})
+    points = [
+        {"step": s, "global_step": s, "scores": {task: {"bpb": v, "bpb_stderr": se, "loss": v, "loss_stderr": se}}}
+        for s, v in zip(steps, values, strict=True)
+    ]
+    return Artifact(
+        kind="eval",
+        uri=f"/x/{run}",
+        fingerprint=(run * 64)[:64],
+        meta={"points": points, "scores": points[-1]["scores"], "random": {task: {"bpb": random}}},
+    )
 
 
 def _cloze(run: str, acc: float) -> Artifact:
-    return Artifact(kind="eval", uri=f"/y/{run}", fingerprint=(run * 64)[::-1][:64],
-                    meta={"scores": {"prose_cloze": {"acc_norm": acc, "acc_norm_stderr": 0.04}},
-                          "random_accuracy": 0.25})
+    return Artifact(
+        kind="eval",
+        uri=f"/y/{run}",
+        fingerprint=(run * 64)[::-1][:64],
+        meta={"scores": {"prose_cloze": {"acc_norm": acc, "acc_norm_stderr": 0.04}}, "random_accuracy": 0.25},
+    )
 
 
 STEPS = (10, 20, 30, 40, 50)
@@ -86,8 +100,13 @@ def _experiment(seeds: int, offsets=(0.0, 0.004, -0.003)):
             inputs[f"{label}.heldout"] = (_heldout(label, STEPS, curve),)
             inputs[f"{label}.lm"] = (_cloze(label, 0.25 + 0.01 * ((k + len(variant)) % 3 - 1)),)
             runs.append(RunRef(label=label, variant=variant, seed=k, lm_steps=(50,)))
-    cfg = ExperimentConfig(kind="ablation", name="better", variants={"baseline": (), "better": ("x=1",)},
-                           runs=tuple(runs), trust=TrustConfig(require=CRITERIA))
+    cfg = ExperimentConfig(
+        kind="ablation",
+        name="better",
+        variants={"baseline": (), "better": ("x=1",)},
+        runs=tuple(runs),
+        trust=TrustConfig(require=CRITERIA),
+    )
     return cfg, inputs
 
 
@@ -136,8 +155,12 @@ def test_a_run_without_its_scores_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"no input\(s\) better-s1.heldout"):
         build_experiment(cfg, inputs, tmp_path, log=lambda _: None)
     with pytest.raises(ValueError, match="nothing to compare the baseline with"):
-        ExperimentConfig(kind="ablation", name="x", variants={"baseline": ()},
-                         runs=(RunRef(label="a", variant="baseline"), RunRef(label="b", variant="baseline", seed=1)))
+        ExperimentConfig(
+            kind="ablation",
+            name="x",
+            variants={"baseline": ()},
+            runs=(RunRef(label="a", variant="baseline"), RunRef(label="b", variant="baseline", seed=1)),
+        )
 
 
 def test_seeds_that_all_score_the_same_measure_resolution_not_noise():

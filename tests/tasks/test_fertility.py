@@ -37,8 +37,12 @@ def char_level(path=None) -> Tokenizer:
 def test_measures_match_hand_counts():
     words = measure(word_level(), TEXTS)
     assert words == {
-        "words": 4, "tokens": 4, "fertility": 1.0, "continued_words": 0.0,
-        "bytes_per_token": 10 / 4, "vocab_used": 4 / 6,
+        "words": 4,
+        "tokens": 4,
+        "fertility": 1.0,
+        "continued_words": 0.0,
+        "bytes_per_token": 10 / 4,
+        "vocab_used": 4 / 6,
     }
     chars = measure(char_level(), TEXTS)
     # "ab cd": a b ' ' c d; "abc d": a b c ' ' d -> 10 tokens over 4 words; 3 of 4 words split
@@ -119,8 +123,9 @@ def test_measured_on_curated_text_and_says_which(tmp_path):
     raw = corpus(tmp_path / "raw", [("t", train)], heldout=[("h", readme)], source="docs")
     out = tmp_path / "cur"
     out.mkdir()
-    cfg = CurationConfig(presets={"docs": "docs"}, exact_dedup=False, minhash=False,
-                         decontamination=DecontaminationConfig(enabled=False))
+    cfg = CurationConfig(
+        presets={"docs": "docs"}, exact_dedup=False, minhash=False, decontamination=DecontaminationConfig(enabled=False)
+    )
     meta = build_curated(cfg, raw, out, log=lambda _: None)
     assert meta["heldout_documents"] == 1
     curated = Artifact(kind="corpus", uri=str(out), fingerprint="c" * 64, meta=meta)

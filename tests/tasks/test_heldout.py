@@ -71,14 +71,23 @@ def _corpus(root: Path, name: str, texts: list[str]) -> Artifact:
 
 
 def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
-    tok = Artifact(kind="tokenizer", uri=str(tokenizer_dir), fingerprint="t" * 64,
-                   meta={"tokenizer_json": str(tokenizer_dir / "tokenizer.json"), "vocab_size": 320,
-                         "eos_token": "<|endoftext|>", "eos_id": 0})
+    tok = Artifact(
+        kind="tokenizer",
+        uri=str(tokenizer_dir),
+        fingerprint="t" * 64,
+        meta={
+            "tokenizer_json": str(tokenizer_dir / "tokenizer.json"),
+            "vocab_size": 320,
+            "eos_token": "<|endoftext|>",
+            "eos_id": 0,
+        },
+    )
     corpus = _corpus(tmp_path, "prose", TEXTS)
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_heldout(HeldoutConfig(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out,
-                         log=lambda _: None)
+    meta = build_heldout(
+        HeldoutConfig(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out, log=lambda _: None
+    )
     ids, nbytes = np.load(meta["file"]), np.load(meta["bytes_file"])
     assert len(ids) == len(nbytes) == meta["tokens"]
     assert meta["bytes"] == sum(len(t.encode("utf-8")) for t in TEXTS)  # every document whole
@@ -86,8 +95,15 @@ def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
 
 
 def _model(vocab: int = 64) -> SmolLM3:
-    cfg = ModelConfig.tiny(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                           num_heads=2, num_kv_heads=1, max_seq_len=64)
+    cfg = ModelConfig.tiny(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_seq_len=64,
+    )
     model = SmolLM3(cfg)
     model.init_weights(seed=0)
     return model.eval()
@@ -106,8 +122,9 @@ def test_bits_per_byte_is_nats_of_text_over_ln2_over_bytes():
     ends = (x == 0).long()
     docs = torch.cumsum(ends, 1) - ends
     with torch.no_grad():
-        ce = torch.nn.functional.cross_entropy(model(x, docs).logits.flatten(0, 1), y.flatten(),
-                                               reduction="none").view(8, 16)
+        ce = torch.nn.functional.cross_entropy(model(x, docs).logits.flatten(0, 1), y.flatten(), reduction="none").view(
+            8, 16
+        )
     text = y != 0
     want = float((ce * text).sum()) / math.log(2) / float(nbytes[1:].sum())
     assert s["bpb"] == pytest.approx(want, rel=1e-6) and s["bpb_stderr"] > 0
@@ -129,19 +146,39 @@ def trained_stage(tmp_path_factory) -> Artifact:
     root = tmp_path_factory.mktemp("stage")
     plan = write_two_source_plan(root / "shards", seq_len=16, vocab_size=128)
     out = root / "pretrain"
-    spec = {"mixture_plan": str(plan), "out_dir": str(out), "steps": 4, "global_batch": 4, "micro_batch": 4,
-            "model_overrides": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,
-                                "num_kv_heads": 1},
-            "optimizer": {"lr": 1e-2}, "checkpoint_interval": 2, "keep_last": 3, "num_threads": 1,
-            "peak_flops": 1e10}
+    spec = {
+        "mixture_plan": str(plan),
+        "out_dir": str(out),
+        "steps": 4,
+        "global_batch": 4,
+        "micro_batch": 4,
+        "model_overrides": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 2,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+        },
+        "optimizer": {"lr": 1e-2},
+        "checkpoint_interval": 2,
+        "keep_last": 3,
+        "num_threads": 1,
+        "peak_flops": 1e10,
+    }
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(spec))
-    subprocess.run([sys.executable, "-m", "model.train", str(out / "spec.json")], cwd=REPO, check=True,
-                   capture_output=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                                             "PATH": "/usr/bin:/bin"}, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "model.train", str(out / "spec.json")],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     final = out / "checkpoints" / "step_00000004"
-    return Artifact(kind="checkpoint", uri=str(out), fingerprint="c" * 64,
-                    meta={"stage": "stage1", "checkpoint": str(final)})
+    return Artifact(
+        kind="checkpoint", uri=str(out), fingerprint="c" * 64, meta={"stage": "stage1", "checkpoint": str(final)}
+    )
 
 
 def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
@@ -152,11 +189,15 @@ def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
     tokens[::9] = 0
     np.save(held / "tokens.npy", tokens)
     np.save(held / "bytes.npy", np.where(tokens == 0, 0, 3).astype(np.int32))
-    heldout = Artifact(kind="shards", uri=str(held), fingerprint="h" * 64,
-                       meta={"domain": "prose", "eos_id": 0, "file": str(held / "tokens.npy"),
-                             "bytes_file": str(held / "bytes.npy")})
-    every = build_heldout_eval(HeldoutEval(every_checkpoint=True), [trained_stage, heldout], tmp_path,
-                               log=lambda _: None)
+    heldout = Artifact(
+        kind="shards",
+        uri=str(held),
+        fingerprint="h" * 64,
+        meta={"domain": "prose", "eos_id": 0, "file": str(held / "tokens.npy"), "bytes_file": str(held / "bytes.npy")},
+    )
+    every = build_heldout_eval(
+        HeldoutEval(every_checkpoint=True), [trained_stage, heldout], tmp_path, log=lambda _: None
+    )
     assert [p["step"] for p in every["points"]] == [2, 4]
     assert [p["global_step"] for p in every["points"]] == [2, 4]
     last = build_heldout_eval(HeldoutEval(), [trained_stage, heldout], tmp_path, log=lambda _: None)

@@ -83,8 +83,14 @@ def _shards(tmp_path, name: str, tokens: int) -> Artifact:
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
     (folder / f"{name}_00000.ds").write_bytes(b"\0\0" * tokens)
-    meta = {"source": name, "tokens": tokens, "files": [f"{name}_00000.ds"], "vocab_size": 4096,
-            "eos_id": 0, "token_dtype": "uint16"}
+    meta = {
+        "source": name,
+        "tokens": tokens,
+        "files": [f"{name}_00000.ds"],
+        "vocab_size": 4096,
+        "eos_id": 0,
+        "token_dtype": "uint16",
+    }
     return Artifact(kind="shards", uri=str(folder), fingerprint=name.ljust(64, "0"), meta=meta)
 
 

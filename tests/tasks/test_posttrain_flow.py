@@ -25,10 +25,14 @@ from tests.conftest import SMALL
 
 POSTTRAIN = [
     "stages=[]",
-    "eval.items_per_task=8", "eval.passkey_lengths=[]", "eval.contamination_max_docs=50",
+    "eval.items_per_task=8",
+    "eval.passkey_lengths=[]",
+    "eval.contamination_max_docs=50",
     "posttrain.device=cpu",
-    "posttrain.data.math_examples=80", "posttrain.data.prose_examples=16",
-    "posttrain.data.heldout_examples=8", "posttrain.data.prompts=32",
+    "posttrain.data.math_examples=80",
+    "posttrain.data.prose_examples=16",
+    "posttrain.data.heldout_examples=8",
+    "posttrain.data.prompts=32",
     "posttrain.sft={max_steps: 3, batch: 4, max_length: 128, save_steps: 2}",
     "posttrain.preference={max_steps: 2, batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
     "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
@@ -86,10 +90,23 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     lineage = Lineage(ws / "lineage.duckdb")
     steps = lineage.steps_of(run_id)
     states = {f"{s['step']}[{s['label']}]": s["state"] for s in steps}
-    for name in ("posttrain_data[chat]", "sft[sft]", "preference[apo]", "preference[apo-s1]",
-                 "merge[soup]", "merge[merge]", "grpo[grpo]", "eval_suite[posttrain]", "evaluate[base]",
-                 "evaluate[sft]", "evaluate[apo]", "evaluate[apo-s1]", "evaluate[soup]",
-                 "evaluate[merge]", "evaluate[grpo]"):
+    for name in (
+        "posttrain_data[chat]",
+        "sft[sft]",
+        "preference[apo]",
+        "preference[apo-s1]",
+        "merge[soup]",
+        "merge[merge]",
+        "grpo[grpo]",
+        "eval_suite[posttrain]",
+        "evaluate[base]",
+        "evaluate[sft]",
+        "evaluate[apo]",
+        "evaluate[apo-s1]",
+        "evaluate[soup]",
+        "evaluate[merge]",
+        "evaluate[grpo]",
+    ):
         assert states.get(name) == "completed", (name, states)
 
     table = eval_table(lineage, run_id)
@@ -102,8 +119,10 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
 
     by_key = {f"{s['step']}[{s['label']}]": s["fingerprint"] for s in steps}
     soup = lineage.get(by_key["merge[soup]"])
-    assert [i["fingerprint"] for i in soup.meta["ingredients"]] == [by_key["preference[apo]"],
-                                                                     by_key["preference[apo-s1]"]]
+    assert [i["fingerprint"] for i in soup.meta["ingredients"]] == [
+        by_key["preference[apo]"],
+        by_key["preference[apo-s1]"],
+    ]
     assert [i["weight"] for i in soup.meta["ingredients"]] == [0.5, 0.5]
     assert {i["seed"] for i in soup.meta["ingredients"]} == {0, 1}
     parents = {a.fingerprint for a in lineage.inputs_of(by_key["merge[merge]"])}
@@ -137,15 +156,17 @@ def test_the_3b_plan_shows_each_trainer_with_its_launcher_and_the_published_sett
     assert betas == {0.1, 0.075, 0.05} and all(0.05 <= b <= 0.1 for b in betas)  # the published range
     assert pt.merge.weights == (0.9, 0.1) and pt.merge.stage == "long64k"
     rows = {r.key: r for r in plan(cfg)}
-    where = ("slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), "
-             "-m tasks.posttrain")
+    where = "slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), -m tasks.posttrain"
     for key in ("sft[sft]", "preference[apo]", "preference[apo-b0075]", "preference[apo-b005]", "grpo[grpo]"):
         assert rows[key].launch.startswith(where), (key, rows[key].launch)
     assert rows["sft[sft]"].launch.endswith("batch 256 = 64 ranks x 1 x 4 accumulation")
     assert rows["merge[soup]"].launch == "" and f"[launch: {where}" in format_plan(list(rows.values()))
     g = flow_graph("smollm3", cfg)
     soup, final = g.node("merge[soup]"), g.node("merge[merge]")
-    assert [n.key for n in soup.inputs["models"]] == ["preference[apo]", "preference[apo-b0075]",
-                                                     "preference[apo-b005]"]
+    assert [n.key for n in soup.inputs["models"]] == [
+        "preference[apo]",
+        "preference[apo-b0075]",
+        "preference[apo-b005]",
+    ]
     assert [n.key for n in final.inputs["models"]] == ["merge[soup]", "export[long64k]"]
     assert soup.config.weights == pytest.approx((1 / 3, 1 / 3, 1 / 3)) and final.config.weights == (0.9, 0.1)

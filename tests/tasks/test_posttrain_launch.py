@@ -58,8 +58,12 @@ def hf_input(folder: Path, model_dir: Path, name: str) -> Artifact:
     """An `hf_model` input artifact (a finished folder whose meta points at the HF folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / MARKER).write_text("{}")
-    return Artifact(kind="hf_model", uri=str(folder), fingerprint=(name * 64)[:64],
-                    meta={"model_dir": str(model_dir), "stage": name})
+    return Artifact(
+        kind="hf_model",
+        uri=str(folder),
+        fingerprint=(name * 64)[:64],
+        meta={"model_dir": str(model_dir), "stage": name},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +92,17 @@ def step_def(name: str):
 def build(name: str, run: TrainerRun, inputs: dict, root: Path, log=lambda _: None):
     """Run the step as the flow runner does (its build in this process, resumable folder)."""
     d = step_def(name)
-    return run_step(root=root, step=d.name, version=d.version, kind=d.kind, config=run, inputs=inputs,
-                    extra=d.facts(run), resumable=d.resumable,
-                    build=lambda out: d.run(run, inputs, out, log=log)).artifact
+    return run_step(
+        root=root,
+        step=d.name,
+        version=d.version,
+        kind=d.kind,
+        config=run,
+        inputs=inputs,
+        extra=d.facts(run),
+        resumable=d.resumable,
+        build=lambda out: d.run(run, inputs, out, log=log),
+    ).artifact
 
 
 def losses(artifact: Artifact) -> list[tuple[int, float]]:
@@ -109,8 +121,13 @@ def assert_same_curve(got: list[tuple[int, float]], want: list[tuple[int, float]
 
 def test_sft_on_two_processes_through_accelerate_matches_one_process(world, tmp_path):
     lines: list[str] = []
-    two = build("sft", run_of(SFT, procs=2, accelerate="configs/accelerate/cpu-ddp.yaml"),
-                {"model": world["base"], "data": world["data"]}, tmp_path, lines.append)
+    two = build(
+        "sft",
+        run_of(SFT, procs=2, accelerate="configs/accelerate/cpu-ddp.yaml"),
+        {"model": world["base"], "data": world["data"]},
+        tmp_path,
+        lines.append,
+    )
     assert two.meta["world_size"] == 2 and world["sft1"].meta["world_size"] == 1
     assert "accelerate (configs/accelerate/cpu-ddp.yaml)" in two.meta["launch"]
     launch = next(line for line in lines if line.startswith("[launch] "))
@@ -142,8 +159,9 @@ def _rank_processes(pgid: int) -> list[psutil.Process]:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "tasks.posttrain" in cmd and not any(w in cmd for w in ("torch.distributed.run", "torchrun",
-                                                                    "accelerate", "lifeline")):
+        if "tasks.posttrain" in cmd and not any(
+            w in cmd for w in ("torch.distributed.run", "torchrun", "accelerate", "lifeline")
+        ):
             ranks.append(p)
     return ranks
 
@@ -205,8 +223,9 @@ def test_sft_and_apo_killed_mid_run_resume_and_end_on_the_uninterrupted_losses(w
 
 
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(world, tmp_path):
-    artifact, after, cause = kill_then_resume("grpo", run_of(GRPO), {"model": world["sft"], "data": world["data"]},
-                                              tmp_path)
+    artifact, after, cause = kill_then_resume(
+        "grpo", run_of(GRPO), {"model": world["sft"], "data": world["data"]}, tmp_path
+    )
     assert "killed by SIGKILL" in cause and f"last checkpoint: step {after}" in cause
     assert artifact.meta["resumed_from_step"] == after and artifact.meta["steps"] == GRPO.max_steps
     assert [s for s, _ in losses(artifact)] == list(range(1, GRPO.max_steps + 1))
@@ -244,8 +263,11 @@ def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_
 def test_a_batch_the_ranks_cannot_share_fails_before_anything_runs():
     with pytest.raises(ValueError, match=r"posttrain.sft.batch 8 is not divisible by the 3 ranks"):
         run_of(SFT, procs=3)
-    assert run_of(SFT.model_copy(update={"per_device_batch": 2}), procs=2).launch_summary().endswith(
-        "batch 8 = 2 ranks x 2 x 2 accumulation")
+    assert (
+        run_of(SFT.model_copy(update={"per_device_batch": 2}), procs=2)
+        .launch_summary()
+        .endswith("batch 8 = 2 ranks x 2 x 2 accumulation")
+    )
     from infra.launchers import get_launcher
 
     with pytest.raises(FileNotFoundError, match="launch.accelerate_config nope.yaml does not exist"):

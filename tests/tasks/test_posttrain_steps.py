@@ -50,8 +50,15 @@ def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int =
         meta = save_hf_tokenizer(train_bpe(iter(texts), 512), tok_dir)
     else:
         meta = {"vocab_size": 512, "eos_id": 0}
-    model = SmolLM3(ModelConfig.tiny(vocab_size=meta["vocab_size"], hidden_size=hidden,
-                                      intermediate_size=2 * hidden, num_layers=2, max_seq_len=512))
+    model = SmolLM3(
+        ModelConfig.tiny(
+            vocab_size=meta["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_layers=2,
+            max_seq_len=512,
+        )
+    )
     model.init_weights(seed=seed)
     return export_hf(model, folder / f"model-{hidden}-{seed}", tokenizer_dir=tok_dir, eos_token_id=meta["eos_id"])
 
@@ -61,7 +68,10 @@ def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> li
     from tasks.sources import SourceConfig, build_corpus
 
     arts = []
-    for name, uri, domain, n in (("math", "builtin:math", "math", math_docs), ("prose", "builtin:prose", "web", prose_docs)):
+    for name, uri, domain, n in (
+        ("math", "builtin:math", "math", math_docs),
+        ("prose", "builtin:prose", "web", prose_docs),
+    ):
         cfg = SourceConfig(name=name, uri=uri, domain=domain, max_documents=n, held_out_fraction=0.2)
         meta = build_corpus(cfg, 0, folder / name, log=lambda _: None)
         arts.append(Artifact(kind="corpus", uri=str(folder / name), fingerprint=name * 8, meta=meta))
@@ -91,11 +101,25 @@ def world(tmp_path_factory):
     data_meta = build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
     sft_log: list[str] = []
     sft_progress: list[float] = []
-    sft_meta = train_sft(SFTSection(max_steps=3, batch=4, max_length=128), base,
-                         root / "data", root / "sft", device="cpu", log=sft_log.append,
-                         progress=sft_progress.append)
-    return {"root": root, "corpora": corpora, "base": base, "data": root / "data",
-            "data_meta": data_meta, "sft": sft_meta, "sft_log": sft_log, "sft_progress": sft_progress}
+    sft_meta = train_sft(
+        SFTSection(max_steps=3, batch=4, max_length=128),
+        base,
+        root / "data",
+        root / "sft",
+        device="cpu",
+        log=sft_log.append,
+        progress=sft_progress.append,
+    )
+    return {
+        "root": root,
+        "corpora": corpora,
+        "base": base,
+        "data": root / "data",
+        "data_meta": data_meta,
+        "sft": sft_meta,
+        "sft_log": sft_log,
+        "sft_progress": sft_progress,
+    }
 
 
 # --- data and verifier ------------------------------------------------------------------------
@@ -130,12 +154,15 @@ def test_builtin_chat_data_keeps_heldout_apart(world):
 def test_external_chat_data_from_jsonl_and_save_to_disk(tmp_path):
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
-            for i in range(40)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+        for i in range(40)
+    ]
     rows += [{"messages": [{"role": "user", "content": "no reply"}]}, {"messages": "oops"}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, heldout, rejected = external_conversations(
-        ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", held_out_fraction=0.2))
+        ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", held_out_fraction=0.2)
+    )
     assert len(train) + len(heldout) == 40 and heldout and dict(rejected) == {"no_assistant_turn": 1, "not_a_list": 1}
     datasets.Dataset.from_list(rows[:40]).save_to_disk(str(tmp_path / "disk"))
     train2, heldout2, _ = external_conversations(ChatDataConfig(uri=f"hf:{tmp_path}/disk", held_out_fraction=0.2))
@@ -186,11 +213,15 @@ def test_post_training_logs_step_loss_lr_and_eta_and_reports_progress(world):
 def test_verified_pairs_prefer_correct_answers():
     from tasks.posttrain.preference import verified_pairs
 
-    prompts = [{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("q1", "5"), ("q2", "7"), ("q3", "1"))]
+    prompts = [
+        {"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("q1", "5"), ("q2", "7"), ("q3", "1"))
+    ]
     samples = [["Answer: 5", "Answer: 4"], ["Answer: 8", "Answer: 9"], ["Answer: 1", "Answer: 1"]]
     rows, facts = verified_pairs(prompts, samples, {"q2": "3 + 4 = 7.\nAnswer: 7"})
     assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows] == [
-        ("Answer: 5", "Answer: 4"), ("3 + 4 = 7.\nAnswer: 7", "Answer: 8")]
+        ("Answer: 5", "Answer: 4"),
+        ("3 + 4 = 7.\nAnswer: 7", "Answer: 8"),
+    ]
     assert facts == {"sample_accuracy": 0.5, "pairs": 2, "chosen_from_policy": 1}
 
 
@@ -198,8 +229,9 @@ def test_apo_from_self_sampled_pairs(world):
     from tasks.posttrain.preference import train_preference
 
     cfg = PreferenceSection(max_steps=2, batch=4, samples_per_prompt=2, max_new_tokens=12)
-    meta = train_preference(cfg, Path(world["sft"]["model_dir"]), world["data"], world["root"] / "apo",
-                            device="cpu", log=lambda _: None)
+    meta = train_preference(
+        cfg, Path(world["sft"]["model_dir"]), world["data"], world["root"] / "apo", device="cpu", log=lambda _: None
+    )
     assert meta["stage"] == "apo" and meta["loss_type"] == "apo_zero" and meta["steps"] == 2
     assert meta["pairs"] > 0 and len(read_jsonl(world["root"] / "apo" / "pairs.jsonl")) == meta["pairs"]
 
@@ -214,8 +246,10 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     from tasks.posttrain.merge import build_merge
 
     post, base = Path(world["sft"]["model_dir"]), world["base"]
-    arts = [Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
-            for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))]
+    arts = [
+        Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
+        for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))
+    ]
     meta = build_merge(LinearMerge(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
     merged = load_file(str(tmp_path / "model" / "model.safetensors"))
     a, b = load_file(str(post / "model.safetensors")), load_file(str(base / "model.safetensors"))
@@ -229,9 +263,11 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
         build_merge(LinearMerge(weights=(0.5, 0.3, 0.2)), arts, tmp_path / "w")
     other = make_tiny_model(world["root"], [], hidden=32)
     with pytest.raises(ValueError, match="not the same architecture"):
-        build_merge(LinearMerge(weights=(0.9, 0.1)),
-                    [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64,
-                                       meta={"model_dir": str(other)})], tmp_path / "x")
+        build_merge(
+            LinearMerge(weights=(0.9, 0.1)),
+            [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64, meta={"model_dir": str(other)})],
+            tmp_path / "x",
+        )
 
 
 def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path):
@@ -241,16 +277,28 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
     from tasks.posttrain.merge import build_merge
 
     soup_in = [make_tiny_model(world["root"], [], seed=s) for s in (3, 4, 5)]
-    arts = [Artifact(kind="hf_model", uri=str(p), fingerprint=f"{i}" * 64,
-                     meta={"model_dir": str(p), "stage": "apo", "seed": i}) for i, p in enumerate(soup_in)]
+    arts = [
+        Artifact(
+            kind="hf_model", uri=str(p), fingerprint=f"{i}" * 64, meta={"model_dir": str(p), "stage": "apo", "seed": i}
+        )
+        for i, p in enumerate(soup_in)
+    ]
     section = MergeSection(soup=(SoupRun(name="apo-s1", seed=1), SoupRun(name="apo-s2", seed=2)))
     assert section.soup_mix() == pytest.approx((1 / 3, 1 / 3, 1 / 3))
     soup = build_merge(LinearMerge(weights=section.soup_mix()), arts, tmp_path / "soup", log=lambda _: None)
     assert soup["merged"] == ["apo (seed 0)", "apo (seed 1)", "apo (seed 2)"]
-    soup_art = Artifact(kind="hf_model", uri=str(tmp_path / "soup"), fingerprint="s" * 64,
-                        meta={"model_dir": soup["model_dir"], "stage": "merge"})
-    base = Artifact(kind="hf_model", uri=str(world["base"]), fingerprint="b" * 64,
-                    meta={"model_dir": str(world["base"]), "stage": "long2"})
+    soup_art = Artifact(
+        kind="hf_model",
+        uri=str(tmp_path / "soup"),
+        fingerprint="s" * 64,
+        meta={"model_dir": soup["model_dir"], "stage": "merge"},
+    )
+    base = Artifact(
+        kind="hf_model",
+        uri=str(world["base"]),
+        fingerprint="b" * 64,
+        meta={"model_dir": str(world["base"]), "stage": "long2"},
+    )
     build_merge(LinearMerge(weights=section.weights), [soup_art, base], tmp_path / "final", log=lambda _: None)
     final = load_file(str(tmp_path / "final" / "model" / "model.safetensors"))
     parts = [load_file(str(p / "model.safetensors")) for p in soup_in]
@@ -316,8 +364,7 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
         def on_step_begin(self, args, state, control, **kw):
             self.seen.append(state.global_step)
 
-    cfg = GRPOSection(max_steps=4, batch=4, num_generations=2, max_completion_length=12,
-                      save_steps=2, lr=1e-3)
+    cfg = GRPOSection(max_steps=4, batch=4, num_generations=2, max_completion_length=12, save_steps=2, lr=1e-3)
     policy = Path(world["sft"]["model_dir"])
     d = grpo
     first, second = FirstStep(), FirstStep()
@@ -325,11 +372,19 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
 
     def build(callbacks):
         # the crash callback runs after the publishing one: the checkpoint is complete first
-        return lambda out: train_grpo(cfg, policy, world["data"], out, device="cpu", log=lambda _: None,
-                                      callbacks=callbacks)
+        return lambda out: train_grpo(
+            cfg, policy, world["data"], out, device="cpu", log=lambda _: None, callbacks=callbacks
+        )
 
-    step_args = dict(root=tmp_path, step=d.name, version=d.version, kind=d.kind, config=cfg.model_dump(),
-                     inputs=(), resumable=d.resumable)
+    step_args = dict(
+        root=tmp_path,
+        step=d.name,
+        version=d.version,
+        kind=d.kind,
+        config=cfg.model_dump(),
+        inputs=(),
+        resumable=d.resumable,
+    )
     with pytest.raises(_Crash):
         run_step(**step_args, build=build([CrashAfterSave(), first]))
     folder = next(p for p in (tmp_path / "grpo").iterdir() if p.is_dir())
@@ -355,14 +410,20 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
 
     teacher = make_tiny_model(world["root"], [], seed=1, hidden=96)  # bigger, same tokenizer
     cfg = DistillSection(teacher=str(teacher), max_steps=2, batch=4, max_completion_length=12)
-    meta = train_distill(cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu",
-                         log=lambda _: None)
+    meta = train_distill(
+        cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu", log=lambda _: None
+    )
     assert meta["stage"] == "opd" and meta["steps"] == 2 and meta["last_loss"] is not None
     small_vocab = tmp_path / "other"
     make_tiny_model(small_vocab, ["abc def"] * 20)  # its own 300-token tokenizer
     with pytest.raises(ValueError, match="same tokenizer"):
-        train_distill(cfg.model_copy(update={"teacher": str(next(small_vocab.glob("model-*")))}),
-                      Path(world["sft"]["model_dir"]), world["data"], tmp_path / "y", device="cpu")
+        train_distill(
+            cfg.model_copy(update={"teacher": str(next(small_vocab.glob("model-*")))}),
+            Path(world["sft"]["model_dir"]),
+            world["data"],
+            tmp_path / "y",
+            device="cpu",
+        )
     # Same size, different tokens: a tokenizer trained on other text, padded to 512 entries.
     other = tmp_path / "other512"
     texts = [f"zq{i} xw{i * 7} vv{i % 13}" for i in range(3000)]
@@ -372,8 +433,13 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
 
     assert AutoConfig.from_pretrained(str(teacher2)).vocab_size == 512
     with pytest.raises(ValueError, match="different vocabulary"):
-        train_distill(cfg.model_copy(update={"teacher": str(teacher2)}),
-                      Path(world["sft"]["model_dir"]), world["data"], tmp_path / "z", device="cpu")
+        train_distill(
+            cfg.model_copy(update={"teacher": str(teacher2)}),
+            Path(world["sft"]["model_dir"]),
+            world["data"],
+            tmp_path / "z",
+            device="cpu",
+        )
 
 
 # --- exact-match generation eval ------------------------------------------------------------
@@ -396,22 +462,28 @@ def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
     task_dir.mkdir()
     (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     (task_dir / "g.yaml").write_text(generation_task_yaml("gen_exact_test", task_dir / "g.jsonl", 8))
-    scores = run_lm_eval(Path(world["sft"]["model_dir"]), task_dir, ["gen_exact_test"],
-                         EvalConfig(batch_size=6, device="cpu"), tmp_path)
+    scores = run_lm_eval(
+        Path(world["sft"]["model_dir"]), task_dir, ["gen_exact_test"], EvalConfig(batch_size=6, device="cpu"), tmp_path
+    )
     assert 0.0 <= scores["gen_exact_test"]["exact_match"] <= 1.0
 
 
 def test_preference_rows_from_a_pairs_file(tmp_path):
     from tasks.posttrain.data import preference_rows
 
-    whole = {"prompt": "2+2?", "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-             "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]}
+    whole = {
+        "prompt": "2+2?",
+        "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}],
+    }
     plain = {"prompt": "3+3?", "chosen": "6", "rejected": "7"}
     (tmp_path / "p.jsonl").write_text(json.dumps(whole) + "\n" + json.dumps(plain) + "\n")
     rows = preference_rows(f"files:{tmp_path}/p.jsonl")
-    assert rows[0] == {"prompt": [{"role": "user", "content": "2+2?"}],
-                       "chosen": [{"role": "assistant", "content": "4"}],
-                       "rejected": [{"role": "assistant", "content": "5"}]}
+    assert rows[0] == {
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
     assert rows[1] == plain
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
     with pytest.raises(ValueError, match="row 0: missing rejected"):
@@ -424,8 +496,14 @@ def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
     from tasks.posttrain.launch import TrainerSpec
 
     out = tmp_path / "sft"
-    spec = TrainerSpec(trainer="sft", section={"max_steps": 1, "batch": 2, "max_length": 64},
-                       policy=str(world["base"]), data=str(world["data"]), out=str(out), device="cpu")
+    spec = TrainerSpec(
+        trainer="sft",
+        section={"max_steps": 1, "batch": 2, "max_length": 64},
+        policy=str(world["base"]),
+        data=str(world["data"]),
+        out=str(out),
+        device="cpu",
+    )
     spec.save(tmp_path / "spec.json")
     assert main([str(tmp_path / "spec.json")]) == 0
     meta = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -447,12 +525,26 @@ def test_a_second_trainer_in_the_same_folder_is_refused(world, tmp_path, capsys)
     from tasks.posttrain.launch import TrainerSpec
 
     out = tmp_path / "sft"
-    TrainerSpec(trainer="sft", section={"max_steps": 1, "batch": 2}, policy=str(world["base"]),
-                data=str(world["data"]), out=str(out), device="cpu").save(tmp_path / "spec.json")
+    TrainerSpec(
+        trainer="sft",
+        section={"max_steps": 1, "batch": 2},
+        policy=str(world["base"]),
+        data=str(world["data"]),
+        out=str(out),
+        device="cpu",
+    ).save(tmp_path / "spec.json")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from infra.lifeline import StageLease; "
-         "StageLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)", str(out)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from infra.lifeline import StageLease; "
+            "StageLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         started = time.monotonic()
@@ -482,12 +574,19 @@ def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
     from infra.launchers import LauncherConfig, SlurmLaunch
     from tasks.posttrain.config import PosttrainLaunch
 
-    base = LauncherConfig(kind="slurm", nodes=24, gpus_per_node=8, env={"NCCL_DEBUG": "WARN"},
-                          slurm=SlurmLaunch(partition="hopper-prod"))
-    got = PosttrainLaunch(nodes=8, accelerate_config="configs/accelerate/fsdp.yaml",
-                          env={"NCCL_IB_DISABLE": "0"}).resolve(base, 8)
+    base = LauncherConfig(
+        kind="slurm", nodes=24, gpus_per_node=8, env={"NCCL_DEBUG": "WARN"}, slurm=SlurmLaunch(partition="hopper-prod")
+    )
+    got = PosttrainLaunch(
+        nodes=8, accelerate_config="configs/accelerate/fsdp.yaml", env={"NCCL_IB_DISABLE": "0"}
+    ).resolve(base, 8)
     assert (got.kind, got.nodes, got.procs_per_node, got.gpus_per_node, got.module) == (
-        "slurm", 8, 8, 8, "tasks.posttrain")
+        "slurm",
+        8,
+        8,
+        8,
+        "tasks.posttrain",
+    )
     assert got.slurm.partition == "hopper-prod" and got.accelerate_config == "configs/accelerate/fsdp.yaml"
     assert got.env == {"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}
     assert PosttrainLaunch().resolve(base, 8).nodes == 24  # unset: the recipe's

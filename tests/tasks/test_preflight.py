@@ -20,8 +20,9 @@ from infra.preflight import PreflightConfig, PreflightFacts  # noqa: E402
 from infra.workspace import Workspace  # noqa: E402
 
 FAST = ("batch_layout", "seq_len", "vocab", "dcp_roundtrip", "cpu_matmul")
-GOOD = PreflightFacts(nproc_per_node=2, global_batch=8, micro_batch=2, seq_len=64,
-                      max_positions=128, tokenizer_vocab=100, model_vocab=128)
+GOOD = PreflightFacts(
+    nproc_per_node=2, global_batch=8, micro_batch=2, seq_len=64, max_positions=128, tokenizer_vocab=100, model_vocab=128
+)
 
 
 def config(**kw) -> PreflightConfig:
@@ -37,8 +38,14 @@ def build(ws: Workspace, cfg: PreflightConfig, facts: PreflightFacts, run_id="ru
     d = tp.preflight
     s = spec(cfg, facts, run_id)
     return run_step(
-        root=ws.path, step=d.name, version=d.version, kind=d.kind, config=s, inputs={},
-        build=lambda out: d.run(s, {}, out, log=lambda _: None), extra=d.facts(s),
+        root=ws.path,
+        step=d.name,
+        version=d.version,
+        kind=d.kind,
+        config=s,
+        inputs={},
+        build=lambda out: d.run(s, {}, out, log=lambda _: None),
+        extra=d.facts(s),
     )
 
 
@@ -51,8 +58,7 @@ def test_passing_preflight_writes_its_report(tmp_path):
     assert art.meta["cpu_gflops"] > 0 and art.meta["gpu_tflops"] is None
     report = json.loads((art.path / "preflight.json").read_text())
     assert report["run_id"] == "run-1" and not report["stop"]
-    assert [r["name"] for r in report["results"]] == ["batch_layout", "seq_len", "cpu_matmul",
-                                                      "dcp_roundtrip", "vocab"]
+    assert [r["name"] for r in report["results"]] == ["batch_layout", "seq_len", "cpu_matmul", "dcp_roundtrip", "vocab"]
     assert "| vocab | pass |" in (art.path / "preflight.md").read_text()
 
 
@@ -89,20 +95,25 @@ def test_preflight_stores_this_hosts_calibration_and_stages_find_the_newest(tmp_
 
 def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_path):
     ws = Workspace.at(tmp_path / "ws")
-    bad = PreflightFacts(nproc_per_node=2, global_batch=7, micro_batch=2, seq_len=256,
-                         max_positions=128, tokenizer_vocab=100, model_vocab=128,
-                         workspace=str(tmp_path / "ws"))
+    bad = PreflightFacts(
+        nproc_per_node=2,
+        global_batch=7,
+        micro_batch=2,
+        seq_len=256,
+        max_positions=128,
+        tokenizer_vocab=100,
+        model_vocab=128,
+        workspace=str(tmp_path / "ws"),
+    )
     with pytest.raises(tp.PreflightFailed) as err:
         build(ws, config(), bad, run_id="run-bad")
     msg = str(err.value)
     assert "2 blocking check(s)" in msg and "batch_layout: FAIL" in msg and "seq_len: FAIL" in msg
     assert "vocab" not in msg.split("\n", 1)[1]
-    rows = ws.lineage().query(
-        "SELECT check_name, status FROM preflight WHERE run_id = 'run-bad' ORDER BY check_name")
+    rows = ws.lineage().query("SELECT check_name, status FROM preflight WHERE run_id = 'run-bad' ORDER BY check_name")
     assert ("batch_layout", "fail") in rows and ("vocab", "pass") in rows
     folder = next(p for p in (ws.path / "preflight").iterdir() if p.is_dir())
     assert (folder / "preflight.json").exists() and not (folder / "_COMPLETE.json").exists()
-
 
 
 class TwoGpus:
@@ -129,11 +140,9 @@ def test_warn_stops_and_allow_warn_proceeds(tmp_path):
 
 def test_publish_records_rows_and_a_prefect_table(tmp_path, monkeypatch):
     ws = Workspace.at(tmp_path / "ws")
-    art: Artifact = build(ws, config(), dataclasses.replace(GOOD, workspace=ws.root),
-                          run_id="run-pub").artifact
+    art: Artifact = build(ws, config(), dataclasses.replace(GOOD, workspace=ws.root), run_id="run-pub").artifact
     tables = []
-    monkeypatch.setattr("prefect.artifacts.create_table_artifact",
-                        lambda **kw: tables.append(kw))
+    monkeypatch.setattr("prefect.artifacts.create_table_artifact", lambda **kw: tables.append(kw))
     tp.publish_preflight(art, ws, "Main Node")
     rows = ws.lineage().query("SELECT run_id, check_name, status FROM preflight ORDER BY check_name")
     assert len(rows) == 5 and rows[0] == ("run-pub", "batch_layout", "pass")
@@ -186,19 +195,24 @@ def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
     bad = dataclasses.replace(good, max_positions=32)
     with pytest.raises(FlowFailed, match=r"(?s)preflight\[node0\] failed: PreflightFailed: .*seq_len: FAIL"):
         pf(bad.to_dict(), "flow-bad")
-    assert ws.lineage().query("SELECT status FROM preflight WHERE run_id = 'flow-bad' AND "
-                              "check_name = 'seq_len'") == [("fail",)]
+    assert ws.lineage().query("SELECT status FROM preflight WHERE run_id = 'flow-bad' AND check_name = 'seq_len'") == [
+        ("fail",)
+    ]
 
 
 def test_recipe_facts_take_stages_plans_and_overrides():
     from types import SimpleNamespace
 
-    recipe = SimpleNamespace(workspace="/w", stages=(
-        SimpleNamespace(name="stage1", tokens=1000, seq_len=256),
-        SimpleNamespace(name="decay", tokens=200, seq_len=512),
-    ))
-    plan = Artifact(kind="mixture", uri="/w/mixture/abc", fingerprint="f" * 64,
-                    meta={"plan": "/w/mixture/abc/plan.json"})
+    recipe = SimpleNamespace(
+        workspace="/w",
+        stages=(
+            SimpleNamespace(name="stage1", tokens=1000, seq_len=256),
+            SimpleNamespace(name="decay", tokens=200, seq_len=512),
+        ),
+    )
+    plan = Artifact(
+        kind="mixture", uri="/w/mixture/abc", fingerprint="f" * 64, meta={"plan": "/w/mixture/abc/plan.json"}
+    )
     facts = tp.recipe_facts(recipe, (plan,), device="cuda", nproc_per_node=8)
     assert facts.stage_tokens == {"stage1": 1000, "decay": 200} and facts.seq_len == 512
     assert facts.mixture_plans == ("/w/mixture/abc/plan.json",) and facts.nproc_per_node == 8

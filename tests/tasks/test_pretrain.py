@@ -21,8 +21,13 @@ def test_smollm3_3b_schedule_matches_the_published_numbers():
     assert [r.schedule.start_step for r in main] == [0, main[0].steps, main[0].steps + main[1].steps]
     decay = main[2].schedule.decay_fraction
     assert decay == pytest.approx(main[2].steps / total) and 0.10 < decay < 0.12
-    assert all(r.optimizer.lr == 2e-4 and r.schedule.warmup_steps == 2000 and r.schedule.kind == "wsd"
-               and not r.reset_optimizer for r in main)
+    assert all(
+        r.optimizer.lr == 2e-4
+        and r.schedule.warmup_steps == 2000
+        and r.schedule.kind == "wsd"
+        and not r.reset_optimizer
+        for r in main
+    )
     long32k, long64k = runs["long32k"], runs["long64k"]
     assert long32k.reset_optimizer and long32k.schedule.kind == "cosine"
     assert long32k.optimizer.lr == pytest.approx(2e-5)
@@ -92,9 +97,21 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     endpoint, client = s3
     plan = write_two_source_plan(tmp_path / "plan")
     spec = TrainSpec(
-        stage="stage1", steps=60, global_batch=32, micro_batch=8, checkpoint_interval=10, keep_last=2,
-        model_preset="tiny", model_overrides={"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
-                                              "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 64},
+        stage="stage1",
+        steps=60,
+        global_batch=32,
+        micro_batch=8,
+        checkpoint_interval=10,
+        keep_last=2,
+        model_preset="tiny",
+        model_overrides={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "max_seq_len": 64,
+        },
         optimizer=OptimizerSpec(lr=1e-3),
         schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=60, start_step=0),
     )
@@ -142,18 +159,44 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     calibrated.mkdir(parents=True)
     source = "preflight 0123456789ab on this host: cpu_matmul fp32 1024^2, best burst, 1 thread"
     torch.set_num_threads(1)
-    (calibrated / "preflight.json").write_text(json.dumps({"calibration": [{
-        "host": socket.gethostname(), "device": "cpu", "dtype": "float32",
-        "flops": cpu_matmul_gflops(1024, 1.0) * 1e9, "threads": 1, "source": source}]}))
+    (calibrated / "preflight.json").write_text(
+        json.dumps(
+            {
+                "calibration": [
+                    {
+                        "host": socket.gethostname(),
+                        "device": "cpu",
+                        "dtype": "float32",
+                        "flops": cpu_matmul_gflops(1024, 1.0) * 1e9,
+                        "threads": 1,
+                        "source": source,
+                    }
+                ]
+            }
+        )
+    )
     (calibrated / MARKER).write_text("{}")
 
     plan = write_two_source_plan(tmp_path / "plan")
     spec = TrainSpec(
-        stage="stage1", steps=3, global_batch=8, micro_batch=8, checkpoint_interval=10, num_threads=1,
-        device="cpu", model_preset="tiny", model_overrides={"hidden_size": 64, "intermediate_size": 128,
-                                                              "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                                                              "max_seq_len": 64},
-        optimizer=OptimizerSpec(lr=1e-3), schedule=ScheduleSpec(kind="wsd", total_steps=3, start_step=0),
+        stage="stage1",
+        steps=3,
+        global_batch=8,
+        micro_batch=8,
+        checkpoint_interval=10,
+        num_threads=1,
+        device="cpu",
+        model_preset="tiny",
+        model_overrides={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "max_seq_len": 64,
+        },
+        optimizer=OptimizerSpec(lr=1e-3),
+        schedule=ScheduleSpec(kind="wsd", total_steps=3, start_step=0),
     )
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out = ws / "pretrain" / "abcdef123456"
@@ -162,7 +205,10 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     meta = build_stage(StageRun(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
 
     assert [line.split(" |")[0] for line in lines if " step " in line and "/3 |" in line] == [
-        "stage1 step 1/3", "stage1 step 2/3", "stage1 step 3/3"]
+        "stage1 step 1/3",
+        "stage1 step 2/3",
+        "stage1 step 3/3",
+    ]
     assert any(line.startswith("stage1 done: 3 steps in ") for line in lines)
     assert json.loads((out / "spec.json").read_text())["peak_calibration"]["source"] == source
     assert meta["mfu_peak_source"] == source and 0 < meta["mfu"] < 1

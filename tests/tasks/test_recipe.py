@@ -46,19 +46,26 @@ def test_one_bad_source_field_is_one_error(tmp_path):
     data = {**BASE, "sources": [{"name": "m", "uri": "builtin:math", "domain": "math", "max_documents": -1}]}
     with pytest.raises(RecipeError) as err:
         load_recipe(_write(tmp_path, data))
-    assert str(err.value).splitlines()[1:] == ["  sources[m].max_documents: Input should be greater than 0 (got an integer)"]
+    assert str(err.value).splitlines()[1:] == [
+        "  sources[m].max_documents: Input should be greater than 0 (got an integer)"
+    ]
     assert "(1 problem(s))" in str(err.value)
 
 
 def test_check_data_names_the_source_field_before_any_compute(tmp_path):
-    recipe = load_recipe(_write(tmp_path, BASE), [f"sources.m.uri=files:{tmp_path}/none/*.jsonl", "sources.m.domain=web"])
+    recipe = load_recipe(
+        _write(tmp_path, BASE), [f"sources.m.uri=files:{tmp_path}/none/*.jsonl", "sources.m.domain=web"]
+    )
     with pytest.raises(RecipeError, match=r"1 data source problem\(s\):\n  sources\[m\]\.uri: no files match"):
         check_data(recipe)
     check_data(load_recipe("tiny"))  # builtin sources: nothing to find
 
 
 def test_unknown_keys_are_rejected_with_the_allowed_ones(tmp_path):
-    with pytest.raises(RecipeError, match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (resources, )?seed, sources, .*workspace"):
+    with pytest.raises(
+        RecipeError,
+        match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (resources, )?seed, sources, .*workspace",
+    ):
         load_recipe(_write(tmp_path, {**BASE, "colour": "red"}))
     with pytest.raises(RecipeError, match=r"sources\[m\]\.colour: unknown field; allowed: .*domain"):
         load_recipe(str(_write(tmp_path, BASE)), ["sources.m.colour=red"])
@@ -89,8 +96,9 @@ def test_bad_overrides_are_named():
 
 
 def test_numbers_are_strict_in_every_section_and_scientific_notation_is_an_int():
-    recipe = load_recipe("tiny", ["stages.stage2.tokens=1e9", "training.optimizer.lr=2e-4",
-                                  "training.global_batch=16.0"])
+    recipe = load_recipe(
+        "tiny", ["stages.stage2.tokens=1e9", "training.optimizer.lr=2e-4", "training.global_batch=16.0"]
+    )
     assert recipe.stages[1].tokens == 1_000_000_000 and isinstance(recipe.stages[1].tokens, int)
     assert recipe.training.optimizer.lr == 2e-4 and recipe.training.global_batch == 16
     cases = {
@@ -98,9 +106,9 @@ def test_numbers_are_strict_in_every_section_and_scientific_notation_is_an_int()
         "training.optimizer.lr=false": "training.optimizer.lr: expected a number, got a boolean",
         "seed=2.5": "seed: expected an integer, got a number with a fractional part",
         "stages.stage1.tokens=1.5e0": r"stages\[stage1\].tokens: expected an integer, got a string "
-                                      "holding a number with a fractional part",
+        "holding a number with a fractional part",
         "sources.math.max_documents=yes": r"sources\[math\].max_documents: expected an integer, got "
-                                          "a boolean",  # YAML 1.1 reads `yes` as true
+        "a boolean",  # YAML 1.1 reads `yes` as true
         "training.optimizer.betas=[0.9, true]": r"training.optimizer.betas\[1\]: expected a number, got a boolean",
     }
     for override, message in cases.items():

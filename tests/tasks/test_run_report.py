@@ -19,8 +19,14 @@ from tasks.run_report import (
     stage_rows,
 )
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "max_seq_len": 64}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_seq_len": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +42,18 @@ def two_stages(tmp_path_factory):
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out, previous = [], None
     for i, name in enumerate(("stage1", "stage2")):
-        spec = TrainSpec(stage=name, steps=3, global_batch=8, micro_batch=8, seq_len=32, num_threads=1,
-                         device="cpu", model_overrides=TINY, optimizer=OptimizerSpec(lr=1e-3),
-                         schedule=ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6,
-                                               start_step=3 * i))
+        spec = TrainSpec(
+            stage=name,
+            steps=3,
+            global_batch=8,
+            micro_batch=8,
+            seq_len=32,
+            num_threads=1,
+            device="cpu",
+            model_overrides=TINY,
+            optimizer=OptimizerSpec(lr=1e-3),
+            schedule=ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6, start_step=3 * i),
+        )
         folder = root / "pretrain" / name
         folder.mkdir(parents=True)
         inputs = {"mixture": mixture, **({"init": previous} if previous else {})}
@@ -55,7 +69,9 @@ def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, 
 
     stages = stage_rows(two_stages)
     assert [(s["label"], s["first_step"], s["steps"], s["first_token"], s["tokens"]) for s in stages] == [
-        ("stage1", 0, 3, 0, 3 * 8 * 32), ("stage2", 3, 3, 3 * 8 * 32, 3 * 8 * 32)]
+        ("stage1", 0, 3, 0, 3 * 8 * 32),
+        ("stage2", 3, 3, 3 * 8 * 32, 3 * 8 * 32),
+    ]
     series = run_series(stages)
     assert [s["x"] for s in series] == [[1, 2, 3], [4, 5, 6]]  # one axis, no restart at stage 2
     schedule = ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6)
@@ -83,25 +99,58 @@ def _eval(root: Path, name: str, scores: dict, **meta) -> Artifact:
     results = meta.pop("results", None)
     if results:
         (folder / "lm_eval_results.json").write_text(json.dumps(results))
-    return Artifact(kind="eval", uri=str(folder), fingerprint=name * 8,
-                    meta={"stage": name, "scores": scores, "random_accuracy": 0.25, **meta})
+    return Artifact(
+        kind="eval",
+        uri=str(folder),
+        fingerprint=name * 8,
+        meta={"stage": name, "scores": scores, "random_accuracy": 0.25, **meta},
+    )
 
 
 def _evals(root: Path) -> list[tuple[str, Artifact]]:
-    cloze = {"prose_cloze": {"acc": 0.29, "acc_stderr": 0.045, "acc_norm": 0.31, "acc_norm_stderr": 0.046},
-             "arithmetic_cloze": {"acc": 0.41, "acc_stderr": 0.049, "acc_norm": 0.2, "acc_norm_stderr": 0.04}}
+    cloze = {
+        "prose_cloze": {"acc": 0.29, "acc_stderr": 0.045, "acc_norm": 0.31, "acc_norm_stderr": 0.046},
+        "arithmetic_cloze": {"acc": 0.41, "acc_stderr": 0.049, "acc_norm": 0.2, "acc_norm_stderr": 0.04},
+    }
     return [
-        ("stage1", _eval(root, "stage1", cloze, items={"prose_cloze": 100, "arithmetic_cloze": 100},
-                         random_baseline={"prose_cloze": 0.25, "arithmetic_cloze": 0.2525})),
+        (
+            "stage1",
+            _eval(
+                root,
+                "stage1",
+                cloze,
+                items={"prose_cloze": 100, "arithmetic_cloze": 100},
+                random_baseline={"prose_cloze": 0.25, "arithmetic_cloze": 0.2525},
+            ),
+        ),
         # Recorded before items and baselines were: items from lm-eval's file, 1 / choices.
-        ("stage2", _eval(root, "stage2", cloze, results={"n-samples": {
-            "prose_cloze": {"original": 100, "effective": 100},
-            "arithmetic_cloze": {"original": 100, "effective": 100}}})),
-        ("sft", _eval(root, "sft", {"prose_cloze": {"acc": 0.35, "acc_stderr": 0.11, "acc_norm": 0.4,
-                                                    "acc_norm_stderr": 0.112},
-                                    "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.043}},
-                      items={"prose_cloze": 20, "arithmetic_exact": 50},
-                      random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0})),
+        (
+            "stage2",
+            _eval(
+                root,
+                "stage2",
+                cloze,
+                results={
+                    "n-samples": {
+                        "prose_cloze": {"original": 100, "effective": 100},
+                        "arithmetic_cloze": {"original": 100, "effective": 100},
+                    }
+                },
+            ),
+        ),
+        (
+            "sft",
+            _eval(
+                root,
+                "sft",
+                {
+                    "prose_cloze": {"acc": 0.35, "acc_stderr": 0.11, "acc_norm": 0.4, "acc_norm_stderr": 0.112},
+                    "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.043},
+                },
+                items={"prose_cloze": 20, "arithmetic_exact": 50},
+                random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0},
+            ),
+        ),
     ]
 
 

@@ -53,8 +53,12 @@ def test_math_answers_are_correct(tmp_path):
 
 
 def test_builtin_prose_and_code(tmp_path):
-    prose = build_corpus(_cfg(uri="builtin:prose", domain="web", max_documents=80), 0, tmp_path / "p", log=lambda _: None)
-    code = build_corpus(_cfg(uri="builtin:code", domain="code", max_documents=30), 0, tmp_path / "c", log=lambda _: None)
+    prose = build_corpus(
+        _cfg(uri="builtin:prose", domain="web", max_documents=80), 0, tmp_path / "p", log=lambda _: None
+    )
+    code = build_corpus(
+        _cfg(uri="builtin:code", domain="code", max_documents=30), 0, tmp_path / "c", log=lambda _: None
+    )
     kinds = {d["metadata"]["kind"] for d in read_shards(tmp_path / "p" / "train")}
     assert "pydoc_topic" in kinds and prose["characters"] > 50_000
     code_docs = list(read_shards(tmp_path / "c" / "train"))
@@ -86,13 +90,18 @@ def _write_bad_jsonl(path):
 
 def test_files_source_counts_every_bad_record(tmp_path):
     _write_bad_jsonl(tmp_path / "a.jsonl")
-    cfg = _cfg(uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id",
-               max_document_chars=1000, held_out_fraction=0.0)
+    cfg = _cfg(
+        uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id", max_document_chars=1000, held_out_fraction=0.0
+    )
     logs: list[str] = []
     meta = build_corpus(cfg, 0, tmp_path / "out", log=logs.append)
     assert meta["documents"] == 2
     assert meta["rejected"] == {
-        "malformed_json": 2, "invalid_utf8": 1, "missing_text_field": 1, "empty": 1, "too_large": 1,
+        "malformed_json": 2,
+        "invalid_utf8": 1,
+        "missing_text_field": 1,
+        "empty": 1,
+        "too_large": 1,
     }
     assert meta["rejected_examples"]["invalid_utf8"] == ["a.jsonl:3"]
     assert any("rejected 6 records" in line for line in logs)
@@ -107,8 +116,9 @@ def test_files_source_reads_gzip_and_parquet_and_writes_parquet(tmp_path):
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as fh:
         fh.write(json.dumps({"body": "gzip document"}) + "\n")
     pq.write_table(pa.Table.from_pylist([{"body": "parquet document", "n": 1}]), tmp_path / "b.parquet")
-    cfg = _cfg(uri=f"files:{tmp_path}/*", domain="web", text_field="body",
-               held_out_fraction=0.0, output_format="parquet")
+    cfg = _cfg(
+        uri=f"files:{tmp_path}/*", domain="web", text_field="body", held_out_fraction=0.0, output_format="parquet"
+    )
     meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
     assert meta["shards"]["train"] == ["00000.parquet"]
     assert sorted(_texts(tmp_path / "out" / "train")) == ["gzip document", "parquet document"]
@@ -139,15 +149,17 @@ def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
     (tmp_path / "j.jsonl").write_text('{"body": "x", "id": 1}\n{"body": "y", "id": 2}\n')
     (tmp_path / "notes.csv").write_text("a,b\n")
     (tmp_path / "array.json").write_text('[{"text": "x"}, {"text": "y"}]\n')
-    problems = check_sources([
-        _cfg(name="ok", uri="builtin:prose", domain="web"),
-        _cfg(name="hub", uri="hf:HuggingFaceFW/fineweb-edu", domain="web"),  # not checked offline
-        _cfg(name="none", uri=f"files:{tmp_path}/missing/*.jsonl", domain="web"),
-        _cfg(name="pq", uri=f"files:{tmp_path}/*.parquet", domain="web"),
-        _cfg(name="js", uri=f"files:{tmp_path}/j.jsonl", domain="web", text_field="body", id_field="doc_id"),
-        _cfg(name="csv", uri=f"files:{tmp_path}/*", domain="web"),
-        _cfg(name="arr", uri=f"files:{tmp_path}/array.json", domain="web"),
-    ])
+    problems = check_sources(
+        [
+            _cfg(name="ok", uri="builtin:prose", domain="web"),
+            _cfg(name="hub", uri="hf:HuggingFaceFW/fineweb-edu", domain="web"),  # not checked offline
+            _cfg(name="none", uri=f"files:{tmp_path}/missing/*.jsonl", domain="web"),
+            _cfg(name="pq", uri=f"files:{tmp_path}/*.parquet", domain="web"),
+            _cfg(name="js", uri=f"files:{tmp_path}/j.jsonl", domain="web", text_field="body", id_field="doc_id"),
+            _cfg(name="csv", uri=f"files:{tmp_path}/*", domain="web"),
+            _cfg(name="arr", uri=f"files:{tmp_path}/array.json", domain="web"),
+        ]
+    )
     assert len(problems) == 5, problems
     none, pq_, js, csv, arr = problems
     assert none.startswith("sources[none].uri: no files match") and "working directory" in none
@@ -180,13 +192,17 @@ def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
 
     for k in range(8):  # check() reads the first 8 files' schemas; the 9th is read by the step
         pq.write_table(pa.Table.from_pylist([{"text": f"doc {k}"}]), tmp_path / f"a{k}.parquet")
-    pq.write_table(pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet"
+    )
     cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web", held_out_fraction=0.0)
     meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
     assert meta["documents"] == 8 and meta["rejected"] == {"missing_text_field": 10}
     assert meta["rejected_examples"]["missing_text_field"] == ["z.parquet: all 10 rows"]
     only_bad = _cfg(uri=f"files:{tmp_path}/z.parquet", domain="web")
-    with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"):
+    with pytest.raises(
+        ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"
+    ):
         build_corpus(only_bad, 0, tmp_path / "out2", log=lambda _: None)
 
 

@@ -38,35 +38,38 @@ def _wrapped(inner: BaseException) -> BaseException:
         return outer
 
 
-@pytest.mark.parametrize(("exc", "expected"), [
-    (OSError(errno.EIO, "Input/output error"), True),
-    (ConnectionResetError(errno.ECONNRESET, "reset by peer"), True),
-    (TimeoutError("read timed out"), True),
-    (OSError(errno.ENOSPC, "No space left on device"), False),
-    (FileNotFoundError(errno.ENOENT, "missing"), False),
-    (PermissionError(errno.EACCES, "denied"), False),
-    (ValueError("sources.math.domain: not one of web, code, math"), False),
-    (KeyError("tokens"), False),
-    (RuntimeError("something else"), False),
-    # a build in a child process reaches the runner as "ClassName: message"
-    (RuntimeError("OSError: [Errno 5] Input/output error: '/mnt/x'"), True),
-    (RuntimeError("ConnectionError: HTTPSConnectionPool: Max retries exceeded"), True),
-    (RuntimeError("OSError: [Errno 28] No space left on device"), False),
-    (RuntimeError("ValueError: curation kept no documents"), False),
-    (RuntimeError("child exited with code -9: ..."), False),
-    # S3 after the storage layer's own backoff
-    (_wrapped(StorageError("upload x failed after 5 attempts")), False),
-    (ClientError("SlowDown"), True),
-    (ClientError("AccessDenied"), False),
-    (HTTPError(503), True),
-    (HTTPError(404), False),
-    # training jobs: killed or preempted resumes, a Python error or NaN does not
-    (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=-9, signal="SIGKILL")), True),
-    (LaunchFailed("Slurm job 7", facts=FailureFacts(who="Slurm job 7", state="NODE_FAIL")), True),
-    (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=3)), False),
-    (LaunchFailed("torchrun", facts=FailureFacts(rank=1, exitcode=1, error="ValueError: bad")), False),
-    (LaunchFailed("sbatch: invalid partition"), False),
-])
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (OSError(errno.EIO, "Input/output error"), True),
+        (ConnectionResetError(errno.ECONNRESET, "reset by peer"), True),
+        (TimeoutError("read timed out"), True),
+        (OSError(errno.ENOSPC, "No space left on device"), False),
+        (FileNotFoundError(errno.ENOENT, "missing"), False),
+        (PermissionError(errno.EACCES, "denied"), False),
+        (ValueError("sources.math.domain: not one of web, code, math"), False),
+        (KeyError("tokens"), False),
+        (RuntimeError("something else"), False),
+        # a build in a child process reaches the runner as "ClassName: message"
+        (RuntimeError("OSError: [Errno 5] Input/output error: '/mnt/x'"), True),
+        (RuntimeError("ConnectionError: HTTPSConnectionPool: Max retries exceeded"), True),
+        (RuntimeError("OSError: [Errno 28] No space left on device"), False),
+        (RuntimeError("ValueError: curation kept no documents"), False),
+        (RuntimeError("child exited with code -9: ..."), False),
+        # S3 after the storage layer's own backoff
+        (_wrapped(StorageError("upload x failed after 5 attempts")), False),
+        (ClientError("SlowDown"), True),
+        (ClientError("AccessDenied"), False),
+        (HTTPError(503), True),
+        (HTTPError(404), False),
+        # training jobs: killed or preempted resumes, a Python error or NaN does not
+        (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=-9, signal="SIGKILL")), True),
+        (LaunchFailed("Slurm job 7", facts=FailureFacts(who="Slurm job 7", state="NODE_FAIL")), True),
+        (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=3)), False),
+        (LaunchFailed("torchrun", facts=FailureFacts(rank=1, exitcode=1, error="ValueError: bad")), False),
+        (LaunchFailed("sbatch: invalid partition"), False),
+    ],
+)
 def test_transient(exc, expected):
     assert transient(exc) is expected
     assert transient(_wrapped(exc)) is expected  # as the runner raises it
@@ -87,10 +90,18 @@ def test_retries_are_declared_where_they_help():
     its checkpoint); evaluations and post-training do not."""
     from flows import ablation, anneal, cpt, smollm3
 
-    steps = {v.name: v for m in (smollm3, anneal, cpt, ablation) for v in vars(m).values()
-             if isinstance(v, StepDef)}
-    for name in ("source", "curate", "tokenizer", "fertility", "tokenize", "eval_suite",
-                 "posttrain_data", "heldout_tokens", "export"):
+    steps = {v.name: v for m in (smollm3, anneal, cpt, ablation) for v in vars(m).values() if isinstance(v, StepDef)}
+    for name in (
+        "source",
+        "curate",
+        "tokenizer",
+        "fertility",
+        "tokenize",
+        "eval_suite",
+        "posttrain_data",
+        "heldout_tokens",
+        "export",
+    ):
         assert steps[name].retries >= 1, name
     assert steps["pretrain"].retries == 1 and steps["pretrain"].resumable
     for name in ("evaluate", "sft", "preference", "grpo", "mixture", "preflight", "compare"):

@@ -87,7 +87,9 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     slurm = make_executors(TokenizeConfig(executor="slurm", slurm=SlurmConfig(partition="cpu")), stages, tmp_path / "b")
     ray = make_executors(TokenizeConfig(executor="ray"), stages, tmp_path / "c")
     assert [type(e[0]) for e in (local, slurm, ray)] == [
-        LocalPipelineExecutor, SlurmPipelineExecutor, RayPipelineExecutor
+        LocalPipelineExecutor,
+        SlurmPipelineExecutor,
+        RayPipelineExecutor,
     ]
     assert slurm[0].partition == "cpu" and slurm[0].tasks == 4
     with pytest.raises(ValueError, match="tokenize.executor is slurm but tokenize.slurm is not set"):

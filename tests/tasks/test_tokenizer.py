@@ -46,9 +46,7 @@ def test_chat_template_marks_exactly_the_assistant_tokens(trained):
         {"role": "user", "content": "Another?"},
         {"role": "assistant", "content": "Silver forest bridge."},
     ]
-    enc = tok.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = enc["input_ids"], enc["assistant_masks"]
     assert len(ids) == len(mask)
     runs, current = [], []
@@ -61,9 +59,7 @@ def test_chat_template_marks_exactly_the_assistant_tokens(trained):
     if current:
         runs.append(current)
     # each assistant turn is one contiguous run: its content and the <|im_end|> that closes it
-    assert [tok.decode(r) for r in runs] == [
-        "The river stone garden.<|im_end|>", "Silver forest bridge.<|im_end|>"
-    ]
+    assert [tok.decode(r) for r in runs] == ["The river stone garden.<|im_end|>", "Silver forest bridge.<|im_end|>"]
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
