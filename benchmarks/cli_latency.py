@@ -39,10 +39,10 @@ FAST, PLAN = 1.5, 3.0
 def build_tiny_lineage(home: Path, runs: int = 3) -> tuple[str, str]:
     """A lineage of the tiny DAG's shape under `home/workspace`; returns (a fingerprint of the
     final model, a source name) for the lineage commands."""
+    from flows.recipe import load_recipe
     from flows.smollm3 import graph
-    from infra.artifact import Artifact
-    from infra.lineage import Lineage, StepRow
-    from tasks.recipe import load_recipe
+    from pipeline.artifact import Artifact
+    from pipeline.lineage import Lineage, StepRow
 
     recipe = load_recipe("tiny", [])
     g = graph(recipe, tolerant=True)
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     if args.workspace:
         workspace = str(Path(args.workspace).resolve())
-        from flows.report import final_artifact
-        from infra.lineage import Lineage
+        from flows.views import final_artifact
+        from pipeline.lineage import Lineage
 
         lineage = Lineage(Path(workspace) / "lineage.duckdb")
         runs = lineage.runs(1)

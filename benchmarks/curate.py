@@ -79,7 +79,7 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
 
 
 def main() -> None:
-    from infra.artifact import Artifact
+    from pipeline.artifact import Artifact
     from tasks.curate import CurationConfig, build_curated
     from tasks.sources import SourceConfig, build_corpus
 

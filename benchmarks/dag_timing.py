@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from infra.lineage import Lineage  # noqa: E402
+from pipeline.lineage import Lineage  # noqa: E402
 
 
 def run_timing(workspace: Path, run_id: str | None = None, flow: str = "smollm3") -> dict:

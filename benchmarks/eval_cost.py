@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from infra.artifact import Artifact  # noqa: E402
+from flows.recipe import load_recipe  # noqa: E402
+from pipeline.artifact import Artifact  # noqa: E402
 from tasks.evaluate import build_eval, build_suite, stage_tasks  # noqa: E402
 from tasks.export import ExportConfig, build_export  # noqa: E402
 from tasks.mixture import MixtureSpec, build_plan  # noqa: E402
 from tasks.pretrain import build_stage, schedule_stages  # noqa: E402
-from tasks.recipe import load_recipe  # noqa: E402
 from tasks.sources import build_corpus  # noqa: E402
 from tasks.tokenize import build_token_shards  # noqa: E402
 from tasks.tokenizer import build_tokenizer  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
     import lm_eval.models.huggingface  # noqa: F401
     import transformers.models.smollm3.modeling_smollm3  # noqa: F401
 
-    import tasks.eval_lm  # noqa: F401
+    import evals.lm  # noqa: F401
 
     print(f"one-time imports of evaluation: {time.perf_counter() - t0:.1f}s", flush=True)
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ detail starts with "WARN"):
 - gpu_count, gpu_matmul, gpu_throttle, gpu_memory, gpu_ecc, dcgm_diag, nccl_allreduce: the preflight
   GPU checks (infra.preflight), run for real on the GPUs present (NVML through pynvml, DCGM through
   dcgmi when installed; NCCL all-reduce needs 2+ GPUs and skips on one);
-- train_ours: `python -m model.train` on the `ablation_1b` preset with the GPU defaults (bf16
+- train_ours: `python -m trainers.pretrain` on the `ablation_1b` preset with the GPU defaults (bf16
   autocast, FlexAttention document masking) plus `compile_model`, on synthetic packed documents:
   tokens/s and MFU (median after warm-up, MFU against the bf16 matmul peak the trainer measures),
   peak CUDA memory, and whether the loss falls;
@@ -20,7 +20,7 @@ detail starts with "WARN"):
   mask (fp32, GQA, several documents per row), logits and parameter gradients, at lengths that are
   and are not multiples of the 128-token block;
 - resume_identical: a run SIGKILLed mid-stage and relaunched ends with weights bit-identical to an
-  uninterrupted run (GPU defaults + compile_model, through `python -m model.train`).
+  uninterrupted run (GPU defaults + compile_model, through `python -m trainers.pretrain`).
 
 `--cpu-smoke` runs the same functions at toy size on CPU, where the trainer's "auto" precision is
 fp32 and its "auto" attention the dense SDPA mask (FlexAttention has no CPU backward): the preflight
@@ -57,7 +57,7 @@ from model.config import ModelConfig  # noqa: E402
 from model.hf import to_hf_model  # noqa: E402
 from model.model import SmolLM3  # noqa: E402
 from model.optim import build_optimizer  # noqa: E402
-from model.spec import OptimizerSpec  # noqa: E402
+from model.spec import OptimizerConfig  # noqa: E402
 
 PREFLIGHT_GPU_CHECKS = (
     "gpu_count",
@@ -251,13 +251,13 @@ def trainer_env(threads: int | None) -> dict[str, str]:
 
 
 def start_trainer(spec: dict, folder: Path, threads: int | None) -> subprocess.Popen:
-    """`python -m model.train spec.json` in the background; output to folder/train.log."""
+    """`python -m trainers.pretrain spec.json` in the background; output to folder/train.log."""
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     log = open(folder / "train.log", "w")  # noqa: SIM115 (closed with the process below)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "model.train", str(spec_path)],
+        [sys.executable, "-m", "trainers.pretrain", str(spec_path)],
         cwd=REPO,
         env=trainer_env(threads),
         stdout=log,
@@ -394,7 +394,7 @@ def transformers_rows(setup: Setup, ours: dict) -> list[Row]:
     with torch.device(dev):
         hf = to_hf_model(SmolLM3(cfg)).to(dev).train()
     hf.set_attn_implementation("sdpa")
-    optimizer = build_optimizer(hf, OptimizerSpec(lr=3e-4))
+    optimizer = build_optimizer(hf, OptimizerConfig(lr=3e-4))
     params = list(hf.parameters())
     ids = torch.randint(1, cfg.vocab_size, (setup.micro_batch, setup.seq_len), device=dev)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if setup.cuda else nullcontext()

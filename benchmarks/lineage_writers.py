@@ -27,7 +27,7 @@ HOLDER = (
 
 
 def writer(path: str, worker: int, rows: int) -> None:
-    from infra.lineage import Lineage
+    from pipeline.lineage import Lineage
 
     lin = Lineage(path)
     for i in range(rows):
@@ -35,7 +35,7 @@ def writer(path: str, worker: int, rows: int) -> None:
 
 
 def run(rows: int, held: bool) -> tuple[float, int, int]:
-    from infra.lineage import Lineage
+    from pipeline.lineage import Lineage
 
     path = str(Path(tempfile.mkdtemp()) / "lineage.duckdb")
     Lineage(path).record_rows("metrics", [("seed", 0, "loss", 0.0)])

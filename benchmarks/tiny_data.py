@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from infra.artifact import Artifact
+    from flows.recipe import load_recipe
+    from pipeline.artifact import Artifact
     from tasks.curate import build_curated
     from tasks.fertility import build_fertility
     from tasks.mixture import build_plan
-    from tasks.recipe import load_recipe
     from tasks.sources import build_corpus
     from tasks.tokenize import build_token_shards
     from tasks.tokenizer import build_tokenizer

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from infra.artifact import Artifact
+    from pipeline.artifact import Artifact
     from tasks.sources import SourceConfig, build_corpus
     from tasks.tokenize import TokenizeConfig, build_token_shards
     from tasks.tokenizer import TokenizerConfig, build_tokenizer

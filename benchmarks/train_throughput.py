@@ -29,7 +29,7 @@ from model.flops import measure_matmul_flops, training_flops_per_token  # noqa: 
 from model.hf import to_hf_model  # noqa: E402
 from model.model import SmolLM3  # noqa: E402
 from model.optim import build_optimizer  # noqa: E402
-from model.spec import OptimizerSpec  # noqa: E402
+from model.spec import OptimizerConfig  # noqa: E402
 
 
 def make_step(model, optimizer, forward):
@@ -73,7 +73,7 @@ def main() -> None:
         num_kv_heads=2,
         max_seq_len=args.seq_len,
     )
-    opt_spec = OptimizerSpec(lr=3e-4)
+    opt_spec = OptimizerConfig(lr=3e-4)
     torch.manual_seed(0)
     ours = SmolLM3(cfg).train()
     hf = to_hf_model(SmolLM3(cfg)).train()  # same shape and init statistics
@@ -84,7 +84,7 @@ def main() -> None:
     doc_ids = (torch.arange(T) * 4 // T).expand(B, T).contiguous()
 
     def deterministic(step):
-        """model.train on CPU turns deterministic algorithms on (bit-exact resume)."""
+        """trainers.pretrain on CPU turns deterministic algorithms on (bit-exact resume)."""
 
         def wrapped(*args):
             torch.use_deterministic_algorithms(True)

@@ -1,5 +1,5 @@
 """The `ablation` flow: a baseline recipe and named variants, each trained with several seeds, and
-a comparison that trusts only the evals carrying signal (tasks/experiment.py).
+a comparison that trusts only the evals carrying signal (evals/experiments.py).
 
 `graph(arms, spec)` lays the whole experiment out as one DAG. Every arm (the baseline, then each
 variant: the recipe with the variant's overrides) adds its steps through `Arm`, which returns the
@@ -24,27 +24,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flows.graph import Graph, Node, lazy_flow
+from evals.experiments import BASELINE, AblationConfig, ExperimentSpec, RunRef, TrustConfig, Variant, parse_variant
+from evals.quality import CRITERIA
+from flows.recipe import Recipe, RecipeError, check_data, load_recipe
 from flows.smollm3 import data
-from infra.artifact import identity
-from tasks.eval_quality import CRITERIA
+from pipeline.artifact import identity
+from pipeline.graph import Graph, Node, lazy_flow
+from tasks.compare import compare_step
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
-from tasks.experiment import (
-    BASELINE,
-    AblationSpec,
-    ExperimentConfig,
-    RunRef,
-    TrustConfig,
-    Variant,
-    compare_step,
-    parse_variant,
-)
 from tasks.export import export
-from tasks.heldout import HeldoutConfig, HeldoutEval, heldout_eval, heldout_tokens
+from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
 from tasks.mixture import MixtureSpec, mixture
 from tasks.preflight import preflight, spec_for
 from tasks.pretrain import pretrain, schedule_stages
-from tasks.recipe import Recipe, RecipeError, check_data, load_recipe
 
 # Settings of the run, not of a model: every arm trains in one flow run with the baseline's.
 RUN_LEVEL = ("workspace", "resources", "launch", "storage")
@@ -105,7 +97,7 @@ def arm_recipes(recipe: str, overrides: Sequence[str], variants: Sequence[Varian
 
 def add_comparison(
     g: Graph,
-    cfg: ExperimentConfig,
+    cfg: ExperimentSpec,
     lm: Mapping[str, Sequence[Node]],
     heldout: Mapping[str, Sequence[Node]],
     label: str,
@@ -125,7 +117,7 @@ def add_comparison(
 
 
 def graph(
-    arms: Mapping[str, Recipe], spec: AblationSpec, *, run_id: str | None = None, tolerant: bool = False
+    arms: Mapping[str, Recipe], spec: AblationConfig, *, run_id: str | None = None, tolerant: bool = False
 ) -> Graph:
     """The ablation DAG (see the module docstring); `arms` starts with the baseline."""
     g = Graph("ablation", tolerant=tolerant)
@@ -150,7 +142,7 @@ def graph(
         held = [
             arm.add(
                 heldout_tokens,
-                HeldoutConfig(domain=s.name, sources=(s.name,), max_tokens=spec.heldout_tokens),
+                HeldoutSpec(domain=s.name, sources=(s.name,), max_tokens=spec.heldout_tokens),
                 label=s.name,
                 tokenizer=d.tokenizer,
                 corpora=d.clean,
@@ -189,7 +181,7 @@ def graph(
                 held_scores[label].append(
                     g.add(
                         heldout_eval,
-                        HeldoutEval(every_checkpoint=True),
+                        HeldoutEvalSpec(every_checkpoint=True),
                         label=f"{label}-{run.name}",
                         reuse=True,
                         checkpoint=previous,
@@ -219,7 +211,7 @@ def graph(
             runs.append(RunRef(label=label, variant=name, seed=k, lm_steps=tuple(lm_steps)))
     variants = {name: () for name in arms}
     variants.update({v.name: v.overrides for v in spec.variants})
-    cfg = ExperimentConfig(
+    cfg = ExperimentSpec(
         kind="ablation",
         name=spec.label,
         variants=variants,
@@ -239,14 +231,14 @@ def ablation_spec(
     lm_eval: str = "stages",
     confidence: float = 0.95,
     name: str = "",
-) -> AblationSpec:
-    """The flow's parameters as an AblationSpec (variants as `NAME:key=value,...` strings)."""
+) -> AblationConfig:
+    """The flow's parameters as an AblationConfig (variants as `NAME:key=value,...` strings)."""
     if not variants:
         raise ValueError(
             "an ablation needs at least one variant: NAME:key=value[,key=value...] "
             "(e.g. lr_low:training.optimizer.lr=0.001)"
         )
-    return AblationSpec(
+    return AblationConfig(
         variants=tuple(parse_variant(v) for v in variants),
         seeds=seeds,
         eval_every=eval_every,
@@ -290,7 +282,8 @@ def _ablation(
     """
     from prefect.runtime import flow_run
 
-    from flows.runner import run_flow
+    from flows.recipe import run_setup
+    from pipeline.runner import run_flow
 
     spec = ablation_spec(variants or [], seeds, eval_every, heldout_tokens, lm_eval, confidence, name)
     arms = arm_recipes(recipe, overrides or [], spec.variants)
@@ -300,7 +293,7 @@ def _ablation(
             check_data(cfg)
             checked.append(cfg.sources)
     dag = graph(arms, spec, run_id=str(flow_run.id) if flow_run.id else None)
-    result = run_flow("ablation", dag, arms[BASELINE], recipe, refresh or [])
+    result = run_flow("ablation", dag, run_setup(arms[BASELINE], recipe), refresh or [])
     final = result.get("final") or {}
     result["experiment"] = final.get("fingerprint")
     result["report"] = f"{final['uri']}/comparison.md" if final else None

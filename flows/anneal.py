@@ -4,31 +4,50 @@
 per source; then per run (baseline, its seed replicas, one per candidate) a weights mixture, a
 short decay (`pretrain`), an HF export, lm-eval and held-out loss and bits per byte; and the
 comparison of every candidate against the baseline with its seed noise. An anneal is an
-experiment (tasks/experiment.py): its variants are the baseline and the candidates, sharing the
+experiment (evals/experiments.py): its variants are the baseline and the candidates, sharing the
 pinned base, and its comparison is the ablations' (`add_comparison`, the `compare` step). The runs
 are independent branches: they train side by side as far as the recipe's train slots allow.
 
 Served as `anneal/nightly` (cron, concurrency 1) and run on demand. The base checkpoint is
 resolved when the run starts (the newest stable-phase checkpoint of the latest `smollm3/full`
 run, or the one given) and pinned, so the main run may keep training and pruning.
+
+The playbook's recipe: take a checkpoint from the stable phase of the main run, continue training
+it on 40% of the current stage's mixture plus 60% of a candidate source with the learning rate
+decaying linearly to 0 over a short run, evaluate, and compare against a baseline anneal on the
+current mixture alone. The base (resolved through lineage and pinned) is tasks/pin.py's; the
+mixtures are tasks/mixture.py's `weights_mixture`; each run is a `pretrain` stage. Here:
+
+- `anneal_runs` lays out the baseline (plus seed replicas of it: the same mixture with another
+  data order, which measures seed noise) and one run per candidate;
+- `anneal_stage` is the `pretrain` config of one run: the base stage's own TrainSpec, from the
+  pinned checkpoint with its optimizer state, LR decaying linearly from the checkpoint's LR to 0;
+- the comparison is the experiment framework's (evals/experiments.py, flows/ablation.py
+  `add_comparison`): the baseline and its replicas and each candidate are the variants of an
+  experiment of kind "anneal", compared on the runs' lm-eval scores and held-out bits per byte
+  with seed noise; DuckDB `experiments` / `experiment_runs` / `experiment_results`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict
+
+from evals.experiments import BASELINE, ExperimentSpec, RunRef
 from flows.ablation import add_comparison
-from flows.graph import Given, Graph, Node, lazy_flow
 from flows.params import RecipeParam, step_names
-from infra.lineage import Lineage
-from infra.workspace import Workspace
-from tasks.anneal import anneal_runs, anneal_stage, heldout_sets
-from tasks.base import BaseCheckpoint, pin, resolve_base
+from flows.recipe import AnnealConfig, Recipe, load_recipe
+from model.spec import ScheduleSpec
+from pipeline.graph import Given, Graph, Node, lazy_flow
+from pipeline.lineage import Lineage
+from pipeline.workspace import Workspace
 from tasks.evaluate import EvalSpec, evaluate
-from tasks.experiment import BASELINE, ExperimentConfig, RunRef
 from tasks.export import export
-from tasks.heldout import HeldoutEval, heldout_eval, heldout_tokens
-from tasks.mixture import weights_mixture
-from tasks.pretrain import pretrain
-from tasks.recipe import Recipe, load_recipe
+from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
+from tasks.mixture import WeightsMixtureSpec, blend, weights_mixture
+from tasks.pin import BaseCheckpoint, pin, resolve_base
+from tasks.pretrain import StageSpec, optimizer_steps, pretrain
 
 
 def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
@@ -73,7 +92,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
         lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite)]
         held_scores[run.label] = [
-            g.add(heldout_eval, HeldoutEval(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held)
+            g.add(heldout_eval, HeldoutEvalSpec(), label=f"anneal-{run.label}", checkpoint=ckpt, heldout=held)
         ]
         refs.append(RunRef(label=run.label, variant=run.candidate, seed=run.replica, lm_steps=(stage.spec.steps,)))
     variants = {BASELINE: (f"weights={base.weights}",)}
@@ -83,7 +102,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
             for c in cfg.anneal.candidates
         }
     )
-    experiment = ExperimentConfig(
+    experiment = ExperimentSpec(
         kind="anneal",
         name=f"{base.label}: {', '.join(c.name for c in cfg.anneal.candidates)}",
         variants=variants,
@@ -115,10 +134,87 @@ def _anneal(
             the run starts; else a checkpoint path or a pretrain artifact fingerprint.
         refresh: Steps to rebuild even when their finished folder exists.
     """
-    from flows.runner import run_flow
+    from flows.recipe import run_setup
+    from pipeline.runner import run_flow
 
     cfg = load_recipe(recipe, overrides or [])
-    return run_flow("anneal", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])
+    return run_flow("anneal", graph(cfg, resolve(cfg, base)), run_setup(cfg, recipe), refresh or [])
 
 
 __getattr__ = lazy_flow("anneal", _anneal, globals())  # the Prefect flow `anneal`, built on first use
+
+
+# --- the anneal runs: baseline, seed replicas, one per candidate ----------------------------
+
+
+class AnnealArm(BaseModel):
+    """One anneal launch: its label, which candidate it tests, and its mixture."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    label: str  # baseline, baseline-s1, or the candidate name
+    candidate: str  # "baseline" for the baseline and its seed replicas
+    mixture: WeightsMixtureSpec  # weights, tokens, sequence length and data-order seed
+    replica: int = 0  # seed index within its candidate (baseline-sK: K)
+
+
+def anneal_runs(cfg: AnnealConfig, base: BaseCheckpoint, seed: int = 0) -> list[AnnealArm]:
+    """The baseline, its seed replicas, then one run per candidate."""
+    if not cfg.candidates:
+        raise ValueError("anneal.candidates is empty: name at least one candidate data source")
+
+    def mix(name: str, weights: Mapping[str, float], run_seed: int) -> WeightsMixtureSpec:
+        return WeightsMixtureSpec(
+            name=f"anneal-{name}", weights=dict(weights), tokens=cfg.tokens, seq_len=base.seq_len, seed=run_seed
+        )
+
+    runs = [AnnealArm(label="baseline", candidate="baseline", mixture=mix("baseline", base.weights, seed))]
+    runs += [
+        AnnealArm(
+            label=f"baseline-s{i}", candidate="baseline", mixture=mix("baseline", base.weights, seed + i), replica=i
+        )
+        for i in range(1, cfg.seed_runs + 1)
+    ]
+    runs += [
+        AnnealArm(
+            label=c.name,
+            candidate=c.name,
+            mixture=mix(
+                c.name, blend([(base.weights, 1 - cfg.candidate_share), (c.weights, cfg.candidate_share)]), seed
+            ),
+        )
+        for c in cfg.candidates
+    ]
+    return runs
+
+
+def anneal_stage(
+    cfg: AnnealConfig, base: BaseCheckpoint, run: AnnealArm, nproc_per_node: int = 1, threads: int | None = None
+) -> StageSpec:
+    """The `pretrain` config of one anneal: the base stage's spec, from the pinned checkpoint with
+    its optimizer state, LR decaying linearly from the checkpoint's LR to 0 over the run."""
+    steps = optimizer_steps(cfg.tokens, base.spec.global_batch, base.seq_len)
+    spec = base.spec.model_copy(
+        update={
+            "stage": run.mixture.name,
+            "steps": steps,
+            "optimizer": base.spec.optimizer.model_copy(update={"lr": base.lr}),
+            "schedule": ScheduleSpec(
+                kind="wsd", warmup_steps=0, decay_fraction=1.0, min_lr=0.0, total_steps=steps, start_step=0
+            ),
+            "reset_optimizer": False,
+            "reset_schedule": False,
+            "checkpoint_interval": min(cfg.checkpoint_interval, steps),
+            "keep_last": 1,
+            "mixture_plan": "",
+            "out_dir": "",
+            "init_from": None,
+        }
+    )
+    return StageSpec(spec=spec, kind="anneal", nproc_per_node=nproc_per_node, threads=threads)
+
+
+def heldout_sets(cfg: AnnealConfig, base: BaseCheckpoint) -> list[HeldoutSpec]:
+    """One held-out set per source of the base stage's mixture: the loss deltas show which
+    domain each candidate moves, long before cloze accuracy of a small model does."""
+    return [HeldoutSpec(domain=n, sources=(n,), max_tokens=cfg.heldout_tokens) for n in sorted(base.weights)]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infra.lineage import Lineage
+    from pipeline.lineage import Lineage
 
 WORKSPACE_HELP = (
     "workspace folder holding lineage.duckdb (default: workspace, relative to "
@@ -24,8 +24,8 @@ WORKSPACE_HELP = (
 
 
 def _lineage(args) -> Lineage:
-    from infra.lineage import Lineage
-    from infra.workspace import resolve_workspace
+    from pipeline.lineage import Lineage
+    from pipeline.workspace import resolve_workspace
 
     return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
 
@@ -46,7 +46,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_recipe(args) -> int:
-    from tasks.recipe import check_data, dump_recipe, load_recipe
+    from flows.recipe import check_data, dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_data(recipe)  # a glob matching nothing or a missing text field fails here, not mid-run
@@ -58,8 +58,9 @@ def cmd_plan(args) -> int:
     from flows.params import check_refresh
 
     check_refresh(args.flow, args.refresh)
-    from flows.plan import format_plan, plan
-    from tasks.recipe import check_data, load_recipe
+    from flows.graphs import plan
+    from flows.recipe import check_data, load_recipe
+    from pipeline.dryrun import format_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
     if args.flow == "smollm3":
@@ -70,7 +71,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from flows.report import resolve_artifact, trained_on_table, tree
+    from flows.views import resolve_artifact, trained_on_table, tree
 
     lineage = _lineage(args)
     if bool(args.artifact) == bool(args.trained_on):
@@ -87,7 +88,7 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from flows.report import runs_table
+    from flows.views import runs_table
 
     lineage = _lineage(args)
     with lineage.reading():
@@ -106,7 +107,7 @@ def cmd_sql(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from flows.report import find_run, run_report
+    from flows.views import find_run, run_report
 
     lineage = _lineage(args)
     with lineage.reading():
@@ -120,7 +121,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from flows.report import summary
+    from flows.views import summary
 
     ui = args.ui
     if ui is None:
@@ -163,9 +164,9 @@ def cmd_preflight(args) -> int:
         return preflight_main(
             argv, prog="smollm3 preflight", usage=PREFLIGHT_USAGE, description=PREFLIGHT_HELP, epilog=PREFLIGHT_EPILOG
         )
+    from flows.recipe import load_recipe
     from infra.preflight import PreflightFacts, format_table, run_preflight, should_stop
     from tasks.preflight import model_facts, spec_for
-    from tasks.recipe import load_recipe
 
     recipe = load_recipe(argv[0], argv[1:])
     spec = spec_for(recipe)
@@ -181,13 +182,13 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_capacity(args) -> int:
-    from infra.planner import main as planner_main
+    from infra.capacity import main as planner_main
 
     return planner_main(args.args)
 
 
 def cmd_eval_quality(args) -> int:
-    from tasks.eval_quality import main as quality_main
+    from evals.quality import main as quality_main
 
     return quality_main(args.args, prog="smollm3 eval-quality")
 
@@ -338,15 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- experiments: `smollm3 ablate`, `smollm3 experiments` (flows/ablation.py, tasks/experiment.py) ---
+# --- experiments: `smollm3 ablate`, `smollm3 experiments` (flows/ablation.py, evals/experiments.py) ---
 
 
 def cmd_ablate(args) -> int:
     """Run the ablation flow in this process (or plan it) and print the comparison."""
     if args.plan:
         from flows.ablation import ablation_spec, arm_recipes, graph
-        from flows.plan import format_plan, plan_graph
-        from infra.workspace import Workspace
+        from pipeline.dryrun import format_plan, plan_graph
+        from pipeline.workspace import Workspace
 
         spec = ablation_spec(
             args.variant, args.seeds, args.eval_every, args.heldout_tokens, args.lm_eval, args.confidence, args.name
@@ -382,7 +383,7 @@ def cmd_ablate(args) -> int:
 
 
 def cmd_experiments(args) -> int:
-    from tasks.experiment import experiment_text
+    from evals.experiments import experiment_text
 
     print(experiment_text(_lineage(args), args.experiment, args.kind))
     return 0

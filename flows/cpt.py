@@ -3,22 +3,22 @@
 base (checkpoint, HF folder or fingerprint) -> pinned base -> domain + replay mixture -> one
 fresh-optimizer WSD stage at a tenth of the peak LR -> held-out loss on both domains at every
 eval interval, with forgetting flags -> HF export. The logic lives in tasks/cpt.py and
-tasks/base.py; `graph` is the DAG as a value (the flow runs it, `smollm3 plan` predicts it).
+tasks/pin.py; `graph` is the DAG as a value (the flow runs it, `smollm3 plan` predicts it).
 """
 
 from __future__ import annotations
 
-from flows.graph import Given, Graph, lazy_flow
 from flows.params import RecipeParam, step_names
-from infra.lineage import Lineage
-from infra.workspace import Workspace
-from tasks.base import BaseCheckpoint, pin, resolve_base
+from flows.recipe import Recipe, load_recipe
+from pipeline.graph import Given, Graph, lazy_flow
+from pipeline.lineage import Lineage
+from pipeline.workspace import Workspace
 from tasks.cpt import cpt_monitor, cpt_stage, cpt_weights, general_weights, heldout_configs
 from tasks.export import export
 from tasks.heldout import heldout_tokens
-from tasks.mixture import WeightsMixture, weights_mixture
+from tasks.mixture import WeightsMixtureSpec, weights_mixture
+from tasks.pin import BaseCheckpoint, pin, resolve_base
 from tasks.pretrain import pretrain
-from tasks.recipe import Recipe, load_recipe
 
 
 def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
@@ -38,7 +38,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     pinned = g.add(pin, base.pin_spec(), label=base.label)
     plan = g.add(
         weights_mixture,
-        WeightsMixture(
+        WeightsMixtureSpec(
             name="cpt", weights=cpt_weights(c, general), tokens=c.tokens, seq_len=base.seq_len, seed=cfg.seed
         ),
         label="cpt",
@@ -75,10 +75,11 @@ def _cpt(
             an HF `save_pretrained` folder or a checkpoint artifact fingerprint.
         refresh: Steps to rebuild even when their finished folder exists.
     """
-    from flows.runner import run_flow
+    from flows.recipe import run_setup
+    from pipeline.runner import run_flow
 
     cfg = load_recipe(recipe, overrides or [])
-    return run_flow("cpt", graph(cfg, resolve(cfg, base)), cfg, recipe, refresh or [])
+    return run_flow("cpt", graph(cfg, resolve(cfg, base)), run_setup(cfg, recipe), refresh or [])
 
 
 __getattr__ = lazy_flow("cpt", _cpt, globals(), max_workers=64)  # the Prefect flow `cpt`, built on first use

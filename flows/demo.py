@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from flows.report import summary
-from infra.lineage import Lineage
+from flows.views import summary
+from pipeline.lineage import Lineage
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +124,7 @@ def _wait(what: str, check, timeout: float, log: Path) -> None:
 
 
 def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full") -> int:
-    from infra.workspace import resolve_workspace
+    from pipeline.workspace import resolve_workspace
 
     workspace = resolve_workspace(workspace)  # the folder the served runs resolve it to
     env = prefect_env(workspace, port)

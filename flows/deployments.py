@@ -10,7 +10,7 @@ process does not silently disable them. Before serving, flow runs are set to hea
 server gets the automation that marks a run Crashed after three missed heartbeats
 (infra/prefect_server.py), so a run whose process was killed with this one does not stay Running
 forever. A run whose serve process dies while the run lives on stops and ends Crashed, saying
-so (flows/owner.py).
+so (pipeline/owner.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from prefect.deployments.runner import RunnerDeployment
 from flows.ablation import ablation
 from flows.anneal import anneal
 from flows.cpt import cpt
-from flows.crash_detection import ensure_crash_detection
-from flows.owner import name_owner
 from flows.smollm3 import smollm3
 from infra.prefect_server import HEARTBEAT_ENV, heartbeat_seconds
+from pipeline.owner import ensure_crash_detection, name_owner
 
 # Nightly anneal: 02:00 (server time zone UTC), when the main run has had a day of new checkpoints.
 ANNEAL_CRON = "0 2 * * *"
@@ -74,7 +73,7 @@ def deployments() -> list[RunnerDeployment]:
 
 def main() -> None:
     os.environ[HEARTBEAT_ENV] = str(heartbeat_seconds())  # inherited by every flow-run process
-    name_owner()  # each run watches this process and ends Crashed if it dies (flows/owner.py)
+    name_owner()  # each run watches this process and ends Crashed if it dies (pipeline/owner.py)
     try:
         ensure_crash_detection()
     except Exception as exc:  # noqa: BLE001 - serving matters more; say what is missing

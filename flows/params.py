@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from tasks.recipe import CONFIGS_DIR
-from tasks.step import StepDef
+from flows.recipe import CONFIGS_DIR
+from pipeline.step import StepDef
 
 
 def recipe_names() -> tuple[str, ...]:

@@ -1,8 +1,8 @@
 """The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals
 -> post-training -> the run report (one loss curve, one eval table).
 
-`graph(recipe)` is the DAG as a value (flows/graph.py): every step with its typed config and
-named inputs, fingerprinted before anything runs. The flow runs it (flows/runner.py: independent
+`graph(recipe)` is the DAG as a value (pipeline/graph.py): every step with its typed config and
+named inputs, fingerprinted before anything runs. The flow runs it (pipeline/runner.py: independent
 branches at once, within the recipe's resource slots) and `smollm3 plan` predicts it.
 """
 
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flows.graph import Graph, Node, lazy_flow
 from flows.params import RecipeParam, step_names
+from flows.recipe import Recipe, check_data, load_recipe
+from pipeline.graph import Graph, Node, lazy_flow
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
 from tasks.fertility import FertilitySpec, fertility
 from tasks.mixture import MixtureSpec, mixture
-from tasks.posttrain.config import ChatDataSpec, LinearMerge, TrainerRun
 from tasks.posttrain.data import posttrain_data
 from tasks.posttrain.distill import distill
 from tasks.posttrain.grpo import grpo
@@ -26,11 +26,11 @@ from tasks.posttrain.preference import preference
 from tasks.posttrain.sft import sft
 from tasks.preflight import preflight, spec_for
 from tasks.pretrain import pretrain, schedule_stages
-from tasks.recipe import Recipe, check_data, load_recipe
 from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
+from trainers.posttrain.config import ChatDataSpec, MergeSpec, PosttrainSpec
 
 
 def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> Graph:
@@ -136,7 +136,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     long-context checkpoint -> GRPO -> optional on-policy distillation (docs/posttraining.md).
     Every model is scored on the cloze tasks plus held-out arithmetic exact match, under its label
     (base, sft, apo and each soup run, soup, merge, grpo, opd). Trainers run as launched jobs on
-    `posttrain.launch` over the recipe's `launch` (tasks/posttrain/launch.py)."""
+    `posttrain.launch` over the recipe's `launch` (trainers/posttrain/launch.py)."""
     pt = cfg.posttrain
     suite = g.add(
         eval_suite,
@@ -156,8 +156,8 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     def score(model: Node, label: str) -> None:
         g.add(evaluate, scoring, label=label, model=model, suite=suite)
 
-    def run(section, seed: int | None = None) -> TrainerRun:
-        return TrainerRun.of(
+    def run(section, seed: int | None = None) -> PosttrainSpec:
+        return PosttrainSpec.of(
             section, pt, launch=launch, storage=cfg.storage, threads=cfg.resources.threads("train"), seed=seed
         )
 
@@ -180,7 +180,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
                 )
                 score(node, extra.name)
                 ingredients.append(node)
-            model = g.add(merge, LinearMerge(weights=pt.merge.soup_mix()), label="soup", models=ingredients)
+            model = g.add(merge, MergeSpec(weights=pt.merge.soup_mix()), label="soup", models=ingredients)
             score(model, "soup")
     if pt.merge.enabled:
         other = base
@@ -194,7 +194,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
                     f"(stages: {stages}); name one, or leave it unset for the model "
                     "post-training starts from"
                 ) from None
-        model = g.add(merge, LinearMerge(weights=pt.merge.weights), label="merge", models=[model, other])
+        model = g.add(merge, MergeSpec(weights=pt.merge.weights), label="merge", models=[model, other])
         score(model, "merge")
     if pt.grpo.enabled:
         model = g.add(grpo, run(pt.grpo), label="grpo", model=model, data=data)
@@ -224,12 +224,13 @@ def _smollm3(
     """
     from prefect.runtime import flow_run
 
-    from flows.runner import run_flow
+    from flows.recipe import run_setup
+    from pipeline.runner import run_flow
 
     cfg = load_recipe(recipe, overrides or [])  # an invalid recipe fails before any step
     check_data(cfg)  # so does a source whose data cannot be read as configured
     dag = graph(cfg, run_id=str(flow_run.id) if flow_run.id else None)  # unreadable input data fails here
-    return run_flow("smollm3", dag, cfg, recipe, refresh or [])
+    return run_flow("smollm3", dag, run_setup(cfg, recipe), refresh or [])
 
 
 __getattr__ = lazy_flow("smollm3", _smollm3, globals())  # the Prefect flow `smollm3`, built on first use

@@ -1,7 +1,7 @@
-"""The checkpoint completeness rule, in one place: the `COMPLETE` marker and its file manifest.
+"""The checkpoint completeness rule, in one place: the `_CHECKPOINT.json` marker and its file manifest.
 
 A checkpoint folder (`step_XXXXXXXX/`, written by model/checkpoint.py) is complete when its marker
-`COMPLETE` exists; the marker is written last, atomically, and lists every other file of the
+`_CHECKPOINT.json` exists; the marker is written last, atomically, and lists every other file of the
 folder with its size and SHA-256:
 
     {"format": 2, "step": 8, "stage_end": false,
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-MARKER = "COMPLETE"
+from infra.files import CHECKPOINT_MARKER
+
+MARKER = CHECKPOINT_MARKER  # written last (infra/files.py)
 FORMAT = 2
 CHUNK = 8 << 20
 
@@ -158,12 +159,3 @@ def verify(folder: Path, marker: str = MARKER, names: Sequence[str] | None = Non
     with ThreadPoolExecutor(max(1, min(threads, len(todo) or 1))) as pool:
         found = list(pool.map(lambda n: file_problem(folder, n, files[n]), todo))
     return [p for p in found if p]
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(obj, indent=2))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

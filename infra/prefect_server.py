@@ -14,7 +14,7 @@ The auth string and database password are secrets: they travel only in the retur
 Runs whose process died: a flow-run process killed without a chance to report (SIGKILL, OOM
 killer, a lost node) stays `Running` in Prefect forever. Every flow run emits a
 `prefect.flow-run.heartbeat` event every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect
-3.1.8+; at least 30), and flows/crash_detection.py installs the server-side automation Prefect
+3.1.8+; at least 30), and pipeline/owner.py installs the server-side automation Prefect
 documents for this ("detect zombie flows"); `heartbeat_seconds` here is the period both use.
 """
 

@@ -11,7 +11,7 @@ group still registered. A child's own failure raises `ChildFailed` with the tail
 
 None of that runs when the owner dies abruptly (SIGKILL, the OOM killer, `systemctl stop` killing
 the serve process and the flow process together): the child is therefore started under a guard
-(`infra/lifeline.py`) that kills its whole tree, ranks in their own sessions included, within a
+(`infra/guard.py`) that kills its whole tree, ranks in their own sessions included, within a
 second of the owner's death (parent-death signal plus a watchdog on the owner's pid and start
 time).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.lifeline import ProcessRef, guard_command
+from infra.guard import ProcessRef, guard_command
 
 _live: set[subprocess.Popen] = set()
 _live_lock = threading.Lock()
@@ -148,7 +148,7 @@ def run_streaming(
     `env` entries are added to the current environment. On any exception in the caller's thread
     (including Prefect's cancellation and KeyboardInterrupt), the child's group is killed first.
     `on_start(pid)` receives the child's pid, which is also its process-group id. With `guarded`
-    (the default) the child is the guard of `infra/lifeline.py`, which runs `cmd` and takes its
+    (the default) the child is the guard of `infra/guard.py`, which runs `cmd` and takes its
     tree down if this process dies without cleaning up.
     """
     full_env = {**os.environ, **(env or {})}

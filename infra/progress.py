@@ -1,7 +1,7 @@
 """How far along a long piece of work is, in one format for every step: done/total, rate, ETA.
 
-The trainer (model/train.py), lm-eval (tasks/evaluate.py) and the post-training trainers
-(tasks/posttrain/common.py) all say where they are the same way, so a Prefect task log reads
+The trainer (trainers/pretrain.py), lm-eval (tasks/evaluate.py) and the post-training trainers
+(trainers/posttrain/common.py) all say where they are the same way, so a Prefect task log reads
 alike for every step:
 
     stage1 step 40/100 | loss 5.4321 | lr 2.40e-03 | grad 0.81 | 9,870 tok/s | MFU 23.4% | ETA 1m12s

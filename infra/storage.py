@@ -3,7 +3,7 @@
 What a 384-GPU run needs from object storage, and how this module provides it:
 
 - Only complete folders leave the machine, and they arrive complete-last. A checkpoint folder counts
-  as complete only when its marker (`COMPLETE`, written last by the trainer, listing every file with
+  as complete only when its marker (`_CHECKPOINT.json`, written last by the trainer, listing every file with
   its size and SHA-256; infra/manifest.py) exists and the files match it; a step folder only when
   its `_COMPLETE.json` exists. A checkpoint whose bytes no longer match the trainer's digests
   (bit rot, a file changed on disk) is never uploaded: the mirror skips it with a warning.
@@ -52,11 +52,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import manifest
+from infra.files import CHECKPOINT_MARKER, STEP_MARKER, write_atomic
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_MARKER = "COMPLETE"  # model/checkpoint.py's marker: {"step", "stage_end", "files"}
-STEP_MARKER = "_COMPLETE.json"  # infra/artifact.py's marker of a finished step folder
+# CHECKPOINT_MARKER: model/checkpoint.py's marker {"step", "stage_end", "files"}; STEP_MARKER:
+# pipeline/artifact.py's marker of a finished step folder (both defined in infra/files.py)
 MANIFEST = "_SHA256SUMS.json"  # ours: {"files": {relative path: {"size", "sha256"}}}
 MiB = 1 << 20
 T = TypeVar("T")
@@ -492,7 +493,7 @@ class S3Store:
             shutil.rmtree(partial, ignore_errors=True)  # never leave a half folder behind
             raise
         (partial / MANIFEST).write_bytes(raw)
-        _write_atomic_bytes(partial / marker, marker_bytes)
+        write_atomic(partial / marker, marker_bytes)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(partial, dest)
@@ -527,15 +528,6 @@ class S3Store:
             report.files += 1
             report.bytes += want["size"]
             report.sent += 1
-
-
-def _write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def make_client(config: StorageConfig) -> Any:

@@ -7,7 +7,7 @@ Layout of one checkpoint, `{root}/step_{N:08d}/`:
     trainer_state.json        step, global step, schedule start, loss, data-loader state,
                               tokens drawn per source, world size, stage-end flag
     rng_rank{r}.pt            each rank's torch RNG states
-    COMPLETE                  written last, atomically (tmp file + os.replace): step, stage-end
+    _CHECKPOINT.json                  written last, atomically (tmp file + os.replace): step, stage-end
                               flag and a manifest {file: {size, sha256}} (infra/manifest.py),
                               hashed by all ranks in parallel after the save.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import pickle
 import shutil
 import warnings
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from infra import manifest
+from infra.files import write_atomic
 from model.config import ModelConfig
 from model.model import SmolLM3
 
@@ -65,15 +65,6 @@ class CheckpointCorrupt(FileNotFoundError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
@@ -271,9 +262,9 @@ class Checkpointer:
         torch.save(rng, folder / f"rng_rank{rank}.pt")
         if _is_main():
             config = model.config.to_dict()
-            atomic_write_text(folder / MODEL_CONFIG, json.dumps(config, indent=2))
+            write_atomic(folder / MODEL_CONFIG, json.dumps(config, indent=2))
             state = dict(trainer_state, step=step, stage_end=stage_end)
-            atomic_write_text(folder / TRAINER_STATE, json.dumps(state, indent=2))
+            write_atomic(folder / TRAINER_STATE, json.dumps(state, indent=2))
         _barrier()
         # Every rank hashes a share of the files (rank 0's listing); rank 0 writes the marker.
         names = [manifest.payload_files(folder) if _is_main() else None]
@@ -284,7 +275,7 @@ class Checkpointer:
         if _is_main():
             files = {k: v for part in hashed for k, v in part.items()}
             record = manifest.marker_record(step, stage_end, dict(sorted(files.items())))
-            atomic_write_text(folder / MARKER, json.dumps(record, indent=2))
+            write_atomic(folder / MARKER, json.dumps(record, indent=2))
             self.prune()
         _barrier()
         return folder

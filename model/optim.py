@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.spec import OptimizerSpec
+from model.spec import OptimizerConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -24,7 +24,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, spec: OptimizerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         param_groups(model, spec.weight_decay),
         lr=spec.lr,
@@ -34,7 +34,7 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:
     )
 
 
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, spec: OptimizerConfig) -> None:
     """Re-impose the spec after loading a checkpoint, whose param_groups carry the old values."""
     decay_group, no_decay_group = optimizer.param_groups
     for group in (decay_group, no_decay_group):

@@ -1,13 +1,13 @@
 """TrainSpec: a training stage as one typed value, the pretrain step's config and the trainer's input.
 
-The recipe's `training` section holds the trainer's own `OptimizerSpec`; tasks/pretrain.py lays
+The recipe's `training` section holds the trainer's own `OptimizerConfig`; tasks/pretrain.py lays
 the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
 seed); the pretrain step fingerprints the spec's identity fields, binds the paths that come from
 its inputs and folder (`mixture_plan`, `out_dir`, `init_from`), writes it as `spec.json` and
-launches `torchrun ... -m model.train spec.json`. One type end to end: no dict in between, no
+launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no dict in between, no
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
 
-Fields marked operational (`infra.artifact.operational`) say how a stage runs (checkpoint and
+Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
 log intervals, threads, micro-batching, the MFU peak): they never enter a fingerprint. Unknown
 keys are refused, so a typo fails before any rank starts work.
 """
@@ -21,14 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from infra.artifact import operational
+from pipeline.artifact import operational
 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class OptimizerSpec(_Spec):
+class OptimizerConfig(_Spec):
     """AdamW, as SmolLM3 trained it; the recipe's `training.optimizer` is this class."""
 
     lr: float = Field(default=3e-4, ge=0)  # peak learning rate (SmolLM3 3B: 2e-4)
@@ -38,7 +38,7 @@ class OptimizerSpec(_Spec):
     grad_clip: float = Field(default=1.0, ge=0)  # max global gradient norm; 0 disables clipping
 
     @model_validator(mode="after")
-    def _betas(self) -> OptimizerSpec:
+    def _betas(self) -> OptimizerConfig:
         if math.isnan(self.lr):
             raise ValueError("optimizer.lr is NaN")
         if not all(0 <= b < 1 for b in self.betas):
@@ -84,7 +84,7 @@ class TrainSpec(_Spec):
     model_preset: str = "tiny"  # ModelConfig preset name: tiny, smollm3_3b, ablation_1b
     model_overrides: dict[str, Any] = {}  # ModelConfig fields to change; vocab_size defaults to the plan's
     rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override (context extension)
-    optimizer: OptimizerSpec = OptimizerSpec()  # AdamW settings
+    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW settings
     schedule: ScheduleSpec = ScheduleSpec()  # learning-rate schedule
     reset_optimizer: bool = False  # with init_from: fresh AdamW moments instead of the checkpoint's
     reset_schedule: bool = False  # with init_from: schedule restarts at 0 instead of continuing

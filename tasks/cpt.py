@@ -4,7 +4,7 @@ The playbook's recipe: LR about a tenth of the original peak, a short warmup, a 
 state, replay of general data (default 10%) mixed into the new-domain data, a WSD decay at the
 end, and held-out loss tracked on both the old (general) and the new domain. Here:
 
-- the base (tasks/base.py) is a checkpoint written by the pretrain step (path or fingerprint), an
+- the base (tasks/pin.py) is a checkpoint written by the pretrain step (path or fingerprint), an
   HF `save_pretrained` folder (imported by the `pin` step), or by default the final checkpoint of
   the last pretrain stage of the latest smollm3 run; the data (shards, tokenizer, held-out text)
   comes from that run through lineage;
@@ -28,13 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from infra.artifact import Artifact, Inputs
 from model.spec import ScheduleSpec, TrainSpec
-from tasks.base import BaseCheckpoint
-from tasks.heldout import HeldoutConfig, heldout_loss
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, one, step
+from tasks.heldout import HeldoutSpec, heldout_loss
 from tasks.mixture import blend
-from tasks.pretrain import StageRun, optimizer_steps
-from tasks.step import many, one, step
+from tasks.pin import BaseCheckpoint
+from tasks.pretrain import StageSpec, optimizer_steps
 
 
 class CptConfig(BaseModel):
@@ -93,7 +93,7 @@ def cpt_weights(cfg: CptConfig, general: Mapping[str, float]) -> dict[str, float
     return blend([(cfg.domain, 1 - cfg.replay), (general, cfg.replay)])
 
 
-def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, threads: int | None = None) -> StageRun:
+def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, threads: int | None = None) -> StageSpec:
     """The CPT launch: the base stage's spec with a fresh optimizer and WSD schedule at
     lr_fraction x its peak LR, keeping a checkpoint every eval_interval steps for the monitor.
     The model shape comes from the base itself (an imported HF model need not be a preset)."""
@@ -120,16 +120,18 @@ def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, thr
             "init_from": None,
         }
     )
-    return StageRun(spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node, threads=threads)
+    return StageSpec(
+        spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node, threads=threads
+    )
 
 
 # --- held-out loss and forgetting ----------------------------------------------------------
 
 
-def heldout_configs(cfg: CptConfig, general: Mapping[str, float]) -> list[HeldoutConfig]:
+def heldout_configs(cfg: CptConfig, general: Mapping[str, float]) -> list[HeldoutSpec]:
     """The two held-out sets the monitor compares: general (replayed) data and the new domain."""
     return [
-        HeldoutConfig(domain=d, sources=tuple(sorted(k for k, v in w.items() if v > 0)), max_tokens=cfg.heldout_tokens)
+        HeldoutSpec(domain=d, sources=tuple(sorted(k for k, v in w.items() if v > 0)), max_tokens=cfg.heldout_tokens)
         for d, w in (("general", general), ("domain", cfg.domain))
     ]
 

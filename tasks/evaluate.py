@@ -8,7 +8,7 @@ Two steps:
   with local `data_files`), so they run offline and anyone can rerun them with `lm_eval`.
 - `evaluate` runs lm-eval on one exported checkpoint over the suite (plus any hub task names from
   the recipe, for users with hub access) and records the scores and lm-eval's full results. The
-  model is lm-eval's `hf` model with each shared context scored once (tasks/eval_lm.py; the
+  model is lm-eval's `hf` model with each shared context scored once (evals/lm.py; the
   same scores, ~3x less forward work on the cloze and passkey tasks).
 
 Cloze formulation (the playbook's choice for early checkpoints): the model scores each choice's
@@ -34,9 +34,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs, operational
+from pipeline.artifact import Artifact, Inputs, operational
+from pipeline.step import many, one, step
 from tasks.sources import read_shards
-from tasks.step import many, one, step
 
 CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
 
@@ -398,8 +398,8 @@ def run_lm_eval(
     `out/lm_eval_results.json`, in lm-eval's format (what `lm_eval --output_path` writes).
 
     `harness_model` "prefix_sharing" (default) is lm-eval's `hf` model with each shared context
-    scored once (tasks/eval_lm.py, same scores); "hf" is lm-eval's stock `hf` model.
-    `progress`: a `tasks.eval_lm.EvalProgress` (prefix_sharing only) that logs items done."""
+    scored once (evals/lm.py, same scores); "hf" is lm-eval's stock `hf` model.
+    `progress`: a `evals.lm.EvalProgress` (prefix_sharing only) that logs items done."""
     import lm_eval
     import lm_eval.models  # noqa: F401  (registers the built-in `hf` model before any lookup)
     import torch
@@ -415,7 +415,7 @@ def run_lm_eval(
     if harness_model == "hf":
         model = "hf"
     else:
-        from tasks.eval_lm import PrefixSharingLM
+        from evals.lm import PrefixSharingLM
 
         # An instance, not a registry name: nothing global is added per call.
         model = PrefixSharingLM(**model_args, batch_size=cfg.batch_size, progress=progress)
@@ -509,7 +509,7 @@ def build_eval(
     harness_model: str = "prefix_sharing",
     progress=None,
 ) -> dict[str, Any]:
-    from tasks.eval_lm import EvalProgress
+    from evals.lm import EvalProgress
 
     available = set(suite.meta["tasks"])
     missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]

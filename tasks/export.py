@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.artifact import Artifact, Inputs
-from tasks.step import one, step
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import one, step
 from tasks.tokenize import selected_tokenizer
 
 

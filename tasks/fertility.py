@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs
-from tasks.step import many, step
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
 
 TRAINED = "trained"
 _WORD = re.compile(r"\S+")

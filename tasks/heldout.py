@@ -24,11 +24,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs
-from tasks.step import many, one, step
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, one, step
 
 
-class HeldoutConfig(BaseModel):
+class HeldoutSpec(BaseModel):
     """Held-out tokens of one domain (a set of sources)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -54,7 +54,7 @@ def token_bytes(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
     return counts
 
 
-def build_heldout(cfg: HeldoutConfig, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+def build_heldout(cfg: HeldoutSpec, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     """Tokenize the held-out split of each source with the run's tokenizer (EOS after each doc),
     with the bytes of text each token covers."""
     import numpy as np
@@ -105,7 +105,7 @@ def build_heldout(cfg: HeldoutConfig, inputs: Sequence[Artifact], out: Path, log
 
 
 @step("heldout_tokens", version=3, kind="shards", resource="data", isolate=True, retries=1)
-def heldout_tokens(config: HeldoutConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def heldout_tokens(config: HeldoutSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The held-out tokens of one domain: the corpora of input `corpora`, tokenized with input
     `tokenizer` (the run's fertility decision or tokenizer)."""
     return build_heldout(config, (one(inputs, "tokenizer"), *many(inputs, "corpora")), out, log)
@@ -176,7 +176,7 @@ def heldout_scores(model, tokens, nbytes, seq_len: int, batch: int, eos_id: int)
     }
 
 
-class HeldoutEval(BaseModel):
+class HeldoutEvalSpec(BaseModel):
     """Held-out loss and BPB of a stage's checkpoint(s) on each held-out set."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -187,7 +187,7 @@ class HeldoutEval(BaseModel):
     every_checkpoint: bool = False
 
 
-def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+def build_heldout_eval(cfg: HeldoutEvalSpec, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     """Scores in the eval artifacts' shape, {heldout_<set>: {loss, loss_stderr, bpb, bpb_stderr}},
     of the stage's last checkpoint; `points` holds them per evaluated checkpoint with its step
     and global step (the position in the run's schedule), and `random` the uniform guesser's."""
@@ -229,7 +229,7 @@ def build_heldout_eval(cfg: HeldoutEval, inputs: Sequence[Artifact], out: Path, 
 
 
 @step("heldout_eval", version=3, kind="eval", resource="eval", isolate=True)
-def heldout_eval(config: HeldoutEval, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def heldout_eval(config: HeldoutEvalSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Held-out loss and BPB of a stage's checkpoint (input `checkpoint`) on each set of input
     `heldout`."""
     return build_heldout_eval(config, (one(inputs, "checkpoint"), *many(inputs, "heldout")), out, log)

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs, operational
-from tasks.step import many, step
+from pipeline.artifact import Artifact, Inputs, operational
+from pipeline.step import many, step
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,7 +244,7 @@ def build_plan(
     }
 
 
-class WeightsMixture(BaseModel):
+class WeightsMixtureSpec(BaseModel):
     """A mixture given as weights rather than as a YAML file (anneal, CPT and ablation runs)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -273,7 +273,9 @@ def blend(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float
     return {k: round(v, 10) for k, v in sorted(out.items()) if v > 0}
 
 
-def build_weights_mixture(config: WeightsMixture, shards: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+def build_weights_mixture(
+    config: WeightsMixtureSpec, shards: Sequence[Artifact], out: Path, log=print
+) -> dict[str, Any]:
     """Write the weights as a mixture file in `out` and plan it with the mixture step's builder."""
     path = out / "weights.yaml"
     path.write_text(yaml.safe_dump({"weights": dict(config.weights)}), encoding="utf-8")
@@ -290,7 +292,7 @@ def build_weights_mixture(config: WeightsMixture, shards: Sequence[Artifact], ou
 
 
 @step("weights_mixture", version=2, kind="mixture")
-def weights_mixture(config: WeightsMixture, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def weights_mixture(config: WeightsMixtureSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """Token shards (input `shards`) and weights to a mixture plan (the plan.json contract)."""
     return build_weights_mixture(config, many(inputs, "shards"), out, log)
 

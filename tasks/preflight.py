@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.artifact import Artifact, Inputs, operational
 from infra.preflight import (
     CheckResult,
     PreflightConfig,
@@ -53,12 +52,13 @@ from infra.preflight import (
     should_stop,
     summary,
 )
-from infra.workspace import Workspace
 from model.spec import PeakCalibration
-from tasks.step import many, step
+from pipeline.artifact import Artifact, Inputs, operational
+from pipeline.step import many, step
+from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
-    from infra.lineage import Lineage
+    from pipeline.lineage import Lineage
 
 JSON_NAME, MD_NAME = "preflight.json", "preflight.md"
 
@@ -207,7 +207,7 @@ def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
 def host_calibration(workspace: Path, device: str, host: str | None = None) -> PeakCalibration | None:
     """The newest calibration for `device` ("cpu"/"cuda") measured on `host` (default: this one)
     by a finished preflight in `workspace`; None when there is none."""
-    from infra.artifact import read_marker
+    from pipeline.artifact import read_marker
 
     host = host or socket.gethostname()
     best: tuple[float, PeakCalibration] | None = None

@@ -1,4 +1,4 @@
-"""Pretraining stages: one torchrun launch of `model.train` per stage, resumable inside its folder.
+"""Pretraining stages: one torchrun launch of `trainers.pretrain` per stage, resumable inside its folder.
 
 SmolLM3's schedule, as data:
 - the `pretrain` stages (stage 1, 2, 3) share ONE warmup-stable-decay schedule: each stage knows
@@ -10,7 +10,7 @@ SmolLM3's schedule, as data:
   the peak LR (SmolLM3: 4k->32k->64k at 2e-5, 10% of 2e-4).
 
 The step writes `spec.json` into its folder and launches
-`python -m torch.distributed.run --standalone --nproc-per-node N -m model.train spec.json` through
+`python -m torch.distributed.run --standalone --nproc-per-node N -m trainers.pretrain spec.json` through
 `infra.proc.run_streaming` (own process group, output streamed to the run logger, killed with the
 task). The folder is resumable: after a crash or a `prefect flow-run retry`, the trainer restarts
 from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
@@ -35,14 +35,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.artifact import Artifact, Inputs, operational
-from infra.launchers import LauncherConfig, get_launcher
+from infra.launchers import LaunchConfig, get_launcher
+from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
-from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
+from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+from pipeline.artifact import Artifact, Inputs, operational
+from pipeline.step import one, step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
-from tasks.step import one, step
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
@@ -55,7 +56,7 @@ def _spec_default(name: str) -> Any:
 class TrainingConfig(BaseModel):
     """The recipe's `training` section: model, batch, optimizer and schedule shared by stages.
 
-    `optimizer` is the trainer's own `OptimizerSpec` (`training.optimizer.lr` is the peak LR the
+    `optimizer` is the trainer's own `OptimizerConfig` (`training.optimizer.lr` is the peak LR the
     trainer uses, one name end to end). Operational fields change how stages run, not what they
     compute, and never enter a fingerprint."""
 
@@ -64,7 +65,7 @@ class TrainingConfig(BaseModel):
     model: str = "tiny"  # ModelConfig preset: tiny, smollm3_3b, ablation_1b
     model_overrides: dict[str, Any] = {}  # ModelConfig fields to change (vocab comes from the plan)
     global_batch: int = Field(default=16, gt=0)  # sequences per optimizer step over all ranks
-    optimizer: OptimizerSpec = OptimizerSpec()  # AdamW: lr (peak), betas, eps, weight_decay, grad_clip
+    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW: lr (peak), betas, eps, weight_decay, grad_clip
     warmup_steps: int = Field(default=10, ge=0)  # linear warmup at the start of stage 1
     min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
@@ -95,7 +96,7 @@ class TrainingConfig(BaseModel):
         return self
 
 
-class StageRun(BaseModel):
+class StageSpec(BaseModel):
     """The pretrain step's config: one stage's TrainSpec, and where and how it runs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,7 +106,7 @@ class StageRun(BaseModel):
     # Downstream steps read a checkpoint every N steps (CPT's monitor): the stage then checkpoints
     # every N steps and keeps them all. Identity: which checkpoints exist is part of the output.
     keep_every: int | None = Field(default=None, gt=0)
-    launch: LauncherConfig = operational(LauncherConfig())  # local torchrun, Slurm or Kubernetes
+    launch: LaunchConfig = operational(LaunchConfig())  # local torchrun, Slurm or Kubernetes
     storage: StorageConfig = operational(StorageConfig())  # S3 mirror of checkpoints
     nproc_per_node: int = operational(1, gt=0)  # ranks per node
     threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
@@ -156,7 +157,7 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
     )
 
 
-def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageRun]:
+def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageSpec]:
     """Resolve the recipe's stages into launches: one WSD across the pretrain stages, then a fresh
     cosine schedule (and optimizer) per long-context stage at `lr_scale` x the peak LR."""
     main = [s for s in stages if s.kind == "pretrain"]
@@ -174,7 +175,7 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
             start_step=position,
         )
         spec = stage_spec(s, training, seed, steps=n, optimizer=training.optimizer, schedule=schedule)
-        runs.append(StageRun(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node))
+        runs.append(StageSpec(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node))
         position += n
     for s in stages:
         if s.kind != "long_context":
@@ -199,7 +200,7 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
             reset_optimizer=True,
             reset_schedule=True,
         )
-        runs.append(StageRun(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node))
+        runs.append(StageSpec(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node))
     return runs
 
 
@@ -252,7 +253,7 @@ class _Watcher(threading.Thread):
         while not self.stop.wait(tick):
             if self.progress and time.monotonic() - last_report >= 2.0:
                 last_report = time.monotonic()
-                step = _last_step(self.out / "metrics.jsonl")
+                step = last_metrics_step(self.out / "metrics.jsonl")
                 # Every update is an event in the UI and in `--watch` output: report in 10% steps.
                 if step is not None and 100.0 * step / self.steps >= reported + 10.0:
                     reported = 100.0 * step / self.steps
@@ -266,23 +267,6 @@ class _Watcher(threading.Thread):
                     return
 
 
-def _last_step(path: Path) -> int | None:
-    """The step of the last complete line of a metrics file, reading only its tail."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 65536))
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return None
-
-
 def _trainer_pgid(out: Path) -> int | None:
     try:
         return int((out / ".trainer.pgid").read_text())
@@ -290,7 +274,7 @@ def _trainer_pgid(out: Path) -> int | None:
         return None
 
 
-def build_stage(run: StageRun, inputs: Inputs, out: Path, log=print, progress=None) -> dict[str, Any]:
+def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=None) -> dict[str, Any]:
     """Train one stage in `out` (resuming what an earlier attempt left there).
 
     inputs: `mixture` (its mixture plan) and, when the stage continues a model, `init` (the
@@ -391,7 +375,7 @@ def _device(spec: TrainSpec) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def launch_config(run: StageRun) -> LauncherConfig:
+def launch_config(run: StageSpec) -> LaunchConfig:
     """The launcher for a stage: ranks per node from the recipe, and on CPU the stage's threads
     (its train slot's, else the machine's cores split between the ranks; torchrun would
     otherwise pin one thread per rank)."""
@@ -454,7 +438,7 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
 
 
 # Retried once when the trainer was killed or its node failed: the retry resumes from the last
-# complete checkpoint (a Python error or a non-finite loss fails at once: tasks.step.transient).
+# complete checkpoint (a Python error or a non-finite loss fails at once: pipeline.step.transient).
 @step(
     "pretrain",
     version=2,
@@ -465,29 +449,6 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     retries=1,
     retry_delay=30,
 )
-def pretrain(config: StageRun, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+def pretrain(config: StageSpec, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
     return build_stage(config, inputs, out, log, progress)
-
-
-def training_facts(training: TrainingConfig, vocab_size: int, stages: int) -> dict[str, Any]:
-    """What preflight needs to know about the training part of the recipe."""
-    import torch
-
-    from model.config import ModelConfig
-
-    device = training.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = ModelConfig.from_preset(training.model, **{**training.model_overrides, "vocab_size": vocab_size})
-    return {
-        "device": device,
-        "nproc_per_node": training.nproc_per_node,
-        "global_batch": training.global_batch,
-        "micro_batch": training.micro_batch,
-        "max_positions": model.max_seq_len,
-        "tokenizer_vocab": vocab_size,
-        "model_vocab": model.vocab_size,
-        "params": model.num_parameters(),
-        "checkpoint_keep": training.keep_last + stages,
-    }

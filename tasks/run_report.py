@@ -13,7 +13,7 @@ into its folder:
   baseline differ says so).
 It publishes them as two Prefect markdown artifacts with stable keys, `<label>-loss-curve` and
 `<label>-evals` (label "smollm3": `smollm3-loss-curve`, `smollm3-evals`), and it is cached and
-lineage-tracked like every step. `smollm3 summary` and `smollm3 report` (flows/report.py) print
+lineage-tracked like every step. `smollm3 summary` and `smollm3 report` (flows/views.py) print
 the same table from the same functions over the run's artifacts in lineage.
 """
 
@@ -29,10 +29,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from infra.artifact import Artifact, Inputs
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
 from tasks.evaluate import GENERATION_TASK, headline_metric, items_scored
 from tasks.pretrain import read_metrics
-from tasks.step import many, step
 
 
 class RunReportSpec(BaseModel):

@@ -47,9 +47,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from infra.artifact import Inputs
 from infra.registry import Registry
-from tasks.step import step
+from pipeline.artifact import Inputs
+from pipeline.step import step
 
 Domain = Literal["web", "code", "math"]
 

@@ -21,16 +21,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs, operational
+from pipeline.artifact import Artifact, Inputs, operational
+from pipeline.step import one, step
 from tasks.curate import (
-    RayConfig,
-    SlurmConfig,
+    RayExecutorConfig,
+    SlurmExecutorConfig,
     make_executors,
     read_stage_stats,
     run_executors,
     shard_count,
 )
-from tasks.step import one, step
 
 
 class TokenizeConfig(BaseModel):
@@ -41,8 +41,8 @@ class TokenizeConfig(BaseModel):
     executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor, as for curation
     tasks: int = Field(default=1, gt=0)  # datatrove tasks = output files (capped by the input shards)
     workers: int = operational(1, gt=0)  # tasks run at once (local processes)
-    slurm: SlurmConfig | None = operational(None)  # required when executor is slurm (shared file system)
-    ray: RayConfig = operational(RayConfig())  # used when executor is ray
+    slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm (shared file system)
+    ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
     batch_size: int = operational(1000, gt=0)  # documents per encode_batch call
     shuffle_documents: bool = True  # shuffle documents within each output file (seeded)
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
@@ -78,7 +78,7 @@ def build_token_shards(
     """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
     from datatrove.pipeline.tokens import DocumentTokenizer
 
-    from tasks.curate_parts import CountingJsonlReader
+    from curation.io import CountingJsonlReader
 
     tok = selected_tokenizer(inputs)
     corpus = next((a for a in inputs if a.kind == "corpus"), None)

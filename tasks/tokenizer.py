@@ -17,7 +17,7 @@ Design choices:
 - BPE stops merging when no pair is seen `min_frequency` times: a small sample gives fewer
   entries than `vocab_size`. That is said (a WARNING log line and `warnings` in the meta, with
   `requested_vocab_size` beside `vocab_size`), and `vocab_size` in the meta is always the real
-  size: tokenize, the mixture plan and the model's embedding (model/train.py) take it from here.
+  size: tokenize, the mixture plan and the model's embedding (trainers/pretrain.py) take it from here.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infra.artifact import Artifact, Inputs
-from tasks.step import many, step
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>", "<|pad|>")  # EOS first: id 0

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("flows", "tasks", "model", "infra")
+PACKAGES = ("pipeline", "flows", "tasks", "curation", "evals", "trainers", "model", "infra")
 
 
 def _module_name(path: Path) -> str:
@@ -90,26 +90,67 @@ def test_no_import_cycles():
     assert cycles == [], f"import cycles: {cycles}"
 
 
+# What each package may import (docs/architecture.md "Layout"): the step engine and infra know
+# nothing of the application; libraries know nothing of steps and flows.
+ALLOWED = {
+    "infra": {"infra"},  # clusters, storage, processes, files: no engine, no application
+    "pipeline": {"pipeline", "infra"},  # the step engine
+    "model": {"model", "pipeline", "infra"},  # pipeline: the `operational` field marker only
+    "curation": {"curation"},  # datatrove components (their workers import them)
+    "evals": {"evals", "model", "pipeline", "infra"},
+    "trainers": {"trainers", "model", "pipeline", "infra"},  # what runs on the ranks
+    "tasks": {"tasks", "curation", "evals", "trainers", "model", "pipeline", "infra"},
+    "flows": set(PACKAGES),
+}
+
+
 def test_dependencies_flow_one_way():
-    allowed = {
-        "flows": {"flows", "tasks", "model", "infra"},
-        "tasks": {"tasks", "model", "infra"},
-        "model": {"model", "infra"},  # model uses infra.artifact's identity marker only
-        "infra": {"infra"},
-    }
     bad = [
         f"{m} -> {t}"
         for m, targets in _imports().items()
         for t in targets
-        if t.split(".")[0] not in allowed[m.split(".")[0]]
+        if t.split(".")[0] not in ALLOWED[m.split(".")[0]]
     ]
     assert bad == [], f"imports against the layering: {bad}"
 
 
+def test_the_engine_imports_nothing_of_the_application():
+    """pipeline/ can be read, tested and reused without the SmolLM3 application: no module of it
+    imports tasks, flows, model or the libraries (directly or lazily)."""
+    application = {"tasks", "flows", "model", "curation", "evals", "trainers"}
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in _imports().items()
+        if m.split(".")[0] == "pipeline"
+        for t in targets
+        if t.split(".")[0] in application
+    )
+    assert bad == [], f"the engine imports the application: {bad}"
+
+
+def test_tasks_holds_steps_only():
+    """Every module of tasks/ declares a step (`@step`): libraries live in packages of their own."""
+    no_step = []
+    for path in (REPO / "tasks").rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        decorated = [
+            d
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef)
+            for d in node.decorator_list
+            if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "step"
+        ]
+        if not decorated:
+            no_step.append(str(path.relative_to(REPO)))
+    assert no_step == [], f"modules of tasks/ that declare no step: {no_step}"
+
+
 def test_prefect_only_in_flows_and_publish_hooks():
-    """model/ and infra/ never import Prefect; tasks/ only inside publish hooks (lazily), so a step's
-    build runs in a child process without Prefect."""
-    for pkg in ("model", "infra"):
+    """model/, infra/ and the libraries never import Prefect; tasks/ only inside publish hooks
+    (lazily), so a step's build runs in a child process without Prefect."""
+    for pkg in ("model", "infra", "curation", "evals", "trainers"):
         for path in (REPO / pkg).rglob("*.py"):
             assert "prefect" not in _external(path), f"{path.relative_to(REPO)} imports prefect"
     for path in (REPO / "tasks").rglob("*.py"):

@@ -1,14 +1,14 @@
-"""Launchers: how one training stage (`python -m model.train SPEC.json`) becomes processes.
+"""Launchers: how one training stage (`python -m trainers.pretrain SPEC.json`) becomes processes.
 
 A launcher takes a resolved stage spec and a work folder and runs the trainer to completion on
 some substrate: this machine (torchrun), a Slurm allocation (sbatch + srun torchrun), or
 Kubernetes (a Kubeflow PyTorchJob). The trainer is any module taking one spec path (`module`):
-pretraining stages run `model.train`, post-training steps `tasks.posttrain`. With
+pretraining stages run `trainers.pretrain`, post-training steps `trainers.posttrain`. With
 `accelerate_config` the ranks start through `accelerate launch --config_file FILE` instead of
 plain torchrun (same rendezvous and process counts; the file picks FSDP, DeepSpeed ZeRO or mixed
 precision for Hugging Face trainers). The interface is the same for all of them:
 
-    launcher = get_launcher(config)                  # config: LauncherConfig (the recipe's `launch`)
+    launcher = get_launcher(config)                  # config: LaunchConfig (the recipe's `launch`)
     launcher.render(spec_path, workdir)  -> str      # what would be submitted (script, manifest)
     launcher.launch(spec_path, workdir, log)         # blocks until done; raises LaunchFailed
 
@@ -36,10 +36,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import manifest
-from infra.lifeline import ProcessRef
+from infra.files import write_json_atomic
+from infra.guard import ProcessRef
 from infra.registry import Registry
 
-# The checkout holding `model/` (the trainer runs as `-m model.train` from here by default).
+# The checkout holding `model/` (the trainer runs as `-m trainers.pretrain` from here by default).
 CODE_DIR = Path(__file__).resolve().parents[2]
 
 # Environment names that look like credentials: refused in configs, which end up in lineage.
@@ -53,7 +54,7 @@ _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
 EXIT_CODES = {
     3: "stopped on a non-finite loss, gradient or weights",
     4: "refused to start: another trainer holds the stage folder",
-}  # model/train.py
+}  # trainers/pretrain.py
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class LaunchFailed(RuntimeError):
 
 
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
-_TRAINER_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?error: (.+)$")  # model/train.py's exits 3, 4
+_TRAINER_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?error: (.+)$")  # trainers/pretrain.py's exits 3, 4
 _WRAPPERS = ("ChildFailedError", "torch.distributed.elastic")  # torchrun's, names no cause
 
 
@@ -186,7 +187,7 @@ class TorchrunSummary:
         return _SIGNALS.get(-code) if code is not None and code < 0 else None
 
 
-def _last_metrics_step(path: Path) -> int | None:
+def last_metrics_step(path: Path) -> int | None:
     """The step of the last complete line of a metrics file, reading only its tail."""
     try:
         with open(path, "rb") as fh:
@@ -219,7 +220,7 @@ def stage_progress(spec_path: Path, workdir: Path) -> tuple[int | None, int | No
             if record is not None:
                 checkpoint = int(record.get("step", folder.name[5:]))
                 break
-    return _last_metrics_step(metrics), checkpoint
+    return last_metrics_step(metrics), checkpoint
 
 
 def failure_facts(
@@ -253,7 +254,7 @@ def failure_facts(
     )
 
 
-class SlurmLaunch(BaseModel):
+class SlurmLaunchConfig(BaseModel):
     """Slurm settings of a launch (used when kind is slurm)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -272,7 +273,7 @@ class SlurmLaunch(BaseModel):
     job_name: str = "smollm3"  # shown in squeue
 
 
-class KubernetesLaunch(BaseModel):
+class KubernetesLaunchConfig(BaseModel):
     """Kubernetes settings of a launch (used when kind is kubernetes): a Kubeflow PyTorchJob."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -292,7 +293,7 @@ class KubernetesLaunch(BaseModel):
     poll_seconds: float = Field(default=15.0, gt=0)  # how often kubectl is asked for the status
 
 
-class LauncherConfig(BaseModel):
+class LaunchConfig(BaseModel):
     """The recipe's `launch` section: where and at what size a training stage runs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -303,7 +304,7 @@ class LauncherConfig(BaseModel):
     gpus_per_node: int = Field(default=0, ge=0)  # GPUs requested per node (0: CPU/gloo)
     master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500
     torchrun: str = "torchrun"  # torchrun executable (a venv path on clusters)
-    module: str = "model.train"  # the trainer's module (`-m module SPEC.json`)
+    module: str = "trainers.pretrain"  # the trainer's module (`-m module SPEC.json`)
     # accelerate config file (FSDP, DeepSpeed ZeRO, mixed precision) for Hugging Face trainers:
     # ranks start with `accelerate launch --config_file FILE`, nodes and processes still from
     # here; relative to code_dir. None: plain torchrun (DDP when the trainer asks for it)
@@ -311,8 +312,8 @@ class LauncherConfig(BaseModel):
     accelerate: str = "accelerate"  # accelerate executable (a venv path on clusters)
     code_dir: str | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
     env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS); never credentials
-    slurm: SlurmLaunch = SlurmLaunch()  # used when kind is slurm
-    kubernetes: KubernetesLaunch = KubernetesLaunch()  # used when kind is kubernetes
+    slurm: SlurmLaunchConfig = SlurmLaunchConfig()  # used when kind is slurm
+    kubernetes: KubernetesLaunchConfig = KubernetesLaunchConfig()  # used when kind is kubernetes
 
     @field_validator("env")
     @classmethod
@@ -342,7 +343,7 @@ class LauncherConfig(BaseModel):
 
     def describe(self) -> str:
         """One line for plans and logs: `slurm, 8 nodes x 8 processes (8 GPUs each), accelerate
-        (configs/accelerate/fsdp.yaml), -m tasks.posttrain`."""
+        (configs/accelerate/fsdp.yaml), -m trainers.posttrain`."""
         gpus = f" ({self.gpus_per_node} GPUs each)" if self.gpus_per_node else ""
         nodes = "1 node" if self.nodes == 1 else f"{self.nodes} nodes"
         procs = "1 process" if self.procs_per_node == 1 else f"{self.procs_per_node} processes"
@@ -352,7 +353,7 @@ class LauncherConfig(BaseModel):
 class Launcher(ABC):
     """Runs the trainer on one stage spec; subclasses know one substrate."""
 
-    def __init__(self, config: LauncherConfig):
+    def __init__(self, config: LaunchConfig):
         self.config = config
 
     @abstractmethod
@@ -371,7 +372,7 @@ class Launcher(ABC):
 LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")
 
 
-def get_launcher(config: LauncherConfig) -> Launcher:
+def get_launcher(config: LaunchConfig) -> Launcher:
     """The registered launcher for `config.kind`, built with its config."""
     return LAUNCHERS.get(config.kind)(config)
 
@@ -396,9 +397,7 @@ class JobRecord:
 
     def write(self, job: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.current()), "submitted": time.time()}))
-        os.replace(tmp, self.path)
+        write_json_atomic(self.path, {"job": job, "owner": asdict(ProcessRef.current()), "submitted": time.time()})
 
     def read(self) -> tuple[str, ProcessRef] | None:
         try:
@@ -419,7 +418,7 @@ class JobRecord:
         return owner if owner.alive() and owner != ProcessRef.current() else None
 
 
-def accelerate_args(config: LauncherConfig) -> list[str]:
+def accelerate_args(config: LaunchConfig) -> list[str]:
     """`accelerate launch` arguments every substrate shares: the config file and the totals.
 
     accelerate's `--num_processes` counts every rank of every machine (torchrun's is per node);

@@ -1,6 +1,6 @@
 """The default launcher: torchrun on this machine, through infra.proc.run_streaming.
 
-`torchrun --nnodes 1 --nproc-per-node N --master-port P -m model.train SPEC.json`, started in its
+`torchrun --nnodes 1 --nproc-per-node N --master-port P -m trainers.pretrain SPEC.json`, started in its
 own process group so a failed, interrupted or cancelled task kills every rank with it. A free port
 is picked per launch (fixed ports collide when two stages or test runs share a machine). With
 `accelerate_config`, `accelerate launch --config_file FILE --num_machines 1 --num_processes N

@@ -26,7 +26,7 @@ from infra.preflight.core import (
     summary,
 )
 from infra.preflight.gpu import GpuBackend, GpuHealth, MemoryTest, StressSample, TorchNvmlBackend
-from infra.preflight.runner import run_preflight
+from infra.preflight.run import run_preflight
 
 __all__ = [
     "CHECKS",

@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from infra.preflight.core import PreflightConfig, PreflightFacts, format_table, should_stop
-from infra.preflight.runner import run_preflight
+from infra.preflight.run import run_preflight
 
 
 def _load(path: str | None, what: str) -> dict[str, Any]:

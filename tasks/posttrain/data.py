@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import random
 import re
 from collections import Counter
@@ -36,45 +35,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact, Inputs
-from tasks.posttrain.config import ChatDataConfig, ChatDataSpec
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
 from tasks.sources import read_shards
-from tasks.step import many, step
+from trainers.posttrain.config import ChatDataConfig, ChatDataSpec
+from trainers.posttrain.data import check_messages, load_rows, write_jsonl
 
 _MATH = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
-_ANSWER = re.compile(r"Answer:\s*(-?\d+)")
-_FORMAT = re.compile(r"\S.*\nAnswer: -?\d+\s*$", re.S)
-ROLES = {"system", "user", "assistant", "tool"}
 
 
 # --- verifier and rewards -------------------------------------------------------------------
-
-
-def extract_answer(text: str) -> str | None:
-    """The integer after the first `Answer:` (what the worked solutions end with), or None."""
-    m = _ANSWER.search(text)
-    return m.group(1) if m else None
-
-
-def is_correct(text: str, answer: str) -> bool:
-    return extract_answer(text) == str(answer).strip()
-
-
-def _text(completion: Any) -> str:
-    # TRL passes conversational completions as [{"role": "assistant", "content": ...}].
-    if isinstance(completion, list):
-        return "".join(m.get("content", "") for m in completion)
-    return str(completion)
-
-
-def exact_match_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-    """1.0 when the completion's final answer equals the known answer, else 0.0."""
-    return [1.0 if is_correct(_text(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
-
-
-def format_reward(completions: list[Any], **_: Any) -> list[float]:
-    """1.0 when the completion is a worked solution ending in `Answer: N` on its own line."""
-    return [1.0 if _FORMAT.match(_text(c).strip()) else 0.0 for c in completions]
 
 
 # --- conversations from the built-in corpora ------------------------------------------------
@@ -166,47 +136,6 @@ def arithmetic_prompts(corpora: Sequence[Artifact], skip: int, n: int) -> list[d
 # --- conversations from files and Hugging Face datasets --------------------------------------
 
 
-def check_messages(messages: Any, where: str) -> str | None:
-    """Why `messages` is not a usable conversation (None when it is)."""
-    if not isinstance(messages, list) or not messages:
-        return "not_a_list"
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            return "bad_message"
-    if not any(m["role"] == "assistant" for m in messages):
-        return "no_assistant_turn"
-    return None
-
-
-def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
-    """Raw rows of a `files:GLOB`, `hf:NAME` or `hf:/PATH` dataset."""
-    target = uri.split(":", 1)[1]
-    if uri.startswith("files:"):
-        paths = sorted(glob.glob(str(Path(target).expanduser()), recursive=True))
-        if not paths:
-            raise FileNotFoundError(f"posttrain data {uri!r}: no file matches {target!r}")
-        for path in paths:
-            with open(path, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            yield json.loads(line)
-                        except json.JSONDecodeError as exc:
-                            raise ValueError(f"posttrain data {path}:{n}: invalid JSON ({exc})") from None
-        return
-    import datasets
-
-    if Path(target).expanduser().exists():
-        ds = datasets.load_from_disk(str(Path(target).expanduser()))
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.hf_split not in ds:
-                raise KeyError(f"posttrain data {uri!r}: no split {cfg.hf_split!r}; splits: {', '.join(ds)}")
-            ds = ds[cfg.hf_split]
-    else:
-        ds = datasets.load_dataset(target, cfg.hf_subset, split=cfg.hf_split, revision=cfg.hf_revision)
-    yield from ds
-
-
 def data_state(uri: str) -> str:
     """A digest of local data files (names, sizes, mtimes), so edited data changes fingerprints;
     hub data is pinned by its revision in the config instead."""
@@ -247,14 +176,6 @@ def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict],
             f"(rejected: {dict(rejected)}); set posttrain.data.messages_field to the right column"
         )
     return train, heldout, rejected
-
-
-def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def build_chat_data(
@@ -307,39 +228,6 @@ def build_chat_data(
         "rejected": dict(rejected),
         "files": {k: str(out / f"{k}.jsonl") for k in ("train", "heldout", "prompts")},
     }
-
-
-def preference_rows(
-    uri: str,
-    subset: str | None = None,
-    split: str = "train",
-    revision: str | None = None,
-    limit: int | None = None,
-) -> list[dict[str, Any]]:
-    """prompt/chosen/rejected rows of a preference dataset (files:/hf:), checked.
-
-    Rows whose chosen/rejected are whole conversations (UltraFeedback-binarized style: the prompt
-    repeated as the first turns) are split into a message-list prompt and the final replies."""
-    where = ChatDataConfig(uri=uri, hf_subset=subset, hf_split=split, hf_revision=revision)
-    rows = []
-    for i, row in enumerate(load_rows(uri, where)):
-        if limit and i >= limit:
-            break
-        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-        if missing:
-            raise ValueError(
-                f"preference data {uri!r} row {i}: missing {', '.join(missing)}; each row needs "
-                "prompt, chosen and rejected (strings or message lists)"
-            )
-        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-        if isinstance(chosen, list) and len(chosen) > 1 and isinstance(rejected, list):
-            prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
-        elif isinstance(prompt, str) and isinstance(chosen, list):
-            prompt = [{"role": "user", "content": prompt}]
-        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    if not rows:
-        raise ValueError(f"preference data {uri!r} holds no rows")
-    return rows
 
 
 @step(

@@ -6,109 +6,29 @@ answer still get a gradient towards the right shape. Each prompt gets `num_gener
 completions whose rewards are normalised within the group; `beta` is the KL penalty to the
 starting policy.
 
-The step launches `train_grpo` on the recipe's launcher (tasks/posttrain/launch.py) and is
+The step launches `train_grpo` on the recipe's launcher (trainers/posttrain/launch.py) and is
 resumable like every post-training step: the trainer checkpoints every `save_steps` into
-`{step folder}/checkpoints/step_N` (tasks/posttrain/common.py); after a crash the rerun (same
+`{step folder}/checkpoints/step_N` (trainers/posttrain/common.py); after a crash the rerun (same
 fingerprint, folder kept by `resumable=True`) resumes from the newest verified checkpoint
 (weights, optimizer, scheduler, RNG, data position) instead of starting over.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Inputs
-from tasks.posttrain.common import (
-    checkpoint_callback,
-    fit,
-    load_policy,
+from pipeline.artifact import Inputs
+from pipeline.step import one, step
+from trainers.posttrain.common import (
     model_dir,
-    model_meta,
-    plain_print,
-    progress_callback,
-    quiet,
-    save_policy,
-    stop_ids,
-    trainer_args,
-    write_history,
 )
-from tasks.posttrain.config import GRPOSection, TrainerRun
-from tasks.posttrain.data import exact_match_reward, format_reward, read_jsonl
-from tasks.posttrain.launch import launch_trainer
-from tasks.step import one, step
-
-
-def weighted(fn: Callable[..., list[float]], weight: float) -> Callable[..., list[float]]:
-    def reward(completions, **kw):
-        return [weight * r for r in fn(completions, **kw)]
-
-    reward.__name__ = fn.__name__
-    return reward
-
-
-@plain_print()
-def train_grpo(
-    cfg: GRPOSection,
-    policy: Path,
-    data: Path,
-    out: Path,
-    seed: int = 0,
-    device: str = "auto",
-    log: Callable[[str], None] = print,
-    progress: Callable[[float], None] | None = None,
-    callbacks: Sequence[Any] = (),
-) -> dict[str, Any]:
-    """GRPO from the model in `policy` on `data/prompts.jsonl` (resuming from a checkpoint in
-    `out`); write `out/model`; return the meta."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    started = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_policy(policy, cfg.bf16)
-    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in read_jsonl(data / "prompts.jsonl")]
-    args = GRPOConfig(
-        **trainer_args(cfg, out, seed, device),
-        num_generations=cfg.num_generations,
-        beta=cfg.beta,
-        max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        generation_kwargs={"eos_token_id": stop_ids(tokenizer)},
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(prompts),
-        processing_class=tokenizer,
-        reward_funcs=[exact_match_reward, weighted(format_reward, cfg.format_weight)],
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
-    )
-    quiet(trainer)
-    resumed = fit(trainer, out, log, "grpo")
-    facts = write_history(trainer, out)
-    rewards = [
-        h["rewards/exact_match_reward/mean"]
-        for h in trainer.state.log_history
-        if "rewards/exact_match_reward/mean" in h
-    ]
-    facts |= {
-        "resumed_from_step": resumed,
-        "first_exact_reward": round(rewards[0], 4) if rewards else None,
-        "last_exact_reward": round(rewards[-1], 4) if rewards else None,
-    }
-    folder = save_policy(trainer, tokenizer, out / "model")
-    log(
-        f"grpo: {facts['steps']} steps, exact-match reward {facts['first_exact_reward']} -> "
-        f"{facts['last_exact_reward']}"
-    )
-    return model_meta("grpo", folder, started, num_generations=cfg.num_generations, beta=cfg.beta, **facts)
+from trainers.posttrain.config import GRPOConfig, PosttrainSpec
+from trainers.posttrain.launch import launch_trainer
 
 
 @step("grpo", version=3, kind="hf_model", resumable=True, resource="train")
-def grpo(config: TrainerRun[GRPOSection], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+def grpo(config: PosttrainSpec[GRPOConfig], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
     """The policy (input `model`) trained with GRPO on the prompts of input `data` by a launched
-    job (tasks/posttrain/launch.py); resumes."""
+    job (trainers/posttrain/launch.py); resumes."""
     return launch_trainer("grpo", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress)

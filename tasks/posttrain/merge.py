@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Artifact, Inputs
-from tasks.posttrain.common import model_dir
-from tasks.posttrain.config import LinearMerge
-from tasks.step import many, step
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
+from trainers.posttrain.common import model_dir
+from trainers.posttrain.config import MergeSpec
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt")
 
@@ -82,7 +82,7 @@ def linear_merge(folders: Sequence[Path], weights: Sequence[float], out: Path) -
     return {"tensors": len(merged), "parameters": sum(t.numel() for t in merged.values())}
 
 
-def build_merge(cfg: LinearMerge, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
+def build_merge(cfg: MergeSpec, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
     started = time.monotonic()
     if len(models) != len(cfg.weights):
         raise ValueError(
@@ -125,6 +125,6 @@ def _name(model: Artifact) -> str:
 
 
 @step("merge", version=3, kind="hf_model", resource="eval", isolate=True)
-def merge(config: LinearMerge, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def merge(config: MergeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """The weighted sum of the models of input `models` (weights in the same order)."""
     return build_merge(config, many(inputs, "models"), out, log)

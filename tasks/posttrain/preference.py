@@ -11,217 +11,22 @@ whose samples are all correct give no pair. The SFT model is the frozen referenc
 Pairs are made once, by the main rank, before training (the others wait, then read them), and
 kept in `pairs.jsonl`: every rank trains on the same pairs whatever the world size, and a resumed
 run trains on the pairs of the run it continues. The step launches `train_preference` on the
-recipe's launcher (tasks/posttrain/launch.py); it resumes from its newest checkpoint.
+recipe's launcher (trainers/posttrain/launch.py); it resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import random
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.artifact import Inputs, write_atomic
-from tasks.posttrain.common import (
-    checkpoint_callback,
-    fit,
-    load_policy,
+from pipeline.artifact import Inputs
+from pipeline.step import one, step
+from tasks.posttrain.data import data_state
+from trainers.posttrain.common import (
     model_dir,
-    model_meta,
-    plain_print,
-    progress_callback,
-    quiet,
-    save_policy,
-    trainer_args,
-    write_history,
 )
-from tasks.posttrain.config import PreferenceSection, TrainerRun
-from tasks.posttrain.data import data_state, is_correct, preference_rows, read_jsonl
-from tasks.posttrain.launch import launch_trainer
-from tasks.step import one, step
-
-
-def sample_completions(
-    model,
-    tokenizer,
-    prompts: list[list[dict]],
-    n: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    batch_size: int = 64,
-) -> list[list[str]]:
-    """`n` sampled assistant replies per chat prompt (left-padded batches, chat template)."""
-    import torch
-
-    torch.manual_seed(seed)
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    flat = [t for t in texts for _ in range(n)]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    replies: list[str] = []
-    model.eval()
-    try:
-        for i in range(0, len(flat), batch_size):
-            enc = tokenizer(flat[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(
-                model.device
-            )
-            with torch.no_grad():
-                gen = model.generate(
-                    **enc,
-                    do_sample=True,
-                    temperature=temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=model.generation_config.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            new = gen[:, enc["input_ids"].shape[1] :]
-            replies += tokenizer.batch_decode(new, skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
-    return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-
-def verified_pairs(
-    prompts: list[dict[str, Any]], samples: list[list[str]], reference: dict[str, str] | None = None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """prompt/chosen/rejected rows from judged samples, and counts for the meta."""
-    rows, correct, total, from_policy = [], 0, 0, 0
-    for item, outs in zip(prompts, samples, strict=True):
-        right = [s for s in outs if is_correct(s, item["answer"])]
-        wrong = [s for s in outs if not is_correct(s, item["answer"])]
-        correct += len(right)
-        total += len(outs)
-        if not wrong:
-            continue
-        chosen = right[0] if right else (reference or {}).get(item["prompt"][0]["content"])
-        if chosen is None:
-            continue
-        from_policy += bool(right)
-        rows.append(
-            {
-                "prompt": item["prompt"],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": wrong[0]}],
-            }
-        )
-    return rows, {
-        "sample_accuracy": round(correct / max(total, 1), 4),
-        "pairs": len(rows),
-        "chosen_from_policy": from_policy,
-    }
-
-
-def reference_solutions(data: Path) -> dict[str, str]:
-    """The reference worked solution of every prompt, keyed by its question."""
-    return {r["prompt"][0]["content"]: r["reference"] for r in read_jsonl(data / "prompts.jsonl") if "reference" in r}
-
-
-def self_pairs(cfg: PreferenceSection, model, tokenizer, data: Path, seed: int, log) -> tuple[list, dict]:
-    prompts = read_jsonl(data / "prompts.jsonl")
-    need = cfg.max_steps * cfg.batch
-    rng = random.Random(f"preference:{seed}")
-    rng.shuffle(prompts)
-    prompts = prompts[: max(need, 1)]
-    samples = sample_completions(
-        model,
-        tokenizer,
-        [p["prompt"] for p in prompts],
-        cfg.samples_per_prompt,
-        cfg.max_new_tokens,
-        cfg.temperature,
-        seed,
-    )
-    rows, facts = verified_pairs(prompts, samples, reference_solutions(data))
-    log(
-        f"preference: {len(prompts)} prompts x {cfg.samples_per_prompt} samples, policy accuracy "
-        f"{facts['sample_accuracy']:.1%}, {facts['pairs']} pairs ({facts['chosen_from_policy']} with a "
-        "policy-sampled chosen answer)"
-    )
-    return rows, facts
-
-
-def make_pairs(
-    cfg: PreferenceSection, args, model, tokenizer, data: Path, out: Path, seed: int, log
-) -> tuple[list, dict]:
-    """The preference pairs of this step: made by the main rank (once per step folder), read by
-    the others; `out/pairs.jsonl` and its counts `out/pairs.json` are written atomically."""
-    rows_path, facts_path = out / "pairs.jsonl", out / "pairs.json"
-    with args.main_process_first(local=False, desc="preference pairs"):
-        if rows_path.exists() and facts_path.exists():
-            return read_jsonl(rows_path), json.loads(facts_path.read_text())
-        if cfg.pairs == "self":
-            rows, facts = self_pairs(cfg, model.to(args.device), tokenizer, data, seed, log)
-        else:
-            rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision, cfg.max_pairs)
-            facts = {"pairs": len(rows)}
-        if rows:
-            write_atomic(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            write_atomic(facts_path, json.dumps(facts))
-        return rows, facts
-
-
-@plain_print()
-def train_preference(
-    cfg: PreferenceSection,
-    policy: Path,
-    data: Path,
-    out: Path,
-    seed: int = 0,
-    device: str = "auto",
-    log: Callable[[str], None] = print,
-    progress: Callable[[float], None] | None = None,
-    callbacks: Sequence[Any] = (),
-) -> dict[str, Any]:
-    """DPO/APO from the model in `policy` (resuming from a checkpoint in `out`); write
-    `out/model` and `out/pairs.jsonl`."""
-    from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
-
-    started = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_policy(policy, cfg.bf16)
-    args = DPOConfig(
-        **trainer_args(cfg, out, seed, device),
-        loss_type=[cfg.loss_type],
-        beta=cfg.beta,
-        max_length=cfg.max_length,
-    )
-    rows, facts = make_pairs(cfg, args, model, tokenizer, data, out, seed, log)
-    if not rows:
-        raise ValueError(
-            "preference: no pairs (every sampled answer was correct, or the data is empty); "
-            "raise posttrain.preference.temperature or give pairs as a dataset"
-        )
-    trainer = DPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
-    )
-    quiet(trainer)
-    resumed = fit(trainer, out, log, "preference")
-    facts = {**facts, **write_history(trainer, out)}
-    folder = save_policy(trainer, tokenizer, out / "model")
-    log(
-        f"preference ({cfg.loss_type}, beta {cfg.beta}): {facts['steps']} steps, loss "
-        f"{facts['first_loss']} -> {facts['last_loss']}"
-    )
-    return model_meta(
-        cfg.loss_type.split("_")[0] if cfg.loss_type.startswith("apo") else cfg.loss_type,
-        folder,
-        started,
-        loss_type=cfg.loss_type,
-        beta=cfg.beta,
-        seed=seed,
-        resumed_from_step=resumed,
-        **facts,
-    )
+from trainers.posttrain.config import PosttrainSpec, PreferenceConfig
+from trainers.posttrain.launch import launch_trainer
 
 
 @step(
@@ -233,10 +38,10 @@ def train_preference(
     extra=lambda run: data_state(run.section.pairs),
 )
 def preference(
-    config: TrainerRun[PreferenceSection], inputs: Inputs, out: Path, *, log=print, progress=None
+    config: PosttrainSpec[PreferenceConfig], inputs: Inputs, out: Path, *, log=print, progress=None
 ) -> dict[str, Any]:
     """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the
-    recipe), trained by a launched job (tasks/posttrain/launch.py)."""
+    recipe), trained by a launched job (trainers/posttrain/launch.py)."""
     return launch_trainer(
         "preference", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress
     )

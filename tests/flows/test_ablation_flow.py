@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from infra.lineage import Lineage
+from pipeline.lineage import Lineage
 from tests.conftest import TINY_TRAIN
 
 OVERRIDES = [

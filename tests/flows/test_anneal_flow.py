@@ -4,7 +4,7 @@ One module-scoped base run (the smollm3 flow: data, one stable-phase stage, expo
 size that trains in about a minute on 2 cores; then
 - an anneal with two candidates (math, code): baseline + one run per candidate from the pinned
   base, each exported and scored with lm-eval and held-out loss and bits per byte, and the
-  experiment framework's comparison (tasks/experiment.py) with real differences in DuckDB
+  experiment framework's comparison (evals/experiments.py) with real differences in DuckDB
   (`experiments`, `experiment_results`) and in a Prefect table artifact;
 - a CPT onto math with 10% replay from the base's HF export: a tenth of the peak LR, fresh
   optimizer, held-out loss on general and math data at every eval interval, forgetting flags in
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.lineage import Lineage
-from tasks.recipe import Recipe
+from flows.recipe import Recipe
+from pipeline.lineage import Lineage
 from tests.conftest import TINY_TRAIN
 
 # One 8-step stable-phase stage of a 2-layer, 64-wide model (no decay stage: the run's only
@@ -98,13 +98,13 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     assert len(spans) == 3 and any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a != b), spans
 
     # `smollm3 plan --flow anneal` resolves the same base and graph: every step reused.
-    from flows.plan import plan
-    from tasks.recipe import load_recipe
+    from flows.graphs import plan
+    from flows.recipe import load_recipe
 
     rows = plan(load_recipe("tiny", over), flow="anneal")
     assert {r.action for r in rows} == {"reuse"} and len(rows) == len(lineage.steps_of(result["run_id"]))
 
-    # The comparison (the experiment framework's, tasks/experiment.py): every candidate x task,
+    # The comparison (the experiment framework's, evals/experiments.py): every candidate x task,
     # differences of real scores. seed_runs=0 here: one run per variant, so the seed noise is
     # unknown and no difference is called significant (the eval stderr is still reported).
     (exp,) = lineage.experiments("anneal")
@@ -137,8 +137,8 @@ def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     assert {row["variant"] for row in json.loads(table.data)} == {"math", "code"}
 
     # Eval-task quality of the base run, with ranking consistency from this comparison.
-    from tasks.eval_quality import anneal_consistency
-    from tasks.eval_quality import main as eval_quality
+    from evals.quality import anneal_consistency
+    from evals.quality import main as eval_quality
 
     taus = anneal_consistency(lineage)
     assert {"prose_cloze", "heldout_math"} <= set(taus) and all(-1 <= t <= 1 for t in taus.values())
@@ -172,8 +172,8 @@ def test_cpt_from_an_hf_folder_tracks_heldout_loss_on_both_domains(base_ws):
     assert set(result["states"]) == {"completed"}
     pins = [json.loads(r["meta"]) for r in lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'pin'")]
     assert [p["base_kind"] for p in pins if p["stage"] == "hf"] == ["hf"]  # imported with model.hf.import_hf
-    from flows.plan import plan
-    from tasks.recipe import load_recipe
+    from flows.graphs import plan
+    from flows.recipe import load_recipe
 
     rows = plan(load_recipe("tiny", [*OVERRIDES, f"workspace={base_ws}"]), flow="cpt", base=hf_dir)
     assert {r.action for r in rows} == {"reuse"}, [(r.key, r.reason) for r in rows if r.action == "run"]

@@ -38,12 +38,12 @@ import psutil
 import pytest
 import torch
 
+from flows.recipe import load_recipe
 from flows.smollm3 import graph
-from infra.artifact import read_marker
-from infra.lineage import Lineage
 from model.checkpoint import load_model
 from model.checkpoint import read_marker as checkpoint_complete
-from tasks.recipe import load_recipe
+from pipeline.artifact import read_marker
+from pipeline.lineage import Lineage
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -222,13 +222,13 @@ class Chaos:
         raise AssertionError(f"{stage} did not reach step {step} in {timeout}s")
 
     def rank(self, stage: str) -> psutil.Process:
-        """The training rank of a stage (torchrun's child running model.train)."""
+        """The training rank of a stage (torchrun's child running trainers.pretrain)."""
         spec = str(self.stage_dir(stage) / "spec.json")
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info["cmdline"] or []
             try:
                 if (
-                    "model.train" in cmd
+                    "trainers.pretrain" in cmd
                     and spec in cmd
                     and "torch.distributed.run" not in cmd
                     and "torch.distributed.run" in psutil.Process(p.ppid()).cmdline()

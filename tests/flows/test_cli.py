@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from infra.artifact import run_step
-from infra.lineage import Lineage, StepRow
+from pipeline.artifact import run_step
+from pipeline.lineage import Lineage, StepRow
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def trained(tmp_path):
 
 
 def _trained(root, source):
-    from flows.report import _pinned_tokens
+    from flows.views import _pinned_tokens
 
     lin = Lineage(root / "lineage.duckdb")
     return {
@@ -220,7 +220,7 @@ def test_trained_on_counts_what_each_stage_drew_not_descent_through_the_tokenize
 
 
 def test_the_trainer_state_file_name_is_the_trainers():
-    from flows.report import TRAINER_STATE
+    from flows.views import TRAINER_STATE
     from model.checkpoint import TRAINER_STATE as TRAINERS
 
     assert TRAINER_STATE == TRAINERS

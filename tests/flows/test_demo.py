@@ -12,13 +12,13 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.demo import watch
-from flows.graph import Graph
-from flows.runner import run_flow
-from infra.artifact import Inputs
-from infra.lineage import Lineage
-from tasks.recipe import load_recipe
-from tasks.step import step
-from tests.flows.test_runner import Flaky, _attempt
+from flows.recipe import load_recipe, run_setup
+from pipeline.artifact import Inputs
+from pipeline.graph import Graph
+from pipeline.lineage import Lineage
+from pipeline.runner import run_flow
+from pipeline.step import step
+from tests.pipeline.test_runner import Flaky, _attempt
 
 
 class Gate(BaseModel):
@@ -57,7 +57,7 @@ def test_watch_prints_state_changes_and_progress_not_events(tmp_path, prefect_ha
         g = Graph("watch-test")
         first = g.add(flaky_slow, Flaky(counter=str(tmp_path / "n"), fail_times=1, error="eio"), label="x")
         g.add(gated, Gate(release=str(release)), label="stage1", after=[first])
-        return run_flow("watch-test", g, recipe, "tiny")
+        return run_flow("watch-test", g, run_setup(recipe, "tiny"))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.report import eval_table, final_artifact
-from infra.lineage import Lineage
+from flows.views import eval_table, final_artifact
+from pipeline.lineage import Lineage
 from tests.conftest import TINY_TRAIN
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from prefect.utilities.callables import parameter_schema
 from flows.anneal import anneal
 from flows.cpt import cpt
 from flows.params import check_refresh, flow_steps, recipe_names
+from flows.recipe import CONFIGS_DIR, load_recipe
 from flows.smollm3 import graph, smollm3
-from tasks.recipe import CONFIGS_DIR, load_recipe
 
 FLOWS = {"smollm3": smollm3, "anneal": anneal, "cpt": cpt}
 

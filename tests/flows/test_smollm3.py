@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from flows.recipe import RecipeError
 from flows.smollm3 import smollm3
-from infra.lineage import Lineage
-from tasks.recipe import RecipeError
+from pipeline.lineage import Lineage
 from tests.conftest import DATA_ONLY
 
 
@@ -152,8 +152,8 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     branches overlap in time (per-source data steps; the evaluation of stage 1 beside the training
     of stage 2), every task run's inputs in the Prefect API equal the lineage edges, and both equal
     the graph the flow built."""
+    from flows.recipe import load_recipe
     from flows.smollm3 import graph
-    from tasks.recipe import load_recipe
     from tests.conftest import TINY_TRAIN
 
     over = [*TINY_TRAIN, f"workspace={tmp_path / 'ws'}"]
@@ -191,7 +191,7 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
 
     from transformers import AutoModelForCausalLM
 
-    from flows.report import summary
+    from flows.views import summary
 
     final = re.search(r"^final model:  (\S+)", summary(lineage, None), re.M).group(1)
     assert final.endswith("/model") and AutoModelForCausalLM.from_pretrained(final) is not None

@@ -1,7 +1,7 @@
 """A tiny trainer stage for launcher tests: synthetic token shards, a mixture plan and a spec.
 
 The spec trains a 4-layer, 64-wide model for a few steps on CPU (seconds), so launchers can be
-tested end to end with the real `python -m model.train` rather than a stand-in.
+tested end to end with the real `python -m trainers.pretrain` rather than a stand-in.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ from pydantic import ValidationError
 
 from infra.launchers import (
     LAUNCHERS,
-    KubernetesLaunch,
+    KubernetesLaunchConfig,
+    LaunchConfig,
     Launcher,
-    LauncherConfig,
     LaunchFailed,
-    SlurmLaunch,
+    SlurmLaunchConfig,
     get_launcher,
 )
 from infra.launchers.base import FirstError, TorchrunSummary, failure_facts
@@ -45,28 +45,28 @@ def done(stdout: str = "", returncode: int = 0, stderr: str = "") -> subprocess.
 
 def test_registry_builds_each_kind_and_refuses_duplicates_and_unknown_kinds():
     assert LAUNCHERS.names() == ["kubernetes", "local", "slurm"]
-    assert isinstance(get_launcher(LauncherConfig()), LocalTorchrun)
-    assert isinstance(get_launcher(LauncherConfig(kind="slurm")), SlurmLauncher)
-    assert isinstance(get_launcher(LauncherConfig(kind="kubernetes")), KubernetesLauncher)
+    assert isinstance(get_launcher(LaunchConfig()), LocalTorchrun)
+    assert isinstance(get_launcher(LaunchConfig(kind="slurm")), SlurmLauncher)
+    assert isinstance(get_launcher(LaunchConfig(kind="kubernetes")), KubernetesLauncher)
     with pytest.raises(ValueError, match="launcher 'local' is already registered"):
         LAUNCHERS.register("local")(LocalTorchrun)
     with pytest.raises(ValidationError, match="kind"):
-        LauncherConfig(kind="lsf")
+        LaunchConfig(kind="lsf")
     assert issubclass(SlurmLauncher, Launcher)
 
 
 def test_config_is_frozen_strict_and_refuses_credentials_in_env():
-    config = LauncherConfig(nodes=48, procs_per_node=8, gpus_per_node=8)
+    config = LaunchConfig(nodes=48, procs_per_node=8, gpus_per_node=8)
     assert config.world_size == 384
     with pytest.raises(ValidationError):
         config.nodes = 2  # frozen
     with pytest.raises(ValidationError, match="extra"):
-        LauncherConfig(gpus=8)
+        LaunchConfig(gpus=8)
     with pytest.raises(ValidationError, match="must not carry credentials.*AWS_SECRET_ACCESS_KEY"):
-        LauncherConfig(env={"AWS_SECRET_ACCESS_KEY": "x", "NCCL_DEBUG": "WARN"})
+        LaunchConfig(env={"AWS_SECRET_ACCESS_KEY": "x", "NCCL_DEBUG": "WARN"})
     with pytest.raises(ValidationError, match="HF_TOKEN"):
-        LauncherConfig(env={"HF_TOKEN": "x"})
-    assert LauncherConfig(env={"NCCL_DEBUG": "WARN"}).env == {"NCCL_DEBUG": "WARN"}
+        LaunchConfig(env={"HF_TOKEN": "x"})
+    assert LaunchConfig(env={"NCCL_DEBUG": "WARN"}).env == {"NCCL_DEBUG": "WARN"}
 
 
 # --- local torchrun -----------------------------------------------------------------------------
@@ -76,23 +76,23 @@ def test_rendered_scripts_and_manifests_never_carry_the_submitter_credentials(mo
     secret = "SeCrEt-launch-sentinel-42"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", f"admin:{secret}")
-    for config in (LauncherConfig(), SLURM, K8S):
+    for config in (LaunchConfig(), SLURM, K8S):
         text = get_launcher(config).render(Path("/fsx/ws/spec.json"), tmp_path)
         assert secret not in text and "AWS_SECRET_ACCESS_KEY" not in text
         assert secret not in config.model_dump_json()
 
 
 def test_local_command_is_torchrun_on_one_node(monkeypatch):
-    launcher = get_launcher(LauncherConfig(procs_per_node=4, master_port=29555))
+    launcher = get_launcher(LaunchConfig(procs_per_node=4, master_port=29555))
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert launcher.render(Path("/ws/spec.json"), Path("/ws")) == (
-        "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m model.train /ws/spec.json"
+        "torchrun --nnodes 1 --nproc-per-node 4 --master-port 29555 -m trainers.pretrain /ws/spec.json"
     )
     # Without torchrun on PATH (make runs .venv/bin/smollm3 outside the venv), this interpreter's.
     monkeypatch.setenv("PATH", "/nonexistent")
     assert launcher.command(Path("/ws/spec.json"), port=29555)[:3] == [sys.executable, "-m", "torch.distributed.run"]
     with pytest.raises(ValueError, match="launch.nodes=2 with kind local.*use kind slurm"):
-        get_launcher(LauncherConfig(nodes=2)).render(Path("s.json"), Path("."))
+        get_launcher(LaunchConfig(nodes=2)).render(Path("s.json"), Path("."))
 
 
 def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_tail(tmp_path):
@@ -101,7 +101,7 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     spec = write_spec(out / "spec.json", plan, out)
     lines: list[str] = []
     started: list[int] = []
-    launcher = get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN))
+    launcher = get_launcher(LaunchConfig(procs_per_node=2, torchrun=TORCHRUN))
     launcher.launch(spec, out, lines.append, on_start=started.append)
     assert len(started) == 1 and started[0] > 1  # the process group of torchrun and its ranks
     result = json.loads((out / "result.json").read_text())
@@ -115,7 +115,7 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
         match=r"local torchrun of .*bad/spec.json failed: rank 0 "
         r"exited with code 1 \(FileNotFoundError",
     ) as err:
-        get_launcher(LauncherConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lambda _: None)
+        get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lambda _: None)
     assert err.value.first_error.startswith("FileNotFoundError")  # the real cause, named
     assert "missing-plan.json" in err.value.first_error
     assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts the stage over")
@@ -153,7 +153,7 @@ def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
 
     started: list[int] = []
     with pytest.raises(LaunchFailed) as err:
-        get_launcher(LauncherConfig(procs_per_node=2, torchrun=TORCHRUN)).launch(
+        get_launcher(LaunchConfig(procs_per_node=2, torchrun=TORCHRUN)).launch(
             spec, out, kill_rank_1_after_a_checkpoint, on_start=started.append
         )
     assert killed, "the run ended before a rank could be killed"
@@ -193,7 +193,7 @@ def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
         first.feed(line)
     out = tmp_path / "stage"
     (out / "checkpoints" / "step_00000010").mkdir(parents=True)
-    (out / "checkpoints" / "step_00000010" / "COMPLETE").write_text(
+    (out / "checkpoints" / "step_00000010" / "_CHECKPOINT.json").write_text(
         json.dumps({"format": 2, "step": 10, "stage_end": False, "files": {}})
     )
     (out / "checkpoints" / "step_00000012").mkdir()  # a save cut short: not complete
@@ -213,7 +213,7 @@ def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
 
 # --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
 
-SLURM = LauncherConfig(
+SLURM = LaunchConfig(
     kind="slurm",
     nodes=48,
     procs_per_node=8,
@@ -222,7 +222,7 @@ SLURM = LauncherConfig(
     torchrun="/fsx/venv/bin/torchrun",
     code_dir="/fsx/smollm3-pipeline",
     env={"NCCL_DEBUG": "WARN", "WEIRD": "a b'c"},
-    slurm=SlurmLaunch(
+    slurm=SlurmLaunchConfig(
         partition="hopper-prod",
         account="lm",
         qos="high",
@@ -293,7 +293,7 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
         '--rdzv-id="$SLURM_JOB_ID"',
         "--max-restarts=0",
         "-m",
-        "model.train",
+        "trainers.pretrain",
         "/fsx/ws/train/ab12/spec.json",
         "&",
     ]
@@ -301,7 +301,7 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     assert "scontrol requeue" in script and "trap " in script
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
 
-    minimal = get_launcher(LauncherConfig(kind="slurm", slurm=SlurmLaunch(exclusive=False, requeue=False)))
+    minimal = get_launcher(LaunchConfig(kind="slurm", slurm=SlurmLaunchConfig(exclusive=False, requeue=False)))
     sb = sbatch_lines(minimal.render(Path("/s.json"), Path("/w")))
     assert "gpus-per-node" not in sb and "partition" not in sb and "requeue" not in sb
     assert "exclusive" not in sb
@@ -384,7 +384,7 @@ def _record(path: Path, job: str, pid: int) -> None:
     """A job record as a launch by process `pid` on this host writes it."""
     from dataclasses import asdict
 
-    from infra.lifeline import ProcessRef
+    from infra.guard import ProcessRef
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.of(pid)), "submitted": 0}))
@@ -453,13 +453,13 @@ def test_slurm_submission_errors_name_the_cause(tmp_path):
 
 # --- Kubernetes -------------------------------------------------------------------------------------
 
-K8S = LauncherConfig(
+K8S = LaunchConfig(
     kind="kubernetes",
     nodes=48,
     procs_per_node=8,
     gpus_per_node=8,
     env={"NCCL_DEBUG": "WARN"},
-    kubernetes=KubernetesLaunch(
+    kubernetes=KubernetesLaunchConfig(
         image="registry.example/smollm3:1.0",
         namespace="training",
         service_account="s3-writer",
@@ -492,7 +492,7 @@ def test_pytorchjob_manifest(tmp_path):
         "--nproc-per-node=8",
         "--max-restarts=0",
         "-m",
-        "model.train",
+        "trainers.pretrain",
         "/fsx/ws/train/ab12/spec.json",
     ]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1800Gi"}
@@ -503,7 +503,7 @@ def test_pytorchjob_manifest(tmp_path):
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     assert replicas["Master"]["restartPolicy"] == "OnFailure"
 
-    single = yaml.safe_load(get_launcher(LauncherConfig(kind="kubernetes")).render(Path("/s.json"), tmp_path))
+    single = yaml.safe_load(get_launcher(LaunchConfig(kind="kubernetes")).render(Path("/s.json"), tmp_path))
     assert list(single["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     with pytest.raises(ValueError, match="not under kubernetes.workspace_mount /fsx/ws"):
         get_launcher(K8S).render(Path("/elsewhere/spec.json"), tmp_path)
@@ -661,24 +661,24 @@ def _fake_accelerate(tmp_path: Path) -> Path:
 
 
 def test_local_command_is_accelerate_launch_with_the_config_file(monkeypatch):
-    config = LauncherConfig(procs_per_node=2, master_port=29555, module="tasks.posttrain", accelerate_config=ACCEL)
+    config = LaunchConfig(procs_per_node=2, master_port=29555, module="trainers.posttrain", accelerate_config=ACCEL)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert get_launcher(config).render(Path("/ws/spec.json"), Path("/ws")) == (
         "accelerate launch --config_file configs/accelerate/fsdp.yaml --num_machines 1 "
-        "--num_processes 2 --max_restarts 0 --main_process_port 29555 -m tasks.posttrain /ws/spec.json"
+        "--num_processes 2 --max_restarts 0 --main_process_port 29555 -m trainers.posttrain /ws/spec.json"
     )
     monkeypatch.setenv("PATH", "/nonexistent")  # `make` without the venv on PATH: this interpreter's
     cmd = get_launcher(config).command(Path("/ws/spec.json"), port=29555)
     assert cmd[:4] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     assert config.describe() == (
-        "local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), -m tasks.posttrain"
+        "local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), -m trainers.posttrain"
     )
-    assert LauncherConfig().describe() == "local, 1 node x 1 process, torchrun, -m model.train"
+    assert LaunchConfig().describe() == "local, 1 node x 1 process, torchrun, -m trainers.pretrain"
 
 
 def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path):
     config = SLURM.model_copy(
-        update={"accelerate_config": ACCEL, "module": "tasks.posttrain", "accelerate": "/fsx/venv/bin/accelerate"}
+        update={"accelerate_config": ACCEL, "module": "trainers.posttrain", "accelerate": "/fsx/venv/bin/accelerate"}
     )
     script = get_launcher(config).render(Path("/fsx/ws/sft/ab12/spec.json"), Path("/fsx/ws/sft/ab12"))
     path = tmp_path / "train.sbatch"
@@ -719,13 +719,13 @@ def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path
         "--main_process_port",
         "29512",
         "-m",
-        "tasks.posttrain",
+        "trainers.posttrain",
         "/fsx/ws/sft/ab12/spec.json",
     ]
 
 
 def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
-    config = K8S.model_copy(update={"accelerate_config": ACCEL, "module": "tasks.posttrain"})
+    config = K8S.model_copy(update={"accelerate_config": ACCEL, "module": "trainers.posttrain"})
     job = yaml.safe_load(get_launcher(config).render(Path("/fsx/ws/sft/ab12/spec.json"), tmp_path))
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["command"] == ["bash", "-c"] and len(container["args"]) == 1
@@ -752,4 +752,4 @@ def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
     assert args[args.index("--machine_rank") + 1] == "5"
     assert args[args.index("--main_process_ip") + 1] == "job-master-0"
     assert args[args.index("--main_process_port") + 1] == "23456"
-    assert args[-3:] == ["-m", "tasks.posttrain", "/fsx/ws/sft/ab12/spec.json"]
+    assert args[-3:] == ["-m", "trainers.posttrain", "/fsx/ws/sft/ab12/spec.json"]

@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from infra.launchers import LauncherConfig, LaunchFailed, SlurmLaunch, get_launcher
+from infra.launchers import LaunchConfig, LaunchFailed, SlurmLaunchConfig, get_launcher
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def slurm_config(procs: int = 2, **kw) -> LauncherConfig:
-    return LauncherConfig(
+def slurm_config(procs: int = 2, **kw) -> LaunchConfig:
+    return LaunchConfig(
         kind="slurm",
         nodes=1,
         procs_per_node=procs,
         torchrun=TORCHRUN,
-        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test", **kw),
+        slurm=SlurmLaunchConfig(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test", **kw),
     )
 
 
@@ -68,33 +68,33 @@ def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):  # noqa:
 @pytest.mark.slow
 def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_path):  # noqa: F811
     """An SFT step whose launch is Slurm + `accelerate launch` (CPU DDP config, 2 ranks): the
-    job runs `-m tasks.posttrain` on the allocation, its log streams into the step's log, and the
+    job runs `-m trainers.posttrain` on the allocation, its log streams into the step's log, and the
     loss curve is the one of a local single-process run."""
-    from infra.artifact import MARKER, Artifact
-    from infra.launchers import SlurmLaunch
-    from tasks.posttrain.config import PosttrainConfig, SFTSection, TrainerRun
+    from infra.launchers import SlurmLaunchConfig
+    from pipeline.artifact import MARKER, Artifact
     from tasks.posttrain.data import build_chat_data
-    from tasks.posttrain.launch import launch_trainer
     from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
+    from trainers.posttrain.config import PosttrainConfig, PosttrainSpec, SFTConfig
+    from trainers.posttrain.launch import launch_trainer
 
     corpora = make_corpora(tmp_path / "corpora")
     base = make_tiny_model(tmp_path, corpus_texts(corpora))
     build_chat_data(DATA, corpora, tmp_path / "data", log=lambda _: None)
     (tmp_path / "data" / MARKER).write_text("{}")
-    section = SFTSection(max_steps=3, batch=8, max_length=128, save_steps=2)
+    section = SFTConfig(max_steps=3, batch=8, max_length=128, save_steps=2)
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    slurm = LauncherConfig(
+    slurm = LaunchConfig(
         kind="slurm",
         nodes=1,
         procs_per_node=2,
-        module="tasks.posttrain",
+        module="trainers.posttrain",
         accelerate_config="configs/accelerate/cpu-ddp.yaml",
         accelerate=accelerate,
-        slurm=SlurmLaunch(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-posttrain-test"),
+        slurm=SlurmLaunchConfig(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-posttrain-test"),
     )
     runs = {
-        name: TrainerRun.of(section, PosttrainConfig(device="cpu"), launch=launch, threads=1)
-        for name, launch in (("slurm", slurm), ("local", LauncherConfig(module="tasks.posttrain")))
+        name: PosttrainSpec.of(section, PosttrainConfig(device="cpu"), launch=launch, threads=1)
+        for name, launch in (("slurm", slurm), ("local", LaunchConfig(module="trainers.posttrain")))
     }
     lines: list[str] = []
     metas = {

@@ -193,7 +193,7 @@ RANK = textwrap.dedent(
     # A torchrun rank as the trainer starts: protected against its parent's death.
     import os, sys, time
     sys.path.insert(0, {repo!r})
-    from infra.lifeline import protect_rank
+    from infra.guard import protect_rank
     assert protect_rank(), "not under torchrun?"
     open(sys.argv[1], "w").write(str(os.getpid()))
     time.sleep(600)

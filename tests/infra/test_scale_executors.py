@@ -21,8 +21,8 @@ from datatrove.pipeline.writers import JsonlWriter
 
 from tasks.curate import (
     CurationConfig,
-    RayConfig,
-    SlurmConfig,
+    RayExecutorConfig,
+    SlurmExecutorConfig,
     make_executors,
     plan_stages,
     run_executors,
@@ -63,7 +63,7 @@ def test_slurm_executors_for_the_curation_stages_render_valid_sbatch_without_sub
         executor="slurm",
         tasks=8,
         workers=4,
-        slurm=SlurmConfig(
+        slurm=SlurmExecutorConfig(
             partition="cpu",
             time="04:00:00",
             cpus_per_task=2,
@@ -117,7 +117,7 @@ def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_p
         executor="slurm",
         tasks=2,
         workers=2,
-        slurm=SlurmConfig(
+        slurm=SlurmExecutorConfig(
             partition="debug",
             time="00:10:00",
             cpus_per_task=1,
@@ -139,7 +139,9 @@ def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_p
 def test_ray_executor_runs_a_chained_pipeline_on_local_ray(tmp_path):
     import ray
 
-    config = CurationConfig(executor="ray", tasks=2, workers=2, ray=RayConfig(cpus_per_task=1, mem_per_cpu_gb=0.25))
+    config = CurationConfig(
+        executor="ray", tasks=2, workers=2, ray=RayExecutorConfig(cpus_per_task=1, mem_per_cpu_gb=0.25)
+    )
     stages = two_stages(tmp_path)
     ray.init(
         num_cpus=2,
@@ -171,7 +173,7 @@ def test_a_failing_stage_stops_the_wait_instead_of_hanging(local_slurm, tmp_path
         executor="slurm",
         tasks=1,
         workers=1,
-        slurm=SlurmConfig(
+        slurm=SlurmExecutorConfig(
             partition="debug",
             time="00:10:00",
             cpus_per_task=1,

@@ -87,7 +87,7 @@ def cfg(endpoint: str, uri: str = "s3://ckpts/run", **kw) -> StorageConfig:
 def fake_checkpoint(
     root: Path, step: int, *, big: int = 0, complete: bool = True, stage_end: bool = False, seed: int = 0
 ) -> Path:
-    """A folder shaped like model/checkpoint.py's: data files, then the COMPLETE marker."""
+    """A folder shaped like model/checkpoint.py's: data files, then the _CHECKPOINT.json marker."""
     folder = root / f"step_{step:08d}"
     folder.mkdir(parents=True)
     rnd = __import__("random").Random(step * 1000 + seed)
@@ -412,7 +412,7 @@ def test_pull_latest_checkpoint_restores_the_newest_complete_one(s3, tmp_path, c
     assert [p.name for p in (tmp_path / "other").iterdir()] == ["step_00000007"]  # no half folder
 
     # damage that also rewrote the uploader's _SHA256SUMS.json consistently: the trainer's own
-    # digests in COMPLETE still catch it
+    # digests in _CHECKPOINT.json still catch it
     bad = b"x" * 300
     client.put_object(Bucket="ckpts", Key="p/step_00000007/.metadata", Body=bad)
     sums = json.loads(client.get_object(Bucket="ckpts", Key=f"p/step_00000007/{MANIFEST}")["Body"].read())

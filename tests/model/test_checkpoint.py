@@ -23,7 +23,7 @@ from model.checkpoint import (
 )
 from model.model import SmolLM3
 from model.optim import build_optimizer
-from model.spec import OptimizerSpec
+from model.spec import OptimizerConfig
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def one_rank_group():
 def _trained(cfg, steps=1, seed=0):
     torch.manual_seed(seed)
     model = SmolLM3(cfg)
-    opt = build_optimizer(model, OptimizerSpec(lr=1e-2))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     ids = torch.randint(0, cfg.vocab_size, (2, 8))
     for _ in range(steps):
         model(ids, labels=ids).loss.backward()
@@ -99,7 +99,7 @@ def test_retention_keeps_last_k_and_every_stage_end(one_rank_group, tiny_cfg, tm
         "step_00000004",
         "step_00000005",
     ]
-    assert json.loads((ckpt.root / "step_00000002" / "COMPLETE").read_text())["stage_end"]
+    assert json.loads((ckpt.root / "step_00000002" / "_CHECKPOINT.json").read_text())["stage_end"]
 
 
 def test_a_leftover_folder_at_the_same_step_is_replaced(one_rank_group, tiny_cfg, tmp_path):
@@ -177,7 +177,7 @@ open({path!r}, "wb").write(pickle.dumps(Evil()))
 
 def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path):
     """Someone who can write the folder replaces `.metadata` with a pickle that runs a command
-    and rewrites COMPLETE to match: the digest passes, the restricted unpickler refuses."""
+    and rewrites _CHECKPOINT.json to match: the digest passes, the restricted unpickler refuses."""
     import subprocess
     import sys
 
@@ -188,9 +188,9 @@ def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group
     folder = ckpt.save(1, model, opt, {})
     canary = tmp_path / "pwned"
     subprocess.run([sys.executable, "-c", EVIL.format(canary=canary, path=str(folder / ".metadata"))], check=True)
-    record = json.loads((folder / "COMPLETE").read_text())
+    record = json.loads((folder / "_CHECKPOINT.json").read_text())
     record["files"][".metadata"] = manifest.entries(folder, [".metadata"])[".metadata"]
-    (folder / "COMPLETE").write_text(json.dumps(record))
+    (folder / "_CHECKPOINT.json").write_text(json.dumps(record))
     assert verify_checkpoint(folder) == []  # the forger kept the manifest consistent
 
     with pytest.raises(pickle.UnpicklingError, match=r"posix.system.*not a DCP metadata type"):
@@ -205,9 +205,9 @@ def test_a_checkpoint_from_before_digests_still_loads(one_rank_group, tiny_cfg, 
     ckpt = Checkpointer(tmp_path / "ckpt")
     model, opt = _trained(tiny_cfg)
     folder = ckpt.save(1, model, opt, {})
-    record = json.loads((folder / "COMPLETE").read_text())
+    record = json.loads((folder / "_CHECKPOINT.json").read_text())
     legacy = {"step": 1, "stage_end": False, "files": {name: entry["size"] for name, entry in record["files"].items()}}
-    (folder / "COMPLETE").write_text(json.dumps(legacy))
+    (folder / "_CHECKPOINT.json").write_text(json.dumps(legacy))
     with caplog.at_level(logging.WARNING, logger="model.checkpoint"):
         loaded = load_model(folder)
     assert "written before content digests" in caplog.text

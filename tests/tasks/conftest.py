@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifact import MARKER, Artifact
-from infra.lineage import StepRow
-from infra.workspace import Workspace
+from pipeline.artifact import MARKER, Artifact
+from pipeline.lineage import StepRow
+from pipeline.workspace import Workspace
 from tasks.mixture import StageConfig
 from tasks.pretrain import TrainingConfig, schedule_stages
 
@@ -29,7 +29,7 @@ def _checkpoint(stage_dir: Path, step: int, global_step: int, complete: bool = T
     (folder / "trainer_state.json").write_text(json.dumps(state))
     if complete:
         files = {"trainer_state.json": (folder / "trainer_state.json").stat().st_size}
-        (folder / "COMPLETE").write_text(json.dumps({"step": step, "stage_end": False, "files": files}))
+        (folder / "_CHECKPOINT.json").write_text(json.dumps({"step": step, "stage_end": False, "files": files}))
     return folder
 
 

@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 
 WORDS = (
     "river stone garden window market engine silver forest bridge candle harbor meadow "

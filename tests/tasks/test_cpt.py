@@ -9,9 +9,9 @@ import torch
 from model.checkpoint import load_model
 from model.config import ModelConfig
 from model.model import SmolLM3
-from tasks.base import write_model_checkpoint
 from tasks.cpt import CptConfig, cpt_weights, forgetting_flags, general_weights
 from tasks.heldout import heldout_loss
+from tasks.pin import write_model_checkpoint
 
 
 def test_forgetting_is_flagged_when_general_loss_rises_past_the_threshold():
@@ -44,12 +44,12 @@ def test_replay_mixture_and_general_data():
 
 
 def test_cpt_launch_is_a_tenth_of_the_peak_with_fresh_optimizer(tmp_path):
-    from model.spec import OptimizerSpec, TrainSpec
-    from tasks.base import BaseCheckpoint
+    from model.spec import OptimizerConfig, TrainSpec
     from tasks.cpt import cpt_stage
+    from tasks.pin import BaseCheckpoint
 
     spec = TrainSpec(
-        stage="stage3", steps=20, global_batch=8, micro_batch=8, seq_len=64, seed=7, optimizer=OptimizerSpec(lr=3e-3)
+        stage="stage3", steps=20, global_batch=8, micro_batch=8, seq_len=64, seed=7, optimizer=OptimizerConfig(lr=3e-3)
     )
     base = BaseCheckpoint(
         checkpoint="c",

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 from datatrove.data import Document
 
-from infra.artifact import Artifact
+from curation.filters import prose_text
+from curation.heldout import word_ngrams
+from flows.recipe import RecipeError, load_recipe
+from pipeline.artifact import Artifact
 from tasks.curate import (
     PRESETS,
     AlphanumericFractionFilter,
@@ -24,15 +27,13 @@ from tasks.curate import (
     DecontaminationConfig,
     DocumentationProseFilter,
     HeldoutIndex,
-    SlurmConfig,
+    SlurmExecutorConfig,
     build_curated,
     filter_name,
     make_executors,
     plan_stages,
 )
-from tasks.curate_parts import prose_text, word_ngrams
 from tasks.evaluate import EvalConfig, build_suite, contamination, prose_items
-from tasks.recipe import RecipeError, load_recipe
 from tasks.sources import SourceConfig, build_corpus, is_held_out
 from tests.tasks.datafiles import PARAGRAPHS, corpus, doc_line, random_text
 
@@ -292,7 +293,7 @@ def test_heldout_index_overlap_rules():
     assert reason is None and score < 0.1
     assert index.match(held[1][1] + " Yes.", 50)[1] > 0.5
     # hashes are the same in every process (datatrove workers load the parent's index)
-    script = "from tasks.curate_parts import word_ngrams; print(word_ngrams('a b c d e f g h i', 8).tolist())"
+    script = "from curation.heldout import word_ngrams; print(word_ngrams('a b c d e f g h i', 8).tolist())"
     other = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -429,7 +430,7 @@ def test_language_filter_reads_a_local_fasttext_model(tmp_path):
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
     slurm = CurationConfig(
-        executor="slurm", tasks=4, workers=2, slurm=SlurmConfig(partition="cpu", sbatch_args={"account": "lm"})
+        executor="slurm", tasks=4, workers=2, slurm=SlurmExecutorConfig(partition="cpu", sbatch_args={"account": "lm"})
     )
     stages = plan_stages(slurm, "web", tmp_path / "train", tmp_path, 4)
     ex = make_executors(slurm, stages, tmp_path / "logs")
@@ -455,16 +456,17 @@ def data_flow(overrides: list[str]) -> dict:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from flows.graph import Graph
-    from flows.runner import run_flow
+    from flows.recipe import run_setup
     from flows.smollm3 import data
+    from pipeline.graph import Graph
+    from pipeline.runner import run_flow
 
     @flow(name="smollm3-data-test", task_runner=ThreadPoolTaskRunner(max_workers=32))
     def run() -> dict:
         cfg = load_recipe("tiny", overrides)
         g = Graph("smollm3-data-test")
         data(g, cfg)
-        return run_flow("smollm3-data-test", g, cfg, "tiny")
+        return run_flow("smollm3-data-test", g, run_setup(cfg, "tiny"))
 
     return run()
 
@@ -475,7 +477,7 @@ def test_data_flow_through_prefect_in_a_worker_thread(tmp_path, prefect_harness)
     two datatrove worker processes (forkserver) per stage: lineage rows and Prefect artifacts."""
     from prefect.client.orchestration import get_client
 
-    from infra.lineage import Lineage
+    from pipeline.lineage import Lineage
     from tests.conftest import SMALL
 
     ws = tmp_path / "ws"

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 from tasks.evaluate import (
     EvalConfig,
     arithmetic_items,
@@ -237,7 +237,7 @@ def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_it
 
 def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     """Generation requests (lm-eval's own `generate_until`) are counted as they are answered."""
-    from tasks.eval_lm import EvalProgress
+    from evals.lm import EvalProgress
     from tasks.evaluate import arithmetic_generation_items, generation_task_yaml
 
     docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(6)]

@@ -7,7 +7,7 @@ import json
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 from tasks.fertility import FertilityConfig, build_fertility, decide, measure
 from tests.tasks.datafiles import PARAGRAPHS, corpus
 
@@ -110,8 +110,8 @@ def test_measured_on_curated_text_and_says_which(tmp_path):
     text it used per source; an uncurated corpus is named as such."""
     import csv
 
+    from curation.filters import prose_text
     from tasks.curate import CurationConfig, DecontaminationConfig, build_curated
-    from tasks.curate_parts import prose_text
 
     words = tmp_path / "words.json"
     word_level(words)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from infra.artifact import Artifact
 from model.config import ModelConfig
 from model.model import SmolLM3
+from pipeline.artifact import Artifact
 from tasks.heldout import (
-    HeldoutConfig,
-    HeldoutEval,
+    HeldoutEvalSpec,
+    HeldoutSpec,
     build_heldout,
     build_heldout_eval,
     heldout_loss,
@@ -86,7 +86,7 @@ def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     meta = build_heldout(
-        HeldoutConfig(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out, log=lambda _: None
+        HeldoutSpec(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out, log=lambda _: None
     )
     ids, nbytes = np.load(meta["file"]), np.load(meta["bytes_file"])
     assert len(ids) == len(nbytes) == meta["tokens"]
@@ -168,7 +168,7 @@ def trained_stage(tmp_path_factory) -> Artifact:
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(spec))
     subprocess.run(
-        [sys.executable, "-m", "model.train", str(out / "spec.json")],
+        [sys.executable, "-m", "trainers.pretrain", str(out / "spec.json")],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -196,11 +196,11 @@ def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
         meta={"domain": "prose", "eos_id": 0, "file": str(held / "tokens.npy"), "bytes_file": str(held / "bytes.npy")},
     )
     every = build_heldout_eval(
-        HeldoutEval(every_checkpoint=True), [trained_stage, heldout], tmp_path, log=lambda _: None
+        HeldoutEvalSpec(every_checkpoint=True), [trained_stage, heldout], tmp_path, log=lambda _: None
     )
     assert [p["step"] for p in every["points"]] == [2, 4]
     assert [p["global_step"] for p in every["points"]] == [2, 4]
-    last = build_heldout_eval(HeldoutEval(), [trained_stage, heldout], tmp_path, log=lambda _: None)
+    last = build_heldout_eval(HeldoutEvalSpec(), [trained_stage, heldout], tmp_path, log=lambda _: None)
     assert [p["step"] for p in last["points"]] == [4]
     assert every["scores"] == last["scores"] == every["points"][-1]["scores"]
     first, final = (p["scores"]["heldout_prose"]["bpb"] for p in every["points"])

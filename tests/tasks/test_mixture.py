@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.artifact import Artifact
+from flows.recipe import RecipeError, load_recipe
+from pipeline.artifact import Artifact
 from tasks.mixture import MixtureError, MixtureWarning, StageConfig, build_plan, load_weights
-from tasks.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 CSV = Path("/work/shared/reference/smollm3_mixture_weights.csv")

@@ -19,8 +19,8 @@ import pytest
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from infra.artifact import Inputs
-from tasks.step import many, step
+from pipeline.artifact import Inputs
+from pipeline.step import many, step
 from tests.conftest import SMALL
 
 POSTTRAIN = [
@@ -52,10 +52,10 @@ def tiny_base(config: dict, inputs: Inputs, out: Path, *, log=print) -> dict:
 
 @flow(name="posttrain-test", task_runner=ThreadPoolTaskRunner(max_workers=64))
 def posttrain_flow(overrides: list[str]) -> str:
-    from flows.graph import Graph
-    from flows.runner import run_flow
+    from flows.recipe import load_recipe, run_setup
     from flows.smollm3 import post_train
-    from tasks.recipe import load_recipe
+    from pipeline.graph import Graph
+    from pipeline.runner import run_flow
     from tasks.sources import SourceSpec, source
 
     cfg = load_recipe("tiny", overrides)
@@ -63,7 +63,7 @@ def posttrain_flow(overrides: list[str]) -> str:
     corpora = [g.add(source, SourceSpec.of(s, cfg.seed), label=s.name) for s in cfg.sources]
     base = g.add(tiny_base, {"hidden": 64}, label="long2", corpora=corpora)
     post_train(g, cfg, base, corpora)
-    return run_flow("posttrain-test", g, cfg, "tiny")["run_id"]
+    return run_flow("posttrain-test", g, run_setup(cfg, "tiny"))["run_id"]
 
 
 @pytest.mark.slow
@@ -72,8 +72,8 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
 
     import torch
 
-    from flows.report import eval_table
-    from infra.lineage import Lineage
+    from flows.views import eval_table
+    from pipeline.lineage import Lineage
 
     torch.set_num_threads(2)
     ws = tmp_path / "ws"
@@ -129,7 +129,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
     for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]"):
         meta = lineage.get(by_key[trainer]).meta
-        assert meta["launch"].startswith("local, 1 node x 1 process, torchrun, -m tasks.posttrain")
+        assert meta["launch"].startswith("local, 1 node x 1 process, torchrun, -m trainers.posttrain")
         assert (Path(lineage.get(by_key[trainer]).uri) / "spec.json").is_file()
 
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
@@ -145,8 +145,9 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
 def test_the_3b_plan_shows_each_trainer_with_its_launcher_and_the_published_settings(tmp_path):
     """`smollm3 plan smollm3-3b`'s rows (the CLI also checks that the recipe's data exists, which
     it does not on this machine): every trainer with where it runs, the soup and the merge."""
-    from flows.plan import flow_graph, format_plan, plan
-    from tasks.recipe import load_recipe
+    from flows.graphs import flow_graph, plan
+    from flows.recipe import load_recipe
+    from pipeline.dryrun import format_plan
 
     cfg = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}"])
     pt = cfg.posttrain
@@ -156,7 +157,9 @@ def test_the_3b_plan_shows_each_trainer_with_its_launcher_and_the_published_sett
     assert betas == {0.1, 0.075, 0.05} and all(0.05 <= b <= 0.1 for b in betas)  # the published range
     assert pt.merge.weights == (0.9, 0.1) and pt.merge.stage == "long64k"
     rows = {r.key: r for r in plan(cfg)}
-    where = "slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), -m tasks.posttrain"
+    where = (
+        "slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), -m trainers.posttrain"
+    )
     for key in ("sft[sft]", "preference[apo]", "preference[apo-b0075]", "preference[apo-b005]", "grpo[grpo]"):
         assert rows[key].launch.startswith(where), (key, rows[key].launch)
     assert rows["sft[sft]"].launch.endswith("batch 256 = 64 ranks x 1 x 4 accumulation")

@@ -4,7 +4,7 @@ exact-match generation eval, the rank entry point and the recipe section's check
 
 Models are 2-layer SmolLM3s (hidden 64) exported with our own BPE tokenizer and its ChatML
 template, built once per module; every trainer runs 2-4 optimizer steps. The same trainers as
-launched jobs (1 and 2 processes, killed and resumed): tests/tasks/test_posttrain_launch.py.
+launched jobs (1 and 2 processes, killed and resumed): tests/trainers/test_posttrain.py.
 """
 
 from __future__ import annotations
@@ -15,27 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifact import Artifact, read_marker, run_step
-from tasks.posttrain.config import (
+from pipeline.artifact import Artifact, read_marker, run_step
+from tasks.posttrain.data import build_chat_data, external_conversations, math_conversation
+from trainers.posttrain.config import (
     ChatDataConfig,
-    DistillSection,
-    GRPOSection,
-    LinearMerge,
-    MergeSection,
+    DistillConfig,
+    GRPOConfig,
+    MergeConfig,
+    MergeSpec,
     PosttrainConfig,
-    PreferenceSection,
-    SFTSection,
-    SoupRun,
+    PreferenceConfig,
+    SFTConfig,
+    SoupConfig,
     micro_batches,
 )
-from tasks.posttrain.data import (
-    build_chat_data,
-    exact_match_reward,
-    external_conversations,
-    format_reward,
-    math_conversation,
-    read_jsonl,
-)
+from trainers.posttrain.data import exact_match_reward, format_reward, read_jsonl
 
 
 def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
@@ -92,7 +86,7 @@ def world(tmp_path_factory):
     """Corpora, chat data, a base model and a 3-step SFT model (shared by this module's tests)."""
     import torch
 
-    from tasks.posttrain.sft import train_sft
+    from trainers.posttrain.sft import train_sft
 
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("posttrain")
@@ -102,7 +96,7 @@ def world(tmp_path_factory):
     sft_log: list[str] = []
     sft_progress: list[float] = []
     sft_meta = train_sft(
-        SFTSection(max_steps=3, batch=4, max_length=128),
+        SFTConfig(max_steps=3, batch=4, max_length=128),
         base,
         root / "data",
         root / "sft",
@@ -211,7 +205,7 @@ def test_post_training_logs_step_loss_lr_and_eta_and_reports_progress(world):
 
 
 def test_verified_pairs_prefer_correct_answers():
-    from tasks.posttrain.preference import verified_pairs
+    from trainers.posttrain.preference import verified_pairs
 
     prompts = [
         {"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in (("q1", "5"), ("q2", "7"), ("q3", "1"))
@@ -226,9 +220,9 @@ def test_verified_pairs_prefer_correct_answers():
 
 
 def test_apo_from_self_sampled_pairs(world):
-    from tasks.posttrain.preference import train_preference
+    from trainers.posttrain.preference import train_preference
 
-    cfg = PreferenceSection(max_steps=2, batch=4, samples_per_prompt=2, max_new_tokens=12)
+    cfg = PreferenceConfig(max_steps=2, batch=4, samples_per_prompt=2, max_new_tokens=12)
     meta = train_preference(
         cfg, Path(world["sft"]["model_dir"]), world["data"], world["root"] / "apo", device="cpu", log=lambda _: None
     )
@@ -242,7 +236,7 @@ def test_apo_from_self_sampled_pairs(world):
 def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     from safetensors.torch import load_file
 
-    from infra.artifact import Artifact
+    from pipeline.artifact import Artifact
     from tasks.posttrain.merge import build_merge
 
     post, base = Path(world["sft"]["model_dir"]), world["base"]
@@ -250,7 +244,7 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
         Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
         for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))
     ]
-    meta = build_merge(LinearMerge(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
+    meta = build_merge(MergeSpec(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
     merged = load_file(str(tmp_path / "model" / "model.safetensors"))
     a, b = load_file(str(post / "model.safetensors")), load_file(str(base / "model.safetensors"))
     for name in a:
@@ -258,13 +252,13 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     assert meta["merged"] == ["sft", "long2"] and (tmp_path / "model" / "tokenizer.json").is_file()
     assert [(i["fingerprint"][0], i["weight"]) for i in meta["ingredients"]] == [("a", 0.9), ("b", 0.1)]
     with pytest.raises(ValueError, match="summing to 1"):
-        LinearMerge(weights=(0.9, 0.2))
+        MergeSpec(weights=(0.9, 0.2))
     with pytest.raises(ValueError, match="2 models but the config has 3 weights"):
-        build_merge(LinearMerge(weights=(0.5, 0.3, 0.2)), arts, tmp_path / "w")
+        build_merge(MergeSpec(weights=(0.5, 0.3, 0.2)), arts, tmp_path / "w")
     other = make_tiny_model(world["root"], [], hidden=32)
     with pytest.raises(ValueError, match="not the same architecture"):
         build_merge(
-            LinearMerge(weights=(0.9, 0.1)),
+            MergeSpec(weights=(0.9, 0.1)),
             [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64, meta={"model_dir": str(other)})],
             tmp_path / "x",
         )
@@ -283,9 +277,9 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
         )
         for i, p in enumerate(soup_in)
     ]
-    section = MergeSection(soup=(SoupRun(name="apo-s1", seed=1), SoupRun(name="apo-s2", seed=2)))
+    section = MergeConfig(soup=(SoupConfig(name="apo-s1", seed=1), SoupConfig(name="apo-s2", seed=2)))
     assert section.soup_mix() == pytest.approx((1 / 3, 1 / 3, 1 / 3))
-    soup = build_merge(LinearMerge(weights=section.soup_mix()), arts, tmp_path / "soup", log=lambda _: None)
+    soup = build_merge(MergeSpec(weights=section.soup_mix()), arts, tmp_path / "soup", log=lambda _: None)
     assert soup["merged"] == ["apo (seed 0)", "apo (seed 1)", "apo (seed 2)"]
     soup_art = Artifact(
         kind="hf_model",
@@ -299,7 +293,7 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
         fingerprint="b" * 64,
         meta={"model_dir": str(world["base"]), "stage": "long2"},
     )
-    build_merge(LinearMerge(weights=section.weights), [soup_art, base], tmp_path / "final", log=lambda _: None)
+    build_merge(MergeSpec(weights=section.weights), [soup_art, base], tmp_path / "final", log=lambda _: None)
     final = load_file(str(tmp_path / "final" / "model" / "model.safetensors"))
     parts = [load_file(str(p / "model.safetensors")) for p in soup_in]
     b = load_file(str(world["base"] / "model.safetensors"))
@@ -309,23 +303,23 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
 
 
 def test_merge_section_checks_the_soup():
-    weighted = MergeSection(soup=(SoupRun(name="apo-b005", beta=0.05),), soup_weights=(0.7, 0.3))
+    weighted = MergeConfig(soup=(SoupConfig(name="apo-b005", beta=0.05),), soup_weights=(0.7, 0.3))
     assert weighted.soup_mix() == (0.7, 0.3)
-    assert SoupRun(name="b", beta=0.05).apply(PreferenceSection(beta=0.1, lr=1e-6)).beta == 0.05
+    assert SoupConfig(name="b", beta=0.05).apply(PreferenceConfig(beta=0.1, lr=1e-6)).beta == 0.05
     with pytest.raises(ValueError, match="soup_weights must be 2 non-negative numbers summing to 1"):
-        MergeSection(soup=(SoupRun(name="x"),), soup_weights=(0.5, 0.3, 0.2))
+        MergeConfig(soup=(SoupConfig(name="x"),), soup_weights=(0.5, 0.3, 0.2))
     with pytest.raises(ValueError, match="soup_weights is set but posttrain.merge.soup is empty"):
-        MergeSection(soup_weights=(0.5, 0.5))
+        MergeConfig(soup_weights=(0.5, 0.5))
     with pytest.raises(ValueError, match="repeated: x"):
-        MergeSection(soup=(SoupRun(name="x"), SoupRun(name="x", seed=2)))
+        MergeConfig(soup=(SoupConfig(name="x"), SoupConfig(name="x", seed=2)))
     with pytest.raises(ValueError, match="must be 2 non-negative"):
-        MergeSection(weights=(0.8, 0.1, 0.1))
+        MergeConfig(weights=(0.8, 0.1, 0.1))
     with pytest.raises(ValueError, match="labels of other post-training steps"):
         PosttrainConfig(merge={"soup": [{"name": "apo"}]})
     with pytest.raises(ValueError, match="preference.enabled is false"):
         PosttrainConfig(merge={"soup": [{"name": "apo2"}]}, preference={"enabled": False})
     with pytest.raises(ValueError, match="beta"):
-        SoupRun(name="y", beta=-1)
+        SoupConfig(name="y", beta=-1)
 
 
 def test_micro_batches_make_the_batch_on_any_world_size():
@@ -350,8 +344,9 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     step 3 (the launched variant, killed from outside: test_posttrain_launch.py)."""
     from transformers import TrainerCallback
 
-    from tasks.posttrain.common import complete_checkpoints
-    from tasks.posttrain.grpo import grpo, train_grpo
+    from tasks.posttrain.grpo import grpo
+    from trainers.posttrain.common import complete_checkpoints
+    from trainers.posttrain.grpo import train_grpo
 
     class CrashAfterSave(TrainerCallback):
         def on_save(self, args, state, control, **kw):
@@ -364,7 +359,7 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
         def on_step_begin(self, args, state, control, **kw):
             self.seen.append(state.global_step)
 
-    cfg = GRPOSection(max_steps=4, batch=4, num_generations=2, max_completion_length=12, save_steps=2, lr=1e-3)
+    cfg = GRPOConfig(max_steps=4, batch=4, num_generations=2, max_completion_length=12, save_steps=2, lr=1e-3)
     policy = Path(world["sft"]["model_dir"])
     d = grpo
     first, second = FirstStep(), FirstStep()
@@ -406,10 +401,10 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
 
 
 def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
-    from tasks.posttrain.distill import train_distill
+    from trainers.posttrain.distill import train_distill
 
     teacher = make_tiny_model(world["root"], [], seed=1, hidden=96)  # bigger, same tokenizer
-    cfg = DistillSection(teacher=str(teacher), max_steps=2, batch=4, max_completion_length=12)
+    cfg = DistillConfig(teacher=str(teacher), max_steps=2, batch=4, max_completion_length=12)
     meta = train_distill(
         cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu", log=lambda _: None
     )
@@ -469,7 +464,7 @@ def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
 
 
 def test_preference_rows_from_a_pairs_file(tmp_path):
-    from tasks.posttrain.data import preference_rows
+    from trainers.posttrain.data import preference_rows
 
     whole = {
         "prompt": "2+2?",
@@ -491,9 +486,9 @@ def test_preference_rows_from_a_pairs_file(tmp_path):
 
 
 def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
-    """What every rank of a launch runs: `python -m tasks.posttrain spec.json` (here rank 0 alone)."""
-    from tasks.posttrain.__main__ import main
-    from tasks.posttrain.launch import TrainerSpec
+    """What every rank of a launch runs: `python -m trainers.posttrain spec.json` (here rank 0 alone)."""
+    from trainers.posttrain.__main__ import main
+    from trainers.posttrain.launch import TrainerSpec
 
     out = tmp_path / "sft"
     spec = TrainerSpec(
@@ -521,8 +516,8 @@ def test_a_second_trainer_in_the_same_folder_is_refused(world, tmp_path, capsys)
     import sys
     import time
 
-    from tasks.posttrain.__main__ import main
-    from tasks.posttrain.launch import TrainerSpec
+    from trainers.posttrain.__main__ import main
+    from trainers.posttrain.launch import TrainerSpec
 
     out = tmp_path / "sft"
     TrainerSpec(
@@ -537,7 +532,7 @@ def test_a_second_trainer_in_the_same_folder_is_refused(world, tmp_path, capsys)
         [
             sys.executable,
             "-c",
-            "import sys, time; from infra.lifeline import StageLease; "
+            "import sys, time; from infra.guard import StageLease; "
             "StageLease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
             str(out),
         ],
@@ -571,13 +566,17 @@ def test_edited_local_data_changes_the_fingerprint(tmp_path):
 
 
 def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
-    from infra.launchers import LauncherConfig, SlurmLaunch
-    from tasks.posttrain.config import PosttrainLaunch
+    from infra.launchers import LaunchConfig, SlurmLaunchConfig
+    from trainers.posttrain.config import PosttrainLaunchConfig
 
-    base = LauncherConfig(
-        kind="slurm", nodes=24, gpus_per_node=8, env={"NCCL_DEBUG": "WARN"}, slurm=SlurmLaunch(partition="hopper-prod")
+    base = LaunchConfig(
+        kind="slurm",
+        nodes=24,
+        gpus_per_node=8,
+        env={"NCCL_DEBUG": "WARN"},
+        slurm=SlurmLaunchConfig(partition="hopper-prod"),
     )
-    got = PosttrainLaunch(
+    got = PosttrainLaunchConfig(
         nodes=8, accelerate_config="configs/accelerate/fsdp.yaml", env={"NCCL_IB_DISABLE": "0"}
     ).resolve(base, 8)
     assert (got.kind, got.nodes, got.procs_per_node, got.gpus_per_node, got.module) == (
@@ -585,10 +584,10 @@ def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
         8,
         8,
         8,
-        "tasks.posttrain",
+        "trainers.posttrain",
     )
     assert got.slurm.partition == "hopper-prod" and got.accelerate_config == "configs/accelerate/fsdp.yaml"
     assert got.env == {"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}
-    assert PosttrainLaunch().resolve(base, 8).nodes == 24  # unset: the recipe's
+    assert PosttrainLaunchConfig().resolve(base, 8).nodes == 24  # unset: the recipe's
     with pytest.raises(ValueError, match="posttrain.launch.env must not carry credentials"):
-        PosttrainLaunch(env={"HF_TOKEN": "x"})
+        PosttrainLaunchConfig(env={"HF_TOKEN": "x"})

@@ -15,9 +15,9 @@ if str(REPO) not in sys.path:  # the repo is not installed into the venv
     sys.path.insert(0, str(REPO))
 
 import tasks.preflight as tp  # noqa: E402
-from infra.artifact import Artifact, run_step  # noqa: E402
 from infra.preflight import PreflightConfig, PreflightFacts  # noqa: E402
-from infra.workspace import Workspace  # noqa: E402
+from pipeline.artifact import Artifact, run_step  # noqa: E402
+from pipeline.workspace import Workspace  # noqa: E402
 
 FAST = ("batch_layout", "seq_len", "vocab", "dcp_roundtrip", "cpu_matmul")
 GOOD = PreflightFacts(
@@ -174,9 +174,9 @@ def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
     from prefect import flow
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    from flows.graph import Graph
-    from flows.runner import FlowFailed, run_flow
-    from tasks.recipe import load_recipe
+    from flows.recipe import load_recipe, run_setup
+    from pipeline.graph import Graph
+    from pipeline.runner import FlowFailed, run_flow
 
     ws = Workspace.at(tmp_path / "ws")
     recipe = load_recipe("tiny", [f"workspace={ws.root}"])
@@ -185,7 +185,7 @@ def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
     def pf(facts: dict, run_id: str):
         g = Graph("preflight-test")
         g.add(tp.preflight, spec(config(), PreflightFacts.from_dict(facts), run_id), label="node0")
-        return run_flow("preflight-test", g, recipe, "tiny")
+        return run_flow("preflight-test", g, run_setup(recipe, "tiny"))
 
     good = dataclasses.replace(GOOD, workspace=ws.root)  # dcp_roundtrip writes under it
     result = pf(good.to_dict(), "flow-ok")

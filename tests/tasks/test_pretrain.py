@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from flows.recipe import RecipeError, load_recipe
 from tasks.pretrain import schedule_stages
-from tasks.recipe import RecipeError, load_recipe
 
 
 def test_smollm3_3b_schedule_matches_the_published_numbers():
@@ -46,10 +46,10 @@ def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
     long1 = runs[3].spec.bind(tmp_path / "plan.json", tmp_path, init_from="/ckpt/stage3")
     assert long1.reset_optimizer and long1.reset_schedule and long1.seq_len == 512
     assert long1.rope_theta == 200000 and long1.optimizer.lr == pytest.approx(3e-4)
-    # training.optimizer is the trainer's own OptimizerSpec: one name and one default end to end.
+    # training.optimizer is the trainer's own OptimizerConfig: one name and one default end to end.
     assert runs[0].spec.optimizer is recipe.training.optimizer
     assert {r.spec.seed for r in runs} == {7}  # the recipe seed reaches initialisation
-    # What the step writes is what model.train reads.
+    # What the step writes is what trainers.pretrain reads.
     from model.spec import TrainSpec
 
     long1.save(tmp_path / "spec.json")
@@ -57,7 +57,7 @@ def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
 
 
 def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerprint():
-    from infra.artifact import identity
+    from pipeline.artifact import identity
 
     on = schedule_stages(load_recipe("tiny").training, load_recipe("tiny").stages)
     off_recipe = load_recipe("tiny", ["training.doc_masking=false"])
@@ -88,9 +88,9 @@ def s3(monkeypatch):
 def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, monkeypatch):
     """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
     the newest complete checkpoint from S3 and continues from it instead of starting over."""
-    from infra.artifact import Artifact
-    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
-    from tasks.pretrain import FAILURE_ENV, StageRun, build_stage
+    from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+    from pipeline.artifact import Artifact
+    from tasks.pretrain import FAILURE_ENV, StageSpec, build_stage
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
 
@@ -112,11 +112,11 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
             "num_kv_heads": 2,
             "max_seq_len": 64,
         },
-        optimizer=OptimizerSpec(lr=1e-3),
+        optimizer=OptimizerConfig(lr=1e-3),
         schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=60, start_step=0),
     )
     storage = cfg(endpoint, "s3://ckpts/run")
-    run = StageRun(spec=spec, storage=storage)
+    run = StageSpec(spec=spec, storage=storage)
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out = tmp_path / "pretrain" / "abcdef123456"
     out.mkdir(parents=True)
@@ -148,10 +148,10 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
 
     import torch
 
-    from infra.artifact import MARKER, Artifact
     from infra.preflight.compute import cpu_matmul_gflops
-    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
-    from tasks.pretrain import StageRun, build_stage
+    from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+    from pipeline.artifact import MARKER, Artifact
+    from tasks.pretrain import StageSpec, build_stage
     from tests.model.conftest import write_two_source_plan
 
     ws = tmp_path / "ws"
@@ -195,14 +195,14 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
             "num_kv_heads": 2,
             "max_seq_len": 64,
         },
-        optimizer=OptimizerSpec(lr=1e-3),
+        optimizer=OptimizerConfig(lr=1e-3),
         schedule=ScheduleSpec(kind="wsd", total_steps=3, start_step=0),
     )
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out = ws / "pretrain" / "abcdef123456"
     out.mkdir(parents=True)
     lines: list[str] = []
-    meta = build_stage(StageRun(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
+    meta = build_stage(StageSpec(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
 
     assert [line.split(" |")[0] for line in lines if " step " in line and "/3 |" in line] == [
         "stage1 step 1/3",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 from tasks.run_report import (
     RunReportSpec,
     build_run_report,
@@ -33,8 +33,8 @@ TINY = {
 def two_stages(tmp_path_factory):
     """Two real stages of one WSD schedule (3 + 3 steps, the decay in the second), trained by the
     pretrain step's build: stage 2 continues stage 1's checkpoint and schedule."""
-    from model.spec import OptimizerSpec, ScheduleSpec, TrainSpec
-    from tasks.pretrain import StageRun, build_stage
+    from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+    from tasks.pretrain import StageSpec, build_stage
     from tests.model.conftest import write_two_source_plan
 
     root = tmp_path_factory.mktemp("stages")
@@ -51,13 +51,13 @@ def two_stages(tmp_path_factory):
             num_threads=1,
             device="cpu",
             model_overrides=TINY,
-            optimizer=OptimizerSpec(lr=1e-3),
+            optimizer=OptimizerConfig(lr=1e-3),
             schedule=ScheduleSpec(kind="wsd", warmup_steps=2, decay_fraction=0.5, total_steps=6, start_step=3 * i),
         )
         folder = root / "pretrain" / name
         folder.mkdir(parents=True)
         inputs = {"mixture": mixture, **({"init": previous} if previous else {})}
-        meta = build_stage(StageRun(spec=spec, threads=1), inputs, folder, log=lambda _: None)
+        meta = build_stage(StageSpec(spec=spec, threads=1), inputs, folder, log=lambda _: None)
         previous = Artifact(kind="checkpoint", uri=str(folder), fingerprint=name * 10, meta=meta)
         out.append((name, previous))
     return out

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 from tasks.tokenize import TokenizeConfig, build_token_shards, token_dtype
 from tasks.tokenizer import TokenizerConfig, build_tokenizer
 from tests.tasks.datafiles import corpus, doc_line, random_text
@@ -79,12 +79,14 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     """The recipe's tokenize section selects datatrove's executor like curation does."""
     from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
 
-    from tasks.curate import SlurmConfig, make_executors
+    from tasks.curate import SlurmExecutorConfig, make_executors
     from tasks.tokenize import TokenizeConfig
 
     stages = [("tokenize", [], 4)]
     local = make_executors(TokenizeConfig(), stages, tmp_path / "a")
-    slurm = make_executors(TokenizeConfig(executor="slurm", slurm=SlurmConfig(partition="cpu")), stages, tmp_path / "b")
+    slurm = make_executors(
+        TokenizeConfig(executor="slurm", slurm=SlurmExecutorConfig(partition="cpu")), stages, tmp_path / "b"
+    )
     ray = make_executors(TokenizeConfig(executor="ray"), stages, tmp_path / "c")
     assert [type(e[0]) for e in (local, slurm, ray)] == [
         LocalPipelineExecutor,

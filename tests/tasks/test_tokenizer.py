@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from infra.artifact import Artifact
+from pipeline.artifact import Artifact
 from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, build_tokenizer, train_bpe
 from tests.tasks.datafiles import corpus, random_text
 
@@ -85,12 +85,12 @@ def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
 
 
 def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(tmp_path):
-    """tokenizer meta -> tokenize meta -> mixture plan -> model/train.py build_model_config."""
+    """tokenizer meta -> tokenize meta -> mixture plan -> trainers/pretrain.py build_model_config."""
     from model.data import MixturePlan
     from model.spec import TrainSpec
-    from model.train import build_model_config
     from tasks.mixture import StageConfig, build_plan
     from tasks.tokenize import TokenizeConfig, build_token_shards
+    from trainers.pretrain import build_model_config
 
     rng = random.Random(4)
     art = corpus(tmp_path / "c", [(f"d{i}", random_text(rng, 60)) for i in range(20)], source="toy")

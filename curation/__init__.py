@@ -1,0 +1,1 @@
+"""datatrove components of the data steps: readers, filters, writers, held-out decontamination."""

@@ -1,0 +1,451 @@
+"""Run recipes: validated, frozen configs loaded from YAML with `key=value` overrides.
+
+Precedence: model defaults < recipe YAML < overrides (CLI or deployment parameters). A recipe is
+named by a path or by the name of a file in `configs/` (`tiny` is embedded and the default). An
+invalid recipe fails here, before any step runs, with the field at fault and what it accepts.
+Each component receives only its own section.
+
+Numbers are strict in every section (`check_numbers`, one pass over the whole recipe against the
+section models' annotations): `true` is not 1, a float with a fraction is not an int, while
+scientific notation (`tokens: 1e9`, which YAML reads as a string) is an int when it is whole.
+Errors name the field and the *type* of the value found, never the value: recipe files and
+overrides can carry things that must not end up in logs.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infra.launchers import LaunchConfig
+from infra.preflight import PreflightConfig
+from infra.storage import StorageConfig
+from pipeline.artifact import operational
+from pipeline.slots import ResourcesConfig
+from tasks.cpt import CptConfig
+from tasks.curate import PRESETS, CurationConfig
+from tasks.evaluate import EvalConfig
+from tasks.export import ExportConfig
+from tasks.fertility import FertilityConfig
+from tasks.mixture import StageConfig, check_stages, load_weights
+from tasks.pretrain import TrainingConfig
+from tasks.sources import SourceConfig, check_sources
+from tasks.tokenize import TokenizeConfig
+from tasks.tokenizer import TokenizerConfig
+from trainers.posttrain.config import PosttrainConfig
+
+if TYPE_CHECKING:
+    from pipeline.runner import RunSetup
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# --- the anneal section (its runs are laid out by flows/anneal.py) -------------------------------
+
+
+class CandidateConfig(BaseModel):
+    """One candidate data source (or blend of sources) to test in an anneal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # label of its anneal run, e.g. math
+    weights: dict[str, float] = Field(min_length=1)  # candidate data by recipe source name
+
+
+class AnnealConfig(BaseModel):
+    """The recipe's `anneal` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    candidates: tuple[CandidateConfig, ...] = ()  # candidate data, one anneal run each
+    candidate_share: float = Field(default=0.6, gt=0, lt=1)  # playbook: 60% candidate, 40% current
+    tokens: int = Field(default=32768, gt=0)  # tokens per anneal run (short: a few % of the run)
+    seed_runs: int = Field(default=1, ge=0)  # extra baseline runs with another data order (noise)
+    checkpoint_interval: int = Field(default=100, gt=0)  # anneal runs checkpoint (resume) this often
+    metric: str = "acc_norm"  # lm-eval metric compared (cloze: length-normalised accuracy)
+    heldout_tokens: int = Field(default=16384, gt=0)  # held-out tokens per source (bits per byte)
+    confidence: float = Field(default=0.95, gt=0, lt=1)  # of each difference's interval (needs seed_runs >= 1)
+    base_flow: str = "smollm3"  # flow whose latest run provides the default base checkpoint
+    base_deployment: str = "full"  # runs of this deployment are preferred for the default base
+
+    @field_validator("candidates")
+    @classmethod
+    def _unique(cls, value: tuple[CandidateConfig, ...]) -> tuple[CandidateConfig, ...]:
+        names = [c.name for c in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes or "baseline" in names:
+            raise ValueError(f"anneal.candidates names must be unique and not 'baseline'; bad: {dupes or ['baseline']}")
+        return value
+
+    def check_sources(self, sources: Sequence[str]) -> None:
+        """Every candidate names recipe sources (checked when the recipe loads)."""
+        for c in self.candidates:
+            unknown = sorted(set(c.weights) - set(sources))
+            if unknown:
+                raise ValueError(
+                    f"anneal.candidates[{c.name}] names unknown source(s) {', '.join(unknown)}; "
+                    f"sources: {', '.join(sources)}"
+                )
+
+
+class RecipeError(ValueError):
+    """A recipe or override that cannot be used; the message names the field and the fix."""
+
+
+class Recipe(BaseModel):
+    """A whole run: which data, and (as later sections land) how to curate and train on it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str  # recipe name, shown in the UI and lineage
+    seed: int = 0  # seed for generated data, sampling and initialisation
+    workspace: str = operational("workspace")  # folder for step outputs, lineage and Prefect state
+    sources: tuple[SourceConfig, ...] = Field(min_length=1)  # data sources, by unique name
+    curation: CurationConfig = CurationConfig()  # filters, dedup and executor per source
+    tokenizer: TokenizerConfig = TokenizerConfig()  # train a BPE or adopt a tokenizer.json
+    fertility: FertilityConfig = FertilityConfig()  # candidate tokenizers and the choice rule
+    tokenize: TokenizeConfig = TokenizeConfig()  # token shards per source
+    stages: tuple[StageConfig, ...] = ()  # pretraining stages: mixture file, tokens, seq_len
+    preflight: PreflightConfig = PreflightConfig()  # checks before training, and thresholds
+    training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
+    export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
+    eval: EvalConfig = EvalConfig()  # cloze/passkey suite, contamination, lm-eval settings
+    posttrain: PosttrainConfig | None = None  # SFT, APO, merge, GRPO, OPD (none: stop at export)
+    launch: LaunchConfig = operational(LaunchConfig())  # where stages run: local torchrun, Slurm, Kubernetes
+    storage: StorageConfig = operational(StorageConfig())  # S3 mirror of checkpoints (and resume from it)
+    anneal: AnnealConfig = AnnealConfig()  # annealing experiments: candidates, budget, noise runs
+    cpt: CptConfig = CptConfig()  # continued pretraining: domain, replay, LR, forgetting monitor
+    resources: ResourcesConfig = operational(
+        ResourcesConfig()
+    )  # slots: how many train/eval/data steps run at once, threads each
+
+    @model_validator(mode="after")
+    def _unique_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _data_sections_match_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        for source, preset in self.curation.presets.items():
+            if source not in names:
+                raise ValueError(f"curation.presets names unknown source {source!r}; sources: {', '.join(names)}")
+            if preset not in PRESETS:
+                raise ValueError(
+                    f"curation.presets.{source}: unknown preset {preset!r}; allowed: {', '.join(PRESETS.names())}"
+                )
+        unknown = sorted(set(self.curation.minhash_skip) - set(names))
+        if unknown:
+            raise ValueError(f"curation.minhash_skip names unknown source(s) {', '.join(unknown)}")
+        check_stages(self.stages, names)  # mixtures fail here, before any compute
+        kinds = [st.kind for st in self.stages]
+        if "long_context" in kinds and "pretrain" in kinds[kinds.index("long_context") :]:
+            raise ValueError("stages: every pretrain stage must come before the long_context stages")
+        if kinds and kinds[0] != "pretrain":
+            raise ValueError("stages: the first stage must be a pretrain stage")
+        t = self.training
+        if self.launch.procs_per_node not in (1, t.nproc_per_node):
+            raise ValueError(
+                f"launch.procs_per_node {self.launch.procs_per_node} differs from "
+                f"training.nproc_per_node {t.nproc_per_node}: set training.nproc_per_node only"
+            )
+        world = self.launch.nodes * t.nproc_per_node
+        for st in self.stages:
+            gb, mb = st.global_batch or t.global_batch, st.micro_batch or t.micro_batch
+            if gb % (mb * world):
+                raise ValueError(
+                    f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
+                    f"world size = {mb} x {world} (launch.nodes {self.launch.nodes} x "
+                    f"training.nproc_per_node {t.nproc_per_node})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _experiments_name_sources(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        self.anneal.check_sources(names)
+        self.cpt.check_sources(names)
+        return self
+
+    def mixture_weights(self) -> dict[str, float]:
+        """The first stage's raw source weights (the fertility rule weighs sources by them)."""
+        return load_weights(self.stages[0].mixture) if self.stages else {}
+
+    def source(self, name: str) -> SourceConfig:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(f"no source {name!r}; sources: {', '.join(s.name for s in self.sources)}")
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"} and path.is_file():
+        return path
+    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    raise RecipeError(f"no recipe {name_or_path!r}: not a YAML file, nor one of: {known}")
+
+
+def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Recipe:
+    """Load, override and validate a recipe."""
+    path = recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path}: invalid YAML{yaml_where(exc)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(data, item)
+    problems = check_numbers(Recipe, data)
+    if problems:
+        raise RecipeError(
+            "\n".join([f"recipe {path} is invalid ({len(problems)} problem(s)):", *(f"  {p}" for p in problems)])
+        )
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_errors(path, data, exc)) from None
+
+
+def yaml_where(exc: yaml.YAMLError) -> str:
+    """Where and what YAML could not parse, without the snippet of the file PyYAML quotes."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None)
+    return f"{where}: {problem}" if problem else where
+
+
+def type_name(value: Any) -> str:
+    """How a value is described in errors: its YAML type, never the value itself."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def _number(value: str) -> Decimal | None:
+    try:
+        number = Decimal(value.strip())
+    except InvalidOperation:
+        return None
+    return number if number.is_finite() else None
+
+
+def check_numbers(model: Any, data: Any, where: str = "") -> list[str]:
+    """Make every int and float field of `model` (recursively through sections, lists of
+    sections and mappings) strict, in place: booleans are refused; numeric strings such as
+    "1e9" become numbers (ints only when whole); floats with a fraction are refused for ints.
+    Returns the problems, each naming the field and the type of value found."""
+    problems: list[str] = []
+    if not isinstance(data, dict) or not hasattr(model, "model_fields"):
+        return problems
+    for name, field in model.model_fields.items():
+        if name in data:
+            here = f"{where}.{name}" if where else name
+            data[name], found = _check_value(field.annotation, data[name], here)
+            problems += found
+    return problems
+
+
+def _check_value(ann: Any, value: Any, where: str) -> tuple[Any, list[str]]:
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return _check_value(typing.get_args(ann)[0], value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(ann) if a is not type(None)]
+        if value is None:
+            return value, []
+        numeric = [a for a in options if a in (int, float)]
+        if numeric and len(numeric) == len(options):
+            return _check_value(float if float in numeric else int, value, where)
+        models = [a for a in options if hasattr(a, "model_fields")]
+        if isinstance(value, dict) and len(models) == 1:
+            return value, check_numbers(models[0], value, where)
+        return value, []
+    if ann in (int, float):
+        if isinstance(value, bool):
+            return value, [
+                f"{where}: expected {'an integer' if ann is int else 'a number'}, "
+                f"got a boolean (true and false are not numbers)"
+            ]
+        if isinstance(value, str) and (number := _number(value)) is not None:
+            if ann is float:
+                return float(number), []
+            if number == number.to_integral_value():
+                return int(number), []
+            return value, [f"{where}: expected an integer, got a string holding a number with a fractional part"]
+        if ann is int and isinstance(value, float) and not value.is_integer():
+            return value, [f"{where}: expected an integer, got a number with a fractional part"]
+        return value, []
+    if hasattr(ann, "model_fields"):
+        return value, check_numbers(ann, value, where)
+    if origin in (tuple, list) and isinstance(value, list):
+        args = [a for a in typing.get_args(ann) if a is not Ellipsis]
+        if len(args) == 1 or (args and all(a == args[0] for a in args)):
+            problems: list[str] = []
+            for i, item in enumerate(value):
+                label = item.get("name", i) if isinstance(item, dict) else i
+                value[i], found = _check_value(args[0], item, f"{where}[{label}]")
+                problems += found
+            return value, problems
+        return value, []
+    if origin is dict and isinstance(value, dict):
+        _, vtype = typing.get_args(ann) or (Any, Any)
+        problems = []
+        for key in list(value):
+            value[key], found = _check_value(vtype, value[key], f"{where}.{key}")
+            problems += found
+        return value, problems
+    return value, []
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply `a.b.c=value` in place; list items (sources) are addressed by their name.
+
+    The value is parsed as YAML, so `max_documents=100` is an int and `refresh=[a,b]` a list.
+    """
+    if "=" not in item:
+        raise RecipeError(f"override {item!r} must look like key=value (e.g. seed=1)")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        node = _child(node, part, parts[: depth + 1], item)
+    last = parts[-1]
+    if isinstance(node, list):
+        raise RecipeError(f"override {item!r}: name a list item by its name, then a field")
+    node[last] = value
+
+
+def _child(node: Any, part: str, path: list[str], item: str) -> Any:
+    where = ".".join(path)
+    if isinstance(node, list):
+        for entry in node:
+            if isinstance(entry, dict) and entry.get("name") == part:
+                return entry
+        names = ", ".join(str(e.get("name")) for e in node if isinstance(e, dict))
+        raise RecipeError(f"override {item!r}: no item named {part!r} at {where}; names: {names}")
+    if not isinstance(node, dict):
+        raise RecipeError(f"override {item!r}: {where} is not a section")
+    if part not in node or node[part] is None:
+        node[part] = {}
+    return node[part]
+
+
+def check_data(recipe: Recipe) -> None:
+    """Raise RecipeError naming every source whose data cannot be read as configured (a glob
+    that matches nothing, a text field the files lack; tasks/sources.py check_sources), in
+    milliseconds, before any compute.
+
+    Not part of `load_recipe`: a recipe must load where its data is not (the laptop that
+    submits a cluster run whose `files:` paths exist on the cluster only, `lineage` and
+    `report` on a copy of the workspace), and hub datasets are not checked offline. Call it
+    where data will be read or planned: `smollm3 recipe`, `smollm3 plan`, the flow entry.
+    """
+    problems = check_sources(recipe.sources)
+    if problems:
+        raise RecipeError(
+            f"recipe {recipe.name}: {len(problems)} data source problem(s):\n" + "\n".join(f"  {p}" for p in problems)
+        )
+
+
+def _relevant(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pydantic's errors without the echoes of another: a list whose item failed also reports
+    `too_short` ("at least 1 item after validation, not 0") at the list itself."""
+    locs = [tuple(e["loc"]) for e in errors]
+    return [
+        e
+        for e in errors
+        if not (
+            e["type"] == "too_short"
+            and any(len(other) > len(e["loc"]) and other[: len(e["loc"])] == tuple(e["loc"]) for other in locs)
+        )
+    ]
+
+
+def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str:
+    errors = _relevant(exc.errors())
+    lines = [f"recipe {path} is invalid ({len(errors)} problem(s)):"]
+    for err in errors:
+        loc = _readable_loc(data, err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field; allowed: {', '.join(_allowed_fields(err['loc']))}"
+        got = err.get("input")
+        hide = err["type"] in {"extra_forbidden", "missing"} or isinstance(got, dict | list)
+        shown = "" if hide else f" (got {type_name(got)})"  # the type only: values may be secrets
+        loc = loc or "recipe"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _readable_loc(data: dict[str, Any], loc: tuple) -> str:
+    """`sources.1.domain` becomes `sources[code].domain` so the user sees which source."""
+    out: list[str] = []
+    node: Any = data
+    for part in loc:
+        if isinstance(part, int) and isinstance(node, list):
+            entry = node[part] if part < len(node) else None
+            label = entry.get("name") if isinstance(entry, dict) else None
+            out[-1] = f"{out[-1]}[{label if label is not None else part}]" if out else str(part)
+            node = entry
+        else:
+            out.append(str(part))
+            node = node.get(part) if isinstance(node, dict) else None
+    return ".".join(out)
+
+
+def _allowed_fields(loc: tuple) -> list[str]:
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if hasattr(a, "model_fields")), None)
+        if model is None:
+            return []
+    return sorted(model.model_fields)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def run_setup(recipe: Recipe, name: str) -> RunSetup:
+    """What the runner needs of a recipe (pipeline/runner.py): its workspace (and S3 mirror), its
+    resource slots, and the resolved recipe to record in lineage and save with the run."""
+    from pipeline.runner import RunSetup
+    from pipeline.workspace import Workspace
+
+    return RunSetup(
+        ws=Workspace.at(recipe.workspace, recipe.storage),
+        resources=recipe.resources,
+        name=name,
+        settings=recipe.model_dump(mode="json"),
+        settings_text=dump_recipe(recipe),
+    )

@@ -1,0 +1,247 @@
+"""The step contract: Artifacts, fingerprints, and step folders that are complete only when marked.
+
+An Artifact is a small frozen record (kind, uri, fingerprint, meta) that steps pass to each other.
+A step's output folder is `{workspace}/{step}/{fingerprint[:12]}/`; it counts as finished only when
+its completion marker (the Artifact as JSON) exists, and the marker is written last, atomically
+(infra/files.py: a temporary file, fsync, `os.replace`). A crash mid-step therefore leaves a folder without a
+marker, which the next run rebuilds (or, for resumable steps such as training, resumes inside).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra import files
+from infra.files import STEP_MARKER
+
+ArtifactKind = Literal[
+    "corpus",
+    "tokenizer",
+    "fertility",
+    "shards",
+    "mixture",
+    "preflight",
+    "checkpoint",
+    "hf_model",
+    "eval",
+    "report",
+]
+
+MARKER = STEP_MARKER  # infra/files.py: the one home of atomic writes and completion markers
+
+
+class Artifact(BaseModel):
+    """What a step produced: a folder plus the few facts downstream steps and users need."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: ArtifactKind
+    uri: str  # the step folder (a local path, or s3://... once mirrored)
+    fingerprint: str  # sha256 hex of (step, version, config, input fingerprints)
+    meta: dict[str, Any] = {}  # small facts only: counts, losses, scores; never payloads
+
+    @property
+    def short(self) -> str:
+        return self.fingerprint[:12]
+
+    @property
+    def path(self) -> Path:
+        if self.uri.startswith("s3://"):
+            raise ValueError(f"artifact {self.short} lives at {self.uri}, not on local disk")
+        return Path(self.uri)
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: the byte-stable form that fingerprints hash."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"cannot fingerprint a {type(obj).__name__}: {obj!r}")
+
+
+def operational(default: Any = ..., **kwargs: Any) -> Any:
+    """A config field that says how a step runs, not what it computes (log intervals, worker
+    counts, launcher, storage mirror, evaluation batch size...). It never enters a fingerprint, so
+    changing it reruns nothing. Used like `Field`: `log_interval: int = operational(1, gt=0)`.
+
+    Operational fields may change results at the level of floating-point summation order (thread
+    counts, micro-batching), never the computation itself.
+    """
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    return Field(default, json_schema_extra={**extra, "operational": True}, **kwargs)
+
+
+def is_operational(model: type[BaseModel], name: str) -> bool:
+    """Whether field `name` of a config class is operational (see `operational`)."""
+    extra = model.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("operational"))
+
+
+def identity(config: Any) -> Any:
+    """The part of a config that determines a step's output, as plain JSON data.
+
+    Pydantic models lose their operational fields (recursively); everything else is kept.
+    """
+    if isinstance(config, BaseModel):
+        cls = type(config)
+        return {name: identity(getattr(config, name)) for name in cls.model_fields if not is_operational(cls, name)}
+    if isinstance(config, Mapping):
+        return {str(k): identity(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return [identity(v) for v in config]
+    return json.loads(canonical_json(config))
+
+
+def config_dict(config: Any) -> Any:
+    """A step config as plain JSON data (pydantic models are dumped, everything else kept)."""
+    return json.loads(canonical_json(config))
+
+
+# Named inputs of a step: one artifact, or a tuple of them, per input name.
+Inputs = Mapping[str, Artifact | Sequence[Artifact]]
+
+
+def input_fingerprints(inputs: Inputs | Sequence[Artifact]) -> Any:
+    """What a fingerprint records of a step's inputs: fingerprints by input name (a list of them
+    for a list input); positional inputs (plain sequences) keep their order. Anything with a
+    `fingerprint` counts as an input (an Artifact, or a graph node before it has run)."""
+    if isinstance(inputs, Mapping):
+        return {
+            name: [a.fingerprint for a in value] if isinstance(value, list | tuple) else value.fingerprint
+            for name, value in inputs.items()
+        }
+    return [a.fingerprint for a in inputs]
+
+
+def flat_inputs(inputs: Inputs | Sequence[Artifact]) -> list[Artifact]:
+    """Every input artifact, in input order."""
+    if not isinstance(inputs, Mapping):
+        return list(inputs)
+    out: list[Artifact] = []
+    for value in inputs.values():
+        out += list(value) if isinstance(value, list | tuple) else [value]
+    return out
+
+
+def fingerprint(step: str, version: int, config: Any, inputs: Inputs | Sequence[Artifact] = (), extra: str = "") -> str:
+    """Hash of everything that determines a step's output.
+
+    The config enters through `identity` (operational fields left out). `extra` carries facts
+    outside the config that change the output: for a data source, a digest of the bytes it reads.
+    Nothing here depends on the process computing it (cwd, sys.path, how it was started).
+    """
+    payload = {
+        "step": step,
+        "version": version,
+        "config": identity(config),
+        "inputs": input_fingerprints(inputs),
+        "extra": extra,
+    }
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The completion record of a step folder, or None when the step never finished there."""
+    return files.read_marker(folder, STEP_MARKER)
+
+
+def find_marker(path: Path) -> dict[str, Any] | None:
+    """The completion record of the step folder holding `path` (itself or any parent)."""
+    path = Path(path).resolve()
+    for folder in (path, *path.parents):
+        record = read_marker(folder)
+        if record is not None:
+            return record
+    return None
+
+
+@contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Exclusive lock so two runs never build the same step folder at once."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = folder.with_name(f".{folder.name}.lock")
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class StepOutcome(BaseModel):
+    """An Artifact plus whether this call built it or found it already finished."""
+
+    model_config = ConfigDict(frozen=True)
+
+    artifact: Artifact
+    built: bool
+    seconds: float
+
+
+def run_step(
+    *,
+    root: Path,
+    step: str,
+    version: int,
+    kind: ArtifactKind,
+    config: Any,
+    inputs: Inputs | Sequence[Artifact],
+    build: Callable[[Path], dict[str, Any]],
+    extra: str = "",
+    refresh: bool = False,
+    resumable: bool = False,
+) -> StepOutcome:
+    """Run `build(folder)` unless the step folder for this fingerprint is already complete.
+
+    `build` writes its outputs into the folder and returns the Artifact's meta. A resumable step
+    keeps what an interrupted earlier attempt left in its folder (training resumes from its last
+    checkpoint); any other step starts from an empty folder. The marker is written last and
+    records what the fingerprint hashed (the identity config, named input fingerprints, extra).
+    """
+    for artifact in flat_inputs(inputs):
+        if not artifact.uri.startswith("s3://") and read_marker(artifact.path) is None:
+            raise FileNotFoundError(
+                f"input artifact {artifact.kind} {artifact.short} of step {step!r} is missing or "
+                f"incomplete at {artifact.uri}; rerun its producing step with refresh"
+            )
+    fp = fingerprint(step, version, config, inputs, extra)
+    folder = Path(root) / step / fp[:12]
+    start = time.monotonic()
+    with folder_lock(folder):
+        record = read_marker(folder)
+        if record is not None and not refresh:
+            return StepOutcome(artifact=Artifact(**record["artifact"]), built=False, seconds=0.0)
+        if folder.exists() and (refresh or not resumable):
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = build(folder)
+        artifact = Artifact(kind=kind, uri=str(folder), fingerprint=fp, meta=meta)
+        record = {
+            "artifact": artifact.model_dump(mode="json"),
+            "step": step,
+            "version": version,
+            "config": identity(config),
+            "settings": config_dict(config),
+            "inputs": input_fingerprints(inputs),
+            "extra": extra,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        files.mark_complete(folder, STEP_MARKER, record, sort_keys=True)
+    return StepOutcome(artifact=artifact, built=True, seconds=time.monotonic() - start)

@@ -1,0 +1,618 @@
+"""Run a flow's graph as Prefect tasks: every step a future, independent branches at once.
+
+`run_graph(graph, ctx)` submits every node of the graph (pipeline/graph.py) in graph order as a
+Prefect future whose inputs are exactly its upstream futures, so:
+- a step starts as soon as its inputs are finished, and independent branches run side by side
+  (per-source data branches, the evaluation of stage N beside the training of stage N+1, anneal
+  candidates beside each other), bounded by the recipe's resource slots (pipeline/slots.py);
+- Prefect records each task run's inputs from those futures alone (every other parameter is
+  quoted), so the graph the UI draws is the graph that ran, and equals the lineage edges.
+
+One step (`execute`, the body of the Prefect task) reuses its finished folder or builds it
+under its slot, in this process or in a child process (pipeline/child.py), then records its state,
+artifact and input edges in lineage, publishes its Prefect artifacts, and mirrors the folder to
+S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
+`{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
+their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
+deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
+after every independent branch has finished, naming each failed step and its cause. A served run
+whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import CachePolicy
+from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import deployment as runtime_deployment
+from prefect.runtime import flow_run as runtime_flow_run
+from prefect.states import Crashed, State
+from prefect.utilities.annotations import quote
+
+from infra.guard import ProcessRef
+from infra.proc import ChildFailed, run_streaming, stop_all
+from pipeline.artifact import Artifact, read_marker, run_step
+from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
+from pipeline.graph import Graph, Node
+from pipeline.lineage import StepRow
+from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
+from pipeline.slots import ResourcesConfig, hold
+from pipeline.step import StepDef, transient
+from pipeline.workspace import Workspace
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+@cache
+def git_version() -> str:
+    """The commit the code runs from (`+dirty` when the tree has changes), for lineage."""
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class StepFailed(RuntimeError):
+    """A step failed; the message starts with `step[label] failed:` and names the cause."""
+
+
+class StepStopped(StepFailed):
+    """A step stopped because its run lost its owner (the serve process died): never retried."""
+
+
+class FlowFailed(RuntimeError):
+    """Some steps of a run failed (each named with its cause); the others finished."""
+
+
+class OwnerGone(RuntimeError):
+    """A step not started because the serve process that owns the run died."""
+
+
+@dataclass(frozen=True, eq=False)
+class StepCall:
+    """What one task run needs besides its inputs (passed quoted: Prefect never inspects it)."""
+
+    node: Node
+    ctx: RunContext
+    refresh: bool
+    resources: ResourcesConfig
+
+    @property
+    def ws(self) -> Workspace:
+        return self.ctx.ws
+
+    @property
+    def folder(self) -> Path:
+        return self.ws.path / self.node.step.name / self.node.short
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What the runner needs of the application's config, and nothing more: the workspace, the
+    resource slots, and what to record of the config (the flows build it from their recipe:
+    flows/recipe.py `run_setup`)."""
+
+    ws: Workspace
+    resources: ResourcesConfig
+    name: str  # the config's name (the recipe), shown in lineage and the UI
+    settings: dict[str, Any]  # the resolved config as JSON: lineage's flow_runs.config
+    settings_text: str = ""  # the same as a file, saved as runs/{run_id}/{saved_as}
+    saved_as: str = "recipe.yaml"
+
+
+class RunContext:
+    """One flow run: its workspace, resolved config, and the run's row in lineage."""
+
+    def __init__(self, flow: str, setup: RunSetup):
+        self.flow = flow
+        self.setup = setup
+        self.recipe_name = setup.name
+        self.ws = setup.ws
+        self.lineage = self.ws.lineage()
+        self.run_id = str(runtime_flow_run.id or uuid.uuid4())
+        self.deployment = runtime_deployment.name
+        self.attempt = int(runtime_flow_run.run_count or 1) if runtime_flow_run.id else None
+        self.records: list[StepRow] = []
+        self._records_lock = threading.Lock()
+        self.owner_gone: str | None = None  # set when the serve process that owns the run died
+
+    def __enter__(self) -> RunContext:
+        run_dir = self.ws.run_dir(self.run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        saved = run_dir / self.setup.saved_as
+        saved.write_text(self.setup.settings_text, encoding="utf-8")
+        self.lineage.start_run(
+            self.run_id,
+            self.flow,
+            self.deployment,
+            self.recipe_name,
+            self.setup.settings,
+            attempt=self.attempt,
+        )
+        get_run_logger().info(
+            f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
+            f"resolved recipe saved to {saved}"
+        )
+        survive_broken_console()
+        owner = run_owner()
+        if owner is not None:
+            self.logger = get_run_logger()  # usable from the watchdog's thread
+            watch_owner(owner, self._owner_died)
+        return self
+
+    def _owner_died(self, owner: ProcessRef) -> None:
+        """The serve process died: stop the children, start no further step (pipeline/owner.py)."""
+        mute_console()  # nobody reads the console any more; the API keeps the log
+        when = datetime.now(UTC).strftime("%H:%M:%S UTC")
+        self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
+        self.logger.error(
+            f"{self.owner_gone}: stopping the steps that run and starting no new one; "
+            f"`prefect flow-run retry {self.run_id}` resumes the run"
+        )
+        stopped = stop_all(grace=5.0)
+        if stopped:
+            self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
+
+    def check_owner(self) -> None:
+        if self.owner_gone is not None:
+            raise OwnerGone(f"not started: {self.owner_gone}")
+
+    def owner_crash(self) -> State:
+        """The final state of a run that lost its serve process (see pipeline/owner.py)."""
+        failed = [r for r in self.records if r.state == "failed"]
+        stopped = [f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: ")]
+        earlier = [f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: ")]
+        unstarted = [r for r in self.records if r.state == "skipped"]
+        return Crashed(
+            message=(
+                f"{self.owner_gone}. Stopped while running: {', '.join(stopped) or 'none'}; "
+                f"{len(unstarted)} step(s) not started"
+                f"{'; failed before: ' + ', '.join(earlier) if earlier else ''}. "
+                "Finished steps keep their outputs. Resume with "
+                f"`prefect flow-run retry {self.run_id}` once a serve process runs again "
+                "(`python -m flows.deployments`)."
+            )
+        )
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from prefect.exceptions import CancelledRun, TerminationSignal
+
+        if self.owner_gone is not None:
+            state = "crashed"
+        elif exc_type is None:
+            state = "completed"
+        elif issubclass(exc_type, TerminationSignal | CancelledRun | KeyboardInterrupt):
+            state = "cancelled"  # Prefect cancels a run with SIGTERM, raised as TerminationSignal
+        else:
+            state = "failed"
+        self.lineage.end_run(self.run_id, state, attempt=self.attempt)
+
+    def record(self, node: Node, state: str, started: datetime, ended: datetime, error: str | None = None) -> None:
+        config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
+        row = StepRow(
+            self.run_id,
+            node.step.name,
+            node.label,
+            node.fingerprint,
+            state,
+            config,
+            f"{git_version()}/{node.step.code_version}",
+            started,
+            ended,
+            error,
+            self.attempt,
+        )
+        with self._records_lock:
+            self.records.append(row)
+        self.lineage.record_step(row)
+
+
+# --- the Prefect task of a step --------------------------------------------------------------
+
+
+@dataclass
+class StepCache(CachePolicy):
+    """Cache key = step fingerprint + step code version + workspace; stale (a fresh key, so
+    Prefect misses and the step rebuilds) when the step folder is gone."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        call: StepCall = inputs["call"]
+        node = call.node
+        key = f"{node.step.name}-{node.fingerprint[:20]}-{node.step.code_version}-{_ws_tag(call.ws)}"
+        if (call.ws.results_dir / key).exists() and read_marker(call.folder) is None:
+            return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
+        return key
+
+
+def _ws_tag(ws: Workspace) -> str:
+    import hashlib
+
+    return hashlib.sha256(ws.root.encode()).hexdigest()[:8]
+
+
+_TASKS: dict[int, Any] = {}
+_TASKS_LOCK = threading.Lock()
+
+
+def prefect_task(d: StepDef):
+    """The Prefect task that runs step `d` (one per step definition)."""
+    with _TASKS_LOCK:
+        if id(d) not in _TASKS:
+            # Retries only for failures a second attempt can fix (pipeline.step.transient): the
+            # attempt records its own lineage row, a resumable step continues its folder.
+            @task(
+                name=d.name,
+                cache_policy=StepCache(),
+                persist_result=True,
+                result_serializer="json",
+                retries=d.retries,
+                retry_delay_seconds=d.retry_delay,
+                retry_condition_fn=_retry_if_transient,
+            )
+            def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
+                return execute(call, inputs, gates).model_dump(mode="json")
+
+            _TASKS[id(d)] = (d, run)
+        return _TASKS[id(d)][1]
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    """Prefect's retry condition: only a transient failure (IO, network, a killed trainer)."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, Exception) and not isinstance(exc, StepStopped) and transient(exc)
+
+
+def _retrying(d: StepDef, exc: BaseException) -> bool:
+    """Whether Prefect will run this attempt again (what `_retry_if_transient` will answer)."""
+    from prefect.runtime import task_run
+
+    attempt = task_run.run_count or 0  # 0 outside a task run
+    return 0 < attempt <= d.retries and isinstance(exc, Exception) and transient(exc)
+
+
+def _artifact(value: Any) -> Artifact:
+    return value if isinstance(value, Artifact) else Artifact(**value)
+
+
+def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = ()) -> Artifact:
+    """Reuse the step's finished folder or build it under its slot; record it in lineage (its
+    inputs and gates are its parents there, as they are in Prefect)."""
+    logger = get_run_logger()
+    node, d, ws = call.node, call.node.step, call.ws
+    inputs = {
+        name: tuple(_artifact(v) for v in value) if isinstance(value, list | tuple) else _artifact(value)
+        for name, value in raw_inputs.items()
+    }
+    ctx = call.ctx
+    started = [_now()]  # when the build began: after the slot was granted (waiting is not work)
+    try:
+        ctx.check_owner()
+        got = d.fingerprint(node.config, inputs, node.extra)
+        if got != node.fingerprint:  # an input changed between planning and running
+            raise RuntimeError(
+                f"inputs resolved to fingerprint {got[:12]}, the graph planned {node.short}; rerun the flow"
+            )
+        if read_marker(call.folder) is not None and not call.refresh:
+            outcome = run_step(
+                root=ws.path,
+                step=d.name,
+                version=d.version,
+                kind=d.kind,
+                config=node.config,
+                inputs=inputs,
+                extra=node.extra,
+                build=_unreachable,
+                resumable=d.resumable,
+            )
+        else:
+            resources = call.resources
+            slot = d.resource
+            threads = resources.threads(slot) if slot else None
+
+            def build(out: Path) -> dict[str, Any]:
+                ctx.check_owner()  # the run may have lost its owner while this step waited
+                if d.isolate:
+                    return _build_in_child(d, node, inputs, out, threads, logger.info)
+                return _build_here(d, node, inputs, out, threads, logger.info)
+
+            if slot:
+                with hold(
+                    ws.path / ".slots",
+                    slot,
+                    getattr(resources, slot).slots,
+                    poll=resources.poll_seconds,
+                    log=logger.info,
+                    who=node.key,
+                ):
+                    started[0] = _now()
+                    outcome = run_step(
+                        root=ws.path,
+                        step=d.name,
+                        version=d.version,
+                        kind=d.kind,
+                        config=node.config,
+                        inputs=inputs,
+                        extra=node.extra,
+                        build=build,
+                        refresh=call.refresh,
+                        resumable=d.resumable,
+                    )
+            else:
+                outcome = run_step(
+                    root=ws.path,
+                    step=d.name,
+                    version=d.version,
+                    kind=d.kind,
+                    config=node.config,
+                    inputs=inputs,
+                    extra=node.extra,
+                    build=build,
+                    refresh=call.refresh,
+                    resumable=d.resumable,
+                )
+    except BaseException as exc:
+        cause = _cause(exc)
+        if isinstance(exc, OwnerGone):
+            cause = str(exc)
+            ctx.record(node, "skipped", started[0], _now(), cause)
+        elif ctx.owner_gone is not None:  # killed because the run lost its owner: no retry
+            cause = f"stopped: {ctx.owner_gone} ({cause})"
+            ctx.record(node, "failed", started[0], _now(), cause)
+        elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
+            ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
+        else:
+            ctx.record(node, "failed", started[0], _now(), cause)
+        if isinstance(exc, Exception):
+            kind = StepStopped if ctx.owner_gone is not None else StepFailed
+            raise kind(f"{node.key} failed: {cause}") from exc
+        raise
+    artifact = outcome.artifact
+    verb = "built" if outcome.built else "reused finished"
+    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
+    logger.info(
+        f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.meta.get('model_dir') or artifact.uri}"
+    )
+    lineage = ws.lineage()
+    lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
+    ctx.record(node, "completed", started[0], _now())
+    if outcome.built and d.publish is not None:
+        d.publish(artifact, ws, node.label)
+    if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
+        # Finished step folders go to S3 as they are built (marker last, checksums verified).
+        # Resumable steps (training stages) mirror their checkpoints while they run instead.
+        from infra.storage import mirror_artifact
+
+        target = f"{ws.storage.s3_uri.rstrip('/')}/{d.name}"
+        report = mirror_artifact(artifact.path, target, ws.storage)
+        logger.info(f"{node.key} mirrored to {target}/{artifact.path.name} ({report})")
+    return artifact
+
+
+def _unreachable(out: Path) -> dict[str, Any]:
+    raise RuntimeError(f"{out} lost its marker while being reused; rerun the flow")
+
+
+def _flat(inputs: dict[str, Artifact | tuple[Artifact, ...]]) -> list[Artifact]:
+    out: list[Artifact] = []
+    for value in inputs.values():
+        out += list(value) if isinstance(value, tuple) else [value]
+    return out
+
+
+def _cause(exc: BaseException) -> str:
+    """One line (or a few) saying why a step failed, without the traceback."""
+    sentence = getattr(exc, "cause", None)  # LaunchFailed: "rank 0 killed by SIGKILL after step 9 ..."
+    if callable(sentence):
+        sentence = sentence()
+    text = str(sentence or exc).strip()
+    if type(exc) is not RuntimeError:  # a plain RuntimeError carries a child's "Type: message"
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text[:2000] or type(exc).__name__
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _progress(d: StepDef, node: Node):
+    """A `progress(percent)` backed by a Prefect progress artifact, for builds that report one."""
+    if not d.wants_progress:
+        return None
+    import re
+
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower())
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=node.key)
+
+    def progress(percent: float) -> None:
+        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
+
+    return progress
+
+
+# In-process evaluation (lm-eval) is not thread-safe and torch's thread count is per process: in
+# one flow process, one in-process eval build at a time, whatever the eval slot count.
+_IN_PROCESS_EVAL = threading.Lock()
+
+
+def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
+    progress = _progress(d, node)
+    if d.resource != "eval":
+        meta = d.run(node.config, inputs, out, log=log, progress=progress)
+    else:
+        with _IN_PROCESS_EVAL:
+            _set_threads(threads)  # in-process torch work takes its slot's thread count
+            meta = d.run(node.config, inputs, out, log=log, progress=progress)
+    if progress is not None:
+        progress(100.0)  # a finished build is done, whatever its last report said
+    return meta
+
+
+def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
+    progress = _progress(d, node)
+    line = progress_lines(log, progress)
+
+    call_file = write_call(d, node.config, inputs, out)
+    try:
+        run_streaming(child_command(call_file), line, cwd=REPO_ROOT, env=child_env(threads))
+    except ChildFailed as exc:
+        error = read_error(out)
+        raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
+    meta = read_result(out)
+    if progress is not None:
+        progress(100.0)  # a finished build is done, whatever its last report said
+    return meta
+
+
+# --- running a graph -------------------------------------------------------------------------
+
+
+def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dict[str, Any] | State:
+    """Submit every node as a Prefect future, wait for all, record their states; return a summary.
+
+    Raises FlowFailed naming every failed step once every independent branch has finished; a run
+    whose serve process died returns the `Crashed` state that says so (the flow's final state)."""
+    unknown = sorted(set(refresh) - set(graph.steps))
+    if unknown:
+        raise ValueError(
+            f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {graph.name!r}: "
+            f"{', '.join(graph.steps)}"
+        )
+    storage = ctx.ws.results_dir
+    storage.mkdir(parents=True, exist_ok=True)
+    resources = ctx.setup.resources
+    futures: dict[str, PrefectFuture] = {}
+    node_of: dict[Any, Node] = {}
+    for node in graph:
+        inputs: dict[str, Any] = {}
+        for name, value in node.inputs.items():
+            refs = value if isinstance(value, tuple) else (value,)
+            resolved = [futures[r.key] if isinstance(r, Node) else quote(r.artifact) for r in refs]
+            inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
+        fresh = node.step.name in refresh
+        call = StepCall(node, ctx, fresh, resources)
+        future = (
+            prefect_task(node.step)
+            .with_options(
+                task_run_name=node.key,
+                result_storage=storage,
+                refresh_cache=fresh or None,
+            )
+            .submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
+        )
+        futures[node.key] = future
+        node_of[future.task_run_id] = node
+    artifacts: dict[str, Artifact] = {}
+    failed: list[str] = []
+    for future in as_completed(list(futures.values())):
+        node = node_of[future.task_run_id]
+        future.wait()  # sets the future's final state from the worker (the API's copy may lag)
+        state = future.state
+        if state.is_completed():
+            artifacts[node.key] = _artifact(future.result())
+            if state.name == "Cached":
+                now = _now()
+                ctx.record(node, "cached", now, now)
+        elif state.is_failed() or state.is_crashed():
+            failed.append(_message(future) or f"{node.key} failed")
+        else:  # never ran: an input failed
+            blocked = [p.key for p in node.parents() if p.key not in artifacts]
+            now = _now()
+            ctx.record(node, "skipped", now, now, f"upstream {', '.join(blocked)} did not finish")
+    if failed and ctx.owner_gone is not None:
+        summary(ctx, graph, artifacts)
+        return ctx.owner_crash()
+    if failed:
+        raise FlowFailed(f"{len(failed)} step(s) failed:\n" + "\n".join(f"  {m}" for m in failed))
+    return summary(ctx, graph, artifacts)
+
+
+def _message(future: PrefectFuture) -> str | None:
+    try:
+        future.result(raise_on_failure=True)
+    except StepFailed as exc:
+        return str(exc)
+    except BaseException as exc:  # noqa: BLE001 (a crash outside `execute`)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def summary(ctx: RunContext, graph: Graph, artifacts: dict[str, Artifact]) -> dict[str, Any]:
+    """Steps and states of this run, also published as a markdown artifact in the UI."""
+    from prefect.artifacts import create_markdown_artifact
+
+    order = {n.key: i for i, n in enumerate(graph)}
+    records = sorted(ctx.records, key=lambda r: order.get(f"{r.step}[{r.label}]", 1 << 30))
+    dropped = {
+        key: {k: a.meta[k] for k in ("rejected", "removed", "heldout_removed", "unaccounted") if a.meta.get(k)}
+        for key, a in artifacts.items()
+    }
+    dropped = {k: v for k, v in dropped.items() if v}
+    rows = [
+        f"| {r.step} | {r.label} | {r.state} | `{(r.fingerprint or '')[:12]}` | "
+        f"{(r.ended - r.started).total_seconds():.1f} |"
+        for r in records
+    ]
+    markdown = "\n".join(
+        [
+            f"# {ctx.flow} run `{ctx.run_id}`",
+            f"Recipe `{ctx.recipe_name}`, workspace `{ctx.ws.root}`.",
+            "",
+            "| step | label | state | fingerprint | seconds |",
+            "|---|---|---|---|---|",
+            *rows,
+            *(["", "## Dropped input", "", "| step | counts |", "|---|---|"] if dropped else []),
+            *(f"| {k} | {v} |" for k, v in dropped.items()),
+        ]
+    )
+    create_markdown_artifact(markdown=markdown, key=f"{ctx.flow}-summary", description="Steps and states")
+    states: dict[str, int] = {}
+    for r in records:
+        states[r.state] = states.get(r.state, 0) + 1
+    final = artifacts.get(graph.final.key) if graph.final is not None else None
+    return {
+        "run_id": ctx.run_id,
+        "workspace": ctx.ws.root,
+        "states": states,
+        "final": final.model_dump(mode="json") if final else None,
+        "dropped": dropped,
+    }
+
+
+def run_flow(flow: str, graph: Graph, setup: RunSetup, refresh: Sequence[str] = ()) -> dict[str, Any] | State:
+    """The body every flow shares: open the run, run its graph, close the run (a served run that
+    lost its serve process returns its `Crashed` state, which the flow returns)."""
+    with RunContext(flow, setup) as ctx:
+        return run_graph(graph, ctx, refresh)

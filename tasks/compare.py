@@ -1,0 +1,221 @@
+"""The `compare` step: every run's scores of an experiment to its trusted tasks and comparisons.
+
+Its inputs are named by run (`{label}.lm`: lm-eval artifacts in step order; `{label}.heldout`:
+held-out BPB artifacts, one point per evaluated checkpoint; `base`: an anneal's pinned
+checkpoint); the statistics, the report and the chart are evals/experiments.py's. The publish
+hook writes DuckDB `experiments`, `experiment_runs` and `experiment_results` and the Prefect
+table and markdown artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from evals.experiments import ExperimentSpec, TaskScores, chart, compare, report_markdown, task_quality
+from pipeline.artifact import Artifact, Inputs
+from pipeline.step import many, step
+
+
+def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
+    """Every task's points per run, from the lm-eval and held-out artifacts of the inputs."""
+    tasks: dict[str, TaskScores] = {}
+
+    def add(
+        task: str,
+        metric: str,
+        better: str,
+        random: float,
+        label: str,
+        step_no: int,
+        values: Mapping[str, float],
+        fingerprint: str,
+    ) -> None:
+        t = tasks.setdefault(task, TaskScores(metric, better))
+        if t.metric != metric:
+            raise ValueError(f"task {task}: scored on {t.metric} in one run and {metric} in another")
+        t.randoms.append(random)
+        stderr = values.get(f"{metric}_stderr")
+        t.points.setdefault(label, []).append(
+            (int(step_no), float(values[metric]), None if stderr is None else float(stderr), fingerprint)
+        )
+
+    for run in cfg.runs:
+        lm = many(inputs, f"{run.label}.lm")
+        if len(lm) != len(run.lm_steps):
+            raise ValueError(f"run {run.label}: {len(lm)} lm-eval input(s) but {len(run.lm_steps)} lm_steps")
+        for art, step_no in zip(lm, run.lm_steps, strict=True):
+            for task, values in art.meta["scores"].items():
+                metric = next((m for m in (cfg.metric, "acc", "exact_match") if m in values), None)
+                if metric is None or math.isnan(values[metric]):
+                    continue
+                random = float(art.meta.get("random_accuracy") or 0.0) if metric.startswith("acc") else 0.0
+                add(task, metric, "higher", random, run.label, step_no, values, art.fingerprint)
+        for art in many(inputs, f"{run.label}.heldout"):
+            for point in art.meta["points"]:
+                for task, values in point["scores"].items():
+                    add(
+                        task,
+                        "bpb",
+                        "lower",
+                        float(art.meta["random"][task]["bpb"]),
+                        run.label,
+                        point["global_step"],
+                        values,
+                        art.fingerprint,
+                    )
+    for t in tasks.values():
+        for label, pts in t.points.items():
+            pts.sort()
+            steps = [p[0] for p in pts]
+            if len(set(steps)) != len(steps):
+                raise ValueError(f"run {label}: two scores at the same step {steps}")
+    return tasks
+
+
+def build_experiment(cfg: ExperimentSpec, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
+    """Assess, compare and report (see the module docstring)."""
+    missing = sorted({f"{r.label}.{k}" for r in cfg.runs for k in ("lm", "heldout")} - set(inputs))
+    if missing:
+        raise ValueError(f"compare: no input(s) {', '.join(missing)}")
+    tasks = collect(cfg, inputs)
+    partial = sorted(n for n, t in tasks.items() if len(t.points) != len(cfg.runs))
+    if partial:
+        log(f"not compared (not scored in every run): {', '.join(partial)}")
+    quality = task_quality(cfg, tasks)
+    if not quality:
+        raise ValueError(f"compare: no task was scored in every run of {cfg.name}")
+    rows = compare(cfg, tasks, quality)
+    seeds = {v: sum(r.variant == v for r in cfg.runs) for v in cfg.variants}
+    base = dict(inputs["base"].meta) if isinstance(inputs.get("base"), Artifact) else None
+    markdown = report_markdown(cfg, quality, rows, seeds, base)
+    (out / "comparison.md").write_text(markdown)
+    (out / "comparison.json").write_text(json.dumps(rows, indent=2))
+    by_label = {r.label: r for r in cfg.runs}
+    points = [
+        {
+            "label": lb,
+            "variant": by_label[lb].variant,
+            "seed": by_label[lb].seed,
+            "task": name,
+            "metric": t.metric,
+            "step": p[0],
+            "value": p[1],
+            "stderr": p[2],
+            "eval_fingerprint": p[3],
+        }
+        for name, t in sorted(tasks.items())
+        for lb, pts in t.points.items()
+        for p in pts
+    ]
+    (out / "points.json").write_text(json.dumps(points))
+    drawn = chart(cfg, tasks, quality, out / "comparison.png")
+    log("\n" + markdown)
+    t = cfg.trust
+    return _json_safe(
+        {
+            "kind": cfg.kind,
+            "name": cfg.name,
+            "baseline": cfg.baseline,
+            "variants": dict(cfg.variants),
+            "seeds": seeds,
+            "confidence": cfg.confidence,
+            "rows": rows,
+            "base": base,
+            "trusted": sorted(n for n, q in quality.items() if q.trusted(t.require)),
+            "quality": {
+                n: {
+                    "points": q.points,
+                    "final": q.final,
+                    "spearman": q.spearman,
+                    "snr": q.snr,
+                    "margin": q.margin,
+                    "kendall": q.kendall,
+                    "checks": q.checks,
+                    "better": q.better,
+                    "noise": q.noise_source,
+                    "trusted": q.trusted(t.require),
+                    "why": q.reasons(t.thresholds, t.require),
+                }
+                for n, q in sorted(quality.items())
+            },
+            "not_compared": partial,
+            "chart": drawn,
+        }
+    )
+
+
+def _json_safe(value: Any) -> Any:
+    """inf/nan are not JSON (the meta lands in DuckDB JSON columns): null instead; the markdown
+    report keeps them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def publish_experiment(artifact: Artifact, ws, label: str) -> None:
+    """The experiment to DuckDB (`experiments`, `experiment_runs`, `experiment_results`), the
+    comparison as a Prefect table and the report with its chart as a markdown artifact."""
+    import base64
+
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.runtime import flow_run
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    meta, exp_id = artifact.meta, artifact.fingerprint
+    base = meta.get("base") or {}
+    experiment = {
+        "experiment": exp_id,
+        "run_id": str(flow_run.id) if flow_run.id else None,
+        "kind": meta["kind"],
+        "name": meta["name"],
+        "baseline": meta["baseline"],
+        "variants": json.dumps(meta["variants"]),
+        "seeds": json.dumps(meta["seeds"]),
+        "confidence": meta["confidence"],
+        "trusted": json.dumps(meta["trusted"]),
+        "quality": json.dumps(meta["quality"]),
+        "base_checkpoint": base.get("source"),
+        "base_global_step": base.get("global_step"),
+        "created": now,
+    }
+    points = json.loads((artifact.path / "points.json").read_text())
+    runs = [{"experiment": exp_id, **p} for p in points]
+    results = [
+        {"experiment": exp_id, "created": now, **{k: v for k, v in r.items() if k != "eval_fingerprint"}}
+        for r in meta["rows"]
+    ]
+    ws.lineage().record_experiment(experiment, runs, results)
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{meta['kind']}-comparison-{label}".lower())
+    table = [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "eval_fingerprint"}
+        for r in meta["rows"]
+    ]
+    create_table_artifact(
+        table=table, key=key, description=f"{meta['kind']} {meta['name']}: variants vs {meta['baseline']}"
+    )
+    markdown = (artifact.path / "comparison.md").read_text()
+    png = artifact.path / "comparison.png"
+    if png.exists():
+        markdown += f"\n![scores over training](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})\n"
+    create_markdown_artifact(
+        markdown=markdown,
+        key=re.sub(r"[^a-z0-9-]+", "-", f"{meta['kind']}-report-{label}".lower()),
+        description=f"{meta['kind']} {meta['name']}: trusted evals, comparison and curves",
+    )
+
+
+@step("compare", version=1, kind="report", publish=publish_experiment)
+def compare_step(config: ExperimentSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """Every run's scores (inputs `{label}.lm`, `{label}.heldout`; `base`, an anneal's pinned
+    checkpoint) to the trusted tasks and the comparison of each variant with the baseline."""
+    return build_experiment(config, inputs, out, log)

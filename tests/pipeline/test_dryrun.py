@@ -1,0 +1,213 @@
+"""`smollm3 plan` and the graph it shares with the flow: exact run/reuse predictions, the reasons,
+and fingerprints that change only when an output would (identity vs operational config fields)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.graphs import plan
+from flows.recipe import Recipe, load_recipe
+from flows.smollm3 import graph, smollm3
+from pipeline.artifact import is_operational
+from pipeline.dryrun import diff
+from tests.conftest import DATA_ONLY
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_diff_names_changed_fields():
+    assert diff({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}, "d": 4}) == ["b.c: 2 -> 3", "d: (new) -> 4"]
+
+
+def _fingerprints(overrides: list[str]) -> dict[str, str]:
+    g = graph(load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan", *overrides]), tolerant=True)
+    return {n.key: n.fingerprint for n in g}
+
+
+# Fields that say how steps run, never what they compute: changing them must rerun nothing.
+OPERATIONAL = [
+    "training.log_interval=7",
+    "training.peak_flops=1e15",
+    "training.checkpoint_interval=3",
+    "training.keep_last=5",
+    "training.num_threads=2",
+    "training.micro_batch=4",
+    "training.nproc_per_node=2",
+    "eval.batch_size=64",
+    "curation.workers=2",
+    "curation.executor=ray",
+    "tokenize.workers=3",
+    "tokenize.batch_size=10",
+    "resources.train.slots=3",
+    "resources.eval.threads=2",
+    "resources.data.slots=1",
+    "launch.kind=slurm",
+    "launch.slurm={partition: p}",
+    "storage.s3_uri=s3://b/p",
+    "preflight.allow_warn=false",
+    "posttrain.eval.batch_size=4",
+    "stages.stage1.max_epochs=2",
+    "training.compile_model=true",
+    # post-training: where the trainers run, their micro-batches and checkpoints
+    "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
+    "posttrain.sft.per_device_batch=4",
+    "posttrain.sft.save_steps=3",
+    "posttrain.sft.keep_checkpoints=1",
+    "posttrain.preference.per_device_batch=2",
+    "posttrain.preference.save_steps=2",
+    "posttrain.preference.keep_checkpoints=3",
+    "posttrain.grpo.per_device_batch=4",
+    "posttrain.grpo.save_steps=2",
+    "posttrain.grpo.keep_checkpoints=1",
+    "posttrain.distill.per_device_batch=4",
+    "posttrain.distill.save_steps=2",
+    "posttrain.distill.keep_checkpoints=1",
+]
+
+
+@pytest.mark.parametrize("override", OPERATIONAL)
+def test_an_operational_field_changes_no_fingerprint(override):
+    before, after = _fingerprints([]), _fingerprints([override])
+    changed = sorted(k for k in before if before[k] != after[k])
+    if override.startswith("preflight."):  # preflight's checks are the step's own identity
+        assert changed == ["preflight[preflight]"]
+        return
+    assert changed == [], f"{override} reruns {changed}"
+
+
+# Identity fields, and exactly the steps whose config uses them: everything downstream of those
+# reruns, nothing else does.
+IDENTITY = {
+    "sources.math.max_documents=150": {"source[math]"},
+    "curation.presets.prose=code": {"curate[prose]"},
+    "curation.minhash_ngrams=4": {"curate[prose]", "curate[code]", "curate[math]"},
+    "training.optimizer.lr=0.001": {
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "pretrain[long1]",
+        "pretrain[long2]",
+    },
+    "training.doc_masking=false": {
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "pretrain[long1]",
+        "pretrain[long2]",
+    },
+    "stages.long1.rope_theta=300000": {"pretrain[long1]"},
+    "stages.stage2.tokens=200000": {
+        "mixture[stage2]",
+        "pretrain[stage1]",
+        "pretrain[stage2]",
+        "pretrain[stage3]",
+        "preflight[preflight]",
+    },
+    "eval.items_per_task=50": {"eval_suite[suite]"},
+    "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
+    | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo")},
+    "posttrain.sft.lr=0.001": {"sft[sft]"},
+    "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]"},
+    "seed=3": None,  # the recipe seed: many consumers (math data, shuffles, eval items, init)
+}
+
+
+@pytest.mark.parametrize("override", list(IDENTITY))
+def test_an_identity_field_reruns_exactly_its_downstream(override):
+    g0 = graph(load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan"]), tolerant=True)
+    g1 = graph(load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan", override]), tolerant=True)
+    before = {n.key: n for n in g0}
+    from pipeline.artifact import identity
+
+    # the steps whose own config (or own facts) changed ...
+    direct = {
+        n.key for n in g1 if identity(n.config) != identity(before[n.key].config) or n.extra != before[n.key].extra
+    }
+    expected = IDENTITY[override]
+    if expected is not None:
+        assert direct == expected
+    # ... and everything downstream of them, and nothing else, gets a new fingerprint
+    changed = {n.key for n in g1 if n.fingerprint != before[n.key].fingerprint}
+    assert changed == g1.descendants(direct) and changed
+
+
+def test_every_operational_recipe_field_is_exercised_above():
+    """An operational marker on a recipe field is a promise that changing it reruns nothing: each
+    marked field is changed by a case of OPERATIONAL (or listed here with why it is not)."""
+    not_settable_here = {
+        "curation.slurm",
+        "curation.ray",
+        "tokenize.slurm",
+        "tokenize.ray",
+        "tokenize.executor",
+        "resources.poll_seconds",
+        "workspace",
+    }  # need a cluster, or move outputs
+    marked = []
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            path = f"{prefix}{name}"
+            if is_operational(model, name):
+                marked.append(path)
+                continue
+            ann = field.annotation
+            for sub in (ann, *getattr(ann, "__args__", ())):
+                if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                    walk(sub, path + ".")
+
+    walk(Recipe, "")
+    assert {"training.log_interval", "eval.batch_size", "resources", "launch", "storage"} <= set(marked)
+    changed = {o.split("=")[0] for o in OPERATIONAL}
+    missing = [
+        m for m in marked if m not in not_settable_here and not any(c == m or c.startswith(m + ".") for c in changed)
+    ]
+    assert missing == []
+
+
+@pytest.mark.slow
+def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefect_harness):
+    over = [*DATA_ONLY, f"workspace={tmp_path / 'ws'}"]
+    before = plan(load_recipe("tiny", over))
+    assert {r.action for r in before} == {"run"} and {r.reason for r in before} == {"never built"}
+    smollm3(overrides=over)
+    after = plan(load_recipe("tiny", over))
+    assert [r.fingerprint for r in after] == [r.fingerprint for r in before]
+    assert {r.action for r in after} == {"reuse"}
+    # The same plan from the console script in another cwd and from `python -m` in a subprocess:
+    # the cache key does not depend on how or where the process started.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    console = Path(sys.executable).parent / "smollm3"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for cmd, cwd in (
+        ([str(console), "plan", "tiny", *over], elsewhere),
+        ([sys.executable, "-m", "flows.cli", "plan", "tiny", *over], REPO),
+    ):
+        out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == f"{len(after)} steps: 0 run, {len(after)} reuse", out.stdout
+    changed = {r.key: r for r in plan(load_recipe("tiny", [*over, "sources.math.max_documents=150"]))}
+    assert changed["source[math]"].action == "run"
+    assert "max_documents: 200 -> 150" in changed["source[math]"].reason
+    assert changed["curate[math]"].reason == "inputs changed: source[math] reruns"
+    assert changed["source[prose]"].action == "reuse" and changed["source[code]"].action == "reuse"
+    # every curation reads every source's held-out split (decontamination), so code's reruns too
+    assert changed["curate[code]"].reason == "inputs changed: source[math] reruns"
+    # operational changes rerun nothing
+    quiet = plan(load_recipe("tiny", [*over, "curation.workers=2", "resources.data.slots=1", "eval.batch_size=2"]))
+    assert {r.action for r in quiet} == {"reuse"}
+    with pytest.raises(ValueError, match="refresh names unknown step"):
+        plan(load_recipe("tiny", over), frozenset({"bogus"}))
+
+
+def test_the_published_recipe_resolves_without_compute():
+    rows = plan(load_recipe("smollm3-3b", ["workspace=/nonexistent-smollm3-plan"]))
+    steps = {r.step for r in rows}
+    assert {"source", "curate", "tokenize", "mixture", "preflight", "pretrain", "export", "evaluate"} <= steps
+    assert sum(r.step == "pretrain" for r in rows) == 5 and all(r.action == "run" for r in rows)

@@ -1,0 +1,83 @@
+"""One post-training trainer on every rank of a launch: `python -m trainers.posttrain SPEC.json`.
+
+The post-training steps launch it through infra/launchers (trainers/posttrain/launch.py), e.g.
+
+    torchrun --nproc-per-node 8 -m trainers.posttrain spec.json
+    accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 8 \\
+        -m trainers.posttrain spec.json
+
+`spec.json` is a `TrainerSpec` (trainer, its recipe section, policy and data folders, out folder,
+seed, device). TRL's trainers pick up the torchrun/accelerate environment (DDP, or FSDP and
+DeepSpeed per the accelerate config). Like trainers/pretrain.py: a rank ends itself when torchrun dies
+(`protect_rank`), rank 0 leases the out folder first (exit 4 when another trainer holds it),
+only rank 0 prints progress and writes `result.json` (the step's meta) last.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from infra.guard import LeaseHeld, StageLease, protect_rank
+
+EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as trainers/pretrain.py
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m trainers.posttrain SPEC.json  (under torchrun or accelerate launch)", file=sys.stderr)
+        return 2
+    protect_rank()  # first: a rank must not outlive torchrun, even during startup
+    from infra.files import write_atomic
+    from pipeline.child import PROGRESS_MARK
+    from trainers.posttrain.common import is_main
+    from trainers.posttrain.launch import RESULT, TRAINERS, TrainerSpec
+
+    spec = TrainerSpec.load(Path(argv[0]))
+    out = Path(spec.out)
+    lease = None
+    if is_main():
+        try:
+            lease = StageLease(out).acquire()
+        except LeaseHeld as err:
+            print(f"error: LeaseHeld: {err}", file=sys.stderr)
+            return EXIT_LEASE_HELD
+        # TRL's unpublished checkpoint folders are what a killed attempt was writing: never used.
+        for partial in (out / "trainer").glob("checkpoint-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+    try:
+        module, fn, _ = TRAINERS[spec.trainer]
+        train = getattr(importlib.import_module(module), fn)
+        main_rank = is_main()
+        meta = train(
+            spec.typed_section(),
+            Path(spec.policy),
+            Path(spec.data),
+            out,
+            seed=spec.seed,
+            device=spec.device,
+            log=(lambda line: print(line, flush=True)) if main_rank else (lambda _: None),
+            progress=(lambda p: print(f"{PROGRESS_MARK}{p:.2f}", flush=True)) if main_rank else None,
+        )
+        if main_rank:
+            write_atomic(out / RESULT, json.dumps(meta, default=str))
+            print(json.dumps(meta, default=str), flush=True)
+    finally:
+        _end_process_group()
+        if lease is not None:
+            lease.release()
+    return 0
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

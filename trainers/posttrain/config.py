@@ -1,0 +1,393 @@
+"""The recipe's `posttrain` section: one small frozen config per post-training step.
+
+Each step receives only its own section (STYLE rule 4). Defaults are sized for the tiny recipe on
+2 CPU cores; configs/smollm3-3b.yaml carries the published SmolLM3 numbers (SFT LR 2e-5, APO
+`apo_zero` with beta 0.05-0.1 and LR 1e-6, merge 0.9 x APO soup + 0.1 x mid-training). Training
+sizes are in optimizer steps (`max_steps`) of `batch` sequences over all ranks, so a run's cost is
+known before it starts and does not depend on how many ranks run it: `per_device_batch` and the
+world size only decide the gradient accumulation (operational fields).
+
+Where the trainers run is `posttrain.launch` over the recipe's `launch` section: the same
+launchers as the pretraining stages (local torchrun, Slurm, Kubernetes), optionally through
+`accelerate launch` with an accelerate config file (FSDP, DeepSpeed ZeRO).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.launchers import LaunchConfig
+from infra.storage import StorageConfig
+from pipeline.artifact import operational
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_data_uri(uri: str) -> str:
+    if uri == "builtin" or (uri.startswith(("files:", "hf:")) and uri.split(":", 1)[1]):
+        return uri
+    raise ValueError(
+        f"unknown chat data {uri!r}; use 'builtin', 'files:GLOB' (JSONL with a messages field), "
+        "'hf:NAME' (a hub dataset) or 'hf:/PATH' (a datasets.save_to_disk folder)"
+    )
+
+
+class ChatDataConfig(_Config):
+    """Where the SFT conversations come from (`posttrain.data`)."""
+
+    # builtin: conversations generated from the curated corpora (arithmetic with worked answers
+    # from math, "summarise / continue this passage" from prose); files:GLOB, hf:NAME, hf:/PATH
+    uri: str = "builtin"
+    messages_field: str = "messages"  # column holding [{role, content}, ...] in files:/hf: data
+    hf_subset: str | None = None  # hub dataset configuration (e.g. SmolTalk's "all")
+    hf_split: str = "train"  # split to read from hf: data
+    hf_revision: str | None = None  # pinned hub revision; pin it so caching means something
+    max_examples: int | None = Field(default=None, gt=0)  # cap on conversations read
+    math_examples: int = Field(default=600, ge=0)  # builtin: arithmetic conversations
+    prose_examples: int = Field(default=150, ge=0)  # builtin: summarise/continue conversations
+    heldout_examples: int = Field(default=64, ge=0)  # conversations kept for SFT eval loss
+    held_out_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)  # files:/hf: held-out share
+    prompts: int = Field(default=256, ge=1)  # arithmetic prompts (with answers) for APO/GRPO/OPD
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return _check_data_uri(v)
+
+
+def micro_batches(batch: int, per_device_max: int, world: int, what: str = "batch") -> tuple[int, int]:
+    """(sequences per rank per forward, accumulation steps) that make `batch` on `world` ranks:
+    the fewest accumulation steps whose micro-batch fits in `per_device_max`."""
+    if batch % world:
+        raise ValueError(
+            f"{what} {batch} is not divisible by the {world} ranks of posttrain.launch (nodes x "
+            "procs_per_node): every rank takes the same share of an optimizer step; change the "
+            "batch or the number of ranks"
+        )
+    per_rank = batch // world
+    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= per_device_max)
+    return per_rank // accum, accum
+
+
+class TrainerConfig(_Config):
+    """Knobs every TRL trainer shares."""
+
+    max_steps: int = Field(default=20, gt=0)  # optimizer steps
+    lr: float = Field(default=5e-4, gt=0)  # peak learning rate
+    warmup_ratio: float = Field(default=0.1, ge=0, lt=1)  # linear warmup share of the steps
+    # sequences per optimizer step over all ranks (SFT: packed rows; preference: pairs; GRPO:
+    # completions; distillation: prompts): the same on 1 CPU process or 64 GPUs
+    batch: int = Field(default=8, gt=0)
+    # at most this many sequences per rank per forward pass; gradient accumulation makes up
+    # `batch` (accumulation = batch / (ranks x micro-batch))
+    per_device_batch: int = operational(8, gt=0)
+    bf16: bool = False  # bf16 mixed precision (GPU); the CPU recipe stays in float32
+    gradient_checkpointing: bool = False  # recompute activations (3B on GPU), off for tiny
+    save_steps: int = operational(10, gt=0)  # checkpoint interval: a killed run resumes from the newest
+    keep_checkpoints: int = operational(2, gt=0)  # complete checkpoints kept besides the final one
+
+
+class SFTConfig(TrainerConfig):
+    """`posttrain.sft`: TRL SFTTrainer, assistant-only loss, packing (SmolLM3: LR 2e-5)."""
+
+    max_length: int = Field(default=256, gt=8)  # packed sequence length in tokens
+    packing: bool = True  # best-fit-decreasing packing of whole conversations
+    assistant_only_loss: bool = True  # loss on assistant turns only (template's generation marks)
+
+
+class PreferenceConfig(TrainerConfig):
+    """`posttrain.preference`: TRL DPOTrainer; SmolLM3 used APO-zero, beta 0.05-0.1, LR 1e-6."""
+
+    enabled: bool = True
+    loss_type: str = "apo_zero"  # any TRL DPO loss: sigmoid, ipo, apo_zero, apo_down, ...
+    beta: float = Field(default=0.1, gt=0)  # strength of the implicit KL to the SFT reference
+    lr: float = Field(default=5e-5, gt=0)  # ~10x below SFT
+    max_length: int = Field(default=256, gt=8)  # prompt + completion tokens
+    # self: pairs from the SFT model's own samples judged by the arithmetic verifier; or a
+    # dataset with prompt/chosen/rejected (files:GLOB, hf:NAME, hf:/PATH)
+    pairs: str = "self"
+    pairs_subset: str | None = None  # dataset configuration of a hub pairs dataset
+    pairs_split: str = "train"  # split of a pairs dataset (ultrafeedback_binarized: train_prefs)
+    pairs_revision: str | None = None  # pinned hub revision of the pairs dataset
+    max_pairs: int | None = Field(default=None, gt=0)  # cap on pairs read from a dataset
+    samples_per_prompt: int = Field(default=4, ge=2)  # self: samples drawn per prompt
+    max_new_tokens: int = Field(default=48, gt=0)  # self: sampled completion length
+    temperature: float = Field(default=1.0, gt=0)  # self: sampling temperature
+
+    @field_validator("pairs")
+    @classmethod
+    def _pairs(cls, v: str) -> str:
+        return v if v == "self" else _check_data_uri(v)
+
+
+class SoupConfig(_Config):
+    """One more preference run for the soup (`posttrain.merge.soup[]`): the main preference
+    section with the fields named here changed."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")  # its label (preference[NAME], evaluate[NAME])
+    seed: int | None = None  # posttrain seed of this run (data order, self-sampled pairs)
+    beta: float | None = Field(default=None, gt=0)  # APO/DPO beta (SmolLM3: 0.05-0.1)
+    lr: float | None = Field(default=None, gt=0)  # learning rate
+    loss_type: str | None = None  # TRL DPO loss
+    max_steps: int | None = Field(default=None, gt=0)  # optimizer steps
+
+    def apply(self, section: PreferenceConfig) -> PreferenceConfig:
+        changes = {k: v for k, v in self.model_dump(exclude={"name", "seed"}).items() if v is not None}
+        return PreferenceConfig.model_validate({**section.model_dump(), **changes})
+
+
+class GRPOConfig(TrainerConfig):
+    """`posttrain.grpo`: TRL GRPOTrainer with verifiable arithmetic rewards."""
+
+    enabled: bool = True
+    lr: float = Field(default=2e-5, gt=0)
+    num_generations: int = Field(default=4, ge=2)  # group size: completions per prompt
+    beta: float = Field(default=0.04, ge=0)  # KL penalty to the reference (0 = no reference)
+    max_completion_length: int = Field(default=48, gt=0)  # generated tokens per completion
+    temperature: float = Field(default=1.0, gt=0)  # sampling temperature
+    format_weight: float = Field(default=0.2, ge=0)  # weight of the format reward vs exact match
+    save_steps: int = operational(5, gt=0)  # checkpoint interval: a killed run resumes from here
+
+    @model_validator(mode="after")
+    def _groups(self) -> GRPOConfig:
+        if self.batch % self.num_generations:
+            raise ValueError(
+                f"posttrain.grpo: batch {self.batch} (completions per step) must be a multiple of "
+                f"num_generations = {self.num_generations} (whole groups per step)"
+            )
+        return self
+
+
+def _check_weights(w: tuple[float, ...], field: str, n: int | None = None) -> tuple[float, ...]:
+    if (n is not None and len(w) != n) or len(w) < 2 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
+        size = f"{n} " if n is not None else "2+ "
+        raise ValueError(f"posttrain.merge.{field} must be {size}non-negative numbers summing to 1, got {list(w)}")
+    return w
+
+
+class MergeConfig(_Config):
+    """`posttrain.merge`, the SmolLM3 way: a soup (weighted average) of preference-trained
+    models, then a linear merge of the soup with a mid-training or long-context checkpoint."""
+
+    enabled: bool = True
+    # more preference runs for the soup, each the main `posttrain.preference` run with a few
+    # fields changed (seed, beta, lr, ...); the soup averages the main run and these. Empty: no
+    # soup, the preference model itself is merged
+    soup: tuple[SoupConfig, ...] = ()
+    # soup weights, the main preference run first then `soup` in order; None: uniform
+    soup_weights: tuple[float, ...] | None = None
+    # the pretraining or long-context stage whose export is merged with the soup (SmolLM3: a
+    # mid-training checkpoint with strong long context); None: the model post-training started from
+    stage: str | None = None
+    # weights of (soup, that checkpoint), as SmolLM3: 0.9 x APO soup + 0.1 x mid-training
+    weights: tuple[float, ...] = (0.9, 0.1)
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, w: tuple[float, ...]) -> tuple[float, ...]:
+        return _check_weights(w, "weights", 2)
+
+    @model_validator(mode="after")
+    def _soup(self) -> MergeConfig:
+        names = [r.name for r in self.soup]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"posttrain.merge.soup names must be unique; repeated: {', '.join(dupes)}")
+        if self.soup_weights is not None:
+            if not self.soup:
+                raise ValueError(
+                    "posttrain.merge.soup_weights is set but posttrain.merge.soup is "
+                    "empty: list the extra preference runs of the soup"
+                )
+            _check_weights(self.soup_weights, "soup_weights", len(self.soup) + 1)
+        return self
+
+    def soup_mix(self) -> tuple[float, ...]:
+        """The soup's weights: the main preference run first, then `soup` in order."""
+        n = len(self.soup) + 1
+        return self.soup_weights if self.soup_weights is not None else tuple(1.0 / n for _ in range(n))
+
+
+class MergeSpec(_Config):
+    """The merge step's config: one weight per model of its `models` input, in order."""
+
+    weights: tuple[float, ...]
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, w: tuple[float, ...]) -> tuple[float, ...]:
+        return _check_weights(w, "weights")
+
+
+class DistillConfig(TrainerConfig):
+    """`posttrain.distill`: on-policy distillation from a teacher (runs only when one is named)."""
+
+    teacher: str | None = None  # a local HF folder (or hub name) sharing our tokenizer
+    lr: float = Field(default=5e-5, gt=0)
+    beta: float = Field(default=1.0, ge=0, le=1)  # generalised JSD: 1.0 = reverse KL (on-policy)
+    max_completion_length: int = Field(default=48, gt=0)  # student sample length
+    temperature: float = Field(default=1.0, gt=0)
+
+
+class PosttrainEvalConfig(_Config):
+    """`posttrain.eval`: the post-training eval suite, scored after every step."""
+
+    generation_items: int = Field(default=100, gt=0)  # held-out arithmetic exact-match items
+    max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
+    # items per cloze task (regression check); fewer than the stages' suite, because every
+    # post-training step is scored (the first items of the same held-out tasks)
+    cloze_items: int = Field(default=100, gt=0)
+    base: bool = True  # also score the pre-SFT base, so every step has a baseline row
+    # lm-eval batch size of the post-training evaluations: larger than the stages' on CPU,
+    # because batched greedy generation dominates their time
+    batch_size: int = Field(default=32, gt=0)
+
+
+class PosttrainLaunchConfig(_Config):
+    """`posttrain.launch`: where the post-training trainers run. Unset fields come from the
+    recipe's `launch` section (kind, Slurm/Kubernetes settings, env) and `training.nproc_per_node`."""
+
+    nodes: int | None = Field(default=None, gt=0)  # machines; None: launch.nodes
+    procs_per_node: int | None = Field(default=None, gt=0)  # ranks per node; None: training.nproc_per_node
+    gpus_per_node: int | None = Field(default=None, ge=0)  # GPUs per node; None: launch.gpus_per_node
+    # accelerate config file (FSDP / DeepSpeed ZeRO / bf16) the launcher passes to `accelerate
+    # launch`; relative to the checkout. None: plain torchrun (DDP)
+    accelerate_config: str | None = None
+    env: dict[str, str] = {}  # extra environment over launch.env; never credentials
+
+    @field_validator("env")
+    @classmethod
+    def _no_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        from pydantic import ValidationError
+
+        try:
+            LaunchConfig(env=env)  # the launcher's own rule, said for this section
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"posttrain.{msg}") from None
+        return env
+
+    def resolve(self, launch: LaunchConfig, procs_per_node: int) -> LaunchConfig:
+        """The recipe's launcher with these settings over it, running `trainers.posttrain`."""
+        return LaunchConfig.model_validate(
+            {
+                **launch.model_dump(),
+                "nodes": self.nodes or launch.nodes,
+                "procs_per_node": self.procs_per_node or procs_per_node,
+                "gpus_per_node": launch.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node,
+                "accelerate_config": self.accelerate_config,
+                "env": {**launch.env, **self.env},
+                "module": "trainers.posttrain",
+            }
+        )
+
+
+class PosttrainConfig(_Config):
+    """The recipe's `posttrain` section (docs/posttraining.md)."""
+
+    launch: PosttrainLaunchConfig = operational(PosttrainLaunchConfig())  # nodes, ranks, accelerate config
+    data: ChatDataConfig = ChatDataConfig()
+    sft: SFTConfig = SFTConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    merge: MergeConfig = MergeConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    distill: DistillConfig = DistillConfig()
+    eval: PosttrainEvalConfig = PosttrainEvalConfig()
+    seed: int = 0  # seed of data order, sampling and trainers
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda when available under "auto"
+
+    @model_validator(mode="after")
+    def _soup_needs_preference(self) -> PosttrainConfig:
+        if self.merge.enabled and self.merge.soup and not self.preference.enabled:
+            raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
+        taken = {
+            "base",
+            "sft",
+            "soup",
+            "merge",
+            "grpo",
+            "opd",
+            "chat",
+            "posttrain",
+            self.preference.loss_type.split("_")[0]
+            if self.preference.loss_type.startswith("apo")
+            else self.preference.loss_type,
+        }
+        clash = sorted(r.name for r in self.merge.soup if r.name in taken)
+        if clash:
+            raise ValueError(
+                f"posttrain.merge.soup name(s) {', '.join(clash)} are labels of other "
+                f"post-training steps ({', '.join(sorted(taken))}); pick others"
+            )
+        return self
+
+
+S = TypeVar("S", bound=BaseModel)
+SECTIONS = {SFTConfig: "sft", PreferenceConfig: "preference", GRPOConfig: "grpo", DistillConfig: "distill"}
+
+
+class PosttrainSpec(_Config, Generic[S]):
+    """A post-training step's config: its own section, the post-training seed and device, and
+    where its trainer runs (operational: the launcher, the S3 mirror, CPU threads per rank)."""
+
+    section: S
+    seed: int = 0  # posttrain.seed
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # posttrain.device
+    launch: LaunchConfig = operational(LaunchConfig(module="trainers.posttrain"))  # posttrain.launch over launch
+    storage: StorageConfig = operational(StorageConfig())  # S3 mirror of the trainer's checkpoints
+    threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
+
+    @model_validator(mode="after")
+    def _batch_fits_the_ranks(self) -> PosttrainSpec[S]:
+        if self.launch.module != "trainers.posttrain":
+            raise ValueError(f"a post-training launch runs -m trainers.posttrain, not {self.launch.module}")
+        self.micro_batches()  # a batch that the ranks cannot share fails before anything runs
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    def micro_batches(self) -> tuple[int, int]:
+        """(sequences per rank per forward, gradient accumulation steps) on this launch."""
+        s = self.section
+        return micro_batches(
+            s.batch, s.per_device_batch, self.world_size, f"posttrain.{SECTIONS.get(type(s), 'section')}.batch"
+        )
+
+    def launch_summary(self) -> str:
+        """Where and how the trainer runs, for plans and logs."""
+        micro, accum = self.micro_batches()
+        ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
+        return f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x {accum} accumulation"
+
+    @classmethod
+    def of(
+        cls,
+        section: S,
+        posttrain: PosttrainConfig,
+        *,
+        launch: LaunchConfig | None = None,
+        storage: StorageConfig | None = None,
+        threads: int | None = None,
+        seed: int | None = None,
+    ) -> PosttrainSpec[S]:
+        return cls[type(section)](
+            section=section,
+            seed=posttrain.seed if seed is None else seed,
+            device=posttrain.device,
+            launch=launch or LaunchConfig(module="trainers.posttrain"),
+            storage=storage or StorageConfig(),
+            threads=threads,
+        )
+
+
+class ChatDataSpec(_Config):
+    """The posttrain_data step's config: the data section and the post-training seed."""
+
+    data: ChatDataConfig
+    seed: int = 0

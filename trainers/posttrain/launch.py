@@ -1,0 +1,135 @@
+"""How a post-training step runs its trainer: as a launched job, exactly like a pretraining stage.
+
+The step's build runs in the flow process and stays light (no TRL import there): it writes
+`spec.json` (a `TrainerSpec`) into the step folder and hands it to the launcher of
+`PosttrainSpec.launch` (infra/launchers: local torchrun or `accelerate launch`, Slurm, Kubernetes),
+which runs `-m trainers.posttrain spec.json` on every rank (trainers/posttrain/__main__.py). What a
+pretraining stage gets, a post-training step gets the same way:
+
+- streaming logs, cancellation and process-group cleanup: the local launcher starts the ranks
+  through `infra.proc.run_streaming` under the `infra/guard.py` guard, each rank arms
+  `protect_rank`, Slurm jobs are `scancel`led and PyTorchJobs deleted with the task;
+- one trainer per folder: rank 0 leases the step folder before writing (exit 4 otherwise);
+- resume: TRL checkpoints are published as `checkpoints/step_N` with a verified manifest
+  (trainers/posttrain/common.py), and a rerun, Slurm requeue or pod restart resumes from the newest;
+- S3: with `storage.s3_uri`, checkpoints are mirrored while the trainer runs
+  (`CheckpointMirror.syncing`) and pulled back when the local copies are gone;
+- failures: `LaunchFailed.cause` names the rank, its signal or exit code, the last logged step
+  and the last checkpoint ("a retry resumes from step 4");
+- progress: the main rank prints `pipeline.step` progress marks, turned back into `progress()` here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from infra.files import write_atomic
+from infra.launchers import LaunchConfig, get_launcher
+from infra.storage import CheckpointMirror, pull_latest_checkpoint
+from pipeline.child import progress_lines
+from trainers.posttrain import config as sections
+from trainers.posttrain.config import PosttrainSpec
+
+SPEC, RESULT = "spec.json", "result.json"
+
+# trainer name -> (module, function, section class); the functions run on every rank
+TRAINERS: dict[str, tuple[str, str, type[sections.TrainerConfig]]] = {
+    "sft": ("trainers.posttrain.sft", "train_sft", sections.SFTConfig),
+    "preference": ("trainers.posttrain.preference", "train_preference", sections.PreferenceConfig),
+    "grpo": ("trainers.posttrain.grpo", "train_grpo", sections.GRPOConfig),
+    "distill": ("trainers.posttrain.distill", "train_distill", sections.DistillConfig),
+}
+
+
+class TrainerSpec(BaseModel):
+    """What one launch trains: `spec.json` in the step folder, read by every rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trainer: Literal["sft", "preference", "grpo", "distill"]
+    section: dict[str, Any]  # the step's recipe section (posttrain.sft, ...)
+    policy: str  # HF folder of the model to train
+    data: str  # posttrain_data folder (train/heldout conversations, prompts)
+    out: str  # the step folder: checkpoints/, model/, metrics.jsonl, result.json
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def typed_section(self) -> sections.TrainerConfig:
+        return TRAINERS[self.trainer][2].model_validate(self.section)
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, self.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> TrainerSpec:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+def launch_config(run: PosttrainSpec) -> LaunchConfig:
+    """The launcher for a trainer: on CPU each rank gets the train slot's threads (else the
+    machine's cores split between the local ranks; torchrun would pin one thread per rank)."""
+    env = dict(run.launch.env)
+    if "OMP_NUM_THREADS" not in env:
+        threads = run.threads or max(1, (os.cpu_count() or 1) // run.launch.procs_per_node)
+        env["OMP_NUM_THREADS"] = str(threads)
+    return run.launch.model_copy(update={"env": env})
+
+
+def s3_checkpoints(run: PosttrainSpec, out: Path) -> str | None:
+    """Where the step's checkpoints are mirrored: `{s3_uri}/{step}/{fp12}/checkpoints`."""
+    uri = run.storage.s3_uri
+    return f"{uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if uri else None
+
+
+def launch_trainer(
+    trainer: str,
+    run: PosttrainSpec,
+    policy: Path,
+    data: Path,
+    out: Path,
+    log: Callable[[str], None] = print,
+    progress: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
+    """Run trainer `trainer` on `run.launch` until it finishes; return the meta its main rank wrote."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TrainerSpec(
+        trainer=trainer,
+        section=run.section.model_dump(mode="json"),
+        policy=str(policy),
+        data=str(data),
+        out=str(out),
+        seed=run.seed,
+        device=run.device,
+    )
+    spec.save(out / SPEC)
+    (out / RESULT).unlink(missing_ok=True)  # only this launch's result counts
+    remote = s3_checkpoints(run, out)
+    ckpts = out / "checkpoints"
+    if remote and not (ckpts.is_dir() and any(ckpts.iterdir())):
+        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+        pulled = pull_latest_checkpoint(remote, ckpts, run.storage)
+        if pulled is not None:
+            log(f"{trainer}: pulled {pulled.name} from {remote}")
+    config = launch_config(run)
+    log(f"{trainer}: {run.section.max_steps} steps of {run.section.batch} on {config.describe()}")
+    line = progress_lines(log, progress)
+
+    mirror = CheckpointMirror(remote, config=run.storage) if remote else None
+    with mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext():
+        get_launcher(config).launch(
+            out / SPEC, out, line, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+        )
+    try:
+        meta = json.loads((out / RESULT).read_text())
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"{trainer}: the launch finished but its main rank wrote no {out / RESULT} ({exc}); see the log above"
+        ) from None
+    return {**meta, "launch": config.describe(), **({"s3_checkpoints": remote} if remote else {})}

@@ -1,0 +1,533 @@
+"""The trainer: `python -m trainers.pretrain SPEC.json`, under torchrun or alone (world size 1).
+
+One launch trains one stage as described by a `TrainSpec`:
+- ranks: NCCL on GPU, gloo on CPU; without torchrun a single-process gloo group, so
+  collectives and DCP checkpointing run the same code at every world size;
+- model: built and initialised identically on every rank from `spec.seed`, then sharded with
+  FSDP2 (`fully_shard` per block, then the root) when there is more than one rank, so the
+  initial weights do not depend on the world size; `spec.precision` "auto" = bf16 autocast on GPU,
+  fp32 on CPU ("bf16" forces autocast on either); `spec.compile_model` compiles each block in place
+  (`Module.compile`, so parameter names and checkpoints do not change);
+- data: `MixtureLoader` with global state; gradient accumulation over
+  global_batch / (micro_batch x world) micro-batches; document ids mask attention inside each
+  packed document unless `spec.doc_masking` is False (plain causal attention, positions 0..T-1);
+- resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size);
+  otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
+- guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
+  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
+- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
+  gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
+  log; other ranks say only warnings and errors. MFU is against the peak of
+  `model.flops.resolve_peak` (declared, datasheet, preflight calibration, else not reported);
+  above 100% it is reported as it is, with a warning: the peak or the FLOP count is wrong;
+- ownership: rank 0 leases `out_dir` (`infra.guard.StageLease`) before writing anything, so a
+  second trainer in the same folder refuses to start (exit code 4) while the first lives; under
+  torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
+  sessions of their own where a kill of its process group does not reach them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from infra.files import write_atomic
+from infra.guard import LeaseHeld, StageLease, protect_rank
+from infra.progress import duration
+from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
+from model.config import ModelConfig
+from model.data import MixtureLoader, MixturePlan
+from model.flops import resolve_peak, training_flops_per_token
+from model.model import SmolLM3
+from model.optim import apply_hyperparameters, build_optimizer
+from model.schedule import lr_at
+from model.spec import TrainSpec
+
+log = logging.getLogger("trainers.pretrain")
+EXIT_NON_FINITE = 3
+EXIT_LEASE_HELD = 4
+
+
+class NonFiniteError(RuntimeError):
+    """Loss, gradient norm or weights became NaN or inf; the run must stop."""
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+
+def setup_runtime(spec: TrainSpec) -> Runtime:
+    want_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("spec.device is 'cuda' but no CUDA device is visible")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if want_cuda:
+        # Bind the GPU before NCCL starts, so its communicators land on the right device.
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        # Bit-reproducible CPU runs (resume after SIGKILL == uninterrupted run).
+        torch.use_deterministic_algorithms(True)
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if want_cuda else "gloo"
+        device_id = device if want_cuda else None
+        if "RANK" in os.environ:  # under torchrun
+            dist.init_process_group(backend, device_id=device_id)
+        else:  # plain `python -m trainers.pretrain`: a private one-process group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    return Runtime(rank, world, device, owns)
+
+
+def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> ModelConfig:
+    overrides = dict(spec.model_overrides)
+    overrides.setdefault("vocab_size", plan.vocab_size)
+    if spec.rope_theta is not None:
+        overrides["rope_theta"] = spec.rope_theta
+    cfg = ModelConfig.from_preset(spec.model_preset, **overrides)
+    if cfg.max_seq_len < seq_len:
+        cfg = cfg.replace(max_seq_len=seq_len)
+    if plan.vocab_size > cfg.vocab_size:
+        raise ValueError(f"mixture plan vocab_size {plan.vocab_size} exceeds the model's {cfg.vocab_size}")
+    return cfg
+
+
+def autocast_for(spec: TrainSpec, device: torch.device):
+    """The forward's autocast context: bf16 for precision "bf16", or "auto" on CUDA."""
+    if spec.precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"spec.precision must be auto, bf16 or fp32, got {spec.precision!r}")
+    bf16 = spec.precision == "bf16" or (spec.precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def compile_blocks(model: SmolLM3) -> None:
+    """torch.compile every block, as torchtitan does: the blocks share one graph per kind of block
+    (RoPE and NoPE layers: two), and the embedding, the loss and the BlockMask construction stay
+    eager. In place (`Module.compile`), so parameter names and checkpoints do not change. Under
+    FSDP2 its hooks run inside the compiled call, left eager by dynamo (skip_fsdp_hooks)."""
+    for block in model.layers:
+        block.compile()
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """High-water mark of this rank's CUDA allocations since start; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def shard_model(model: SmolLM3, rt: Runtime) -> None:
+    """FSDP2 over ranks: one unit per block, then the root (embedding, final norm).
+
+    One rank has nothing to shard: FSDP2 would only add copies and DTensor dispatch (a 1-rank
+    FSDP2 step measured 30-50% slower on CPU than the plain module), so
+    world size 1 trains the plain module.
+    DCP checkpoints stay interchangeable: plain tensors and DTensor shards load into either.
+    On CPU the gathered parameters stay until backward (no second all-gather): memory is
+    cheap there, gloo collectives are not.
+    """
+    if rt.world_size == 1:
+        return
+    reshard = rt.device.type == "cuda"
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+
+
+def _all_finite(tensors) -> bool:
+    bad = torch.zeros((), dtype=torch.float32)
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() and not torch.isfinite(local).all():
+            bad += 1
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON object per line; other ranks write nothing."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int) -> None:
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            # Drop lines of steps lost with a killed run (they will be redone) and a last line
+            # cut by SIGKILL mid-write.
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and record.get("step", 0) <= resume_step:
+                    kept.append(line)
+            write_atomic(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class StepReport:
+    """Rank 0's log lines: every `log_interval` steps and at the end, what a person watching the
+    task log wants (step/total, loss, LR, gradient norm, tokens/s and MFU since the last line,
+    ETA at the pace of this launch). Warns once if MFU exceeds 1 (a wrong peak or FLOP count)."""
+
+    def __init__(
+        self, stage: str, total: int, tokens_per_step: int, flops_per_token: float, peak: float | None, peak_source: str
+    ) -> None:
+        self.stage, self.total = stage, total
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.peak_source = peak, peak_source  # peak over all ranks
+        self.seconds = 0.0  # training time of this launch's steps (checkpoints excluded)
+        self.steps = 0  # steps of this launch
+        self.since = (0.0, 0)  # (seconds, steps) at the last line
+        self.started = time.perf_counter()
+        self.warned = False
+
+    def stepped(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.peak is None:
+            return None
+        mfu = self.flops_per_token * tokens_per_s / self.peak
+        if mfu > 1 and not self.warned:
+            self.warned = True
+            log.warning(
+                "%s: MFU %.1f%% exceeds 100%%: %.3g FLOP/s computed against a peak of %.3g FLOP/s "
+                "(%s); the peak or the FLOP count is wrong (declare training.peak_flops)",
+                self.stage,
+                100 * mfu,
+                self.flops_per_token * tokens_per_s,
+                self.peak,
+                self.peak_source,
+            )
+        return mfu
+
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+        seconds, steps = self.seconds - self.since[0], self.steps - self.since[1]
+        self.since = (self.seconds, self.steps)
+        rate = self.tokens_per_step * steps / seconds if seconds > 0 else float("nan")
+        wall = time.perf_counter() - self.started  # checkpoints included: the real pace
+        left = (self.total - step) * wall / self.steps if self.steps else None
+        mfu = self.mfu(rate) if rate == rate else None
+        log.info(
+            "%s step %d/%d | loss %.4f | lr %.2e | grad %.3f | %s tok/s%s | ETA %s",
+            self.stage,
+            step,
+            self.total,
+            loss,
+            lr,
+            grad_norm,
+            f"{rate:,.0f}",
+            f" | MFU {100 * mfu:.1f}%" if mfu is not None else "",
+            duration(left),
+        )
+
+    def log_end(self, loss: float) -> None:
+        if not self.steps:
+            log.info("%s: already finished at step %d (loss %.4f)", self.stage, self.total, loss)
+            return
+        rate = self.tokens_per_step * self.steps / self.seconds
+        mfu = self.mfu(rate)
+        log.info(
+            "%s done: %d steps in %s | loss %.4f | %s tok/s%s",
+            self.stage,
+            self.steps,
+            duration(time.perf_counter() - self.started),
+            loss,
+            f"{rate:,.0f}",
+            f" | MFU {100 * mfu:.1f}% ({self.peak_source})" if mfu is not None else " | MFU not reported (no peak)",
+        )
+
+
+def claim_stage(out_dir: Path, rt: Runtime) -> StageLease | None:
+    """Rank 0 leases the stage folder; every rank raises `LeaseHeld` if another trainer has it."""
+    lease, refused = None, None
+    if rt.rank == 0:
+        try:
+            lease = StageLease(out_dir).acquire()
+        except LeaseHeld as exc:
+            refused = str(exc)
+    verdict = [refused]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise LeaseHeld(verdict[0])
+    return lease
+
+
+def train(spec: TrainSpec) -> dict[str, Any]:
+    rt = setup_runtime(spec)
+    lease = None
+    try:
+        lease = claim_stage(Path(spec.out_dir), rt)
+        return _train(spec, rt)
+    finally:
+        if lease is not None:
+            lease.release()
+        if rt.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
+    out_dir = Path(spec.out_dir)
+    is_main = rt.rank == 0
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spec.save(out_dir / "spec.resolved.json")
+    plan = MixturePlan.load(spec.mixture_plan)
+    seq_len = spec.seq_len or plan.seq_len
+    per_step_rows = spec.micro_batch * rt.world_size
+    if spec.global_batch % per_step_rows:
+        raise ValueError(
+            f"spec.global_batch={spec.global_batch} is not a multiple of micro_batch "
+            f"{spec.micro_batch} x world size {rt.world_size}"
+        )
+    accum = spec.global_batch // per_step_rows
+    cfg = build_model_config(spec, plan, seq_len)
+
+    # Same initial weights on every rank and at every world size, then shard.
+    model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
+    model.init_weights(seed=spec.seed)
+    autocast = autocast_for(spec, rt.device)
+    if spec.compile_model:
+        compile_blocks(model)
+    shard_model(model, rt)
+    optimizer = build_optimizer(model, spec.optimizer)
+    loader = MixtureLoader(plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size)
+    ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
+
+    step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
+    # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
+    # a corrupt newer one is skipped with a warning naming what failed.
+    latest = ckpt.latest_verified(collective=True)
+    if latest is not None:
+        state = ckpt.load(latest, model, optimizer, verified=True)
+        loader.load_state_dict(state["loader"])
+        step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
+        log.info("resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"])
+    elif spec.init_from is not None:
+        source = resolve_checkpoint(spec.init_from, collective=True)
+        init_state = read_trainer_state(source)
+        ckpt.load(source, model, None if spec.reset_optimizer else optimizer, verified=True)
+        if spec.schedule.start_step is None and not spec.reset_schedule:
+            schedule_start = init_state["schedule_start"] + init_state["step"]
+        resumed_from = str(source)
+        log.info("initialised from %s (schedule continues at %d)", source, schedule_start)
+    apply_hyperparameters(optimizer, spec.optimizer)
+    total = spec.schedule.total_steps or schedule_start + spec.steps
+
+    metrics = MetricsWriter(spec.metrics_file, is_main, step)
+    bf16 = isinstance(autocast, torch.autocast)
+    peak, peak_source = resolve_peak(
+        spec.peak_flops,
+        spec.peak_calibration,
+        device=rt.device.type,
+        bf16=bf16,
+        host=socket.gethostname(),
+        threads=torch.get_num_threads(),
+        device_name=torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "",
+    )
+    flops_per_token = training_flops_per_token(cfg, seq_len)
+    params = list(model.parameters())
+    loss_value, last_ckpt = float("nan"), latest
+    if is_main:
+        log.info(
+            "%s: %s params, world %d, accum %d, steps %d..%d, %s, %s, %s, MFU peak %s (%s)",
+            plan.stage,
+            f"{cfg.num_parameters():,}",
+            rt.world_size,
+            accum,
+            step,
+            spec.steps,
+            "bf16 autocast" if bf16 else "fp32",
+            "compiled blocks" if spec.compile_model else "eager",
+            "intra-document masking" if spec.doc_masking else "causal attention across documents",
+            f"{peak:.3g} FLOP/s" if peak else "unknown",
+            peak_source,
+        )
+    report = StepReport(
+        plan.stage,
+        spec.steps,
+        spec.global_batch * seq_len,
+        flops_per_token,
+        peak * rt.world_size if peak else None,
+        peak_source,
+    )
+
+    while step < spec.steps:
+        t0 = time.perf_counter()
+        lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=rt.device)
+        for micro in range(accum):
+            batch = loader.next_batch(spec.micro_batch)
+            if rt.world_size > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
+            with autocast:
+                out = model(
+                    batch.input_ids.to(rt.device),
+                    batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
+                    batch.labels.to(rt.device),
+                )
+            (out.loss / accum).backward()
+            loss_sum += out.loss.detach().float()
+        dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / (accum * rt.world_size)
+        if not math.isfinite(loss_value):
+            raise NonFiniteError(
+                f"loss is {loss_value} at step {step + 1}; stopping before any checkpoint of "
+                f"this state (last good checkpoint: {last_ckpt})"
+            )
+        if spec.optimizer.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"gradient norm is {grad_norm} at step {step + 1} (loss {loss_value}); stopping "
+                f"(last good checkpoint: {last_ckpt})"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        tokens_per_s = spec.global_batch * seq_len / elapsed
+        report.stepped(elapsed)
+        if is_main and (step % spec.log_interval == 0 or step == spec.steps):
+            metrics.write(
+                {
+                    "step": step,
+                    "loss": loss_value,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": report.mfu(tokens_per_s),
+                    "mfu_peak_flops": peak,
+                    "mfu_peak_source": peak_source,
+                    "tokens_per_source": loader.tokens_per_source(),
+                    "epochs_per_source": loader.epochs_per_source(),
+                    "time": time.time(),
+                    "peak_memory_gib": peak_memory_gib(rt.device),
+                }
+            )
+            report.log_step(step, loss_value, lr, grad_norm)
+        stage_end = step == spec.steps
+        if stage_end or step % spec.checkpoint_interval == 0:
+            if not _all_finite(params):
+                raise NonFiniteError(
+                    f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
+                )
+            last_ckpt = ckpt.save(
+                step,
+                model,
+                optimizer,
+                {
+                    "stage": plan.stage,
+                    "global_step": schedule_start + step,
+                    "schedule_start": schedule_start,
+                    "loss": loss_value,
+                    "world_size": rt.world_size,
+                    "loader": loader.state_dict(),
+                    "tokens_per_source": loader.tokens_per_source(),
+                    "epochs_per_source": loader.epochs_per_source(),
+                },
+                stage_end=stage_end,
+            )
+        if spec.debug_step_sleep_s:
+            time.sleep(spec.debug_step_sleep_s)
+
+    if last_ckpt is not None and math.isnan(loss_value):  # already finished before this launch
+        loss_value = read_trainer_state(last_ckpt)["loss"]
+    result = {
+        "stage": plan.stage,
+        "final_step": step,
+        "final_loss": loss_value,
+        "tokens_per_source": loader.tokens_per_source(),
+        "epochs_per_source": loader.epochs_per_source(),
+        "checkpoint": str(last_ckpt) if last_ckpt is not None else None,
+        "metrics": str(spec.metrics_file),
+        "world_size": rt.world_size,
+        "resumed_from": resumed_from,
+    }
+    if is_main:
+        report.log_end(loss_value)
+        write_atomic(out_dir / "result.json", json.dumps(result, indent=2) + "\n")
+        if spec.compile_model:
+            from torch._dynamo.utils import counters
+
+            # Evidence that compilation happened (and how often: recompiles show up here).
+            log.info("torch.compile: %d graphs compiled", counters["stats"]["unique_graphs"])
+    return result
+
+
+class _Concise(logging.Formatter):
+    """The message alone for INFO; `WARNING: message` otherwise."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        return text if record.levelno == logging.INFO else f"{record.levelname}: {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m trainers.pretrain SPEC.json  (or under torchrun)", file=sys.stderr)
+        return 2
+    protect_rank()  # first: a rank must not outlive torchrun, even during startup
+    # Rank 0 speaks for the stage; the others only warn. No timestamps: the task log has them.
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Concise())
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, handlers=[handler])
+    spec = TrainSpec.load(argv[0])
+    try:
+        result = train(spec)
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NON_FINITE
+    except LeaseHeld as err:
+        print(f"error: LeaseHeld: {err}", file=sys.stderr)
+        return EXIT_LEASE_HELD
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
