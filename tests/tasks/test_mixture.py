@@ -14,14 +14,12 @@ from pipeline.artifact import Artifact
 from tasks.mixture import MixtureError, MixtureWarning, StageConfig, build_plan, load_weights
 
 REPO = Path(__file__).resolve().parents[2]
-CSV = Path("/work/shared/reference/smollm3_mixture_weights.csv")
+CSV = REPO / "docs" / "reference" / "smollm3_mixture_weights.csv"  # the published weights
 COLUMNS = {"stage1": "stage1_0_to_8T", "stage2": "stage2_8T_to_10T", "stage3": "stage3_decay_10T_to_11T"}
 
 
 def _csv_rows() -> list[dict[str, str]]:
-    # the shared reference when present, else the copy committed beside the mixtures
-    path = CSV if CSV.is_file() else REPO / "mixtures" / "smollm3" / "published_weights.csv"
-    with open(path, newline="") as fh:
+    with open(CSV, newline="") as fh:
         return list(csv.DictReader(fh))
 
 

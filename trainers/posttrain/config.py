@@ -1,6 +1,7 @@
 """The recipe's `posttrain` section: one small frozen config per post-training step.
 
-Each step receives only its own section (STYLE rule 4). Defaults are sized for the tiny recipe on
+Each step receives only its own section (a component is handed its own config, never the whole
+recipe). Defaults are sized for the tiny recipe on
 2 CPU cores; configs/smollm3-3b.yaml carries the published SmolLM3 numbers (SFT LR 2e-5, APO
 `apo_zero` with beta 0.05-0.1 and LR 1e-6, merge 0.9 x APO soup + 0.1 x mid-training). Training
 sizes are in optimizer steps (`max_steps`) of `batch` sequences over all ranks, so a run's cost is
