@@ -24,6 +24,8 @@ import pytest
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "munged", "mungekey"]
+URGENT = "urgent"  # the partition whose jobs preempt (requeue) the default partition's
+PREEMPT_GRACE_S = 60  # a preempted job's time between SIGTERM and SIGKILL
 
 
 def _free_port() -> int:
@@ -97,8 +99,13 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
+# preemption as on a shared cluster: a job in `urgent` requeues the jobs of `debug` it needs the
+# nodes of, after GraceTime (SIGTERM to the job's processes at its start)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={PREEMPT_GRACE_S}
+PartitionName={URGENT} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
     return conf
 
@@ -190,7 +197,7 @@ def local_slurm():
                 ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
             )
             state = proc.stdout.strip()
-            if state == "idle":
+            if set(state.split()) == {"idle"}:  # one line per partition the node is in
                 break
             time.sleep(0.5)
         else:
