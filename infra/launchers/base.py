@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra import manifest
 from infra.files import write_json_atomic
@@ -312,6 +312,26 @@ class KubernetesLaunchConfig(BaseModel):
     node_selector: dict[str, str] = {}  # e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     code_dir: str = "/app"  # the repo inside the image (working directory of the trainer)
     poll_seconds: float = Field(default=15.0, gt=0)  # how often kubectl is asked for the status
+    # All pods or none: "kueue" labels the job for a Kueue LocalQueue (`queue`), "volcano" asks
+    # the training operator (started with --gang-scheduler-name=volcano) for a PodGroup of
+    # minAvailable = nodes; "none": the default scheduler, which may start some pods only
+    gang: Literal["none", "kueue", "volcano"] = "none"
+    queue: str | None = None  # Kueue LocalQueue / Volcano queue (kueue: required)
+    priority_class: str | None = None  # Kueue WorkloadPriorityClass / Volcano priority class
+    # What a failed pod restarts: "elastic" = torchrun's c10d rendezvous under the operator's
+    # elasticPolicy (every node's torchrun restarts its ranks and they meet again, a lone restarted
+    # pod included, up to max_restarts); "job" = no pod restarts alone: the job fails whole and the
+    # step's retry applies it again
+    restart: Literal["elastic", "job"] = "elastic"
+    max_restarts: int = Field(default=3, ge=0)  # elastic: rendezvous rounds torchrun may restart
+    # pod eviction: SIGTERM, then SIGKILL this much later; must exceed launch.rendezvous.stop_grace_s
+    termination_grace_s: int = Field(default=300, gt=0)
+
+    @model_validator(mode="after")
+    def _queue_for_kueue(self) -> KubernetesLaunchConfig:
+        if self.gang == "kueue" and not self.queue:
+            raise ValueError("kubernetes.gang is kueue: name the LocalQueue in kubernetes.queue")
+        return self
 
 
 class LaunchConfig(BaseModel):
@@ -337,6 +357,16 @@ class LaunchConfig(BaseModel):
     rendezvous: RendezvousConfig = RendezvousConfig()  # torchrun's rendezvous timeouts, stop grace, rank labels
     slurm: SlurmLaunchConfig = SlurmLaunchConfig()  # used when kind is slurm
     kubernetes: KubernetesLaunchConfig = KubernetesLaunchConfig()  # used when kind is kubernetes
+
+    @model_validator(mode="after")
+    def _grace_covers_the_save(self) -> LaunchConfig:
+        if self.kind == "kubernetes" and self.kubernetes.termination_grace_s <= self.rendezvous.stop_grace_s:
+            raise ValueError(
+                f"kubernetes.termination_grace_s ({self.kubernetes.termination_grace_s}) must exceed "
+                f"rendezvous.stop_grace_s ({self.rendezvous.stop_grace_s}): an evicted pod is killed "
+                "before its ranks can save their step"
+            )
+        return self
 
     @field_validator("env")
     @classmethod

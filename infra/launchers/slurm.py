@@ -20,6 +20,7 @@ next launch in the same stage folder cancels that job and waits for it to end be
 from __future__ import annotations
 
 import collections
+import json
 import re
 import shlex
 import subprocess
@@ -145,6 +146,8 @@ class SlurmLauncher(Launcher):
             # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05
             'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"started={shlex.quote(str(workdir / 'launch'))}/.started-$SLURM_JOB_ID",
+            'touch "$started"  # result.json newer than this: the stage finished in this run',
             f"MASTER_PORT={port}",
             'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
             '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
@@ -181,9 +184,17 @@ class SlurmLauncher(Launcher):
             'echo "[launch] srun exited with code $rc"',
         ]
         if s.requeue:
+            result = _out_dir(spec, workdir) / "result.json"
+            # A preempted job that ends by itself within GraceTime counts as ended, not
+            # requeued: requeue it here too (PreemptTime is set once preemption began).
             lines += [
-                'if [ "$stop" = USR1 ]; then',
-                '  echo "[launch] time limit near: requeueing $SLURM_JOB_ID; the next start resumes at the saved step"',
+                f"result={shlex.quote(str(result))}",
+                'if [ "$result" -nt "$started" ]; then why=""  # finished: a late signal changes nothing',
+                'elif [ "$stop" = USR1 ]; then why="time limit near"',
+                'elif scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "PreemptTime=[0-9]"; then why="preempted"',
+                'else why=""; fi',
+                'if [ -n "$why" ]; then',
+                '  echo "[launch] $why: requeueing $SLURM_JOB_ID; the next start resumes at the saved step"',
                 '  scontrol requeue "$SLURM_JOB_ID"',
                 "fi",
             ]
@@ -404,6 +415,14 @@ class SlurmLauncher(Launcher):
             log(note)
         except Exception:
             pass  # the logger may be what failed
+
+
+def _out_dir(spec: Path, workdir: Path) -> Path:
+    """Where the trainer writes result.json: the spec's out_dir, else the stage folder."""
+    try:
+        return Path(json.loads(spec.read_text()).get("out_dir") or workdir)
+    except (OSError, ValueError):
+        return workdir
 
 
 def _signal_name(number: str) -> str | None:
