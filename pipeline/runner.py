@@ -40,6 +40,7 @@ from prefect.states import Crashed, State
 from prefect.utilities.annotations import quote
 
 from infra.guard import ProcessRef
+from infra.launchers.follow import cancel_followed, cancel_requested, detach_followed, set_cancel_probe
 from infra.proc import ChildFailed, run_streaming, stop_all
 from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
@@ -49,6 +50,16 @@ from pipeline.owner import mute_console, run_owner, survive_broken_console, watc
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
+
+
+def flow_run_cancelled(run_id: str) -> bool:
+    """Whether Prefect's API has flow run `run_id` cancelling or cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(uuid.UUID(run_id)).state
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 def _now() -> datetime:
@@ -161,6 +172,8 @@ class RunContext:
             f"resolved recipe saved to {saved}"
         )
         survive_broken_console()
+        if runtime_flow_run.id:  # cluster jobs stop with this run only when Prefect cancelled it
+            set_cancel_probe(lambda: flow_run_cancelled(self.run_id))
         owner = run_owner()
         if owner is not None:
             self.logger = get_run_logger()  # usable from the watchdog's thread
@@ -176,6 +189,9 @@ class RunContext:
             f"{self.owner_gone}: stopping the steps that run and starting no new one; "
             f"`prefect flow-run retry {self.run_id}` resumes the run"
         )
+        left = detach_followed()  # cluster jobs keep training; `flow-run retry` re-attaches to them
+        if left:
+            self.logger.error(f"left {', '.join(left)} running; the retry re-attaches to them")
         stopped = stop_all(grace=5.0)
         if stopped:
             self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
@@ -212,7 +228,28 @@ class RunContext:
             state = "cancelled"  # Prefect cancels a run with SIGTERM, raised as TerminationSignal
         else:
             state = "failed"
+        if state == "cancelled":
+            self._stop_cluster_jobs(exc_type)
+        set_cancel_probe(None)
         self.lineage.end_run(self.run_id, state, attempt=self.attempt)
+
+    def _stop_cluster_jobs(self, exc_type) -> None:
+        """Cancel the Slurm jobs and PyTorchJobs this run's steps follow (from worker threads
+        that never see the cancellation) when the run was really cancelled: Ctrl-C, or a SIGTERM
+        that Prefect's API confirms as a cancellation. A SIGTERM from anything else (a host
+        shutting down) leaves them training; the retry re-attaches (infra/launchers/follow.py)."""
+        from prefect.exceptions import TerminationSignal
+
+        if issubclass(exc_type, TerminationSignal) and not cancel_requested():
+            left = detach_followed()
+            if left:
+                get_run_logger().warning(
+                    f"SIGTERM without a cancellation: left {', '.join(left)} running; a retry re-attaches"
+                )
+            return
+        stopped = cancel_followed()
+        if stopped:
+            get_run_logger().warning(f"run cancelled: cancelled {', '.join(stopped)}")
 
     def record(self, node: Node, state: str, started: datetime, ended: datetime, error: str | None = None) -> None:
         config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config

@@ -18,7 +18,9 @@ means "stop the job" (`explicit_stop`):
 And since a cancelled flow's steps run in worker threads that never see the exception, the jobs
 being followed are registered here (`following`): the step engine calls `cancel_followed()` when
 the flow run is cancelled, which cancels each of them (their launchers then see them end
-CANCELLED). Local torchrun stages are children of the flow process and die with it as before
+CANCELLED), and `detach_followed()` when the process ends otherwise (an unconfirmed SIGTERM, its
+serve process gone), which ends each wait with `Detached` and leaves the jobs training, so the
+process can exit and a retry re-attach. Local torchrun stages are children of the flow process and die with it as before
 (infra/proc.py).
 """
 
@@ -27,11 +29,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 _CANCELLATIONS = {"CancelledRun", "CancelledError"}  # prefect.exceptions, asyncio
 
 _lock = threading.Lock()
-_followed: dict[int, tuple[str, Callable[[], object]]] = {}
+_followed: set[Follow] = set()
 _probe: list[Callable[[], bool]] = []
 
 
@@ -62,28 +65,57 @@ def explicit_stop(exc: BaseException) -> bool:
     return cancel_requested()  # SIGTERM (TerminationSignal), SystemExit: ask who sent it
 
 
+class Detached(Exception):
+    """This process stopped following a cluster job it leaves running (it is shutting down)."""
+
+
+@dataclass(eq=False)
+class Follow:
+    """One job being followed: its name, how to cancel it, and whether to stop following it."""
+
+    what: str
+    cancel: Callable[[], object]
+    detached: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        """Called by the launcher between polls: raise `Detached` once asked to let go."""
+        if self.detached.is_set():
+            raise Detached(f"stopped following {self.what}, which keeps running (this process is shutting down)")
+
+
 @contextmanager
-def following(what: str, cancel: Callable[[], object]) -> Iterator[None]:
+def following(what: str, cancel: Callable[[], object]) -> Iterator[Follow]:
     """Register a job being followed (`what` names it) with the function that cancels it."""
-    key = id(cancel)
+    handle = Follow(what, cancel)
     with _lock:
-        _followed[key] = (what, cancel)
+        _followed.add(handle)
     try:
-        yield
+        yield handle
     finally:
         with _lock:
-            _followed.pop(key, None)
+            _followed.discard(handle)
 
 
 def cancel_followed() -> list[str]:
     """Cancel every job this process follows (the flow run was cancelled); returns their names."""
     with _lock:
-        jobs = list(_followed.values())
+        jobs = list(_followed)
     done = []
-    for what, cancel in jobs:
+    for job in jobs:
         try:
-            cancel()
-            done.append(what)
+            job.cancel()
+            done.append(job.what)
         except Exception as exc:  # one failing cancel must not keep the others running
-            done.append(f"{what} (cancel failed: {exc})")
+            done.append(f"{job.what} (cancel failed: {exc})")
     return done
+
+
+def detach_followed() -> list[str]:
+    """Stop following every job, leaving them running (the process ends without a cancellation:
+    a SIGTERM that was not one, its serve process gone); returns their names. The launchers'
+    waits end with `Detached`, so the process can exit; a retry re-attaches to the jobs."""
+    with _lock:
+        jobs = list(_followed)
+    for job in jobs:
+        job.detached.set()
+    return [job.what for job in jobs]

@@ -287,10 +287,11 @@ class KubernetesLauncher(Launcher):
         if on_start is not None:
             on_start(0)
         delete = ("delete", "pytorchjob", name, "-n", ns, "--wait=false")
-        with following(f"PyTorchJob {ns}/{name}", lambda: self._kubectl(*delete)):
+        with following(f"PyTorchJob {ns}/{name}", lambda: self._kubectl(*delete)) as handle:
             try:
                 while (state := self.status(name)) not in {"Succeeded", "Failed"}:
                     self.sleep(self.config.kubernetes.poll_seconds)
+                    handle.check()
             except BaseException as exc:
                 if explicit_stop(exc):
                     self._kubectl(*delete)

@@ -338,7 +338,7 @@ class SlurmLauncher(Launcher):
         tail: collections.deque[str] = collections.deque(maxlen=40)
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
-        with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])):
+        with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
                 while True:
                     try:
@@ -371,6 +371,7 @@ class SlurmLauncher(Launcher):
                     else:
                         settling = 0
                     self.sleep(self.config.slurm.poll_seconds)
+                    handle.check()
             except BaseException as exc:
                 self._interrupted(job, exc, log)
                 raise

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
@@ -203,3 +204,102 @@ def test_a_killed_follower_leaves_the_job_running_and_the_retry_reattaches(local
     result = json.loads((out / "result.json").read_text())
     assert result["final_step"] == steps and result["resumed_from"] is None  # one run, never restarted
     assert not JobRecord(out, "slurm-job.json").path.exists()  # cleared once the job ended
+
+
+SERVED = textwrap.dedent(
+    """
+    # A served flow whose one step follows a Slurm training job, inside the step engine's RunContext.
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from prefect import flow, task
+    from infra.launchers import LaunchConfig, get_launcher
+    from pipeline.runner import RunContext, RunSetup
+    from pipeline.slots import ResourcesConfig
+    from pipeline.workspace import Workspace
+
+    @task
+    def train(spec: str, out: str, config: str, pidfile: str):
+        open(pidfile, "w").write(str(os.getpid()))
+        launch = LaunchConfig.model_validate_json(open(config).read())
+        get_launcher(launch).launch(spec, out, print)
+
+    @flow(name="slurm-stage")
+    def stage(spec: str, out: str, config: str, pidfile: str, ws: str):
+        with RunContext("slurm-stage", RunSetup(Workspace(root=ws), ResourcesConfig(), "test", {{}})):
+            train.submit(spec, out, config, pidfile).result()
+
+    if __name__ == "__main__":
+        stage.serve(name="slurm-cancel", pause_on_shutdown=False)
+    """
+)
+
+
+def _job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    m = re.search(r"JobState=(\S+)", out)
+    return m.group(1) if m else "?"
+
+
+@pytest.mark.slow
+def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_slurm, tmp_path, api_url):  # noqa: F811
+    """Two runs of a served flow whose step follows a Slurm job: `prefect flow-run cancel` cancels
+    the job (the run's steps follow it from worker threads that never see the cancellation); a
+    SIGTERM to the flow-run process from anything else (a host shutting down) leaves it running."""
+    import os
+    import signal as sig
+
+    plan = write_plan(tmp_path / "shards")
+    script = tmp_path / "served.py"
+    script.write_text(SERVED.format(repo=str(REPO)))
+    env = os.environ | {"PREFECT_API_URL": api_url}
+    serve = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    prefect = str(Path(sys.executable).parent / "prefect")
+    jobs: list[str] = []
+    try:
+        outcomes = {}
+        for how in ("prefect-cancel", "sigterm"):
+            out = tmp_path / how
+            spec = stage_spec(plan, out, 200, debug_step_sleep_s=0.5)
+            pidfile = tmp_path / f"{how}.pid"
+            launch = tmp_path / "launch.json"
+            launch.write_text(config().model_dump_json())
+            params = {"spec": str(spec), "out": str(out), "config": str(launch), "pidfile": str(pidfile)}
+            params["ws"] = str(tmp_path / "ws")
+            args = [f"--param={k}={v}" for k, v in params.items()]
+            run = None
+            for _ in range(60):  # the deployment appears once serve has registered it
+                res = subprocess.run(
+                    [prefect, "deployment", "run", "slurm-stage/slurm-cancel", *args],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                if res.returncode == 0:
+                    run = next(ln.split("UUID:")[1].strip() for ln in res.stdout.splitlines() if "UUID:" in ln)
+                    break
+                time.sleep(1)
+            assert run, (res.stdout + res.stderr, (tmp_path / "serve.log").read_text()[-3000:])
+            wait_for(lambda out=out: len(jobs_writing(out)) == 1 and len(metric_steps(out)) >= 2, 240, "training")
+            (job,) = jobs_writing(out)
+            jobs.append(job)
+            if how == "prefect-cancel":
+                subprocess.run([prefect, "flow-run", "cancel", run], env=env, check=True, capture_output=True)
+            else:
+                os.kill(int(pidfile.read_text()), sig.SIGTERM)
+            time.sleep(20)  # the cancellation (or not) has had its time
+            outcomes[how] = (_job_state(job), psutil.pid_exists(int(pidfile.read_text())))
+        assert outcomes["prefect-cancel"] == ("CANCELLED", False)
+        # left training, its follower gone (it did not wait for the job): a retry re-attaches
+        assert outcomes["sigterm"] == ("RUNNING", False)
+        assert json.loads(JobRecord(tmp_path / "sigterm", "slurm-job.json").path.read_text())["job"] == jobs[1]
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], capture_output=True)
+        os.killpg(serve.pid, 9)
+        serve.wait()
