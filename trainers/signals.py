@@ -100,3 +100,28 @@ class StopSignals:
         if got and self.received is None:
             self.received = signal.Signals(got).name
         return got > 0
+
+
+def trainer_callback(stop: StopSignals):
+    """A transformers TrainerCallback for the TRL trainers (trainers/posttrain): after each
+    optimizer step every rank asks `stop.requested()`; on a stop signal it asks the Trainer to
+    save a checkpoint of that step (published with its digests by the post-training checkpoint
+    callback) and to end training. `stopped_at` is then the step saved: the caller raises
+    `StopRequested` instead of finishing the stage. A signal at the last step changes nothing."""
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    class StopOnSignal(TrainerCallback):
+        stopped_at: int | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+            if stop.requested(device) and state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
+            return control
+
+    return StopOnSignal()
