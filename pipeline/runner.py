@@ -17,6 +17,9 @@ their bodies; `StepCache` keys it on the fingerprint, so it never hands out a fo
 deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
 after every independent branch has finished, naming each failed step and its cause. A served run
 whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py).
+Cluster jobs its steps follow (Slurm, PyTorchJob) are cancelled only when the run is cancelled
+(Ctrl-C, or a SIGTERM that Prefect's API confirms as a cancellation); otherwise they are left
+training and a retry re-attaches to them (infra/launchers/follow.py).
 """
 
 from __future__ import annotations

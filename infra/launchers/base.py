@@ -14,7 +14,12 @@ precision for Hugging Face trainers). The interface is the same for all of them:
 
 Resumption is the trainer's job, not the launcher's: every launch of the same spec continues from
 the newest complete checkpoint in the spec's out_dir, so a Slurm requeue, a pod restart or a rerun
-from the Prefect UI all resume without the launcher knowing where training stopped.
+from the Prefect UI all resume without the launcher knowing where training stopped. A stop signal
+(time limit, preemption, eviction) makes that checkpoint the step the signal came at
+(trainers/signals.py, exit code 75). Cluster jobs outlive the process that launched them: the job
+record (`JobRecord`) lets the next launch re-attach instead of submitting again
+(infra/launchers/follow.py). Failures are described by `FailureFacts`, which also names the peer
+or rendezvous store a surviving rank lost (infra/launchers/peers.py).
 
 New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.register("name")`).
 """

@@ -1,20 +1,31 @@
 """Slurm launcher: an sbatch script running `srun torchrun` (c10d rendezvous on the first node).
 
 The rendered script asks for `nodes` whole nodes, one task per node (each runs one torchrun that
-forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host. It
-is requeue-safe by construction: `--requeue` lets Slurm restart the job after a node failure or
-preemption, `--signal=B:USR1@300` plus a trap requeues it shortly before the time limit, and every
-start runs the same spec, so the trainer resumes from the newest complete checkpoint in its out
-dir. The log is opened in append mode, so all attempts share one file. With `accelerate_config`,
-each node's task runs `accelerate launch --config_file FILE --machine_rank $SLURM_PROCID` with
-the same c10d rendezvous instead of torchrun (the rank is expanded by the task's own shell).
+forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host,
+with the recipe's fabric, NCCL and rendezvous settings and rank-labelled output
+(infra/launchers/fabric.py). The log is opened in append mode, so all attempts share one file.
+With `accelerate_config`, each node's task runs `accelerate launch --config_file FILE
+--machine_rank $SLURM_PROCID` with the same c10d rendezvous instead of torchrun (the rank is
+expanded by the task's own shell).
+
+A signal is a checkpoint (trainers/signals.py): preemption and `scancel` signal the job's
+processes (SIGTERM), and `--signal=B:USR1@signal_s` warns the batch shell before the time limit;
+its trap forwards SIGUSR1 to the job's steps (`scancel --signal=USR1`), torchrun forwards what it
+gets to the ranks, and every rank finishes its step, saves it and exits. The script waits for
+srun, then requeues the job (`scontrol requeue`) after the time-limit warning or once preemption
+has begun (a preempted job that ends by itself within GraceTime would otherwise count as ended),
+unless the stage finished in this run. Every start runs the same spec and resumes from the newest
+complete checkpoint, which is now the step the signal came at.
 
 `launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
-needed) while streaming new log lines to the caller; if the caller is interrupted or cancelled the
-job is `scancel`led, so a cancelled Prefect run does not leave 48 nodes training. A flow process
-that dies without that cleanup (SIGKILL, OOM) leaves the job id in `launch/slurm-job.json`; the
-next launch in the same stage folder cancels that job and waits for it to end before it submits
-(refusing while the recorded owner is still alive on this host).
+needed) while streaming new log lines to the caller. The job is not a child of the flow process:
+`launch/slurm-job.json` records it (and what it runs) until it ends. When the flow process dies
+(SIGKILL, OOM, a login node rebooting), the job keeps training, and the next launch of the same
+stage re-attaches to it: it follows the log from where it is and collects the result, submitting
+nothing (a job that runs another script or spec is cancelled and replaced; one that ended while
+nobody followed it is collected or, if it failed, resubmitted). Only an explicit stop (Ctrl-C, a
+cancelled Prefect run: infra/launchers/follow.py) `scancel`s a job being followed; a controller
+that does not answer for a while (`controller_grace_s`) is waited out.
 """
 
 from __future__ import annotations

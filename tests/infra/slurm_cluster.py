@@ -4,7 +4,9 @@
 Slurm and MUNGE are installed (installing them with apt-get when they are missing: needs root and
 the Debian mirror), then starts private daemons from a temporary folder: a fresh MUNGE key and
 socket, a generated slurm.conf on free ports naming this host as the only node, state and logs in
-the same folder. Nothing under /etc is touched, so it coexists with a site's own Slurm. Clients
+the same folder; preemption as on a shared cluster (`preempt/partition_prio`, `PreemptMode=REQUEUE`:
+a job submitted to the `URGENT` partition requeues the default partition's jobs on its node
+after `PREEMPT_GRACE_S`, SIGTERM to their processes first). Nothing under /etc is touched, so it coexists with a site's own Slurm. Clients
 find the cluster through `SLURM_CONF`, set for the session. Teardown stops exactly the daemons it
 started (by their pid files).
 """
