@@ -92,9 +92,12 @@ _PARTS = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in _PARTS:
-        from tasks import curate_parts
+        import importlib
 
-        return getattr(curate_parts, name)
+        for module in ("curation.filters", "curation.heldout", "curation.io"):
+            found = getattr(importlib.import_module(module), name, None)
+            if found is not None:
+                return found
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

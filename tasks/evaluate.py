@@ -19,7 +19,7 @@ Each task has one headline metric (`headline_metric`: acc_norm for the prose and
 and hub tasks that report it, acc for arithmetic numbers and passkeys, exact_match for
 generation), shown with its stderr, the items scored and the task's random baseline (the mean of
 1 / choices over its items; 0 for exact match), so a score on 20 items reads as what it is.
-`evaluate` logs items done per task and an ETA while lm-eval runs (tasks/eval_lm.EvalProgress)
+`evaluate` logs items done per task and an ETA while lm-eval runs (evals/lm.py `EvalProgress`)
 and reports the same as a progress artifact.
 """
 
