@@ -248,14 +248,14 @@ def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_
     folder = next(p for p in (tmp_path / "sft").iterdir() if p.is_dir())
     prefix = f"run/sft/{folder.name}/checkpoints/"
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix=prefix).get("Contents", [])}
-    assert f"{prefix}step_{killer.killed_after:08d}/COMPLETE" in keys  # mirrored, marker last
+    assert f"{prefix}step_{killer.killed_after:08d}/_CHECKPOINT.json" in keys  # mirrored, marker last
     shutil.rmtree(folder / "checkpoints")  # a new machine: nothing local
     lines: list[str] = []
     artifact = build("sft", run, inputs, tmp_path, lines.append)
     assert any(f"pulled step_{killer.killed_after:08d}" in line for line in lines)
     assert artifact.meta["resumed_from_step"] == killer.killed_after
     assert artifact.meta["s3_checkpoints"] == f"s3://ckpts/{prefix.rstrip('/')}"
-    final = f"{prefix}step_{SFT.max_steps:08d}/COMPLETE"
+    final = f"{prefix}step_{SFT.max_steps:08d}/_CHECKPOINT.json"
     assert final in {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix=prefix)["Contents"]}
     assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)
 
