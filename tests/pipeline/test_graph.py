@@ -20,12 +20,12 @@ class Cfg(BaseModel):
 
 
 @step("make", version=1, kind="report")
-def make(config: Cfg, inputs, out: Path, *, log=print) -> dict:
+def make(config: Cfg, data: Artifact | None = None, *, out: Path, log=print) -> dict:
     return {"value": config.value}
 
 
 @step("other", version=1, kind="report")
-def other(config: Cfg, inputs, out: Path, *, log=print) -> dict:
+def other(config: Cfg, data: Artifact | None = None, *, out: Path, log=print) -> dict:
     return {"value": config.value}
 
 
