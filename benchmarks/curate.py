@@ -3,7 +3,7 @@
 Builds the built-in `prose` corpus (web preset: Gopher repetition and quality, C4, FineWeb) in a
 temporary folder and curates it twice, printing documents/s of each and their ratio:
 
-- step: `tasks.curate.build_curated` (counted reading, preset filters with removed-document
+- step: the `tasks.curate.curate` step (counted reading, preset filters with removed-document
   samples, exact dedup, MinHash dedup, statistics rows, output count);
 - bare: the same filters and dedup stages written by hand with datatrove's stock JsonlReader,
   no exclusion writers, run by LocalPipelineExecutor, nothing read back afterwards.
@@ -80,8 +80,8 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
 
 def main() -> None:
     from pipeline.artifact import Artifact
-    from tasks.curate import CurationConfig, build_curated
-    from tasks.sources import SourceConfig, build_corpus
+    from tasks.curate import CurationConfig, curate
+    from tasks.sources import SourceConfig, SourceSpec, source
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
@@ -94,7 +94,7 @@ def main() -> None:
     src = root / "src"
     src.mkdir()
     cfg = SourceConfig(name=args.source, uri=f"builtin:{args.source}", domain=domain, held_out_fraction=0.0)
-    meta = build_corpus(cfg, 0, src, log=quiet)
+    meta = source(SourceSpec(source=cfg), out=src, log=quiet)
     corpus = Artifact(kind="corpus", uri=str(src), fingerprint="c".ljust(64, "0"), meta=meta)
     docs = meta["documents"]
     print(f"{args.source}: {docs} documents, {meta['characters'] / 1e6:.1f}M characters, preset {domain}")
@@ -103,7 +103,7 @@ def main() -> None:
         out = root / f"step-{r}"
         out.mkdir()
         start = time.perf_counter()
-        kept = build_curated(CurationConfig(), corpus, out, log=quiet)["documents"]
+        kept = curate(CurationConfig(), corpus, out=out, log=quiet)["documents"]
         step_s = time.perf_counter() - start
 
         start = time.perf_counter()

@@ -61,8 +61,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.registry import Registry
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 
 if TYPE_CHECKING:
     from datatrove.pipeline.filters.base_filter import BaseFilter
@@ -589,7 +589,7 @@ def _removed(rows: list[dict[str, Any]]) -> Counter[str]:
     return removed
 
 
-# --- the build function -----------------------------------------------------------------------
+# --- the step ---------------------------------------------------------------------------------
 
 
 def shard_count(folder: Path) -> int:
@@ -627,13 +627,61 @@ def heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> It
                     yield f"{source}/{doc['id']}", kept
 
 
-def build_curated(
-    config: CurationConfig, corpus: Artifact, out: Path, log=print, others: Sequence[Artifact] = ()
-) -> dict[str, Any]:
-    """Curate one corpus artifact into `out/train` and `out/heldout`; return the meta.
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The per-filter table as Markdown (documents and characters in and out, reasons)."""
+    lines = ["| filter | docs in | docs out | chars in | chars out | reasons |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"| {r['filter']} | {r['docs_in']} | {r['docs_out']} | {r['chars_in']:,} | {r['chars_out']:,} | {reasons} |"
+        )
+    return "\n".join(lines)
 
-    `others`: corpora of the other sources, whose held-out documents train is also
-    decontaminated against (the eval suite mixes the held-out text of every source of a domain).
+
+def publish_curated(artifact: Artifact, ws, label: str) -> None:
+    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
+    source = artifact.meta.get("source", label)
+    ws.lineage().record_rows(
+        "filter_stats",
+        [
+            (
+                artifact.fingerprint,
+                source,
+                r["position"],
+                r["filter"],
+                r["docs_in"],
+                r["docs_out"],
+                r["chars_in"],
+                r["chars_out"],
+                json.dumps(r["reasons"], sort_keys=True),
+            )
+            for r in rows
+        ],
+    )
+    table = [
+        {
+            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
+            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
+        }
+        for r in rows
+    ]
+    create_table_artifact(
+        table=table,
+        key=f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
+        description=f"Curation of {source}: documents and characters per filter, removal reasons",
+    )
+
+
+@step("curate", version=5, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
+def curate(
+    config: CurationConfig, corpus: Artifact, others: tuple[Artifact, ...] = (), *, out: Path, log=print
+) -> dict[str, Any]:
+    """One source's corpus to a curated corpus in `out/train` and `out/heldout`; its train split
+    is decontaminated against its own held-out split and those of the `others` corpora (the
+    other sources: the eval suite mixes the held-out text of every source of a domain).
     """
     from curation.heldout import HeldoutIndex
 
@@ -725,58 +773,3 @@ def build_curated(
         "executor": config.executor,
         "tasks": tasks,
     }
-
-
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The per-filter table as Markdown (documents and characters in and out, reasons)."""
-    lines = ["| filter | docs in | docs out | chars in | chars out | reasons |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items(), key=lambda kv: -kv[1]))
-        lines.append(
-            f"| {r['filter']} | {r['docs_in']} | {r['docs_out']} | {r['chars_in']:,} | {r['chars_out']:,} | {reasons} |"
-        )
-    return "\n".join(lines)
-
-
-def publish_curated(artifact: Artifact, ws, label: str) -> None:
-    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
-    from prefect.artifacts import create_table_artifact
-
-    rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
-    source = artifact.meta.get("source", label)
-    ws.lineage().record_rows(
-        "filter_stats",
-        [
-            (
-                artifact.fingerprint,
-                source,
-                r["position"],
-                r["filter"],
-                r["docs_in"],
-                r["docs_out"],
-                r["chars_in"],
-                r["chars_out"],
-                json.dumps(r["reasons"], sort_keys=True),
-            )
-            for r in rows
-        ],
-    )
-    table = [
-        {
-            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
-            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
-        }
-        for r in rows
-    ]
-    create_table_artifact(
-        table=table,
-        key=f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
-        description=f"Curation of {source}: documents and characters per filter, removal reasons",
-    )
-
-
-@step("curate", version=5, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
-def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """One source's corpus (input `corpus`) to a curated corpus, its train split decontaminated
-    against its own held-out split and those of the other sources (input `others`)."""
-    return build_curated(config, one(inputs, "corpus"), out, log, others=many(inputs, "others"))

@@ -53,8 +53,8 @@ from infra.preflight import (
     summary,
 )
 from model.spec import PeakCalibration
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
@@ -102,7 +102,7 @@ def lineage_rows(run_id: str, results: list[CheckResult], created: Any = None) -
     return [(run_id, r.name, r.status, r.value, r.threshold, r.advice, created) for r in results]
 
 
-def build_preflight(
+def run_checks(
     config: PreflightConfig,
     facts: PreflightFacts,
     out: Path,
@@ -328,15 +328,21 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     resource="train",
     isolate=True,
 )
-def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Preflight for the recipe's facts, with the vocabulary of the chosen tokenizer (input
-    `tokenizer`) and the stages' mixture plans (input `mixtures`)."""
+def preflight(
+    config: PreflightSpec,
+    tokenizer: Artifact | None = None,
+    mixtures: tuple[Artifact, ...] = (),
+    *,
+    out: Path,
+    log=print,
+) -> dict[str, Any]:
+    """Preflight for the recipe's facts, with the vocabulary of the chosen `tokenizer` (the
+    fertility decision or the tokenizer) and the stages' mixture plans (`mixtures`)."""
     from tasks.tokenize import selected_tokenizer
 
     facts = {**config.facts, **config.run_facts}
-    tokenizer = many(inputs, "tokenizer")
-    if tokenizer and config.model:
+    if tokenizer is not None and config.model:
         vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
         facts.update(model_facts(config.model, config.model_overrides, vocab))
-    facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in many(inputs, "mixtures"))
-    return build_preflight(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)
+    facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in mixtures)
+    return run_checks(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)

@@ -40,8 +40,8 @@ from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
 
@@ -274,98 +274,6 @@ def _trainer_pgid(out: Path) -> int | None:
         return None
 
 
-def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=None) -> dict[str, Any]:
-    """Train one stage in `out` (resuming what an earlier attempt left there).
-
-    inputs: `mixture` (its mixture plan) and, when the stage continues a model, `init` (the
-    checkpoint artifact it starts from: the previous stage, or a pinned anneal/CPT base).
-    """
-    plan = one(inputs, "mixture")
-    previous = inputs.get("init")
-    init_from = previous.meta["checkpoint"] if isinstance(previous, Artifact) else None
-    spec = run.spec
-    if run.keep_every:
-        spec = spec.model_copy(
-            update={"checkpoint_interval": run.keep_every, "keep_last": spec.steps // run.keep_every + 1}
-        )
-    spec = spec.bind(plan.path / "plan.json", out, init_from)
-    if spec.peak_flops is None:
-        # The MFU peak where no datasheet value applies: this host's preflight measurement.
-        spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
-    spec.save(out / "spec.json")
-    storage = run.storage
-    s3_checkpoints = (
-        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
-    )
-    ckpt_dir = out / "checkpoints"
-    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
-        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
-        pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
-        if pulled is not None:
-            log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
-    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
-    sched = spec.schedule
-    start = sched.start_step or 0
-    log(
-        f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
-        f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
-        f"{sched.total_steps or spec.steps}), seed {spec.seed}"
-        f"{', resuming in ' + str(out) if resumed else ''}"
-    )
-    launcher = get_launcher(launch_config(run))
-    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
-    watcher = _Watcher(out, spec.steps, progress, inject)
-    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
-    watcher.start()
-    try:
-        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-            launcher.launch(
-                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
-            )
-    except Exception:
-        if watcher.injected:
-            raise RuntimeError(
-                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
-            ) from None
-        raise
-    finally:
-        watcher.stop.set()
-        watcher.join()
-    result = json.loads((out / "result.json").read_text())
-    rows = read_metrics(out / "metrics.jsonl")
-    if rows:
-        loss_curve(rows, out / "loss.png", f"{spec.stage} ({run.kind})")
-    timed = rows[1:] or rows  # the first step carries start-up costs
-    speeds = [r["tokens_per_s"] for r in timed]
-    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
-    meta = {
-        "stage": spec.stage,
-        "kind": run.kind,
-        "steps": spec.steps,
-        "seq_len": spec.seq_len,
-        "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "checkpoint": result.get("checkpoint"),
-        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-        # Never clamped: above 1 means the peak or the FLOP count is wrong, and says so.
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
-        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
-        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
-        "resumed": resumed,
-        "init_from": init_from,
-        **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
-    }
-    if meta["mfu"] is not None and meta["mfu"] > 1:
-        log(
-            f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
-            f"{meta['mfu_peak_flops']:.3g} FLOP/s ({meta['mfu_peak_source']}): the peak or the FLOP "
-            "count is wrong; declare training.peak_flops"
-        )
-    (out / "summary.md").write_text(stage_markdown(meta, rows))
-    return meta
-
-
 def _device(spec: TrainSpec) -> str:
     """Where the trainer will run ("cpu" or "cuda"), as it decides it."""
     if spec.device != "auto":
@@ -449,6 +357,91 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     retries=1,
     retry_delay=30,
 )
-def pretrain(config: StageSpec, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
-    return build_stage(config, inputs, out, log, progress)
+def pretrain(
+    config: StageSpec, mixture: Artifact, init: Artifact | None = None, *, out: Path, log=print, progress=None
+) -> dict[str, Any]:
+    """Train one stage in `out` (resuming what an earlier attempt left there) on its `mixture`
+    plan; `init`, when the stage continues a model, is the checkpoint it starts from (the
+    previous stage, or a pinned anneal/CPT base)."""
+    init_from = init.meta["checkpoint"] if init is not None else None
+    spec = config.spec
+    if config.keep_every:
+        spec = spec.model_copy(
+            update={"checkpoint_interval": config.keep_every, "keep_last": spec.steps // config.keep_every + 1}
+        )
+    spec = spec.bind(mixture.path / "plan.json", out, init_from)
+    if spec.peak_flops is None:
+        # The MFU peak where no datasheet value applies: this host's preflight measurement.
+        spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
+    spec.save(out / "spec.json")
+    storage = config.storage
+    s3_checkpoints = (
+        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    )
+    ckpt_dir = out / "checkpoints"
+    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
+        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+        pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
+        if pulled is not None:
+            log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
+    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
+    sched = spec.schedule
+    start = sched.start_step or 0
+    log(
+        f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
+        f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
+        f"{sched.total_steps or spec.steps}), seed {spec.seed}"
+        f"{', resuming in ' + str(out) if resumed else ''}"
+    )
+    launcher = get_launcher(launch_config(config))
+    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
+    watcher = _Watcher(out, spec.steps, progress, inject)
+    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
+    watcher.start()
+    try:
+        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
+            launcher.launch(
+                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+            )
+    except Exception:
+        if watcher.injected:
+            raise RuntimeError(
+                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+            ) from None
+        raise
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    result = json.loads((out / "result.json").read_text())
+    rows = read_metrics(out / "metrics.jsonl")
+    if rows:
+        loss_curve(rows, out / "loss.png", f"{spec.stage} ({config.kind})")
+    timed = rows[1:] or rows  # the first step carries start-up costs
+    speeds = [r["tokens_per_s"] for r in timed]
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    meta = {
+        "stage": spec.stage,
+        "kind": config.kind,
+        "steps": spec.steps,
+        "seq_len": spec.seq_len,
+        "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "checkpoint": result.get("checkpoint"),
+        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # Never clamped: above 1 means the peak or the FLOP count is wrong, and says so.
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
+        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
+        "resumed": resumed,
+        "init_from": init_from,
+        **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
+    }
+    if meta["mfu"] is not None and meta["mfu"] > 1:
+        log(
+            f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
+            f"{meta['mfu_peak_flops']:.3g} FLOP/s ({meta['mfu_peak_source']}): the peak or the FLOP "
+            "count is wrong; declare training.peak_flops"
+        )
+    (out / "summary.md").write_text(stage_markdown(meta, rows))
+    return meta

@@ -48,7 +48,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.registry import Registry
-from pipeline.artifact import Inputs
 from pipeline.step import step
 
 Domain = Literal["web", "code", "math"]
@@ -640,15 +639,25 @@ def check_sources(sources: Sequence[SourceConfig]) -> list[str]:
     return errors
 
 
-def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
-    """Read one source into train/heldout shards; return the counts for the artifact's meta."""
-    kind = resolve_kind(config.uri)(config, seed)
+@step(
+    "source",
+    version=2,
+    kind="corpus",
+    resource="data",
+    isolate=True,
+    retries=2,
+    extra=lambda spec: source_state(spec.source, spec.seed),
+)
+def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
+    """One recipe source to a corpus artifact (no inputs): its documents read into train/heldout
+    shards; the meta holds the counts."""
+    cfg, seed = config.source, config.seed or 0
+    kind = resolve_kind(cfg.uri)(cfg, seed)
     problems = kind.check()  # the same cheap check as `smollm3 recipe`, before the full read
     if problems:
         raise ValueError("; ".join(problems))
     writers = {
-        split: ShardWriter(out / split, config.output_format, config.documents_per_shard)
-        for split in ("train", "heldout")
+        split: ShardWriter(out / split, cfg.output_format, cfg.documents_per_shard) for split in ("train", "heldout")
     }
     docs: Counter[str] = Counter()
     chars: Counter[str] = Counter()
@@ -662,7 +671,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
             text = record.text
             if not text.strip():
                 record = Rejected("empty", record.id)
-            elif len(text) > config.max_document_chars:
+            elif len(text) > cfg.max_document_chars:
                 record = Rejected("too_large", record.id)
             elif record.id in seen_ids:
                 record = Rejected("duplicate_id", record.id)
@@ -673,36 +682,36 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
             fields_seen = fields_seen or record.fields
             continue
         seen_ids.add(record.id)
-        split = "heldout" if is_held_out(config.name, record.id, config.held_out_fraction) else "train"
-        writers[split].add(record, config.name)
+        split = "heldout" if is_held_out(cfg.name, record.id, cfg.held_out_fraction) else "train"
+        writers[split].add(record, cfg.name)
         docs[split] += 1
         chars[split] += len(record.text)
         kept += 1
         if kept % 5000 == 0:
-            log(f"source {config.name}: {kept} documents")
-        if config.max_documents and kept >= config.max_documents:
+            log(f"source {cfg.name}: {kept} documents")
+        if cfg.max_documents and kept >= cfg.max_documents:
             break
     for w in writers.values():
         w.flush()
     if rejected:
         detail = ", ".join(f"{r}={n} (e.g. {', '.join(examples[r][:3])})" for r, n in sorted(rejected.items()))
-        log(f"source {config.name}: rejected {sum(rejected.values())} records: {detail}")
+        log(f"source {cfg.name}: rejected {sum(rejected.values())} records: {detail}")
     if docs["train"] == 0:
         hint = ""
         if rejected["missing_text_field"]:
             hint = (
-                f"; sources[{config.name}].text_field {config.text_field!r} is not a text field of "
+                f"; sources[{cfg.name}].text_field {cfg.text_field!r} is not a text field of "
                 f"the records (fields: {', '.join(fields_seen) or 'none'}): set text_field"
             )
         raise ValueError(
-            f"source {config.name!r} ({config.uri}) produced no training documents"
+            f"source {cfg.name!r} ({cfg.uri}) produced no training documents"
             + (f"; rejected: {dict(rejected)}" if rejected else "")
             + hint
         )
     return {
-        "source": config.name,
-        "domain": config.domain,
-        "format": config.output_format,
+        "source": cfg.name,
+        "domain": cfg.domain,
+        "format": cfg.output_format,
         "documents": docs["train"],
         "characters": chars["train"],
         "heldout_documents": docs["heldout"],
@@ -711,17 +720,3 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
         "rejected": dict(rejected),
         "rejected_examples": {k: v for k, v in examples.items()},
     }
-
-
-@step(
-    "source",
-    version=2,
-    kind="corpus",
-    resource="data",
-    isolate=True,
-    retries=2,
-    extra=lambda spec: source_state(spec.source, spec.seed),
-)
-def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """One recipe source to a corpus artifact (no inputs)."""
-    return build_corpus(config.source, config.seed or 0, out, log)

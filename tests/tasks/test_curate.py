@@ -28,13 +28,14 @@ from tasks.curate import (
     DocumentationProseFilter,
     HeldoutIndex,
     SlurmExecutorConfig,
-    build_curated,
+    curate,
     filter_name,
     make_executors,
     plan_stages,
 )
-from tasks.evaluate import EvalConfig, build_suite, contamination, prose_items
-from tasks.sources import SourceConfig, build_corpus, is_held_out
+from tasks.evaluate import EvalConfig, SuiteSpec, contamination, eval_suite, prose_items
+from tasks.sources import SourceConfig, SourceSpec, is_held_out
+from tasks.sources import source as source_step
 from tests.tasks.datafiles import PARAGRAPHS, corpus, doc_line, random_text
 
 
@@ -61,7 +62,7 @@ def test_planted_exact_and_near_duplicates_are_all_found_without_false_positives
     cfg = CurationConfig(presets={"toy": "none"})
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(cfg, art, out)
+    meta = curate(cfg, art, out=out)
 
     kept = _ids(out / "train")
     assert sorted(kept) == sorted(i for i, _ in unique)  # every planted copy gone, no original lost
@@ -88,7 +89,7 @@ def test_each_dedup_pass_alone(tmp_path, exact, minhash, removed):
     out = tmp_path / "out"
     out.mkdir()
     cfg = CurationConfig(presets={"toy": "none"}, exact_dedup=exact, minhash=minhash, tasks=2)
-    meta = build_curated(cfg, art, out)
+    meta = curate(cfg, art, out=out)
     assert meta["removed"] == removed and meta["unaccounted"] == 0 and meta["tasks"] == 2
     assert meta["documents"] == 16 - sum(removed.values())
 
@@ -109,7 +110,7 @@ def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
     art = corpus(tmp_path / "in", good[:2] + bad + good[2:], domain="math")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(CurationConfig(max_document_chars=10_000), art, out)
+    meta = curate(CurationConfig(max_document_chars=10_000), art, out=out)
     assert meta["documents"] == 5
     # this step's own rejections, by reason; a source's rejections stay in the source's meta
     assert meta["rejected"] == {
@@ -137,7 +138,7 @@ def test_web_preset_runs_offline_with_spacy_blank(tmp_path, monkeypatch):
     art = corpus(tmp_path / "in", docs, domain="web")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(CurationConfig(minhash=False, exact_dedup=False), art, out)
+    meta = curate(CurationConfig(minhash=False, exact_dedup=False), art, out=out)
     assert meta["preset"] == "web" and "junk" not in _ids(out / "train")
     rows = json.loads((out / "filter_stats.json").read_text())
     assert [r["filter"] for r in rows] == [
@@ -179,12 +180,12 @@ def test_heldout_copies_straddling_the_split_leave_train_and_the_contamination_r
     rows = docs + [(k, t) for k, (_, t) in planted.items()]
     path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in rows))
     source = SourceConfig(name="user", uri=f"files:{path}", domain="web", id_field="id", held_out_fraction=0.2)
-    raw = build_corpus(source, 0, tmp_path / "src", log=lambda _: None)
+    raw = source_step(SourceSpec(source=source), out=tmp_path / "src", log=lambda _: None)
     raw_art = Artifact(kind="corpus", uri=str(tmp_path / "src"), fingerprint="a" * 64, meta=raw)
     assert raw["heldout_documents"] == len(held)  # the planted copies all went to train
     out = tmp_path / "cur"
     out.mkdir()
-    meta = build_curated(CurationConfig(presets={"user": "none"}), raw_art, out, log=lambda _: None)
+    meta = curate(CurationConfig(presets={"user": "none"}), raw_art, out=out, log=lambda _: None)
     cur = Artifact(kind="corpus", uri=str(out), fingerprint="b" * 64, meta=meta)
 
     assert meta["removed"] == {"heldout_decont:exact": 3, "heldout_decont:overlap": 4}
@@ -198,7 +199,13 @@ def test_heldout_copies_straddling_the_split_leave_train_and_the_contamination_r
     assert meta["decontaminated_against"] == ["user"] and meta["unaccounted"] == 0
 
     # The eval suite's prose items come from held-out text; raw train holds copies, curated none.
-    suite = build_suite(EvalConfig(items_per_task=50), [raw_art], [cur], tmp_path / "suite", log=lambda _: None)
+    suite = eval_suite(
+        SuiteSpec(eval=EvalConfig(items_per_task=50)),
+        heldout=[raw_art],
+        train=[cur],
+        out=tmp_path / "suite",
+        log=lambda _: None,
+    )
     assert suite["contamination"]["prose_cloze"] == 0.0
     items = prose_items([t for _, t in held], EvalConfig(items_per_task=50), random.Random(0))
     raw_train = [text for doc_id, text in rows if not is_held_out("user", doc_id, 0.2)]
@@ -214,7 +221,7 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     art = corpus(tmp_path / "mine", mine, source="mine")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(CurationConfig(presets={"mine": "none"}), art, out, log=lambda _: None, others=[other])
+    meta = curate(CurationConfig(presets={"mine": "none"}), art, others=[other], out=out, log=lambda _: None)
     assert meta["removed"] == {"heldout_decont:exact": 1} and "copy" not in _ids(out / "train")
     assert meta["decontaminated_against"] == ["mine", "other"]
 
@@ -266,7 +273,7 @@ def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(t
     art = corpus(tmp_path / "src", train, heldout=held, source="docs")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out, log=lambda _: None)
+    meta = curate(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out=out, log=lambda _: None)
     assert meta["removed"] == {"heldout_decont:overlap": 1, "heldout_decont:exact": 2}, meta["removed"]
     assert _ids(out / "train") == ["keep"]
     reasons = {}
@@ -314,7 +321,7 @@ def test_heldout_split_is_curated_and_counted_apart(tmp_path):
     cfg = CurationConfig(
         minhash=False, exact_dedup=False, presets={"toy": "math"}, decontamination=DecontaminationConfig(enabled=False)
     )
-    meta = build_curated(cfg, art, out, log=lambda _: None)
+    meta = curate(cfg, art, out=out, log=lambda _: None)
     assert sorted(_ids(out / "heldout")) == ["h1", "h3", "h4"]  # the copy of h1 goes
     assert meta["heldout_removed"] == {"exact_dedup:exact_dedup": 1} and meta["heldout_curated"]
     assert meta["heldout_documents"] == 3 and meta["heldout_input_documents"] == 4
@@ -340,7 +347,7 @@ def test_filter_names_agree_in_stats_removed_folders_and_meta(tmp_path):
     art = corpus(tmp_path / "in", docs, heldout=[("h", held)])
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_curated(CurationConfig(minhash=False), art, out, log=lambda _: None)
+    meta = curate(CurationConfig(minhash=False), art, out=out, log=lambda _: None)
     rows = {r["filter"] for r in json.loads((out / "filter_stats.json").read_text())}
     folders = {p.name for p in (out / "removed").iterdir()}
     keys = {k.split(":")[0] for k in meta["removed"]}
@@ -424,7 +431,7 @@ def test_language_filter_reads_a_local_fasttext_model(tmp_path):
     cfg = CurationConfig(
         presets={"toy": "none"}, language_model=str(tmp_path / "lid.bin"), exact_dedup=False, minhash=False
     )
-    meta = build_curated(cfg, art, out)
+    meta = curate(cfg, art, out=out)
     assert sorted(_ids(out / "train")) == ["en1", "en2"] and meta["removed"] == {"language:language": 1}
 
 

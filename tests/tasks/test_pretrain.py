@@ -90,7 +90,7 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     the newest complete checkpoint from S3 and continues from it instead of starting over."""
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import Artifact
-    from tasks.pretrain import FAILURE_ENV, StageSpec, build_stage
+    from tasks.pretrain import FAILURE_ENV, StageSpec, pretrain
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
 
@@ -122,13 +122,13 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     out.mkdir(parents=True)
     monkeypatch.setenv(FAILURE_ENV, "stage1")
     with pytest.raises(RuntimeError, match="injected failure"):
-        build_stage(run, {"mixture": mixture}, out, log=lambda _: None)
+        pretrain(run, mixture=mixture, out=out, log=lambda _: None)
     remote = {k.split("/")[-2] for k in _keys(client) if k.endswith("_COMPLETE.json") or "/step_" in k}
     assert remote, "no checkpoint reached S3"
     shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
     (out / "metrics.jsonl").unlink()
     lines: list[str] = []
-    meta = build_stage(run, {"mixture": mixture}, out, log=lines.append)
+    meta = pretrain(run, mixture=mixture, out=out, log=lines.append)
     assert any("pulled step_" in line for line in lines)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert 10 < first["step"] < 60, "the rerun started from scratch instead of the S3 checkpoint"
@@ -151,7 +151,7 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     from infra.preflight.compute import cpu_matmul_gflops
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import MARKER, Artifact
-    from tasks.pretrain import StageSpec, build_stage
+    from tasks.pretrain import StageSpec, pretrain
     from tests.model.conftest import write_two_source_plan
 
     ws = tmp_path / "ws"
@@ -202,7 +202,7 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     out = ws / "pretrain" / "abcdef123456"
     out.mkdir(parents=True)
     lines: list[str] = []
-    meta = build_stage(StageSpec(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
+    meta = pretrain(StageSpec(spec=spec, threads=1), mixture=mixture, out=out, log=lines.append)
 
     assert [line.split(" |")[0] for line in lines if " step " in line and "/3 |" in line] == [
         "stage1 step 1/3",

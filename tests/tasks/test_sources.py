@@ -7,14 +7,7 @@ import json
 
 import pytest
 
-from tasks.sources import (
-    SourceConfig,
-    build_corpus,
-    check_sources,
-    is_held_out,
-    read_shards,
-    source_state,
-)
+from tasks.sources import SourceConfig, SourceSpec, check_sources, is_held_out, read_shards, source, source_state
 
 
 def _cfg(**kw) -> SourceConfig:
@@ -28,9 +21,9 @@ def _texts(folder):
 
 def test_builtin_math_is_deterministic_per_seed(tmp_path):
     cfg = _cfg(max_documents=300)
-    a = build_corpus(cfg, 0, tmp_path / "a", log=lambda _: None)
-    b = build_corpus(cfg, 0, tmp_path / "b", log=lambda _: None)
-    c = build_corpus(cfg, 1, tmp_path / "c", log=lambda _: None)
+    a = source(SourceSpec(source=cfg), out=tmp_path / "a", log=lambda _: None)
+    b = source(SourceSpec(source=cfg), out=tmp_path / "b", log=lambda _: None)
+    c = source(SourceSpec(source=cfg, seed=1), out=tmp_path / "c", log=lambda _: None)
     assert _texts(tmp_path / "a" / "train") == _texts(tmp_path / "b" / "train")
     assert _texts(tmp_path / "a" / "train") != _texts(tmp_path / "c" / "train")
     assert a["documents"] + a["heldout_documents"] == 300 == c["documents"] + c["heldout_documents"]
@@ -41,7 +34,7 @@ def test_builtin_math_is_deterministic_per_seed(tmp_path):
 
 
 def test_math_answers_are_correct(tmp_path):
-    build_corpus(_cfg(max_documents=200), 3, tmp_path, log=lambda _: None)
+    source(SourceSpec(source=_cfg(max_documents=200), seed=3), out=tmp_path, log=lambda _: None)
     checked = 0
     for doc in read_shards(tmp_path / "train"):
         first = doc["text"].split("\n")[0]
@@ -53,11 +46,15 @@ def test_math_answers_are_correct(tmp_path):
 
 
 def test_builtin_prose_and_code(tmp_path):
-    prose = build_corpus(
-        _cfg(uri="builtin:prose", domain="web", max_documents=80), 0, tmp_path / "p", log=lambda _: None
+    prose = source(
+        SourceSpec(source=_cfg(uri="builtin:prose", domain="web", max_documents=80)),
+        out=tmp_path / "p",
+        log=lambda _: None,
     )
-    code = build_corpus(
-        _cfg(uri="builtin:code", domain="code", max_documents=30), 0, tmp_path / "c", log=lambda _: None
+    code = source(
+        SourceSpec(source=_cfg(uri="builtin:code", domain="code", max_documents=30)),
+        out=tmp_path / "c",
+        log=lambda _: None,
     )
     kinds = {d["metadata"]["kind"] for d in read_shards(tmp_path / "p" / "train")}
     assert "pydoc_topic" in kinds and prose["characters"] > 50_000
@@ -67,7 +64,7 @@ def test_builtin_prose_and_code(tmp_path):
 
 
 def test_held_out_split_is_disjoint_and_stable(tmp_path):
-    meta = build_corpus(_cfg(max_documents=2000, held_out_fraction=0.1), 0, tmp_path, log=lambda _: None)
+    meta = source(SourceSpec(source=_cfg(max_documents=2000, held_out_fraction=0.1)), out=tmp_path, log=lambda _: None)
     train = {d["id"] for d in read_shards(tmp_path / "train")}
     held = {d["id"] for d in read_shards(tmp_path / "heldout")}
     assert not train & held
@@ -94,7 +91,7 @@ def test_files_source_counts_every_bad_record(tmp_path):
         uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id", max_document_chars=1000, held_out_fraction=0.0
     )
     logs: list[str] = []
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=logs.append)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=logs.append)
     assert meta["documents"] == 2
     assert meta["rejected"] == {
         "malformed_json": 2,
@@ -119,7 +116,7 @@ def test_files_source_reads_gzip_and_parquet_and_writes_parquet(tmp_path):
     cfg = _cfg(
         uri=f"files:{tmp_path}/*", domain="web", text_field="body", held_out_fraction=0.0, output_format="parquet"
     )
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     assert meta["shards"]["train"] == ["00000.parquet"]
     assert sorted(_texts(tmp_path / "out" / "train")) == ["gzip document", "parquet document"]
 
@@ -135,7 +132,7 @@ def test_files_source_state_follows_the_files(tmp_path):
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
     with pytest.raises(ValueError, match=r"sources\[s\]\.uri: no files match"):
-        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+        source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
         source_state(cfg, 0)  # the fingerprint, computed before the step runs, says the same
 
@@ -196,14 +193,14 @@ def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
         pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet"
     )
     cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web", held_out_fraction=0.0)
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     assert meta["documents"] == 8 and meta["rejected"] == {"missing_text_field": 10}
     assert meta["rejected_examples"]["missing_text_field"] == ["z.parquet: all 10 rows"]
     only_bad = _cfg(uri=f"files:{tmp_path}/z.parquet", domain="web")
     with pytest.raises(
         ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"
     ):
-        build_corpus(only_bad, 0, tmp_path / "out2", log=lambda _: None)
+        source(SourceSpec(source=only_bad), out=tmp_path / "out2", log=lambda _: None)
 
 
 def test_no_documents_because_of_the_text_field_says_so(tmp_path):
@@ -211,7 +208,7 @@ def test_no_documents_because_of_the_text_field_says_so(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
     assert check_sources([cfg]) == []  # the field exists (not as text): only reading tells
     with pytest.raises(ValueError) as err:
-        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+        source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     assert "rejected: {'missing_text_field': 5}" in str(err.value)
     assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)
 

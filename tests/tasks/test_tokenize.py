@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pipeline.artifact import Artifact
-from tasks.tokenize import TokenizeConfig, build_token_shards, token_dtype
-from tasks.tokenizer import TokenizerConfig, build_tokenizer
+from tasks.tokenize import TokenizeConfig, TokenizeSpec, token_dtype, tokenize
+from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, doc_line, random_text
 
 
@@ -18,7 +18,7 @@ def _tokenizer_artifact(tmp_path, texts) -> Artifact:
     out = tmp_path / "tok"
     out.mkdir()
     src = corpus(tmp_path / "tokdata", [(f"t{i}", t) for i, t in enumerate(texts)])
-    meta = build_tokenizer(TokenizerConfig(vocab_size=400, min_frequency=1), [src], out)
+    meta = tokenizer(TokenizerConfig(vocab_size=400, min_frequency=1), [src], out=out)
     return Artifact(kind="tokenizer", uri=str(out), fingerprint="2" * 64, meta=meta)
 
 
@@ -31,7 +31,7 @@ def test_shards_hold_every_document_followed_by_eos(tmp_path):
     art = corpus(tmp_path / "curated", lines[:10] + bad + lines[10:], source="dclm/dclm")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_token_shards(TokenizeConfig(), (tok_art, art), out, seed=3)
+    meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(), seed=3), tokenizer=tok_art, corpus=art, out=out)
 
     assert meta["token_dtype"] == "uint16" and meta["eos_id"] == 0 and meta["documents"] == 25
     assert meta["rejected"] == {"malformed_json": 1, "missing_text_field": 1}
@@ -69,7 +69,7 @@ def test_token_type_follows_vocabulary_size_as_datatrove_decides(tmp_path):
     art = corpus(tmp_path / "c", [("a", "w1 w69999 w5"), ("b", "w68000")])
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_token_shards(TokenizeConfig(shuffle_documents=False), (fert, art), out)
+    meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(shuffle_documents=False)), tokenizer=fert, corpus=art, out=out)
     assert meta["token_dtype"] == "uint32" and meta["tokens"] == 6
     tokens = np.fromfile(out / meta["files"][0], dtype=np.uint32)
     assert tokens.tolist() == [3, 70001, 7, 0, 68002, 0]
