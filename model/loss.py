@@ -177,6 +177,7 @@ def _logit_grad(probs, lse, t, v, count, z_loss, vocab_start):
     probs.mul_(scale[:, None])
     local = t - vocab_start
     here = v & (local >= 0) & (local < probs.shape[1])
-    rows = here.nonzero().squeeze(1)
-    probs[rows, local[rows]] -= 1.0 / count
+    # The one-hot term, one index per row (no data-dependent shapes: fake tensors trace it too).
+    minus = torch.where(here, -1.0 / count, 0.0).to(probs.dtype)[:, None]
+    probs.scatter_add_(1, torch.where(here, local, 0)[:, None], minus)
     return probs

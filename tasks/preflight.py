@@ -186,7 +186,7 @@ def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
                 threads=threads,
                 source=(
                     f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
-                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"
+                    f"best burst of 3 rounds, {threads} thread{'s' if threads > 1 else ''}"
                 ),
             )
         )
