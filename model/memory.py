@@ -102,8 +102,10 @@ class MemoryEstimate:
         return self.budget_gb() <= gpu_memory_gb
 
     def describe(self) -> str:
-        terms = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.parts.items() if v >= 0.05 * GB)
-        return f"{self.peak_gb:.1f} GB at {self.phase} ({terms})"
+        """`52.3 GB at backward (model state 6.2, activations 31.8, ...)`; MB below 1 GB."""
+        unit, scale = ("GB", GB) if self.peak_bytes >= GB else ("MB", 1e6)
+        terms = ", ".join(f"{k} {v / scale:.1f}" for k, v in self.parts.items() if v >= 0.01 * self.peak_bytes)
+        return f"{self.peak_bytes / scale:.1f} {unit} at {self.phase} ({terms})"
 
 
 def _params_per_rank(cfg: ModelConfig, tp: int) -> dict[str, float]:

@@ -562,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(_Concise())
     rank0 = int(os.environ.get("RANK", 0)) == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, handlers=[handler])
+    # DTensor warns on every rank that the 2D gradient norm (FSDP x TP) takes two sequential
+    # all-reduces, which "may" differ between ranks: each collective hands all its members the
+    # same bits and every TP group reduces the same values in the same order, so they do not.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     spec = TrainSpec.load(argv[0])
     try:
         result = train(spec)
