@@ -271,3 +271,53 @@ def resolve_checkpointing(spec, shape: StepShape, device_memory_gb: float | None
         return estimate(shape, mode)
     memory = spec.gpu_memory_gb or device_memory_gb
     return estimate(shape, "none") if memory is None else choose(shape, memory)
+
+
+def model_config_of(spec, vocab_size: int | None = None) -> ModelConfig:
+    """The ModelConfig a TrainSpec trains, as the trainer builds it (trainers/pretrain.py), at
+    `vocab_size` when the spec does not set one (the trainer takes the mixture plan's)."""
+    overrides = dict(spec.model_overrides)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
+    cfg = ModelConfig.from_preset(spec.model_preset, **overrides)
+    if spec.seq_len and cfg.max_seq_len < spec.seq_len:
+        cfg = cfg.replace(max_seq_len=spec.seq_len)
+    return cfg
+
+
+def stage_estimate(spec, layout, vocab_size: int | None = None, device: str = "cuda") -> MemoryEstimate:
+    """The prediction for one recipe stage on its layout: what `smollm3 plan` shows and the recipe
+    check enforces (with "auto" resolved against the spec's declared GPU memory)."""
+    from model.layout import check_tensor_parallel
+
+    cfg = model_config_of(spec, vocab_size)
+    check_tensor_parallel(cfg, layout.tp, spec.seq_len or cfg.max_seq_len)
+    return resolve_checkpointing(spec, step_shape(spec, cfg, layout, device))
+
+
+def fitting_alternatives(spec, layout_of, vocab_size: int | None, gpu_memory_gb: float) -> list[str]:
+    """Settings that would make a stage fit, each with its predicted budget: other checkpointing
+    modes, a smaller micro-batch (the global batch kept by accumulation), a larger TP degree.
+    `layout_of(tp)` gives the stage's layout at another TP degree (or raises ValueError)."""
+    found = []
+    layout = layout_of(spec.tp)
+    candidates = [({"activation_checkpointing": m}, layout) for m in MODES if m != spec.activation_checkpointing]
+    candidates += [({"micro_batch": mb}, layout) for mb in range(spec.micro_batch - 1, 0, -1)]
+    for tp in (2, 4, 8):
+        if tp > spec.tp:
+            try:
+                candidates.append(({"tp": tp}, layout_of(tp)))
+            except ValueError:
+                continue
+    for change, at in candidates:
+        other = spec.model_copy(update=change)
+        if other.global_batch % (other.micro_batch * at.dp):
+            continue
+        try:
+            est = stage_estimate(other, at, vocab_size)
+        except ValueError:
+            continue
+        if est.fits(gpu_memory_gb):
+            key, value = next(iter(change.items()))
+            found.append(f"{key}={value} ({est.budget_gb():.1f} GB)")
+    return found

@@ -58,10 +58,11 @@ from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoin
 from model.config import ModelConfig
 from model.data import MixtureLoader, MixturePlan
 from model.flops import resolve_peak, training_flops_per_token
+from model.layout import check_tensor_parallel, plan_layout
 from model.memory import resolve_checkpointing, step_shape
 from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
-from model.parallel import build_mesh, check_tensor_parallel, is_sharded, parallelize, plan_layout
+from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec
 

@@ -101,9 +101,27 @@ def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
     port = _free_port()
     nodes = [
         subprocess.Popen(
-            [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "trainers.pretrain", str(spec)],
-            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                str(TORCHRUN),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-m",
+                "trainers.pretrain",
+                str(spec),
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in (0, 1)
     ]
