@@ -321,3 +321,27 @@ def fitting_alternatives(spec, layout_of, vocab_size: int | None, gpu_memory_gb:
             key, value = next(iter(change.items()))
             found.append(f"{key}={value} ({est.budget_gb():.1f} GB)")
     return found
+
+
+def measured_step_peak(model, optimizer, ids, labels, doc_ids) -> int:
+    """Measured peak bytes of one training step as the trainer runs it (forward, chunked loss,
+    backward, clipping, AdamW, zero_grad) after a first step has created the AdamW state: every
+    tensor storage alive, seen by torch's MemTracker (a dispatch mode; works on CPU and on fake
+    tensors). The check of `estimate` (benchmarks/memory_check.py, tests/model/test_memory.py)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = list(model.parameters())
+
+    def step():
+        model(ids, doc_ids, labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, ids, labels, doc_ids)
+    with tracker:
+        step()
+    return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]

@@ -269,6 +269,7 @@ def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
     run_facts = {
         "nodes": recipe.launch.nodes,
         "nproc_per_node": t.nproc_per_node,
+        "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
         "micro_batch": t.micro_batch,
         "checkpoint_keep": t.keep_last + len(stages),
         "workspace": str(recipe.workspace),
