@@ -491,8 +491,8 @@ def flex_rows(setup: Setup) -> list[Row]:
             f"{cfg.num_heads}:{cfg.num_kv_heads}, head_dim {cfg.head_dim}, fp32"
         )
         with torch.set_grad_enabled(setup.cuda):
-            a = flex(ids, doc_ids, labels=ids)
-            b = sdpa(ids, doc_ids, labels=ids)
+            a = flex(ids, doc_ids, labels=ids, return_logits=True)
+            b = sdpa(ids, doc_ids, labels=ids, return_logits=True)
         fwd = ((a.logits - b.logits).abs().max() / b.logits.abs().max()).item()
         ok = math.isfinite(fwd) and fwd <= FWD_TOLERANCE
         rows.append(
@@ -683,7 +683,7 @@ def memory_rows(setup: Setup, budget: Budget) -> list[Row]:
                     continue
                 got, tps = _measure_memory(shape, mode, dev, setup)
                 error = est.peak_bytes / got - 1
-                value = f"measured {got / 1e9:.2f} GB, predicted {est.peak_gb:.2f} GB ({100 * error:+.1f}%)"
+                value = f"measured {_size(got)}, predicted {_size(est.peak_bytes)} ({100 * error:+.1f}%)"
                 if tps:
                     value += f", {tps:,.0f} tok/s"
                 detail = (
@@ -764,7 +764,7 @@ def loss_rows(setup: Setup) -> list[Row]:
             hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
             peak, seconds, loss = _loss_peak(fn, hh, ww, y, dev)
             results[name] = (peak, loss, hh.grad, ww.grad)
-            value = f"peak {peak / 1e9:.2f} GB (inputs and gradients included), {seconds * 1e3:.0f} ms fwd+bwd"
+            value = f"peak {_size(peak)} (inputs and gradients included), {seconds * 1e3:.0f} ms fwd+bwd"
             detail = f"{n} tokens x vocabulary {cfg.vocab_size}, {str(dtype).split('.')[-1]}"
             rows.append(Row(f"loss {name} T={n}", "PASS", value, detail, time.monotonic() - start))
         (pc, lc, hc, wc), (pu, lu, hu, wu) = results["chunked"], results["unfused"]
@@ -773,8 +773,13 @@ def loss_rows(setup: Setup) -> list[Row]:
         )
         if not same or pc >= pu:
             rows[-2] = Row(rows[-2].check, "FAIL", rows[-2].value,
-                           f"loss {lc:.5f} vs unfused {lu:.5f}, peak {pc / 1e9:.2f} vs {pu / 1e9:.2f} GB")  # fmt: skip
+                           f"loss {lc:.5f} vs unfused {lu:.5f}, peak {_size(pc)} vs {_size(pu)}")  # fmt: skip
     return rows
+
+
+def _size(n: float) -> str:
+    """Bytes as `12.34 GB`, or `5.6 MB` below a GB (the CPU smoke's toy sizes)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _loss_peak(fn, h, w, y, dev: torch.device) -> tuple[float, float, float]:
