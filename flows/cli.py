@@ -331,7 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
         "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)",
     )
     p.add_argument("args", nargs="*", help="see `smollm3 preflight --help`")
-    p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
+    p = add(
+        "capacity",
+        cmd_capacity,
+        "GPUs, memory per GPU and time for a model, tokens and deadline; --recipe: per stage of a recipe",
+    )
     p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
     p = add(
         "eval-quality",

@@ -411,9 +411,9 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             step,
             spec.steps,
             precision_name(spec, rt.device),
-            f"activation checkpointing {memory.mode} (predicted peak {memory.describe()})",
             "compiled blocks" if spec.compile_model else "eager",
             "intra-document masking" if spec.doc_masking else "causal attention across documents",
+            f"activation checkpointing {memory.mode} (predicted peak {memory.describe()})",
             f"{peak:.3g} FLOP/s" if peak else "unknown",
             peak_source,
         )
