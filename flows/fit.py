@@ -36,7 +36,7 @@ class StageFit:
     steps: int
     mode: str  # activation checkpointing, "auto" resolved
     peak_gb: float  # predicted allocated peak per GPU
-    budget_gb: float  # + context and fragmentation
+    budget_gb: float | None  # + context and fragmentation (GPU stages); None on CPU
     limit_gb: float | None  # the declared GPU memory
     detail: str  # MemoryEstimate.describe()
 
@@ -90,7 +90,7 @@ def stage_rows(recipe: Any) -> list[StageFit]:
                 steps=spec.steps,
                 mode=est.mode,
                 peak_gb=est.peak_gb,
-                budget_gb=est.budget_gb(),
+                budget_gb=est.budget_gb() if t.gpu_memory_gb is not None or t.device == "cuda" else None,
                 limit_gb=t.gpu_memory_gb,
                 detail=est.describe(),
             )
@@ -107,10 +107,12 @@ def check_stages_fit(recipe: Any) -> None:
     limit = recipe.training.gpu_memory_gb
     if limit is None:
         return
-    runs = {r.name: r.model_copy(update={"launch": r.on(recipe.launch)}) for r in schedule_stages(
-        recipe.training, recipe.stages, recipe.seed)}  # fmt: skip
+    runs = {
+        run.name: run.model_copy(update={"launch": run.on(recipe.launch)})
+        for run in schedule_stages(recipe.training, recipe.stages, recipe.seed)
+    }
     for row in rows:
-        if row.budget_gb <= limit:
+        if row.budget_gb is None or row.budget_gb <= limit:
             continue
         run = runs[row.name]
         options = fitting_alternatives(run.spec, run.layout, _vocab(recipe), limit)
@@ -127,6 +129,10 @@ def check_stages_fit(recipe: Any) -> None:
         )
 
 
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
 def format_rows(rows: list[StageFit]) -> str:
     """The per-stage table of `smollm3 capacity --recipe`."""
     head = (
@@ -136,12 +142,16 @@ def format_rows(rows: list[StageFit]) -> str:
     lines = [head]
     for r in rows:
         limit = f"{r.limit_gb:g}" if r.limit_gb else "-"
+        budget = f"{r.budget_gb:.1f}" if r.budget_gb is not None else "-"
         lines.append(
             f"{r.name:<10}{r.nodes:>6}  {r.layout:<32}{r.global_batch:>6}{r.micro_batch:>6}{r.accum:>6}"
-            f"{r.seq_len:>7}{r.tokens_per_step / 1e6:>9.2f}M{r.steps:>10,}  {r.mode:<10}{r.peak_gb:>8.1f}"
-            f"{r.budget_gb:>8.1f}{limit:>7}"
+            f"{r.seq_len:>7}{_tokens(r.tokens_per_step):>10}{r.steps:>10,}  {r.mode:<10}{r.peak_gb:>8.2f}"
+            f"{budget:>8}{limit:>7}"
         )
-    lines.append("peak: predicted allocated peak per GPU (model/memory.py); budget: + fragmentation and context")
+    lines.append(
+        "peak: predicted allocated peak per GPU or CPU rank, GB (model/memory.py); "
+        "budget: + fragmentation and context (GPU)"
+    )
     for r in rows:
         lines.append(f"  {r.name}: {r.detail}")
     return "\n".join(lines)
