@@ -159,15 +159,10 @@ class Recipe(BaseModel):
                 f"launch.procs_per_node {self.launch.procs_per_node} differs from "
                 f"training.nproc_per_node {t.nproc_per_node}: set training.nproc_per_node only"
             )
-        world = self.launch.nodes * t.nproc_per_node
-        for st in self.stages:
-            gb, mb = st.global_batch or t.global_batch, st.micro_batch or t.micro_batch
-            if gb % (mb * world):
-                raise ValueError(
-                    f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
-                    f"world size = {mb} x {world} (launch.nodes {self.launch.nodes} x "
-                    f"training.nproc_per_node {t.nproc_per_node})"
-                )
+        from flows.fit import check_stages_fit
+
+        # Every stage's layout, batch split and, where a GPU is declared, memory (flows/fit.py).
+        check_stages_fit(self)
         return self
 
     @model_validator(mode="after")

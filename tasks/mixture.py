@@ -66,6 +66,12 @@ class StageConfig(BaseModel):
     warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
     global_batch: int | None = Field(default=None, gt=0)  # sequences per step (None: training's)
     micro_batch: int | None = Field(default=None, gt=0)  # per-rank micro-batch (None: training's)
+    # How the stage runs (None: training's), never what it computes: checkpointing mode, tensor-
+    # parallel degree, and the node count of its launch (a long-context stage whose global batch
+    # is smaller than the main stages' DP size runs on fewer nodes; docs/scale.md).
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] | None = operational(None)
+    tp: int | None = operational(None, gt=0)
+    nodes: int | None = operational(None, gt=0)
 
 
 def mixture_path(path: str) -> Path:

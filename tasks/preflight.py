@@ -186,7 +186,7 @@ def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
                 threads=threads,
                 source=(
                     f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
-                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"
+                    f"best burst of 3 rounds, {threads} thread{'s' if threads > 1 else ''}"
                 ),
             )
         )
@@ -269,6 +269,7 @@ def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
     run_facts = {
         "nodes": recipe.launch.nodes,
         "nproc_per_node": t.nproc_per_node,
+        "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
         "micro_batch": t.micro_batch,
         "checkpoint_keep": t.keep_last + len(stages),
         "workspace": str(recipe.workspace),

@@ -32,8 +32,14 @@ def test_smollm3_3b_schedule_matches_the_published_numbers():
     assert long32k.reset_optimizer and long32k.schedule.kind == "cosine"
     assert long32k.optimizer.lr == pytest.approx(2e-5)
     assert long32k.rope_theta == 2e6 and long64k.rope_theta == 5e6
-    # 47B tokens at one 32k sequence per rank on 192 ranks (docs: fewer, larger steps than SmolLM3).
-    assert long32k.steps == 7471 and recipe.launch.nodes * recipe.training.nproc_per_node == 192
+    # The published layout: 48 nodes x 8 H100, TP 2, DP 192, 576 x 4,096 tokens per step.
+    assert recipe.launch.nodes * recipe.training.nproc_per_node == 384
+    assert all(r.tp == 2 and r.global_batch == 576 and r.seq_len == 4096 for r in main)
+    # The long-context stages at the published ~2.36M tokens per step: 47B / (72 x 32k) and
+    # 52B / (36 x 64k) steps, the published 20k and 22k; 1,000 warmup steps are ~5% of each.
+    assert long32k.global_batch * long32k.seq_len == 72 * 32768 and long32k.steps == 19922
+    assert long64k.global_batch * long64k.seq_len == 36 * 65536 and long64k.steps == 22041
+    assert long32k.schedule.warmup_steps == long64k.schedule.warmup_steps == 1000
 
 
 def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
