@@ -64,6 +64,9 @@ class SourceConfig(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]*$")
     uri: str  # where the text comes from (see the module docstring for the schemes)
     domain: Domain  # selects the curation preset: web, code or math
+    # language of the text (ISO 639-1, curation/languages.py): web sources get the preset of
+    # their language (`web-fr`: language ID keeping French, French stop words and thresholds)
+    language: str = "en"
     text_field: str = "text"  # field holding the text in files: and hf: sources
     id_field: str | None = None  # field holding a stable id; default: file and line number
     max_documents: int | None = Field(default=None, gt=0)  # cap (and the count for builtin:math)
@@ -80,6 +83,14 @@ class SourceConfig(BaseModel):
     def _known_scheme(cls, uri: str) -> str:
         resolve_kind(uri)
         return uri
+
+    @field_validator("language")
+    @classmethod
+    def _known_language(cls, language: str) -> str:
+        from curation.languages import language_settings
+
+        language_settings(language)  # an unknown code fails naming the known ones
+        return language
 
 
 @dataclass(frozen=True)
@@ -702,6 +713,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
     return {
         "source": config.name,
         "domain": config.domain,
+        "language": config.language,
         "format": config.output_format,
         "documents": docs["train"],
         "characters": chars["train"],
