@@ -169,7 +169,8 @@ class CurationConfig(BaseModel):
     # the check before compute (`smollm3 recipe`/`plan`, flows/datacheck.py): each readable
     # source's first documents go through its preset; below this kept share the recipe is refused
     min_kept_share: float = operational(0.2, ge=0, le=1)
-    sample_documents: int = operational(200, gt=0)  # documents per source that check curates
+    sample_documents: int = operational(100, gt=0)  # documents per source that check curates, at most
+    sample_chars: int = operational(50_000, gt=0)  # and characters (the check takes ~1 s per source)
     slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm
     ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
 
@@ -425,13 +426,28 @@ def plan_stages(
     return stages
 
 
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and Slurm set)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def stage_workers(config, tasks: int) -> int:
+    """Tasks of a stage run at once: `workers`, or (unset) this machine's cores for the local
+    executor and every task for the cluster ones; never more than the stage's tasks."""
+    if config.workers is not None:
+        return min(config.workers, tasks)
+    return min(machine_cores(), tasks) if config.executor == "local" else tasks
+
+
 def make_executors(config: CurationConfig, stages: list[tuple[str, list, int]], logs: Path) -> list:
     """One datatrove executor per stage, each depending on the previous one. `config` is any
     section with `executor`, `workers`, `slurm` and `ray` (curation, tokenization)."""
     executors: list = []
     previous = None
     for name, pipeline, tasks in stages:
-        workers = min(config.workers, tasks)
+        workers = stage_workers(config, tasks)
         logging_dir = str(logs / name)
         if config.executor == "local":
             from datatrove.executor import LocalPipelineExecutor
@@ -781,7 +797,9 @@ def publish_curated(artifact: Artifact, ws, label: str) -> None:
     )
 
 
-@step("curate", version=5, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
+# 6: the web presets identify the language (py3langid) and judge each language with its own
+# settings; C4 keeps paragraph breaks; the input is dealt into more shards (source v3)
+@step("curate", version=6, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
 def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """One source's corpus (input `corpus`) to a curated corpus, its train split decontaminated
     against its own held-out split and those of the other sources (input `others`)."""
