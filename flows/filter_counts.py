@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = lambda _msg: None  # noqa: E731
     meta = build_corpus(config, recipe.seed, raw, quiet)
     corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
-    cmeta = build_curated(recipe.curation, corpus, cur, print)
+    cmeta = build_curated(recipe.curation.for_source(config), corpus, cur, print)  # as the curate step sees it
     print(
         f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
         f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}"

@@ -43,8 +43,9 @@ Design choices:
 - The executor is datatrove's LocalPipelineExecutor by default; `slurm` and `ray` build datatrove's
   Slurm/Ray executors chained by `depends`, for clusters.
 
-`python -m tasks.curate RECIPE SOURCE [key=value ...]` runs one source and its curation outside
-the flow and prints the per-filter table (docs/data.md records its figures for the tiny recipe).
+`python -m flows.filter_counts RECIPE SOURCE [key=value ...]` runs one source and its curation
+outside the flow and prints the per-filter table (docs/data.md records its figures for the tiny
+recipe); this module has no command of its own.
 """
 
 from __future__ import annotations

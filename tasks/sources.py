@@ -373,7 +373,7 @@ def _parquet_fields(path: Path) -> dict[str, bool]:
 
 
 def _jsonl_fields(path: Path) -> dict[str, bool]:
-    """Field -> whether every non-null value is a string, over the first records of a JSONL file."""
+    """Field -> whether any of its non-null values is a string, over the first records of a JSONL file."""
     opener = gzip.open if path.suffix == ".gz" else open
     fields: dict[str, bool] = {}
     parsed = 0
@@ -387,7 +387,7 @@ def _jsonl_fields(path: Path) -> dict[str, bool]:
                 parsed += 1
                 for k, v in record.items():
                     if v is not None:
-                        fields[k] = fields.get(k, True) and isinstance(v, str)
+                        fields[k] = fields.get(k, False) or isinstance(v, str)
     if not parsed:
         raise ValueError(f"none of its first {_CHECK_RECORDS} lines is a JSON object (JSON lines expected)")
     return fields
@@ -412,8 +412,8 @@ def _not_text(where: str, field: str, path: Path | str, more: int = 0) -> str:
     return (
         f"{where}.text_field: {field!r} of {path}"
         + (f" (and of {more} more of the first {_CHECK_FILES} files)" if more else "")
-        + " holds values that are not strings (a struct, list or number column); every record would be "
-        "rejected as missing_text_field: set text_field to the column that holds the text as a string"
+        + " holds no strings (a struct, list or number column); every record would be rejected as "
+        "missing_text_field: set text_field to the column that holds the text as a string"
     )
 
 
