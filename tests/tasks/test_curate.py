@@ -339,7 +339,9 @@ def test_filter_names_agree_in_stats_removed_folders_and_meta(tmp_path):
         "bench by the harbour wall and watched them leave. By the time the sun rose over the hills, "
         "the boats were far out at sea and the village had settled into its morning routine."
     )
-    docs += [("junk", "click here " * 200), ("copy", docs[0][1]), ("heldcopy", held)]
+    # junk in English (language ID keeps it, Gopher's repetition rules remove it) and noise
+    docs += [("junk", "\n".join([PARAGRAPHS[0]] * 8)), ("noise", "click here " * 200)]
+    docs += [("copy", docs[0][1]), ("heldcopy", held)]
     art = corpus(tmp_path / "in", docs, heldout=[("h", held)])
     out = tmp_path / "out"
     out.mkdir()
@@ -348,7 +350,7 @@ def test_filter_names_agree_in_stats_removed_folders_and_meta(tmp_path):
     folders = {p.name for p in (out / "removed").iterdir()}
     keys = {k.split(":")[0] for k in meta["removed"]}
     assert keys == folders and folders <= rows
-    assert {"heldout_decont", "gopher_repetition"} <= keys
+    assert {"heldout_decont", "gopher_repetition", "language"} <= keys
 
 
 def test_documentation_prose_is_extracted_from_markup_and_code():
