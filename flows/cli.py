@@ -247,7 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(unknown names are refused with the flow's steps)",
     )
 
-    p = add("recipe", cmd_recipe, "validate a recipe (and its data sources) and print it resolved")
+    p = add(
+        "recipe",
+        cmd_recipe,
+        "validate a recipe (its data sources, and a sample of each readable one through its curation "
+        "preset) and print it resolved",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
 

@@ -2,13 +2,13 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
-    filter   read train shards (counting unreadable lines) -> [language] -> preset filters
-             -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
+    filter   read train shards (counting unreadable lines) -> preset filters (the web presets
+             start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
     unique   read `filtered/` -> drop exact duplicates -> write `unique/` -> MinHash signatures
     buckets  MinHash buckets;   cluster  MinHash clusters
     final    read `unique/` -> drop near duplicates -> write `train/` (the curated corpus)
-    heldout  read the held-out split -> [language] -> preset filters -> exact dedup -> `heldout/`
+    heldout  read the held-out split -> preset filters -> exact dedup -> `heldout/`
 
 Design choices:
 - Held-out is held out. The source splits by document id, before any dedup, so copies of a
@@ -24,24 +24,28 @@ Design choices:
   dedup within itself), so fertility, held-out loss and evals measure the kind of text the
   model trains on. Its removals are counted apart (`heldout_removed`).
 - Presets per domain are lists of datatrove filters (a registry refuses duplicates): `web` is the
-  FineWeb stack (Gopher repetition and quality, C4, FineWeb quality), `docs` is that stack for
-  documentation prose, `code` is heuristics that suit source code, `math` is light (length
-  only). Our own datatrove components (the counting reader, code filters, prose extraction,
-  decontamination, sample writer) live in the curation/ package, free of Prefect, because
-  datatrove's worker processes import the modules of the pipeline's components. The English
-  filters need spaCy's tokenizer only: datatrove builds it with `spacy.blank("en")`, so nothing
-  is downloaded.
+  FineWeb stack (language ID keeping English, Gopher repetition and quality, C4 with paragraph
+  breaks kept, FineWeb quality), `web-XX` the same stack for language XX with its word
+  tokenizer, stop words and thresholds (a web source's default: its `language`;
+  curation/languages.py), `docs` is the English stack for documentation prose, `code` is
+  heuristics that suit source code, `math` is light (length only). Our own datatrove
+  components (the counting reader, code filters, prose extraction, language ID, decontamination,
+  sample writer) live in the curation/ package, free of Prefect, because datatrove's worker
+  processes import the modules of the pipeline's components. Nothing is downloaded: the filters
+  need spaCy's rule-based tokenizers (`spacy.blank`), language ID py3langid's bundled model.
 - One name per filter (`filter_name`): the filter_stats row, the `removed/<name>/` folder and
   the `<name>:<reason>` keys of the meta all use it.
 - Bad input is counted, never dropped silently: the reader counts malformed JSON, invalid UTF-8,
-  missing or non-string text, empty and too large documents per reason; every filter's drops
+  missing or non-string text, empty and too large documents and blank lines per reason; every filter's drops
   are counted per reason by datatrove; a few removed documents per filter and reason are kept in
   `removed/` (train) and `heldout_removed/` for inspection. The meta counts what this step
   dropped, once: the source step's own rejections stay in the source's meta.
 - Dedup stages read their input rank by rank (`{rank:05d}.jsonl.gz`) because datatrove's MinHash
   and exact-dedup filters address documents by their index within a rank's stream.
-- The executor is datatrove's LocalPipelineExecutor by default; `slurm` and `ray` build datatrove's
-  Slurm/Ray executors chained by `depends`, for clusters.
+- The executor is datatrove's LocalPipelineExecutor by default, running `workers` tasks at once
+  (unset: the machine's cores); `slurm` and `ray` build datatrove's Slurm/Ray executors chained
+  by `depends`, for clusters. `tasks` is fingerprinted (it sets the output shards), `workers`
+  is not: the output is the same whatever the worker count.
 
 `python -m flows.filter_counts RECIPE SOURCE [key=value ...]` runs one source and its curation
 outside the flow and prints the per-filter table (docs/data.md records its figures for the tiny
