@@ -50,7 +50,7 @@ class OfflineSpaCyTokenizer(SpaCyTokenizer):
     """datatrove's spaCy tokenizer with the blank pipeline of `model` (no optional segmenter)."""
 
     def __init__(self, language: str, model: str):
-        super().__init__("xx" if model == "xx" else model)
+        super().__init__(model)
         self.language = language
         self.model = model
         self.config = None  # datatrove adds jieba/pyvi configs for zh/vi: not installed here
@@ -123,6 +123,9 @@ class LanguageIDFilter(LanguageFilter):
     best, below the threshold). The predicted language and score stay in the metadata."""
 
     slug = "language"
+    # datatrove checks the dependencies of every class of the MRO: fastText (datatrove's
+    # [processing] extra, installed) stays required; py3langid is checked here too
+    _requires_dependencies = ["py3langid"]
 
     def __init__(self, language: str, threshold: float, backend: LID, exclusion_writer=None):
         super().__init__(languages=[language], language_threshold=threshold, exclusion_writer=exclusion_writer)
