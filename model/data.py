@@ -209,10 +209,13 @@ def interleave(weights: np.ndarray, counts: list[int], start: int, count: int) -
         t = start + i + 1
         best, deadline = -1, math.inf
         for j in range(k):
-            if w[j] > 0 and w[j] * t - counts[j] >= d - 1e-9:
+            # 1e-6: float64 rounding of w * t stays far below it for t < 2**40 sequences
+            if w[j] > 0 and w[j] * t - counts[j] >= d - 1e-6:
                 due = (counts[j] + 1 - d) / w[j]
                 if due < deadline:
                     best, deadline = j, due
+        if best < 0:  # unreachable in exact arithmetic (the deficits sum to 1): Megatron's rule
+            best = max(range(k), key=lambda j: w[j] * t - counts[j])
         out[i] = best
         counts[best] += 1
     return out
