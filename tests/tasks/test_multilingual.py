@@ -124,3 +124,46 @@ def test_language_filter_reads_a_local_fasttext_model(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="language_model 'missing.bin'"):
         quality_filters(CurationConfig(language_model="missing.bin"), "web")
+
+
+# One real paragraph for each language of the table the data file does not cover.
+OTHERS = {
+    "it": "Roma è la capitale d'Italia e una delle città più antiche d'Europa. Ogni anno milioni di "
+    "turisti visitano il Colosseo e i Musei Vaticani. La sera, le piazze del centro si riempiono di "
+    "persone che passeggiano e mangiano un gelato.",
+    "pt": "Lisboa é a capital de Portugal e fica junto ao rio Tejo. A cidade é conhecida pelos seus "
+    "elétricos amarelos e pelas ruas estreitas do bairro de Alfama. À noite, ouve-se o fado nas "
+    "pequenas casas de petiscos.",
+    "el": "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας και μία από τις αρχαιότερες πόλεις του κόσμου. Η "
+    "Ακρόπολη δεσπόζει πάνω από την πόλη και την επισκέπτονται εκατομμύρια τουρίστες κάθε χρόνο.",
+    "fa": "تهران پایتخت ایران و بزرگ‌ترین شهر این کشور است. این شهر در دامنه کوه‌های البرز قرار دارد و "
+    "در زمستان برف زیادی در اطراف آن می‌بارد. مردم تهران در روزهای تعطیل به پارک‌ها و کوه می‌روند.",
+    "ko": "서울은 대한민국의 수도이며 한강을 따라 자리 잡은 큰 도시입니다. 이 도시에는 오래된 궁궐과 "
+    "현대적인 건물이 함께 있습니다. 많은 사람들이 주말에 한강 공원에서 산책을 하고 자전거를 탑니다.",
+    "vi": "Hà Nội là thủ đô của Việt Nam và là một trong những thành phố lâu đời nhất của đất nước. "
+    "Thành phố có nhiều hồ nước đẹp và những con phố cổ với các cửa hàng nhỏ. Người dân thường uống "
+    "cà phê trên vỉa hè vào buổi sáng.",
+    "th": "กรุงเทพมหานครเป็นเมืองหลวงของประเทศไทยและเป็นเมืองที่ใหญ่ที่สุดในประเทศ "
+    "เมืองนี้มีวัดที่สวยงามหลายแห่งและมีตลาดน้ำที่นักท่องเที่ยวชื่นชอบ "
+    "ในตอนเย็นผู้คนมักจะออกมาซื้ออาหารริมทางกิน",
+}
+
+
+@pytest.mark.parametrize("lang", sorted(OTHERS))
+def test_every_other_language_preset_runs_offline_and_identifies_its_language(lang):
+    """The rest of the table's languages (the 3B recipe's Italian, Portuguese, Greek, Persian,
+    Korean, Vietnamese and Thai FineWeb-2 sources): language ID keeps a real paragraph and every
+    filter of the preset runs on it with the language's tokenizer (a short paragraph: the
+    length rules may remove it, which is not what this checks)."""
+    from datatrove.data import Document
+
+    from curation.languages import LANGUAGES
+    from curation.multilingual import web_filters
+
+    assert set(OTHERS) | {d["source_language"] for d in DATA} == set(LANGUAGES)
+    filters = web_filters(LANGUAGES[lang])
+    doc = Document(text=OTHERS[lang], id=lang)
+    assert filters[0].filter(doc) is True and doc.metadata["language"] == lang
+    for f in filters[1:]:
+        verdict = f.filter(doc)
+        assert verdict is True or (isinstance(verdict, tuple) and verdict[0] is False and verdict[1])
