@@ -493,3 +493,24 @@ def test_data_flow_through_prefect_in_a_worker_thread(tmp_path, prefect_harness)
 
     found = asyncio.run(keys())
     assert {"curate-prose", "curate-code", "curate-math", "fertility", "fertility-decision"} <= found
+
+
+def test_an_exact_copy_of_held_out_web_text_is_counted_exact(tmp_path):
+    """C4's line filter used to join kept lines with one newline: every web document with
+    paragraphs was rewritten, so a verbatim copy of held-out text no longer had its hash and
+    counted as `overlap`. Paragraph breaks are kept now, and a document C4 does rewrite (a short
+    line dropped) keeps the hash of its written text: both copies are `exact`."""
+    held = "\n\n".join(PARAGRAPHS)
+    with_menu = "\n\n".join([PARAGRAPHS[0], "Share this", *PARAGRAPHS[1:]])  # C4 drops "Share this"
+    data = json.loads((Path(__file__).parent / "data" / "multilingual.json").read_text(encoding="utf-8"))
+    other = next(d["text"] for d in data["documents"] if d["id"] == "en-good-1")  # unrelated prose
+    train = [("copy", held), ("menucopy", with_menu), ("other", other)]
+    art = corpus(tmp_path / "in", train, heldout=[("h1", held), ("h2", with_menu)])
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = build_curated(CurationConfig(minhash=False, exact_dedup=False), art, out, log=lambda _: None)
+    assert meta["preset"] == "web"
+    assert meta["removed"].get("heldout_decont:exact") == 2, meta["removed"]
+    assert meta["heldout_documents"] == 1  # h2 is h1 once C4 dropped its short line: deduplicated
+    (kept,) = [json.loads(line)["text"] for line in gzip.open(out / "heldout" / "00000.jsonl.gz", "rt")][:1]
+    assert kept.count("\n\n") == len(PARAGRAPHS) - 1  # the curated held-out text keeps its paragraphs
