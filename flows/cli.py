@@ -63,10 +63,11 @@ def cmd_plan(args) -> int:
     from pipeline.dryrun import format_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.flow == "smollm3":
-        check_data(recipe)
+    missing = check_data(recipe, allow_missing=True) if args.flow == "smollm3" else {}
     rows = plan(recipe, frozenset(args.refresh), args.flow, args.base)
     print(format_plan(rows))
+    if missing:  # planned all the same: their steps are marked unresolved above
+        print(f"{len(missing)} source(s) not on this machine (planned as unresolved): {', '.join(missing)}")
     return 0
 
 
@@ -259,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(unknown names are refused with the flow's steps)",
     )
 
-    p = add("recipe", cmd_recipe, "validate a recipe (and its data sources) and print it resolved")
+    p = add(
+        "recipe",
+        cmd_recipe,
+        "validate a recipe (its data sources, and a sample of each readable one through its curation "
+        "preset) and print it resolved",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
 

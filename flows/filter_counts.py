@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = lambda _msg: None  # noqa: E731
     meta = source(SourceSpec(source=config, seed=recipe.seed), out=raw, log=quiet)
     corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
-    cmeta = curate(recipe.curation, corpus, out=cur, log=print)
+    cmeta = curate(recipe.curation.for_source(config), corpus, out=cur, log=print)  # as the curate step sees it
     print(
         f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
         f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}"

@@ -100,7 +100,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     clean = {
         s.name: g.add(
             curate,
-            cfg.curation.for_source(s.name),
+            cfg.curation.for_source(s),
             label=s.name,
             corpus=raw[s.name],
             others=[raw[o.name] for o in cfg.sources if o.name != s.name],

@@ -397,9 +397,10 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
 
 # Retried once when the trainer was killed or its node failed: the retry resumes from the last
 # complete checkpoint (a Python error or a non-finite loss fails at once: pipeline.step.transient).
+# 3: the loader interleaves sources in exact proportion and draws windows in a seeded order
 @step(
     "pretrain",
-    version=2,
+    version=3,
     kind="checkpoint",
     resumable=True,
     publish=publish_stage,

@@ -39,8 +39,8 @@ class TokenizeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor, as for curation
-    tasks: int = Field(default=1, gt=0)  # datatrove tasks = output files (capped by the input shards)
-    workers: int = operational(1, gt=0)  # tasks run at once (local processes)
+    tasks: int = Field(default=8, gt=0)  # datatrove tasks = output files (capped by the input shards)
+    workers: int | None = operational(None, gt=0)  # tasks run at once; None: the machine's cores (local)
     slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm (shared file system)
     ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
     batch_size: int = operational(1000, gt=0)  # documents per encode_batch call

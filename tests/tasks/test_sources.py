@@ -117,8 +117,63 @@ def test_files_source_reads_gzip_and_parquet_and_writes_parquet(tmp_path):
         uri=f"files:{tmp_path}/*", domain="web", text_field="body", held_out_fraction=0.0, output_format="parquet"
     )
     meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
-    assert meta["shards"]["train"] == ["00000.parquet"]
+    assert meta["shards"]["train"] == ["00000.parquet", "00001.parquet"]  # dealt: one document each
     assert sorted(_texts(tmp_path / "out" / "train")) == ["gzip document", "parquet document"]
+
+
+def test_train_split_is_dealt_into_enough_shards_for_the_tasks(tmp_path):
+    """A source under documents_per_shard still splits into `shards` near-equal shards (so
+    curation runs that many tasks), and a large one into shards of documents_per_shard."""
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": f"document {i}", "id": str(i)}) + "\n" for i in range(100))
+    )
+    small = _cfg(uri=f"files:{tmp_path}/d.jsonl", domain="web", id_field="id", held_out_fraction=0.0, shards=8)
+    meta = source(SourceSpec(source=small, seed=0), out=tmp_path / "small", log=lambda _: None)
+    sizes = [len(list(read_shards_file(tmp_path / "small" / "train" / n))) for n in meta["shards"]["train"]]
+    assert len(sizes) == 8 and sorted(sizes) == [12] * 4 + [13] * 4
+    assert meta["shards"]["heldout"] == []  # one stream, no documents
+    capped = small.model_copy(update={"shards": 2, "documents_per_shard": 10})
+    meta = source(SourceSpec(source=capped, seed=0), out=tmp_path / "capped", log=lambda _: None)
+    assert len(meta["shards"]["train"]) == 10  # two streams, each rolled over every 10 documents
+    texts = [t for n in meta["shards"]["train"] for t in read_shards_file(tmp_path / "capped" / "train" / n)]
+    assert sorted(texts) == sorted(f"document {i}" for i in range(100))
+
+
+def read_shards_file(path):
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line)["text"] for line in fh]
+
+
+def test_blank_lines_of_a_jsonl_file_are_counted(tmp_path):
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n   \n{"text": "two"}\n')
+    cfg = _cfg(uri=f"files:{tmp_path}/b.jsonl", domain="web", held_out_fraction=0.0)
+    meta = source(SourceSpec(source=cfg, seed=0), out=tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 2 and meta["rejected"] == {"blank_line": 2}
+    assert meta["rejected_examples"]["blank_line"] == ["b.jsonl:2", "b.jsonl:3"]
+
+
+def test_a_text_field_that_holds_no_strings_is_refused_by_the_check(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": {"body": "a struct, not text", "lang": "en"}, "id": "1"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
+    (tmp_path / "l.jsonl").write_text(json.dumps({"text": ["a", "list"]}) + "\n")
+    datasets.Dataset.from_dict({"text": [[1, 2]]}).save_to_disk(str(tmp_path / "ds"))
+    problems = check_sources(
+        [
+            _cfg(name="pq", uri=f"files:{tmp_path}/s.parquet", domain="web"),
+            _cfg(name="js", uri=f"files:{tmp_path}/l.jsonl", domain="web"),
+            _cfg(name="ds", uri=f"hf:{tmp_path / 'ds'}", domain="web"),
+        ]
+    )
+    assert [p.split(":")[0] for p in problems] == [
+        "sources[pq].text_field",
+        "sources[js].text_field",
+        "sources[ds].text_field",
+    ]
+    assert all("holds no strings" in p for p in problems)
 
 
 def test_files_source_state_follows_the_files(tmp_path):
@@ -204,13 +259,17 @@ def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
 
 
 def test_no_documents_because_of_the_text_field_says_so(tmp_path):
-    (tmp_path / "n.jsonl").write_text("".join(json.dumps({"text": i, "id": str(i)}) + "\n" for i in range(5)))
-    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
-    assert check_sources([cfg]) == []  # the field exists (not as text): only reading tells
-    with pytest.raises(ValueError) as err:
-        source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
-    assert "rejected: {'missing_text_field': 5}" in str(err.value)
-    assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)
+    # the first records hold strings (what the check reads), the rest numbers: only reading tells
+    lines = [{"text": "a document", "id": "0"}] + [{"text": i, "id": str(i)} for i in range(1, 30)]
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web", id_field="id", held_out_fraction=0.0)
+    assert check_sources([cfg]) == []  # of the first 20 records, one holds text in the field
+    meta = source(SourceSpec(source=cfg, seed=0), out=tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 1 and meta["rejected"] == {"missing_text_field": 29}
+    numbers = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[1:]))
+    with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' of .* holds no strings"):
+        source(SourceSpec(source=numbers, seed=0), out=tmp_path / "out2", log=lambda _: None)
 
 
 def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():

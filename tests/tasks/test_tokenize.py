@@ -96,3 +96,19 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     assert slurm[0].partition == "cpu" and slurm[0].tasks == 4
     with pytest.raises(ValueError, match="tokenize.executor is slurm but tokenize.slurm is not set"):
         make_executors(TokenizeConfig(executor="slurm"), stages, tmp_path / "d")
+
+
+def test_token_shards_are_the_same_whatever_the_worker_count(tmp_path):
+    """tokenize.workers is operational: 4 tasks run 1 or 2 at a time write the same bytes."""
+    rng = random.Random(1)
+    texts = [random_text(rng, rng.randint(5, 60)) for _ in range(40)]
+    tok_art = _tokenizer_artifact(tmp_path, texts)
+    art = corpus(tmp_path / "curated", [(f"d{i}", t) for i, t in enumerate(texts)], source="s", shards=4)
+    written = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        out.mkdir()
+        meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(tasks=4, workers=workers), seed=5), tok_art, art, out=out)
+        assert len(meta["files"]) == 4
+        written.append({f: (out / f).read_bytes() + (out / (f + ".index")).read_bytes() for f in meta["files"]})
+    assert written[0] == written[1]
