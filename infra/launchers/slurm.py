@@ -194,12 +194,19 @@ class SlurmLauncher(Launcher):
             'while :; do wait "$srun_pid"; rc=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
             'echo "[launch] srun exited with code $rc"',
         ]
+        result = _out_dir(spec, workdir) / "result.json"
+        lines += [
+            f"result={shlex.quote(str(result))}",
+            # The stage finished in this run (result.json is written after its last checkpoint,
+            # by every rank's agreement): a signal that came while torchrun was exiting is late.
+            'if [ "$result" -nt "$started" ] && [ "$rc" -ne 0 ]; then',
+            '  echo "[launch] the stage had finished (result.json) when srun ended with $rc: exit 0"; rc=0',
+            "fi",
+        ]
         if s.requeue:
-            result = _out_dir(spec, workdir) / "result.json"
             # A preempted job that ends by itself within GraceTime counts as ended, not
             # requeued: requeue it here too (PreemptTime is set once preemption began).
             lines += [
-                f"result={shlex.quote(str(result))}",
                 'if [ "$result" -nt "$started" ]; then why=""  # finished: a late signal changes nothing',
                 'elif [ "$stop" = USR1 ]; then why="time limit near"',
                 'elif scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "PreemptTime=[0-9]"; then why="preempted"',

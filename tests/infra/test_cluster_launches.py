@@ -71,7 +71,7 @@ def validate(job: dict) -> None:
 
 
 def k8s_3b(**kubernetes) -> LaunchConfig:
-    """The 3B recipe's launch (24 nodes x 8 H100, its training's ranks per node) on Kubernetes."""
+    """The 3B recipe's launch (48 nodes x 8 H100, its training's ranks per node) on Kubernetes."""
     recipe = load_recipe("smollm3-3b")
     launch = recipe.launch
     k8s = KubernetesLaunchConfig(workspace_claim="fsx", workspace_mount="/fsx/ws", **kubernetes)
@@ -99,13 +99,13 @@ def test_the_3b_recipes_pytorchjob_validates_against_kubeflows_model(options, tm
     job = yaml.safe_load(get_launcher(config).render(SPEC, tmp_path))
     validate(job)
     pods = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
-    assert sum(r["replicas"] for r in job["spec"]["pytorchReplicaSpecs"].values()) == 24
+    assert sum(r["replicas"] for r in job["spec"]["pytorchReplicaSpecs"].values()) == config.nodes
     assert all(p["terminationGracePeriodSeconds"] > config.rendezvous.stop_grace_s for p in pods)
     if options.get("gang") == "kueue":
         assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "h100"
     if options.get("gang") == "volcano":
         assert all(p["schedulerName"] == "volcano" for p in pods)
-        assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 24
+        assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == config.nodes
 
 
 def test_an_accelerate_launch_validates_and_restarts_as_a_whole_job(tmp_path):

@@ -26,6 +26,7 @@ from infra.launchers.base import EXIT_STOPPED
 from model.checkpoint import Checkpointer
 from pipeline.step import transient
 from tests.infra.launch_fixtures import write_spec
+from tests.model.conftest import write_two_source_plan
 
 STEPS = 10
 
@@ -65,19 +66,29 @@ def _trainer_processes(guard_pid: int) -> tuple[psutil.Process, dict[int, psutil
     return torchrun, ranks
 
 
+@pytest.fixture(scope="module")
+def shared_plan(tmp_path_factory) -> Path:
+    """One plan for the whole module, so the uninterrupted run is trained once."""
+    return write_two_source_plan(tmp_path_factory.mktemp("signals") / "shards")
+
+
+@pytest.fixture(scope="module")
+def clean_loss(shared_plan, tmp_path_factory) -> float:
+    """The final loss of the stage trained without interruption (2 ranks, local torchrun)."""
+    clean = tmp_path_factory.mktemp("clean")
+    get_launcher(LaunchConfig(procs_per_node=2)).launch(_spec(shared_plan, clean), clean, lambda _: None)
+    return json.loads((clean / "result.json").read_text())["final_loss"]
+
+
 @pytest.mark.parametrize(
     ("target", "sig"),
     [("rank1", signal.SIGUSR1), ("torchrun", signal.SIGUSR1), ("torchrun", signal.SIGTERM)],
     ids=["sigusr1-to-one-rank", "sigusr1-to-torchrun", "sigterm-to-torchrun"],
 )
-def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(plan_path, tmp_path, target, sig):
+def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(shared_plan, clean_loss, tmp_path, target, sig):
     launcher = get_launcher(LaunchConfig(procs_per_node=2))
-    clean = tmp_path / "clean"
-    launcher.launch(_spec(plan_path, clean), clean, lambda _: None)
-    clean_result = json.loads((clean / "result.json").read_text())
-
     out = tmp_path / "signalled"
-    spec = _spec(plan_path, out, debug_step_sleep_s=0.4)
+    spec = _spec(shared_plan, out, debug_step_sleep_s=0.4)
     lines: list[str] = []
     started: list[int] = []
     failure: list[BaseException] = []
@@ -117,11 +128,11 @@ def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(plan_pat
     assert f"stopped on {sig.name} after step {step}" in "\n".join(lines)
     assert stopped_in < 60
 
-    launcher.launch(_spec(plan_path, out), out, lambda _: None)  # the restart
+    launcher.launch(_spec(shared_plan, out), out, lambda _: None)  # the restart
     result = json.loads((out / "result.json").read_text())
     assert result["resumed_from"].endswith(saved.name)
     assert _metric_steps(out) == list(range(1, STEPS + 1))  # every step once: none redone
-    assert result["final_loss"] == clean_result["final_loss"]  # as if never interrupted
+    assert result["final_loss"] == clean_loss  # as if never interrupted
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(spec) in " ".join(p.info["cmdline"] or [])]
 
 
