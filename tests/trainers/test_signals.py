@@ -81,14 +81,17 @@ def clean_loss(shared_plan, tmp_path_factory) -> float:
 
 
 @pytest.mark.parametrize(
-    ("target", "sig"),
-    [("rank1", signal.SIGUSR1), ("torchrun", signal.SIGUSR1), ("torchrun", signal.SIGTERM)],
-    ids=["sigusr1-to-one-rank", "sigusr1-to-torchrun", "sigterm-to-torchrun"],
+    ("target", "sig", "async_checkpoint"),
+    [("rank1", signal.SIGUSR1, False), ("torchrun", signal.SIGUSR1, False), ("torchrun", signal.SIGTERM, True)],
+    ids=["sigusr1-to-one-rank", "sigusr1-to-torchrun", "sigterm-to-torchrun-async-checkpoints"],
 )
-def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(shared_plan, clean_loss, tmp_path, target, sig):
+def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(
+    shared_plan, clean_loss, tmp_path, target, sig, async_checkpoint
+):
+    """With async checkpoints the stop's save is still complete (its marker written) at exit."""
     launcher = get_launcher(LaunchConfig(procs_per_node=2))
     out = tmp_path / "signalled"
-    spec = _spec(shared_plan, out, debug_step_sleep_s=0.4)
+    spec = _spec(shared_plan, out, debug_step_sleep_s=0.4, async_checkpoint=async_checkpoint)
     lines: list[str] = []
     started: list[int] = []
     failure: list[BaseException] = []
