@@ -14,7 +14,8 @@ artifact and input edges in lineage, publishes its Prefect artifacts, and mirror
 S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
 `{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
 their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
-deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
+deleted by hand, and the folder is read through `pipeline.results.CheckedResults`, so a record
+that is not one of our JSON Artifacts is a cache miss, never deserialized. Steps downstream of a failed one are recorded as `skipped`; the flow fails
 after every independent branch has finished, naming each failed step and its cause. A served run
 whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py).
 """
@@ -46,6 +47,7 @@ from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, 
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
 from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
+from pipeline.results import CheckedResults
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
@@ -510,8 +512,8 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {graph.name!r}: "
             f"{', '.join(graph.steps)}"
         )
-    storage = ctx.ws.results_dir
-    storage.mkdir(parents=True, exist_ok=True)
+    ctx.ws.results_dir.mkdir(parents=True, exist_ok=True)
+    storage = CheckedResults(basepath=str(ctx.ws.results_dir))  # reads back only our JSON Artifacts
     resources = ctx.setup.resources
     futures: dict[str, PrefectFuture] = {}
     node_of: dict[Any, Node] = {}
@@ -523,15 +525,11 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
         fresh = node.step.name in refresh
         call = StepCall(node, ctx, fresh, resources)
-        future = (
-            prefect_task(node.step)
-            .with_options(
-                task_run_name=node.key,
-                result_storage=storage,
-                refresh_cache=fresh or None,
-            )
-            .submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
-        )
+        task_ = prefect_task(node.step).with_options(task_run_name=node.key, refresh_cache=fresh or None)
+        # Set after `with_options`, which accepts only blocks saved on the server (so that another
+        # process could load them): a step's result is read back by the flow process that runs it.
+        task_.result_storage = storage
+        future = task_.submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
         futures[node.key] = future
         node_of[future.task_run_id] = node
     artifacts: dict[str, Artifact] = {}
