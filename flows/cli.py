@@ -24,10 +24,11 @@ WORKSPACE_HELP = (
 
 
 def _lineage(args) -> Lineage:
+    """The workspace's lineage for a view: read-only (it writes nothing in the workspace)."""
     from pipeline.lineage import Lineage
     from pipeline.workspace import resolve_workspace
 
-    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb", read_only=True)
 
 
 def _refresh(text: str) -> list[str]:
@@ -97,12 +98,18 @@ def cmd_runs(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    """A query on a private, consistent copy of the lineage: never blocks the writers."""
+    """A query on a private, consistent copy of the lineage: never blocks the writers, and the
+    copy's connection reaches no file but itself (no COPY TO, read_csv or ATTACH)."""
     lineage = _lineage(args)
     if not lineage.path.exists():
         raise LookupError(f"no lineage at {lineage.path}")
+    import duckdb
+
     with lineage.snapshot() as con:
-        print(con.sql(args.query))
+        try:
+            print(con.sql(args.query))
+        except duckdb.Error as exc:  # the query's own error, said as one line
+            raise ValueError(f"query failed: {type(exc).__name__}: {exc}") from None
     return 0
 
 
