@@ -60,7 +60,7 @@ def _recipe_with(tmp_path, weights: dict) -> Path:
         ({"prose": 0.5, "poetry": 0.5}, "unknown source\\(s\\) poetry"),
         ({"prose": 1.0, "code": -0.1}, "weights must be finite and >= 0; bad: code"),
         ({"prose": 0, "code": 0}, "the weights sum to 0"),
-        ({"prose": "lots"}, "weight of 'prose' is a str, not a number"),
+        ({"prose": "lots"}, "weight of 'prose' is a str, not a finite number"),
     ],
 )
 def test_bad_mixtures_fail_when_the_recipe_loads(tmp_path, weights, message):
