@@ -35,11 +35,22 @@ def _refresh(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_run(args) -> int:
+    import signal
+
     from flows.params import check_refresh
 
     check_refresh("smollm3", args.refresh)  # before Prefect opens a run
     from flows.smollm3 import smollm3
+
+    # The run stops its steps on SIGTERM and SIGINT (pipeline/signals.py), then Prefect re-sends
+    # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
+    # server started for this run is stopped instead of left behind).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
     print(result)

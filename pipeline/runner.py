@@ -17,7 +17,9 @@ their bodies; `StepCache` keys it on the fingerprint, so it never hands out a fo
 deleted by hand, and the folder is read through `pipeline.results.CheckedResults`, so a record
 that is not one of our JSON Artifacts is a cache miss, never deserialized. Steps downstream of a failed one are recorded as `skipped`; the flow fails
 after every independent branch has finished, naming each failed step and its cause. A served run
-whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py).
+whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py); SIGTERM
+or SIGINT stops the running steps' children at once and ends the run `cancelled`
+(pipeline/signals.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
 from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
 from pipeline.results import CheckedResults
+from pipeline.signals import stop_on_signals
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
@@ -144,6 +147,8 @@ class RunContext:
         self.records: list[StepRow] = []
         self._records_lock = threading.Lock()
         self.owner_gone: str | None = None  # set when the serve process that owns the run died
+        self.cancelled: str | None = None  # set when SIGTERM or SIGINT stopped the run
+        self._signals: Any = None
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -158,14 +163,16 @@ class RunContext:
             self.setup.settings,
             attempt=self.attempt,
         )
-        get_run_logger().info(
+        self.logger = get_run_logger()  # usable from the watchdog's and the signal's threads
+        self.logger.info(
             f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
             f"resolved recipe saved to {saved}"
         )
         survive_broken_console()
+        self._signals = stop_on_signals(self._signalled, self._deadline)
+        self._signals.__enter__()
         owner = run_owner()
         if owner is not None:
-            self.logger = get_run_logger()  # usable from the watchdog's thread
             watch_owner(owner, self._owner_died)
         return self
 
@@ -182,9 +189,27 @@ class RunContext:
         if stopped:
             self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
 
+    def _signalled(self, name: str) -> None:
+        """SIGTERM or SIGINT (pipeline/signals.py): kill the steps' children, start no new step."""
+        self.cancelled = f"the run was cancelled by {name}"
+        stopped = stop_all(grace=2.0)
+        self.logger.warning(
+            f"{self.cancelled}: stopped {len(stopped)} child process(es)"
+            + (": " + "; ".join(stopped) if stopped else "")
+        )
+
+    def _deadline(self, name: str) -> None:
+        """Still running long after the signal (a step inside this process): record the end."""
+        self.lineage.end_run(self.run_id, "cancelled", attempt=self.attempt)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run is stopping (its owner died, or a signal), or None while it runs on."""
+        return self.owner_gone or self.cancelled
+
     def check_owner(self) -> None:
-        if self.owner_gone is not None:
-            raise OwnerGone(f"not started: {self.owner_gone}")
+        if self.stop_reason is not None:
+            raise OwnerGone(f"not started: {self.stop_reason}")
 
     def owner_crash(self) -> State:
         """The final state of a run that lost its serve process (see pipeline/owner.py)."""
@@ -206,8 +231,12 @@ class RunContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         from prefect.exceptions import CancelledRun, TerminationSignal
 
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
         if self.owner_gone is not None:
             state = "crashed"
+        elif self.cancelled is not None:
+            state = "cancelled"
         elif exc_type is None:
             state = "completed"
         elif issubclass(exc_type, TerminationSignal | CancelledRun | KeyboardInterrupt):
@@ -384,15 +413,15 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         if isinstance(exc, OwnerGone):
             cause = str(exc)
             ctx.record(node, "skipped", started[0], _now(), cause)
-        elif ctx.owner_gone is not None:  # killed because the run lost its owner: no retry
-            cause = f"stopped: {ctx.owner_gone} ({cause})"
+        elif ctx.stop_reason is not None:  # killed because the run lost its owner or was cancelled: no retry
+            cause = f"stopped: {ctx.stop_reason} ({cause})"
             ctx.record(node, "failed", started[0], _now(), cause)
         elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
             ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
-            kind = StepStopped if ctx.owner_gone is not None else StepFailed
+            kind = StepStopped if ctx.stop_reason is not None else StepFailed
             raise kind(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
