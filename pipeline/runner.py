@@ -48,6 +48,7 @@ from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
+from pipeline.mirror import fetcher
 from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
 from pipeline.results import CheckedResults
 from pipeline.signals import stop_on_signals
@@ -366,6 +367,8 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             resources = call.resources
             slot = d.resource
             threads = resources.threads(slot) if slot else None
+            # A finished folder on the S3 mirror is fetched (verified) instead of rebuilt.
+            fetch = None if d.resumable else fetcher(ws, d.name, d.version, logger.info)
 
             def build(out: Path) -> dict[str, Any]:
                 ctx.check_owner()  # the run may have lost its owner while this step waited
@@ -394,6 +397,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                         build=build,
                         refresh=call.refresh,
                         resumable=d.resumable,
+                        fetch=fetch,
                     )
             else:
                 outcome = run_step(
@@ -407,6 +411,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                     build=build,
                     refresh=call.refresh,
                     resumable=d.resumable,
+                    fetch=fetch,
                 )
     except BaseException as exc:
         cause = _cause(exc)
@@ -425,15 +430,18 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             raise kind(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
-    verb = "built" if outcome.built else "reused finished"
+    verb = "built" if outcome.built else "fetched" if outcome.fetched else "reused finished"
     # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
     logger.info(
         f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.meta.get('model_dir') or artifact.uri}"
     )
     lineage = ws.lineage()
+    # A folder fetched from the mirror publishes its facts (metrics, evals, ...) into a lineage
+    # that has not seen it, as a built one does.
+    publish = outcome.built or (outcome.fetched and lineage.artifact(artifact.fingerprint) is None)
     lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
     ctx.record(node, "completed", started[0], _now())
-    if outcome.built and d.publish is not None:
+    if publish and d.publish is not None:
         d.publish(artifact, ws, node.label)
     if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
         # Finished step folders go to S3 as they are built (marker last, checksums verified).

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.files import path_for_file
 from infra.yamlfile import DuplicateKey, load_yaml
 from pipeline.artifact import Artifact, Inputs, operational
 from pipeline.step import many, step
@@ -214,7 +215,8 @@ def build_plan(
             {
                 "name": name,
                 "weight": weight,
-                "files": [str(art.path / f) for f in art.meta["files"]],
+                # relative to this folder (./ or ../) inside the workspace, so it can move
+                "files": [path_for_file(art.path / f, out / "plan.json", out.parent.parent) for f in art.meta["files"]],
                 "available_tokens": available,
                 "budget_tokens": budget,
                 "expected_epochs": round(epochs, 4),

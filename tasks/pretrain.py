@@ -299,7 +299,7 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
-    spec.save(out / "spec.json")
+    spec.save(out / "spec.json", relative_to=out.parent.parent)  # paths inside the workspace: relative
     storage = run.storage
     s3_checkpoints = (
         f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None

@@ -69,7 +69,7 @@ from typing import Any
 import duckdb
 
 from infra.files import write_atomic
-from pipeline.artifact import Artifact, canonical_json, identity
+from pipeline.artifact import WORKSPACE, Artifact, canonical_json, identity, stored
 
 log = logging.getLogger(__name__)
 
@@ -681,13 +681,23 @@ def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(ALL_SCHEMA + MIGRATE)
 
 
-def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool) -> list:
+def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool, root: Path) -> list:
+    """Rows of a query, with the workspace's paths (stored as `{workspace}/REL`) under `root`."""
     cur = con.execute(sql, list(params))
-    rows = cur.fetchall()
+    rows = [tuple(_located(v, root) for v in row) for row in cur.fetchall()]
     if not dicts:
         return rows
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def _located(value: Any, root: Path) -> Any:
+    """A stored value with `{workspace}` made `root`: a path column, or paths inside JSON text."""
+    if not isinstance(value, str) or WORKSPACE not in value:
+        return value
+    if value == WORKSPACE or value.startswith(WORKSPACE + "/"):
+        return str(root) + value[len(WORKSPACE) :]
+    return value.replace(f'"{WORKSPACE}', '"' + json.dumps(str(root))[1:-1])
 
 
 class LineageStore:
@@ -703,6 +713,9 @@ class LineageStore:
         # workspace (no ingestion, no migration, no lock file); pending events and an older
         # schema are read from a private copy (`snapshot`).
         self.read_only = read_only
+        # The workspace this lineage belongs to: paths under it are stored relative to it
+        # (`{workspace}/REL`, pipeline.artifact.stored), so a moved workspace's lineage follows it.
+        self.root = self.path.parent.resolve()
 
     @contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
@@ -923,7 +936,7 @@ class LineageStore:
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
         session = self._session
         if session is not None and session[0] == threading.get_ident():  # inside `reading()`
-            return _fetch(session[1], sql, params, dicts)
+            return _fetch(session[1], sql, params, dicts, self.root)
         if self.read_only:
             if not self.path.exists() and not self._journal_files():
                 return []
@@ -932,7 +945,7 @@ class LineageStore:
             with self._locked(fcntl.LOCK_SH):
                 con = _connect(self.path, read_only=True)
                 try:
-                    return _fetch(con, sql, params, dicts)
+                    return _fetch(con, sql, params, dicts, self.root)
                 finally:
                     con.close()
         if self._has_pending():
@@ -953,7 +966,7 @@ class LineageStore:
         with self._locked(fcntl.LOCK_SH):
             con = _connect(self.path, read_only=True)
             try:
-                return _fetch(con, sql, params, dicts)
+                return _fetch(con, sql, params, dicts, self.root)
             finally:
                 con.close()
 
@@ -1012,7 +1025,7 @@ class LineageStore:
     def snapshot_query(self, sql: str, params: Sequence[Any] = (), *, dicts: bool = True) -> list:
         """`sql` on a private copy (see `snapshot`): what `smollm3 sql` runs."""
         with self.snapshot() as con:
-            return _fetch(con, sql, params, dicts)
+            return _fetch(con, sql, params, dicts, self.root)
 
     def start_run(
         self,
@@ -1031,6 +1044,7 @@ class LineageStore:
         now = _now()
         with self.writer() as ops:
             ops.statement("attempts_crashed", [run_id, attempt])
+            config = stored(json.loads(canonical_json(config)), self.root)
             ops.statement("run_started", [run_id, flow, deployment, recipe, canonical_json(config), now])
             ops.statement("attempt_started", [run_id, attempt, run_id, now])
 
@@ -1057,7 +1071,7 @@ class LineageStore:
                         row.label,
                         row.fingerprint,
                         row.state,
-                        canonical_json(row.config),
+                        canonical_json(stored(json.loads(canonical_json(row.config)), self.root)),
                         row.code_version,
                         row.started,
                         row.ended,
@@ -1088,9 +1102,9 @@ class LineageStore:
                         artifact.kind,
                         step,
                         label,
-                        artifact.uri,
-                        canonical_json(artifact.meta),
-                        canonical_json(identity(config)),
+                        stored(artifact.uri, self.root),
+                        canonical_json(stored(artifact.meta, self.root)),
+                        canonical_json(stored(identity(config), self.root)),
                         _now(),
                     ]
                 ],
