@@ -15,7 +15,9 @@ S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
 `{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
 their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
 deleted by hand, and the folder is read through `pipeline.results.CheckedResults`, so a record
-that is not one of our JSON Artifacts is a cache miss, never deserialized. Steps downstream of a failed one are recorded as `skipped`; the flow fails
+that is not one of our JSON Artifacts is a cache miss, never deserialized. A step whose folder is
+missing here but finished on the S3 mirror is fetched, verified, instead of rebuilt
+(pipeline/mirror.py). Steps downstream of a failed one are recorded as `skipped`; the flow fails
 after every independent branch has finished, naming each failed step and its cause. A served run
 whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py); SIGTERM
 or SIGINT stops the running steps' children at once and ends the run `cancelled`
@@ -418,7 +420,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         if isinstance(exc, OwnerGone):
             cause = str(exc)
             ctx.record(node, "skipped", started[0], _now(), cause)
-        elif ctx.stop_reason is not None:  # killed because the run lost its owner or was cancelled: no retry
+        elif ctx.stop_reason is not None:  # killed: the run lost its owner or was cancelled; no retry
             cause = f"stopped: {ctx.stop_reason} ({cause})"
             ctx.record(node, "failed", started[0], _now(), cause)
         elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome

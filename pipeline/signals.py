@@ -12,9 +12,10 @@ open (`stop_on_signals`, main thread only), the first SIGTERM or SIGINT:
 2. then runs the handler that was installed before (Prefect's, or Python's), so the flow unwinds
    and records itself as cancelled;
 3. arms a deadline: if the process still lives `deadline_s` later (a step working inside the flow
-   process, such as an in-process evaluation, cannot be interrupted), `on_deadline()` records what
-   it must, the exit hooks run (`atexit`) and the process exits with 128 + the signal number
-   without waiting for the busy threads.
+   process, such as an in-process evaluation, cannot be interrupted, and exiting itself can be slow
+   on a loaded machine), `on_deadline()` records what it must, the exit hooks run (`atexit`, for
+   at most `hooks_s`) and the process exits with 128 + the signal number without waiting for the
+   busy threads: 8 s after the signal at the latest.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from contextlib import contextmanager
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-DEADLINE_S = 8.0  # the run exits within this (plus `on_deadline`) of the first signal
+DEADLINE_S = 6.0  # a run still alive this long after the first signal exits...
+HOOKS_S = 2.0  # ...after at most this long for `on_deadline` and the exit hooks
 
 
 @contextmanager
@@ -39,6 +41,7 @@ def stop_on_signals(
     on_deadline: Callable[[str], object],
     *,
     deadline_s: float = DEADLINE_S,
+    hooks_s: float = HOOKS_S,
 ) -> Iterator[None]:
     """SIGTERM and SIGINT stop the run while in the block (see the module docstring); outside the
     main thread, where Python delivers no signal, a no-op."""
@@ -64,12 +67,18 @@ def stop_on_signals(
 
     def _deadline(signum: int, name: str) -> None:
         threading.Event().wait(deadline_s)
-        try:
-            log.error("run still busy %.0f s after %s: exiting", deadline_s, name)
+        log.error("run still busy %.0f s after %s: exiting", deadline_s, name)
+
+        def last_words() -> None:
             on_deadline(name)
             atexit._run_exitfuncs()  # what a normal exit runs (children, lineage, Prefect's server)
-        finally:
-            os._exit(128 + signum)
+
+        # Bounded: a normal exit may be running the same hooks (stopping a temporary Prefect
+        # server can take seconds on a loaded machine); the process ends either way.
+        helper = threading.Thread(target=last_words, name="run-exit-hooks", daemon=True)
+        helper.start()
+        helper.join(hooks_s)
+        os._exit(128 + signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
