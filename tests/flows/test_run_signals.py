@@ -101,7 +101,7 @@ class Busy(BaseModel):
     flag: str
 
 @step("busy", version=1, kind="report")
-def busy(config: Busy, inputs, out: Path, *, log=print) -> dict:
+def busy(config: Busy, *, out: Path, log=print) -> dict:
     Path(config.flag).write_text("started")
     end = time.monotonic() + 120
     while time.monotonic() < end:  # pure Python in the flow process: nothing can interrupt it

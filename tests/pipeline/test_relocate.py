@@ -20,7 +20,7 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
-from pipeline.artifact import Inputs, read_marker
+from pipeline.artifact import Artifact, read_marker
 from pipeline.dryrun import plan_graph
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
@@ -50,16 +50,15 @@ def _bump(counter: str) -> None:
 
 
 @step("make", version=1, kind="corpus", isolate=True)
-def make(config: Make, inputs: Inputs, out: Path, *, log=print) -> dict:
+def make(config: Make, *, out: Path, log=print) -> dict:
     _bump(config.counter)
     (out / "data.txt").write_text(config.text)
     return {"file": str(out / "data.txt"), "nested": {"files": [str(out / "data.txt")]}}
 
 
 @step("use", version=1, kind="report")
-def use(config: Use, inputs: Inputs, out: Path, *, log=print) -> dict:
+def use(config: Use, made: Artifact, *, out: Path, log=print) -> dict:
     _bump(config.counter)
-    made = inputs["made"]
     text = Path(made.meta["file"]).read_text()  # the path its input's meta names
     (out / "copy.txt").write_text(text + config.suffix)
     return {"from": made.meta["nested"]["files"][0], "file": str(out / "copy.txt")}

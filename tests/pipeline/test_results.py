@@ -16,7 +16,6 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
-from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
 from pipeline.results import RefusedResult, check_record, json_serializer
@@ -45,7 +44,7 @@ class Counted(BaseModel):
 
 
 @step("counted", version=1, kind="report")
-def counted(config: Counted, inputs: Inputs, out: Path, *, log=print) -> dict:
+def counted(config: Counted, *, out: Path, log=print) -> dict:
     counter = Path(config.counter)
     n = int(counter.read_text()) + 1 if counter.exists() else 1
     counter.write_text(str(n))
