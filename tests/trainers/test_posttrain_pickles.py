@@ -49,3 +49,47 @@ def test_a_crafted_dcp_metadata_in_a_trl_checkpoint_is_never_resumed(tmp_path):
         for line in lines
     ), lines
     assert not canary.exists()
+
+
+# A pickle whose load would run a command (REDUCE of os.system), saved the way torch saves; the
+# planting process loads a control copy with weights_only=False first, proving the payload is live.
+TORCH_PAYLOAD = """
+import os, sys, torch
+class Payload:
+    def __init__(self, flag):
+        self.flag = flag
+    def __reduce__(self):
+        return (os.system, ("touch " + self.flag,))
+control, canary, *paths = sys.argv[1:]
+torch.save({"python": Payload(control)}, control + ".pt")
+torch.load(control + ".pt", weights_only=False)
+for path in paths:
+    torch.save({"python": Payload(canary), "state": Payload(canary)}, path)
+"""
+
+
+def test_a_crafted_trainer_checkpoint_file_is_refused_by_transformers_loaders(tmp_path):
+    """The HF Trainer files a TRL resume reads (rng_state.pth, optimizer.pt, scheduler.pt), planted
+    from outside with a command inside, reach transformers' own loaders (weights_only=True): each
+    is refused and the command never runs."""
+    import pickle
+
+    import pytest
+    from transformers import Trainer, TrainingArguments
+
+    ckpt, canary = tmp_path / "checkpoint-1", tmp_path / "pwned"
+    ckpt.mkdir()
+    names = ("rng_state.pth", "optimizer.pt", "scheduler.pt")
+    control = tmp_path / "control"
+    subprocess.run(
+        [sys.executable, "-c", TORCH_PAYLOAD, str(control), str(canary), *(str(ckpt / n) for n in names)], check=True
+    )
+    assert control.exists()  # the payload runs where pickle is trusted
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer._load_rng_state(str(ckpt))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer._load_optimizer_and_scheduler(str(ckpt))
+    assert not canary.exists()
