@@ -253,6 +253,30 @@ def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group
     assert not canary.exists()
 
 
+def test_a_crafted_rng_file_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path):
+    """The per-rank RNG state is a pickle too: one planted with an os.system REDUCE and a manifest
+    rewritten to match is refused by torch.load(weights_only=True) before anything runs."""
+    import subprocess
+    import sys
+
+    from infra import manifest
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model, opt = _trained(tiny_cfg)
+    folder = ckpt.save(1, model, opt, {})
+    canary = tmp_path / "pwned"
+    rng = folder / "rng_rank0.pt"
+    subprocess.run([sys.executable, "-c", PLANT.format(), str(canary), str(rng), "os_system"], check=True)
+    record = json.loads((folder / "_CHECKPOINT.json").read_text())
+    record["files"][rng.name] = manifest.entries(folder, [rng.name])[rng.name]
+    (folder / "_CHECKPOINT.json").write_text(json.dumps(record))
+    assert verify_checkpoint(folder) == []
+    fresh, fresh_opt = _trained(tiny_cfg, steps=0, seed=9)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ckpt.load(folder, fresh, fresh_opt)
+    assert not canary.exists()
+
+
 def test_a_storage_entry_outside_the_folder_is_refused(one_rank_group, tiny_cfg, tmp_path):
     """A `.metadata` made only of allowed classes whose storage entry points at `../x`: refused
     before DCP reads another file as tensor bytes."""
