@@ -263,6 +263,16 @@ class MixtureLoader:
         self.source_sequences = counts
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
 
+    def skip(self, sequences: int) -> None:
+        """Advance past the next `sequences` global sequences without reading them (data skipped
+        after a non-finite loss): the stream then continues as if they had been drawn, on every
+        rank and at any world size."""
+        if sequences < 0:
+            raise ValueError(f"cannot skip {sequences} sequences")
+        counts = np.bincount(self._choices(self.sequence, sequences), minlength=len(self.streams))
+        self.source_sequences = [int(c + k) for c, k in zip(self.source_sequences, counts, strict=True)]
+        self.sequence += sequences
+
     # -- accounting --
 
     def tokens_per_source(self) -> dict[str, int]:

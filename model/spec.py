@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.artifact import operational
+from pipeline.artifact import added_identity, operational
 
 
 class _Spec(BaseModel):
@@ -73,6 +73,69 @@ class PeakCalibration(_Spec):
     source: str  # how it was measured, for the metrics (`mfu_peak_source`)
 
 
+class WatchdogConfig(_Spec):
+    """When a stage counts as hung (trainers/watchdog.py): no completed step on a rank within
+    max(floor_s, multiple x the running median step time); before the first step and while a
+    checkpoint is written, their own bounds. Every rank watches itself; the pretrain step watches
+    the ranks' heartbeats too (a rank frozen whole cannot watch itself)."""
+
+    enabled: bool = True  # off: nothing watches for hangs (a hung collective waits for its own timeout)
+    multiple: float = Field(default=10.0, gt=1)  # bound = this x the running median step time...
+    floor_s: float = Field(default=300.0, gt=0)  # ...never below this many seconds
+    window: int = Field(default=100, ge=1)  # steps in the running median
+    startup_s: float = Field(default=1800.0, gt=0)  # bound before a launch's first step (build, load, compile)
+    checkpoint_s: float = Field(default=1800.0, gt=0)  # bound while a checkpoint is being saved
+    heartbeat_s: float = Field(default=10.0, gt=0)  # how often each rank writes its heartbeat file
+    grace_s: float = Field(
+        default=30.0, ge=0
+    )  # step side: after a hang is known, wait this long for the launch to end, then end it
+
+
+class MonitorConfig(_Spec):
+    """Stragglers and throughput drops (trainers/monitor.py), checked at every metrics line over
+    the last `window` lines."""
+
+    # A rank whose own work (data loading and optimizer update: the parts of a step that wait for
+    # no other rank) takes this fraction longer than the median of the other ranks' is named.
+    straggler_margin: float = Field(default=0.5, gt=0)
+    # ...and only when that excess is at least this share of the step (noise in tiny sections).
+    straggler_min_share: float = Field(default=0.01, ge=0)
+    # tokens/s below this fraction of the stage's early reference is a throughput drop
+    throughput_fraction: float = Field(default=0.7, gt=0, lt=1)
+    reference_skip: int = Field(default=5, ge=0)  # first steps of a stage left out of the reference (warm-up)
+    reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the reference
+    window: int = Field(default=5, ge=1)  # metrics lines a flag must hold over (one noisy line is no flag)
+
+
+class SpikeSkipConfig(_Spec):
+    """OLMo-core's skip-step rule: a step whose loss or gradient norm lies more than `sigma`
+    standard deviations from the mean of the previous `window` steps is not applied (no weight or
+    optimizer-state update); its batch is consumed. Two-sided, as OLMo-core's."""
+
+    window: int = Field(default=128, ge=2)  # previous steps the mean and deviation are taken over
+    sigma: float = Field(default=6.0, gt=0)  # how many deviations away a step is skipped
+    min_history: int = Field(default=20, ge=2)  # steps of history before the rule applies
+
+
+class NonFiniteConfig(_Spec):
+    """After a non-finite loss, gradient norm or weights: the pretrain step relaunches the stage
+    from its last verified checkpoint with the data that led there skipped (PaLM's remedy)."""
+
+    retries: int = Field(default=2, ge=0)  # data windows skipped per stage before it fails; 0 = fail at once
+    # Steps' data up to and including the failing step that is skipped; None = everything since
+    # the checkpoint the stage rolls back to (no data that led to the failure is replayed).
+    skip_steps: int | None = Field(default=None, ge=1)
+
+
+class TrackerConfig(_Spec):
+    """Where rank 0 sends its metrics as it trains (trainers/tracker.py), besides metrics.jsonl."""
+
+    kind: Literal["tensorboard", "wandb", "mlflow", "none"] = "tensorboard"  # tensorboard: event files in the workspace
+    project: str = "smollm3"  # W&B project, MLflow experiment
+    wandb_mode: Literal["online", "offline"] | None = None  # None: W&B's own (WANDB_MODE, else online)
+    mlflow_uri: str | None = None  # MLflow tracking URI; None = a file store `mlruns/` in the workspace
+
+
 class TrainSpec(_Spec):
     """One training stage (see the module docstring)."""
 
@@ -96,6 +159,7 @@ class TrainSpec(_Spec):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # flex on cuda, sdpa on cpu
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
+    skip_spikes: SpikeSkipConfig | None = added_identity(None)  # OLMo-core's skip-step rule; None = off
 
     # --- how it runs (operational) ------------------------------------------------------------
     micro_batch: int = operational(gt=0)  # sequences per rank per forward/backward
@@ -108,12 +172,21 @@ class TrainSpec(_Spec):
     # else the datasheet (known GPUs), else this calibration (model/flops.py resolve_peak)
     peak_calibration: PeakCalibration | None = operational(None)
     debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step
+    # testing only: a micro-batch holding this token id gets a NaN loss (tests plant it in a shard)
+    debug_nan_token: int | None = operational(None, ge=0)
+    watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang detection
+    monitor: MonitorConfig = operational(MonitorConfig())  # stragglers, throughput drops
+    # Recovery from a non-finite loss. Operational: a stage that never meets one computes the same;
+    # one that does records the data it skipped in its result, metadata and lineage.
+    nonfinite: NonFiniteConfig = operational(NonFiniteConfig())
+    tracker: TrackerConfig = operational(TrackerConfig())  # TensorBoard (default), W&B or MLflow
     metrics_path: str | None = operational(None)  # JSONL metrics file; None = {out_dir}/metrics.jsonl
 
     # --- bound at launch (not identity: the inputs' fingerprints are) -------------------------
     mixture_plan: str = operational("")  # plan.json of the stage's mixture step
     out_dir: str = operational("")  # stage folder: checkpoints/, metrics.jsonl, result.json
     init_from: str | None = operational(None)  # checkpoint to start from (the previous stage's end)
+    tracker_dir: str = operational("")  # the stage's tracker run folder; "" = {out_dir}/tracker
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSpec:
@@ -122,6 +195,15 @@ class TrainSpec(_Spec):
         if (self.reset_optimizer or self.reset_schedule) and self.init_from is None and self.out_dir:
             raise ValueError("reset_optimizer / reset_schedule only mean something with init_from")
         return self
+
+    @property
+    def monitor_dir(self) -> Path:
+        """`{out_dir}/monitor`: heartbeats, hang reports, flags, data skips (trainers/monitor.py)."""
+        return Path(self.out_dir) / "monitor"
+
+    @property
+    def tracker_path(self) -> Path:
+        return Path(self.tracker_dir) if self.tracker_dir else Path(self.out_dir) / "tracker"
 
     @property
     def metrics_file(self) -> Path:

@@ -36,14 +36,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.launchers import LaunchConfig, get_launcher
-from infra.launchers.base import last_metrics_step
+from infra.launchers.base import LaunchFailed, last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
-from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+from model.spec import (
+    MonitorConfig,
+    NonFiniteConfig,
+    OptimizerConfig,
+    ScheduleSpec,
+    SpikeSkipConfig,
+    TrackerConfig,
+    TrainSpec,
+    WatchdogConfig,
+)
 from pipeline.artifact import Artifact, Inputs, operational
 from pipeline.step import one, step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
+from trainers.monitor import EVENTS_FILE, plan_skip, read_nonfinite, read_skips
+from trainers.supervise import StageSupervisor, reset_launch_files
+from trainers.tracker import check_tracker, tracker_dir
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
@@ -81,6 +93,13 @@ class TrainingConfig(BaseModel):
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared MFU peak per device (else datasheet or preflight's)
     log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
+    # OLMo-core's skip-step rule for loss and gradient-norm spikes; None = off. Identity: it changes
+    # the weights (a stage without it keeps its fingerprint).
+    skip_spikes: SpikeSkipConfig | None = None
+    watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang bounds (docs/training.md "A long run")
+    monitor: MonitorConfig = operational(MonitorConfig())  # straggler margin, throughput fraction
+    nonfinite: NonFiniteConfig = operational(NonFiniteConfig())  # roll back and skip data after a NaN
+    tracker: TrackerConfig = operational(TrackerConfig())  # tensorboard (default), wandb, mlflow, none
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:
@@ -153,6 +172,11 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
         log_interval=t.log_interval,
         num_threads=t.num_threads,
         peak_flops=t.peak_flops,
+        skip_spikes=t.skip_spikes,
+        watchdog=t.watchdog,
+        monitor=t.monitor,
+        nonfinite=t.nonfinite,
+        tracker=t.tracker,
         **fields,
     )
 
@@ -267,6 +291,141 @@ class _Watcher(threading.Thread):
                     return
 
 
+def _end_local(out: Path) -> None:
+    """End a local launch whose ranks are hung: torchrun, the guard and every rank (SIGKILL
+    reaches stopped processes too)."""
+    pgid = _trainer_pgid(out)
+    if pgid:
+        kill_tree(pgid)
+
+
+class StageEvents:
+    """Where a stage's flags go (trainers/supervise.py calls it): a lineage row each
+    (`train_events`, with the flow run, its attempt and the task's try), a Prefect event
+    (`smollm3.training.<kind>`, inside a flow run: automations can act on it), and a task-log line
+    for what the ranks did not log themselves (hangs)."""
+
+    def __init__(self, out: Path, stage: str, log) -> None:
+        from pipeline.workspace import Workspace
+
+        self.out, self.stage, self.log = out, stage, log
+        self.lineage = Workspace(root=str(out.parent.parent)).lineage()  # the step folder's workspace
+        self.run_id, self.attempt, self.task_try, self.related = _run_context()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        from datetime import UTC, datetime
+
+        kind = str(event.get("kind"))
+        if kind in ("hung", "hang_ended", "supervisor_error"):
+            self.log(f"WARNING: {self.stage}: {event.get('message')}")
+        if kind == "throughput_reference":
+            return  # a measurement, not a flag: it stays in the stage folder
+        facts = {k: v for k, v in event.items() if k not in ("kind", "stage", "step", "message", "time")}
+        when = datetime.fromtimestamp(float(event.get("time") or time.time()), UTC).replace(tzinfo=None)
+        row = (
+            str(self.out),
+            self.stage,
+            self.run_id,
+            self.attempt,
+            self.task_try,
+            kind,
+            event.get("step"),
+            event.get("rank"),
+            event.get("host"),
+            _number(event.get("value")),
+            _number(event.get("threshold")),
+            event.get("message"),
+            json.dumps(facts, default=str),
+            when,
+        )
+        self.lineage.record_rows("train_events", [row])
+        if self.run_id is not None:
+            from prefect.events import emit_event
+
+            emit_event(
+                event=f"smollm3.training.{kind}",
+                resource={
+                    "prefect.resource.id": f"smollm3.stage.{self.out.name}",
+                    "prefect.resource.name": self.stage,
+                    "smollm3.stage-dir": str(self.out),
+                },
+                related=self.related,
+                payload={"step": event.get("step"), "message": event.get("message"), **facts},
+            )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _run_context() -> tuple[str | None, int | None, int | None, list[dict[str, str]]]:
+    """(flow run id, its attempt, the task's try, Prefect related resources) of the calling
+    thread's Prefect run; Nones outside one (a build called directly)."""
+    from prefect.runtime import flow_run, task_run
+
+    if not flow_run.id:
+        return None, None, None, []
+    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
+    if task_run.id:
+        related.append({"prefect.resource.id": f"prefect.task-run.{task_run.id}", "prefect.resource.role": "task-run"})
+    return (
+        str(flow_run.id),
+        int(flow_run.run_count or 1),
+        int(task_run.run_count or 1) if task_run.id else None,
+        related,
+    )
+
+
+def _non_finite(exc: BaseException) -> bool:
+    """The launch ended because the trainer met a non-finite loss, gradient norm or weights."""
+    facts = getattr(exc, "facts", None)
+    return isinstance(exc, LaunchFailed) and facts is not None and facts.exitcode == 3
+
+
+def _roll_back(out: Path, spec: TrainSpec, sink: StageEvents, log) -> bool:
+    """After a non-finite value: plan the data window to skip and say so; False when the stage
+    may skip no more (`nonfinite.retries`) or the trainer left no record."""
+    record = read_nonfinite(out)
+    if record is None:
+        return False
+    window = plan_skip(out, record, spec.nonfinite)
+    if window is None:
+        log(
+            f"WARNING: {spec.stage}: {record['what']} non-finite at step {record['step']} after "
+            f"{spec.nonfinite.retries} data window(s) skipped already (training.nonfinite.retries): failing"
+        )
+        return False
+    sequences = window["to"] - window["from"]
+    message = (
+        f"non-finite {record['what']} at step {record['step']}: rolling back to the checkpoint of step "
+        f"{record['checkpoint_step']} and skipping the {sequences} sequences ({sequences * record['seq_len']:,} "
+        f"tokens) of data from there through step {record['step']} (window {len(read_skips(out))} of "
+        f"{spec.nonfinite.retries})"
+    )
+    log(f"WARNING: {spec.stage}: {message}")
+    sink(
+        {
+            "kind": "rollback",
+            "step": record["step"],
+            "value": float(sequences * record["seq_len"]),
+            "message": message,
+            "window": window,
+            "time": time.time(),
+        }
+    )
+    return True
+
+
+def _flag_counts(out: Path) -> dict[str, int]:
+    """How many flags of each kind the stage raised (monitor/events.jsonl, all launches)."""
+    counts: dict[str, int] = {}
+    for row in read_metrics(out / EVENTS_FILE):
+        kind = row.get("kind", "?")
+        if kind != "throughput_reference":  # a measurement, not a flag
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def _trainer_pgid(out: Path) -> int | None:
     try:
         return int((out / ".trainer.pgid").read_text())
@@ -289,6 +448,8 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
             update={"checkpoint_interval": run.keep_every, "keep_last": spec.steps // run.keep_every + 1}
         )
     spec = spec.bind(plan.path / "plan.json", out, init_from)
+    check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
+    spec = spec.model_copy(update={"tracker_dir": str(tracker_dir(out.parent.parent, spec.tracker, out, spec.stage))})
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
@@ -312,25 +473,37 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
         f"{sched.total_steps or spec.steps}), seed {spec.seed}"
         f"{', resuming in ' + str(out) if resumed else ''}"
     )
+    if spec.tracker.kind != "none":
+        log(f"{spec.stage}: {spec.tracker.kind} run folder {spec.tracker_dir}")
     launcher = get_launcher(launch_config(run))
     inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
-    watcher = _Watcher(out, spec.steps, progress, inject)
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
-    watcher.start()
-    try:
-        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-            launcher.launch(
-                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
-            )
-    except Exception:
-        if watcher.injected:
-            raise RuntimeError(
-                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
-            ) from None
-        raise
-    finally:
-        watcher.stop.set()
-        watcher.join()
+    sink = StageEvents(out, spec.stage, log)
+    while True:  # again only after a non-finite value, with its data skipped (bounded)
+        watcher = _Watcher(out, spec.steps, progress, inject)
+        reset_launch_files(out)  # hang reports and heartbeats describe this launch only
+        local = run.launch.kind == "local"
+        supervisor = StageSupervisor(out, spec.watchdog, sink, end_launch=(lambda: _end_local(out)) if local else None)
+        watcher.start()
+        supervisor.start()
+        try:
+            with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
+                launcher.launch(
+                    out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+                )
+        except Exception as exc:
+            if watcher.injected:
+                raise RuntimeError(
+                    f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+                ) from None
+            if _non_finite(exc) and _roll_back(out, spec, sink, log):
+                continue
+            raise
+        finally:
+            watcher.stop.set()
+            watcher.join()
+            supervisor.close()
+        break
     result = json.loads((out / "result.json").read_text())
     rows = read_metrics(out / "metrics.jsonl")
     if rows:
@@ -354,6 +527,10 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
         "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
         "resumed": resumed,
         "init_from": init_from,
+        "skipped_steps": result.get("skipped_steps", 0),  # the skip-step rule's
+        "skipped_data": result.get("skipped_data", []),  # windows skipped after non-finite values
+        "flags": _flag_counts(out),
+        "tracker_dir": spec.tracker_dir if spec.tracker.kind != "none" else None,
         **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }
     if meta["mfu"] is not None and meta["mfu"] > 1:
@@ -424,7 +601,7 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     facts = [
         (artifact.fingerprint, r["step"], name, float(r[name]))
         for r in rows
-        for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+        for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "skipped_steps")
         if isinstance(r.get(name), int | float)
     ]
     ws.lineage().record_rows("metrics", facts)

@@ -36,8 +36,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
 from model.schedule import lr_at
 from model.spec import TrainSpec
+from trainers.monitor import StageMonitor
+from trainers.watchdog import Watchdog
 
 log = logging.getLogger("trainers.pretrain")
 EXIT_NON_FINITE = 3
@@ -72,6 +75,7 @@ class Runtime:
     world_size: int
     device: torch.device
     owns_group: bool  # we created the process group, so we destroy it
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when training ends, however
 
 
 def setup_runtime(spec: TrainSpec) -> Runtime:
@@ -292,6 +296,8 @@ def train(spec: TrainSpec) -> dict[str, Any]:
         lease = claim_stage(Path(spec.out_dir), rt)
         return _train(spec, rt)
     finally:
+        for close in reversed(rt.closers):
+            close()
         if lease is not None:
             lease.release()
         if rt.owns_group and dist.is_initialized():
@@ -301,6 +307,9 @@ def train(spec: TrainSpec) -> dict[str, Any]:
 def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     out_dir = Path(spec.out_dir)
     is_main = rt.rank == 0
+    # From here on a rank that completes no step within its bound ends the launch (trainers/watchdog.py).
+    watchdog = Watchdog(spec.watchdog, out_dir, rt.rank, spec.stage).start()
+    rt.closers.append(watchdog.stop)
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         spec.save(out_dir / "spec.resolved.json")
@@ -326,7 +335,7 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
     loader = MixtureLoader(plan, seq_len=seq_len, rank=rt.rank, world_size=rt.world_size, vocab_size=cfg.vocab_size)
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last)
 
-    step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
+    step, schedule_start, resumed_from, state = 0, spec.schedule.start_step or 0, None, None
     # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
     # a corrupt newer one is skipped with a warning naming what failed.
     latest = ckpt.latest_verified(collective=True)
@@ -383,15 +392,21 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         peak * rt.world_size if peak else None,
         peak_source,
     )
+    # Hang watchdog, stragglers, throughput, skip-step rule, data skips, tracker (trainers/monitor.py).
+    mon = StageMonitor(spec, rt, watchdog, plan.stage, step, spec.global_batch * seq_len, seq_len)
+    rt.closers.append(mon.close)
+    mon.start(loader, state)
 
     while step < spec.steps:
         t0 = time.perf_counter()
+        mon.before_step(loader, step + 1)
         lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=rt.device)
         for micro in range(accum):
-            batch = loader.next_batch(spec.micro_batch)
+            with mon.local():
+                batch = loader.next_batch(spec.micro_batch)
             if rt.world_size > 1:
                 model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
             with autocast:
@@ -400,11 +415,15 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
                     batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
                     batch.labels.to(rt.device),
                 )
-            (out.loss / accum).backward()
-            loss_sum += out.loss.detach().float()
+            loss = out.loss
+            if spec.debug_nan_token is not None and bool((batch.input_ids == spec.debug_nan_token).any()):
+                loss = loss * float("nan")  # testing only: a planted token poisons its batch
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
         dist.all_reduce(loss_sum)
         loss_value = loss_sum.item() / (accum * rt.world_size)
         if not math.isfinite(loss_value):
+            mon.nonfinite(step + 1, "loss", loss_value, loader, last_ckpt)
             raise NonFiniteError(
                 f"loss is {loss_value} at step {step + 1}; stopping before any checkpoint of "
                 f"this state (last good checkpoint: {last_ckpt})"
@@ -417,42 +436,53 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.item()
         if not math.isfinite(grad_norm):
+            mon.nonfinite(step + 1, "gradient norm", grad_norm, loader, last_ckpt)
             raise NonFiniteError(
                 f"gradient norm is {grad_norm} at step {step + 1} (loss {loss_value}); stopping "
                 f"(last good checkpoint: {last_ckpt})"
             )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        skipped = mon.skip_update(step + 1, loss_value, grad_norm)  # the skip-step rule, when on
+        with mon.local():
+            if not skipped:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
         step += 1
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         tokens_per_s = spec.global_batch * seq_len / elapsed
         report.stepped(elapsed)
-        if is_main and (step % spec.log_interval == 0 or step == spec.steps):
-            metrics.write(
-                {
-                    "step": step,
-                    "loss": loss_value,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": report.mfu(tokens_per_s),
-                    "mfu_peak_flops": peak,
-                    "mfu_peak_source": peak_source,
-                    "tokens_per_source": loader.tokens_per_source(),
-                    "epochs_per_source": loader.epochs_per_source(),
-                    "time": time.time(),
-                    "peak_memory_gib": peak_memory_gib(rt.device),
-                }
-            )
+        mon.stepped(step, elapsed)
+        line = step % spec.log_interval == 0 or step == spec.steps
+        checks = mon.line(step) if line else {}  # collective: the ranks' times (stragglers, throughput)
+        if is_main and line:
+            record = {
+                "step": step,
+                "loss": loss_value,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+                "mfu": report.mfu(tokens_per_s),
+                "mfu_peak_flops": peak,
+                "mfu_peak_source": peak_source,
+                "tokens_per_source": loader.tokens_per_source(),
+                "epochs_per_source": loader.epochs_per_source(),
+                "time": time.time(),
+                "peak_memory_gib": peak_memory_gib(rt.device),
+                "skipped": skipped,
+                **checks,
+            }
+            metrics.write(record)
+            mon.track(step, record)  # TensorBoard / W&B / MLflow, live
             report.log_step(step, loss_value, lr, grad_norm)
         stage_end = step == spec.steps
         if stage_end or step % spec.checkpoint_interval == 0:
             if not _all_finite(params):
+                mon.nonfinite(step, "weights", float("nan"), loader, last_ckpt)
                 raise NonFiniteError(
                     f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
                 )
+            mon.saving()  # the watchdog's checkpoint bound
             last_ckpt = ckpt.save(
                 step,
                 model,
@@ -466,9 +496,11 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
                     "loader": loader.state_dict(),
                     "tokens_per_source": loader.tokens_per_source(),
                     "epochs_per_source": loader.epochs_per_source(),
+                    "monitor": mon.state_dict(),
                 },
                 stage_end=stage_end,
             )
+            mon.saved(step, loader)
         if spec.debug_step_sleep_s:
             time.sleep(spec.debug_step_sleep_s)
 
@@ -484,6 +516,8 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         "metrics": str(spec.metrics_file),
         "world_size": rt.world_size,
         "resumed_from": resumed_from,
+        "skipped_steps": mon.spikes.skipped if mon.spikes else 0,  # the skip-step rule's
+        "skipped_data": mon.skips.windows,  # data windows skipped after non-finite values
     }
     if is_main:
         report.log_end(loss_value)
