@@ -100,11 +100,12 @@ class MonitorConfig(_Spec):
     straggler_margin: float = Field(default=0.5, gt=0)
     # ...and only when that excess is at least this share of the step (noise in tiny sections).
     straggler_min_share: float = Field(default=0.01, ge=0)
-    # tokens/s below this fraction of the stage's early reference is a throughput drop
+    # tokens/s (over the window) below this fraction of the stage's early reference is a drop;
+    # recovered at half-way back to the reference
     throughput_fraction: float = Field(default=0.7, gt=0, lt=1)
     reference_skip: int = Field(default=5, ge=0)  # first steps of a stage left out of the reference (warm-up)
     reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the reference
-    window: int = Field(default=5, ge=1)  # metrics lines a flag must hold over (one noisy line is no flag)
+    window: int = Field(default=5, ge=1)  # metrics lines a flag is decided over (one noisy line is no flag)
 
 
 class SpikeSkipConfig(_Spec):

@@ -15,8 +15,9 @@ holds the parts below, and the hang watchdog (trainers/watchdog.py) and the trac
 - Throughput drops. The stage's reference is the median tokens/s over `reference_steps` steps
   after the first `reference_skip` of the first launch that trains them; it is kept in
   `monitor/throughput.json`, so a resumed launch a day later compares with the first hour.
-  Tokens/s below `throughput_fraction` of it on `window` metrics lines in a row is flagged, with
-  the step where the fall began.
+  Tokens/s over the last `window` metrics lines below `throughput_fraction` of it is flagged, with
+  the step where the fall began (the window's first line below); it counts as recovered half-way
+  back to the reference. A straggler is likewise cleared only at half its margin.
 - Loss spikes (`skip_spikes`, off by default): OLMo-core's skip-step rule (`SpikeRule`); the
   rolling history is checkpointed, so a resumed stage skips exactly what an uninterrupted one does.
 - Non-finite values: `nonfinite()` writes `monitor/nonfinite.json` (the failing step, the
@@ -197,22 +198,21 @@ class SpeedChecks:
         self.lines: deque[tuple[torch.Tensor, int]] = deque(maxlen=config.window)  # (per-rank sums, end step)
         self.slow: set[int] = set()  # ranks named and not cleared
         self.reference = reference  # {"tokens_per_s", "from_step", "to_step", ...}
-        self.samples: list[float] = []  # interval rates while the reference is measured
+        self.samples: list[float] = []  # line rates while the reference is measured
         self.launch_start: int | None = None
-        self.streak_start: int | None = None  # first step of the current run of slow lines
-        self.streak = 0
+        self.rates: deque[tuple[int, float, float]] = deque(maxlen=config.window)  # (first step, steps, seconds)
         self.dropped = False
 
     def add(self, sums: torch.Tensor, first_step: int, end_step: int, events: Events) -> dict[str, Any]:
         """One metrics line's gathered sums (ranks x [local s, step s, steps]); returns scalars."""
-        self.lines.append((sums, end_step))
         out: dict[str, Any] = {}
         steps = float(sums[0, 2])
         if steps <= 0:
             return out
-        rate = self.tokens_per_step * steps / float(sums[0, 1]) if float(sums[0, 1]) > 0 else float("nan")
-        out |= self._throughput(rate, first_step, end_step, events)
-        if sums.shape[0] > 1:
+        out |= self._throughput(first_step, steps, float(sums[0, 1]), end_step, events)
+        # A launch's first steps (first batches read, allocations, compilation) name nobody.
+        if sums.shape[0] > 1 and first_step >= (self.launch_start or first_step) + self.config.reference_skip:
+            self.lines.append((sums, end_step))
             out |= self._stragglers(end_step, events)
         return out
 
@@ -228,6 +228,8 @@ class SpeedChecks:
             slow = (
                 ratio > 1 + self.config.straggler_margin and mine - others >= self.config.straggler_min_share * step_s
             )
+            # Cleared only well below the margin: a rank near it is not named and cleared by turns.
+            fine = ratio < 1 + self.config.straggler_margin / 2
             full = len(self.lines) == self.config.window
             if slow and full and rank not in self.slow:
                 self.slow.add(rank)
@@ -242,7 +244,7 @@ class SpeedChecks:
                     value=ratio,
                     threshold=1 + self.config.straggler_margin,
                 )
-            elif not slow and full and rank in self.slow:
+            elif fine and full and rank in self.slow:
                 self.slow.discard(rank)
                 events.emit(
                     "straggler_cleared",
@@ -257,10 +259,12 @@ class SpeedChecks:
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         return {"perf/slowest_rank_ratio": ratios[slowest], "perf/slowest_rank": slowest}
 
-    def _throughput(self, rate: float, first_step: int, step: int, events: Events) -> dict[str, Any]:
-        if not math.isfinite(rate):
+    def _throughput(self, first_step: int, steps: float, seconds: float, step: int, events: Events) -> dict[str, Any]:
+        """The reference first; then tokens/s over the last `window` lines against it: one line
+        (a step that met a slow file, a fast one right after) decides nothing alone."""
+        if seconds <= 0:
             return {}
-        c = self.config
+        c, rate = self.config, self.tokens_per_step * steps / seconds
         if self.launch_start is None:
             self.launch_start = first_step
         if self.reference is None:
@@ -286,36 +290,50 @@ class SpeedChecks:
                 )
             return {}
         reference = self.reference["tokens_per_s"]
-        ratio = rate / reference
-        if ratio < c.throughput_fraction:
-            if self.streak == 0:
-                self.streak_start = first_step
-            self.streak += 1
-            if self.streak >= c.window and not self.dropped:
-                self.dropped = True
-                events.emit(
-                    "throughput_drop",
-                    step,
-                    f"throughput drop: {rate:,.0f} tokens/s is {ratio:.0%} of the stage's reference "
-                    f"{reference:,.0f} (steps {self.reference['from_step']}..{self.reference['to_step']}), "
-                    f"below {c.throughput_fraction:.0%} since step {self.streak_start}",
-                    value=rate,
-                    threshold=c.throughput_fraction * reference,
-                    began_at=self.streak_start,
-                    reference=reference,
-                )
-        else:
-            if self.dropped:
-                events.emit(
-                    "throughput_recovered",
-                    step,
-                    f"throughput recovered: {rate:,.0f} tokens/s ({ratio:.0%} of the reference)",
-                    level=logging.INFO,
-                    value=rate,
-                    threshold=c.throughput_fraction * reference,
-                )
-            self.streak, self.streak_start, self.dropped = 0, None, False
+        self.rates.append((first_step, steps, seconds))
+        window = self.tokens_per_step * sum(n for _, n, _ in self.rates) / sum(t for _, _, t in self.rates)
+        ratio = window / reference
+        if ratio < c.throughput_fraction and len(self.rates) == c.window and not self.dropped:
+            self.dropped = True
+            began = self._began(c.throughput_fraction * reference)
+            events.emit(
+                "throughput_drop",
+                step,
+                f"throughput drop: {window:,.0f} tokens/s over the last {len(self.rates)} metrics lines is "
+                f"{ratio:.0%} of the stage's reference {reference:,.0f} (steps {self.reference['from_step']}.."
+                f"{self.reference['to_step']}), below {c.throughput_fraction:.0%} since step {began}",
+                value=window,
+                threshold=c.throughput_fraction * reference,
+                began_at=began,
+                reference=reference,
+            )
+        elif self.dropped and ratio >= c.throughput_fraction + (1 - c.throughput_fraction) / 2:
+            self.dropped = False  # recovered well above the fraction (no flag and clear by turns)
+            events.emit(
+                "throughput_recovered",
+                step,
+                f"throughput recovered: {window:,.0f} tokens/s ({ratio:.0%} of the reference)",
+                level=logging.INFO,
+                value=window,
+                threshold=c.throughput_fraction * reference,
+            )
         return {"perf/throughput_vs_reference": ratio}
+
+    def _began(self, threshold: float) -> int:
+        """Where the fall began: the first step of the window when every line of it is below
+        `threshold`, else the change point of the window's (log) rates, the split that leaves
+        the least spread on either side (one slow line before fast ones is noise, not the start)."""
+        rates = [math.log(self.tokens_per_step * n / t) for _, n, t in self.rates]
+        if all(r < math.log(threshold) for r in rates):
+            return self.rates[0][0]
+
+        def spread(part: list[float]) -> float:
+            mean = sum(part) / len(part)
+            return sum((r - mean) ** 2 for r in part)
+
+        splits = [i for i in range(1, len(rates)) if sum(rates[i:]) / (len(rates) - i) < sum(rates[:i]) / i]
+        best = min(splits, key=lambda i: spread(rates[:i]) + spread(rates[i:]), default=0)
+        return self.rates[best][0]
 
 
 # --- the facade the training loop calls -------------------------------------------------------
