@@ -575,6 +575,30 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
     ws.lineage().record_rows("evals", rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{label}".lower())
     create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
+    _scores_to_trackers(artifact, ws)
+
+
+def _scores_to_trackers(artifact: Artifact, ws) -> None:
+    """The scores of a pretraining stage's checkpoint, into that stage's tracker run at its last
+    step (trainers/tracker.py): the eval curve sits beside the loss. The stage is found through
+    lineage: this evaluation <- its export <- the pretrain artifact."""
+    from prefect import get_run_logger
+
+    from trainers.tracker import TrackerUnavailable, log_scores
+
+    stages = ws.lineage().query(
+        "SELECT a.uri, a.meta FROM edges e1 JOIN edges e2 ON e2.child = e1.parent "
+        "JOIN artifacts a ON a.fingerprint = e2.parent WHERE e1.child = ? AND a.step = 'pretrain'",
+        [artifact.fingerprint],
+    )
+    for uri, meta in stages:
+        try:
+            folder = log_scores(Path(uri), int(json.loads(meta)["steps"]), artifact.meta["scores"])
+        except (TrackerUnavailable, OSError, KeyError, ValueError) as exc:  # the scores are in lineage anyway
+            get_run_logger().warning(f"eval scores not sent to the stage's tracker: {exc}")
+            continue
+        if folder is not None:
+            get_run_logger().info(f"eval scores added to the tracker run {folder}")
 
 
 class SuiteSpec(BaseModel):

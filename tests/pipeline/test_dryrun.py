@@ -53,6 +53,11 @@ OPERATIONAL = [
     "posttrain.eval.batch_size=4",
     "stages.stage1.max_epochs=2",
     "training.compile_model=true",
+    # a long run watching itself: hang bounds, flag thresholds, NaN recovery, the tracker
+    "training.watchdog={floor_s: 5, grace_s: 1}",
+    "training.monitor={straggler_margin: 0.2}",
+    "training.nonfinite={retries: 0}",
+    "training.tracker={kind: none}",
     # post-training: where the trainers run, their micro-batches and checkpoints
     "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
     "posttrain.sft.per_device_batch=4",
