@@ -8,8 +8,11 @@ launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no 
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
-log intervals, threads, micro-batching, the MFU peak): they never enter a fingerprint. Unknown
-keys are refused, so a typo fails before any rank starts work.
+log intervals, threads, micro-batching, the MFU peak, the hang watchdog, flag thresholds, NaN
+recovery, the tracker): they never enter a fingerprint. `skip_spikes` changes the weights, so it
+is identity, but added after fingerprints were published (`pipeline.artifact.added_identity`):
+left off, it moves no fingerprint. Unknown keys are refused, so a typo fails before any rank
+starts work.
 """
 
 from __future__ import annotations

@@ -586,14 +586,16 @@ def _scores_to_trackers(artifact: Artifact, ws) -> None:
 
     from trainers.tracker import TrackerUnavailable, log_scores
 
-    stages = ws.lineage().query(
-        "SELECT a.uri, a.meta FROM edges e1 JOIN edges e2 ON e2.child = e1.parent "
-        "JOIN artifacts a ON a.fingerprint = e2.parent WHERE e1.child = ? AND a.step = 'pretrain'",
-        [artifact.fingerprint],
-    )
-    for uri, meta in stages:
+    lineage = ws.lineage()
+    stages = [
+        stage
+        for model in lineage.inputs_of(artifact.fingerprint, kind="hf_model")
+        for stage in lineage.inputs_of(model.fingerprint, kind="checkpoint")
+        if stage.meta.get("steps") and not stage.uri.startswith("s3://")
+    ]
+    for stage in stages:
         try:
-            folder = log_scores(Path(uri), int(json.loads(meta)["steps"]), artifact.meta["scores"])
+            folder = log_scores(stage.path, int(stage.meta["steps"]), artifact.meta["scores"])
         except (TrackerUnavailable, OSError, KeyError, ValueError) as exc:  # the scores are in lineage anyway
             get_run_logger().warning(f"eval scores not sent to the stage's tracker: {exc}")
             continue

@@ -16,6 +16,15 @@ task). The folder is resumable: after a crash or a `prefect flow-run retry`, the
 from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
 the publish hook ingests them into DuckDB and posts a summary with the loss curve to the UI.
 
+While the trainer runs, a supervisor thread (trainers/supervise.py) turns the ranks' flags
+(stragglers, throughput drops, skipped steps, non-finite values) into task-log lines, lineage rows
+(`train_events`) and Prefect events (`smollm3.training.<kind>`), and ends a local launch whose
+ranks hung where torchrun cannot (the attempt fails as `hung`, transient: the retry resumes).
+After a non-finite value the step relaunches the stage from its last verified checkpoint with the
+data that led there skipped, at most `training.nonfinite.retries` times (docs/training.md "A
+long run"). Rank 0 writes the stage's TensorBoard run (or W&B / MLflow) under
+`{workspace}/tensorboard/{stage}-{folder}`.
+
 Testing hook: `SMOLLM3_INJECT_FAILURE=<stage>` kills that stage's trainer (SIGKILL of its process
 group, as a node failure would) once its first checkpoint is complete, once per stage folder.
 """
@@ -396,10 +405,15 @@ def _roll_back(out: Path, spec: TrainSpec, sink: StageEvents, log) -> bool:
         )
         return False
     sequences = window["to"] - window["from"]
+    since = (
+        "from there"
+        if window["from"] == record["checkpoint_sequence"]
+        else f"of the last {spec.nonfinite.skip_steps} step(s)"
+    )
     message = (
         f"non-finite {record['what']} at step {record['step']}: rolling back to the checkpoint of step "
         f"{record['checkpoint_step']} and skipping the {sequences} sequences ({sequences * record['seq_len']:,} "
-        f"tokens) of data from there through step {record['step']} (window {len(read_skips(out))} of "
+        f"tokens) of data {since} through step {record['step']} (window {len(read_skips(out))} of at most "
         f"{spec.nonfinite.retries})"
     )
     log(f"WARNING: {spec.stage}: {message}")

@@ -14,7 +14,13 @@ One launch trains one stage as described by a `TrainSpec`:
 - resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size);
   otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise fresh;
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
-  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
+  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written, after
+  recording in `monitor/nonfinite.json` what the pretrain step needs to roll back and skip the
+  data that led there (trainers/monitor.py);
+- watching itself: a hang watchdog on every rank (trainers/watchdog.py: no completed step within
+  its bound ends the rank with exit code 5, stacks in the log), straggler and throughput checks
+  at every metrics line, the optional skip-step rule, planned data skips and the tracker
+  (trainers/monitor.py, trainers/tracker.py), called from a few hooks of the loop;
 - outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
 - logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
   gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task

@@ -552,3 +552,35 @@ def test_flags_are_prefect_events_and_lineage_rows_of_the_flow_run(tmp_path, pre
         1,
         1,
     )
+
+
+def test_the_skipped_window_follows_the_policy_and_the_loader_skips_it_as_if_drawn(tmp_path):
+    """`nonfinite.skip_steps`: None skips the data since the checkpoint, k the last k steps' up
+    to the failing one; `retries` bounds the windows. Skipping sequences leaves the loader where
+    drawing them would have."""
+    from model.data import MixtureLoader, MixturePlan
+    from model.spec import NonFiniteConfig
+    from trainers.monitor import plan_skip, read_skips
+
+    record = {
+        "step": 7,
+        "what": "loss",
+        "checkpoint_step": 4,
+        "checkpoint_sequence": 16,
+        "step_sequences": {"5": 16, "6": 20, "7": 24},
+        "sequence_after": 28,
+        "seq_len": L,
+    }
+    assert plan_skip(tmp_path / "a", record, NonFiniteConfig())["from"] == 16
+    assert plan_skip(tmp_path / "b", record, NonFiniteConfig(skip_steps=1))["from"] == 24
+    assert plan_skip(tmp_path / "c", record, NonFiniteConfig(skip_steps=2))["from"] == 20
+    assert plan_skip(tmp_path / "b", record, NonFiniteConfig(retries=1, skip_steps=1)) is None
+    assert [(w["from"], w["to"]) for w in read_skips(tmp_path / "b")] == [(24, 28)]
+
+    plan = MixturePlan.load(write_two_source_plan(tmp_path / "plan"))
+    drawn, skipped = MixtureLoader(plan, seq_len=L), MixtureLoader(plan, seq_len=L)
+    for _ in range(5):
+        drawn.next_batch(4)
+    skipped.skip(20)
+    assert skipped.state_dict() == drawn.state_dict()
+    assert torch.equal(skipped.next_batch(4).input_ids, drawn.next_batch(4).input_ids)
