@@ -106,7 +106,12 @@ class StageSupervisor(threading.Thread):
             if self.config.enabled and not final:
                 self._watch_hangs()
         except Exception as exc:  # noqa: BLE001 - watching must never break the launch it watches
-            self.on_event({"kind": "supervisor_error", "message": f"stage supervisor: {exc!r}", "time": time.time()})
+            try:
+                self.on_event(
+                    {"kind": "supervisor_error", "message": f"stage supervisor: {exc!r}", "time": time.time()}
+                )
+            except Exception:  # noqa: BLE001 - the sink itself fails (a full disk): keep watching
+                pass
 
     # -- flags --
 

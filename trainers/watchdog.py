@@ -117,6 +117,7 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             faulthandler.cancel_dump_traceback_later()
+            faulthandler.unregister(STACK_SIGNAL)
             self._thread.join(timeout=5)
             self._thread = None
 
