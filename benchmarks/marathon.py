@@ -5,7 +5,8 @@ configs/tiny.yaml) on 2 ranks through the pretrain step (`tasks.pretrain.build_s
 torchrun launcher and its supervisor), on synthetic shards; this process injects each fault:
 - a rank frozen: rank 1, its torchrun and the guard get SIGSTOP after step 5 (the issue's test);
 - a launch frozen whole: every process of the launch gets SIGSTOP (no watchdog can run);
-- a slowed rank: rank 1 gets SIGSTOP 50 ms out of every 60 from step 12 on.
+- a slowed rank: from step 12 on, rank 1's training thread shares CPU 0 with a spinning process,
+  its scheduling group (autogroup) at nice 5: about a quarter of a CPU, as on a busy host.
 Prints, per fault, seconds from the injection to the report (and to the end of the launch).
 
     .venv/bin/python benchmarks/marathon.py              # all three, ~5 min on 2 cores
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -73,15 +75,15 @@ def run(kind: str, root: Path) -> dict:
         elif kind == "whole":
             for p in (guard, torchrun, *ranks):
                 p.send_signal(signal.SIGSTOP)
-        else:
-            try:
-                while not stop.is_set():
-                    ranks[1].send_signal(signal.SIGSTOP)
-                    time.sleep(0.05)
-                    ranks[1].send_signal(signal.SIGCONT)
-                    stop.wait(0.01)
-            except psutil.NoSuchProcess:
-                pass  # the stage ended
+        else:  # a busy host: rank 1's training thread on CPU 0 beside a spinner, its autogroup at nice 5
+            spinner = subprocess.Popen(
+                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
+            )
+            ranks[1].cpu_affinity([0])
+            Path(f"/proc/{ranks[1].pid}/autogroup").write_text("5")
+            stop.wait()
+            spinner.kill()
+            spinner.wait()
 
     helper = threading.Thread(target=inject, daemon=True)
     helper.start()

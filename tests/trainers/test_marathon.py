@@ -13,9 +13,12 @@ import importlib.util
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -136,32 +139,22 @@ def launch_tree(out: Path) -> tuple[psutil.Process, psutil.Process, list[psutil.
     return guard, torchrun, ranks
 
 
-class Throttle(threading.Thread):
-    """Slows processes from outside: SIGSTOP for `stop_s`, SIGCONT for `run_s`, until stopped."""
+class SlowHost:
+    """Slows one rank from outside as a busy host would: its training (main) thread pinned to CPU 0
+    beside a process spinning there, its scheduling group (torchrun gives each rank a session, so
+    an autogroup, of its own) at nice 5: about a quarter of one CPU. `stop()` ends the spinner."""
 
-    def __init__(self, procs: list[psutil.Process], stop_s: float, run_s: float) -> None:
-        super().__init__(daemon=True)
-        self.procs, self.stop_s, self.run_s = procs, stop_s, run_s
-        self.done = threading.Event()
-        self.started_at: float | None = None
-
-    def run(self) -> None:
+    def __init__(self, rank: psutil.Process) -> None:
+        self.spinner = subprocess.Popen(
+            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
+        )
+        rank.cpu_affinity([0])
+        Path(f"/proc/{rank.pid}/autogroup").write_text("5")
         self.started_at = time.time()
-        try:
-            while not self.done.is_set():
-                self._signal(signal.SIGSTOP)
-                time.sleep(self.stop_s)
-                self._signal(signal.SIGCONT)
-                self.done.wait(self.run_s)
-        finally:
-            self._signal(signal.SIGCONT)
 
-    def _signal(self, sig: int) -> None:
-        for p in self.procs:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
+    def stop(self) -> None:
+        self.spinner.kill()
+        self.spinner.wait()
 
 
 # --- 1. hangs -------------------------------------------------------------------------------
@@ -268,7 +261,7 @@ def test_a_launch_frozen_whole_is_ended_by_the_pretrain_step(tmp_path):
 
 
 def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_first_step(tmp_path):
-    """Rank 1 slowed from outside after step 12 (SIGSTOP 50 ms out of every 60): rank 0 names
+    """Rank 1 slowed from outside after step 12 (a busy CPU, lowest priority): rank 0 names
     rank 1 and its host as a straggler (never rank 0), and flags the fall of tokens/s below 70% of
     the reference of steps 3..10 with the step where it began; lineage rows and task-log warnings."""
     plan = write_two_source_plan(tmp_path / "plan")
@@ -289,14 +282,13 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
         },
         watchdog={"floor_s": 60.0},
     )
-    throttle: dict[str, Throttle] = {}
+    throttle: dict[str, Any] = {}
 
     def slow_down() -> None:
         wait_for_step(out, 12)
         _, _, ranks = launch_tree(out)
-        throttle["t"] = Throttle([ranks[1]], stop_s=0.05, run_s=0.01)
+        throttle["t"] = SlowHost(ranks[1])
         throttle["step"] = metrics(out)[-1]["step"]
-        throttle["t"].start()
 
     helper = threading.Thread(target=slow_down, daemon=True)
     helper.start()
@@ -306,15 +298,15 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     finally:
         helper.join()
         if "t" in throttle:
-            throttle["t"].done.set()
-            throttle["t"].join()
+            throttle["t"].stop()
     flags = events(out)
     stragglers = [e for e in flags if e["kind"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}, flags
     assert stragglers[0]["host"] == socket.gethostname() and stragglers[0]["step"] > throttle["step"]
     drops = [e for e in flags if e["kind"] == "throughput_drop"]
-    # The throttle starts while the step after the one seen is under way.
-    assert len(drops) == 1 and -1 <= drops[0]["began_at"] - throttle["step"] <= 3, (drops, throttle["step"])
+    # The throttle starts while the step after the one seen is under way. (On a loaded machine
+    # the throttled rate can recover and fall again: a second flag is then right too.)
+    assert drops and -1 <= drops[0]["began_at"] - throttle["step"] <= 3, (drops, throttle["step"])
     reference = next(e for e in flags if e["kind"] == "throughput_reference")
     assert reference["step"] <= 12 and drops[0]["threshold"] == pytest.approx(0.7 * reference["value"])
     text = "\n".join(lines)
@@ -322,7 +314,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     assert "WARNING: stage1: throughput drop:" in text and f"since step {drops[0]['began_at']}" in text
     rows = {(r["kind"], r["rank"]) for r in train_events(ws)}
     assert ("straggler", 1) in rows and ("throughput_drop", None) in rows
-    assert meta["flags"]["straggler"] == len(stragglers) and meta["flags"]["throughput_drop"] == 1
+    assert meta["flags"]["straggler"] == len(stragglers) and meta["flags"]["throughput_drop"] == len(drops)
     detection = {e["kind"]: e["time"] - throttle["t"].started_at for e in (stragglers[0], drops[0])}
     print(f"detection after the throttle began: {detection}")
 
@@ -350,18 +342,19 @@ def test_a_planted_spike_is_not_applied_and_a_resumed_stage_skips_the_same_step(
     assert [(r["kind"], r["step"]) for r in train_events(ws)] == [("skipped_step", 16)]
 
     plain = ws / "pretrain" / "plain0000000"
-    train_stage(stage(plan, steps=20, checkpoint_interval=1), plan, plain)
+    train_stage(stage(plan, steps=20, checkpoint_interval=100), plan, plain)
+    assert not any(m["skipped"] for m in metrics(plain)) and metrics(plain)[-1]["skipped_steps"] == 0
     spike = metrics(plain)[15]
     assert (
         spike["loss"] > 1.3 * metrics(plain)[14]["loss"] and spike["grad_norm"] > 1.8 * metrics(plain)[14]["grad_norm"]
     )
-    assert not same_weights(plain / "checkpoints" / "step_00000015", plain / "checkpoints" / "step_00000016")
+    assert not same_weights(plain / "checkpoints" / "step_00000020", ckpt / "step_00000020")
 
     resumed = ws / "pretrain" / "resumed00000"
     train_stage(
-        stage(plan, steps=12, checkpoint_interval=1, skip_spikes=rule, schedule={"total_steps": 20}), plan, resumed
+        stage(plan, steps=12, checkpoint_interval=100, skip_spikes=rule, schedule={"total_steps": 20}), plan, resumed
     )
-    train_stage(stage(plan, steps=20, checkpoint_interval=1, skip_spikes=rule), plan, resumed)
+    train_stage(stage(plan, steps=20, checkpoint_interval=100, skip_spikes=rule), plan, resumed)
     assert [m["step"] for m in metrics(resumed) if m["skipped"]] == [16]
     assert same_weights(ckpt / "step_00000020", resumed / "checkpoints" / "step_00000020")
 
