@@ -37,7 +37,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -45,7 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.launchers import LaunchConfig, get_launcher
-from infra.launchers.base import LaunchFailed, last_metrics_step
+from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from model.spec import (
@@ -62,8 +62,16 @@ from pipeline.artifact import Artifact, Inputs, operational
 from pipeline.step import one, step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
-from trainers.monitor import EVENTS_FILE, plan_skip, read_nonfinite, read_skips
-from trainers.supervise import StageSupervisor, reset_launch_files
+from trainers.supervise import (
+    RunRef,
+    StageEvents,
+    StageSupervisor,
+    end_local,
+    flag_counts,
+    non_finite,
+    reset_launch_files,
+    roll_back,
+)
 from trainers.tracker import check_tracker, tracker_dir
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
@@ -300,144 +308,27 @@ class _Watcher(threading.Thread):
                     return
 
 
-def _end_local(out: Path) -> None:
-    """End a local launch whose ranks are hung: torchrun, the guard and every rank (SIGKILL
-    reaches stopped processes too)."""
-    pgid = _trainer_pgid(out)
-    if pgid:
-        kill_tree(pgid)
-
-
-class StageEvents:
-    """Where a stage's flags go (trainers/supervise.py calls it): a lineage row each
-    (`train_events`, with the flow run, its attempt and the task's try), a Prefect event
-    (`smollm3.training.<kind>`, inside a flow run: automations can act on it), and a task-log line
-    for what the ranks did not log themselves (hangs)."""
-
-    def __init__(self, out: Path, stage: str, log) -> None:
-        from pipeline.workspace import Workspace
-
-        self.out, self.stage, self.log = out, stage, log
-        self.lineage = Workspace(root=str(out.parent.parent)).lineage()  # the step folder's workspace
-        self.run_id, self.attempt, self.task_try, self.related = _run_context()
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        from datetime import UTC, datetime
-
-        kind = str(event.get("kind"))
-        if kind in ("hung", "hang_ended", "supervisor_error"):
-            self.log(f"WARNING: {self.stage}: {event.get('message')}")
-        if kind == "throughput_reference":
-            return  # a measurement, not a flag: it stays in the stage folder
-        facts = {k: v for k, v in event.items() if k not in ("kind", "stage", "step", "message", "time")}
-        when = datetime.fromtimestamp(float(event.get("time") or time.time()), UTC).replace(tzinfo=None)
-        row = (
-            str(self.out),
-            self.stage,
-            self.run_id,
-            self.attempt,
-            self.task_try,
-            kind,
-            event.get("step"),
-            event.get("rank"),
-            event.get("host"),
-            _number(event.get("value")),
-            _number(event.get("threshold")),
-            event.get("message"),
-            json.dumps(facts, default=str),
-            when,
-        )
-        self.lineage.record_rows("train_events", [row])
-        if self.run_id is not None:
-            from prefect.events import emit_event
-
-            emit_event(
-                event=f"smollm3.training.{kind}",
-                resource={
-                    "prefect.resource.id": f"smollm3.stage.{self.out.name}",
-                    "prefect.resource.name": self.stage,
-                    "smollm3.stage-dir": str(self.out),
-                },
-                related=self.related,
-                payload={"step": event.get("step"), "message": event.get("message"), **facts},
-            )
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _run_context() -> tuple[str | None, int | None, int | None, list[dict[str, str]]]:
-    """(flow run id, its attempt, the task's try, Prefect related resources) of the calling
-    thread's Prefect run; Nones outside one (a build called directly)."""
+def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None]:
+    """The calling thread's Prefect run (flow run, its attempt, the task's try) and a function
+    that emits a Prefect event related to it; no run and no function outside a flow run (a build
+    called directly). Captured here, in the task's thread: the supervisor's thread has no Prefect
+    context."""
     from prefect.runtime import flow_run, task_run
 
     if not flow_run.id:
-        return None, None, None, []
+        return RunRef(), None
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
     if task_run.id:
         related.append({"prefect.resource.id": f"prefect.task-run.{task_run.id}", "prefect.resource.role": "task-run"})
-    return (
-        str(flow_run.id),
-        int(flow_run.run_count or 1),
-        int(task_run.run_count or 1) if task_run.id else None,
-        related,
-    )
+    ref = RunRef(str(flow_run.id), int(flow_run.run_count or 1), int(task_run.run_count or 1) if task_run.id else None)
 
+    def emit(event: str, payload: dict[str, Any]) -> None:
+        from prefect.events import emit_event
 
-def _non_finite(exc: BaseException) -> bool:
-    """The launch ended because the trainer met a non-finite loss, gradient norm or weights."""
-    facts = getattr(exc, "facts", None)
-    return isinstance(exc, LaunchFailed) and facts is not None and facts.exitcode == 3
+        payload = dict(payload)
+        emit_event(event=event, resource=payload.pop("resource"), related=related, payload=payload)
 
-
-def _roll_back(out: Path, spec: TrainSpec, sink: StageEvents, log) -> bool:
-    """After a non-finite value: plan the data window to skip and say so; False when the stage
-    may skip no more (`nonfinite.retries`) or the trainer left no record."""
-    record = read_nonfinite(out)
-    if record is None:
-        return False
-    window = plan_skip(out, record, spec.nonfinite)
-    if window is None:
-        log(
-            f"WARNING: {spec.stage}: {record['what']} non-finite at step {record['step']} after "
-            f"{spec.nonfinite.retries} data window(s) skipped already (training.nonfinite.retries): failing"
-        )
-        return False
-    sequences = window["to"] - window["from"]
-    since = (
-        "from there"
-        if window["from"] == record["checkpoint_sequence"]
-        else f"of the last {spec.nonfinite.skip_steps} step(s)"
-    )
-    message = (
-        f"non-finite {record['what']} at step {record['step']}: rolling back to the checkpoint of step "
-        f"{record['checkpoint_step']} and skipping the {sequences} sequences ({sequences * record['seq_len']:,} "
-        f"tokens) of data {since} through step {record['step']} (window {len(read_skips(out))} of at most "
-        f"{spec.nonfinite.retries})"
-    )
-    log(f"WARNING: {spec.stage}: {message}")
-    sink(
-        {
-            "kind": "rollback",
-            "step": record["step"],
-            "value": float(sequences * record["seq_len"]),
-            "message": message,
-            "window": window,
-            "time": time.time(),
-        }
-    )
-    return True
-
-
-def _flag_counts(out: Path) -> dict[str, int]:
-    """How many flags of each kind the stage raised (monitor/events.jsonl, all launches)."""
-    counts: dict[str, int] = {}
-    for row in read_metrics(out / EVENTS_FILE):
-        kind = row.get("kind", "?")
-        if kind != "throughput_reference":  # a measurement, not a flag
-            counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    return ref, emit
 
 
 def _trainer_pgid(out: Path) -> int | None:
@@ -492,12 +383,12 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
     launcher = get_launcher(launch_config(run))
     inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
-    sink = StageEvents(out, spec.stage, log)
+    sink = StageEvents(out, spec.stage, log, *_run_context())
     while True:  # again only after a non-finite value, with its data skipped (bounded)
         watcher = _Watcher(out, spec.steps, progress, inject)
         reset_launch_files(out)  # hang reports and heartbeats describe this launch only
         local = run.launch.kind == "local"
-        supervisor = StageSupervisor(out, spec.watchdog, sink, end_launch=(lambda: _end_local(out)) if local else None)
+        supervisor = StageSupervisor(out, spec.watchdog, sink, end_launch=(lambda: end_local(out)) if local else None)
         watcher.start()
         supervisor.start()
         try:
@@ -510,7 +401,7 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
                 raise RuntimeError(
                     f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
                 ) from None
-            if _non_finite(exc) and _roll_back(out, spec, sink, log):
+            if non_finite(exc) and roll_back(out, spec, sink, log):
                 continue
             raise
         finally:
@@ -543,7 +434,7 @@ def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=N
         "init_from": init_from,
         "skipped_steps": result.get("skipped_steps", 0),  # the skip-step rule's
         "skipped_data": result.get("skipped_data", []),  # windows skipped after non-finite values
-        "flags": _flag_counts(out),
+        "flags": flag_counts(out),
         "tracker_dir": spec.tracker_dir if spec.tracker.kind != "none" else None,
         **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }

@@ -17,6 +17,11 @@ shared file system:
 
 `reset_launch_files` clears the hang reports and heartbeats before each launch, so what the
 supervisor and the launcher's failure facts read describes the launch that runs.
+
+`StageEvents` is where the pretrain step sends each flag: a lineage row (`train_events`), a task-log
+line for what the ranks did not log themselves, and, inside a flow run, a Prefect event through the
+function the step passes (Prefect stays out of this package). `roll_back` is the step's answer to
+a non-finite value: plan the data window to skip (trainers/monitor.py) and relaunch.
 """
 
 from __future__ import annotations
@@ -29,14 +34,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from infra.files import write_atomic
 from infra.guard import start_time
-from infra.launchers.base import HANG_DIR, describe_hang, hang_reports
-from model.spec import WatchdogConfig
-from trainers.monitor import EVENTS_FILE
+from infra.launchers.base import HANG_DIR, LaunchFailed, describe_hang, hang_reports
+from infra.proc import kill_tree
+from model.spec import TrainSpec, WatchdogConfig
+from pipeline.workspace import Workspace
+from trainers.monitor import EVENTS_FILE, plan_skip, read_nonfinite, read_skips
 from trainers.watchdog import HEARTBEAT_DIR, STACK_SIGNAL
 
 EventFn = Callable[[dict[str, Any]], None]
@@ -198,3 +207,137 @@ class StageSupervisor(threading.Thread):
                 os.kill(pid, STACK_SIGNAL)
             except (ProcessLookupError, PermissionError):
                 continue
+
+
+# --- where flags go ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """The flow run a stage trains in (all None outside one)."""
+
+    run_id: str | None = None
+    attempt: int | None = None  # the flow run's attempt (Prefect's run_count)
+    task_try: int | None = None  # the pretrain task's try within it (its retries)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+class StageEvents:
+    """A stage's flags (see the module docstring). `emit(event_name, payload)` sends a Prefect
+    event (its resource under the payload's "resource" key); None outside a flow run."""
+
+    def __init__(self, out: Path, stage: str, log: Callable[[str], None], run: RunRef = RunRef(), emit=None) -> None:
+        self.out, self.stage, self.log, self.run, self.emit = Path(out), stage, log, run, emit
+        self.lineage = Workspace(root=str(self.out.parent.parent)).lineage()  # the step folder's workspace
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("kind"))
+        if kind in ("hung", "hang_ended", "supervisor_error"):
+            self.log(f"WARNING: {self.stage}: {event.get('message')}")  # the ranks' flags log themselves
+        if kind == "throughput_reference":
+            return  # a measurement, not a flag: it stays in the stage folder
+        facts = {k: v for k, v in event.items() if k not in ("kind", "stage", "step", "message", "time")}
+        when = datetime.fromtimestamp(float(event.get("time") or time.time()), UTC).replace(tzinfo=None)
+        row = (
+            str(self.out),
+            self.stage,
+            self.run.run_id,
+            self.run.attempt,
+            self.run.task_try,
+            kind,
+            event.get("step"),
+            event.get("rank"),
+            event.get("host"),
+            _number(event.get("value")),
+            _number(event.get("threshold")),
+            event.get("message"),
+            json.dumps(facts, default=str),
+            when,
+        )
+        self.lineage.record_rows("train_events", [row])
+        if self.emit is not None:
+            resource = {
+                "prefect.resource.id": f"smollm3.stage.{self.out.name}",
+                "prefect.resource.name": self.stage,
+                "smollm3.stage-dir": str(self.out),
+            }
+            payload = {"step": event.get("step"), "message": event.get("message"), **facts}
+            self.emit(f"smollm3.training.{kind}", {"resource": resource, **payload})
+
+
+def flag_counts(out: Path) -> dict[str, int]:
+    """How many flags of each kind a stage raised (monitor/events.jsonl, all launches)."""
+    counts: dict[str, int] = {}
+    try:
+        lines = (Path(out) / EVENTS_FILE).read_text().splitlines()
+    except OSError:
+        return counts
+    for line in lines:
+        try:
+            kind = json.loads(line).get("kind", "?")
+        except (ValueError, AttributeError):
+            continue  # a line cut by a kill
+        if kind != "throughput_reference":  # a measurement, not a flag
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+# --- what the step does about a hang or a non-finite value ---------------------------------------
+
+
+def end_local(out: Path) -> None:
+    """End a local launch whose ranks hung: the guard, torchrun and every rank (SIGKILL reaches
+    stopped processes too); its process group is in `.trainer.pgid`."""
+    try:
+        pgid = int((Path(out) / ".trainer.pgid").read_text())
+    except (OSError, ValueError):
+        return
+    kill_tree(pgid)
+
+
+def non_finite(exc: BaseException) -> bool:
+    """The launch ended because the trainer met a non-finite loss, gradient norm or weights."""
+    facts = getattr(exc, "facts", None)
+    return isinstance(exc, LaunchFailed) and facts is not None and facts.exitcode == 3
+
+
+def roll_back(out: Path, spec: TrainSpec, sink: StageEvents, log: Callable[[str], None]) -> bool:
+    """After a non-finite value: plan the data window to skip and say so (True: relaunch);
+    False when the stage may skip no more (`nonfinite.retries`) or the trainer left no record."""
+    record = read_nonfinite(out)
+    if record is None:
+        return False
+    window = plan_skip(out, record, spec.nonfinite)
+    if window is None:
+        log(
+            f"WARNING: {spec.stage}: {record['what']} non-finite at step {record['step']} after "
+            f"{spec.nonfinite.retries} data window(s) skipped already (training.nonfinite.retries): failing"
+        )
+        return False
+    sequences = window["to"] - window["from"]
+    since = (
+        "from there"
+        if window["from"] == record["checkpoint_sequence"]
+        else f"of the last {spec.nonfinite.skip_steps} step(s)"
+    )
+    message = (
+        f"non-finite {record['what']} at step {record['step']}: rolling back to the checkpoint of step "
+        f"{record['checkpoint_step']} and skipping the {sequences} sequences ({sequences * record['seq_len']:,} "
+        f"tokens) of data {since} through step {record['step']} (window {len(read_skips(out))} of at most "
+        f"{spec.nonfinite.retries})"
+    )
+    log(f"WARNING: {spec.stage}: {message}")
+    sink(
+        {
+            "kind": "rollback",
+            "step": record["step"],
+            "value": float(sequences * record["seq_len"]),
+            "message": message,
+            "window": window,
+            "time": time.time(),
+        }
+    )
+    return True
