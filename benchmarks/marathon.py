@@ -1,7 +1,7 @@
 """Detection times of the long-run monitors on the tiny recipe's first stage, faults from outside.
 
 The tiny recipe's stage 1 (its model, batch, schedule, watchdog and monitor settings from
-configs/tiny.yaml) on 2 ranks through the pretrain step (`tasks.pretrain.build_stage`, the local
+configs/tiny.yaml) on 2 ranks through the pretrain step (`tasks.pretrain.pretrain`, the local
 torchrun launcher and its supervisor), on synthetic shards; this process injects each fault:
 - a rank frozen: rank 1, its torchrun and the guard get SIGSTOP after step 5 (the issue's test);
 - a launch frozen whole: every process of the launch gets SIGSTOP (no watchdog can run);
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows.recipe import load_recipe  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
-from tasks.pretrain import build_stage, schedule_stages  # noqa: E402
+from tasks.pretrain import pretrain, schedule_stages  # noqa: E402
 from tests.model.conftest import write_two_source_plan  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def run(kind: str, root: Path) -> dict:
     helper.start()
     started = time.time()
     try:
-        build_stage(stage, {"mixture": mixture}, out, log=lambda _: None)
+        pretrain(stage, mixture=mixture, out=out, log=lambda _: None)
         failed = None
     except Exception as exc:  # noqa: BLE001 - the frozen launches fail, as hung
         failed = exc

@@ -8,11 +8,13 @@ launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no 
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
-log intervals, threads, micro-batching, the MFU peak, the hang watchdog, flag thresholds, NaN
-recovery, the tracker): they never enter a fingerprint. `skip_spikes` changes the weights, so it
-is identity, but added after fingerprints were published (`pipeline.artifact.added_identity`):
-left off, it moves no fingerprint. Unknown keys are refused, so a typo fails before any rank
-starts work.
+log intervals, threads, micro-batching, the MFU peak, activation checkpointing, the loss chunk,
+tensor parallelism and HSDP, asynchronous checkpoint writes, the hang watchdog, flag thresholds,
+NaN recovery, the tracker): they never enter a fingerprint, since they change memory, speed,
+floating-point summation order or what is watched, never what is computed. `skip_spikes` changes
+the weights, so it is identity, but added after fingerprints were published
+(`pipeline.artifact.added_identity`): left off, it moves no fingerprint. Unknown keys are refused,
+so a typo fails before any rank starts work.
 """
 
 from __future__ import annotations
@@ -166,7 +168,15 @@ class TrainSpec(_Spec):
     skip_spikes: SpikeSkipConfig | None = added_identity(None)  # OLMo-core's skip-step rule; None = off
 
     # --- how it runs (operational) ------------------------------------------------------------
-    micro_batch: int = operational(gt=0)  # sequences per rank per forward/backward
+    micro_batch: int = operational(gt=0)  # sequences per data-parallel rank per forward/backward
+    # What each block keeps for backward (model/recompute.py); "auto": the lightest mode whose
+    # predicted peak fits `gpu_memory_gb` (model/memory.py), "none" where no memory is declared.
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
+    loss_chunk_tokens: int = operational(1024, gt=0)  # logits rows alive at once in the loss (model/loss.py)
+    tp: int = operational(1, gt=0)  # tensor-parallel degree inside a node (model/parallel.py)
+    hsdp: bool = operational(False)  # shard inside a node, replicate across nodes (multi-node runs)
+    async_checkpoint: bool = operational(False)  # DCP async_save: training goes on while shards are written
+    gpu_memory_gb: float | None = operational(None, gt=0)  # declared memory per GPU (GB), for "auto"
     checkpoint_interval: int = operational(100, gt=0)  # save every N steps (and at the last step)
     keep_last: int = operational(2, ge=1)  # complete checkpoints kept besides stage ends
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps

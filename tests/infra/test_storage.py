@@ -484,7 +484,7 @@ def test_a_checkpoint_corrupted_on_disk_is_never_uploaded_nor_pruned(s3, tmp_pat
     with caplog.at_level(logging.WARNING, logger="infra.storage"):
         report = CheckpointMirror("s3://ckpts/c", keep_local=2, config=cfg(endpoint)).sync(root)
     assert report.skipped_corrupt == ["step_00000001"]
-    assert "does not match the sha256 in its COMPLETE" in caplog.text
+    assert "does not match the sha256 in its _CHECKPOINT.json" in caplog.text
     assert not any(k.startswith("c/step_00000001/") for k in keys(client, "c/"))
     assert (root / "step_00000001").exists()  # not "verified on S3", so not deleted locally
     assert report.verified == ["step_00000002", "step_00000003", "step_00000004"]

@@ -182,7 +182,7 @@ def test_a_write_the_database_refuses_raises_and_is_kept(tmp_path):
 
 def test_writer_blocks_are_one_transaction_and_write_only(tmp_path):
     lin = Lineage(tmp_path / "lineage.duckdb")
-    with lin.writer() as con:  # what tasks/anneal.py does: DDL, then rows
+    with lin.writer() as con:  # what the experiment tables do: DDL, then rows
         con.execute("CREATE TABLE IF NOT EXISTS extra (a INTEGER, made TIMESTAMP)")
         con.executemany(
             "INSERT INTO extra VALUES (?, ?)", [[1, datetime(2026, 1, 2, 3, 4, 5)], [2, datetime(2026, 1, 2, 3, 4, 6)]]

@@ -2,7 +2,7 @@
 
 Every fault comes from outside the code under test: a rank (or a whole launch) frozen with SIGSTOP
 by this process, a rank slowed by SIGSTOP/SIGCONT cycles, a token shard crafted with a spike or a
-poisoned batch. Stages run through the pretrain step's `build_stage` (local torchrun launcher,
+poisoned batch. Stages run through the pretrain step (local torchrun launcher,
 its supervisor, lineage rows), as a flow runs them; what the step's retry would do is done by
 calling it again. The TensorBoard files are read back with TensorBoard's own reader.
 """
@@ -29,10 +29,10 @@ from pydantic import BaseModel, ConfigDict
 from infra.launchers.base import LaunchFailed
 from model.checkpoint import load_model
 from model.spec import TrainSpec
-from pipeline.artifact import Artifact, Inputs
+from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage
 from pipeline.step import step, transient
-from tasks.pretrain import StageSpec, build_stage
+from tasks.pretrain import StageSpec, pretrain
 from tests.model.conftest import write_two_source_plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -63,7 +63,7 @@ def stage(plan: Path, nproc: int = 1, **fields) -> StageSpec:
 def train_stage(run: StageSpec, plan: Path, out: Path, lines: list[str] | None = None) -> dict:
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out.mkdir(parents=True, exist_ok=True)
-    return build_stage(run, {"mixture": mixture}, out, log=(lines if lines is not None else []).append)
+    return pretrain(run, mixture=mixture, out=out, log=(lines if lines is not None else []).append)
 
 
 def write_plan(folder: Path, *, spikes=(), poisoned=(), nan_token: int = 127, tokens: int = 12_000) -> Path:
@@ -492,7 +492,7 @@ class Planted(BaseModel):
 
 
 @step("planted_mixture", version=1, kind="mixture")
-def planted_mixture(config: Planted, inputs: Inputs, out: Path, *, log=print) -> dict:
+def planted_mixture(config: Planted, *, out: Path, log=print) -> dict:
     write_plan(out, spikes=config.spikes)
     return {"stage": "stage1"}
 
@@ -508,7 +508,6 @@ def test_flags_are_prefect_events_and_lineage_rows_of_the_flow_run(tmp_path, pre
     from flows.recipe import load_recipe, run_setup
     from pipeline.graph import Graph
     from pipeline.runner import run_flow
-    from tasks.pretrain import pretrain
 
     ws = tmp_path / "ws"
     recipe = load_recipe("tiny", [f"workspace={ws}"])

@@ -30,11 +30,12 @@ import pytest
 from infra.launchers import LaunchConfig, LaunchFailed
 from infra.storage import StorageConfig
 from pipeline.artifact import MARKER, Artifact, read_marker, run_step
-from tasks.posttrain.data import build_chat_data
+from tasks.posttrain.data import posttrain_data
 from tests.infra.test_storage import s3  # noqa: F401  (fixture: a moto S3 server)
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
 from trainers.posttrain.common import complete_checkpoints
 from trainers.posttrain.config import (
+    ChatDataSpec,
     GRPOConfig,
     PosttrainConfig,
     PosttrainSpec,
@@ -73,7 +74,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("launched")
     corpora = make_corpora(root / "corpora")
     base = make_tiny_model(root, corpus_texts(corpora))
-    build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    posttrain_data(ChatDataSpec(data=DATA), corpora, out=root / "data", log=lambda _: None)
     (root / "data" / MARKER).write_text("{}")
     data = Artifact(kind="corpus", uri=str(root / "data"), fingerprint="d" * 64, meta={})
     w = {"root": root, "data": data, "base": hf_input(root / "in-base", base, "base")}
@@ -248,14 +249,14 @@ def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_
     folder = next(p for p in (tmp_path / "sft").iterdir() if p.is_dir())
     prefix = f"run/sft/{folder.name}/checkpoints/"
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix=prefix).get("Contents", [])}
-    assert f"{prefix}step_{killer.killed_after:08d}/COMPLETE" in keys  # mirrored, marker last
+    assert f"{prefix}step_{killer.killed_after:08d}/_CHECKPOINT.json" in keys  # mirrored, marker last
     shutil.rmtree(folder / "checkpoints")  # a new machine: nothing local
     lines: list[str] = []
     artifact = build("sft", run, inputs, tmp_path, lines.append)
     assert any(f"pulled step_{killer.killed_after:08d}" in line for line in lines)
     assert artifact.meta["resumed_from_step"] == killer.killed_after
     assert artifact.meta["s3_checkpoints"] == f"s3://ckpts/{prefix.rstrip('/')}"
-    final = f"{prefix}step_{SFT.max_steps:08d}/COMPLETE"
+    final = f"{prefix}step_{SFT.max_steps:08d}/_CHECKPOINT.json"
     assert final in {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix=prefix)["Contents"]}
     assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)
 
