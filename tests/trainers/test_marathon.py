@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from infra.launchers.base import LaunchFailed
 from model.checkpoint import load_model
+from model.data import MixtureLoader, MixturePlan
 from model.spec import TrainSpec
 from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage
@@ -70,7 +71,8 @@ def write_plan(folder: Path, *, spikes=(), poisoned=(), nan_token: int = 127, to
     """One source of predictable documents (runs of consecutive ids, so the loss falls fast); the
     data of the steps in `spikes` replaced by random ids the model never sees elsewhere (a real
     loss spike), one token of each step in `poisoned` replaced by `nan_token`. With one source the
-    k-th step trains on tokens [(k-1) x GB x L, k x GB x L]."""
+    k-th step trains on global sequences (k-1) x GB .. k x GB - 1, each the window the loader's
+    seeded order gives it (`MixtureLoader.window`), so the plants go into those windows."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     flat: list[int] = []
@@ -78,15 +80,14 @@ def write_plan(folder: Path, *, spikes=(), poisoned=(), nan_token: int = 127, to
         start, n = int(rng.integers(1, 61)), int(rng.integers(20, 60))
         flat += [1 + (start + i) % 60 for i in range(n)] + [0]
     data = np.array(flat, dtype="<u2")
-    for k in spikes:
-        a, b = (k - 1) * GB * L, k * GB * L + 1
-        data[a:b] = rng.integers(100, 127, b - a)
-    for k in poisoned:
-        data[(k - 1) * GB * L + 5] = nan_token
     path = folder / "000_text.ds"
-    data.tofile(path)
-    ends = np.nonzero(data == 0)[0] + 1
-    np.append(ends[ends < len(data)], len(data)).astype("<u8").tofile(str(path) + ".index")
+
+    def save() -> None:
+        data.tofile(path)
+        ends = np.nonzero(data == 0)[0] + 1
+        np.append(ends[ends < len(data)], len(data)).astype("<u8").tofile(str(path) + ".index")
+
+    save()
     plan = {
         "stage": "stage1",
         "seed": 0,
@@ -98,6 +99,17 @@ def write_plan(folder: Path, *, spikes=(), poisoned=(), nan_token: int = 127, to
         "sources": [{"name": "text", "weight": 1.0, "files": [str(path)], "available_tokens": len(data)}],
     }
     (folder / "plan.json").write_text(json.dumps(plan))
+    loader = MixtureLoader(MixturePlan.load(folder / "plan.json"), seq_len=L)
+
+    def windows(k: int) -> list[int]:  # the token offsets of step k's windows
+        return [loader.window(0, j) * L for j in range((k - 1) * GB, k * GB)]
+
+    for k in spikes:
+        for a in windows(k):
+            data[a : a + L + 1] = rng.integers(100, 127, L + 1)
+    for k in poisoned:
+        data[windows(k)[0] + 5] = nan_token
+    save()  # the same length: the window order (it depends on the token count only) holds
     return folder / "plan.json"
 
 
@@ -550,7 +562,6 @@ def test_the_skipped_window_follows_the_policy_and_the_loader_skips_it_as_if_dra
     """`nonfinite.skip_steps`: None skips the data since the checkpoint, k the last k steps' up
     to the failing one; `retries` bounds the windows. Skipping sequences leaves the loader where
     drawing them would have."""
-    from model.data import MixtureLoader, MixturePlan
     from model.spec import NonFiniteConfig
     from trainers.monitor import plan_skip, read_skips
 
