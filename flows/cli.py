@@ -24,21 +24,33 @@ WORKSPACE_HELP = (
 
 
 def _lineage(args) -> Lineage:
+    """The workspace's lineage for a view: read-only (it writes nothing in the workspace)."""
     from pipeline.lineage import Lineage
     from pipeline.workspace import resolve_workspace
 
-    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb", read_only=True)
 
 
 def _refresh(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_run(args) -> int:
+    import signal
+
     from flows.params import check_refresh
 
     check_refresh("smollm3", args.refresh)  # before Prefect opens a run
     from flows.smollm3 import smollm3
+
+    # The run stops its steps on SIGTERM and SIGINT (pipeline/signals.py), then Prefect re-sends
+    # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
+    # server started for this run is stopped instead of left behind).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
     print(result)
@@ -98,12 +110,18 @@ def cmd_runs(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    """A query on a private, consistent copy of the lineage: never blocks the writers."""
+    """A query on a private, consistent copy of the lineage: never blocks the writers, and the
+    copy's connection reaches no file but itself (no COPY TO, read_csv or ATTACH)."""
     lineage = _lineage(args)
     if not lineage.path.exists():
         raise LookupError(f"no lineage at {lineage.path}")
+    import duckdb
+
     with lineage.snapshot() as con:
-        print(con.sql(args.query))
+        try:
+            print(con.sql(args.query))
+        except duckdb.Error as exc:  # the query's own error, said as one line
+            raise ValueError(f"query failed: {type(exc).__name__}: {exc}") from None
     return 0
 
 
