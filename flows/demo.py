@@ -152,6 +152,7 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
 
     flow_run = run_deployment(deployment, timeout=0, as_subflow=False)
     print(f"[demo] started {deployment} run {flow_run.id}; UI: http://127.0.0.1:{port}/runs/flow-run/{flow_run.id}")
+    print(f"[demo] training curves, live: {tracker_hint(workspace)}")
     final, message = watch(flow_run.id, lineage=Lineage(workspace / "lineage.duckdb"))
     code = 0
     if final != "Completed":  # still show what happened, then fail
@@ -159,10 +160,14 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
         code = 1
     print()
     print(summary(Lineage(workspace / "lineage.duckdb"), ui_url=f"http://127.0.0.1:{port}"))
-    print(
-        f"\nServer and serve process keep running for the UI; `make down` stops them. Logs: {server.log}, {serve.log}"
-    )
+    print(f"\nTraining curves (every stage of every run): {tracker_hint(workspace)}")
+    print(f"Server and serve process keep running for the UI; `make down` stops them. Logs: {server.log}, {serve.log}")
     return code
+
+
+def tracker_hint(workspace: Path) -> str:
+    """How to open the stages' TensorBoard runs (trainers/tracker.py writes them as they train)."""
+    return f"{Path(sys.executable).parent / 'tensorboard'} --logdir {workspace / 'tensorboard'} (http://localhost:6006)"
 
 
 # --- following a flow run ------------------------------------------------------------------------

@@ -30,9 +30,11 @@ CHECKPOINT_MARKER = "_CHECKPOINT.json"
 TMP_SUFFIX = ".tmp"  # every temporary file written here ends with it (uploads and prunes skip them)
 
 
-def write_atomic(path: Path | str, data: str | bytes) -> None:
+def write_atomic(path: Path | str, data: str | bytes, *, durable: bool = True) -> None:
     """Write `data` (text as UTF-8, or bytes) to `path` so that readers see either nothing or the
-    whole file."""
+    whole file. `durable=False` skips the fsyncs: for files rewritten every few seconds that are
+    worth nothing after a power loss (heartbeats), where an fsync per write would load a shared
+    file system for no gain."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
@@ -41,12 +43,14 @@ def write_atomic(path: Path | str, data: str | bytes) -> None:
         with open(tmp, "wb") as fh:
             fh.write(raw)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    if durable:
+        _fsync_folder(path.parent)
 
 
 def write_json_atomic(path: Path | str, obj: Any, *, indent: int | None = 2, sort_keys: bool = False) -> None:

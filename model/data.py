@@ -337,6 +337,17 @@ class MixtureLoader:
         self.source_sequences = counts
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
 
+    def skip(self, sequences: int) -> None:
+        """Advance past the next `sequences` global sequences without reading them (data skipped
+        after a non-finite loss): the stream then continues as if they had been drawn, on every
+        rank and at any world size."""
+        if sequences < 0:
+            raise ValueError(f"cannot skip {sequences} sequences")
+        counts = list(self.source_sequences)
+        interleave(self.weights, counts, self.sequence, sequences)  # counts as if they had been drawn
+        self.source_sequences = counts
+        self.sequence += sequences
+
     # -- accounting --
 
     def tokens_per_source(self) -> dict[str, int]:

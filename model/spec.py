@@ -9,9 +9,12 @@ mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.lo
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
 log intervals, threads, micro-batching, the MFU peak, activation checkpointing, the loss chunk,
-tensor parallelism and HSDP, asynchronous checkpoint writes): they never enter a fingerprint,
-since they change memory, speed and floating-point summation order, never what is computed.
-Unknown keys are refused, so a typo fails before any rank starts work.
+tensor parallelism and HSDP, asynchronous checkpoint writes, the hang watchdog, flag thresholds,
+NaN recovery, the tracker): they never enter a fingerprint, since they change memory, speed,
+floating-point summation order or what is watched, never what is computed. `skip_spikes` changes
+the weights, so it is identity, but added after fingerprints were published
+(`pipeline.artifact.added_identity`): left off, it moves no fingerprint. Unknown keys are refused,
+so a typo fails before any rank starts work.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from infra.files import path_for_file, path_from_file
-from pipeline.artifact import operational
+from pipeline.artifact import added_identity, operational
 
 # The spec's paths (bound by the pretrain step from its inputs and folder)
-PATH_FIELDS = ("metrics_path", "mixture_plan", "out_dir", "init_from")
+PATH_FIELDS = ("metrics_path", "mixture_plan", "out_dir", "init_from", "tracker_dir")
 
 
 class _Spec(BaseModel):
@@ -79,6 +82,70 @@ class PeakCalibration(_Spec):
     source: str  # how it was measured, for the metrics (`mfu_peak_source`)
 
 
+class WatchdogConfig(_Spec):
+    """When a stage counts as hung (trainers/watchdog.py): no completed step on a rank within
+    max(floor_s, multiple x the running median step time); before the first step and while a
+    checkpoint is written, their own bounds. Every rank watches itself; the pretrain step watches
+    the ranks' heartbeats too (a rank frozen whole cannot watch itself)."""
+
+    enabled: bool = True  # off: nothing watches for hangs (a hung collective waits for its own timeout)
+    multiple: float = Field(default=10.0, gt=1)  # bound = this x the running median step time...
+    floor_s: float = Field(default=300.0, gt=0)  # ...never below this many seconds
+    window: int = Field(default=100, ge=1)  # steps in the running median
+    startup_s: float = Field(default=1800.0, gt=0)  # bound before a launch's first step (build, load, compile)
+    checkpoint_s: float = Field(default=1800.0, gt=0)  # bound while a checkpoint is being saved
+    heartbeat_s: float = Field(default=10.0, gt=0)  # how often each rank writes its heartbeat file
+    grace_s: float = Field(
+        default=30.0, ge=0
+    )  # step side: after a hang is known, wait this long for the launch to end, then end it
+
+
+class MonitorConfig(_Spec):
+    """Stragglers and throughput drops (trainers/monitor.py), checked at every metrics line over
+    the last `window` lines."""
+
+    # A rank whose own work (data loading and optimizer update: the parts of a step that wait for
+    # no other rank) takes this fraction longer than the median of the other ranks' is named.
+    straggler_margin: float = Field(default=0.5, gt=0)
+    # ...and only when that excess is at least this share of the step (noise in tiny sections).
+    straggler_min_share: float = Field(default=0.01, ge=0)
+    # tokens/s (over the window) below this fraction of the stage's early reference is a drop;
+    # recovered at half-way back to the reference
+    throughput_fraction: float = Field(default=0.7, gt=0, lt=1)
+    reference_skip: int = Field(default=5, ge=0)  # first steps of a stage left out of the reference (warm-up)
+    reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the reference
+    window: int = Field(default=5, ge=1)  # metrics lines a flag is decided over (one noisy line is no flag)
+
+
+class SpikeSkipConfig(_Spec):
+    """OLMo-core's skip-step rule: a step whose loss or gradient norm lies more than `sigma`
+    standard deviations from the mean of the previous `window` steps is not applied (no weight or
+    optimizer-state update); its batch is consumed. Two-sided, as OLMo-core's."""
+
+    window: int = Field(default=128, ge=2)  # previous steps the mean and deviation are taken over
+    sigma: float = Field(default=6.0, gt=0)  # how many deviations away a step is skipped
+    min_history: int = Field(default=20, ge=2)  # steps of history before the rule applies
+
+
+class NonFiniteConfig(_Spec):
+    """After a non-finite loss, gradient norm or weights: the pretrain step relaunches the stage
+    from its last verified checkpoint with the data that led there skipped (PaLM's remedy)."""
+
+    retries: int = Field(default=2, ge=0)  # data windows skipped per stage before it fails; 0 = fail at once
+    # Steps' data up to and including the failing step that is skipped; None = everything since
+    # the checkpoint the stage rolls back to (no data that led to the failure is replayed).
+    skip_steps: int | None = Field(default=None, ge=1)
+
+
+class TrackerConfig(_Spec):
+    """Where rank 0 sends its metrics as it trains (trainers/tracker.py), besides metrics.jsonl."""
+
+    kind: Literal["tensorboard", "wandb", "mlflow", "none"] = "tensorboard"  # tensorboard: event files in the workspace
+    project: str = "smollm3"  # W&B project, MLflow experiment
+    wandb_mode: Literal["online", "offline"] | None = None  # None: W&B's own (WANDB_MODE, else online)
+    mlflow_uri: str | None = None  # MLflow tracking URI; None = a file store `mlruns/` in the workspace
+
+
 class TrainSpec(_Spec):
     """One training stage (see the module docstring)."""
 
@@ -102,6 +169,7 @@ class TrainSpec(_Spec):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # flex on cuda, sdpa on cpu
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
+    skip_spikes: SpikeSkipConfig | None = added_identity(None)  # OLMo-core's skip-step rule; None = off
 
     # --- how it runs (operational) ------------------------------------------------------------
     micro_batch: int = operational(gt=0)  # sequences per data-parallel rank per forward/backward
@@ -122,12 +190,21 @@ class TrainSpec(_Spec):
     # else the datasheet (known GPUs), else this calibration (model/flops.py resolve_peak)
     peak_calibration: PeakCalibration | None = operational(None)
     debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step
+    # testing only: a micro-batch holding this token id gets a NaN loss (tests plant it in a shard)
+    debug_nan_token: int | None = operational(None, ge=0)
+    watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang detection
+    monitor: MonitorConfig = operational(MonitorConfig())  # stragglers, throughput drops
+    # Recovery from a non-finite loss. Operational: a stage that never meets one computes the same;
+    # one that does records the data it skipped in its result, metadata and lineage.
+    nonfinite: NonFiniteConfig = operational(NonFiniteConfig())
+    tracker: TrackerConfig = operational(TrackerConfig())  # TensorBoard (default), W&B or MLflow
     metrics_path: str | None = operational(None)  # JSONL metrics file; None = {out_dir}/metrics.jsonl
 
     # --- bound at launch (not identity: the inputs' fingerprints are) -------------------------
     mixture_plan: str = operational("")  # plan.json of the stage's mixture step
     out_dir: str = operational("")  # stage folder: checkpoints/, metrics.jsonl, result.json
     init_from: str | None = operational(None)  # checkpoint to start from (the previous stage's end)
+    tracker_dir: str = operational("")  # the stage's tracker run folder; "" = {out_dir}/tracker
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSpec:
@@ -136,6 +213,15 @@ class TrainSpec(_Spec):
         if (self.reset_optimizer or self.reset_schedule) and self.init_from is None and self.out_dir:
             raise ValueError("reset_optimizer / reset_schedule only mean something with init_from")
         return self
+
+    @property
+    def monitor_dir(self) -> Path:
+        """`{out_dir}/monitor`: heartbeats, hang reports, flags, data skips (trainers/monitor.py)."""
+        return Path(self.out_dir) / "monitor"
+
+    @property
+    def tracker_path(self) -> Path:
+        return Path(self.tracker_dir) if self.tracker_dir else Path(self.out_dir) / "tracker"
 
     @property
     def metrics_file(self) -> Path:
@@ -172,7 +258,7 @@ class TrainSpec(_Spec):
         try:
             data = json.loads(Path(path).read_text())
             for name in PATH_FIELDS:
-                if isinstance(data.get(name), str):
+                if isinstance(data.get(name), str) and data[name]:  # "": the field's default place
                     data[name] = path_from_file(data[name], path)
             return cls.from_dict(data)
         except ValueError as err:
@@ -187,6 +273,6 @@ class TrainSpec(_Spec):
         data = self.to_dict()
         if relative_to is not None:
             for name in PATH_FIELDS:
-                if isinstance(data.get(name), str):
+                if isinstance(data.get(name), str) and data[name]:
                     data[name] = path_for_file(data[name], path, relative_to)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -94,6 +94,25 @@ def operational(default: Any = ..., **kwargs: Any) -> Any:
     return Field(default, json_schema_extra={**extra, "operational": True}, **kwargs)
 
 
+def added_identity(default: Any = None, **kwargs: Any) -> Any:
+    """An identity field added after fingerprints were published (a new, optional feature such as
+    the skip-step rule of training): while it holds its default it is left out of the identity, so
+    every config that does not use it keeps its fingerprint and its finished folders; once set it
+    enters the fingerprint like any identity field. Used like `Field`."""
+    extra = dict(kwargs.pop("json_schema_extra", None) or {})
+    return Field(default, json_schema_extra={**extra, "identity_unless_default": True}, **kwargs)
+
+
+def _left_out(model: type[BaseModel], name: str, value: Any) -> bool:
+    """Whether field `name` holding `value` stays out of the identity (operational, or an
+    `added_identity` field at its default)."""
+    field = model.model_fields[name]
+    extra = field.json_schema_extra
+    if not isinstance(extra, dict):
+        return False
+    return bool(extra.get("operational")) or (bool(extra.get("identity_unless_default")) and value == field.default)
+
+
 def is_operational(model: type[BaseModel], name: str) -> bool:
     """Whether field `name` of a config class is operational (see `operational`)."""
     extra = model.model_fields[name].json_schema_extra
@@ -103,11 +122,16 @@ def is_operational(model: type[BaseModel], name: str) -> bool:
 def identity(config: Any) -> Any:
     """The part of a config that determines a step's output, as plain JSON data.
 
-    Pydantic models lose their operational fields (recursively); everything else is kept.
+    Pydantic models lose their operational fields (recursively) and their `added_identity` fields
+    left at the default; everything else is kept.
     """
     if isinstance(config, BaseModel):
         cls = type(config)
-        return {name: identity(getattr(config, name)) for name in cls.model_fields if not is_operational(cls, name)}
+        return {
+            name: identity(getattr(config, name))
+            for name in cls.model_fields
+            if not _left_out(cls, name, getattr(config, name))
+        }
     if isinstance(config, Mapping):
         return {str(k): identity(v) for k, v in config.items()}
     if isinstance(config, list | tuple):

@@ -488,6 +488,32 @@ def publish_eval(artifact: Artifact, ws, label: str) -> None:
     ws.lineage().record_rows("evals", rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{label}".lower())
     create_table_artifact(table=table, key=key, description=f"lm-eval scores after {label}")
+    _scores_to_trackers(artifact, ws)
+
+
+def _scores_to_trackers(artifact: Artifact, ws) -> None:
+    """The scores of a pretraining stage's checkpoint, into that stage's tracker run at its last
+    step (trainers/tracker.py): the eval curve sits beside the loss. The stage is found through
+    lineage: this evaluation <- its export <- the pretrain artifact."""
+    from prefect import get_run_logger
+
+    from trainers.tracker import TrackerUnavailable, log_scores
+
+    lineage = ws.lineage()
+    stages = [
+        stage
+        for model in lineage.inputs_of(artifact.fingerprint, kind="hf_model")
+        for stage in lineage.inputs_of(model.fingerprint, kind="checkpoint")
+        if stage.meta.get("steps") and not stage.uri.startswith("s3://")
+    ]
+    for stage in stages:
+        try:
+            folder = log_scores(stage.path, int(stage.meta["steps"]), artifact.meta["scores"])
+        except (TrackerUnavailable, OSError, KeyError, ValueError) as exc:  # the scores are in lineage anyway
+            get_run_logger().warning(f"eval scores not sent to the stage's tracker: {exc}")
+            continue
+        if folder is not None:
+            get_run_logger().info(f"eval scores added to the tracker run {folder}")
 
 
 class SuiteSpec(BaseModel):

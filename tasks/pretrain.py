@@ -16,6 +16,15 @@ task). The folder is resumable: after a crash or a `prefect flow-run retry`, the
 from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
 the publish hook ingests them into DuckDB and posts a summary with the loss curve to the UI.
 
+While the trainer runs, a supervisor thread (trainers/supervise.py) turns the ranks' flags
+(stragglers, throughput drops, skipped steps, non-finite values) into task-log lines, lineage rows
+(`train_events`) and Prefect events (`smollm3.training.<kind>`), and ends a local launch whose
+ranks hung where torchrun cannot (the attempt fails as `hung`, transient: the retry resumes).
+After a non-finite value the step relaunches the stage from its last verified checkpoint with the
+data that led there skipped, at most `training.nonfinite.retries` times (docs/training.md "A
+long run"). Rank 0 writes the stage's TensorBoard run (or W&B / MLflow) under
+`{workspace}/tensorboard/{stage}-{folder}`.
+
 Testing hook: `SMOLLM3_INJECT_FAILURE=<stage>` kills that stage's trainer (SIGKILL of its process
 group, as a node failure would) once its first checkpoint is complete, once per stage folder.
 """
@@ -28,7 +37,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -39,11 +48,31 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
-from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+from model.spec import (
+    MonitorConfig,
+    NonFiniteConfig,
+    OptimizerConfig,
+    ScheduleSpec,
+    SpikeSkipConfig,
+    TrackerConfig,
+    TrainSpec,
+    WatchdogConfig,
+)
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
+from trainers.supervise import (
+    RunRef,
+    StageEvents,
+    StageSupervisor,
+    end_local,
+    flag_counts,
+    non_finite,
+    reset_launch_files,
+    roll_back,
+)
+from trainers.tracker import check_tracker, tracker_dir
 
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
@@ -81,6 +110,13 @@ class TrainingConfig(BaseModel):
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared MFU peak per device (else datasheet or preflight's)
     log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
+    # OLMo-core's skip-step rule for loss and gradient-norm spikes; None = off. Identity: it changes
+    # the weights (a stage without it keeps its fingerprint).
+    skip_spikes: SpikeSkipConfig | None = None
+    watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang bounds (docs/training.md "A long run")
+    monitor: MonitorConfig = operational(MonitorConfig())  # straggler margin, throughput fraction
+    nonfinite: NonFiniteConfig = operational(NonFiniteConfig())  # roll back and skip data after a NaN
+    tracker: TrackerConfig = operational(TrackerConfig())  # tensorboard (default), wandb, mlflow, none
     # Memory and parallelism (model/memory.py, model/parallel.py; each stage may override the first
     # two): what blocks keep for backward ("auto": the lightest mode that fits gpu_memory_gb),
     # tensor-parallel degree inside a node, HSDP across nodes, background checkpoint writes.
@@ -205,6 +241,11 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
         log_interval=t.log_interval,
         num_threads=t.num_threads,
         peak_flops=t.peak_flops,
+        skip_spikes=t.skip_spikes,
+        watchdog=t.watchdog,
+        monitor=t.monitor,
+        nonfinite=t.nonfinite,
+        tracker=t.tracker,
         activation_checkpointing=stage.activation_checkpointing or t.activation_checkpointing,
         tp=stage.tp or t.tp,
         hsdp=t.hsdp,
@@ -325,6 +366,29 @@ class _Watcher(threading.Thread):
                     return
 
 
+def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None]:
+    """The calling thread's Prefect run (flow run, its attempt, the task's try) and a function
+    that emits a Prefect event related to it; no run and no function outside a flow run (a build
+    called directly). Captured here, in the task's thread: the supervisor's thread has no Prefect
+    context."""
+    from prefect.runtime import flow_run, task_run
+
+    if not flow_run.id:
+        return RunRef(), None
+    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
+    if task_run.id:
+        related.append({"prefect.resource.id": f"prefect.task-run.{task_run.id}", "prefect.resource.role": "task-run"})
+    ref = RunRef(str(flow_run.id), int(flow_run.run_count or 1), int(task_run.run_count or 1) if task_run.id else None)
+
+    def emit(event: str, payload: dict[str, Any]) -> None:
+        from prefect.events import emit_event
+
+        payload = dict(payload)
+        emit_event(event=event, resource=payload.pop("resource"), related=related, payload=payload)
+
+    return ref, emit
+
+
 def _trainer_pgid(out: Path) -> int | None:
     try:
         return int((out / ".trainer.pgid").read_text())
@@ -389,7 +453,7 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     facts = [
         (artifact.fingerprint, r["step"], name, float(r[name]))
         for r in rows
-        for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+        for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "skipped_steps")
         if isinstance(r.get(name), int | float)
     ]
     ws.lineage().record_rows("metrics", facts)
@@ -428,6 +492,8 @@ def pretrain(
             update={"checkpoint_interval": config.keep_every, "keep_last": spec.steps // config.keep_every + 1}
         )
     spec = spec.bind(mixture.path / "plan.json", out, init_from)
+    check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
+    spec = spec.model_copy(update={"tracker_dir": str(tracker_dir(out.parent.parent, spec.tracker, out, spec.stage))})
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
@@ -451,25 +517,37 @@ def pretrain(
         f"{sched.total_steps or spec.steps}), seed {spec.seed}"
         f"{', resuming in ' + str(out) if resumed else ''}"
     )
+    if spec.tracker.kind != "none":
+        log(f"{spec.stage}: {spec.tracker.kind} run folder {spec.tracker_dir}")
     launcher = get_launcher(launch_config(config))
     inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
-    watcher = _Watcher(out, spec.steps, progress, inject)
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
-    watcher.start()
-    try:
-        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-            launcher.launch(
-                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
-            )
-    except Exception:
-        if watcher.injected:
-            raise RuntimeError(
-                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
-            ) from None
-        raise
-    finally:
-        watcher.stop.set()
-        watcher.join()
+    sink = StageEvents(out, spec.stage, log, *_run_context())
+    while True:  # again only after a non-finite value, with its data skipped (bounded)
+        watcher = _Watcher(out, spec.steps, progress, inject)
+        reset_launch_files(out)  # hang reports and heartbeats describe this launch only
+        local = config.launch.kind == "local"
+        supervisor = StageSupervisor(out, spec.watchdog, sink, end_launch=(lambda: end_local(out)) if local else None)
+        watcher.start()
+        supervisor.start()
+        try:
+            with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
+                launcher.launch(
+                    out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+                )
+        except Exception as exc:
+            if watcher.injected:
+                raise RuntimeError(
+                    f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+                ) from None
+            if non_finite(exc) and roll_back(out, spec, sink, log):
+                continue
+            raise
+        finally:
+            watcher.stop.set()
+            watcher.join()
+            supervisor.close()
+        break
     result = json.loads((out / "result.json").read_text())
     rows = read_metrics(out / "metrics.jsonl")
     if rows:
@@ -495,6 +573,10 @@ def pretrain(
         "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
         "resumed": resumed,
         "init_from": init_from,
+        "skipped_steps": result.get("skipped_steps", 0),  # the skip-step rule's
+        "skipped_data": result.get("skipped_data", []),  # windows skipped after non-finite values
+        "flags": flag_counts(out),
+        "tracker_dir": spec.tracker_dir if spec.tracker.kind != "none" else None,
         **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
     }
     if meta["mfu_invalid"]:

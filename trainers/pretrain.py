@@ -20,7 +20,13 @@ One launch trains one stage as described by a `TrainSpec`:
   layout); otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise
   fresh; `spec.async_checkpoint` writes checkpoints in the background (model/checkpoint.py);
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
-  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written;
+  run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written, after
+  recording in `monitor/nonfinite.json` what the pretrain step needs to roll back and skip the
+  data that led there (trainers/monitor.py);
+- watching itself: a hang watchdog on every rank (trainers/watchdog.py: no completed step within
+  its bound ends the rank with exit code 5, stacks in the log), straggler and throughput checks
+  at every metrics line, the optional skip-step rule, planned data skips and the tracker
+  (trainers/monitor.py, trainers/tracker.py), called from a few hooks of the loop;
 - outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
 - logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
   gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
@@ -47,8 +53,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,7 +78,9 @@ from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec
+from trainers.monitor import StageMonitor
 from trainers.signals import EXIT_STOPPED, StopRequested, StopSignals
+from trainers.watchdog import Watchdog
 
 log = logging.getLogger("trainers.pretrain")
 EXIT_NON_FINITE = 3
@@ -88,6 +97,7 @@ class Runtime:
     world_size: int
     device: torch.device
     owns_group: bool  # we created the process group, so we destroy it
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when training ends, however
 
 
 def setup_runtime(spec: TrainSpec) -> Runtime:
@@ -341,6 +351,8 @@ def train(spec: TrainSpec, stop: StopSignals | None = None) -> dict[str, Any]:
         lease = claim_stage(Path(spec.out_dir), rt)
         return _train(spec, rt, stop)
     finally:
+        for close in reversed(rt.closers):
+            close()
         if lease is not None:
             lease.release()
         if rt.owns_group and dist.is_initialized():
@@ -350,6 +362,9 @@ def train(spec: TrainSpec, stop: StopSignals | None = None) -> dict[str, Any]:
 def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dict[str, Any]:
     out_dir = Path(spec.out_dir)
     is_main = rt.rank == 0
+    # From here on a rank that completes no step within its bound ends the launch (trainers/watchdog.py).
+    watchdog = Watchdog(spec.watchdog, out_dir, rt.rank, spec.stage).start()
+    rt.closers.append(watchdog.stop)
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         spec.save(out_dir / "spec.resolved.json")
@@ -380,7 +395,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     loader = MixtureLoader(plan, seq_len=seq_len, rank=dp_rank, world_size=layout.dp, vocab_size=cfg.vocab_size)
     ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last, async_save=spec.async_checkpoint)
 
-    step, schedule_start, resumed_from = 0, spec.schedule.start_step or 0, None
+    step, schedule_start, resumed_from, state = 0, spec.schedule.start_step or 0, None, None
     # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
     # a corrupt newer one is skipped with a warning naming what failed.
     latest = ckpt.latest_verified(collective=True)
@@ -439,14 +454,21 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
         peak * rt.world_size if peak else None,
         peak_source,
     )
+    # Hang watchdog, stragglers, throughput, skip-step rule, data skips, tracker (trainers/monitor.py).
+    mon = StageMonitor(spec, rt, watchdog, plan.stage, step, spec.global_batch * seq_len, seq_len)
+    rt.closers.append(mon.close)
+    mon.start(loader, state)
 
     def checkpoint(step: int, stage_end: bool) -> Path:
-        """Save this step (every rank): refused when the weights are not finite."""
+        """Save this step (every rank): refused when the weights are not finite; the monitor's
+        state travels with it and the watchdog allows the save its own bound."""
         if not _all_finite(params):
+            mon.nonfinite(step, "weights", float("nan"), loader, last_ckpt)
             raise NonFiniteError(
                 f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
             )
-        return ckpt.save(
+        mon.saving()  # the watchdog's checkpoint bound
+        path = ckpt.save(
             step,
             model,
             optimizer,
@@ -459,18 +481,23 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
                 "loader": loader.state_dict(),
                 "tokens_per_source": loader.tokens_per_source(),
                 "epochs_per_source": loader.epochs_per_source(),
+                "monitor": mon.state_dict(),
             },
             stage_end=stage_end,
         )
+        mon.saved(step, loader)
+        return path
 
     while step < spec.steps:
         t0 = time.perf_counter()
+        mon.before_step(loader, step + 1)
         lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=rt.device)
         for micro in range(accum):
-            batch = loader.next_batch(spec.micro_batch)
+            with mon.local():
+                batch = loader.next_batch(spec.micro_batch)
             if sharded:
                 model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
             with autocast:
@@ -479,11 +506,15 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
                     batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
                     batch.labels.to(rt.device),
                 )
-            (out.loss / accum).backward()
-            loss_sum += out.loss.detach().float()
+            loss = out.loss
+            if spec.debug_nan_token is not None and bool((batch.input_ids == spec.debug_nan_token).any()):
+                loss = loss * float("nan")  # testing only: a planted token poisons its batch
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
         dist.all_reduce(loss_sum)
         loss_value = loss_sum.item() / (accum * rt.world_size)
         if not math.isfinite(loss_value):
+            mon.nonfinite(step + 1, "loss", loss_value, loader, last_ckpt)
             raise NonFiniteError(
                 f"loss is {loss_value} at step {step + 1}; stopping before any checkpoint of "
                 f"this state (last good checkpoint: {last_ckpt})"
@@ -496,36 +527,45 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.item()
         if not math.isfinite(grad_norm):
+            mon.nonfinite(step + 1, "gradient norm", grad_norm, loader, last_ckpt)
             raise NonFiniteError(
                 f"gradient norm is {grad_norm} at step {step + 1} (loss {loss_value}); stopping "
                 f"(last good checkpoint: {last_ckpt})"
             )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        skipped = mon.skip_update(step + 1, loss_value, grad_norm)  # the skip-step rule, when on
+        with mon.local():
+            if not skipped:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
         step += 1
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         tokens_per_s = spec.global_batch * seq_len / elapsed
         report.stepped(elapsed)
-        if is_main and (step % spec.log_interval == 0 or step == spec.steps):
-            metrics.write(
-                {
-                    "step": step,
-                    "loss": loss_value,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": report.mfu(tokens_per_s),
-                    "mfu_invalid": report.invalid(tokens_per_s),  # why mfu is null with a peak known
-                    "mfu_peak_flops": peak,
-                    "mfu_peak_source": peak_source,
-                    "tokens_per_source": loader.tokens_per_source(),
-                    "epochs_per_source": loader.epochs_per_source(),
-                    "time": time.time(),
-                    "peak_memory_gib": peak_memory_gib(rt.device),
-                }
-            )
+        mon.stepped(step, elapsed)
+        line = step % spec.log_interval == 0 or step == spec.steps
+        checks = mon.line(step) if line else {}  # collective: the ranks' times (stragglers, throughput)
+        if is_main and line:
+            record = {
+                "step": step,
+                "loss": loss_value,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+                "mfu": report.mfu(tokens_per_s),
+                "mfu_invalid": report.invalid(tokens_per_s),  # why mfu is null with a peak known
+                "mfu_peak_flops": peak,
+                "mfu_peak_source": peak_source,
+                "tokens_per_source": loader.tokens_per_source(),
+                "epochs_per_source": loader.epochs_per_source(),
+                "time": time.time(),
+                "peak_memory_gib": peak_memory_gib(rt.device),
+                "skipped": skipped,
+                **checks,
+            }
+            metrics.write(record)
+            mon.track(step, record)  # TensorBoard / W&B / MLflow, live
             report.log_step(step, loss_value, lr, grad_norm)
         stage_end = step == spec.steps
         ckpt.poll()  # a background save whose every shard is written gets its marker
@@ -559,6 +599,8 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
         "activation_checkpointing": memory.mode,
         "predicted_peak_gb": round(memory.peak_gb, 3),  # model/memory.py, per rank
         "resumed_from": resumed_from,
+        "skipped_steps": mon.spikes.skipped if mon.spikes else 0,  # the skip-step rule's
+        "skipped_data": mon.skips.windows,  # data windows skipped after non-finite values
     }
     if is_main:
         report.log_end(loss_value)

@@ -63,8 +63,40 @@ EXIT_STOPPED = 75  # trainers/signals.py: stopped on a signal, the step it stopp
 EXIT_CODES = {
     3: "stopped on a non-finite loss, gradient or weights",
     4: "refused to start: another trainer holds the stage folder",
+    5: "ended by its hang watchdog",
     EXIT_STOPPED: "stopped on a signal (time limit, preemption, eviction) after saving a checkpoint",
-}  # trainers/pretrain.py, trainers/signals.py
+}  # trainers/pretrain.py, trainers/watchdog.py, trainers/signals.py
+
+# `{out_dir}/monitor/hang/*.json`: one report per rank whose watchdog found no completed step
+# within its bound (trainers/watchdog.py), or the pretrain step's own when the ranks could not
+# report (tasks/pretrain.py). Cleared before each launch, so reports describe the launch that ended.
+HANG_DIR = Path("monitor") / "hang"
+
+
+def hang_reports(out_dir: Path) -> list[dict]:
+    """The hang reports of a stage folder, earliest first (unreadable ones left out)."""
+    reports = []
+    for path in sorted((Path(out_dir) / HANG_DIR).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            reports.append(record)
+    return sorted(reports, key=lambda r: r.get("time", 0.0))
+
+
+def describe_hang(report: dict) -> str:
+    """One clause: `rank 1 on node-3 completed no step for 31.2 s (bound 30.0 s: 10 x median
+    0.42 s, floor 30 s) after step 5`."""
+    who = f"rank {report['rank']}" if report.get("rank") is not None else "the stage"
+    host = f" on {report['host']}" if report.get("host") else ""
+    phase = report.get("phase") or "train"
+    doing = {"startup": " before its first step", "checkpoint": " while saving a checkpoint"}.get(phase, "")
+    return (
+        f"{who}{host} completed no step for {report.get('idle_s', float('nan')):.1f} s{doing} "
+        f"(bound {report.get('bound_s', float('nan')):.1f} s{', ' + report['why'] if report.get('why') else ''})"
+    )
 
 
 @dataclass(frozen=True)
@@ -82,6 +114,7 @@ class FailureFacts:
     who: str = "the trainer"  # when no rank is named: "torchrun", "Slurm job 12", ...
     state: str | None = None  # the scheduler's final state when it says more (NODE_FAIL, TIMEOUT)
     lost: str | None = None  # the peer or rendezvous store a survivor lost (infra/launchers/peers.py)
+    hung: str | None = None  # the first hang report (`describe_hang`): the launch was ended as hung
 
     @property
     def external(self) -> bool:
@@ -91,6 +124,8 @@ class FailureFacts:
 
     def cause(self) -> str:
         """One sentence: who died how, where, and what a retry does."""
+        if self.hung:
+            return f"hung: {self.hung}; stacks are in the log; the launch was ended{self._then()}"
         who = f"rank {self.rank}" if self.rank is not None else self.who
         if self.signal:
             how = f"killed by {self.signal}"
@@ -108,12 +143,16 @@ class FailureFacts:
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
         if self.lost:
             how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
+        return f"{who} {how}{self._then()}"
+
+    def _then(self) -> str:
+        """Where the launch stopped and what a retry does."""
         where = f" after step {self.last_step}" if self.last_step is not None else " before its first step"
         if self.checkpoint_step is not None:
             then = f" (last checkpoint: step {self.checkpoint_step}); a retry resumes from step {self.checkpoint_step}"
         else:
             then = " (no checkpoint yet); a retry starts the stage over"
-        return f"{who} {how}{where}{then}"
+        return where + then
 
 
 class LaunchFailed(RuntimeError):
@@ -224,13 +263,22 @@ def last_metrics_step(path: Path) -> int | None:
     return None
 
 
+def stage_dir(spec_path: Path, workdir: Path) -> Path:
+    """The stage folder a spec trains in (its out_dir; the work folder when unreadable)."""
+    try:
+        spec = json.loads(Path(spec_path).read_text())
+    except (OSError, ValueError):
+        spec = {}
+    return Path(spec.get("out_dir") or workdir)
+
+
 def stage_progress(spec_path: Path, workdir: Path) -> tuple[int | None, int | None]:
     """(last step in metrics.jsonl, step of the newest complete checkpoint) of a stage folder."""
     try:
         spec = json.loads(Path(spec_path).read_text())
     except (OSError, ValueError):
         spec = {}
-    out = Path(spec.get("out_dir") or workdir)
+    out = stage_dir(spec_path, workdir)
     metrics = Path(spec["metrics_path"]) if spec.get("metrics_path") else out / "metrics.jsonl"
     checkpoint = None
     root = out / "checkpoints"
@@ -257,6 +305,7 @@ def failure_facts(
     """Everything known about a failed launch: torchrun's summary when it printed one, else the
     launcher's own view (torchrun itself killed, a node lost: no rank to name)."""
     last_step, checkpoint_step = stage_progress(spec_path, workdir)
+    hangs = hang_reports(stage_dir(spec_path, workdir))
     code, sig = summary.exitcode(), summary.signal()
     if code is None:
         code, sig = returncode, signal_name
@@ -275,6 +324,7 @@ def failure_facts(
         who=who,
         state=state,
         lost=lost.describe() if lost is not None else None,
+        hung=describe_hang(hangs[0]) if hangs else None,
     )
 
 

@@ -109,6 +109,11 @@ CREATE TABLE IF NOT EXISTS preflight (
     run_id VARCHAR, check_name VARCHAR, status VARCHAR, value VARCHAR, threshold VARCHAR,
     advice VARCHAR, created TIMESTAMP
 );
+CREATE TABLE IF NOT EXISTS train_events (
+    stage_dir VARCHAR, stage VARCHAR, run_id VARCHAR, attempt INTEGER, task_try INTEGER,
+    kind VARCHAR, step BIGINT, rank INTEGER, host VARCHAR, value DOUBLE, threshold DOUBLE,
+    message VARCHAR, facts JSON, created TIMESTAMP
+);
 CREATE TABLE IF NOT EXISTS _journal_progress (file VARCHAR PRIMARY KEY, events BIGINT);
 CREATE TABLE IF NOT EXISTS _journal_rejected (
     file VARCHAR, seq BIGINT, error VARCHAR, event VARCHAR, rejected TIMESTAMP
@@ -1115,7 +1120,7 @@ class LineageStore:
 
     def record_rows(self, table: str, rows: Sequence[Sequence[Any]]) -> None:
         """Append rows to one of the schema's fact tables (metrics, evals, filter_stats, ...)."""
-        if table not in {"metrics", "evals", "filter_stats", "preflight"}:
+        if table not in {"metrics", "evals", "filter_stats", "preflight", "train_events"}:
             raise ValueError(f"unknown lineage table {table!r}")
         if not rows:
             return

@@ -124,6 +124,16 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
             assert stage in table
         assert "passkey_100" in table
+        # Every stage has its TensorBoard run, read back by TensorBoard: the loss as it trained,
+        # the evaluation of its checkpoint at its last step.
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
+            (run_dir,) = (ws / "tensorboard").glob(f"{stage}-*")
+            board = EventAccumulator(str(run_dir))
+            board.Reload()
+            tags = board.Tags()["scalars"]
+            assert "train/loss" in tags and any(t.startswith("eval/") for t in tags), (stage, tags)
         final = final_artifact(lineage, run_id)
         assert final["kind"] == "hf_model" and final["label"] == "long2"
         raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}

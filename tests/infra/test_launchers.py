@@ -210,6 +210,17 @@ def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
     facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9, who="torchrun")
     assert facts.cause().startswith("torchrun killed by SIGKILL after step 12")
 
+    # a hang report of this launch (trainers/watchdog.py): the launch was ended as hung
+    report = {"rank": 3, "host": "node-2", "step": 12, "phase": "train", "idle_s": 31.5, "bound_s": 30.0}
+    (out / "monitor" / "hang").mkdir(parents=True)
+    (out / "monitor" / "hang" / "rank3.json").write_text(json.dumps(report | {"why": "floor 30 s", "time": 2.0}))
+    (out / "monitor" / "hang" / "rank0.json").write_text(json.dumps(report | {"rank": 0, "time": 3.0}))
+    facts = failure_facts(spec, out, TorchrunSummary(), FirstError(), returncode=-9, who="torchrun")
+    assert facts.cause() == (
+        "hung: rank 3 on node-2 completed no step for 31.5 s (bound 30.0 s, floor 30 s); stacks are in "
+        "the log; the launch was ended after step 12 (last checkpoint: step 10); a retry resumes from step 10"
+    )
+
 
 # --- Slurm: rendering and monitoring (fake client) ------------------------------------------------
 

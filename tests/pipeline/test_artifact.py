@@ -104,3 +104,23 @@ def test_missing_input_is_named(tmp_path):
     ghost = Artifact(kind="corpus", uri=str(tmp_path / "gone"), fingerprint="ab" * 32)
     with pytest.raises(FileNotFoundError, match="corpus abababababab"):
         _run(tmp_path, lambda out: {}, inputs=[ghost])
+
+
+def test_an_added_identity_field_moves_no_fingerprint_until_it_is_set():
+    """A feature added after fingerprints were published (training's skip-step rule): configs
+    that leave it at its default keep their identity; setting it is a new identity."""
+    from pydantic import BaseModel, ConfigDict
+
+    from pipeline.artifact import added_identity, identity
+
+    class Before(BaseModel):
+        model_config = ConfigDict(frozen=True, extra="forbid")
+        lr: float = 1.0
+
+    class After(Before):
+        rule: dict | None = added_identity(None)
+
+    assert identity(After()) == identity(Before()) == {"lr": 1.0}
+    assert fingerprint("s", 1, After()) == fingerprint("s", 1, Before())
+    assert identity(After(rule={"sigma": 6})) == {"lr": 1.0, "rule": {"sigma": 6}}
+    assert fingerprint("s", 1, After(rule={"sigma": 6})) != fingerprint("s", 1, Before())

@@ -70,6 +70,8 @@ def _wrapped(inner: BaseException) -> BaseException:
         (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=-9, signal="SIGKILL")), True),
         (LaunchFailed("Slurm job 7", facts=FailureFacts(who="Slurm job 7", state="NODE_FAIL")), True),
         (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=3)), False),
+        # ended by its hang watchdog (exit 5), or by the step when torchrun itself was frozen
+        (LaunchFailed("torchrun", facts=FailureFacts(rank=0, exitcode=5, hung="rank 1 on n completed no step")), True),
         (LaunchFailed("torchrun", facts=FailureFacts(rank=1, exitcode=1, error="ValueError: bad")), False),
         (LaunchFailed("sbatch: invalid partition"), False),
     ],

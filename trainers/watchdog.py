@@ -1,0 +1,192 @@
+"""The hang watchdog of every training rank: no completed step within a bound ends the launch.
+
+A hung collective (a dead NCCL peer, a rank stuck in a file system call) blocks every other rank
+without an error for as long as the collective's own timeout, 10 to 30 minutes, or forever. Each
+rank therefore runs a `Watchdog` thread that knows when the rank last completed a step and ends the
+launch when that is longer ago than the bound:
+
+    bound = max(floor_s, multiple x the running median step time)      while training
+            startup_s                                                  before the first step
+            checkpoint_s                                               while a checkpoint is saved
+
+When it fires it writes the rank's hang report (`{out_dir}/monitor/hang/rank{N}.json`, read by the
+launcher's failure facts, infra/launchers/base.py), prints every thread's Python stack to stderr
+(the stage log), and ends the rank with exit code 5 (EXIT_HUNG): torchrun then stops the other
+ranks, the launch fails as `hung` and the pretrain step's retry (or Slurm's requeue) resumes from
+the last checkpoint. Collectives release the GIL, so the thread runs while the main thread waits.
+
+What one rank cannot see, the pretrain step sees from outside (trainers/supervise.py): each rank's
+watchdog writes a heartbeat (`{out_dir}/monitor/heartbeat/rank{N}.json`: pid, host, last completed
+step and its time, the bound) every `heartbeat_s`; a rank frozen whole (SIGSTOP, a lost node)
+stops writing it. And a C-level backstop (`faulthandler.dump_traceback_later`, armed at twice the
+bound) dumps the stacks and exits even if the rank's Python thread cannot run (a C extension
+holding the GIL). `SIGUSR2` prints a rank's stacks on demand (faulthandler's handler, also in C):
+the step sends it to every rank it can reach when a hang is known.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from infra.files import write_atomic
+from infra.guard import start_time
+from infra.launchers.base import HANG_DIR
+from model.spec import WatchdogConfig
+
+EXIT_HUNG = 5
+HEARTBEAT_DIR = Path("monitor") / "heartbeat"
+STACK_SIGNAL = signal.SIGUSR2  # print this rank's stacks (faulthandler)
+
+
+def bound_for(config: WatchdogConfig, phase: str, step_times: list[float]) -> tuple[float, str]:
+    """(seconds a rank may go without a completed step, how that was decided) in `phase`."""
+    if phase == "startup" or not step_times:
+        return config.startup_s, "startup bound"
+    if phase == "checkpoint":
+        return config.checkpoint_s, "checkpoint bound"
+    median = statistics.median(step_times)
+    scaled = config.multiple * median
+    if scaled >= config.floor_s:
+        return scaled, f"{config.multiple:g} x median step {median:.3g} s"
+    return config.floor_s, f"floor {config.floor_s:g} s > {config.multiple:g} x median step {median:.3g} s"
+
+
+class Watchdog:
+    """One rank's watchdog thread (see the module docstring). `completed()` after every step,
+    `phase("checkpoint")` around a save; `stop()` at the end of training."""
+
+    def __init__(self, config: WatchdogConfig, out_dir: Path, rank: int, stage: str, step: int = 0) -> None:
+        self.config, self.rank, self.stage = config, rank, stage
+        self.hang_path = Path(out_dir) / HANG_DIR / f"rank{rank}.json"
+        self.heartbeat_path = Path(out_dir) / HEARTBEAT_DIR / f"rank{rank}.json"
+        self.host, self.pid, self.start_ticks = socket.gethostname(), os.getpid(), start_time(os.getpid())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._times: deque[float] = deque(maxlen=config.window)
+        self._step = step  # last completed step
+        self._phase = "startup"
+        self._since = time.monotonic()  # when the last step completed (or the phase began)
+        self._since_wall = time.time()
+        self._thread: threading.Thread | None = None
+
+    # -- what the training loop calls --
+
+    def start(self) -> Watchdog:
+        if not self.config.enabled:
+            return self
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+        self._thread = threading.Thread(target=self._run, name=f"hang-watchdog-rank{self.rank}", daemon=True)
+        self._thread.start()
+        self._arm_backstop()
+        return self
+
+    def completed(self, step: int, seconds: float) -> None:
+        """Step `step` completed, its training taking `seconds`."""
+        with self._lock:
+            self._step, self._phase = step, "train"
+            self._times.append(seconds)
+            self._since, self._since_wall = time.monotonic(), time.time()
+        self._arm_backstop()
+
+    def begin_phase(self, name: str) -> None:
+        """Work with a bound of its own (`checkpoint`) begins; `end_phase` when it is done."""
+        with self._lock:
+            self._phase = name
+            self._since, self._since_wall = time.monotonic(), time.time()
+        self._arm_backstop()
+
+    def end_phase(self) -> None:
+        """Back to training; the clock restarts."""
+        with self._lock:
+            self._phase = "train" if self._times else "startup"
+            self._since, self._since_wall = time.monotonic(), time.time()
+        self._arm_backstop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            faulthandler.cancel_dump_traceback_later()
+            faulthandler.unregister(STACK_SIGNAL)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # -- the thread --
+
+    def bound(self) -> tuple[float, str]:
+        with self._lock:
+            return bound_for(self.config, self._phase, list(self._times))
+
+    def _arm_backstop(self) -> None:
+        """The C-level last resort at twice the bound: stacks, then exit, GIL or not."""
+        if self._thread is None:
+            return
+        bound, _ = self.bound()
+        faulthandler.dump_traceback_later(2 * bound + self.config.grace_s, repeat=False, file=sys.stderr, exit=True)
+
+    def _run(self) -> None:
+        poll = max(0.05, min(1.0, self.config.floor_s / 20, self.config.heartbeat_s))
+        last_beat = 0.0
+        while not self._stop.wait(poll):
+            with self._lock:
+                idle, step, phase = time.monotonic() - self._since, self._step, self._phase
+            bound, why = self.bound()
+            if time.monotonic() - last_beat >= self.config.heartbeat_s:
+                last_beat = time.monotonic()
+                self._heartbeat(step, phase, bound)
+            if idle > bound:
+                self._fire(idle, bound, why, step, phase)
+                return
+
+    def _record(self, step: int, phase: str, bound: float) -> dict[str, Any]:
+        with self._lock:
+            median = statistics.median(self._times) if self._times else None
+            since = self._since_wall
+        return {
+            "stage": self.stage,
+            "rank": self.rank,
+            "host": self.host,
+            "pid": self.pid,
+            "start": self.start_ticks,  # the pid's kernel start time: a recycled pid is not this rank
+            "step": step,
+            "phase": phase,
+            "bound_s": bound,
+            "median_step_s": median,
+            "last_progress": since,
+            "time": time.time(),
+        }
+
+    def _heartbeat(self, step: int, phase: str, bound: float) -> None:
+        try:
+            write_atomic(self.heartbeat_path, json.dumps(self._record(step, phase, bound)), durable=False)
+        except OSError:
+            pass  # a full or flaky disk must not end training; the step reads a stale heartbeat
+
+    def _fire(self, idle: float, bound: float, why: str, step: int, phase: str) -> None:
+        """Report, print every thread's stack, end this rank (EXIT_HUNG)."""
+        record = self._record(step, phase, bound) | {"idle_s": idle, "why": why, "by": "rank watchdog"}
+        try:
+            write_atomic(self.hang_path, json.dumps(record, indent=2))
+        except OSError:
+            pass
+        print(
+            f"ERROR: {self.stage}: hang watchdog: rank {self.rank} on {self.host} completed no step for "
+            f"{idle:.1f} s after step {step} (bound {bound:.1f} s: {why}, phase {phase}); stacks of "
+            "every thread follow, then this rank exits so the launch ends and its retry resumes "
+            "from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)  # the main thread is stuck: no unwinding, no atexit
