@@ -98,11 +98,17 @@ def cmd_runs(args) -> int:
 
 def cmd_sql(args) -> int:
     """A query on a private, consistent copy of the lineage: never blocks the writers."""
+    import duckdb
+
     lineage = _lineage(args)
     if not lineage.path.exists():
         raise LookupError(f"no lineage at {lineage.path}")
     with lineage.snapshot() as con:
-        print(con.sql(args.query))
+        try:
+            print(con.sql(args.query))
+        except duckdb.Error as exc:  # a bad query is the user's input: say what DuckDB said, no traceback
+            tables = ", ".join(sorted(r[0] for r in con.execute("SHOW TABLES").fetchall() if not r[0].startswith("_")))
+            raise ValueError(f"{type(exc).__name__}: {exc}\n(tables: {tables})") from None
     return 0
 
 

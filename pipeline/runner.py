@@ -395,10 +395,10 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         raise
     artifact = outcome.artifact
     verb = "built" if outcome.built else "reused finished"
-    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
-    logger.info(
-        f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.meta.get('model_dir') or artifact.uri}"
-    )
+    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder; any
+    # other artifact's is its own folder (an evaluation's meta names the model it scored).
+    where = (artifact.meta.get("model_dir") if artifact.kind == "hf_model" else None) or artifact.uri
+    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at {where}")
     lineage = ws.lineage()
     lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
     ctx.record(node, "completed", started[0], _now())

@@ -172,6 +172,12 @@ def stops_early_child(config: Steps, inputs: Inputs, out: Path, *, log=print, pr
     return {"reported": config.last_report}
 
 
+@step("scores_a_model", version=1, kind="eval")
+def scores_a_model(config: Steps, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+    """An evaluation's meta, as `evaluate` writes it: it names the model it scored."""
+    return {"model_dir": str(out.parent / "elsewhere" / "model"), "scores": {}}
+
+
 @step("tiny_model", version=1, kind="hf_model")
 def tiny_model(config: Steps, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
     """A model step as export and post-training write them: the model in `out/model`."""
@@ -201,6 +207,7 @@ def test_progress_ends_at_100_and_a_model_is_logged_at_its_loadable_path(tmp_pat
         g.add(stops_early, Steps(last_report=40.0), label="here")
         g.add(stops_early_child, Steps(last_report=92.5), label="child")
         g.add(tiny_model, Steps(last_report=0.0), label="model")
+        g.add(scores_a_model, Steps(last_report=0.0), label="eval")
         return run_flow("runner-test", g, run_setup(recipe, "tiny"))
 
     lines: list[str] = []
@@ -218,3 +225,7 @@ def test_progress_ends_at_100_and_a_model_is_logged_at_its_loadable_path(tmp_pat
     path = re.search(r" at (\S+)$", line).group(1)
     assert Path(path).name == "model"
     assert AutoModelForCausalLM.from_pretrained(path) is not None
+    # An evaluation is logged at its own folder, not at the model its meta names.
+    [line] = [text for text in lines if "scores_a_model[eval] built eval" in text]
+    folder = Path(re.search(r" at (\S+)$", line).group(1))
+    assert folder.parent.name == "scores_a_model" and (folder / "_COMPLETE.json").is_file()
