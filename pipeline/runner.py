@@ -45,7 +45,15 @@ from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
-from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
+from pipeline.owner import (
+    broken_pipe,
+    mute_console,
+    owner_died_before,
+    quiet_console_streams,
+    run_owner,
+    survive_broken_console,
+    watch_owner,
+)
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
@@ -84,7 +92,8 @@ class StepFailed(RuntimeError):
 
 
 class StepStopped(StepFailed):
-    """A step stopped because its run lost its owner (the serve process died): never retried."""
+    """A step stopped because its run lost its owner (the serve process died): never retried. Its
+    message starts with `step[label] stopped:`."""
 
 
 class FlowFailed(RuntimeError):
@@ -142,6 +151,8 @@ class RunContext:
         self.records: list[StepRow] = []
         self._records_lock = threading.Lock()
         self.owner_gone: str | None = None  # set when the serve process that owns the run died
+        self.owner: ProcessRef | None = None
+        self._owner_lock = threading.Lock()
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -161,17 +172,23 @@ class RunContext:
             f"resolved recipe saved to {saved}"
         )
         survive_broken_console()
+        quiet_console_streams()  # a print or progress bar into a dead parent's pipe fails nothing
         owner = run_owner()
         if owner is not None:
+            self.owner = owner
             self.logger = get_run_logger()  # usable from the watchdog's thread
             watch_owner(owner, self._owner_died)
         return self
 
     def _owner_died(self, owner: ProcessRef) -> None:
-        """The serve process died: stop the children, start no further step (pipeline/owner.py)."""
-        mute_console()  # nobody reads the console any more; the API keeps the log
-        when = datetime.now(UTC).strftime("%H:%M:%S UTC")
-        self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
+        """The serve process died: stop the children, start no further step (pipeline/owner.py).
+        Called once, by the watchdog or by the first step that failed with the death."""
+        with self._owner_lock:
+            if self.owner_gone is not None:
+                return
+            mute_console()  # nobody reads the console any more; the API keeps the log
+            when = datetime.now(UTC).strftime("%H:%M:%S UTC")
+            self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
         self.logger.error(
             f"{self.owner_gone}: stopping the steps that run and starting no new one; "
             f"`prefect flow-run retry {self.run_id}` resumes the run"
@@ -183,6 +200,13 @@ class RunContext:
     def check_owner(self) -> None:
         if self.owner_gone is not None:
             raise OwnerGone(f"not started: {self.owner_gone}")
+
+    def lost_owner(self, exc: BaseException) -> bool:
+        """Whether the run has lost its owner, asked when a step fails: the watchdog may not have
+        looked yet (a broken log pipe is often the first sign), so look now."""
+        if self.owner_gone is None and self.owner is not None and owner_died_before(self.owner, exc):
+            self._owner_died(self.owner)
+        return self.owner_gone is not None
 
     def owner_crash(self) -> State:
         """The final state of a run that lost its serve process (see pipeline/owner.py)."""
@@ -382,16 +406,17 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         if isinstance(exc, OwnerGone):
             cause = str(exc)
             ctx.record(node, "skipped", started[0], _now(), cause)
-        elif ctx.owner_gone is not None:  # killed because the run lost its owner: no retry
-            cause = f"stopped: {ctx.owner_gone} ({cause})"
+        elif ctx.lost_owner(exc):  # stopped (or its pipe broken) by the owner's death: no retry
+            cause = f"stopped: {ctx.owner_gone} ({'its console pipe broke with it' if broken_pipe(exc) else cause})"
             ctx.record(node, "failed", started[0], _now(), cause)
         elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
             ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
-            kind = StepStopped if ctx.owner_gone is not None else StepFailed
-            raise kind(f"{node.key} failed: {cause}") from exc
+            if ctx.owner_gone is not None:
+                raise StepStopped(f"{node.key} {cause}") from exc
+            raise StepFailed(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
     verb = "built" if outcome.built else "reused finished"

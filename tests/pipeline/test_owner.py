@@ -82,3 +82,61 @@ def test_a_console_whose_reader_died_no_longer_raises_systemexit_in_the_logging_
     assert said == "SystemExit" and code == 1  # rich's on_broken_pipe: what ended runs mid-step
     said, code = _log_into_a_closed_pipe("patched")
     assert said == "survived" and code == 0
+
+
+def test_a_step_running_when_its_owner_dies_is_recorded_stopped_and_logging_into_the_dead_pipe_fails_nothing(
+    tmp_path, api_url
+):
+    """The serve stand-in is SIGKILLed while three steps run: `chatty` writes to the console every
+    millisecond, so its next write meets the broken pipe well before the watchdog's next look
+    (what recorded an evaluation `failed: BrokenPipeError` beside a stopped stage),
+    `raw_writer` writes to fd 2 itself, `sleeper` runs in a child process. The console goes quiet
+    and `chatty` finishes; `raw_writer` finishes or is recorded stopped; `sleeper` is stopped and
+    recorded as stopped by the owner's death; the run ends Crashed naming only the death."""
+    import signal
+    import time
+
+    import psutil
+
+    from pipeline.lineage import Lineage
+
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PYTHONPATH": str(REPO)}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tests.pipeline.owner_run", "serve", str(tmp_path)], cwd=REPO, env=env
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"{s}.started").exists() for s in ("chatty", "raw_writer", "sleeper")):
+            console = tmp_path / "console.log"
+            pid = tmp_path / "flow.pid"
+            gone = pid.exists() and not psutil.pid_exists(int(pid.read_text()))
+            assert serve.poll() is None and not gone and time.monotonic() < deadline, (
+                "the steps did not start: "
+                + "\n".join(ln for ln in (console.read_text() if console.exists() else "").splitlines()[-300:])[-3000:]
+            )
+            time.sleep(0.1)
+        flow = psutil.Process(int((tmp_path / "flow.pid").read_text()))
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait()
+        time.sleep(1.0)  # chatty keeps writing into the broken pipe meanwhile
+        (tmp_path / "release").touch()
+        flow.wait(120)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    lineage = Lineage(tmp_path / "ws" / "lineage.duckdb")
+    run_id = (tmp_path / "run_id").read_text()
+    rows = {r["step"]: r for r in lineage.steps_of(run_id)}
+    assert rows["chatty"]["state"] == "completed", rows["chatty"]  # logging to a dead parent failed nothing
+    # A write past Python's streams may raise before the console is muted: stopped, never failed
+    raw = rows["raw_writer"]
+    assert raw["state"] == "completed" or (raw["state"] == "failed" and raw["error"].startswith("stopped: ")), raw
+    assert rows["sleeper"]["state"] == "failed"
+    assert rows["sleeper"]["error"].startswith(f"stopped: the serve process (pid {serve.pid}) that owns this run died")
+    assert not any("BrokenPipe" in (r["error"] or "") for r in rows.values()), rows
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run_id).state
+    assert state.is_crashed(), state
+    assert "sleeper[x]" in state.message.split("Stopped while running: ")[1] and "failed before" not in state.message
