@@ -18,6 +18,7 @@ from flows.recipe import load_recipe, run_setup
 from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
+from pipeline.named_runs import NamedTaskRunner
 from pipeline.runner import FlowFailed, run_flow
 from pipeline.step import step
 
@@ -61,7 +62,7 @@ def _run(tmp_path: Path, step_def, config: Flaky) -> tuple[Lineage, str, list[di
     recipe = load_recipe("tiny", [f"workspace={ws}"])
     lineage = Lineage(ws / "lineage.duckdb")
 
-    @flow(name="retry-test")
+    @flow(name="retry-test", task_runner=NamedTaskRunner())  # the project flows' runner
     def run() -> dict:
         g = Graph("retry-test")
         g.add(step_def, config, label="x")
