@@ -35,12 +35,16 @@ def _refresh(text: str) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    from flows.params import check_refresh
+    from flows.admission import check_run
 
-    check_refresh("smollm3", args.refresh)  # before Prefect opens a run
-    from flows.smollm3 import smollm3
+    # What `plan` checks, before any Prefect server is looked for or started (flows/admission.py).
+    check_run("smollm3", {"recipe": args.recipe, "overrides": args.overrides, "refresh": args.refresh})
+    from flows.api import prefect_api
 
-    result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
+    with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
+        from flows.smollm3 import smollm3
+
+        result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
     print(result)
     return 0
 
@@ -240,7 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         "sources.math.max_documents=100 stages.stage2.tokens=1e9"
     )
 
-    p = add("run", cmd_run, "run the smollm3 flow in this process (no server or deployment needed)")
+    p = add(
+        "run",
+        cmd_run,
+        "run the smollm3 flow in this process (no server or deployment needed)",
+        description="Check the recipe, overrides and data as `plan` does (a bad one fails at once), "
+        "then run the smollm3 flow in this process, reporting to PREFECT_API_URL when set, else to "
+        "the demo's server when it runs, else to a Prefect server started for this run.",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
     p.add_argument(
