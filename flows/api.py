@@ -35,6 +35,24 @@ def demo_api(state: Path = ROOT / ".demo") -> str | None:
 
 
 @contextmanager
+def running_api() -> Iterator[str]:
+    """A Prefect API that runs already (`PREFECT_API_URL`, else the demo's server), for
+    commands that read runs rather than start them (`smollm3 watch`)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = PREFECT_API_URL.value() or demo_api()
+    if not url:
+        raise LookupError(
+            "no Prefect server to read runs from: set PREFECT_API_URL (e.g. "
+            "http://127.0.0.1:4200/api) or start one with `make demo`"
+        )
+    if not healthy(url, timeout=10.0):
+        raise LookupError(f"the Prefect API at {url} does not answer (GET /health failed)")
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+@contextmanager
 def prefect_api(log=print) -> Iterator[str]:
     """The API this process's Prefect client uses inside the block (see the module docstring)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings

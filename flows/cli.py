@@ -210,6 +210,34 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """Follow a flow run until it ends (flows/watch.py); exit 0 when it Completed."""
+    from flows.api import running_api
+
+    with running_api() as url:
+        from prefect.client.orchestration import get_client
+
+        from flows.watch import find_flow_run, watch
+        from pipeline.workspace import resolve_workspace
+
+        with get_client(sync_client=True) as client:
+            run = find_flow_run(client, args.run)
+        state = run.state.name if run.state else "Pending"
+        print(
+            f"watching flow run {run.name} ({run.id}), {state}; UI: {url.removesuffix('/api')}/runs/flow-run/{run.id}"
+        )
+        path = resolve_workspace(args.workspace) / "lineage.duckdb"
+        final, _ = watch(
+            run.id,
+            poll=args.poll,
+            lineage=_lineage(args) if path.exists() else None,
+            every_s=args.every,
+            backlog=False,
+            prefix="",
+        )
+    return 0 if final == "Completed" else 1
+
+
 def cmd_demo(args) -> int:
     from flows.demo import up
 
@@ -345,6 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help="see `smollm3 eval-quality --help`")
 
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
+
+    p = add(
+        "watch",
+        cmd_watch,
+        "follow a flow run live: state changes, each running step's training line or eval progress",
+        True,
+        description="Follow a flow run of the Prefect server (PREFECT_API_URL, else the demo's) until "
+        "it ends: a line per step state change (retries included), each running step's latest "
+        "training line (step/total, loss, tokens/s, ETA) or evaluation progress at most every "
+        "--every seconds. Exit 0 when the run Completed, 1 otherwise.",
+    )
+    p.add_argument("run", nargs="?", default="latest", help="flow run id, id prefix or `latest` (default)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the API (default 2)")
+    p.add_argument(
+        "--every", type=float, default=10.0, help="seconds between two progress lines of one step (default 10)"
+    )
 
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
     p.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")

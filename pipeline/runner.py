@@ -45,6 +45,7 @@ from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
+from pipeline.live import LiveStatus
 from pipeline.owner import (
     broken_pipe,
     mute_console,
@@ -470,21 +471,14 @@ def _set_threads(threads: int | None) -> None:
             torch.set_num_threads(threads)
 
 
-def _progress(d: StepDef, node: Node):
-    """A `progress(percent)` backed by a Prefect progress artifact, for builds that report one."""
+def _live(d: StepDef, node: Node) -> LiveStatus | None:
+    """The build's progress artifact (percentage and latest progress line, pipeline/live.py), for
+    builds that report progress."""
     if not d.wants_progress:
         return None
     import re
 
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower())
-    artifact_id = create_progress_artifact(progress=0.0, key=key, description=node.key)
-
-    def progress(percent: float) -> None:
-        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
-
-    return progress
+    return LiveStatus(node.key, re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower()))
 
 
 # In-process evaluation (lm-eval) is not thread-safe and torch's thread count is per process: in
@@ -493,21 +487,24 @@ _IN_PROCESS_EVAL = threading.Lock()
 
 
 def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
-    progress = _progress(d, node)
+    live = _live(d, node)
+    progress = live.progress if live else None
+    log = live.wrap(log) if live else log
     if d.resource != "eval":
         meta = d.run(node.config, inputs, out, log=log, progress=progress)
     else:
         with _IN_PROCESS_EVAL:
             _set_threads(threads)  # in-process torch work takes its slot's thread count
             meta = d.run(node.config, inputs, out, log=log, progress=progress)
-    if progress is not None:
-        progress(100.0)  # a finished build is done, whatever its last report said
+    if live is not None:
+        live.finish()
     return meta
 
 
 def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
-    progress = _progress(d, node)
-    line = progress_lines(log, progress)
+    live = _live(d, node)
+    progress = live.progress if live else None
+    line = progress_lines(live.wrap(log) if live else log, progress)
 
     call_file = write_call(d, node.config, inputs, out)
     try:
@@ -516,8 +513,8 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
         error = read_error(out)
         raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
     meta = read_result(out)
-    if progress is not None:
-        progress(100.0)  # a finished build is done, whatever its last report said
+    if live is not None:
+        live.finish()
     return meta
 
 
