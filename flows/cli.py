@@ -130,6 +130,31 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    """Two runs side by side (flows/compare.py); also a Prefect artifact when a server runs."""
+    from flows.compare import compare_runs, publish
+    from flows.views import find_run
+
+    lineage = _lineage(args)
+    with lineage.reading():
+        a, b = (find_run(lineage, ref)["run_id"] for ref in (args.run_a, args.run_b))
+        out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"compare-{a[:8]}-{b[:8]}.md"
+        result = compare_runs(lineage, a, b, out)
+    print(result["text"])
+    print(f"\nreport: {result['report']}")
+    if args.no_artifact:
+        return 0
+    from flows.api import running_api
+
+    try:
+        with running_api() as url:
+            key = publish(result)
+        print(f"Prefect artifact: {key} ({url.removesuffix('/api')}/artifacts/key/{key})")
+    except LookupError as exc:  # no server: the report file is the comparison
+        print(f"no Prefect artifact: {exc}")
+    return 0
+
+
 def cmd_summary(args) -> int:
     from flows.views import summary
 
@@ -349,6 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run", nargs="?", default="latest", help="run id, id prefix or `latest`")
     p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/RUN_ID.md)")
+
+    p = add(
+        "compare",
+        cmd_compare,
+        "compare two runs: config differences, both loss curves on one plot, evals side by side with noise",
+        True,
+        description="Compare two runs from lineage: the recipe fields that differ, both loss curves on "
+        "one plot (against tokens), and the eval tables side by side, each difference with its "
+        "stderr and whether it is beyond noise. Writes a markdown report (and its plot) and, when "
+        "a Prefect server runs (PREFECT_API_URL or the demo's), a markdown artifact.",
+    )
+    p.add_argument("run_a", help="run id, id prefix or `latest`")
+    p.add_argument("run_b", help="run id, id prefix or `latest`")
+    p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/compare-A-B.md)")
+    p.add_argument("--no-artifact", action="store_true", help="do not publish the Prefect artifact")
 
     p = add("sql", cmd_sql, "run a SQL query on a consistent copy of the lineage database (never blocks runs)", True)
     p.add_argument("query", help='e.g. "SELECT step, label, state, seconds FROM steps ORDER BY started"')
