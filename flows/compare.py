@@ -176,7 +176,10 @@ def _loss(value: float | None) -> str:
 
 
 def _text(runs, names, diffs, finals, pairs, png, notes) -> str:
-    lines = [f"{n}: run {r['run_id']}  {r['flow']}  recipe={r['recipe']}  {r['state']}" for n, r in zip(names, runs)]
+    lines = [
+        f"{n}: run {r['run_id']}  {r['flow']}  recipe={r['recipe']}  {r['state']}"
+        for n, r in zip(names, runs, strict=True)
+    ]
     lines += ["", f"== config differences ({len(diffs)}) =="]
     lines += [f"  {k}: {_value(a)} -> {_value(b)}" for k, a, b in diffs] or ["  none: the same resolved recipe"]
     lines += ["", "== final training loss per stage (A, B) =="]
@@ -203,7 +206,10 @@ _NOISE = (
 
 def _markdown(runs, names, diffs, finals, pairs, png, notes) -> str:
     md = [f"# Runs compared: {names[0]} vs {names[1]}", ""]
-    md += [f"- **{n}**: `{r['run_id']}` {r['flow']}, recipe `{r['recipe']}`, {r['state']}" for n, r in zip(names, runs)]
+    md += [
+        f"- **{n}**: `{r['run_id']}` {r['flow']}, recipe `{r['recipe']}`, {r['state']}"
+        for n, r in zip(names, runs, strict=True)
+    ]
     md += ["", f"## Config differences ({len(diffs)})", ""]
     if diffs:
         md += [
