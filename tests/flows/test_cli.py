@@ -98,7 +98,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("run", "recipe", "lineage", "runs", "summary", "serve", "demo", "down"):
+    for cmd in ("run", "recipe", "lineage", "runs", "summary", "serve", "demo", "down", "watch", "compare"):
         assert cmd in out
 
 
