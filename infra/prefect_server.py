@@ -191,7 +191,8 @@ class EmbeddedServer:
     it names, and a server that exited is noticed only at the end: "Timed out while attempting
     to connect to ephemeral Prefect API server" after a minute. Here a server that exits is
     reported at once with its output, a port taken between choosing and binding it is retried
-    on another, and the deadline (`timeout` seconds, default 600) is real time."""
+    on another, and the deadline (`timeout` seconds, default 600) is real time. The server runs
+    under infra/guard.py's guard, so it ends with this process however that ends."""
 
     def __init__(self, home: str | None = None, timeout: float = 600.0, log=print):
         self.home, self.timeout, self.log = home, timeout, log
@@ -216,8 +217,12 @@ class EmbeddedServer:
             if self.home:
                 env["PREFECT_HOME"] = self.home
             self.log(f"starting a Prefect server for this run on 127.0.0.1:{port} (stopped when it ends)")
+            from infra.guard import ProcessRef, guard_command
+
+            # Under the guard: the server dies with this process, even when it is SIGKILLed.
+            cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
             self.proc = subprocess.Popen(
-                [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+                guard_command(ProcessRef.current(), cmd),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=self._output,

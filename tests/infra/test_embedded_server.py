@@ -30,3 +30,41 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(tmp_path
             pass
     assert "unable to open database file" in str(err.value)
     assert time.monotonic() - started < 300  # far inside the 600 s deadline
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path):
+    """SIGKILL the command that started it (no cleanup of its own runs): the guard ends the server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, time\nfrom infra.prefect_server import EmbeddedServer\n"
+        f"with EmbeddedServer(home={str(tmp_path)!r}, log=lambda line: print(line, flush=True)) as s:\n"
+        "    print('pid', s.proc.pid, s.api_url, flush=True)\n    time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = ""
+        while not line.startswith("pid "):
+            line = owner.stdout.readline()
+            assert line or owner.poll() is None, "the server did not start"
+        _, guard, url = line.split()
+        server = [p for p in psutil.Process(int(guard)).children(recursive=True) if "server" in " ".join(p.cmdline())]
+        assert server and healthy(url)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        gone, alive = psutil.wait_procs(server, timeout=60)
+        assert not alive, f"server outlived its owner: {alive}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
