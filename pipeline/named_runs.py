@@ -73,6 +73,3 @@ class NamedTaskRunner(ThreadPoolTaskRunner):
             self._active_submission_count += 1
         future.add_done_callback(self._on_executor_future_done)
         return PrefectConcurrentFuture(task_run_id=task_run.id, wrapped_future=future)
-
-    def duplicate(self) -> NamedTaskRunner:
-        return type(self)(max_workers=self._max_workers)
