@@ -46,7 +46,7 @@ def running_api() -> Iterator[str]:
             "no Prefect server to read runs from: set PREFECT_API_URL (e.g. "
             "http://127.0.0.1:4200/api) or start one with `make demo`"
         )
-    if not healthy(url, timeout=10.0):
+    if not healthy(url, timeout=30.0):
         raise LookupError(f"the Prefect API at {url} does not answer (GET /health failed)")
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield url
@@ -59,7 +59,7 @@ def prefect_api(log=print) -> Iterator[str]:
 
     configured = PREFECT_API_URL.value()
     if configured:
-        if not healthy(configured, timeout=10.0):
+        if not healthy(configured, timeout=30.0):
             raise ValueError(
                 f"PREFECT_API_URL={configured} does not answer (GET /health failed); start that server, "
                 "or unset PREFECT_API_URL to run with a server of this run's own"
