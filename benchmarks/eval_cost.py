@@ -2,10 +2,10 @@
 
 One run builds the tiny recipe's data with the project's own step functions (built-in sources
 without curation, the recipe's tokenizer, datatrove token shards, mixture plans, the eval suite),
-then for each of the recipe's stages: trains it with `build_stage` (the `pretrain` step's body:
-a torchrun launch of the trainer, checkpoints included), exports it, and times `build_eval` (the
-`evaluate` step's body) on that stage's tasks, once with lm-eval's stock `hf` model (the old
-path, batch 8) and once with the default path. Evaluation runs in this process at
+then for each of the recipe's stages: trains it with the `pretrain` step (a torchrun launch of
+the trainer, checkpoints included), exports it, and times evaluation on that stage's tasks, once
+with lm-eval's stock `hf` model (the old path, batch 8: `run_lm_eval`) and once with the
+`evaluate` step (the default path). Evaluation runs in this process at
 `--threads` torch threads (the eval slot's setting); the trainer gets `--train-threads`.
 
     .venv/bin/python benchmarks/eval_cost.py                    # all 5 tiny stages
@@ -34,13 +34,13 @@ import torch  # noqa: E402
 
 from flows.recipe import load_recipe  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
-from tasks.evaluate import build_eval, build_suite, stage_tasks  # noqa: E402
-from tasks.export import ExportConfig, build_export  # noqa: E402
-from tasks.mixture import MixtureSpec, build_plan  # noqa: E402
-from tasks.pretrain import build_stage, schedule_stages  # noqa: E402
-from tasks.sources import build_corpus  # noqa: E402
-from tasks.tokenize import build_token_shards  # noqa: E402
-from tasks.tokenizer import build_tokenizer  # noqa: E402
+from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate, run_lm_eval, stage_tasks  # noqa: E402
+from tasks.export import ExportConfig, export  # noqa: E402
+from tasks.mixture import MixtureSpec, mixture  # noqa: E402
+from tasks.pretrain import pretrain, schedule_stages  # noqa: E402
+from tasks.sources import SourceSpec, source  # noqa: E402
+from tasks.tokenize import TokenizeSpec, tokenize  # noqa: E402
+from tasks.tokenizer import tokenizer  # noqa: E402
 
 
 def quiet(_: str) -> None:
@@ -66,18 +66,29 @@ def build_data(recipe, root: Path):
     corpora = []
     for src in recipe.sources:
         out = root / "corpus" / src.name
-        corpora.append(artifact("corpus", out, build_corpus(src, recipe.seed, out, log=quiet), src.name))
+        corpora.append(
+            artifact("corpus", out, source(SourceSpec(source=src, seed=recipe.seed), out=out, log=quiet), src.name)
+        )
     tok_dir = root / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
-    tok = artifact("tokenizer", tok_dir, build_tokenizer(recipe.tokenizer, corpora, tok_dir, log=quiet), "t")
+    tok = artifact("tokenizer", tok_dir, tokenizer(recipe.tokenizer, corpora, out=tok_dir, log=quiet), "t")
     shards = []
     for corpus in corpora:
         out = root / "shards" / corpus.short
         out.mkdir(parents=True, exist_ok=True)
-        meta = build_token_shards(recipe.tokenize, (tok, corpus), out, recipe.seed, log=quiet)
+        meta = tokenize(
+            TokenizeSpec(tokenize=recipe.tokenize, seed=recipe.seed), tokenizer=tok, corpus=corpus, out=out, log=quiet
+        )
         shards.append(artifact("shards", out, meta, "s" + corpus.short))
     suite_dir = root / "suite"
-    suite = artifact("eval", suite_dir, build_suite(recipe.eval, corpora, corpora, suite_dir, recipe.seed, quiet), "e")
+    suite = artifact(
+        "eval",
+        suite_dir,
+        eval_suite(
+            SuiteSpec(eval=recipe.eval, seed=recipe.seed), heldout=corpora, train=corpora, out=suite_dir, log=quiet
+        ),
+        "e",
+    )
     return tok, shards, suite
 
 
@@ -120,13 +131,13 @@ def main() -> None:
         plan_dir = root / "plans" / name
         plan_dir.mkdir(parents=True, exist_ok=True)
         spec = MixtureSpec.of(stage, recipe.seed)
-        plan = artifact("mixture", plan_dir, build_plan(spec, shards, plan_dir, recipe.seed, quiet), "p" + name)
+        plan = artifact("mixture", plan_dir, mixture(spec, shards, out=plan_dir, log=quiet), "p" + name)
         out = root / "stages" / name
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         t, c = time.perf_counter(), children_cpu()
-        meta = build_stage(run, {"mixture": plan, **({"init": previous} if previous else {})}, out, log=quiet)
+        meta = pretrain(run, plan, previous, out=out, log=quiet)
         train_s, train_cpu = time.perf_counter() - t, children_cpu() - c
         previous = artifact("checkpoint", out, meta, "c" + name)
         if args.stages and name not in args.stages:
@@ -134,7 +145,7 @@ def main() -> None:
         export_dir = root / "export" / name
         export_dir.mkdir(parents=True, exist_ok=True)
         model = artifact(
-            "hf_model", export_dir, build_export(ExportConfig(), (previous, tok), export_dir, quiet), "m" + name
+            "hf_model", export_dir, export(ExportConfig(), previous, tok, out=export_dir, log=quiet), "m" + name
         )
         long = run.kind == "long_context"
         tasks = stage_tasks(recipe.eval, suite, long, cloze=not long or recipe.eval.long_context_cloze)
@@ -144,11 +155,13 @@ def main() -> None:
             eval_dir.mkdir(parents=True, exist_ok=True)
             cfg = recipe.eval
             t, c = time.perf_counter(), time.process_time()
-            result = build_eval(
-                cfg, model, suite, eval_dir, tasks, log=quiet, **({"harness_model": "hf"} if path == "hf" else {})
-            )
+            if path == "hf":  # lm-eval's stock model, without the step's tables around it
+                model_dir, task_dir = Path(model.meta["model_dir"]), Path(suite.meta["task_dir"])
+                scores[path] = run_lm_eval(model_dir, task_dir, tasks, cfg, eval_dir, harness_model="hf")
+            else:
+                spec = EvalSpec(eval=cfg, long_context=long, cloze=not long or cfg.long_context_cloze)
+                scores[path] = evaluate(spec, model, suite, out=eval_dir, log=quiet)["scores"]
             timings[path], cpu[path] = time.perf_counter() - t, time.process_time() - c
-            scores[path] = result["scores"]
         same = "-"
         if "hf" in scores:
             same = all(
@@ -176,7 +189,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print(
-        f"\nbaseline: stage training time (build_stage, trainer at {args.train_threads} thread(s)); "
+        f"\nbaseline: stage training time (the pretrain step, trainer at {args.train_threads} thread(s)); "
         f"evaluation at {args.threads} torch thread(s); target ratio <= 0.25"
     )
     print(

@@ -14,17 +14,27 @@ detail starts with "WARN"):
   tokens/s and MFU (median after warm-up, MFU against the bf16 matmul peak the trainer measures),
   peak CUDA memory, and whether the loss falls;
 - train_transformers: transformers' SmolLM3ForCausalLM of the same shape (sdpa, bf16 autocast,
-  eager, causal without document masking), same AdamW and clipping, in this process;
+  eager, causal without document masking, `use_cache=False`, the same T targets per row through
+  `shift_labels`), same AdamW and clipping, in this process;
 - ratio_vs_transformers: ours / transformers tokens/s; PASS when ours is not slower;
 - flex_fwd T=n, flex_bwd T=n: the model's flex path against SDPA with the same dense intra-document
   mask (fp32, GQA, several documents per row), logits and parameter gradients, at lengths that are
   and are not multiples of the 128-token block;
 - resume_identical: a run SIGKILLed mid-stage and relaunched ends with weights bit-identical to an
-  uninterrupted run (GPU defaults + compile_model, through `python -m trainers.pretrain`).
+  uninterrupted run (GPU defaults + compile_model, through `python -m trainers.pretrain`);
+- memory ckpt=MODE T=n: one training step of the `ablation_1b` preset at seq 4,096 and 32,768 per
+  activation checkpointing mode, as the trainer runs it on one GPU (FSDP2 bf16 mixed precision,
+  FlexAttention document masking, chunked loss): measured peak (`torch.cuda.max_memory_allocated`)
+  against model/memory.py's prediction, and tokens/s; PASS within 15%. A mode predicted not to
+  fit the GPU is skipped, named;
+- loss chunked T=n / loss unfused T=n: the loss alone (linear head + cross-entropy, forward and
+  backward) at the 1B vocabulary: peak memory and time of model/loss.py against the unfused
+  logits path.
 
 `--cpu-smoke` runs the same functions at toy size on CPU, where the trainer's "auto" precision is
-fp32 and its "auto" attention the dense SDPA mask (FlexAttention has no CPU backward): the preflight
-rows that need CUDA, the flex backward rows and the throughput judgement SKIP, each with its reason.
+fp32 and its "auto" attention the dense SDPA mask (FlexAttention has no CPU backward), and memory
+is measured with torch's MemTracker: the preflight rows that need CUDA, the flex backward rows and
+the throughput judgement SKIP, each with its reason.
 A time budget (--budget-s) turns the rows it would overrun into named SKIPs. Exit status: 1 if any
 row FAILs, else 0.
 """
@@ -100,6 +110,10 @@ class Setup:
     flex_lengths: tuple[int, ...]
     resume_model: dict  # ModelConfig.tiny overrides of the resume row
     resume_seq_len: int
+    memory_preset: str = "ablation_1b"  # ModelConfig preset of the memory rows
+    memory_overrides: dict = field(default_factory=dict)
+    memory_lengths: tuple[int, ...] = (4096, 32768)  # sequence lengths of the memory rows
+    loss_lengths: tuple[int, ...] = (32768,)  # tokens of the loss rows
     preflight: dict = field(default_factory=dict)  # PreflightConfig overrides
 
     @staticmethod
@@ -167,6 +181,10 @@ class Setup:
             flex_lengths=(128, 100, 40),
             resume_model=tiny,
             resume_seq_len=32,
+            memory_preset="tiny",
+            memory_overrides=dict(tiny, vocab_size=512),
+            memory_lengths=(128, 256),
+            loss_lengths=(1024,),
             preflight=dict(
                 matmul_size=1024,
                 matmul_seconds=0.5,
@@ -396,7 +414,8 @@ def transformers_rows(setup: Setup, ours: dict) -> list[Row]:
     hf.set_attn_implementation("sdpa")
     optimizer = build_optimizer(hf, OptimizerConfig(lr=3e-4))
     params = list(hf.parameters())
-    ids = torch.randint(1, cfg.vocab_size, (setup.micro_batch, setup.seq_len), device=dev)
+    window = torch.randint(1, cfg.vocab_size, (setup.micro_batch, setup.seq_len + 1), device=dev)
+    ids, targets = window[:, :-1].contiguous(), window[:, 1:].contiguous()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if setup.cuda else nullcontext()
     if setup.cuda:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -404,7 +423,8 @@ def transformers_rows(setup: Setup, ours: dict) -> list[Row]:
     for _ in range(setup.warmup_hf + setup.hf_steps):
         t0 = time.perf_counter()
         with autocast:
-            loss = hf(input_ids=ids, labels=ids).loss  # HF shifts the labels inside its loss
+            # No KV cache in training; the same T targets per row as ours (HF would shift labels).
+            loss = hf(input_ids=ids, labels=targets, shift_labels=targets, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -421,7 +441,7 @@ def transformers_rows(setup: Setup, ours: dict) -> list[Row]:
     ok = all(math.isfinite(x) for x in losses)
     value = f"{tps:,.0f} tok/s" + (f", peak mem {memory:.1f} GiB" if memory is not None else "")
     detail = (
-        f"SmolLM3ForCausalLM, same shape, sdpa, "
+        f"SmolLM3ForCausalLM, same shape, sdpa, use_cache=False, T targets per row, "
         f"{'bf16 autocast' if setup.cuda else 'fp32'}, eager, causal (no document masking), "
         f"median of {setup.hf_steps} steps after {setup.warmup_hf}"
     )
@@ -471,8 +491,8 @@ def flex_rows(setup: Setup) -> list[Row]:
             f"{cfg.num_heads}:{cfg.num_kv_heads}, head_dim {cfg.head_dim}, fp32"
         )
         with torch.set_grad_enabled(setup.cuda):
-            a = flex(ids, doc_ids, labels=ids)
-            b = sdpa(ids, doc_ids, labels=ids)
+            a = flex(ids, doc_ids, labels=ids, return_logits=True)
+            b = sdpa(ids, doc_ids, labels=ids, return_logits=True)
         fwd = ((a.logits - b.logits).abs().max() / b.logits.abs().max()).item()
         ok = math.isfinite(fwd) and fwd <= FWD_TOLERANCE
         rows.append(
@@ -619,6 +639,171 @@ def resume_rows(setup: Setup, work: Path, budget: Budget) -> list[Row]:
 # ---- table -----------------------------------------------------------------------------------
 
 
+def _one_rank_group(cuda: bool):
+    """A private one-process group (NCCL on GPU, gloo on CPU), as the trainer makes without torchrun."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0) if cuda else None,
+    )
+    return True
+
+
+def memory_rows(setup: Setup, budget: Budget) -> list[Row]:
+    """One training step per checkpointing mode and length: measured peak against model/memory.py."""
+    import torch.distributed as dist
+
+    from model.memory import StepShape, estimate
+
+    dev = torch.device("cuda" if setup.cuda else "cpu")
+    cfg = ModelConfig.from_preset(setup.memory_preset, **setup.memory_overrides)
+    owns = _one_rank_group(setup.cuda)
+    rows = []
+    total = torch.cuda.get_device_properties(dev).total_memory if setup.cuda else None
+    try:
+        for T in setup.memory_lengths:
+            for mode in ("none", "selective", "full"):
+                name = f"memory ckpt={mode} T={T}"
+                start = time.monotonic()
+                shape = StepShape(cfg.replace(max_seq_len=max(T, cfg.max_seq_len)), T, 1, device=dev.type,
+                                  wrapped=setup.cuda)  # fmt: skip
+                est = estimate(shape, mode)
+                if total is not None and est.budget_gb() * 1e9 > total:
+                    why = f"predicted {est.budget_gb():.1f} GB with context and fragmentation > {total / 1e9:.1f} GB"
+                    rows.append(Row(name, "SKIP", f"predicted {est.peak_gb:.1f} GB", f"not run: {why}"))
+                    continue
+                if budget.left() < (40 if setup.cuda else 5):
+                    rows.append(Row(name, "SKIP", detail=f"not run: {max(budget.left(), 0):.0f} s of the budget left"))
+                    continue
+                got, tps = _measure_memory(shape, mode, dev, setup)
+                error = est.peak_bytes / got - 1
+                value = f"measured {_size(got)}, predicted {_size(est.peak_bytes)} ({100 * error:+.1f}%)"
+                if tps:
+                    value += f", {tps:,.0f} tok/s"
+                detail = (
+                    f"{setup.memory_preset}, micro batch 1, "
+                    + (
+                        "FSDP2 bf16 mixed precision, FlexAttention, cuda max_memory_allocated"
+                        if setup.cuda
+                        else "fp32, dense mask, MemTracker"
+                    )  # fmt: skip
+                    + f"; peak phase {est.phase}; PASS within 15%"
+                )
+                ok = abs(error) <= 0.15
+                rows.append(Row(name, "PASS" if ok else "FAIL", value, detail, time.monotonic() - start))
+                gc.collect()
+                if setup.cuda:
+                    torch.cuda.empty_cache()
+    finally:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+    return rows
+
+
+def _measure_memory(shape, mode: str, dev: torch.device, setup: Setup) -> tuple[float, float | None]:
+    """(peak bytes, tokens/s) of training steps of `shape` in `mode` on `dev`."""
+    from model.layout import Layout
+    from model.memory import measured_step_peak
+    from model.parallel import build_mesh, parallelize
+
+    cfg, T = shape.cfg, shape.seq_len
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = SmolLM3(cfg)
+    model.set_activation_checkpointing(mode)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, cfg.vocab_size, (1, T), generator=gen).to(dev)
+    docs = packed_doc_ids(1, T, gen).to(dev)
+    labels = ids.roll(-1, 1)
+    if not setup.cuda:  # one plain CPU rank, as the trainer; MemTracker sees every storage
+        return float(measured_step_peak(model, build_optimizer(model, OptimizerConfig()), ids, labels, docs)), None
+    layout = Layout(world=1)
+    parallelize(model, layout, build_mesh(layout, "cuda", True), dev, "auto")
+    optimizer = build_optimizer(model, OptimizerConfig())
+    params = list(model.parameters())
+
+    def step():
+        model(ids, docs, labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # AdamW state, kernels
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize(dev)
+    tps = 2 * T / (time.perf_counter() - t0)
+    return float(torch.cuda.max_memory_allocated(dev)), tps  # the model goes with this frame
+
+
+def loss_rows(setup: Setup) -> list[Row]:
+    """model/loss.py against the unfused logits path: peak memory and time of forward + backward."""
+    from model.loss import linear_cross_entropy, reference_cross_entropy
+
+    dev = torch.device("cuda" if setup.cuda else "cpu")
+    cfg = ModelConfig.from_preset(setup.memory_preset, **setup.memory_overrides)
+    dtype = torch.bfloat16 if setup.cuda else torch.float32
+    rows = []
+    for n in setup.loss_lengths:
+        gen = torch.Generator().manual_seed(0)
+        h = (torch.randn(n, cfg.hidden_size, generator=gen) * 0.5).to(dev, dtype)
+        w = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen) * 0.02).to(dev, dtype)
+        y = torch.randint(0, cfg.vocab_size, (n,), generator=gen).to(dev)
+        results = {}
+        for name, fn in (("chunked", linear_cross_entropy), ("unfused", reference_cross_entropy)):
+            start = time.monotonic()
+            hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            peak, seconds, loss = _loss_peak(fn, hh, ww, y, dev)
+            results[name] = (peak, loss, hh.grad, ww.grad)
+            value = f"peak {_size(peak)} (inputs and gradients included), {seconds * 1e3:.0f} ms fwd+bwd"
+            detail = f"{n} tokens x vocabulary {cfg.vocab_size}, {str(dtype).split('.')[-1]}"
+            rows.append(Row(f"loss {name} T={n}", "PASS", value, detail, time.monotonic() - start))
+        (pc, lc, hc, wc), (pu, lu, hu, wu) = results["chunked"], results["unfused"]
+        same = abs(lc - lu) <= 1e-3 * abs(lu) and all(
+            torch.allclose(a.float(), b.float(), rtol=5e-2, atol=1e-4) for a, b in ((hc, hu), (wc, wu))
+        )
+        if not same or pc >= pu:
+            rows[-2] = Row(rows[-2].check, "FAIL", rows[-2].value,
+                           f"loss {lc:.5f} vs unfused {lu:.5f}, peak {_size(pc)} vs {_size(pu)}")  # fmt: skip
+    return rows
+
+
+def _size(n: float) -> str:
+    """Bytes as `12.34 GB`, or `5.6 MB` below a GB (the CPU smoke's toy sizes)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _loss_peak(fn, h, w, y, dev: torch.device) -> tuple[float, float, float]:
+    """(peak bytes, seconds, loss) of fn's forward and backward."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        loss = fn(h, w, y)
+        loss.backward()
+        torch.cuda.synchronize(dev)
+        return float(torch.cuda.max_memory_allocated(dev)), time.perf_counter() - t0, loss.item()
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(h, w, y)
+    t0 = time.perf_counter()
+    with tracker:
+        loss = fn(h, w, y)
+        loss.backward()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+    return float(peak), time.perf_counter() - t0, loss.item()
+
+
 def format_table(rows: list[Row]) -> str:
     head = ("check", "status", "s", "value", "detail")
     cells = [(r.check, r.status, f"{r.seconds:.0f}", r.value, r.detail) for r in rows]
@@ -739,6 +924,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += resume or []
         if not resume:
             run_section(rows, "resume_identical", resume_rows, setup, work, budget)
+        run_section(rows, "memory", memory_rows, setup, budget)
+        loss_names = [f"loss {k} T={n}" for n in setup.loss_lengths for k in ("chunked", "unfused")]
+        rows += budget.skip(loss_names, 20 if setup.cuda else 5) or []
+        if not any(r.check in loss_names for r in rows):
+            run_section(rows, "loss", loss_rows, setup)
     meta = {
         "mode": "cpu-smoke" if args.cpu_smoke else "cuda",
         "device": torch.cuda.get_device_name(0) if setup.cuda else "CPU",

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     from flows.recipe import load_recipe
     from pipeline.artifact import Artifact
-    from tasks.curate import build_curated
-    from tasks.fertility import build_fertility
-    from tasks.mixture import build_plan
-    from tasks.sources import build_corpus
-    from tasks.tokenize import build_token_shards
-    from tasks.tokenizer import build_tokenizer
+    from tasks.curate import curate
+    from tasks.fertility import FertilitySpec, fertility
+    from tasks.mixture import MixtureSpec, mixture
+    from tasks.sources import SourceSpec, source
+    from tasks.tokenize import TokenizeSpec, tokenize
+    from tasks.tokenizer import tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
@@ -53,24 +53,42 @@ def main() -> None:
     corpora = {}
     for s in recipe.sources:
         out = folder(f"src-{s.name}")
-        corpora[s.name] = art("corpus", out, build_corpus(s, recipe.seed, out, quiet))
+        corpora[s.name] = art("corpus", out, source(SourceSpec(source=s, seed=recipe.seed), out=out, log=quiet))
     curated = {}
     for name, corpus in corpora.items():
         out = folder(f"cur-{name}")
         others = [c for n, c in corpora.items() if n != name]
-        curated[name] = art("corpus", out, build_curated(recipe.curation, corpus, out, quiet, others=others))
+        curated[name] = art("corpus", out, curate(recipe.curation, corpus, others=others, out=out, log=quiet))
     out = folder("tok")
-    tok = art("tokenizer", out, build_tokenizer(recipe.tokenizer, list(curated.values()), out, quiet))
+    tok = art("tokenizer", out, tokenizer(recipe.tokenizer, list(curated.values()), out=out, log=quiet))
     out = folder("fert")
     fert = art(
         "fertility",
         out,
-        build_fertility(recipe.fertility, [tok, *curated.values()], out, recipe.mixture_weights(), quiet),
+        fertility(
+            FertilitySpec(fertility=recipe.fertility, weights=recipe.mixture_weights()),
+            tok,
+            list(curated.values()),
+            out=out,
+            log=quiet,
+        ),
     )
     shards = []
     for name, c in curated.items():
         out = folder(f"shards-{name}")
-        shards.append(art("shards", out, build_token_shards(recipe.tokenize, (fert, c), out, recipe.seed, quiet)))
+        shards.append(
+            art(
+                "shards",
+                out,
+                tokenize(
+                    TokenizeSpec(tokenize=recipe.tokenize, seed=recipe.seed),
+                    tokenizer=fert,
+                    corpus=c,
+                    out=out,
+                    log=quiet,
+                ),
+            )
+        )
     print(
         f"recipe {recipe.name} {' '.join(args.overrides)}: data steps in {time.perf_counter() - start:.0f}s; "
         f"tokenizer vocab {tok.meta['vocab_size']} of {recipe.tokenizer.vocab_size} requested; "
@@ -92,7 +110,7 @@ def main() -> None:
     for st in recipe.stages:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            meta = build_plan(st, shards, folder(f"plan-{st.name}"), recipe.seed, quiet)
+            meta = mixture(MixtureSpec.of(st, recipe.seed), shards, out=folder(f"plan-{st.name}"), log=quiet)
         import json
 
         for s in json.loads(Path(meta["plan"]).read_text())["sources"]:

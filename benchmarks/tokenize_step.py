@@ -3,7 +3,7 @@
 Builds the built-in `code` and `prose` corpora and a 4096-token BPE in a temporary folder, then
 tokenizes the same documents twice and prints tokens/s of each and their ratio:
 
-- step: `tasks.tokenize.build_token_shards` (datatrove DocumentTokenizer in a
+- step: the `tasks.tokenize.tokenize` step (datatrove DocumentTokenizer in a
   LocalPipelineExecutor: reading gzip JSONL with per-line accounting, batched encoding, EOS,
   writing `.ds` + `.ds.index`, seeded document shuffle);
 - baseline: `Tokenizer.encode_batch` over the same texts, already in memory, batches of 1000.
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     from pipeline.artifact import Artifact
-    from tasks.sources import SourceConfig, build_corpus
-    from tasks.tokenize import TokenizeConfig, build_token_shards
-    from tasks.tokenizer import TokenizerConfig, build_tokenizer
+    from tasks.sources import SourceConfig, SourceSpec, source
+    from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
+    from tasks.tokenizer import TokenizerConfig, tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
@@ -46,11 +46,11 @@ def main() -> None:
         out = root / "src" / name
         out.mkdir(parents=True)
         cfg = SourceConfig(name=name, uri=uri, domain=domain, held_out_fraction=0.0)
-        meta = build_corpus(cfg, 0, out, log=quiet)
+        meta = source(SourceSpec(source=cfg), out=out, log=quiet)
         corpora.append(Artifact(kind="corpus", uri=str(out), fingerprint=name.ljust(64, "0"), meta=meta))
     tok_dir = root / "tok"
     tok_dir.mkdir()
-    tok_meta = build_tokenizer(TokenizerConfig(vocab_size=4096, sample_chars=2_000_000), corpora, tok_dir, log=quiet)
+    tok_meta = tokenizer(TokenizerConfig(vocab_size=4096, sample_chars=2_000_000), corpora, out=tok_dir, log=quiet)
     tok_art = Artifact(kind="tokenizer", uri=str(tok_dir), fingerprint="t".ljust(64, "0"), meta=tok_meta)
 
     from tokenizers import Tokenizer
@@ -77,7 +77,9 @@ def main() -> None:
         for i, c in enumerate(corpora):
             out = root / f"shards-{r}-{i}"
             out.mkdir()
-            step_tokens += build_token_shards(TokenizeConfig(), (tok_art, c), out, log=quiet)["tokens"]
+            step_tokens += tokenize(
+                TokenizeSpec(tokenize=TokenizeConfig()), tokenizer=tok_art, corpus=c, out=out, log=quiet
+            )["tokens"]
         step_s = time.perf_counter() - start
         _, raw_b = raw()
         raw_s = (raw_a + raw_b) / 2

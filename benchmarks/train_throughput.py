@@ -1,7 +1,9 @@
 """Training throughput of our SmolLM3 against transformers' SmolLM3ForCausalLM.
 
-Both models get the same shape, the same batch, fp32, AdamW (foreach) with grad clipping,
-and run interleaved in one process so machine noise hits both alike. Prints tokens/s of each,
+Both models get the same shape, the same batch and the same targets (T per row: transformers
+gets them as `shift_labels`, so it does not shift and drop one), fp32, AdamW (foreach) with grad
+clipping, and run interleaved in one process so machine noise hits both alike. transformers
+trains with `use_cache=False`: its default builds a KV cache on every training forward. Prints tokens/s of each,
 their ratio, and achieved FLOP/s as a fraction of this machine's measured fp32 matmul rate.
 
     .venv/bin/python benchmarks/train_throughput.py            # 8.35M params, seq 256, batch 8
@@ -51,7 +53,8 @@ def ours_forward(model, ids, labels, doc_ids):
 
 
 def hf_forward(model, ids, labels, doc_ids):
-    return model(input_ids=ids, labels=labels).loss  # HF shifts labels inside its loss
+    # shift_labels: the targets as given (HF would otherwise shift `labels` and train on T - 1).
+    return model(input_ids=ids, labels=labels, shift_labels=labels, use_cache=False).loss
 
 
 def main() -> None:
@@ -79,7 +82,7 @@ def main() -> None:
     hf = to_hf_model(SmolLM3(cfg)).train()  # same shape and init statistics
     T, B = args.seq_len, args.batch
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
-    inputs, targets = ids[:, :-1], ids[:, 1:]
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     # Packed rows of 4 documents each: the intra-document masking path (dense mask on CPU).
     doc_ids = (torch.arange(T) * 4 // T).expand(B, T).contiguous()
 
@@ -101,7 +104,7 @@ def main() -> None:
         "transformers": (
             make_step(hf, build_optimizer(hf, opt_spec), hf_forward),
             inputs,
-            inputs,
+            targets,
             None,
         ),
         "ours, doc masking": (ours_step, inputs, targets, doc_ids),

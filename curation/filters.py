@@ -11,7 +11,7 @@ import re
 import xxhash
 from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import BaseFilter
-from datatrove.utils.lid import FastTextLID
+from datatrove.pipeline.filters.c4_filters import CITATION_REGEX, C4QualityFilter
 
 # Names that camel-case splitting gets wrong: FineWeb is one word in FineWeb's own papers.
 _NAME_OVERRIDES = {"FineWebQualityFilter": "fineweb_quality"}
@@ -105,20 +105,45 @@ class LengthFilter(BaseFilter):
         return True
 
 
-class LocalLID(FastTextLID):
-    """datatrove's fastText language identifier reading a local model file (no download)."""
+class ParagraphC4QualityFilter(C4QualityFilter):
+    """datatrove's C4 quality filter that keeps the text's paragraph breaks.
 
-    def __init__(self, path: str, languages: list[str] | None = None):
-        super().__init__(languages)
-        self.path = path
+    C4's line filter rebuilds the text from its kept lines joined by one newline, so every blank
+    line between paragraphs is lost from all trained web text (and the paragraph-level rules of
+    the filters after it see one paragraph). Here the kept lines are put back with the blank
+    line that separated them in the original; a document that C4 rewrote keeps the hash of its
+    written text for the held-out decontamination, which recognises an exact copy by it.
+    """
 
-    @property
-    def model(self):
-        if self._model is None:
-            from fasttext.FastText import _FastText
+    name = "⛰ C4 Quality (paragraphs kept)"
+    slug = "c4_quality"
 
-            self._model = _FastText(self.path)
-        return self._model
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        original = doc.text
+        result = super().filter(doc)
+        if result is not True:
+            return result
+        doc.text = self._with_breaks(original, doc.text)
+        if doc.text != original:
+            doc.metadata.setdefault(REWRITTEN_FROM, text_hash(original))
+        return True
+
+    def _with_breaks(self, original: str, joined: str) -> str:
+        kept = joined.split("\n") if joined else []
+        out: list[str] = []
+        k, blank = 0, False
+        for line in original.splitlines():
+            if not line.strip():
+                blank = bool(out)
+                continue
+            processed = line.strip()
+            if self.remove_citations:
+                processed = CITATION_REGEX.sub("", processed)
+            if k < len(kept) and processed == kept[k]:
+                out.append(("\n\n" if blank else "\n") + kept[k] if out else kept[k])
+                k += 1
+                blank = False
+        return "".join(out) if k == len(kept) else joined  # lines it could not place: C4's own text
 
 
 _FENCE = re.compile(r"^\s*(```|~~~)")

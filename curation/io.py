@@ -14,7 +14,7 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 
-READ_REASONS = ("malformed_json", "invalid_utf8", "missing_text_field", "empty", "too_large")
+READ_REASONS = ("malformed_json", "invalid_utf8", "missing_text_field", "empty", "too_large", "blank_line")
 
 
 class CountingJsonlReader(JsonlReader):
@@ -58,9 +58,10 @@ class CountingJsonlReader(JsonlReader):
 
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
             for li, raw in enumerate(f):
-                if not raw.strip():
-                    continue
                 where = f"{filepath}:{li + 1}"
+                if not raw.strip():  # a line without a document is counted like the others
+                    self._reject("blank_line", where)
+                    continue
                 try:
                     record = orjson.loads(raw)
                 except orjson.JSONDecodeError as exc:

@@ -295,7 +295,7 @@ def difference(baseline: Sequence[float], variant: Sequence[float], confidence: 
     return out
 
 
-def compare(
+def compare_variants(
     cfg: ExperimentSpec, tasks: Mapping[str, TaskScores], quality: Mapping[str, TaskQuality]
 ) -> list[dict[str, Any]]:
     """One row per variant and task: the difference of final scores with its noise and verdict."""

@@ -30,7 +30,7 @@ from flows.recipe import Recipe, RecipeError, check_data, load_recipe
 from flows.smollm3 import data
 from pipeline.artifact import identity
 from pipeline.graph import Graph, Node, lazy_flow
-from tasks.compare import compare_step
+from tasks.compare import compare
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
 from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
@@ -111,7 +111,7 @@ def add_comparison(
         inputs[f"{run.label}.heldout"] = list(heldout.get(run.label, ()))
     if base is not None:
         inputs["base"] = base
-    node = g.add(compare_step, cfg, label=label, **inputs)
+    node = g.add(compare, cfg, label=label, **inputs)
     g.final = node
     return node
 

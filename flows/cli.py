@@ -67,10 +67,11 @@ def cmd_plan(args) -> int:
     from pipeline.dryrun import format_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.flow == "smollm3":
-        check_data(recipe)
+    missing = check_data(recipe, allow_missing=True) if args.flow == "smollm3" else {}
     rows = plan(recipe, frozenset(args.refresh), args.flow, args.base)
     print(format_plan(rows))
+    if missing:  # planned all the same: their steps are marked unresolved above
+        print(f"{len(missing)} source(s) not on this machine (planned as unresolved): {', '.join(missing)}")
     return 0
 
 
@@ -217,9 +218,22 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_capacity(args) -> int:
+    argv = list(args.args)
+    if "--recipe" in argv:  # a recipe's stages: layout and predicted memory per GPU (flows/fit.py)
+        from flows.fit import format_rows, stage_rows
+        from flows.recipe import load_recipe
+
+        at = argv.index("--recipe")
+        if at + 1 >= len(argv):
+            raise ValueError("--recipe needs a recipe name or path, then optional key=value overrides")
+        others = argv[:at] + argv[at + 2 :]
+        if any(not a.count("=") for a in others):
+            raise ValueError("with --recipe, the other arguments are key=value overrides of the recipe")
+        print(format_rows(stage_rows(load_recipe(argv[at + 1], others))))
+        return 0
     from infra.capacity import main as planner_main
 
-    return planner_main(args.args)
+    return planner_main(argv)
 
 
 def cmd_eval_quality(args) -> int:
@@ -316,7 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(unknown names are refused with the flow's steps)",
     )
 
-    p = add("recipe", cmd_recipe, "validate a recipe (and its data sources) and print it resolved")
+    p = add(
+        "recipe",
+        cmd_recipe,
+        "validate a recipe (its data sources, and a sample of each readable one through its curation "
+        "preset) and print it resolved",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
 
@@ -403,7 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
         "preflight RECIPE [key=value]: GPU, network, storage, data and config checks (exit 1 = stop)",
     )
     p.add_argument("args", nargs="*", help="see `smollm3 preflight --help`")
-    p = add("capacity", cmd_capacity, "GPUs, memory per GPU and time for a model, tokens and deadline")
+    p = add(
+        "capacity",
+        cmd_capacity,
+        "GPUs, memory per GPU and time for a model, tokens and deadline; --recipe: per stage of a recipe",
+    )
     p.add_argument("args", nargs="*", help="see `smollm3 capacity --help`")
     p = add(
         "eval-quality",

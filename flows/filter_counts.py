@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.artifact import Artifact
-from tasks.curate import build_curated, format_rows
+from tasks.curate import curate, format_rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tempfile
 
     from flows.recipe import load_recipe
-    from tasks.sources import build_corpus
+    from tasks.sources import SourceSpec, source
 
     parser = argparse.ArgumentParser(prog="python -m flows.filter_counts", description=main.__doc__)
     parser.add_argument("recipe")
@@ -42,9 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     quiet = lambda _msg: None  # noqa: E731
-    meta = build_corpus(config, recipe.seed, raw, quiet)
+    meta = source(SourceSpec(source=config, seed=recipe.seed), out=raw, log=quiet)
     corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
-    cmeta = build_curated(recipe.curation, corpus, cur, print)
+    cmeta = curate(recipe.curation.for_source(config), corpus, out=cur, log=print)  # as the curate step sees it
     print(
         f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
         f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}"

@@ -36,7 +36,7 @@ from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig, check_stages, load_weights
 from tasks.pretrain import TrainingConfig
-from tasks.sources import SourceConfig, check_sources
+from tasks.sources import SourceConfig, check_sources, missing_sources
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from trainers.posttrain.config import PosttrainConfig
@@ -159,15 +159,10 @@ class Recipe(BaseModel):
                 f"launch.procs_per_node {self.launch.procs_per_node} differs from "
                 f"training.nproc_per_node {t.nproc_per_node}: set training.nproc_per_node only"
             )
-        world = self.launch.nodes * t.nproc_per_node
-        for st in self.stages:
-            gb, mb = st.global_batch or t.global_batch, st.micro_batch or t.micro_batch
-            if gb % (mb * world):
-                raise ValueError(
-                    f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch x "
-                    f"world size = {mb} x {world} (launch.nodes {self.launch.nodes} x "
-                    f"training.nproc_per_node {t.nproc_per_node})"
-                )
+        from flows.fit import check_stages_fit
+
+        # Every stage's layout, batch split and, where a GPU is declared, memory (flows/fit.py).
+        check_stages_fit(self)
         return self
 
     @model_validator(mode="after")
@@ -353,21 +348,37 @@ def _child(node: Any, part: str, path: list[str], item: str) -> Any:
     return node[part]
 
 
-def check_data(recipe: Recipe) -> None:
+def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = True) -> dict[str, str]:
     """Raise RecipeError naming every source whose data cannot be read as configured (a glob
-    that matches nothing, a text field the files lack; tasks/sources.py check_sources), in
-    milliseconds, before any compute.
+    that matches nothing, a text field the files lack or that holds no strings; tasks/sources.py
+    check_sources), in milliseconds, and every readable source whose preset would curate it
+    away (flows/datacheck.py: a sample through the preset), in seconds, before any compute.
 
     Not part of `load_recipe`: a recipe must load where its data is not (the laptop that
     submits a cluster run whose `files:` paths exist on the cluster only, `lineage` and
     `report` on a copy of the workspace), and hub datasets are not checked offline. Call it
     where data will be read or planned: `smollm3 recipe`, `smollm3 plan`, the flow entry.
+
+    `allow_missing` (the dry run): sources whose data is not on this machine are returned
+    (name -> why) instead of refused, and planned as unresolved.
     """
-    problems = check_sources(recipe.sources)
+    missing = missing_sources(recipe.sources) if allow_missing else {}
+    present = [s for s in recipe.sources if s.name not in missing]
+    problems = check_sources(present)
+    if not problems and sample:
+        from flows.datacheck import preset_problems
+        from pipeline.workspace import WorkspaceError, resolve_workspace
+
+        try:
+            cache = resolve_workspace(recipe.workspace) / "checks" / "presets"
+        except WorkspaceError:
+            cache = None
+        problems = preset_problems(recipe.curation, present, recipe.seed, cache)
     if problems:
         raise RecipeError(
             f"recipe {recipe.name}: {len(problems)} data source problem(s):\n" + "\n".join(f"  {p}" for p in problems)
         )
+    return missing
 
 
 def _relevant(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:

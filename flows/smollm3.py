@@ -52,7 +52,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     previous: Node | None = None
     threads = cfg.resources.threads("train")
     for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
-        run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage, "threads": threads})
+        run = run.model_copy(update={"launch": run.on(cfg.launch), "storage": cfg.storage, "threads": threads})
         # The first stage waits for preflight (a gate, not an input); later ones for their init.
         init = {"init": previous} if previous is not None else {}
         gate = [check] if previous is None else []
@@ -100,7 +100,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     clean = {
         s.name: g.add(
             curate,
-            cfg.curation.for_source(s.name),
+            cfg.curation.for_source(s),
             label=s.name,
             corpus=raw[s.name],
             others=[raw[o.name] for o in cfg.sources if o.name != s.name],

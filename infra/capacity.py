@@ -17,6 +17,10 @@ Formulas (reference/smollm3.md; Smol Training Playbook, Ultra-Scale Playbook):
   first stage holds pp micro-batches of its layers/pp layers in flight, so activation memory on it
   does not shrink with pp: it stays ~layers x per-layer. Embedding/logit buffers, CUDA context and
   allocator fragmentation are not counted: keep 10-20% headroom.
+
+These are the textbook figures for any trainer. What this project's trainer allocates, tensor by
+tensor (its checkpointing modes, its chunked loss, FSDP2's gathered copies), is model/memory.py:
+`smollm3 capacity --recipe NAME` prints it per stage, and the recipe check enforces it.
 """
 
 from __future__ import annotations
@@ -296,12 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2048, help="hidden size (SmolLM3-3B: 2048)")
     p.add_argument("--heads", type=int, default=16, help="attention heads (SmolLM3-3B: 16)")
     p.add_argument("--fp32-grad-accum", action="store_true", help="add 4 Psi fp32 gradient buffers")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        metavar="RECIPE [key=value ...]",
+        help="instead: every stage of a recipe on its layout with this trainer's predicted peak memory "
+        "per GPU (model/memory.py; `smollm3 capacity --recipe smollm3-3b`)",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`smollm3 capacity`: print the GPU, time and memory plans; defaults are SmolLM3-3B's."""
     args = build_parser().parse_args(argv)
+    if args.recipe:
+        raise SystemExit("--recipe is answered by `smollm3 capacity --recipe NAME` (it loads the recipe)")
     params, tokens = parse_count(args.params), parse_count(args.tokens or DEFAULT_TOKENS)
     days = DEFAULT_DAYS if args.days is None else args.days
     tflops = args.tflops

@@ -50,9 +50,19 @@ class AttentionMask:
     """What every layer of one forward pass attends with."""
 
     kind: str  # "causal" | "dense" | "flex"
-    dense: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend; kind "dense"
+    # kind "dense": (B, 1, T, T), bool (True = may attend) or, after `for_dtype`, additive (0 / -inf)
+    dense: torch.Tensor | None = None
     block_mask: Any = None  # flex BlockMask over T + flex_pad positions; kind "flex"
     flex_pad: int = 0  # kind "flex": zero positions appended so (T + flex_pad) % FLEX_BLOCK == 0
+
+    def for_dtype(self, dtype: torch.dtype) -> AttentionMask:
+        """This mask with a dense bool mask turned into the additive float mask SDPA would build
+        from it (0 where allowed, -inf elsewhere: the same values, so the same outputs), once for
+        every layer instead of once per layer, each copy kept for backward."""
+        if self.kind != "dense" or self.dense.dtype != torch.bool:
+            return self
+        additive = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
+        return AttentionMask("dense", dense=additive.masked_fill_(self.dense.logical_not(), float("-inf")))
 
 
 FLEX_BLOCK = 128  # BlockMask block size (torch's default), the unit the flex path pads T to
@@ -142,11 +152,14 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask,
     ) -> torch.Tensor:
-        B, T, H = x.shape
-        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q = self.q(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        B, T = x.shape[:2]
+        hd = self.head_dim
+        # Head counts from the projections: under tensor parallelism each rank holds nh / tp
+        # query and nkv / tp key/value heads (model/parallel.py), and x is the gathered sequence.
+        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        nh, nkv = q.shape[1], k.shape[1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -168,5 +181,5 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
             v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
-        y = y.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
+        y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, H / tp)
         return self.o(y)

@@ -23,6 +23,16 @@ hyperparameters) and the RNG files with `torch.load(weights_only=True)`. The dig
 before any of it. See docs/architecture.md, "Threat model".
 
 Retention keeps the newest `keep_last` complete checkpoints plus every stage end.
+
+Asynchronous saves (`Checkpointer(async_save=True)`, the trainer's `spec.async_checkpoint`): DCP's
+`async_save` copies this rank's shards to CPU memory (so the next optimizer step cannot change what
+is written) and writes them from a background thread over a gloo group of its own, while training
+goes on. The RNG files, `model_config.json` and `trainer_state.json` are written at once; the
+marker only when every rank's write has finished: `poll()` (collective, once per step: one
+integer all-reduce while a save is pending) completes it then, `wait()` blocks for it. Until its
+marker exists the folder is incomplete, so a run killed meanwhile resumes from the checkpoint
+before, exactly as after a crash during a synchronous save. A stage end is always saved
+synchronously (the stage's result names it).
 """
 
 from __future__ import annotations
@@ -191,11 +201,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 class Checkpointer:
     """Saves, finds, loads and prunes the checkpoints under `root`."""
 
-    def __init__(self, root: str | Path, keep_last: int = 2) -> None:
+    def __init__(self, root: str | Path, keep_last: int = 2, *, async_save: bool = False) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: tuple[Path, Any, int, bool] | None = None  # folder, future, step, stage end
+        self._groups: tuple[Any, Any] | None = None  # gloo groups: the writer thread's, poll()'s
+
+    def _async_groups(self) -> tuple[Any, Any]:
+        """Two gloo groups (collective to create, so made by every rank at its first async save):
+        one for DCP's writer thread, one for poll() in the training thread; neither shares the
+        training collectives' group (NCCL on GPU, which async_save cannot use)."""
+        if self._groups is None:
+            self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        return self._groups
 
     def step_folders(self) -> list[Path]:
         if not self.root.exists():
@@ -246,7 +267,9 @@ class Checkpointer:
         trainer_state: dict[str, Any],
         stage_end: bool = False,
     ) -> Path:
-        """Collective: every rank calls it. Returns the complete folder."""
+        """Collective: every rank calls it. Returns the folder: complete, unless this is a
+        background save (async_save and not a stage end), which `poll()` or `wait()` completes."""
+        self.wait()  # one save at a time: the previous background one gets its marker first
         folder = self.root / step_dir_name(step)
         if _is_main():
             if folder.exists():  # a leftover of a killed run at this very step
@@ -254,7 +277,15 @@ class Checkpointer:
             folder.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+        background = self.async_save and not stage_end and dist.is_initialized()
+        if background:
+            future = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=str(folder),
+                process_group=self._async_groups()[0],
+            )
+        else:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
         rank = dist.get_rank() if dist.is_initialized() else 0
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -265,6 +296,33 @@ class Checkpointer:
             write_atomic(folder / MODEL_CONFIG, json.dumps(config, indent=2))
             state = dict(trainer_state, step=step, stage_end=stage_end)
             write_atomic(folder / TRAINER_STATE, json.dumps(state, indent=2))
+        if background:
+            self._pending = (folder, future, step, stage_end)
+            return folder
+        self._complete(folder, step, stage_end)
+        return folder
+
+    def poll(self) -> Path | None:
+        """Collective: complete a background save if every rank's write has finished; its folder
+        when it did, else None (nothing pending: no collective at all)."""
+        if self._pending is None:
+            return None
+        done = torch.tensor([1 if self._pending[1].done() else 0], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._async_groups()[1])
+        return self.wait() if done.item() else None
+
+    def wait(self) -> Path | None:
+        """Collective: block until a background save is written, then complete it (its folder)."""
+        if self._pending is None:
+            return None
+        folder, future, step, stage_end = self._pending
+        self._pending = None
+        future.result()  # raises what the writer thread raised
+        self._complete(folder, step, stage_end)
+        return folder
+
+    def _complete(self, folder: Path, step: int, stage_end: bool) -> None:
+        """Every file is written: hash them (shared out) and write the marker (rank 0), then prune."""
         _barrier()
         # Every rank hashes a share of the files (rank 0's listing); rank 0 writes the marker.
         names = [manifest.payload_files(folder) if _is_main() else None]
@@ -278,7 +336,6 @@ class Checkpointer:
             write_atomic(folder / MARKER, json.dumps(record, indent=2))
             self.prune()
         _barrier()
-        return folder
 
     def prune(self) -> None:
         """Keep the newest keep_last complete checkpoints, every stage end, nothing older."""

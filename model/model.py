@@ -15,6 +15,13 @@ Design choices (all from the SmolLM3 recipe unless noted):
 `forward(input_ids, doc_ids=None, labels=None)` takes `labels` already aligned with the
 positions (labels[:, t] is the target of input_ids[:, t], -100 = ignored); the data loader
 builds them from a window of seq_len + 1 tokens. (transformers shifts inside the loss instead.)
+With labels the loss is the chunked linear cross-entropy of model/loss.py, which never holds the
+whole (B, T, V) logits, and `logits` is None unless `return_logits=True` asks for them too.
+
+How it runs, set by the trainer and never part of the state dict: `activation_checkpointing`
+("none" | "selective" | "full", model/recompute.py) and `loss_chunk_tokens`; tensor parallelism
+(model/parallel.py) shards the blocks in place, which is why attention reads its head counts from
+the tensors it is given.
 """
 
 from __future__ import annotations
@@ -25,16 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import recompute
 from model.attention import Attention, build_attention_mask
 from model.config import ModelConfig
 from model.layers import RMSNorm, SwiGLU
+from model.loss import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, linear_cross_entropy
 from model.rope import inv_frequencies, positions_from_doc_ids, rope_cos_sin
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "CausalLMOutput", "SmolLM3"]
 
 
 class CausalLMOutput(NamedTuple):
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None when labels were given without return_logits
     loss: torch.Tensor | None  # scalar mean cross-entropy (+ z-loss), or None without labels
 
 
@@ -52,8 +61,12 @@ class Block(nn.Module):
         )
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.activation_checkpointing = "none"  # what backward keeps (model/recompute.py)
 
     def forward(self, x, cos, sin, mask):
+        return recompute.run(self._forward, self.activation_checkpointing, x, cos, sin, mask)
+
+    def _forward(self, x, cos, sin, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, H)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, H)
 
@@ -70,7 +83,14 @@ class SmolLM3(nn.Module):
         # Not persistent: RoPE tables are a function of the config (rope_theta may change
         # between stages for context extension) and must never come back from a checkpoint.
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False)
+        self.loss_chunk_tokens = DEFAULT_CHUNK_TOKENS  # logits rows alive at once in the loss
         self.init_weights()
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """What every block keeps for backward: "none", "selective" or "full" (model/recompute.py)."""
+        recompute.check_mode(mode)
+        for block in self.layers:
+            block.activation_checkpointing = mode
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -97,6 +117,7 @@ class SmolLM3(nn.Module):
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        return_logits: bool = False,
     ) -> CausalLMOutput:
         B, T = input_ids.shape
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
@@ -105,24 +126,33 @@ class SmolLM3(nn.Module):
             positions = torch.arange(T, device=input_ids.device)[None]  # (1, T), broadcast over B
         else:
             positions = positions_from_doc_ids(doc_ids)  # (B, T)
-        mask = build_attention_mask(doc_ids, self.attention_backend)
-        x = self.embed(input_ids)  # (B, T, H)
+        x = self.embed(input_ids)  # (B, T, H); (B, T/tp, H) under sequence parallelism
+        # One additive mask for every layer, made here (outside any checkpointed block): SDPA
+        # would otherwise convert the bool mask into a (B, 1, T, T) float copy in every layer.
+        mask = build_attention_mask(doc_ids, self.attention_backend).for_dtype(_compute_dtype(x))
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B or 1, 1, T, hd) each
         for block in self.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)  # (B, T, V)
-        loss = None if labels is None else self.loss(logits, labels)
+        loss = None
+        if labels is not None:
+            loss = linear_cross_entropy(x, head, labels, chunk_tokens=self.loss_chunk_tokens, z_loss=self.config.z_loss)
+        logits = self.logits(x, head) if labels is None or return_logits else None
         return CausalLMOutput(logits, loss)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over non-ignored targets, plus z-loss when configured."""
-        flat = logits.float().view(-1, logits.shape[-1])  # (B*T, V), fp32 for a stable softmax
-        targets = labels.reshape(-1)  # (B*T,)
-        loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX)
-        if self.config.z_loss > 0:
-            valid = targets != IGNORE_INDEX
-            lse = torch.logsumexp(flat[valid], dim=-1)  # (N,)
-            loss = loss + self.config.z_loss * lse.pow(2).mean()
-        return loss
+    @staticmethod
+    def logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) logits of the final hidden states (whole tensors under tensor parallelism)."""
+        if hasattr(x, "full_tensor"):
+            x = x.full_tensor()
+        if hasattr(head, "full_tensor"):
+            head = head.full_tensor()
+        return F.linear(x, head)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's when on, else the activations' own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype

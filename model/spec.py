@@ -8,8 +8,10 @@ launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no 
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
-log intervals, threads, micro-batching, the MFU peak): they never enter a fingerprint. Unknown
-keys are refused, so a typo fails before any rank starts work.
+log intervals, threads, micro-batching, the MFU peak, activation checkpointing, the loss chunk,
+tensor parallelism and HSDP, asynchronous checkpoint writes): they never enter a fingerprint,
+since they change memory, speed and floating-point summation order, never what is computed.
+Unknown keys are refused, so a typo fails before any rank starts work.
 """
 
 from __future__ import annotations
@@ -98,7 +100,15 @@ class TrainSpec(_Spec):
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
 
     # --- how it runs (operational) ------------------------------------------------------------
-    micro_batch: int = operational(gt=0)  # sequences per rank per forward/backward
+    micro_batch: int = operational(gt=0)  # sequences per data-parallel rank per forward/backward
+    # What each block keeps for backward (model/recompute.py); "auto": the lightest mode whose
+    # predicted peak fits `gpu_memory_gb` (model/memory.py), "none" where no memory is declared.
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
+    loss_chunk_tokens: int = operational(1024, gt=0)  # logits rows alive at once in the loss (model/loss.py)
+    tp: int = operational(1, gt=0)  # tensor-parallel degree inside a node (model/parallel.py)
+    hsdp: bool = operational(False)  # shard inside a node, replicate across nodes (multi-node runs)
+    async_checkpoint: bool = operational(False)  # DCP async_save: training goes on while shards are written
+    gpu_memory_gb: float | None = operational(None, gt=0)  # declared memory per GPU (GB), for "auto"
     checkpoint_interval: int = operational(100, gt=0)  # save every N steps (and at the last step)
     keep_last: int = operational(2, ge=1)  # complete checkpoints kept besides stage ends
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps

@@ -29,6 +29,7 @@ class PlanRow:
     action: str  # run | reuse
     reason: str
     launch: str = ""  # where a launched step's job runs (configs with `launch_summary`), else ""
+    note: str = ""  # what else the config says about the step (configs with `plan_summary`), else ""
 
     @property
     def key(self) -> str:
@@ -66,9 +67,16 @@ def plan_graph(g: Graph, ws: Workspace, refresh: frozenset[str] = frozenset()) -
             if action == "run":
                 runs.add(node.key)
             summary = getattr(node.config, "launch_summary", None)
+            note = getattr(node.config, "plan_summary", None)
             rows.append(
                 PlanRow(
-                    node.step.name, node.label, node.fingerprint, action, reason, summary() if callable(summary) else ""
+                    node.step.name,
+                    node.label,
+                    node.fingerprint,
+                    action,
+                    reason,
+                    summary() if callable(summary) else "",
+                    note() if callable(note) else "",
                 )
             )
     return rows
@@ -113,7 +121,7 @@ def format_plan(rows: list[PlanRow]) -> str:
     width = max((len(r.key) for r in rows), default=10) + 2
     lines = [f"{'step':<{width}}{'action':<8}{'fingerprint':<14}why"]
     for r in rows:
-        where = f"  [launch: {r.launch}]" if r.launch else ""
+        where = (f"  [launch: {r.launch}]" if r.launch else "") + (f"  [{r.note}]" if r.note else "")
         lines.append(f"{r.key:<{width}}{r.action:<8}{r.fingerprint[:12]:<14}{r.reason}{where}")
     runs = sum(r.action == "run" for r in rows)
     lines.append(f"{len(rows)} steps: {runs} run, {len(rows) - runs} reuse")

@@ -107,8 +107,11 @@ class Graph:
         reuse: bool = False,
         **inputs: Ref | Sequence[Ref],
     ) -> Node:
-        """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them);
-        `after` names gates (see Node.after).
+        """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them),
+        as the parameters of the step's function name them: an unknown name, a required input
+        left out or a list for a single-artifact parameter is refused here, before anything runs.
+        A single node for a list parameter is kept as given (its fingerprint records it as one;
+        the build receives a 1-tuple). `after` names gates (see Node.after).
 
         reuse: when this exact step (same step, same fingerprint) is already in the graph, return
         that node, whatever its label, instead of adding a second one. An experiment builds each
@@ -119,6 +122,7 @@ class Graph:
                 f"{step.name}[{label}]: config must be a {step.config_type.__name__}, got {type(config).__name__}"
             )
         key = f"{step.name}[{label}]"
+        step.check_inputs({name: isinstance(value, list | tuple) for name, value in inputs.items()}, where=key)
         mine = {id(n) for n in self.nodes}
         named: dict[str, Ref | tuple[Ref, ...]] = {}
         for name, value in inputs.items():

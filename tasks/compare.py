@@ -12,14 +12,21 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from evals.experiments import ExperimentSpec, TaskScores, chart, compare, report_markdown, task_quality
+from evals.experiments import ExperimentSpec, TaskScores, chart, compare_variants, report_markdown, task_quality
 from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.step import step
+
+
+def _listed(value: Artifact | Sequence[Artifact] | None) -> tuple[Artifact, ...]:
+    """The artifacts of one input: a list as it is, one artifact as a list of one, none as ()."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, Artifact) else tuple(value)
 
 
 def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
@@ -46,7 +53,7 @@ def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
         )
 
     for run in cfg.runs:
-        lm = many(inputs, f"{run.label}.lm")
+        lm = _listed(inputs.get(f"{run.label}.lm"))
         if len(lm) != len(run.lm_steps):
             raise ValueError(f"run {run.label}: {len(lm)} lm-eval input(s) but {len(run.lm_steps)} lm_steps")
         for art, step_no in zip(lm, run.lm_steps, strict=True):
@@ -56,7 +63,7 @@ def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
                     continue
                 random = float(art.meta.get("random_accuracy") or 0.0) if metric.startswith("acc") else 0.0
                 add(task, metric, "higher", random, run.label, step_no, values, art.fingerprint)
-        for art in many(inputs, f"{run.label}.heldout"):
+        for art in _listed(inputs.get(f"{run.label}.heldout")):
             for point in art.meta["points"]:
                 for task, values in point["scores"].items():
                     add(
@@ -76,78 +83,6 @@ def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
             if len(set(steps)) != len(steps):
                 raise ValueError(f"run {label}: two scores at the same step {steps}")
     return tasks
-
-
-def build_experiment(cfg: ExperimentSpec, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
-    """Assess, compare and report (see the module docstring)."""
-    missing = sorted({f"{r.label}.{k}" for r in cfg.runs for k in ("lm", "heldout")} - set(inputs))
-    if missing:
-        raise ValueError(f"compare: no input(s) {', '.join(missing)}")
-    tasks = collect(cfg, inputs)
-    partial = sorted(n for n, t in tasks.items() if len(t.points) != len(cfg.runs))
-    if partial:
-        log(f"not compared (not scored in every run): {', '.join(partial)}")
-    quality = task_quality(cfg, tasks)
-    if not quality:
-        raise ValueError(f"compare: no task was scored in every run of {cfg.name}")
-    rows = compare(cfg, tasks, quality)
-    seeds = {v: sum(r.variant == v for r in cfg.runs) for v in cfg.variants}
-    base = dict(inputs["base"].meta) if isinstance(inputs.get("base"), Artifact) else None
-    markdown = report_markdown(cfg, quality, rows, seeds, base)
-    (out / "comparison.md").write_text(markdown)
-    (out / "comparison.json").write_text(json.dumps(rows, indent=2))
-    by_label = {r.label: r for r in cfg.runs}
-    points = [
-        {
-            "label": lb,
-            "variant": by_label[lb].variant,
-            "seed": by_label[lb].seed,
-            "task": name,
-            "metric": t.metric,
-            "step": p[0],
-            "value": p[1],
-            "stderr": p[2],
-            "eval_fingerprint": p[3],
-        }
-        for name, t in sorted(tasks.items())
-        for lb, pts in t.points.items()
-        for p in pts
-    ]
-    (out / "points.json").write_text(json.dumps(points))
-    drawn = chart(cfg, tasks, quality, out / "comparison.png")
-    log("\n" + markdown)
-    t = cfg.trust
-    return _json_safe(
-        {
-            "kind": cfg.kind,
-            "name": cfg.name,
-            "baseline": cfg.baseline,
-            "variants": dict(cfg.variants),
-            "seeds": seeds,
-            "confidence": cfg.confidence,
-            "rows": rows,
-            "base": base,
-            "trusted": sorted(n for n, q in quality.items() if q.trusted(t.require)),
-            "quality": {
-                n: {
-                    "points": q.points,
-                    "final": q.final,
-                    "spearman": q.spearman,
-                    "snr": q.snr,
-                    "margin": q.margin,
-                    "kendall": q.kendall,
-                    "checks": q.checks,
-                    "better": q.better,
-                    "noise": q.noise_source,
-                    "trusted": q.trusted(t.require),
-                    "why": q.reasons(t.thresholds, t.require),
-                }
-                for n, q in sorted(quality.items())
-            },
-            "not_compared": partial,
-            "chart": drawn,
-        }
-    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -215,7 +150,78 @@ def publish_experiment(artifact: Artifact, ws, label: str) -> None:
 
 
 @step("compare", version=1, kind="report", publish=publish_experiment)
-def compare_step(config: ExperimentSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Every run's scores (inputs `{label}.lm`, `{label}.heldout`; `base`, an anneal's pinned
-    checkpoint) to the trusted tasks and the comparison of each variant with the baseline."""
-    return build_experiment(config, inputs, out, log)
+def compare(
+    config: ExperimentSpec, *, out: Path, log=print, **inputs: Artifact | tuple[Artifact, ...]
+) -> dict[str, Any]:
+    """Every run's scores (inputs named by run: `{label}.lm`, its lm-eval artifacts in step
+    order; `{label}.heldout`, its held-out BPB artifacts; `base`, an anneal's pinned checkpoint)
+    assessed, compared and reported (see the module docstring): the trusted tasks and the
+    comparison of each variant with the baseline."""
+    missing = sorted({f"{r.label}.{k}" for r in config.runs for k in ("lm", "heldout")} - set(inputs))
+    if missing:
+        raise ValueError(f"compare: no input(s) {', '.join(missing)}")
+    tasks = collect(config, inputs)
+    partial = sorted(n for n, t in tasks.items() if len(t.points) != len(config.runs))
+    if partial:
+        log(f"not compared (not scored in every run): {', '.join(partial)}")
+    quality = task_quality(config, tasks)
+    if not quality:
+        raise ValueError(f"compare: no task was scored in every run of {config.name}")
+    rows = compare_variants(config, tasks, quality)
+    seeds = {v: sum(r.variant == v for r in config.runs) for v in config.variants}
+    base = dict(inputs["base"].meta) if isinstance(inputs.get("base"), Artifact) else None
+    markdown = report_markdown(config, quality, rows, seeds, base)
+    (out / "comparison.md").write_text(markdown)
+    (out / "comparison.json").write_text(json.dumps(rows, indent=2))
+    by_label = {r.label: r for r in config.runs}
+    points = [
+        {
+            "label": lb,
+            "variant": by_label[lb].variant,
+            "seed": by_label[lb].seed,
+            "task": name,
+            "metric": t.metric,
+            "step": p[0],
+            "value": p[1],
+            "stderr": p[2],
+            "eval_fingerprint": p[3],
+        }
+        for name, t in sorted(tasks.items())
+        for lb, pts in t.points.items()
+        for p in pts
+    ]
+    (out / "points.json").write_text(json.dumps(points))
+    drawn = chart(config, tasks, quality, out / "comparison.png")
+    log("\n" + markdown)
+    t = config.trust
+    return _json_safe(
+        {
+            "kind": config.kind,
+            "name": config.name,
+            "baseline": config.baseline,
+            "variants": dict(config.variants),
+            "seeds": seeds,
+            "confidence": config.confidence,
+            "rows": rows,
+            "base": base,
+            "trusted": sorted(n for n, q in quality.items() if q.trusted(t.require)),
+            "quality": {
+                n: {
+                    "points": q.points,
+                    "final": q.final,
+                    "spearman": q.spearman,
+                    "snr": q.snr,
+                    "margin": q.margin,
+                    "kendall": q.kendall,
+                    "checks": q.checks,
+                    "better": q.better,
+                    "noise": q.noise_source,
+                    "trusted": q.trusted(t.require),
+                    "why": q.reasons(t.thresholds, t.require),
+                }
+                for n, q in sorted(quality.items())
+            },
+            "not_compared": partial,
+            "chart": drawn,
+        }
+    )

@@ -29,8 +29,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.spec import ScheduleSpec, TrainSpec
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tasks.heldout import HeldoutSpec, heldout_loss
 from tasks.mixture import blend
 from tasks.pin import BaseCheckpoint
@@ -154,50 +154,6 @@ def forgetting_flags(history: Sequence[Mapping[str, Any]], threshold: float) -> 
     return flagged
 
 
-def build_monitor(cfg: CptConfig, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
-    """Held-out loss of the base (input `base`) and of every kept CPT checkpoint (input `stage`)
-    on both held-out sets (input `heldout`)."""
-    import numpy as np
-    import torch
-
-    from model.checkpoint import Checkpointer, load_model, read_marker
-
-    base, stage = one(inputs, "base"), one(inputs, "stage")
-    held = {a.meta["domain"]: a for a in many(inputs, "heldout")}
-    data = {d: np.load(held[d].meta["file"]) for d in ("general", "domain") if d in held}
-    eos = int(next(iter(held.values())).meta["eos_id"])
-    seq_len = int(TrainSpec.load(stage.path / "spec.json").seq_len or 0)
-    points = [(0, Path(base.meta["checkpoint"]))] + [
-        (int(f.name[5:]), f)
-        for f in Checkpointer(stage.path / "checkpoints").step_folders()
-        if read_marker(f) is not None
-    ]
-    torch.manual_seed(0)
-    history = []
-    for step_no, folder in points:
-        model = load_model(folder)
-        row = {"step": step_no}
-        for domain, tokens in data.items():
-            row[domain] = heldout_loss(model, tokens, seq_len, cfg.eval_batch, eos)[0]
-        history.append(row)
-        log(f"cpt held-out loss at step {step_no}: " + ", ".join(f"{d} {row[d]:.4f}" for d in data))
-    rows = forgetting_flags(history, cfg.forgetting_threshold)
-    first = next((r["step"] for r in rows if r["forgetting"]), None)
-    (out / "history.json").write_text(json.dumps(rows, indent=2))
-    if first is not None:
-        log(
-            f"FORGETTING: general held-out loss rose more than {cfg.forgetting_threshold:.0%} over the "
-            f"base by step {first}; raise cpt.replay or lower cpt.lr_fraction"
-        )
-    return {
-        "history": rows,
-        "forgetting": first is not None,
-        "first_forgetting_step": first,
-        "threshold": cfg.forgetting_threshold,
-        "domain_gain": rows[0].get("domain", 0) - rows[-1].get("domain", 0) if "domain" in data else None,
-    }
-
-
 def publish_monitor(artifact: Artifact, ws, label: str) -> None:
     """Held-out losses to DuckDB `metrics`; the history with its flags to a Prefect table."""
     from prefect.artifacts import create_table_artifact
@@ -220,7 +176,46 @@ def publish_monitor(artifact: Artifact, ws, label: str) -> None:
 
 
 @step("cpt_monitor", version=2, kind="eval", publish=publish_monitor, resource="eval", isolate=True)
-def cpt_monitor(config: CptConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The base (input `base`), the CPT stage (input `stage`) and held-out token sets (input
-    `heldout`) to the loss history and its forgetting flags."""
-    return build_monitor(config, inputs, out, log)
+def cpt_monitor(
+    config: CptConfig, base: Artifact, stage: Artifact, heldout: tuple[Artifact, ...], *, out: Path, log=print
+) -> dict[str, Any]:
+    """Held-out loss of the `base` and of every kept checkpoint of the CPT `stage` on both
+    held-out token sets (`heldout`): the loss history and its forgetting flags."""
+    import numpy as np
+    import torch
+
+    from model.checkpoint import Checkpointer, load_model, read_marker
+
+    held = {a.meta["domain"]: a for a in heldout}
+    data = {d: np.load(held[d].meta["file"]) for d in ("general", "domain") if d in held}
+    eos = int(next(iter(held.values())).meta["eos_id"])
+    seq_len = int(TrainSpec.load(stage.path / "spec.json").seq_len or 0)
+    points = [(0, Path(base.meta["checkpoint"]))] + [
+        (int(f.name[5:]), f)
+        for f in Checkpointer(stage.path / "checkpoints").step_folders()
+        if read_marker(f) is not None
+    ]
+    torch.manual_seed(0)
+    history = []
+    for step_no, folder in points:
+        model = load_model(folder)
+        row = {"step": step_no}
+        for domain, tokens in data.items():
+            row[domain] = heldout_loss(model, tokens, seq_len, config.eval_batch, eos)[0]
+        history.append(row)
+        log(f"cpt held-out loss at step {step_no}: " + ", ".join(f"{d} {row[d]:.4f}" for d in data))
+    rows = forgetting_flags(history, config.forgetting_threshold)
+    first = next((r["step"] for r in rows if r["forgetting"]), None)
+    (out / "history.json").write_text(json.dumps(rows, indent=2))
+    if first is not None:
+        log(
+            f"FORGETTING: general held-out loss rose more than {config.forgetting_threshold:.0%} over the "
+            f"base by step {first}; raise cpt.replay or lower cpt.lr_fraction"
+        )
+    return {
+        "history": rows,
+        "forgetting": first is not None,
+        "first_forgetting_step": first,
+        "threshold": config.forgetting_threshold,
+        "domain_gain": rows[0].get("domain", 0) - rows[-1].get("domain", 0) if "domain" in data else None,
+    }

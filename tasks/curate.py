@@ -2,13 +2,13 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
-    filter   read train shards (counting unreadable lines) -> [language] -> preset filters
-             -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
+    filter   read train shards (counting unreadable lines) -> preset filters (the web presets
+             start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
     unique   read `filtered/` -> drop exact duplicates -> write `unique/` -> MinHash signatures
     buckets  MinHash buckets;   cluster  MinHash clusters
     final    read `unique/` -> drop near duplicates -> write `train/` (the curated corpus)
-    heldout  read the held-out split -> [language] -> preset filters -> exact dedup -> `heldout/`
+    heldout  read the held-out split -> preset filters -> exact dedup -> `heldout/`
 
 Design choices:
 - Held-out is held out. The source splits by document id, before any dedup, so copies of a
@@ -24,27 +24,32 @@ Design choices:
   dedup within itself), so fertility, held-out loss and evals measure the kind of text the
   model trains on. Its removals are counted apart (`heldout_removed`).
 - Presets per domain are lists of datatrove filters (a registry refuses duplicates): `web` is the
-  FineWeb stack (Gopher repetition and quality, C4, FineWeb quality), `docs` is that stack for
-  documentation prose, `code` is heuristics that suit source code, `math` is light (length
-  only). Our own datatrove components (the counting reader, code filters, prose extraction,
-  decontamination, sample writer) live in the curation/ package, free of Prefect, because
-  datatrove's worker processes import the modules of the pipeline's components. The English
-  filters need spaCy's tokenizer only: datatrove builds it with `spacy.blank("en")`, so nothing
-  is downloaded.
+  FineWeb stack (language ID keeping English, Gopher repetition and quality, C4 with paragraph
+  breaks kept, FineWeb quality), `web-XX` the same stack for language XX with its word
+  tokenizer, stop words and thresholds (a web source's default: its `language`;
+  curation/languages.py), `docs` is the English stack for documentation prose, `code` is
+  heuristics that suit source code, `math` is light (length only). Our own datatrove
+  components (the counting reader, code filters, prose extraction, language ID, decontamination,
+  sample writer) live in the curation/ package, free of Prefect, because datatrove's worker
+  processes import the modules of the pipeline's components. Nothing is downloaded: the filters
+  need spaCy's rule-based tokenizers (`spacy.blank`), language ID py3langid's bundled model.
 - One name per filter (`filter_name`): the filter_stats row, the `removed/<name>/` folder and
   the `<name>:<reason>` keys of the meta all use it.
 - Bad input is counted, never dropped silently: the reader counts malformed JSON, invalid UTF-8,
-  missing or non-string text, empty and too large documents per reason; every filter's drops
+  missing or non-string text, empty and too large documents and blank lines per reason; every filter's drops
   are counted per reason by datatrove; a few removed documents per filter and reason are kept in
   `removed/` (train) and `heldout_removed/` for inspection. The meta counts what this step
   dropped, once: the source step's own rejections stay in the source's meta.
 - Dedup stages read their input rank by rank (`{rank:05d}.jsonl.gz`) because datatrove's MinHash
   and exact-dedup filters address documents by their index within a rank's stream.
-- The executor is datatrove's LocalPipelineExecutor by default; `slurm` and `ray` build datatrove's
-  Slurm/Ray executors chained by `depends`, for clusters.
+- The executor is datatrove's LocalPipelineExecutor by default, running `workers` tasks at once
+  (unset: the machine's cores); `slurm` and `ray` build datatrove's Slurm/Ray executors chained
+  by `depends`, for clusters. `tasks` is fingerprinted (it sets the output shards), `workers`
+  is not: the output is the same whatever the worker count.
 
-`python -m tasks.curate RECIPE SOURCE [key=value ...]` runs one source and its curation outside
-the flow and prints the per-filter table (docs/data.md records its figures for the tiny recipe).
+`python -m flows.filter_counts RECIPE SOURCE [key=value ...]` runs one source and its curation
+outside the flow and prints the per-filter table (docs/data.md records its figures for the tiny
+recipe); this module has no command of its own.
 """
 
 from __future__ import annotations
@@ -60,44 +65,44 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.languages import LANGUAGES
 from infra.registry import Registry
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 
 if TYPE_CHECKING:
     from datatrove.pipeline.filters.base_filter import BaseFilter
+
+    from tasks.sources import SourceConfig
 
 # The pipeline components live in the curation/ package, which imports datatrove (a third of a
 # second and more): they are imported where a pipeline is built, so validating a recipe or
 # planning a flow (which read only the configs and preset names here) stays fast. The names stay
 # importable from this module (`from tasks.curate import HeldoutIndex`), loaded on first use.
-_PARTS = frozenset(
-    {
-        "AlphanumericFractionFilter",
-        "AutogeneratedFilter",
-        "CodeLineLengthFilter",
-        "CountingJsonlReader",
-        "DocumentationProseFilter",
-        "ExactDedupInMemoryFilter",
-        "HeldoutDecontFilter",
-        "HeldoutIndex",
-        "LengthFilter",
-        "LocalLID",
-        "SampleWriter",
-        "exact_text",
-        "filter_name",
-    }
-)
+_PARTS = {
+    "AlphanumericFractionFilter": "curation.filters",
+    "AutogeneratedFilter": "curation.filters",
+    "CodeLineLengthFilter": "curation.filters",
+    "DocumentationProseFilter": "curation.filters",
+    "ExactDedupInMemoryFilter": "curation.filters",
+    "LengthFilter": "curation.filters",
+    "ParagraphC4QualityFilter": "curation.filters",
+    "filter_name": "curation.filters",
+    "CountingJsonlReader": "curation.io",
+    "SampleWriter": "curation.io",
+    "HeldoutDecontFilter": "curation.heldout",
+    "HeldoutIndex": "curation.heldout",
+    "exact_text": "curation.heldout",
+    "LanguageIDFilter": "curation.multilingual",
+    "LocalLID": "curation.multilingual",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _PARTS:
         import importlib
 
-        for module in ("curation.filters", "curation.heldout", "curation.io"):
-            found = getattr(importlib.import_module(module), name, None)
-            if found is not None:
-                return found
+        return getattr(importlib.import_module(_PARTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -147,8 +152,10 @@ class CurationConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor kind
-    tasks: int = Field(default=1, gt=0)  # datatrove tasks = output shards (capped by the input shards)
-    workers: int = operational(1, gt=0)  # tasks run at once (local: processes)
+    tasks: int = Field(default=8, gt=0)  # datatrove tasks = output shards (capped by the input shards)
+    # tasks run at once (local: processes); None: as many as this machine's cores (local) or
+    # all of them (slurm, ray). The output is the same whatever the count.
+    workers: int | None = operational(None, gt=0)
     presets: dict[str, str] = {}  # source name -> preset name, overriding the domain's preset
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
     exact_dedup: bool = True  # drop documents whose text is identical to an earlier one
@@ -160,53 +167,73 @@ class CurationConfig(BaseModel):
     minhash_buckets: int = Field(default=14, gt=0)  # LSH bands
     minhash_hashes_per_bucket: int = Field(default=8, gt=0)  # rows per band (~0.72 Jaccard cut)
     decontamination: DecontaminationConfig = DecontaminationConfig()  # train vs held-out copies
-    language_model: str | None = None  # local fastText LID model (lid.176.bin); no download
-    languages: tuple[str, ...] = ("en",)  # languages kept when language_model is set
-    language_threshold: float = Field(default=0.65, ge=0, le=1)  # minimum LID score to keep
+    # language ID of the web presets: py3langid's bundled model, or this local fastText model
+    # (lid.176.bin); never a download
+    language_model: str | None = None
     removed_samples: int = Field(default=20, ge=0)  # removed documents kept per filter and reason
+    # the check before compute (`smollm3 recipe`/`plan`, flows/datacheck.py): each readable
+    # source's first documents go through its preset; below this kept share the recipe is refused
+    min_kept_share: float = operational(0.2, ge=0, le=1)
+    sample_documents: int = operational(100, gt=0)  # documents per source that check curates, at most
+    sample_chars: int = operational(50_000, gt=0)  # and characters (the check takes ~1 s per source)
     slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm
     ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
 
-    def for_source(self, name: str) -> CurationConfig:
-        """This section as the curate step of source `name` sees it: its own preset and skip
-        entry only, so changing another source's entries does not rerun this one."""
+    def preset_for(self, name: str, domain: str, language: str = "en") -> str:
+        """The preset of a source: its `presets` entry, else its domain's preset in its language
+        (`web` for English web text, `web-fr` for French, ...)."""
+        if name in self.presets:
+            return self.presets[name]
+        return f"web-{language}" if domain == "web" and language != "en" else domain
+
+    def for_source(self, source: SourceConfig) -> CurationConfig:
+        """This section as the curate step of `source` sees it: its own preset, resolved (so the
+        plan shows it and the fingerprint holds it), and skip entry only, so changing another
+        source's entries does not rerun this one."""
+        name = source.name
         return self.model_copy(
             update={
-                "presets": {k: v for k, v in self.presets.items() if k == name},
+                "presets": {name: self.preset_for(name, source.domain, source.language)},
                 "minhash_skip": tuple(n for n in self.minhash_skip if n == name),
             }
         )
 
+    def plan_summary(self) -> str:
+        """What `smollm3 plan` shows beside a curate step: its preset(s)."""
+        return "preset " + ", ".join(sorted(set(self.presets.values()))) if self.presets else ""
+
 
 # --- presets ----------------------------------------------------------------------------------
 
-# A preset builds its filters; the pipeline gives each its exclusion writer, named by
-# `filter_name`, so removed samples sit in the folder the stats name.
-Preset = Callable[[], "list[BaseFilter]"]
+# A preset builds its filters from the curation section (the web presets read its language
+# model); the pipeline gives each its exclusion writer, named by `filter_name`, so removed
+# samples sit in the folder the stats name.
+Preset = Callable[[CurationConfig], "list[BaseFilter]"]
 PRESETS: Registry[Preset] = Registry("curation preset")
 
 
-@PRESETS.register("web")
-def web_preset() -> list[BaseFilter]:
-    """FineWeb's English heuristic stack with its published thresholds."""
-    from datatrove.pipeline.filters import (
-        C4QualityFilter,
-        FineWebQualityFilter,
-        GopherQualityFilter,
-        GopherRepetitionFilter,
-    )
+def _web(language: str) -> Preset:
+    def build(config: CurationConfig) -> list[BaseFilter]:
+        from curation.languages import LANGUAGES
+        from curation.multilingual import web_filters
 
-    return [
-        GopherRepetitionFilter(),
-        GopherQualityFilter(),
-        # FineWeb keeps lines without terminal punctuation; C4's line rule removed too much
-        C4QualityFilter(filter_no_terminal_punct=False),
-        FineWebQualityFilter(),
-    ]
+        return web_filters(LANGUAGES[language], config.language_model)
+
+    build.__doc__ = f"FineWeb's stack for {language} web text (curation/languages.py)."
+    return build
+
+
+# `web` is English FineWeb (language ID keeping English, then Gopher repetition and quality,
+# C4, FineWeb quality, with their published thresholds); `web-XX` is the same stack for
+# language XX with its word tokenizer, stop words and thresholds (curation/languages.py).
+PRESETS.register("web")(_web("en"))
+for _code in LANGUAGES:
+    if _code != "en":
+        PRESETS.register(f"web-{_code}")(_web(_code))
 
 
 @PRESETS.register("docs")
-def docs_preset() -> list[BaseFilter]:
+def docs_preset(config: CurationConfig) -> list[BaseFilter]:
     """Documentation prose (READMEs, docstrings, reference manuals): its prose is extracted
     first, then the web stack judges it with two rules changed for what documentation is.
 
@@ -218,26 +245,21 @@ def docs_preset() -> list[BaseFilter]:
     Everything else (Gopher repetition, the other Gopher and C4 rules, FineWeb quality) is the
     web preset's, thresholds included. docs/data.md has the per-filter counts on builtin:prose.
     """
-    from datatrove.pipeline.filters import (
-        C4QualityFilter,
-        FineWebQualityFilter,
-        GopherQualityFilter,
-        GopherRepetitionFilter,
-    )
+    from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
 
-    from curation.filters import DocumentationProseFilter
+    from curation.filters import DocumentationProseFilter, ParagraphC4QualityFilter
 
     return [
         DocumentationProseFilter(),
         GopherRepetitionFilter(),
         GopherQualityFilter(max_non_alpha_words_ratio=0.7),
-        C4QualityFilter(filter_no_terminal_punct=False, filter_curly_bracket=False),
+        ParagraphC4QualityFilter(filter_no_terminal_punct=False, filter_curly_bracket=False),
         FineWebQualityFilter(),
     ]
 
 
 @PRESETS.register("code")
-def code_preset() -> list[BaseFilter]:
+def code_preset(config: CurationConfig) -> list[BaseFilter]:
     """Heuristics that suit source code (English prose filters would drop most of it)."""
     from curation.filters import AlphanumericFractionFilter, AutogeneratedFilter, CodeLineLengthFilter
 
@@ -245,7 +267,7 @@ def code_preset() -> list[BaseFilter]:
 
 
 @PRESETS.register("math")
-def math_preset() -> list[BaseFilter]:
+def math_preset(config: CurationConfig) -> list[BaseFilter]:
     """Light: math text is symbol-heavy, so prose heuristics misfire; keep only a length floor."""
     from curation.filters import LengthFilter
 
@@ -253,7 +275,7 @@ def math_preset() -> list[BaseFilter]:
 
 
 @PRESETS.register("none")
-def no_preset() -> list[BaseFilter]:
+def no_preset(config: CurationConfig) -> list[BaseFilter]:
     """No quality filters (dedup, decontamination and input accounting still apply)."""
     return []
 
@@ -261,27 +283,15 @@ def no_preset() -> list[BaseFilter]:
 # --- pipelines and executors ------------------------------------------------------------------
 
 
-def language_filter(config: CurationConfig) -> BaseFilter:
-    """datatrove's LanguageFilter reading a local fastText model instead of downloading one."""
-    from datatrove.pipeline.filters import LanguageFilter
-
-    from curation.filters import LocalLID
-
-    path = Path(config.language_model or "").expanduser()
-    if not path.is_file():
+def quality_filters(config: CurationConfig, preset: str) -> list[BaseFilter]:
+    """The preset's filters: fresh instances for each pipeline."""
+    if config.language_model and not Path(config.language_model).expanduser().is_file():
         raise FileNotFoundError(
             f"curation.language_model {config.language_model!r} is not a file; give the path of "
-            "a local fastText language-id model (e.g. lid.176.bin) or remove the setting"
+            "a local fastText language-id model (e.g. lid.176.bin) or remove the setting (the "
+            "web presets then use py3langid's bundled model)"
         )
-
-    lid = LanguageFilter(languages=list(config.languages), language_threshold=config.language_threshold)
-    lid.model = LocalLID(str(path), list(config.languages))
-    return lid
-
-
-def quality_filters(config: CurationConfig, preset: str) -> list[BaseFilter]:
-    """[LanguageFilter] + the preset's filters: fresh instances for each pipeline."""
-    return ([language_filter(config)] if config.language_model else []) + PRESETS.get(preset)()
+    return PRESETS.get(preset)(config)
 
 
 def attach_samples(pipeline: list, folder: Path, per_reason: int) -> list:
@@ -421,13 +431,28 @@ def plan_stages(
     return stages
 
 
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and Slurm set)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def stage_workers(config, tasks: int) -> int:
+    """Tasks of a stage run at once: `workers`, or (unset) this machine's cores for the local
+    executor and every task for the cluster ones; never more than the stage's tasks."""
+    if config.workers is not None:
+        return min(config.workers, tasks)
+    return min(machine_cores(), tasks) if config.executor == "local" else tasks
+
+
 def make_executors(config: CurationConfig, stages: list[tuple[str, list, int]], logs: Path) -> list:
     """One datatrove executor per stage, each depending on the previous one. `config` is any
     section with `executor`, `workers`, `slurm` and `ray` (curation, tokenization)."""
     executors: list = []
     previous = None
     for name, pipeline, tasks in stages:
-        workers = min(config.workers, tasks)
+        workers = stage_workers(config, tasks)
         logging_dir = str(logs / name)
         if config.executor == "local":
             from datatrove.executor import LocalPipelineExecutor
@@ -589,7 +614,7 @@ def _removed(rows: list[dict[str, Any]]) -> Counter[str]:
     return removed
 
 
-# --- the build function -----------------------------------------------------------------------
+# --- the step ---------------------------------------------------------------------------------
 
 
 def shard_count(folder: Path) -> int:
@@ -618,8 +643,8 @@ def heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> It
         folder = art.path / "heldout"
         if folder.is_dir():
             source = art.meta.get("source", art.short)
-            preset = config.presets.get(source, art.meta.get("domain", "web"))
-            rewrites = any(isinstance(f, DocumentationProseFilter) for f in PRESETS.get(preset)())
+            preset = config.preset_for(source, art.meta.get("domain", "web"), art.meta.get("language", "en"))
+            rewrites = any(isinstance(f, DocumentationProseFilter) for f in PRESETS.get(preset)(config))
             for doc in read_shards(folder):
                 yield f"{source}/{doc['id']}", doc["text"]
                 kept = prose_text(doc["text"]) if rewrites else ""
@@ -627,24 +652,75 @@ def heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> It
                     yield f"{source}/{doc['id']}", kept
 
 
-def build_curated(
-    config: CurationConfig, corpus: Artifact, out: Path, log=print, others: Sequence[Artifact] = ()
-) -> dict[str, Any]:
-    """Curate one corpus artifact into `out/train` and `out/heldout`; return the meta.
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The per-filter table as Markdown (documents and characters in and out, reasons)."""
+    lines = ["| filter | docs in | docs out | chars in | chars out | reasons |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"| {r['filter']} | {r['docs_in']} | {r['docs_out']} | {r['chars_in']:,} | {r['chars_out']:,} | {reasons} |"
+        )
+    return "\n".join(lines)
 
-    `others`: corpora of the other sources, whose held-out documents train is also
-    decontaminated against (the eval suite mixes the held-out text of every source of a domain).
+
+def publish_curated(artifact: Artifact, ws, label: str) -> None:
+    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
+    source = artifact.meta.get("source", label)
+    ws.lineage().record_rows(
+        "filter_stats",
+        [
+            (
+                artifact.fingerprint,
+                source,
+                r["position"],
+                r["filter"],
+                r["docs_in"],
+                r["docs_out"],
+                r["chars_in"],
+                r["chars_out"],
+                json.dumps(r["reasons"], sort_keys=True),
+            )
+            for r in rows
+        ],
+    )
+    table = [
+        {
+            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
+            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
+        }
+        for r in rows
+    ]
+    create_table_artifact(
+        table=table,
+        key=f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
+        description=f"Curation of {source}: documents and characters per filter, removal reasons",
+    )
+
+
+# 6: the web presets identify the language (py3langid) and judge each language with its own
+# settings; C4 keeps paragraph breaks; the input is dealt into more shards (source v3)
+@step("curate", version=6, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
+def curate(
+    config: CurationConfig, corpus: Artifact, others: tuple[Artifact, ...] = (), *, out: Path, log=print
+) -> dict[str, Any]:
+    """One source's corpus to a curated corpus in `out/train` and `out/heldout`; its train split
+    is decontaminated against its own held-out split and those of the `others` corpora (the
+    other sources: the eval suite mixes the held-out text of every source of a domain).
     """
     from curation.heldout import HeldoutIndex
 
     source = corpus.meta.get("source", corpus.short)
     domain = corpus.meta.get("domain", "web")
+    language = corpus.meta.get("language", "en")
     if corpus.meta.get("format", "jsonl") != "jsonl":
         raise ValueError(
             f"curation of source {source!r}: reads gzip JSONL shards, but the corpus is "
             f"{corpus.meta.get('format')}; set output_format: jsonl on that source"
         )
-    preset = config.presets.get(source, domain)
+    preset = config.preset_for(source, domain, language)
     if source in config.minhash_skip:
         config = config.model_copy(update={"minhash": False})
     PRESETS.get(preset)  # unknown preset names fail here, naming the allowed ones
@@ -705,6 +781,7 @@ def build_curated(
     return {
         "source": source,
         "domain": domain,
+        "language": language,
         "preset": preset,
         "format": "jsonl",
         "documents": documents,
@@ -725,58 +802,3 @@ def build_curated(
         "executor": config.executor,
         "tasks": tasks,
     }
-
-
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The per-filter table as Markdown (documents and characters in and out, reasons)."""
-    lines = ["| filter | docs in | docs out | chars in | chars out | reasons |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items(), key=lambda kv: -kv[1]))
-        lines.append(
-            f"| {r['filter']} | {r['docs_in']} | {r['docs_out']} | {r['chars_in']:,} | {r['chars_out']:,} | {reasons} |"
-        )
-    return "\n".join(lines)
-
-
-def publish_curated(artifact: Artifact, ws, label: str) -> None:
-    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
-    from prefect.artifacts import create_table_artifact
-
-    rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
-    source = artifact.meta.get("source", label)
-    ws.lineage().record_rows(
-        "filter_stats",
-        [
-            (
-                artifact.fingerprint,
-                source,
-                r["position"],
-                r["filter"],
-                r["docs_in"],
-                r["docs_out"],
-                r["chars_in"],
-                r["chars_out"],
-                json.dumps(r["reasons"], sort_keys=True),
-            )
-            for r in rows
-        ],
-    )
-    table = [
-        {
-            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
-            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
-        }
-        for r in rows
-    ]
-    create_table_artifact(
-        table=table,
-        key=f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
-        description=f"Curation of {source}: documents and characters per filter, removal reasons",
-    )
-
-
-@step("curate", version=5, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
-def curate(config: CurationConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """One source's corpus (input `corpus`) to a curated corpus, its train split decontaminated
-    against its own held-out split and those of the other sources (input `others`)."""
-    return build_curated(config, one(inputs, "corpus"), out, log, others=many(inputs, "others"))

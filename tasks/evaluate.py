@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from tasks.sources import read_shards
 
 CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
@@ -314,70 +314,6 @@ def _texts(folder: Path, limit: int | None = None) -> Iterator[str]:
         yield doc["text"]
 
 
-def build_suite(
-    cfg: EvalConfig,
-    sources: Sequence[Artifact],
-    training: Sequence[Artifact],
-    out: Path,
-    seed: int = 0,
-    log=print,
-    generation_items: int = 0,
-    max_gen_tokens: int = 48,
-) -> dict[str, Any]:
-    """Write every task's JSONL + YAML into `out/tasks` and the contamination report; with
-    `generation_items`, also the exact-match generation task (for post-trained chat models)."""
-    rng = random.Random(f"eval-suite:{seed}")
-    by_domain: dict[str, list[str]] = {"web": [], "code": [], "math": []}
-    for art in sources:
-        by_domain[art.meta["domain"]].extend(_texts(art.path / "heldout"))
-    tasks = {
-        "prose_cloze": prose_items(by_domain["web"], cfg, rng),
-        "code_cloze": code_items(by_domain["code"], cfg, rng),
-        "arithmetic_cloze": arithmetic_items(by_domain["math"], cfg, rng),
-    }
-    for length in cfg.passkey_lengths:
-        tasks[f"passkey_{length}"] = passkey_items(length, cfg, rng)
-    tasks = {k: v for k, v in tasks.items() if v}
-    if not tasks:
-        raise ValueError("no eval items could be built: the held-out splits are empty")
-    task_dir = out / "tasks"
-    task_dir.mkdir(parents=True, exist_ok=True)
-    for name, items in tasks.items():
-        data = task_dir / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
-        (task_dir / f"{name}.yaml").write_text(task_yaml(name, data, items[0]["delimiter"]))
-    gen: list[dict[str, Any]] = []
-    if generation_items:
-        gen = arithmetic_generation_items(by_domain["math"], generation_items)
-        if gen:
-            data = task_dir / f"{GENERATION_TASK}.jsonl"
-            data.write_text("".join(json.dumps(i) + "\n" for i in gen), encoding="utf-8")
-            (task_dir / f"{GENERATION_TASK}.yaml").write_text(
-                generation_task_yaml(GENERATION_TASK, data, max_gen_tokens)
-            )
-    cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
-    report = contamination(
-        cloze,
-        (t for art in training for t in _texts(art.path / "train", cfg.contamination_max_docs)),
-        cfg.contamination_ngram,
-    )
-    (out / "contamination.json").write_text(json.dumps(report, indent=2))
-    for name, r in report.items():
-        log(
-            f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
-            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})"
-        )
-    if gen:
-        tasks[GENERATION_TASK] = gen
-    return {
-        "tasks": {k: len(v) for k, v in tasks.items()},
-        "choices": cfg.choices,
-        "random_accuracy": 1.0 / cfg.choices,
-        "contamination": {k: round(v["rate"], 4) for k, v in report.items()},
-        "task_dir": str(task_dir),
-    }
-
-
 # --- running lm-eval ------------------------------------------------------------------------
 
 
@@ -503,48 +439,6 @@ def scores_markdown(scores: dict[str, dict[str, float]], items: dict[str, int], 
     return "\n".join(lines)
 
 
-def build_eval(
-    cfg: EvalConfig,
-    model: Artifact,
-    suite: Artifact,
-    out: Path,
-    tasks: Sequence[str],
-    log=print,
-    harness_model: str = "prefix_sharing",
-    progress=None,
-) -> dict[str, Any]:
-    from evals.lm import EvalProgress
-
-    available = set(suite.meta["tasks"])
-    missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
-    if missing:
-        raise ValueError(
-            f"eval tasks {missing} are not in the suite ({', '.join(sorted(available))}) nor in "
-            "the recipe's eval.lm_eval_tasks"
-        )
-    expected = {t: min(suite.meta["tasks"][t], cfg.limit or 1 << 60) for t in tasks if t in available}
-    listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
-    log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
-    meter = EvalProgress(log, progress, expected)
-    scores = run_lm_eval(
-        Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out, harness_model, progress=meter
-    )
-    items = items_scored(out / "lm_eval_results.json")
-    random = random_baselines(suite, tasks, cfg.limit)
-    table = scores_markdown(scores, items, random)
-    (out / "scores.md").write_text(table + "\n")
-    (out / "scores.json").write_text(json.dumps(scores, indent=2))
-    log("\n" + table)
-    return {
-        "stage": model.meta.get("stage"),
-        "model_dir": model.meta["model_dir"],
-        "scores": scores,
-        "items": items,
-        "random_baseline": random,
-        "random_accuracy": suite.meta["random_accuracy"],
-    }
-
-
 def publish_eval(artifact: Artifact, ws, label: str) -> None:
     """Scores to DuckDB (`evals`) and a Prefect table artifact: per task its headline metric,
     ± stderr, items and random baseline."""
@@ -609,24 +503,99 @@ class EvalSpec(BaseModel):
 
 
 @step("eval_suite", version=2, kind="eval", resource="data", isolate=True, retries=1)
-def eval_suite(config: SuiteSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The eval suite from the held-out splits of the corpora in input `heldout`, with
-    contamination measured against the training text of input `train`."""
-    return build_suite(
-        config.eval,
-        many(inputs, "heldout"),
-        many(inputs, "train"),
-        out,
-        config.seed,
-        log,
-        generation_items=config.generation_items,
-        max_gen_tokens=config.max_gen_tokens,
+def eval_suite(
+    config: SuiteSpec, heldout: tuple[Artifact, ...], train: tuple[Artifact, ...], *, out: Path, log=print
+) -> dict[str, Any]:
+    """The eval suite from the held-out splits of the `heldout` corpora: every task's JSONL + YAML
+    in `out/tasks`, and the contamination report against the training text of the `train`
+    corpora; with `generation_items`, also the exact-match generation task (for post-trained chat
+    models)."""
+    cfg = config.eval
+    rng = random.Random(f"eval-suite:{config.seed}")
+    by_domain: dict[str, list[str]] = {"web": [], "code": [], "math": []}
+    for art in heldout:
+        by_domain[art.meta["domain"]].extend(_texts(art.path / "heldout"))
+    tasks = {
+        "prose_cloze": prose_items(by_domain["web"], cfg, rng),
+        "code_cloze": code_items(by_domain["code"], cfg, rng),
+        "arithmetic_cloze": arithmetic_items(by_domain["math"], cfg, rng),
+    }
+    for length in cfg.passkey_lengths:
+        tasks[f"passkey_{length}"] = passkey_items(length, cfg, rng)
+    tasks = {k: v for k, v in tasks.items() if v}
+    if not tasks:
+        raise ValueError("no eval items could be built: the held-out splits are empty")
+    task_dir = out / "tasks"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    for name, items in tasks.items():
+        data = task_dir / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
+        (task_dir / f"{name}.yaml").write_text(task_yaml(name, data, items[0]["delimiter"]))
+    gen: list[dict[str, Any]] = []
+    if config.generation_items:
+        gen = arithmetic_generation_items(by_domain["math"], config.generation_items)
+        if gen:
+            data = task_dir / f"{GENERATION_TASK}.jsonl"
+            data.write_text("".join(json.dumps(i) + "\n" for i in gen), encoding="utf-8")
+            (task_dir / f"{GENERATION_TASK}.yaml").write_text(
+                generation_task_yaml(GENERATION_TASK, data, config.max_gen_tokens)
+            )
+    cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
+    report = contamination(
+        cloze,
+        (t for art in train for t in _texts(art.path / "train", cfg.contamination_max_docs)),
+        cfg.contamination_ngram,
     )
+    (out / "contamination.json").write_text(json.dumps(report, indent=2))
+    for name, r in report.items():
+        log(
+            f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
+            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})"
+        )
+    if gen:
+        tasks[GENERATION_TASK] = gen
+    return {
+        "tasks": {k: len(v) for k, v in tasks.items()},
+        "choices": cfg.choices,
+        "random_accuracy": 1.0 / cfg.choices,
+        "contamination": {k: round(v["rate"], 4) for k, v in report.items()},
+        "task_dir": str(task_dir),
+    }
 
 
 @step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")
-def evaluate(config: EvalSpec, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """lm-eval over one exported model (input `model`) on the suite (input `suite`)."""
-    suite = one(inputs, "suite")
-    tasks = stage_tasks(config.eval, suite, config.long_context, config.cloze)
-    return build_eval(config.eval, one(inputs, "model"), suite, out, tasks, log, progress=progress)
+def evaluate(
+    config: EvalSpec, model: Artifact, suite: Artifact, *, out: Path, log=print, progress=None
+) -> dict[str, Any]:
+    """lm-eval over one exported `model` on the tasks of the `suite` it should run
+    (`stage_tasks`): scores, items and random baselines per task."""
+    from evals.lm import EvalProgress
+
+    cfg = config.eval
+    tasks = stage_tasks(cfg, suite, config.long_context, config.cloze)
+    available = set(suite.meta["tasks"])
+    missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
+    if missing:
+        raise ValueError(
+            f"eval tasks {missing} are not in the suite ({', '.join(sorted(available))}) nor in "
+            "the recipe's eval.lm_eval_tasks"
+        )
+    expected = {t: min(suite.meta["tasks"][t], cfg.limit or 1 << 60) for t in tasks if t in available}
+    listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
+    log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
+    meter = EvalProgress(log, progress, expected)
+    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out, progress=meter)
+    items = items_scored(out / "lm_eval_results.json")
+    random = random_baselines(suite, tasks, cfg.limit)
+    table = scores_markdown(scores, items, random)
+    (out / "scores.md").write_text(table + "\n")
+    (out / "scores.json").write_text(json.dumps(scores, indent=2))
+    log("\n" + table)
+    return {
+        "stage": model.meta.get("stage"),
+        "model_dir": model.meta["model_dir"],
+        "scores": scores,
+        "items": items,
+        "random_baseline": random,
+        "random_accuracy": suite.meta["random_accuracy"],
+    }

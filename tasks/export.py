@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tasks.tokenize import selected_tokenizer
 
 
@@ -25,21 +25,23 @@ class ExportConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights dtype of the exported folder
 
 
-def tokenizer_folder(inputs: tuple[Artifact, ...]) -> tuple[Path, int]:
+def tokenizer_folder(tokenizer: Artifact) -> tuple[Path, int]:
     """The HF tokenizer folder and EOS id chosen upstream (fertility decision or tokenizer)."""
-    chosen = selected_tokenizer(inputs)
+    chosen = selected_tokenizer(tokenizer)
     path = Path(chosen["path"])
     return (path.parent if path.is_file() else path), int(chosen["eos_id"])
 
 
-def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, log=print) -> dict[str, Any]:
+@step("export", version=2, kind="hf_model", resource="eval", isolate=True, retries=1)
+def export(config: ExportConfig, checkpoint: Artifact, tokenizer: Artifact, *, out: Path, log=print) -> dict[str, Any]:
+    """A stage's `checkpoint` and the run's `tokenizer` (the fertility decision or the tokenizer)
+    to an HF folder."""
     import torch
 
     from model.checkpoint import load_model
     from model.hf import export_hf
 
-    checkpoint = next(a for a in inputs if a.kind == "checkpoint")
-    tok_dir, eos_id = tokenizer_folder(tuple(a for a in inputs if a.kind in ("fertility", "tokenizer")))
+    tok_dir, eos_id = tokenizer_folder(tokenizer)
     model = load_model(checkpoint.meta["checkpoint"])
     folder = export_hf(
         model, out / "model", tokenizer_dir=tok_dir, eos_token_id=eos_id, dtype=getattr(torch, config.dtype)
@@ -53,10 +55,3 @@ def build_export(config: ExportConfig, inputs: tuple[Artifact, ...], out: Path, 
         "parameters": n,
         "dtype": config.dtype,
     }
-
-
-@step("export", version=2, kind="hf_model", resource="eval", isolate=True, retries=1)
-def export(config: ExportConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """A stage's checkpoint (input `checkpoint`) and the run's tokenizer (`tokenizer`) to an
-    HF folder."""
-    return build_export(config, (one(inputs, "checkpoint"), one(inputs, "tokenizer")), out, log)

@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 
 TRAINED = "trained"
 _WORD = re.compile(r"\S+")
@@ -237,67 +237,6 @@ def markdown_table(rows: list[dict[str, Any]], decision: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_fertility(
-    config: FertilityConfig,
-    inputs: Sequence[Artifact],
-    out: Path,
-    weights: Mapping[str, float] | None = None,
-    log=print,
-) -> dict[str, Any]:
-    """Measure every candidate on every source's curated held-out text; write tables, chart, decision."""
-    trained = next((a for a in inputs if a.kind == "tokenizer"), None)
-    corpora = [a for a in inputs if a.kind == "corpus"]
-    if not corpora:
-        raise ValueError("fertility: needs at least one corpus artifact with a heldout/ split")
-    names = ([TRAINED] if trained else []) + [c for c in config.candidates if c != TRAINED]
-    if not names:
-        raise ValueError("fertility: no candidates (no tokenizer artifact and fertility.candidates empty)")
-    measured = {c.meta.get("source", c.short): measured_texts(c, config.max_chars_per_source) for c in corpora}
-    texts = {source: t for source, (_, t) in measured.items()}
-    what = {source: label for source, (label, t) in measured.items() if t}
-    for source, label in what.items():
-        if label != "curated held-out":
-            log(
-                f"WARNING fertility: source {source} is measured on its {label}"
-                + (
-                    " (the trained tokenizer learnt from it)"
-                    if label.endswith("train sample")
-                    else " (run it through curation first)"
-                )
-            )
-    rows: list[dict[str, Any]] = []
-    loaded: dict[str, dict[str, Any]] = {}
-    for name in names:
-        tok, path = load_candidate(name, trained.path if trained else None)
-        eos, eos_id = find_eos(tok, path)
-        loaded[name] = {"path": path, "vocab_size": tok.get_vocab_size(), "eos_token": eos, "eos_id": eos_id}
-        for source, source_texts in texts.items():
-            if not source_texts:
-                log(f"fertility: source {source} has no held-out text; skipped")
-                continue
-            rows.append({"tokenizer": name, "source": source, "text": what[source], **measure(tok, source_texts)})
-    if not rows:
-        raise ValueError("fertility: no source has held-out or curated text; set held_out_fraction > 0")
-    decision = decide(rows, config, weights or {})
-    with open(out / "fertility.csv", "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "fertility.md").write_text(markdown_table(rows, decision) + "\n", encoding="utf-8")
-    write_chart(rows, out / "fertility.png")
-    selected = {"name": decision["selected"], **loaded[decision["selected"]]}
-    (out / "decision.json").write_text(json.dumps({**decision, "tokenizer": selected}, indent=2), encoding="utf-8")
-    log(f"fertility: selected {selected['name']}: {decision['reason']}")
-    return {
-        "selected": selected,
-        "reason": decision["reason"],
-        "scores": {k: round(v, 4) for k, v in decision["scores"].items()},
-        "candidates": list(loaded),
-        "text": what,  # per source: curated held-out | curated train sample | uncurated held-out
-        "text_chars": {source: sum(len(t) for t in texts[source]) for source in what},
-    }
-
-
 def publish_fertility(artifact: Artifact, ws, label: str) -> None:
     """The table, and the decision with the chart, as Prefect artifacts."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -327,9 +266,63 @@ class FertilitySpec(BaseModel):
 
 
 @step("fertility", version=2, kind="fertility", publish=publish_fertility, resource="data", isolate=True, retries=1)
-def fertility(config: FertilitySpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The trained tokenizer (input `tokenizer`, if any) and curated corpora (`corpora`) to a
-    fertility report and the tokenizer decision."""
-    return build_fertility(
-        config.fertility, [*many(inputs, "tokenizer"), *many(inputs, "corpora")], out, config.weights, log
-    )
+def fertility(
+    config: FertilitySpec,
+    tokenizer: Artifact | None = None,
+    corpora: tuple[Artifact, ...] = (),
+    *,
+    out: Path,
+    log=print,
+) -> dict[str, Any]:
+    """Measure every candidate (the trained `tokenizer`, if any, and the configured ones) on every
+    source's curated held-out text (`corpora`); write tables, chart and the tokenizer decision."""
+    settings, weights, trained = config.fertility, config.weights, tokenizer
+    if not corpora:
+        raise ValueError("fertility: needs at least one corpus artifact with a heldout/ split")
+    names = ([TRAINED] if trained else []) + [c for c in settings.candidates if c != TRAINED]
+    if not names:
+        raise ValueError("fertility: no candidates (no tokenizer artifact and fertility.candidates empty)")
+    measured = {c.meta.get("source", c.short): measured_texts(c, settings.max_chars_per_source) for c in corpora}
+    texts = {source: t for source, (_, t) in measured.items()}
+    what = {source: label for source, (label, t) in measured.items() if t}
+    for source, label in what.items():
+        if label != "curated held-out":
+            log(
+                f"WARNING fertility: source {source} is measured on its {label}"
+                + (
+                    " (the trained tokenizer learnt from it)"
+                    if label.endswith("train sample")
+                    else " (run it through curation first)"
+                )
+            )
+    rows: list[dict[str, Any]] = []
+    loaded: dict[str, dict[str, Any]] = {}
+    for name in names:
+        tok, path = load_candidate(name, trained.path if trained else None)
+        eos, eos_id = find_eos(tok, path)
+        loaded[name] = {"path": path, "vocab_size": tok.get_vocab_size(), "eos_token": eos, "eos_id": eos_id}
+        for source, source_texts in texts.items():
+            if not source_texts:
+                log(f"fertility: source {source} has no held-out text; skipped")
+                continue
+            rows.append({"tokenizer": name, "source": source, "text": what[source], **measure(tok, source_texts)})
+    if not rows:
+        raise ValueError("fertility: no source has held-out or curated text; set held_out_fraction > 0")
+    decision = decide(rows, settings, weights or {})
+    with open(out / "fertility.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "fertility.md").write_text(markdown_table(rows, decision) + "\n", encoding="utf-8")
+    write_chart(rows, out / "fertility.png")
+    selected = {"name": decision["selected"], **loaded[decision["selected"]]}
+    (out / "decision.json").write_text(json.dumps({**decision, "tokenizer": selected}, indent=2), encoding="utf-8")
+    log(f"fertility: selected {selected['name']}: {decision['reason']}")
+    return {
+        "selected": selected,
+        "reason": decision["reason"],
+        "scores": {k: round(v, 4) for k, v in decision["scores"].items()},
+        "candidates": list(loaded),
+        "text": what,  # per source: curated held-out | curated train sample | uncurated held-out
+        "text_chars": {source: sum(len(t) for t in texts[source]) for source in what},
+    }

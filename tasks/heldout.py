@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 
 
 class HeldoutSpec(BaseModel):
@@ -54,30 +54,36 @@ def token_bytes(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
     return counts
 
 
-def build_heldout(cfg: HeldoutSpec, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
-    """Tokenize the held-out split of each source with the run's tokenizer (EOS after each doc),
-    with the bytes of text each token covers."""
+@step("heldout_tokens", version=3, kind="shards", resource="data", isolate=True, retries=1)
+def heldout_tokens(
+    config: HeldoutSpec, tokenizer: Artifact, corpora: tuple[Artifact, ...], *, out: Path, log=print
+) -> dict[str, Any]:
+    """The held-out tokens of one domain: the held-out split of each of its sources (`corpora`)
+    tokenized with `tokenizer` (the run's fertility decision or tokenizer), EOS after each
+    document, with the bytes of text each token covers."""
     import numpy as np
     from tokenizers import Tokenizer
 
     from tasks.sources import read_shards
     from tasks.tokenize import selected_tokenizer
 
-    tok_info = selected_tokenizer(tuple(a for a in inputs if a.kind in ("fertility", "tokenizer")))
+    tok_info = selected_tokenizer(tokenizer)
     tok = Tokenizer.from_file(tok_info["path"])
     eos = int(tok_info["eos_id"])
-    corpora = {a.meta.get("source"): a for a in inputs if a.kind == "corpus"}
-    missing = sorted(set(cfg.sources) - set(corpora))
+    by_source = {a.meta.get("source"): a for a in corpora}
+    missing = sorted(set(config.sources) - set(by_source))
     if missing:
-        raise ValueError(f"held-out {cfg.domain}: no corpus for source(s) {', '.join(missing)}; have {sorted(corpora)}")
-    per_source = cfg.max_tokens // len(cfg.sources)
+        raise ValueError(
+            f"held-out {config.domain}: no corpus for source(s) {', '.join(missing)}; have {sorted(by_source)}"
+        )
+    per_source = config.max_tokens // len(config.sources)
     ids: list[int] = []
     nbytes: list[int] = []
     counts = {}
-    for name in cfg.sources:
+    for name in config.sources:
         taken: list[int] = []
         covered: list[int] = []
-        for doc in read_shards(corpora[name].path / "heldout"):
+        for doc in read_shards(by_source[name].path / "heldout"):
             enc = tok.encode(doc["text"])
             taken += [*enc.ids, eos]
             covered += [*token_bytes(doc["text"], enc.offsets), 0]  # EOS covers no text
@@ -85,15 +91,15 @@ def build_heldout(cfg: HeldoutSpec, inputs: Sequence[Artifact], out: Path, log=p
                 break
         taken, covered = taken[:per_source], covered[:per_source]
         if not taken:
-            raise ValueError(f"held-out {cfg.domain}: source {name!r} has an empty held-out split")
+            raise ValueError(f"held-out {config.domain}: source {name!r} has an empty held-out split")
         counts[name] = len(taken)
         ids += taken
         nbytes += covered
     np.save(out / "tokens.npy", np.asarray(ids, dtype=np.int64))
     np.save(out / "bytes.npy", np.asarray(nbytes, dtype=np.int32))
-    log(f"held-out {cfg.domain}: {len(ids)} tokens, {sum(nbytes)} bytes of text from {counts}")
+    log(f"held-out {config.domain}: {len(ids)} tokens, {sum(nbytes)} bytes of text from {counts}")
     return {
-        "domain": cfg.domain,
+        "domain": config.domain,
         "tokens": len(ids),
         "bytes": sum(nbytes),
         "per_source": counts,
@@ -102,13 +108,6 @@ def build_heldout(cfg: HeldoutSpec, inputs: Sequence[Artifact], out: Path, log=p
         "bytes_file": str(out / "bytes.npy"),
         "tokenizer": tok_info["path"],
     }
-
-
-@step("heldout_tokens", version=3, kind="shards", resource="data", isolate=True, retries=1)
-def heldout_tokens(config: HeldoutSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The held-out tokens of one domain: the corpora of input `corpora`, tokenized with input
-    `tokenizer` (the run's fertility decision or tokenizer)."""
-    return build_heldout(config, (one(inputs, "tokenizer"), *many(inputs, "corpora")), out, log)
 
 
 def token_losses(model, tokens, seq_len: int, batch: int, eos_id: int):
@@ -187,49 +186,47 @@ class HeldoutEvalSpec(BaseModel):
     every_checkpoint: bool = False
 
 
-def build_heldout_eval(cfg: HeldoutEvalSpec, inputs: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
-    """Scores in the eval artifacts' shape, {heldout_<set>: {loss, loss_stderr, bpb, bpb_stderr}},
-    of the stage's last checkpoint; `points` holds them per evaluated checkpoint with its step
-    and global step (the position in the run's schedule), and `random` the uniform guesser's."""
+@step("heldout_eval", version=3, kind="eval", resource="eval", isolate=True)
+def heldout_eval(
+    config: HeldoutEvalSpec, checkpoint: Artifact, heldout: tuple[Artifact, ...], *, out: Path, log=print
+) -> dict[str, Any]:
+    """Held-out loss and BPB of a stage's `checkpoint` on each set of `heldout`: scores in the
+    eval artifacts' shape, {heldout_<set>: {loss, loss_stderr, bpb, bpb_stderr}}, of the stage's
+    last checkpoint; `points` holds them per evaluated checkpoint with its step and global step
+    (the position in the run's schedule), and `random` the uniform guesser's."""
     import numpy as np
 
     from model.checkpoint import Checkpointer, load_model, read_marker, read_trainer_state
     from model.data import MixturePlan
     from model.spec import TrainSpec
 
-    ckpt = next(a for a in inputs if a.kind == "checkpoint")
-    spec = TrainSpec.load(ckpt.path / "spec.json")
+    spec = TrainSpec.load(checkpoint.path / "spec.json")
     seq_len = int(spec.seq_len or MixturePlan.load(spec.mixture_plan).seq_len)  # the trained length
-    final = Path(ckpt.meta["checkpoint"])
+    final = Path(checkpoint.meta["checkpoint"])
     folders = [final]
-    if cfg.every_checkpoint:
-        folders = [f for f in Checkpointer(ckpt.path / "checkpoints").step_folders() if read_marker(f) is not None]
+    if config.every_checkpoint:
+        folders = [
+            f for f in Checkpointer(checkpoint.path / "checkpoints").step_folders() if read_marker(f) is not None
+        ]
         if final not in folders:
             raise ValueError(
-                f"{ckpt.meta.get('stage')}: the stage's last checkpoint {final} is not among "
-                f"the complete checkpoints of {ckpt.path / 'checkpoints'}"
+                f"{checkpoint.meta.get('stage')}: the stage's last checkpoint {final} is not among "
+                f"the complete checkpoints of {checkpoint.path / 'checkpoints'}"
             )
-    held = [(a, np.load(a.meta["file"]), np.load(a.meta["bytes_file"])) for a in inputs if a.kind == "shards"]
+    held = [(a, np.load(a.meta["file"]), np.load(a.meta["bytes_file"])) for a in heldout]
     points, random = [], {}
     for folder in folders:
         model = load_model(folder).eval()
         state = read_trainer_state(folder)
         scores = {}
         for a, tokens, nbytes in held:
-            s = heldout_scores(model, tokens, nbytes, seq_len, cfg.batch, int(a.meta["eos_id"]))
+            s = heldout_scores(model, tokens, nbytes, seq_len, config.batch, int(a.meta["eos_id"]))
             task = f"heldout_{a.meta['domain']}"
             random[task] = {"bpb": s.pop("random_bpb"), "loss": s.pop("random_loss")}
             scores[task] = s
         points.append({"step": int(state["step"]), "global_step": int(state["global_step"]), "scores": scores})
         log(
-            f"{ckpt.meta.get('stage')} step {state['step']}: held-out "
+            f"{checkpoint.meta.get('stage')} step {state['step']}: held-out "
             + ", ".join(f"{t[8:]} {s['bpb']:.4f} bpb ({s['loss']:.4f} nats/token)" for t, s in scores.items())
         )
-    return {"stage": ckpt.meta.get("stage"), "scores": points[-1]["scores"], "points": points, "random": random}
-
-
-@step("heldout_eval", version=3, kind="eval", resource="eval", isolate=True)
-def heldout_eval(config: HeldoutEvalSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Held-out loss and BPB of a stage's checkpoint (input `checkpoint`) on each set of input
-    `heldout`."""
-    return build_heldout_eval(config, (one(inputs, "checkpoint"), *many(inputs, "heldout")), out, log)
+    return {"stage": checkpoint.meta.get("stage"), "scores": points[-1]["scores"], "points": points, "random": random}

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +66,12 @@ class StageConfig(BaseModel):
     warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
     global_batch: int | None = Field(default=None, gt=0)  # sequences per step (None: training's)
     micro_batch: int | None = Field(default=None, gt=0)  # per-rank micro-batch (None: training's)
+    # How the stage runs (None: training's), never what it computes: checkpointing mode, tensor-
+    # parallel degree, and the node count of its launch (a long-context stage whose global batch
+    # is smaller than the main stages' DP size runs on fewer nodes; docs/scale.md).
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] | None = operational(None)
+    tp: int | None = operational(None, gt=0)
+    nodes: int | None = operational(None, gt=0)
 
 
 def mixture_path(path: str) -> Path:
@@ -165,85 +171,6 @@ def mixture_digest(config: MixtureSpec) -> str:
     return hashlib.sha256(mixture_path(config.mixture).read_bytes()).hexdigest()[:16]
 
 
-def build_plan(
-    stage: StageConfig | MixtureSpec, shards: Sequence[Artifact], out: Path, seed: int = 0, log=print
-) -> dict[str, Any]:
-    """Token budgets and expected epochs per source; writes `plan.json`; returns the meta."""
-    by_source = {a.meta["source"]: a for a in shards if a.kind == "shards"}
-    raw = load_weights(stage.mixture)
-    where = f"{stage.mixture} (stage {stage.name})"
-    check_weights(raw, by_source, where)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        weights, original_sum = normalised(raw, where)
-    notes = [str(w.message) for w in caught]
-    for note in notes:
-        warnings.warn(MixtureWarning(note), stacklevel=2)
-    meta_of = [a.meta for a in by_source.values()]
-    for key in ("vocab_size", "eos_id", "token_dtype"):
-        values = {m[key] for m in meta_of}
-        if len(values) > 1:
-            raise MixtureError(
-                f"mixture {where}: shards disagree on {key} ({sorted(values)}); tokenize every "
-                "source with the same tokenizer"
-            )
-    first = meta_of[0]
-    sources: list[dict[str, Any]] = []
-    for name in sorted(weights, key=lambda n: (-weights[n], n)):
-        weight = weights[name]
-        if weight == 0:
-            continue
-        art = by_source[name]
-        available = int(art.meta["tokens"])
-        budget = int(round(weight * stage.tokens))
-        if available == 0:
-            raise MixtureError(f"mixture {where}: source {name!r} has weight {weight:g} but no tokens")
-        epochs = budget / available
-        if epochs > stage.max_epochs:
-            note = (
-                f"mixture {where}: source {name!r} would repeat {epochs:.1f} times "
-                f"({budget} of {available} tokens), above max_epochs {stage.max_epochs:g}; "
-                "lower its weight, the stage's tokens, or add data"
-            )
-            warnings.warn(MixtureWarning(note), stacklevel=2)
-            notes.append(note)
-        sources.append(
-            {
-                "name": name,
-                "weight": weight,
-                "files": [str(art.path / f) for f in art.meta["files"]],
-                "available_tokens": available,
-                "budget_tokens": budget,
-                "expected_epochs": round(epochs, 4),
-            }
-        )
-    plan = {
-        "stage": stage.name,
-        "seed": seed,
-        "seq_len": stage.seq_len,
-        "tokens": stage.tokens,
-        "vocab_size": first["vocab_size"],
-        "eos_id": first["eos_id"],
-        "token_dtype": first["token_dtype"],
-        "sources": sources,
-    }
-    (out / "plan.json").write_text(json.dumps(plan, indent=2), encoding="utf-8")
-    for note in notes:
-        log(f"WARNING {note}")
-    log(f"mixture {stage.name}: {len(sources)} sources, {stage.tokens} tokens at seq_len {stage.seq_len}")
-    return {
-        "stage": stage.name,
-        "plan": str(out / "plan.json"),
-        "tokens": stage.tokens,
-        "seq_len": stage.seq_len,
-        "original_weight_sum": original_sum,
-        "budgets": {s["name"]: s["budget_tokens"] for s in sources},
-        "expected_epochs": {s["name"]: s["expected_epochs"] for s in sources},
-        "unused": sorted(n for n, w in weights.items() if w == 0) + sorted(set(by_source) - set(weights)),
-        "warnings": notes,
-    }
-
-
 class WeightsMixtureSpec(BaseModel):
     """A mixture given as weights rather than as a YAML file (anneal, CPT and ablation runs)."""
 
@@ -273,10 +200,12 @@ def blend(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float
     return {k: round(v, 10) for k, v in sorted(out.items()) if v > 0}
 
 
-def build_weights_mixture(
-    config: WeightsMixtureSpec, shards: Sequence[Artifact], out: Path, log=print
+@step("weights_mixture", version=2, kind="mixture")
+def weights_mixture(
+    config: WeightsMixtureSpec, shards: tuple[Artifact, ...], *, out: Path, log=print
 ) -> dict[str, Any]:
-    """Write the weights as a mixture file in `out` and plan it with the mixture step's builder."""
+    """Token shards and weights to a mixture plan (the plan.json contract): the weights written
+    as a mixture file in `out`, planned by the mixture step."""
     path = out / "weights.yaml"
     path.write_text(yaml.safe_dump({"weights": dict(config.weights)}), encoding="utf-8")
     spec = MixtureSpec(
@@ -287,17 +216,84 @@ def build_weights_mixture(
         seed=config.seed,
         max_epochs=config.max_epochs,
     )
-    meta = build_plan(spec, shards, out, config.seed, log)
+    meta = mixture(spec, shards, out=out, log=log)
     return {**meta, "weights": dict(config.weights)}
 
 
-@step("weights_mixture", version=2, kind="mixture")
-def weights_mixture(config: WeightsMixtureSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Token shards (input `shards`) and weights to a mixture plan (the plan.json contract)."""
-    return build_weights_mixture(config, many(inputs, "shards"), out, log)
-
-
 @step("mixture", version=2, kind="mixture", extra=mixture_digest)
-def mixture(config: MixtureSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Every source's token shards (input `shards`) to one stage's mixture plan."""
-    return build_plan(config, many(inputs, "shards"), out, config.seed, log)
+def mixture(config: MixtureSpec, shards: tuple[Artifact, ...], *, out: Path, log=print) -> dict[str, Any]:
+    """Every source's token shards to one stage's mixture plan: token budgets and expected epochs
+    per source, written to `plan.json`; returns the meta."""
+    by_source = {a.meta["source"]: a for a in shards if a.kind == "shards"}
+    raw = load_weights(config.mixture)
+    where = f"{config.mixture} (stage {config.name})"
+    check_weights(raw, by_source, where)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights, original_sum = normalised(raw, where)
+    notes = [str(w.message) for w in caught]
+    for note in notes:
+        warnings.warn(MixtureWarning(note), stacklevel=2)
+    meta_of = [a.meta for a in by_source.values()]
+    for key in ("vocab_size", "eos_id", "token_dtype"):
+        values = {m[key] for m in meta_of}
+        if len(values) > 1:
+            raise MixtureError(
+                f"mixture {where}: shards disagree on {key} ({sorted(values)}); tokenize every "
+                "source with the same tokenizer"
+            )
+    first = meta_of[0]
+    sources: list[dict[str, Any]] = []
+    for name in sorted(weights, key=lambda n: (-weights[n], n)):
+        weight = weights[name]
+        if weight == 0:
+            continue
+        art = by_source[name]
+        available = int(art.meta["tokens"])
+        budget = int(round(weight * config.tokens))
+        if available == 0:
+            raise MixtureError(f"mixture {where}: source {name!r} has weight {weight:g} but no tokens")
+        epochs = budget / available
+        if epochs > config.max_epochs:
+            note = (
+                f"mixture {where}: source {name!r} would repeat {epochs:.1f} times "
+                f"({budget} of {available} tokens), above max_epochs {config.max_epochs:g}; "
+                "lower its weight, the stage's tokens, or add data"
+            )
+            warnings.warn(MixtureWarning(note), stacklevel=2)
+            notes.append(note)
+        sources.append(
+            {
+                "name": name,
+                "weight": weight,
+                "files": [str(art.path / f) for f in art.meta["files"]],
+                "available_tokens": available,
+                "budget_tokens": budget,
+                "expected_epochs": round(epochs, 4),
+            }
+        )
+    plan = {
+        "stage": config.name,
+        "seed": config.seed,
+        "seq_len": config.seq_len,
+        "tokens": config.tokens,
+        "vocab_size": first["vocab_size"],
+        "eos_id": first["eos_id"],
+        "token_dtype": first["token_dtype"],
+        "sources": sources,
+    }
+    (out / "plan.json").write_text(json.dumps(plan, indent=2), encoding="utf-8")
+    for note in notes:
+        log(f"WARNING {note}")
+    log(f"mixture {config.name}: {len(sources)} sources, {config.tokens} tokens at seq_len {config.seq_len}")
+    return {
+        "stage": config.name,
+        "plan": str(out / "plan.json"),
+        "tokens": config.tokens,
+        "seq_len": config.seq_len,
+        "original_weight_sum": original_sum,
+        "budgets": {s["name"]: s["budget_tokens"] for s in sources},
+        "expected_epochs": {s["name"]: s["expected_epochs"] for s in sources},
+        "unused": sorted(n for n, w in weights.items() if w == 0) + sorted(set(by_source) - set(weights)),
+        "warnings": notes,
+    }

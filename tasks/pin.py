@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from model.spec import TrainSpec
-from pipeline.artifact import Inputs, operational
+from pipeline.artifact import operational
 from pipeline.artifact import read_marker as read_step_marker
 from pipeline.step import step
 from pipeline.workspace import Workspace
@@ -341,13 +341,15 @@ def write_model_checkpoint(model, folder: Path) -> Path:
     return folder
 
 
-def pin_base(base: BaseCheckpoint | PinSpec, out: Path, log=print) -> dict[str, Any]:
-    """Pin the base as `out/checkpoint/step_N` (hard links or copies, verified against the
-    checkpoint's manifest), or import an HF base as a model-only checkpoint."""
+@step("pin", version=2, kind="checkpoint", resource="eval", isolate=True)
+def pin(config: PinSpec, *, out: Path, log=print) -> dict[str, Any]:
+    """Pin a resolved base checkpoint (no inputs: the base is the config) as
+    `out/checkpoint/step_N` (hard links or copies, verified against the checkpoint's manifest),
+    or import an HF base as a model-only checkpoint."""
     from model.checkpoint import MODEL_CONFIG, read_marker
 
-    source = Path(base.checkpoint)
-    if base.kind == "hf":
+    source = Path(config.checkpoint)
+    if config.kind == "hf":
         from model.hf import import_hf
 
         target = out / "checkpoint" / "step_00000000"
@@ -365,24 +367,18 @@ def pin_base(base: BaseCheckpoint | PinSpec, out: Path, log=print) -> dict[str, 
         if read_marker(target) is None:
             raise RuntimeError(f"the copy of base checkpoint {source} fails its manifest; rerun")
         log(
-            f"pinned {base.stage} step {base.step} (global step {base.global_step}, lr {base.lr:.3g}) "
+            f"pinned {config.stage} step {config.step} (global step {config.global_step}, lr {config.lr:.3g}) "
             f"from {source} to {target}"
         )
     return {
         "checkpoint": str(target),
         "source": str(source),
-        "stage": base.stage,
-        "step": base.step,
-        "global_step": base.global_step,
-        "lr": base.lr,
-        "run_id": base.run_id,
-        "digest": base.digest,
-        "base_kind": base.kind,
+        "stage": config.stage,
+        "step": config.step,
+        "global_step": config.global_step,
+        "lr": config.lr,
+        "run_id": config.run_id,
+        "digest": config.digest,
+        "base_kind": config.kind,
         "model_config": json.loads((target / MODEL_CONFIG).read_text()),
     }
-
-
-@step("pin", version=2, kind="checkpoint", resource="eval", isolate=True)
-def pin(config: PinSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Pin (link, copy or import) a resolved base checkpoint (no inputs: the base is the config)."""
-    return pin_base(config, out, log)

@@ -53,8 +53,8 @@ from infra.preflight import (
     summary,
 )
 from model.spec import PeakCalibration
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import many, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
@@ -102,7 +102,7 @@ def lineage_rows(run_id: str, results: list[CheckResult], created: Any = None) -
     return [(run_id, r.name, r.status, r.value, r.threshold, r.advice, created) for r in results]
 
 
-def build_preflight(
+def run_checks(
     config: PreflightConfig,
     facts: PreflightFacts,
     out: Path,
@@ -186,7 +186,7 @@ def calibrations(results: list[CheckResult], config: PreflightConfig, host: str,
                 threads=threads,
                 source=(
                     f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
-                    f"best burst, {threads} thread{'s' if threads > 1 else ''}"
+                    f"best burst of 3 rounds, {threads} thread{'s' if threads > 1 else ''}"
                 ),
             )
         )
@@ -269,6 +269,7 @@ def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
     run_facts = {
         "nodes": recipe.launch.nodes,
         "nproc_per_node": t.nproc_per_node,
+        "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
         "micro_batch": t.micro_batch,
         "checkpoint_keep": t.keep_last + len(stages),
         "workspace": str(recipe.workspace),
@@ -328,15 +329,21 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     resource="train",
     isolate=True,
 )
-def preflight(config: PreflightSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Preflight for the recipe's facts, with the vocabulary of the chosen tokenizer (input
-    `tokenizer`) and the stages' mixture plans (input `mixtures`)."""
+def preflight(
+    config: PreflightSpec,
+    tokenizer: Artifact | None = None,
+    mixtures: tuple[Artifact, ...] = (),
+    *,
+    out: Path,
+    log=print,
+) -> dict[str, Any]:
+    """Preflight for the recipe's facts, with the vocabulary of the chosen `tokenizer` (the
+    fertility decision or the tokenizer) and the stages' mixture plans (`mixtures`)."""
     from tasks.tokenize import selected_tokenizer
 
     facts = {**config.facts, **config.run_facts}
-    tokenizer = many(inputs, "tokenizer")
-    if tokenizer and config.model:
+    if tokenizer is not None and config.model:
         vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
         facts.update(model_facts(config.model, config.model_overrides, vocab))
-    facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in many(inputs, "mixtures"))
-    return build_preflight(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)
+    facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in mixtures)
+    return run_checks(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)

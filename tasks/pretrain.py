@@ -40,8 +40,8 @@ from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
 
@@ -81,14 +81,25 @@ class TrainingConfig(BaseModel):
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared MFU peak per device (else datasheet or preflight's)
     log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
+    # Memory and parallelism (model/memory.py, model/parallel.py; each stage may override the first
+    # two): what blocks keep for backward ("auto": the lightest mode that fits gpu_memory_gb),
+    # tensor-parallel degree inside a node, HSDP across nodes, background checkpoint writes.
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
+    tp: int = operational(1, gt=0)
+    hsdp: bool = operational(False)  # shard inside a node, replicate across nodes
+    async_checkpoint: bool = operational(False)  # DCP async_save; training goes on while it writes
+    loss_chunk_tokens: int = operational(_spec_default("loss_chunk_tokens"), gt=0)  # logits rows alive at once
+    gpu_memory_gb: float | None = operational(None, gt=0)  # the recipe's GPU (H100: 80): every stage must fit it
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:
-        per_step = self.micro_batch * self.nproc_per_node
+        if self.nproc_per_node % self.tp:
+            raise ValueError(f"tp {self.tp} must divide nproc_per_node {self.nproc_per_node} (TP stays in a node)")
+        per_step = self.micro_batch * self.nproc_per_node // self.tp
         if self.global_batch % per_step:
             raise ValueError(
                 f"global_batch {self.global_batch} must be a multiple of micro_batch x "
-                f"nproc_per_node = {self.micro_batch} x {self.nproc_per_node}"
+                f"nproc_per_node / tp = {self.micro_batch} x {self.nproc_per_node} / {self.tp}"
             )
         from model.config import ModelConfig
 
@@ -110,10 +121,44 @@ class StageSpec(BaseModel):
     storage: StorageConfig = operational(StorageConfig())  # S3 mirror of checkpoints
     nproc_per_node: int = operational(1, gt=0)  # ranks per node
     threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
+    nodes: int | None = operational(None, gt=0)  # this stage's node count (None: the launch's)
 
     @property
     def name(self) -> str:
         return self.spec.stage
+
+    def on(self, launch: LaunchConfig) -> LaunchConfig:
+        """The recipe's launch for this stage (its own node count, when it has one)."""
+        return launch if self.nodes is None else launch.model_copy(update={"nodes": self.nodes})
+
+    def layout(self, tp: int | None = None):
+        """The stage's ranks (model/layout.py) on its launch; ValueError naming what does not divide."""
+        from model.layout import plan_layout
+
+        nodes = self.nodes or self.launch.nodes
+        return plan_layout(nodes * self.nproc_per_node, self.nproc_per_node, tp or self.spec.tp, self.spec.hsdp)
+
+    def memory(self, vocab_size: int | None = None):
+        """Predicted peak per rank (model/memory.py) on the stage's layout, on GPU when it trains
+        there (a declared GPU memory, or device cuda), else on CPU."""
+        from model.memory import stage_estimate
+
+        gpu = self.spec.gpu_memory_gb is not None or self.spec.device == "cuda"
+        return stage_estimate(self.spec, self.layout(), vocab_size, "cuda" if gpu else "cpu")
+
+    def launch_summary(self) -> str:
+        """Where and how the stage runs, and its predicted memory, for `smollm3 plan`."""
+        launch = self.on(self.launch).model_copy(update={"procs_per_node": self.nproc_per_node})
+        layout = self.layout()
+        spec = self.spec
+        accum = spec.global_batch // (spec.micro_batch * layout.dp)
+        est = self.memory()
+        limit = f" of {spec.gpu_memory_gb:g} GB" if spec.gpu_memory_gb else ""
+        return (
+            f"{launch.describe()}; {layout.describe()}; batch {spec.global_batch} = DP {layout.dp} x "
+            f"{spec.micro_batch} x {accum} accumulation; checkpointing {est.mode}; peak {est.describe()}"
+            + (f", {est.budget_gb():.1f} GB with context and fragmentation{limit}" if est.peak_bytes >= 1e9 else "")
+        )
 
 
 def optimizer_steps(tokens: int, global_batch: int, seq_len: int) -> int:
@@ -153,6 +198,12 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
         log_interval=t.log_interval,
         num_threads=t.num_threads,
         peak_flops=t.peak_flops,
+        activation_checkpointing=stage.activation_checkpointing or t.activation_checkpointing,
+        tp=stage.tp or t.tp,
+        hsdp=t.hsdp,
+        async_checkpoint=t.async_checkpoint,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+        gpu_memory_gb=t.gpu_memory_gb,
         **fields,
     )
 
@@ -175,7 +226,7 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
             start_step=position,
         )
         spec = stage_spec(s, training, seed, steps=n, optimizer=training.optimizer, schedule=schedule)
-        runs.append(StageSpec(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node))
+        runs.append(StageSpec(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
         position += n
     for s in stages:
         if s.kind != "long_context":
@@ -200,7 +251,7 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
             reset_optimizer=True,
             reset_schedule=True,
         )
-        runs.append(StageSpec(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node))
+        runs.append(StageSpec(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
     return runs
 
 
@@ -274,98 +325,6 @@ def _trainer_pgid(out: Path) -> int | None:
         return None
 
 
-def build_stage(run: StageSpec, inputs: Inputs, out: Path, log=print, progress=None) -> dict[str, Any]:
-    """Train one stage in `out` (resuming what an earlier attempt left there).
-
-    inputs: `mixture` (its mixture plan) and, when the stage continues a model, `init` (the
-    checkpoint artifact it starts from: the previous stage, or a pinned anneal/CPT base).
-    """
-    plan = one(inputs, "mixture")
-    previous = inputs.get("init")
-    init_from = previous.meta["checkpoint"] if isinstance(previous, Artifact) else None
-    spec = run.spec
-    if run.keep_every:
-        spec = spec.model_copy(
-            update={"checkpoint_interval": run.keep_every, "keep_last": spec.steps // run.keep_every + 1}
-        )
-    spec = spec.bind(plan.path / "plan.json", out, init_from)
-    if spec.peak_flops is None:
-        # The MFU peak where no datasheet value applies: this host's preflight measurement.
-        spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
-    spec.save(out / "spec.json")
-    storage = run.storage
-    s3_checkpoints = (
-        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
-    )
-    ckpt_dir = out / "checkpoints"
-    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
-        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
-        pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
-        if pulled is not None:
-            log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
-    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
-    sched = spec.schedule
-    start = sched.start_step or 0
-    log(
-        f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
-        f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
-        f"{sched.total_steps or spec.steps}), seed {spec.seed}"
-        f"{', resuming in ' + str(out) if resumed else ''}"
-    )
-    launcher = get_launcher(launch_config(run))
-    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
-    watcher = _Watcher(out, spec.steps, progress, inject)
-    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
-    watcher.start()
-    try:
-        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-            launcher.launch(
-                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
-            )
-    except Exception:
-        if watcher.injected:
-            raise RuntimeError(
-                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
-            ) from None
-        raise
-    finally:
-        watcher.stop.set()
-        watcher.join()
-    result = json.loads((out / "result.json").read_text())
-    rows = read_metrics(out / "metrics.jsonl")
-    if rows:
-        loss_curve(rows, out / "loss.png", f"{spec.stage} ({run.kind})")
-    timed = rows[1:] or rows  # the first step carries start-up costs
-    speeds = [r["tokens_per_s"] for r in timed]
-    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
-    meta = {
-        "stage": spec.stage,
-        "kind": run.kind,
-        "steps": spec.steps,
-        "seq_len": spec.seq_len,
-        "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "checkpoint": result.get("checkpoint"),
-        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-        # Never clamped: above 1 means the peak or the FLOP count is wrong, and says so.
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
-        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
-        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
-        "resumed": resumed,
-        "init_from": init_from,
-        **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
-    }
-    if meta["mfu"] is not None and meta["mfu"] > 1:
-        log(
-            f"WARNING: {spec.stage}: mean MFU {meta['mfu']:.1%} exceeds 100% against "
-            f"{meta['mfu_peak_flops']:.3g} FLOP/s ({meta['mfu_peak_source']}): the peak or the FLOP "
-            "count is wrong; declare training.peak_flops"
-        )
-    (out / "summary.md").write_text(stage_markdown(meta, rows))
-    return meta
-
-
 def _device(spec: TrainSpec) -> str:
     """Where the trainer will run ("cpu" or "cuda"), as it decides it."""
     if spec.device != "auto":
@@ -406,12 +365,11 @@ def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def _mfu_line(meta: dict[str, Any]) -> str:
     source = meta.get("mfu_peak_source") or "no peak recorded"
+    if meta.get("mfu_invalid"):
+        return f"- MFU: **not reported: {meta['mfu_invalid']}**"
     if meta.get("mfu") is None:
         return f"- MFU: not reported ({source})"
-    line = f"- MFU: {meta['mfu']:.1%} of {meta['mfu_peak_flops']:.3g} FLOP/s per device ({source})"
-    if meta["mfu"] > 1:
-        line += "\n- **MFU above 100%: the peak or the FLOP count is wrong** (declare `training.peak_flops`)"
-    return line
+    return f"- MFU: {meta['mfu']:.1%} of {meta['mfu_peak_flops']:.3g} FLOP/s per device ({source})"
 
 
 def publish_stage(artifact: Artifact, ws, label: str) -> None:
@@ -439,9 +397,10 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
 
 # Retried once when the trainer was killed or its node failed: the retry resumes from the last
 # complete checkpoint (a Python error or a non-finite loss fails at once: pipeline.step.transient).
+# 3: the loader interleaves sources in exact proportion and draws windows in a seeded order
 @step(
     "pretrain",
-    version=2,
+    version=3,
     kind="checkpoint",
     resumable=True,
     publish=publish_stage,
@@ -449,6 +408,89 @@ def publish_stage(artifact: Artifact, ws, label: str) -> None:
     retries=1,
     retry_delay=30,
 )
-def pretrain(config: StageSpec, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """Train one stage (inputs: `mixture`, its plan; `init`, the checkpoint it continues, if any)."""
-    return build_stage(config, inputs, out, log, progress)
+def pretrain(
+    config: StageSpec, mixture: Artifact, init: Artifact | None = None, *, out: Path, log=print, progress=None
+) -> dict[str, Any]:
+    """Train one stage in `out` (resuming what an earlier attempt left there) on its `mixture`
+    plan; `init`, when the stage continues a model, is the checkpoint it starts from (the
+    previous stage, or a pinned anneal/CPT base)."""
+    init_from = init.meta["checkpoint"] if init is not None else None
+    spec = config.spec
+    if config.keep_every:
+        spec = spec.model_copy(
+            update={"checkpoint_interval": config.keep_every, "keep_last": spec.steps // config.keep_every + 1}
+        )
+    spec = spec.bind(mixture.path / "plan.json", out, init_from)
+    if spec.peak_flops is None:
+        # The MFU peak where no datasheet value applies: this host's preflight measurement.
+        spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
+    spec.save(out / "spec.json")
+    storage = config.storage
+    s3_checkpoints = (
+        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    )
+    ckpt_dir = out / "checkpoints"
+    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
+        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+        pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
+        if pulled is not None:
+            log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
+    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
+    sched = spec.schedule
+    start = sched.start_step or 0
+    log(
+        f"{spec.stage}: {spec.steps} steps x {spec.global_batch} x {spec.seq_len} tokens, "
+        f"{sched.kind} lr {spec.optimizer.lr:g} (positions {start}..{start + spec.steps} of "
+        f"{sched.total_steps or spec.steps}), seed {spec.seed}"
+        f"{', resuming in ' + str(out) if resumed else ''}"
+    )
+    launcher = get_launcher(launch_config(config))
+    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
+    watcher = _Watcher(out, spec.steps, progress, inject)
+    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
+    watcher.start()
+    try:
+        with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
+            launcher.launch(
+                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+            )
+    except Exception:
+        if watcher.injected:
+            raise RuntimeError(
+                f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+            ) from None
+        raise
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    result = json.loads((out / "result.json").read_text())
+    rows = read_metrics(out / "metrics.jsonl")
+    if rows:
+        loss_curve(rows, out / "loss.png", f"{spec.stage} ({config.kind})")
+    timed = rows[1:] or rows  # the first step carries start-up costs
+    speeds = [r["tokens_per_s"] for r in timed]
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    meta = {
+        "stage": spec.stage,
+        "kind": config.kind,
+        "steps": spec.steps,
+        "seq_len": spec.seq_len,
+        "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "checkpoint": result.get("checkpoint"),
+        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # The trainer never records MFU above 1: a peak below the achieved rate is wrong, and
+        # `mfu_invalid` says so instead.
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "mfu_invalid": next((r["mfu_invalid"] for r in reversed(rows) if r.get("mfu_invalid")), None),
+        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
+        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
+        "resumed": resumed,
+        "init_from": init_from,
+        **({"s3_checkpoints": s3_checkpoints} if s3_checkpoints else {}),
+    }
+    if meta["mfu_invalid"]:
+        log(f"WARNING: {spec.stage}: MFU not reported: {meta['mfu_invalid']}")
+    (out / "summary.md").write_text(stage_markdown(meta, rows))
+    return meta

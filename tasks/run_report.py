@@ -29,8 +29,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tasks.evaluate import GENERATION_TASK, headline_metric, items_scored
 from tasks.pretrain import read_metrics
 
@@ -307,27 +307,6 @@ def _labelled(labels: Sequence[str], arts: Sequence[Artifact], name: str) -> lis
     return list(zip(labels, arts, strict=True))
 
 
-def build_run_report(config: RunReportSpec, inputs: Inputs, out: Path, log=print) -> dict[str, Any]:
-    stages = stage_rows(_labelled(config.stages, many(inputs, "stages"), "stages"))
-    rows = eval_rows(_labelled(config.evals, many(inputs, "evals"), "evals"))
-    if stages:
-        plot_run_loss(stages, out / "loss.png")
-    (out / "stages.md").write_text(stages_markdown(stages) + "\n", encoding="utf-8")
-    (out / "evals.md").write_text(eval_table_markdown(rows) + "\n", encoding="utf-8")
-    (out / "evals.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
-    log("eval scores of the run\n" + eval_table_text(rows))
-    steps = sum(s["steps"] for s in stages)
-    tokens = sum(s["tokens"] for s in stages)
-    final = next((s["metrics"][-1]["loss"] for s in reversed(stages) if s["metrics"]), None)
-    return {
-        "stages": list(config.stages),
-        "models": list(dict.fromkeys(r["model"] for r in rows)),
-        "steps": steps,
-        "tokens": tokens,
-        "final_loss": final,
-    }
-
-
 def publish_run_report(artifact: Artifact, ws, label: str) -> None:
     """The loss curve (with the stage table) and the eval table as Prefect markdown artifacts
     with stable keys: `<label>-loss-curve`, `<label>-evals`."""
@@ -354,7 +333,26 @@ def publish_run_report(artifact: Artifact, ws, label: str) -> None:
 
 
 @step("run_report", version=1, kind="report", publish=publish_run_report)
-def run_report(config: RunReportSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The run's loss curve and eval table (inputs: `stages`, the trained stages in order;
-    `evals`, the evaluations), labelled by the config."""
-    return build_run_report(config, inputs, out, log)
+def run_report(
+    config: RunReportSpec, stages: tuple[Artifact, ...] = (), evals: tuple[Artifact, ...] = (), *, out: Path, log=print
+) -> dict[str, Any]:
+    """The run's loss curve and eval table (`stages`: the trained stages in order; `evals`: the
+    evaluations), labelled by the config."""
+    trained = stage_rows(_labelled(config.stages, stages, "stages"))
+    rows = eval_rows(_labelled(config.evals, evals, "evals"))
+    if trained:
+        plot_run_loss(trained, out / "loss.png")
+    (out / "stages.md").write_text(stages_markdown(trained) + "\n", encoding="utf-8")
+    (out / "evals.md").write_text(eval_table_markdown(rows) + "\n", encoding="utf-8")
+    (out / "evals.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    log("eval scores of the run\n" + eval_table_text(rows))
+    steps = sum(s["steps"] for s in trained)
+    tokens = sum(s["tokens"] for s in trained)
+    final = next((s["metrics"][-1]["loss"] for s in reversed(trained) if s["metrics"]), None)
+    return {
+        "stages": list(config.stages),
+        "models": list(dict.fromkeys(r["model"] for r in rows)),
+        "steps": steps,
+        "tokens": tokens,
+        "final_loss": final,
+    }

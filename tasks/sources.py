@@ -48,7 +48,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.registry import Registry
-from pipeline.artifact import Inputs
 from pipeline.step import step
 
 Domain = Literal["web", "code", "math"]
@@ -64,13 +63,19 @@ class SourceConfig(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]*$")
     uri: str  # where the text comes from (see the module docstring for the schemes)
     domain: Domain  # selects the curation preset: web, code or math
+    # language of the text (ISO 639-1, curation/languages.py): web sources get the preset of
+    # their language (`web-fr`: language ID keeping French, French stop words and thresholds)
+    language: str = "en"
     text_field: str = "text"  # field holding the text in files: and hf: sources
     id_field: str | None = None  # field holding a stable id; default: file and line number
     max_documents: int | None = Field(default=None, gt=0)  # cap (and the count for builtin:math)
     held_out_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)  # share kept for evaluation
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents are rejected
     output_format: Literal["jsonl", "parquet"] = "jsonl"  # shard format of the corpus
-    documents_per_shard: int = Field(default=5000, gt=0)  # documents per output shard
+    documents_per_shard: int = Field(default=5000, gt=0)  # documents per output shard, at most
+    # the train split is dealt round robin into at least this many shards, so curation and
+    # tokenization (one datatrove task per shard at most) can use that many cores or tasks
+    shards: int = Field(default=8, gt=0)
     hf_subset: str | None = None  # dataset configuration name (hub only)
     hf_split: str = "train"  # split to read
     hf_revision: str | None = None  # pinned dataset revision (hub only); pin it for caching
@@ -80,6 +85,14 @@ class SourceConfig(BaseModel):
     def _known_scheme(cls, uri: str) -> str:
         resolve_kind(uri)
         return uri
+
+    @field_validator("language")
+    @classmethod
+    def _known_language(cls, language: str) -> str:
+        from curation.languages import language_settings
+
+        language_settings(language)  # an unknown code fails naming the known ones
+        return language
 
 
 @dataclass(frozen=True)
@@ -91,7 +104,7 @@ class Document:
 
 @dataclass(frozen=True)
 class Rejected:
-    reason: str  # malformed_json | invalid_utf8 | missing_text_field | empty | too_large
+    reason: str  # malformed_json | invalid_utf8 | missing_text_field | empty | too_large | blank_line
     where: str  # file:line or record index, so the user can look
     fields: tuple[str, ...] = ()  # missing_text_field: the fields the record has
     count: int = 1  # records this stands for (a Parquet file without the text column: all rows)
@@ -118,6 +131,15 @@ class SourceKind(ABC):
         """Mistakes in the source's configuration that would fail the run, found cheaply
         (no full read): each names the field at fault (`sources[NAME].uri`) and the fix."""
         return []
+
+    def missing(self) -> str | None:
+        """Why the source's data is not on this machine (a glob matching nothing, a folder that
+        does not exist), else None: a dry run plans around it instead of failing."""
+        return None
+
+    def is_readable(self) -> bool:
+        """Whether its documents can be read here without the network (hub datasets cannot)."""
+        return self.missing() is None
 
     @property
     def where(self) -> str:
@@ -340,16 +362,19 @@ _CHECK_FILES = 8  # files whose fields check() reads (the first, in name order)
 _CHECK_RECORDS = 20  # JSON lines read per file
 
 
-def _parquet_fields(path: Path) -> set[str]:
+def _parquet_fields(path: Path) -> dict[str, bool]:
+    """Column -> whether it holds strings, from a Parquet file's footer only."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return set(pq.read_schema(path).names)  # the footer only
+    schema = pq.read_schema(path)
+    return {f.name: pa.types.is_string(f.type) or pa.types.is_large_string(f.type) for f in schema}
 
 
-def _jsonl_fields(path: Path) -> set[str]:
-    """Fields holding a non-null value in the first records of a JSONL file."""
+def _jsonl_fields(path: Path) -> dict[str, bool]:
+    """Field -> whether any of its non-null values is a string, over the first records of a JSONL file."""
     opener = gzip.open if path.suffix == ".gz" else open
-    fields: set[str] = set()
+    fields: dict[str, bool] = {}
     parsed = 0
     with opener(path, "rb") as fh:
         for raw in itertools.islice((line for line in fh if line.strip()), _CHECK_RECORDS):
@@ -359,7 +384,9 @@ def _jsonl_fields(path: Path) -> set[str]:
                 continue
             if isinstance(record, dict):
                 parsed += 1
-                fields.update(k for k, v in record.items() if v is not None)
+                for k, v in record.items():
+                    if v is not None:
+                        fields[k] = fields.get(k, False) or isinstance(v, str)
     if not parsed:
         raise ValueError(f"none of its first {_CHECK_RECORDS} lines is a JSON object (JSON lines expected)")
     return fields
@@ -378,6 +405,15 @@ def _extract(record: Any, config: SourceConfig, where: str) -> Document | Reject
 
 def _small(value: Any) -> bool:
     return isinstance(value, str | int | float | bool) and len(str(value)) <= 200
+
+
+def _not_text(where: str, field: str, path: Path | str, more: int = 0) -> str:
+    return (
+        f"{where}.text_field: {field!r} of {path}"
+        + (f" (and of {more} more of the first {_CHECK_FILES} files)" if more else "")
+        + " holds no strings (a struct, list or number column); every record would be rejected as "
+        "missing_text_field: set text_field to the column that holds the text as a string"
+    )
 
 
 @SOURCE_KINDS.register("files:")
@@ -413,6 +449,7 @@ class LocalFiles(SourceKind):
             ]
         errors: list[str] = []
         lacking: dict[str, list[tuple[Path, set[str]]]] = defaultdict(list)
+        not_text: list[Path] = []
         for path in paths[:_CHECK_FILES]:
             try:
                 fields = _parquet_fields(path) if path.suffix == ".parquet" else _jsonl_fields(path)
@@ -422,7 +459,9 @@ class LocalFiles(SourceKind):
             for key in ("text_field", "id_field"):
                 field = getattr(self.config, key)
                 if field is not None and field not in fields:
-                    lacking[key].append((path, fields))
+                    lacking[key].append((path, set(fields)))
+            if fields.get(self.config.text_field) is False:  # present, but not strings
+                not_text.append(path)
         for key, files in lacking.items():  # one error per field, however many files lack it
             (path, fields), more = files[0], len(files) - 1
             holds = "text" if key == "text_field" else "document id"
@@ -431,7 +470,16 @@ class LocalFiles(SourceKind):
                 + (f" (nor of {more} more of the first {_CHECK_FILES} files)" if more else "")
                 + f" (fields: {', '.join(sorted(fields)) or 'none'}); set {key} to the field that holds the {holds}"
             )
+        if not_text:
+            errors.append(_not_text(self.where, self.config.text_field, not_text[0], len(not_text) - 1))
         return errors
+
+    def missing(self) -> str | None:
+        try:
+            self._paths()
+        except FileNotFoundError as exc:
+            return str(exc)
+        return None
 
     def state(self) -> str:
         return _files_digest(self._paths())
@@ -448,7 +496,8 @@ class LocalFiles(SourceKind):
         with opener(path, "rb") as fh:
             for lineno, raw in enumerate(fh, 1):
                 where = f"{path.name}:{lineno}"
-                if not raw.strip():
+                if not raw.strip():  # counted like every line that holds no document
+                    yield Rejected("blank_line", where)
                     continue
                 try:
                     line = raw.decode("utf-8")
@@ -520,7 +569,8 @@ class HuggingFace(SourceKind):
             info = target / self.config.hf_split / "dataset_info.json"
         if not info.is_file():
             return [f"{self.where}.uri: {target} holds no dataset_info.json; is it a save_to_disk folder?"]
-        fields = set(json.loads(info.read_text(encoding="utf-8")).get("features") or {})
+        features = json.loads(info.read_text(encoding="utf-8")).get("features") or {}
+        fields = set(features)
         errors = []
         for key in ("text_field", "id_field"):
             field = getattr(self.config, key)
@@ -528,7 +578,19 @@ class HuggingFace(SourceKind):
                 errors.append(
                     f"{self.where}.{key}: {field!r} is not a column of {target} (columns: {', '.join(sorted(fields))})"
                 )
+        text = features.get(self.config.text_field)
+        if isinstance(text, dict) and text.get("dtype") not in ("string", "large_string"):
+            errors.append(_not_text(self.where, self.config.text_field, target))
         return errors
+
+    def is_readable(self) -> bool:
+        return self._is_local() and self.missing() is None
+
+    def missing(self) -> str | None:
+        if not self._is_local():
+            return None
+        target = Path(self._target()).expanduser()
+        return None if target.exists() else f"{self.where}.uri: {target} does not exist on this machine"
 
     def records(self) -> Iterator[Document | Rejected]:
         import datasets
@@ -564,21 +626,37 @@ def is_held_out(source: str, doc_id: str, fraction: float) -> bool:
 
 
 class ShardWriter:
-    """Writes documents into numbered shards of one split, gzip JSONL or Parquet."""
+    """Writes documents into numbered shards of one split, gzip JSONL or Parquet.
 
-    def __init__(self, folder: Path, fmt: str, per_shard: int):
+    Documents are dealt round robin to `streams` open shards (document i to stream i % streams),
+    and a stream that reaches `per_shard` documents is written out and starts a new shard: a
+    split of n documents becomes max(streams, n / per_shard) shards of near-equal size, so a
+    small source still splits into `streams` datatrove tasks. Shards are numbered in the order
+    they are written, which depends only on the documents' order.
+    """
+
+    def __init__(self, folder: Path, fmt: str, per_shard: int, streams: int = 1):
         self.folder, self.fmt, self.per_shard = folder, fmt, per_shard
         folder.mkdir(parents=True, exist_ok=True)
-        self.buffer: list[dict[str, Any]] = []
+        self.buffers: list[list[dict[str, Any]]] = [[] for _ in range(streams)]
+        self.added = 0
         self.shards: list[str] = []
 
     def add(self, doc: Document, source: str) -> None:
-        self.buffer.append({"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}})
-        if len(self.buffer) >= self.per_shard:
-            self.flush()
+        stream = self.added % len(self.buffers)
+        self.added += 1
+        buffer = self.buffers[stream]
+        buffer.append({"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}})
+        if len(buffer) >= self.per_shard:
+            self._write(stream)
 
     def flush(self) -> None:
-        if not self.buffer:
+        for stream in range(len(self.buffers)):
+            self._write(stream)
+
+    def _write(self, stream: int) -> None:
+        rows = self.buffers[stream]
+        if not rows:
             return
         index = len(self.shards)
         if self.fmt == "parquet":
@@ -586,15 +664,15 @@ class ShardWriter:
             import pyarrow.parquet as pq
 
             name = f"{index:05d}.parquet"
-            rows = [{**r, "metadata": json.dumps(r["metadata"])} for r in self.buffer]
-            pq.write_table(pa.Table.from_pylist(rows), self.folder / name)
+            table = [{**r, "metadata": json.dumps(r["metadata"])} for r in rows]
+            pq.write_table(pa.Table.from_pylist(table), self.folder / name)
         else:
             name = f"{index:05d}.jsonl.gz"
             with gzip.open(self.folder / name, "wt", encoding="utf-8", compresslevel=5) as fh:
-                for r in self.buffer:
+                for r in rows:
                     fh.write(json.dumps(r, ensure_ascii=False) + "\n")
         self.shards.append(name)
-        self.buffer = []
+        self.buffers[stream] = []
 
 
 def read_shards(folder: Path) -> Iterator[dict[str, Any]]:
@@ -629,6 +707,12 @@ def source_state(config: SourceConfig, seed: int | None) -> str:
     return resolve_kind(config.uri)(config, seed or 0).state()
 
 
+def missing_sources(sources: Sequence[SourceConfig]) -> dict[str, str]:
+    """Source name -> why its data is not on this machine, for the sources whose data is not."""
+    found = {c.name: resolve_kind(c.uri)(c, 0).missing() for c in sources}
+    return {name: why for name, why in found.items() if why}
+
+
 def check_sources(sources: Sequence[SourceConfig]) -> list[str]:
     """Every configuration mistake of the recipe's sources that would fail the run, cheaply:
     a glob matching nothing, files that are neither JSONL nor Parquet, a text or id field the
@@ -640,15 +724,29 @@ def check_sources(sources: Sequence[SourceConfig]) -> list[str]:
     return errors
 
 
-def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[str, Any]:
-    """Read one source into train/heldout shards; return the counts for the artifact's meta."""
-    kind = resolve_kind(config.uri)(config, seed)
+# 3: the train split is dealt into `shards` shards; blank lines of files are counted; the
+# language is in the meta
+@step(
+    "source",
+    version=3,
+    kind="corpus",
+    resource="data",
+    isolate=True,
+    retries=2,
+    extra=lambda spec: source_state(spec.source, spec.seed),
+)
+def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
+    """One recipe source to a corpus artifact (no inputs): its documents read into train/heldout
+    shards; the meta holds the counts."""
+    cfg, seed = config.source, config.seed or 0
+    kind = resolve_kind(cfg.uri)(cfg, seed)
     problems = kind.check()  # the same cheap check as `smollm3 recipe`, before the full read
     if problems:
         raise ValueError("; ".join(problems))
+    # the held-out split is small by design and curated by one task: one stream
     writers = {
-        split: ShardWriter(out / split, config.output_format, config.documents_per_shard)
-        for split in ("train", "heldout")
+        split: ShardWriter(out / split, cfg.output_format, cfg.documents_per_shard, streams)
+        for split, streams in (("train", cfg.shards), ("heldout", 1))
     }
     docs: Counter[str] = Counter()
     chars: Counter[str] = Counter()
@@ -662,7 +760,7 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
             text = record.text
             if not text.strip():
                 record = Rejected("empty", record.id)
-            elif len(text) > config.max_document_chars:
+            elif len(text) > cfg.max_document_chars:
                 record = Rejected("too_large", record.id)
             elif record.id in seen_ids:
                 record = Rejected("duplicate_id", record.id)
@@ -673,36 +771,37 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
             fields_seen = fields_seen or record.fields
             continue
         seen_ids.add(record.id)
-        split = "heldout" if is_held_out(config.name, record.id, config.held_out_fraction) else "train"
-        writers[split].add(record, config.name)
+        split = "heldout" if is_held_out(cfg.name, record.id, cfg.held_out_fraction) else "train"
+        writers[split].add(record, cfg.name)
         docs[split] += 1
         chars[split] += len(record.text)
         kept += 1
         if kept % 5000 == 0:
-            log(f"source {config.name}: {kept} documents")
-        if config.max_documents and kept >= config.max_documents:
+            log(f"source {cfg.name}: {kept} documents")
+        if cfg.max_documents and kept >= cfg.max_documents:
             break
     for w in writers.values():
         w.flush()
     if rejected:
         detail = ", ".join(f"{r}={n} (e.g. {', '.join(examples[r][:3])})" for r, n in sorted(rejected.items()))
-        log(f"source {config.name}: rejected {sum(rejected.values())} records: {detail}")
+        log(f"source {cfg.name}: rejected {sum(rejected.values())} records: {detail}")
     if docs["train"] == 0:
         hint = ""
         if rejected["missing_text_field"]:
             hint = (
-                f"; sources[{config.name}].text_field {config.text_field!r} is not a text field of "
+                f"; sources[{cfg.name}].text_field {cfg.text_field!r} is not a text field of "
                 f"the records (fields: {', '.join(fields_seen) or 'none'}): set text_field"
             )
         raise ValueError(
-            f"source {config.name!r} ({config.uri}) produced no training documents"
+            f"source {cfg.name!r} ({cfg.uri}) produced no training documents"
             + (f"; rejected: {dict(rejected)}" if rejected else "")
             + hint
         )
     return {
-        "source": config.name,
-        "domain": config.domain,
-        "format": config.output_format,
+        "source": cfg.name,
+        "domain": cfg.domain,
+        "language": cfg.language,
+        "format": cfg.output_format,
         "documents": docs["train"],
         "characters": chars["train"],
         "heldout_documents": docs["heldout"],
@@ -711,17 +810,3 @@ def build_corpus(config: SourceConfig, seed: int, out: Path, log=print) -> dict[
         "rejected": dict(rejected),
         "rejected_examples": {k: v for k, v in examples.items()},
     }
-
-
-@step(
-    "source",
-    version=2,
-    kind="corpus",
-    resource="data",
-    isolate=True,
-    retries=2,
-    extra=lambda spec: source_state(spec.source, spec.seed),
-)
-def source(config: SourceSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """One recipe source to a corpus artifact (no inputs)."""
-    return build_corpus(config.source, config.seed or 0, out, log)

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs, operational
-from pipeline.step import one, step
+from pipeline.artifact import Artifact, operational
+from pipeline.step import step
 from tasks.curate import (
     RayExecutorConfig,
     SlurmExecutorConfig,
@@ -39,8 +39,8 @@ class TokenizeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     executor: Literal["local", "slurm", "ray"] = operational("local")  # datatrove executor, as for curation
-    tasks: int = Field(default=1, gt=0)  # datatrove tasks = output files (capped by the input shards)
-    workers: int = operational(1, gt=0)  # tasks run at once (local processes)
+    tasks: int = Field(default=8, gt=0)  # datatrove tasks = output files (capped by the input shards)
+    workers: int | None = operational(None, gt=0)  # tasks run at once; None: the machine's cores (local)
     slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm (shared file system)
     ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
     batch_size: int = operational(1000, gt=0)  # documents per encode_batch call
@@ -55,52 +55,57 @@ def token_dtype(vocab_size: int) -> str:
     return "uint32" if vocab_size > np.iinfo(np.uint16).max + 1 else "uint16"
 
 
-def selected_tokenizer(inputs: tuple[Artifact, ...]) -> dict[str, Any]:
+def selected_tokenizer(tokenizer: Artifact) -> dict[str, Any]:
     """The tokenizer to use: the fertility decision, or a tokenizer artifact given directly."""
-    for a in inputs:
-        if a.kind == "fertility":
-            return dict(a.meta["selected"])
-    for a in inputs:
-        if a.kind == "tokenizer":
-            return {
-                "name": "trained",
-                "path": a.meta["tokenizer_json"],
-                "vocab_size": a.meta["vocab_size"],
-                "eos_token": a.meta["eos_token"],
-                "eos_id": a.meta["eos_id"],
-            }
-    raise ValueError("tokenize: give a fertility or tokenizer artifact as input")
+    if tokenizer.kind == "fertility":
+        return dict(tokenizer.meta["selected"])
+    if tokenizer.kind == "tokenizer":
+        return {
+            "name": "trained",
+            "path": tokenizer.meta["tokenizer_json"],
+            "vocab_size": tokenizer.meta["vocab_size"],
+            "eos_token": tokenizer.meta["eos_token"],
+            "eos_id": tokenizer.meta["eos_id"],
+        }
+    raise ValueError(f"tokenize: give a fertility or tokenizer artifact as input, not a {tokenizer.kind} artifact")
 
 
-def build_token_shards(
-    config: TokenizeConfig, inputs: tuple[Artifact, ...], out: Path, seed: int = 0, log=print
-) -> dict[str, Any]:
-    """Tokenize the corpus's train shards into `out/*.ds`; return counts for the meta."""
+class TokenizeSpec(BaseModel):
+    """The tokenize step's config: the recipe section and the seed of the document shuffle."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokenize: TokenizeConfig
+    seed: int = 0
+
+
+@step("tokenize", version=2, kind="shards", resource="data", isolate=True, retries=1)
+def tokenize(config: TokenizeSpec, tokenizer: Artifact, corpus: Artifact, *, out: Path, log=print) -> dict[str, Any]:
+    """A curated corpus's train shards to token shards `out/*.ds` with the chosen tokenizer
+    (`tokenizer`: the fertility decision or the tokenizer itself); return counts for the meta."""
     from datatrove.pipeline.tokens import DocumentTokenizer
 
     from curation.io import CountingJsonlReader
 
-    tok = selected_tokenizer(inputs)
-    corpus = next((a for a in inputs if a.kind == "corpus"), None)
-    if corpus is None:
-        raise ValueError("tokenize: needs a corpus artifact as input")
+    settings, seed = config.tokenize, config.seed
+    tok = selected_tokenizer(tokenizer)
     source = corpus.meta.get("source", corpus.short)
     train = corpus.path / "train"
-    tasks = max(1, min(config.tasks, shard_count(train)))
+    tasks = max(1, min(settings.tasks, shard_count(train)))
     logs = out / "logs"
     tokenizer_step = DocumentTokenizer(
         output_folder=str(out),
         tokenizer_name_or_path=tok["path"],
         eos_token=tok["eos_token"],
         save_filename=re.sub(r"[^A-Za-z0-9_.-]", "_", source),  # names like dclm/dclm
-        batch_size=config.batch_size,
-        shuffle_documents=config.shuffle_documents,
+        batch_size=settings.batch_size,
+        shuffle_documents=settings.shuffle_documents,
         seed=seed,
     )
     dtype = token_dtype(tokenizer_step.tokenizer.get_vocab_size())
-    pipeline = [CountingJsonlReader(str(train), max_chars=config.max_document_chars), tokenizer_step]
+    pipeline = [CountingJsonlReader(str(train), max_chars=settings.max_document_chars), tokenizer_step]
     # The same executor choice as curation: local processes, Slurm array jobs or Ray tasks.
-    run_executors(config, make_executors(config, [("tokenize", pipeline, tasks)], logs), logs)
+    run_executors(settings, make_executors(settings, [("tokenize", pipeline, tasks)], logs), logs)
     stats = read_stage_stats(logs, "tokenize")
     reader = stats[0]["stats"] if stats else {}
     rejected = {k[len("rejected_") :]: int(v) for k, v in reader.items() if k.startswith("rejected_")}
@@ -136,19 +141,3 @@ def build_token_shards(
     }
     (out / "shards.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return meta
-
-
-class TokenizeSpec(BaseModel):
-    """The tokenize step's config: the recipe section and the seed of the document shuffle."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tokenize: TokenizeConfig
-    seed: int = 0
-
-
-@step("tokenize", version=2, kind="shards", resource="data", isolate=True, retries=1)
-def tokenize(config: TokenizeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """A curated corpus (input `corpus`) to token shards with the chosen tokenizer (input
-    `tokenizer`: the fertility decision or the tokenizer itself)."""
-    return build_token_shards(config.tokenize, (one(inputs, "tokenizer"), one(inputs, "corpus")), out, config.seed, log)

@@ -30,8 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>", "<|pad|>")  # EOS first: id 0
@@ -138,8 +138,21 @@ def save_hf_tokenizer(tok, out: Path) -> dict[str, Any]:
     }
 
 
-def build_tokenizer(config: TokenizerConfig, corpora: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
-    """Train (or adopt) the tokenizer and save it into `out`; return the artifact meta."""
+def given_tokenizer_digest(config: TokenizerConfig) -> str:
+    """Digest of an adopted tokenizer file (a changed file changes the tokenizer)."""
+    if not config.path:
+        return ""
+    import hashlib
+
+    path = Path(config.path).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+
+
+@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest, retries=1)
+def tokenizer(config: TokenizerConfig, corpora: tuple[Artifact, ...] = (), *, out: Path, log=print) -> dict[str, Any]:
+    """Train a BPE tokenizer on curated `corpora` (none when adopting `tokenizer.path`) or adopt
+    the given one, and save it into `out`; return the artifact meta."""
     if config.path:
         tok = load_tokenizer_file(config.path)
         origin = {"origin": "given", "path": str(Path(config.path).expanduser().resolve())}
@@ -176,20 +189,3 @@ def build_tokenizer(config: TokenizerConfig, corpora: Sequence[Artifact], out: P
         log(f"WARNING {warning}")
     log(f"tokenizer ({meta['origin']}): vocab {meta['vocab_size']}, eos id {meta['eos_id']}")
     return meta
-
-
-def given_tokenizer_digest(config: TokenizerConfig) -> str:
-    """Digest of an adopted tokenizer file (a changed file changes the tokenizer)."""
-    if not config.path:
-        return ""
-    import hashlib
-
-    path = Path(config.path).expanduser()
-    file = path / "tokenizer.json" if path.is_dir() else path
-    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-
-
-@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest, retries=1)
-def tokenizer(config: TokenizerConfig, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Curated corpora (input `corpora`; none when adopting `tokenizer.path`) to a tokenizer."""
-    return build_tokenizer(config, many(inputs, "corpora"), out, log)

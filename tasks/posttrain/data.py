@@ -1,6 +1,6 @@
 """Post-training data: chat conversations, verifiable arithmetic prompts, and the verifier.
 
-`build_chat_data` writes, into one folder:
+The `posttrain_data` step writes, into one folder:
 - `train.jsonl`: SFT conversations (`{"messages": [{role, content}, ...]}`),
 - `heldout.jsonl`: conversations never trained on (SFT eval loss),
 - `prompts.jsonl`: arithmetic prompts with their answers and worked reference solutions
@@ -35,8 +35,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tasks.sources import read_shards
 from trainers.posttrain.config import ChatDataConfig, ChatDataSpec
 from trainers.posttrain.data import check_messages, load_rows, write_jsonl
@@ -178,10 +178,19 @@ def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict],
     return train, heldout, rejected
 
 
-def build_chat_data(
-    cfg: ChatDataConfig, corpora: Sequence[Artifact], out: Path, seed: int = 0, log=print
-) -> dict[str, Any]:
-    """Write train/heldout conversations and arithmetic prompts into `out`; return the meta."""
+@step(
+    "posttrain_data",
+    version=2,
+    kind="corpus",
+    resource="data",
+    isolate=True,
+    retries=1,
+    extra=lambda spec: data_state(spec.data.uri),
+)
+def posttrain_data(config: ChatDataSpec, corpora: tuple[Artifact, ...], *, out: Path, log=print) -> dict[str, Any]:
+    """Curated `corpora` to SFT conversations, held-out conversations and arithmetic prompts in
+    `out`; return the meta."""
+    cfg, seed = config.data, config.seed
     domains = {a.meta.get("domain") for a in corpora}
     if "math" not in domains:
         raise ValueError(
@@ -228,17 +237,3 @@ def build_chat_data(
         "rejected": dict(rejected),
         "files": {k: str(out / f"{k}.jsonl") for k in ("train", "heldout", "prompts")},
     }
-
-
-@step(
-    "posttrain_data",
-    version=2,
-    kind="corpus",
-    resource="data",
-    isolate=True,
-    retries=1,
-    extra=lambda spec: data_state(spec.data.uri),
-)
-def posttrain_data(config: ChatDataSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """Curated corpora (input `corpora`) to SFT conversations, held-out conversations, prompts."""
-    return build_chat_data(config.data, many(inputs, "corpora"), out, config.seed, log)

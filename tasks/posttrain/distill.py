@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Inputs
-from pipeline.step import one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
@@ -40,10 +40,8 @@ def teacher_state(run: PosttrainSpec[DistillConfig]) -> str:
 
 @step("distill", version=3, kind="hf_model", resource="train", resumable=True, extra=teacher_state, **TRAINER_RETRIES)
 def distill(
-    config: PosttrainSpec[DistillConfig], inputs: Inputs, out: Path, *, log=print, progress=None
+    config: PosttrainSpec[DistillConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:
-    """The student (input `model`) distilled on-policy from the recipe's teacher on input `data`,
+    """The student (`model`) distilled on-policy from the recipe's teacher on `data`,
     by a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer(
-        "distill", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress
-    )
+    return launch_trainer("distill", config, model_dir(model), data.path, out, log, progress)

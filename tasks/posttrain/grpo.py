@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Inputs
-from pipeline.step import one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
@@ -28,7 +28,9 @@ from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
 @step("grpo", version=3, kind="hf_model", resumable=True, resource="train", **TRAINER_RETRIES)
-def grpo(config: PosttrainSpec[GRPOConfig], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """The policy (input `model`) trained with GRPO on the prompts of input `data` by a launched
+def grpo(
+    config: PosttrainSpec[GRPOConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
+) -> dict[str, Any]:
+    """The policy (`model`) trained with GRPO on the prompts of `data` by a launched
     job (trainers/posttrain/launch.py); resumes."""
-    return launch_trainer("grpo", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress)
+    return launch_trainer("grpo", config, model_dir(model), data.path, out, log, progress)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Artifact, Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from trainers.posttrain.common import model_dir
 from trainers.posttrain.config import MergeSpec
 
@@ -82,41 +82,6 @@ def linear_merge(folders: Sequence[Path], weights: Sequence[float], out: Path) -
     return {"tensors": len(merged), "parameters": sum(t.numel() for t in merged.values())}
 
 
-def build_merge(cfg: MergeSpec, models: Sequence[Artifact], out: Path, log=print) -> dict[str, Any]:
-    started = time.monotonic()
-    if len(models) != len(cfg.weights):
-        raise ValueError(
-            f"merge: input `models` has {len(models)} models but the config has "
-            f"{len(cfg.weights)} weights ({list(cfg.weights)})"
-        )
-    folders = [model_dir(m) for m in models]
-    facts = linear_merge(folders, cfg.weights, out / "model")
-    names = [_name(m) for m in models]
-    log(
-        "merge: "
-        + " + ".join(f"{w} x {n}" for w, n in zip(cfg.weights, names, strict=True))
-        + f" ({facts['tensors']} tensors)"
-    )
-    return {
-        "stage": "merge",
-        "kind": "posttrain",
-        "model_dir": str(out / "model"),
-        "parameters": facts["parameters"],
-        "weights": list(cfg.weights),
-        "merged": names,
-        "ingredients": [
-            {
-                "fingerprint": m.fingerprint,
-                "stage": m.meta.get("stage"),
-                "weight": w,
-                **{k: m.meta[k] for k in ("seed", "beta", "loss_type") if k in m.meta},
-            }
-            for m, w in zip(models, cfg.weights, strict=True)
-        ],
-        "seconds": round(time.monotonic() - started, 1),
-    }
-
-
 def _name(model: Artifact) -> str:
     """How an ingredient is called in logs: its stage, and seed/beta when a soup has several."""
     name = str(model.meta.get("stage", model.short))
@@ -125,6 +90,37 @@ def _name(model: Artifact) -> str:
 
 
 @step("merge", version=3, kind="hf_model", resource="eval", isolate=True)
-def merge(config: MergeSpec, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
-    """The weighted sum of the models of input `models` (weights in the same order)."""
-    return build_merge(config, many(inputs, "models"), out, log)
+def merge(config: MergeSpec, models: tuple[Artifact, ...], *, out: Path, log=print) -> dict[str, Any]:
+    """The weighted sum of the `models` (weights in the same order)."""
+    started = time.monotonic()
+    if len(models) != len(config.weights):
+        raise ValueError(
+            f"merge: input `models` has {len(models)} models but the config has "
+            f"{len(config.weights)} weights ({list(config.weights)})"
+        )
+    folders = [model_dir(m) for m in models]
+    facts = linear_merge(folders, config.weights, out / "model")
+    names = [_name(m) for m in models]
+    log(
+        "merge: "
+        + " + ".join(f"{w} x {n}" for w, n in zip(config.weights, names, strict=True))
+        + f" ({facts['tensors']} tensors)"
+    )
+    return {
+        "stage": "merge",
+        "kind": "posttrain",
+        "model_dir": str(out / "model"),
+        "parameters": facts["parameters"],
+        "weights": list(config.weights),
+        "merged": names,
+        "ingredients": [
+            {
+                "fingerprint": m.fingerprint,
+                "stage": m.meta.get("stage"),
+                "weight": w,
+                **{k: m.meta[k] for k in ("seed", "beta", "loss_type") if k in m.meta},
+            }
+            for m, w in zip(models, config.weights, strict=True)
+        ],
+        "seconds": round(time.monotonic() - started, 1),
+    }

@@ -19,8 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Inputs
-from pipeline.step import one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tasks.posttrain.data import data_state
 from trainers.posttrain.common import (
     model_dir,
@@ -39,10 +39,8 @@ from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
     **TRAINER_RETRIES,
 )
 def preference(
-    config: PosttrainSpec[PreferenceConfig], inputs: Inputs, out: Path, *, log=print, progress=None
+    config: PosttrainSpec[PreferenceConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:
-    """The SFT model (input `model`) preference-optimised on pairs (from input `data` or the
+    """The SFT model (`model`) preference-optimised on pairs (from `data` or the
     recipe), trained by a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer(
-        "preference", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress
-    )
+    return launch_trainer("preference", config, model_dir(model), data.path, out, log, progress)

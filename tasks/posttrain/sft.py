@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import Inputs
-from pipeline.step import one, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
@@ -25,7 +25,9 @@ from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
 @step("sft", version=3, kind="hf_model", resource="train", resumable=True, **TRAINER_RETRIES)
-def sft(config: PosttrainSpec[SFTConfig], inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
-    """The base model (input `model`) fine-tuned on the conversations (input `data`), trained by
+def sft(
+    config: PosttrainSpec[SFTConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
+) -> dict[str, Any]:
+    """The base model (`model`) fine-tuned on the conversations (`data`), trained by
     a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer("sft", config, model_dir(one(inputs, "model")), one(inputs, "data").path, out, log, progress)
+    return launch_trainer("sft", config, model_dir(model), data.path, out, log, progress)

@@ -20,7 +20,7 @@ from evals.experiments import (
     split_top_level,
 )
 from pipeline.artifact import Artifact
-from tasks.compare import build_experiment
+from tasks.compare import compare
 
 CRITERIA = ("monotonic", "low_noise", "above_random", "consistent")
 
@@ -112,7 +112,7 @@ def _experiment(seeds: int, offsets=(0.0, 0.004, -0.003)):
 
 def test_a_real_difference_on_a_trusted_eval_is_significant_and_a_chance_eval_is_not_trusted(tmp_path):
     cfg, inputs = _experiment(seeds=3)
-    meta = build_experiment(cfg, inputs, tmp_path, log=lambda _: None)
+    meta = compare(cfg, out=tmp_path, log=lambda _: None, **inputs)
     assert meta["trusted"] == ["heldout_prose"]
     q = meta["quality"]
     assert q["heldout_prose"]["checks"] == dict.fromkeys(CRITERIA, True)
@@ -140,7 +140,7 @@ def test_a_real_difference_on_a_trusted_eval_is_significant_and_a_chance_eval_is
 
 def test_one_seed_says_the_noise_is_unknown(tmp_path):
     cfg, inputs = _experiment(seeds=1)
-    meta = build_experiment(cfg, inputs, tmp_path, log=lambda _: None)
+    meta = compare(cfg, out=tmp_path, log=lambda _: None, **inputs)
     bpb = next(r for r in meta["rows"] if r["task"] == "heldout_prose")
     assert bpb["significant"] is None and bpb["improved"] is None and bpb["ci_low"] is None
     assert "noise unknown (one seed per variant)" in bpb["verdict"]
@@ -153,7 +153,7 @@ def test_a_run_without_its_scores_is_refused(tmp_path):
     cfg, inputs = _experiment(seeds=2)
     del inputs["better-s1.heldout"]
     with pytest.raises(ValueError, match=r"no input\(s\) better-s1.heldout"):
-        build_experiment(cfg, inputs, tmp_path, log=lambda _: None)
+        compare(cfg, out=tmp_path, log=lambda _: None, **inputs)
     with pytest.raises(ValueError, match="nothing to compare the baseline with"):
         ExperimentSpec(
             kind="ablation",

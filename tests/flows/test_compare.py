@@ -22,7 +22,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads
 def _stage(root: Path, lr: float) -> Artifact:
     """One real 3-step stage trained by the pretrain step's build."""
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
-    from tasks.pretrain import StageSpec, build_stage
+    from tasks.pretrain import StageSpec, pretrain
     from tests.model.conftest import write_two_source_plan
 
     plan = write_two_source_plan(root / "plan")
@@ -41,7 +41,7 @@ def _stage(root: Path, lr: float) -> Artifact:
     )
     folder = root / "pretrain" / "stage1"
     folder.mkdir(parents=True)
-    meta = build_stage(StageSpec(spec=spec, threads=1), {"mixture": mixture}, folder, log=lambda _: None)
+    meta = pretrain(StageSpec(spec=spec, threads=1), mixture=mixture, out=folder, log=lambda _: None)
     return Artifact(kind="checkpoint", uri=str(folder), fingerprint=(f"{lr}" * 64)[:64].replace(".", "a"), meta=meta)
 
 

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
 from flows.watch import watch
-from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
 from pipeline.runner import run_flow
@@ -28,12 +27,12 @@ class Gate(BaseModel):
 
 
 @step("flaky_slow", version=1, kind="report", retries=1, retry_delay=1)
-def flaky_slow(config: Flaky, inputs: Inputs, out: Path, *, log=print) -> dict:
+def flaky_slow(config: Flaky, *, out: Path, log=print) -> dict:
     return _attempt(config)
 
 
 @step("gated", version=1, kind="report")
-def gated(config: Gate, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict:
+def gated(config: Gate, *, out: Path, log=print, progress=None) -> dict:
     progress(50.0)
     deadline = time.monotonic() + 60
     while not Path(config.release).exists():

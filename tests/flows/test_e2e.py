@@ -67,6 +67,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    watcher = None
     try:
         params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
         out = ""
@@ -160,5 +161,8 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 34 reuse"), out.stdout
     finally:
+        if watcher is not None and watcher.poll() is None:  # a test failing while it watches
+            watcher.kill()
+            watcher.wait()
         os.killpg(serve.pid, 9)
         serve.wait()

@@ -127,3 +127,42 @@ def test_errors_about_a_file_never_quote_it(tmp_path):
         load_recipe(_write(tmp_path, data))
     assert "seed" in str(err.value) and "(got a string)" in str(err.value)
     assert "abc123" not in str(err.value)
+
+
+def test_the_published_recipe_domains_give_the_published_shares():
+    """SmolLM3's web/code/math shares per stage (docs/reference/smollm3.md: 85/12/3, 75/15/10,
+    63/24/13) from the published weights and our recipe's domain labels: MegaMath's
+    text-code-block is math (labelled code, stage 3's math share was 8.1%)."""
+    import csv
+
+    recipe = load_recipe("smollm3-3b")
+    domain = {s.name: s.domain for s in recipe.sources}
+    rows = list(csv.DictReader((CONFIGS_DIR.parent / "docs" / "reference" / "smollm3_mixture_weights.csv").open()))
+    published = {
+        "stage1_0_to_8T": (85, 12, 3),
+        "stage2_8T_to_10T": (75, 15, 10),
+        "stage3_decay_10T_to_11T": (63, 24, 13),
+    }
+    for column, (web, code, math) in published.items():
+        share = dict.fromkeys(("web", "code", "math"), 0.0)
+        for r in rows:
+            share[domain[r["source"]]] += float(r[column] or 0)
+        total = sum(share.values())
+        got = {k: 100 * v / total for k, v in share.items()}
+        assert abs(got["web"] - web) < 2 and abs(got["code"] - code) < 1.5 and abs(got["math"] - math) < 1, (
+            column,
+            got,
+        )
+
+
+def test_every_fineweb2_source_has_its_language_and_its_preset():
+    recipe = load_recipe("smollm3-3b")
+    fw2 = [s for s in recipe.sources if s.uri == "hf:HuggingFaceFW/fineweb-2"]
+    assert len(fw2) == 14
+    codes = {"fra": "fr", "spa": "es", "deu": "de", "ita": "it", "por": "pt", "cmn": "zh", "rus": "ru"}
+    codes |= {"fas": "fa", "jpn": "ja", "kor": "ko", "hin": "hi", "tha": "th", "vie": "vi", "ell": "el"}
+    for s in fw2:
+        assert s.language == codes[s.hf_subset.split("_")[0]]
+        assert recipe.curation.for_source(s).presets == {s.name: f"web-{s.language}"}
+    english = recipe.source("fineweb-edu/fineweb-edu")
+    assert english.language == "en" and recipe.curation.for_source(english).presets == {english.name: "web"}

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
 from flows.watch import watch
-from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.live import describe, is_status, parse
 from pipeline.named_runs import NamedTaskRunner
@@ -39,12 +38,12 @@ def _train(config: Pace, log, progress) -> dict:
 
 
 @step("trains_here", version=1, kind="report")
-def trains_here(config: Pace, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict:
+def trains_here(config: Pace, *, out: Path, log=print, progress=None) -> dict:
     return _train(config, log, progress)
 
 
 @step("trains_child", version=1, kind="report", isolate=True)
-def trains_child(config: Pace, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict:
+def trains_child(config: Pace, *, out: Path, log=print, progress=None) -> dict:
     return _train(config, log, progress)
 
 

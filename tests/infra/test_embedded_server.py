@@ -53,13 +53,14 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
+    server: list[psutil.Process] = []
     try:
         line = ""
         while not line.startswith("pid "):
             line = owner.stdout.readline()
             assert line or owner.poll() is None, "the server did not start"
         _, guard, url = line.split()
-        server = [p for p in psutil.Process(int(guard)).children(recursive=True) if "server" in " ".join(p.cmdline())]
+        server += [p for p in psutil.Process(int(guard)).children(recursive=True) if "server" in " ".join(p.cmdline())]
         assert server and healthy(url)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
@@ -68,3 +69,9 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     finally:
         if owner.poll() is None:
             owner.kill()
+            owner.wait()
+        for proc in server:  # a server the guard failed to end does not outlive the test
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass

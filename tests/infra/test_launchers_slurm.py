@@ -72,14 +72,14 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
     loss curve is the one of a local single-process run."""
     from infra.launchers import SlurmLaunchConfig
     from pipeline.artifact import MARKER, Artifact
-    from tasks.posttrain.data import build_chat_data
+    from tasks.posttrain.data import posttrain_data
     from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
-    from trainers.posttrain.config import PosttrainConfig, PosttrainSpec, SFTConfig
+    from trainers.posttrain.config import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
     from trainers.posttrain.launch import launch_trainer
 
     corpora = make_corpora(tmp_path / "corpora")
     base = make_tiny_model(tmp_path, corpus_texts(corpora))
-    build_chat_data(DATA, corpora, tmp_path / "data", log=lambda _: None)
+    posttrain_data(ChatDataSpec(data=DATA), corpora, out=tmp_path / "data", log=lambda _: None)
     (tmp_path / "data" / MARKER).write_text("{}")
     section = SFTConfig(max_steps=3, batch=8, max_length=128, save_steps=2)
     accelerate = str(Path(sys.executable).with_name("accelerate"))

@@ -19,8 +19,10 @@ def test_forward_shapes_and_loss_is_cross_entropy_of_aligned_labels(tiny_cfg):
     ids = torch.randint(0, tiny_cfg.vocab_size, (2, 16))
     labels = torch.randint(0, tiny_cfg.vocab_size, (2, 16))
     labels[0, :3] = -100
-    logits, loss = model(ids, labels=labels)
+    logits = model(ids).logits
+    loss = model(ids, labels=labels).loss
     assert logits.shape == (2, 16, tiny_cfg.vocab_size)
+    assert model(ids, labels=labels).logits is None  # the loss never materialises them
     expected = F.cross_entropy(logits.view(-1, tiny_cfg.vocab_size), labels.view(-1))
     torch.testing.assert_close(loss, expected)
     assert model(ids).loss is None
@@ -104,8 +106,8 @@ def test_z_loss_adds_squared_logsumexp(tiny_cfg):
     plain = _model(tiny_cfg)
     with_z = _model(tiny_cfg.replace(z_loss=1e-3))
     with_z.load_state_dict(plain.state_dict())
-    logits, loss = plain(ids, labels=ids)
-    _, loss_z = with_z(ids, labels=ids)
+    logits, loss = plain(ids, labels=ids, return_logits=True)
+    _, loss_z = with_z(ids, labels=ids, return_logits=True)
     z = torch.logsumexp(logits.float(), -1).pow(2).mean()
     torch.testing.assert_close(loss_z, loss + 1e-3 * z)
 

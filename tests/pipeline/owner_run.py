@@ -25,7 +25,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.artifact import Inputs
 from pipeline.step import step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +39,7 @@ class Where(BaseModel):
 
 
 @step("chatty", version=1, kind="report")
-def chatty(config: Where, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def chatty(config: Where, *, out: Path, log=print) -> dict[str, Any]:
     state = Path(config.state)
     (state / "chatty.started").touch()
     lines = 0
@@ -56,7 +55,7 @@ def chatty(config: Where, inputs: Inputs, out: Path, *, log=print) -> dict[str, 
 
 
 @step("raw_writer", version=1, kind="report")
-def raw_writer(config: Where, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def raw_writer(config: Where, *, out: Path, log=print) -> dict[str, Any]:
     """Writes past Python's streams, straight to file descriptor 2: a broken pipe raises here."""
     state = Path(config.state)
     (state / "raw_writer.started").touch()
@@ -68,7 +67,7 @@ def raw_writer(config: Where, inputs: Inputs, out: Path, *, log=print) -> dict[s
 
 
 @step("sleeper", version=1, kind="report", isolate=True)
-def sleeper(config: Where, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def sleeper(config: Where, *, out: Path, log=print) -> dict[str, Any]:
     (Path(config.state) / "sleeper.started").touch()
     time.sleep(60)
     return {"slept": 60}

@@ -13,7 +13,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
-from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.named_runs import NamedTaskRunner
 from pipeline.runner import run_flow
@@ -29,7 +28,7 @@ class Gate(BaseModel):
 
 
 @step("held", version=1, kind="report")
-def held(config: Gate, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def held(config: Gate, *, out: Path, log=print) -> dict[str, Any]:
     deadline = time.monotonic() + 120
     while not Path(config.release).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -37,7 +36,7 @@ def held(config: Gate, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any
 
 
 @step("waits", version=1, kind="report")
-def waits(config: Gate, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def waits(config: Gate, *, out: Path, log=print) -> dict[str, Any]:
     return {}
 
 

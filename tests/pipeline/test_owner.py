@@ -67,12 +67,17 @@ def _log_into_a_closed_pipe(mode: str) -> tuple[str, int]:
     )
     os.close(out_w)
     os.close(res_w)
-    with os.fdopen(out_r, "rb") as reader:
-        assert b"first line, read" in reader.readline()
-    # the console's reader is gone (as when the serve process dies)
-    proc.stdin.write(b"go\n")
-    proc.stdin.close()
-    code = proc.wait(60)
+    try:
+        with os.fdopen(out_r, "rb") as reader:
+            assert b"first line, read" in reader.readline()
+        # the console's reader is gone (as when the serve process dies)
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     with os.fdopen(res_r, "rb") as res:
         return res.read().decode(), code
 
@@ -102,7 +107,10 @@ def test_a_step_running_when_its_owner_dies_is_recorded_stopped_and_logging_into
 
     env = {**os.environ, "PREFECT_API_URL": api_url, "PYTHONPATH": str(REPO)}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "tests.pipeline.owner_run", "serve", str(tmp_path)], cwd=REPO, env=env
+        [sys.executable, "-m", "tests.pipeline.owner_run", "serve", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,  # its own process group, for the cleanup below
     )
     try:
         deadline = time.monotonic() + 180
@@ -122,8 +130,7 @@ def test_a_step_running_when_its_owner_dies_is_recorded_stopped_and_logging_into
         (tmp_path / "release").touch()
         flow.wait(120)
     finally:
-        if serve.poll() is None:
-            serve.kill()
+        _end_the_run(serve, tmp_path)
     lineage = Lineage(tmp_path / "ws" / "lineage.duckdb")
     run_id = (tmp_path / "run_id").read_text()
     rows = {r["step"]: r for r in lineage.steps_of(run_id)}
@@ -140,3 +147,35 @@ def test_a_step_running_when_its_owner_dies_is_recorded_stopped_and_logging_into
         state = client.read_flow_run(run_id).state
     assert state.is_crashed(), state
     assert "sleeper[x]" in state.message.split("Stopped while running: ")[1] and "failed before" not in state.message
+
+
+def _end_the_run(serve: subprocess.Popen, state: Path) -> None:
+    """Whatever the test's outcome: nothing it started outlives it. `chatty` loops until `release`
+    appears and the flow process outlives the serve stand-in by design (it is reparented when the
+    stand-in dies), so a test failing before the end would leave the flow and its `sleeper` child
+    running: release them, then kill the serve stand-in, the flow process and every descendant."""
+    import signal
+
+    import psutil
+
+    (state / "release").touch()
+    procs: list[psutil.Process] = []
+    pid_file = state / "flow.pid"
+    for pid in (serve.pid, int(pid_file.read_text()) if pid_file.exists() else None):
+        try:
+            proc = psutil.Process(pid) if pid is not None else None
+            if proc is not None and "tests.pipeline.owner_run" in " ".join(proc.cmdline()):  # not a reused pid
+                procs += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    try:
+        os.killpg(serve.pid, signal.SIGKILL)  # anything left in the stand-in's process group
+    except (ProcessLookupError, PermissionError):
+        pass
+    serve.wait()

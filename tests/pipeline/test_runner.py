@@ -15,7 +15,6 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
 from flows.recipe import load_recipe, run_setup
-from pipeline.artifact import Inputs
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
 from pipeline.named_runs import NamedTaskRunner
@@ -48,12 +47,12 @@ def _attempt(config: Flaky) -> dict:
 
 
 @step("flaky_here", version=1, kind="report", retries=2, retry_delay=0)
-def flaky_here(config: Flaky, inputs: Inputs, out: Path, *, log=print) -> dict:
+def flaky_here(config: Flaky, *, out: Path, log=print) -> dict:
     return _attempt(config)
 
 
 @step("flaky_child", version=1, kind="report", isolate=True, retries=1, retry_delay=0)
-def flaky_child(config: Flaky, inputs: Inputs, out: Path, *, log=print) -> dict:
+def flaky_child(config: Flaky, *, out: Path, log=print) -> dict:
     return _attempt(config)
 
 
@@ -124,7 +123,7 @@ class Stage(BaseModel):
 
 
 @step("stage_like", version=1, kind="checkpoint", resumable=True, retries=1, retry_delay=0)
-def stage_like(config: Stage, inputs: Inputs, out: Path, *, log=print) -> dict:
+def stage_like(config: Stage, *, out: Path, log=print) -> dict:
     """A training stage's contract: checkpoints in its folder, LaunchFailed when the job dies."""
     from infra.launchers.base import FailureFacts, LaunchFailed
 
@@ -162,25 +161,25 @@ class Steps(BaseModel):
 
 
 @step("stops_early", version=1, kind="report")
-def stops_early(config: Steps, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+def stops_early(config: Steps, *, out: Path, log=print, progress=None) -> dict[str, Any]:
     progress(config.last_report)  # e.g. a watcher reporting in 10% steps, never the end
     return {"reported": config.last_report}
 
 
 @step("stops_early_child", version=1, kind="report", isolate=True)
-def stops_early_child(config: Steps, inputs: Inputs, out: Path, *, log=print, progress=None) -> dict[str, Any]:
+def stops_early_child(config: Steps, *, out: Path, log=print, progress=None) -> dict[str, Any]:
     progress(config.last_report)
     return {"reported": config.last_report}
 
 
 @step("scores_a_model", version=1, kind="eval")
-def scores_a_model(config: Steps, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def scores_a_model(config: Steps, *, out: Path, log=print) -> dict[str, Any]:
     """An evaluation's meta, as `evaluate` writes it: it names the model it scored."""
     return {"model_dir": str(out.parent / "elsewhere" / "model"), "scores": {}}
 
 
 @step("tiny_model", version=1, kind="hf_model")
-def tiny_model(config: Steps, inputs: Inputs, out: Path, *, log=print) -> dict[str, Any]:
+def tiny_model(config: Steps, *, out: Path, log=print) -> dict[str, Any]:
     """A model step as export and post-training write them: the model in `out/model`."""
     from model.config import ModelConfig
     from model.hf import export_hf

@@ -11,21 +11,22 @@ import pytest
 from pipeline.artifact import Artifact
 from tasks.evaluate import (
     EvalConfig,
+    SuiteSpec,
     arithmetic_items,
-    build_suite,
     contamination,
+    eval_suite,
     passkey_items,
     prose_items,
     run_lm_eval,
     stage_tasks,
 )
-from tasks.sources import SourceConfig, build_corpus
+from tasks.sources import SourceConfig, SourceSpec, source
 
 
 def _corpus(tmp_path, name, uri, domain, n):
     out = tmp_path / name
     cfg = SourceConfig(name=name, uri=uri, domain=domain, max_documents=n, held_out_fraction=0.3)
-    meta = build_corpus(cfg, 0, out, log=lambda _: None)
+    meta = source(SourceSpec(source=cfg), out=out, log=lambda _: None)
     return Artifact(kind="corpus", uri=str(out), fingerprint=name * 8, meta=meta)
 
 
@@ -78,7 +79,7 @@ def test_contamination_finds_planted_overlap():
     assert report["t"] == {"items": 2, "contaminated": 1, "rate": 0.5}
 
 
-def test_build_suite_writes_lm_eval_tasks(tmp_path):
+def test_eval_suite_writes_lm_eval_tasks(tmp_path):
     sources = [
         _corpus(tmp_path, "prose", "builtin:prose", "web", 60),
         _corpus(tmp_path, "code", "builtin:code", "code", 40),
@@ -89,10 +90,10 @@ def test_build_suite_writes_lm_eval_tasks(tmp_path):
     leaked = tmp_path / "leaked"
     shutil.copytree(tmp_path / "math" / "heldout", leaked / "train")
     training = [*sources, Artifact(kind="corpus", uri=str(leaked), fingerprint="l" * 64, meta={})]
-    meta = build_suite(cfg, sources, training, tmp_path / "suite", log=lambda _: None)
+    meta = eval_suite(SuiteSpec(eval=cfg), heldout=sources, train=training, out=tmp_path / "suite", log=lambda _: None)
     assert set(meta["tasks"]) == {"prose_cloze", "code_cloze", "arithmetic_cloze", "passkey_50"}
     assert meta["contamination"]["arithmetic_cloze"] == 1.0
-    clean = build_suite(cfg, sources, sources, tmp_path / "suite2", log=lambda _: None)
+    clean = eval_suite(SuiteSpec(eval=cfg), heldout=sources, train=sources, out=tmp_path / "suite2", log=lambda _: None)
     assert clean["contamination"]["prose_cloze"] < 0.5
     task_dir = tmp_path / "suite" / "tasks"
     assert "dataset_path: json" in (task_dir / "prose_cloze.yaml").read_text()
@@ -200,20 +201,22 @@ def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     assert 0.0 <= ours["gen_test"]["exact_match"] <= 1.0
 
 
-def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_items_and_random(tmp_path, tiny_hf_model):
+def test_evaluate_logs_progress_and_records_one_metric_per_task_with_stderr_items_and_random(tmp_path, tiny_hf_model):
     """`evaluate`'s build on a real suite and model: items done per task and an ETA while lm-eval
     runs, 100% at the end; per task its headline metric ± stderr, items and random baseline;
     lm-eval's own results file beside the scores, readable by lm-eval's own table printer."""
     from lm_eval.utils import make_table
 
-    from tasks.evaluate import build_eval
+    from tasks.evaluate import EvalSpec, evaluate
 
     sources = [
         _corpus(tmp_path, "prose", "builtin:prose", "web", 60),
         _corpus(tmp_path, "math", "builtin:math", "math", 300),
     ]
     cfg = EvalConfig(items_per_task=12, passkey_lengths=(30,), passkey_items=3, batch_size=4, device="cpu")
-    suite_meta = build_suite(cfg, sources, sources, tmp_path / "suite", log=lambda _: None)
+    suite_meta = eval_suite(
+        SuiteSpec(eval=cfg), heldout=sources, train=sources, out=tmp_path / "suite", log=lambda _: None
+    )
     suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta=suite_meta)
     model = Artifact(
         kind="hf_model",
@@ -225,7 +228,9 @@ def test_build_eval_logs_progress_and_records_one_metric_per_task_with_stderr_it
     lines, percents = [], []
     out = tmp_path / "eval"
     out.mkdir()
-    meta = build_eval(cfg, model, suite, out, tasks, log=lines.append, progress=percents.append)
+    meta = evaluate(
+        EvalSpec(eval=cfg, long_context=True), model, suite, out=out, log=lines.append, progress=percents.append
+    )
 
     counts = suite_meta["tasks"]
     assert meta["items"] == {t: counts[t] for t in tasks}

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from pipeline.artifact import Artifact
-from tasks.fertility import FertilityConfig, build_fertility, decide, measure
+from tasks.fertility import FertilityConfig, FertilitySpec, decide, fertility, measure
 from tests.tasks.datafiles import PARAGRAPHS, corpus
 
 TEXTS = ["ab cd", "abc d"]
@@ -77,7 +77,7 @@ def test_build_writes_table_chart_and_decision(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     config = FertilityConfig(candidates=(str(tmp_path / "words.json"),))
-    meta = build_fertility(config, [trained, web, code], out, {"web": 0.5, "code": 0.5})
+    meta = fertility(FertilitySpec(fertility=config, weights={"web": 0.5, "code": 0.5}), trained, [web, code], out=out)
     assert meta["selected"]["name"] == str(tmp_path / "words.json")
     assert meta["selected"]["eos_token"] == "<|endoftext|>" and meta["selected"]["eos_id"] == 0
     assert meta["candidates"] == ["trained", str(tmp_path / "words.json")]
@@ -88,7 +88,9 @@ def test_build_writes_table_chart_and_decision(tmp_path):
     assert (out / "fertility.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "decision.json").read_text())["tokenizer"]["path"].endswith("words.json")
     with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
-        build_fertility(FertilityConfig(candidates=("./missing/tokenizer.json",)), [web], out)
+        fertility(
+            FertilitySpec(fertility=FertilityConfig(candidates=("./missing/tokenizer.json",))), corpora=[web], out=out
+        )
 
 
 def test_hub_candidate_that_cannot_be_fetched_says_what_to_do(monkeypatch):
@@ -111,7 +113,7 @@ def test_measured_on_curated_text_and_says_which(tmp_path):
     import csv
 
     from curation.filters import prose_text
-    from tasks.curate import CurationConfig, DecontaminationConfig, build_curated
+    from tasks.curate import CurationConfig, DecontaminationConfig, curate
 
     words = tmp_path / "words.json"
     word_level(words)
@@ -126,7 +128,7 @@ def test_measured_on_curated_text_and_says_which(tmp_path):
     cfg = CurationConfig(
         presets={"docs": "docs"}, exact_dedup=False, minhash=False, decontamination=DecontaminationConfig(enabled=False)
     )
-    meta = build_curated(cfg, raw, out, log=lambda _: None)
+    meta = curate(cfg, raw, out=out, log=lambda _: None)
     assert meta["heldout_documents"] == 1
     curated = Artifact(kind="corpus", uri=str(out), fingerprint="c" * 64, meta=meta)
     emptied = corpus(tmp_path / "code", [("t", "abc d ab cd")], heldout=[], source="code")
@@ -136,7 +138,12 @@ def test_measured_on_curated_text_and_says_which(tmp_path):
     logs: list[str] = []
     fert = tmp_path / "fert"
     fert.mkdir()
-    meta = build_fertility(FertilityConfig(candidates=(str(words),)), [curated, emptied, other], fert, log=logs.append)
+    meta = fertility(
+        FertilitySpec(fertility=FertilityConfig(candidates=(str(words),))),
+        corpora=[curated, emptied, other],
+        out=fert,
+        log=logs.append,
+    )
     assert meta["text"] == {"docs": "curated held-out", "code": "curated train sample", "web": "uncurated held-out"}
     rows = {r["source"]: r for r in csv.DictReader(open(fert / "fertility.csv"))}
     assert int(rows["docs"]["words"]) == len(prose_text(readme).split()) < len(readme.split())

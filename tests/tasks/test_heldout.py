@@ -21,10 +21,10 @@ from pipeline.artifact import Artifact
 from tasks.heldout import (
     HeldoutEvalSpec,
     HeldoutSpec,
-    build_heldout,
-    build_heldout_eval,
+    heldout_eval,
     heldout_loss,
     heldout_scores,
+    heldout_tokens,
     token_bytes,
 )
 
@@ -85,8 +85,12 @@ def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
     corpus = _corpus(tmp_path, "prose", TEXTS)
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_heldout(
-        HeldoutSpec(domain="prose", sources=("prose",), max_tokens=10_000), [tok, corpus], out, log=lambda _: None
+    meta = heldout_tokens(
+        HeldoutSpec(domain="prose", sources=("prose",), max_tokens=10_000),
+        tokenizer=tok,
+        corpora=[corpus],
+        out=out,
+        log=lambda _: None,
     )
     ids, nbytes = np.load(meta["file"]), np.load(meta["bytes_file"])
     assert len(ids) == len(nbytes) == meta["tokens"]
@@ -195,12 +199,18 @@ def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
         fingerprint="h" * 64,
         meta={"domain": "prose", "eos_id": 0, "file": str(held / "tokens.npy"), "bytes_file": str(held / "bytes.npy")},
     )
-    every = build_heldout_eval(
-        HeldoutEvalSpec(every_checkpoint=True), [trained_stage, heldout], tmp_path, log=lambda _: None
+    every = heldout_eval(
+        HeldoutEvalSpec(every_checkpoint=True),
+        checkpoint=trained_stage,
+        heldout=[heldout],
+        out=tmp_path,
+        log=lambda _: None,
     )
     assert [p["step"] for p in every["points"]] == [2, 4]
     assert [p["global_step"] for p in every["points"]] == [2, 4]
-    last = build_heldout_eval(HeldoutEvalSpec(), [trained_stage, heldout], tmp_path, log=lambda _: None)
+    last = heldout_eval(
+        HeldoutEvalSpec(), checkpoint=trained_stage, heldout=[heldout], out=tmp_path, log=lambda _: None
+    )
     assert [p["step"] for p in last["points"]] == [4]
     assert every["scores"] == last["scores"] == every["points"][-1]["scores"]
     first, final = (p["scores"]["heldout_prose"]["bpb"] for p in every["points"])

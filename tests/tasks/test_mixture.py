@@ -11,7 +11,7 @@ import yaml
 
 from flows.recipe import RecipeError, load_recipe
 from pipeline.artifact import Artifact
-from tasks.mixture import MixtureError, MixtureWarning, StageConfig, build_plan, load_weights
+from tasks.mixture import MixtureError, MixtureSpec, MixtureWarning, StageConfig, load_weights, mixture
 
 REPO = Path(__file__).resolve().parents[2]
 CSV = REPO / "docs" / "reference" / "smollm3_mixture_weights.csv"  # the published weights
@@ -100,7 +100,7 @@ def test_plan_budgets_epochs_and_contract(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.warns(MixtureWarning) as caught:
-        meta = build_plan(stage, shards, out, seed=7)
+        meta = mixture(MixtureSpec.of(stage, 7), shards, out=out)
     messages = [str(w.message) for w in caught]
     assert any("weights sum to 1.5, not 1; normalised" in m for m in messages)
     assert any("'prose' would repeat 6.0 times" in m for m in messages)
@@ -125,7 +125,7 @@ def test_plan_is_read_by_the_trainer_loader(tmp_path):
     stage = StageConfig(name="stage2", mixture=str(mix), tokens=1000, seq_len=8)
     out = tmp_path / "out"
     out.mkdir()
-    build_plan(stage, [_shards(tmp_path, "a", 600), _shards(tmp_path, "b", 600)], out)
+    mixture(MixtureSpec.of(stage, 0), [_shards(tmp_path, "a", 600), _shards(tmp_path, "b", 600)], out=out)
     plan = data.MixturePlan.load(out / "plan.json")
     assert plan.stage == "stage2" and [s.name for s in plan.sources] == ["a", "b"]
 
@@ -135,12 +135,12 @@ def test_plan_refuses_sources_without_shards_and_mixed_tokenizers(tmp_path):
     mix.write_text(yaml.safe_dump({"weights": {"a": 1.0, "ghost": 1.0}}))
     stage = StageConfig(name="s", mixture=str(mix), tokens=10, seq_len=2)
     with pytest.raises(MixtureError, match="unknown source\\(s\\) ghost"):
-        build_plan(stage, [_shards(tmp_path, "a", 100)], tmp_path)
+        mixture(MixtureSpec.of(stage, 0), [_shards(tmp_path, "a", 100)], out=tmp_path)
     mix.write_text(yaml.safe_dump({"weights": {"a": 1.0, "b": 1.0}}))
     b = _shards(tmp_path, "b", 100)
     b = b.model_copy(update={"meta": {**b.meta, "vocab_size": 128256, "token_dtype": "uint32"}})
     with pytest.raises(MixtureError, match="shards disagree on vocab_size"):
-        build_plan(stage, [_shards(tmp_path, "a", 100), b], tmp_path)
+        mixture(MixtureSpec.of(stage, 0), [_shards(tmp_path, "a", 100), b], out=tmp_path)
 
 
 def test_tiny_mixtures_load():

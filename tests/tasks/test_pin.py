@@ -11,7 +11,7 @@ import pytest
 from flows.anneal import anneal_runs, anneal_stage
 from flows.recipe import AnnealConfig, CandidateConfig
 from pipeline.workspace import Workspace
-from tasks.pin import pin_base, resolve_base
+from tasks.pin import pin, resolve_base
 from tests.tasks.conftest import _checkpoint
 
 
@@ -65,7 +65,7 @@ def test_pin_links_the_checkpoint_so_pruning_the_original_does_not_matter(run_ws
     out = tmp_path / "pin"
     (folders["stage2"] / "checkpoints" / "step_00000003" / "model_config.json").write_text("{}")
     base = resolve_base(ws.lineage(), ws)
-    meta = pin_base(base, out)
+    meta = pin(base.pin_spec(), out=out)
     pinned = Path(meta["checkpoint"])
     # Same filesystem: pinned by hard links, so a multi-GB checkpoint costs no copy.
     assert (pinned / "trainer_state.json").stat().st_nlink == 2

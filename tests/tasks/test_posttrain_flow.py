@@ -19,8 +19,8 @@ import pytest
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from pipeline.artifact import Inputs
-from pipeline.step import many, step
+from pipeline.artifact import Artifact
+from pipeline.step import step
 from tests.conftest import SMALL
 
 POSTTRAIN = [
@@ -42,11 +42,11 @@ POSTTRAIN = [
 
 
 @step("tiny_base", version=1, kind="hf_model")
-def tiny_base(config: dict, inputs: Inputs, out: Path, *, log=print) -> dict:
+def tiny_base(config: dict, corpora: tuple[Artifact, ...] = (), *, out: Path, log=print) -> dict:
     """A random tiny SmolLM3 exported with a tokenizer trained on the input corpora."""
     from tests.tasks.test_posttrain_steps import corpus_texts, make_tiny_model
 
-    folder = make_tiny_model(out, corpus_texts(list(many(inputs, "corpora"))), hidden=config["hidden"])
+    folder = make_tiny_model(out, corpus_texts(list(corpora)), hidden=config["hidden"])
     return {"stage": "long2", "model_dir": str(folder)}
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifact import Artifact, read_marker, run_step
-from tasks.posttrain.data import build_chat_data, external_conversations, math_conversation
+from tasks.posttrain.data import external_conversations, math_conversation, posttrain_data
 from trainers.posttrain.config import (
     ChatDataConfig,
+    ChatDataSpec,
     DistillConfig,
     GRPOConfig,
     MergeConfig,
@@ -59,7 +60,7 @@ def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int =
 
 def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> list[Artifact]:
     """Built-in math and prose corpora (train/heldout shards) as corpus artifacts."""
-    from tasks.sources import SourceConfig, build_corpus
+    from tasks.sources import SourceConfig, SourceSpec, source
 
     arts = []
     for name, uri, domain, n in (
@@ -67,7 +68,7 @@ def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> li
         ("prose", "builtin:prose", "web", prose_docs),
     ):
         cfg = SourceConfig(name=name, uri=uri, domain=domain, max_documents=n, held_out_fraction=0.2)
-        meta = build_corpus(cfg, 0, folder / name, log=lambda _: None)
+        meta = source(SourceSpec(source=cfg), out=folder / name, log=lambda _: None)
         arts.append(Artifact(kind="corpus", uri=str(folder / name), fingerprint=name * 8, meta=meta))
     return arts
 
@@ -92,7 +93,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("posttrain")
     corpora = make_corpora(root / "corpora")
     base = make_tiny_model(root, corpus_texts(corpora))
-    data_meta = build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    data_meta = posttrain_data(ChatDataSpec(data=DATA), corpora, out=root / "data", log=lambda _: None)
     sft_log: list[str] = []
     sft_progress: list[float] = []
     sft_meta = train_sft(
@@ -237,14 +238,14 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     from safetensors.torch import load_file
 
     from pipeline.artifact import Artifact
-    from tasks.posttrain.merge import build_merge
+    from tasks.posttrain.merge import merge
 
     post, base = Path(world["sft"]["model_dir"]), world["base"]
     arts = [
         Artifact(kind="hf_model", uri=str(p), fingerprint=c * 64, meta={"model_dir": str(p), "stage": s})
         for p, c, s in ((post, "a", "sft"), (base, "b", "long2"))
     ]
-    meta = build_merge(MergeSpec(weights=(0.9, 0.1)), arts, tmp_path, log=lambda _: None)
+    meta = merge(MergeSpec(weights=(0.9, 0.1)), arts, out=tmp_path, log=lambda _: None)
     merged = load_file(str(tmp_path / "model" / "model.safetensors"))
     a, b = load_file(str(post / "model.safetensors")), load_file(str(base / "model.safetensors"))
     for name in a:
@@ -254,13 +255,13 @@ def test_linear_merge_is_the_weighted_sum(world, tmp_path):
     with pytest.raises(ValueError, match="summing to 1"):
         MergeSpec(weights=(0.9, 0.2))
     with pytest.raises(ValueError, match="2 models but the config has 3 weights"):
-        build_merge(MergeSpec(weights=(0.5, 0.3, 0.2)), arts, tmp_path / "w")
+        merge(MergeSpec(weights=(0.5, 0.3, 0.2)), arts, out=tmp_path / "w")
     other = make_tiny_model(world["root"], [], hidden=32)
     with pytest.raises(ValueError, match="not the same architecture"):
-        build_merge(
+        merge(
             MergeSpec(weights=(0.9, 0.1)),
             [arts[0], Artifact(kind="hf_model", uri=str(other), fingerprint="c" * 64, meta={"model_dir": str(other)})],
-            tmp_path / "x",
+            out=tmp_path / "x",
         )
 
 
@@ -268,7 +269,7 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
     """0.9 x uniform soup of three models + 0.1 x the base, through the two merge steps."""
     from safetensors.torch import load_file
 
-    from tasks.posttrain.merge import build_merge
+    from tasks.posttrain.merge import merge
 
     soup_in = [make_tiny_model(world["root"], [], seed=s) for s in (3, 4, 5)]
     arts = [
@@ -279,7 +280,7 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
     ]
     section = MergeConfig(soup=(SoupConfig(name="apo-s1", seed=1), SoupConfig(name="apo-s2", seed=2)))
     assert section.soup_mix() == pytest.approx((1 / 3, 1 / 3, 1 / 3))
-    soup = build_merge(MergeSpec(weights=section.soup_mix()), arts, tmp_path / "soup", log=lambda _: None)
+    soup = merge(MergeSpec(weights=section.soup_mix()), arts, out=tmp_path / "soup", log=lambda _: None)
     assert soup["merged"] == ["apo (seed 0)", "apo (seed 1)", "apo (seed 2)"]
     soup_art = Artifact(
         kind="hf_model",
@@ -293,7 +294,7 @@ def test_a_soup_then_a_linear_merge_is_the_smollm3_weighted_sum(world, tmp_path)
         fingerprint="b" * 64,
         meta={"model_dir": str(world["base"]), "stage": "long2"},
     )
-    build_merge(MergeSpec(weights=section.weights), [soup_art, base], tmp_path / "final", log=lambda _: None)
+    merge(MergeSpec(weights=section.weights), [soup_art, base], out=tmp_path / "final", log=lambda _: None)
     final = load_file(str(tmp_path / "final" / "model" / "model.safetensors"))
     parts = [load_file(str(p / "model.safetensors")) for p in soup_in]
     b = load_file(str(world["base"] / "model.safetensors"))

@@ -132,9 +132,9 @@ def test_warn_stops_and_allow_warn_proceeds(tmp_path):
     out.mkdir(parents=True)
     cfg = PreflightConfig(checks=("gpu_count",), expected_gpus=1)
     with pytest.raises(tp.PreflightFailed, match="allow_warn=true"):
-        tp.build_preflight(cfg, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
+        tp.run_checks(cfg, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
     ok = PreflightConfig(checks=("gpu_count",), expected_gpus=1, allow_warn=True)
-    meta = tp.build_preflight(ok, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
+    meta = tp.run_checks(ok, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
     assert meta["warned"] == ["gpu_count"] and meta["allow_warn"]
 
 

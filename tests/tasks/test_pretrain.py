@@ -32,8 +32,14 @@ def test_smollm3_3b_schedule_matches_the_published_numbers():
     assert long32k.reset_optimizer and long32k.schedule.kind == "cosine"
     assert long32k.optimizer.lr == pytest.approx(2e-5)
     assert long32k.rope_theta == 2e6 and long64k.rope_theta == 5e6
-    # 47B tokens at one 32k sequence per rank on 192 ranks (docs: fewer, larger steps than SmolLM3).
-    assert long32k.steps == 7471 and recipe.launch.nodes * recipe.training.nproc_per_node == 192
+    # The published layout: 48 nodes x 8 H100, TP 2, DP 192, 576 x 4,096 tokens per step.
+    assert recipe.launch.nodes * recipe.training.nproc_per_node == 384
+    assert all(r.tp == 2 and r.global_batch == 576 and r.seq_len == 4096 for r in main)
+    # The long-context stages at the published ~2.36M tokens per step: 47B / (72 x 32k) and
+    # 52B / (36 x 64k) steps, the published 20k and 22k; 1,000 warmup steps are ~5% of each.
+    assert long32k.global_batch * long32k.seq_len == 72 * 32768 and long32k.steps == 19922
+    assert long64k.global_batch * long64k.seq_len == 36 * 65536 and long64k.steps == 22041
+    assert long32k.schedule.warmup_steps == long64k.schedule.warmup_steps == 1000
 
 
 def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
@@ -106,7 +112,7 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     the newest complete checkpoint from S3 and continues from it instead of starting over."""
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import Artifact
-    from tasks.pretrain import FAILURE_ENV, StageSpec, build_stage
+    from tasks.pretrain import FAILURE_ENV, StageSpec, pretrain
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
 
@@ -138,13 +144,13 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     out.mkdir(parents=True)
     monkeypatch.setenv(FAILURE_ENV, "stage1")
     with pytest.raises(RuntimeError, match="injected failure"):
-        build_stage(run, {"mixture": mixture}, out, log=lambda _: None)
+        pretrain(run, mixture=mixture, out=out, log=lambda _: None)
     remote = {k.split("/")[-2] for k in _keys(client) if k.endswith("_COMPLETE.json") or "/step_" in k}
     assert remote, "no checkpoint reached S3"
     shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
     (out / "metrics.jsonl").unlink()
     lines: list[str] = []
-    meta = build_stage(run, {"mixture": mixture}, out, log=lines.append)
+    meta = pretrain(run, mixture=mixture, out=out, log=lines.append)
     assert any("pulled step_" in line for line in lines)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert 10 < first["step"] < 60, "the rerun started from scratch instead of the S3 checkpoint"
@@ -167,7 +173,7 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     from infra.preflight.compute import cpu_matmul_gflops
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import MARKER, Artifact
-    from tasks.pretrain import StageSpec, build_stage
+    from tasks.pretrain import StageSpec, pretrain
     from tests.model.conftest import write_two_source_plan
 
     ws = tmp_path / "ws"
@@ -218,7 +224,7 @@ def test_a_stage_streams_its_trainer_lines_and_measures_mfu_against_this_hosts_p
     out = ws / "pretrain" / "abcdef123456"
     out.mkdir(parents=True)
     lines: list[str] = []
-    meta = build_stage(StageSpec(spec=spec, threads=1), {"mixture": mixture}, out, log=lines.append)
+    meta = pretrain(StageSpec(spec=spec, threads=1), mixture=mixture, out=out, log=lines.append)
 
     assert [line.split(" |")[0] for line in lines if " step " in line and "/3 |" in line] == [
         "stage1 step 1/3",

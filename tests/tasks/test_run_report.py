@@ -11,10 +11,10 @@ import pytest
 from pipeline.artifact import Artifact
 from tasks.run_report import (
     RunReportSpec,
-    build_run_report,
     eval_rows,
     eval_table_markdown,
     eval_table_text,
+    run_report,
     run_series,
     stage_rows,
 )
@@ -34,7 +34,7 @@ def two_stages(tmp_path_factory):
     """Two real stages of one WSD schedule (3 + 3 steps, the decay in the second), trained by the
     pretrain step's build: stage 2 continues stage 1's checkpoint and schedule."""
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
-    from tasks.pretrain import StageSpec, build_stage
+    from tasks.pretrain import StageSpec, pretrain
     from tests.model.conftest import write_two_source_plan
 
     root = tmp_path_factory.mktemp("stages")
@@ -57,7 +57,7 @@ def two_stages(tmp_path_factory):
         folder = root / "pretrain" / name
         folder.mkdir(parents=True)
         inputs = {"mixture": mixture, **({"init": previous} if previous else {})}
-        meta = build_stage(StageSpec(spec=spec, threads=1), inputs, folder, log=lambda _: None)
+        meta = pretrain(StageSpec(spec=spec, threads=1), **inputs, out=folder, log=lambda _: None)
         previous = Artifact(kind="checkpoint", uri=str(folder), fingerprint=name * 10, meta=meta)
         out.append((name, previous))
     return out
@@ -82,7 +82,7 @@ def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, 
     inputs = {"stages": tuple(a for _, a in two_stages), "evals": ()}
     out = tmp_path / "report"
     out.mkdir()
-    meta = build_run_report(RunReportSpec(stages=("stage1", "stage2")), inputs, out, log=lambda _: None)
+    meta = run_report(RunReportSpec(stages=("stage1", "stage2")), out=out, log=lambda _: None, **inputs)
     assert meta["steps"] == 6 and meta["tokens"] == 6 * 8 * 32
     assert meta["final_loss"] == two_stages[-1][1].meta["final_loss"]
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
@@ -90,7 +90,7 @@ def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, 
     assert "| stage2 | pretrain | 4-6 | 768 |" in table
     assert "MFU" in table and "(none: no datasheet peak for cpu float32" in table  # no peak here: said so
     with pytest.raises(ValueError, match="2 `stages` inputs but 1 labels in config.stages"):
-        build_run_report(RunReportSpec(stages=("stage1",)), inputs, out)
+        run_report(RunReportSpec(stages=("stage1",)), out=out, **inputs)
 
 
 def _eval(root: Path, name: str, scores: dict, **meta) -> Artifact:

@@ -7,14 +7,7 @@ import json
 
 import pytest
 
-from tasks.sources import (
-    SourceConfig,
-    build_corpus,
-    check_sources,
-    is_held_out,
-    read_shards,
-    source_state,
-)
+from tasks.sources import SourceConfig, SourceSpec, check_sources, is_held_out, read_shards, source, source_state
 
 
 def _cfg(**kw) -> SourceConfig:
@@ -28,9 +21,9 @@ def _texts(folder):
 
 def test_builtin_math_is_deterministic_per_seed(tmp_path):
     cfg = _cfg(max_documents=300)
-    a = build_corpus(cfg, 0, tmp_path / "a", log=lambda _: None)
-    b = build_corpus(cfg, 0, tmp_path / "b", log=lambda _: None)
-    c = build_corpus(cfg, 1, tmp_path / "c", log=lambda _: None)
+    a = source(SourceSpec(source=cfg), out=tmp_path / "a", log=lambda _: None)
+    b = source(SourceSpec(source=cfg), out=tmp_path / "b", log=lambda _: None)
+    c = source(SourceSpec(source=cfg, seed=1), out=tmp_path / "c", log=lambda _: None)
     assert _texts(tmp_path / "a" / "train") == _texts(tmp_path / "b" / "train")
     assert _texts(tmp_path / "a" / "train") != _texts(tmp_path / "c" / "train")
     assert a["documents"] + a["heldout_documents"] == 300 == c["documents"] + c["heldout_documents"]
@@ -41,7 +34,7 @@ def test_builtin_math_is_deterministic_per_seed(tmp_path):
 
 
 def test_math_answers_are_correct(tmp_path):
-    build_corpus(_cfg(max_documents=200), 3, tmp_path, log=lambda _: None)
+    source(SourceSpec(source=_cfg(max_documents=200), seed=3), out=tmp_path, log=lambda _: None)
     checked = 0
     for doc in read_shards(tmp_path / "train"):
         first = doc["text"].split("\n")[0]
@@ -53,11 +46,15 @@ def test_math_answers_are_correct(tmp_path):
 
 
 def test_builtin_prose_and_code(tmp_path):
-    prose = build_corpus(
-        _cfg(uri="builtin:prose", domain="web", max_documents=80), 0, tmp_path / "p", log=lambda _: None
+    prose = source(
+        SourceSpec(source=_cfg(uri="builtin:prose", domain="web", max_documents=80)),
+        out=tmp_path / "p",
+        log=lambda _: None,
     )
-    code = build_corpus(
-        _cfg(uri="builtin:code", domain="code", max_documents=30), 0, tmp_path / "c", log=lambda _: None
+    code = source(
+        SourceSpec(source=_cfg(uri="builtin:code", domain="code", max_documents=30)),
+        out=tmp_path / "c",
+        log=lambda _: None,
     )
     kinds = {d["metadata"]["kind"] for d in read_shards(tmp_path / "p" / "train")}
     assert "pydoc_topic" in kinds and prose["characters"] > 50_000
@@ -67,7 +64,7 @@ def test_builtin_prose_and_code(tmp_path):
 
 
 def test_held_out_split_is_disjoint_and_stable(tmp_path):
-    meta = build_corpus(_cfg(max_documents=2000, held_out_fraction=0.1), 0, tmp_path, log=lambda _: None)
+    meta = source(SourceSpec(source=_cfg(max_documents=2000, held_out_fraction=0.1)), out=tmp_path, log=lambda _: None)
     train = {d["id"] for d in read_shards(tmp_path / "train")}
     held = {d["id"] for d in read_shards(tmp_path / "heldout")}
     assert not train & held
@@ -94,7 +91,7 @@ def test_files_source_counts_every_bad_record(tmp_path):
         uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id", max_document_chars=1000, held_out_fraction=0.0
     )
     logs: list[str] = []
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=logs.append)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=logs.append)
     assert meta["documents"] == 2
     assert meta["rejected"] == {
         "malformed_json": 2,
@@ -119,9 +116,64 @@ def test_files_source_reads_gzip_and_parquet_and_writes_parquet(tmp_path):
     cfg = _cfg(
         uri=f"files:{tmp_path}/*", domain="web", text_field="body", held_out_fraction=0.0, output_format="parquet"
     )
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
-    assert meta["shards"]["train"] == ["00000.parquet"]
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
+    assert meta["shards"]["train"] == ["00000.parquet", "00001.parquet"]  # dealt: one document each
     assert sorted(_texts(tmp_path / "out" / "train")) == ["gzip document", "parquet document"]
+
+
+def test_train_split_is_dealt_into_enough_shards_for_the_tasks(tmp_path):
+    """A source under documents_per_shard still splits into `shards` near-equal shards (so
+    curation runs that many tasks), and a large one into shards of documents_per_shard."""
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": f"document {i}", "id": str(i)}) + "\n" for i in range(100))
+    )
+    small = _cfg(uri=f"files:{tmp_path}/d.jsonl", domain="web", id_field="id", held_out_fraction=0.0, shards=8)
+    meta = source(SourceSpec(source=small, seed=0), out=tmp_path / "small", log=lambda _: None)
+    sizes = [len(list(read_shards_file(tmp_path / "small" / "train" / n))) for n in meta["shards"]["train"]]
+    assert len(sizes) == 8 and sorted(sizes) == [12] * 4 + [13] * 4
+    assert meta["shards"]["heldout"] == []  # one stream, no documents
+    capped = small.model_copy(update={"shards": 2, "documents_per_shard": 10})
+    meta = source(SourceSpec(source=capped, seed=0), out=tmp_path / "capped", log=lambda _: None)
+    assert len(meta["shards"]["train"]) == 10  # two streams, each rolled over every 10 documents
+    texts = [t for n in meta["shards"]["train"] for t in read_shards_file(tmp_path / "capped" / "train" / n)]
+    assert sorted(texts) == sorted(f"document {i}" for i in range(100))
+
+
+def read_shards_file(path):
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line)["text"] for line in fh]
+
+
+def test_blank_lines_of_a_jsonl_file_are_counted(tmp_path):
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n   \n{"text": "two"}\n')
+    cfg = _cfg(uri=f"files:{tmp_path}/b.jsonl", domain="web", held_out_fraction=0.0)
+    meta = source(SourceSpec(source=cfg, seed=0), out=tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 2 and meta["rejected"] == {"blank_line": 2}
+    assert meta["rejected_examples"]["blank_line"] == ["b.jsonl:2", "b.jsonl:3"]
+
+
+def test_a_text_field_that_holds_no_strings_is_refused_by_the_check(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": {"body": "a struct, not text", "lang": "en"}, "id": "1"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
+    (tmp_path / "l.jsonl").write_text(json.dumps({"text": ["a", "list"]}) + "\n")
+    datasets.Dataset.from_dict({"text": [[1, 2]]}).save_to_disk(str(tmp_path / "ds"))
+    problems = check_sources(
+        [
+            _cfg(name="pq", uri=f"files:{tmp_path}/s.parquet", domain="web"),
+            _cfg(name="js", uri=f"files:{tmp_path}/l.jsonl", domain="web"),
+            _cfg(name="ds", uri=f"hf:{tmp_path / 'ds'}", domain="web"),
+        ]
+    )
+    assert [p.split(":")[0] for p in problems] == [
+        "sources[pq].text_field",
+        "sources[js].text_field",
+        "sources[ds].text_field",
+    ]
+    assert all("holds no strings" in p for p in problems)
 
 
 def test_files_source_state_follows_the_files(tmp_path):
@@ -135,7 +187,7 @@ def test_files_source_state_follows_the_files(tmp_path):
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
     with pytest.raises(ValueError, match=r"sources\[s\]\.uri: no files match"):
-        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+        source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
         source_state(cfg, 0)  # the fingerprint, computed before the step runs, says the same
 
@@ -196,24 +248,28 @@ def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
         pa.Table.from_pylist([{"content": f"doc {i}", "url": "u"} for i in range(10)]), tmp_path / "z.parquet"
     )
     cfg = _cfg(uri=f"files:{tmp_path}/*.parquet", domain="web", held_out_fraction=0.0)
-    meta = build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     assert meta["documents"] == 8 and meta["rejected"] == {"missing_text_field": 10}
     assert meta["rejected_examples"]["missing_text_field"] == ["z.parquet: all 10 rows"]
     only_bad = _cfg(uri=f"files:{tmp_path}/z.parquet", domain="web")
     with pytest.raises(
         ValueError, match=r"sources\[s\]\.text_field: 'text' is not a field of .*z.parquet \(fields: content, url\)"
     ):
-        build_corpus(only_bad, 0, tmp_path / "out2", log=lambda _: None)
+        source(SourceSpec(source=only_bad), out=tmp_path / "out2", log=lambda _: None)
 
 
 def test_no_documents_because_of_the_text_field_says_so(tmp_path):
-    (tmp_path / "n.jsonl").write_text("".join(json.dumps({"text": i, "id": str(i)}) + "\n" for i in range(5)))
-    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
-    assert check_sources([cfg]) == []  # the field exists (not as text): only reading tells
-    with pytest.raises(ValueError) as err:
-        build_corpus(cfg, 0, tmp_path / "out", log=lambda _: None)
-    assert "rejected: {'missing_text_field': 5}" in str(err.value)
-    assert "sources[s].text_field 'text' is not a text field of the records (fields: text, id)" in str(err.value)
+    # the first records hold strings (what the check reads), the rest numbers: only reading tells
+    lines = [{"text": "a document", "id": "0"}] + [{"text": i, "id": str(i)} for i in range(1, 30)]
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web", id_field="id", held_out_fraction=0.0)
+    assert check_sources([cfg]) == []  # of the first 20 records, one holds text in the field
+    meta = source(SourceSpec(source=cfg, seed=0), out=tmp_path / "out", log=lambda _: None)
+    assert meta["documents"] == 1 and meta["rejected"] == {"missing_text_field": 29}
+    numbers = _cfg(uri=f"files:{tmp_path}/n.jsonl", domain="web")
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[1:]))
+    with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' of .* holds no strings"):
+        source(SourceSpec(source=numbers, seed=0), out=tmp_path / "out2", log=lambda _: None)
 
 
 def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pipeline.artifact import Artifact
-from tasks.tokenize import TokenizeConfig, build_token_shards, token_dtype
-from tasks.tokenizer import TokenizerConfig, build_tokenizer
+from tasks.tokenize import TokenizeConfig, TokenizeSpec, token_dtype, tokenize
+from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, doc_line, random_text
 
 
@@ -18,7 +18,7 @@ def _tokenizer_artifact(tmp_path, texts) -> Artifact:
     out = tmp_path / "tok"
     out.mkdir()
     src = corpus(tmp_path / "tokdata", [(f"t{i}", t) for i, t in enumerate(texts)])
-    meta = build_tokenizer(TokenizerConfig(vocab_size=400, min_frequency=1), [src], out)
+    meta = tokenizer(TokenizerConfig(vocab_size=400, min_frequency=1), [src], out=out)
     return Artifact(kind="tokenizer", uri=str(out), fingerprint="2" * 64, meta=meta)
 
 
@@ -31,7 +31,7 @@ def test_shards_hold_every_document_followed_by_eos(tmp_path):
     art = corpus(tmp_path / "curated", lines[:10] + bad + lines[10:], source="dclm/dclm")
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_token_shards(TokenizeConfig(), (tok_art, art), out, seed=3)
+    meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(), seed=3), tokenizer=tok_art, corpus=art, out=out)
 
     assert meta["token_dtype"] == "uint16" and meta["eos_id"] == 0 and meta["documents"] == 25
     assert meta["rejected"] == {"malformed_json": 1, "missing_text_field": 1}
@@ -69,7 +69,7 @@ def test_token_type_follows_vocabulary_size_as_datatrove_decides(tmp_path):
     art = corpus(tmp_path / "c", [("a", "w1 w69999 w5"), ("b", "w68000")])
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_token_shards(TokenizeConfig(shuffle_documents=False), (fert, art), out)
+    meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(shuffle_documents=False)), tokenizer=fert, corpus=art, out=out)
     assert meta["token_dtype"] == "uint32" and meta["tokens"] == 6
     tokens = np.fromfile(out / meta["files"][0], dtype=np.uint32)
     assert tokens.tolist() == [3, 70001, 7, 0, 68002, 0]
@@ -96,3 +96,19 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     assert slurm[0].partition == "cpu" and slurm[0].tasks == 4
     with pytest.raises(ValueError, match="tokenize.executor is slurm but tokenize.slurm is not set"):
         make_executors(TokenizeConfig(executor="slurm"), stages, tmp_path / "d")
+
+
+def test_token_shards_are_the_same_whatever_the_worker_count(tmp_path):
+    """tokenize.workers is operational: 4 tasks run 1 or 2 at a time write the same bytes."""
+    rng = random.Random(1)
+    texts = [random_text(rng, rng.randint(5, 60)) for _ in range(40)]
+    tok_art = _tokenizer_artifact(tmp_path, texts)
+    art = corpus(tmp_path / "curated", [(f"d{i}", t) for i, t in enumerate(texts)], source="s", shards=4)
+    written = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        out.mkdir()
+        meta = tokenize(TokenizeSpec(tokenize=TokenizeConfig(tasks=4, workers=workers), seed=5), tok_art, art, out=out)
+        assert len(meta["files"]) == 4
+        written.append({f: (out / f).read_bytes() + (out / (f + ".index")).read_bytes() for f in meta["files"]})
+    assert written[0] == written[1]

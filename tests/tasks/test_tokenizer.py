@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.artifact import Artifact
-from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, build_tokenizer, train_bpe
+from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, tokenizer, train_bpe
 from tests.tasks.datafiles import corpus, random_text
 
 
@@ -21,7 +21,7 @@ def trained(tmp_path_factory):
     arts = [corpus(root / "prose", docs, source="prose"), corpus(root / "code", code, source="code")]
     out = root / "out"
     out.mkdir()
-    meta = build_tokenizer(TokenizerConfig(vocab_size=512, min_frequency=1), arts, out)
+    meta = tokenizer(TokenizerConfig(vocab_size=512, min_frequency=1), arts, out=out)
     return out, meta
 
 
@@ -76,20 +76,20 @@ def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
     plain.save(str(src))
     out = tmp_path / "out"
     out.mkdir()
-    meta = build_tokenizer(TokenizerConfig(path=str(src)), [], out)
+    meta = tokenizer(TokenizerConfig(path=str(src)), [], out=out)
     assert meta["origin"] == "given" and meta["vocab_size"] == 7
     assert set(meta["special_tokens"]) == set(SPECIAL_TOKENS)
     assert (out / "tokenizer.json").is_file() and base.get_vocab_size() <= 300
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
-        build_tokenizer(TokenizerConfig(path=str(tmp_path / "nope")), [], out)
+        tokenizer(TokenizerConfig(path=str(tmp_path / "nope")), [], out=out)
 
 
 def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(tmp_path):
     """tokenizer meta -> tokenize meta -> mixture plan -> trainers/pretrain.py build_model_config."""
     from model.data import MixturePlan
     from model.spec import TrainSpec
-    from tasks.mixture import StageConfig, build_plan
-    from tasks.tokenize import TokenizeConfig, build_token_shards
+    from tasks.mixture import MixtureSpec, StageConfig, mixture
+    from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
     from trainers.pretrain import build_model_config
 
     rng = random.Random(4)
@@ -97,19 +97,21 @@ def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(t
     out = tmp_path / "tok"
     out.mkdir()
     logs: list[str] = []
-    meta = build_tokenizer(TokenizerConfig(vocab_size=4096), [art], out, logs.append)
+    meta = tokenizer(TokenizerConfig(vocab_size=4096), [art], out=out, log=logs.append)
     real = meta["vocab_size"]
     assert real < 4096 and meta["requested_vocab_size"] == 4096
     assert len(meta["warnings"]) == 1 and f"has {real} entries, 4096 requested" in meta["warnings"][0]
     assert f"WARNING {meta['warnings'][0]}" in logs
     tok = Artifact(kind="tokenizer", uri=str(out), fingerprint="1" * 64, meta=meta)
     (tmp_path / "shards").mkdir()
-    smeta = build_token_shards(TokenizeConfig(), (tok, art), tmp_path / "shards", log=lambda _: None)
+    smeta = tokenize(
+        TokenizeSpec(tokenize=TokenizeConfig()), tokenizer=tok, corpus=art, out=tmp_path / "shards", log=lambda _: None
+    )
     shards = Artifact(kind="shards", uri=str(tmp_path / "shards"), fingerprint="2" * 64, meta=smeta)
     (tmp_path / "mix.yaml").write_text("weights: {toy: 1.0}\n")
     (tmp_path / "plan").mkdir()
     stage = StageConfig(name="s1", mixture=str(tmp_path / "mix.yaml"), tokens=1000, seq_len=16)
-    plan = build_plan(stage, [shards], tmp_path / "plan", log=lambda _: None)
+    plan = mixture(MixtureSpec.of(stage, 0), [shards], out=tmp_path / "plan", log=lambda _: None)
     loaded = MixturePlan.load(plan["plan"])
     spec = TrainSpec(mixture_plan=plan["plan"], out_dir=str(tmp_path / "run"), steps=1, global_batch=1, micro_batch=1)
     assert smeta["vocab_size"] == loaded.vocab_size == build_model_config(spec, loaded, 16).vocab_size == real

@@ -30,11 +30,12 @@ import pytest
 from infra.launchers import LaunchConfig, LaunchFailed
 from infra.storage import StorageConfig
 from pipeline.artifact import MARKER, Artifact, read_marker, run_step
-from tasks.posttrain.data import build_chat_data
+from tasks.posttrain.data import posttrain_data
 from tests.infra.test_storage import s3  # noqa: F401  (fixture: a moto S3 server)
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
 from trainers.posttrain.common import complete_checkpoints
 from trainers.posttrain.config import (
+    ChatDataSpec,
     GRPOConfig,
     PosttrainConfig,
     PosttrainSpec,
@@ -73,7 +74,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("launched")
     corpora = make_corpora(root / "corpora")
     base = make_tiny_model(root, corpus_texts(corpora))
-    build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    posttrain_data(ChatDataSpec(data=DATA), corpora, out=root / "data", log=lambda _: None)
     (root / "data" / MARKER).write_text("{}")
     data = Artifact(kind="corpus", uri=str(root / "data"), fingerprint="d" * 64, meta={})
     w = {"root": root, "data": data, "base": hf_input(root / "in-base", base, "base")}

@@ -17,10 +17,10 @@ import pytest
 
 from infra.launchers import LaunchConfig
 from pipeline.artifact import MARKER, Artifact
-from tasks.posttrain.data import build_chat_data
+from tasks.posttrain.data import posttrain_data
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
 from tests.trainers.test_posttrain import Killer
-from trainers.posttrain.config import PosttrainConfig, PosttrainSpec, SFTConfig
+from trainers.posttrain.config import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
 
 SFT = SFTConfig(max_steps=6, batch=8, max_length=128, save_steps=2)
 
@@ -41,7 +41,7 @@ def base_and_data(tmp_path_factory) -> tuple[Artifact, Artifact]:
     root = tmp_path_factory.mktemp("retry")
     corpora = make_corpora(root / "corpora")
     model = make_tiny_model(root, corpus_texts(corpora))
-    build_chat_data(DATA, corpora, root / "data", log=lambda _: None)
+    posttrain_data(ChatDataSpec(data=DATA), corpora, out=root / "data", log=lambda _: None)
     (root / "data" / MARKER).write_text("{}")
     (root / "base").mkdir()
     (root / "base" / MARKER).write_text("{}")

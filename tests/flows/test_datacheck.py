@@ -1,0 +1,75 @@
+"""Before compute: a dry run needs no data, and a preset that would curate a readable source away
+is refused by `smollm3 recipe`/`plan` naming the source, the preset and the filter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.recipe import RecipeError, check_data, load_recipe
+
+DATA = json.loads((Path(__file__).parents[1] / "tasks" / "data" / "multilingual.json").read_text(encoding="utf-8"))
+
+
+def french_files(tmp_path: Path) -> Path:
+    """Real French paragraphs as a JSONL source (each paragraph of the test data a document)."""
+    path = tmp_path / "fr.jsonl"
+    docs = [d for d in DATA["documents"] if d["source_language"] == "fr" and d["kind"] == "good"]
+    with path.open("w", encoding="utf-8") as fh:
+        for i in range(10):
+            d = docs[i % len(docs)]
+            fh.write(
+                json.dumps({"text": d["text"] + f"\n\nPage {i}.", "id": f"{d['id']}-{i}"}, ensure_ascii=False) + "\n"
+            )
+    return path
+
+
+def recipe_with(tmp_path: Path, language: str) -> list[str]:
+    path = french_files(tmp_path)
+    recipe = tmp_path / "fr.yaml"
+    recipe.write_text(
+        "name: fr\nworkspace: " + str(tmp_path / "ws") + "\nsources:\n"
+        f"  - {{name: fr, uri: 'files:{path}', domain: web, language: {language}}}\n"
+    )
+    return [str(recipe)]
+
+
+def test_a_preset_that_would_empty_a_source_is_refused_naming_it(tmp_path, capsys):
+    argv = recipe_with(tmp_path, "en")
+    assert main(["recipe", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "sources[fr]: preset 'web' keeps 0 of its first" in err
+    assert "language:wrong_language" in err and "curation.min_kept_share 0.2" in err
+    with pytest.raises(RecipeError, match="preset 'web' keeps 0"):
+        check_data(load_recipe(argv[0]))
+    # lowering the floor is the user's call: the check then passes
+    check_data(load_recipe(argv[0], ["curation.min_kept_share=0"]))
+
+
+def test_the_language_preset_passes_and_the_check_is_cached(tmp_path, capsys):
+    argv = recipe_with(tmp_path, "fr")
+    assert main(["recipe", *argv]) == 0
+    assert "language: fr" in capsys.readouterr().out
+    cached = list((tmp_path / "ws" / "checks" / "presets").glob("*.json"))
+    assert len(cached) == 1
+    result = json.loads(cached[0].read_text())
+    assert result["preset"] == "web-fr" and result["kept"] == result["documents"] == 10
+    assert main(["plan", *argv]) == 0
+    assert "curate[fr]" in capsys.readouterr().out
+
+
+def test_the_published_recipe_plans_without_its_corpora(tmp_path, capsys):
+    assert main(["plan", "smollm3-3b", f"workspace={tmp_path / 'ws'}"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("source[", "curate[", "pretrain["))}
+    assert "input not available here: sources[stackexchange].uri: no files match" in rows["source[stackexchange]"]
+    assert {f"pretrain[{s}]" for s in ("stage1", "stage2", "stage3", "long32k", "long64k")} <= set(rows)
+    languages = {"fra": "fr", "spa": "es", "deu": "de", "cmn": "zh", "jpn": "ja", "rus": "ru", "hin": "hi", "tha": "th"}
+    for subset, code in languages.items():
+        assert rows[f"curate[fw2-{subset}]"].endswith(f"[preset web-{code}]")
+    assert rows["curate[fineweb-edu/fineweb-edu]"].endswith("[preset web]")
+    assert "8 source(s) not on this machine (planned as unresolved): stackexchange" in out
+    assert main(["recipe", "smollm3-3b"]) == 2  # validation still names what is missing
