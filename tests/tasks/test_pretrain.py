@@ -92,7 +92,7 @@ def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerp
 def test_stage_order_and_batch_layout_are_validated():
     with pytest.raises(RecipeError, match="pretrain stage must come before the long_context"):
         load_recipe("tiny", ["stages.stage2.kind=long_context"])
-    with pytest.raises(RecipeError, match=r"stages\[long1\]: global_batch 10 must be a multiple of micro_batch x"):
+    with pytest.raises(RecipeError, match=r"stages\[long1\]: global_batch 10 must be a multiple of micro_batch 4"):
         load_recipe("tiny", ["stages.long1.global_batch=10"])
     with pytest.raises(RecipeError, match="global_batch 20 must be a multiple of micro_batch"):
         load_recipe("tiny", ["training.global_batch=20"])
