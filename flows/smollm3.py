@@ -100,7 +100,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     clean = {
         s.name: g.add(
             curate,
-            cfg.curation.for_source(s),
+            cfg.curation.for_source(s, [o for o in cfg.sources if o.name != s.name]),
             label=s.name,
             corpus=raw[s.name],
             others=[raw[o.name] for o in cfg.sources if o.name != s.name],

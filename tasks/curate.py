@@ -186,21 +186,21 @@ class CurationConfig(BaseModel):
             return self.presets[name]
         return f"web-{language}" if domain == "web" and language != "en" else domain
 
-    def for_source(self, source: SourceConfig) -> CurationConfig:
-        """This section as the curate step of `source` sees it: its own preset, resolved (so the
-        plan shows it and the fingerprint holds it), and skip entry only, so changing another
-        source's entries does not rerun this one."""
+    def for_source(self, source: SourceConfig, others: Sequence[SourceConfig] = ()) -> CurationConfig:
+        """This section as the curate step of `source` sees it: the presets of the source and of
+        the `others` it is decontaminated against, resolved (so the plan shows them and the
+        fingerprint holds them: another source's `docs` preset decides which form of its held-out
+        text is matched), and its own skip entry only, so changing another source's skip entry
+        does not rerun this one. The source's own preset comes first."""
         name = source.name
+        presets = {s.name: self.preset_for(s.name, s.domain, s.language) for s in (source, *others)}
         return self.model_copy(
-            update={
-                "presets": {name: self.preset_for(name, source.domain, source.language)},
-                "minhash_skip": tuple(n for n in self.minhash_skip if n == name),
-            }
+            update={"presets": presets, "minhash_skip": tuple(n for n in self.minhash_skip if n == name)}
         )
 
     def plan_summary(self) -> str:
-        """What `smollm3 plan` shows beside a curate step: its preset(s)."""
-        return "preset " + ", ".join(sorted(set(self.presets.values()))) if self.presets else ""
+        """What `smollm3 plan` shows beside a curate step: its source's preset (the first)."""
+        return f"preset {next(iter(self.presets.values()))}" if self.presets else ""
 
 
 # --- presets ----------------------------------------------------------------------------------

@@ -228,6 +228,30 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     assert meta["decontaminated_against"] == ["mine", "other"]
 
 
+def test_another_sources_preset_decides_which_form_of_its_heldout_is_matched(tmp_path):
+    """Source `docs` is web text the recipe curates with the `docs` preset (links unwrapped). The
+    curate step of another source gets every source's preset from the recipe, so a training
+    document of `mine` that copies the prose of a held-out page of `docs` full of links leaves
+    train; with the domain's preset (`web`, no rewrite) only the page as written was indexed,
+    whose links break most n-grams, and the copy stayed."""
+    rng = random.Random(5)
+    plain = " ".join(PARAGRAPHS[2:4])
+    words = plain.split(" ")
+    page = " ".join(f"[{w}](https://docs.example.org/ref/{k}.html)" if k % 4 == 0 else w for k, w in enumerate(words))
+    other = corpus(tmp_path / "docs", [("x", random_text(rng))], heldout=[("page", page)], source="docs")
+    art = corpus(tmp_path / "mine", [*((f"m{i}", random_text(rng)) for i in range(4)), ("copy", plain)], source="mine")
+    me = SourceConfig(name="mine", uri="builtin:prose", domain="web")
+    docs = SourceConfig(name="docs", uri="builtin:prose", domain="web")
+    config = CurationConfig(presets={"mine": "none", "docs": "docs"}, minhash=False).for_source(me, [docs])
+    assert config.presets == {"mine": "none", "docs": "docs"} and config.plan_summary() == "preset none"
+    for name, section, found in (("out", config, True), ("blind", CurationConfig(presets={"mine": "none"}), False)):
+        (tmp_path / name).mkdir()
+        meta = curate(
+            section.model_copy(update={"minhash": False}), art, others=[other], out=tmp_path / name, log=lambda _: None
+        )
+        assert ("copy" not in _ids(tmp_path / name / "train")) is found, (name, meta["removed"])
+
+
 def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(tmp_path):
     """The `docs` preset keeps a document's prose: code dropped, links unwrapped. Copies that only
     show as trained must leave train (both cases were found in a tiny demo's workspace):
