@@ -483,7 +483,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.quality
         "--metric", default="acc_norm", help="score to judge: acc_norm (default, the cloze tasks), acc or exact_match"
     )
     args = p.parse_args(argv)
-    lineage = Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    lineage = Lineage(resolve_workspace(args.workspace) / "lineage.duckdb", read_only=True)  # a view: writes nothing
     with lineage.reading():  # dozens of small reads on one connection
         run = args.run
         if run is None:

@@ -24,23 +24,34 @@ WORKSPACE_HELP = (
 
 
 def _lineage(args) -> Lineage:
+    """The workspace's lineage for a view: read-only (it writes nothing in the workspace)."""
     from pipeline.lineage import Lineage
     from pipeline.workspace import resolve_workspace
 
-    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb")
+    return Lineage(resolve_workspace(args.workspace) / "lineage.duckdb", read_only=True)
 
 
 def _refresh(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_run(args) -> int:
+    import signal
+
     from flows.admission import check_run
 
     # What `plan` checks, before any Prefect server is looked for or started (flows/admission.py).
     check_run("smollm3", {"recipe": args.recipe, "overrides": args.overrides, "refresh": args.refresh})
     from flows.api import prefect_api
 
+    # The run stops its steps on SIGTERM and SIGINT (pipeline/signals.py), then Prefect re-sends
+    # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
+    # server started for this run is stopped instead of left behind).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
         from flows.smollm3 import smollm3
 
@@ -102,12 +113,13 @@ def cmd_runs(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    """A query on a private, consistent copy of the lineage: never blocks the writers."""
-    import duckdb
-
+    """A query on a private, consistent copy of the lineage: never blocks the writers, and the
+    copy's connection reaches no file but itself (no COPY TO, read_csv or ATTACH)."""
     lineage = _lineage(args)
     if not lineage.path.exists():
         raise LookupError(f"no lineage at {lineage.path}")
+    import duckdb
+
     with lineage.snapshot() as con:
         try:
             print(con.sql(args.query))

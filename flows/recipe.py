@@ -14,6 +14,7 @@ overrides can carry things that must not end up in logs.
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from infra.launchers import LaunchConfig
 from infra.preflight import PreflightConfig
 from infra.storage import StorageConfig
+from infra.yamlfile import DuplicateKey, load_yaml
 from pipeline.artifact import operational
 from pipeline.slots import ResourcesConfig
 from tasks.cpt import CptConfig
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from pipeline.runner import RunSetup
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+INT_MAX = 2**63 - 1  # int64: what numpy, torch, DuckDB and the data loader's counters hold
 
 
 # --- the anneal section (its runs are laid out by flows/anneal.py) -------------------------------
@@ -105,7 +108,7 @@ class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str  # recipe name, shown in the UI and lineage
-    seed: int = 0  # seed for generated data, sampling and initialisation
+    seed: int = Field(default=0, ge=0, le=INT_MAX)  # seed for generated data, sampling and initialisation
     workspace: str = operational("workspace")  # folder for step outputs, lineage and Prefect state
     sources: tuple[SourceConfig, ...] = Field(min_length=1)  # data sources, by unique name
     curation: CurationConfig = CurationConfig()  # filters, dedup and executor per source
@@ -154,6 +157,13 @@ class Recipe(BaseModel):
         if kinds and kinds[0] != "pretrain":
             raise ValueError("stages: the first stage must be a pretrain stage")
         t = self.training
+        positions = t.model_shape().max_seq_len
+        for st in self.stages:
+            if st.seq_len > positions:
+                raise ValueError(
+                    f"stages[{st.name}].seq_len {st.seq_len} exceeds the {positions} positions of model "
+                    f"{t.model!r}: shorten it or raise training.model_overrides.max_seq_len"
+                )
         if self.launch.procs_per_node not in (1, t.nproc_per_node):
             raise ValueError(
                 f"launch.procs_per_node {self.launch.procs_per_node} differs from "
@@ -198,7 +208,9 @@ def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Re
     """Load, override and validate a recipe."""
     path = recipe_path(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except DuplicateKey as exc:
+        raise RecipeError(f"recipe {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {path}: invalid YAML{yaml_where(exc)}") from None
     if not isinstance(data, dict):
@@ -235,12 +247,29 @@ def type_name(value: Any) -> str:
     )
 
 
+NON_FINITE = "a number that is not finite (inf, nan, or beyond a float's range)"
+
+
 def _number(value: str) -> Decimal | None:
     try:
         number = Decimal(value.strip())
     except InvalidOperation:
         return None
     return number if number.is_finite() else None
+
+
+def _non_finite_text(value: str) -> bool:
+    """A string a float field would read as inf or nan ("inf", "-Infinity", "nan", "1e400")."""
+    try:
+        return not math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
+def _int_in_range(value: int, where: str) -> list[str]:
+    if -INT_MAX - 1 <= value <= INT_MAX:
+        return []
+    return [f"{where}: expected an integer within -2**63..2**63-1, got an integer of {len(str(abs(value)))} digits"]
 
 
 def check_numbers(model: Any, data: Any, where: str = "") -> list[str]:
@@ -275,19 +304,26 @@ def _check_value(ann: Any, value: Any, where: str) -> tuple[Any, list[str]]:
             return value, check_numbers(models[0], value, where)
         return value, []
     if ann in (int, float):
+        expected = "an integer" if ann is int else "a finite number"
         if isinstance(value, bool):
-            return value, [
-                f"{where}: expected {'an integer' if ann is int else 'a number'}, "
-                f"got a boolean (true and false are not numbers)"
-            ]
+            kind = "an integer" if ann is int else "a number"
+            return value, [f"{where}: expected {kind}, got a boolean (true and false are not numbers)"]
+        if isinstance(value, float) and not math.isfinite(value):
+            return value, [f"{where}: expected {expected}, got {NON_FINITE}"]
+        if isinstance(value, str) and ann is float and _non_finite_text(value):
+            return value, [f"{where}: expected {expected}, got a string holding {NON_FINITE}"]
         if isinstance(value, str) and (number := _number(value)) is not None:
             if ann is float:
                 return float(number), []
             if number == number.to_integral_value():
-                return int(number), []
+                return int(number), _int_in_range(int(number), where)
             return value, [f"{where}: expected an integer, got a string holding a number with a fractional part"]
-        if ann is int and isinstance(value, float) and not value.is_integer():
-            return value, [f"{where}: expected an integer, got a number with a fractional part"]
+        if ann is int and isinstance(value, float):
+            if not value.is_integer():
+                return value, [f"{where}: expected an integer, got a number with a fractional part"]
+            return int(value), _int_in_range(int(value), where)
+        if ann is int and isinstance(value, int):
+            return value, _int_in_range(value, where)
         return value, []
     if hasattr(ann, "model_fields"):
         return value, check_numbers(ann, value, where)
@@ -320,7 +356,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         raise RecipeError(f"override {item!r} must look like key=value (e.g. seed=1)")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
+    except DuplicateKey as exc:
+        raise RecipeError(f"override {key.strip()!r}: {exc}") from None
     except yaml.YAMLError:
         value = raw
     parts = key.strip().split(".")

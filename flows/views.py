@@ -130,6 +130,9 @@ def summary(lineage: Lineage, ui_url: str | None) -> str:
         parts += ["", f"== lineage of the final {final['kind']} ==", tree(lineage, final)]
         if model_path(final):
             parts += ["", f"final model:  {model_path(final)}  (AutoModelForCausalLM.from_pretrained loads it)"]
+    rejected = lineage.rejected_events()
+    if rejected:
+        parts += ["", f"lineage journal: {rejected} event(s) rejected, never applied (table _journal_rejected)"]
     parts += ["", "== where to look =="]
     if ui_url:
         parts.append(f"Prefect UI:   {ui_url}/runs/flow-run/{run['run_id']}")

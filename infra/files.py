@@ -89,3 +89,26 @@ def _fsync_folder(folder: Path) -> None:
         pass  # some file systems do not fsync folders; the rename is still atomic
     finally:
         os.close(fd)
+
+
+# --- paths a file records of files near it ----------------------------------------------------
+# A file inside a workspace that names other files of the same workspace (a mixture plan its
+# shards, a stage's spec.json its plan and init checkpoint) names them relative to its own folder,
+# as `./REL` or `../REL`, so the workspace can move; anything else (another tree, s3://) as given.
+
+
+def path_for_file(target: str | Path, file: str | Path, root: str | Path) -> str:
+    """`target` as `file` should record it: relative to the file's folder when both are inside
+    `root` (the workspace), else unchanged."""
+    target, root = str(target), Path(root)
+    if not target.startswith("/") or not Path(target).is_relative_to(root):
+        return target
+    rel = os.path.relpath(target, Path(file).parent)
+    return rel if rel.startswith("..") else f"./{rel}" if rel != "." else "."
+
+
+def path_from_file(value: str, file: str | Path) -> str:
+    """A path `file` recorded, made absolute: `./REL` and `../REL` are relative to its folder."""
+    if value == "." or value.startswith(("./", "../")):
+        return os.path.normpath(Path(file).parent / value)
+    return value

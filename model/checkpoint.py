@@ -17,10 +17,11 @@ every file's SHA-256 first (`verify_checkpoint`) and falls back to the newest ch
 verifies, with a warning naming each file that failed (flipped bytes, a zeroed or missing
 `.metadata`, a truncated shard).
 
-Loading never unpickles arbitrary objects: DCP's `.metadata` is read with an unpickler that only
-builds DCP's own metadata classes (`SafeFileSystemReader`), its non-tensor items (optimizer
-hyperparameters) and the RNG files with `torch.load(weights_only=True)`. The digest check runs
-before any of it. See docs/architecture.md, "Threat model".
+Loading never unpickles arbitrary objects: DCP's `.metadata` is read with an unpickler whose
+every global must be one of an exact table of DCP's metadata classes, torch sizes, dtypes and
+layouts (by module and name, resolved without importing anything: `SafeFileSystemReader`); its
+non-tensor items (optimizer hyperparameters) and the RNG files load with
+`torch.load(weights_only=True)`. The digest check runs before any of it. See docs/architecture.md, "Threat model".
 
 Retention keeps the newest `keep_last` complete checkpoints plus every stage end.
 
@@ -127,49 +128,99 @@ def verify_checkpoint(folder: str | Path, *, collective: bool = False) -> list[s
     return problems
 
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
+# Exactly the globals a DCP `.metadata` pickle of torch 2.13 refers to (a real one, disassembled
+# with pickletools: the dataclasses below, `_StorageInfo`, `torch.Size`, dtypes, layouts by name
+# and the checkpoint id's `PosixPath`), mapped to objects this module already holds. A name is
+# looked up in this table by (module, name) as written in the pickle, never resolved through
+# `importlib` or attribute paths: `metadata.torch.utils.collect_env.subprocess.Popen` reaches
+# `subprocess.Popen` from an allowed module by attributes, which the parent's `find_class` would
+# follow (and build before any type check could look at it).
+_MD = "torch.distributed.checkpoint.metadata"
+_METADATA_CLASSES = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
+
+
+def _layout_by_name(name: Any) -> torch.layout:
+    """Stands in for `torch.serialization._get_layout`: torch's layouts by their printed name."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise pickle.UnpicklingError(f"checkpoint metadata names an unknown tensor layout {name!r}")
+    return layouts[name]
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
+
+    table: dict[tuple[str, str], Any] = {(_MD, name): getattr(md, name) for name in _METADATA_CLASSES}
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    table[("torch", "Size")] = torch.Size
+    table[("torch.serialization", "_get_layout")] = _layout_by_name
+    for module in ("pathlib", "pathlib._local"):  # the checkpoint id (Python 3.13 names the submodule)
+        table[(module, "PosixPath")] = PosixPath
+    table.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    return table
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP metadata objects and nothing else: a crafted `.metadata` naming any other
-    callable (os.system, builtins.eval, ...) is refused instead of run."""
+    """Builds DCP metadata objects and nothing else: every global the pickle names must be one of
+    `_metadata_globals()` by its exact (module, name); anything else (os.system, a dotted path to
+    subprocess.Popen through an allowed module, builtins.eval, ...) is refused before it is built.
+    Persistent ids are refused by pickle's default `persistent_load`."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._globals = _metadata_globals()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == _DCP_METADATA:
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # the dataclasses and enums of DCP's metadata module
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not a DCP metadata type; "
-            "refusing to load it (the file was not written by torch.distributed.checkpoint)"
-        )
+        found = self._globals.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {module}.{name}, which is not a DCP metadata type; "
+                "refusing to load it (the file was not written by torch.distributed.checkpoint)"
+            )
+        return found
+
+
+def _check_metadata(metadata: Any, path: Any) -> None:
+    """The loaded object is DCP Metadata whose storage entries name files inside the checkpoint
+    folder (a crafted `relative_path` of `../..` would make DCP read another file as tensor bytes)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata; refusing to load it")
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or "/" in rel or rel in ("", ".", ".."):
+            raise pickle.UnpicklingError(
+                f"{path} has a storage entry {rel!r} that is not a file of the checkpoint folder; refusing to load it"
+            )
 
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's reader with `.metadata` loaded by `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        from torch.distributed.checkpoint.metadata import StorageMeta
 
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(
-                f"{path} holds a {type(metadata).__name__}, not DCP Metadata; refusing to load it"
-            )
+        try:
+            with self.fs.create_stream(path, "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+        except pickle.UnpicklingError as exc:
+            raise pickle.UnpicklingError(f"{path}: {exc}") from None
+        _check_metadata(metadata, path)
         # As FileSystemReader.read_metadata does after unpickling:
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -9,6 +9,7 @@ training specs. `num_parameters()` counts parameters analytically, without alloc
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig head_dim={self.head_dim} must be even for RoPE")
         if not isinstance(self.no_rope_interval, int) or self.no_rope_interval < 0:
             raise ValueError(f"ModelConfig.no_rope_interval must be an int >= 0, got {self.no_rope_interval!r}")
+        for name in ("rope_theta", "rms_norm_eps", "init_std", "z_loss"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"ModelConfig.{name} must be a finite number, got {value!r}")
         for name in ("rope_theta", "rms_norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")

@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.files import path_from_file
+
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -103,8 +105,13 @@ class MixturePlan:
 
     @classmethod
     def load(cls, path: str | Path) -> MixturePlan:
+        """A plan file; shard paths it records relative to itself (`./`, `../`) made absolute."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
+            for source in data.get("sources", []) if isinstance(data, dict) else []:
+                if isinstance(source, dict) and isinstance(source.get("files"), list):
+                    source["files"] = [path_from_file(f, path) if isinstance(f, str) else f for f in source["files"]]
+            return cls.from_dict(data)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
 

@@ -23,7 +23,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.files import path_for_file, path_from_file
 from pipeline.artifact import operational
+
+# The spec's paths (bound by the pretrain step from its inputs and folder)
+PATH_FIELDS = ("metrics_path", "mixture_plan", "out_dir", "init_from")
 
 
 class _Spec(BaseModel):
@@ -164,13 +168,25 @@ class TrainSpec(_Spec):
 
     @classmethod
     def load(cls, path: str | Path) -> TrainSpec:
+        """A spec file; paths it records relative to itself (`save(relative_to=)`) made absolute."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
+            for name in PATH_FIELDS:
+                if isinstance(data.get(name), str):
+                    data[name] = path_from_file(data[name], path)
+            return cls.from_dict(data)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, path: str | Path, *, relative_to: str | Path | None = None) -> None:
+        """Write the spec; with `relative_to` (the workspace root), its paths inside that root are
+        recorded relative to the file (`./REL`, `../REL`), so the workspace can move."""
+        data = self.to_dict()
+        if relative_to is not None:
+            for name in PATH_FIELDS:
+                if isinstance(data.get(name), str):
+                    data[name] = path_for_file(data[name], path, relative_to)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -5,6 +5,12 @@ A step's output folder is `{workspace}/{step}/{fingerprint[:12]}/`; it counts as
 its completion marker (the Artifact as JSON) exists, and the marker is written last, atomically
 (infra/files.py: a temporary file, fsync, `os.replace`). A crash mid-step therefore leaves a folder without a
 marker, which the next run rebuilds (or, for resumable steps such as training, resumes inside).
+
+A workspace can move (a copy, a restore from S3 to another mount, a bigger disk): what a marker
+stores of paths is relative to the workspace root, every string under it written as
+`{workspace}/REL` (`stored`) and read back against wherever the folder now is (`resolved`). A
+marker written before this rule (absolute paths) is read against its folder's location too: its
+own uri names the root it was written under.
 """
 
 from __future__ import annotations
@@ -157,9 +163,44 @@ def fingerprint(step: str, version: int, config: Any, inputs: Inputs | Sequence[
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
+WORKSPACE = "{workspace}"  # stands for the workspace root in markers and lineage
+
+
+def stored(value: Any, root: Path | str) -> Any:
+    """`value` (JSON data) with every string that is `root` or a path under it written relative
+    to it, as `{workspace}` or `{workspace}/REL`."""
+    return _swap(value, str(root).rstrip("/"), WORKSPACE)
+
+
+def resolved(value: Any, root: Path | str) -> Any:
+    """The inverse of `stored`: `{workspace}` paths under `root` (the workspace as it is now)."""
+    return _swap(value, WORKSPACE, str(root).rstrip("/"))
+
+
+def _swap(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, str):
+        if value == old:
+            return new
+        return new + value[len(old) :] if value.startswith(old + "/") else value
+    if isinstance(value, dict):
+        return {k: _swap(v, old, new) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_swap(v, old, new) for v in value]
+    return value
+
+
 def read_marker(folder: Path) -> dict[str, Any] | None:
-    """The completion record of a step folder, or None when the step never finished there."""
-    return files.read_marker(folder, STEP_MARKER)
+    """The completion record of a step folder, or None when the step never finished there; its
+    paths are those of the folder where it is now (see the module docstring)."""
+    record = files.read_marker(folder, STEP_MARKER)
+    if record is None:
+        return None
+    folder = Path(folder)
+    root = folder.parent.parent
+    uri = (record.get("artifact") or {}).get("uri") if isinstance(record.get("artifact"), dict) else None
+    if isinstance(uri, str) and uri.startswith("/") and uri != str(folder):  # written elsewhere, before the rule
+        record = _swap(record, str(Path(uri).parent.parent), str(root))
+    return resolved(record, root)
 
 
 def find_marker(path: Path) -> dict[str, Any] | None:
@@ -193,6 +234,7 @@ class StepOutcome(BaseModel):
     artifact: Artifact
     built: bool
     seconds: float
+    fetched: bool = False  # found on the mirror (pipeline/mirror.py), not built here
 
 
 def run_step(
@@ -207,13 +249,16 @@ def run_step(
     extra: str = "",
     refresh: bool = False,
     resumable: bool = False,
+    fetch: Callable[[Path, str], bool] | None = None,
 ) -> StepOutcome:
     """Run `build(folder)` unless the step folder for this fingerprint is already complete.
 
     `build` writes its outputs into the folder and returns the Artifact's meta. A resumable step
     keeps what an interrupted earlier attempt left in its folder (training resumes from its last
     checkpoint); any other step starts from an empty folder. The marker is written last and
-    records what the fingerprint hashed (the identity config, named input fingerprints, extra).
+    records what the fingerprint hashed (the identity config, named input fingerprints, extra),
+    its paths relative to the workspace root. `fetch(folder, fingerprint)`, when given, may fill a
+    missing folder from a mirror first (it returns whether a finished folder is now there).
     """
     for artifact in flat_inputs(inputs):
         if not artifact.uri.startswith("s3://") and read_marker(artifact.path) is None:
@@ -226,19 +271,23 @@ def run_step(
     start = time.monotonic()
     with folder_lock(folder):
         record = read_marker(folder)
+        fetched = record is None and not refresh and fetch is not None and fetch(folder, fp)
+        if fetched:
+            record = read_marker(folder)
         if record is not None and not refresh:
-            return StepOutcome(artifact=Artifact(**record["artifact"]), built=False, seconds=0.0)
+            artifact = Artifact(**record["artifact"])
+            return StepOutcome(artifact=artifact, built=False, seconds=time.monotonic() - start, fetched=fetched)
         if folder.exists() and (refresh or not resumable):
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         meta = build(folder)
         artifact = Artifact(kind=kind, uri=str(folder), fingerprint=fp, meta=meta)
         record = {
-            "artifact": artifact.model_dump(mode="json"),
+            "artifact": stored(artifact.model_dump(mode="json"), root),
             "step": step,
             "version": version,
             "config": identity(config),
-            "settings": config_dict(config),
+            "settings": stored(config_dict(config), root),
             "inputs": input_fingerprints(inputs),
             "extra": extra,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

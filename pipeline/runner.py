@@ -14,9 +14,14 @@ artifact and input edges in lineage, publishes its Prefect artifacts, and mirror
 S3 when the recipe has storage. Prefect's cache (results persisted as JSON under
 `{workspace}/results/`) makes a rerun or a UI retry show finished steps as Cached without running
 their bodies; `StepCache` keys it on the fingerprint, so it never hands out a folder that was
-deleted by hand. Steps downstream of a failed one are recorded as `skipped`; the flow fails
+deleted by hand, and the folder is read through `pipeline.results.CheckedResults`, so a record
+that is not one of our JSON Artifacts is a cache miss, never deserialized. A step whose folder is
+missing here but finished on the S3 mirror is fetched, verified, instead of rebuilt
+(pipeline/mirror.py). Steps downstream of a failed one are recorded as `skipped`; the flow fails
 after every independent branch has finished, naming each failed step and its cause. A served run
-whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py).
+whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py); SIGTERM
+or SIGINT stops the running steps' children at once and ends the run `cancelled`
+(pipeline/signals.py).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, 
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
 from pipeline.live import LiveStatus
+from pipeline.mirror import fetcher
 from pipeline.owner import (
     broken_pipe,
     mute_console,
@@ -55,6 +61,8 @@ from pipeline.owner import (
     survive_broken_console,
     watch_owner,
 )
+from pipeline.results import CheckedResults
+from pipeline.signals import stop_on_signals
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
@@ -154,6 +162,8 @@ class RunContext:
         self.owner_gone: str | None = None  # set when the serve process that owns the run died
         self.owner: ProcessRef | None = None
         self._owner_lock = threading.Lock()
+        self.cancelled: str | None = None  # set when SIGTERM or SIGINT stopped the run
+        self._signals: Any = None
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -168,16 +178,18 @@ class RunContext:
             self.setup.settings,
             attempt=self.attempt,
         )
-        get_run_logger().info(
+        self.logger = get_run_logger()  # usable from the watchdog's and the signal's threads
+        self.logger.info(
             f"run {self.run_id}: recipe {self.recipe_name!r}, workspace {self.ws.root}, "
             f"resolved recipe saved to {saved}"
         )
         survive_broken_console()
         quiet_console_streams()  # a print or progress bar into a dead parent's pipe fails nothing
+        self._signals = stop_on_signals(self._signalled, self._deadline)
+        self._signals.__enter__()
         owner = run_owner()
         if owner is not None:
             self.owner = owner
-            self.logger = get_run_logger()  # usable from the watchdog's thread
             watch_owner(owner, self._owner_died)
         return self
 
@@ -198,9 +210,27 @@ class RunContext:
         if stopped:
             self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
 
+    def _signalled(self, name: str) -> None:
+        """SIGTERM or SIGINT (pipeline/signals.py): kill the steps' children, start no new step."""
+        self.cancelled = f"the run was cancelled by {name}"
+        stopped = stop_all(grace=2.0)
+        self.logger.warning(
+            f"{self.cancelled}: stopped {len(stopped)} child process(es)"
+            + (": " + "; ".join(stopped) if stopped else "")
+        )
+
+    def _deadline(self, name: str) -> None:
+        """Still running long after the signal (a step inside this process): record the end."""
+        self.lineage.end_run(self.run_id, "cancelled", attempt=self.attempt)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run is stopping (its owner died, or a signal), or None while it runs on."""
+        return self.owner_gone or self.cancelled
+
     def check_owner(self) -> None:
-        if self.owner_gone is not None:
-            raise OwnerGone(f"not started: {self.owner_gone}")
+        if self.stop_reason is not None:
+            raise OwnerGone(f"not started: {self.stop_reason}")
 
     def lost_owner(self, exc: BaseException) -> bool:
         """Whether the run has lost its owner, asked when a step fails: the watchdog may not have
@@ -229,8 +259,12 @@ class RunContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         from prefect.exceptions import CancelledRun, TerminationSignal
 
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
         if self.owner_gone is not None:
             state = "crashed"
+        elif self.cancelled is not None:
+            state = "cancelled"
         elif exc_type is None:
             state = "completed"
         elif issubclass(exc_type, TerminationSignal | CancelledRun | KeyboardInterrupt):
@@ -360,6 +394,8 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             resources = call.resources
             slot = d.resource
             threads = resources.threads(slot) if slot else None
+            # A finished folder on the S3 mirror is fetched (verified) instead of rebuilt.
+            fetch = None if d.resumable else fetcher(ws, d.name, d.version, logger.info)
 
             def build(out: Path) -> dict[str, Any]:
                 ctx.check_owner()  # the run may have lost its owner while this step waited
@@ -388,6 +424,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                         build=build,
                         refresh=call.refresh,
                         resumable=d.resumable,
+                        fetch=fetch,
                     )
             else:
                 outcome = run_step(
@@ -401,34 +438,39 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
                     build=build,
                     refresh=call.refresh,
                     resumable=d.resumable,
+                    fetch=fetch,
                 )
     except BaseException as exc:
         cause = _cause(exc)
         if isinstance(exc, OwnerGone):
             cause = str(exc)
             ctx.record(node, "skipped", started[0], _now(), cause)
-        elif ctx.lost_owner(exc):  # stopped (or its pipe broken) by the owner's death: no retry
-            cause = f"stopped: {ctx.owner_gone} ({'its console pipe broke with it' if broken_pipe(exc) else cause})"
+        elif ctx.lost_owner(exc) or ctx.stop_reason is not None:  # owner died or run cancelled: no retry
+            why = "its console pipe broke with it" if broken_pipe(exc) and ctx.owner_gone else cause
+            cause = f"stopped: {ctx.stop_reason} ({why})"
             ctx.record(node, "failed", started[0], _now(), cause)
         elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
             ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
-            if ctx.owner_gone is not None:
+            if ctx.stop_reason is not None:
                 raise StepStopped(f"{node.key} {cause}") from exc
             raise StepFailed(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
-    verb = "built" if outcome.built else "reused finished"
+    verb = "built" if outcome.built else "fetched" if outcome.fetched else "reused finished"
     # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder; any
     # other artifact's is its own folder (an evaluation's meta names the model it scored).
     where = (artifact.meta.get("model_dir") if artifact.kind == "hf_model" else None) or artifact.uri
     logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at {where}")
     lineage = ws.lineage()
+    # A folder fetched from the mirror publishes its facts (metrics, evals, ...) into a lineage
+    # that has not seen it, as a built one does.
+    publish = outcome.built or (outcome.fetched and lineage.artifact(artifact.fingerprint) is None)
     lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
     ctx.record(node, "completed", started[0], _now())
-    if outcome.built and d.publish is not None:
+    if publish and d.publish is not None:
         d.publish(artifact, ws, node.label)
     if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
         # Finished step folders go to S3 as they are built (marker last, checksums verified).
@@ -532,8 +574,8 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             f"refresh names unknown step(s) {', '.join(unknown)}; steps of flow {graph.name!r}: "
             f"{', '.join(graph.steps)}"
         )
-    storage = ctx.ws.results_dir
-    storage.mkdir(parents=True, exist_ok=True)
+    ctx.ws.results_dir.mkdir(parents=True, exist_ok=True)
+    storage = CheckedResults(basepath=str(ctx.ws.results_dir))  # reads back only our JSON Artifacts
     resources = ctx.setup.resources
     futures: dict[str, PrefectFuture] = {}
     node_of: dict[Any, Node] = {}
@@ -545,15 +587,11 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
         fresh = node.step.name in refresh
         call = StepCall(node, ctx, fresh, resources)
-        future = (
-            prefect_task(node.step)
-            .with_options(
-                task_run_name=node.key,
-                result_storage=storage,
-                refresh_cache=fresh or None,
-            )
-            .submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
-        )
+        task_ = prefect_task(node.step).with_options(task_run_name=node.key, refresh_cache=fresh or None)
+        # Set after `with_options`, which accepts only blocks saved on the server (so that another
+        # process could load them): a step's result is read back by the flow process that runs it.
+        task_.result_storage = storage
+        future = task_.submit(call=quote(call), inputs=inputs, gates=[futures[g.key] for g in node.after])
         futures[node.key] = future
         node_of[future.task_run_id] = node
     artifacts: dict[str, Artifact] = {}

@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.files import write_atomic
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from tasks.sources import read_shards
@@ -320,6 +321,23 @@ def _texts(folder: Path, limit: int | None = None) -> Iterator[str]:
 HARNESS_MODELS = ("prefix_sharing", "hf")
 
 
+def located_tasks(task_dir: Path, out: Path) -> Path:
+    """The suite's task YAMLs in `out`, each reading its JSONL where the suite is now.
+
+    A task YAML names its data file by absolute path (lm-eval and `datasets` read a relative one
+    against the current directory), so a suite in a moved workspace names the old place: the
+    evaluation runs copies pointing at the JSONL beside each YAML, and keeps them (what it ran)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for yaml_file in sorted(Path(task_dir).glob("*.yaml")):
+        data = Path(task_dir) / f"{yaml_file.stem}.jsonl"
+        lines = [
+            f"    test: {json.dumps(str(data))}" if line.startswith("    test: ") and data.is_file() else line
+            for line in yaml_file.read_text(encoding="utf-8").splitlines()
+        ]
+        write_atomic(out / yaml_file.name, "\n".join(lines) + "\n")
+    return out
+
+
 def run_lm_eval(
     model_dir: Path,
     task_dir: Path | None,
@@ -346,6 +364,7 @@ def run_lm_eval(
         raise ValueError(f"harness_model must be one of {HARNESS_MODELS}, got {harness_model!r}")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hub = [t for t in tasks if t in cfg.lm_eval_tasks]
+    task_dir = located_tasks(task_dir, out / "tasks") if task_dir else None
     manager = TaskManager(include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub))
     # The device goes beside the model args, as lm-eval's CLI passes `--device`: the recorded
     # `model_args` then paste into `lm_eval run --model hf --model_args ... --device ...` (with a

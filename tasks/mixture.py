@@ -34,6 +34,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.files import path_for_file
+from infra.yamlfile import DuplicateKey, load_yaml
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 
@@ -85,7 +87,9 @@ def load_weights(path: str) -> dict[str, float]:
     if not file.is_file():
         raise MixtureError(f"mixture file {path!r} not found (looked at {file}); create it or fix stages[].mixture")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        data = load_yaml(file.read_text(encoding="utf-8")) or {}
+    except DuplicateKey as exc:
+        raise MixtureError(f"mixture file {file}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)  # no snippet of the file in the message
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -96,11 +100,11 @@ def load_weights(path: str) -> dict[str, float]:
         raise MixtureError(f"mixture file {file}: expected one mapping `weights: {{source: weight}}`")
     weights: dict[str, float] = {}
     for name, w in data["weights"].items():
-        if isinstance(w, bool) or not isinstance(w, int | float):
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
             raise MixtureError(
                 f"mixture file {file}: weight of {name!r} is "
                 f"{'a boolean' if isinstance(w, bool) else 'a ' + type(w).__name__}"
-                ", not a number"
+                ", not a finite number"
             )
         weights[str(name)] = float(w)
     return weights
@@ -266,7 +270,8 @@ def mixture(config: MixtureSpec, shards: tuple[Artifact, ...], *, out: Path, log
             {
                 "name": name,
                 "weight": weight,
-                "files": [str(art.path / f) for f in art.meta["files"]],
+                # relative to this folder (./ or ../) inside the workspace, so it can move
+                "files": [path_for_file(art.path / f, out / "plan.json", out.parent.parent) for f in art.meta["files"]],
                 "available_tokens": available,
                 "budget_tokens": budget,
                 "expected_epochs": round(epochs, 4),

@@ -55,7 +55,7 @@ from infra.preflight import (
 from model.spec import PeakCalibration
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from pipeline.workspace import Workspace
+from pipeline.workspace import Workspace, resolve_workspace
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
     from pipeline.lineage import Lineage
@@ -232,7 +232,7 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
     plans' paths; the rest (device, nproc_per_node, global_batch, model_vocab, ...) as keywords."""
     stages = tuple(getattr(recipe, "stages", ()) or ())
     known: dict[str, Any] = {
-        "workspace": recipe.workspace,
+        "workspace": str(resolve_workspace(recipe.workspace)),  # as every command resolves it
         "stage_tokens": {st.name: st.tokens for st in stages},
         "stage_seq_len": {st.name: st.seq_len for st in stages},
         "seq_len": max((st.seq_len for st in stages), default=0),
@@ -272,7 +272,7 @@ def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
         "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
         "micro_batch": t.micro_batch,
         "checkpoint_keep": t.keep_last + len(stages),
-        "workspace": str(recipe.workspace),
+        "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
     }
     return PreflightSpec(
         preflight=recipe.preflight,

@@ -101,10 +101,17 @@ class TrainingConfig(BaseModel):
                 f"global_batch {self.global_batch} must be a multiple of micro_batch x "
                 f"nproc_per_node / tp = {self.micro_batch} x {self.nproc_per_node} / {self.tp}"
             )
+        self.model_shape()  # unknown presets and bad overrides fail at load time, naming them
+        return self
+
+    def model_shape(self):
+        """The model this section trains (its vocabulary is the tokenizer's, set at train time)."""
         from model.config import ModelConfig
 
-        ModelConfig.from_preset(self.model)  # unknown presets fail at load time, listing the allowed
-        return self
+        try:
+            return ModelConfig.from_preset(self.model, **self.model_overrides)
+        except TypeError as exc:  # a value of the wrong type reaches the dataclass's checks
+            raise ValueError(f"training.model_overrides: {exc}") from None
 
 
 class StageSpec(BaseModel):
@@ -424,7 +431,7 @@ def pretrain(
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
-    spec.save(out / "spec.json")
+    spec.save(out / "spec.json", relative_to=out.parent.parent)  # paths inside the workspace: relative
     storage = config.storage
     s3_checkpoints = (
         f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None

@@ -24,14 +24,15 @@ from pydantic import ValidationError
 
 from infra.preflight.core import PreflightConfig, PreflightFacts, format_table, should_stop
 from infra.preflight.run import run_preflight
+from infra.yamlfile import DuplicateKey, load_yaml
 
 
 def _load(path: str | None, what: str) -> dict[str, Any]:
     if not path:
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        data = load_yaml(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError, DuplicateKey) as exc:
         raise SystemExit(f"--{what} {path}: cannot read: {exc}") from None
     if not isinstance(data, dict):
         raise SystemExit(f"--{what} {path}: expected a mapping at the top level")
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None, **parser: str) -> int:
             print(f"override {item!r} must look like key=value", file=sys.stderr)
             return 2
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
         if key.startswith("facts."):
             facts_data[key[len("facts.") :]] = value
         else:

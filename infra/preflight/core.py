@@ -166,7 +166,7 @@ class PreflightConfig(BaseModel):
     collective_iters: int = Field(default=10, ge=1)  # timed all-reduces after warmup
     collective_timeout_s: float = Field(default=300.0, gt=0)  # kill a hung torchrun after this
     # --- storage ----------------------------------------------------------------------------
-    checkpoint_dir: str | None = None  # where checkpoints go (None: {workspace}/checkpoints)
+    checkpoint_dir: str | None = None  # where checkpoints go, relative to the workspace (None: checkpoints)
     disk_headroom: float = Field(default=1.2, ge=1.0)  # free space needed / retained checkpoints
     io_probe_mib: int = Field(default=64, ge=1)  # size of the write/read throughput probe
     min_write_mbps: float = Field(default=100.0, ge=0)  # slower checkpoint writes warn
@@ -190,7 +190,10 @@ class PreflightConfig(BaseModel):
         return self
 
     def checkpoint_path(self, facts: PreflightFacts) -> Path:
-        return Path(self.checkpoint_dir or Path(facts.workspace) / "checkpoints").expanduser()
+        """Where checkpoints go: `checkpoint_dir` (a relative one is inside the workspace), else
+        `{workspace}/checkpoints`."""
+        folder = Path(self.checkpoint_dir or "checkpoints").expanduser()
+        return folder if folder.is_absolute() else Path(facts.workspace).expanduser() / folder
 
 
 @dataclass

@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+from infra.files import path_from_file
 from infra.preflight.core import Check, CheckContext, CheckResult, register
 
 
@@ -49,6 +50,8 @@ def load_plans(paths: tuple[str, ...]) -> list[dict]:
         try:
             plan = json.loads(file.read_text(encoding="utf-8"))
             plan["stage"], plan["sources"]  # noqa: B018  (the fields every check relies on)
+            for source in plan["sources"]:  # shards recorded relative to the plan (./, ../)
+                source["files"] = [path_from_file(f, file) for f in source.get("files", ())]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(
                 f"mixture plan {file} is unreadable ({type(exc).__name__}: {exc}); "

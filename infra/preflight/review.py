@@ -66,7 +66,8 @@ class SeqLen(Check):
                 value,
                 threshold,
                 f"seq_len {f.seq_len} exceeds the model's max_position_embeddings "
-                f"{f.max_positions}: raise max_positions (and RoPE theta) or shorten seq_len",
+                f"{f.max_positions}: raise training.model_overrides.max_seq_len (and the stage's "
+                "rope_theta; facts.max_positions by hand) or shorten stages[].seq_len",
             )
         return self.result("pass", value, threshold)
 

@@ -61,7 +61,8 @@ class DiskFree(Check):
                 value,
                 threshold,
                 f"not enough space for {keep} retained checkpoints: free space, lower "
-                "checkpoint_keep, or point checkpoint_dir at a larger volume",
+                "training.keep_last (checkpoints kept besides stage ends; facts.checkpoint_keep "
+                "by hand), or point preflight.checkpoint_dir at a larger volume",
                 metric=free,
             )
         return self.result("pass", value, threshold, metric=free)

@@ -8,11 +8,19 @@ runs, what a checkpoint was trained on, experiments). Import from here:
 """
 
 from pipeline.lineage.queries import Lineage, TrainedOn, artifact_of
-from pipeline.lineage.store import EXPERIMENT_TABLES, RUN_STATES, LineageError, LineageStore, StepRow
+from pipeline.lineage.store import (
+    EXPERIMENT_TABLES,
+    RUN_STATES,
+    JournalRejected,
+    LineageError,
+    LineageStore,
+    StepRow,
+)
 
 __all__ = [
     "EXPERIMENT_TABLES",
     "RUN_STATES",
+    "JournalRejected",
     "Lineage",
     "LineageError",
     "LineageStore",

@@ -1,26 +1,39 @@
-"""LineageStore store: one DuckDB file per workspace recording runs, steps, artifacts and their edges.
+"""The lineage store: one DuckDB file per workspace recording runs, steps, artifacts and their edges.
 
 DuckDB allows a single read-write process per file, while several processes touch this one (the
 serve process, parallel flow runs, CLI readers) and processes outside this project may open it too
 (a notebook, the `duckdb` CLI). A plain `duckdb.connect(path, read_only=True)` elsewhere takes
 DuckDB's own file lock and ignores ours; while it is held no process can write the file.
 
-So writes never go to the database directly. Each write is one *event* (the SQL statements of one
-transaction and their parameters) appended as one line to this process's journal file in
-`lineage.duckdb.journal/` and fsynced, then *ingested*: under an exclusive `fcntl.flock` on
-`lineage.duckdb.lock`, every journal line not yet applied is applied in its own DuckDB transaction,
-together with a per-file counter of applied lines (`_journal_progress`), so an event is applied
-exactly once even if an ingester dies midway. Fully applied journal files are deleted. When the
-database file is held by another process, ingestion simply stops; the events stay in the journal
-and a background thread in every writing process retries (0.5 s, doubling to 5 s) until they land.
-A write therefore fails only if its journal line cannot be written (disk full) or its SQL is
-invalid (the event is then kept in `_journal_rejected` and the writer gets the error).
+So writes never go to the database directly. Each write is one *event*, the typed operations of
+one transaction (an insert of rows into a named table and columns, a delete of an experiment's
+rows, or one of the fixed run statements of `STATEMENTS`, with their values), appended as one
+JSON line to this process's journal file in `lineage.duckdb.journal/` and fsynced, then
+*ingested*: under an exclusive `fcntl.flock` on `lineage.duckdb.lock`, every journal line not yet
+applied is applied in its own DuckDB transaction, together with a per-file counter of applied
+lines (`_journal_progress`), so an event is applied exactly once even if an ingester dies midway.
+Fully applied journal files are deleted. When the database file is held by another process,
+ingestion simply stops; the events stay in the journal and a background thread in every writing
+process retries (0.5 s, doubling to 5 s) until they land. A write therefore fails only if its
+journal line cannot be written (disk full) or its values are refused (the event is then kept in
+`_journal_rejected` and the writer gets the error).
+
+The journal is workspace data, not code: a line is turned into fixed, parameterised statements
+whose every table and column name comes from this module's schema (`_compile`); a line holding
+anything else (SQL text other than the exact statements earlier releases wrote, an unknown table
+or column, a nested value) is rejected, kept and counted in `_journal_rejected`, never executed.
+Our connections also refuse every file system access beyond the database itself (`CONNECT`: no
+COPY, ATTACH, read_csv, extension downloads), whatever a planted view asks for.
 
 Reads see everything written, even while ingestion is blocked:
 - nothing pending: a read-only connection under a shared flock (the fast path);
 - events pending and the file held by an outside reader: the read runs on a private copy of the
   database with the pending events applied (`snapshot`), taken under the shared flock. Outside
   readers see the database as of the last ingestion, without the pending events.
+
+A view (`LineageStore(path, read_only=True)`: `smollm3 summary`, `runs`, `lineage`, `sql`,
+`report`, `experiments`) writes nothing in the workspace: no ingestion, no migration, no lock
+file; it reads pending events or an older schema from a private copy.
 
 Readers outside this project should use `Lineage(path).snapshot()` / `snapshot_query` (or
 `smollm3 sql`), which read a consistent private copy and never block writers; an outside
@@ -49,13 +62,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from infra.files import write_atomic
-from pipeline.artifact import Artifact, canonical_json, identity
+from pipeline.artifact import WORKSPACE, Artifact, canonical_json, identity, stored
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +119,6 @@ APPLIED_HINT = "applied.json"  # in the journal folder: lines applied per file (
 RETIRE_BYTES = 1 << 20  # a fully applied journal file this big is deleted...
 RETIRE_IDLE_S = 60.0  # ...or one not written for this long
 
-_TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
 
 # Columns added after a table's first release: a database made before gains them (existing rows
 # read NULL there) the first time this code opens it, under the ingestion lock.
@@ -113,10 +126,120 @@ ADDED_COLUMNS = (("steps", "attempt", "INTEGER"),)  # the flow run's attempt (Pr
 MIGRATE = "".join(f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} {ty};\n" for t, c, ty in ADDED_COLUMNS)
 
 STEP_COLUMNS = "run_id, step, label, fingerprint, state, config, code_version, started, ended, seconds, error, attempt"
-# Statements journaled by earlier code, still valid events: rewritten to name their columns, so an
-# event written before an upgrade and ingested after it lands instead of being rejected.
-LEGACY_SQL = {
-    "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)": f"INSERT INTO steps ({STEP_COLUMNS.rsplit(', ', 1)[0]}) VALUES ({', '.join('?' * 11)})",
+
+# Experiment tables (evals/experiments.py), as (column, type).
+EXPERIMENT_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
+    # one row per experiment: what was compared and which eval tasks the comparison trusts
+    "experiments": (
+        ("experiment", "VARCHAR"),
+        ("run_id", "VARCHAR"),
+        ("kind", "VARCHAR"),
+        ("name", "VARCHAR"),
+        ("baseline", "VARCHAR"),
+        ("variants", "JSON"),
+        ("seeds", "JSON"),
+        ("confidence", "DOUBLE"),
+        ("trusted", "JSON"),
+        ("quality", "JSON"),
+        ("base_checkpoint", "VARCHAR"),
+        ("base_global_step", "BIGINT"),
+        ("created", "TIMESTAMP"),
+    ),
+    # every score of every run (variant x seed) at every evaluated step
+    "experiment_runs": (
+        ("experiment", "VARCHAR"),
+        ("label", "VARCHAR"),
+        ("variant", "VARCHAR"),
+        ("seed", "INTEGER"),
+        ("task", "VARCHAR"),
+        ("metric", "VARCHAR"),
+        ("step", "BIGINT"),
+        ("value", "DOUBLE"),
+        ("stderr", "DOUBLE"),
+        ("eval_fingerprint", "VARCHAR"),
+    ),
+    # each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
+    "experiment_results": (
+        ("experiment", "VARCHAR"),
+        ("variant", "VARCHAR"),
+        ("task", "VARCHAR"),
+        ("metric", "VARCHAR"),
+        ("better", "VARCHAR"),
+        ("baseline", "DOUBLE"),
+        ("score", "DOUBLE"),
+        ("delta", "DOUBLE"),
+        ("seed_std", "DOUBLE"),
+        ("df", "INTEGER"),
+        ("ci_low", "DOUBLE"),
+        ("ci_high", "DOUBLE"),
+        ("p_value", "DOUBLE"),
+        ("significant", "BOOLEAN"),
+        ("improved", "BOOLEAN"),
+        ("stderr", "DOUBLE"),
+        ("trusted", "BOOLEAN"),
+        ("why", "VARCHAR"),
+        ("verdict", "VARCHAR"),
+        ("baseline_runs", "INTEGER"),
+        ("variant_runs", "INTEGER"),
+        ("created", "TIMESTAMP"),
+    ),
+}
+
+
+EXPERIMENT_COLUMNS = {t: tuple(c for c, _ in cols) for t, cols in EXPERIMENT_TABLES.items()}
+
+
+EXPERIMENT_SCHEMA = "\n".join(
+    f"CREATE TABLE IF NOT EXISTS {t} ({', '.join(f'{c} {kind}' for c, kind in cols)});"
+    for t, cols in EXPERIMENT_TABLES.items()
+)
+
+ALL_SCHEMA = SCHEMA + EXPERIMENT_SCHEMA + "\n"
+_TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", ALL_SCHEMA))
+
+
+def _table_columns(schema: str) -> dict[str, tuple[str, ...]]:
+    """Each table's columns in order, read from this module's own DDL."""
+    out = {}
+    for name, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
+        body = re.sub(r"PRIMARY KEY \([^)]*\)", "", body)
+        out[name] = tuple(part.split()[0] for part in body.split(",") if part.strip())
+    return out
+
+
+COLUMNS = _table_columns(ALL_SCHEMA)
+# What a journal operation may insert into (flow_runs and run_attempts change through STATEMENTS
+# only; the journal's own tables never through the journal).
+INSERT_TABLES = frozenset({"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight"}) | set(
+    EXPERIMENT_TABLES
+)
+IGNORE_TABLES = frozenset({"artifacts", "edges"})  # recording the same artifact or edge again is a no-op
+# The fixed statements of a flow run's life, by name: (SQL, number of parameters).
+STATEMENTS: dict[str, tuple[str, int]] = {
+    "attempts_crashed": (
+        "UPDATE run_attempts SET state = 'crashed' WHERE run_id = ? AND state = 'running' "
+        "AND attempt IS DISTINCT FROM ?",
+        2,
+    ),
+    "run_started": (
+        "INSERT INTO flow_runs VALUES (?, ?, ?, ?, ?, ?, NULL, 'running') "
+        "ON CONFLICT (run_id) DO UPDATE SET flow = excluded.flow, "
+        "deployment = excluded.deployment, recipe = excluded.recipe, "
+        "config = excluded.config, ended = NULL, state = 'running'",
+        6,
+    ),
+    "attempt_started": (
+        "INSERT OR REPLACE INTO run_attempts SELECT ?, coalesce(?, (SELECT "
+        "coalesce(max(attempt), 0) + 1 FROM run_attempts WHERE run_id = ?)), ?, NULL, "
+        "'running'",
+        4,
+    ),
+    "run_ended": ("UPDATE flow_runs SET ended = ?, state = ? WHERE run_id = ?", 3),
+    "attempt_ended": (
+        "UPDATE run_attempts SET ended = ?, state = ? WHERE run_id = ? AND attempt = "
+        "coalesce(?, (SELECT max(attempt) FROM run_attempts WHERE run_id = ?))",
+        5,
+    ),
 }
 
 # States a flow run's row (and each attempt's) can end in.
@@ -174,17 +297,167 @@ def _decode(obj: dict) -> Any:
     return obj
 
 
-Op = tuple[str, list[Any] | None, bool]  # (sql, params or rows, executemany?)
+# A journal operation is data: {"op": "insert", "table", "columns", "rows", "ignore"},
+# {"op": "delete", "table", "column", "value"} (experiment rows, by experiment id) or
+# {"op": "statement", "name", "params"} (one of STATEMENTS). `_compile` turns one into a fixed,
+# parameterised statement whose every identifier comes from this module's schema; anything else
+# raises JournalRejected. Values are scalars only.
+Op = dict[str, Any]
+Statement = tuple[str, list[Any], bool]  # (sql, params or rows, executemany?)
+SCALARS = (str, int, float, bool, type(None), datetime, date)
+EVENT_VERSION = 2  # events of earlier code held SQL text: `_legacy_ops` reads those it wrote
+
+
+class JournalRejected(ValueError):
+    """A journal line that is not a well-formed typed operation on our schema."""
+
+
+def _plain(value: Any) -> Any:
+    """numpy numbers as Python ones (a journal value is a JSON scalar)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool | int | float):
+        return float(value)
+    return value
+
+
+def insert_op(table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, ignore: bool = False) -> Op:
+    plain = [[_plain(v) for v in r] for r in rows]
+    op = {"op": "insert", "table": table, "columns": list(columns), "rows": plain, "ignore": ignore}
+    _compile(op)  # a bad write fails here, naming the table or column, before it is journaled
+    return op
+
+
+def delete_op(table: str, column: str, value: Any) -> Op:
+    op = {"op": "delete", "table": table, "column": column, "value": _plain(value)}
+    _compile(op)
+    return op
+
+
+def statement_op(name: str, params: Sequence[Any]) -> Op:
+    op = {"op": "statement", "name": name, "params": [_plain(v) for v in params]}
+    _compile(op)
+    return op
+
+
+def _scalars(values: Any, where: str) -> list[Any]:
+    if not isinstance(values, list) or not all(isinstance(v, SCALARS) for v in values):
+        raise JournalRejected(f"{where}: values must be a list of str, int, float, bool, null, datetime or date")
+    return values
+
+
+def _compile(op: Any) -> Statement:
+    """The fixed statement a typed operation stands for; JournalRejected for anything else."""
+    kind = op.get("op") if isinstance(op, dict) else None
+    if kind == "insert" and set(op) == {"op", "table", "columns", "rows", "ignore"}:
+        table, columns, rows = op["table"], op["columns"], op["rows"]
+        if table not in INSERT_TABLES:
+            raise JournalRejected(f"insert into {table!r}: not a lineage table one may insert into")
+        known = COLUMNS[table]
+        if not isinstance(columns, list) or not columns or len(set(map(str, columns))) != len(columns):
+            raise JournalRejected(f"insert into {table}: columns must be a non-empty list without repeats")
+        unknown = [c for c in columns if c not in known]
+        if unknown:
+            raise JournalRejected(f"insert into {table}: unknown column(s) {unknown}; columns: {', '.join(known)}")
+        if op["ignore"] is not False and not (op["ignore"] is True and table in IGNORE_TABLES):
+            raise JournalRejected(f"insert into {table}: 'ignore' is only for {sorted(IGNORE_TABLES)}")
+        if not isinstance(rows, list) or not rows:
+            raise JournalRejected(f"insert into {table}: rows must be a non-empty list")
+        for row in rows:
+            if len(_scalars(row, f"insert into {table}")) != len(columns):
+                raise JournalRejected(f"insert into {table}: a row has {len(row)} values for {len(columns)} columns")
+        names = [known[known.index(c)] for c in columns]  # our own spelling of each identifier
+        verb = "INSERT OR IGNORE" if op["ignore"] else "INSERT"
+        sql = f"{verb} INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+        return sql, rows, True
+    if kind == "delete" and set(op) == {"op", "table", "column", "value"}:
+        if op["table"] not in EXPERIMENT_TABLES or op["column"] != "experiment":
+            raise JournalRejected("delete: only experiment rows, by their experiment id")
+        _scalars([op["value"]], "delete")
+        return f"DELETE FROM {op['table']} WHERE experiment = ?", [op["value"]], False
+    if kind == "statement" and set(op) == {"op", "name", "params"}:
+        if op["name"] not in STATEMENTS:
+            raise JournalRejected(f"statement {op['name']!r}: not one of {', '.join(STATEMENTS)}")
+        sql, count = STATEMENTS[op["name"]]
+        if len(_scalars(op["params"], f"statement {op['name']}")) != count:
+            raise JournalRejected(f"statement {op['name']}: {len(op['params'])} parameters for {count}")
+        return sql, op["params"], False
+    raise JournalRejected(f"not a lineage operation: {str(op)[:200]}")
 
 
 def _event_line(ops: Sequence[Op], event_id: str) -> bytes:
-    body = {"id": event_id, "t": time.time(), "ops": [[sql, params, many] for sql, params, many in ops]}
+    body = {"v": EVENT_VERSION, "id": event_id, "t": time.time(), "ops": list(ops)}
     return (json.dumps(body, default=_encode, separators=(",", ":")) + "\n").encode()
 
 
-def _parse_event(line: bytes) -> list[Op]:
-    raw = json.loads(line, object_hook=_decode)
-    return [(sql, params, bool(many)) for sql, params, many in raw["ops"]]
+def _parse_event(line: bytes) -> list[Statement]:
+    """The statements of one journal line, every one of them fixed here (JournalRejected else)."""
+    try:
+        raw = json.loads(line, object_hook=_decode)
+    except ValueError as exc:
+        raise JournalRejected(f"not JSON: {exc}") from None
+    ops = raw.get("ops") if isinstance(raw, dict) else None
+    if not isinstance(ops, list) or not ops:
+        raise JournalRejected("an event holds a non-empty list of operations")
+    if raw.get("v") == EVENT_VERSION:
+        return [_compile(op) for op in ops]
+    return [_compile(op) for old in ops for op in _legacy_ops(old)]
+
+
+def _legacy_ops(old: Any) -> list[Op]:
+    """An operation journaled by earlier code as `[sql, params, many]`, as the typed operations
+    it stood for. Only the statements that code wrote are known, matched by their exact text:
+    the text itself is never executed."""
+    if not (isinstance(old, list) and len(old) == 3 and isinstance(old[0], str)):
+        raise JournalRejected(f"not a lineage operation: {str(old)[:200]}")
+    sql, params, many = old
+    known = _legacy_statements().get(sql)
+    if known is None:
+        raise JournalRejected(f"statement not written by this project: {sql[:200]!r}")
+    kind, table, columns, ignore = known
+    if kind == "noop":
+        return []
+    if kind == "statement":
+        return [{"op": "statement", "name": table, "params": params}]
+    if kind == "delete":
+        value = params[0] if isinstance(params, list) and len(params) == 1 else None
+        return [{"op": "delete", "table": table, "column": "experiment", "value": value}]
+    rows = params if many else [params]
+    return [{"op": "insert", "table": table, "columns": list(columns), "rows": rows, "ignore": ignore}]
+
+
+@cache
+def _legacy_statements() -> dict[str, tuple[str, str, tuple[str, ...], bool]]:
+    """Exact SQL texts earlier code journaled -> (kind, table or statement name, columns, ignore)."""
+    out: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
+        sql: ("statement", name, (), False) for name, (sql, _) in STATEMENTS.items()
+    }
+    steps = COLUMNS["steps"]
+    for width in (11, 12):  # before and after the attempt column
+        cols = steps[:width]
+        out[f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * width)})"] = (
+            "insert",
+            "steps",
+            cols,
+            False,
+        )
+    out[f"INSERT INTO steps VALUES ({', '.join('?' * 11)})"] = ("insert", "steps", steps[:11], False)
+    for table in IGNORE_TABLES:
+        cols = COLUMNS[table]
+        out[f"INSERT OR IGNORE INTO {table} VALUES ({', '.join('?' * len(cols))})"] = ("insert", table, cols, True)
+    for table in ("metrics", "evals", "filter_stats", "preflight"):
+        cols = COLUMNS[table]
+        out[f"INSERT INTO {table} VALUES ({', '.join('?' * len(cols))})"] = ("insert", table, cols, False)
+    out[EXPERIMENT_SCHEMA] = ("noop", "", (), False)  # the tables are part of the schema now
+    for table, cols in EXPERIMENT_COLUMNS.items():
+        out[f"DELETE FROM {table} WHERE experiment = ?"] = ("delete", table, (), False)
+        out[f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"] = (
+            "insert",
+            table,
+            cols,
+            False,
+        )
+    return out
 
 
 def _event_time(line: bytes) -> float:
@@ -332,28 +605,26 @@ def _ingest_before_exit() -> None:
                 pass
 
 
-class JournaledConnection:
-    """What `Lineage.writer()` yields: `execute` / `executemany` are recorded and applied as one
-    transaction when the block ends. Write-only: read with `Lineage.query` afterwards."""
+class JournalWriter:
+    """What `LineageStore.writer()` yields: typed operations, applied as one transaction when the
+    block ends. Write-only: read with `query` afterwards."""
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
 
-    def execute(self, sql: str, params: Sequence[Any] | None = None) -> JournaledConnection:
-        self.ops.append((sql, list(params) if params is not None else None, False))
+    def insert(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *, ignore: bool = False):
+        rows = [list(r) for r in rows]
+        if rows:
+            self.ops.append(insert_op(table, columns, rows, ignore=ignore))
         return self
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> JournaledConnection:
-        self.ops.append((sql, [list(r) for r in rows], True))
+    def delete_experiment(self, table: str, experiment: str):
+        self.ops.append(delete_op(table, "experiment", experiment))
         return self
 
-    def _no_reads(self, *_a, **_k):
-        raise TypeError(
-            "a lineage writer connection is write-only: its statements are journaled "
-            "and applied when the `with` block ends; read with Lineage.query"
-        )
-
-    fetchall = fetchone = fetchdf = df = sql = _no_reads
+    def statement(self, name: str, params: Sequence[Any]):
+        self.ops.append(statement_op(name, params))
+        return self
 
 
 def _is_lock_conflict(exc: BaseException) -> bool:
@@ -365,54 +636,100 @@ def _is_lock_conflict(exc: BaseException) -> bool:
     )
 
 
-def _apply(con: duckdb.DuckDBPyConnection, ops: Sequence[Op]) -> None:
-    for sql, params, many in ops:
-        sql = LEGACY_SQL.get(sql, sql)
+def _apply(con: duckdb.DuckDBPyConnection, statements: Sequence[Statement]) -> None:
+    for sql, params, many in statements:
         if many:
-            con.executemany(sql, params or [])
-        elif params is None:
-            con.execute(sql)
+            con.executemany(sql, params)
         else:
             con.execute(sql, params)
+
+
+# Our connections touch no file but the database: no COPY, ATTACH, read_csv or extension
+# downloads, whatever a planted view or journal line asks for.
+CONNECT = {"enable_external_access": False, "autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
+
+def _connect(path: Path | str, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    return duckdb.connect(str(path), read_only=read_only, config=dict(CONNECT))
 
 
 _CURRENT: set[str] = set()  # databases this process has seen with the current schema
 
 
-def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """Create missing tables and add columns newer than the database (a no-op when current)."""
-    # 11 DDL statements cost ~15 ms per connection; counting tables and columns costs ~1 ms
+def _record_rejected(con: duckdb.DuckDBPyConnection, file: str, index: int, line: bytes, error: str) -> None:
+    con.execute(
+        "INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
+        [file, index, error[:2000], line.decode(errors="replace")[:20000], _now()],
+    )
+
+
+def _schema_present(con: duckdb.DuckDBPyConnection) -> bool:
+    """Every table and added column of this code's schema exists (a cheap count, ~1 ms)."""
     present = con.execute(
         "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name IN "
         f"({', '.join('?' * len(_TABLES))})), (SELECT count(*) FROM duckdb_columns() WHERE "
         f"{' OR '.join(['(table_name = ? AND column_name = ?)'] * len(ADDED_COLUMNS))})",
         [*_TABLES, *(x for t, c, _ in ADDED_COLUMNS for x in (t, c))],
     ).fetchone()
-    if present != (len(_TABLES), len(ADDED_COLUMNS)):
-        con.execute(SCHEMA + MIGRATE)
+    return present == (len(_TABLES), len(ADDED_COLUMNS))
 
 
-def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool) -> list:
+def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """Create missing tables and add columns newer than the database (a no-op when current)."""
+    # the DDL statements cost ~15 ms per connection; counting tables and columns costs ~1 ms
+    if not _schema_present(con):
+        con.execute(ALL_SCHEMA + MIGRATE)
+
+
+def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool, root: Path) -> list:
+    """Rows of a query, with the workspace's paths (stored as `{workspace}/REL`) under `root`."""
     cur = con.execute(sql, list(params))
-    rows = cur.fetchall()
+    rows = [tuple(_located(v, root) for v in row) for row in cur.fetchall()]
     if not dicts:
         return rows
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
+def _located(value: Any, root: Path) -> Any:
+    """A stored value with `{workspace}` made `root`: a path column, or paths inside JSON text."""
+    if not isinstance(value, str) or WORKSPACE not in value:
+        return value
+    if value == WORKSPACE or value.startswith(WORKSPACE + "/"):
+        return str(root) + value[len(WORKSPACE) :]
+    return value.replace(f'"{WORKSPACE}', '"' + json.dumps(str(root))[1:-1])
+
+
 class LineageStore:
     """The lineage database of one workspace: the journaled write layer, the schema and read
     connections. `pipeline.lineage.queries.Lineage` adds the questions lineage answers."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, *, read_only: bool = False):
         self.path = Path(path)
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self.journal_dir = self.path.with_name(self.path.name + ".journal")
         self._session: tuple[int, duckdb.DuckDBPyConnection] | None = None  # see `reading`
+        # A view's lineage (`smollm3 summary`, `runs`, `lineage`, `sql`): it writes nothing in the
+        # workspace (no ingestion, no migration, no lock file); pending events and an older
+        # schema are read from a private copy (`snapshot`).
+        self.read_only = read_only
+        # The workspace this lineage belongs to: paths under it are stored relative to it
+        # (`{workspace}/REL`, pipeline.artifact.stored), so a moved workspace's lineage follows it.
+        self.root = self.path.parent.resolve()
 
     @contextmanager
     def _locked(self, mode: int) -> Iterator[None]:
+        if self.read_only:
+            if not self._lock_path.exists():  # nobody ever wrote here: nothing to wait for
+                yield
+                return
+            with open(self._lock_path) as fh:
+                fcntl.flock(fh, mode)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._lock_path, "a+") as fh:
             fcntl.flock(fh, mode)
@@ -467,7 +784,7 @@ class LineageStore:
         """A read-write connection with the schema in place; None while another process holds
         the database file."""
         try:
-            con = duckdb.connect(str(self.path))
+            con = _connect(self.path)
         except duckdb.Error as exc:
             if _is_lock_conflict(exc):
                 return None
@@ -510,15 +827,13 @@ class LineageStore:
         return True
 
     def _reject(self, con, path: Path, index: int, line: bytes, error: str) -> None:
-        """Keep an event the database refused (in `_journal_rejected`) and tell its writer."""
+        """Keep (and count) an event that was refused in `_journal_rejected`; tell its writer."""
         log.error("lineage event %s#%d was rejected by %s: %s", path.name, index, self.path, error)
-        con.execute(
-            "INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
-            [path.name, index, error, line.decode(errors="replace"), _now()],
-        )
+        _record_rejected(con, path.name, index, line, error)
         try:
             event_id = json.loads(line)["id"]
-            (self.journal_dir / f"{event_id}.rejected").write_text(error)
+            if isinstance(event_id, str) and re.fullmatch(r"[0-9a-f]{32}", event_id):  # ours: a uuid4 hex
+                (self.journal_dir / f"{event_id}.rejected").write_text(error)
         except (ValueError, KeyError, TypeError, OSError):
             pass
 
@@ -559,6 +874,8 @@ class LineageStore:
         """Journal, then try to ingest; a held database file leaves the event pending (retried)."""
         if not ops:
             return
+        if self.read_only:
+            raise LineageError(f"lineage {self.path} was opened read-only (a view); it records nothing")
         event_id = uuid.uuid4().hex
         _journal_for(self.journal_dir).append(_event_line(ops, event_id))
         try:
@@ -581,12 +898,27 @@ class LineageStore:
             raise LineageError(f"lineage write to {self.path} was rejected: {error} (kept in table _journal_rejected)")
 
     @contextmanager
-    def writer(self) -> Iterator[JournaledConnection]:
-        """Statements executed on the yielded connection are applied as one transaction when the
-        block ends without an exception (and dropped if it raises)."""
-        con = JournaledConnection()
-        yield con
-        self._write(con.ops)
+    def writer(self) -> Iterator[JournalWriter]:
+        """Operations added to the yielded writer are applied as one transaction when the block
+        ends without an exception (and dropped if it raises)."""
+        ops = JournalWriter()
+        yield ops
+        self._write(ops.ops)
+
+    def _needs_copy(self) -> bool:
+        """Read-only: whether reads must go to a private copy (events pending, or a database
+        older than this code's schema, which a view may not bring up to date in place)."""
+        if self._has_pending() or not self.path.exists():
+            return True
+        try:
+            with self._locked(fcntl.LOCK_SH):
+                con = _connect(self.path, read_only=True)
+            try:
+                return not _schema_present(con)
+            finally:
+                con.close()
+        except duckdb.Error:  # held by an outside writer or otherwise unreadable in place
+            return True
 
     def _schema_current(self) -> bool:
         """The database has this code's tables and columns (brought up to date once per process;
@@ -604,7 +936,18 @@ class LineageStore:
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
         session = self._session
         if session is not None and session[0] == threading.get_ident():  # inside `reading()`
-            return _fetch(session[1], sql, params, dicts)
+            return _fetch(session[1], sql, params, dicts, self.root)
+        if self.read_only:
+            if not self.path.exists() and not self._journal_files():
+                return []
+            if self._needs_copy():
+                return self.snapshot_query(sql, params, dicts=dicts)
+            with self._locked(fcntl.LOCK_SH):
+                con = _connect(self.path, read_only=True)
+                try:
+                    return _fetch(con, sql, params, dicts, self.root)
+                finally:
+                    con.close()
         if self._has_pending():
             try:
                 landed = self._ingest()
@@ -621,9 +964,9 @@ class LineageStore:
         if not current:
             return self.snapshot_query(sql, params, dicts=dicts)
         with self._locked(fcntl.LOCK_SH):
-            con = duckdb.connect(str(self.path), read_only=True)
+            con = _connect(self.path, read_only=True)
             try:
-                return _fetch(con, sql, params, dicts)
+                return _fetch(con, sql, params, dicts, self.root)
             finally:
                 con.close()
 
@@ -653,7 +996,7 @@ class LineageStore:
                     if wal.exists():
                         shutil.copyfile(wal, copy.with_name(copy.name + ".wal"))
                 files = {p: _read_lines(p) for p in self._journal_files()}
-            con = duckdb.connect(str(copy))
+            con = _connect(copy)
             try:
                 _ensure_schema(con)
                 progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
@@ -665,13 +1008,14 @@ class LineageStore:
                     ]
                     for p, lines in files.items()
                 ]
-                for *_, line in heapq.merge(*per_file, key=lambda e: e[0]):
+                for _, name, i, line in heapq.merge(*per_file, key=lambda e: e[0]):
                     try:
                         con.execute("BEGIN TRANSACTION")
                         _apply(con, _parse_event(line))
                         con.execute("COMMIT")
-                    except (duckdb.Error, ValueError, KeyError, TypeError):
-                        con.execute("ROLLBACK")  # ingestion will reject it too
+                    except (duckdb.Error, ValueError, KeyError, TypeError) as exc:
+                        con.execute("ROLLBACK")  # ingestion will reject it too: counted here as there
+                        _record_rejected(con, name, i, line, f"{type(exc).__name__}: {exc}")
                 yield con
             finally:
                 con.close()
@@ -681,7 +1025,7 @@ class LineageStore:
     def snapshot_query(self, sql: str, params: Sequence[Any] = (), *, dicts: bool = True) -> list:
         """`sql` on a private copy (see `snapshot`): what `smollm3 sql` runs."""
         with self.snapshot() as con:
-            return _fetch(con, sql, params, dicts)
+            return _fetch(con, sql, params, dicts, self.root)
 
     def start_run(
         self,
@@ -698,31 +1042,11 @@ class LineageStore:
         earlier attempt still `running` lost its process without a word (SIGKILL, a lost node):
         it is marked `crashed`, its end unknown (NULL)."""
         now = _now()
-        self._write(
-            [
-                (
-                    "UPDATE run_attempts SET state = 'crashed' WHERE run_id = ? AND state = 'running' "
-                    "AND attempt IS DISTINCT FROM ?",
-                    [run_id, attempt],
-                    False,
-                ),
-                (
-                    "INSERT INTO flow_runs VALUES (?, ?, ?, ?, ?, ?, NULL, 'running') "
-                    "ON CONFLICT (run_id) DO UPDATE SET flow = excluded.flow, "
-                    "deployment = excluded.deployment, recipe = excluded.recipe, "
-                    "config = excluded.config, ended = NULL, state = 'running'",
-                    [run_id, flow, deployment, recipe, canonical_json(config), now],
-                    False,
-                ),
-                (
-                    "INSERT OR REPLACE INTO run_attempts SELECT ?, coalesce(?, (SELECT "
-                    "coalesce(max(attempt), 0) + 1 FROM run_attempts WHERE run_id = ?)), ?, NULL, "
-                    "'running'",
-                    [run_id, attempt, run_id, now],
-                    False,
-                ),
-            ]
-        )
+        with self.writer() as ops:
+            ops.statement("attempts_crashed", [run_id, attempt])
+            config = stored(json.loads(canonical_json(config)), self.root)
+            ops.statement("run_started", [run_id, flow, deployment, recipe, canonical_json(config), now])
+            ops.statement("attempt_started", [run_id, attempt, run_id, now])
 
     def end_run(self, run_id: str, state: str, *, attempt: int | None = None) -> None:
         """Record how an attempt ended (`state`: completed, failed, cancelled or crashed); None
@@ -730,36 +1054,31 @@ class LineageStore:
         if state not in RUN_STATES:
             raise ValueError(f"flow run state {state!r} is not one of {sorted(RUN_STATES)}")
         now = _now()
-        self._write(
-            [
-                ("UPDATE flow_runs SET ended = ?, state = ? WHERE run_id = ?", [now, state, run_id], False),
-                (
-                    "UPDATE run_attempts SET ended = ?, state = ? WHERE run_id = ? AND attempt = "
-                    "coalesce(?, (SELECT max(attempt) FROM run_attempts WHERE run_id = ?))",
-                    [now, state, run_id, attempt, run_id],
-                    False,
-                ),
-            ]
-        )
+        with self.writer() as ops:
+            ops.statement("run_ended", [now, state, run_id])
+            ops.statement("attempt_ended", [now, state, run_id, attempt, run_id])
 
     def record_step(self, row: StepRow) -> None:
         """One step's state in one attempt of a run (completed, cached, failed or skipped)."""
-        with self.writer() as con:
-            con.execute(
-                f"INSERT INTO steps ({STEP_COLUMNS}) VALUES ({', '.join('?' * 12)})",
+        with self.writer() as ops:
+            ops.insert(
+                "steps",
+                COLUMNS["steps"],
                 [
-                    row.run_id,
-                    row.step,
-                    row.label,
-                    row.fingerprint,
-                    row.state,
-                    canonical_json(row.config),
-                    row.code_version,
-                    row.started,
-                    row.ended,
-                    (row.ended - row.started).total_seconds(),
-                    row.error,
-                    row.attempt,
+                    [
+                        row.run_id,
+                        row.step,
+                        row.label,
+                        row.fingerprint,
+                        row.state,
+                        canonical_json(stored(json.loads(canonical_json(row.config)), self.root)),
+                        row.code_version,
+                        row.started,
+                        row.ended,
+                        (row.ended - row.started).total_seconds(),
+                        row.error,
+                        row.attempt,
+                    ]
                 ],
             )
 
@@ -773,25 +1092,26 @@ class LineageStore:
     ) -> None:
         """Insert an artifact and its input edges; recording the same artifact twice is a no-op.
         The config column holds what the fingerprint hashed (operational fields left out)."""
-        with self.writer() as con:
-            con.execute(
-                "INSERT OR IGNORE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        with self.writer() as ops:
+            ops.insert(
+                "artifacts",
+                COLUMNS["artifacts"],
                 [
-                    artifact.fingerprint,
-                    artifact.kind,
-                    step,
-                    label,
-                    artifact.uri,
-                    canonical_json(artifact.meta),
-                    canonical_json(identity(config)),
-                    _now(),
+                    [
+                        artifact.fingerprint,
+                        artifact.kind,
+                        step,
+                        label,
+                        stored(artifact.uri, self.root),
+                        canonical_json(stored(artifact.meta, self.root)),
+                        canonical_json(stored(identity(config), self.root)),
+                        _now(),
+                    ]
                 ],
+                ignore=True,
             )
-            for parent in parents:
-                con.execute(
-                    "INSERT OR IGNORE INTO edges VALUES (?, ?)",
-                    [parent.fingerprint, artifact.fingerprint],
-                )
+            edges = [[parent.fingerprint, artifact.fingerprint] for parent in parents]
+            ops.insert("edges", COLUMNS["edges"], edges, ignore=True)
 
     def record_rows(self, table: str, rows: Sequence[Sequence[Any]]) -> None:
         """Append rows to one of the schema's fact tables (metrics, evals, filter_stats, ...)."""
@@ -799,9 +1119,8 @@ class LineageStore:
             raise ValueError(f"unknown lineage table {table!r}")
         if not rows:
             return
-        width = len(rows[0])
-        with self.writer() as con:
-            con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * width)})", [list(r) for r in rows])
+        with self.writer() as ops:
+            ops.insert(table, COLUMNS[table], rows)
 
     def record_experiment(
         self, experiment: dict[str, Any], runs: Sequence[dict[str, Any]], results: Sequence[dict[str, Any]]
@@ -811,23 +1130,23 @@ class LineageStore:
         `experiment_runs` (every score of every run at every evaluated step) and `results` rows of
         `experiment_results` (each variant vs the baseline per task); see EXPERIMENT_SCHEMA."""
         exp_id = experiment["experiment"]
-        with self.writer() as con:
-            con.execute(EXPERIMENT_SCHEMA)
+        with self.writer() as ops:
             for table, rows in (
                 ("experiments", [experiment]),
                 ("experiment_runs", runs),
                 ("experiment_results", results),
             ):
                 columns = EXPERIMENT_COLUMNS[table]
-                con.execute(f"DELETE FROM {table} WHERE experiment = ?", [exp_id])
+                ops.delete_experiment(table, exp_id)
                 bad = [sorted(set(r) ^ set(columns)) for r in rows if set(r) != set(columns)]
                 if bad:
                     raise ValueError(f"{table} row columns differ from the table's: {bad[0]}")
-                if rows:
-                    con.executemany(
-                        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
-                        [[r[c] for c in columns] for r in rows],
-                    )
+                ops.insert(table, columns, [[r[c] for c in columns] for r in rows])
+
+    def rejected_events(self) -> int:
+        """How many journal events were refused (not typed operations on this schema, or values
+        the database refused): kept in `_journal_rejected`, never applied."""
+        return int(self.query("SELECT count(*) FROM _journal_rejected")[0][0])
 
     def _has_experiments(self) -> bool:
         return bool(self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'experiments'"))
@@ -840,96 +1159,34 @@ class LineageStore:
         an outside process holds the file, read from a private copy (`snapshot`). The open
         connection holds DuckDB's read lock like an outside reader: writes made meanwhile are
         journaled at once and land when the block ends (the background retry), so keep a block to
-        one view."""
-        if self._has_pending():
+        one view. A read-only store never ingests: it reads a private copy when events are
+        pending."""
+        if self.read_only:
+            copy = (self.path.exists() or bool(self._journal_files())) and self._needs_copy()
+            landed = not copy
+        elif self._has_pending():
             try:
                 landed = self._ingest()
             except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
                 landed = False
-            if not landed:
-                with self.snapshot() as con:
-                    self._session = (threading.get_ident(), con)
-                    try:
-                        yield self
-                    finally:
-                        self._session = None
-                return
+        else:
+            landed = True
+        if not landed:
+            with self.snapshot() as con:
+                self._session = (threading.get_ident(), con)
+                try:
+                    yield self
+                finally:
+                    self._session = None
+            return
         if not self.path.exists():
             yield self  # nothing recorded yet: every read is empty, as outside a session
             return
         with self._locked(fcntl.LOCK_SH):  # not while an ingestion is applying events
-            con = duckdb.connect(str(self.path), read_only=True)
+            con = _connect(self.path, read_only=True)
         self._session = (threading.get_ident(), con)
         try:
             yield self
         finally:
             self._session = None
             con.close()
-
-
-# Experiment tables (evals/experiments.py), as (column, type); created on first use.
-EXPERIMENT_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
-    # one row per experiment: what was compared and which eval tasks the comparison trusts
-    "experiments": (
-        ("experiment", "VARCHAR"),
-        ("run_id", "VARCHAR"),
-        ("kind", "VARCHAR"),
-        ("name", "VARCHAR"),
-        ("baseline", "VARCHAR"),
-        ("variants", "JSON"),
-        ("seeds", "JSON"),
-        ("confidence", "DOUBLE"),
-        ("trusted", "JSON"),
-        ("quality", "JSON"),
-        ("base_checkpoint", "VARCHAR"),
-        ("base_global_step", "BIGINT"),
-        ("created", "TIMESTAMP"),
-    ),
-    # every score of every run (variant x seed) at every evaluated step
-    "experiment_runs": (
-        ("experiment", "VARCHAR"),
-        ("label", "VARCHAR"),
-        ("variant", "VARCHAR"),
-        ("seed", "INTEGER"),
-        ("task", "VARCHAR"),
-        ("metric", "VARCHAR"),
-        ("step", "BIGINT"),
-        ("value", "DOUBLE"),
-        ("stderr", "DOUBLE"),
-        ("eval_fingerprint", "VARCHAR"),
-    ),
-    # each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
-    "experiment_results": (
-        ("experiment", "VARCHAR"),
-        ("variant", "VARCHAR"),
-        ("task", "VARCHAR"),
-        ("metric", "VARCHAR"),
-        ("better", "VARCHAR"),
-        ("baseline", "DOUBLE"),
-        ("score", "DOUBLE"),
-        ("delta", "DOUBLE"),
-        ("seed_std", "DOUBLE"),
-        ("df", "INTEGER"),
-        ("ci_low", "DOUBLE"),
-        ("ci_high", "DOUBLE"),
-        ("p_value", "DOUBLE"),
-        ("significant", "BOOLEAN"),
-        ("improved", "BOOLEAN"),
-        ("stderr", "DOUBLE"),
-        ("trusted", "BOOLEAN"),
-        ("why", "VARCHAR"),
-        ("verdict", "VARCHAR"),
-        ("baseline_runs", "INTEGER"),
-        ("variant_runs", "INTEGER"),
-        ("created", "TIMESTAMP"),
-    ),
-}
-
-
-EXPERIMENT_COLUMNS = {t: tuple(c for c, _ in cols) for t, cols in EXPERIMENT_TABLES.items()}
-
-
-EXPERIMENT_SCHEMA = "\n".join(
-    f"CREATE TABLE IF NOT EXISTS {t} ({', '.join(f'{c} {kind}' for c, kind in cols)});"
-    for t, cols in EXPERIMENT_TABLES.items()
-)

@@ -129,6 +129,116 @@ def test_errors_about_a_file_never_quote_it(tmp_path):
     assert "abc123" not in str(err.value)
 
 
+def _number_fields(model, path: str, shown: str, tiny: dict, kind: type) -> list[tuple[str, str]]:
+    """(override path, path as errors print it) of every `kind` field (float or int, optional or
+    not) reachable in the recipe's models; list items are addressed by the name of tiny's first
+    item (lists tiny leaves empty have no item to address)."""
+    import types
+    import typing
+
+    out = []
+    for name, field in model.model_fields.items():
+        here, shown_here = (f"{path}.{name}", f"{shown}.{name}") if path else (name, name)
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if typing.get_origin(ann) in (typing.Union, types.UnionType) and len(args) == 1:
+            ann = args[0]
+        if ann is kind:
+            out.append((here, shown_here))
+        elif hasattr(ann, "model_fields"):
+            out += _number_fields(ann, here, shown_here, (tiny or {}).get(name) or {}, kind)
+        elif typing.get_origin(ann) is tuple and hasattr(typing.get_args(ann)[0], "model_fields"):
+            items = (tiny or {}).get(name) or []
+            if items and isinstance(items[0], dict) and "name" in items[0]:
+                item = items[0]["name"]
+                out += _number_fields(
+                    typing.get_args(ann)[0], f"{here}.{item}", f"{shown_here}[{item}]", items[0], kind
+                )
+    return out
+
+
+def _tiny_data() -> dict:
+    return load_recipe("tiny").model_dump(mode="json")
+
+
+FLOATS = dict(_number_fields(__import__("flows.recipe").recipe.Recipe, "", "", _tiny_data(), float))
+INTS = dict(_number_fields(__import__("flows.recipe").recipe.Recipe, "", "", _tiny_data(), int))
+
+
+def test_the_field_walk_finds_the_fields_the_issue_names():
+    assert {"training.optimizer.lr", "training.min_lr", "stages.stage1.max_epochs"} <= set(FLOATS)
+    assert {"seed", "stages.stage1.tokens", "stages.stage1.seq_len", "training.global_batch"} <= set(INTS)
+    assert len(FLOATS) > 30 and len(INTS) > 60
+
+
+@pytest.mark.parametrize("field", FLOATS)
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400", "nan"])
+def test_every_float_field_refuses_inf_and_nan(field, value):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("tiny", [f"{field}={value}"])
+    assert f"{FLOATS[field]}: expected a finite number, got" in str(err.value)
+
+
+@pytest.mark.parametrize("field", INTS)
+def test_every_int_field_refuses_what_no_int64_holds(field):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("tiny", [f"{field}=1e400"])
+    assert f"{INTS[field]}: expected an integer within -2**63..2**63-1, got an integer of 401 digits" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("seed=1e30", "seed: expected an integer within"),
+        ("seed=-1", "seed: Input should be greater than or equal to 0"),
+        (f"seed={2**63}", "seed: expected an integer within"),
+        ("posttrain.seed=4294967296", "posttrain.seed: Input should be less than or equal to 4294967295"),
+        ("stages.stage1.seq_len=1e9", r"stages\[stage1\].seq_len 1000000000 exceeds the 1024 positions of model"),
+        ("stages.long2.seq_len=2048", r"stages\[long2\].seq_len 2048 exceeds the 1024 positions"),
+        ("training.model_overrides.rope_theta=.inf", "ModelConfig.rope_theta must be a finite number"),
+    ],
+)
+def test_seeds_and_sequence_lengths_are_in_range_at_recipe_time(override, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("tiny", [override])
+
+
+def test_the_largest_seed_and_the_models_positions_are_accepted():
+    assert load_recipe("tiny", [f"seed={2**63 - 1}"]).seed == 2**63 - 1
+    assert load_recipe("tiny", ["stages.stage1.seq_len=1024"]).stages[0].seq_len == 1024
+    raised = load_recipe("tiny", ["stages.long2.seq_len=2048", "training.model_overrides.max_seq_len=2048"])
+    assert raised.stages[-1].seq_len == 2048
+
+
+def test_a_duplicate_key_names_the_key_and_both_lines(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "name: t\nseed: 0\nsources:\n  - {name: m, uri: 'builtin:math', domain: math}\nseed: 5\n", encoding="utf-8"
+    )
+    with pytest.raises(RecipeError, match=r"key 'seed' appears twice in one mapping \(lines 2 and 5\)"):
+        load_recipe(str(path))
+    path.write_text(
+        "name: t\nsources:\n  - {name: m, uri: 'builtin:math', domain: math, max_documents: 1, max_documents: 9}\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(RecipeError, match=r"key 'max_documents' appears twice.*\(lines 3 and 3\)"):
+        load_recipe(str(path))
+    with pytest.raises(RecipeError, match=r"override 'training.optimizer': key 'lr' appears twice"):
+        load_recipe("tiny", ["training.optimizer={lr: 1e-3, lr: 1e-2}"])
+
+
+def test_a_duplicate_key_in_a_mixture_file_is_an_error(tmp_path):
+    from tasks.mixture import MixtureError, load_weights
+
+    path = tmp_path / "mix.yaml"
+    path.write_text("weights:\n  prose: 0.5\n  code: 0.5\n  prose: 0.9\n", encoding="utf-8")
+    with pytest.raises(MixtureError, match=r"key 'prose' appears twice in one mapping \(lines 2 and 4\)"):
+        load_weights(str(path))
+    path.write_text("weights:\n  prose: .inf\n", encoding="utf-8")
+    with pytest.raises(MixtureError, match="weight of 'prose' is a float, not a finite number"):
+        load_weights(str(path))
+
+
 def test_the_published_recipe_domains_give_the_published_shares():
     """SmolLM3's web/code/math shares per stage (docs/reference/smollm3.md: 85/12/3, 75/15/10,
     63/24/13) from the published weights and our recipe's domain labels: MegaMath's

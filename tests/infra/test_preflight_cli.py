@@ -36,3 +36,30 @@ def test_exit_code_follows_the_stop_rule(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["stop"] and [r["status"] for r in data["results"]] == ["pass", "fail"]
     assert main(["--facts", str(facts), "checks=[batch_layout]"]) == 0
+
+
+def test_smollm3_preflight_measures_the_workspace_every_command_uses(tmp_path):
+    """Run from another directory: the relative workspace is $SMOLLM3_HOME's, as for `run` and
+    `plan`; nothing is created in the current directory; a failing disk names real fields."""
+    import os
+    import subprocess
+
+    cwd, home = tmp_path / "elsewhere", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SMOLLM3_HOME": str(home)}
+    checks = "preflight.checks=[disk_free,checkpoint_io]"
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "preflight", "tiny", checks, "preflight.io_probe_mib=1"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"free at {home / 'workspace' / 'checkpoints'}" in out.stdout
+    assert list(cwd.iterdir()) == []  # no ./workspace/checkpoints here
+    full = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "preflight", "tiny", checks, "preflight.disk_headroom=1e12"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert full.returncode == 1 and "disk_free      FAIL" in full.stdout
+    assert "lower training.keep_last" in full.stdout and "preflight.checkpoint_dir" in full.stdout
+    assert "lower checkpoint_keep" not in full.stdout

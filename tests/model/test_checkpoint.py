@@ -166,18 +166,67 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_what_failed(
         ckpt.load(newest, fresh, fresh_opt)
 
 
-EVIL = """
-import os, pickle
-class Evil:
-    def __reduce__(self):
-        return (os.system, ("touch {canary}",))
-open({path!r}, "wb").write(pickle.dumps(Evil()))
+# Crafted `.metadata` files, written by a separate process (the attacker) as raw pickle opcodes:
+# each would run `touch CANARY` if the unpickler built what it names. `args` is the pickled
+# argument tuple (protocol 2 opcodes, valid inside a protocol 4 stream).
+PLANT = """
+import pickle, sys
+canary, path, kind = sys.argv[1:]
+args = pickle.dumps((["touch", canary],), protocol=2)[2:-1]
+sh = pickle.dumps(("touch " + canary,), protocol=2)[2:-1]
+md = b"torch.distributed.checkpoint.metadata"
+payloads = {{
+    # a plain os.system GLOBAL
+    "os_system": b"\\x80\\x04cos\\nsystem\\n" + sh + b"R.",
+    # subprocess.Popen reached by attributes from DCP's own metadata module (GLOBAL, then REDUCE)
+    "popen_via_metadata": b"\\x80\\x04c" + md + b"\\ntorch.utils.collect_env.subprocess.Popen\\n" + args + b"R.",
+    # the same through STACK_GLOBAL, as protocol 4 writes globals
+    "popen_stack_global": (
+        b"\\x80\\x04\\x8c" + bytes([len(md)]) + md + b"\\x8c\\x28torch.utils.collect_env.subprocess.Popen\\x93"
+        + args + b"R."
+    ),
+    # through `torch` itself, which allowed torch.Size and the dtypes
+    "popen_via_torch": b"\\x80\\x04ctorch\\nutils.collect_env.subprocess.Popen\\n" + args + b"R.",
+    # INST (protocol 0): find_class then a call, in one opcode
+    "popen_inst": b"(" + pickle.dumps(["touch", canary], protocol=0)[:-1] + b"i" + md + b"\\ntorch.utils.collect_env.subprocess.Popen\\n.",
+    # a type of the metadata module's namespace that is not a metadata class (Enum's functional API)
+    "type_gadget": b"\\x80\\x04c" + md + b"\\nEnum\\n" + pickle.dumps(("X", "a b"), protocol=2)[2:-1] + b"R.",
+}}
+open(path, "wb").write(payloads[kind])
 """
+_VIA_MD = "torch.distributed.checkpoint.metadata.torch.utils.collect_env.subprocess.Popen"
+PAYLOADS = {  # kind: the global the error names
+    "os_system": "os.system",
+    "popen_via_metadata": _VIA_MD,
+    "popen_stack_global": _VIA_MD,
+    "popen_via_torch": "torch.utils.collect_env.subprocess.Popen",
+    "popen_inst": _VIA_MD,
+    "type_gadget": "torch.distributed.checkpoint.metadata.Enum",
+}
 
 
-def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path):
+def test_the_popen_gadget_is_real():
+    """The dotted path the attack uses reaches subprocess.Popen through pickle's own resolution,
+    so a test that finds the canary missing proves our unpickler refused it, not that it missed."""
+    import io
+    import subprocess
+
+    import torch.distributed.checkpoint.metadata  # noqa: F401  (what loading a checkpoint imports)
+
+    class Probe(pickle.Unpickler):
+        pass
+
+    probe = Probe(io.BytesIO(b"\x80\x04N."))  # protocol 4: dotted names resolve
+    probe.load()
+    found = probe.find_class("torch.distributed.checkpoint.metadata", "torch.utils.collect_env.subprocess.Popen")
+    assert found is subprocess.Popen
+
+
+@pytest.mark.parametrize("kind", sorted(PAYLOADS))
+def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path, kind):
     """Someone who can write the folder replaces `.metadata` with a pickle that runs a command
-    and rewrites _CHECKPOINT.json to match: the digest passes, the restricted unpickler refuses."""
+    and rewrites _CHECKPOINT.json to match: the digest passes, the unpickler refuses the global
+    before building anything, naming the file and the global."""
     import subprocess
     import sys
 
@@ -187,18 +236,90 @@ def test_a_crafted_metadata_with_a_matching_manifest_runs_nothing(one_rank_group
     model, opt = _trained(tiny_cfg)
     folder = ckpt.save(1, model, opt, {})
     canary = tmp_path / "pwned"
-    subprocess.run([sys.executable, "-c", EVIL.format(canary=canary, path=str(folder / ".metadata"))], check=True)
+    subprocess.run([sys.executable, "-c", PLANT.format(), str(canary), str(folder / ".metadata"), kind], check=True)
     record = json.loads((folder / "_CHECKPOINT.json").read_text())
     record["files"][".metadata"] = manifest.entries(folder, [".metadata"])[".metadata"]
     (folder / "_CHECKPOINT.json").write_text(json.dumps(record))
     assert verify_checkpoint(folder) == []  # the forger kept the manifest consistent
 
-    with pytest.raises(pickle.UnpicklingError, match=r"posix.system.*not a DCP metadata type"):
+    expected = (
+        rf"\.metadata: checkpoint metadata refers to {re.escape(PAYLOADS[kind])}, which is not a DCP metadata type"
+    )
+    with pytest.raises(pickle.UnpicklingError, match=expected):
         load_model(folder)
     fresh, fresh_opt = _trained(tiny_cfg, steps=0, seed=9)
-    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+    with pytest.raises(pickle.UnpicklingError, match=expected):
         ckpt.load(folder, fresh, fresh_opt)
     assert not canary.exists()
+
+
+def test_a_crafted_rng_file_with_a_matching_manifest_runs_nothing(one_rank_group, tiny_cfg, tmp_path):
+    """The per-rank RNG state is a pickle too: one planted with an os.system REDUCE and a manifest
+    rewritten to match is refused by torch.load(weights_only=True) before anything runs."""
+    import subprocess
+    import sys
+
+    from infra import manifest
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model, opt = _trained(tiny_cfg)
+    folder = ckpt.save(1, model, opt, {})
+    canary = tmp_path / "pwned"
+    rng = folder / "rng_rank0.pt"
+    subprocess.run([sys.executable, "-c", PLANT.format(), str(canary), str(rng), "os_system"], check=True)
+    record = json.loads((folder / "_CHECKPOINT.json").read_text())
+    record["files"][rng.name] = manifest.entries(folder, [rng.name])[rng.name]
+    (folder / "_CHECKPOINT.json").write_text(json.dumps(record))
+    assert verify_checkpoint(folder) == []
+    fresh, fresh_opt = _trained(tiny_cfg, steps=0, seed=9)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ckpt.load(folder, fresh, fresh_opt)
+    assert not canary.exists()
+
+
+def test_a_storage_entry_outside_the_folder_is_refused(one_rank_group, tiny_cfg, tmp_path):
+    """A `.metadata` made only of allowed classes whose storage entry points at `../x`: refused
+    before DCP reads another file as tensor bytes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from infra import manifest
+    from model.checkpoint import SafeFileSystemReader
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model, opt = _trained(tiny_cfg)
+    folder = ckpt.save(1, model, opt, {})
+    metadata = SafeFileSystemReader(str(folder)).read_metadata()
+    first = next(iter(metadata.storage_data))
+    metadata.storage_data[first] = _StorageInfo("../outside.distcp", 0, 8)
+    metadata.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    record = json.loads((folder / "_CHECKPOINT.json").read_text())
+    record["files"][".metadata"] = manifest.entries(folder, [".metadata"])[".metadata"]
+    (folder / "_CHECKPOINT.json").write_text(json.dumps(record))
+    with pytest.raises(pickle.UnpicklingError, match=r"storage entry '\.\./outside\.distcp' that is not a file"):
+        load_model(folder)
+
+
+def test_a_real_metadata_names_only_the_allowed_globals(one_rank_group, tiny_cfg, tmp_path):
+    """Every global a DCP `.metadata` written by this torch names is in the table (so the table
+    is what DCP writes, not a guess), and the table holds nothing DCP does not write beyond the
+    dtypes, layouts and the other spelling of PosixPath."""
+    from model.checkpoint import _metadata_globals
+
+    class Recorder(pickle.Unpickler):
+        seen: set = set()
+
+        def find_class(self, module, name):
+            self.seen.add((module, name))
+            return super().find_class(module, name)
+
+    folder = Checkpointer(tmp_path / "ckpt").save(1, *_trained(tiny_cfg), {})
+    with open(folder / ".metadata", "rb") as fh:
+        Recorder(fh).load()
+    table = _metadata_globals()
+    assert Recorder.seen <= set(table), Recorder.seen - set(table)
+    extra = {k for k in set(table) - Recorder.seen if k[0] != "torch" and k != ("pathlib._local", "PosixPath")}
+    assert extra == set(), extra
 
 
 def test_a_checkpoint_from_before_digests_still_loads(one_rank_group, tiny_cfg, tmp_path, caplog):

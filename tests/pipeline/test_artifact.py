@@ -51,7 +51,8 @@ def test_marker_is_written_last_and_reused(tmp_path):
     second = _run(tmp_path, build)
     assert not second.built and len(calls) == 1
     assert second.artifact == first.artifact
-    assert find_marker(first.artifact.path / "data.txt")["artifact"] == marker["artifact"]
+    assert marker["artifact"]["uri"] == f"{{workspace}}/demo/{first.artifact.short}"  # relative to the root
+    assert find_marker(first.artifact.path / "data.txt")["artifact"] == first.artifact.model_dump(mode="json")
 
 
 def test_crash_mid_step_is_never_taken_for_finished(tmp_path):

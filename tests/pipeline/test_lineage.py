@@ -3,6 +3,7 @@ cannot make a write fail, the journal's exactly-once ingestion, and one row per 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import duckdb
 import pytest
 
 from pipeline.artifact import Artifact
-from pipeline.lineage import Lineage, LineageError, StepRow
+from pipeline.lineage import JournalRejected, Lineage, LineageError, StepRow
 
 
 def _art(name: str, kind: str = "corpus") -> Artifact:
@@ -171,33 +172,30 @@ def test_an_event_is_applied_once_even_if_ingestion_is_repeated(tmp_path):
 
 def test_a_write_the_database_refuses_raises_and_is_kept(tmp_path):
     lin = Lineage(tmp_path / "lineage.duckdb")
-    with pytest.raises(LineageError, match="no_such_table"):
-        with lin.writer() as con:
-            con.execute("INSERT INTO no_such_table VALUES (1)")
+    with pytest.raises(JournalRejected, match="'no_such_table': not a lineage table"):
+        with lin.writer() as ops:  # refused before it is journaled, naming the table
+            ops.insert("no_such_table", ["a"], [[1]])
+    with pytest.raises(LineageError, match="Conversion Error"):
+        lin.record_rows("metrics", [("a", "not a step", "loss", 1.0)])  # refused by the database
     (row,) = lin.query_dicts("SELECT * FROM _journal_rejected")
-    assert "no_such_table" in row["error"] and "no_such_table" in row["event"]
+    assert "Conversion" in row["error"] and "not a step" in row["event"]
     lin.record_rows("metrics", [("a", 1, "loss", 1.0)])  # later writes are not blocked by it
     assert lin.query("SELECT count(*) FROM metrics")[0][0] == 1
 
 
 def test_writer_blocks_are_one_transaction_and_write_only(tmp_path):
     lin = Lineage(tmp_path / "lineage.duckdb")
-    with lin.writer() as con:  # what the experiment tables do: DDL, then rows
-        con.execute("CREATE TABLE IF NOT EXISTS extra (a INTEGER, made TIMESTAMP)")
-        con.executemany(
-            "INSERT INTO extra VALUES (?, ?)", [[1, datetime(2026, 1, 2, 3, 4, 5)], [2, datetime(2026, 1, 2, 3, 4, 6)]]
-        )
-        with pytest.raises(TypeError, match="write-only"):
-            con.execute("SELECT * FROM extra").fetchall()
-    assert lin.query("SELECT a, made FROM extra ORDER BY a") == [
-        (1, datetime(2026, 1, 2, 3, 4, 5)),
-        (2, datetime(2026, 1, 2, 3, 4, 6)),
-    ]
+    when = [datetime(2026, 1, 2, 3, 4, 5), datetime(2026, 1, 2, 3, 4, 6)]
+    with lin.writer() as ops:
+        ops.insert("evals", ["fingerprint", "task", "value", "created"], [["f", "a", 1.0, when[0]]])
+        ops.insert("evals", ["fingerprint", "task", "value", "created"], [["f", "b", 2.0, when[1]]])
+        assert not hasattr(ops, "execute") and not hasattr(ops, "fetchall")  # typed operations only
+    assert lin.query("SELECT task, created FROM evals ORDER BY task") == [("a", when[0]), ("b", when[1])]
     with pytest.raises(RuntimeError, match="abandoned"):
-        with lin.writer() as con:
-            con.execute("INSERT INTO extra VALUES (3, NULL)")
+        with lin.writer() as ops:
+            ops.insert("evals", ["fingerprint", "task"], [["f", "c"]])
             raise RuntimeError("abandoned")
-    assert lin.query("SELECT count(*) FROM extra")[0][0] == 2  # the failed block wrote nothing
+    assert lin.query("SELECT count(*) FROM evals")[0][0] == 2  # the failed block wrote nothing
 
 
 def test_snapshot_reads_a_consistent_copy_without_blocking_writers(tmp_path):
@@ -288,29 +286,17 @@ def test_a_database_from_before_the_attempt_column_gains_it_and_keeps_its_rows(t
     lin = Lineage(path)
     # a read before any write brings the file up to date (queries may name the new column)
     assert [(s["run_id"], s["attempt"]) for s in lin.steps_of("old")] == [("old", None)]
-    # an event journaled by the previous release (11 values, no column list) still lands
-    from pipeline.lineage.store import _event_line, _journal_for
-
-    legacy = [
-        (
-            "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                "legacy",
-                "tokenize",
-                "code",
-                "e",
-                "failed",
-                "{}",
-                "v",
-                datetime(2026, 1, 2),
-                datetime(2026, 1, 2),
-                0.0,
-                "boom",
-            ],
-            False,
-        )
-    ]
-    _journal_for(lin.journal_dir).append(_event_line(legacy, "legacy-event"))
+    # an event journaled by an earlier release (SQL text: 11 values, no column list) still lands,
+    # as the typed operation that exact text stood for
+    values = ["legacy", "tokenize", "code", "e", "failed", "{}", "v"]
+    values += [{"$dt": "2026-01-02T00:00:00"}, {"$dt": "2026-01-02T00:00:00"}, 0.0, "boom"]
+    legacy = {
+        "id": "a" * 32,
+        "t": 1.0,
+        "ops": [["INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values, False]],
+    }
+    lin.journal_dir.mkdir(exist_ok=True)
+    (lin.journal_dir / "legacy-1-aaaa.jsonl").write_text(json.dumps(legacy) + "\n")
     now = datetime.now()
     lin.record_step(StepRow("new", "curate", "math", "d", "completed", {}, "v", now, now, None, 3))
     rows = lin.query("SELECT run_id, state, error, attempt FROM steps ORDER BY run_id")

@@ -267,3 +267,26 @@ def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], EvalConfig(batch_size=2, device="cpu"), tmp_path, progress=meter)
     assert [line.split(" |")[0] for line in lines] == ["lm-eval: 3/6 items (50%)", "lm-eval: 6/6 items (100%)"]
     assert meter.done == {"gen_test": 6}
+
+
+def test_a_moved_suite_is_evaluated_from_where_it_is_now(tmp_path):
+    """Task YAMLs name their JSONL by absolute path: after the workspace moved (the old place
+    deleted), the evaluation's copies read the JSONL beside each YAML, and lm-eval loads them."""
+    from tasks.evaluate import located_tasks, task_yaml
+
+    old = tmp_path / "old" / "eval_suite" / "abc" / "tasks"
+    old.mkdir(parents=True)
+    rows = [{"context": "1 + 1 =", "choices": [" 2", " 3"], "gold": 0, "delimiter": ""}]
+    (old / "toy_cloze.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (old / "toy_cloze.yaml").write_text(task_yaml("toy_cloze", old / "toy_cloze.jsonl", ""))
+    new = tmp_path / "new"
+    shutil.move(tmp_path / "old", new)
+    located = located_tasks(new / "eval_suite" / "abc" / "tasks", tmp_path / "eval" / "tasks")
+    text = (located / "toy_cloze.yaml").read_text()
+    assert json.dumps(str(new / "eval_suite" / "abc" / "tasks" / "toy_cloze.jsonl")) in text
+    assert str(tmp_path / "old") not in text
+    from lm_eval.tasks import TaskManager
+
+    task = TaskManager(include_path=str(located), include_defaults=False).load_task_or_group(["toy_cloze"])
+    (doc,) = list(next(iter(task.values())).test_docs())
+    assert doc["context"] == "1 + 1 ="

@@ -60,7 +60,7 @@ def _recipe_with(tmp_path, weights: dict) -> Path:
         ({"prose": 0.5, "poetry": 0.5}, "unknown source\\(s\\) poetry"),
         ({"prose": 1.0, "code": -0.1}, "weights must be finite and >= 0; bad: code"),
         ({"prose": 0, "code": 0}, "the weights sum to 0"),
-        ({"prose": "lots"}, "weight of 'prose' is a str, not a number"),
+        ({"prose": "lots"}, "weight of 'prose' is a str, not a finite number"),
     ],
 )
 def test_bad_mixtures_fail_when_the_recipe_loads(tmp_path, weights, message):
@@ -114,7 +114,8 @@ def test_plan_budgets_epochs_and_contract(tmp_path):
     assert list(by_name["prose"]) == ["name", "weight", "files", "available_tokens", "budget_tokens", "expected_epochs"]
     assert by_name["prose"]["weight"] == pytest.approx(0.6) and by_name["prose"]["budget_tokens"] == 12_000
     assert by_name["prose"]["expected_epochs"] == 6.0 and by_name["math"]["budget_tokens"] == 2000
-    assert all(Path(f).is_absolute() and Path(f).is_file() for s in plan["sources"] for f in s["files"])
+    files = [f for s in plan["sources"] for f in s["files"]]  # relative to the plan, inside the workspace
+    assert all(f.startswith("../") and (out / f).resolve().is_file() for f in files), files
     assert meta["original_weight_sum"] == 1.5 and meta["unused"] == ["idle"]
 
 
@@ -128,6 +129,33 @@ def test_plan_is_read_by_the_trainer_loader(tmp_path):
     mixture(MixtureSpec.of(stage, 0), [_shards(tmp_path, "a", 600), _shards(tmp_path, "b", 600)], out=out)
     plan = data.MixturePlan.load(out / "plan.json")
     assert plan.stage == "stage2" and [s.name for s in plan.sources] == ["a", "b"]
+
+
+def test_a_plan_moved_with_its_workspace_reads_the_shards_where_they_are_now(tmp_path):
+    """The plan names its shards relative to itself: a copied workspace's plan, the original
+    deleted, still loads for the trainer and the preflight with the copy's files."""
+    import shutil
+
+    from infra.preflight.data import load_plans
+    from model.data import MixturePlan
+
+    ws = tmp_path / "ws"
+    mix = tmp_path / "m.yaml"
+    mix.write_text(yaml.safe_dump({"weights": {"a": 0.5, "b": 0.5}}))
+    stage = StageConfig(name="stage1", mixture=str(mix), tokens=1000, seq_len=8)
+    out = ws / "mixture" / "abcdef123456"
+    out.mkdir(parents=True)
+    (ws / "tokenize").mkdir()
+    mixture(MixtureSpec.of(stage, 0), [_shards(ws / "tokenize", "a", 600), _shards(ws / "tokenize", "b", 600)], out=out)
+    moved = tmp_path / "bigger-disk" / "ws"
+    shutil.copytree(ws, moved)
+    shutil.rmtree(ws)
+    plan = MixturePlan.load(moved / "mixture" / "abcdef123456" / "plan.json")
+    files = [Path(f) for s in plan.sources for f in s.files]
+    assert files == [moved / "tokenize" / n / f"{n}_00000.ds" for n in ("a", "b")]
+    assert all(f.is_file() for f in files)
+    (loaded,) = load_plans((str(moved / "mixture" / "abcdef123456" / "plan.json"),))
+    assert [Path(f) for s in loaded["sources"] for f in s["files"]] == files
 
 
 def test_plan_refuses_sources_without_shards_and_mixed_tokenizers(tmp_path):

@@ -223,7 +223,8 @@ def checkpoint_callback(out: Path, keep: int):
 
 
 def resume_point(out: Path, log: Callable[[str], None] = print) -> Path | None:
-    """The newest checkpoint under `out/checkpoints` whose files match their digests, or None.
+    """The newest checkpoint under `out/checkpoints` whose files match their digests and whose
+    pickles cannot run code (`refused_pickles`), or None.
 
     Collective when a process group exists: each rank hashes every world_size-th file and the
     verdicts are shared, so every rank resumes from the same folder.
@@ -240,10 +241,32 @@ def resume_point(out: Path, log: Callable[[str], None] = print) -> Path | None:
             dist.all_gather_object(shared, problems)
             problems = [p for part in shared for p in part]
         if not problems:
+            problems = refused_pickles(folder)
+        if not problems:
             return folder
         if r == 0:
-            log(f"warning: checkpoint {folder.name} fails its digests ({'; '.join(problems[:3])}); trying an older one")
+            log(f"warning: checkpoint {folder.name} cannot be trusted ({'; '.join(problems[:3])}); trying an older one")
     return None
+
+
+def refused_pickles(folder: Path) -> list[str]:
+    """Why the pickles in a TRL checkpoint could run code when resumed (empty: none can).
+
+    transformers loads the optimizer, scheduler, scaler and RNG files with
+    `torch.load(weights_only=True)`, but a checkpoint saved with FSDP's SHARDED_STATE_DICT holds
+    DCP folders whose `.metadata` accelerate reads with plain `pickle`: each must first pass the
+    allow-list unpickler the pretraining checkpoints use (model/checkpoint.py)."""
+    import pickle
+
+    from model.checkpoint import SafeFileSystemReader
+
+    problems = []
+    for metadata in sorted(Path(folder).rglob(".metadata")):
+        try:
+            SafeFileSystemReader(str(metadata.parent)).read_metadata()
+        except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+            problems.append(f"{metadata.relative_to(folder)}: {exc}")
+    return problems
 
 
 def resumed_step(folder: Path | None) -> int | None:

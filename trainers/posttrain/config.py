@@ -23,6 +23,9 @@ from infra.launchers import LaunchConfig
 from infra.storage import StorageConfig
 from pipeline.artifact import operational
 
+# transformers' `set_seed` seeds numpy's legacy generator, which takes a 32-bit seed
+SEED_MAX = 2**32 - 1
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -130,7 +133,7 @@ class SoupConfig(_Config):
     section with the fields named here changed."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")  # its label (preference[NAME], evaluate[NAME])
-    seed: int | None = None  # posttrain seed of this run (data order, self-sampled pairs)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)  # posttrain seed of this run (data order, pairs)
     beta: float | None = Field(default=None, gt=0)  # APO/DPO beta (SmolLM3: 0.05-0.1)
     lr: float | None = Field(default=None, gt=0)  # learning rate
     loss_type: str | None = None  # TRL DPO loss
@@ -298,7 +301,7 @@ class PosttrainConfig(_Config):
     grpo: GRPOConfig = GRPOConfig()
     distill: DistillConfig = DistillConfig()
     eval: PosttrainEvalConfig = PosttrainEvalConfig()
-    seed: int = 0  # seed of data order, sampling and trainers
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)  # seed of data order, sampling and trainers
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda when available under "auto"
 
     @model_validator(mode="after")

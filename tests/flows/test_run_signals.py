@@ -1,0 +1,143 @@
+"""Stopping works at once: SIGTERM or SIGINT, sent from another process to `smollm3 run` while
+its data steps' children run, kills those children and their trees, exits within 10 s and
+records the run `cancelled` (its running steps `failed` as stopped, the rest skipped); a step
+busy inside the flow process cannot hold the exit past the deadline either."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.lineage import Lineage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(api_url: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": api_url}
+
+
+def _wait_for(proc: subprocess.Popen, want, what: str, timeout: float = 240.0) -> list[psutil.Process]:
+    """Descendants of `proc` once `want(cmdline)` holds for one of them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what} started"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        if any(want(" ".join(_cmdline(p))) for p in tree):
+            return tree
+        time.sleep(0.2)
+    raise AssertionError(f"{what} never started")
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(" ".join(p.cmdline())[:120])
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_smollm3_run_within_10_s_and_records_it_cancelled(tmp_path, api_url, sig):
+    ws = tmp_path / "ws"
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "tiny", f"workspace={ws}"],
+        cwd=REPO, env=_env(api_url), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        _wait_for(proc, lambda cmd: "pipeline.child" in cmd, "a data step's child")
+        time.sleep(1.0)  # the child is working (its guard and interpreter started)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert took < 10.0, f"exited {took:.1f} s after {sig.name}"
+    assert rc in (128 + sig, -sig), rc
+    time.sleep(0.5)
+    assert _alive(tree) == [], "children outlived the run"
+    lineage = Lineage(ws / "lineage.duckdb", read_only=True)
+    (run,) = lineage.runs(1)
+    assert run["state"] == "cancelled"
+    stopped = [s for s in lineage.steps_of(run["run_id"]) if s["state"] == "failed"]
+    assert stopped and all(s["error"].startswith(f"stopped: the run was cancelled by {sig.name}") for s in stopped)
+
+
+BUSY_FLOW = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from pydantic import BaseModel, ConfigDict
+from flows.recipe import load_recipe, run_setup
+from pipeline.graph import Graph
+from pipeline.runner import run_flow
+from pipeline.step import step
+
+class Busy(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    flag: str
+
+@step("busy", version=1, kind="report")
+def busy(config: Busy, *, out: Path, log=print) -> dict:
+    Path(config.flag).write_text("started")
+    end = time.monotonic() + 120
+    while time.monotonic() < end:  # pure Python in the flow process: nothing can interrupt it
+        sum(range(10000))
+    return {}
+
+@flow(name="busy-test")
+def run() -> dict:
+    g = Graph("busy-test")
+    g.add(busy, Busy(flag=sys.argv[2]), label="x")
+    return run_flow("busy-test", g, run_setup(load_recipe("tiny", [f"workspace={sys.argv[1]}"]), "tiny"))
+
+run()
+"""
+
+
+def test_a_step_busy_in_the_flow_process_cannot_hold_the_exit(tmp_path, api_url):
+    ws, flag = tmp_path / "ws", tmp_path / "started"
+    script = tmp_path / "busy.py"
+    script.write_text(textwrap.dedent(BUSY_FLOW))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ws), str(flag)], cwd=REPO, env=_env(api_url),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not flag.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the busy step never started"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert took < 10.0 and rc == 128 + signal.SIGTERM, (took, rc)
+    (run,) = Lineage(ws / "lineage.duckdb", read_only=True).runs(1)
+    assert run["state"] == "cancelled"
