@@ -21,7 +21,10 @@ missing here but finished on the S3 mirror is fetched, verified, instead of rebu
 after every independent branch has finished, naming each failed step and its cause. A served run
 whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py); SIGTERM
 or SIGINT stops the running steps' children at once and ends the run `cancelled`
-(pipeline/signals.py).
+(pipeline/signals.py). Cluster jobs its steps follow (Slurm, PyTorchJob) are cancelled only when
+the run is cancelled explicitly (Ctrl-C, or a SIGTERM that Prefect's API confirms as a
+cancellation); otherwise they are left training and a retry re-attaches to them
+(infra/launchers/follow.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from prefect.states import Crashed, State
 from prefect.utilities.annotations import quote
 
 from infra.guard import ProcessRef
+from infra.launchers.follow import cancel_followed, cancel_requested, detach_followed, set_cancel_probe
 from infra.proc import ChildFailed, run_streaming, stop_all
 from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
@@ -66,6 +70,16 @@ from pipeline.signals import stop_on_signals
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
+
+
+def flow_run_cancelled(run_id: str) -> bool:
+    """Whether Prefect's API has flow run `run_id` cancelling or cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(uuid.UUID(run_id)).state
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 def _now() -> datetime:
@@ -185,6 +199,8 @@ class RunContext:
         )
         survive_broken_console()
         quiet_console_streams()  # a print or progress bar into a dead parent's pipe fails nothing
+        if runtime_flow_run.id:  # cluster jobs stop with this run only when Prefect cancelled it
+            set_cancel_probe(lambda: flow_run_cancelled(self.run_id))
         self._signals = stop_on_signals(self._signalled, self._deadline)
         self._signals.__enter__()
         owner = run_owner()
@@ -206,6 +222,9 @@ class RunContext:
             f"{self.owner_gone}: stopping the steps that run and starting no new one; "
             f"`prefect flow-run retry {self.run_id}` resumes the run"
         )
+        left = detach_followed()  # cluster jobs keep training; `flow-run retry` re-attaches to them
+        if left:
+            self.logger.error(f"left {', '.join(left)} running; the retry re-attaches to them")
         stopped = stop_all(grace=5.0)
         if stopped:
             self.logger.error(f"stopped {len(stopped)} child process(es): " + "; ".join(stopped))
@@ -213,6 +232,9 @@ class RunContext:
     def _signalled(self, name: str) -> None:
         """SIGTERM or SIGINT (pipeline/signals.py): kill the steps' children, start no new step."""
         self.cancelled = f"the run was cancelled by {name}"
+        # Before the deadline can end the process: Ctrl-C or a confirmed Prefect cancellation
+        # cancels the followed cluster jobs; any other SIGTERM leaves them for the retry.
+        self._stop_cluster_jobs(name == "SIGINT" or cancel_requested())
         stopped = stop_all(grace=2.0)
         self.logger.warning(
             f"{self.cancelled}: stopped {len(stopped)} child process(es)"
@@ -271,7 +293,27 @@ class RunContext:
             state = "cancelled"  # Prefect cancels a run with SIGTERM, raised as TerminationSignal
         else:
             state = "failed"
+        if state == "cancelled" and self.cancelled is None:  # a signal's were decided in _signalled
+            terminated = exc_type is not None and issubclass(exc_type, TerminationSignal)
+            self._stop_cluster_jobs(not terminated or cancel_requested())
+        set_cancel_probe(None)
         self.lineage.end_run(self.run_id, state, attempt=self.attempt)
+
+    def _stop_cluster_jobs(self, explicit: bool) -> None:
+        """Cancel the Slurm jobs and PyTorchJobs this run's steps follow (from worker threads
+        that never see the cancellation) when the run was really cancelled (`explicit`: Ctrl-C,
+        or a SIGTERM that Prefect's API confirms as a cancellation). A SIGTERM from anything else
+        (a host shutting down) leaves them training; the retry re-attaches (infra/launchers/follow.py)."""
+        if not explicit:
+            left = detach_followed()
+            if left:
+                self.logger.warning(
+                    f"SIGTERM without a cancellation: left {', '.join(left)} running; a retry re-attaches"
+                )
+            return
+        stopped = cancel_followed()
+        if stopped:
+            self.logger.warning(f"run cancelled: cancelled {', '.join(stopped)}")
 
     def record(self, node: Node, state: str, started: datetime, ended: datetime, error: str | None = None) -> None:
         config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config

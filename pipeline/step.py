@@ -350,15 +350,20 @@ _JOB_STATES = {"NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "TIMEOUT", "DEADLINE"}
 def transient(exc: BaseException | None) -> bool:
     """Whether a failure (or any exception it was raised from) can go away by running again:
     IO and network errors, S3 throttling, a training job whose rank was killed by a signal (OOM
-    killer, preemption) or whose node failed or time ran out (a retry resumes from the last
-    checkpoint). Config, data and code errors (ValueError, a missing file, a non-finite loss, a
+    killer, preemption), stopped on one after saving its step, lost a peer node, or whose node
+    failed or time ran out (a retry resumes from the last checkpoint). Config, data and code errors (ValueError, a missing file, a non-finite loss, a
     Python error in a rank) are not: retrying them only repeats them."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         facts = getattr(exc, "facts", None)  # infra.launchers.LaunchFailed: how the job ended
         if facts is not None and hasattr(facts, "signal"):
-            return bool(facts.signal) or (facts.state or "").upper() in _JOB_STATES
+            # a stop signal the trainer checkpointed on, or a lost peer: `external` (FailureFacts)
+            return (
+                bool(facts.signal)
+                or (facts.state or "").upper() in _JOB_STATES
+                or bool(getattr(facts, "external", False))
+            )
         name = type(exc).__name__
         if name == "ClientError":  # botocore: only throttling and server-side errors
             code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))

@@ -28,6 +28,10 @@ One launch trains one stage as described by a `TrainSpec`:
   `model.flops.resolve_peak` (declared, datasheet, preflight calibration, else not reported);
   a figure above 100% is never printed: the line says the peak is wrong instead (what was achieved
   and against which peak), and the metrics record `mfu` null with `mfu_invalid` saying why;
+- signals: SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, pod eviction, scancel)
+  finish the current step on every rank, save a checkpoint of it (synchronously: complete with its
+  marker, even with async checkpoints) and exit with code 75, so the requeue resumes at that step
+  (trainers/signals.py);
 - ownership: rank 0 leases `out_dir` (`infra.guard.StageLease`) before writing anything, so a
   second trainer in the same folder refuses to start (exit code 4) while the first lives; under
   torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
@@ -45,6 +49,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,7 @@ import torch.distributed as dist
 
 from infra.files import write_atomic
 from infra.guard import LeaseHeld, StageLease, protect_rank
+from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
@@ -65,6 +71,7 @@ from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec
+from trainers.signals import EXIT_STOPPED, StopRequested, StopSignals
 
 log = logging.getLogger("trainers.pretrain")
 EXIT_NON_FINITE = 3
@@ -101,7 +108,7 @@ def setup_runtime(spec: TrainSpec) -> Runtime:
         backend = "nccl" if want_cuda else "gloo"
         device_id = device if want_cuda else None
         if "RANK" in os.environ:  # under torchrun
-            dist.init_process_group(backend, device_id=device_id)
+            dist.init_process_group(backend, device_id=device_id, timeout=collective_timeout())
         else:  # plain `python -m trainers.pretrain`: a private one-process group
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         owns = True
@@ -109,6 +116,12 @@ def setup_runtime(spec: TrainSpec) -> Runtime:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     return Runtime(rank, world, device, owns)
+
+
+def collective_timeout() -> timedelta | None:
+    """The launch's collective timeout (launch.fabric.collective_timeout_s), else torch's default."""
+    seconds = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return timedelta(seconds=int(seconds)) if seconds else None
 
 
 def build_model_config(spec: TrainSpec, plan: MixturePlan, seq_len: int) -> ModelConfig:
@@ -320,12 +333,13 @@ def claim_stage(out_dir: Path, rt: Runtime) -> StageLease | None:
     return lease
 
 
-def train(spec: TrainSpec) -> dict[str, Any]:
+def train(spec: TrainSpec, stop: StopSignals | None = None) -> dict[str, Any]:
+    """Train the stage; with `stop`, a stop signal saves the current step and raises StopRequested."""
     rt = setup_runtime(spec)
     lease = None
     try:
         lease = claim_stage(Path(spec.out_dir), rt)
-        return _train(spec, rt)
+        return _train(spec, rt, stop)
     finally:
         if lease is not None:
             lease.release()
@@ -333,7 +347,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
+def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dict[str, Any]:
     out_dir = Path(spec.out_dir)
     is_main = rt.rank == 0
     if is_main:
@@ -426,6 +440,29 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
         peak_source,
     )
 
+    def checkpoint(step: int, stage_end: bool) -> Path:
+        """Save this step (every rank): refused when the weights are not finite."""
+        if not _all_finite(params):
+            raise NonFiniteError(
+                f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
+            )
+        return ckpt.save(
+            step,
+            model,
+            optimizer,
+            {
+                "stage": plan.stage,
+                "global_step": schedule_start + step,
+                "schedule_start": schedule_start,
+                "loss": loss_value,
+                "world_size": rt.world_size,
+                "loader": loader.state_dict(),
+                "tokens_per_source": loader.tokens_per_source(),
+                "epochs_per_source": loader.epochs_per_source(),
+            },
+            stage_end=stage_end,
+        )
+
     while step < spec.steps:
         t0 = time.perf_counter()
         lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
@@ -492,29 +529,19 @@ def _train(spec: TrainSpec, rt: Runtime) -> dict[str, Any]:
             report.log_step(step, loss_value, lr, grad_norm)
         stage_end = step == spec.steps
         ckpt.poll()  # a background save whose every shard is written gets its marker
-        if stage_end or step % spec.checkpoint_interval == 0:
-            if not _all_finite(params):
-                raise NonFiniteError(
-                    f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
-                )
-            last_ckpt = ckpt.save(
-                step,
-                model,
-                optimizer,
-                {
-                    "stage": plan.stage,
-                    "global_step": schedule_start + step,
-                    "schedule_start": schedule_start,
-                    "loss": loss_value,
-                    "world_size": rt.world_size,
-                    "loader": loader.state_dict(),
-                    "tokens_per_source": loader.tokens_per_source(),
-                    "epochs_per_source": loader.epochs_per_source(),
-                },
-                stage_end=stage_end,
-            )
+        saved = stage_end or step % spec.checkpoint_interval == 0
+        if saved:
+            last_ckpt = checkpoint(step, stage_end)
         if spec.debug_step_sleep_s:
             time.sleep(spec.debug_step_sleep_s)
+        if stop is not None and not stage_end and stop.requested(rt.device):  # all ranks agree
+            last_ckpt = last_ckpt if saved else checkpoint(step, False)
+            ckpt.wait()  # an async save is complete (marker written) before the rank exits
+            if is_main and stop.received_at is not None:
+                log.info(
+                    "%s: %.1f s from the signal to a saved checkpoint", plan.stage, time.monotonic() - stop.received_at
+                )
+            raise StopRequested(stop.received or "a signal", step, str(last_ckpt))
     ckpt.wait()
 
     if last_ckpt is not None and math.isnan(loss_value):  # already finished before this launch
@@ -558,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m trainers.pretrain SPEC.json  (or under torchrun)", file=sys.stderr)
         return 2
     protect_rank()  # first: a rank must not outlive torchrun, even during startup
+    stop = StopSignals().install()  # SIGUSR1/SIGTERM: save the step being trained, exit 75
     # Rank 0 speaks for the stage; the others only warn. No timestamps: the task log has them.
     handler = logging.StreamHandler()
     handler.setFormatter(_Concise())
@@ -569,7 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     spec = TrainSpec.load(argv[0])
     try:
-        result = train(spec)
+        result = train(spec, stop)
+    except StopRequested as err:
+        if rank0:
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_STOPPED
     except NonFiniteError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NON_FINITE

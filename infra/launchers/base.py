@@ -14,13 +14,19 @@ precision for Hugging Face trainers). The interface is the same for all of them:
 
 Resumption is the trainer's job, not the launcher's: every launch of the same spec continues from
 the newest complete checkpoint in the spec's out_dir, so a Slurm requeue, a pod restart or a rerun
-from the Prefect UI all resume without the launcher knowing where training stopped.
+from the Prefect UI all resume without the launcher knowing where training stopped. A stop signal
+(time limit, preemption, eviction) makes that checkpoint the step the signal came at
+(trainers/signals.py, exit code 75). Cluster jobs outlive the process that launched them: the job
+record (`JobRecord`) lets the next launch re-attach instead of submitting again
+(infra/launchers/follow.py). Failures are described by `FailureFacts`, which also names the peer
+or rendezvous store a surviving rank lost (infra/launchers/peers.py).
 
 New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.register("name")`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -33,11 +39,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra import manifest
 from infra.files import write_json_atomic
 from infra.guard import ProcessRef
+from infra.launchers.fabric import FabricConfig, RendezvousConfig
+from infra.launchers.peers import LostPeer
 from infra.registry import Registry
 
 # The checkout holding `model/` (the trainer runs as `-m trainers.pretrain` from here by default).
@@ -51,10 +59,12 @@ OnStart = Callable[[int], object] | None
 
 
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
+EXIT_STOPPED = 75  # trainers/signals.py: stopped on a signal, the step it stopped at saved
 EXIT_CODES = {
     3: "stopped on a non-finite loss, gradient or weights",
     4: "refused to start: another trainer holds the stage folder",
-}  # trainers/pretrain.py
+    EXIT_STOPPED: "stopped on a signal (time limit, preemption, eviction) after saving a checkpoint",
+}  # trainers/pretrain.py, trainers/signals.py
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,13 @@ class FailureFacts:
     checkpoint_step: int | None = None  # step of the newest complete checkpoint
     who: str = "the trainer"  # when no rank is named: "torchrun", "Slurm job 12", ...
     state: str | None = None  # the scheduler's final state when it says more (NODE_FAIL, TIMEOUT)
+    lost: str | None = None  # the peer or rendezvous store a survivor lost (infra/launchers/peers.py)
+
+    @property
+    def external(self) -> bool:
+        """The job ended for a reason outside the trainer's code and data: a stop signal it
+        checkpointed on, or a lost peer (a dead node, a failed network). A retry resumes."""
+        return self.exitcode == EXIT_STOPPED or self.lost is not None
 
     def cause(self) -> str:
         """One sentence: who died how, where, and what a retry does."""
@@ -89,6 +106,8 @@ class FailureFacts:
             how += f" ({self.error})"
         elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
+        if self.lost:
+            how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
         where = f" after step {self.last_step}" if self.last_step is not None else " before its first step"
         if self.checkpoint_step is not None:
             then = f" (last checkpoint: step {self.checkpoint_step}); a retry resumes from step {self.checkpoint_step}"
@@ -123,8 +142,9 @@ class LaunchFailed(RuntimeError):
         return self.facts.cause() if self.facts is not None else None
 
 
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
-_TRAINER_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?error: (.+)$")  # trainers/pretrain.py's exits 3, 4
+# torch prefixes a rank's traceback with `[rankN]:`, torchrun's rank labels add another (fabric.py)
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+_TRAINER_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)*error: (.+)$")  # trainers/pretrain.py's exits 3, 4, 75
 _WRAPPERS = ("ChildFailedError", "torch.distributed.elastic")  # torchrun's, names no cause
 
 
@@ -232,6 +252,7 @@ def failure_facts(
     who: str = "the trainer",
     state: str | None = None,
     signal_name: str | None = None,
+    lost: LostPeer | None = None,
 ) -> FailureFacts:
     """Everything known about a failed launch: torchrun's summary when it printed one, else the
     launcher's own view (torchrun itself killed, a node lost: no rank to name)."""
@@ -241,6 +262,8 @@ def failure_facts(
         code, sig = returncode, signal_name
         if sig is None and returncode is not None and returncode < 0:
             sig = _SIGNALS.get(-returncode)
+    if first.line and first.line.startswith("stopped on SIG"):  # the trainer's own word (trainers/signals.py)
+        code, sig = EXIT_STOPPED, None  # torchrun, itself signalled, prints no summary of it
     return FailureFacts(
         rank=summary.rank(),
         host=summary.fields.get("host"),
@@ -251,6 +274,7 @@ def failure_facts(
         checkpoint_step=checkpoint_step,
         who=who,
         state=state,
+        lost=lost.describe() if lost is not None else None,
     )
 
 
@@ -267,6 +291,8 @@ class SlurmLaunchConfig(BaseModel):
     mem: str | None = None  # memory per node ("0" = all of it); None = the cluster's default
     exclusive: bool = True  # whole nodes: training shares nothing well
     requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes
+    signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
+    controller_grace_s: float = Field(default=600.0, gt=0)  # keep following while slurmctld does not answer
     setup: tuple[str, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)
     sbatch_args: dict[str, str] = {}  # extra `#SBATCH --key=value` lines (e.g. reservation)
     poll_seconds: float = Field(default=10.0, gt=0)  # how often to check the job and its log
@@ -291,6 +317,26 @@ class KubernetesLaunchConfig(BaseModel):
     node_selector: dict[str, str] = {}  # e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     code_dir: str = "/app"  # the repo inside the image (working directory of the trainer)
     poll_seconds: float = Field(default=15.0, gt=0)  # how often kubectl is asked for the status
+    # All pods or none: "kueue" labels the job for a Kueue LocalQueue (`queue`), "volcano" asks
+    # the training operator (started with --gang-scheduler-name=volcano) for a PodGroup of
+    # minAvailable = nodes; "none": the default scheduler, which may start some pods only
+    gang: Literal["none", "kueue", "volcano"] = "none"
+    queue: str | None = None  # Kueue LocalQueue / Volcano queue (kueue: required)
+    priority_class: str | None = None  # Kueue WorkloadPriorityClass / Volcano priority class
+    # What a failed pod restarts: "elastic" = torchrun's c10d rendezvous under the operator's
+    # elasticPolicy (every node's torchrun restarts its ranks and they meet again, a lone restarted
+    # pod included, up to max_restarts); "job" = no pod restarts alone: the job fails whole and the
+    # step's retry applies it again
+    restart: Literal["elastic", "job"] = "elastic"
+    max_restarts: int = Field(default=3, ge=0)  # elastic: rendezvous rounds torchrun may restart
+    # pod eviction: SIGTERM, then SIGKILL this much later; must exceed launch.rendezvous.stop_grace_s
+    termination_grace_s: int = Field(default=300, gt=0)
+
+    @model_validator(mode="after")
+    def _queue_for_kueue(self) -> KubernetesLaunchConfig:
+        if self.gang == "kueue" and not self.queue:
+            raise ValueError("kubernetes.gang is kueue: name the LocalQueue in kubernetes.queue")
+        return self
 
 
 class LaunchConfig(BaseModel):
@@ -311,9 +357,21 @@ class LaunchConfig(BaseModel):
     accelerate_config: str | None = None
     accelerate: str = "accelerate"  # accelerate executable (a venv path on clusters)
     code_dir: str | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
-    env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS); never credentials
+    env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS; wins over fabric's); never credentials
+    fabric: FabricConfig = FabricConfig()  # interconnect, NCCL error handling and timeouts (fabric.py)
+    rendezvous: RendezvousConfig = RendezvousConfig()  # torchrun's rendezvous timeouts, stop grace, rank labels
     slurm: SlurmLaunchConfig = SlurmLaunchConfig()  # used when kind is slurm
     kubernetes: KubernetesLaunchConfig = KubernetesLaunchConfig()  # used when kind is kubernetes
+
+    @model_validator(mode="after")
+    def _grace_covers_the_save(self) -> LaunchConfig:
+        if self.kind == "kubernetes" and self.kubernetes.termination_grace_s <= self.rendezvous.stop_grace_s:
+            raise ValueError(
+                f"kubernetes.termination_grace_s ({self.kubernetes.termination_grace_s}) must exceed "
+                f"rendezvous.stop_grace_s ({self.rendezvous.stop_grace_s}): an evicted pod is killed "
+                "before its ranks can save their step"
+            )
+        return self
 
     @field_validator("env")
     @classmethod
@@ -384,27 +442,55 @@ def free_port() -> int:
 
 
 class JobRecord:
-    """`{workdir}/launch/{name}`: the cluster job a launch submitted and the process that owns it.
+    """`{workdir}/launch/{name}`: the cluster job a launch submitted, what it runs, who follows it.
 
     Written right after submission and removed once the job is known to have ended. A record left
-    behind means its owner died without cleaning up (SIGKILL, OOM, a lost node): the next launch
-    of the same stage folder cancels that job before submitting a new one, unless the owner is
-    still alive on this host, in which case it refuses (two trainers in one folder).
+    behind means its follower died without cleaning up (SIGKILL, OOM, a lost login node): the
+    next launch of the same stage folder re-attaches to that job when it still runs the same
+    thing (`digest`: the rendered script or manifest and the spec it reads), replaces it when it
+    does not, and refuses while the recorded owner is still alive on this host (two launches of
+    one stage). `history` lists every submission and re-attachment, oldest first.
     """
 
     def __init__(self, workdir: Path, name: str):
         self.path = Path(workdir) / "launch" / name
 
-    def write(self, job: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"job": job, "owner": asdict(ProcessRef.current()), "submitted": time.time()})
+    def write(self, job: str, digest: str | None = None) -> None:
+        """A new job was submitted: it starts the record (and its history) afresh."""
+        self._save({"job": job, "digest": digest, "history": [self._event("submitted")]}, job)
 
-    def read(self) -> tuple[str, ProcessRef] | None:
+    def attach(self) -> None:
+        """This process now follows the recorded job (its earlier follower is gone)."""
+        raw = self.raw()
+        if raw is not None:
+            self._save(raw | {"history": [*raw.get("history", []), self._event("attached")]}, str(raw["job"]))
+
+    def _event(self, what: str) -> dict:
+        return {"event": what, "owner": asdict(ProcessRef.current()), "time": time.time()}
+
+    def _save(self, raw: dict, job: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        now = raw["history"][-1]
+        write_json_atomic(self.path, raw | {"job": job, "owner": now["owner"], "submitted": raw["history"][0]["time"]})
+
+    def raw(self) -> dict | None:
         try:
             raw = json.loads(self.path.read_text())
-            return str(raw["job"]), ProcessRef(**raw["owner"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return raw if isinstance(raw, dict) and "job" in raw else None
+        except (OSError, ValueError):
             return None
+
+    def read(self) -> tuple[str, ProcessRef] | None:
+        raw = self.raw()
+        try:
+            return str(raw["job"]), ProcessRef(**raw["owner"])
+        except (KeyError, TypeError):
+            return None
+
+    @property
+    def digest(self) -> str | None:
+        raw = self.raw()
+        return raw.get("digest") if raw else None
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -416,6 +502,17 @@ class JobRecord:
             return None
         owner = found[1]
         return owner if owner.alive() and owner != ProcessRef.current() else None
+
+
+def launch_digest(rendered: str, spec_path: Path) -> str:
+    """What a cluster job runs: its rendered script or manifest, and the spec file it reads."""
+    h = hashlib.sha256(rendered.encode())
+    h.update(b"\0")
+    try:
+        h.update(Path(spec_path).read_bytes())
+    except OSError:
+        pass
+    return h.hexdigest()
 
 
 def accelerate_args(config: LaunchConfig) -> list[str]:

@@ -1,19 +1,39 @@
 """Kubernetes launcher: a Kubeflow training-operator PyTorchJob, applied and watched with kubectl.
 
-One Master and `nodes - 1` Worker pods, each running one torchrun with `procs_per_node` ranks. The
-operator injects the rendezvous (`PET_NNODES`, `PET_NODE_RANK`, `PET_MASTER_ADDR`,
-`PET_MASTER_PORT`), which torchrun reads from the environment. The workspace is a shared
+One pod per node, each running one torchrun with `procs_per_node` ranks; the workspace is a shared
 PersistentVolumeClaim mounted at the same path in every pod and in the Prefect worker's pod, so the
-spec path and its out_dir mean the same thing everywhere; a restarted pod (`restartPolicy:
-OnFailure`) reruns the same spec and the trainer resumes from its newest complete checkpoint.
-S3 credentials come from a pod identity (`service_account`) or a Secret's keys as env vars, never
-from the config. With `accelerate_config` each pod runs `accelerate launch --config_file FILE`
-instead, its machine rank and rendezvous taken from the same operator variables in a shell.
+spec path and its out_dir mean the same thing everywhere, and every restart reruns the same spec:
+the trainer resumes from its newest complete checkpoint. How a failure restarts (`restart`):
 
-The job's name is derived from the spec path, so a PyTorchJob of that name that exists before
-`apply` is a leftover of a launch whose flow process died without deleting it (a cancelled or
-failed wait deletes it). It is deleted (foreground: its pods first) before the new one is applied,
-unless `launch/kubernetes-job.json` names an owner that is still alive on this host.
+- "elastic" (default): `nodes` Worker pods under the operator's `elasticPolicy` (c10d rendezvous
+  at worker-0, min = max = nodes, `PET_RDZV_*` injected by the operator), pods `OnFailure`, and
+  torchrun `--max-restarts=max_restarts`: when one pod dies and restarts, every other node's
+  torchrun sees its ranks fail, restarts them and they all meet the restarted pod in a new
+  rendezvous round, so a lone restarted pod never waits for peers that moved on;
+- "job": a Master and `nodes - 1` Workers with the static rendezvous the operator injects
+  (`PET_MASTER_ADDR`...), pods `Never` restarted and `backoffLimit: 0`: the first failed pod
+  fails the whole job (its survivors are deleted: cleanPodPolicy Running) and the step's retry
+  applies it again.
+
+Gang scheduling (`gang`): "kueue" labels the job with its LocalQueue (Kueue admits all its pods or
+none), "volcano" sets `schedulerName: volcano` and the runPolicy's `schedulingPolicy.minAvailable =
+nodes` (the operator creates the PodGroup when started with `--gang-scheduler-name=volcano`).
+Eviction sends SIGTERM to torchrun, which forwards it to the ranks; they save their step
+(trainers/signals.py) well within `terminationGracePeriodSeconds` (`termination_grace_s`, checked
+to exceed `launch.rendezvous.stop_grace_s`). Fabric, NCCL and rendezvous settings and rank labels
+as for every launcher (infra/launchers/fabric.py). S3 credentials come from a pod identity
+(`service_account`) or a Secret's keys as env vars, never from the config. With
+`accelerate_config` each pod runs `accelerate launch --config_file FILE` instead, its machine rank
+and rendezvous taken from the operator's static variables in a shell (so such a job restarts as
+"job": accelerate takes no elastic rendezvous).
+
+The job's name is derived from the spec path. A PyTorchJob of that name that exists before
+`apply` was applied by a launch whose flow process died: when `launch/kubernetes-job.json` says
+it runs the same manifest and spec and it has not failed, this launch re-attaches to it (waits for
+its end, applies nothing); otherwise it is deleted (foreground: its pods first) and the new one
+applied. It refuses while the recorded owner is still alive on this host. Only an explicit
+cancellation (Ctrl-C, a cancelled Prefect run: infra/launchers/follow.py) deletes a job being
+waited for.
 """
 
 from __future__ import annotations
@@ -43,9 +63,14 @@ from infra.launchers.base import (
     accelerate_args,
     check_spec,
     failure_facts,
+    launch_digest,
 )
+from infra.launchers.fabric import launch_env, torchrun_flags
+from infra.launchers.follow import explicit_stop, following
+from infra.launchers.peers import LostPeer
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
+RECORD = "kubernetes-job.json"  # launch/kubernetes-job.json (base.py JobRecord)
 
 
 def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
@@ -75,19 +100,32 @@ class KubernetesLauncher(Launcher):
             )
         limits: dict[str, Any] = {}
         if c.gpus_per_node:
-            limits[k.gpu_resource] = c.gpus_per_node
+            limits[k.gpu_resource] = str(c.gpus_per_node)  # a quantity: Kubernetes takes strings
         if k.cpu:
             limits["cpu"] = k.cpu
         if k.memory:
             limits["memory"] = k.memory
-        env = [{"name": n, "value": v} for n, v in sorted(({"OMP_NUM_THREADS": "1"} | c.env).items())]
+        labels = not c.accelerate_config  # accelerate prints progress marks that must stay unlabelled
+        env_vars = {"OMP_NUM_THREADS": "1"} | launch_env(c.fabric, c.rendezvous, labels=labels) | dict(c.env)
+        env = [{"name": n, "value": v} for n, v in sorted(env_vars.items())]
         env.append({"name": "PYTHONPATH", "value": k.code_dir})
+        elastic = self.elastic
+        restarts = k.max_restarts if elastic else 0
+        log_dir = str(spec.parent / "logs" / "ranks") if labels else None
+        args = [
+            f"--nproc-per-node={c.procs_per_node}",
+            *torchrun_flags(c.rendezvous, log_dir, rendezvous=elastic),
+            f"--max-restarts={restarts}",
+            "-m",
+            c.module,
+            str(spec),
+        ]
         container: dict[str, Any] = {
             "name": "pytorch",  # the operator requires this container name
             "image": k.image,
             "workingDir": k.code_dir,
             "command": [c.torchrun],
-            "args": [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", "-m", c.module, str(spec)],
+            "args": args,
             **(self._accelerate(spec) if c.accelerate_config else {}),
             "env": env,
             "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
@@ -99,32 +137,70 @@ class KubernetesLauncher(Launcher):
             volumes.append({"name": "workspace", "persistentVolumeClaim": {"claimName": k.workspace_claim}})
         if k.credentials_secret:
             container["envFrom"] = [{"secretRef": {"name": k.credentials_secret}}]
-        pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+        # Eviction sends SIGTERM to torchrun, which forwards it; the ranks save their step within
+        # rendezvous.stop_grace_s, well before the kubelet's SIGKILL (trainers/signals.py).
+        pod: dict[str, Any] = {
+            "containers": [container],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": k.termination_grace_s,
+        }
         if k.service_account:
             pod["serviceAccountName"] = k.service_account
         if k.node_selector:
             pod["nodeSelector"] = dict(k.node_selector)
+        if k.gang == "volcano":
+            pod["schedulerName"] = "volcano"
 
         def replica(n: int) -> dict[str, Any]:
-            return {"replicas": n, "restartPolicy": "OnFailure", "template": {"spec": copy.deepcopy(pod)}}
+            policy = "OnFailure" if elastic else "Never"  # job: a failed pod fails the job whole
+            return {"replicas": n, "restartPolicy": policy, "template": {"spec": copy.deepcopy(pod)}}
 
-        replicas = {"Master": replica(1)}
-        if c.nodes > 1:
-            replicas["Worker"] = replica(c.nodes - 1)
+        if elastic:  # every pod a Worker: the operator points the c10d rendezvous at worker-0
+            replicas = {"Worker": replica(c.nodes)}
+        else:
+            replicas = {"Master": replica(1)}
+            if c.nodes > 1:
+                replicas["Worker"] = replica(c.nodes - 1)
+        run_policy: dict[str, Any] = {
+            "backoffLimit": 10 if elastic else 0,
+            "cleanPodPolicy": "None" if elastic else "Running",  # job: a failed job's survivors go
+        }
+        if k.gang == "volcano":
+            run_policy["schedulingPolicy"] = {"minAvailable": c.nodes, **({"queue": k.queue} if k.queue else {})}
+            if k.priority_class:
+                run_policy["schedulingPolicy"]["priorityClass"] = k.priority_class
+        metadata_labels = {"app.kubernetes.io/part-of": "smollm3-pipeline"}
+        if k.gang == "kueue":
+            metadata_labels["kueue.x-k8s.io/queue-name"] = str(k.queue)
+            if k.priority_class:
+                metadata_labels["kueue.x-k8s.io/priority-class"] = k.priority_class
+        job_spec: dict[str, Any] = {
+            "nprocPerNode": str(c.procs_per_node),
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": replicas,
+        }
+        if elastic:
+            job_spec["elasticPolicy"] = {
+                "rdzvBackend": "c10d",
+                "minReplicas": c.nodes,  # a fixed world: the global batch is divided by it
+                "maxReplicas": c.nodes,
+                "maxRestarts": k.max_restarts,
+            }
         return {
             "apiVersion": "kubeflow.org/v1",
             "kind": "PyTorchJob",
-            "metadata": {
-                "name": self.job_name(spec),
-                "namespace": k.namespace,
-                "labels": {"app.kubernetes.io/part-of": "smollm3-pipeline"},
-            },
-            "spec": {
-                "nprocPerNode": str(c.procs_per_node),
-                "runPolicy": {"backoffLimit": 10, "cleanPodPolicy": "None"},
-                "pytorchReplicaSpecs": replicas,
-            },
+            "metadata": {"name": self.job_name(spec), "namespace": k.namespace, "labels": metadata_labels},
+            "spec": job_spec,
         }
+
+    @property
+    def elastic(self) -> bool:
+        """Elastic restarts; not with accelerate, which takes a static machine rank and address."""
+        return self.config.kubernetes.restart == "elastic" and not self.config.accelerate_config
+
+    def leader_pod(self, name: str) -> str:
+        """The pod whose log holds rank 0's lines (and the rendezvous store)."""
+        return f"{name}-worker-0" if self.elastic else f"{name}-master-0"
 
     def _accelerate(self, spec: Path) -> dict[str, Any]:
         """The container command for `accelerate launch`: accelerate reads no PET_* variables,
@@ -159,57 +235,84 @@ class KubernetesLauncher(Launcher):
         true = [cond["type"] for cond in conditions if cond.get("status") == "True"]
         return true[-1] if true else "Created"
 
-    def sweep(self, name: str, workdir: Path, log: LogFn = print) -> None:
-        """Delete a leftover PyTorchJob of this stage (and its pods) before a new one is applied."""
+    def reattach(self, name: str, workdir: Path, digest: str, log: LogFn = print) -> bool:
+        """Whether a PyTorchJob of this stage that an earlier launch applied is followed again
+        (it runs the same manifest and spec, and has not failed); one that does not is deleted
+        (foreground: its pods first) so the new one can be applied. Refuses while the recorded
+        owner is still alive on this host."""
         ns = self.config.kubernetes.namespace
         if self._kubectl("get", "pytorchjob", name, "-n", ns, "-o", "name").returncode != 0:
-            return  # none there (kubectl says NotFound)
-        owner = JobRecord(workdir, "kubernetes-job.json").live_owner()
+            return False  # none there (kubectl says NotFound)
+        record = JobRecord(workdir, RECORD)
+        owner = record.live_owner()
         if owner is not None:
             raise LaunchFailed(
                 f"PyTorchJob {ns}/{name} of stage folder {workdir} was applied by "
                 f"{owner.describe()}, which is still running; wait for it, or "
                 f"`kubectl delete pytorchjob {name} -n {ns}`"
             )
-        log(f"[launch] PyTorchJob {ns}/{name} is left from an earlier launch: deleting it first")
+        state = self.status(name)
+        if record.digest == digest and state != "Failed":
+            record.attach()
+            log(
+                f"[launch] re-attaching to PyTorchJob {ns}/{name} ({state}), applied by a launch that is gone; "
+                "waiting for its end, applying nothing"
+            )
+            return True
+        log(f"[launch] PyTorchJob {ns}/{name} is left from an earlier launch ({state}): deleting it first")
         proc = self._kubectl(
             "delete", "pytorchjob", name, "-n", ns, "--cascade=foreground", "--wait=true", "--timeout=600s"
         )
         if proc.returncode != 0:
             raise LaunchFailed(f"could not delete leftover PyTorchJob {ns}/{name}: {proc.stderr.strip()}")
+        record.clear()
+        return False
 
     def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir)
         manifest = workdir / "launch" / "pytorchjob.yaml"
         manifest.parent.mkdir(parents=True, exist_ok=True)
-        manifest.write_text(self.render(spec_path, workdir))
+        text = self.render(spec_path, workdir)
+        digest = launch_digest(text, spec_path)
         name, ns = self.job_name(spec_path), self.config.kubernetes.namespace
-        self.sweep(name, workdir, log)
-        record = JobRecord(workdir, "kubernetes-job.json")
-        proc = self._kubectl("apply", "-f", str(manifest))
-        if proc.returncode != 0:
-            raise LaunchFailed(f"kubectl apply -f {manifest} failed: {proc.stderr.strip()}")
-        record.write(f"{ns}/{name}")
-        log(f"[launch] applied PyTorchJob {ns}/{name}")
+        record = JobRecord(workdir, RECORD)
+        if not self.reattach(name, workdir, digest, log):
+            manifest.write_text(text)
+            proc = self._kubectl("apply", "-f", str(manifest))
+            if proc.returncode != 0:
+                raise LaunchFailed(f"kubectl apply -f {manifest} failed: {proc.stderr.strip()}")
+            record.write(f"{ns}/{name}", digest)
+            log(f"[launch] applied PyTorchJob {ns}/{name}")
         if on_start is not None:
             on_start(0)
-        try:
-            while (state := self.status(name)) not in {"Succeeded", "Failed"}:
-                self.sleep(self.config.kubernetes.poll_seconds)
-        except BaseException:
-            self._kubectl("delete", "pytorchjob", name, "-n", ns, "--wait=false")
-            raise
+        delete = ("delete", "pytorchjob", name, "-n", ns, "--wait=false")
+        with following(f"PyTorchJob {ns}/{name}", lambda: self._kubectl(*delete)) as handle:
+            try:
+                while (state := self.status(name)) not in {"Succeeded", "Failed"}:
+                    self.sleep(self.config.kubernetes.poll_seconds)
+                    handle.check()
+            except BaseException as exc:
+                if explicit_stop(exc):
+                    self._kubectl(*delete)
+                else:
+                    log(
+                        f"[launch] stopped following PyTorchJob {ns}/{name} ({type(exc).__name__}); it keeps "
+                        f"running: a retry of this step re-attaches to it, `kubectl delete pytorchjob {name} -n {ns}` "
+                        "stops it"
+                    )
+                raise
         record.clear()
-        logs = self._kubectl("logs", "-n", ns, f"{name}-master-0", "--tail=200").stdout or ""
+        logs = self._kubectl("logs", "-n", ns, self.leader_pod(name), "--tail=200").stdout or ""
         tail = logs.splitlines()
-        first, summary = FirstError(), TorchrunSummary()
+        first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         for line in tail:
             first.feed(line)
             summary.feed(line)
+            lost.feed(line)
             log(line)
         if state != "Succeeded":
-            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state)
+            facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state, lost=lost)
             raise LaunchFailed(
                 f"PyTorchJob {ns}/{name} failed; see "
                 f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",

@@ -5,7 +5,10 @@ own process group so a failed, interrupted or cancelled task kills every rank wi
 is picked per launch (fixed ports collide when two stages or test runs share a machine). With
 `accelerate_config`, `accelerate launch --config_file FILE --num_machines 1 --num_processes N
 --main_process_port P -m MODULE SPEC.json` instead (accelerate starts the ranks through
-torch.distributed.run: the same ranks, sessions and failure summary).
+torch.distributed.run: the same ranks, sessions and failure summary). The environment carries
+the stop signals torchrun forwards to the ranks and how long it waits for their checkpoint
+(infra/launchers/fabric.py `launch_env`), so a SIGTERM or SIGUSR1 to torchrun saves the step
+being trained (trainers/signals.py); the flow process dying still takes the ranks along.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from infra.launchers.base import (
     failure_facts,
     free_port,
 )
+from infra.launchers.fabric import launch_env
 from infra.proc import ChildFailed, run_streaming
 
 
@@ -70,10 +74,13 @@ class LocalTorchrun(Launcher):
     def env(self) -> dict[str, str]:
         code = str(self.config.code_path)
         path = os.environ.get("PYTHONPATH")
+        c = self.config
         return {
             # torchrun sets OMP_NUM_THREADS=1 for N > 1 anyway; say it once, quietly
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            **self.config.env,
+            # stop signals and their grace, NCCL error handling (one node: no rank labels needed)
+            **launch_env(c.fabric, c.rendezvous, labels=False),
+            **c.env,
             "PYTHONPATH": f"{code}{os.pathsep}{path}" if path else code,
         }
 

@@ -1,25 +1,37 @@
 """Slurm launcher: an sbatch script running `srun torchrun` (c10d rendezvous on the first node).
 
 The rendered script asks for `nodes` whole nodes, one task per node (each runs one torchrun that
-forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host. It
-is requeue-safe by construction: `--requeue` lets Slurm restart the job after a node failure or
-preemption, `--signal=B:USR1@300` plus a trap requeues it shortly before the time limit, and every
-start runs the same spec, so the trainer resumes from the newest complete checkpoint in its out
-dir. The log is opened in append mode, so all attempts share one file. With `accelerate_config`,
-each node's task runs `accelerate launch --config_file FILE --machine_rank $SLURM_PROCID` with
-the same c10d rendezvous instead of torchrun (the rank is expanded by the task's own shell).
+forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host,
+with the recipe's fabric, NCCL and rendezvous settings and rank-labelled output
+(infra/launchers/fabric.py). The log is opened in append mode, so all attempts share one file.
+With `accelerate_config`, each node's task runs `accelerate launch --config_file FILE
+--machine_rank $SLURM_PROCID` with the same c10d rendezvous instead of torchrun (the rank is
+expanded by the task's own shell).
+
+A signal is a checkpoint (trainers/signals.py): preemption and `scancel` signal the job's
+processes (SIGTERM), and `--signal=B:USR1@signal_s` warns the batch shell before the time limit;
+its trap forwards SIGUSR1 to the job's steps (`scancel --signal=USR1`), torchrun forwards what it
+gets to the ranks, and every rank finishes its step, saves it and exits. The script waits for
+srun, then requeues the job (`scontrol requeue`) after the time-limit warning or once preemption
+has begun (a preempted job that ends by itself within GraceTime would otherwise count as ended),
+unless the stage finished in this run. Every start runs the same spec and resumes from the newest
+complete checkpoint, which is now the step the signal came at.
 
 `launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
-needed) while streaming new log lines to the caller; if the caller is interrupted or cancelled the
-job is `scancel`led, so a cancelled Prefect run does not leave 48 nodes training. A flow process
-that dies without that cleanup (SIGKILL, OOM) leaves the job id in `launch/slurm-job.json`; the
-next launch in the same stage folder cancels that job and waits for it to end before it submits
-(refusing while the recorded owner is still alive on this host).
+needed) while streaming new log lines to the caller. The job is not a child of the flow process:
+`launch/slurm-job.json` records it (and what it runs) until it ends. When the flow process dies
+(SIGKILL, OOM, a login node rebooting), the job keeps training, and the next launch of the same
+stage re-attaches to it: it follows the log from where it is and collects the result, submitting
+nothing (a job that runs another script or spec is cancelled and replaced; one that ended while
+nobody followed it is collected or, if it failed, resubmitted). Only an explicit stop (Ctrl-C, a
+cancelled Prefect run: infra/launchers/follow.py) `scancel`s a job being followed; a controller
+that does not answer for a while (`controller_grace_s`) is waited out.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import re
 import shlex
 import subprocess
@@ -39,11 +51,15 @@ from infra.launchers.base import (
     accelerate_args,
     check_spec,
     failure_facts,
+    launch_digest,
 )
+from infra.launchers.fabric import launch_env, torchrun_flags
+from infra.launchers.follow import explicit_stop, following
+from infra.launchers.peers import LostPeer
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 DEFAULT_PORT = 29500
-TIME_LIMIT_SIGNAL_S = 300  # USR1 this long before the limit: time to requeue cleanly
+RECORD = "slurm-job.json"  # launch/slurm-job.json: the job of this stage (base.py JobRecord)
 
 # Job states after which the job will not run again by itself.
 DONE = {"COMPLETED"}
@@ -59,6 +75,12 @@ FAILED = {
     "SPECIAL_EXIT",
     "REVOKED",
 }
+# End states a requeueable job (--requeue) passes through on its way back to PENDING.
+REQUEUED_FROM = {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
+
+
+class JobGone(LaunchFailed):
+    """Slurm no longer knows the job: it ended long ago (purged) or never existed."""
 
 
 def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
@@ -97,7 +119,7 @@ class SlurmLauncher(Launcher):
         if s.exclusive:
             sb.append(("exclusive", None))
         if s.requeue:
-            sb += [("requeue", None), ("signal", f"B:USR1@{TIME_LIMIT_SIGNAL_S}")]
+            sb += [("requeue", None), ("signal", f"B:USR1@{s.signal_s}")]
         sb += [
             ("open-mode", "append"),  # requeued attempts append to the same log
             ("output", str(workdir / "slurm-%j.log")),
@@ -113,8 +135,11 @@ class SlurmLauncher(Launcher):
         lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sb]
         lines += ["", *s.setup]  # before `set -u`: activate scripts read unset variables
         lines += ["set -uo pipefail"]
-        env = {"OMP_NUM_THREADS": "1"} | dict(c.env)
+        labels = not c.accelerate_config  # accelerate's own launcher prints its progress marks unlabelled
+        env = {"OMP_NUM_THREADS": "1"} | launch_env(c.fabric, c.rendezvous, labels=labels)
+        env |= dict(c.env)
         lines += [f'export PYTHONPATH={shlex.quote(str(code))}"${{PYTHONPATH:+:$PYTHONPATH}}"']
+        lines += ["# fabric, NCCL error handling and timeouts, stop signals (infra/launchers/fabric.py)"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         port = c.master_port or DEFAULT_PORT
         torchrun = [
@@ -124,6 +149,7 @@ class SlurmLauncher(Launcher):
             "--rdzv-backend=c10d",
             '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
             '--rdzv-id="$SLURM_JOB_ID"',
+            *torchrun_flags(c.rendezvous, shlex.quote(str(workdir / "logs" / "ranks")) if labels else None),
             "--max-restarts=0",  # a rank failure fails the job; Slurm's requeue restarts it whole
             f"-m {c.module} {shlex.quote(str(spec))}",
         ]
@@ -131,16 +157,24 @@ class SlurmLauncher(Launcher):
             # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05
             'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"started={shlex.quote(str(workdir / 'launch'))}/.started-$SLURM_JOB_ID",
+            'touch "$started"  # result.json newer than this: the stage finished in this run',
             f"MASTER_PORT={port}",
             'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
             '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
+            # Stop signals (trainers/signals.py): every rank finishes its step, saves it and exits
+            # 75; this script waits for srun to end. Preemption and scancel signal the job's
+            # processes themselves (SIGTERM); the time-limit warning (--signal=B:USR1) reaches
+            # only this shell, which forwards it to the job's steps and requeues once they saved.
+            'stop=""',
+            "forward() {",
+            '  stop=$1; echo "[launch] $1: the ranks finish their step and save it '
+            f'(torchrun waits {c.rendezvous.stop_grace_s}s for them)"',
+            '  scancel --signal=USR1 "$SLURM_JOB_ID" 2>/dev/null || true  # every step of the job, not this shell',
+            "}",
+            "trap 'forward USR1' USR1",
+            "trap 'forward TERM' TERM",
         ]
-        if s.requeue:
-            lines += [
-                "# USR1 arrives shortly before the time limit (--signal): requeue; the next start resumes",
-                """trap 'echo "[launch] time limit near: requeueing $SLURM_JOB_ID"; """
-                """scontrol requeue "$SLURM_JOB_ID"' USR1""",
-            ]
         if c.accelerate_config:
             # One task per node; each expands its own $SLURM_PROCID (the machine rank), so the
             # command runs in `bash -c` and the rendezvous address is exported to the tasks.
@@ -154,12 +188,35 @@ class SlurmLauncher(Launcher):
         lines += [
             "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
             "  " + " \\\n  ".join(torchrun) + " &",
-            "wait $!  # in the background so the USR1 trap can run while training",
-            "rc=$?",
+            "srun_pid=$!  # in the background, so the traps run while training",
+            "rc=0",
+            "# a trap interrupts `wait`: wait again until srun itself has ended",
+            'while :; do wait "$srun_pid"; rc=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
             'echo "[launch] srun exited with code $rc"',
-            "exit $rc",
-            "",
         ]
+        result = _out_dir(spec, workdir) / "result.json"
+        lines += [
+            f"result={shlex.quote(str(result))}",
+            # The stage finished in this run (result.json is written after its last checkpoint,
+            # by every rank's agreement): a signal that came while torchrun was exiting is late.
+            'if [ "$result" -nt "$started" ] && [ "$rc" -ne 0 ]; then',
+            '  echo "[launch] the stage had finished (result.json) when srun ended with $rc: exit 0"; rc=0',
+            "fi",
+        ]
+        if s.requeue:
+            # A preempted job that ends by itself within GraceTime counts as ended, not
+            # requeued: requeue it here too (PreemptTime is set once preemption began).
+            lines += [
+                'if [ "$result" -nt "$started" ]; then why=""  # finished: a late signal changes nothing',
+                'elif [ "$stop" = USR1 ]; then why="time limit near"',
+                'elif scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "PreemptTime=[0-9]"; then why="preempted"',
+                'else why=""; fi',
+                'if [ -n "$why" ]; then',
+                '  echo "[launch] $why: requeueing $SLURM_JOB_ID; the next start resumes at the saved step"',
+                '  scontrol requeue "$SLURM_JOB_ID"',
+                "fi",
+            ]
+        lines += ["exit $rc", ""]
         return "\n".join(lines)
 
     # -- submission and monitoring --
@@ -178,11 +235,11 @@ class SlurmLauncher(Launcher):
             )
         return proc.stdout
 
-    def submit(self, spec_path: Path, workdir: Path) -> str:
+    def submit(self, spec_path: Path, workdir: Path, script_text: str | None = None) -> str:
         """Write the script into `workdir/launch/` and sbatch it; returns the job id."""
         script = self.script_path(workdir)
         script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_text(self.render(spec_path, workdir))
+        script.write_text(script_text if script_text is not None else self.render(spec_path, workdir))
         out = self._call(["sbatch", "--parsable", str(script)], f"submitting {script}")
         job = out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
         if not job.isdigit():
@@ -190,96 +247,152 @@ class SlurmLauncher(Launcher):
         return job
 
     def state(self, job: str) -> tuple[str, str]:
-        """(state, exit code) of a job, from scontrol (no accounting database needed)."""
+        """(state, exit code) of a job, from scontrol (no accounting database needed).
+
+        Raises `JobGone` when neither scontrol nor sacct knows the job, `LaunchFailed` when the
+        controller did not answer (the job may well be running)."""
         proc = self.runner(["scontrol", "show", "job", "-o", job])
         if proc.returncode == 0 and "JobState=" in proc.stdout:
             state = re.search(r"JobState=(\S+)", proc.stdout).group(1)
             code = re.search(r"ExitCode=(\S+)", proc.stdout)
             return state, code.group(1) if code else "?"
+        unknown = "Invalid job id" in (proc.stderr or "") + (proc.stdout or "")
         # Purged from slurmctld's memory (MinJobAge): ask accounting, if the site has it.
-        proc = self.runner(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job])
-        if proc.returncode == 0 and proc.stdout.strip():
-            state, _, code = proc.stdout.strip().splitlines()[0].partition("|")
+        acct = self.runner(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job])
+        if acct.returncode == 0 and acct.stdout.strip():
+            state, _, code = acct.stdout.strip().splitlines()[0].partition("|")
             return state.split()[0], code
-        raise LaunchFailed(f"cannot find Slurm job {job} in scontrol or sacct; check `squeue --me` and the job log")
+        if unknown:
+            raise JobGone(f"Slurm no longer knows job {job} (scontrol: invalid job id; no accounting record)")
+        raise LaunchFailed(
+            f"cannot find Slurm job {job} in scontrol or sacct ({(proc.stderr or proc.stdout).strip()[:200]}); "
+            "check `squeue --me` and the job log"
+        )
 
-    def sweep(self, workdir: Path, log: LogFn = print, timeout_s: float = 600.0) -> None:
-        """Cancel the job a dead earlier launch left running in this stage folder, and wait for it.
+    def reattach(self, workdir: Path, digest: str, log: LogFn = print, timeout_s: float = 600.0) -> str | None:
+        """The job an earlier launch of this stage left running, now followed by this one; None
+        when there is none to follow (a new job must be submitted).
 
-        Two jobs in one stage folder would write the same checkpoints and metrics; the trainer's
-        lease would refuse the second one, but only after it has queued and taken its nodes.
+        The recorded job is re-attached to when it still runs the same script and spec
+        (`digest`) and has not ended; one that completed while nobody followed it is followed to
+        collect its result. One that runs something else (the spec or launch changed) is
+        cancelled first and waited for: two jobs in one stage folder would write the same
+        checkpoints and metrics. Refuses while the recorded owner is still alive on this host.
         """
-        record = JobRecord(workdir, "slurm-job.json")
+        record = JobRecord(workdir, RECORD)
         found = record.read()
         if found is None:
-            return
+            return None
         job, owner = found
         if record.live_owner() is not None:
             raise LaunchFailed(
                 f"stage folder {workdir} already has Slurm job {job}, launched by "
                 f"{owner.describe()} which is still running; wait for it, or `scancel {job}`"
             )
+        try:
+            state, _ = self.state(job)
+        except JobGone:
+            record.clear()  # it ended long ago
+            return None
+        if state in FAILED:
+            log(
+                f"[launch] Slurm job {job} of an earlier launch of {workdir} ended {state} while no launch "
+                "followed it; submitting a new one (it resumes from the newest checkpoint)"
+            )
+            record.clear()
+            return None
+        if record.digest == digest:
+            record.attach()
+            what = "completed while no launch followed it" if state in DONE else f"is still {state}"
+            log(
+                f"[launch] re-attaching to Slurm job {job}, which {what} (submitted by "
+                f"{owner.describe()}, gone); following its log from where it is, submitting nothing"
+            )
+            return job
+        log(
+            f"[launch] Slurm job {job} of an earlier launch of {workdir} is still {state} but runs another "
+            "script or spec than this launch: cancelling it first"
+        )
+        self._call(["scancel", job], f"cancelling leftover job {job}")
         deadline = time.monotonic() + timeout_s
-        cancelled = False
-        while True:
-            try:
-                state, _ = self.state(job)
-            except LaunchFailed:
-                break  # Slurm no longer knows the job: it ended long ago
-            if state in DONE or state in FAILED:
-                break
-            if not cancelled:
-                log(
-                    f"[launch] Slurm job {job} of an earlier launch of {workdir} is still {state} "
-                    f"(its owner {owner.describe()} is gone): cancelling it first"
-                )
-                self._call(["scancel", job], f"cancelling leftover job {job}")
-                cancelled = True
+        while state not in DONE and state not in FAILED:
             if time.monotonic() > deadline:
                 raise LaunchFailed(
                     f"leftover Slurm job {job} in {workdir} did not end within "
                     f"{timeout_s:.0f}s of scancel; check `squeue -j {job}`"
                 )
             self.sleep(self.config.slurm.poll_seconds)
+            try:
+                state, _ = self.state(job)
+            except JobGone:
+                break
         record.clear()
+        return None
 
     def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)
         workdir = Path(workdir).resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-        self.sweep(workdir, log)
-        record = JobRecord(workdir, "slurm-job.json")
-        job = self.submit(spec_path, workdir)
-        record.write(job)
+        script = self.render(spec_path, workdir)
+        digest = launch_digest(script, spec_path)
+        job = self.reattach(workdir, digest, log)
         logfile = workdir / f"slurm-{job}.log"
-        log(f"[launch] submitted Slurm job {job}; log {logfile}")
+        offset = logfile.stat().st_size if job is not None and logfile.exists() else 0  # from where it is
+        if job is None:
+            job = self.submit(spec_path, workdir, script)
+            JobRecord(workdir, RECORD).write(job, digest)
+            logfile = workdir / f"slurm-{job}.log"
+            log(f"[launch] submitted Slurm job {job}; log {logfile}")
         if on_start is not None:
             on_start(int(job))
+        self.follow(job, spec_path, workdir, log, offset)
+
+    def follow(self, job: str, spec_path: Path, workdir: Path, log: LogFn, offset: int = 0) -> None:
+        """Stream the job's log from `offset` until the job ends; raise LaunchFailed unless it
+        completed. Interrupted by an explicit cancellation (Ctrl-C, a cancelled Prefect run) the
+        job is cancelled; by anything else it is left running for a retry to re-attach to."""
+        record = JobRecord(workdir, RECORD)
+        logfile = workdir / f"slurm-{job}.log"
         tail: collections.deque[str] = collections.deque(maxlen=40)
-        first, summary = FirstError(), TorchrunSummary()
-        offset, partial = 0, ""
-        try:
-            while True:
-                state, code = self.state(job)
-                if logfile.exists():  # stream what the job wrote since the last poll
-                    with open(logfile, encoding="utf-8", errors="replace") as fh:
-                        fh.seek(offset)
-                        chunk = fh.read()
-                        offset = fh.tell()
-                    *lines, partial = (partial + chunk).split("\n")
-                    for line in lines:
-                        tail.append(line)
-                        first.feed(line)
-                        summary.feed(line)
-                        log(line)
-                if state in DONE or state in FAILED:
-                    break
-                self.sleep(self.config.slurm.poll_seconds)
-        except BaseException:
-            # Interrupted or cancelled: take the job down with us. The record stays: the next
-            # launch checks that the job really ended.
-            self.runner(["scancel", job])
-            raise
+        first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
+        partial, unanswered, settling = "", None, 0
+        with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
+            try:
+                while True:
+                    try:
+                        state, code = self.state(job)
+                        unanswered = None
+                    except JobGone:
+                        record.clear()
+                        raise
+                    except LaunchFailed:  # the controller is busy or restarting: the job is not gone
+                        unanswered = unanswered or time.monotonic()
+                        if time.monotonic() - unanswered > self.config.slurm.controller_grace_s:
+                            raise
+                        state, code = "UNKNOWN", "?"
+                    if logfile.exists():  # stream what the job wrote since the last poll
+                        with open(logfile, encoding="utf-8", errors="replace") as fh:
+                            fh.seek(offset)
+                            chunk = fh.read()
+                            offset = fh.tell()
+                        *lines, partial = (partial + chunk).split("\n")
+                        for line in lines:
+                            tail.append(line)
+                            first.feed(line)
+                            summary.feed(line)
+                            lost.feed(line)
+                            log(line)
+                    if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
+                        settling += 1  # Slurm puts it back in the queue right after: keep following
+                    elif state in DONE or state in FAILED:
+                        break
+                    else:
+                        settling = 0
+                    self.sleep(self.config.slurm.poll_seconds)
+                    handle.check()
+            except BaseException as exc:
+                self._interrupted(job, exc, log)
+                raise
         record.clear()  # the job ended by itself
         if partial:
             tail.append(partial)
@@ -295,9 +408,40 @@ class SlurmLauncher(Launcher):
                 who=f"Slurm job {job}",
                 state=state,
                 signal_name=_signal_name(sig),
+                lost=lost,
             )
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
+
+    def _requeues(self, job: str) -> bool:
+        """Whether Slurm requeues this job by itself after preemption or a node failure."""
+        proc = self.runner(["scontrol", "show", "job", "-o", job])
+        return proc.returncode == 0 and "Requeue=1" in proc.stdout
+
+    def _interrupted(self, job: str, exc: BaseException, log: LogFn) -> None:
+        """Cancel the job on an explicit stop; otherwise leave it (and its record) for a retry."""
+        if isinstance(exc, JobGone):
+            return
+        if explicit_stop(exc):
+            self.runner(["scancel", job])
+            note = f"[launch] cancelled Slurm job {job} ({type(exc).__name__})"
+        else:
+            note = (
+                f"[launch] stopped following Slurm job {job} ({type(exc).__name__}: {exc}); it keeps running: "
+                f"a retry of this step re-attaches to it, `scancel {job}` stops it"
+            )
+        try:
+            log(note)
+        except Exception:
+            pass  # the logger may be what failed
+
+
+def _out_dir(spec: Path, workdir: Path) -> Path:
+    """Where the trainer writes result.json: the spec's out_dir, else the stage folder."""
+    try:
+        return Path(json.loads(spec.read_text()).get("out_dir") or workdir)
+    except (OSError, ValueError):
+        return workdir
 
 
 def _signal_name(number: str) -> str | None:

@@ -4,7 +4,9 @@
 Slurm and MUNGE are installed (installing them with apt-get when they are missing: needs root and
 the Debian mirror), then starts private daemons from a temporary folder: a fresh MUNGE key and
 socket, a generated slurm.conf on free ports naming this host as the only node, state and logs in
-the same folder. Nothing under /etc is touched, so it coexists with a site's own Slurm. Clients
+the same folder; preemption as on a shared cluster (`preempt/partition_prio`, `PreemptMode=REQUEUE`:
+a job submitted to the `URGENT` partition requeues the default partition's jobs on its node
+after `PREEMPT_GRACE_S`, SIGTERM to their processes first). Nothing under /etc is touched, so it coexists with a site's own Slurm. Clients
 find the cluster through `SLURM_CONF`, set for the session. Teardown stops exactly the daemons it
 started (by their pid files).
 """
@@ -24,6 +26,8 @@ import pytest
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "munged", "mungekey"]
+URGENT = "urgent"  # the partition whose jobs preempt (requeue) the default partition's
+PREEMPT_GRACE_S = 60  # a preempted job's time between SIGTERM and SIGKILL
 
 
 def _free_port() -> int:
@@ -97,8 +101,13 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
+# preemption as on a shared cluster: a job in `urgent` requeues the jobs of `debug` it needs the
+# nodes of, after GraceTime (SIGTERM to the job's processes at its start)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={PREEMPT_GRACE_S}
+PartitionName={URGENT} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
     return conf
 
@@ -190,7 +199,7 @@ def local_slurm():
                 ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30
             )
             state = proc.stdout.strip()
-            if state == "idle":
+            if set(state.split()) == {"idle"}:  # one line per partition the node is in
                 break
             time.sleep(0.5)
         else:

@@ -291,6 +291,9 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
         "--rdzv-backend=c10d",
         '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
         '--rdzv-id="$SLURM_JOB_ID"',
+        "--rdzv-conf=join_timeout=900,last_call_timeout=30,close_timeout=60,read_timeout=120",
+        "--tee=3",
+        "--log-dir=/fsx/ws/train/ab12/logs/ranks",
         "--max-restarts=0",
         "-m",
         "trainers.pretrain",
@@ -298,7 +301,21 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
         "&",
     ]
     assert "export NCCL_DEBUG=WARN" in script and "export WEIRD='a b'\"'\"'c'" in script
-    assert "scontrol requeue" in script and "trap " in script
+    # fabric defaults, the stop signals torchrun forwards and their grace, rank labels
+    for line in (
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
+        "export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600",
+        "export SMOLLM3_COLLECTIVE_TIMEOUT_S=1800",
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=180",
+        "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]: '",
+    ):
+        assert line in script.splitlines(), line
+    # the time-limit warning is forwarded to the job's steps, and the job requeued once srun ended
+    assert "trap 'forward USR1' USR1" in script and "trap 'forward TERM' TERM" in script
+    assert 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
+    body = script[script.index("srun --kill-on-bad-exit") :]
+    assert body.index('wait "$srun_pid"') < body.index('scontrol requeue "$SLURM_JOB_ID"')
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in script
 
     minimal = get_launcher(LaunchConfig(kind="slurm", slurm=SlurmLaunchConfig(exclusive=False, requeue=False)))
@@ -380,17 +397,106 @@ def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
     assert fake.calls[-1] == ["scancel", "4242"]
 
 
-def _record(path: Path, job: str, pid: int) -> None:
+def _record(path: Path, job: str, pid: int, digest: str | None = None) -> None:
     """A job record as a launch by process `pid` on this host writes it."""
     from dataclasses import asdict
 
     from infra.guard import ProcessRef
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"job": job, "owner": asdict(ProcessRef.of(pid)), "submitted": 0}))
+    owner = asdict(ProcessRef.of(pid))
+    event = {"event": "submitted", "owner": owner, "time": 0}
+    path.write_text(json.dumps({"job": job, "owner": owner, "submitted": 0, "digest": digest, "history": [event]}))
 
 
-def test_slurm_cancels_a_job_left_by_a_dead_launch_before_submitting(tmp_path):
+def _dead_pid() -> int:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    return dead.pid
+
+
+def _left_by_a_dead_launch(workdir: Path, spec: Path, job: str = "4242") -> None:
+    """The record a launch of this very script and spec leaves when its process is SIGKILLed."""
+    from infra.launchers.base import launch_digest
+
+    script = SlurmLauncher(SLURM).render(spec, workdir)
+    _record(workdir / "launch" / "slurm-job.json", job, _dead_pid(), launch_digest(script, spec.resolve()))
+
+
+def test_slurm_reattaches_to_the_job_a_dead_launch_left_running(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    _left_by_a_dead_launch(tmp_path, spec)
+    (tmp_path / "slurm-4242.log").write_text("line before the re-attach\n")
+    fake = FakeSlurm(tmp_path, ["RUNNING", "RUNNING", "COMPLETED"])
+    lines: list[str] = []
+    jobs: list[int] = []
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append, on_start=jobs.append)
+    assert not any(c[0] in ("sbatch", "scancel") for c in fake.calls)  # nothing new, nothing cancelled
+    assert jobs == [4242]
+    assert lines[0].startswith("[launch] re-attaching to Slurm job 4242, which is still RUNNING")
+    assert "line before the re-attach" not in lines  # followed from where the log was
+    assert lines[1:] == ["line while RUNNING", "line while COMPLETED", "[launch] Slurm job 4242 completed"]
+    assert not (tmp_path / "launch" / "slurm-job.json").exists()
+
+
+def test_slurm_collects_a_job_that_completed_unfollowed_and_resubmits_one_that_failed(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    _left_by_a_dead_launch(tmp_path, spec)
+    fake = FakeSlurm(tmp_path, ["COMPLETED"])
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert "which completed while no launch followed it" in lines[0] and lines[-1].endswith("completed")
+    assert not any(c[0] == "sbatch" for c in fake.calls)
+
+    _left_by_a_dead_launch(tmp_path, spec, job="4100")
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+
+    def runner(cmd):
+        if cmd[0] == "scontrol" and cmd[-1] == "4100":
+            return done("JobId=4100 JobState=NODE_FAIL ExitCode=0:9\n")
+        return fake(cmd)
+
+    lines.clear()
+    SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert "ended NODE_FAIL while no launch followed it; submitting a new one" in lines[0]
+    assert [c[0] for c in fake.calls][0] == "sbatch"
+
+
+def test_slurm_leaves_the_job_running_when_the_wait_fails_for_another_reason(tmp_path):
+    """Only an explicit stop cancels: an error in the launcher's own wait (here a broken log
+    callback) or a controller that stops answering leaves the job and its record for a retry."""
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["RUNNING"])
+
+    def broken_log(line):
+        if line.startswith("line while"):
+            raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError):
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, broken_log)
+    assert not any(c[0] == "scancel" for c in fake.calls)
+    assert json.loads((tmp_path / "launch" / "slurm-job.json").read_text())["job"] == "4242"
+
+    # slurmctld restarting: scontrol fails for a while, the wait goes on and sees the end
+    (tmp_path / "launch" / "slurm-job.json").unlink()
+    answers = iter([done(returncode=1, stderr="slurm_load_jobs error: Unable to contact slurm controller")] * 3)
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+
+    def flaky(cmd):
+        if cmd[0] == "scontrol":
+            answer = next(answers, None)
+            if answer is not None:
+                return answer
+        if cmd[0] == "sacct":
+            return done(returncode=1, stderr="sacct: error: accounting storage is disabled")
+        return fake(cmd)
+
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=flaky, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert lines[-1] == "[launch] Slurm job 4242 completed"
+
+
+def test_slurm_cancels_a_leftover_job_that_runs_another_script_before_submitting(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -407,7 +513,7 @@ def test_slurm_cancels_a_job_left_by_a_dead_launch_before_submitting(tmp_path):
     SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
     assert fake.calls[0] == ["scancel", "4100"]  # before anything was submitted
     assert fake.calls[1][0] == "sbatch"
-    assert "Slurm job 4100 of an earlier launch" in lines[0]
+    assert "Slurm job 4100 of an earlier launch" in lines[0] and "runs another script or spec" in lines[0]
     assert not (tmp_path / "launch" / "slurm-job.json").exists()  # the new job ended: cleared
 
 
@@ -481,8 +587,15 @@ def test_pytorchjob_manifest(tmp_path):
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
     assert job["metadata"]["namespace"] == "training"
     assert job["metadata"]["name"].startswith("smollm3-")
+    # elastic (the default): every node a Worker under the c10d rendezvous, restarted together
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 47
+    assert list(replicas) == ["Worker"] and replicas["Worker"]["replicas"] == 48
+    assert job["spec"]["elasticPolicy"] == {
+        "rdzvBackend": "c10d",
+        "minReplicas": 48,
+        "maxReplicas": 48,
+        "maxRestarts": 3,
+    }
     assert job["spec"]["nprocPerNode"] == "8"
     pod = replicas["Worker"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -490,101 +603,160 @@ def test_pytorchjob_manifest(tmp_path):
     assert container["command"] == ["torchrun"]
     assert container["args"] == [
         "--nproc-per-node=8",
-        "--max-restarts=0",
+        "--rdzv-conf=join_timeout=900,last_call_timeout=30,close_timeout=60,read_timeout=120",
+        "--tee=3",
+        "--log-dir=/fsx/ws/train/ab12/logs/ranks",
+        "--max-restarts=3",
         "-m",
         "trainers.pretrain",
         "/fsx/ws/train/ab12/spec.json",
     ]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "96", "memory": "1800Gi"}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "96", "memory": "1800Gi"}
     assert container["envFrom"] == [{"secretRef": {"name": "aws-s3"}}]
-    assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1") and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "180"
     assert {"name": "workspace", "mountPath": "/fsx/ws"} in container["volumeMounts"]
-    assert pod["serviceAccountName"] == "s3-writer"
+    assert pod["serviceAccountName"] == "s3-writer" and pod["terminationGracePeriodSeconds"] == 300
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
-    assert replicas["Master"]["restartPolicy"] == "OnFailure"
+    assert replicas["Worker"]["restartPolicy"] == "OnFailure"
+
+    # "job": a Master and Workers on the operator's static rendezvous; no pod restarts alone
+    whole = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"restart": "job"})})
+    job = yaml.safe_load(get_launcher(whole).render(Path("/fsx/ws/train/ab12/spec.json"), tmp_path))
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 47
+    assert {r["restartPolicy"] for r in replicas.values()} == {"Never"} and "elasticPolicy" not in job["spec"]
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "Running"}
+    assert "--max-restarts=0" in replicas["Master"]["template"]["spec"]["containers"][0]["args"]
 
     single = yaml.safe_load(get_launcher(LaunchConfig(kind="kubernetes")).render(Path("/s.json"), tmp_path))
-    assert list(single["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    assert single["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
     with pytest.raises(ValueError, match="not under kubernetes.workspace_mount /fsx/ws"):
         get_launcher(K8S).render(Path("/elsewhere/spec.json"), tmp_path)
 
 
-def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
-    ws = tmp_path
-    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(ws)})})
-    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
-    calls: list[list[str]] = []
-    conditions = iter(
-        [
-            [],
-            [{"type": "Created", "status": "True"}],
-            [{"type": "Running", "status": "True"}],
-            [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}],
-        ]
-    )
+class FakeKubectl:
+    """Answers kubectl like a cluster with the training operator would, for one PyTorchJob."""
 
-    exists = False
+    def __init__(self, conditions: list[list[dict]], exists: bool = False):
+        self.conditions, self.exists = list(conditions), exists
+        self.calls: list[list[str]] = []
 
-    def kubectl(cmd):
-        nonlocal exists
-        calls.append(list(cmd))
-        if cmd[1] == "get" and cmd[-1] == "name":  # the sweeper asks whether the job exists
-            return done(f"pytorchjob/{cmd[3]}") if exists else done(returncode=1, stderr="NotFound")
+    def __call__(self, cmd):
+        self.calls.append(list(cmd))
+        if cmd[1] == "get" and cmd[-1] == "name":  # does the job exist?
+            return done(f"pytorchjob/{cmd[3]}") if self.exists else done(returncode=1, stderr="NotFound")
         if cmd[1] == "apply":
-            exists = True
+            self.exists = True
         if cmd[1] == "delete":
-            exists = False
+            self.exists = False
         if cmd[1] == "get":
-            return done(json.dumps({"status": {"conditions": next(conditions)}}))
+            now = self.conditions.pop(0) if len(self.conditions) > 1 else self.conditions[0]
+            return done(json.dumps({"status": {"conditions": now}}))
         if cmd[1] == "logs":
             return done("step 1 loss 4.8\nstep 2 loss 4.7\n")
         return done()
 
+    def verbs(self) -> list[str]:
+        return [c[1] for c in self.calls]
+
+
+RUNNING = [{"type": "Running", "status": "True"}]
+SUCCEEDED = [{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}]
+FAILED_JOB = [{"type": "Failed", "status": "True"}]
+
+
+def _k8s_here(ws: Path) -> LaunchConfig:
+    return K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(ws)})})
+
+
+def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    fake = FakeKubectl([[], [{"type": "Created", "status": "True"}], RUNNING, SUCCEEDED])
     lines: list[str] = []
-    launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
+    launcher = KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=lambda s: None)
     launcher.launch(spec, ws, lines.append)
     name = launcher.job_name(spec.resolve())
-    assert calls[1] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
-    assert ["kubectl", "logs", "-n", "training", f"{name}-master-0", "--tail=200"] in calls
+    assert fake.calls[1] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
+    assert ["kubectl", "logs", "-n", "training", f"{name}-worker-0", "--tail=200"] in fake.calls
     assert lines[-2:] == ["step 2 loss 4.7", f"[launch] PyTorchJob training/{name} succeeded"]
-    assert not (ws / "launch" / "kubernetes-job.json").exists()  # ended: nothing to sweep
+    assert not (ws / "launch" / "kubernetes-job.json").exists()  # ended: nothing to re-attach to
 
-    # The finished job is still there: the next launch deletes it (and its pods) before applying,
-    # or `apply` would leave the old job in place and report its old state.
-    calls.clear()
-    conditions = iter([[{"type": "Failed", "status": "True"}]])
+    # The finished job is still there and nothing records it as this launch's: the next launch
+    # deletes it (and its pods) before applying, or `apply` would leave the old job in place.
+    fake.calls.clear()
+    fake.conditions = [SUCCEEDED, FAILED_JOB]
     with pytest.raises(LaunchFailed, match=f"PyTorchJob training/{name} failed") as err:
         launcher.launch(spec, ws, lambda _: None)
     assert "step 2 loss 4.7" in str(err.value)
-    assert calls[1][:5] == ["kubectl", "delete", "pytorchjob", name, "-n"]
-    assert "--cascade=foreground" in calls[1] and calls[2][1] == "apply"
+    assert fake.calls[2][:5] == ["kubectl", "delete", "pytorchjob", name, "-n"]
+    assert "--cascade=foreground" in fake.calls[2] and fake.calls[3][1] == "apply"
+
+
+def test_kubernetes_reattaches_to_a_running_job_of_a_dead_launch_and_replaces_a_changed_one(tmp_path):
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    fake = FakeKubectl([RUNNING])
+    launcher = KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=lambda s: {}[s])  # the wait is cut short
+
+    with pytest.raises(KeyError):  # not an explicit cancellation: the job stays
+        launcher.launch(spec, ws, lambda _: None)
+    assert "delete" not in fake.verbs() and fake.exists
+    record = json.loads((ws / "launch" / "kubernetes-job.json").read_text())
+    assert [e["event"] for e in record["history"]] == ["submitted"]
+
+    # The next launch (this process standing in for a new one) re-attaches, applies nothing.
+    fake.calls.clear()
+    fake.conditions = [RUNNING, SUCCEEDED]
+    lines: list[str] = []
+    KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=lambda s: None).launch(spec, ws, lines.append)
+    assert "apply" not in fake.verbs() and "delete" not in fake.verbs()
+    assert "re-attaching to PyTorchJob" in lines[0] and lines[-1].endswith("succeeded")
+
+    # A changed spec: the job left running is not what this launch runs; it is replaced.
+    fake.calls.clear()
+    fake.conditions = [RUNNING]
+    with pytest.raises(KeyError):
+        launcher.launch(spec, ws, lambda _: None)
+    write_spec(ws / "spec.json", ws / "plan.json", ws, steps=7)
+    fake.calls.clear()
+    fake.conditions = [RUNNING, SUCCEEDED]
+    KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=lambda s: None).launch(spec, ws, lambda _: None)
+    assert fake.verbs()[:4] == ["get", "get", "delete", "apply"]
+
+    # Ctrl-C (or a cancelled Prefect run) while waiting: the job is deleted.
+    fake.calls.clear()
+    fake.conditions = [RUNNING]
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=interrupted).launch(spec, ws, lambda _: None)
+    assert fake.calls[-1][1] == "delete" and not fake.exists
 
 
 def test_kubernetes_refuses_a_job_whose_owner_is_alive_and_deletes_an_orphan(tmp_path):
-    config = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": str(tmp_path)})})
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
-    calls: list[list[str]] = []
-
-    def kubectl(cmd):
-        calls.append(list(cmd))
-        if cmd[1] == "get" and cmd[-1] == "name":
-            return done(f"pytorchjob/{cmd[3]}")
-        raise KeyboardInterrupt  # stop after the sweep: that is what is under test
-
-    launcher = KubernetesLauncher(config, runner=kubectl, sleep=lambda s: None)
+    fake = FakeKubectl([RUNNING], exists=True)
+    launcher = KubernetesLauncher(_k8s_here(tmp_path), runner=fake, sleep=lambda s: None)
     name = launcher.job_name(spec.resolve())
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         _record(tmp_path / "launch" / "kubernetes-job.json", f"training/{name}", owner.pid)
         with pytest.raises(LaunchFailed, match=f"applied by pid {owner.pid} .* still running"):
             launcher.launch(spec, tmp_path, lambda _: None)
-        assert not any(c[1] == "delete" for c in calls)
+        assert "delete" not in fake.verbs()
     finally:
         owner.kill()
         owner.wait()
-    with pytest.raises(KeyboardInterrupt):  # owner dead: the orphan is deleted, then applied
-        launcher.launch(spec, tmp_path, lambda _: None)
-    assert calls[-1][1] == "delete" and "--cascade=foreground" in calls[-1]
+    # owner dead, and its record names no manifest: the orphan is deleted, then a new one applied
+    fake.conditions = [RUNNING, SUCCEEDED]
+    launcher.launch(spec, tmp_path, lambda _: None)
+    deleted = next(c for c in fake.calls if c[1] == "delete")
+    assert "--cascade=foreground" in deleted and fake.verbs().index("delete") < fake.verbs().index("apply")
 
 
 def test_wait_for_datatrove_stops_on_a_dependency_that_can_never_be_satisfied(tmp_path):

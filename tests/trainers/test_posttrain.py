@@ -274,3 +274,53 @@ def test_a_batch_the_ranks_cannot_share_fails_before_anything_runs():
     with pytest.raises(FileNotFoundError, match="launch.accelerate_config nope.yaml does not exist"):
         spec = Path(__file__)  # any existing file: the config file is checked first
         get_launcher(run_of(SFT, accelerate="nope.yaml").launch).launch(spec, REPO, print)
+
+
+# --- a stop signal is a checkpoint ------------------------------------------------------------
+
+
+class Signaller(threading.Thread):
+    """Sends SIGUSR1 to the trainer's rank (as Slurm's time-limit warning would reach it) once it
+    has logged two steps; no checkpoint exists then (save_steps is past the end)."""
+
+    def __init__(self, root: Path, step: str):
+        super().__init__(daemon=True)
+        self.root, self.step = root, step
+        self.sent_at: int | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import signal
+
+        while not self.stop.wait(0.02):
+            for folder in (self.root / self.step).glob("*"):
+                pgid, metrics = folder / ".trainer.pgid", folder / "metrics.jsonl"
+                rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+                steps = [r["step"] for r in rows if "loss" in r]
+                if len(steps) >= 2 and pgid.exists():
+                    ranks = _rank_processes(int(pgid.read_text()))
+                    if ranks:
+                        self.sent_at = steps[-1]
+                        for p in ranks:
+                            p.send_signal(signal.SIGUSR1)
+                        return
+
+
+def test_sft_stopped_by_a_signal_saves_that_step_and_the_resume_loses_none(world, tmp_path):
+    section = SFT.model_copy(update={"save_steps": 100})  # only the end: a stop must save by itself
+    inputs = {"model": world["base"], "data": world["data"]}
+    signaller = Signaller(tmp_path, "sft")
+    signaller.start()
+    with pytest.raises(LaunchFailed) as err:
+        build("sft", run_of(section), inputs, tmp_path)
+    signaller.join(timeout=5)
+    assert signaller.sent_at is not None, "the trainer finished before the signal"
+    assert err.value.facts.exitcode == 75 and "stopped on a signal" in err.value.cause
+    folder = next(p for p in (tmp_path / "sft").iterdir() if p.is_dir())
+    (saved, _, _), *_ = complete_checkpoints(folder / "checkpoints")
+    assert signaller.sent_at <= saved <= signaller.sent_at + 1  # the step being trained
+    lines: list[str] = []
+    artifact = build("sft", run_of(section), inputs, tmp_path, lines.append)
+    assert any(f"resuming from step_{saved:08d}" in line for line in lines)
+    assert artifact.meta["resumed_from_step"] == saved
+    assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)  # each step once, as uninterrupted

@@ -10,7 +10,9 @@ The post-training steps launch it through infra/launchers (trainers/posttrain/la
 seed, device). TRL's trainers pick up the torchrun/accelerate environment (DDP, or FSDP and
 DeepSpeed per the accelerate config). Like trainers/pretrain.py: a rank ends itself when torchrun dies
 (`protect_rank`), rank 0 leases the out folder first (exit 4 when another trainer holds it),
-only rank 0 prints progress and writes `result.json` (the step's meta) last.
+only rank 0 prints progress and writes `result.json` (the step's meta) last. A stop signal
+(SIGUSR1 before a time limit, SIGTERM at preemption or eviction) saves the step being trained and
+exits 75, like the pretraining trainer (trainers/signals.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 from infra.guard import LeaseHeld, StageLease, protect_rank
+from trainers.signals import EXIT_STOPPED, StopRequested
 
 EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as trainers/pretrain.py
 
@@ -65,6 +68,10 @@ def main(argv: list[str]) -> int:
         if main_rank:
             write_atomic(out / RESULT, json.dumps(meta, default=str))
             print(json.dumps(meta, default=str), flush=True)
+    except StopRequested as err:  # a signal: the step it came at is saved, a restart resumes there
+        if is_main():
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     finally:
         _end_process_group()
         if lease is not None:

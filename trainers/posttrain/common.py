@@ -35,6 +35,7 @@ from infra import manifest
 from infra.files import write_atomic, write_json_atomic
 from pipeline.artifact import Artifact
 from trainers.posttrain.config import micro_batches
+from trainers.signals import StopRequested, StopSignals, trainer_callback
 
 CHECKPOINTS = "checkpoints"  # {step folder}/checkpoints/step_{N:08d}, as model/checkpoint.py
 METRICS = "metrics.jsonl"
@@ -337,12 +338,24 @@ def quiet(trainer) -> None:
 
 
 def fit(trainer, out: Path, log: Callable[[str], None], what: str) -> int | None:
-    """Train, resuming from the newest verified checkpoint in `out`; returns its step (or None)."""
+    """Train, resuming from the newest verified checkpoint in `out`; returns its step (or None).
+
+    A stop signal (trainers/signals.py) saves the step being trained and raises StopRequested."""
     resume = resume_point(out, log)
     start_metrics(out, resume)
     if resume is not None:
         log(f"{what}: resuming from {resume.name}")
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    # SIGUSR1/SIGTERM (time limit, preemption, eviction): save the current step and stop
+    stop = StopSignals().install()
+    stopper = trainer_callback(stop)
+    trainer.add_callback(stopper)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        stop.restore()
+    if stopper.stopped_at is not None:
+        step = stopper.stopped_at
+        raise StopRequested(stop.received or "a signal", step, str(step_folder(out / CHECKPOINTS, step)))
     return resumed_step(resume)
 
 

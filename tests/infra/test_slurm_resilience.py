@@ -1,0 +1,305 @@
+"""Cluster jobs that survive, on the real one-node Slurm cluster (`local_slurm`, with preemption).
+
+- preemption: a job in the `urgent` partition takes the node; the training job's ranks get
+  SIGTERM, save the step they were training and exit; Slurm requeues the job, which resumes at
+  that step: no step is trained twice, and the final loss is the one of an uninterrupted run;
+- the time-limit warning (`--signal=B:USR1@N`): the batch script forwards it to the ranks, which
+  save and exit, then requeues the job; the same holds;
+- the process following the job dies (SIGKILL from outside, as an OOM kill of the flow process
+  would): the job keeps training, and the next launch of the stage re-attaches to the same job
+  (no second submission) and collects its result.
+
+Steps trained are counted from the job's own log (rank 0 logs every step once per execution).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
+from infra.launchers.base import JobRecord
+from tests.infra.launch_fixtures import write_plan, write_spec
+from tests.infra.slurm_cluster import URGENT, local_slurm  # noqa: F401  (session fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+STEP_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*\S+ step (\d+)/(\d+) \| loss")
+
+
+def config(**slurm) -> LaunchConfig:
+    slurm = {"time": "00:10:00", "cpus_per_task": 2, "poll_seconds": 0.5, "job_name": "smollm3-resil"} | slurm
+    return LaunchConfig(kind="slurm", nodes=1, procs_per_node=2, torchrun=TORCHRUN, slurm=SlurmLaunchConfig(**slurm))
+
+
+def stage_spec(plan: Path, out: Path, steps: int, **kw) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    return write_spec(
+        out / "spec.json",
+        plan,
+        out,
+        steps=steps,
+        checkpoint_interval=1000,  # only the stage end: every step a stop did not save is redone
+        schedule={"warmup_steps": 2, "decay_fraction": 0.3, "total_steps": steps},
+        **kw,
+    )
+
+
+def trained_steps(text: str) -> list[int]:
+    """The steps rank 0 logged, in order, over every execution of the job."""
+    return [int(m.group(1)) for line in text.splitlines() if (m := STEP_LINE.match(line))]
+
+
+def metric_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def clean_loss(plan: Path, tmp_path: Path, steps: int) -> float:
+    """The final loss of the same stage trained without interruption (local torchrun, 2 ranks)."""
+    out = tmp_path / "clean"
+    get_launcher(LaunchConfig(procs_per_node=2)).launch(stage_spec(plan, out, steps), out, lambda _: None)
+    return json.loads((out / "result.json").read_text())["final_loss"]
+
+
+def jobs_writing(out: Path) -> list[str]:
+    """Every job slurmctld knows (MinJobAge keeps ended ones) whose log goes to `out`."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True, timeout=60)
+    return [
+        re.search(r"JobId=(\d+)", line).group(1) for line in proc.stdout.splitlines() if f"StdOut={out}/slurm-" in line
+    ]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def launch_in_thread(launcher, spec: Path, out: Path):
+    lines: list[str] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            launcher.launch(spec, out, lines.append)
+        except BaseException as exc:  # noqa: BLE001  (the test reports it)
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, lines, errors
+
+
+def assert_lost_no_step(out: Path, steps: int, stops: list[int], loss: float) -> None:
+    text = "\n".join(p.read_text() for p in sorted(out.glob("slurm-*.log")))
+    assert trained_steps(text) == list(range(1, steps + 1)), "a step was trained twice (or never)"
+    for step in stops:
+        assert f"resumed from {out}/checkpoints/step_{step:08d} at step {step}" in text
+    assert metric_steps(out) == list(range(1, steps + 1))
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_step"] == steps and result["final_loss"] == loss
+
+
+@pytest.mark.slow
+def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(local_slurm, tmp_path):  # noqa: F811
+    steps = 16
+    plan = write_plan(tmp_path / "shards")
+    loss = clean_loss(plan, tmp_path, steps)
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
+    thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
+    wait_for(lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(), 180, "3 trained steps")
+    assert thread.is_alive(), errors
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", URGENT, "--exclusive", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    thread.join(timeout=400)
+    assert not thread.is_alive() and not errors, (errors, lines[-40:])
+    text = "\n".join(lines)
+    stops = [int(s) for s in re.findall(r"stopped on SIGTERM after step (\d+)", text)]
+    assert len(stops) == 1, lines[-60:]  # the preemption: one stop, one requeue
+    assert "(restart 1)" in text  # Slurm requeued the same job
+    assert len(jobs_writing(out)) == 1
+    assert_lost_no_step(out, steps, stops, loss)
+    state = subprocess.run(["scontrol", "show", "job", "-o", urgent], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in state  # the preemptor ran in between
+
+
+@pytest.mark.slow
+def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_slurm, tmp_path):  # noqa: F811
+    """--time=2 min, --signal=B:USR1@60: slurmctld checks limits every 30 s, so the warning comes
+    30 to 60 s into each run; the stage needs more than one run."""
+    steps = 45
+    plan = write_plan(tmp_path / "shards")
+    loss = clean_loss(plan, tmp_path, steps)
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
+    lines: list[str] = []
+    get_launcher(config(time="00:02:00", signal_s=60)).launch(spec, out, lines.append)
+    text = "\n".join(lines)
+    stops = [int(s) for s in re.findall(r"stopped on SIGUSR1 after step (\d+)", text)]
+    assert stops, lines[-60:]  # at least one run ended on the warning
+    assert text.count("time limit near: requeueing") == len(stops)
+    assert f"(restart {len(stops)})" in text and len(jobs_writing(out)) == 1
+    assert_lost_no_step(out, steps, stops, loss)
+
+
+FOLLOWER = textwrap.dedent(
+    """
+    # The flow side of a Slurm stage: follows the job until killed.
+    import sys
+    sys.path.insert(0, {repo!r})
+    from infra.launchers import LaunchConfig
+    from infra.launchers import get_launcher
+    config = LaunchConfig.model_validate_json({config!r})
+    get_launcher(config).launch({spec!r}, {out!r}, lambda line: print(line, flush=True))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_follower_leaves_the_job_running_and_the_retry_reattaches(local_slurm, tmp_path):  # noqa: F811
+    steps = 14
+    plan = write_plan(tmp_path / "shards")
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
+    cfg = config()
+    script = tmp_path / "follower.py"
+    script.write_text(FOLLOWER.format(repo=str(REPO), config=cfg.model_dump_json(), spec=str(spec), out=str(out)))
+    follower = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(metric_steps(out)) >= 3 or follower.poll() is not None, 180, "3 trained steps")
+        assert follower.poll() is None, follower.stdout.read()
+        follower.kill()  # SIGKILL: no handler, no cleanup
+        follower.wait()
+    finally:
+        follower.kill()
+    (job,) = jobs_writing(out)
+    state = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    assert "JobState=RUNNING" in state  # the job did not die with its follower
+    killed_at = metric_steps(out)[-1]
+
+    lines: list[str] = []
+    get_launcher(cfg).launch(spec, out, lines.append)  # the retry
+    text = "\n".join(lines)
+    assert f"re-attaching to Slurm job {job}, which is still RUNNING" in text
+    assert "submitted Slurm job" not in text and jobs_writing(out) == [job]  # nothing new submitted
+    assert lines[-1] == f"[launch] Slurm job {job} completed"
+    followed = trained_steps(text)  # the log followed from where it was, not replayed
+    assert followed and followed[0] > killed_at - 2 and followed[-1] == steps
+    result = json.loads((out / "result.json").read_text())
+    assert result["final_step"] == steps and result["resumed_from"] is None  # one run, never restarted
+    assert not JobRecord(out, "slurm-job.json").path.exists()  # cleared once the job ended
+
+
+SERVED = textwrap.dedent(
+    """
+    # A served flow whose one step follows a Slurm training job, inside the step engine's RunContext.
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from prefect import flow, task
+    from infra.launchers import LaunchConfig, get_launcher
+    from pipeline.runner import RunContext, RunSetup
+    from pipeline.slots import ResourcesConfig
+    from pipeline.workspace import Workspace
+
+    @task
+    def train(spec: str, out: str, config: str, pidfile: str):
+        open(pidfile, "w").write(str(os.getpid()))
+        launch = LaunchConfig.model_validate_json(open(config).read())
+        get_launcher(launch).launch(spec, out, print)
+
+    @flow(name="slurm-stage")
+    def stage(spec: str, out: str, config: str, pidfile: str, ws: str):
+        with RunContext("slurm-stage", RunSetup(Workspace(root=ws), ResourcesConfig(), "test", {{}})):
+            train.submit(spec, out, config, pidfile).result()
+
+    if __name__ == "__main__":
+        stage.serve(name="slurm-cancel", pause_on_shutdown=False)
+    """
+)
+
+
+def _job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    m = re.search(r"JobState=(\S+)", out)
+    return m.group(1) if m else "?"
+
+
+@pytest.mark.slow
+def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_slurm, tmp_path, api_url):  # noqa: F811
+    """Two runs of a served flow whose step follows a Slurm job: `prefect flow-run cancel` cancels
+    the job (the run's steps follow it from worker threads that never see the cancellation); a
+    SIGTERM to the flow-run process from anything else (a host shutting down) leaves it running."""
+    import os
+    import signal as sig
+
+    plan = write_plan(tmp_path / "shards")
+    script = tmp_path / "served.py"
+    script.write_text(SERVED.format(repo=str(REPO)))
+    env = os.environ | {"PREFECT_API_URL": api_url}
+    serve = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    prefect = str(Path(sys.executable).parent / "prefect")
+    jobs: list[str] = []
+    try:
+        outcomes = {}
+        for how in ("prefect-cancel", "sigterm"):
+            out = tmp_path / how
+            spec = stage_spec(plan, out, 200, debug_step_sleep_s=0.5)
+            pidfile = tmp_path / f"{how}.pid"
+            launch = tmp_path / "launch.json"
+            launch.write_text(config().model_dump_json())
+            params = {"spec": str(spec), "out": str(out), "config": str(launch), "pidfile": str(pidfile)}
+            params["ws"] = str(tmp_path / "ws")
+            args = [f"--param={k}={v}" for k, v in params.items()]
+            run = None
+            for _ in range(60):  # the deployment appears once serve has registered it
+                res = subprocess.run(
+                    [prefect, "deployment", "run", "slurm-stage/slurm-cancel", *args],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                if res.returncode == 0:
+                    run = next(ln.split("UUID:")[1].strip() for ln in res.stdout.splitlines() if "UUID:" in ln)
+                    break
+                time.sleep(1)
+            assert run, (res.stdout + res.stderr, (tmp_path / "serve.log").read_text()[-3000:])
+            wait_for(lambda out=out: len(jobs_writing(out)) == 1 and len(metric_steps(out)) >= 2, 240, "training")
+            (job,) = jobs_writing(out)
+            jobs.append(job)
+            if how == "prefect-cancel":
+                subprocess.run([prefect, "flow-run", "cancel", run], env=env, check=True, capture_output=True)
+            else:
+                os.kill(int(pidfile.read_text()), sig.SIGTERM)
+            time.sleep(20)  # the cancellation (or not) has had its time
+            outcomes[how] = (_job_state(job), psutil.pid_exists(int(pidfile.read_text())))
+        assert outcomes["prefect-cancel"] == ("CANCELLED", False)
+        # left training, its follower gone (it did not wait for the job): a retry re-attaches
+        assert outcomes["sigterm"] == ("RUNNING", False)
+        assert json.loads(JobRecord(tmp_path / "sigterm", "slurm-job.json").path.read_text())["job"] == jobs[1]
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], capture_output=True)
+        os.killpg(serve.pid, 9)
+        serve.wait()
