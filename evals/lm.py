@@ -50,16 +50,10 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]
 def smollm3_view(hf_model) -> SmolLM3 | None:
     """Our SmolLM3 over the weight tensors of a loaded `SmolLM3ForCausalLM` (no copy), or None
     when the model is another architecture or uses features our model does not have."""
-    from model.hf import from_hf_config, from_hf_state_dict
+    from model.hf import from_hf_config, from_hf_state_dict, unsupported_features
 
     config = hf_model.config
-    if getattr(config, "model_type", None) != "smollm3":
-        return None
-    if (
-        getattr(config, "use_sliding_window", False)
-        or getattr(config, "attention_bias", False)
-        or getattr(config, "mlp_bias", False)
-    ):
+    if unsupported_features(config):  # the one check `import_hf` and `pin` refuse by
         return None
     try:
         cfg = from_hf_config(config)

@@ -42,17 +42,20 @@ def _exit_on_sigterm(signum, frame) -> None:
 def cmd_run(args) -> int:
     import signal
 
-    from flows.params import check_refresh
+    from flows.admission import check_run
 
-    check_refresh("smollm3", args.refresh)  # before Prefect opens a run
-    from flows.smollm3 import smollm3
+    # What `plan` checks, before any Prefect server is looked for or started (flows/admission.py).
+    check_run("smollm3", {"recipe": args.recipe, "overrides": args.overrides, "refresh": args.refresh})
+    from flows.api import prefect_api
 
     # The run stops its steps on SIGTERM and SIGINT (pipeline/signals.py), then Prefect re-sends
     # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
     # server started for this run is stopped instead of left behind).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
+        from flows.smollm3 import smollm3
 
-    result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
+        result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
     print(result)
     return 0
 
@@ -120,8 +123,9 @@ def cmd_sql(args) -> int:
     with lineage.snapshot() as con:
         try:
             print(con.sql(args.query))
-        except duckdb.Error as exc:  # the query's own error, said as one line
-            raise ValueError(f"query failed: {type(exc).__name__}: {exc}") from None
+        except duckdb.Error as exc:  # a bad query is the user's input: say what DuckDB said, no traceback
+            tables = ", ".join(sorted(r[0] for r in con.execute("SHOW TABLES").fetchall() if not r[0].startswith("_")))
+            raise ValueError(f"{type(exc).__name__}: {exc}\n(tables: {tables})") from None
     return 0
 
 
@@ -136,6 +140,31 @@ def cmd_report(args) -> int:
             else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
         )
         print(run_report(lineage, args.run, out))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """Two runs side by side (flows/compare.py); also a Prefect artifact when a server runs."""
+    from flows.compare import compare_runs, publish
+    from flows.views import find_run
+
+    lineage = _lineage(args)
+    with lineage.reading():
+        a, b = (find_run(lineage, ref)["run_id"] for ref in (args.run_a, args.run_b))
+        out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"compare-{a[:8]}-{b[:8]}.md"
+        result = compare_runs(lineage, a, b, out)
+    print(result["text"])
+    print(f"\nreport: {result['report']}")
+    if args.no_artifact:
+        return 0
+    from flows.api import running_api
+
+    try:
+        with running_api() as url:
+            key = publish(result)
+        print(f"Prefect artifact: {key} ({url.removesuffix('/api')}/artifacts/key/{key})")
+    except LookupError as exc:  # no server: the report file is the comparison
+        print(f"no Prefect artifact: {exc}")
     return 0
 
 
@@ -232,6 +261,34 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """Follow a flow run until it ends (flows/watch.py); exit 0 when it Completed."""
+    from flows.api import running_api
+
+    with running_api() as url:
+        from prefect.client.orchestration import get_client
+
+        from flows.watch import find_flow_run, watch
+        from pipeline.workspace import resolve_workspace
+
+        with get_client(sync_client=True) as client:
+            run = find_flow_run(client, args.run)
+        state = run.state.name if run.state else "Pending"
+        print(
+            f"watching flow run {run.name} ({run.id}), {state}; UI: {url.removesuffix('/api')}/runs/flow-run/{run.id}"
+        )
+        path = resolve_workspace(args.workspace) / "lineage.duckdb"
+        final, _ = watch(
+            run.id,
+            poll=args.poll,
+            lineage=_lineage(args) if path.exists() else None,
+            every_s=args.every,
+            backlog=False,
+            prefix="",
+        )
+    return 0 if final == "Completed" else 1
+
+
 def cmd_demo(args) -> int:
     from flows.demo import up
 
@@ -266,7 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
         "sources.math.max_documents=100 stages.stage2.tokens=1e9"
     )
 
-    p = add("run", cmd_run, "run the smollm3 flow in this process (no server or deployment needed)")
+    p = add(
+        "run",
+        cmd_run,
+        "run the smollm3 flow in this process (no server or deployment needed)",
+        description="Check the recipe, overrides and data as `plan` does (a bad one fails at once), "
+        "then run the smollm3 flow in this process, reporting to PREFECT_API_URL when set, else to "
+        "the demo's server when it runs, else to a Prefect server started for this run.",
+    )
     p.add_argument("recipe", nargs="?", default="tiny", help=recipe_help)
     p.add_argument("overrides", nargs="*", help=overrides_help)
     p.add_argument(
@@ -342,6 +406,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", default="latest", help="run id, id prefix or `latest`")
     p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/RUN_ID.md)")
 
+    p = add(
+        "compare",
+        cmd_compare,
+        "compare two runs: config differences, both loss curves on one plot, evals side by side with noise",
+        True,
+        description="Compare two runs from lineage: the recipe fields that differ, both loss curves on "
+        "one plot (against tokens), and the eval tables side by side, each difference with its "
+        "stderr and whether it is beyond noise. Writes a markdown report (and its plot) and, when "
+        "a Prefect server runs (PREFECT_API_URL or the demo's), a markdown artifact.",
+    )
+    p.add_argument("run_a", help="run id, id prefix or `latest`")
+    p.add_argument("run_b", help="run id, id prefix or `latest`")
+    p.add_argument("--out", default=None, help="markdown file (default: WORKSPACE/reports/compare-A-B.md)")
+    p.add_argument("--no-artifact", action="store_true", help="do not publish the Prefect artifact")
+
     p = add("sql", cmd_sql, "run a SQL query on a consistent copy of the lineage database (never blocks runs)", True)
     p.add_argument("query", help='e.g. "SELECT step, label, state, seconds FROM steps ORDER BY started"')
 
@@ -369,6 +448,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help="see `smollm3 eval-quality --help`")
 
     add("serve", cmd_serve, "serve all deployments (smollm3/full, ...) against PREFECT_API_URL")
+
+    p = add(
+        "watch",
+        cmd_watch,
+        "follow a flow run live: state changes, each running step's training line or eval progress",
+        True,
+        description="Follow a flow run of the Prefect server (PREFECT_API_URL, else the demo's) until "
+        "it ends: a line per step state change (retries included), each running step's latest "
+        "training line (step/total, loss, tokens/s, ETA) or evaluation progress at most every "
+        "--every seconds. Exit 0 when the run Completed, 1 otherwise.",
+    )
+    p.add_argument("run", nargs="?", default="latest", help="flow run id, id prefix or `latest` (default)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the API (default 2)")
+    p.add_argument(
+        "--every", type=float, default=10.0, help="seconds between two progress lines of one step (default 10)"
+    )
 
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
     p.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")

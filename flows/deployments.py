@@ -10,7 +10,9 @@ process does not silently disable them. Before serving, flow runs are set to hea
 server gets the automation that marks a run Crashed after three missed heartbeats
 (infra/prefect_server.py), so a run whose process was killed with this one does not stay Running
 forever. A run whose serve process dies while the run lives on stops and ends Crashed, saying
-so (pipeline/owner.py).
+so (pipeline/owner.py). A scheduled run whose parameters the flow would refuse (a misspelt
+recipe, an unknown override, data that cannot be read) is set Failed with that message within
+seconds, instead of waiting for its concurrency slot first (flows/admission.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
 from flows.ablation import ablation
+from flows.admission import watch_scheduled_runs
 from flows.anneal import anneal
 from flows.cpt import cpt
 from flows.smollm3 import smollm3
@@ -83,7 +86,10 @@ def main() -> None:
             type(exc).__name__,
             exc,
         )
-    serve(*deployments(), pause_on_shutdown=False, limit=2)
+    served = deployments()
+    # A run whose parameters would fail fails now, not after waiting for its concurrency slot.
+    watch_scheduled_runs([(d.flow_name, d.name) for d in served])
+    serve(*served, pause_on_shutdown=False, limit=2)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ from typing import Literal
 
 Recompute = Literal["none", "selective", "full"]
 SECONDS_PER_DAY = 86400.0
+# SmolLM3-3B's run: what the plan assumes when a figure is not given (and says so)
+DEFAULT_TOKENS = "11T"
+DEFAULT_DAYS = 28.0
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
@@ -257,8 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPUs, memory per GPU and time for a training run (6ND; Ultra-Scale memory).",
     )
     p.add_argument("--params", default="3B", help="model parameters (3B, 3.08e9)")
-    p.add_argument("--tokens", default="11T", help="training tokens (11T)")
-    p.add_argument("--days", type=float, default=28.0, help="wall-clock budget in days")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help=f"training tokens (default {DEFAULT_TOKENS}, SmolLM3-3B's; the GPU count needs yours)",
+    )
+    p.add_argument(
+        "--days",
+        type=float,
+        default=None,
+        help=f"wall-clock budget in days (default {DEFAULT_DAYS:g}, SmolLM3-3B's; the GPU count needs yours)",
+    )
     p.add_argument(
         "--tflops", type=float, default=None, help="measured bf16 TFLOP/s per GPU (default 720, the playbook's H100)"
     )
@@ -303,13 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.recipe:
         raise SystemExit("--recipe is answered by `smollm3 capacity --recipe NAME` (it loads the recipe)")
-    params, tokens = parse_count(args.params), parse_count(args.tokens)
+    params, tokens = parse_count(args.params), parse_count(args.tokens or DEFAULT_TOKENS)
+    days = DEFAULT_DAYS if args.days is None else args.days
     tflops = args.tflops
     if args.preflight:
         tflops = tflops_from_preflight(args.preflight)
     if tflops is None:
         tflops = 720.0
-    gpu_plan = plan_gpus(params, tokens, args.days, tflops, args.mfu)
+    gpu_plan = plan_gpus(params, tokens, days, tflops, args.mfu)
     gpus = args.gpus or gpu_plan.gpus_needed
     time_plan = plan_time(params, tokens, gpus, tflops, args.mfu, args.tokens_per_gpu_s)
     dp = args.dp or max(1, gpus // (args.tp * args.pp))
@@ -327,8 +340,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         heads=args.heads,
         fp32_grad_accum=args.fp32_grad_accum,
     )
-    print(format_plan(gpu_plan, mem, time_plan))
+    assumed = assumptions(args.tokens is None, args.days is None, args.tflops is None and not args.preflight)
+    print("\n".join([*assumed, format_plan(gpu_plan, mem, time_plan)]))
     return 0
+
+
+def assumptions(tokens: bool, days: bool, tflops: bool) -> list[str]:
+    """Lines naming the figures the plan took from SmolLM3-3B's run because none were given: the
+    GPU count and the time depend on them, the memory per GPU does not."""
+    given = [
+        *([f"--tokens (took {DEFAULT_TOKENS})"] if tokens else []),
+        *([f"--days (took {DEFAULT_DAYS:g})"] if days else []),
+        *(["--tflops or --preflight (took 720, the playbook's H100)"] if tflops else []),
+    ]
+    if not given:
+        return []
+    return [
+        f"Assumed SmolLM3-3B's figures for what was not given: {', '.join(given)}.",
+        "The GPU count and the time are for those: give your run's training tokens and deadline",
+        "(e.g. `--tokens 1T --days 14`). Memory per GPU depends on neither.",
+        "",
+    ]
 
 
 if __name__ == "__main__":

@@ -152,3 +152,120 @@ def heartbeat_seconds(env: Mapping[str, str] | None = None) -> int:
     if value < 30:
         raise ValueError(f"{HEARTBEAT_ENV}={value}: Prefect requires at least 30 seconds")
     return value
+
+
+# --- a server for one `smollm3 run` ------------------------------------------------------------
+
+
+class ServerStartError(RuntimeError):
+    """The Prefect server did not come up; the message has its last output."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's choice)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    """Whether the Prefect API at `api_url` answers its health check."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, TimeoutError, ValueError):
+        return False
+
+
+class EmbeddedServer:
+    """`prefect server start` on a free loopback port for the life of one command, waited for
+    by the wall clock until it answers or exits.
+
+    Prefect's own ephemeral server (what a flow called without PREFECT_API_URL starts) counts its
+    start-up timeout in loop iterations of 0.1 s, so a loaded machine waits several times the 20 s
+    it names, and a server that exited is noticed only at the end: "Timed out while attempting
+    to connect to ephemeral Prefect API server" after a minute. Here a server that exits is
+    reported at once with its output, a port taken between choosing and binding it is retried
+    on another, and the deadline (`timeout` seconds, default 600) is real time. The server runs
+    under infra/guard.py's guard, so it ends with this process however that ends."""
+
+    def __init__(self, home: str | None = None, timeout: float = 600.0, log=print):
+        self.home, self.timeout, self.log = home, timeout, log
+        self.proc = None
+        self.api_url = ""
+        self._output = None
+
+    def __enter__(self) -> EmbeddedServer:
+        import subprocess
+        import sys
+        import tempfile
+        import time
+        from pathlib import Path
+
+        prefect = str(Path(sys.executable).parent / "prefect")
+        started = time.monotonic()
+        for _ in range(3):  # a port taken by someone else between choosing and binding it
+            port = free_port()
+            self.api_url = f"http://127.0.0.1:{port}/api"
+            self._output = tempfile.TemporaryFile()
+            env = {**os.environ, **server_env("127.0.0.1", port), "PREFECT_SERVER_UI_ENABLED": "false"}
+            if self.home:
+                env["PREFECT_HOME"] = self.home
+            self.log(f"starting a Prefect server for this run on 127.0.0.1:{port} (stopped when it ends)")
+            from infra.guard import ProcessRef, guard_command
+
+            # Under the guard: the server dies with this process, even when it is SIGKILLed.
+            cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
+            self.proc = subprocess.Popen(
+                guard_command(ProcessRef.current(), cmd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            while time.monotonic() - started < self.timeout:
+                if healthy(self.api_url, timeout=5.0):
+                    self.log(f"Prefect server up after {time.monotonic() - started:.0f}s: {self.api_url}")
+                    return self
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.25)
+            else:
+                tail = self._tail()
+                self.stop()
+                raise ServerStartError(
+                    f"the Prefect server did not answer within {self.timeout:.0f}s; its last output:\n{tail}"
+                )
+            tail = self._tail()
+            if "address already in use" not in tail.lower():
+                raise ServerStartError(f"the Prefect server exited with code {self.proc.returncode}:\n{tail}")
+        raise ServerStartError(f"no free port for the Prefect server after 3 tries:\n{self._tail()}")
+
+    def _tail(self, chars: int = 3000) -> str:
+        if self._output is None:
+            return ""
+        self._output.seek(0)
+        return self._output.read().decode(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (ProcessLookupError, OSError):
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -65,13 +65,53 @@ def _nope_interval(no_rope_layers: list[int]) -> int:
     )
 
 
-def from_hf_config(hf_cfg) -> ModelConfig:
-    rope = hf_cfg.rope_parameters or {}
+def unsupported_features(hf_cfg) -> list[str]:
+    """What a transformers config asks for that our SmolLM3 cannot compute, one phrase each
+    (empty: the model imports exactly). The one check behind `import_hf`, `from_hf_config` (the
+    `pin` step's base description) and the evaluator's `smollm3_view`: a model that fails it would
+    load with those parts dropped and give other logits."""
+    found = []
+    model_type = getattr(hf_cfg, "model_type", None)
+    if model_type != "smollm3":
+        found.append(f"model_type {model_type!r} (only 'smollm3' maps onto our decoder)")
+    if getattr(hf_cfg, "attention_bias", False):
+        found.append("attention_bias=True (q/k/v/o projection biases; ours have none)")
+    if getattr(hf_cfg, "mlp_bias", False):
+        found.append("mlp_bias=True (gate/up/down projection biases; ours have none)")
+    act = getattr(hf_cfg, "hidden_act", "silu")
+    if act != "silu":
+        found.append(f"hidden_act={act!r} (our MLP is SwiGLU: silu)")
+    sliding = [t for t in getattr(hf_cfg, "layer_types", None) or [] if t != "full_attention"]
+    if getattr(hf_cfg, "use_sliding_window", False) or sliding:
+        found.append(
+            f"use_sliding_window=True (sliding_window={getattr(hf_cfg, 'sliding_window', None)}, "
+            f"{len(sliding)} layer(s) {sorted(set(sliding)) or ['full_attention']}; ours attend to the whole sequence)"
+        )
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters {rope} are not plain RoPE; only 'default' imports")
+        found.append(f"rope scaling {rope} (only plain RoPE, rope_type 'default', imports)")
+    heads, hidden = getattr(hf_cfg, "num_attention_heads", 0), getattr(hf_cfg, "hidden_size", 0)
     head_dim = getattr(hf_cfg, "head_dim", None)
-    if head_dim not in (None, hf_cfg.hidden_size // hf_cfg.num_attention_heads):
-        raise ValueError(f"head_dim={head_dim} differs from hidden_size / num_attention_heads")
+    if head_dim is not None and heads and head_dim != hidden // heads:
+        found.append(f"head_dim={head_dim} (ours is hidden_size / num_attention_heads = {hidden // heads})")
+    return found
+
+
+def check_supported(hf_cfg, what: str = "this model") -> None:
+    """Raise naming every feature of `hf_cfg` our SmolLM3 cannot hold (see `unsupported_features`)."""
+    found = unsupported_features(hf_cfg)
+    if found:
+        raise ValueError(
+            f"{what} uses what our SmolLM3 cannot express, so importing it would silently change its "
+            f"outputs: {'; '.join(found)}. Train from a SmolLM3 export without these, or evaluate it "
+            "with lm-eval's stock `hf` model"
+        )
+
+
+def from_hf_config(hf_cfg, what: str = "this model") -> ModelConfig:
+    """Our config of a transformers SmolLM3 config; refuses (naming each) what ours cannot hold."""
+    check_supported(hf_cfg, what)
+    rope = hf_cfg.rope_parameters or {}
     return ModelConfig(
         vocab_size=hf_cfg.vocab_size,
         hidden_size=hf_cfg.hidden_size,
@@ -121,10 +161,20 @@ def to_hf_state_dict(model: SmolLM3) -> dict[str, torch.Tensor]:
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from transformers' names; a tensor ours has no place for (a bias the config
+    did not declare, another layer) is refused by name rather than dropped."""
     names = _name_map(cfg)
     missing = [theirs for theirs in names.values() if theirs not in sd]
     if missing:
         raise KeyError(f"transformers state dict lacks {missing[:5]} (and {len(missing)} in all)")
+    known = set(names.values()) | {"lm_head.weight"}  # a tied head may be saved as well
+    extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(
+            f"transformers state dict holds {len(extra)} tensor(s) our SmolLM3 has no place for "
+            f"(importing would drop them and change the outputs): {', '.join(extra[:6])}"
+            + (" ..." if len(extra) > 6 else "")
+        )
     return {ours: sd[theirs] for ours, theirs in names.items()}
 
 
@@ -191,16 +241,17 @@ def export_hf(
 
 
 def import_hf(path: str | Path) -> SmolLM3:
-    """Our model from a `SmolLM3ForCausalLM` folder (or a loaded `SmolLM3ForCausalLM`)."""
-    from transformers import SmolLM3Config
-
+    """Our model from a `SmolLM3ForCausalLM` folder (or a loaded `SmolLM3ForCausalLM`); a model
+    using what ours cannot compute (biases, another activation, sliding windows, rope scaling, an
+    explicit head_dim, unmapped tensors) is refused, naming each (`unsupported_features`)."""
     if isinstance(path, str | Path):
         from safetensors.torch import load_file
+        from transformers import AutoConfig
 
         folder = Path(path)
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"{folder} is not a save_pretrained folder (no config.json)")
-        hf_cfg = SmolLM3Config.from_pretrained(str(folder))
+        hf_cfg = AutoConfig.from_pretrained(str(folder))  # its own model_type, checked below
         sd: dict[str, torch.Tensor] = {}
         for shard in sorted(folder.glob("*.safetensors")):
             sd |= load_file(str(shard))
@@ -208,7 +259,7 @@ def import_hf(path: str | Path) -> SmolLM3:
             raise FileNotFoundError(f"{folder} holds no .safetensors weights")
     else:
         hf_cfg, sd = path.config, path.state_dict()
-    cfg = from_hf_config(hf_cfg)
+    cfg = from_hf_config(hf_cfg, f"HF model {path}" if isinstance(path, str | Path) else "this HF model")
     if cfg.tie_embeddings and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     model = SmolLM3(cfg)

@@ -195,9 +195,10 @@ def lazy_flow(name: str, fn: Callable[..., Any], namespace: dict[str, Any], max_
     def __getattr__(attr: str):
         if attr == name:
             from prefect import flow
-            from prefect.task_runners import ThreadPoolTaskRunner
 
-            built = flow(name=name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=max_workers))(fn)
+            from pipeline.named_runs import NamedTaskRunner  # pending task runs named step[label]
+
+            built = flow(name=name, log_prints=True, task_runner=NamedTaskRunner(max_workers=max_workers))(fn)
             namespace[attr] = built
             return built
         raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")

@@ -11,7 +11,13 @@ call", half-way through a step, a trained stage left without its marker.
 So the serve process names itself in `SMOLLM3_RUN_OWNER` (pid and kernel start time; inherited
 by the flow-run processes it starts), and every run (pipeline/runner.py `RunContext`):
 - keeps logging when its console's reader is gone: a broken pipe mutes the console (stdout and
-  stderr go to /dev/null) instead of raising; Prefect's API keeps every log line;
+  stderr go to /dev/null) instead of raising, in Prefect's console handler and in every write to
+  `sys.stdout`/`sys.stderr` (`QuietStream`: lm-eval's progress bars, prints); Prefect's API keeps
+  every log line. Logging to a dead parent never fails a step;
+- attributes a step that fails while its owner dies to that death, whatever the timing: a step
+  that fails checks its owner there and then (`owner_died_before`; a broken pipe waits up to two
+  seconds for the death to show) instead of trusting that the watchdog looked first, so it is
+  recorded `stopped: the serve process ... died`, never as a failure of its own;
 - watches its owner (`infra.guard.watch`: pid and start time, about twice a second) and, when it
   dies, stops: running children (torchrun and its ranks, child-process steps) are killed, no further
   step starts, steps that finished keep their outputs and markers, and the run ends `Crashed` with
@@ -30,8 +36,11 @@ heartbeat periods, so it can be retried.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import sys
+import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -102,6 +111,82 @@ def _quiet(console) -> Callable[[], None]:
         mute_console()
 
     return on_broken_pipe
+
+
+class QuietStream:
+    """A console stream (sys.stdout, sys.stderr) that a dead reader cannot fail: a write or flush
+    that meets a broken pipe mutes the console (`mute_console`) and goes to /dev/null instead of
+    raising into whatever step was printing (lm-eval's progress bars, a `print`). Everything else
+    is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            mute_console()  # fds 1 and 2 now /dev/null: the retry cannot fail the same way
+            try:
+                return call(*args)
+            except OSError:
+                return None
+        except ValueError:  # written after the stream was closed at shutdown
+            return None
+
+    def write(self, text: str) -> int:
+        written = self._guarded(self._stream.write, text)
+        return len(text) if written is None else written
+
+    def writelines(self, lines) -> None:
+        self._guarded(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def quiet_console_streams() -> None:
+    """Make `sys.stdout` and `sys.stderr` `QuietStream`s (idempotent): logging or printing to a
+    parent that died never fails a step."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, QuietStream):
+            setattr(sys, name, QuietStream(stream))
+
+
+def broken_pipe(exc: BaseException | None) -> bool:
+    """Whether a failure is (or was raised from) a write into a pipe whose reader is gone."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
+            return True
+        if type(exc) is RuntimeError and str(exc).startswith("BrokenPipeError"):  # a child's failure
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def owner_dead(owner: ProcessRef) -> bool:
+    """The serve process has died: its pid and start time no longer match, or this process was
+    reparented away from it (what a child sees first)."""
+    return owner.alive() is False or os.getppid() != owner.pid
+
+
+def owner_died_before(owner: ProcessRef, exc: BaseException, grace: float = 2.0) -> bool:
+    """Whether a step's failure came with (or of) its owner's death, asked at the moment the step
+    failed, without waiting for the watchdog's next look. A broken pipe is what a dead reader
+    causes: its process may still be exiting, so that failure waits up to `grace` seconds for
+    the death to show; any other failure is asked once."""
+    deadline = time.monotonic() + (grace if broken_pipe(exc) else 0.0)
+    while not owner_dead(owner):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def watch_owner(owner: ProcessRef, on_death: Callable[[ProcessRef], object]) -> None:

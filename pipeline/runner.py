@@ -54,8 +54,17 @@ from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
+from pipeline.live import LiveStatus
 from pipeline.mirror import fetcher
-from pipeline.owner import mute_console, run_owner, survive_broken_console, watch_owner
+from pipeline.owner import (
+    broken_pipe,
+    mute_console,
+    owner_died_before,
+    quiet_console_streams,
+    run_owner,
+    survive_broken_console,
+    watch_owner,
+)
 from pipeline.results import CheckedResults
 from pipeline.signals import stop_on_signals
 from pipeline.slots import ResourcesConfig, hold
@@ -106,7 +115,8 @@ class StepFailed(RuntimeError):
 
 
 class StepStopped(StepFailed):
-    """A step stopped because its run lost its owner (the serve process died): never retried."""
+    """A step stopped because its run lost its owner (the serve process died): never retried. Its
+    message starts with `step[label] stopped:`."""
 
 
 class FlowFailed(RuntimeError):
@@ -164,6 +174,8 @@ class RunContext:
         self.records: list[StepRow] = []
         self._records_lock = threading.Lock()
         self.owner_gone: str | None = None  # set when the serve process that owns the run died
+        self.owner: ProcessRef | None = None
+        self._owner_lock = threading.Lock()
         self.cancelled: str | None = None  # set when SIGTERM or SIGINT stopped the run
         self._signals: Any = None
 
@@ -186,20 +198,26 @@ class RunContext:
             f"resolved recipe saved to {saved}"
         )
         survive_broken_console()
+        quiet_console_streams()  # a print or progress bar into a dead parent's pipe fails nothing
         if runtime_flow_run.id:  # cluster jobs stop with this run only when Prefect cancelled it
             set_cancel_probe(lambda: flow_run_cancelled(self.run_id))
         self._signals = stop_on_signals(self._signalled, self._deadline)
         self._signals.__enter__()
         owner = run_owner()
         if owner is not None:
+            self.owner = owner
             watch_owner(owner, self._owner_died)
         return self
 
     def _owner_died(self, owner: ProcessRef) -> None:
-        """The serve process died: stop the children, start no further step (pipeline/owner.py)."""
-        mute_console()  # nobody reads the console any more; the API keeps the log
-        when = datetime.now(UTC).strftime("%H:%M:%S UTC")
-        self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
+        """The serve process died: stop the children, start no further step (pipeline/owner.py).
+        Called once, by the watchdog or by the first step that failed with the death."""
+        with self._owner_lock:
+            if self.owner_gone is not None:
+                return
+            mute_console()  # nobody reads the console any more; the API keeps the log
+            when = datetime.now(UTC).strftime("%H:%M:%S UTC")
+            self.owner_gone = f"the serve process (pid {owner.pid}) that owns this run died at {when}"
         self.logger.error(
             f"{self.owner_gone}: stopping the steps that run and starting no new one; "
             f"`prefect flow-run retry {self.run_id}` resumes the run"
@@ -235,6 +253,13 @@ class RunContext:
     def check_owner(self) -> None:
         if self.stop_reason is not None:
             raise OwnerGone(f"not started: {self.stop_reason}")
+
+    def lost_owner(self, exc: BaseException) -> bool:
+        """Whether the run has lost its owner, asked when a step fails: the watchdog may not have
+        looked yet (a broken log pipe is often the first sign), so look now."""
+        if self.owner_gone is None and self.owner is not None and owner_died_before(self.owner, exc):
+            self._owner_died(self.owner)
+        return self.owner_gone is not None
 
     def owner_crash(self) -> State:
         """The final state of a run that lost its serve process (see pipeline/owner.py)."""
@@ -462,23 +487,25 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
         if isinstance(exc, OwnerGone):
             cause = str(exc)
             ctx.record(node, "skipped", started[0], _now(), cause)
-        elif ctx.stop_reason is not None:  # killed: the run lost its owner or was cancelled; no retry
-            cause = f"stopped: {ctx.stop_reason} ({cause})"
+        elif ctx.lost_owner(exc) or ctx.stop_reason is not None:  # owner died or run cancelled: no retry
+            why = "its console pipe broke with it" if broken_pipe(exc) and ctx.owner_gone else cause
+            cause = f"stopped: {ctx.stop_reason} ({why})"
             ctx.record(node, "failed", started[0], _now(), cause)
         elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
             ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
-            kind = StepStopped if ctx.stop_reason is not None else StepFailed
-            raise kind(f"{node.key} failed: {cause}") from exc
+            if ctx.stop_reason is not None:
+                raise StepStopped(f"{node.key} {cause}") from exc
+            raise StepFailed(f"{node.key} failed: {cause}") from exc
         raise
     artifact = outcome.artifact
     verb = "built" if outcome.built else "fetched" if outcome.fetched else "reused finished"
-    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder.
-    logger.info(
-        f"{node.key} {verb} {artifact.kind} {artifact.short} at {artifact.meta.get('model_dir') or artifact.uri}"
-    )
+    # A model's path is the folder `from_pretrained` loads (model_dir), not the step folder; any
+    # other artifact's is its own folder (an evaluation's meta names the model it scored).
+    where = (artifact.meta.get("model_dir") if artifact.kind == "hf_model" else None) or artifact.uri
+    logger.info(f"{node.key} {verb} {artifact.kind} {artifact.short} at {where}")
     lineage = ws.lineage()
     # A folder fetched from the mirror publishes its facts (metrics, evals, ...) into a lineage
     # that has not seen it, as a built one does.
@@ -528,21 +555,14 @@ def _set_threads(threads: int | None) -> None:
             torch.set_num_threads(threads)
 
 
-def _progress(d: StepDef, node: Node):
-    """A `progress(percent)` backed by a Prefect progress artifact, for builds that report one."""
+def _live(d: StepDef, node: Node) -> LiveStatus | None:
+    """The build's progress artifact (percentage and latest progress line, pipeline/live.py), for
+    builds that report progress."""
     if not d.wants_progress:
         return None
     import re
 
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    key = re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower())
-    artifact_id = create_progress_artifact(progress=0.0, key=key, description=node.key)
-
-    def progress(percent: float) -> None:
-        update_progress_artifact(artifact_id=artifact_id, progress=max(0.0, min(100.0, percent)))
-
-    return progress
+    return LiveStatus(node.key, re.sub(r"[^a-z0-9-]+", "-", f"{d.name}-{node.label}-progress".lower()))
 
 
 # In-process evaluation (lm-eval) is not thread-safe and torch's thread count is per process: in
@@ -551,21 +571,24 @@ _IN_PROCESS_EVAL = threading.Lock()
 
 
 def _build_here(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
-    progress = _progress(d, node)
+    live = _live(d, node)
+    progress = live.progress if live else None
+    log = live.wrap(log) if live else log
     if d.resource != "eval":
         meta = d.run(node.config, inputs, out, log=log, progress=progress)
     else:
         with _IN_PROCESS_EVAL:
             _set_threads(threads)  # in-process torch work takes its slot's thread count
             meta = d.run(node.config, inputs, out, log=log, progress=progress)
-    if progress is not None:
-        progress(100.0)  # a finished build is done, whatever its last report said
+    if live is not None:
+        live.finish()
     return meta
 
 
 def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | None, log) -> dict[str, Any]:
-    progress = _progress(d, node)
-    line = progress_lines(log, progress)
+    live = _live(d, node)
+    progress = live.progress if live else None
+    line = progress_lines(live.wrap(log) if live else log, progress)
 
     call_file = write_call(d, node.config, inputs, out)
     try:
@@ -574,8 +597,8 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
         error = read_error(out)
         raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
     meta = read_result(out)
-    if progress is not None:
-        progress(100.0)  # a finished build is done, whatever its last report said
+    if live is not None:
+        live.finish()
     return meta
 
 

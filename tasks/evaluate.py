@@ -366,17 +366,21 @@ def run_lm_eval(
     hub = [t for t in tasks if t in cfg.lm_eval_tasks]
     task_dir = located_tasks(task_dir, out / "tasks") if task_dir else None
     manager = TaskManager(include_path=str(task_dir) if task_dir else None, include_defaults=bool(hub))
-    model_args = {"pretrained": str(model_dir), "dtype": "float32", "device": device}
+    # The device goes beside the model args, as lm-eval's CLI passes `--device`: the recorded
+    # `model_args` then paste into `lm_eval run --model hf --model_args ... --device ...` (with a
+    # `device=` inside them lm-eval's CLI, whose --device defaults to cuda:0, passes it twice).
+    model_args = {"pretrained": str(model_dir), "dtype": "float32"}
     if harness_model == "hf":
         model = "hf"
     else:
         from evals.lm import PrefixSharingLM
 
         # An instance, not a registry name: nothing global is added per call.
-        model = PrefixSharingLM(**model_args, batch_size=cfg.batch_size, progress=progress)
+        model = PrefixSharingLM(**model_args, device=device, batch_size=cfg.batch_size, progress=progress)
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=",".join(f"{k}={v}" for k, v in model_args.items()),
+        device=device,
         tasks=list(tasks),
         task_manager=manager,
         batch_size=cfg.batch_size,

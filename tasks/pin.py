@@ -266,11 +266,12 @@ def describe_hf(lineage: Lineage, folder: Path, data_checkpoint: Path, run_id: s
     for f in sorted(folder.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    from transformers import SmolLM3Config
+    from transformers import AutoConfig
 
     from model.hf import from_hf_config
 
-    model_config = from_hf_config(SmolLM3Config.from_pretrained(str(folder))).to_dict()
+    # AutoConfig keeps the folder's own model_type; the check names what our model cannot hold.
+    model_config = from_hf_config(AutoConfig.from_pretrained(str(folder)), f"base HF model {folder}").to_dict()
     return context.model_copy(
         update={
             "checkpoint": str(folder.resolve()),

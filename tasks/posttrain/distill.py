@@ -21,7 +21,7 @@ from trainers.posttrain.common import (
     model_dir,
 )
 from trainers.posttrain.config import DistillConfig, PosttrainSpec
-from trainers.posttrain.launch import launch_trainer
+from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
 def teacher_state(run: PosttrainSpec[DistillConfig]) -> str:
@@ -38,7 +38,7 @@ def teacher_state(run: PosttrainSpec[DistillConfig]) -> str:
     return h.hexdigest()[:16]
 
 
-@step("distill", version=3, kind="hf_model", resource="train", resumable=True, extra=teacher_state)
+@step("distill", version=3, kind="hf_model", resource="train", resumable=True, extra=teacher_state, **TRAINER_RETRIES)
 def distill(
     config: PosttrainSpec[DistillConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:

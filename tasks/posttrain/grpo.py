@@ -24,10 +24,10 @@ from trainers.posttrain.common import (
     model_dir,
 )
 from trainers.posttrain.config import GRPOConfig, PosttrainSpec
-from trainers.posttrain.launch import launch_trainer
+from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
-@step("grpo", version=3, kind="hf_model", resumable=True, resource="train")
+@step("grpo", version=3, kind="hf_model", resumable=True, resource="train", **TRAINER_RETRIES)
 def grpo(
     config: PosttrainSpec[GRPOConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:

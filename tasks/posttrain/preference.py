@@ -26,7 +26,7 @@ from trainers.posttrain.common import (
     model_dir,
 )
 from trainers.posttrain.config import PosttrainSpec, PreferenceConfig
-from trainers.posttrain.launch import launch_trainer
+from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
 @step(
@@ -36,6 +36,7 @@ from trainers.posttrain.launch import launch_trainer
     resource="train",
     resumable=True,
     extra=lambda run: data_state(run.section.pairs),
+    **TRAINER_RETRIES,
 )
 def preference(
     config: PosttrainSpec[PreferenceConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None

@@ -21,10 +21,10 @@ from trainers.posttrain.common import (
     model_dir,
 )
 from trainers.posttrain.config import PosttrainSpec, SFTConfig
-from trainers.posttrain.launch import launch_trainer
+from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
 
 
-@step("sft", version=3, kind="hf_model", resource="train", resumable=True)
+@step("sft", version=3, kind="hf_model", resource="train", resumable=True, **TRAINER_RETRIES)
 def sft(
     config: PosttrainSpec[SFTConfig], model: Artifact, data: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:

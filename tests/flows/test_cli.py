@@ -79,6 +79,16 @@ def test_errors_exit_2_and_name_the_problem(workspace, capsys):
     assert "sources[math].domain" in capsys.readouterr().err
 
 
+def test_a_bad_query_is_a_clean_error_naming_the_tables(workspace, capsys):
+    root, _ = workspace
+    assert main(["sql", "SELECT * FROM nosuch", "--workspace", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("smollm3 sql: error: CatalogException:") and "nosuch" in err
+    assert "Traceback" not in err and "steps" in err.splitlines()[-1]  # the tables there are
+    assert main(["sql", "SELECT count(*) AS n FROM steps", "--workspace", str(root)]) == 0
+    assert "2" in capsys.readouterr().out
+
+
 def test_recipe_prints_the_resolved_recipe(capsys):
     assert main(["recipe", "tiny", "seed=5"]) == 0
     assert "seed: 5" in capsys.readouterr().out
@@ -88,7 +98,7 @@ def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("run", "recipe", "lineage", "runs", "summary", "serve", "demo", "down"):
+    for cmd in ("run", "recipe", "lineage", "runs", "summary", "serve", "demo", "down", "watch", "compare"):
         assert cmd in out
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
-from flows.demo import watch
 from flows.recipe import load_recipe, run_setup
+from flows.watch import watch
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
 from pipeline.runner import run_flow

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,6 +67,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    watcher = None
     try:
         params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
         out = ""
@@ -92,8 +94,23 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         assert list((stage2_dir / "checkpoints").glob("step_*")), "stage 2 left no checkpoint"
 
         subprocess.run([PREFECT, "flow-run", "retry", run_id], env=env, check=True, capture_output=True, text=True)
+        # The retried run, live: `smollm3 watch` follows it to its end.
+        watcher = subprocess.Popen(
+            [str(Path(sys.executable).parent / "smollm3"), "watch", run_id[:8], "--poll", "1", "--every", "5"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         _wait_leaves(run_id, "FAILED", 120)  # the retry is scheduled before it runs
         final = _wait_terminal(run_id, 900)
+        watched, _ = watcher.communicate(timeout=120)
+        assert watcher.returncode == 0, watched[-3000:]
+        assert watched.startswith("watching flow run ") and run_id in watched.splitlines()[0]
+        assert " Cached " in watched and "pretrain[stage2]" in watched, watched[-3000:]
+        # training lines of the stages that ran after the retry (stage2 resumed, stage3, long1, long2)
+        assert re.search(r"\d% (stage[23]|long[12]) step \d+/\d+ \| loss [\d.]+ \|.* tok/s", watched), watched[-3000:]
+        assert watched.rstrip().endswith("flow run Completed"), watched[-3000:]
         assert final == "COMPLETED", (
             f"retry ended {final}: {_message(run_id)}\nsteps after the retry: "
             f"{[(s['step'], s['label'], s['state'], s['error']) for s in lineage.steps_of(run_id)[len(first) :]]}"
@@ -154,5 +171,8 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 34 reuse"), out.stdout
     finally:
+        if watcher is not None and watcher.poll() is None:  # a test failing while it watches
+            watcher.kill()
+            watcher.wait()
         os.killpg(serve.pid, 9)
         serve.wait()

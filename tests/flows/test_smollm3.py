@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -180,6 +181,14 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     stages = ("stage1", "stage2", "stage3", "long1", "long2")
     for key in [*(f"pretrain-{s}-progress" for s in stages), *(f"evaluate-{s}-progress" for s in stages)]:
         assert PrefectArtifact.get(key).data == 100.0, key
+    # ... each with the step's last progress line, what the demo terminal showed while it ran
+    from pipeline.live import parse
+
+    for s in stages:
+        key, line = parse(PrefectArtifact.get(f"pretrain-{s}-progress").description)
+        assert key == f"pretrain[{s}]" and re.match(rf"{s} step (\d+)/\1 \| loss [\d.]+ \| .* tok/s", line), line
+        key, line = parse(PrefectArtifact.get(f"evaluate-{s}-progress").description)
+        assert key == f"evaluate[{s}]" and line.startswith("lm-eval: ") and "items" in line, line
     for label, stage in lineage.labelled_outputs(result["run_id"], "pretrain"):
         assert stage.meta["mfu_peak_source"].startswith("preflight "), (label, stage.meta["mfu_peak_source"])
         assert 0 < stage.meta["mfu"] < 1, (label, stage.meta["mfu"])
@@ -187,8 +196,6 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     table = PrefectArtifact.get("smollm3-evals").data
     assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table
     # The model path the summary prints loads; lm-eval's own results sit beside every eval's scores.
-    import re
-
     from transformers import AutoModelForCausalLM
 
     from flows.views import summary

@@ -132,6 +132,18 @@ def test_cli_prints_every_plan(capsys):
     )
     out = capsys.readouterr().out
     assert "378.9 -> 379" in out and "ZeRO-1" in out and "recompute selective" in out
+    assert "Assumed" not in out  # every figure the GPU count needs was given
+
+
+def test_a_plan_from_params_alone_says_which_figures_it_assumed(capsys):
+    assert main(["--params", "3e9"]) == 0
+    out = capsys.readouterr().out
+    head = out.split("GPUs")[0]
+    assert "--tokens (took 11T)" in head and "--days (took 28)" in head and "--tflops or --preflight" in head
+    assert "give your run's training tokens and deadline" in head
+    assert "GPUs needed" in out and "Memory per GPU" in out
+    main(["--params", "3e9", "--tokens", "1T", "--days", "14", "--tflops", "700"])
+    assert "Assumed" not in capsys.readouterr().out
 
 
 def test_format_plan_with_memory_only():

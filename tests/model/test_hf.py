@@ -146,3 +146,96 @@ def test_what_transformers_cannot_express_is_refused_at_export(tiny_cfg, tmp_pat
     with pytest.raises(ValueError, match=r"qk_norm=True has no transformers SmolLM3 equivalent"):
         export_hf(SmolLM3(tiny_cfg.replace(qk_norm=True)), tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
+# --- what our model cannot hold is refused, never dropped ------------------------------------
+
+SMALL_HF = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    no_rope_layer_interval=4,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+# Each feature, the words the refusal names it by. Sliding windows act on NoPE layers only
+# (transformers' SmolLM3), so the window is shorter than the test sequence.
+UNSUPPORTED = {
+    "attention_bias": ({"attention_bias": True}, "attention_bias=True"),
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    "sliding_window": ({"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=True"),
+    "yarn": (
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        "rope scaling",
+    ),
+    "head_dim": ({"head_dim": 16}, "head_dim=16"),
+}
+
+
+def _hf_with(tmp_path, **overrides):
+    torch.manual_seed(3)
+    hf = SmolLM3ForCausalLM(SmolLM3Config(**{**SMALL_HF, **overrides})).eval()
+    for p in hf.parameters():  # a trained-like spread, so biases and windows show in the logits
+        p.data.normal_(0, 0.3)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+@pytest.mark.parametrize("feature", sorted(UNSUPPORTED))
+def test_import_refuses_each_feature_our_model_lacks_by_name(tmp_path, feature):
+    from evals.lm import smollm3_view
+
+    overrides, words = UNSUPPORTED[feature]
+    hf, folder = _hf_with(tmp_path, **overrides)
+    with pytest.raises(ValueError, match="cannot express") as err:
+        import_hf(folder)
+    assert words in str(err.value) and str(folder) in str(err.value)
+    with pytest.raises(ValueError, match="cannot express"):
+        import_hf(hf)  # a loaded model as well
+    assert smollm3_view(hf) is None  # the evaluator keeps lm-eval's own scoring: the same check
+    if feature in ("attention_bias", "mlp_bias", "gelu", "sliding_window"):
+        # Not a formality: the features-dropped model would give other logits.
+        plain = {k: v for k, v in hf.config.to_dict().items() if k in SMALL_HF}
+        dropped = SmolLM3ForCausalLM(SmolLM3Config(**plain)).eval()
+        dropped.load_state_dict(hf.state_dict(), strict=False)
+        ids = torch.randint(0, 96, (1, 12))
+        with torch.no_grad():
+            assert (hf(ids).logits - dropped(ids).logits).abs().max() > 1e-2
+
+
+def test_one_refusal_names_every_unsupported_feature_and_unmapped_tensors(tmp_path):
+    _, folder = _hf_with(tmp_path, attention_bias=True, mlp_bias=True, hidden_act="gelu")
+    with pytest.raises(ValueError) as err:
+        import_hf(folder)
+    assert all(w in str(err.value) for w in ("attention_bias=True", "mlp_bias=True", "hidden_act='gelu'"))
+    # Biases whose config flag is off (a hand-edited config.json): the tensors are refused too.
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"})
+    )
+    with pytest.raises(ValueError, match=r"no place for .*q_proj\.bias"):
+        import_hf(folder)
+
+
+def test_another_architecture_is_refused_by_its_model_type(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        import_hf(tmp_path / "llama")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from flows.recipe import load_recipe, run_setup
 from pipeline.graph import Graph
 from pipeline.lineage import Lineage
+from pipeline.named_runs import NamedTaskRunner
 from pipeline.runner import FlowFailed, run_flow
 from pipeline.step import step
 
@@ -60,7 +61,7 @@ def _run(tmp_path: Path, step_def, config: Flaky) -> tuple[Lineage, str, list[di
     recipe = load_recipe("tiny", [f"workspace={ws}"])
     lineage = Lineage(ws / "lineage.duckdb")
 
-    @flow(name="retry-test")
+    @flow(name="retry-test", task_runner=NamedTaskRunner())  # the project flows' runner
     def run() -> dict:
         g = Graph("retry-test")
         g.add(step_def, config, label="x")
@@ -171,6 +172,12 @@ def stops_early_child(config: Steps, *, out: Path, log=print, progress=None) -> 
     return {"reported": config.last_report}
 
 
+@step("scores_a_model", version=1, kind="eval")
+def scores_a_model(config: Steps, *, out: Path, log=print) -> dict[str, Any]:
+    """An evaluation's meta, as `evaluate` writes it: it names the model it scored."""
+    return {"model_dir": str(out.parent / "elsewhere" / "model"), "scores": {}}
+
+
 @step("tiny_model", version=1, kind="hf_model")
 def tiny_model(config: Steps, *, out: Path, log=print) -> dict[str, Any]:
     """A model step as export and post-training write them: the model in `out/model`."""
@@ -200,6 +207,7 @@ def test_progress_ends_at_100_and_a_model_is_logged_at_its_loadable_path(tmp_pat
         g.add(stops_early, Steps(last_report=40.0), label="here")
         g.add(stops_early_child, Steps(last_report=92.5), label="child")
         g.add(tiny_model, Steps(last_report=0.0), label="model")
+        g.add(scores_a_model, Steps(last_report=0.0), label="eval")
         return run_flow("runner-test", g, run_setup(recipe, "tiny"))
 
     lines: list[str] = []
@@ -217,3 +225,7 @@ def test_progress_ends_at_100_and_a_model_is_logged_at_its_loadable_path(tmp_pat
     path = re.search(r" at (\S+)$", line).group(1)
     assert Path(path).name == "model"
     assert AutoModelForCausalLM.from_pretrained(path) is not None
+    # An evaluation is logged at its own folder, not at the model its meta names.
+    [line] = [text for text in lines if "scores_a_model[eval] built eval" in text]
+    folder = Path(re.search(r" at (\S+)$", line).group(1))
+    assert folder.parent.name == "scores_a_model" and (folder / "_COMPLETE.json").is_file()

@@ -92,8 +92,8 @@ def test_storage_error_after_retries_is_transient_when_its_cause_is():
 
 
 def test_retries_are_declared_where_they_help():
-    """Data steps and exports retry transient IO; a training stage retries once (it resumes from
-    its checkpoint); evaluations and post-training do not."""
+    """Data steps and exports retry transient IO; a training stage and each post-training
+    trainer retry once (they resume from their checkpoint); evaluations do not."""
     from flows import ablation, anneal, cpt, smollm3
 
     steps = {v.name: v for m in (smollm3, anneal, cpt, ablation) for v in vars(m).values() if isinstance(v, StepDef)}
@@ -109,8 +109,9 @@ def test_retries_are_declared_where_they_help():
         "export",
     ):
         assert steps[name].retries >= 1, name
-    assert steps["pretrain"].retries == 1 and steps["pretrain"].resumable
-    for name in ("evaluate", "sft", "preference", "grpo", "mixture", "preflight", "compare"):
+    for name in ("pretrain", "sft", "preference", "grpo", "distill"):
+        assert steps[name].retries == 1 and steps[name].resumable, name
+    for name in ("evaluate", "merge", "mixture", "preflight", "compare"):
         assert steps[name].retries == 0, name
 
 

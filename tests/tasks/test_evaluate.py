@@ -169,7 +169,19 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
     assert {"configs", "versions", "n-shot", "higher_is_better"} <= set(saved)
     assert saved["configs"]["passkey_test"]["dataset_path"] == "json"
     assert saved["config"]["model_args"].startswith(f"pretrained={tiny_hf_model}")
-    assert saved["config"]["harness_model"] == "prefix_sharing"
+    assert saved["config"]["harness_model"] == "prefix_sharing" and saved["config"]["device"] == "cpu"
+    # The recorded model args paste into lm-eval's CLI, which passes its --device (default
+    # cuda:0, here cpu) beside them: what `lm_eval run --model hf --model_args ARGS --device cpu`
+    # builds.
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.models.huggingface import HFLM
+
+    assert EvaluatorConfig().device is not None  # the CLI always passes a device
+    for results in (saved, json.loads((tmp_path / "hf" / "lm_eval_results.json").read_text())):
+        args = results["config"]["model_args"]
+        assert "device=" not in args, args
+        lm = HFLM.create_from_arg_string(args, {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+        assert str(lm.device) == "cpu"
     with pytest.raises(ValueError, match="harness_model must be one of"):
         run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path, harness_model="vllm")
 

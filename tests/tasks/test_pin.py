@@ -75,3 +75,21 @@ def test_pin_links_the_checkpoint_so_pruning_the_original_does_not_matter(run_ws
     assert read_marker(pinned) is not None  # the pinned copy passes the checkpoint's manifest
     assert meta["global_step"] == 8 and meta["source"] == base.checkpoint
     assert json.loads((pinned / "trainer_state.json").read_text())["global_step"] == 8
+
+
+def test_an_hf_base_our_model_cannot_hold_is_refused_naming_each_feature(run_ws, tmp_path):
+    """`pin`'s base description (continued pretraining from `base=` an HF folder) runs the same
+    check as `import_hf` and the evaluator, before anything trains."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    ws, _ = run_ws
+    cfg = SmolLM3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=True, hidden_act="gelu", pad_token_id=None, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    SmolLM3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="cannot express") as err:
+        resolve_base(ws.lineage(), ws, str(tmp_path / "hf"), phase="last", allow_hf=True)
+    assert "attention_bias=True" in str(err.value) and "hidden_act='gelu'" in str(err.value)
+    assert f"base HF model {tmp_path / 'hf'}" in str(err.value)

@@ -62,6 +62,22 @@ def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
     assert TrainSpec.load(tmp_path / "spec.json") == long1
 
 
+def test_every_tiny_long_context_stage_makes_several_real_updates_at_its_length():
+    """Context extension trains: a long stage whose only full-LR step is followed by a step at
+    min_lr (the old tiny long2: 2 steps, LR 3e-4 then 0) barely moves the model."""
+    from model.schedule import lr_at
+
+    recipe = load_recipe("tiny")
+    longs = [r.spec for r in schedule_stages(recipe.training, recipe.stages, recipe.seed) if r.kind == "long_context"]
+    assert [s.seq_len for s in longs] == [512, 1024]
+    for spec in longs:
+        lrs = [lr_at(i, spec.optimizer.lr, spec.schedule, spec.schedule.total_steps) for i in range(spec.steps)]
+        real = [lr for lr in lrs if lr > spec.schedule.min_lr + 0.05 * spec.optimizer.lr]
+        assert len(real) >= 4, (spec.stage, lrs)  # several updates at a useful LR
+        assert lrs[-2] > spec.schedule.min_lr  # only the last step may reach min_lr
+        assert spec.steps * spec.global_batch * spec.seq_len == {512: 32768, 1024: 49152}[spec.seq_len]
+
+
 def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerprint():
     from pipeline.artifact import identity
 
@@ -76,8 +92,8 @@ def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerp
 def test_stage_order_and_batch_layout_are_validated():
     with pytest.raises(RecipeError, match="pretrain stage must come before the long_context"):
         load_recipe("tiny", ["stages.stage2.kind=long_context"])
-    with pytest.raises(RecipeError, match=r"stages\[long1\]: global_batch 12 must be a multiple"):
-        load_recipe("tiny", ["stages.long1.global_batch=12"])
+    with pytest.raises(RecipeError, match=r"stages\[long1\]: global_batch 10 must be a multiple of micro_batch 4"):
+        load_recipe("tiny", ["stages.long1.global_batch=10"])
     with pytest.raises(RecipeError, match="global_batch 20 must be a multiple of micro_batch"):
         load_recipe("tiny", ["training.global_batch=20"])
     with pytest.raises(RecipeError, match="allowed presets: ablation_1b, smollm3_3b, tiny"):

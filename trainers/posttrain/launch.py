@@ -39,6 +39,11 @@ from trainers.posttrain.config import PosttrainSpec
 
 SPEC, RESULT = "spec.json", "result.json"
 
+# A post-training step retries like a pretraining stage: once, 30 s later, when its trainer was
+# killed by a signal or its node failed (pipeline.step.transient), resuming from its newest
+# checkpoint; a Python error or a bad config fails at once.
+TRAINER_RETRIES = {"retries": 1, "retry_delay": 30.0}
+
 # trainer name -> (module, function, section class); the functions run on every rank
 TRAINERS: dict[str, tuple[str, str, type[sections.TrainerConfig]]] = {
     "sft": ("trainers.posttrain.sft", "train_sft", sections.SFTConfig),
