@@ -167,33 +167,37 @@ class StageSupervisor(threading.Thread):
                     return
         elif not self.ended and self.end_launch is not None and now - (self.hang_known_at or now) > self.config.grace_s:
             self.ended = True
-            self.on_event(
-                {
-                    "kind": "hang_ended",
-                    "stage": self.hang.get("stage"),
-                    "step": self.hang.get("step"),
-                    "message": f"the launch did not end {self.config.grace_s:g} s after the hang report: ending it",
-                    "time": now,
-                }
-            )
-            self.end_launch()
+            try:  # a sink that fails (a full disk, a lineage that refuses the row) must not keep it running
+                self.on_event(
+                    {
+                        "kind": "hang_ended",
+                        "stage": self.hang.get("stage"),
+                        "step": self.hang.get("step"),
+                        "message": f"the launch did not end {self.config.grace_s:g} s after the hang report: ending it",
+                        "time": now,
+                    }
+                )
+            finally:
+                self.end_launch()
 
     def _hang_known(self, report: dict[str, Any]) -> None:
         self.hang, self.hang_known_at = report, time.time()
-        self.on_event(
-            {
-                "kind": "hung",
-                "stage": report.get("stage"),
-                "step": report.get("step"),
-                "rank": report.get("rank"),
-                "host": report.get("host"),
-                "value": report.get("idle_s"),
-                "threshold": report.get("bound_s"),
-                "message": f"hung: {describe_hang(report)}; reported by the {report.get('by', 'rank watchdog')}",
-                "time": report.get("time", time.time()),
-            }
-        )
-        self._ask_stacks()
+        try:
+            self.on_event(
+                {
+                    "kind": "hung",
+                    "stage": report.get("stage"),
+                    "step": report.get("step"),
+                    "rank": report.get("rank"),
+                    "host": report.get("host"),
+                    "value": report.get("idle_s"),
+                    "threshold": report.get("bound_s"),
+                    "message": f"hung: {describe_hang(report)}; reported by the {report.get('by', 'rank watchdog')}",
+                    "time": report.get("time", time.time()),
+                }
+            )
+        finally:  # the stacks are asked for even when the sink fails
+            self._ask_stacks()
 
     def _ask_stacks(self) -> None:
         """SIGUSR2 to every rank of this launch on this host: each prints its Python stacks."""

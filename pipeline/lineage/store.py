@@ -215,7 +215,7 @@ def _table_columns(schema: str) -> dict[str, tuple[str, ...]]:
 COLUMNS = _table_columns(ALL_SCHEMA)
 # What a journal operation may insert into (flow_runs and run_attempts change through STATEMENTS
 # only; the journal's own tables never through the journal).
-INSERT_TABLES = frozenset({"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight"}) | set(
+INSERT_TABLES = frozenset({"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events"}) | set(
     EXPERIMENT_TABLES
 )
 IGNORE_TABLES = frozenset({"artifacts", "edges"})  # recording the same artifact or edge again is a no-op

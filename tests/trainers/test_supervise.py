@@ -1,0 +1,57 @@
+"""The pretrain step's stage supervisor and flag sink (trainers/supervise.py), on a stage folder
+whose hang report is planted from outside, as a rank's watchdog writes it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from infra.launchers.base import HANG_DIR
+from model.spec import WatchdogConfig
+from pipeline.lineage import Lineage
+from trainers.supervise import RunRef, StageEvents, StageSupervisor
+
+
+def _plant_hang(out: Path) -> None:
+    (out / HANG_DIR).mkdir(parents=True)
+    report = {"stage": "stage1", "rank": 0, "host": socket.gethostname(), "step": 5, "bound_s": 3.0, "idle_s": 3.1}
+    (out / HANG_DIR / "rank0.json").write_text(json.dumps(report | {"time": time.time(), "by": "rank watchdog"}))
+
+
+def test_a_hung_launch_is_ended_even_when_its_flags_cannot_be_recorded(tmp_path):
+    """The sink raising on every flag (a full disk, a lineage refusing the row) once kept a frozen
+    launch running for ever: ending it must not depend on recording it."""
+    out = tmp_path / "ws" / "pretrain" / "stage"
+    _plant_hang(out)
+    ended: list[float] = []
+
+    def failing_sink(event: dict) -> None:
+        raise OSError("No space left on device")
+
+    supervisor = StageSupervisor(out, WatchdogConfig(grace_s=0.2), failing_sink, end_launch=lambda: ended.append(1))
+    supervisor.poll()
+    assert supervisor.hang is not None and not ended
+    time.sleep(0.3)
+    supervisor.poll()
+    assert ended == [1] and supervisor.ended
+
+
+def test_stage_flags_become_lineage_rows_of_the_run(tmp_path):
+    """A hang and its end go through the real lineage write layer into `train_events`."""
+    out = tmp_path / "ws" / "pretrain" / "stage"
+    _plant_hang(out)
+    lines: list[str] = []
+    sink = StageEvents(out, "stage1", lines.append, RunRef("run-1", 2, 1))
+    ended: list[int] = []
+    supervisor = StageSupervisor(out, WatchdogConfig(grace_s=0.0), sink, end_launch=lambda: ended.append(1))
+    supervisor.poll()
+    time.sleep(0.05)
+    supervisor.poll()
+    rows = Lineage(tmp_path / "ws" / "lineage.duckdb").query_dicts(
+        "SELECT kind, step, rank, run_id, attempt, task_try FROM train_events ORDER BY created"
+    )
+    assert [r["kind"] for r in rows] == ["hung", "hang_ended"] and ended == [1]
+    assert rows[0] | {} == {"kind": "hung", "step": 5, "rank": 0, "run_id": "run-1", "attempt": 2, "task_try": 1}
+    assert any("hung: rank 0" in line for line in lines)
