@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT)
 
+# The suite's slow tests mostly wait (on torchrun ranks, Slurm, a Prefect server): TEST_WORKERS
+# pytest-xdist processes share them out; the Slurm tests keep one worker (one private cluster).
+TEST_WORKERS ?= 3
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 down:
 	@if [ -x $(BIN)/smollm3 ]; then $(BIN)/smollm3 down; else echo "nothing to stop"; fi

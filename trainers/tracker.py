@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from infra.files import path_from_file
 from model.spec import TrackerConfig
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # kind -> PyPI package
@@ -173,7 +174,9 @@ def log_scores(stage_dir: Path, step: int, scores: Mapping[str, Mapping[str, Any
     except (OSError, ValueError):
         return None
     config = TrackerConfig(**spec.get("tracker", {}))
-    folder = Path(spec["tracker_dir"]) if spec.get("tracker_dir") else Path(stage_dir) / "tracker"
+    # recorded relative to spec.json inside a workspace (TrainSpec.save(relative_to=))
+    recorded = spec.get("tracker_dir")
+    folder = Path(path_from_file(recorded, Path(stage_dir) / "spec.json")) if recorded else Path(stage_dir) / "tracker"
     tracker = open_tracker(config, folder, run_name(stage_dir, spec.get("stage", "stage")))
     if tracker is None:
         return None

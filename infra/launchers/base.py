@@ -42,7 +42,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra import manifest
-from infra.files import write_json_atomic
+from infra.files import path_from_file, write_json_atomic
 from infra.guard import ProcessRef
 from infra.launchers.fabric import FabricConfig, RendezvousConfig
 from infra.launchers.peers import LostPeer
@@ -265,21 +265,24 @@ def last_metrics_step(path: Path) -> int | None:
 
 def stage_dir(spec_path: Path, workdir: Path) -> Path:
     """The stage folder a spec trains in (its out_dir; the work folder when unreadable)."""
+    return Path(_spec_path(spec_path, "out_dir") or workdir)
+
+
+def _spec_path(spec_path: Path, field: str) -> str | None:
+    """A path field of a spec file, made absolute the way TrainSpec.load does (a spec inside a
+    workspace records its paths relative to itself: model/spec.py)."""
     try:
-        spec = json.loads(Path(spec_path).read_text())
-    except (OSError, ValueError):
-        spec = {}
-    return Path(spec.get("out_dir") or workdir)
+        value = json.loads(Path(spec_path).read_text()).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path_from_file(value, spec_path) if isinstance(value, str) and value else None
 
 
 def stage_progress(spec_path: Path, workdir: Path) -> tuple[int | None, int | None]:
     """(last step in metrics.jsonl, step of the newest complete checkpoint) of a stage folder."""
-    try:
-        spec = json.loads(Path(spec_path).read_text())
-    except (OSError, ValueError):
-        spec = {}
     out = stage_dir(spec_path, workdir)
-    metrics = Path(spec["metrics_path"]) if spec.get("metrics_path") else out / "metrics.jsonl"
+    metrics_path = _spec_path(spec_path, "metrics_path")
+    metrics = Path(metrics_path) if metrics_path else out / "metrics.jsonl"
     checkpoint = None
     root = out / "checkpoints"
     if root.is_dir():

@@ -31,7 +31,6 @@ that does not answer for a while (`controller_grace_s`) is waited out.
 from __future__ import annotations
 
 import collections
-import json
 import re
 import shlex
 import subprocess
@@ -52,6 +51,7 @@ from infra.launchers.base import (
     check_spec,
     failure_facts,
     launch_digest,
+    stage_dir,
 )
 from infra.launchers.fabric import launch_env, torchrun_flags
 from infra.launchers.follow import explicit_stop, following
@@ -438,10 +438,7 @@ class SlurmLauncher(Launcher):
 
 def _out_dir(spec: Path, workdir: Path) -> Path:
     """Where the trainer writes result.json: the spec's out_dir, else the stage folder."""
-    try:
-        return Path(json.loads(spec.read_text()).get("out_dir") or workdir)
-    except (OSError, ValueError):
-        return workdir
+    return stage_dir(spec, workdir)
 
 
 def _signal_name(number: str) -> str | None:

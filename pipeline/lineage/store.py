@@ -215,9 +215,9 @@ def _table_columns(schema: str) -> dict[str, tuple[str, ...]]:
 COLUMNS = _table_columns(ALL_SCHEMA)
 # What a journal operation may insert into (flow_runs and run_attempts change through STATEMENTS
 # only; the journal's own tables never through the journal).
-INSERT_TABLES = frozenset({"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events"}) | set(
-    EXPERIMENT_TABLES
-)
+INSERT_TABLES = frozenset(
+    {"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events"}
+) | set(EXPERIMENT_TABLES)
 IGNORE_TABLES = frozenset({"artifacts", "edges"})  # recording the same artifact or edge again is a no-op
 # The fixed statements of a flow run's life, by name: (SQL, number of parameters).
 STATEMENTS: dict[str, tuple[str, int]] = {

@@ -17,6 +17,9 @@ from infra.launchers import LaunchConfig, LaunchFailed, SlurmLaunchConfig, get_l
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
+# One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 

@@ -29,6 +29,9 @@ from tasks.curate import (
 )
 from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
+# One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 VENV_ACTIVATE = str(Path(sys.executable).parent / "activate")
 
 

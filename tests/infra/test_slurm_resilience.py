@@ -31,6 +31,9 @@ from infra.launchers.base import JobRecord
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import URGENT, local_slurm  # noqa: F401  (session fixture)
 
+# One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEP_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*\S+ step (\d+)/(\d+) \| loss")

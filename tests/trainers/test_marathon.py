@@ -424,7 +424,7 @@ def test_tensorboard_files_are_written_live_and_read_back_by_tensorboard(tmp_pat
     seen: dict[str, list[int]] = {}
 
     def read_live() -> None:
-        wait_for_step(out, 4)
+        wait_for_step(out, 6)  # metrics.jsonl is written before the tracker's line of a step
         folder = ws / "tensorboard" / "stage1-board0000000"
         board = EventAccumulator(str(folder))
         board.Reload()
