@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT)
 
-# The suite's slow tests mostly wait (on torchrun ranks, Slurm, a Prefect server): TEST_WORKERS
-# pytest-xdist processes share them out; the Slurm tests keep one worker (one private cluster).
-TEST_WORKERS ?= 3
+# TEST_WORKERS=N shares the tests out to N pytest-xdist processes. Off by default: tried with 3
+# workers on 2 cores, timing-bound tests failed, two workers each started a private Slurm cluster,
+# and the served e2e run met a deployment another test registered on its worker's Prefect server.
+TEST_WORKERS ?= 0
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 

@@ -45,8 +45,10 @@ from infra.launchers.base import HANG_DIR, LaunchFailed, describe_hang, hang_rep
 from infra.proc import kill_tree
 from model.spec import TrainSpec, WatchdogConfig
 from pipeline.workspace import Workspace
-from trainers.monitor import EVENTS_FILE, plan_skip, read_nonfinite, read_skips
 from trainers.watchdog import HEARTBEAT_DIR, STACK_SIGNAL
+
+# trainers/monitor.py (what the ranks run) imports torch: the light commands that import the steps
+# (`smollm3 recipe`, `plan`) must not, so its names are imported where they are used.
 
 EventFn = Callable[[dict[str, Any]], None]
 
@@ -91,6 +93,8 @@ class StageSupervisor(threading.Thread):
         self.out, self.config, self.on_event, self.end_launch = Path(out_dir), config, on_event, end_launch
         self.poll_s = poll_s
         self._done = threading.Event()
+        from trainers.monitor import EVENTS_FILE
+
         events = self.out / EVENTS_FILE
         self._offset = events.stat().st_size if events.exists() else 0  # earlier launches' flags are known
         self.hang: dict[str, Any] | None = None  # the first hang report of this launch
@@ -125,6 +129,8 @@ class StageSupervisor(threading.Thread):
     # -- flags --
 
     def _read_events(self) -> None:
+        from trainers.monitor import EVENTS_FILE
+
         path = self.out / EVENTS_FILE
         try:
             with open(path, "rb") as fh:
@@ -151,9 +157,13 @@ class StageSupervisor(threading.Thread):
             if reports:
                 self._hang_known(reports[0])
                 return
+            # A rank's heartbeat thread beats through long phases (a checkpoint's or start-up's
+            # long bound) too: a heartbeat silent past the floor means the process itself is frozen.
+            silent_bound = max(self.config.floor_s, 4 * self.config.heartbeat_s) + self.config.grace_s
             for beat in heartbeats(self.out):
                 idle = now - float(beat.get("last_progress", now))
-                if idle > float(beat.get("bound_s", float("inf"))) + self.config.grace_s:
+                silent = now - float(beat.get("time", now))
+                if idle > float(beat.get("bound_s", float("inf"))) + self.config.grace_s or silent > silent_bound:
                     report = beat | {
                         "idle_s": idle,
                         "time": now,
@@ -276,6 +286,8 @@ def flag_counts(out: Path) -> dict[str, int]:
     """How many flags of each kind a stage raised (monitor/events.jsonl, all launches)."""
     counts: dict[str, int] = {}
     try:
+        from trainers.monitor import EVENTS_FILE
+
         lines = (Path(out) / EVENTS_FILE).read_text().splitlines()
     except OSError:
         return counts
@@ -311,6 +323,8 @@ def non_finite(exc: BaseException) -> bool:
 def roll_back(out: Path, spec: TrainSpec, sink: StageEvents, log: Callable[[str], None]) -> bool:
     """After a non-finite value: plan the data window to skip and say so (True: relaunch);
     False when the stage may skip no more (`nonfinite.retries`) or the trainer left no record."""
+    from trainers.monitor import plan_skip, read_nonfinite, read_skips
+
     record = read_nonfinite(out)
     if record is None:
         return False

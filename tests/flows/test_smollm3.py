@@ -191,7 +191,10 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
         assert key == f"evaluate[{s}]" and line.startswith("lm-eval: ") and "items" in line, line
     for label, stage in lineage.labelled_outputs(result["run_id"], "pretrain"):
         assert stage.meta["mfu_peak_source"].startswith("preflight "), (label, stage.meta["mfu_peak_source"])
-        assert 0 < stage.meta["mfu"] < 1, (label, stage.meta["mfu"])
+        # On a loaded machine the calibration can fall below what training achieved: then no MFU is
+        # reported and `mfu_invalid` says why (never a figure above 100%)
+        mfu, invalid = stage.meta["mfu"], stage.meta["mfu_invalid"]
+        assert (mfu is not None and 0 < mfu < 1 and not invalid) or (mfu is None and invalid), (label, mfu, invalid)
     assert "data:image/png;base64," in PrefectArtifact.get("smollm3-loss-curve").data
     table = PrefectArtifact.get("smollm3-evals").data
     assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table

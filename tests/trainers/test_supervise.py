@@ -12,6 +12,7 @@ from infra.launchers.base import HANG_DIR
 from model.spec import WatchdogConfig
 from pipeline.lineage import Lineage
 from trainers.supervise import RunRef, StageEvents, StageSupervisor
+from trainers.watchdog import HEARTBEAT_DIR
 
 
 def _plant_hang(out: Path) -> None:
@@ -55,3 +56,25 @@ def test_stage_flags_become_lineage_rows_of_the_run(tmp_path):
     assert [r["kind"] for r in rows] == ["hung", "hang_ended"] and ended == [1]
     assert rows[0] | {} == {"kind": "hung", "step": 5, "rank": 0, "run_id": "run-1", "attempt": 2, "task_try": 1}
     assert any("hung: rank 0" in line for line in lines)
+
+
+def test_a_rank_frozen_while_saving_is_found_by_its_silent_heartbeat(tmp_path):
+    """A checkpoint's bound is long (30 min by default), but the rank's heartbeat thread beats
+    through a save: a heartbeat silent past the floor means the whole process is frozen (a full
+    suite run once waited out the checkpoint bound on a launch frozen during a save). A saving
+    rank whose heartbeat is fresh is left alone."""
+    out = tmp_path / "ws" / "pretrain" / "stage"
+    beats = out / HEARTBEAT_DIR
+    beats.mkdir(parents=True)
+    now = time.time()
+    beat = {"stage": "stage1", "rank": 0, "host": socket.gethostname(), "pid": 1, "start": None, "step": 2}
+    saving = beat | {"phase": "checkpoint", "bound_s": 1800.0, "last_progress": now - 60}
+    config = WatchdogConfig(floor_s=3.0, heartbeat_s=0.5, grace_s=1.0)
+    (beats / "rank0.json").write_text(json.dumps(saving | {"time": now - 0.2}))  # beating: saving for a minute
+    supervisor = StageSupervisor(out, config, lambda e: None)
+    supervisor.poll()
+    assert supervisor.hang is None
+    (beats / "rank0.json").write_text(json.dumps(saving | {"time": now - 4.5}))  # silent for 4.5 s > 3 + 1
+    supervisor.poll()
+    assert supervisor.hang is not None and supervisor.hang["by"].startswith("pretrain step")
+    assert json.loads((out / HANG_DIR / "step-rank0.json").read_text())["why"].startswith("heartbeat 4.")
