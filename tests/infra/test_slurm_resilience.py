@@ -150,9 +150,9 @@ def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_
     plan = write_plan(tmp_path / "shards")
     loss = clean_loss(plan, tmp_path, steps)
     out = tmp_path / "stage"
-    # 45 x 1.5 s of sleep alone outlasts the 60 s after which the warning has surely come, on a
-    # quiet machine too (at 0.5 s a step the stage could end in its first run, before any warning)
-    spec = stage_spec(plan, out, steps, debug_step_sleep_s=1.5)
+    # 45 x 2 s of sleep alone outlasts the first warning (the limit checks run every 30 s: it comes
+    # by 90 s), on a quiet machine too; at 0.5 s a step the stage could end in its first run
+    spec = stage_spec(plan, out, steps, debug_step_sleep_s=2.0)
     lines: list[str] = []
     get_launcher(config(time="00:02:00", signal_s=60)).launch(spec, out, lines.append)
     text = "\n".join(lines)
