@@ -947,12 +947,7 @@ class LineageStore:
                 return []
             if self._needs_copy():
                 return self.snapshot_query(sql, params, dicts=dicts)
-            with self._locked(fcntl.LOCK_SH):
-                con = _connect(self.path, read_only=True)
-                try:
-                    return _fetch(con, sql, params, dicts, self.root)
-                finally:
-                    con.close()
+            return self._read_database(sql, params, dicts)
         if self._has_pending():
             try:
                 landed = self._ingest()
@@ -968,6 +963,10 @@ class LineageStore:
             current = False
         if not current:
             return self.snapshot_query(sql, params, dicts=dicts)
+        return self._read_database(sql, params, dicts)
+
+    def _read_database(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
+        """The query on the database file itself, read-only under the shared lock."""
         with self._locked(fcntl.LOCK_SH):
             con = _connect(self.path, read_only=True)
             try:
