@@ -5,8 +5,8 @@ configs/tiny.yaml) on 2 ranks through the pretrain step (`tasks.pretrain.pretrai
 torchrun launcher and its supervisor), on synthetic shards; this process injects each fault:
 - a rank frozen: rank 1, its torchrun and the guard get SIGSTOP after step 5 (the issue's test);
 - a launch frozen whole: every process of the launch gets SIGSTOP (no watchdog can run);
-- a slowed rank: from step 12 on, rank 1's training thread shares CPU 0 with a spinning process,
-  its scheduling group (autogroup) at nice 5: about a quarter of a CPU, as on a busy host.
+- a slowed rank: from step 12 on, rank 1 runs under a CPU quota put on it from outside (20 ms of
+  every 100 ms, the rest stopped, as a throttled container; tests/trainers/faults.py).
 Prints, per fault, seconds from the injection to the report (and to the end of the launch).
 
     .venv/bin/python benchmarks/marathon.py              # all three, ~5 min on 2 cores
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from flows.recipe import load_recipe  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
 from tasks.pretrain import pretrain, schedule_stages  # noqa: E402
 from tests.model.conftest import write_two_source_plan  # noqa: E402
+from tests.trainers.faults import Throttle  # noqa: E402
 
 
 def last_step(out: Path) -> int:
@@ -75,15 +75,10 @@ def run(kind: str, root: Path) -> dict:
         elif kind == "whole":
             for p in (guard, torchrun, *ranks):
                 p.send_signal(signal.SIGSTOP)
-        else:  # a busy host: rank 1's training thread on CPU 0 beside a spinner, its autogroup at nice 5
-            spinner = subprocess.Popen(
-                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
-            )
-            ranks[1].cpu_affinity([0])
-            Path(f"/proc/{ranks[1].pid}/autogroup").write_text("5")
+        else:  # a throttled host: rank 1 runs a fifth of the time
+            throttle = Throttle(ranks[1])
             stop.wait()
-            spinner.kill()
-            spinner.wait()
+            throttle.stop()
 
     helper = threading.Thread(target=inject, daemon=True)
     helper.start()

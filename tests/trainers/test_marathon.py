@@ -13,8 +13,6 @@ import importlib.util
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from pipeline.lineage import Lineage
 from pipeline.step import step, transient
 from tasks.pretrain import StageSpec, pretrain
 from tests.model.conftest import write_two_source_plan
+from tests.trainers.faults import Throttle
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 L, GB = 32, 4  # sequence length, global batch: one step = 128 tokens
@@ -151,24 +150,6 @@ def launch_tree(out: Path) -> tuple[psutil.Process, psutil.Process, list[psutil.
     return guard, torchrun, ranks
 
 
-class SlowHost:
-    """Slows one rank from outside as a busy host would: its training (main) thread pinned to CPU 0
-    beside a process spinning there, its scheduling group (torchrun gives each rank a session, so
-    an autogroup, of its own) at nice 5: about a quarter of one CPU. `stop()` ends the spinner."""
-
-    def __init__(self, rank: psutil.Process) -> None:
-        self.spinner = subprocess.Popen(
-            [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
-        )
-        rank.cpu_affinity([0])
-        Path(f"/proc/{rank.pid}/autogroup").write_text("5")
-        self.started_at = time.time()
-
-    def stop(self) -> None:
-        self.spinner.kill()
-        self.spinner.wait()
-
-
 # --- 1. hangs -------------------------------------------------------------------------------
 
 
@@ -273,7 +254,7 @@ def test_a_launch_frozen_whole_is_ended_by_the_pretrain_step(tmp_path):
 
 
 def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_first_step(tmp_path):
-    """Rank 1 slowed from outside after step 12 (a busy CPU, lowest priority): rank 0 names
+    """Rank 1 slowed from outside after step 12 (a CPU quota: it runs a fifth of the time): rank 0 names
     rank 1 and its host as a straggler (never rank 0), and flags the fall of tokens/s below 70% of
     the reference of steps 3..10 with the step where it began; lineage rows and task-log warnings."""
     plan = write_two_source_plan(tmp_path / "plan")
@@ -299,7 +280,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     def slow_down() -> None:
         wait_for_step(out, 12)
         _, _, ranks = launch_tree(out)
-        throttle["t"] = SlowHost(ranks[1])
+        throttle["t"] = Throttle(ranks[1])
         throttle["step"] = metrics(out)[-1]["step"]
 
     helper = threading.Thread(target=slow_down, daemon=True)
