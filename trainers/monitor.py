@@ -10,7 +10,8 @@ holds the parts below, and the hang watchdog (trainers/watchdog.py) and the trac
   metrics line the ranks all-gather those seconds and their step seconds (three floats each);
   rank 0 names a rank whose local seconds per step, over the last `monitor.window` lines, exceed
   the median of the other ranks' by `monitor.straggler_margin` (and by at least
-  `straggler_min_share` of the step), with its host. A rank slow only inside forward and backward
+  `straggler_min_share` of a step at the stage's reference pace: the straggler lengthens the
+  step it is measured against), with its host. A rank slow only inside forward and backward
   (whose collectives make everyone wait alike) shows as a throughput drop, not by name.
 - Throughput drops. The stage's reference is the median tokens/s over `reference_steps` steps
   after the first `reference_skip` of the first launch that trains them; it is kept in
@@ -220,6 +221,14 @@ class SpeedChecks:
         total = torch.stack([s for s, _ in self.lines]).sum(0)  # ranks x 3 over the window
         local = (total[:, 0] / total[:, 2].clamp(min=1)).tolist()
         step_s = float((total[:, 1] / total[:, 2].clamp(min=1)).mean())
+        # The excess is judged against a step at the stage's reference pace when there is one: a
+        # slow rank lengthens every rank's step (the others wait for it in the collectives), so a
+        # share of the step as measured shrinks the slower the straggler is.
+        paced = ""
+        if self.reference is not None and self.reference.get("tokens_per_s"):
+            reference_s = self.tokens_per_step / self.reference["tokens_per_s"]
+            if reference_s < step_s:
+                step_s, paced = reference_s, " at the reference pace"
         ratios = []
         for rank, mine in enumerate(local):
             others = statistics.median(local[:rank] + local[rank + 1 :])
@@ -238,7 +247,8 @@ class SpeedChecks:
                     step,
                     f"straggler: rank {rank} on {self.hosts[rank]} takes {ratio:.2f}x the other ranks' time "
                     f"for its own work (data and optimizer: {1e3 * mine:.1f} ms/step vs a median "
-                    f"{1e3 * others:.1f} ms; step {1e3 * step_s:.0f} ms) over the last {len(self.lines)} metrics lines",
+                    f"{1e3 * others:.1f} ms; step {1e3 * step_s:.0f} ms{paced}) over the last "
+                    f"{len(self.lines)} metrics lines",
                     rank=rank,
                     host=self.hosts[rank],
                     value=ratio,

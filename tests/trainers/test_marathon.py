@@ -254,9 +254,15 @@ def test_a_launch_frozen_whole_is_ended_by_the_pretrain_step(tmp_path):
 
 
 def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_first_step(tmp_path):
-    """Rank 1 slowed from outside after step 12 (a CPU quota: it runs a fifth of the time): rank 0 names
-    rank 1 and its host as a straggler (never rank 0), and flags the fall of tokens/s below 70% of
-    the reference of steps 3..10 with the step where it began; lineage rows and task-log warnings."""
+    """Rank 1 slowed from outside after step 12 (a CPU quota: 1 ms of every 8): rank 0 names rank 1
+    and its host as a straggler (never rank 0 once it is slowed), and flags the fall of tokens/s
+    below 70% of the reference of steps 3..10 with the step where it began; lineage rows and
+    task-log warnings.
+
+    On a loaded machine the cores make stragglers and drops of their own before the throttle
+    (a rank preempted for 10-20 ms in its 2 ms sections, a reference measured in a quiet
+    moment): those flags are right and allowed, and a drop may then be dated before the throttle,
+    but only to a step from which the rate was already below the threshold."""
     plan = write_two_source_plan(tmp_path / "plan")
     ws = tmp_path / "ws"
     out = ws / "pretrain" / "slow00000000"
@@ -293,22 +299,38 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
         if "t" in throttle:
             throttle["t"].stop()
     flags = events(out)
+    began = throttle["step"]
+    rows = metrics(out)
+    seen = [(m["step"], round(m["tokens_per_s"]), m.get("rank_local_s")) for m in rows]
+    why = (throttle["t"].how, began, flags, seen)
     stragglers = [e for e in flags if e["kind"] == "straggler"]
-    assert stragglers and {e["rank"] for e in stragglers} == {1}, flags
-    assert stragglers[0]["host"] == socket.gethostname() and stragglers[0]["step"] > throttle["step"]
+    rank1 = [e for e in flags if e["kind"] in ("straggler", "straggler_cleared") and e["rank"] == 1]
+    named = [e for e in rank1 if e["kind"] == "straggler" and e["step"] > began]
+    before = [e for e in rank1 if e["step"] <= began]  # named by the load's own noise, not cleared
+    assert named or (before and before[-1]["kind"] == "straggler"), why
+    assert all(e["host"] == socket.gethostname() for e in rank1), why
+    assert not [e for e in stragglers if e["rank"] == 0 and e["step"] > began], why
+    if not [e for e in stragglers if e["step"] <= began]:  # the cores made no straggler of their own
+        assert stragglers[0]["rank"] == 1 and stragglers[0]["step"] > began, why
     drops = [e for e in flags if e["kind"] == "throughput_drop"]
-    # The throttle starts while the step after the one seen is under way. (On a loaded machine
-    # the throttled rate can recover and fall again: a second flag is then right too.)
-    assert drops and -1 <= drops[0]["began_at"] - throttle["step"] <= 3, (drops, throttle["step"])
+    assert drops and drops[0]["began_at"] - began <= 3, why
+    # The throttle starts while the step after the one seen is under way; an earlier date is the
+    # load's own fall: the lines from it to the throttle are below the threshold taken together
+    # (tokens over seconds). (On a loaded machine the throttled rate can recover and fall again:
+    # a second flag is then right too.)
+    if drops[0]["began_at"] < began - 1:
+        fell = [m for m in rows if drops[0]["began_at"] <= m["step"] <= began]
+        rate = len(fell) / sum(1 / m["tokens_per_s"] for m in fell)  # one step's tokens each
+        assert rate < drops[0]["threshold"], why
     reference = next(e for e in flags if e["kind"] == "throughput_reference")
     assert reference["step"] <= 12 and drops[0]["threshold"] == pytest.approx(0.7 * reference["value"])
     text = "\n".join(lines)
     assert f"WARNING: stage1: straggler: rank 1 on {socket.gethostname()}" in text
     assert "WARNING: stage1: throughput drop:" in text and f"since step {drops[0]['began_at']}" in text
-    rows = {(r["kind"], r["rank"]) for r in train_events(ws)}
-    assert ("straggler", 1) in rows and ("throughput_drop", None) in rows
+    recorded = {(r["kind"], r["rank"]) for r in train_events(ws)}
+    assert ("straggler", 1) in recorded and ("throughput_drop", None) in recorded
     assert meta["flags"]["straggler"] == len(stragglers) and meta["flags"]["throughput_drop"] == len(drops)
-    detection = {e["kind"]: e["time"] - throttle["t"].started_at for e in (stragglers[0], drops[0])}
+    detection = {e["kind"]: e["time"] - throttle["t"].started_at for e in ((named or before)[-1], drops[0])}
     print(f"detection after the throttle began: {detection}")
 
 
