@@ -107,7 +107,8 @@ class MonitorConfig(_Spec):
     # A rank whose own work (data loading and optimizer update: the parts of a step that wait for
     # no other rank) takes this fraction longer than the median of the other ranks' is named.
     straggler_margin: float = Field(default=0.5, gt=0)
-    # ...and only when that excess is at least this share of the step (noise in tiny sections).
+    # ...and only when that excess is at least this share of a step at the stage's reference pace
+    # (noise in tiny sections; the measured step is lengthened by the straggler itself).
     straggler_min_share: float = Field(default=0.01, ge=0)
     # tokens/s (over the window) below this fraction of the stage's early reference is a drop;
     # recovered at half-way back to the reference
