@@ -5,8 +5,8 @@ configs/tiny.yaml) on 2 ranks through the pretrain step (`tasks.pretrain.pretrai
 torchrun launcher and its supervisor), on synthetic shards; this process injects each fault:
 - a rank frozen: rank 1, its torchrun and the guard get SIGSTOP after step 5 (the issue's test);
 - a launch frozen whole: every process of the launch gets SIGSTOP (no watchdog can run);
-- a slowed rank: from step 12 on, rank 1 runs under a CPU quota put on it from outside (20 ms of
-  every 100 ms, the rest stopped, as a throttled container; tests/trainers/faults.py).
+- a slowed rank: from step 12 on, rank 1 runs under a CPU quota put on it from outside (a cgroup
+  at 1 ms of every 8, or SIGSTOP 35 ms of every 40 without one; tests/trainers/faults.py).
 Prints, per fault, seconds from the injection to the report (and to the end of the launch).
 
     .venv/bin/python benchmarks/marathon.py              # all three, ~5 min on 2 cores
@@ -75,7 +75,7 @@ def run(kind: str, root: Path) -> dict:
         elif kind == "whole":
             for p in (guard, torchrun, *ranks):
                 p.send_signal(signal.SIGSTOP)
-        else:  # a throttled host: rank 1 runs a fifth of the time
+        else:  # a throttled host: rank 1 runs an eighth of the time
             throttle = Throttle(ranks[1])
             stop.wait()
             throttle.stop()

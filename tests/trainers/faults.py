@@ -41,7 +41,6 @@ class Throttle:
             raise ValueError(f"share must be in (0, 1); got {share}")
         self.proc, self.share, self.period_ms, self.signal_period_ms = proc, share, period_ms, signal_period_ms
         self.started_at = time.time()
-        self._group: Path | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._group = self._cgroup()
@@ -58,9 +57,9 @@ class Throttle:
         period_us = int(self.period_ms * 1000)
         quota_us = max(1000, int(period_us * self.share))  # the kernel's minimum quota is 1 ms
         name = f"smollm3-throttle-{os.getpid()}-{self.proc.pid}"
-        for root, settings, procs in (
-            (_V1, {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota_us)}, "cgroup.procs"),
-            (_V2, {"cpu.max": f"{quota_us} {period_us}"}, "cgroup.procs"),
+        for root, settings in (
+            (_V1, {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota_us)}),
+            (_V2, {"cpu.max": f"{quota_us} {period_us}"}),
         ):
             if root == _V2 and "cpu" not in _read(root / "cgroup.subtree_control").split():
                 continue
@@ -71,7 +70,7 @@ class Throttle:
                 group.mkdir(exist_ok=True)
                 for key, value in settings.items():
                     (group / key).write_text(value)
-                (group / procs).write_text(str(self.proc.pid))  # every thread of it, and its future ones
+                (group / "cgroup.procs").write_text(str(self.proc.pid))  # every thread of it, and its future ones
                 return group
             except OSError:
                 _remove(group, root)
