@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WORKSPACE ?= workspace
 PREFECT_PORT ?= 4200
 
-.PHONY: install demo test down lint clean
+.PHONY: install demo test test-fast down lint clean
 
 install: $(VENV)/.installed
 
@@ -21,12 +21,18 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT)
 
-# TEST_WORKERS=N shares the tests out to N pytest-xdist processes. Off by default: tried with 3
-# workers on 2 cores, timing-bound tests failed, two workers each started a private Slurm cluster,
-# and the served e2e run met a deployment another test registered on its worker's Prefect server.
-TEST_WORKERS ?= 0
+# The suite runs on pytest-xdist workers: one more than the machine has cores (the tests wait on
+# servers, subprocesses and Slurm as much as they compute), at most 8. Tests that share the one
+# Slurm cluster run on one worker (`xdist_group("slurm")`, `--dist loadgroup`); every other test
+# has its own ports, workspace, Prefect home and server (tests/conftest.py). TEST_WORKERS=0 runs
+# the same tests serially in one process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, (os.cpu_count() or 1) + 1))')
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The fast tier: unit and component tests (everything not marked `slow`), for before each commit.
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 down:
 	@if [ -x $(BIN)/smollm3 ]; then $(BIN)/smollm3 down; else echo "nothing to stop"; fi

@@ -57,3 +57,20 @@ def api_url(prefect_harness) -> str:
     from prefect.settings import PREFECT_API_URL
 
     return PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def private_api_url(tmp_path) -> str:
+    """A Prefect server of this test's own (its own home and SQLite database), for tests that
+    serve the project's deployments (`smollm3/full`, `anneal/nightly`): on the shared server a
+    deployment registered by an earlier test on the same pytest worker (and its schedule) would
+    meet this test's serve process. The test process's own Prefect client talks to it too."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from infra.prefect_server import EmbeddedServer
+
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    with EmbeddedServer(home=str(home), log=lambda _: None) as server:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url

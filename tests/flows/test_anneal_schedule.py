@@ -74,7 +74,8 @@ def _check_scheduled(dep) -> None:
 
 
 @pytest.mark.slow
-def test_nightly_schedule_survives_serve_stop_and_restart(tmp_path, api_url):
+def test_nightly_schedule_survives_serve_stop_and_restart(tmp_path, private_api_url):
+    api_url = private_api_url
     env = {**os.environ, "PREFECT_API_URL": api_url}
     start = time.time() - 1
     proc = _serve(tmp_path, env, 1)

@@ -264,7 +264,8 @@ def _weights(stage_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_path, api_url):
+def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_path, private_api_url):
+    api_url = private_api_url
     seed = int(os.environ.get("SMOLLM3_CHAOS_SEED") or time.time_ns() % 100_000)
     c = Chaos(tmp_path, api_url, seed)
     k1 = c.rng.randint(1, STEPS - 3)  # stage 1 step after which a rank dies

@@ -56,7 +56,8 @@ def _wait_leaves(run_id: str, state: str, timeout: float) -> None:
 
 
 @pytest.mark.slow
-def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, api_url):
+def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url):
+    api_url = private_api_url
     ws = tmp_path / "ws"
     env = {**os.environ, "PREFECT_API_URL": api_url, "SMOLLM3_INJECT_FAILURE": "stage2"}
     serve = subprocess.Popen(
