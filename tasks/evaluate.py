@@ -34,10 +34,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.source_kinds import read_shards
 from infra.files import write_atomic
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from tasks.sources import read_shards
 
 CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
 

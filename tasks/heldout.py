@@ -64,7 +64,7 @@ def heldout_tokens(
     import numpy as np
     from tokenizers import Tokenizer
 
-    from tasks.sources import read_shards
+    from curation.source_kinds import read_shards
     from tasks.tokenize import selected_tokenizer
 
     tok_info = selected_tokenizer(tokenizer)

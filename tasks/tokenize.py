@@ -21,16 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from curation.stages import read_stage_stats, shard_count
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from tasks.curate import (
-    RayExecutorConfig,
-    SlurmExecutorConfig,
-    make_executors,
-    read_stage_stats,
-    run_executors,
-    shard_count,
-)
 
 
 class TokenizeConfig(BaseModel):

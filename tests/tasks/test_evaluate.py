@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from curation.source_kinds import SourceConfig
 from pipeline.artifact import Artifact
 from tasks.evaluate import (
     EvalConfig,
@@ -20,7 +21,7 @@ from tasks.evaluate import (
     run_lm_eval,
     stage_tasks,
 )
-from tasks.sources import SourceConfig, SourceSpec, source
+from tasks.sources import SourceSpec, source
 
 
 def _corpus(tmp_path, name, uri, domain, n):

@@ -79,7 +79,7 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     """The recipe's tokenize section selects datatrove's executor like curation does."""
     from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
 
-    from tasks.curate import SlurmExecutorConfig, make_executors
+    from curation.executors import SlurmExecutorConfig, make_executors
     from tasks.tokenize import TokenizeConfig
 
     stages = [("tokenize", [], 4)]
