@@ -27,10 +27,11 @@ from curation.heldout import HeldoutIndex, word_ngrams
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, is_held_out
 from curation.stages import plan_stages
+from evals.suite import contamination, prose_items
 from flows.recipe import RecipeError, load_recipe
 from pipeline.artifact import Artifact
 from tasks.curate import CurationConfig, DecontaminationConfig, curate
-from tasks.evaluate import EvalConfig, SuiteSpec, contamination, eval_suite, prose_items
+from tasks.evaluate import EvalConfig, SuiteSpec, eval_suite
 from tasks.sources import SourceSpec
 from tasks.sources import source as source_step
 from tests.tasks.datafiles import PARAGRAPHS, corpus, doc_line, random_text

@@ -444,12 +444,9 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
 
 def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
     from curation.source_kinds import math_problem
-    from tasks.evaluate import (
-        EvalConfig,
-        arithmetic_generation_items,
-        generation_task_yaml,
-        run_lm_eval,
-    )
+    from evals.harness import run_lm_eval
+    from evals.suite import arithmetic_generation_items, generation_task_yaml
+    from tasks.evaluate import EvalConfig
 
     rng = random.Random(3)
     docs = ["Problem: {}\nSolution: {}\nAnswer: {}".format(*math_problem(rng)) for _ in range(6)]
