@@ -277,16 +277,6 @@ NOT_YET_MOVED = {
         "read_report",
     },
     "tasks/run_report.py": {"stage_rows"},  # reads tasks/pretrain.py read_metrics: moves with it (item 1)
-    "tasks/tokenize.py": {"token_dtype", "selected_tokenizer"},
-    "tasks/tokenizer.py": {
-        "EOS",
-        "SPECIAL_TOKENS",
-        "CHAT_TEMPLATE",
-        "sample_texts",
-        "train_bpe",
-        "load_tokenizer_file",
-        "save_hf_tokenizer",
-    },
 }
 # Cross-step imports not yet replaced by an import from a library, each with why.
 CROSS_STEP_NOT_YET = {
@@ -296,9 +286,6 @@ CROSS_STEP_NOT_YET = {
         "tasks.pin.BaseCheckpoint",
         "tasks.pretrain.optimizer_steps",
     },  # item 1 of issue 31 reshapes tasks/pretrain.py
-    "tasks.heldout": {"tasks.tokenize.selected_tokenizer"},
-    "tasks.export": {"tasks.tokenize.selected_tokenizer"},
-    "tasks.preflight": {"tasks.tokenize.selected_tokenizer"},
     "tasks.pretrain": {"tasks.preflight.host_calibration"},  # item 1 of issue 31 reshapes tasks/pretrain.py
     "tasks.posttrain.preference": {"tasks.posttrain.data.data_state"},
     "tasks.run_report": {"tasks.pretrain.read_metrics"},  # item 1 of issue 31 reshapes tasks/pretrain.py

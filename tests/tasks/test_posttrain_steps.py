@@ -35,10 +35,10 @@ from trainers.posttrain.data import exact_match_reward, format_reward, read_json
 
 def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
     """A random 2-layer SmolLM3 exported with a BPE tokenizer (ChatML template) trained on `texts`."""
+    from curation.bpe import save_hf_tokenizer, train_bpe
     from model.config import ModelConfig
     from model.hf import export_hf
     from model.model import SmolLM3
-    from tasks.tokenizer import save_hf_tokenizer, train_bpe
 
     tok_dir = folder / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():

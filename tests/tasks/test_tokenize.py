@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from curation.bpe import token_dtype
 from pipeline.artifact import Artifact
-from tasks.tokenize import TokenizeConfig, TokenizeSpec, token_dtype, tokenize
+from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
 from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, doc_line, random_text
 
