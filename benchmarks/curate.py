@@ -59,7 +59,8 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
     from datatrove.pipeline.writers import JsonlWriter
     from datatrove.utils.hashing import HashConfig
 
-    from tasks.curate import PRESETS, CurationConfig, exact_text
+    from curation.heldout import exact_text
+    from curation.presets import PRESETS
 
     exact = ExactDedupConfig(content_getter=exact_text, hash_config=HashConfig(precision=64))
     mh = MinhashConfig(hash_config=HashConfig(precision=64))
@@ -68,7 +69,7 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
         (
             [
                 JsonlReader(str(train)),
-                *PRESETS.get(preset)(CurationConfig()),
+                *PRESETS.get(preset).filters(),
                 JsonlWriter(f"{w}/filtered"),
                 ExactDedupSignature(f"{w}/es", config=exact),
             ],
@@ -95,7 +96,7 @@ def bare_pipeline(preset: str, train: Path, out: Path) -> None:
 def english_sentences() -> list[str]:
     """Plain English sentences of the built-in prose (pydoc topics, package descriptions,
     docstrings): letters, digits and ordinary punctuation only, 40-240 characters."""
-    from tasks.sources import BuiltinProse, Document, SourceConfig
+    from curation.source_kinds import BuiltinProse, Document, SourceConfig
 
     kind = BuiltinProse(SourceConfig(name="prose", uri="builtin:prose", domain="web"), 0)
     plain = re.compile(r"^[A-Z][A-Za-z0-9 ,;:'()-]+[.?!]$")
@@ -179,9 +180,10 @@ def scale(sizes: list[float], workers: list[int], root: Path) -> None:
     """Wall and CPU seconds per MB of the curate step at each corpus size and worker count."""
     import os
 
+    from curation.source_kinds import SourceConfig
     from pipeline.artifact import Artifact
     from tasks.curate import CurationConfig, curate
-    from tasks.sources import SourceConfig, SourceSpec
+    from tasks.sources import SourceSpec
     from tasks.sources import source as source_step
 
     quiet = lambda *a, **k: None  # noqa: E731
@@ -216,9 +218,10 @@ def scale(sizes: list[float], workers: list[int], root: Path) -> None:
 
 
 def main() -> None:
+    from curation.source_kinds import SourceConfig
     from pipeline.artifact import Artifact
     from tasks.curate import CurationConfig, curate
-    from tasks.sources import SourceConfig, SourceSpec, source
+    from tasks.sources import SourceSpec, source
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)

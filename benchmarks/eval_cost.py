@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from evals.harness import run_lm_eval, stage_tasks
 from flows.recipe import load_recipe  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
-from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate, run_lm_eval, stage_tasks  # noqa: E402
+from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate  # noqa: E402
 from tasks.export import ExportConfig, export  # noqa: E402
 from tasks.mixture import MixtureSpec, mixture  # noqa: E402
 from tasks.pretrain import pretrain, schedule_stages  # noqa: E402

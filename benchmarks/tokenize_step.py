@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
+    from curation.source_kinds import SourceConfig
     from pipeline.artifact import Artifact
-    from tasks.sources import SourceConfig, SourceSpec, source
+    from tasks.sources import SourceSpec, source
     from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
     from tasks.tokenizer import TokenizerConfig, tokenizer
 

@@ -1,6 +1,6 @@
 """datatrove components of multilingual curation: word tokenizers that work offline, language
-identification over py3langid's bundled model, and FineWeb's stack for one language
-(curation/languages.py has the per-language settings and why).
+identification over py3langid's bundled model (curation/languages.py has the per-language
+settings and why; curation/presets.py builds FineWeb's stack for one language from them).
 
 Like every module of this package it imports datatrove only (no Prefect).
 """
@@ -145,39 +145,3 @@ def language_id(language: str, threshold: float, fasttext_model: str | None = No
     """The language filter keeping `language`: py3langid, or a local fastText model if given."""
     backend = LocalLID(fasttext_model, [language]) if fasttext_model else Py3LangID([language])
     return LanguageIDFilter(language, threshold, backend)
-
-
-# --- the web stack per language ---------------------------------------------------------------
-
-
-def web_filters(settings: LanguageSettings, fasttext_model: str | None = None) -> list:
-    """FineWeb's stack for one language: language ID keeping it, Gopher repetition and quality,
-    C4 (lines without terminal punctuation kept, paragraph breaks kept), FineWeb quality; each
-    given the language's word tokenizer and thresholds."""
-    from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
-
-    from curation.filters import ParagraphC4QualityFilter
-
-    words = word_tokenizer(settings)
-    repetition = {
-        k: v for k, v in (("top_n_grams", settings.top_n_grams), ("dup_n_grams", settings.dup_n_grams)) if v is not None
-    }
-    spaceless = settings.words == "chars"
-    return [
-        language_id(settings.code, settings.lid_threshold, fasttext_model),
-        GopherRepetitionFilter(language=words, **repetition),
-        GopherQualityFilter(
-            language=words,
-            min_doc_words=settings.min_doc_words,
-            min_avg_word_length=settings.min_avg_word_length,
-            max_avg_word_length=settings.max_avg_word_length,
-            stop_words=list(settings.stop_words),
-            min_stop_words=settings.min_stop_words if settings.stop_words else None,
-        ),
-        # FineWeb keeps lines without terminal punctuation; C4's line rule removed too much.
-        # Its words-per-line rule splits on spaces: off where words are not space-separated.
-        ParagraphC4QualityFilter(
-            filter_no_terminal_punct=False, min_words_per_line=-1 if spaceless else 3, language=words
-        ),
-        FineWebQualityFilter(short_line_length=settings.short_line_length, language=words),
-    ]

@@ -29,7 +29,7 @@ from evals.quality import CRITERIA
 from flows.recipe import Recipe, RecipeError, check_data, load_recipe
 from flows.smollm3 import data
 from pipeline.artifact import identity
-from pipeline.graph import Graph, Node, lazy_flow
+from pipeline.graph import Graph, Node
 from tasks.compare import compare
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
@@ -249,7 +249,7 @@ def ablation_spec(
     )
 
 
-def _ablation(
+def run_ablation(
     recipe: str = "tiny",
     variants: list[str] | None = None,
     seeds: int = 2,
@@ -298,6 +298,3 @@ def _ablation(
     result["experiment"] = final.get("fingerprint")
     result["report"] = f"{final['uri']}/comparison.md" if final else None
     return result
-
-
-__getattr__ = lazy_flow("ablation", _ablation, globals())  # the Prefect flow `ablation`, built on first use

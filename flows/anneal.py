@@ -39,7 +39,7 @@ from flows.ablation import add_comparison
 from flows.params import RecipeParam, step_names
 from flows.recipe import AnnealConfig, Recipe, load_recipe
 from model.spec import ScheduleSpec
-from pipeline.graph import Given, Graph, Node, lazy_flow
+from pipeline.graph import Given, Graph, Node
 from pipeline.lineage import Lineage
 from pipeline.workspace import Workspace
 from tasks.evaluate import EvalSpec, evaluate
@@ -117,7 +117,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
 Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
 
 
-def _anneal(
+def run_anneal(
     recipe: RecipeParam = "tiny",
     overrides: list[str] | None = None,
     base: str = "",
@@ -139,9 +139,6 @@ def _anneal(
 
     cfg = load_recipe(recipe, overrides or [])
     return run_flow("anneal", graph(cfg, resolve(cfg, base)), run_setup(cfg, recipe), refresh or [])
-
-
-__getattr__ = lazy_flow("anneal", _anneal, globals())  # the Prefect flow `anneal`, built on first use
 
 
 # --- the anneal runs: baseline, seed replicas, one per candidate ----------------------------

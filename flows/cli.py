@@ -53,7 +53,7 @@ def cmd_run(args) -> int:
     # server started for this run is stopped instead of left behind).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
-        from flows.smollm3 import smollm3
+        from flows.prefect_flows import smollm3
 
         result = smollm3(recipe=args.recipe, overrides=args.overrides, refresh=args.refresh)
     print(result)
@@ -496,7 +496,7 @@ def cmd_ablate(args) -> int:
             )
         )
         return 0
-    from flows.ablation import ablation
+    from flows.prefect_flows import ablation
 
     result = ablation(
         recipe=args.recipe,

@@ -142,8 +142,8 @@ def _stages(lineage: Lineage, run_id: str) -> tuple[list[dict[str, Any]], str | 
 def compare_runs(lineage: Lineage, ref_a: str, ref_b: str, out: Path) -> dict[str, Any]:
     """The comparison of two runs as text (the terminal's) and markdown (the report file and the
     Prefect artifact), the loss plot written beside `out`."""
+    from evals.report import eval_rows
     from flows.views import find_run
-    from tasks.run_report import eval_rows
 
     runs = [find_run(lineage, ref) for ref in (ref_a, ref_b)]
     ids = [r["run_id"] for r in runs]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flows.params import RecipeParam, step_names
 from flows.recipe import Recipe, load_recipe
-from pipeline.graph import Given, Graph, lazy_flow
+from pipeline.graph import Given, Graph
 from pipeline.lineage import Lineage
 from pipeline.workspace import Workspace
 from tasks.cpt import cpt_monitor, cpt_stage, cpt_weights, general_weights, heldout_configs
@@ -58,7 +58,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
 Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
 
 
-def _cpt(
+def run_cpt(
     recipe: RecipeParam = "tiny",
     overrides: list[str] | None = None,
     base: str = "",
@@ -80,6 +80,3 @@ def _cpt(
 
     cfg = load_recipe(recipe, overrides or [])
     return run_flow("cpt", graph(cfg, resolve(cfg, base)), run_setup(cfg, recipe), refresh or [])
-
-
-__getattr__ = lazy_flow("cpt", _cpt, globals(), max_workers=64)  # the Prefect flow `cpt`, built on first use

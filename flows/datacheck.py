@@ -27,10 +27,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from curation.presets import quality_filters
+from curation.source_kinds import Document, SourceConfig, resolve_kind, source_state
 from infra.files import read_json, write_json_atomic
 from pipeline.artifact import canonical_json, identity
-from tasks.curate import CurationConfig, curate, quality_filters
-from tasks.sources import Document, SourceConfig, resolve_kind, source_state
+from tasks.curate import CurationConfig, curate
 
 
 @dataclass(frozen=True)

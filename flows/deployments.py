@@ -23,11 +23,8 @@ import os
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from flows.ablation import ablation
 from flows.admission import watch_scheduled_runs
-from flows.anneal import anneal
-from flows.cpt import cpt
-from flows.smollm3 import smollm3
+from flows.prefect_flows import ablation, anneal, cpt, smollm3
 from infra.prefect_server import HEARTBEAT_ENV, heartbeat_seconds
 from pipeline.owner import ensure_crash_detection, name_owner
 

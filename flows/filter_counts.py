@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from curation.stages import format_rows
 from pipeline.artifact import Artifact
-from tasks.curate import curate, format_rows
+from tasks.curate import curate
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from curation.presets import PRESETS
+from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
 from infra.preflight import PreflightConfig
 from infra.storage import StorageConfig
@@ -32,13 +34,12 @@ from infra.yamlfile import DuplicateKey, load_yaml
 from pipeline.artifact import operational
 from pipeline.slots import ResourcesConfig
 from tasks.cpt import CptConfig
-from tasks.curate import PRESETS, CurationConfig
+from tasks.curate import CurationConfig
 from tasks.evaluate import EvalConfig
 from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig, check_stages, load_weights
 from tasks.pretrain import TrainingConfig
-from tasks.sources import SourceConfig, check_sources, missing_sources
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from trainers.posttrain.config import PosttrainConfig

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from flows.params import RecipeParam, step_names
 from flows.recipe import Recipe, check_data, load_recipe
-from pipeline.graph import Graph, Node, lazy_flow
+from pipeline.graph import Graph, Node
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
@@ -208,7 +208,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
 Step = step_names(globals())  # every step this module's graph can hold (the `refresh` choices)
 
 
-def _smollm3(
+def run_smollm3(
     recipe: RecipeParam = "tiny", overrides: list[str] | None = None, refresh: list[Step] | None = None
 ) -> dict:
     """Train SmolLM3 end to end from a recipe: data, tokenizer, shards, mixtures, preflight,
@@ -231,6 +231,3 @@ def _smollm3(
     check_data(cfg)  # so does a source whose data cannot be read as configured
     dag = graph(cfg, run_id=str(flow_run.id) if flow_run.id else None)  # unreadable input data fails here
     return run_flow("smollm3", dag, run_setup(cfg, recipe), refresh or [])
-
-
-__getattr__ = lazy_flow("smollm3", _smollm3, globals())  # the Prefect flow `smollm3`, built on first use

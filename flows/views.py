@@ -102,7 +102,7 @@ def eval_table(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
     (columns): each task's one metric, score ± stderr, with the random baseline and the items
     scored. The same table as the run report step's (tasks/run_report.py), from the same
     evaluate artifacts."""
-    from tasks.run_report import eval_rows, eval_table_markdown, eval_table_text
+    from evals.report import eval_rows, eval_table_markdown, eval_table_text
 
     rows = eval_rows(lineage.labelled_outputs(run_id, "evaluate"))
     return eval_table_markdown(rows) if markdown else eval_table_text(rows)
@@ -156,7 +156,8 @@ def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
 
 def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
     """The run's report as markdown (plus its loss curve beside it): what the UI shows, in a file."""
-    from tasks.run_report import plot_run_loss, stage_rows, stages_markdown
+    from evals.report import plot_run_loss, stages_markdown
+    from tasks.run_report import stage_rows
 
     run = find_run(lineage, ref)
     run_id = run["run_id"]

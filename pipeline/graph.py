@@ -185,22 +185,14 @@ class Graph:
         return out
 
 
-def lazy_flow(name: str, fn: Callable[..., Any], namespace: dict[str, Any], max_workers: int = 256):
-    """A module `__getattr__` that builds the Prefect flow `name` around `fn` on first use and
-    keeps it in `namespace` (the module's globals): planning, the CLI and the graph tests import
-    flow modules without importing Prefect. `fn` takes the flow's name (the deployment
-    entrypoint `flows/<module>.py:<name>`)."""
+def prefect_flow(name: str, fn: Callable[..., Any], max_workers: int = 256) -> Any:
+    """The Prefect flow `name` around `fn` (a flow module's function, whose signature and `Args:`
+    are the run form), on a task runner that names pending task runs `step[label]`. Called by
+    flows/prefect_flows.py only, so that importing a flow module (its `graph()`: planning, the CLI)
+    never imports Prefect."""
+    from prefect import flow
+
+    from pipeline.named_runs import NamedTaskRunner  # pending task runs named step[label]
+
     fn.__name__ = fn.__qualname__ = name
-
-    def __getattr__(attr: str):
-        if attr == name:
-            from prefect import flow
-
-            from pipeline.named_runs import NamedTaskRunner  # pending task runs named step[label]
-
-            built = flow(name=name, log_prints=True, task_runner=NamedTaskRunner(max_workers=max_workers))(fn)
-            namespace[attr] = built
-            return built
-        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")
-
-    return __getattr__
+    return flow(name=name, log_prints=True, task_runner=NamedTaskRunner(max_workers=max_workers))(fn)

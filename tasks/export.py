@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from curation.bpe import selected_tokenizer
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from tasks.tokenize import selected_tokenizer
 
 
 class ExportConfig(BaseModel):

@@ -64,8 +64,8 @@ def heldout_tokens(
     import numpy as np
     from tokenizers import Tokenizer
 
-    from tasks.sources import read_shards
-    from tasks.tokenize import selected_tokenizer
+    from curation.bpe import selected_tokenizer
+    from curation.source_kinds import read_shards
 
     tok_info = selected_tokenizer(tokenizer)
     tok = Tokenizer.from_file(tok_info["path"])

@@ -339,7 +339,7 @@ def preflight(
 ) -> dict[str, Any]:
     """Preflight for the recipe's facts, with the vocabulary of the chosen `tokenizer` (the
     fertility decision or the tokenizer) and the stages' mixture plans (`mixtures`)."""
-    from tasks.tokenize import selected_tokenizer
+    from curation.bpe import selected_tokenizer
 
     facts = {**config.facts, **config.run_facts}
     if tokenizer is not None and config.model:

@@ -21,16 +21,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.bpe import selected_tokenizer, token_dtype
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from curation.stages import read_stage_stats, shard_count
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from tasks.curate import (
-    RayExecutorConfig,
-    SlurmExecutorConfig,
-    make_executors,
-    read_stage_stats,
-    run_executors,
-    shard_count,
-)
 
 
 class TokenizeConfig(BaseModel):
@@ -46,28 +41,6 @@ class TokenizeConfig(BaseModel):
     batch_size: int = operational(1000, gt=0)  # documents per encode_batch call
     shuffle_documents: bool = True  # shuffle documents within each output file (seeded)
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents: too_large
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The `.ds` token type for a vocabulary: datatrove's rule (uint16 up to 65,536 entries)."""
-    import numpy as np  # here, not at module level: the recipe imports this module's config
-
-    return "uint32" if vocab_size > np.iinfo(np.uint16).max + 1 else "uint16"
-
-
-def selected_tokenizer(tokenizer: Artifact) -> dict[str, Any]:
-    """The tokenizer to use: the fertility decision, or a tokenizer artifact given directly."""
-    if tokenizer.kind == "fertility":
-        return dict(tokenizer.meta["selected"])
-    if tokenizer.kind == "tokenizer":
-        return {
-            "name": "trained",
-            "path": tokenizer.meta["tokenizer_json"],
-            "vocab_size": tokenizer.meta["vocab_size"],
-            "eos_token": tokenizer.meta["eos_token"],
-            "eos_id": tokenizer.meta["eos_id"],
-        }
-    raise ValueError(f"tokenize: give a fertility or tokenizer artifact as input, not a {tokenizer.kind} artifact")
 
 
 class TokenizeSpec(BaseModel):

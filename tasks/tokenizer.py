@@ -22,33 +22,15 @@ Design choices:
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.bpe import load_tokenizer_file, sample_texts, save_hf_tokenizer, train_bpe
 from pipeline.artifact import Artifact
 from pipeline.step import step
-
-EOS = "<|endoftext|>"
-SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>", "<|pad|>")  # EOS first: id 0
-
-# ChatML; assistant content and its <|im_end|> are the tokens the assistant-only loss trains on.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 class TokenizerConfig(BaseModel):
@@ -60,82 +42,6 @@ class TokenizerConfig(BaseModel):
     path: str | None = None  # adopt this tokenizer.json (or folder) instead of training one
     sample_chars: int = Field(default=4_000_000, gt=0)  # training sample, split evenly by source
     min_frequency: int = Field(default=2, ge=1)  # merges seen fewer times are not learned
-
-
-def sample_texts(corpora: Sequence[Artifact], budget: int) -> Iterator[str]:
-    """Texts of the curated corpora's train shards, an equal character budget per source."""
-    share = max(1, budget // max(len(corpora), 1))
-    for corpus in corpora:
-        used = 0
-        for path in sorted((corpus.path / "train").glob("*.jsonl.gz")):
-            with gzip.open(path, "rt", encoding="utf-8") as fh:
-                for line in fh:
-                    text = json.loads(line)["text"]
-                    yield text[: share - used]
-                    used += min(len(text), share - used)
-                    if used >= share:
-                        break
-            if used >= share:
-                break
-
-
-def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int = 2):
-    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` with our special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def load_tokenizer_file(path: str | Path):
-    """A `tokenizers.Tokenizer` from a tokenizer.json or a folder holding one."""
-    from tokenizers import Tokenizer
-
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"tokenizer {path!r}: no tokenizer.json there; give a tokenizer.json file or a "
-            "Hugging Face tokenizer folder"
-        )
-    return Tokenizer.from_file(str(p))
-
-
-def save_hf_tokenizer(tok, out: Path) -> dict[str, Any]:
-    """Save as a Hugging Face folder with the chat template; return the facts for the meta."""
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
-
-    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
-    if missing:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(str(out))
-    return {
-        "vocab_size": tok.get_vocab_size(),
-        "eos_token": EOS,
-        "eos_id": tok.token_to_id(EOS),
-        "pad_id": tok.token_to_id("<|pad|>"),
-        "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
-        "tokenizer_json": str(out / "tokenizer.json"),
-    }
 
 
 def given_tokenizer_digest(config: TokenizerConfig) -> str:

@@ -35,9 +35,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from curation.source_kinds import read_shards
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from tasks.sources import read_shards
 from trainers.posttrain.config import ChatDataConfig, ChatDataSpec
 from trainers.posttrain.data import check_messages, load_rows, write_jsonl
 

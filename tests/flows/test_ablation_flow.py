@@ -39,8 +39,8 @@ VARIANT = "lr_low:training.optimizer.lr=0.0003"
 def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(tmp_path, prefect_harness, capsys):
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    from flows.ablation import ablation
     from flows.cli import main
+    from flows.prefect_flows import ablation
 
     ws = tmp_path / "ws"
     over = [*OVERRIDES, f"workspace={ws}"]

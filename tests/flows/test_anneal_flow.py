@@ -46,7 +46,7 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def base_ws(tmp_path_factory, prefect_harness) -> Path:
-    from flows.smollm3 import smollm3
+    from flows.prefect_flows import smollm3
 
     ws = tmp_path_factory.mktemp("anneal").resolve() / "ws"
     result = smollm3(overrides=[*OVERRIDES, f"workspace={ws}"])
@@ -58,7 +58,7 @@ def base_ws(tmp_path_factory, prefect_harness) -> Path:
 def test_anneal_two_candidates_compares_against_the_baseline(base_ws, capsys):
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    from flows.anneal import anneal
+    from flows.prefect_flows import anneal
 
     # Two train slots: the anneal runs are independent branches and train side by side.
     over = [*OVERRIDES, f"workspace={base_ws}", "resources.train.slots=2", "resources.train.threads=1"]
@@ -163,7 +163,7 @@ def _scores(lineage: Lineage, label: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_cpt_from_an_hf_folder_tracks_heldout_loss_on_both_domains(base_ws):
-    from flows.cpt import cpt
+    from flows.prefect_flows import cpt
 
     lineage = Lineage(base_ws / "lineage.duckdb")
     (export,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'export' AND label = 'stage1'")

@@ -17,7 +17,7 @@ def test_prefect_yaml_deploys_smollm3_full_as_served():
     served = {f"{d.flow_name}/{d.name}": d for d in deployments()}["smollm3/full"]
     doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
     (full,) = [d for d in doc["deployments"] if d["name"] == "full"]
-    assert full["entrypoint"] == "flows/smollm3.py:smollm3"  # the flow named smollm3
+    assert full["entrypoint"] == "flows/prefect_flows.py:smollm3"  # the flow named smollm3
     assert full["parameters"] == served.parameters
     assert full["concurrency_limit"] == served.concurrency_limit
     assert full["description"] == served.description

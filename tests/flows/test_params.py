@@ -7,11 +7,10 @@ import pytest
 from prefect.exceptions import ParameterTypeError
 from prefect.utilities.callables import parameter_schema
 
-from flows.anneal import anneal
-from flows.cpt import cpt
 from flows.params import check_refresh, flow_steps, recipe_names
+from flows.prefect_flows import anneal, cpt, smollm3
 from flows.recipe import CONFIGS_DIR, load_recipe
-from flows.smollm3 import graph, smollm3
+from flows.smollm3 import graph
 
 FLOWS = {"smollm3": smollm3, "anneal": anneal, "cpt": cpt}
 

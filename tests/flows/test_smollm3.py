@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.prefect_flows import smollm3
 from flows.recipe import RecipeError
-from flows.smollm3 import smollm3
 from pipeline.lineage import Lineage
 from tests.conftest import DATA_ONLY
 

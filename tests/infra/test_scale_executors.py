@@ -19,14 +19,9 @@ import pytest
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 
-from tasks.curate import (
-    CurationConfig,
-    RayExecutorConfig,
-    SlurmExecutorConfig,
-    make_executors,
-    plan_stages,
-    run_executors,
-)
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from curation.stages import plan_stages
+from tasks.curate import CurationConfig
 from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 # One private Slurm cluster per test process: under pytest-xdist these tests share one worker.

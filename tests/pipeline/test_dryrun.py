@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from flows.graphs import plan
+from flows.prefect_flows import smollm3
 from flows.recipe import Recipe, load_recipe
-from flows.smollm3 import graph, smollm3
+from flows.smollm3 import graph
 from pipeline.artifact import is_operational
 from pipeline.dryrun import diff
 from tests.conftest import DATA_ONLY
@@ -105,6 +106,10 @@ IDENTITY = {
     # the other sources are decontaminated against prose's held-out text in the form its preset keeps
     "curation.presets.prose=code": {"curate[prose]", "curate[code]", "curate[math]"},
     "curation.minhash_ngrams=4": {"curate[prose]", "curate[code]", "curate[math]"},
+    # a filter threshold reruns the curate steps of the sources using that preset only
+    "curation.filters.docs.gopher_quality.min_doc_words=100": {"curate[prose]"},
+    "curation.filters.code.code_line_length.max_line_length=500": {"curate[code]"},
+    "curation.filters.math.length.min_chars=30": {"curate[math]"},
     "training.optimizer.lr=0.001": {
         "pretrain[stage1]",
         "pretrain[stage2]",
@@ -153,6 +158,21 @@ def test_an_identity_field_reruns_exactly_its_downstream(override):
     # ... and everything downstream of them, and nothing else, gets a new fingerprint
     changed = {n.key for n in g1 if n.fingerprint != before[n.key].fingerprint}
     assert changed == g1.descendants(direct) and changed
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "curation.filters.docs.gopher_quality.min_doc_words=50",  # the docs preset's default
+        "curation.filters.docs.c4_quality.filter_curly_bracket=false",  # docs' own default, not C4's
+        "curation.filters.web.gopher_quality.min_doc_words=100",  # no tiny source uses web
+    ],
+)
+def test_a_threshold_at_its_default_or_of_an_unused_preset_moves_no_fingerprint(override):
+    """Thresholds entered the fingerprint after it was published: at their defaults they leave
+    every fingerprint as it was, and a preset no source uses reruns nothing."""
+    before, after = _fingerprints([]), _fingerprints([override])
+    assert sorted(k for k in before if before[k] != after[k]) == []
 
 
 def test_every_operational_recipe_field_is_exercised_above():

@@ -8,9 +8,11 @@ import gzip
 import json
 from pathlib import Path
 
+from curation.executors import machine_cores, stage_workers
+from curation.source_kinds import SourceConfig
 from pipeline.artifact import Artifact
-from tasks.curate import CurationConfig, curate, machine_cores, stage_workers
-from tasks.sources import SourceConfig, SourceSpec
+from tasks.curate import CurationConfig, curate
+from tasks.sources import SourceSpec
 from tasks.sources import source as source_step
 
 DATA = json.loads((Path(__file__).parent / "data" / "multilingual.json").read_text(encoding="utf-8"))["documents"]

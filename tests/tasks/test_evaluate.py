@@ -8,19 +8,12 @@ import shutil
 
 import pytest
 
+from curation.source_kinds import SourceConfig
+from evals.harness import run_lm_eval, stage_tasks
+from evals.suite import arithmetic_items, contamination, passkey_items, prose_items
 from pipeline.artifact import Artifact
-from tasks.evaluate import (
-    EvalConfig,
-    SuiteSpec,
-    arithmetic_items,
-    contamination,
-    eval_suite,
-    passkey_items,
-    prose_items,
-    run_lm_eval,
-    stage_tasks,
-)
-from tasks.sources import SourceConfig, SourceSpec, source
+from tasks.evaluate import EvalConfig, SuiteSpec, eval_suite
+from tasks.sources import SourceSpec, source
 
 
 def _corpus(tmp_path, name, uri, domain, n):
@@ -130,7 +123,7 @@ def tiny_hf_model(tmp_path_factory):
 
 
 def _write_task(task_dir, name, items, delimiter=" "):
-    from tasks.evaluate import task_yaml
+    from evals.suite import task_yaml
 
     (task_dir / f"{name}.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     (task_dir / f"{name}.yaml").write_text(task_yaml(name, task_dir / f"{name}.jsonl", delimiter))
@@ -188,7 +181,7 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
 
 def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     """The exact-match generation task (chat models) goes through lm-eval's `generate_until`."""
-    from tasks.evaluate import arithmetic_generation_items, generation_task_yaml
+    from evals.suite import arithmetic_generation_items, generation_task_yaml
 
     docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(5)]
     task_dir = tmp_path / "tasks"
@@ -255,7 +248,7 @@ def test_evaluate_logs_progress_and_records_one_metric_per_task_with_stderr_item
 def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     """Generation requests (lm-eval's own `generate_until`) are counted as they are answered."""
     from evals.lm import EvalProgress
-    from tasks.evaluate import arithmetic_generation_items, generation_task_yaml
+    from evals.suite import arithmetic_generation_items, generation_task_yaml
 
     docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(6)]
     task_dir = tmp_path / "tasks"
@@ -272,7 +265,8 @@ def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
 def test_a_moved_suite_is_evaluated_from_where_it_is_now(tmp_path):
     """Task YAMLs name their JSONL by absolute path: after the workspace moved (the old place
     deleted), the evaluation's copies read the JSONL beside each YAML, and lm-eval loads them."""
-    from tasks.evaluate import located_tasks, task_yaml
+    from evals.harness import located_tasks
+    from evals.suite import task_yaml
 
     old = tmp_path / "old" / "eval_suite" / "abc" / "tasks"
     old.mkdir(parents=True)

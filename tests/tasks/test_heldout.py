@@ -38,7 +38,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from tasks.tokenizer import save_hf_tokenizer, train_bpe
+    from curation.bpe import save_hf_tokenizer, train_bpe
 
     out = tmp_path_factory.mktemp("tok")
     save_hf_tokenizer(train_bpe(iter(TEXTS * 20), vocab_size=320), out)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from curation.presets import PRESETS
 from pipeline.artifact import Artifact
-from tasks.curate import PRESETS, CurationConfig, curate
+from tasks.curate import CurationConfig, curate
 
 DATA = json.loads((Path(__file__).parent / "data" / "multilingual.json").read_text(encoding="utf-8"))["documents"]
 LANGS = sorted({d["source_language"] for d in DATA})
@@ -74,10 +75,11 @@ def test_wrong_language_documents_name_the_language_found(tmp_path):
     from datatrove.data import Document
 
     from curation.languages import LANGUAGES
-    from curation.multilingual import web_filters
+    from curation.presets import web_filters, web_thresholds
 
     for d in (d for d in DATA if d["kind"] == "wrong_language"):
-        lid = web_filters(LANGUAGES[d["source_language"]])[0]
+        settings = LANGUAGES[d["source_language"]]
+        lid = web_filters(settings, web_thresholds(settings))[0]
         doc = Document(text=d["text"], id=d["id"])
         assert lid.filter(doc) == (False, "wrong_language")
         assert doc.metadata["language"] == d["language"] and doc.metadata["language_score"] > 0.9
@@ -120,7 +122,7 @@ def test_language_filter_reads_a_local_fasttext_model(tmp_path):
     lid = language_id("en", 0.65, str(tmp_path / "lid.bin"))
     assert lid.filter(Document(text="the cat and the river", id="en")) is True
     assert lid.filter(Document(text="le chat et la rivière", id="fr")) == (False, "wrong_language")
-    from tasks.curate import quality_filters
+    from curation.presets import quality_filters
 
     with pytest.raises(FileNotFoundError, match="language_model 'missing.bin'"):
         quality_filters(CurationConfig(language_model="missing.bin"), "web")
@@ -158,10 +160,10 @@ def test_every_other_language_preset_runs_offline_and_identifies_its_language(la
     from datatrove.data import Document
 
     from curation.languages import LANGUAGES
-    from curation.multilingual import web_filters
+    from curation.presets import web_filters, web_thresholds
 
     assert set(OTHERS) | {d["source_language"] for d in DATA} == set(LANGUAGES)
-    filters = web_filters(LANGUAGES[lang])
+    filters = web_filters(LANGUAGES[lang], web_thresholds(LANGUAGES[lang]))
     doc = Document(text=OTHERS[lang], id=lang)
     assert filters[0].filter(doc) is True and doc.metadata["language"] == lang
     for f in filters[1:]:

@@ -35,10 +35,10 @@ from trainers.posttrain.data import exact_match_reward, format_reward, read_json
 
 def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
     """A random 2-layer SmolLM3 exported with a BPE tokenizer (ChatML template) trained on `texts`."""
+    from curation.bpe import save_hf_tokenizer, train_bpe
     from model.config import ModelConfig
     from model.hf import export_hf
     from model.model import SmolLM3
-    from tasks.tokenizer import save_hf_tokenizer, train_bpe
 
     tok_dir = folder / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
@@ -60,7 +60,8 @@ def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int =
 
 def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> list[Artifact]:
     """Built-in math and prose corpora (train/heldout shards) as corpus artifacts."""
-    from tasks.sources import SourceConfig, SourceSpec, source
+    from curation.source_kinds import SourceConfig
+    from tasks.sources import SourceSpec, source
 
     arts = []
     for name, uri, domain, n in (
@@ -74,7 +75,7 @@ def make_corpora(folder: Path, math_docs: int = 300, prose_docs: int = 40) -> li
 
 
 def corpus_texts(corpora: list[Artifact]) -> list[str]:
-    from tasks.sources import read_shards
+    from curation.source_kinds import read_shards
 
     return [d["text"] for a in corpora for d in read_shards(a.path / "train")][:400]
 
@@ -442,13 +443,10 @@ def test_on_policy_distillation_from_a_local_teacher(world, tmp_path):
 
 
 def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
-    from tasks.evaluate import (
-        EvalConfig,
-        arithmetic_generation_items,
-        generation_task_yaml,
-        run_lm_eval,
-    )
-    from tasks.sources import math_problem
+    from curation.source_kinds import math_problem
+    from evals.harness import run_lm_eval
+    from evals.suite import arithmetic_generation_items, generation_task_yaml
+    from tasks.evaluate import EvalConfig
 
     rng = random.Random(3)
     docs = ["Problem: {}\nSolution: {}\nAnswer: {}".format(*math_problem(rng)) for _ in range(6)]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tasks.sources import SourceConfig, SourceSpec, check_sources, is_held_out, read_shards, source, source_state
+from curation.source_kinds import SourceConfig, check_sources, is_held_out, read_shards, source_state
+from tasks.sources import SourceSpec, source
 
 
 def _cfg(**kw) -> SourceConfig:
@@ -278,7 +279,7 @@ def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():
     import sysconfig
     from pathlib import Path
 
-    from tasks.sources import _stdlib_files
+    from curation.source_kinds import _stdlib_files
 
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from curation.bpe import token_dtype
 from pipeline.artifact import Artifact
-from tasks.tokenize import TokenizeConfig, TokenizeSpec, token_dtype, tokenize
+from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
 from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, doc_line, random_text
 
@@ -79,7 +80,7 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     """The recipe's tokenize section selects datatrove's executor like curation does."""
     from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
 
-    from tasks.curate import SlurmExecutorConfig, make_executors
+    from curation.executors import SlurmExecutorConfig, make_executors
     from tasks.tokenize import TokenizeConfig
 
     stages = [("tokenize", [], 4)]

@@ -7,8 +7,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from curation.bpe import SPECIAL_TOKENS, train_bpe
 from pipeline.artifact import Artifact
-from tasks.tokenizer import SPECIAL_TOKENS, TokenizerConfig, tokenizer, train_bpe
+from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, random_text
 
 

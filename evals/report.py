@@ -1,0 +1,234 @@
+"""The run-wide views as tables and a plot: one eval table over every model (headline metric ±
+stderr per task, with each task's random baseline and items scored), one loss curve over every
+stage, the stage table.
+
+The run_report step (tasks/run_report.py) writes them into its folder; `smollm3 summary` and
+`smollm3 report` (flows/views.py) and the comparisons (flows/compare.py) print them from the same
+functions. A stage row is what `tasks/run_report.py` `stage_rows` reads from a training stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from evals.harness import headline_metric, items_scored
+from evals.suite import GENERATION_TASK
+from pipeline.artifact import Artifact
+
+
+def eval_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
+    """One row per (model, task): the headline metric, score, stderr, items, random baseline.
+
+    Evaluations made before `items` and `random_baseline` were recorded read the items from
+    lm-eval's results file and take 1 / choices (the suite's) as the multiple-choice baseline."""
+    rows = []
+    for label, art in labelled:
+        meta = art.meta
+        items = meta.get("items") or _items(art)
+        random = meta.get("random_baseline") or {}
+        for task, metrics in meta.get("scores", {}).items():
+            metric = headline_metric(task, metrics)
+            if metric is None:
+                continue
+            base = random.get(task)
+            if base is None and task not in random:
+                base = 0.0 if metric == "exact_match" else meta.get("random_accuracy")
+            rows.append(
+                {
+                    "model": label,
+                    "task": task,
+                    "metric": metric,
+                    "score": metrics[metric],
+                    "stderr": metrics.get(f"{metric}_stderr"),
+                    "items": items.get(task),
+                    "random": base,
+                }
+            )
+    return rows
+
+
+def _items(art: Artifact) -> dict[str, int]:
+    try:
+        return items_scored(art.path / "lm_eval_results.json")
+    except ValueError:  # an artifact only on S3
+        return {}
+
+
+def _task_order(task: str) -> tuple:
+    """Columns: cloze tasks, passkeys by length, generation, then other (hub) tasks."""
+    if task.endswith("_cloze"):
+        return (0, task)
+    if task.startswith("passkey_") and task[8:].isdigit():
+        return (1, int(task[8:]))
+    return (2, "") if task == GENERATION_TASK else (3, task)
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per task (in `_task_order`): its metric and the usual items and baseline."""
+    tasks = sorted({r["task"] for r in rows}, key=_task_order)
+    out = []
+    for task in tasks:
+        mine = [r for r in rows if r["task"] == task]
+        items = Counter(r["items"] for r in mine).most_common(1)[0][0]
+        random = next((r["random"] for r in mine if r["items"] == items), mine[0]["random"])
+        out.append({"task": task, "metric": mine[0]["metric"], "items": items, "random": random})
+    return out
+
+
+def _cell(row: dict[str, Any] | None, column: dict[str, Any]) -> str:
+    if row is None:
+        return "-"
+    text = f"{row['score']:.3f}" + (f"±{row['stderr']:.3f}" if row["stderr"] is not None else "")
+    notes = []
+    if row["items"] != column["items"]:
+        notes.append(f"n={row['items'] if row['items'] is not None else '?'}")
+    if row["random"] is not None and (column["random"] is None or abs(row["random"] - column["random"]) > 0.005):
+        notes.append(f"random {row['random']:.3f}")
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _matrix(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of the table: three head rows (metric, random, items), then the models."""
+    columns = _columns(rows)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    at = {(r["model"], r["task"]): r for r in rows}
+    header = ["model", *(c["task"] for c in columns)]
+
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    body = [
+        ["metric", *(c["metric"] for c in columns)],
+        ["random", *(fmt(c["random"]) for c in columns)],
+        ["items", *(fmt(c["items"]) for c in columns)],
+        *([m, *(_cell(at.get((m, c["task"])), c) for c in columns)] for m in models),
+    ]
+    return header, body
+
+
+def eval_table_text(rows: list[dict[str, Any]]) -> str:
+    """The eval table as aligned text (the CLI's)."""
+    if not rows:
+        return "no evaluations in this run"
+    header, body = _matrix(rows)
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in [header, *body]
+    ]
+    lines.insert(4, "")  # between the column heads and the models
+    return "\n".join(line.rstrip() for line in lines) + (
+        "\n\nscore ± stderr of each task's metric; a model is ahead of another, or of random, only "
+        "by more than about two stderr"
+    )
+
+
+def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
+    """The eval table as markdown (the UI's and the report file's)."""
+    if not rows:
+        return "No evaluations in this run."
+    header, body = _matrix(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, line in enumerate(body):
+        cells = [f"*{c}*" for c in line] if i < 3 else line
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        "\n\nScore ± stderr of each task's metric (acc_norm: length-normalised accuracy; "
+        f"{GENERATION_TASK}: exact match of the final answer). A difference smaller than about two "
+        "stderr, to another model or to the random baseline, is noise."
+    )
+
+
+# --- the run's loss curve ---------------------------------------------------------------------
+
+
+def run_series(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage, its metrics on the run's axis: x = the optimizer step of the whole run."""
+    return [
+        {
+            "label": st["label"],
+            "x": [st["first_step"] + r["step"] for r in st["metrics"]],
+            "loss": [r["loss"] for r in st["metrics"]],
+            "lr": [r["lr"] for r in st["metrics"]],
+        }
+        for st in stages
+    ]
+
+
+def plot_run_loss(stages: list[dict[str, Any]], path: Path, title: str = "loss over the run") -> Path:
+    """Loss and learning rate against the run's optimizer step, stage boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=100)
+    lr_ax = ax.twinx()
+    total = sum(st["steps"] for st in stages) or 1
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (st, series) in enumerate(zip(stages, run_series(stages), strict=True)):
+        x = series["x"]
+        ax.plot(x, series["loss"], lw=1.4, color=colors[i % len(colors)], label=st["label"])
+        lr_ax.plot(x, series["lr"], lw=0.9, ls="--", color="tab:gray")
+        if i:
+            ax.axvline(st["first_step"], color="black", lw=0.6, alpha=0.4)
+        ax.annotate(
+            st["label"],
+            (st["first_step"] + st["steps"] / 2, 0.98),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="top",
+            fontsize=8,
+            rotation=90 if st["steps"] < total / 12 else 0,
+        )
+    ax.set_xlabel("optimizer step (whole run)")
+    ax.set_ylabel("training loss")
+    lr_ax.set_ylabel("learning rate (dashed)", color="tab:gray")
+    ax.grid(alpha=0.3)
+    if stages:
+        last = stages[-1]
+        ax.set_xlim(0, last["first_step"] + last["steps"])
+        # Tokens on top: piecewise linear in steps (tokens per step change with sequence length).
+        steps = [0, *(s["first_step"] + s["steps"] for s in stages)]
+        tokens = [0, *(s["first_token"] + s["tokens"] for s in stages)]
+        top = ax.secondary_xaxis(
+            "top", functions=(lambda s: np.interp(s, steps, tokens), lambda t: np.interp(t, tokens, steps))
+        )
+        top.set_xlabel("tokens", fontsize=8)
+        top.xaxis.set_major_formatter(EngFormatter(sep=""))
+        top.xaxis.set_major_locator(MaxNLocator(6))
+        top.tick_params(labelsize=7)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def stages_markdown(stages: list[dict[str, Any]]) -> str:
+    lines = [
+        "| stage | kind | steps (run) | tokens | final loss | tokens/s | MFU (peak) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for st in stages:
+        m = st["meta"]
+        mfu = m.get("mfu")
+        peak = m.get("mfu_peak_source")
+        mfu_text = "n/a" if mfu is None else f"{mfu:.1%}" + (" **(> 100%: wrong peak)**" if mfu > 1 else "")
+        if peak:
+            mfu_text += f" ({peak})"
+        loss = m.get("final_loss")
+        speed = m.get("tokens_per_s")
+        lines.append(
+            f"| {st['label']} | {st['kind'] or '-'} | {st['first_step'] + 1}-{st['first_step'] + st['steps']} | "
+            f"{st['tokens']:,} | {'-' if loss is None else f'{loss:.4f}'} | "
+            f"{'-' if speed is None else f'{speed:,.0f}'} | {mfu_text} |"
+        )
+    return "\n".join(lines)
