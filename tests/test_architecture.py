@@ -128,6 +128,20 @@ def test_the_engine_imports_nothing_of_the_application():
     assert bad == [], f"the engine imports the application: {bad}"
 
 
+def test_the_engine_knows_nothing_of_cluster_launchers():
+    """Following a cluster job is the launchers' business behind a small interface
+    (infra/stop_hooks.py: a launcher registers a stop hook, the runner calls the hooks): no
+    module of pipeline/ imports infra.launchers (directly or lazily)."""
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in _imports().items()
+        if m.split(".")[0] == "pipeline"
+        for t in targets
+        if t == "infra.launchers" or t.startswith("infra.launchers.")
+    )
+    assert bad == [], f"the engine imports the cluster launchers: {bad}"
+
+
 def test_tasks_holds_steps_only():
     """Every module of tasks/ declares a step (`@step`): libraries live in packages of their own."""
     no_step = []
