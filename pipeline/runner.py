@@ -21,10 +21,10 @@ missing here but finished on the S3 mirror is fetched, verified, instead of rebu
 after every independent branch has finished, naming each failed step and its cause. A served run
 whose serve process dies stops its steps and ends `Crashed`, saying so (pipeline/owner.py); SIGTERM
 or SIGINT stops the running steps' children at once and ends the run `cancelled`
-(pipeline/signals.py). Cluster jobs its steps follow (Slurm, PyTorchJob) are cancelled only when
-the run is cancelled explicitly (Ctrl-C, or a SIGTERM that Prefect's API confirms as a
-cancellation); otherwise they are left training and a retry re-attaches to them
-(infra/launchers/follow.py).
+(pipeline/signals.py). Work its steps follow but do not own (a cluster job) is told how the run
+stopped through infra/stop_hooks.py: cancelled when the run is cancelled explicitly (Ctrl-C, or a
+SIGTERM that Prefect's API confirms as a cancellation), else detached, left running for a retry to
+re-attach; the runner knows nothing of who follows what.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ from prefect.states import Crashed, State
 from prefect.utilities.annotations import quote
 
 from infra.guard import ProcessRef
-from infra.launchers.follow import cancel_followed, cancel_requested, detach_followed, set_cancel_probe
 from infra.proc import ChildFailed, run_streaming, stop_all
+from infra.stop_hooks import cancel_requested, set_cancel_probe
+from infra.stop_hooks import stop as stop_followed
 from pipeline.artifact import Artifact, read_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
@@ -199,7 +200,7 @@ class RunContext:
         )
         survive_broken_console()
         quiet_console_streams()  # a print or progress bar into a dead parent's pipe fails nothing
-        if runtime_flow_run.id:  # cluster jobs stop with this run only when Prefect cancelled it
+        if runtime_flow_run.id:  # followed work stops with this run only when Prefect cancelled it
             set_cancel_probe(lambda: flow_run_cancelled(self.run_id))
         self._signals = stop_on_signals(self._signalled, self._deadline)
         self._signals.__enter__()
@@ -222,7 +223,7 @@ class RunContext:
             f"{self.owner_gone}: stopping the steps that run and starting no new one; "
             f"`prefect flow-run retry {self.run_id}` resumes the run"
         )
-        left = detach_followed()  # cluster jobs keep training; `flow-run retry` re-attaches to them
+        left = stop_followed("detach")  # cluster jobs keep training; `flow-run retry` re-attaches to them
         if left:
             self.logger.error(f"left {', '.join(left)} running; the retry re-attaches to them")
         stopped = stop_all(grace=5.0)
@@ -233,8 +234,8 @@ class RunContext:
         """SIGTERM or SIGINT (pipeline/signals.py): kill the steps' children, start no new step."""
         self.cancelled = f"the run was cancelled by {name}"
         # Before the deadline can end the process: Ctrl-C or a confirmed Prefect cancellation
-        # cancels the followed cluster jobs; any other SIGTERM leaves them for the retry.
-        self._stop_cluster_jobs(name == "SIGINT" or cancel_requested())
+        # cancels the followed work (cluster jobs); any other SIGTERM leaves it for the retry.
+        self._stop_followed(name == "SIGINT" or cancel_requested())
         stopped = stop_all(grace=2.0)
         self.logger.warning(
             f"{self.cancelled}: stopped {len(stopped)} child process(es)"
@@ -295,23 +296,23 @@ class RunContext:
             state = "failed"
         if state == "cancelled" and self.cancelled is None:  # a signal's were decided in _signalled
             terminated = exc_type is not None and issubclass(exc_type, TerminationSignal)
-            self._stop_cluster_jobs(not terminated or cancel_requested())
+            self._stop_followed(not terminated or cancel_requested())
         set_cancel_probe(None)
         self.lineage.end_run(self.run_id, state, attempt=self.attempt)
 
-    def _stop_cluster_jobs(self, explicit: bool) -> None:
-        """Cancel the Slurm jobs and PyTorchJobs this run's steps follow (from worker threads
-        that never see the cancellation) when the run was really cancelled (`explicit`: Ctrl-C,
-        or a SIGTERM that Prefect's API confirms as a cancellation). A SIGTERM from anything else
-        (a host shutting down) leaves them training; the retry re-attaches (infra/launchers/follow.py)."""
+    def _stop_followed(self, explicit: bool) -> None:
+        """Cancel the work this run's steps follow from worker threads that never see the
+        cancellation (cluster jobs: infra/stop_hooks.py) when the run was really cancelled
+        (`explicit`: Ctrl-C, or a SIGTERM that Prefect's API confirms as a cancellation). A
+        SIGTERM from anything else (a host shutting down) leaves it running; the retry re-attaches."""
         if not explicit:
-            left = detach_followed()
+            left = stop_followed("detach")
             if left:
                 self.logger.warning(
                     f"SIGTERM without a cancellation: left {', '.join(left)} running; a retry re-attaches"
                 )
             return
-        stopped = cancel_followed()
+        stopped = stop_followed("cancel")
         if stopped:
             self.logger.warning(f"run cancelled: cancelled {', '.join(stopped)}")
 

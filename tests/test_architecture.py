@@ -310,6 +310,20 @@ SHARED_NAMES = {
 }
 
 
+def test_the_engine_knows_nothing_of_cluster_launchers():
+    """Following a cluster job is the launchers' business behind a small interface
+    (infra/stop_hooks.py: a launcher registers a stop hook, the runner calls the hooks): no
+    module of pipeline/ imports infra.launchers (directly or lazily)."""
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in _imports().items()
+        if m.split(".")[0] == "pipeline"
+        for t in targets
+        if t == "infra.launchers" or t.startswith("infra.launchers.")
+    )
+    assert bad == [], f"the engine imports the cluster launchers: {bad}"
+
+
 def test_tasks_holds_steps_only():
     """Every module of tasks/ declares a step and defines only its steps, their publish hooks,
     its config classes and private helpers: libraries live in packages of their own."""

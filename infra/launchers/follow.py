@@ -11,17 +11,19 @@ means "stop the job" (`explicit_stop`):
 - Ctrl-C (KeyboardInterrupt) and Prefect's own cancellation exceptions: yes;
 - SIGTERM of the flow process (Prefect raises `TerminationSignal`): only when the run was
   cancelled in Prefect (a flow-run cancellation sends SIGTERM; so does a host shutting down):
-  the step engine installs a probe that asks the Prefect API (`set_cancel_probe`);
+  the step engine installs a probe that asks the Prefect API (infra/stop_hooks.py
+  `set_cancel_probe`);
 - anything else (a failing poll, an error in the launcher itself): no; the job is left running
   and a retry re-attaches.
 
-And since a cancelled flow's steps run in worker threads that never see the exception, the jobs
-being followed are registered here (`following`): the step engine calls `cancel_followed()` when
-the flow run is cancelled, which cancels each of them (their launchers then see them end
-CANCELLED), and `detach_followed()` when the process ends otherwise (an unconfirmed SIGTERM, its
-serve process gone), which ends each wait with `Detached` and leaves the jobs training, so the
-process can exit and a retry re-attach. Local torchrun stages are children of the flow process and die with it as before
-(infra/proc.py).
+And since a cancelled flow's steps run in worker threads that never see the exception, a job
+being followed registers a stop hook for as long as it is followed (`following`, through
+infra/stop_hooks.py `on_stop`): when the flow run is cancelled the step engine calls
+`stop("cancel")`, which cancels each job (their launchers then see them end CANCELLED), and when
+the process ends otherwise (an unconfirmed SIGTERM, its serve process gone) `stop("detach")`,
+which ends each wait with `Detached` and leaves the jobs training, so the process can exit and a
+retry re-attach. The step engine knows nothing of launchers: it only calls the hooks. Local
+torchrun stages are children of the flow process and die with it as before (infra/proc.py).
 """
 
 from __future__ import annotations
@@ -31,29 +33,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from infra.stop_hooks import StopKind, cancel_requested, on_stop
+
 _CANCELLATIONS = {"CancelledRun", "CancelledError"}  # prefect.exceptions, asyncio
-
-_lock = threading.Lock()
-_followed: set[Follow] = set()
-_probe: list[Callable[[], bool]] = []
-
-
-def set_cancel_probe(probe: Callable[[], bool] | None) -> None:
-    """`probe()` answers whether the run this process executes was cancelled (None: no probe)."""
-    with _lock:
-        _probe[:] = [probe] if probe is not None else []
-
-
-def cancel_requested() -> bool:
-    """The probe's answer; False without one, or when it fails (no answer is not a cancellation)."""
-    with _lock:
-        probe = _probe[0] if _probe else None
-    if probe is None:
-        return False
-    try:
-        return bool(probe())
-    except Exception:
-        return False
 
 
 def explicit_stop(exc: BaseException) -> bool:
@@ -82,40 +64,17 @@ class Follow:
         if self.detached.is_set():
             raise Detached(f"stopped following {self.what}, which keeps running (this process is shutting down)")
 
+    def stop(self, kind: StopKind) -> None:
+        """The run stops (infra/stop_hooks.py): cancel the job, or let go of it."""
+        if kind == "cancel":
+            self.cancel()
+        else:
+            self.detached.set()
+
 
 @contextmanager
 def following(what: str, cancel: Callable[[], object]) -> Iterator[Follow]:
-    """Register a job being followed (`what` names it) with the function that cancels it."""
+    """Follow a job (`what` names it) that `cancel()` cancels, for as long as the block runs."""
     handle = Follow(what, cancel)
-    with _lock:
-        _followed.add(handle)
-    try:
+    with on_stop(what, handle.stop):
         yield handle
-    finally:
-        with _lock:
-            _followed.discard(handle)
-
-
-def cancel_followed() -> list[str]:
-    """Cancel every job this process follows (the flow run was cancelled); returns their names."""
-    with _lock:
-        jobs = list(_followed)
-    done = []
-    for job in jobs:
-        try:
-            job.cancel()
-            done.append(job.what)
-        except Exception as exc:  # one failing cancel must not keep the others running
-            done.append(f"{job.what} (cancel failed: {exc})")
-    return done
-
-
-def detach_followed() -> list[str]:
-    """Stop following every job, leaving them running (the process ends without a cancellation:
-    a SIGTERM that was not one, its serve process gone); returns their names. The launchers'
-    waits end with `Detached`, so the process can exit; a retry re-attaches to the jobs."""
-    with _lock:
-        jobs = list(_followed)
-    for job in jobs:
-        job.detached.set()
-    return [job.what for job in jobs]

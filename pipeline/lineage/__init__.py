@@ -9,7 +9,6 @@ runs, what a checkpoint was trained on, experiments). Import from here:
 
 from pipeline.lineage.queries import Lineage, TrainedOn, artifact_of
 from pipeline.lineage.store import (
-    EXPERIMENT_TABLES,
     RUN_STATES,
     JournalRejected,
     LineageError,
@@ -18,7 +17,6 @@ from pipeline.lineage.store import (
 )
 
 __all__ = [
-    "EXPERIMENT_TABLES",
     "RUN_STATES",
     "JournalRejected",
     "Lineage",

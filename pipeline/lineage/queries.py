@@ -159,16 +159,12 @@ class Lineage(LineageStore):
 
     def experiments(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Experiments (all, or of one kind: ablation, anneal), newest first."""
-        if not self._has_experiments():
-            return []
         return self.query_dicts(
             "SELECT * FROM experiments WHERE ? IS NULL OR kind = ? ORDER BY created DESC", [kind, kind]
         )
 
     def find_experiment(self, prefix: str) -> dict[str, Any] | None:
         """The experiment whose id starts with `prefix` (None: none; an ambiguous prefix is an error)."""
-        if not self._has_experiments():
-            return None
         rows = self.query_dicts(
             "SELECT * FROM experiments WHERE experiment LIKE ? ORDER BY created DESC", [prefix + "%"]
         )
@@ -180,16 +176,12 @@ class Lineage(LineageStore):
 
     def experiment_runs(self, experiment: str) -> list[dict[str, Any]]:
         """Every score of an experiment's runs: label, variant, seed, task, metric, step, value, stderr."""
-        if not self._has_experiments():
-            return []
         return self.query_dicts(
             "SELECT * FROM experiment_runs WHERE experiment = ? ORDER BY variant, seed, task, step", [experiment]
         )
 
     def experiment_results(self, experiment: str) -> list[dict[str, Any]]:
         """An experiment's comparison: each variant vs the baseline, per task."""
-        if not self._has_experiments():
-            return []
         return self.query_dicts(
             "SELECT * FROM experiment_results WHERE experiment = ? ORDER BY variant, task", [experiment]
         )

@@ -20,8 +20,8 @@ journal line cannot be written (disk full) or its values are refused (the event 
 
 The journal is workspace data, not code: a line is turned into fixed, parameterised statements
 whose every table and column name comes from this module's schema (`_compile`); a line holding
-anything else (SQL text other than the exact statements earlier releases wrote, an unknown table
-or column, a nested value) is rejected, kept and counted in `_journal_rejected`, never executed.
+anything else (SQL text, an unknown table or column, a nested value) is rejected, kept and counted
+in `_journal_rejected`, never executed.
 Our connections also refuse every file system access beyond the database itself (`CONNECT`: no
 COPY, ATTACH, read_csv, extension downloads), whatever a planted view asks for.
 
@@ -33,7 +33,7 @@ Reads see everything written, even while ingestion is blocked:
 
 A view (`LineageStore(path, read_only=True)`: `smollm3 summary`, `runs`, `lineage`, `sql`,
 `report`, `experiments`) writes nothing in the workspace: no ingestion, no migration, no lock
-file; it reads pending events or an older schema from a private copy.
+file; it reads pending events from a private copy.
 
 Readers outside this project should use `Lineage(path).snapshot()` / `snapshot_query` (or
 `smollm3 sql`), which read a consistent private copy and never block writers; an outside
@@ -58,11 +58,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +113,26 @@ CREATE TABLE IF NOT EXISTS train_events (
     kind VARCHAR, step BIGINT, rank INTEGER, host VARCHAR, value DOUBLE, threshold DOUBLE,
     message VARCHAR, facts JSON, created TIMESTAMP
 );
+-- experiments (evals/experiments.py): one row per experiment, what was compared and which eval
+-- tasks the comparison trusts
+CREATE TABLE IF NOT EXISTS experiments (
+    experiment VARCHAR, run_id VARCHAR, kind VARCHAR, name VARCHAR, baseline VARCHAR, variants JSON,
+    seeds JSON, confidence DOUBLE, trusted JSON, quality JSON, base_checkpoint VARCHAR,
+    base_global_step BIGINT, created TIMESTAMP
+);
+-- every score of every run (variant x seed) at every evaluated step
+CREATE TABLE IF NOT EXISTS experiment_runs (
+    experiment VARCHAR, label VARCHAR, variant VARCHAR, seed INTEGER, task VARCHAR, metric VARCHAR,
+    step BIGINT, value DOUBLE, stderr DOUBLE, eval_fingerprint VARCHAR
+);
+-- each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
+CREATE TABLE IF NOT EXISTS experiment_results (
+    experiment VARCHAR, variant VARCHAR, task VARCHAR, metric VARCHAR, better VARCHAR,
+    baseline DOUBLE, score DOUBLE, delta DOUBLE, seed_std DOUBLE, df INTEGER, ci_low DOUBLE,
+    ci_high DOUBLE, p_value DOUBLE, significant BOOLEAN, improved BOOLEAN, stderr DOUBLE,
+    trusted BOOLEAN, why VARCHAR, verdict VARCHAR, baseline_runs INTEGER, variant_runs INTEGER,
+    created TIMESTAMP
+);
 CREATE TABLE IF NOT EXISTS _journal_progress (file VARCHAR PRIMARY KEY, events BIGINT);
 CREATE TABLE IF NOT EXISTS _journal_rejected (
     file VARCHAR, seq BIGINT, error VARCHAR, event VARCHAR, rejected TIMESTAMP
@@ -124,83 +143,7 @@ APPLIED_HINT = "applied.json"  # in the journal folder: lines applied per file (
 RETIRE_BYTES = 1 << 20  # a fully applied journal file this big is deleted...
 RETIRE_IDLE_S = 60.0  # ...or one not written for this long
 
-
-# Columns added after a table's first release: a database made before gains them (existing rows
-# read NULL there) the first time this code opens it, under the ingestion lock.
-ADDED_COLUMNS = (("steps", "attempt", "INTEGER"),)  # the flow run's attempt (Prefect's run_count)
-MIGRATE = "".join(f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} {ty};\n" for t, c, ty in ADDED_COLUMNS)
-
-STEP_COLUMNS = "run_id, step, label, fingerprint, state, config, code_version, started, ended, seconds, error, attempt"
-
-# Experiment tables (evals/experiments.py), as (column, type).
-EXPERIMENT_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
-    # one row per experiment: what was compared and which eval tasks the comparison trusts
-    "experiments": (
-        ("experiment", "VARCHAR"),
-        ("run_id", "VARCHAR"),
-        ("kind", "VARCHAR"),
-        ("name", "VARCHAR"),
-        ("baseline", "VARCHAR"),
-        ("variants", "JSON"),
-        ("seeds", "JSON"),
-        ("confidence", "DOUBLE"),
-        ("trusted", "JSON"),
-        ("quality", "JSON"),
-        ("base_checkpoint", "VARCHAR"),
-        ("base_global_step", "BIGINT"),
-        ("created", "TIMESTAMP"),
-    ),
-    # every score of every run (variant x seed) at every evaluated step
-    "experiment_runs": (
-        ("experiment", "VARCHAR"),
-        ("label", "VARCHAR"),
-        ("variant", "VARCHAR"),
-        ("seed", "INTEGER"),
-        ("task", "VARCHAR"),
-        ("metric", "VARCHAR"),
-        ("step", "BIGINT"),
-        ("value", "DOUBLE"),
-        ("stderr", "DOUBLE"),
-        ("eval_fingerprint", "VARCHAR"),
-    ),
-    # each variant vs the baseline per task: difference, seed noise, confidence interval, verdict
-    "experiment_results": (
-        ("experiment", "VARCHAR"),
-        ("variant", "VARCHAR"),
-        ("task", "VARCHAR"),
-        ("metric", "VARCHAR"),
-        ("better", "VARCHAR"),
-        ("baseline", "DOUBLE"),
-        ("score", "DOUBLE"),
-        ("delta", "DOUBLE"),
-        ("seed_std", "DOUBLE"),
-        ("df", "INTEGER"),
-        ("ci_low", "DOUBLE"),
-        ("ci_high", "DOUBLE"),
-        ("p_value", "DOUBLE"),
-        ("significant", "BOOLEAN"),
-        ("improved", "BOOLEAN"),
-        ("stderr", "DOUBLE"),
-        ("trusted", "BOOLEAN"),
-        ("why", "VARCHAR"),
-        ("verdict", "VARCHAR"),
-        ("baseline_runs", "INTEGER"),
-        ("variant_runs", "INTEGER"),
-        ("created", "TIMESTAMP"),
-    ),
-}
-
-
-EXPERIMENT_COLUMNS = {t: tuple(c for c, _ in cols) for t, cols in EXPERIMENT_TABLES.items()}
-
-
-EXPERIMENT_SCHEMA = "\n".join(
-    f"CREATE TABLE IF NOT EXISTS {t} ({', '.join(f'{c} {kind}' for c, kind in cols)});"
-    for t, cols in EXPERIMENT_TABLES.items()
-)
-
-ALL_SCHEMA = SCHEMA + EXPERIMENT_SCHEMA + "\n"
-_TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", ALL_SCHEMA))
+_TABLES = tuple(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
 
 
 def _table_columns(schema: str) -> dict[str, tuple[str, ...]]:
@@ -212,12 +155,13 @@ def _table_columns(schema: str) -> dict[str, tuple[str, ...]]:
     return out
 
 
-COLUMNS = _table_columns(ALL_SCHEMA)
+COLUMNS = _table_columns(SCHEMA)
+EXPERIMENT_COLUMNS = {t: COLUMNS[t] for t in ("experiments", "experiment_runs", "experiment_results")}
 # What a journal operation may insert into (flow_runs and run_attempts change through STATEMENTS
 # only; the journal's own tables never through the journal).
 INSERT_TABLES = frozenset(
     {"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events"}
-) | set(EXPERIMENT_TABLES)
+) | set(EXPERIMENT_COLUMNS)
 IGNORE_TABLES = frozenset({"artifacts", "edges"})  # recording the same artifact or edge again is a no-op
 # The fixed statements of a flow run's life, by name: (SQL, number of parameters).
 STATEMENTS: dict[str, tuple[str, int]] = {
@@ -310,7 +254,6 @@ def _decode(obj: dict) -> Any:
 Op = dict[str, Any]
 Statement = tuple[str, list[Any], bool]  # (sql, params or rows, executemany?)
 SCALARS = (str, int, float, bool, type(None), datetime, date)
-EVENT_VERSION = 2  # events of earlier code held SQL text: `_legacy_ops` reads those it wrote
 
 
 class JournalRejected(ValueError):
@@ -324,25 +267,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, numbers.Real) and not isinstance(value, bool | int | float):
         return float(value)
     return value
-
-
-def insert_op(table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, ignore: bool = False) -> Op:
-    plain = [[_plain(v) for v in r] for r in rows]
-    op = {"op": "insert", "table": table, "columns": list(columns), "rows": plain, "ignore": ignore}
-    _compile(op)  # a bad write fails here, naming the table or column, before it is journaled
-    return op
-
-
-def delete_op(table: str, column: str, value: Any) -> Op:
-    op = {"op": "delete", "table": table, "column": column, "value": _plain(value)}
-    _compile(op)
-    return op
-
-
-def statement_op(name: str, params: Sequence[Any]) -> Op:
-    op = {"op": "statement", "name": name, "params": [_plain(v) for v in params]}
-    _compile(op)
-    return op
 
 
 def _scalars(values: Any, where: str) -> list[Any]:
@@ -376,7 +300,7 @@ def _compile(op: Any) -> Statement:
         sql = f"{verb} INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
         return sql, rows, True
     if kind == "delete" and set(op) == {"op", "table", "column", "value"}:
-        if op["table"] not in EXPERIMENT_TABLES or op["column"] != "experiment":
+        if op["table"] not in EXPERIMENT_COLUMNS or op["column"] != "experiment":
             raise JournalRejected("delete: only experiment rows, by their experiment id")
         _scalars([op["value"]], "delete")
         return f"DELETE FROM {op['table']} WHERE experiment = ?", [op["value"]], False
@@ -391,7 +315,7 @@ def _compile(op: Any) -> Statement:
 
 
 def _event_line(ops: Sequence[Op], event_id: str) -> bytes:
-    body = {"v": EVENT_VERSION, "id": event_id, "t": time.time(), "ops": list(ops)}
+    body = {"id": event_id, "t": time.time(), "ops": list(ops)}
     return (json.dumps(body, default=_encode, separators=(",", ":")) + "\n").encode()
 
 
@@ -404,65 +328,7 @@ def _parse_event(line: bytes) -> list[Statement]:
     ops = raw.get("ops") if isinstance(raw, dict) else None
     if not isinstance(ops, list) or not ops:
         raise JournalRejected("an event holds a non-empty list of operations")
-    if raw.get("v") == EVENT_VERSION:
-        return [_compile(op) for op in ops]
-    return [_compile(op) for old in ops for op in _legacy_ops(old)]
-
-
-def _legacy_ops(old: Any) -> list[Op]:
-    """An operation journaled by earlier code as `[sql, params, many]`, as the typed operations
-    it stood for. Only the statements that code wrote are known, matched by their exact text:
-    the text itself is never executed."""
-    if not (isinstance(old, list) and len(old) == 3 and isinstance(old[0], str)):
-        raise JournalRejected(f"not a lineage operation: {str(old)[:200]}")
-    sql, params, many = old
-    known = _legacy_statements().get(sql)
-    if known is None:
-        raise JournalRejected(f"statement not written by this project: {sql[:200]!r}")
-    kind, table, columns, ignore = known
-    if kind == "noop":
-        return []
-    if kind == "statement":
-        return [{"op": "statement", "name": table, "params": params}]
-    if kind == "delete":
-        value = params[0] if isinstance(params, list) and len(params) == 1 else None
-        return [{"op": "delete", "table": table, "column": "experiment", "value": value}]
-    rows = params if many else [params]
-    return [{"op": "insert", "table": table, "columns": list(columns), "rows": rows, "ignore": ignore}]
-
-
-@cache
-def _legacy_statements() -> dict[str, tuple[str, str, tuple[str, ...], bool]]:
-    """Exact SQL texts earlier code journaled -> (kind, table or statement name, columns, ignore)."""
-    out: dict[str, tuple[str, str, tuple[str, ...], bool]] = {
-        sql: ("statement", name, (), False) for name, (sql, _) in STATEMENTS.items()
-    }
-    steps = COLUMNS["steps"]
-    for width in (11, 12):  # before and after the attempt column
-        cols = steps[:width]
-        out[f"INSERT INTO steps ({', '.join(cols)}) VALUES ({', '.join('?' * width)})"] = (
-            "insert",
-            "steps",
-            cols,
-            False,
-        )
-    out[f"INSERT INTO steps VALUES ({', '.join('?' * 11)})"] = ("insert", "steps", steps[:11], False)
-    for table in IGNORE_TABLES:
-        cols = COLUMNS[table]
-        out[f"INSERT OR IGNORE INTO {table} VALUES ({', '.join('?' * len(cols))})"] = ("insert", table, cols, True)
-    for table in ("metrics", "evals", "filter_stats", "preflight"):
-        cols = COLUMNS[table]
-        out[f"INSERT INTO {table} VALUES ({', '.join('?' * len(cols))})"] = ("insert", table, cols, False)
-    out[EXPERIMENT_SCHEMA] = ("noop", "", (), False)  # the tables are part of the schema now
-    for table, cols in EXPERIMENT_COLUMNS.items():
-        out[f"DELETE FROM {table} WHERE experiment = ?"] = ("delete", table, (), False)
-        out[f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"] = (
-            "insert",
-            table,
-            cols,
-            False,
-        )
-    return out
+    return [_compile(op) for op in ops]
 
 
 def _event_time(line: bytes) -> float:
@@ -617,19 +483,22 @@ class JournalWriter:
     def __init__(self) -> None:
         self.ops: list[Op] = []
 
-    def insert(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *, ignore: bool = False):
-        rows = [list(r) for r in rows]
-        if rows:
-            self.ops.append(insert_op(table, columns, rows, ignore=ignore))
+    def _add(self, op: Op) -> JournalWriter:
+        _compile(op)  # a bad write fails here, naming the table or column, before it is journaled
+        self.ops.append(op)
         return self
+
+    def insert(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *, ignore: bool = False):
+        plain = [[_plain(v) for v in r] for r in rows]
+        if not plain:
+            return self
+        return self._add({"op": "insert", "table": table, "columns": list(columns), "rows": plain, "ignore": ignore})
 
     def delete_experiment(self, table: str, experiment: str):
-        self.ops.append(delete_op(table, "experiment", experiment))
-        return self
+        return self._add({"op": "delete", "table": table, "column": "experiment", "value": _plain(experiment)})
 
     def statement(self, name: str, params: Sequence[Any]):
-        self.ops.append(statement_op(name, params))
-        return self
+        return self._add({"op": "statement", "name": name, "params": [_plain(v) for v in params]})
 
 
 def _is_lock_conflict(exc: BaseException) -> bool:
@@ -658,32 +527,48 @@ def _connect(path: Path | str, read_only: bool = False) -> duckdb.DuckDBPyConnec
     return duckdb.connect(str(path), read_only=read_only, config=dict(CONNECT))
 
 
-_CURRENT: set[str] = set()  # databases this process has seen with the current schema
-
-
-def _record_rejected(con: duckdb.DuckDBPyConnection, file: str, index: int, line: bytes, error: str) -> None:
-    con.execute(
-        "INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
-        [file, index, error[:2000], line.decode(errors="replace")[:20000], _now()],
-    )
-
-
-def _schema_present(con: duckdb.DuckDBPyConnection) -> bool:
-    """Every table and added column of this code's schema exists (a cheap count, ~1 ms)."""
-    present = con.execute(
-        "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name IN "
-        f"({', '.join('?' * len(_TABLES))})), (SELECT count(*) FROM duckdb_columns() WHERE "
-        f"{' OR '.join(['(table_name = ? AND column_name = ?)'] * len(ADDED_COLUMNS))})",
-        [*_TABLES, *(x for t, c, _ in ADDED_COLUMNS for x in (t, c))],
-    ).fetchone()
-    return present == (len(_TABLES), len(ADDED_COLUMNS))
-
-
 def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """Create missing tables and add columns newer than the database (a no-op when current)."""
-    # the DDL statements cost ~15 ms per connection; counting tables and columns costs ~1 ms
-    if not _schema_present(con):
-        con.execute(ALL_SCHEMA + MIGRATE)
+    """Create the tables this code's schema has and the database lacks (a no-op when current)."""
+    # the DDL statements cost ~15 ms per connection; counting the tables costs ~1 ms
+    (present,) = con.execute(
+        f"SELECT count(*) FROM duckdb_tables() WHERE table_name IN ({', '.join('?' * len(_TABLES))})", list(_TABLES)
+    ).fetchone()
+    if present != len(_TABLES):
+        con.execute(SCHEMA)
+
+
+def _apply_pending(
+    con: duckdb.DuckDBPyConnection,
+    files: dict[str, list[bytes]],
+    rejected: Callable[[str, int, bytes, str], object] = lambda *_: None,
+) -> dict[str, int]:
+    """Apply every journal line of `files` (name -> complete lines) not yet counted in
+    `_journal_progress`, oldest first across files (each file's own order kept whatever the clocks
+    say), each in one transaction with its file's counter: exactly once, even if the process dies
+    midway. A line the schema or the database refuses is rolled back and kept in
+    `_journal_rejected` instead (`rejected(file, index, line, error)` is told). Returns the counts."""
+    progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
+    per_file = [
+        [(_event_time(line), name, i, line) for i, line in enumerate(lines) if i >= progress.get(name, 0)]
+        for name, lines in files.items()
+    ]
+    for _, name, index, line in heapq.merge(*per_file, key=lambda e: e[0]):
+        con.execute("BEGIN TRANSACTION")
+        try:
+            _apply(con, _parse_event(line))
+        except (duckdb.Error, ValueError, KeyError, TypeError) as exc:
+            con.execute("ROLLBACK")
+            error = f"{type(exc).__name__}: {exc}"
+            con.execute("BEGIN TRANSACTION")
+            con.execute(
+                "INSERT INTO _journal_rejected VALUES (?, ?, ?, ?, ?)",
+                [name, index, error[:2000], line.decode(errors="replace")[:20000], _now()],
+            )
+            rejected(name, index, line, error)
+        con.execute("INSERT OR REPLACE INTO _journal_progress VALUES (?, ?)", [name, index + 1])
+        con.execute("COMMIT")
+        progress[name] = index + 1
+    return progress
 
 
 def _fetch(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any], dicts: bool, root: Path) -> list:
@@ -772,19 +657,6 @@ class LineageStore:
                 return True
         return False
 
-    def _pending(self, progress: dict[str, int]) -> Iterator[tuple[Path, int, bytes]]:
-        """(file, index, line) of every journal line not yet applied, oldest first across files
-        (each file's own order is kept whatever the clocks say)."""
-        per_file = []
-        for path in self._journal_files():
-            lines = _read_lines(path)
-            done = progress.get(path.name, 0)
-            per_file.append(
-                [(_event_time(line), path.name, i, path, line) for i, line in enumerate(lines) if i >= done]
-            )
-        for _, _, i, path, line in heapq.merge(*per_file, key=lambda e: e[0]):
-            yield path, i, line
-
     def _connect_for_ingest(self) -> duckdb.DuckDBPyConnection | None:
         """A read-write connection with the schema in place; None while another process holds
         the database file."""
@@ -799,7 +671,6 @@ class LineageStore:
         except BaseException:
             con.close()
             raise
-        _CURRENT.add(str(self.path.resolve()))
         return con
 
     def _ingest(self) -> bool:
@@ -814,27 +685,15 @@ class LineageStore:
             if con is None:
                 return False
             try:
-                progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
-                for path, index, line in self._pending(progress):
-                    try:
-                        con.execute("BEGIN TRANSACTION")
-                        _apply(con, _parse_event(line))
-                    except (duckdb.Error, ValueError, KeyError, TypeError) as exc:
-                        con.execute("ROLLBACK")
-                        self._reject(con, path, index, line, f"{type(exc).__name__}: {exc}")
-                        con.execute("BEGIN TRANSACTION")
-                    con.execute("INSERT OR REPLACE INTO _journal_progress VALUES (?, ?)", [path.name, index + 1])
-                    con.execute("COMMIT")
-                    progress[path.name] = index + 1
-                self._retire_files(con, progress)
+                files = {p.name: _read_lines(p) for p in self._journal_files()}
+                self._retire_files(con, _apply_pending(con, files, self._rejected))
             finally:
                 con.close()
         return True
 
-    def _reject(self, con, path: Path, index: int, line: bytes, error: str) -> None:
-        """Keep (and count) an event that was refused in `_journal_rejected`; tell its writer."""
-        log.error("lineage event %s#%d was rejected by %s: %s", path.name, index, self.path, error)
-        _record_rejected(con, path.name, index, line, error)
+    def _rejected(self, file: str, index: int, line: bytes, error: str) -> None:
+        """An event was refused (kept in `_journal_rejected`): say so, and tell its writer."""
+        log.error("lineage event %s#%d was rejected by %s: %s", file, index, self.path, error)
         try:
             event_id = json.loads(line)["id"]
             if isinstance(event_id, str) and re.fullmatch(r"[0-9a-f]{32}", event_id):  # ours: a uuid4 hex
@@ -910,59 +769,30 @@ class LineageStore:
         yield ops
         self._write(ops.ops)
 
-    def _needs_copy(self) -> bool:
-        """Read-only: whether reads must go to a private copy (events pending, or a database
-        older than this code's schema, which a view may not bring up to date in place)."""
-        if self._has_pending() or not self.path.exists():
+    def _fresh(self) -> bool:
+        """Whether reads may go to the database file itself: it holds every journaled write
+        (ingested now if need be), or nothing was ever recorded. False while pending events
+        cannot land (an outside process holds the file, no write permission) and, for a read-only
+        store, whenever events are pending: reads then go to a private copy (`snapshot`)."""
+        if self.read_only:
+            if not self.path.exists():
+                return not self._journal_files()
+            return not self._has_pending()
+        if not self._has_pending():
             return True
         try:
-            with self._locked(fcntl.LOCK_SH):
-                con = _connect(self.path, read_only=True)
-            try:
-                return not _schema_present(con)
-            finally:
-                con.close()
-        except duckdb.Error:  # held by an outside writer or otherwise unreadable in place
-            return True
-
-    def _schema_current(self) -> bool:
-        """The database has this code's tables and columns (brought up to date once per process;
-        False while an outside process holds the file and it still lacks some)."""
-        key = str(self.path.resolve())
-        if key in _CURRENT:
-            return True
-        with self._locked(fcntl.LOCK_EX):
-            con = self._connect_for_ingest()  # adds what is missing
-        if con is None:
+            return self._ingest()
+        except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
             return False
-        con.close()
-        return True
 
     def _read(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
         session = self._session
         if session is not None and session[0] == threading.get_ident():  # inside `reading()`
             return _fetch(session[1], sql, params, dicts, self.root)
-        if self.read_only:
-            if not self.path.exists() and not self._journal_files():
-                return []
-            if self._needs_copy():
-                return self.snapshot_query(sql, params, dicts=dicts)
-            return self._read_database(sql, params, dicts)
-        if self._has_pending():
-            try:
-                landed = self._ingest()
-            except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
-                landed = False
-            if not landed:  # events pending: read them from a private copy
-                return self.snapshot_query(sql, params, dicts=dicts)
+        if not self._fresh():
+            return self.snapshot_query(sql, params, dicts=dicts)
         if not self.path.exists():
             return []
-        try:
-            current = self._schema_current()
-        except Exception:  # noqa: BLE001 - e.g. no write permission: a copy brought up to date
-            current = False
-        if not current:
-            return self.snapshot_query(sql, params, dicts=dicts)
         return self._read_database(sql, params, dicts)
 
     def _read_database(self, sql: str, params: Sequence[Any], dicts: bool) -> list:
@@ -999,27 +829,11 @@ class LineageStore:
                     wal = self.path.with_name(self.path.name + ".wal")
                     if wal.exists():
                         shutil.copyfile(wal, copy.with_name(copy.name + ".wal"))
-                files = {p: _read_lines(p) for p in self._journal_files()}
+                files = {p.name: _read_lines(p) for p in self._journal_files()}
             con = _connect(copy)
             try:
                 _ensure_schema(con)
-                progress = dict(con.execute("SELECT file, events FROM _journal_progress").fetchall())
-                per_file = [
-                    [
-                        (_event_time(line), p.name, i, line)
-                        for i, line in enumerate(lines)
-                        if i >= progress.get(p.name, 0)
-                    ]
-                    for p, lines in files.items()
-                ]
-                for _, name, i, line in heapq.merge(*per_file, key=lambda e: e[0]):
-                    try:
-                        con.execute("BEGIN TRANSACTION")
-                        _apply(con, _parse_event(line))
-                        con.execute("COMMIT")
-                    except (duckdb.Error, ValueError, KeyError, TypeError) as exc:
-                        con.execute("ROLLBACK")  # ingestion will reject it too: counted here as there
-                        _record_rejected(con, name, i, line, f"{type(exc).__name__}: {exc}")
+                _apply_pending(con, files)  # what ingestion rejects is rejected and counted here too
                 yield con
             finally:
                 con.close()
@@ -1132,7 +946,7 @@ class LineageStore:
         """One experiment's rows, replacing any earlier ones of the same experiment id (a rebuilt
         comparison), in one transaction: `experiment` is a row of `experiments`, `runs` rows of
         `experiment_runs` (every score of every run at every evaluated step) and `results` rows of
-        `experiment_results` (each variant vs the baseline per task); see EXPERIMENT_SCHEMA."""
+        `experiment_results` (each variant vs the baseline per task); see SCHEMA."""
         exp_id = experiment["experiment"]
         with self.writer() as ops:
             for table, rows in (
@@ -1152,9 +966,6 @@ class LineageStore:
         the database refused): kept in `_journal_rejected`, never applied."""
         return int(self.query("SELECT count(*) FROM _journal_rejected")[0][0])
 
-    def _has_experiments(self) -> bool:
-        return bool(self.query("SELECT 1 FROM information_schema.tables WHERE table_name = 'experiments'"))
-
     @contextmanager
     def reading(self) -> Iterator[LineageStore]:
         """Reads made in this block by this thread share one connection: a view that asks a
@@ -1165,17 +976,7 @@ class LineageStore:
         journaled at once and land when the block ends (the background retry), so keep a block to
         one view. A read-only store never ingests: it reads a private copy when events are
         pending."""
-        if self.read_only:
-            copy = (self.path.exists() or bool(self._journal_files())) and self._needs_copy()
-            landed = not copy
-        elif self._has_pending():
-            try:
-                landed = self._ingest()
-            except Exception:  # noqa: BLE001 - e.g. no write permission: read a snapshot
-                landed = False
-        else:
-            landed = True
-        if not landed:
+        if not self._fresh():
             with self.snapshot() as con:
                 self._session = (threading.get_ident(), con)
                 try:

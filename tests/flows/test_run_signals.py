@@ -1,7 +1,8 @@
 """Stopping works at once: SIGTERM or SIGINT, sent from another process to `smollm3 run` while
 its data steps' children run, kills those children and their trees, exits within 10 s and
 records the run `cancelled` (its running steps `failed` as stopped, the rest skipped); a step
-busy inside the flow process cannot hold the exit past the deadline either."""
+busy inside the flow process cannot hold the exit past the deadline either; a cluster job a step
+follows is cancelled by Ctrl-C and left running by any other SIGTERM."""
 
 from __future__ import annotations
 
@@ -139,5 +140,81 @@ def test_a_step_busy_in_the_flow_process_cannot_hold_the_exit(tmp_path, api_url)
         if proc.poll() is None:
             proc.kill()
     assert took < 10.0 and rc == 128 + signal.SIGTERM, (took, rc)
+    (run,) = Lineage(ws / "lineage.duckdb", read_only=True).runs(1)
+    assert run["state"] == "cancelled"
+
+
+FOLLOW_FLOW = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from pydantic import BaseModel, ConfigDict
+from flows.recipe import load_recipe, run_setup
+from infra.launchers.follow import Detached, following
+from pipeline.graph import Graph
+from pipeline.runner import run_flow
+from pipeline.step import step
+
+class State(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    folder: str
+
+@step("follows", version=1, kind="report")
+def follows(config: State, *, out: Path, log=print) -> dict:
+    # What a cluster launcher does in a worker thread: follow a job it does not own.
+    state = Path(config.folder)
+    with following("Slurm job 42", lambda: (state / "cancelled").write_text("scancel 42")) as job:
+        (state / "following").write_text("yes")
+        try:
+            while not (state / "cancelled").exists():  # a cancelled job ends CANCELLED
+                job.check()
+                time.sleep(0.05)
+        except Detached as exc:
+            (state / "detached").write_text(str(exc))
+            raise
+    raise RuntimeError("Slurm job 42 ended CANCELLED")
+
+@flow(name="follow-test")
+def run() -> dict:
+    g = Graph("follow-test")
+    g.add(follows, State(folder=sys.argv[2]), label="x")
+    return run_flow("follow-test", g, run_setup(load_recipe("tiny", [f"workspace={sys.argv[1]}"]), "tiny"))
+
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_cancels_a_followed_cluster_job_and_another_sigterm_leaves_it_running(tmp_path, api_url, sig):
+    """The runner reaches the job through the launchers' stop hooks: Ctrl-C cancels it; a SIGTERM
+    that Prefect's API does not confirm as a cancellation (a host shutting down) only ends the
+    wait, leaving the job for a retry to re-attach."""
+    ws, state = tmp_path / "ws", tmp_path / "state"
+    state.mkdir()
+    script = tmp_path / "follow.py"
+    script.write_text(textwrap.dedent(FOLLOW_FLOW))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ws), str(state)], cwd=REPO, env=_env(api_url),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (state / "following").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the step never followed its job"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert took < 10.0, f"exited {took:.1f} s after {sig.name}"
+    if sig == signal.SIGINT:
+        assert (state / "cancelled").read_text() == "scancel 42"
+        assert not (state / "detached").exists()
+    else:
+        assert not (state / "cancelled").exists()
+        assert "stopped following Slurm job 42, which keeps running" in (state / "detached").read_text()
     (run,) = Lineage(ws / "lineage.duckdb", read_only=True).runs(1)
     assert run["state"] == "cancelled"

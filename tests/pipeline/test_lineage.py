@@ -3,7 +3,6 @@ cannot make a write fail, the journal's exactly-once ingestion, and one row per 
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import subprocess
 import sys
@@ -265,60 +264,6 @@ def test_step_rows_carry_their_attempt_and_a_dead_attempt_is_marked_crashed(tmp_
     assert [s["state"] for s in lin.steps_of("r1", attempt=2)] == ["cached"]
     assert [(a["attempt"], a["state"], a["ended"]) for a in lin.attempts_of("r1")][0] == (1, "crashed", None)
     assert lin.attempts_of("r1")[1]["state"] == "completed"
-
-
-OLD_STEPS = """
-CREATE TABLE steps (
-    run_id VARCHAR, step VARCHAR, label VARCHAR, fingerprint VARCHAR, state VARCHAR,
-    config JSON, code_version VARCHAR, started TIMESTAMP, ended TIMESTAMP, seconds DOUBLE,
-    error VARCHAR
-);
-INSERT INTO steps VALUES ('old', 'source', 'prose', 'f', 'completed', '{}', 'v',
-                          '2026-01-01', '2026-01-01', 0.0, NULL);
-"""
-
-
-def test_a_database_from_before_the_attempt_column_gains_it_and_keeps_its_rows(tmp_path):
-    path = tmp_path / "lineage.duckdb"
-    con = duckdb.connect(str(path))  # made by the previous release: steps without `attempt`
-    con.execute(OLD_STEPS)
-    con.close()
-    lin = Lineage(path)
-    # a read before any write brings the file up to date (queries may name the new column)
-    assert [(s["run_id"], s["attempt"]) for s in lin.steps_of("old")] == [("old", None)]
-    # an event journaled by an earlier release (SQL text: 11 values, no column list) still lands,
-    # as the typed operation that exact text stood for
-    values = ["legacy", "tokenize", "code", "e", "failed", "{}", "v"]
-    values += [{"$dt": "2026-01-02T00:00:00"}, {"$dt": "2026-01-02T00:00:00"}, 0.0, "boom"]
-    legacy = {
-        "id": "a" * 32,
-        "t": 1.0,
-        "ops": [["INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values, False]],
-    }
-    lin.journal_dir.mkdir(exist_ok=True)
-    (lin.journal_dir / "legacy-1-aaaa.jsonl").write_text(json.dumps(legacy) + "\n")
-    now = datetime.now()
-    lin.record_step(StepRow("new", "curate", "math", "d", "completed", {}, "v", now, now, None, 3))
-    rows = lin.query("SELECT run_id, state, error, attempt FROM steps ORDER BY run_id")
-    assert rows == [("legacy", "failed", "boom", None), ("new", "completed", None, 3), ("old", "completed", None, None)]
-    assert lin.query("SELECT count(*) FROM _journal_rejected")[0][0] == 0
-
-
-def test_an_old_database_held_by_an_outside_reader_is_read_through_an_updated_copy(tmp_path):
-    path = tmp_path / "lineage.duckdb"
-    con = duckdb.connect(str(path))
-    con.execute(OLD_STEPS)
-    con.execute("CREATE TABLE metrics (fingerprint VARCHAR, step BIGINT, name VARCHAR, value DOUBLE)")
-    con.close()
-    holder = _hold(path)  # cannot be migrated in place while held
-    try:
-        assert [s["attempt"] for s in Lineage(path).steps_of("old")] == [None]
-    finally:
-        _release(holder)
-    con = duckdb.connect(str(path), read_only=True)
-    cols = [r[0] for r in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'steps'").fetchall()]
-    con.close()
-    assert "attempt" not in cols  # the file itself was left alone while held
 
 
 def _experiment_rows(exp: str, kind: str, created: datetime, delta: float):
