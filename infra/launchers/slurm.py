@@ -143,7 +143,7 @@ class SlurmLauncher(Launcher):
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         port = c.master_port or DEFAULT_PORT
         torchrun = [
-            c.torchrun,
+            shlex.quote(c.torchrun),  # every recipe string here is quoted, besides its check (launchers/text.py)
             '--nnodes="$SLURM_JOB_NUM_NODES"',
             f"--nproc-per-node={c.procs_per_node}",
             "--rdzv-backend=c10d",
@@ -151,7 +151,7 @@ class SlurmLauncher(Launcher):
             '--rdzv-id="$SLURM_JOB_ID"',
             *torchrun_flags(c.rendezvous, shlex.quote(str(workdir / "logs" / "ranks")) if labels else None),
             "--max-restarts=0",  # a rank failure fails the job; Slurm's requeue restarts it whole
-            f"-m {c.module} {shlex.quote(str(spec))}",
+            f"-m {shlex.quote(c.module)} {shlex.quote(str(spec))}",
         ]
         lines += [
             # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05
