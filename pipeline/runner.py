@@ -50,7 +50,7 @@ from prefect.utilities.annotations import quote
 from infra.guard import ProcessRef
 from infra.launchers.follow import cancel_followed, cancel_requested, detach_followed, set_cancel_probe
 from infra.proc import ChildFailed, run_streaming, stop_all
-from pipeline.artifact import Artifact, read_marker, run_step
+from pipeline.artifact import Artifact, reusable_marker, run_step
 from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
@@ -347,7 +347,7 @@ class StepCache(CachePolicy):
         call: StepCall = inputs["call"]
         node = call.node
         key = f"{node.step.name}-{node.fingerprint[:20]}-{node.step.code_version}-{_ws_tag(call.ws)}"
-        if (call.ws.results_dir / key).exists() and read_marker(call.folder) is None:
+        if (call.ws.results_dir / key).exists() and reusable_marker(call.folder, node.fingerprint) is None:
             return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
         return key
 
@@ -420,7 +420,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             raise RuntimeError(
                 f"inputs resolved to fingerprint {got[:12]}, the graph planned {node.short}; rerun the flow"
             )
-        if read_marker(call.folder) is not None and not call.refresh:
+        if reusable_marker(call.folder, node.fingerprint) is not None and not call.refresh:
             outcome = run_step(
                 root=ws.path,
                 step=d.name,
