@@ -51,7 +51,7 @@ from infra.guard import ProcessRef
 from infra.launchers.follow import cancel_followed, cancel_requested, detach_followed, set_cancel_probe
 from infra.proc import ChildFailed, run_streaming, stop_all
 from pipeline.artifact import Artifact, reusable_marker, run_step
-from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
+from pipeline.child import REPO_ROOT, call_text, child_command, child_env, progress_lines, read_error, read_result
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
 from pipeline.live import LiveStatus
@@ -590,9 +590,9 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
     progress = live.progress if live else None
     line = progress_lines(live.wrap(log) if live else log, progress)
 
-    call_file = write_call(d, node.config, inputs, out)
+    call = call_text(d, node.config, inputs, out)  # on the child's stdin; the file is a copy for people
     try:
-        run_streaming(child_command(call_file), line, cwd=REPO_ROOT, env=child_env(threads))
+        run_streaming(child_command(), line, cwd=REPO_ROOT, env=child_env(threads), stdin_text=call)
     except ChildFailed as exc:
         error = read_error(out)
         raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None
