@@ -26,7 +26,7 @@ class SlurmExecutorConfig(BaseModel):
     qos: str = "normal"  # Slurm quality of service
     venv_path: str | None = None  # activate this virtualenv in the jobs (else the submitting env)
     sbatch_args: dict[str, str] = {}  # extra `#SBATCH` options, e.g. {"account": "lm"}
-    poll_seconds: float = Field(default=60.0, gt=0)  # how often to check for finished tasks
+    poll_seconds: float = Field(default=60.0, ge=0.01)  # how often to check for finished tasks (a floor)
 
 
 class RayExecutorConfig(BaseModel):

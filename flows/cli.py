@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infra.terminal import printable_lines  # text from the workspace is printed with its control characters escaped
+
 if TYPE_CHECKING:
     from pipeline.lineage import Lineage
 
@@ -97,9 +99,11 @@ def cmd_lineage(args) -> int:
             source = args.trained_on
             if Path(source).exists():  # a path inside a source, corpus or shards folder
                 source = resolve_artifact(lineage, source)["fingerprint"]
-            print(trained_on_table(lineage, source))
+            print(printable_lines(trained_on_table(lineage, source)))
         else:
-            print(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+            print(
+                printable_lines(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+            )
     return 0
 
 
@@ -108,7 +112,7 @@ def cmd_runs(args) -> int:
 
     lineage = _lineage(args)
     with lineage.reading():
-        print(runs_table(lineage, args.limit, steps=not args.no_steps))
+        print(printable_lines(runs_table(lineage, args.limit, steps=not args.no_steps)))
     return 0
 
 
@@ -122,7 +126,7 @@ def cmd_sql(args) -> int:
 
     with lineage.snapshot() as con:
         try:
-            print(con.sql(args.query))
+            print(printable_lines(con.sql(args.query)))
         except duckdb.Error as exc:  # a bad query is the user's input: say what DuckDB said, no traceback
             tables = ", ".join(sorted(r[0] for r in con.execute("SHOW TABLES").fetchall() if not r[0].startswith("_")))
             raise ValueError(f"{type(exc).__name__}: {exc}\n(tables: {tables})") from None
@@ -139,7 +143,7 @@ def cmd_report(args) -> int:
             if args.out
             else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
         )
-        print(run_report(lineage, args.run, out))
+        print(printable_lines(run_report(lineage, args.run, out)))
     return 0
 
 
@@ -153,7 +157,7 @@ def cmd_compare(args) -> int:
         a, b = (find_run(lineage, ref)["run_id"] for ref in (args.run_a, args.run_b))
         out = Path(args.out) if args.out else lineage.path.parent / "reports" / f"compare-{a[:8]}-{b[:8]}.md"
         result = compare_runs(lineage, a, b, out)
-    print(result["text"])
+    print(printable_lines(result["text"]))
     print(f"\nreport: {result['report']}")
     if args.no_artifact:
         return 0
@@ -176,7 +180,7 @@ def cmd_summary(args) -> int:
         ui = os.environ.get("PREFECT_API_URL", "").removesuffix("/api") or None
     lineage = _lineage(args)
     with lineage.reading():
-        print(summary(lineage, ui))
+        print(printable_lines(summary(lineage, ui)))
     return 0
 
 

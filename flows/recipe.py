@@ -30,7 +30,8 @@ from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
 from infra.preflight import PreflightConfig
 from infra.storage import StorageConfig
-from infra.yamlfile import DuplicateKey, load_yaml
+from infra.terminal import printable
+from infra.yamlfile import YamlRefused, load_yaml
 from pipeline.artifact import operational
 from pipeline.slots import ResourcesConfig
 from tasks.cpt import CptConfig
@@ -70,7 +71,7 @@ class AnnealConfig(BaseModel):
 
     candidates: tuple[CandidateConfig, ...] = ()  # candidate data, one anneal run each
     candidate_share: float = Field(default=0.6, gt=0, lt=1)  # playbook: 60% candidate, 40% current
-    tokens: int = Field(default=32768, gt=0)  # tokens per anneal run (short: a few % of the run)
+    tokens: int = Field(default=32768, gt=0, le=10**15)  # tokens per anneal run (short: a few % of the run)
     seed_runs: int = Field(default=1, ge=0)  # extra baseline runs with another data order (noise)
     checkpoint_interval: int = Field(default=100, gt=0)  # anneal runs checkpoint (resume) this often
     metric: str = "acc_norm"  # lm-eval metric compared (cloze: length-normalised accuracy)
@@ -177,6 +178,13 @@ class Recipe(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _values_together(self) -> Recipe:
+        from flows.recipe_values import check_values
+
+        check_values(self)  # min_lr below the peaks, tokenizer.path a regular file, checkpoint_dir placed
+        return self
+
+    @model_validator(mode="after")
     def _experiments_name_sources(self) -> Recipe:
         names = [s.name for s in self.sources]
         self.anneal.check_sources(names)
@@ -210,7 +218,7 @@ def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Re
     path = recipe_path(name_or_path)
     try:
         data = load_yaml(path.read_text(encoding="utf-8")) or {}
-    except DuplicateKey as exc:
+    except YamlRefused as exc:  # a repeated key, or nesting and aliases beyond infra/yamlfile.py's bounds
         raise RecipeError(f"recipe {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {path}: invalid YAML{yaml_where(exc)}") from None
@@ -315,6 +323,8 @@ def _check_value(ann: Any, value: Any, where: str) -> tuple[Any, list[str]]:
             return value, [f"{where}: expected {expected}, got a string holding {NON_FINITE}"]
         if isinstance(value, str) and (number := _number(value)) is not None:
             if ann is float:
+                if number != 0 and float(number) == 0:  # "1e-400": a float would read it as 0
+                    return value, [f"{where}: expected {expected}, got a number too small for a float (it reads as 0)"]
                 return float(number), []
             if number == number.to_integral_value():
                 return int(number), _int_in_range(int(number), where)
@@ -358,7 +368,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     key, raw = item.split("=", 1)
     try:
         value = load_yaml(raw)
-    except DuplicateKey as exc:
+    except YamlRefused as exc:
         raise RecipeError(f"override {key.strip()!r}: {exc}") from None
     except yaml.YAMLError:
         value = raw
@@ -369,6 +379,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     last = parts[-1]
     if isinstance(node, list):
         raise RecipeError(f"override {item!r}: name a list item by its name, then a field")
+    if not isinstance(node, dict):  # `training.optimizer.lr.x=1`: lr holds a value, not fields
+        where = ".".join(parts[:-1])
+        raise RecipeError(f"override {key.strip()!r}: {where} is {type_name(node)}, not a section with fields")
     node[last] = value
 
 
@@ -445,7 +458,7 @@ def format_errors(path: Path, data: dict[str, Any], exc: ValidationError) -> str
         got = err.get("input")
         hide = err["type"] in {"extra_forbidden", "missing"} or isinstance(got, dict | list)
         shown = "" if hide else f" (got {type_name(got)})"  # the type only: values may be secrets
-        loc = loc or "recipe"
+        loc = printable(loc or "recipe")  # a mapping key is part of the location: never raw
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline.artifact import find_marker
 from pipeline.lineage import Lineage
+from pipeline.workspace import check_run_id
 
 
 def _facts(meta: Any, limit: int = 5) -> str:
@@ -151,6 +152,7 @@ def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
         raise LookupError(f"no run {ref!r} in {lineage.path}; list them with `smollm3 runs`")
     if len(runs) > 1:
         raise LookupError(f"run prefix {ref!r} is ambiguous: {', '.join(r['run_id'][:8] for r in runs)}")
+    check_run_id(runs[0]["run_id"], str(lineage.path))  # reports and comparisons are named by it
     return runs[0]
 
 

@@ -132,6 +132,16 @@ def _shown(argv) -> str:
     return " ".join(argv)[:300]
 
 
+def _feed(proc: subprocess.Popen, text: str) -> None:
+    """Write a child's stdin and close it (a child that exits before reading it all is its own failure)."""
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(text)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+
+
 def run_streaming(
     cmd: Sequence[str],
     log: Callable[[str], None] = print,
@@ -142,8 +152,12 @@ def run_streaming(
     grace: float = 10.0,
     on_start: Callable[[int], object] | None = None,
     guarded: bool = True,
+    stdin_text: str | None = None,
 ) -> int:
     """Run `cmd` to completion, streaming its output to `log`; returns 0 or raises.
+
+    `stdin_text`, when given, is the child's whole stdin (written from a thread, then closed): a
+    channel only this process writes, for what the child must read exactly as it was sent.
 
     `env` entries are added to the current environment. On any exception in the caller's thread
     (including Prefect's cancellation and KeyboardInterrupt), the child's group is killed first.
@@ -157,7 +171,7 @@ def run_streaming(
         argv,
         cwd=cwd,
         env=full_env,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -167,6 +181,8 @@ def run_streaming(
     )
     with _live_lock:
         _live.add(proc)
+    if stdin_text is not None:
+        threading.Thread(target=_feed, args=(proc, stdin_text), daemon=True).start()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     try:
         if on_start is not None:

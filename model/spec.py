@@ -40,7 +40,7 @@ class _Spec(BaseModel):
 class OptimizerConfig(_Spec):
     """AdamW, as SmolLM3 trained it; the recipe's `training.optimizer` is this class."""
 
-    lr: float = Field(default=3e-4, ge=0)  # peak learning rate (SmolLM3 3B: 2e-4)
+    lr: float = Field(default=3e-4, gt=0, le=1)  # peak learning rate (SmolLM3 3B: 2e-4); AdamW above 1 diverges
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (SmolLM3)
     eps: float = Field(default=1e-8, gt=0)  # AdamW epsilon
     weight_decay: float = Field(default=0.1, ge=0)  # applied to matrices only: never to embeddings or norms
@@ -94,7 +94,9 @@ class WatchdogConfig(_Spec):
     window: int = Field(default=100, ge=1)  # steps in the running median
     startup_s: float = Field(default=1800.0, gt=0)  # bound before a launch's first step (build, load, compile)
     checkpoint_s: float = Field(default=1800.0, gt=0)  # bound while a checkpoint is being saved
-    heartbeat_s: float = Field(default=10.0, gt=0)  # how often each rank writes its heartbeat file
+    heartbeat_s: float = Field(
+        default=10.0, ge=0.1
+    )  # how often each rank writes its heartbeat file (a floor: no busy loop)
     grace_s: float = Field(
         default=30.0, ge=0
     )  # step side: after a hang is known, wait this long for the launch to end, then end it

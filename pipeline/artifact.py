@@ -2,7 +2,8 @@
 
 An Artifact is a small frozen record (kind, uri, fingerprint, meta) that steps pass to each other.
 A step's output folder is `{workspace}/{step}/{fingerprint[:12]}/`; it counts as finished only when
-its completion marker (the Artifact as JSON) exists, and the marker is written last, atomically
+its completion marker (the Artifact as JSON) exists and names that very folder and fingerprint
+(`reusable_marker`: a marker copied in from elsewhere is rebuilt over), and the marker is written last, atomically
 (infra/files.py: a temporary file, fsync, `os.replace`). A crash mid-step therefore leaves a folder without a
 marker, which the next run rebuilds (or, for resumable steps such as training, resumes inside).
 
@@ -227,6 +228,20 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     return resolved(record, root)
 
 
+def reusable_marker(folder: Path, fp: str) -> dict[str, Any] | None:
+    """The completion record of step folder `folder` when it describes this very folder: its
+    artifact's uri is the folder and its fingerprint `fp` (the folder's name is fp[:12]). A marker
+    copied from another folder, or naming another artifact, is not reused: the step builds again."""
+    record = read_marker(folder)
+    artifact = record.get("artifact") if record is not None else None
+    if not isinstance(artifact, dict) or artifact.get("fingerprint") != fp:
+        return None
+    uri = artifact.get("uri")
+    if not isinstance(uri, str) or Path(uri) != Path(folder):
+        return None
+    return record
+
+
 def find_marker(path: Path) -> dict[str, Any] | None:
     """The completion record of the step folder holding `path` (itself or any parent)."""
     path = Path(path).resolve()
@@ -294,10 +309,10 @@ def run_step(
     folder = Path(root) / step / fp[:12]
     start = time.monotonic()
     with folder_lock(folder):
-        record = read_marker(folder)
+        record = reusable_marker(folder, fp)
         fetched = record is None and not refresh and fetch is not None and fetch(folder, fp)
         if fetched:
-            record = read_marker(folder)
+            record = reusable_marker(folder, fp)
         if record is not None and not refresh:
             artifact = Artifact(**record["artifact"])
             return StepOutcome(artifact=artifact, built=False, seconds=time.monotonic() - start, fetched=fetched)

@@ -51,8 +51,8 @@ from infra.guard import ProcessRef
 from infra.proc import ChildFailed, run_streaming, stop_all
 from infra.stop_hooks import cancel_requested, set_cancel_probe
 from infra.stop_hooks import stop as stop_followed
-from pipeline.artifact import Artifact, read_marker, run_step
-from pipeline.child import REPO_ROOT, child_command, child_env, progress_lines, read_error, read_result, write_call
+from pipeline.artifact import Artifact, reusable_marker, run_step
+from pipeline.child import REPO_ROOT, call_text, child_command, child_env, progress_lines, read_error, read_result
 from pipeline.graph import Graph, Node
 from pipeline.lineage import StepRow
 from pipeline.live import LiveStatus
@@ -348,7 +348,7 @@ class StepCache(CachePolicy):
         call: StepCall = inputs["call"]
         node = call.node
         key = f"{node.step.name}-{node.fingerprint[:20]}-{node.step.code_version}-{_ws_tag(call.ws)}"
-        if (call.ws.results_dir / key).exists() and read_marker(call.folder) is None:
+        if (call.ws.results_dir / key).exists() and reusable_marker(call.folder, node.fingerprint) is None:
             return f"{key}-rebuild-{uuid.uuid4().hex[:8]}"
         return key
 
@@ -421,7 +421,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             raise RuntimeError(
                 f"inputs resolved to fingerprint {got[:12]}, the graph planned {node.short}; rerun the flow"
             )
-        if read_marker(call.folder) is not None and not call.refresh:
+        if reusable_marker(call.folder, node.fingerprint) is not None and not call.refresh:
             outcome = run_step(
                 root=ws.path,
                 step=d.name,
@@ -591,9 +591,9 @@ def _build_in_child(d: StepDef, node: Node, inputs, out: Path, threads: int | No
     progress = live.progress if live else None
     line = progress_lines(live.wrap(log) if live else log, progress)
 
-    call_file = write_call(d, node.config, inputs, out)
+    call = call_text(d, node.config, inputs, out)  # on the child's stdin; the file is a copy for people
     try:
-        run_streaming(child_command(call_file), line, cwd=REPO_ROOT, env=child_env(threads))
+        run_streaming(child_command(), line, cwd=REPO_ROOT, env=child_env(threads), stdin_text=call)
     except ChildFailed as exc:
         error = read_error(out)
         raise RuntimeError(error or f"child exited with code {exc.returncode}: " + "\n".join(exc.tail[-5:])) from None

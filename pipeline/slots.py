@@ -47,7 +47,7 @@ class ResourcesConfig(BaseModel):
     train: SlotConfig = operational(SlotConfig())  # training stages, post-training trainers, preflight
     eval: SlotConfig = operational(SlotConfig())  # HF exports, lm-eval, held-out loss
     data: SlotConfig = operational(SlotConfig(slots=2))  # sources, curation, tokenizers, tokenization
-    poll_seconds: float = operational(0.5, gt=0)  # how often a waiting step retries its slot
+    poll_seconds: float = operational(0.5, ge=0.01)  # how often a waiting step retries its slot (a floor)
 
     def threads(self, name: str) -> int:
         """Threads per step of slot `name`: the recipe's number, else the cores split evenly."""

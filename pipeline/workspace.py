@@ -24,17 +24,21 @@ Layout (`{root}` defaults to `workspace` under the base, set by the recipe's `wo
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
 from infra.storage import StorageConfig
+from infra.terminal import printable
 
 if TYPE_CHECKING:  # imported where used: resolving a workspace needs no DuckDB
     from pipeline.lineage import Lineage
 
 HOME_ENV = "SMOLLM3_HOME"
+# A run id as it may name a file or folder (`runs/{id}/`, `reports/{id}.md`): Prefect's are UUIDs.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 ROOTS_ENV = "SMOLLM3_WORKSPACE_ROOTS"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Neither these nor anything under them can hold a workspace.
@@ -161,4 +165,15 @@ class Workspace(BaseModel):
         return self.path / "results"
 
     def run_dir(self, run_id: str) -> Path:
-        return self.path / "runs" / run_id
+        return self.path / "runs" / check_run_id(run_id)
+
+
+def check_run_id(run_id: object, where: str = "lineage") -> str:
+    """`run_id` when it can name a file (RUN_ID: letters, digits, `_` and `-`, at most 64, no
+    `/`, `..` or absolute path); ValueError naming it (escaped) and where it came from."""
+    if isinstance(run_id, str) and RUN_ID.fullmatch(run_id):
+        return run_id
+    raise ValueError(
+        f"run id {printable(run_id)!r} from {where} is not a run id (letters, digits, _ and -, at most 64): "
+        "refused before it names a file or folder"
+    )

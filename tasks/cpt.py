@@ -48,7 +48,7 @@ class CptConfig(BaseModel):
     lr_fraction: float = Field(default=0.1, gt=0, le=1)  # peak LR = this x the base run's peak (1/10-1/4)
     warmup_steps: int = Field(default=2, ge=0)  # short warmup of the fresh schedule
     decay_fraction: float = Field(default=0.2, ge=0, le=1)  # WSD: share of the steps decaying to 0
-    tokens: int = Field(default=32768, gt=0)  # tokens of the CPT run
+    tokens: int = Field(default=32768, gt=0, le=10**15)  # tokens of the CPT run
     eval_interval: int = Field(default=5, gt=0)  # steps between held-out evaluations (checkpoints)
     heldout_tokens: int = Field(default=16384, gt=0)  # held-out tokens per domain (cap)
     eval_batch: int = Field(default=8, gt=0)  # sequences per held-out forward pass

@@ -33,7 +33,7 @@ import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,17 +60,20 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     items_per_task: int = Field(default=200, gt=0)  # cloze items per task (fewer if data is short)
-    choices: int = Field(default=4, ge=2)  # choices per item: 1 gold + distractors
+    choices: int = Field(default=4, ge=2, le=26)  # choices per item: 1 gold + distractors (a letter each)
     context_words: int = Field(default=48, gt=0)  # prose context length
     continuation_words: int = Field(default=12, gt=0)  # prose continuation length
     code_context_lines: int = Field(default=10, gt=0)  # code context length in lines
-    passkey_lengths: tuple[int, ...] = (128, 384, 896)  # passkey contexts, in words of filler
+    # passkey contexts, in words of filler (at most 2**18: SmolLM3's 128k tokens are ~100k words)
+    passkey_lengths: tuple[Annotated[int, Field(gt=0, le=2**18)], ...] = (128, 384, 896)
     passkey_items: int = Field(default=20, gt=0)  # items per passkey length
     lm_eval_tasks: tuple[str, ...] = ()  # extra lm-eval task names (hub data: needs network)
     contamination_ngram: int = Field(default=8, ge=4)  # word n-gram length for overlap
     contamination_max_docs: int = Field(default=50_000, gt=0)  # training docs scanned per corpus
     batch_size: int = operational(8, gt=0)  # lm-eval batch size (generation; the stock hf path)
-    device: str = "auto"  # "auto" (cuda when available), "cpu" or "cuda"
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
+    )  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
     limit: int | None = Field(default=None, gt=0)  # cap items per task (quick checks)
     # After a context-extension stage: also the short cloze tasks (a regression check), or only
     # passkey retrieval (the tiny recipe: its long stages train a few steps, and the final long

@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.files import path_for_file
-from infra.yamlfile import DuplicateKey, load_yaml
+from infra.yamlfile import YamlRefused, load_yaml
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 
@@ -57,7 +57,7 @@ class StageConfig(BaseModel):
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # stage id, e.g. stage1
     mixture: str  # YAML file of source weights; relative paths are from the repository root
-    tokens: int = Field(gt=0)  # tokens trained on in this stage
+    tokens: int = Field(gt=0, le=10**15)  # tokens trained on in this stage (SmolLM3's whole run: 1.1e13)
     seq_len: int = Field(gt=0)  # training sequence length in tokens
     max_epochs: float = Field(default=4.0, gt=0)  # warn when a source repeats more than this
     # Training: `pretrain` stages share one WSD schedule; `long_context` stages follow with a raised
@@ -88,7 +88,7 @@ def load_weights(path: str) -> dict[str, float]:
         raise MixtureError(f"mixture file {path!r} not found (looked at {file}); create it or fix stages[].mixture")
     try:
         data = load_yaml(file.read_text(encoding="utf-8")) or {}
-    except DuplicateKey as exc:
+    except YamlRefused as exc:
         raise MixtureError(f"mixture file {file}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)  # no snippet of the file in the message

@@ -52,6 +52,8 @@ def given_tokenizer_digest(config: TokenizerConfig) -> str:
 
     path = Path(config.path).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():  # a device or FIFO (/dev/zero) would be read forever
+        raise FileNotFoundError(f"tokenizer.path {config.path!r}: no regular tokenizer.json file there")
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 

@@ -46,6 +46,7 @@ from infra.files import path_from_file, write_json_atomic
 from infra.guard import ProcessRef
 from infra.launchers.fabric import FabricConfig, RendezvousConfig
 from infra.launchers.peers import LostPeer
+from infra.launchers.text import EnvName, ModuleName, OneLine, ShellWord
 from infra.registry import Registry
 
 # The checkout holding `model/` (the trainer runs as `-m trainers.pretrain` from here by default).
@@ -336,20 +337,20 @@ class SlurmLaunchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    partition: str | None = None  # partition to submit to; None = the cluster's default
-    account: str | None = None  # account charged for the allocation
-    qos: str | None = None  # quality of service
-    time: str = "24:00:00"  # wall-clock limit (Slurm syntax: D-HH:MM:SS or HH:MM:SS)
+    partition: ShellWord | None = None  # partition to submit to; None = the cluster's default
+    account: ShellWord | None = None  # account charged for the allocation
+    qos: ShellWord | None = None  # quality of service
+    time: ShellWord = "24:00:00"  # wall-clock limit (Slurm syntax: D-HH:MM:SS or HH:MM:SS)
     cpus_per_task: int | None = Field(default=None, gt=0)  # CPUs for each node's torchrun
-    mem: str | None = None  # memory per node ("0" = all of it); None = the cluster's default
+    mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the cluster's default
     exclusive: bool = True  # whole nodes: training shares nothing well
     requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes
     signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
     controller_grace_s: float = Field(default=600.0, gt=0)  # keep following while slurmctld does not answer
-    setup: tuple[str, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)
-    sbatch_args: dict[str, str] = {}  # extra `#SBATCH --key=value` lines (e.g. reservation)
-    poll_seconds: float = Field(default=10.0, gt=0)  # how often to check the job and its log
-    job_name: str = "smollm3"  # shown in squeue
+    setup: tuple[OneLine, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)
+    sbatch_args: dict[ShellWord, OneLine] = {}  # extra `#SBATCH --key=value` lines (e.g. reservation)
+    poll_seconds: float = Field(default=10.0, ge=0.01)  # how often to check the job and its log (a floor: no busy loop)
+    job_name: ShellWord = "smollm3"  # shown in squeue
 
 
 class KubernetesLaunchConfig(BaseModel):
@@ -369,7 +370,7 @@ class KubernetesLaunchConfig(BaseModel):
     credentials_secret: str | None = None  # Secret whose keys become env vars (AWS_* chain)
     node_selector: dict[str, str] = {}  # e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     code_dir: str = "/app"  # the repo inside the image (working directory of the trainer)
-    poll_seconds: float = Field(default=15.0, gt=0)  # how often kubectl is asked for the status
+    poll_seconds: float = Field(default=15.0, ge=0.01)  # how often kubectl is asked for the status (a floor)
     # All pods or none: "kueue" labels the job for a Kueue LocalQueue (`queue`), "volcano" asks
     # the training operator (started with --gang-scheduler-name=volcano) for a PodGroup of
     # minAvailable = nodes; "none": the default scheduler, which may start some pods only
@@ -402,15 +403,17 @@ class LaunchConfig(BaseModel):
     procs_per_node: int = Field(default=1, gt=0)  # torchrun ranks per node (= GPUs per node on GPU)
     gpus_per_node: int = Field(default=0, ge=0)  # GPUs requested per node (0: CPU/gloo)
     master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500
-    torchrun: str = "torchrun"  # torchrun executable (a venv path on clusters)
-    module: str = "trainers.pretrain"  # the trainer's module (`-m module SPEC.json`)
+    torchrun: ShellWord = "torchrun"  # torchrun executable (a venv path on clusters)
+    module: ModuleName = "trainers.pretrain"  # the trainer's module (`-m module SPEC.json`)
     # accelerate config file (FSDP, DeepSpeed ZeRO, mixed precision) for Hugging Face trainers:
     # ranks start with `accelerate launch --config_file FILE`, nodes and processes still from
     # here; relative to code_dir. None: plain torchrun (DDP when the trainer asks for it)
-    accelerate_config: str | None = None
-    accelerate: str = "accelerate"  # accelerate executable (a venv path on clusters)
-    code_dir: str | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
-    env: dict[str, str] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS; wins over fabric's); never credentials
+    accelerate_config: ShellWord | None = None
+    accelerate: ShellWord = "accelerate"  # accelerate executable (a venv path on clusters)
+    code_dir: ShellWord | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
+    env: dict[
+        EnvName, OneLine
+    ] = {}  # extra environment (NCCL_*, OMP_NUM_THREADS; wins over fabric's); never credentials
     fabric: FabricConfig = FabricConfig()  # interconnect, NCCL error handling and timeouts (fabric.py)
     rendezvous: RendezvousConfig = RendezvousConfig()  # torchrun's rendezvous timeouts, stop grace, rank labels
     slurm: SlurmLaunchConfig = SlurmLaunchConfig()  # used when kind is slurm

@@ -31,7 +31,9 @@ The job's name is derived from the spec path. A PyTorchJob of that name that exi
 `apply` was applied by a launch whose flow process died: when `launch/kubernetes-job.json` says
 it runs the same manifest and spec and it has not failed, this launch re-attaches to it (waits for
 its end, applies nothing); otherwise it is deleted (foreground: its pods first) and the new one
-applied. It refuses while the recorded owner is still alive on this host. Only an explicit
+applied (`kubectl apply -f -`: the manifest rendered in memory goes on stdin, so a copy of
+`launch/pytorchjob.yaml` swapped after it was written is never what is applied). It refuses
+while the recorded owner is still alive on this host. Only an explicit
 cancellation (Ctrl-C, a cancelled Prefect run: infra/launchers/follow.py) deletes a job being
 waited for.
 """
@@ -69,12 +71,12 @@ from infra.launchers.fabric import launch_env, torchrun_flags
 from infra.launchers.follow import explicit_stop, following
 from infra.launchers.peers import LostPeer
 
-Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
+Runner = Callable[..., subprocess.CompletedProcess]  # runner(cmd) or runner(cmd, input=text)
 RECORD = "kubernetes-job.json"  # launch/kubernetes-job.json (base.py JobRecord)
 
 
-def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), input=input, capture_output=True, text=True, timeout=120)
 
 
 @LAUNCHERS.register("kubernetes")
@@ -217,9 +219,9 @@ class KubernetesLauncher(Launcher):
     def render(self, spec_path: Path, workdir: Path) -> str:
         return yaml.safe_dump(self.manifest(Path(spec_path)), sort_keys=False)
 
-    def _kubectl(self, *args: str) -> subprocess.CompletedProcess:
+    def _kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
         try:
-            return self.runner(["kubectl", *args])
+            return self.runner(["kubectl", *args]) if input is None else self.runner(["kubectl", *args], input=input)
         except FileNotFoundError:
             raise LaunchFailed(
                 "kubectl not found: launch.kind is kubernetes but this machine has "
@@ -278,10 +280,10 @@ class KubernetesLauncher(Launcher):
         name, ns = self.job_name(spec_path), self.config.kubernetes.namespace
         record = JobRecord(workdir, RECORD)
         if not self.reattach(name, workdir, digest, log):
-            manifest.write_text(text)
-            proc = self._kubectl("apply", "-f", str(manifest))
+            manifest.write_text(text)  # for people to read: what is applied is `text`, on stdin
+            proc = self._kubectl("apply", "-f", "-", input=text)
             if proc.returncode != 0:
-                raise LaunchFailed(f"kubectl apply -f {manifest} failed: {proc.stderr.strip()}")
+                raise LaunchFailed(f"kubectl apply -f - ({manifest}, from memory) failed: {proc.stderr.strip()}")
             record.write(f"{ns}/{name}", digest)
             log(f"[launch] applied PyTorchJob {ns}/{name}")
         if on_start is not None:

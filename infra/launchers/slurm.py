@@ -17,7 +17,9 @@ has begun (a preempted job that ends by itself within GraceTime would otherwise 
 unless the stage finished in this run. Every start runs the same spec and resumes from the newest
 complete checkpoint, which is now the step the signal came at.
 
-`launch` submits with `sbatch --parsable`, then polls `scontrol show job` (no accounting database
+`launch` submits with `sbatch --parsable --comment=TAG`, the script on stdin (the bytes rendered
+in memory, not a file someone could swap before sbatch reads it; `launch/train.sbatch` is written
+beside for people to read), then polls `scontrol show job` (no accounting database
 needed) while streaming new log lines to the caller. The job is not a child of the flow process:
 `launch/slurm-job.json` records it (and what it runs) until it ends. When the flow process dies
 (SIGKILL, OOM, a login node rebooting), the job keeps training, and the next launch of the same
@@ -26,11 +28,19 @@ nothing (a job that runs another script or spec is cancelled and replaced; one t
 nobody followed it is collected or, if it failed, resubmitted). Only an explicit stop (Ctrl-C, a
 cancelled Prefect run: infra/launchers/follow.py) `scancel`s a job being followed; a controller
 that does not answer for a while (`controller_grace_s`) is waited out.
+
+The record is a file of the workspace, so it is checked before it acts: its job id must be a
+Slurm job id (a positive integer, never `--me` or `4242; x`), and a job is re-attached to or
+cancelled only when its comment carries the stage's tag (`job_tag`: a digest of the stage folder
+and of what the record says the job runs), which every submission sets. A record naming a job
+that lacks it (someone else's job, a job of another stage) is refused, naming the job and the
+record, and nothing is done to that job.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import re
 import shlex
 import subprocess
@@ -56,8 +66,9 @@ from infra.launchers.base import (
 from infra.launchers.fabric import launch_env, torchrun_flags
 from infra.launchers.follow import explicit_stop, following
 from infra.launchers.peers import LostPeer
+from infra.terminal import printable
 
-Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
+Runner = Callable[..., subprocess.CompletedProcess]  # runner(cmd) or runner(cmd, input=text)
 DEFAULT_PORT = 29500
 RECORD = "slurm-job.json"  # launch/slurm-job.json: the job of this stage (base.py JobRecord)
 
@@ -83,8 +94,39 @@ class JobGone(LaunchFailed):
     """Slurm no longer knows the job: it ended long ago (purged) or never existed."""
 
 
-def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120)
+def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), input=input, capture_output=True, text=True, timeout=120)
+
+
+_JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned integers
+_COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
+
+
+class BadJobRecord(LaunchFailed):
+    """A job record that must not act: its job id is not one, or its job is not this stage's."""
+
+
+def job_id(value: object, record: Path) -> str:
+    """The job id a record names, checked: a positive integer (`4242`), never an option
+    (`--me`) or a shell line; raises BadJobRecord naming the record."""
+    if isinstance(value, int | str) and not isinstance(value, bool) and _JOB_ID.fullmatch(str(value)):
+        return str(value)
+    raise BadJobRecord(
+        f"{record}: job {printable(value)!r} is not a Slurm job id (a positive integer); no launch "
+        "writes that: nothing was run for it. Delete the record after checking `squeue --me`"
+    )
+
+
+def job_tag(workdir: Path, digest: str | None) -> str:
+    """The comment a job of this stage folder carries (`--comment`), for what it runs (`digest`)."""
+    h = hashlib.sha256(f"{Path(workdir).resolve()}\0{digest or ''}".encode()).hexdigest()
+    return f"smollm3-{h[:24]}"
+
+
+def comment_of(scontrol_line: str) -> str | None:
+    """The `Comment=` of one `scontrol show job -o` line (None when it has none)."""
+    m = _COMMENT.search(scontrol_line)
+    return m.group(1) if m and m.group(1) != "(null)" else None
 
 
 @LAUNCHERS.register("slurm")
@@ -143,7 +185,7 @@ class SlurmLauncher(Launcher):
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         port = c.master_port or DEFAULT_PORT
         torchrun = [
-            c.torchrun,
+            shlex.quote(c.torchrun),  # every recipe string here is quoted, besides its check (launchers/text.py)
             '--nnodes="$SLURM_JOB_NUM_NODES"',
             f"--nproc-per-node={c.procs_per_node}",
             "--rdzv-backend=c10d",
@@ -151,7 +193,7 @@ class SlurmLauncher(Launcher):
             '--rdzv-id="$SLURM_JOB_ID"',
             *torchrun_flags(c.rendezvous, shlex.quote(str(workdir / "logs" / "ranks")) if labels else None),
             "--max-restarts=0",  # a rank failure fails the job; Slurm's requeue restarts it whole
-            f"-m {c.module} {shlex.quote(str(spec))}",
+            f"-m {shlex.quote(c.module)} {shlex.quote(str(spec))}",
         ]
         lines += [
             # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05
@@ -221,9 +263,9 @@ class SlurmLauncher(Launcher):
 
     # -- submission and monitoring --
 
-    def _call(self, cmd: Sequence[str], what: str) -> str:
+    def _call(self, cmd: Sequence[str], what: str, input: str | None = None) -> str:
         try:
-            proc = self.runner(cmd)
+            proc = self.runner(cmd) if input is None else self.runner(cmd, input=input)
         except FileNotFoundError:
             raise LaunchFailed(
                 f"{cmd[0]} not found: launch.kind is slurm but this machine has no Slurm client; "
@@ -235,14 +277,18 @@ class SlurmLauncher(Launcher):
             )
         return proc.stdout
 
-    def submit(self, spec_path: Path, workdir: Path, script_text: str | None = None) -> str:
-        """Write the script into `workdir/launch/` and sbatch it; returns the job id."""
+    def submit(self, spec_path: Path, workdir: Path, script_text: str | None = None, tag: str | None = None) -> str:
+        """sbatch the script (on stdin: what is submitted is these bytes, whatever happens to
+        the copy written into `workdir/launch/` for people to read), with comment `tag`; returns
+        the job id."""
+        text = script_text if script_text is not None else self.render(spec_path, workdir)
         script = self.script_path(workdir)
         script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_text(script_text if script_text is not None else self.render(spec_path, workdir))
-        out = self._call(["sbatch", "--parsable", str(script)], f"submitting {script}")
+        script.write_text(text)
+        cmd = ["sbatch", "--parsable", *([f"--comment={tag}"] if tag else [])]
+        out = self._call(cmd, f"submitting {script} (from memory)", input=text)
         job = out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
-        if not job.isdigit():
+        if not _JOB_ID.fullmatch(job):
             raise LaunchFailed(f"sbatch printed {out.strip()!r} instead of a job id for {script}")
         return job
 
@@ -283,7 +329,7 @@ class SlurmLauncher(Launcher):
         found = record.read()
         if found is None:
             return None
-        job, owner = found
+        job, owner = job_id(record.raw()["job"], record.path), found[1]
         if record.live_owner() is not None:
             raise LaunchFailed(
                 f"stage folder {workdir} already has Slurm job {job}, launched by "
@@ -301,6 +347,7 @@ class SlurmLauncher(Launcher):
             )
             record.clear()
             return None
+        self._check_tag(job, job_tag(workdir, record.digest), record.path)  # ours, before acting on it
         if record.digest == digest:
             record.attach()
             what = "completed while no launch followed it" if state in DONE else f"is still {state}"
@@ -339,7 +386,7 @@ class SlurmLauncher(Launcher):
         logfile = workdir / f"slurm-{job}.log"
         offset = logfile.stat().st_size if job is not None and logfile.exists() else 0  # from where it is
         if job is None:
-            job = self.submit(spec_path, workdir, script)
+            job = self.submit(spec_path, workdir, script, tag=job_tag(workdir, digest))
             JobRecord(workdir, RECORD).write(job, digest)
             logfile = workdir / f"slurm-{job}.log"
             log(f"[launch] submitted Slurm job {job}; log {logfile}")
@@ -412,6 +459,21 @@ class SlurmLauncher(Launcher):
             )
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
+
+    def _check_tag(self, job: str, tag: str, record: Path) -> None:
+        """Raise BadJobRecord unless Slurm says job `job` carries comment `tag`."""
+        proc = self.runner(["scontrol", "show", "job", "-o", job])
+        found = comment_of(proc.stdout or "") if proc.returncode == 0 else None
+        if found is None and proc.returncode != 0:  # purged from slurmctld: accounting keeps comments
+            acct = self.runner(["sacct", "-n", "-X", "-P", "-o", "Comment", "-j", job])
+            lines = (acct.stdout or "").strip().splitlines() if acct.returncode == 0 else []
+            found = lines[0].strip() if lines else None
+        if found != tag:
+            raise BadJobRecord(
+                f"{record} names Slurm job {job}, whose comment is not this stage's tag {tag}: it was not "
+                "submitted by a launch of this stage, so it is neither followed nor cancelled. Check "
+                f"`squeue -j {job}`, then delete the record"
+            )
 
     def _requeues(self, job: str) -> bool:
         """Whether Slurm requeues this job by itself after preemption or a node failure."""

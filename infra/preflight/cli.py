@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from infra.preflight.core import PreflightConfig, PreflightFacts, format_table, should_stop
 from infra.preflight.run import run_preflight
-from infra.yamlfile import DuplicateKey, load_yaml
+from infra.yamlfile import YamlRefused, load_yaml
 
 
 def _load(path: str | None, what: str) -> dict[str, Any]:
@@ -32,7 +32,7 @@ def _load(path: str | None, what: str) -> dict[str, Any]:
         return {}
     try:
         data = load_yaml(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError, DuplicateKey) as exc:
+    except (OSError, yaml.YAMLError, YamlRefused) as exc:
         raise SystemExit(f"--{what} {path}: cannot read: {exc}") from None
     if not isinstance(data, dict):
         raise SystemExit(f"--{what} {path}: expected a mapping at the top level")
@@ -69,7 +69,11 @@ def main(argv: Sequence[str] | None = None, **parser: str) -> int:
             print(f"override {item!r} must look like key=value", file=sys.stderr)
             return 2
         key, raw = item.split("=", 1)
-        value = load_yaml(raw)
+        try:
+            value = load_yaml(raw)
+        except (yaml.YAMLError, YamlRefused) as exc:
+            print(f"override {key!r}: {exc}", file=sys.stderr)
+            return 2
         if key.startswith("facts."):
             facts_data[key[len("facts.") :]] = value
         else:

@@ -69,6 +69,7 @@ import duckdb
 
 from infra.files import write_atomic
 from pipeline.artifact import WORKSPACE, Artifact, canonical_json, identity, stored
+from pipeline.lineage.bounds import check_line, within_bounds
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +321,9 @@ def _event_line(ops: Sequence[Op], event_id: str) -> bytes:
 
 
 def _parse_event(line: bytes) -> list[Statement]:
-    """The statements of one journal line, every one of them fixed here (JournalRejected else)."""
+    """The statements of one journal line, every one of them fixed here (JournalRejected else;
+    JournalLineOutOfBounds for a line too long or too deep to parse: lineage/bounds.py)."""
+    check_line(line)
     try:
         raw = json.loads(line, object_hook=_decode)
     except ValueError as exc:
@@ -332,6 +335,8 @@ def _parse_event(line: bytes) -> list[Statement]:
 
 
 def _event_time(line: bytes) -> float:
+    if not within_bounds(line):
+        return 0.0  # rejected when its turn comes
     try:
         return float(json.loads(line).get("t", 0.0))
     except (ValueError, AttributeError):
@@ -695,7 +700,7 @@ class LineageStore:
         """An event was refused (kept in `_journal_rejected`): say so, and tell its writer."""
         log.error("lineage event %s#%d was rejected by %s: %s", file, index, self.path, error)
         try:
-            event_id = json.loads(line)["id"]
+            event_id = json.loads(line)["id"] if within_bounds(line) else None
             if isinstance(event_id, str) and re.fullmatch(r"[0-9a-f]{32}", event_id):  # ours: a uuid4 hex
                 (self.journal_dir / f"{event_id}.rejected").write_text(error)
         except (ValueError, KeyError, TypeError, OSError):

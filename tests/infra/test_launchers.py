@@ -26,10 +26,10 @@ from infra.launchers import (
     SlurmLaunchConfig,
     get_launcher,
 )
-from infra.launchers.base import FirstError, TorchrunSummary, failure_facts
+from infra.launchers.base import FirstError, TorchrunSummary, failure_facts, launch_digest
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
-from infra.launchers.slurm import SlurmLauncher
+from infra.launchers.slurm import SlurmLauncher, job_tag
 from model.checkpoint import read_marker
 from tests.infra.launch_fixtures import write_plan, write_spec
 
@@ -336,15 +336,19 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
 
 
 class FakeSlurm:
-    """Answers sbatch/scontrol/scancel like Slurm would, writing the job log as it 'runs'."""
+    """Answers sbatch/scontrol/scancel like Slurm would, writing the job log as it 'runs'; job
+    4242 carries the `--comment` it was submitted with (or `comment`: one submitted earlier)."""
 
-    def __init__(self, workdir: Path, states: list[str], exit_code: str = "0:0"):
-        self.workdir, self.states, self.exit_code = workdir, list(states), exit_code
+    def __init__(self, workdir: Path, states: list[str], exit_code: str = "0:0", comment: str | None = None):
+        self.workdir, self.states, self.exit_code, self.comment = workdir, list(states), exit_code, comment
         self.calls: list[list[str]] = []
+        self.scripts: list[str | None] = []  # what sbatch read on stdin
 
-    def __call__(self, cmd):
+    def __call__(self, cmd, input=None):
         self.calls.append(list(cmd))
         if cmd[0] == "sbatch":
+            self.scripts.append(input)
+            self.comment = next((c.split("=", 1)[1] for c in cmd if c.startswith("--comment=")), None)
             return done("4242\n")
         if cmd[0] == "scontrol":
             state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
@@ -353,7 +357,10 @@ class FakeSlurm:
                     fh.write(f"line while {state}\n")
                     if state == "FAILED":
                         fh.write("[rank3]: ValueError: spec.steps must be a positive int\n")
-            return done(f"JobId=4242 JobName=smollm3 JobState={state} Reason=None ExitCode={self.exit_code}\n")
+            return done(
+                f"JobId=4242 JobName=smollm3 JobState={state} Reason=None ExitCode={self.exit_code} "
+                f"Comment={self.comment or '(null)'}\n"
+            )
         return done()
 
 
@@ -364,8 +371,10 @@ def test_slurm_launch_streams_the_log_and_reports_completion(tmp_path):
     jobs: list[int] = []
     SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append, on_start=jobs.append)
     assert jobs == [4242]
-    assert fake.calls[0] == ["sbatch", "--parsable", str(tmp_path / "launch" / "train.sbatch")]
-    assert (tmp_path / "launch" / "train.sbatch").read_text().startswith("#!/bin/bash")
+    script = (tmp_path / "launch" / "train.sbatch").read_text()
+    assert script.startswith("#!/bin/bash")  # written for people to read...
+    assert fake.scripts == [script]  # ...while sbatch reads the same bytes from stdin, not the file
+    assert fake.calls[0] == ["sbatch", "--parsable", f"--comment={job_tag(tmp_path, launch_digest(script, spec))}"]
     assert lines == [
         f"[launch] submitted Slurm job 4242; log {tmp_path / 'slurm-4242.log'}",
         "line while RUNNING",
@@ -426,19 +435,21 @@ def _dead_pid() -> int:
     return dead.pid
 
 
-def _left_by_a_dead_launch(workdir: Path, spec: Path, job: str = "4242") -> None:
-    """The record a launch of this very script and spec leaves when its process is SIGKILLed."""
-    from infra.launchers.base import launch_digest
-
+def _left_by_a_dead_launch(workdir: Path, spec: Path, job: str = "4242") -> str:
+    """The record a launch of this very script and spec leaves when its process is SIGKILLed;
+    returns the comment its job was submitted with."""
     script = SlurmLauncher(SLURM).render(spec, workdir)
-    _record(workdir / "launch" / "slurm-job.json", job, _dead_pid(), launch_digest(script, spec.resolve()))
+    digest = launch_digest(script, spec.resolve())
+    _record(workdir / "launch" / "slurm-job.json", job, _dead_pid(), digest)
+    return job_tag(workdir, digest)
 
 
 def test_slurm_reattaches_to_the_job_a_dead_launch_left_running(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
-    _left_by_a_dead_launch(tmp_path, spec)
+    tag = _left_by_a_dead_launch(tmp_path, spec)
     (tmp_path / "slurm-4242.log").write_text("line before the re-attach\n")
-    fake = FakeSlurm(tmp_path, ["RUNNING", "RUNNING", "COMPLETED"])
+    # re-attach asks scontrol twice (its state, then its comment) before following
+    fake = FakeSlurm(tmp_path, ["RUNNING", "RUNNING", "RUNNING", "COMPLETED"], comment=tag)
     lines: list[str] = []
     jobs: list[int] = []
     SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append, on_start=jobs.append)
@@ -452,8 +463,8 @@ def test_slurm_reattaches_to_the_job_a_dead_launch_left_running(tmp_path):
 
 def test_slurm_collects_a_job_that_completed_unfollowed_and_resubmits_one_that_failed(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
-    _left_by_a_dead_launch(tmp_path, spec)
-    fake = FakeSlurm(tmp_path, ["COMPLETED"])
+    tag = _left_by_a_dead_launch(tmp_path, spec)
+    fake = FakeSlurm(tmp_path, ["COMPLETED"], comment=tag)
     lines: list[str] = []
     SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
     assert "which completed while no launch followed it" in lines[0] and lines[-1].endswith("completed")
@@ -462,10 +473,10 @@ def test_slurm_collects_a_job_that_completed_unfollowed_and_resubmits_one_that_f
     _left_by_a_dead_launch(tmp_path, spec, job="4100")
     fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
 
-    def runner(cmd):
+    def runner(cmd, **kw):
         if cmd[0] == "scontrol" and cmd[-1] == "4100":
             return done("JobId=4100 JobState=NODE_FAIL ExitCode=0:9\n")
-        return fake(cmd)
+        return fake(cmd, **kw)
 
     lines.clear()
     SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
@@ -493,14 +504,14 @@ def test_slurm_leaves_the_job_running_when_the_wait_fails_for_another_reason(tmp
     answers = iter([done(returncode=1, stderr="slurm_load_jobs error: Unable to contact slurm controller")] * 3)
     fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
 
-    def flaky(cmd):
+    def flaky(cmd, **kw):
         if cmd[0] == "scontrol":
             answer = next(answers, None)
             if answer is not None:
                 return answer
         if cmd[0] == "sacct":
             return done(returncode=1, stderr="sacct: error: accounting storage is disabled")
-        return fake(cmd)
+        return fake(cmd, **kw)
 
     lines: list[str] = []
     SlurmLauncher(SLURM, runner=flaky, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
@@ -511,14 +522,15 @@ def test_slurm_cancels_a_leftover_job_that_runs_another_script_before_submitting
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    _record(tmp_path / "launch" / "slurm-job.json", "4100", dead.pid)
-    leftover = iter(["RUNNING", "COMPLETING", "CANCELLED"])
+    _record(tmp_path / "launch" / "slurm-job.json", "4100", dead.pid, "an-older-script")
+    leftover = iter(["RUNNING", "RUNNING", "COMPLETING", "CANCELLED"])  # the tag check reads it once more
     fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+    tag = job_tag(tmp_path, "an-older-script")  # submitted by that earlier launch
 
-    def runner(cmd):
+    def runner(cmd, **kw):
         if cmd[0] == "scontrol" and cmd[-1] == "4100":
-            return done(f"JobId=4100 JobState={next(leftover)} ExitCode=0:15\n")
-        return fake(cmd)
+            return done(f"JobId=4100 JobState={next(leftover)} ExitCode=0:15 Comment={tag}\n")
+        return fake(cmd, **kw)
 
     lines: list[str] = []
     SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
@@ -555,13 +567,13 @@ def test_slurm_refuses_while_the_recorded_owner_lives_and_keeps_the_record_on_ca
 def test_slurm_submission_errors_name_the_cause(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
 
-    def rejected(cmd):
+    def rejected(cmd, input=None):
         return done(returncode=1, stderr="sbatch: error: invalid partition specified: hopper-prod")
 
     with pytest.raises(LaunchFailed, match="invalid partition specified: hopper-prod"):
         SlurmLauncher(SLURM, runner=rejected).launch(spec, tmp_path, lambda _: None)
 
-    def missing(cmd):
+    def missing(cmd, input=None):
         raise FileNotFoundError(cmd[0])
 
     with pytest.raises(LaunchFailed, match="sbatch not found.*no Slurm client"):
@@ -653,9 +665,12 @@ class FakeKubectl:
     def __init__(self, conditions: list[list[dict]], exists: bool = False):
         self.conditions, self.exists = list(conditions), exists
         self.calls: list[list[str]] = []
+        self.manifests: list[str | None] = []  # what `apply -f -` read on stdin
 
-    def __call__(self, cmd):
+    def __call__(self, cmd, input=None):
         self.calls.append(list(cmd))
+        if cmd[1] == "apply":
+            self.manifests.append(input)
         if cmd[1] == "get" and cmd[-1] == "name":  # does the job exist?
             return done(f"pytorchjob/{cmd[3]}") if self.exists else done(returncode=1, stderr="NotFound")
         if cmd[1] == "apply":
@@ -690,7 +705,8 @@ def test_kubernetes_launch_applies_waits_and_reports(tmp_path):
     launcher = KubernetesLauncher(_k8s_here(ws), runner=fake, sleep=lambda s: None)
     launcher.launch(spec, ws, lines.append)
     name = launcher.job_name(spec.resolve())
-    assert fake.calls[1] == ["kubectl", "apply", "-f", str(ws / "launch" / "pytorchjob.yaml")]
+    assert fake.calls[1] == ["kubectl", "apply", "-f", "-"]  # the manifest on stdin...
+    assert fake.manifests == [(ws / "launch" / "pytorchjob.yaml").read_text()]  # ...the file is its copy
     assert ["kubectl", "logs", "-n", "training", f"{name}-worker-0", "--tail=200"] in fake.calls
     assert lines[-2:] == ["step 2 loss 4.7", f"[launch] PyTorchJob training/{name} succeeded"]
     assert not (ws / "launch" / "kubernetes-job.json").exists()  # ended: nothing to re-attach to
@@ -809,7 +825,7 @@ def test_kubernetes_interrupted_wait_deletes_the_job(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     calls: list[list[str]] = []
 
-    def kubectl(cmd):
+    def kubectl(cmd, input=None):
         calls.append(list(cmd))
         if cmd[1] == "get" and cmd[-1] == "name":
             return done(returncode=1, stderr="NotFound")
@@ -936,3 +952,102 @@ def test_pytorchjob_runs_accelerate_with_the_operator_s_rendezvous(tmp_path):
     assert args[args.index("--main_process_ip") + 1] == "job-master-0"
     assert args[args.index("--main_process_port") + 1] == "23456"
     assert args[-3:] == ["-m", "trainers.posttrain", "/fsx/ws/sft/ab12/spec.json"]
+
+
+# --- planted job records (issue 35, item 4) -------------------------------------------------------
+
+# `scontrol show job -o` of a job submitted with --comment (Slurm 23.11; one line, cut here)
+SCONTROL_LINE = (
+    "JobId=4242 JobName=smollm3 UserId=train(1000) GroupId=train(1000) MCS_label=N/A Priority=1 "
+    "Nice=0 Account=(null) QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 "
+    "Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:01:02 TimeLimit=1-00:00:00 "
+    "Partition=debug Comment=smollm3-0123456789abcdef01234567 StdOut=/ws/slurm-4242.log"
+)
+
+
+def test_the_comment_is_read_from_scontrol_output():
+    from infra.launchers.slurm import comment_of
+
+    assert comment_of(SCONTROL_LINE) == "smollm3-0123456789abcdef01234567"
+    assert comment_of(SCONTROL_LINE.replace("Comment=smollm3-0123456789abcdef01234567", "Comment=(null)")) is None
+    assert comment_of("JobId=1 JobState=RUNNING") is None
+    assert comment_of("JobId=1 AdminComment=smollm3-x JobState=RUNNING") is None  # another field
+
+
+@pytest.mark.parametrize("job", ["--me", "4242; touch /tmp/x", "-1", "0", "4242 --me", "", True, 4.5, ["4242"], "٤٢"])
+def test_a_job_id_that_is_not_one_is_refused(tmp_path, job):
+    from infra.launchers.slurm import BadJobRecord, job_id
+
+    with pytest.raises(BadJobRecord, match=r"slurm-job.json: job .* is not a Slurm job id"):
+        job_id(job, tmp_path / "slurm-job.json")
+    assert job_id(4242, tmp_path / "slurm-job.json") == job_id("4242", tmp_path / "slurm-job.json") == "4242"
+
+
+def test_a_planted_record_acts_only_on_a_job_of_this_stage(tmp_path):
+    """A record planted by another process (the workspace is shared) names a job: `--me` or
+    `4242; x` are refused before any command, a real job without this stage's comment is neither
+    followed nor cancelled. Control: the same record with the stage's own comment is acted on
+    (`scancel`), so the path the attack takes is live."""
+    from infra.launchers.slurm import BadJobRecord
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    record = tmp_path / "launch" / "slurm-job.json"
+    leftover = "an-older-script"  # the record says the job runs another script: re-attach cancels it
+
+    def slurm(comment: str, fake: FakeSlurm):
+        states = iter(["RUNNING", "RUNNING", "CANCELLED"])
+
+        def runner(cmd, **kw):
+            if cmd[0] == "scontrol" and cmd[-1] == "4100":
+                return done(f"JobId=4100 JobState={next(states)} ExitCode=0:15 Comment={comment}\n")
+            return fake(cmd, **kw)
+
+        return runner
+
+    # control: the stage's own leftover job is cancelled before a new one is submitted
+    _record(record, "4100", _dead_pid(), leftover)
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+    SlurmLauncher(SLURM, runner=slurm(job_tag(tmp_path, leftover), fake), sleep=lambda s: None).launch(
+        spec, tmp_path, lambda _: None
+    )
+    assert fake.calls[0] == ["scancel", "4100"]
+
+    # someone else's job (no comment, or another stage's tag): nothing is done to it
+    for comment in ("(null)", job_tag(tmp_path / "another-stage", leftover)):
+        _record(record, "4100", _dead_pid(), leftover)
+        fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"])
+        with pytest.raises(BadJobRecord, match=r"names Slurm job 4100, whose comment is not this stage's tag"):
+            SlurmLauncher(SLURM, runner=slurm(comment, fake), sleep=lambda s: None).launch(
+                spec, tmp_path, lambda _: None
+            )
+        assert not any(c[0] in ("scancel", "sbatch") for c in fake.calls)
+
+    # not a job id at all: refused before Slurm is asked anything
+    for job in ("--me", "4242; touch /tmp/x"):
+        _record(record, job, _dead_pid(), leftover)
+        fake = FakeSlurm(tmp_path, ["RUNNING"])
+        with pytest.raises(BadJobRecord, match="is not a Slurm job id"):
+            SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+        assert fake.calls == []
+
+
+def test_a_script_swapped_before_sbatch_runs_is_not_what_is_submitted(tmp_path):
+    """Another process replaces `launch/train.sbatch` between its write and sbatch (the race
+    won): the file sbatch could read now holds the payload (the control), but sbatch is given
+    the bytes rendered in memory on stdin and no path."""
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["COMPLETED"])
+    payload = "#!/bin/bash\ntouch /tmp/pwned\n"
+    submitted: list[str] = []
+
+    def sbatch(cmd, input=None):
+        if cmd[0] == "sbatch":
+            (tmp_path / "launch" / "train.sbatch").write_text(payload)  # the swap, just before use
+            paths = [c for c in cmd[1:] if not c.startswith("-")]
+            submitted.append(Path(paths[0]).read_text() if paths else input)  # what sbatch would run
+        return fake(cmd, input=input)
+
+    SlurmLauncher(SLURM, runner=sbatch, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert (tmp_path / "launch" / "train.sbatch").read_text() == payload  # the swap happened
+    assert submitted == [SlurmLauncher(SLURM).render(spec, tmp_path)]
+    assert "pwned" not in submitted[0]

@@ -124,3 +124,30 @@ def test_an_added_identity_field_moves_no_fingerprint_until_it_is_set():
     assert fingerprint("s", 1, After()) == fingerprint("s", 1, Before())
     assert identity(After(rule={"sigma": 6})) == {"lr": 1.0, "rule": {"sigma": 6}}
     assert fingerprint("s", 1, After(rule={"sigma": 6})) != fingerprint("s", 1, Before())
+
+
+def test_a_marker_planted_from_another_folder_is_not_reused(tmp_path):
+    """Another process copies a finished step's marker into the folder of a step that has not
+    run (or writes one naming another folder or fingerprint). Control: the planted marker reads
+    as a finished step there (`read_marker`), the path the attack takes. `run_step` reuses only
+    a marker whose uri and fingerprint are the folder's own, and builds the step instead."""
+    first = _run(tmp_path, lambda out: {"n": 1}).artifact
+    fp = fingerprint("demo", 1, {"a": 2}, (), "")
+    target = tmp_path / "demo" / fp[:12]
+    marker = json.loads((first.path / MARKER).read_text())
+    forged_fp = {**marker, "artifact": {**marker["artifact"], "uri": "{workspace}/demo/" + fp[:12]}}
+    built: list[str] = []
+    for planted in (marker, forged_fp):  # another folder's uri; then this uri but another fingerprint
+        target.mkdir(parents=True, exist_ok=True)
+        (target / MARKER).write_text(json.dumps(planted))
+        assert read_marker(target) is not None  # the control: it looks finished
+        built.clear()
+        outcome = _run(tmp_path, lambda out: built.append("built") or {"n": 2}, config={"a": 2})
+        assert built == ["built"] and outcome.built
+        assert outcome.artifact.fingerprint == fp and outcome.artifact.path == target
+        assert outcome.artifact.meta == {"n": 2}
+        assert json.loads((target / MARKER).read_text())["artifact"]["fingerprint"] == fp
+        (target / MARKER).unlink()
+    # its own marker is reused as before
+    assert _run(tmp_path, lambda out: {"n": 3}, config={"a": 2}).built
+    assert not _run(tmp_path, lambda out: {"n": 4}, config={"a": 2}).built

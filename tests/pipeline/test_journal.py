@@ -13,6 +13,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage, StepRow
 
@@ -112,3 +114,40 @@ def test_ingestion_rejects_and_counts_every_planted_event_and_runs_none(tmp_path
     assert lin.rejected_events() == 7
     assert lin.query("SELECT name, value FROM metrics") == [("loss", 2.0)]  # ours landed
     assert lin.query("SELECT count(*) FROM _journal_progress WHERE file = 'other.jsonl'") == [(0,)]
+
+
+def test_a_line_too_deep_or_too_long_is_rejected_and_the_views_still_answer(tmp_path):
+    """A planted line nested 100,000 deep (and one over the length bound): `json.loads` alone
+    recurses past Python's limit on it (the control); the views answer, naming the rejected
+    events, and the next write lands, with the two kept in `_journal_rejected`."""
+    from pipeline.lineage.bounds import MAX_LINE_BYTES
+
+    lin = _workspace(tmp_path)
+    deep = '{"v": 2, "id": "' + "7" * 32 + '", "t": 1.0, "ops": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    ops = [{"op": "insert", "table": "metrics", "columns": ["name"], "rows": [["x"]], "ignore": False}]
+    long = json.dumps({"v": 2, "id": "8" * 32, "t": 1.0, "ops": ops, "pad": "x" * MAX_LINE_BYTES})
+    lin.journal_dir.mkdir(exist_ok=True)
+    (lin.journal_dir / "attacker-1-000000000000.jsonl").write_text(deep + "\n" + long + "\n")
+    ws = lin.path.parent
+    out = _cli("summary", "--workspace", str(ws))
+    assert out.returncode == 0, out.stderr
+    assert "lineage journal: 2 event(s) rejected, never applied" in out.stdout
+    for view in (["runs"], ["lineage", "a" * 12], ["sql", "SELECT count(*) FROM flow_runs"]):
+        out = _cli(*view, "--workspace", str(ws))
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (view, out.stderr)
+    lin.record_rows("metrics", [("f", 1, "loss", 2.0)])  # a writer: ingestion goes past them
+    errors = [r["error"] for r in lin.query_dicts("SELECT error FROM _journal_rejected ORDER BY seq")]
+    assert errors == [
+        "JournalLineOutOfBounds: a journal line nested deeper than 32 levels",
+        f"JournalLineOutOfBounds: a journal line of {len(long)} bytes, over the bound of {MAX_LINE_BYTES}",
+    ]
+    assert lin.query("SELECT name, value FROM metrics") == [("loss", 2.0)]
+
+
+def test_the_depth_scan_ignores_brackets_inside_strings():
+    from pipeline.lineage.bounds import MAX_DEPTH, json_depth
+
+    assert json_depth(b'{"a": [[1], {"b": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\"[["}]}') == 3
+    assert json_depth(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)) == MAX_DEPTH + 1
