@@ -1,7 +1,10 @@
 """TrainSpec: a training stage as one typed value, the pretrain step's config and the trainer's input.
 
-The recipe's `training` section holds the trainer's own `OptimizerConfig`; tasks/pretrain.py lays
-the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
+Every training setting is declared once, in `TrainSettings`: the recipe's `training` section
+(tasks/pretrain.py `TrainingConfig`) and `TrainSpec` extend it, and a stage's own settings are
+`StageSettings`, derived from it with every field optional (`all_optional`), so a new setting is
+one line here plus its use in the trainer. The recipe's `training.optimizer` is the trainer's own
+`OptimizerConfig`. tasks/pretrain.py lays the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
 seed); the pretrain step fingerprints the spec's identity fields, binds the paths that come from
 its inputs and folder (`mixture_plan`, `out_dir`, `init_from`), writes it as `spec.json` and
 launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no dict in between, no
