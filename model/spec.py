@@ -1,7 +1,10 @@
 """TrainSpec: a training stage as one typed value, the pretrain step's config and the trainer's input.
 
-The recipe's `training` section holds the trainer's own `OptimizerConfig`; tasks/pretrain.py lays
-the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
+Every training setting is declared once, in `TrainSettings`: the recipe's `training` section
+(tasks/pretrain.py `TrainingConfig`) and `TrainSpec` extend it, and a stage's own settings are
+`StageSettings`, derived from it with every field optional (`all_optional`), so a new setting is
+one line here plus its use in the trainer. The recipe's `training.optimizer` is the trainer's own
+`OptimizerConfig`. tasks/pretrain.py lays the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
 seed); the pretrain step fingerprints the spec's identity fields, binds the paths that come from
 its inputs and folder (`mixture_plan`, `out_dir`, `init_from`), writes it as `spec.json` and
 launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no dict in between, no
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_serializer, model_validator
+from pydantic.fields import FieldInfo
 
 from infra.files import path_for_file, path_from_file
 from pipeline.artifact import added_identity, operational
@@ -149,33 +154,28 @@ class TrackerConfig(_Spec):
     mlflow_uri: str | None = None  # MLflow tracking URI; None = a file store `mlruns/` in the workspace
 
 
-class TrainSpec(_Spec):
-    """One training stage (see the module docstring)."""
+class TrainSettings(_Spec):
+    """Every training setting a user writes, declared once: the recipe's `training` section is
+    this class plus the recipe-only fields (tasks/pretrain.py `TrainingConfig`), a stage's
+    overrides are `StageSettings` (the same fields, all optional, derived below), and the
+    trainer's `TrainSpec` is this class plus what the schedule layout decides. A new setting is
+    one line here and its use in the trainer; the recipe, stages and spec follow."""
 
-    # --- what the stage computes (identity) ---------------------------------------------------
-    stage: str = "stage"  # stage name, recorded in checkpoints and metrics
-    steps: int = Field(gt=0)  # optimizer steps of this stage
-    global_batch: int = Field(gt=0)  # sequences per optimizer step, over all ranks
-    seq_len: int | None = Field(default=None, gt=0)  # tokens per sequence; None = the plan's
-    model_preset: str = "tiny"  # ModelConfig preset name: tiny, smollm3_3b, ablation_1b
+    # --- what a stage computes (identity) -----------------------------------------------------
     model_overrides: dict[str, Any] = {}  # ModelConfig fields to change; vocab_size defaults to the plan's
-    rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override (context extension)
-    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW settings
-    schedule: ScheduleSpec = ScheduleSpec()  # learning-rate schedule
-    reset_optimizer: bool = False  # with init_from: fresh AdamW moments instead of the checkpoint's
-    reset_schedule: bool = False  # with init_from: schedule restarts at 0 instead of continuing
-    seed: int = 0  # model initialisation seed (the recipe's seed); the data order is the plan's
+    global_batch: int = Field(default=16, gt=0)  # sequences per optimizer step, over all ranks
+    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW: lr (peak), betas, eps, weight_decay, grad_clip
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     # Intra-document masking (SmolLM3): attention stays inside each packed document and RoPE
     # positions restart at each document. False = plain causal attention over the whole packed
     # sequence (positions 0..T-1), the ablation the playbook runs against it.
     doc_masking: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda if available (NCCL + bf16), else cpu
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # flex on cuda, sdpa on cpu
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
     skip_spikes: SpikeSkipConfig | None = added_identity(None)  # OLMo-core's skip-step rule; None = off
 
     # --- how it runs (operational) ------------------------------------------------------------
-    micro_batch: int = operational(gt=0)  # sequences per data-parallel rank per forward/backward
+    micro_batch: int = operational(8, gt=0)  # sequences per data-parallel rank per forward/backward
     # What each block keeps for backward (model/recompute.py); "auto": the lightest mode whose
     # predicted peak fits `gpu_memory_gb` (model/memory.py), "none" where no memory is declared.
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
@@ -183,24 +183,92 @@ class TrainSpec(_Spec):
     tp: int = operational(1, gt=0)  # tensor-parallel degree inside a node (model/parallel.py)
     hsdp: bool = operational(False)  # shard inside a node, replicate across nodes (multi-node runs)
     async_checkpoint: bool = operational(False)  # DCP async_save: training goes on while shards are written
-    gpu_memory_gb: float | None = operational(None, gt=0)  # declared memory per GPU (GB), for "auto"
-    checkpoint_interval: int = operational(100, gt=0)  # save every N steps (and at the last step)
+    gpu_memory_gb: float | None = operational(None, gt=0)  # declared memory per GPU (GB; H100: 80): stages must fit it
+    checkpoint_interval: int = operational(25, gt=0)  # save every N steps (and at the last step)
     keep_last: int = operational(2, ge=1)  # complete checkpoints kept besides stage ends
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps
     compile_model: bool = operational(False)  # torch.compile each block (same math, fused kernels)
-    num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (fix it for bit-reproducible CPU runs)
+    num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared peak FLOP/s per device for MFU
-    # else the datasheet (known GPUs), else this calibration (model/flops.py resolve_peak)
-    peak_calibration: PeakCalibration | None = operational(None)
-    debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step
-    # testing only: a micro-batch holding this token id gets a NaN loss (tests plant it in a shard)
-    debug_nan_token: int | None = operational(None, ge=0)
     watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang detection
     monitor: MonitorConfig = operational(MonitorConfig())  # stragglers, throughput drops
     # Recovery from a non-finite loss. Operational: a stage that never meets one computes the same;
     # one that does records the data it skipped in its result, metadata and lineage.
     nonfinite: NonFiniteConfig = operational(NonFiniteConfig())
     tracker: TrackerConfig = operational(TrackerConfig())  # TensorBoard (default), W&B or MLflow
+
+    def settings(self) -> dict[str, Any]:
+        """This object's training settings by name (nested sections as they are, not dumped)."""
+        return {name: getattr(self, name) for name in TrainSettings.model_fields}
+
+
+class _Overrides(_Spec):
+    """Base of the models `all_optional` derives: they dump their own fields, then only the
+    derived settings that are set (a resolved recipe lists what a stage changes, not 25 nulls)."""
+
+    derived: ClassVar[frozenset[str]] = frozenset()  # the fields copied from the declaring class
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        own = {k: v for k, v in data.items() if k not in self.derived}
+        return {**own, **{k: v for k, v in data.items() if k in self.derived and v is not None}}
+
+
+def all_optional(model: type[BaseModel], name: str, doc: str, exclude: Collection[str] = ()) -> type[BaseModel]:
+    """A frozen model with every field of `model` but `exclude`, each optional with default None
+    (= not set), keeping its constraints and its identity/operational marker: overrides derived
+    from the one declaration, never a hand-kept copy of it."""
+    fields = {
+        field: (info.annotation | None, FieldInfo.merge_field_infos(info, default=None))
+        for field, info in model.model_fields.items()
+        if field not in exclude
+    }
+    derived = create_model(name, __base__=_Overrides, __doc__=doc, __module__=__name__, **fields)
+    derived.derived = frozenset(fields)
+    return derived
+
+
+# Settings with one value for the whole run, which no stage sets apart: the model (every stage
+# trains the same weights), the optimizer (one peak LR for the one WSD schedule; long-context
+# stages scale it by their `lr_scale`), the device and the GPU the recipe checks every stage on.
+RUN_WIDE = ("model_overrides", "optimizer", "device", "gpu_memory_gb")
+
+StageSettings = all_optional(
+    TrainSettings,
+    "StageSettings",
+    "A stage's own training settings (the recipe's `stages[]`): any `TrainSettings` field but RUN_WIDE; "
+    "None = the `training` section's. A nested section (watchdog, ...) replaces the training one whole.",
+    exclude=RUN_WIDE,
+)
+
+
+def stage_settings(overrides: BaseModel) -> dict[str, Any]:
+    """The settings a `StageSettings` (or a model derived from it) sets, by name."""
+    return {name: v for name in StageSettings.model_fields if (v := getattr(overrides, name)) is not None}
+
+
+class TrainSpec(TrainSettings):
+    """One training stage (see the module docstring): its settings, and what the schedule layout
+    decides for it."""
+
+    # --- what the stage computes (identity) ---------------------------------------------------
+    stage: str = "stage"  # stage name, recorded in checkpoints and metrics
+    steps: int = Field(gt=0)  # optimizer steps of this stage
+    seq_len: int | None = Field(default=None, gt=0)  # tokens per sequence; None = the plan's
+    model_preset: str = "tiny"  # ModelConfig preset name: tiny, smollm3_3b, ablation_1b
+    rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override (context extension)
+    schedule: ScheduleSpec = ScheduleSpec()  # learning-rate schedule
+    reset_optimizer: bool = False  # with init_from: fresh AdamW moments instead of the checkpoint's
+    reset_schedule: bool = False  # with init_from: schedule restarts at 0 instead of continuing
+    seed: int = 0  # model initialisation seed (the recipe's seed); the data order is the plan's
+
+    # --- how it runs (operational) ------------------------------------------------------------
+    # The MFU peak where neither peak_flops nor a datasheet applies (model/flops.py resolve_peak)
+    peak_calibration: PeakCalibration | None = operational(None)
+    debug_step_sleep_s: float = operational(0.0, ge=0)  # testing only: sleep after each step
+    # testing only: a micro-batch holding this token id gets a NaN loss (tests plant it in a shard)
+    debug_nan_token: int | None = operational(None, ge=0)
     metrics_path: str | None = operational(None)  # JSONL metrics file; None = {out_dir}/metrics.jsonl
 
     # --- bound at launch (not identity: the inputs' fingerprints are) -------------------------

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infra.files import path_for_file
 from infra.yamlfile import YamlRefused, load_yaml
+from model.spec import StageSettings
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 
@@ -50,10 +51,10 @@ class MixtureError(ValueError):
     """A mixture that cannot be used; the message names the file, the source and the fix."""
 
 
-class StageConfig(BaseModel):
-    """One pretraining stage of the recipe's `stages` list (the training issue extends it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class StageConfig(StageSettings):
+    """One pretraining stage of the recipe's `stages` list: its data, its place in the schedule,
+    and any training setting of its own (`StageSettings`, model/spec.py: every `training` field,
+    optional; None = the training section's)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # stage id, e.g. stage1
     mixture: str  # YAML file of source weights; relative paths are from the repository root
@@ -66,13 +67,8 @@ class StageConfig(BaseModel):
     rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override for this stage
     lr_scale: float = Field(default=1.0, gt=0)  # long_context: peak LR = training.lr x this
     warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
-    global_batch: int | None = Field(default=None, gt=0)  # sequences per step (None: training's)
-    micro_batch: int | None = Field(default=None, gt=0)  # per-rank micro-batch (None: training's)
-    # How the stage runs (None: training's), never what it computes: checkpointing mode, tensor-
-    # parallel degree, and the node count of its launch (a long-context stage whose global batch
-    # is smaller than the main stages' DP size runs on fewer nodes; docs/scale.md).
-    activation_checkpointing: Literal["auto", "none", "selective", "full"] | None = operational(None)
-    tp: int | None = operational(None, gt=0)
+    # The node count of its launch: a long-context stage whose global batch is smaller than the
+    # main stages' DP size runs on fewer nodes (docs/scale.md). Operational.
     nodes: int | None = operational(None, gt=0)
 
 

@@ -48,16 +48,7 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
-from model.spec import (
-    MonitorConfig,
-    NonFiniteConfig,
-    OptimizerConfig,
-    ScheduleSpec,
-    SpikeSkipConfig,
-    TrackerConfig,
-    TrainSpec,
-    WatchdogConfig,
-)
+from model.spec import ScheduleSpec, TrainSettings, TrainSpec, stage_settings
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from tasks.mixture import StageConfig
@@ -77,55 +68,18 @@ from trainers.tracker import check_tracker, tracker_dir
 FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
 
-def _spec_default(name: str) -> Any:
-    """A TrainSpec default, so the recipe section and the trainer define it once."""
-    return TrainSpec.model_fields[name].default
-
-
-class TrainingConfig(BaseModel):
-    """The recipe's `training` section: model, batch, optimizer and schedule shared by stages.
-
-    `optimizer` is the trainer's own `OptimizerConfig` (`training.optimizer.lr` is the peak LR the
-    trainer uses, one name end to end). Operational fields change how stages run, not what they
-    compute, and never enter a fingerprint."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class TrainingConfig(TrainSettings):
+    """The recipe's `training` section: every `TrainSettings` field (model/spec.py, where each
+    training setting is declared once; `training.optimizer.lr` is the peak LR the trainer uses, one
+    name end to end), plus what lays the stages out. Each stage may override any setting
+    (`stages[].tp`, `stages[].micro_batch`, ...). Operational fields change how stages run, not
+    what they compute, and never enter a fingerprint."""
 
     model: str = "tiny"  # ModelConfig preset: tiny, smollm3_3b, ablation_1b
-    model_overrides: dict[str, Any] = {}  # ModelConfig fields to change (vocab comes from the plan)
-    global_batch: int = Field(default=16, gt=0)  # sequences per optimizer step over all ranks
-    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW: lr (peak), betas, eps, weight_decay, grad_clip
     warmup_steps: int = Field(default=10, ge=0)  # linear warmup at the start of stage 1
     min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA with NCCL+bf16 when present
-    doc_masking: bool = _spec_default("doc_masking")  # attention inside each packed document (SmolLM3)
-    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex on GPU, SDPA on CPU
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    compile_model: bool = operational(False)  # torch.compile each block (GPU stages, once checked)
     nproc_per_node: int = operational(1, gt=0)  # torchrun processes (GPUs) per node
-    micro_batch: int = operational(8, gt=0)  # sequences per rank per forward/backward
-    checkpoint_interval: int = operational(25, gt=0)  # steps between checkpoints
-    keep_last: int = operational(_spec_default("keep_last"), ge=1)  # complete checkpoints kept besides stage ends
-    num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
-    peak_flops: float | None = operational(None, gt=0)  # declared MFU peak per device (else datasheet or preflight's)
-    log_interval: int = operational(_spec_default("log_interval"), gt=0)  # steps between metrics lines
-    # OLMo-core's skip-step rule for loss and gradient-norm spikes; None = off. Identity: it changes
-    # the weights (a stage without it keeps its fingerprint).
-    skip_spikes: SpikeSkipConfig | None = None
-    watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang bounds (docs/training.md "A long run")
-    monitor: MonitorConfig = operational(MonitorConfig())  # straggler margin, throughput fraction
-    nonfinite: NonFiniteConfig = operational(NonFiniteConfig())  # roll back and skip data after a NaN
-    tracker: TrackerConfig = operational(TrackerConfig())  # tensorboard (default), wandb, mlflow, none
-    # Memory and parallelism (model/memory.py, model/parallel.py; each stage may override the first
-    # two): what blocks keep for backward ("auto": the lightest mode that fits gpu_memory_gb),
-    # tensor-parallel degree inside a node, HSDP across nodes, background checkpoint writes.
-    activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
-    tp: int = operational(1, gt=0)
-    hsdp: bool = operational(False)  # shard inside a node, replicate across nodes
-    async_checkpoint: bool = operational(False)  # DCP async_save; training goes on while it writes
-    loss_chunk_tokens: int = operational(_spec_default("loss_chunk_tokens"), gt=0)  # logits rows alive at once
-    gpu_memory_gb: float | None = operational(None, gt=0)  # the recipe's GPU (H100: 80): every stage must fit it
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:
@@ -219,41 +173,11 @@ def stage_steps(stage: StageConfig, training: TrainingConfig) -> int:
 
 
 def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields: Any) -> TrainSpec:
-    """A recipe stage as a TrainSpec; `fields` are what the schedule layout decides."""
-    global_batch, micro_batch = stage_batch(stage, training)
-    t = training
-    return TrainSpec(
-        stage=stage.name,
-        global_batch=global_batch,
-        micro_batch=micro_batch,
-        seq_len=stage.seq_len,
-        model_preset=t.model,
-        model_overrides=dict(t.model_overrides),
-        rope_theta=stage.rope_theta,
-        seed=seed,
-        device=t.device,
-        doc_masking=t.doc_masking,
-        attention_backend=t.attention_backend,
-        precision=t.precision,
-        compile_model=t.compile_model,
-        checkpoint_interval=t.checkpoint_interval,
-        keep_last=t.keep_last,
-        log_interval=t.log_interval,
-        num_threads=t.num_threads,
-        peak_flops=t.peak_flops,
-        skip_spikes=t.skip_spikes,
-        watchdog=t.watchdog,
-        monitor=t.monitor,
-        nonfinite=t.nonfinite,
-        tracker=t.tracker,
-        activation_checkpointing=stage.activation_checkpointing or t.activation_checkpointing,
-        tp=stage.tp or t.tp,
-        hsdp=t.hsdp,
-        async_checkpoint=t.async_checkpoint,
-        loss_chunk_tokens=t.loss_chunk_tokens,
-        gpu_memory_gb=t.gpu_memory_gb,
-        **fields,
-    )
+    """A recipe stage as a TrainSpec: the training settings, the stage's own over them, and
+    `fields`, what the schedule layout decides."""
+    settings = {**training.settings(), **stage_settings(stage)}
+    own = {"stage": stage.name, "seq_len": stage.seq_len, "rope_theta": stage.rope_theta, "seed": seed}
+    return TrainSpec(**{**settings, **own, "model_preset": training.model, **fields})
 
 
 def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageSpec]:

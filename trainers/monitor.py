@@ -1,8 +1,8 @@
 """What a long stage watches in itself, rank side: stragglers, throughput drops, loss spikes, data skips.
 
-`StageMonitor` is what the training loop (trainers/pretrain.py) calls, a few hooks per step; it
-holds the parts below, and the hang watchdog (trainers/watchdog.py) and the tracker
-(trainers/tracker.py) of the stage.
+The rules, each usable alone; the training loop (trainers/pretrain.py) reaches them through its
+callbacks (trainers/callbacks.py: `SpeedMonitor`, `SpikeSkip`, `NonFiniteRollback`), beside the
+hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
 
 - Stragglers. In synchronous data parallelism every rank's step takes as long as the slowest
   rank's, so step times name nobody. What differs is the work a rank does without waiting for any
@@ -36,23 +36,17 @@ import json
 import logging
 import math
 import resource
-import socket
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from infra.files import write_atomic
 from model.data import MixtureLoader
-from model.spec import MonitorConfig, NonFiniteConfig, SpikeSkipConfig, TrainSpec
-from trainers.tracker import Tracker, open_tracker, run_name
-from trainers.watchdog import Watchdog
+from model.spec import MonitorConfig, NonFiniteConfig, SpikeSkipConfig
 
 log = logging.getLogger("trainers.pretrain")
 
@@ -346,7 +340,7 @@ class SpeedChecks:
         return self.rates[best][0]
 
 
-# --- the facade the training loop calls -------------------------------------------------------
+# --- memory, for the tracker ------------------------------------------------------------------
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -355,183 +349,3 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
         return {"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"memory/rss_gib": rss_kib / 2**20}
-
-
-class StageMonitor:
-    """Everything the loop reports to besides metrics.jsonl (see the module docstring)."""
-
-    def __init__(
-        self, spec: TrainSpec, rt: Any, watchdog: Watchdog, stage: str, step: int, tokens_per_step: int, seq_len: int
-    ) -> None:
-        """`rt`: the trainer's Runtime (rank, world_size, device); `watchdog`: the rank's,
-        already started; `step`: where this launch starts."""
-        self.spec, self.rank, self.world, self.device = spec, rt.rank, rt.world_size, rt.device
-        self.out = Path(spec.out_dir)
-        self.stage, self.seq_len, self.main = stage, seq_len, rt.rank == 0
-        self.watchdog = watchdog
-        self.events = Events(self.out, stage, self.main)
-        self.spikes = SpikeRule(spec.skip_spikes) if spec.skip_spikes else None
-        self.skips = DataSkips(self.out)
-        self.tracker: Tracker | None = None
-        self.hosts = [socket.gethostname()]
-        self.speed: SpeedChecks | None = None
-        self.tokens_per_step = tokens_per_step
-        self._sums = torch.zeros(3, dtype=torch.float64)  # [local s, step s, steps] since the last line
-        self._line_start = step + 1
-        self._local = 0.0
-        self._checked: dict[str, Any] = {}  # the last line's check scalars (for the tracker)
-        self._ckpt_step, self._ckpt_sequence = step, 0
-        self._step_sequences: dict[int, int] = {}
-
-    def start(self, loader: MixtureLoader, resume_state: dict[str, Any] | None) -> StageMonitor:
-        """Collective (hostnames are gathered): call on every rank after the resume."""
-        if self.world > 1:
-            hosts: list[Any] = [None] * self.world
-            dist.all_gather_object(hosts, socket.gethostname())
-            self.hosts = [str(h) for h in hosts]
-        if self.spikes is not None and resume_state:  # a checkpoint's trainer state
-            self.spikes.load_state_dict(resume_state.get("monitor", {}).get("spikes", {}))
-        self._ckpt_sequence = loader.sequence
-        if self.main:
-            self.speed = SpeedChecks(self.spec.monitor, self.hosts, self.tokens_per_step, self._reference())
-            settings = {"stage": self.stage, "world_size": self.world, **self.spec.to_dict()}
-            self.tracker = open_tracker(
-                self.spec.tracker,
-                self.spec.tracker_path,
-                run_name(self.out, self.stage),
-                resume_step=self._ckpt_step or None,
-                settings={k: v for k, v in settings.items() if not isinstance(v, dict | list)},
-            )
-        return self
-
-    def _reference(self) -> dict | None:
-        try:
-            saved = json.loads((self.out / REFERENCE_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        same = saved.get("tokens_per_step") == self.tokens_per_step and saved.get("world_size") == self.world
-        return saved if same else None  # another batch or world size: measure anew
-
-    # -- per step --
-
-    def before_step(self, loader: MixtureLoader, step: int) -> None:
-        """At the start of step `step` (1-based): skip planned data, note where the data begins."""
-        for window in self.skips.apply(loader):
-            if self.main:
-                self.events.emit(
-                    "data_skipped",
-                    step,
-                    f"skipped {window['to'] - window['from']} sequences of data (global sequences "
-                    f"{window['from']}..{window['to']}) that led to a non-finite {window.get('what') or 'value'} "
-                    f"at step {window['failed_step']}",
-                    value=float((window["to"] - window["from"]) * self.seq_len),
-                    window=window,
-                )
-        self._step_sequences[step] = loader.sequence
-        self._local = 0.0
-
-    @contextmanager
-    def local(self) -> Iterator[None]:
-        """Work this rank does without waiting for any other (its straggler measure)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._local += time.perf_counter() - t0
-
-    def skip_update(self, step: int, loss: float, grad_norm: float) -> bool:
-        """Whether the skip-step rule withholds step `step`'s update (the same on every rank:
-        loss and gradient norm are global)."""
-        if self.spikes is None:
-            return False
-        why = self.spikes.judge(loss, grad_norm)
-        if why is not None:
-            self.events.emit("skipped_step", step, f"step {step} not applied: {why}", value=loss, grad_norm=grad_norm)
-        return why is not None
-
-    def stepped(self, step: int, seconds: float) -> None:
-        self.watchdog.completed(step, seconds)
-        self._sums += torch.tensor([self._local, seconds, 1.0], dtype=torch.float64)
-
-    def line(self, step: int) -> dict[str, Any]:
-        """Collective, at every metrics line: gathers the ranks' times and checks them (rank 0);
-        returns the fields to add to the metrics record."""
-        if self.world > 1:
-            mine = self._sums.to(device=self.device, dtype=torch.float32)
-            gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(gathered, mine)
-            table = torch.stack([g.cpu() for g in gathered]).double()
-        else:
-            table = self._sums.unsqueeze(0).clone()
-        first, self._line_start = self._line_start, step + 1
-        self._sums.zero_()
-        extra: dict[str, Any] = {"skipped_steps": self.spikes.skipped if self.spikes else 0}
-        if not self.main or self.speed is None:
-            return extra
-        had_reference = self.speed.reference is not None
-        self._checked = self.speed.add(table, first, step, self.events)
-        if not had_reference and self.speed.reference is not None:
-            write_atomic(self.out / REFERENCE_FILE, json.dumps(self.speed.reference, indent=2))
-        if self.world > 1:
-            extra["rank_local_s"] = (table[:, 0] / table[:, 2].clamp(min=1)).tolist()
-        return extra
-
-    def track(self, step: int, record: dict[str, Any]) -> None:
-        """Rank 0: a metrics line to the tracker, with the checks' scalars and memory."""
-        if self.tracker is not None:
-            self.tracker.log(step, self._scalars(record) | self._checked | memory_scalars(self.device))
-
-    @staticmethod
-    def _scalars(record: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "train/loss": record.get("loss"),
-            "train/lr": record.get("lr"),
-            "train/grad_norm": record.get("grad_norm"),
-            "train/skipped_steps": record.get("skipped_steps"),
-            "perf/tokens_per_s": record.get("tokens_per_s"),
-            "perf/mfu": record.get("mfu"),
-        }
-
-    # -- checkpoints and failures --
-
-    def saving(self) -> None:
-        """A checkpoint save begins: the watchdog's checkpoint bound applies until `saved`."""
-        self.watchdog.begin_phase("checkpoint")
-
-    def saved(self, step: int, loader: MixtureLoader) -> None:
-        """Step `step`'s checkpoint is complete: a non-finite value from now rolls back to it."""
-        self.watchdog.end_phase()
-        self._ckpt_step, self._ckpt_sequence = step, loader.sequence
-        self._step_sequences = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps so that a resumed stage decides as an uninterrupted one."""
-        return {"spikes": self.spikes.state_dict()} if self.spikes else {}
-
-    def nonfinite(self, step: int, what: str, value: float, loader: MixtureLoader, checkpoint: Any) -> None:
-        """Record (rank 0) what the pretrain step needs to roll back and skip the data."""
-        if not self.main:
-            return
-        record = {
-            "stage": self.stage,
-            "step": step,
-            "what": what,
-            "value": str(value),
-            "checkpoint": str(checkpoint) if checkpoint is not None else None,
-            "checkpoint_step": self._ckpt_step,
-            # where the data trained after that checkpoint began (past the windows skipped already)
-            "checkpoint_sequence": min(self._step_sequences.values(), default=self._ckpt_sequence),
-            "step_sequences": self._step_sequences,
-            "sequence_after": loader.sequence,
-            "seq_len": self.seq_len,
-            "time": time.time(),
-        }
-        write_atomic(self.out / NONFINITE_FILE, json.dumps(record, indent=2))
-        self.events.emit(
-            "nonfinite", step, f"{what} is {value} at step {step}", level=logging.ERROR, value=None, what=what
-        )
-
-    def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None

@@ -22,11 +22,14 @@ One launch trains one stage as described by a `TrainSpec`:
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written, after
   recording in `monitor/nonfinite.json` what the pretrain step needs to roll back and skip the
-  data that led there (trainers/monitor.py);
-- watching itself: a hang watchdog on every rank (trainers/watchdog.py: no completed step within
-  its bound ends the rank with exit code 5, stacks in the log), straggler and throughput checks
-  at every metrics line, the optional skip-step rule, planned data skips and the tracker
-  (trainers/monitor.py, trainers/tracker.py), called from a few hooks of the loop;
+  data that led there (trainers/callbacks.py `NonFiniteRollback`);
+- watching itself: one callback per concern (trainers/callbacks.py; `pre_train`, `pre_step`,
+  `post_step`, metrics and checkpoint hooks, `post_train`): the hang watchdog on every rank
+  (trainers/watchdog.py: no completed step within its bound ends the rank with exit code 5,
+  stacks in the log), straggler and throughput checks at every metrics line, the optional
+  skip-step rule, planned data skips and the tracker (rules in trainers/monitor.py,
+  trainers/tracker.py); checkpointing is `Checkpointing`. The loop itself (`_train`) builds the
+  stage (`build_stage`), resumes it (`resume`), and runs `train_step` and the hooks;
 - outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
 - logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
   gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
@@ -78,7 +81,15 @@ from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec
-from trainers.monitor import StageMonitor
+from trainers.callbacks import (
+    Callbacks,
+    NonFiniteRollback,
+    RunInfo,
+    SpeedMonitor,
+    SpikeSkip,
+    TrackerCallback,
+    WatchdogCallback,
+)
 from trainers.signals import EXIT_STOPPED, StopRequested, StopSignals
 from trainers.watchdog import Watchdog
 
@@ -246,11 +257,20 @@ class StepReport:
     taken under load, a wrong declaration); the line says so, with both rates."""
 
     def __init__(
-        self, stage: str, total: int, tokens_per_step: int, flops_per_token: float, peak: float | None, peak_source: str
+        self,
+        stage: str,
+        total: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: float | None,
+        peak_source: str,
+        device_peak: float | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.stage, self.total = stage, total
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.peak_source = peak, peak_source  # peak over all ranks
+        self.device_peak, self.device = device_peak, device  # one device's peak, for the metrics
         self.seconds = 0.0  # training time of this launch's steps (checkpoints excluded)
         self.steps = 0  # steps of this launch
         self.since = (0.0, 0)  # (seconds, steps) at the last line
@@ -292,6 +312,26 @@ class StepReport:
         if self.peak is None:
             return " | MFU not reported (no peak)" if source else ""
         return " | MFU not reported (peak below the achieved rate)"
+
+    def record(
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float, loader: MixtureLoader
+    ) -> dict[str, Any]:
+        """A metrics line's own fields (the callbacks add theirs)."""
+        return {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.mfu(tokens_per_s),
+            "mfu_invalid": self.invalid(tokens_per_s),  # why mfu is null with a peak known
+            "mfu_peak_flops": self.device_peak,
+            "mfu_peak_source": self.peak_source,
+            "tokens_per_source": loader.tokens_per_source(),
+            "epochs_per_source": loader.epochs_per_source(),
+            "time": time.time(),
+            "peak_memory_gib": peak_memory_gib(self.device) if self.device is not None else None,
+        }
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
         seconds, steps = self.seconds - self.since[0], self.steps - self.since[1]
@@ -359,15 +399,34 @@ def train(spec: TrainSpec, stop: StopSignals | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dict[str, Any]:
-    out_dir = Path(spec.out_dir)
-    is_main = rt.rank == 0
-    # From here on a rank that completes no step within its bound ends the launch (trainers/watchdog.py).
-    watchdog = Watchdog(spec.watchdog, out_dir, rt.rank, spec.stage).start()
-    rt.closers.append(watchdog.stop)
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        spec.save(out_dir / "spec.resolved.json")
+@dataclass
+class Stage:
+    """What one launch trains with (`build_stage`): the model laid out on the ranks, its optimizer,
+    the data loader at this rank's place, the checkpointer."""
+
+    spec: TrainSpec
+    rt: Runtime
+    plan: MixturePlan
+    seq_len: int
+    layout: Any  # model/layout.py Layout
+    accum: int  # micro-batches per optimizer step on each data-parallel rank
+    cfg: ModelConfig
+    memory: Any  # model/memory.py MemoryPlan: the activation checkpointing mode and predicted peak
+    model: SmolLM3
+    optimizer: torch.optim.Optimizer
+    loader: MixtureLoader
+    ckpt: Checkpointer
+    autocast: Any  # a context manager
+    sharded: bool  # FSDP2 over a mesh
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+
+def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
+    """Lay the stage out on the ranks and build what it trains: the same initial weights on every
+    rank and in every layout, then TP, compile, FSDP2."""
     plan = MixturePlan.load(spec.mixture_plan)
     seq_len = spec.seq_len or plan.seq_len
     layout, mesh = lay_out(spec, rt)
@@ -377,234 +436,298 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
             f"spec.global_batch={spec.global_batch} is not a multiple of micro_batch "
             f"{spec.micro_batch} x data-parallel size {layout.dp} (world {rt.world_size} / tp {layout.tp})"
         )
-    accum = spec.global_batch // per_step_rows
     cfg = build_model_config(spec, plan, seq_len)
     check_tensor_parallel(cfg, layout.tp, seq_len)
     memory = memory_plan(spec, cfg, layout, rt.device, seq_len)
 
-    # Same initial weights on every rank and in every layout, then TP, compile, FSDP2.
     model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
     model.init_weights(seed=spec.seed)
     model.set_activation_checkpointing(memory.mode)
     model.loss_chunk_tokens = spec.loss_chunk_tokens
     autocast = autocast_for(spec, rt.device)
     parallelize(model, layout, mesh, rt.device, spec.precision, compile_blocks if spec.compile_model else None)
-    sharded = mesh is not None
     optimizer = build_optimizer(model, spec.optimizer)
     dp_rank = layout.dp_rank(rt.rank)
     loader = MixtureLoader(plan, seq_len=seq_len, rank=dp_rank, world_size=layout.dp, vocab_size=cfg.vocab_size)
-    ckpt = Checkpointer(out_dir / "checkpoints", spec.keep_last, async_save=spec.async_checkpoint)
+    ckpt = Checkpointer(Path(spec.out_dir) / "checkpoints", spec.keep_last, async_save=spec.async_checkpoint)
+    return Stage(
+        spec, rt, plan, seq_len, layout, spec.global_batch // per_step_rows, cfg, memory, model, optimizer, loader,
+        ckpt, autocast, mesh is not None,
+    )  # fmt: skip
 
+
+@dataclass
+class Start:
+    """Where this launch starts (`resume`)."""
+
+    step: int  # steps of the stage done already
+    schedule_start: int  # the schedule position of the stage's step 0
+    resumed_from: str | None  # the checkpoint it resumed or was initialised from
+    state: dict[str, Any] | None  # the resumed checkpoint's trainer state
+    latest: Path | None  # the resumed checkpoint
+
+
+def resume(st: Stage) -> Start:
+    """From the newest checkpoint of the stage whose files match their digests (rank 0's listing,
+    hashing shared out; a corrupt newer one is skipped with a warning naming what failed), else
+    from `init_from`, else fresh; the spec's optimizer settings then apply either way."""
+    spec = st.spec
     step, schedule_start, resumed_from, state = 0, spec.schedule.start_step or 0, None, None
-    # Newest checkpoint whose files match their digests (rank 0's listing, hashing shared out);
-    # a corrupt newer one is skipped with a warning naming what failed.
-    latest = ckpt.latest_verified(collective=True)
+    latest = st.ckpt.latest_verified(collective=True)
     if latest is not None:
-        state = ckpt.load(latest, model, optimizer, verified=True)
-        loader.load_state_dict(state["loader"])
+        state = st.ckpt.load(latest, st.model, st.optimizer, verified=True)
+        st.loader.load_state_dict(state["loader"])
         step, schedule_start, resumed_from = state["step"], state["schedule_start"], str(latest)
         log.info("resumed from %s at step %d (saved by %d ranks)", latest, step, state["world_size"])
     elif spec.init_from is not None:
         source = resolve_checkpoint(spec.init_from, collective=True)
         init_state = read_trainer_state(source)
-        ckpt.load(source, model, None if spec.reset_optimizer else optimizer, verified=True)
+        st.ckpt.load(source, st.model, None if spec.reset_optimizer else st.optimizer, verified=True)
         if spec.schedule.start_step is None and not spec.reset_schedule:
             schedule_start = init_state["schedule_start"] + init_state["step"]
         resumed_from = str(source)
         log.info("initialised from %s (schedule continues at %d)", source, schedule_start)
-    apply_hyperparameters(optimizer, spec.optimizer)
-    total = spec.schedule.total_steps or schedule_start + spec.steps
+    apply_hyperparameters(st.optimizer, spec.optimizer)
+    return Start(step, schedule_start, resumed_from, state, latest)
 
+
+class Checkpointing:
+    """The stage's saves: every `checkpoint_interval` steps and at its last step (and when a stop
+    signal asks); weights that are not finite are never saved. The callbacks' state travels with
+    each save, and they hear of it (the watchdog's checkpoint bound, the rollback point)."""
+
+    def __init__(self, st: Stage, callbacks: Callbacks, schedule_start: int, last: Path | None) -> None:
+        self.st, self.callbacks, self.schedule_start = st, callbacks, schedule_start
+        self.last = last  # the newest complete checkpoint: where a failure rolls back to
+
+    def due(self, step: int) -> bool:
+        return step == self.st.spec.steps or step % self.st.spec.checkpoint_interval == 0
+
+    def save(self, step: int, stage_end: bool, loss: float) -> Path:
+        """Save this step (every rank); NonFiniteError when the weights are not finite."""
+        st = self.st
+        if not _all_finite(st.params):
+            self.callbacks.nonfinite(step, "weights", float("nan"), self.last)
+            raise NonFiniteError(
+                f"weights are not finite after step {step}; not saving them (last good checkpoint: {self.last})"
+            )
+        self.callbacks.pre_checkpoint()
+        path = st.ckpt.save(
+            step,
+            st.model,
+            st.optimizer,
+            {
+                "stage": st.plan.stage,
+                "global_step": self.schedule_start + step,
+                "schedule_start": self.schedule_start,
+                "loss": loss,
+                "world_size": st.rt.world_size,
+                "loader": st.loader.state_dict(),
+                "tokens_per_source": st.loader.tokens_per_source(),
+                "epochs_per_source": st.loader.epochs_per_source(),
+                "monitor": self.callbacks.state_dict(),
+            },
+            stage_end=stage_end,
+        )
+        self.callbacks.post_checkpoint(step)
+        self.last = path
+        return path
+
+
+def train_step(st: Stage, step: int, speed: SpeedMonitor, callbacks: Callbacks, last: Path | None):
+    """One optimizer step (`step`, 1-based) at the LR already set: forward and backward over the
+    micro-batches, the global loss, clipping, the update unless a callback withholds it. Returns
+    (loss, gradient norm, skipped); NonFiniteError on a non-finite loss or gradient norm."""
+    spec, rt, accum = st.spec, st.rt, st.accum
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro in range(accum):
+        with speed.local():
+            batch = st.loader.next_batch(spec.micro_batch)
+        if st.sharded:
+            st.model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
+        with st.autocast:
+            out = st.model(
+                batch.input_ids.to(rt.device),
+                batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
+                batch.labels.to(rt.device),
+            )
+        loss = out.loss
+        if spec.debug_nan_token is not None and bool((batch.input_ids == spec.debug_nan_token).any()):
+            loss = loss * float("nan")  # testing only: a planted token poisons its batch
+        (loss / accum).backward()
+        loss_sum += loss.detach().float()
+    dist.all_reduce(loss_sum)
+    loss_value = loss_sum.item() / (accum * rt.world_size)
+    if not math.isfinite(loss_value):
+        callbacks.nonfinite(step, "loss", loss_value, last)
+        raise NonFiniteError(
+            f"loss is {loss_value} at step {step}; stopping before any checkpoint of "
+            f"this state (last good checkpoint: {last})"
+        )
+    params = st.params
+    if spec.optimizer.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = grad_norm.item()
+    if not math.isfinite(grad_norm):
+        callbacks.nonfinite(step, "gradient norm", grad_norm, last)
+        raise NonFiniteError(
+            f"gradient norm is {grad_norm} at step {step} (loss {loss_value}); stopping (last good checkpoint: {last})"
+        )
+    skipped = callbacks.skip_update(step, loss_value, grad_norm)  # the skip-step rule, when on
+    with speed.local():
+        if not skipped:
+            st.optimizer.step()
+        st.optimizer.zero_grad(set_to_none=True)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+    return loss_value, grad_norm, skipped
+
+
+def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dict[str, Any]:
+    out_dir = Path(spec.out_dir)
+    is_main = rt.rank == 0
+    # From here on a rank that completes no step within its bound ends the launch (trainers/watchdog.py).
+    watchdog = Watchdog(spec.watchdog, out_dir, rt.rank, spec.stage).start()
+    rt.closers.append(watchdog.stop)
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spec.save(out_dir / "spec.resolved.json")
+    st = build_stage(spec, rt)
+    start = resume(st)
+    step, schedule_start = start.step, start.schedule_start
+    total = spec.schedule.total_steps or schedule_start + spec.steps
     metrics = MetricsWriter(spec.metrics_file, is_main, step)
-    bf16 = computes_in_bf16(spec, rt.device)
+    report = announce(st, step)
+    # One object per concern (trainers/callbacks.py); the order is the order each hook runs in.
+    speed, spikes, rollback = SpeedMonitor(spec.monitor), SpikeSkip(spec.skip_spikes), NonFiniteRollback()
+    callbacks = Callbacks([WatchdogCallback(watchdog), spikes, speed, rollback, TrackerCallback(spec.tracker)])
+    rt.closers.append(callbacks.post_train)
+    tokens_per_step = spec.global_batch * st.seq_len
+    callbacks.pre_train(
+        RunInfo(spec, rt.rank, rt.world_size, rt.device, st.plan.stage, st.seq_len, tokens_per_step, st.loader, step, start.state)
+    )  # fmt: skip
+    saves = Checkpointing(st, callbacks, schedule_start, start.latest)
+    loss_value = float("nan")
+
+    while step < spec.steps:
+        t0 = time.perf_counter()
+        callbacks.pre_step(step + 1)
+        lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
+        for group in st.optimizer.param_groups:
+            group["lr"] = lr
+        loss_value, grad_norm, skipped = train_step(st, step + 1, speed, callbacks, saves.last)
+        step += 1
+        elapsed = time.perf_counter() - t0
+        report.stepped(elapsed)
+        callbacks.post_step(step, elapsed)
+        if step % spec.log_interval == 0 or step == spec.steps:
+            fields, scalars = callbacks.metrics(step)  # collective: the ranks' times (stragglers, throughput)
+            if is_main:
+                record = report.record(step, loss_value, grad_norm, lr, tokens_per_step / elapsed, st.loader)
+                record = {**record, "skipped": skipped, **fields}
+                metrics.write(record)
+                callbacks.log_metrics(step, record, scalars)  # TensorBoard / W&B / MLflow, live
+                report.log_step(step, loss_value, lr, grad_norm)
+        stage_end = step == spec.steps
+        st.ckpt.poll()  # a background save whose every shard is written gets its marker
+        saved = saves.due(step)
+        if saved:
+            saves.save(step, stage_end, loss_value)
+        if spec.debug_step_sleep_s:
+            time.sleep(spec.debug_step_sleep_s)
+        if stop is not None and not stage_end and stop.requested(rt.device):  # all ranks agree
+            if not saved:
+                saves.save(step, False, loss_value)
+            st.ckpt.wait()  # an async save is complete (marker written) before the rank exits
+            if is_main and stop.received_at is not None:
+                log.info(
+                    "%s: %.1f s from the signal to a saved checkpoint",
+                    st.plan.stage,
+                    time.monotonic() - stop.received_at,
+                )
+            raise StopRequested(stop.received or "a signal", step, str(saves.last))
+    st.ckpt.wait()
+    return finish(st, start, step, loss_value, saves.last, report, spikes.skipped, rollback.skips.windows)
+
+
+def announce(st: Stage, step: int) -> StepReport:
+    """Rank 0's first line (what trains, where, how, against which MFU peak); the step reporter."""
+    spec, rt, cfg = st.spec, st.rt, st.cfg
     peak, peak_source = resolve_peak(
         spec.peak_flops,
         spec.peak_calibration,
         device=rt.device.type,
-        bf16=bf16,
+        bf16=computes_in_bf16(spec, rt.device),
         host=socket.gethostname(),
         threads=torch.get_num_threads(),
         device_name=torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "",
     )
-    flops_per_token = training_flops_per_token(cfg, seq_len)
-    params = list(model.parameters())
-    loss_value, last_ckpt = float("nan"), latest
-    if is_main:
+    if rt.rank == 0:
         log.info(
             "%s: %s params, world %d (%s), accum %d, steps %d..%d, %s, %s, %s, %s, MFU peak %s (%s)",
-            plan.stage,
+            st.plan.stage,
             f"{cfg.num_parameters():,}",
             rt.world_size,
-            layout.describe(),
-            accum,
+            st.layout.describe(),
+            st.accum,
             step,
             spec.steps,
             precision_name(spec, rt.device),
             "compiled blocks" if spec.compile_model else "eager",
             "intra-document masking" if spec.doc_masking else "causal attention across documents",
-            f"activation checkpointing {memory.mode} (predicted peak {memory.describe()})",
+            f"activation checkpointing {st.memory.mode} (predicted peak {st.memory.describe()})",
             f"{peak:.3g} FLOP/s" if peak else "unknown",
             peak_source,
         )
-    report = StepReport(
-        plan.stage,
+    return StepReport(
+        st.plan.stage,
         spec.steps,
-        spec.global_batch * seq_len,
-        flops_per_token,
+        spec.global_batch * st.seq_len,
+        training_flops_per_token(cfg, st.seq_len),
         peak * rt.world_size if peak else None,
         peak_source,
+        peak,
+        rt.device,
     )
-    # Hang watchdog, stragglers, throughput, skip-step rule, data skips, tracker (trainers/monitor.py).
-    mon = StageMonitor(spec, rt, watchdog, plan.stage, step, spec.global_batch * seq_len, seq_len)
-    rt.closers.append(mon.close)
-    mon.start(loader, state)
 
-    def checkpoint(step: int, stage_end: bool) -> Path:
-        """Save this step (every rank): refused when the weights are not finite; the monitor's
-        state travels with it and the watchdog allows the save its own bound."""
-        if not _all_finite(params):
-            mon.nonfinite(step, "weights", float("nan"), loader, last_ckpt)
-            raise NonFiniteError(
-                f"weights are not finite after step {step}; not saving them (last good checkpoint: {last_ckpt})"
-            )
-        mon.saving()  # the watchdog's checkpoint bound
-        path = ckpt.save(
-            step,
-            model,
-            optimizer,
-            {
-                "stage": plan.stage,
-                "global_step": schedule_start + step,
-                "schedule_start": schedule_start,
-                "loss": loss_value,
-                "world_size": rt.world_size,
-                "loader": loader.state_dict(),
-                "tokens_per_source": loader.tokens_per_source(),
-                "epochs_per_source": loader.epochs_per_source(),
-                "monitor": mon.state_dict(),
-            },
-            stage_end=stage_end,
-        )
-        mon.saved(step, loader)
-        return path
 
-    while step < spec.steps:
-        t0 = time.perf_counter()
-        mon.before_step(loader, step + 1)
-        lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=rt.device)
-        for micro in range(accum):
-            with mon.local():
-                batch = loader.next_batch(spec.micro_batch)
-            if sharded:
-                model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
-            with autocast:
-                out = model(
-                    batch.input_ids.to(rt.device),
-                    batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
-                    batch.labels.to(rt.device),
-                )
-            loss = out.loss
-            if spec.debug_nan_token is not None and bool((batch.input_ids == spec.debug_nan_token).any()):
-                loss = loss * float("nan")  # testing only: a planted token poisons its batch
-            (loss / accum).backward()
-            loss_sum += loss.detach().float()
-        dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / (accum * rt.world_size)
-        if not math.isfinite(loss_value):
-            mon.nonfinite(step + 1, "loss", loss_value, loader, last_ckpt)
-            raise NonFiniteError(
-                f"loss is {loss_value} at step {step + 1}; stopping before any checkpoint of "
-                f"this state (last good checkpoint: {last_ckpt})"
-            )
-        if spec.optimizer.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
-        if not math.isfinite(grad_norm):
-            mon.nonfinite(step + 1, "gradient norm", grad_norm, loader, last_ckpt)
-            raise NonFiniteError(
-                f"gradient norm is {grad_norm} at step {step + 1} (loss {loss_value}); stopping "
-                f"(last good checkpoint: {last_ckpt})"
-            )
-        skipped = mon.skip_update(step + 1, loss_value, grad_norm)  # the skip-step rule, when on
-        with mon.local():
-            if not skipped:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize()
-        step += 1
-        elapsed = time.perf_counter() - t0
-        tokens_per_s = spec.global_batch * seq_len / elapsed
-        report.stepped(elapsed)
-        mon.stepped(step, elapsed)
-        line = step % spec.log_interval == 0 or step == spec.steps
-        checks = mon.line(step) if line else {}  # collective: the ranks' times (stragglers, throughput)
-        if is_main and line:
-            record = {
-                "step": step,
-                "loss": loss_value,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tokens_per_s,
-                "mfu": report.mfu(tokens_per_s),
-                "mfu_invalid": report.invalid(tokens_per_s),  # why mfu is null with a peak known
-                "mfu_peak_flops": peak,
-                "mfu_peak_source": peak_source,
-                "tokens_per_source": loader.tokens_per_source(),
-                "epochs_per_source": loader.epochs_per_source(),
-                "time": time.time(),
-                "peak_memory_gib": peak_memory_gib(rt.device),
-                "skipped": skipped,
-                **checks,
-            }
-            metrics.write(record)
-            mon.track(step, record)  # TensorBoard / W&B / MLflow, live
-            report.log_step(step, loss_value, lr, grad_norm)
-        stage_end = step == spec.steps
-        ckpt.poll()  # a background save whose every shard is written gets its marker
-        saved = stage_end or step % spec.checkpoint_interval == 0
-        if saved:
-            last_ckpt = checkpoint(step, stage_end)
-        if spec.debug_step_sleep_s:
-            time.sleep(spec.debug_step_sleep_s)
-        if stop is not None and not stage_end and stop.requested(rt.device):  # all ranks agree
-            last_ckpt = last_ckpt if saved else checkpoint(step, False)
-            ckpt.wait()  # an async save is complete (marker written) before the rank exits
-            if is_main and stop.received_at is not None:
-                log.info(
-                    "%s: %.1f s from the signal to a saved checkpoint", plan.stage, time.monotonic() - stop.received_at
-                )
-            raise StopRequested(stop.received or "a signal", step, str(last_ckpt))
-    ckpt.wait()
-
-    if last_ckpt is not None and math.isnan(loss_value):  # already finished before this launch
-        loss_value = read_trainer_state(last_ckpt)["loss"]
+def finish(
+    st: Stage,
+    start: Start,
+    step: int,
+    loss_value: float,
+    last: Path | None,
+    report: StepReport,
+    skipped_steps: int,
+    skipped_data: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The stage's result (rank 0 writes `result.json`, and its last log line)."""
+    spec, rt = st.spec, st.rt
+    if last is not None and math.isnan(loss_value):  # already finished before this launch
+        loss_value = read_trainer_state(last)["loss"]
     result = {
-        "stage": plan.stage,
+        "stage": st.plan.stage,
         "final_step": step,
         "final_loss": loss_value,
-        "tokens_per_source": loader.tokens_per_source(),
-        "epochs_per_source": loader.epochs_per_source(),
-        "checkpoint": str(last_ckpt) if last_ckpt is not None else None,
+        "tokens_per_source": st.loader.tokens_per_source(),
+        "epochs_per_source": st.loader.epochs_per_source(),
+        "checkpoint": str(last) if last is not None else None,
         "metrics": str(spec.metrics_file),
         "world_size": rt.world_size,
-        "layout": layout.describe(),
-        "activation_checkpointing": memory.mode,
-        "predicted_peak_gb": round(memory.peak_gb, 3),  # model/memory.py, per rank
-        "resumed_from": resumed_from,
-        "skipped_steps": mon.spikes.skipped if mon.spikes else 0,  # the skip-step rule's
-        "skipped_data": mon.skips.windows,  # data windows skipped after non-finite values
+        "layout": st.layout.describe(),
+        "activation_checkpointing": st.memory.mode,
+        "predicted_peak_gb": round(st.memory.peak_gb, 3),  # model/memory.py, per rank
+        "resumed_from": start.resumed_from,
+        "skipped_steps": skipped_steps,  # the skip-step rule's
+        "skipped_data": skipped_data,  # data windows skipped after non-finite values
     }
-    if is_main:
+    if rt.rank == 0:
         report.log_end(loss_value)
-        write_atomic(out_dir / "result.json", json.dumps(result, indent=2) + "\n")
+        write_atomic(Path(spec.out_dir) / "result.json", json.dumps(result, indent=2) + "\n")
         if spec.compile_model:
             from torch._dynamo.utils import counters
 

@@ -72,6 +72,13 @@ OPERATIONAL = [
     "stages.long1.activation_checkpointing=selective",
     "training.nproc_per_node=2 & stages.long1.tp=2",
     "stages.long1.nodes=1",
+    # a stage's own operational settings (model/spec.py StageSettings)
+    "stages.stage2.micro_batch=4",
+    "stages.stage2.loss_chunk_tokens=64 & stages.stage2.async_checkpoint=true & stages.stage2.hsdp=true",
+    "stages.stage2.compile_model=true & stages.stage2.num_threads=1 & stages.stage2.peak_flops=1e12",
+    "stages.stage2.checkpoint_interval=5 & stages.stage2.keep_last=3 & stages.stage2.log_interval=2",
+    "stages.stage2.watchdog={floor_s: 5} & stages.stage2.monitor={window: 3} & stages.stage2.nonfinite={retries: 0}"
+    " & stages.stage2.tracker={kind: none}",
     # post-training: where the trainers run, their micro-batches and checkpoints
     "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
     "posttrain.sft.per_device_batch=4",
@@ -125,6 +132,7 @@ IDENTITY = {
         "pretrain[long2]",
     },
     "stages.long1.rope_theta=300000": {"pretrain[long1]"},
+    "stages.long2.doc_masking=false": {"pretrain[long2]"},  # a stage's own identity setting
     "stages.stage2.tokens=200000": {
         "mixture[stage2]",
         "pretrain[stage1]",

@@ -62,6 +62,46 @@ def test_stage_specs_continue_or_reset_and_carry_the_recipe_seed(tmp_path):
     assert TrainSpec.load(tmp_path / "spec.json") == long1
 
 
+def test_a_training_setting_is_declared_once_and_a_stage_may_set_its_own():
+    """`TrainSettings` (model/spec.py) is the one declaration: the recipe's `training` section and
+    the trainer's `TrainSpec` are it plus their own fields, a stage's overrides are derived from
+    it (all optional, same constraints and identity/operational markers)."""
+    from model.spec import RUN_WIDE, StageSettings, TrainSettings, TrainSpec
+    from tasks.mixture import StageConfig
+    from tasks.pretrain import TrainingConfig
+
+    names = set(TrainSettings.model_fields)
+    assert names <= set(TrainingConfig.model_fields) and names <= set(TrainSpec.model_fields)
+    per_stage = names - set(RUN_WIDE)
+    assert set(StageSettings.model_fields) == per_stage and per_stage <= set(StageConfig.model_fields)
+    assert not set(RUN_WIDE) & set(StageConfig.model_fields)  # one model, one schedule's LR, one GPU
+    for name in per_stage:
+        declared, derived = TrainSettings.model_fields[name], StageSettings.model_fields[name]
+        assert derived.default is None and derived.json_schema_extra == declared.json_schema_extra
+        assert derived.metadata == declared.metadata  # gt=0 and the like
+    recipe = load_recipe(
+        "tiny",
+        ["training.loss_chunk_tokens=64", "stages.stage2.loss_chunk_tokens=32", "stages.stage2.keep_last=5"],
+    )
+    runs = {r.name: r.spec for r in schedule_stages(recipe.training, recipe.stages, recipe.seed)}
+    assert runs["stage2"].loss_chunk_tokens == 32 and runs["stage2"].keep_last == 5
+    assert {n: (s.loss_chunk_tokens, s.keep_last) for n, s in runs.items() if n != "stage2"} == {
+        n: (64, recipe.training.keep_last) for n in runs if n != "stage2"
+    }
+    # set above; tiny's long_context stages scale the LR and set their own batch
+    changed = {"loss_chunk_tokens", "keep_last", "optimizer", "global_batch", "micro_batch"}
+    for spec in runs.values():
+        theirs = {k: v for k, v in spec.settings().items() if k not in changed}
+        assert theirs == {k: v for k, v in recipe.training.settings().items() if k not in changed}
+    # The resolved recipe lists what a stage sets, not every setting it leaves to `training`.
+    stage2 = recipe.model_dump(mode="json")["stages"][1]
+    assert stage2["loss_chunk_tokens"] == 32 and "tp" not in stage2 and "micro_batch" not in stage2
+    with pytest.raises(RecipeError, match=r"stages\[stage2\]\.loss_chunk_tokens: .*greater than 0"):
+        load_recipe("tiny", ["stages.stage2.loss_chunk_tokens=0"])
+    with pytest.raises(RecipeError, match=r"stages\[stage2\]\.optimizer: unknown field"):
+        load_recipe("tiny", ["stages.stage2.optimizer={lr: 0.1}"])
+
+
 def test_every_tiny_long_context_stage_makes_several_real_updates_at_its_length():
     """Context extension trains: a long stage whose only full-LR step is followed by a step at
     min_lr (the old tiny long2: 2 steps, LR 3e-4 then 0) barely moves the model."""

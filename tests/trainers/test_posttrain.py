@@ -261,6 +261,26 @@ def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_
     assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)
 
 
+def test_a_trainer_spec_carries_its_trainers_own_section_typed(tmp_path):
+    """spec.json holds the section as the trainer's own class (no dict re-read on the ranks): it
+    comes back typed, a field it lacks or a section of another trainer is refused, named."""
+    from pydantic import ValidationError
+
+    from trainers.posttrain.launch import TrainerSpec
+
+    spec = TrainerSpec(trainer="sft", section=SFT, policy="p", data="d", out="o")
+    spec.save(tmp_path / "spec.json")
+    loaded = TrainerSpec.load(tmp_path / "spec.json")
+    assert loaded == spec and type(loaded.section) is SFTConfig and loaded.section.max_length == 128
+    assert (
+        type(TrainerSpec(trainer="preference", section={}, policy="p", data="d", out="o").section) is PreferenceConfig
+    )
+    with pytest.raises(ValidationError, match="section.max_step: Extra inputs"):
+        TrainerSpec(trainer="sft", section={"max_step": 1}, policy="p", data="d", out="o")
+    with pytest.raises(ValidationError, match="trainer 'preference' takes a PreferenceConfig, got a SFTConfig"):
+        TrainerSpec(trainer="preference", section=SFT, policy="p", data="d", out="o")
+
+
 def test_a_batch_the_ranks_cannot_share_fails_before_anything_runs():
     with pytest.raises(ValueError, match=r"posttrain.sft.batch 8 is not divisible by the 3 ranks"):
         run_of(SFT, procs=3)

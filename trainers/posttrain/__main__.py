@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         train = getattr(importlib.import_module(module), fn)
         main_rank = is_main()
         meta = train(
-            spec.typed_section(),
+            spec.section,
             Path(spec.policy),
             Path(spec.data),
             out,

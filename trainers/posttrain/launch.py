@@ -28,7 +28,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, model_validator
 
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
@@ -59,15 +59,34 @@ class TrainerSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     trainer: Literal["sft", "preference", "grpo", "distill"]
-    section: dict[str, Any]  # the step's recipe section (posttrain.sft, ...)
+    # The step's recipe section (posttrain.sft, ...), typed as the trainer's own class (TRAINERS);
+    # a mapping (spec.json) is read as that class.
+    section: SerializeAsAny[sections.TrainerConfig]
     policy: str  # HF folder of the model to train
     data: str  # posttrain_data folder (train/heldout conversations, prompts)
     out: str  # the step folder: checkpoints/, model/, metrics.jsonl, result.json
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
-    def typed_section(self) -> sections.TrainerConfig:
-        return TRAINERS[self.trainer][2].model_validate(self.section)
+    @model_validator(mode="before")
+    @classmethod
+    def _section_of_its_trainer(cls, data: Any) -> Any:
+        if not (isinstance(data, dict) and isinstance(data.get("section"), dict) and data.get("trainer") in TRAINERS):
+            return data
+        try:
+            return {**data, "section": TRAINERS[data["trainer"]][2].model_validate(data["section"])}
+        except ValidationError as err:  # named as fields of `section`, not of the spec
+            problems = "; ".join(f"section.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise ValueError(problems) from None
+
+    @model_validator(mode="after")
+    def _section_matches(self) -> TrainerSpec:
+        expected = TRAINERS[self.trainer][2]
+        if type(self.section) is not expected:
+            raise ValueError(
+                f"section: trainer {self.trainer!r} takes a {expected.__name__}, got a {type(self.section).__name__}"
+            )
+        return self
 
     def save(self, path: Path) -> None:
         write_atomic(path, self.model_dump_json(indent=2))
@@ -106,7 +125,7 @@ def launch_trainer(
     out.mkdir(parents=True, exist_ok=True)
     spec = TrainerSpec(
         trainer=trainer,
-        section=run.section.model_dump(mode="json"),
+        section=run.section,
         policy=str(policy),
         data=str(data),
         out=str(out),
