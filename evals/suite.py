@@ -202,6 +202,21 @@ def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> 
     )
 
 
+SUITE_TASK = re.compile(r"prose_cloze|code_cloze|arithmetic_cloze|passkey_[1-9][0-9]{0,6}|" + GENERATION_TASK)
+
+
+def suite_task_yaml(name: str, data_file: Path, max_gen_tokens: int = 48) -> str:
+    """The task YAML the `eval_suite` step writes for its task `name` over `data_file`: the
+    builders above with the arguments the step gives them (the code cloze task joins context and
+    choice with no space, the other cloze and passkey tasks with one). Templates are plain
+    `{{field}}` substitutions; no `!function`, no `include:`."""
+    if name == GENERATION_TASK:
+        return generation_task_yaml(name, data_file, max_gen_tokens)
+    if SUITE_TASK.fullmatch(name):
+        return task_yaml(name, data_file, "" if name == "code_cloze" else " ")
+    raise ValueError(f"{name!r} is not a task the eval suite builds")
+
+
 def ngrams(text: str, n: int) -> Iterator[int]:
     words = re.findall(r"\w+", text.lower())
     for i in range(len(words) - n + 1):

@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,7 +40,15 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation.source_kinds import read_shards
-from evals.harness import headline_metric, items_scored, random_baselines, run_lm_eval, scores_markdown, stage_tasks
+from evals.harness import (
+    headline_metric,
+    items_scored,
+    random_baselines,
+    run_lm_eval,
+    scores_markdown,
+    stage_tasks,
+    suite_task_files,
+)
 from evals.suite import (
     GENERATION_TASK,
     arithmetic_generation_items,
@@ -278,7 +288,15 @@ def evaluate(
     listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
     log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
     meter = EvalProgress(log, progress, expected)
-    scores = run_lm_eval(Path(model.meta["model_dir"]), Path(suite.meta["task_dir"]), tasks, cfg, out, progress=meter)
+    # lm-eval runs only task files the suite's builders regenerate here, in a private folder
+    # (evals/harness.py suite_task_files); a changed suite YAML is refused, a planted file ignored.
+    private = Path(tempfile.mkdtemp(prefix="smollm3-suite-tasks-"))
+    try:
+        local = [t for t in tasks if t in available]
+        task_dir = suite_task_files(Path(suite.meta["task_dir"]), local, available, private, log) if local else None
+        scores = run_lm_eval(Path(model.meta["model_dir"]), task_dir, tasks, cfg, out, progress=meter)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     items = items_scored(out / "lm_eval_results.json")
     random = random_baselines(suite, tasks, cfg.limit)
     table = scores_markdown(scores, items, random)
