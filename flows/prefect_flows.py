@@ -14,7 +14,7 @@ from flows.cpt import run_cpt
 from flows.smollm3 import run_smollm3
 from pipeline.graph import prefect_flow
 
-smollm3 = prefect_flow("smollm3", run_smollm3)  # the whole DAG from a recipe (flows/smollm3.py)
-anneal = prefect_flow("anneal", run_anneal)  # anneal candidates from the newest run's base (flows/anneal.py)
-cpt = prefect_flow("cpt", run_cpt, max_workers=64)  # continued pretraining from a base (flows/cpt.py)
-ablation = prefect_flow("ablation", run_ablation)  # variants of a recipe side by side (flows/ablation.py)
+smollm3 = prefect_flow("smollm3", run_smollm3, __name__)  # the whole DAG from a recipe (flows/smollm3.py)
+anneal = prefect_flow("anneal", run_anneal, __name__)  # anneal candidates from the newest run's base (flows/anneal.py)
+cpt = prefect_flow("cpt", run_cpt, __name__, max_workers=64)  # continued pretraining from a base (flows/cpt.py)
+ablation = prefect_flow("ablation", run_ablation, __name__)  # variants of a recipe side by side (flows/ablation.py)

@@ -33,8 +33,16 @@ def check_values(recipe: Recipe) -> None:
         check_storage_folder(recipe.preflight.checkpoint_dir, "preflight.checkpoint_dir")
 
 
+MAX_LR = 1.0  # AdamW at a peak above 1 diverges at once: a recipe asking for it is a typo (0x10)
+
+
 def check_lr_order(recipe: Recipe) -> None:
     t = recipe.training
+    if t.optimizer.lr > MAX_LR:
+        raise ValueError(
+            f"training.optimizer.lr ({t.optimizer.lr:g}) is above {MAX_LR:g}: AdamW diverges there; "
+            "SmolLM3 trained at 2e-4"
+        )
     if t.min_lr > t.optimizer.lr:
         raise ValueError(
             f"training.min_lr ({t.min_lr:g}) is above training.optimizer.lr ({t.optimizer.lr:g}): "

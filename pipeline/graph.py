@@ -185,14 +185,17 @@ class Graph:
         return out
 
 
-def prefect_flow(name: str, fn: Callable[..., Any], max_workers: int = 256) -> Any:
+def prefect_flow(name: str, fn: Callable[..., Any], module: str, max_workers: int = 256) -> Any:
     """The Prefect flow `name` around `fn` (a flow module's function, whose signature and `Args:`
     are the run form), on a task runner that names pending task runs `step[label]`. Called by
     flows/prefect_flows.py only, so that importing a flow module (its `graph()`: planning, the CLI)
-    never imports Prefect."""
+    never imports Prefect. `module` is the module that holds the flow as its attribute `name`:
+    a served deployment's entrypoint is that module's file and `name` (Prefect reads both from
+    the function), which is where the flow-run process loads the flow from."""
     from prefect import flow
 
     from pipeline.named_runs import NamedTaskRunner  # pending task runs named step[label]
 
     fn.__name__ = fn.__qualname__ = name
+    fn.__module__ = module
     return flow(name=name, log_prints=True, task_runner=NamedTaskRunner(max_workers=max_workers))(fn)

@@ -7,6 +7,7 @@ The guard and `protect_rank` are exercised with real processes in tests/infra/te
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -100,7 +101,11 @@ def test_the_holder_renews_and_notices_a_takeover(tmp_path):
             time.sleep(0.05)
         assert lease.read().renewed > first
         thief = ProcessRef(4242, 1, "node-17", "another-boot")
-        (tmp_path / LEASE_FILE).write_text(json.dumps(json.loads(Lease(thief, 0, time.time(), 120).to_json())))
+        # written whole (a new file renamed over it), as a holder writes: a half-written file
+        # would read as no lease at all
+        planted = tmp_path / "planted.tmp"
+        planted.write_text(json.dumps(json.loads(Lease(thief, 0, time.time(), 120).to_json())))
+        os.replace(planted, tmp_path / LEASE_FILE)
         assert lost.wait(30) and "node-17" in reasons[0]  # noticed at its next renewal (0.05 s)
     finally:
         lease.release()

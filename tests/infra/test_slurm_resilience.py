@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
-from infra.launchers.base import JobRecord
+from infra.launchers.base import JobRecord, free_port
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import URGENT, local_slurm  # noqa: F401  (session fixture)
 
@@ -42,7 +42,16 @@ STEP_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*\S+ step (\d+)/(\d+) \| loss")
 
 def config(**slurm) -> LaunchConfig:
     slurm = {"time": "00:10:00", "cpus_per_task": 2, "poll_seconds": 0.5, "job_name": "smollm3-resil"} | slurm
-    return LaunchConfig(kind="slurm", nodes=1, procs_per_node=2, torchrun=TORCHRUN, slurm=SlurmLaunchConfig(**slurm))
+    # a rendezvous port of its own: Slurm's default (29500) may still be held by an earlier job's
+    # exiting torchrun, or by another test's, when tests run at once
+    return LaunchConfig(
+        kind="slurm",
+        nodes=1,
+        procs_per_node=2,
+        torchrun=TORCHRUN,
+        master_port=free_port(),
+        slurm=SlurmLaunchConfig(**slurm),
+    )
 
 
 def stage_spec(plan: Path, out: Path, steps: int, **kw) -> Path:
@@ -158,7 +167,7 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
     wait_for(lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(), 180, "3 trained steps")
-    assert thread.is_alive(), errors
+    assert thread.is_alive(), (errors, lines[-60:])
     urgent = subprocess.run(
         ["sbatch", "--parsable", "-p", URGENT, "--exclusive", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1"],
         capture_output=True,
@@ -192,7 +201,7 @@ def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config(signal_s=60)), spec, out)
     wait_for(lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(), 180, "3 trained steps")
-    assert thread.is_alive(), errors
+    assert thread.is_alive(), (errors, lines[-60:])
     (job,) = jobs_writing(out)
     script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True)
     assert "#SBATCH --signal=B:USR1@60" in script.stdout and "#SBATCH --requeue" in script.stdout

@@ -99,6 +99,21 @@ def test_pending_task_runs_carry_their_step_names_in_the_api(tmp_path, prefect_h
 
 
 def test_the_project_flows_run_their_tasks_under_the_named_runner():
-    from flows import smollm3
+    from flows import prefect_flows
 
-    assert isinstance(smollm3.smollm3.task_runner, NamedTaskRunner)
+    for flow in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
+        assert isinstance(flow.task_runner, NamedTaskRunner), flow.name
+
+
+def test_a_served_flow_is_loaded_from_where_its_deployment_points():
+    """A served deployment's entrypoint is where the flow-run process loads the flow from: it must
+    name the module that holds the flow under its own name (flows/prefect_flows.py), never the flow
+    module whose function it wraps (where no attribute of that name exists)."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    from flows import prefect_flows
+
+    for flow in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
+        deployment = flow.to_deployment(name="entrypoint-test")
+        assert deployment.entrypoint == f"flows/prefect_flows.py:{flow.name}", deployment.entrypoint
+        assert load_flow_from_entrypoint(deployment.entrypoint).name == flow.name
