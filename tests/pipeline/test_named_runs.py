@@ -101,8 +101,8 @@ def test_pending_task_runs_carry_their_step_names_in_the_api(tmp_path, prefect_h
 def test_the_project_flows_run_their_tasks_under_the_named_runner():
     from flows import prefect_flows
 
-    for flow in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
-        assert isinstance(flow.task_runner, NamedTaskRunner), flow.name
+    for pf in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
+        assert isinstance(pf.task_runner, NamedTaskRunner), pf.name
 
 
 def test_a_served_flow_is_loaded_from_where_its_deployment_points():
@@ -113,7 +113,7 @@ def test_a_served_flow_is_loaded_from_where_its_deployment_points():
 
     from flows import prefect_flows
 
-    for flow in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
-        deployment = flow.to_deployment(name="entrypoint-test")
-        assert deployment.entrypoint == f"flows/prefect_flows.py:{flow.name}", deployment.entrypoint
-        assert load_flow_from_entrypoint(deployment.entrypoint).name == flow.name
+    for pf in (prefect_flows.smollm3, prefect_flows.anneal, prefect_flows.cpt, prefect_flows.ablation):
+        deployment = pf.to_deployment(name="entrypoint-test")
+        assert deployment.entrypoint == f"flows/prefect_flows.py:{pf.name}", deployment.entrypoint
+        assert load_flow_from_entrypoint(deployment.entrypoint).name == pf.name
