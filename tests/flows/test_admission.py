@@ -73,6 +73,7 @@ def _state(client, run_id) -> tuple[str, str]:
     return state.name, state.message or ""
 
 
+@pytest.mark.slow
 def test_a_deployment_run_with_a_bad_override_fails_at_once_instead_of_waiting_for_its_slot(api_url):
     """Through the API: `smollm3/full` (concurrency 1) with one run holding the slot; a run with
     `training.optimizer.lrr=0.001` waits in AwaitingConcurrencySlot until the check fails it

@@ -305,6 +305,7 @@ def test_unknown_refresh_names_are_refused_with_the_steps(capsys):
         (["plan", "tiny"], ("torch", "datatrove", "transformers", "lm_eval", "trl")),
     ],
 )
+@pytest.mark.slow
 def test_light_commands_do_not_import_heavy_libraries(argv, absent, tmp_path):
     """What makes them answer in about a second (benchmarks/cli_latency.py has the times)."""
     import json

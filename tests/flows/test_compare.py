@@ -98,6 +98,7 @@ def test_each_eval_difference_comes_with_its_noise():
     assert eval_pairs(a, [{**a[0], "score": 0.35}])[0]["signal"] is False  # 0.05: noise
 
 
+@pytest.mark.slow
 def test_smollm3_compare_prints_differences_curves_and_evals_and_publishes_them(two_runs, capsys, prefect_harness):
     from prefect.artifacts import Artifact as PrefectArtifact
 

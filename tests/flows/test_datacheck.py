@@ -49,6 +49,7 @@ def test_a_preset_that_would_empty_a_source_is_refused_naming_it(tmp_path, capsy
     check_data(load_recipe(argv[0], ["curation.min_kept_share=0"]))
 
 
+@pytest.mark.slow
 def test_the_language_preset_passes_and_the_check_is_cached(tmp_path, capsys):
     argv = recipe_with(tmp_path, "fr")
     assert main(["recipe", *argv]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.deployments import deployments
@@ -32,6 +33,7 @@ def test_docs_and_prefect_yaml_agree_on_the_pool_limit():
     assert in_yaml and in_docs and set(in_yaml) == set(in_docs), (in_yaml, in_docs)
 
 
+@pytest.mark.slow
 def test_prefect_deploy_of_full_carries_the_described_run_form(api_url, tmp_path):
     """`prefect deploy` of prefect.yaml's `full` against a real server: the deployment is
     `smollm3/full`, its parameter schema has the descriptions, the recipe choices and the refresh

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_one_source_is_read_and_curated_and_its_table_printed(tmp_path):
     done = subprocess.run(
         [

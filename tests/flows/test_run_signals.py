@@ -56,6 +56,7 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_smollm3_run_within_10_s_and_records_it_cancelled(tmp_path, api_url, sig):
     ws = tmp_path / "ws"
@@ -119,6 +120,7 @@ run()
 """
 
 
+@pytest.mark.slow
 def test_a_step_busy_in_the_flow_process_cannot_hold_the_exit(tmp_path, api_url):
     ws, flag = tmp_path / "ws", tmp_path / "started"
     script = tmp_path / "busy.py"

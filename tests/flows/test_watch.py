@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from prefect import flow
 from pydantic import BaseModel, ConfigDict
 
@@ -56,6 +57,7 @@ def test_progress_lines_are_recognised_and_carried_in_the_description():
     assert parse(describe("pretrain[stage1]", "")) == ("pretrain[stage1]", "")
 
 
+@pytest.mark.slow
 def test_the_terminal_shows_each_running_steps_latest_training_line(tmp_path, prefect_harness, capsys):
     """Two steps train side by side for ~4 s each, a line every 0.5 s; the watcher (one look every
     0.2 s, a step's line at most every 1 s) prints their training lines as they go, and

@@ -267,6 +267,7 @@ def _facts(log: Path, spec: Path):
     return lines, failure_facts(spec, spec.parent, summary, first, returncode=1, who="torchrun", lost=lost)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["peer-node-dies", "store-node-dies"])
 def test_when_a_node_dies_the_survivor_ends_in_seconds_and_names_what_it_lost(tmp_path, victim):
     survivor, log, killed = _two_nodes(tmp_path, victim)

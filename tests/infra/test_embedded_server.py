@@ -11,6 +11,7 @@ import pytest
 from infra.prefect_server import EmbeddedServer, ServerStartError, healthy
 
 
+@pytest.mark.slow
 def test_the_server_answers_inside_the_block_and_is_gone_after(tmp_path):
     lines: list[str] = []
     with EmbeddedServer(home=str(tmp_path), timeout=600, log=lines.append) as server:
@@ -20,6 +21,7 @@ def test_the_server_answers_inside_the_block_and_is_gone_after(tmp_path):
     assert lines[0].startswith("starting a Prefect server for this run") and "up after" in lines[1]
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(tmp_path):
     """Its database cannot be opened (PREFECT_HOME below a file): the error comes when the
     server exits, with its own message, not after the deadline."""
@@ -32,6 +34,7 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(tmp_path
     assert time.monotonic() - started < 300  # far inside the 600 s deadline
 
 
+@pytest.mark.slow
 def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     """SIGKILL the command that started it (no cleanup of its own runs): the guard ends the server."""
     import os

@@ -95,6 +95,7 @@ def test_local_command_is_torchrun_on_one_node(monkeypatch):
         get_launcher(LaunchConfig(nodes=2)).render(Path("s.json"), Path("."))
 
 
+@pytest.mark.slow
 def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_tail(tmp_path):
     plan = write_plan(tmp_path / "shards")
     out = tmp_path / "stage"
@@ -123,6 +124,7 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
         launcher.launch(tmp_path / "nope.json", out, print)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
     """SIGKILL of one rank: torchrun's own last words are a ChildFailedError header; the cause is
     in its summary and the stage folder, and LaunchFailed says it in one sentence."""

@@ -59,6 +59,7 @@ def _writer(path: str, worker: int, n: int) -> None:
         lin.record_rows("metrics", [(f"w{worker}", i, "loss", float(i))])
 
 
+@pytest.mark.slow
 def test_four_processes_times_200_writes_lose_nothing(tmp_path):
     path = str(tmp_path / "lineage.duckdb")
     ctx = mp.get_context("spawn")

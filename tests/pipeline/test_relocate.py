@@ -115,6 +115,7 @@ def test_a_copied_workspace_reuses_every_step_and_reads_nothing_from_the_old_pla
     assert made["uri"].startswith(str(new))  # lineage reads the copy's paths
 
 
+@pytest.mark.slow
 def test_a_fresh_machine_fetches_finished_steps_from_the_mirror_and_verifies_them(tmp_path, prefect_harness, s3):  # noqa: F811
     endpoint, client = s3
     storage = ["storage.s3_uri=s3://ckpts/mirror", f"storage.endpoint_url={endpoint}", "storage.attempts=1"]

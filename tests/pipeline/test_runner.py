@@ -99,6 +99,7 @@ def test_a_missing_file_is_not_retried(tmp_path, prefect_harness):
     assert (tmp_path / "n").read_text() == "1"
 
 
+@pytest.mark.slow
 def test_transient_failure_in_a_child_process_is_retried_once(tmp_path, prefect_harness):
     config = Flaky(counter=str(tmp_path / "n"), fail_times=1, error="eio")
     _, _, rows = _run(tmp_path, flaky_child, config)

@@ -45,6 +45,7 @@ def _ids(folder: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_planted_exact_and_near_duplicates_are_all_found_without_false_positives(tmp_path):
     rng = random.Random(0)
     unique = [(f"u{i}", random_text(rng)) for i in range(40)]
@@ -78,6 +79,7 @@ def test_planted_exact_and_near_duplicates_are_all_found_without_false_positives
     ("exact", "minhash", "removed"),
     [(True, False, {"exact_dedup:exact_dedup": 2}), (False, True, {"minhash_dedup:minhash_dedup": 4})],
 )
+@pytest.mark.slow
 def test_each_dedup_pass_alone(tmp_path, exact, minhash, removed):
     rng = random.Random(2)
     unique = [(f"u{i}", random_text(rng)) for i in range(12)]
@@ -92,6 +94,7 @@ def test_each_dedup_pass_alone(tmp_path, exact, minhash, removed):
     assert meta["documents"] == 16 - sum(removed.values())
 
 
+@pytest.mark.slow
 def test_bad_input_is_counted_per_reason_never_dropped_silently(tmp_path):
     rng = random.Random(1)
     good = [doc_line(f"g{i}", random_text(rng, 60)) for i in range(5)]
@@ -159,6 +162,7 @@ def _train_id(prefix: str, source: str, fraction: float) -> str:
     return f"{prefix}{k}"
 
 
+@pytest.mark.slow
 def test_heldout_copies_straddling_the_split_leave_train_and_the_contamination_report(tmp_path):
     """A user's JSONL with copies of held-out documents planted under other ids: the source's id
     split puts them in train; curation removes them, and the eval suite's report shows 0."""
@@ -213,6 +217,7 @@ def test_heldout_copies_straddling_the_split_leave_train_and_the_contamination_r
     assert before["prose_cloze"]["contaminated"] >= 7  # the planted copies, before curation
 
 
+@pytest.mark.slow
 def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     rng = random.Random(11)
     other_held = [("o1", random_text(rng)), ("o2", random_text(rng))]

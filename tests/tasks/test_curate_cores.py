@@ -8,6 +8,8 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
+
 from curation.executors import machine_cores, stage_workers
 from curation.source_kinds import SourceConfig
 from pipeline.artifact import Artifact
@@ -45,6 +47,7 @@ def contents(folder: Path) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_output_is_the_same_whatever_the_worker_count(tmp_path):
     source = english_source(tmp_path)
     meta = source_step(SourceSpec(source=source, seed=0), out=tmp_path / "corpus", log=lambda _: None)

@@ -129,6 +129,7 @@ def _write_task(task_dir, name, items, delimiter=" "):
     (task_dir / f"{name}.yaml").write_text(task_yaml(name, task_dir / f"{name}.jsonl", delimiter))
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
     """The default path (each shared context scored once) gives lm-eval's `hf` scores: acc,
     acc_norm and their stderr, on cloze and passkey tasks; repeated calls in one process agree."""

@@ -185,6 +185,7 @@ def trained_stage(tmp_path_factory) -> Artifact:
     )
 
 
+@pytest.mark.slow
 def test_every_kept_checkpoint_is_scored_in_step_order(trained_stage, tmp_path):
     rng = np.random.default_rng(0)
     held = tmp_path / "held"

@@ -341,6 +341,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     """An exception right after the step-2 checkpoint; the rerun in the kept folder continues at
     step 3 (the launched variant, killed from outside: test_posttrain_launch.py)."""

@@ -168,6 +168,7 @@ def test_fingerprint_is_per_host_and_recipe_facts_not_per_run(monkeypatch):
     assert fp(spec(config(), GOOD, "run-a")) != base
 
 
+@pytest.mark.slow
 def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
     """Through the flow runner (a one-step graph, built in a child process): a passing preflight
     publishes its table and lineage rows; a failing one fails the flow naming the step and check."""

@@ -147,6 +147,7 @@ def s3(monkeypatch):
     yield from moto_s3.__wrapped__(monkeypatch)
 
 
+@pytest.mark.slow
 def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, monkeypatch):
     """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
     the newest complete checkpoint from S3 and continues from it instead of starting over."""

@@ -56,6 +56,7 @@ def two_stages(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, tmp_path):
     from model.schedule import lr_at
     from model.spec import ScheduleSpec

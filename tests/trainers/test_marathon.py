@@ -156,6 +156,7 @@ def launch_tree(out: Path) -> tuple[psutil.Process, psutil.Process, list[psutil.
 HANG_WATCH = {"floor_s": 3.0, "multiple": 10.0, "grace_s": 2.0, "heartbeat_s": 0.5, "startup_s": 120.0}
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_detected_its_stacks_logged_and_the_retry_resumes_bit_identically(tmp_path):
     """Rank 1, its torchrun and the guard frozen with SIGSTOP after step 5 (as the issue did from
     outside): rank 0's watchdog, blocked in a collective, reports within its bound and prints its
@@ -220,6 +221,7 @@ def test_a_frozen_rank_is_detected_its_stacks_logged_and_the_retry_resumes_bit_i
     assert [e.value for e in losses] == pytest.approx([m["loss"] for m in metrics(out)], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_launch_frozen_whole_is_ended_by_the_pretrain_step(tmp_path):
     """Everything frozen (rank, torchrun, guard): no watchdog can run, so the pretrain step's
     supervisor reads the stale heartbeat, writes the hang report itself and ends the launch."""
@@ -253,6 +255,7 @@ def test_a_launch_frozen_whole_is_ended_by_the_pretrain_step(tmp_path):
 # --- 2. stragglers and throughput ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_first_step(tmp_path):
     """Rank 1 slowed from outside after step 12 (a CPU quota: 1 ms of every 8): rank 0 names rank 1
     and its host as a straggler (never rank 0 once it is slowed), and flags the fall of tokens/s
@@ -337,6 +340,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
 # --- 3. loss spikes and non-finite losses -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_planted_spike_is_not_applied_and_a_resumed_stage_skips_the_same_step(tmp_path):
     """Step 16's data is random ids never seen elsewhere: its loss and gradient norm jump. With
     the skip-step rule the step is not applied (the weights after it equal those before it), it is
@@ -374,6 +378,7 @@ def test_a_planted_spike_is_not_applied_and_a_resumed_stage_skips_the_same_step(
     assert same_weights(ckpt / "step_00000020", resumed / "checkpoints" / "step_00000020")
 
 
+@pytest.mark.slow
 def test_after_a_nan_the_stage_rolls_back_and_skips_the_data_that_caused_it(tmp_path):
     """A token planted in the data of steps 5 and 7 makes their loss NaN (the trainer's debug
     hook turns the crafted shard into a NaN batch). The first NaN rolls the stage back to the
@@ -413,6 +418,7 @@ def test_the_rollbacks_are_bounded(tmp_path):
 # --- 4. trackers ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tensorboard_files_are_written_live_and_read_back_by_tensorboard(tmp_path):
     """Rank 0's event files, read with TensorBoard's own reader while the stage still trains, then
     after it: loss, LR, gradient norm, tokens/s, MFU, memory and skipped steps at every line; the
@@ -512,6 +518,7 @@ def planted_mixture(config: Planted, *, out: Path, log=print) -> dict:
     return {"stage": "stage1"}
 
 
+@pytest.mark.slow
 def test_flags_are_prefect_events_and_lineage_rows_of_the_flow_run(tmp_path, prefect_harness):
     """The pretrain step in a flow run (the real runner): the skipped step the rank flags becomes a
     Prefect event `smollm3.training.skipped_step` about the stage, related to the flow run and the

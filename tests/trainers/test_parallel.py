@@ -62,6 +62,7 @@ def dp4(tmp_path_factory):
     return plan, out
 
 
+@pytest.mark.slow
 def test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layout(dp4, tmp_path):
     plan, dp4_out = dp4
     tp = tmp_path / "tp"
@@ -94,6 +95,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
     plan, dp4_out = dp4
     out = tmp_path / "hsdp"
@@ -132,6 +134,7 @@ def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
     _weights_close(out, dp4_out)
 
 
+@pytest.mark.slow
 def test_trainer_checkpointing_modes_are_bit_identical_and_auto_picks_what_fits(plan_path, tmp_path):
     from model.config import ModelConfig
     from model.memory import StepShape, estimate
@@ -158,6 +161,7 @@ def test_trainer_checkpointing_modes_are_bit_identical_and_auto_picks_what_fits(
     assert json.loads((auto / "result.json").read_text())["activation_checkpointing"] == "full"
 
 
+@pytest.mark.slow
 def test_async_checkpoints_are_complete_and_resume_bit_identically(plan_path, tmp_path):
     sync, background = tmp_path / "sync", tmp_path / "async"
     run_train(write_spec(tmp_path / "sync.json", plan_path, sync, steps=6, checkpoint_interval=2, keep_last=4))

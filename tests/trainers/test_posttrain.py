@@ -120,6 +120,7 @@ def assert_same_curve(got: list[tuple[int, float]], want: list[tuple[int, float]
 # --- several processes --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_on_two_processes_through_accelerate_matches_one_process(world, tmp_path):
     lines: list[str] = []
     two = build(
@@ -137,6 +138,7 @@ def test_sft_on_two_processes_through_accelerate_matches_one_process(world, tmp_
     assert len(losses(two)) == SFT.max_steps
 
 
+@pytest.mark.slow
 def test_apo_on_two_processes_matches_one_process(world, tmp_path):
     two = build("preference", run_of(APO, procs=2), {"model": world["sft"], "data": world["data"]}, tmp_path)
     assert two.meta["world_size"] == 2 and "torchrun" in two.meta["launch"]
@@ -205,6 +207,7 @@ def kill_then_resume(name: str, run: PosttrainSpec, inputs: dict, root: Path) ->
     return artifact, killer.killed_after, err.value.cause
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sft", "preference"])
 def test_sft_and_apo_killed_mid_run_resume_and_end_on_the_uninterrupted_losses(world, tmp_path, name):
     section, inputs, reference = {
@@ -223,6 +226,7 @@ def test_sft_and_apo_killed_mid_run_resume_and_end_on_the_uninterrupted_losses(w
     assert len(final) <= section.keep_checkpoints + 1
 
 
+@pytest.mark.slow
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(world, tmp_path):
     artifact, after, cause = kill_then_resume(
         "grpo", run_of(GRPO), {"model": world["sft"], "data": world["data"]}, tmp_path
@@ -236,6 +240,7 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(world, tmp_path):
 # --- S3 mirror --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_path, s3):  # noqa: F811
     endpoint, client = s3
     storage = StorageConfig(s3_uri="s3://ckpts/run", endpoint_url=endpoint, keep_local=1, sync_every_s=0.2)
@@ -326,6 +331,7 @@ class Signaller(threading.Thread):
                         return
 
 
+@pytest.mark.slow
 def test_sft_stopped_by_a_signal_saves_that_step_and_the_resume_loses_none(world, tmp_path):
     section = SFT.model_copy(update={"save_steps": 100})  # only the end: a stop must save by itself
     inputs = {"model": world["base"], "data": world["data"]}

@@ -49,6 +49,7 @@ def base_and_data(tmp_path_factory) -> tuple[Artifact, Artifact]:
     return base, Artifact(kind="corpus", uri=str(root / "data"), fingerprint="d" * 64, meta={})
 
 
+@pytest.mark.slow
 def test_a_killed_sft_trainer_is_retried_in_the_run_and_resumes_from_its_checkpoint(
     tmp_path, prefect_harness, base_and_data
 ):

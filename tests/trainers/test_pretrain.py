@@ -95,6 +95,7 @@ def assert_same_weights(a: Path, b: Path, exact: bool = True) -> None:
             torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     clean = tmp_path / "clean"
     run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
@@ -132,6 +133,7 @@ def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
     assert result["tokens_per_source"] == json.loads((clean / "result.json").read_text())["tokens_per_source"]
 
 
+@pytest.mark.slow
 def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path, tmp_path):
     """1 rank for 2 steps, a 2-rank FSDP2 torchrun for 2 more, then 1 rank again to the end."""
     reference = tmp_path / "reference"
@@ -170,6 +172,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
     assert sum(state["tokens_per_source"].values()) == 6 * 4 * 32
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_and_keeps_the_good_checkpoint(plan_path, tmp_path):
     out = tmp_path / "run"
     run_train(write_spec(tmp_path / "good.json", plan_path, out, steps=2))
@@ -325,6 +328,7 @@ def test_mfu_against_this_hosts_preflight_calibration_stays_below_1(plan_path, t
     assert {r["mfu_peak_flops"] for r in rows} == {flops}
 
 
+@pytest.mark.slow
 def test_bf16_autocast_and_compiled_blocks_train_close_to_fp32(plan_path, tmp_path):
     """Two optimizer steps (2 micro-batches each) per path, through `python -m trainers.pretrain`.
 
@@ -388,6 +392,7 @@ def _optimizer_step_count(folder: Path, tmp_path: Path) -> float:
     return float(state["optim"]["state"]["embed.weight"]["step"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reset", [False, True])
 def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path, reset):
     stage1 = tmp_path / "stage1"
@@ -418,6 +423,7 @@ def test_next_stage_from_a_checkpoint_with_context_extension(plan_path, tmp_path
     assert sum(result["tokens_per_source"].values()) == 2 * 4 * 64
 
 
+@pytest.mark.slow
 def test_the_spec_seed_initialises_the_model(plan_path, tmp_path):
     """The recipe seed reaches initialisation through TrainSpec.seed: the same seed gives the same
     weights after the same steps, another seed other weights."""
@@ -516,6 +522,7 @@ def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, t
     assert not (out / ".lease.json").exists()  # released at the end
 
 
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(plan_path, tmp_path):
     """Bytes flipped in the newest checkpoint's shard (same size): the old size-only check
     resumed from it and died later with NaN; now the trainer resumes from the previous one."""

@@ -85,6 +85,7 @@ def clean_loss(shared_plan, tmp_path_factory) -> float:
     [("rank1", signal.SIGUSR1, False), ("torchrun", signal.SIGUSR1, False), ("torchrun", signal.SIGTERM, True)],
     ids=["sigusr1-to-one-rank", "sigusr1-to-torchrun", "sigterm-to-torchrun-async-checkpoints"],
 )
+@pytest.mark.slow
 def test_a_stop_signal_saves_the_current_step_and_the_resume_loses_none(
     shared_plan, clean_loss, tmp_path, target, sig, async_checkpoint
 ):
