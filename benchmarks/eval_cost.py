@@ -34,11 +34,12 @@ import torch  # noqa: E402
 
 from evals.harness import run_lm_eval, stage_tasks
 from flows.recipe import load_recipe  # noqa: E402
+from flows.stage_plan import schedule_stages  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate  # noqa: E402
 from tasks.export import ExportConfig, export  # noqa: E402
 from tasks.mixture import MixtureSpec, mixture  # noqa: E402
-from tasks.pretrain import pretrain, schedule_stages  # noqa: E402
+from tasks.pretrain import pretrain  # noqa: E402
 from tasks.sources import SourceSpec, source  # noqa: E402
 from tasks.tokenize import TokenizeSpec, tokenize  # noqa: E402
 from tasks.tokenizer import tokenizer  # noqa: E402

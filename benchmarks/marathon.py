@@ -29,8 +29,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flows.recipe import load_recipe  # noqa: E402
+from flows.stage_plan import schedule_stages  # noqa: E402
 from pipeline.artifact import Artifact  # noqa: E402
-from tasks.pretrain import pretrain, schedule_stages  # noqa: E402
+from tasks.pretrain import pretrain  # noqa: E402
 from tests.model.conftest import write_two_source_plan  # noqa: E402
 from tests.trainers.faults import Throttle  # noqa: E402
 

@@ -4,7 +4,7 @@ stage, the stage table.
 
 The run_report step (tasks/run_report.py) writes them into its folder; `smollm3 summary` and
 `smollm3 report` (flows/views.py) and the comparisons (flows/compare.py) print them from the same
-functions. A stage row is what `tasks/run_report.py` `stage_rows` reads from a training stage.
+functions. A stage row is what evals/training_metrics.py `stage_rows` reads from a training stage.
 """
 
 from __future__ import annotations

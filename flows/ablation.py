@@ -28,6 +28,7 @@ from evals.experiments import BASELINE, AblationConfig, ExperimentSpec, RunRef, 
 from evals.quality import CRITERIA
 from flows.recipe import Recipe, RecipeError, check_data, load_recipe
 from flows.smollm3 import data
+from flows.stage_plan import schedule_stages
 from pipeline.artifact import identity
 from pipeline.graph import Graph, Node
 from tasks.compare import compare
@@ -36,7 +37,7 @@ from tasks.export import export
 from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
 from tasks.mixture import MixtureSpec, mixture
 from tasks.preflight import preflight, spec_for
-from tasks.pretrain import pretrain, schedule_stages
+from tasks.pretrain import pretrain
 
 # Settings of the run, not of a model: every arm trains in one flow run with the baseline's.
 RUN_LEVEL = ("workspace", "resources", "launch", "storage")

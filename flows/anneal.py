@@ -15,8 +15,9 @@ run, or the one given) and pinned, so the main run may keep training and pruning
 The playbook's recipe: take a checkpoint from the stable phase of the main run, continue training
 it on 40% of the current stage's mixture plus 60% of a candidate source with the learning rate
 decaying linearly to 0 over a short run, evaluate, and compare against a baseline anneal on the
-current mixture alone. The base (resolved through lineage and pinned) is tasks/pin.py's; the
-mixtures are tasks/mixture.py's `weights_mixture`; each run is a `pretrain` stage. Here:
+current mixture alone. The base is resolved through lineage by model/base_checkpoint.py and
+pinned by tasks/pin.py; the mixtures are tasks/mixture.py's `weights_mixture`; each run is a
+`pretrain` stage. Here:
 
 - `anneal_runs` lays out the baseline (plus seed replicas of it: the same mixture with another
   data order, which measures seed noise) and one run per candidate;
@@ -34,10 +35,13 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
+from curation.mixtures import blend
 from evals.experiments import BASELINE, ExperimentSpec, RunRef
 from flows.ablation import add_comparison
 from flows.params import RecipeParam, step_names
 from flows.recipe import AnnealConfig, Recipe, load_recipe
+from flows.stage_plan import optimizer_steps
+from model.base_checkpoint import BaseCheckpoint, resolve_base
 from model.spec import ScheduleSpec
 from pipeline.graph import Given, Graph, Node
 from pipeline.lineage import Lineage
@@ -45,9 +49,9 @@ from pipeline.workspace import Workspace
 from tasks.evaluate import EvalSpec, evaluate
 from tasks.export import export
 from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
-from tasks.mixture import WeightsMixtureSpec, blend, weights_mixture
-from tasks.pin import BaseCheckpoint, pin, resolve_base
-from tasks.pretrain import StageSpec, optimizer_steps, pretrain
+from tasks.mixture import WeightsMixtureSpec, weights_mixture
+from tasks.pin import PinSpec, pin
+from tasks.pretrain import StageSpec, pretrain
 
 
 def resolve(cfg: Recipe, base: str = "") -> BaseCheckpoint:
@@ -76,7 +80,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     tok, suite = Given(lineage.get(base.tokenizer)), Given(lineage.get(base.suite))
     corpora = [Given(c) for s in base.shards for c in lineage.inputs_of(s, kind="corpus")]
     g = Graph("anneal", tolerant=tolerant)
-    pinned = g.add(pin, base.pin_spec(), label=base.label)
+    pinned = g.add(pin, PinSpec.of(base), label=base.label)
     held = [
         g.add(heldout_tokens, h, label=h.domain, tokenizer=tok, corpora=corpora) for h in heldout_sets(cfg.anneal, base)
     ]

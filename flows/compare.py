@@ -128,7 +128,7 @@ def plot_losses(runs: list[tuple[str, list[dict[str, Any]]]], path: Path) -> Pat
 
 
 def _stages(lineage: Lineage, run_id: str) -> tuple[list[dict[str, Any]], str | None]:
-    from tasks.run_report import stage_rows
+    from evals.training_metrics import stage_rows
 
     try:
         return stage_rows(lineage.labelled_outputs(run_id, "pretrain")), None

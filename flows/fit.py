@@ -49,7 +49,7 @@ def _vocab(recipe: Any) -> int:
 
 def stage_rows(recipe: Any) -> list[StageFit]:
     """Every stage's layout and predicted memory (ValueError naming the stage when one cannot run)."""
-    from tasks.pretrain import schedule_stages, stage_batch
+    from flows.stage_plan import schedule_stages, stage_batch
 
     t = recipe.training
     for st in recipe.stages:  # before the stages become TrainSpecs, so the message names the stage
@@ -100,8 +100,8 @@ def stage_rows(recipe: Any) -> list[StageFit]:
 
 def check_stages_fit(recipe: Any) -> None:
     """Refuse a stage whose layout, batch or memory cannot work (module docstring)."""
+    from flows.stage_plan import schedule_stages
     from model.memory import CONTEXT_GB, FRAGMENTATION, fitting_alternatives
-    from tasks.pretrain import schedule_stages
 
     rows = stage_rows(recipe)
     limit = recipe.training.gpu_memory_gb

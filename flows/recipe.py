@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from curation.mixtures import check_stages, load_weights
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
@@ -39,7 +40,7 @@ from tasks.curate import CurationConfig
 from tasks.evaluate import EvalConfig
 from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
-from tasks.mixture import StageConfig, check_stages, load_weights
+from tasks.mixture import StageConfig
 from tasks.pretrain import TrainingConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig

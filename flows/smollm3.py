@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from flows.params import RecipeParam, step_names
 from flows.recipe import Recipe, check_data, load_recipe
+from flows.stage_plan import schedule_stages
 from pipeline.graph import Graph, Node
 from tasks.curate import curate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
@@ -25,7 +26,7 @@ from tasks.posttrain.merge import merge
 from tasks.posttrain.preference import preference
 from tasks.posttrain.sft import sft
 from tasks.preflight import preflight, spec_for
-from tasks.pretrain import pretrain, schedule_stages
+from tasks.pretrain import pretrain
 from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize

@@ -159,7 +159,7 @@ def find_run(lineage: Lineage, ref: str) -> dict[str, Any]:
 def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
     """The run's report as markdown (plus its loss curve beside it): what the UI shows, in a file."""
     from evals.report import plot_run_loss, stages_markdown
-    from tasks.run_report import stage_rows
+    from evals.training_metrics import stage_rows
 
     run = find_run(lineage, ref)
     run_id = run["run_id"]

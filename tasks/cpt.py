@@ -4,17 +4,17 @@ The playbook's recipe: LR about a tenth of the original peak, a short warmup, a 
 state, replay of general data (default 10%) mixed into the new-domain data, a WSD decay at the
 end, and held-out loss tracked on both the old (general) and the new domain. Here:
 
-- the base (tasks/pin.py) is a checkpoint written by the pretrain step (path or fingerprint), an
-  HF `save_pretrained` folder (imported by the `pin` step), or by default the final checkpoint of
-  the last pretrain stage of the latest smollm3 run; the data (shards, tokenizer, held-out text)
-  comes from that run through lineage;
-- `cpt_weights` blends the domain and general weights; `cpt_stage` is the launch: the base
-  stage's own TrainSpec with a fresh optimizer and schedule at `lr_fraction` x its peak LR;
+- the base (model/base_checkpoint.py, pinned by tasks/pin.py) is a checkpoint written by the
+  pretrain step (path or fingerprint), an HF `save_pretrained` folder (imported by the `pin`
+  step), or by default the final checkpoint of the last pretrain stage of the latest smollm3 run;
+  the data (shards, tokenizer, held-out text) comes from that run through lineage;
+- `cpt_weights` (flows/cpt.py) blends the domain and general weights; `cpt_stage` is the launch:
+  the base stage's own TrainSpec with a fresh optimizer and schedule at `lr_fraction` x its peak LR;
 - `heldout_tokens` (tasks/heldout.py) tokenizes the held-out split of the general and of the
   new-domain sources with the run's tokenizer, so the loss is measured on unseen text;
 - the stage keeps a checkpoint every `eval_interval` steps; `cpt_monitor` (step) computes the
   held-out loss of the base and of every kept checkpoint on both domains, and
-  `forgetting_flags` marks the checkpoints whose general loss rose more than `threshold`
+  `forgetting_flags` (evals/forgetting.py) marks the checkpoints whose general loss rose more than `threshold`
   (relative) above the base's. Scores go to DuckDB `metrics` and to a Prefect table artifact.
 """
 
@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model.spec import ScheduleSpec, TrainSpec
+from evals.forgetting import forgetting_flags
+from evals.heldout_loss import heldout_loss
+from model.spec import TrainSpec
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from tasks.heldout import HeldoutSpec, heldout_loss
-from tasks.mixture import blend
-from tasks.pin import BaseCheckpoint
-from tasks.pretrain import StageSpec, optimizer_steps
 
 
 class CptConfig(BaseModel):
@@ -70,88 +68,6 @@ class CptConfig(BaseModel):
                 raise ValueError(
                     f"cpt.{section} names unknown source(s) {', '.join(unknown)}; sources: {', '.join(sources)}"
                 )
-
-
-# --- mixture and launch -----------------------------------------------------------------------
-
-
-def general_weights(cfg: CptConfig, base_weights: Mapping[str, float]) -> dict[str, float]:
-    """The general data to replay: the recipe's choice, else the base stage's minus the domain."""
-    weights = dict(cfg.general) or {k: v for k, v in base_weights.items() if k not in cfg.domain}
-    if cfg.replay > 0 and not any(w > 0 for w in weights.values()):
-        raise ValueError(
-            f"cpt.replay is {cfg.replay} but there is no general data to replay (base mixture "
-            f"{dict(base_weights)} minus cpt.domain {sorted(cfg.domain)}); set cpt.general"
-        )
-    return weights
-
-
-def cpt_weights(cfg: CptConfig, general: Mapping[str, float]) -> dict[str, float]:
-    """(1 - replay) x new-domain data + replay x general data, each normalised first."""
-    if not any(w > 0 for w in cfg.domain.values()):
-        raise ValueError("cpt.domain names no new-domain source with a positive weight (e.g. cpt.domain={math: 1})")
-    return blend([(cfg.domain, 1 - cfg.replay), (general, cfg.replay)])
-
-
-def cpt_stage(cfg: CptConfig, base: BaseCheckpoint, nproc_per_node: int = 1, threads: int | None = None) -> StageSpec:
-    """The CPT launch: the base stage's spec with a fresh optimizer and WSD schedule at
-    lr_fraction x its peak LR, keeping a checkpoint every eval_interval steps for the monitor.
-    The model shape comes from the base itself (an imported HF model need not be a preset)."""
-    steps = optimizer_steps(cfg.tokens, base.spec.global_batch, base.seq_len)
-    overrides = {k: v for k, v in base.model_shape.items() if k != "max_seq_len"} or base.spec.model_overrides
-    spec = base.spec.model_copy(
-        update={
-            "stage": "cpt",
-            "steps": steps,
-            "model_overrides": overrides,
-            "optimizer": base.spec.optimizer.model_copy(update={"lr": base.peak_lr * cfg.lr_fraction}),
-            "schedule": ScheduleSpec(
-                kind="wsd",
-                warmup_steps=min(cfg.warmup_steps, steps),
-                decay_fraction=cfg.decay_fraction,
-                min_lr=0.0,
-                total_steps=steps,
-                start_step=0,
-            ),
-            "reset_optimizer": True,
-            "reset_schedule": True,
-            "mixture_plan": "",
-            "out_dir": "",
-            "init_from": None,
-        }
-    )
-    return StageSpec(
-        spec=spec, kind="cpt", keep_every=cfg.eval_interval, nproc_per_node=nproc_per_node, threads=threads
-    )
-
-
-# --- held-out loss and forgetting ----------------------------------------------------------
-
-
-def heldout_configs(cfg: CptConfig, general: Mapping[str, float]) -> list[HeldoutSpec]:
-    """The two held-out sets the monitor compares: general (replayed) data and the new domain."""
-    return [
-        HeldoutSpec(domain=d, sources=tuple(sorted(k for k, v in w.items() if v > 0)), max_tokens=cfg.heldout_tokens)
-        for d, w in (("general", general), ("domain", cfg.domain))
-    ]
-
-
-def forgetting_flags(history: Sequence[Mapping[str, Any]], threshold: float) -> list[dict[str, Any]]:
-    """Each evaluation with its general-loss rise over the first row (the base model) and a
-    `forgetting` flag when that relative rise exceeds `threshold`.
-
-    history: rows {step, general, domain} in step order, the first one the base (step 0).
-    """
-    if not history:
-        return []
-    base = float(history[0]["general"])
-    if not base > 0:
-        raise ValueError(f"forgetting_flags: the base general loss must be > 0, got {base}")
-    flagged = []
-    for row in history:
-        rise = (float(row["general"]) - base) / base
-        flagged.append({**row, "general_rise": rise, "forgetting": rise > threshold})
-    return flagged
 
 
 def publish_monitor(artifact: Artifact, ws, label: str) -> None:

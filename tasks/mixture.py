@@ -7,10 +7,10 @@ A mixture file holds one stage's weights by source name:
       code: 0.25
 
 The recipe's `stages` name a mixture file, a token budget and a sequence length each. Mixtures are
-checked when the recipe loads, before any compute: a source the recipe does not define, a
-negative weight or a zero total is an error naming the file and the fix. Weights that do not sum
-to 1 are normalised with a warning that states the original sum (SmolLM3's decay stage sums to
-1.0056). The mixture step then computes each source's token budget for the stage and its
+checked when the recipe loads, before any compute (curation/mixtures.py: a source the recipe does
+not define, a negative weight or a zero total is an error naming the file and the fix; weights
+that do not sum to 1 are normalised with a warning that states the original sum, SmolLM3's decay
+stage sums to 1.0056). The mixture step then computes each source's token budget for the stage and its
 expected epochs over the tokens available, warns when a source repeats more than the stage's
 `max_epochs`, and writes `plan.json`, the contract the trainer (model/data.py) reads:
 
@@ -25,30 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.mixtures import MixtureError, MixtureWarning, check_weights, load_weights, mixture_path, normalised
 from infra.files import path_for_file
-from infra.yamlfile import YamlRefused, load_yaml
 from model.spec import StageSettings
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class MixtureWarning(UserWarning):
-    """A mixture that works but deserves a look (weights renormalised, heavy repetition)."""
-
-
-class MixtureError(ValueError):
-    """A mixture that cannot be used; the message names the file, the source and the fix."""
 
 
 class StageConfig(StageSettings):
@@ -70,75 +58,6 @@ class StageConfig(StageSettings):
     # The node count of its launch: a long-context stage whose global batch is smaller than the
     # main stages' DP size runs on fewer nodes (docs/scale.md). Operational.
     nodes: int | None = operational(None, gt=0)
-
-
-def mixture_path(path: str) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
-def load_weights(path: str) -> dict[str, float]:
-    """The raw weights of a mixture file (no checks beyond its shape)."""
-    file = mixture_path(path)
-    if not file.is_file():
-        raise MixtureError(f"mixture file {path!r} not found (looked at {file}); create it or fix stages[].mixture")
-    try:
-        data = load_yaml(file.read_text(encoding="utf-8")) or {}
-    except YamlRefused as exc:
-        raise MixtureError(f"mixture file {file}: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)  # no snippet of the file in the message
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise MixtureError(
-            f"mixture file {file}: invalid YAML{where}: {getattr(exc, 'problem', None) or 'cannot be parsed'}"
-        ) from None
-    if not isinstance(data, dict) or set(data) != {"weights"} or not isinstance(data["weights"], dict):
-        raise MixtureError(f"mixture file {file}: expected one mapping `weights: {{source: weight}}`")
-    weights: dict[str, float] = {}
-    for name, w in data["weights"].items():
-        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
-            raise MixtureError(
-                f"mixture file {file}: weight of {name!r} is "
-                f"{'a boolean' if isinstance(w, bool) else 'a ' + type(w).__name__}"
-                ", not a finite number"
-            )
-        weights[str(name)] = float(w)
-    return weights
-
-
-def check_weights(weights: Mapping[str, float], sources: Iterable[str], where: str) -> None:
-    """Errors for unknown sources, negative weights and a zero total (before any compute)."""
-    known = set(sources)
-    unknown = sorted(set(weights) - known)
-    if unknown:
-        raise MixtureError(
-            f"mixture {where}: unknown source(s) {', '.join(unknown)}; the recipe's sources are "
-            f"{', '.join(sorted(known))}. Add them to the recipe or fix the names."
-        )
-    negative = sorted(n for n, w in weights.items() if w < 0 or not math.isfinite(w))
-    if negative:
-        raise MixtureError(f"mixture {where}: weights must be finite and >= 0; bad: {', '.join(negative)}")
-    if sum(weights.values()) <= 0:
-        raise MixtureError(f"mixture {where}: the weights sum to 0; give at least one source a positive weight")
-
-
-def check_stages(stages: Sequence[StageConfig], sources: Iterable[str]) -> None:
-    """Load and check every stage's mixture (called when the recipe is validated)."""
-    names = list(sources)
-    seen: set[str] = set()
-    for stage in stages:
-        if stage.name in seen:
-            raise MixtureError(f"stage name {stage.name!r} is repeated; stage names must be unique")
-        seen.add(stage.name)
-        check_weights(load_weights(stage.mixture), names, f"{stage.mixture} (stage {stage.name})")
-
-
-def normalised(weights: Mapping[str, float], where: str) -> tuple[dict[str, float], float]:
-    """Weights scaled to sum to 1, and the original sum (with a warning when it was not 1)."""
-    total = sum(weights.values())
-    if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-9):
-        warnings.warn(MixtureWarning(f"mixture {where}: weights sum to {total:g}, not 1; normalised"), stacklevel=2)
-    return {n: w / total for n, w in weights.items()}, total
 
 
 class MixtureSpec(BaseModel):
@@ -182,22 +101,6 @@ class WeightsMixtureSpec(BaseModel):
     seq_len: int = Field(gt=0)  # sequence length
     seed: int = 0  # seed of the data order
     max_epochs: float = operational(1000.0, gt=0)  # short runs on small data repeat by design
-
-
-def blend(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
-    """Sum of share x normalised weights over (weights, share) parts; parts with share 0 are
-    skipped. Anneals blend (current, 1 - share) with (candidate, share); continued pretraining
-    blends (new domain, 1 - replay) with (general data, replay)."""
-    out: dict[str, float] = {}
-    for weights, share in parts:
-        if share == 0:
-            continue
-        total = sum(weights.values())
-        if total <= 0 or any(w < 0 for w in weights.values()):
-            raise ValueError(f"mixture weights {dict(weights)} must be >= 0 and not all 0")
-        for name, w in weights.items():
-            out[name] = out.get(name, 0.0) + share * w / total
-    return {k: round(v, 10) for k, v in sorted(out.items()) if v > 0}
 
 
 @step("weights_mixture", version=2, kind="mixture")

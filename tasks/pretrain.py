@@ -1,6 +1,6 @@
 """Pretraining stages: one torchrun launch of `trainers.pretrain` per stage, resumable inside its folder.
 
-SmolLM3's schedule, as data:
+SmolLM3's schedule, as data (planned into one `StageSpec` per stage by flows/stage_plan.py):
 - the `pretrain` stages (stage 1, 2, 3) share ONE warmup-stable-decay schedule: each stage knows
   its position in it (`start_step` of `total_steps`), and the decay covers the last
   `decay_stages` stages (SmolLM3: stage 3, ~11% of the steps), so a stage boundary never resets
@@ -33,25 +33,24 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from evals.training_metrics import loss_curve, read_metrics
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
-from model.spec import ScheduleSpec, TrainSettings, TrainSpec, stage_settings
+from model.spec import TrainSettings, TrainSpec
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from tasks.mixture import StageConfig
 from tasks.preflight import host_calibration
 from trainers.supervise import (
     RunRef,
@@ -65,7 +64,7 @@ from trainers.supervise import (
 )
 from trainers.tracker import check_tracker, tracker_dir
 
-FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
+_FAILURE_ENV = "SMOLLM3_INJECT_FAILURE"
 
 
 class TrainingConfig(TrainSettings):
@@ -158,107 +157,6 @@ class StageSpec(BaseModel):
         )
 
 
-def optimizer_steps(tokens: int, global_batch: int, seq_len: int) -> int:
-    """Optimizer steps that train on `tokens` (at least one): the one steps formula."""
-    return max(1, math.ceil(tokens / (global_batch * seq_len)))
-
-
-def stage_batch(stage: StageConfig, training: TrainingConfig) -> tuple[int, int]:
-    """(global_batch, micro_batch) of a stage: its own, else the training section's."""
-    return (stage.global_batch or training.global_batch, stage.micro_batch or training.micro_batch)
-
-
-def stage_steps(stage: StageConfig, training: TrainingConfig) -> int:
-    return optimizer_steps(stage.tokens, stage_batch(stage, training)[0], stage.seq_len)
-
-
-def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields: Any) -> TrainSpec:
-    """A recipe stage as a TrainSpec: the training settings, the stage's own over them, and
-    `fields`, what the schedule layout decides."""
-    settings = {**training.settings(), **stage_settings(stage)}
-    own = {"stage": stage.name, "seq_len": stage.seq_len, "rope_theta": stage.rope_theta, "seed": seed}
-    return TrainSpec(**{**settings, **own, "model_preset": training.model, **fields})
-
-
-def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageSpec]:
-    """Resolve the recipe's stages into launches: one WSD across the pretrain stages, then a fresh
-    cosine schedule (and optimizer) per long-context stage at `lr_scale` x the peak LR."""
-    main = [s for s in stages if s.kind == "pretrain"]
-    steps = [stage_steps(s, training) for s in main]
-    total = sum(steps)
-    decay = sum(steps[len(steps) - training.decay_stages :]) if training.decay_stages else 0
-    runs, position = [], 0
-    for s, n in zip(main, steps, strict=True):
-        schedule = ScheduleSpec(
-            kind="wsd",
-            warmup_steps=min(training.warmup_steps, total),
-            decay_fraction=decay / total if total else 0.0,
-            min_lr=training.min_lr,
-            total_steps=total,
-            start_step=position,
-        )
-        spec = stage_spec(s, training, seed, steps=n, optimizer=training.optimizer, schedule=schedule)
-        runs.append(StageSpec(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
-        position += n
-    for s in stages:
-        if s.kind != "long_context":
-            continue
-        n = stage_steps(s, training)
-        schedule = ScheduleSpec(
-            kind="cosine",
-            warmup_steps=min(s.warmup_steps, n),
-            decay_fraction=1.0,
-            min_lr=training.min_lr,
-            total_steps=n,
-            start_step=0,
-        )
-        optimizer = training.optimizer.model_copy(update={"lr": training.optimizer.lr * s.lr_scale})
-        spec = stage_spec(
-            s,
-            training,
-            seed,
-            steps=n,
-            optimizer=optimizer,
-            schedule=schedule,
-            reset_optimizer=True,
-            reset_schedule=True,
-        )
-        runs.append(StageSpec(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
-    return runs
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return rows
-
-
-def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax2 = ax.twinx()
-    ax2.plot([r["step"] for r in rows], [r["lr"] for r in rows], color="tab:orange", lw=0.8, alpha=0.7)
-    ax2.set_ylabel("lr", color="tab:orange")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 class _Watcher(threading.Thread):
     """Reports progress from the last line of metrics.jsonl and, when asked, kills the trainer
     right after its first complete checkpoint (the failure-injection hook)."""
@@ -329,7 +227,7 @@ def _device(spec: TrainSpec) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def launch_config(run: StageSpec) -> LaunchConfig:
+def _launch_config(run: StageSpec) -> LaunchConfig:
     """The launcher for a stage: ranks per node from the recipe, and on CPU the stage's threads
     (its train slot's, else the machine's cores split between the ranks; torchrun would
     otherwise pin one thread per rank)."""
@@ -340,7 +238,7 @@ def launch_config(run: StageSpec) -> LaunchConfig:
     return run.launch.model_copy(update={"procs_per_node": run.nproc_per_node, "env": env})
 
 
-def stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def _stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         f"# {meta['stage']} ({meta['kind']})",
         "",
@@ -443,8 +341,8 @@ def pretrain(
     )
     if spec.tracker.kind != "none":
         log(f"{spec.stage}: {spec.tracker.kind} run folder {spec.tracker_dir}")
-    launcher = get_launcher(launch_config(config))
-    inject = os.environ.get(FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
+    launcher = get_launcher(_launch_config(config))
+    inject = os.environ.get(_FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
     sink = StageEvents(out, spec.stage, log, *_run_context())
     while True:  # again only after a non-finite value, with its data skipped (bounded)
@@ -462,7 +360,7 @@ def pretrain(
         except Exception as exc:
             if watcher.injected:
                 raise RuntimeError(
-                    f"injected failure ({FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
+                    f"injected failure ({_FAILURE_ENV}={spec.stage}): trainer killed after its first checkpoint"
                 ) from None
             if non_finite(exc) and roll_back(out, spec, sink, log):
                 continue
@@ -505,5 +403,5 @@ def pretrain(
     }
     if meta["mfu_invalid"]:
         log(f"WARNING: {spec.stage}: MFU not reported: {meta['mfu_invalid']}")
-    (out / "summary.md").write_text(stage_markdown(meta, rows))
+    (out / "summary.md").write_text(_stage_markdown(meta, rows))
     return meta

@@ -29,9 +29,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from evals.report import eval_rows, eval_table_markdown, eval_table_text, plot_run_loss, stages_markdown
+from evals.training_metrics import stage_rows
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from tasks.pretrain import read_metrics
 
 
 class RunReportSpec(BaseModel):
@@ -48,35 +48,6 @@ class RunReportSpec(BaseModel):
             if len(set(labels)) != len(labels):
                 raise ValueError(f"run report {name} labels repeat: {list(labels)}")
         return self
-
-
-# --- the stages: read from the training stages (tasks/pretrain.py metrics) ---
-
-
-def stage_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
-    """Per stage in training order: where it sits in the run (first step and token), its size
-    and metrics rows. Steps and tokens come from the stage's own spec.json."""
-    out, step0, token0 = [], 0, 0
-    for label, art in labelled:
-        spec = json.loads((art.path / "spec.json").read_text(encoding="utf-8"))
-        steps = int(spec["steps"])
-        per_step = int(spec["global_batch"]) * int(spec.get("seq_len") or art.meta.get("seq_len") or 0)
-        out.append(
-            {
-                "label": label,
-                "kind": art.meta.get("kind"),
-                "first_step": step0,
-                "steps": steps,
-                "first_token": token0,
-                "tokens": steps * per_step,
-                "tokens_per_step": per_step,
-                "metrics": read_metrics(art.path / "metrics.jsonl"),
-                "meta": art.meta,
-                "folder": art.path,
-            }
-        )
-        step0, token0 = step0 + steps, token0 + steps * per_step
-    return out
 
 
 # --- the step ---------------------------------------------------------------------------------

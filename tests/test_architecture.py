@@ -203,20 +203,6 @@ def _sources(pkg: str) -> list[Path]:
 # Names of step modules not yet moved into the library they belong to, each with why; the test
 # fails when a name here is gone (shrink the list) or a module defines a name not here.
 NOT_YET_MOVED = {
-    # item 1 of issue 31 reshapes the stage settings here (stage_spec, schedule_stages)
-    "tasks/pretrain.py": {
-        "FAILURE_ENV",
-        "optimizer_steps",
-        "stage_batch",
-        "stage_steps",
-        "stage_spec",
-        "schedule_stages",
-        "read_metrics",
-        "loss_curve",
-        "launch_config",
-        "stage_markdown",
-    },
-    "tasks/cpt.py": {"general_weights", "cpt_weights", "cpt_stage", "heldout_configs", "forgetting_flags"},
     "tasks/compare.py": {"collect"},
     "tasks/export.py": {"tokenizer_folder"},
     "tasks/fertility.py": {
@@ -230,30 +216,6 @@ NOT_YET_MOVED = {
         "decide",
         "write_chart",
         "markdown_table",
-    },
-    "tasks/heldout.py": {"token_bytes", "token_losses", "heldout_loss", "heldout_scores"},
-    "tasks/mixture.py": {
-        "REPO_ROOT",
-        "MixtureWarning",
-        "MixtureError",
-        "mixture_path",
-        "load_weights",
-        "check_weights",
-        "check_stages",
-        "normalised",
-        "blend",
-    },
-    "tasks/pin.py": {
-        "BaseCheckpoint",
-        "decay_start",
-        "stage_folders",
-        "stable_checkpoints",
-        "resolve_base",
-        "describe_checkpoint",
-        "describe_hf",
-        "eval_suite_of",
-        "link_or_copy",
-        "write_model_checkpoint",
     },
     "tasks/posttrain/data.py": {
         "math_conversation",
@@ -276,19 +238,11 @@ NOT_YET_MOVED = {
         "model_facts",
         "read_report",
     },
-    "tasks/run_report.py": {"stage_rows"},  # reads tasks/pretrain.py read_metrics: moves with it (item 1)
 }
 # Cross-step imports not yet replaced by an import from a library, each with why.
 CROSS_STEP_NOT_YET = {
-    "tasks.cpt": {
-        "tasks.heldout.heldout_loss",
-        "tasks.mixture.blend",
-        "tasks.pin.BaseCheckpoint",
-        "tasks.pretrain.optimizer_steps",
-    },  # item 1 of issue 31 reshapes tasks/pretrain.py
     "tasks.pretrain": {"tasks.preflight.host_calibration"},  # item 1 of issue 31 reshapes tasks/pretrain.py
     "tasks.posttrain.preference": {"tasks.posttrain.data.data_state"},
-    "tasks.run_report": {"tasks.pretrain.read_metrics"},  # item 1 of issue 31 reshapes tasks/pretrain.py
 }
 # File names shared by modules where the folder says why: the step, the flow and the trainer of
 # one thing (tasks/ the step, flows/ the flow, trainers/ what runs on the ranks), and the

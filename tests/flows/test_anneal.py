@@ -8,8 +8,8 @@ import pytest
 
 from flows.anneal import anneal_runs, anneal_stage
 from flows.recipe import AnnealConfig, CandidateConfig
+from model.base_checkpoint import resolve_base
 from model.schedule import lr_at
-from tasks.pin import resolve_base
 
 
 def test_runs_are_baseline_seed_replicas_and_candidates_with_linear_decay(run_ws):

@@ -228,7 +228,7 @@ def test_a_duplicate_key_names_the_key_and_both_lines(tmp_path):
 
 
 def test_a_duplicate_key_in_a_mixture_file_is_an_error(tmp_path):
-    from tasks.mixture import MixtureError, load_weights
+    from curation.mixtures import MixtureError, load_weights
 
     path = tmp_path / "mix.yaml"
     path.write_text("weights:\n  prose: 0.5\n  code: 0.5\n  prose: 0.9\n", encoding="utf-8")

@@ -13,6 +13,7 @@ if str(REPO_ROOT) not in sys.path:  # the package is not installed in the venv
     sys.path.insert(0, str(REPO_ROOT))
 
 from model.config import ModelConfig  # noqa: E402
+from tests.tasks.conftest import run_ws  # noqa: E402, F401  (fixture: a workspace mid-run)
 
 
 @pytest.fixture(autouse=True)

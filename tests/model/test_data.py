@@ -213,7 +213,7 @@ def test_every_tiny_stage_draws_its_weights_within_one_sequence(tmp_path, stage)
     """The tiny recipe's mixtures, drawn for as many sequences as the stage trains on."""
     import yaml
 
-    from tasks.mixture import mixture_path
+    from curation.mixtures import mixture_path
 
     weights = yaml.safe_load(mixture_path(f"mixtures/tiny/{stage}.yaml").read_text())["weights"]
     plan = make_plan(

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from flows.stage_plan import schedule_stages
 from pipeline.artifact import MARKER, Artifact
 from pipeline.lineage import StepRow
 from pipeline.workspace import Workspace
 from tasks.mixture import StageConfig
-from tasks.pretrain import TrainingConfig, schedule_stages
+from tasks.pretrain import TrainingConfig
 
 
 def _artifact(ws: Path, step: str, name: str, kind: str, meta: dict | None = None) -> Artifact:

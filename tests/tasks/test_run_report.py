@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from evals.report import eval_rows, eval_table_markdown, eval_table_text, run_series
+from evals.training_metrics import stage_rows
 from pipeline.artifact import Artifact
-from tasks.run_report import RunReportSpec, run_report, stage_rows
+from tasks.run_report import RunReportSpec, run_report
 
 TINY = {
     "hidden_size": 64,
