@@ -4,8 +4,8 @@ Every training setting is declared once, in `TrainSettings`: the recipe's `train
 (tasks/pretrain.py `TrainingConfig`) and `TrainSpec` extend it, and a stage's own settings are
 `StageSettings`, derived from it with every field optional (`all_optional`), so a new setting is
 one line here plus its use in the trainer. The recipe's `training.optimizer` is the trainer's own
-`OptimizerConfig`. tasks/pretrain.py lays the recipe's stages out as `TrainSpec`s (schedule positions, per-stage batch and sequence length,
-seed); the pretrain step fingerprints the spec's identity fields, binds the paths that come from
+`OptimizerConfig`. flows/stage_plan.py lays the recipe's stages out as `TrainSpec`s (schedule
+positions, per-stage batch and sequence length, seed); the pretrain step fingerprints the spec's identity fields, binds the paths that come from
 its inputs and folder (`mixture_plan`, `out_dir`, `init_from`), writes it as `spec.json` and
 launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no dict in between, no
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
