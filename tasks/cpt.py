@@ -14,8 +14,9 @@ end, and held-out loss tracked on both the old (general) and the new domain. Her
   new-domain sources with the run's tokenizer, so the loss is measured on unseen text;
 - the stage keeps a checkpoint every `eval_interval` steps; `cpt_monitor` (step) computes the
   held-out loss of the base and of every kept checkpoint on both domains, and
-  `forgetting_flags` (evals/forgetting.py) marks the checkpoints whose general loss rose more than `threshold`
-  (relative) above the base's. Scores go to DuckDB `metrics` and to a Prefect table artifact.
+  `forgetting_flags` (evals/forgetting.py) marks the checkpoints whose general loss rose more
+  than `threshold` (relative) above the base's. Scores go to DuckDB `metrics` and to a Prefect
+  table artifact.
 """
 
 from __future__ import annotations
