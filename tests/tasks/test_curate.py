@@ -27,7 +27,8 @@ from curation.heldout import HeldoutIndex, word_ngrams
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, is_held_out
 from curation.stages import plan_stages
-from evals.suite import contamination, prose_items
+from evals.benchmarks.prose_cloze import prose_items
+from evals.suite import contamination
 from flows.recipe import RecipeError, load_recipe
 from pipeline.artifact import Artifact
 from tasks.curate import CurationConfig, DecontaminationConfig, curate
