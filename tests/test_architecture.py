@@ -420,10 +420,6 @@ NOT_YET_MIRRORED = {
     "curation/languages.py": "the language table, with the presets (tests/tasks/test_multilingual.py)",
     "curation/multilingual.py": "language ID, with the presets (tests/tasks/test_multilingual.py)",
     "evals/report.py": "tests/tasks/test_run_report.py (moves with the run_report step's helpers)",
-    "evals/benchmarks/eval_task.py": "through every task and tests/evals/test_suite.py",
-    "evals/benchmarks/code_cloze.py": "through the suite (tests/evals/test_suite.py, tests/tasks/test_evaluate.py)",
-    "evals/benchmarks/passkey.py": "beside prose items (tests/evals/benchmarks/test_prose_cloze.py)",
-    "evals/benchmarks/arithmetic_exact.py": "through lm-eval (tests/evals/test_harness.py)",
 }
 
 
