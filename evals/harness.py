@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from evals.suite import GENERATION_TASK, SUITE_TASK, suite_task_yaml
+from evals.suite import SUITE_TASK, suite_task_yaml, task_of
 from infra.files import write_atomic
 from pipeline.artifact import Artifact
 
@@ -27,8 +27,9 @@ def stage_tasks(cfg: Any, suite: Artifact, long_context: bool, cloze: bool = Tru
     and the exact-match task of a post-training suite) unless `cloze` is off, passkey retrieval
     after context extension, and the recipe's extra lm-eval tasks."""
     built = list(suite.meta.get("tasks", {}))
-    short = [t for t in built if not t.startswith("passkey_")] if cloze else []
-    passkey = [t for t in built if t.startswith("passkey_")] if long_context else []
+    long = {t for t in built if (task := task_of(t)) is not None and task.long_context}
+    short = [t for t in built if t not in long] if cloze else []
+    passkey = [t for t in built if t in long] if long_context else []
     return [*short, *passkey, *cfg.lm_eval_tasks]
 
 
@@ -67,7 +68,8 @@ def suite_task_files(
 ) -> Path:
     """The suite's task YAMLs for `tasks`, regenerated into `out` (a private folder the caller
     made: it becomes lm-eval's include_path) by the builders the `eval_suite` step uses
-    (`evals.suite.suite_task_yaml`), each reading the JSONL in `task_dir` where the suite is now.
+    (`evals.suite.suite_task_yaml`: the registered task's own file), each reading the JSONL in
+    `task_dir` where the suite is now.
 
     Each YAML in `task_dir` must equal, byte for byte, what the builder writes for that task and
     the data path and `max_gen_toks` it names (the two values that vary between suites; a moved
@@ -189,14 +191,12 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
     return scores
 
 
-# One metric per task: what the task is built to measure (see the module docstring).
-_HEADLINE = {"arithmetic_cloze": "acc", GENERATION_TASK: "exact_match"}
-
-
 def headline_metric(task: str, metrics: Iterable[str]) -> str | None:
-    """The one metric a task is reported by (None when it has none of ours)."""
+    """The one metric a task is reported by: a suite task's own (`EvalTask.headline`: what it is
+    built to measure), else the first of exact_match, acc_norm, acc it has (None: none of ours)."""
     have = set(metrics)
-    wanted = _HEADLINE.get(task) or ("acc" if task.startswith("passkey_") else None)
+    ours = task_of(task)
+    wanted = ours.headline if ours is not None else None
     if wanted in have:
         return wanted
     return next((m for m in ("exact_match", "acc_norm", "acc") if m in have), None)
@@ -209,7 +209,7 @@ def random_baselines(suite: Artifact, tasks: Sequence[str], limit: int | None) -
     out: dict[str, float | None] = {}
     for task in tasks:
         data = task_dir / f"{task}.jsonl"
-        if task == GENERATION_TASK:
+        if (ours := task_of(task)) is not None and ours.output_type == "generate_until":
             out[task] = 0.0
         elif data.is_file():
             rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line]

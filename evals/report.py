@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from evals.benchmarks.arithmetic_exact import GENERATION_TASK
 from evals.harness import headline_metric, items_scored
-from evals.suite import GENERATION_TASK
 from pipeline.artifact import Artifact
 
 

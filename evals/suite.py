@@ -1,10 +1,9 @@
-"""The eval suite's tasks: cloze items built from held-out text, passkey retrieval, the
-generation task of chat models, their lm-eval task files, and the contamination report.
+"""The eval suite: the registry of its tasks (`TASKS`, one line per task; each task is a module of
+evals/benchmarks/), the builder the `eval_suite` step (tasks/evaluate.py) runs over it, the task
+files the evaluation regenerates from it, and the contamination report.
 
-What the `eval_suite` step (tasks/evaluate.py) writes, one builder per task kind: `prose_items`,
-`code_items`, `arithmetic_items` (cloze, from a domain's held-out documents), `passkey_items`
-(retrieval at a context length), `arithmetic_generation_items` (exact match, chat models).
-`cfg` is the recipe's `eval` section (tasks/evaluate.py `EvalConfig`); builders read its fields.
+Add a task: its module in evals/benchmarks/ (an `EvalTask`: its items, its lm-eval task file)
+and one line in `TASKS` (CONTRIBUTING.md, "Add an eval task").
 """
 
 from __future__ import annotations
@@ -12,209 +11,110 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-CLOZE_TASKS = ("prose_cloze", "code_cloze", "arithmetic_cloze")
+from evals.benchmarks.arithmetic_cloze import ArithmeticCloze
+from evals.benchmarks.arithmetic_exact import (
+    ArithmeticExact,
+    arithmetic_generation_items,  # noqa: F401  re-exported: NOT YET, see below
+    generation_task_yaml,  # noqa: F401  re-exported: NOT YET, see below
+)
+from evals.benchmarks.code_cloze import CodeCloze
+from evals.benchmarks.eval_task import (
+    EvalTask,
+    task_yaml,  # noqa: F401  re-exported: NOT YET, see below
+)
+from evals.benchmarks.passkey import Passkey
+from evals.benchmarks.prose_cloze import ProseCloze
+
+# NOT YET: three names re-exported above for tests of other steps, moved by others as this lands
+# (tests/tasks/test_posttrain_steps.py, tests/tasks/test_evaluate_attacks.py); they live in
+# evals/benchmarks/: import them from there, then drop the re-exports.
 
 
-# --- building tasks -------------------------------------------------------------------------
+def registry(*tasks: EvalTask) -> tuple[EvalTask, ...]:
+    """The tasks in order, refusing two of one name or one whose names another's already match."""
+    seen: dict[str, EvalTask] = {}
+    for task in tasks:
+        if task.name in seen:
+            raise ValueError(f"eval task {task.name!r} is registered twice ({seen[task.name]!r}, {task!r})")
+        clash = next((t.name for t in seen.values() if re.fullmatch(t.names, task.name)), None)
+        if clash:
+            raise ValueError(f"eval task {task.name!r}: its name is one of {clash!r}'s task names")
+        seen[task.name] = task
+    return tuple(tasks)
 
 
-def _words(text: str) -> list[str]:
-    return text.split()
+# The suite's tasks, in the order they are built: the multiple-choice tasks draw items from one
+# random stream, so a new one goes after them, leaving the items of the others unchanged.
+TASKS = registry(
+    ProseCloze(),
+    CodeCloze(),
+    ArithmeticCloze(),
+    Passkey(),
+    ArithmeticExact(),
+)
+
+SUITE_TASK = re.compile("|".join(f"(?:{task.names})" for task in TASKS))  # every task name the suite may write
 
 
-def prose_items(docs: Sequence[str], cfg: Any, rng: random.Random) -> list[dict[str, Any]]:
-    """Context of `context_words`, gold = the next words, distractors = other docs' passages."""
-    need = cfg.context_words + cfg.continuation_words
-    passages = []
-    for text in docs:
-        words = _words(text)
-        for start in range(0, len(words) - need + 1, need * 4):
-            passages.append(words[start : start + need])
-    rng.shuffle(passages)
-    items = []
-    for i, words in enumerate(passages[: cfg.items_per_task]):
-        others = [p for j, p in enumerate(passages) if j != i]
-        if len(others) < cfg.choices - 1:
-            break
-        distractors = [" ".join(p[cfg.context_words :]) for p in rng.sample(others, cfg.choices - 1)]
-        items.append(
-            _item(" ".join(words[: cfg.context_words]), " ".join(words[cfg.context_words :]), distractors, rng)
-        )
-    return items
-
-
-def code_items(docs: Sequence[str], cfg: Any, rng: random.Random) -> list[dict[str, Any]]:
-    """Context = `code_context_lines` lines, gold = the next non-empty line, distractors = lines
-    from elsewhere of similar length."""
-    windows: list[tuple[str, str]] = []
-    pool: list[str] = []
-    for text in docs:
-        lines = text.splitlines()
-        pool += [ln for ln in lines if len(ln.strip()) > 10]
-        for start in range(0, len(lines) - cfg.code_context_lines - 1, cfg.code_context_lines * 5):
-            target = lines[start + cfg.code_context_lines]
-            if len(target.strip()) > 10:
-                windows.append(("\n".join(lines[start : start + cfg.code_context_lines]) + "\n", target))
-    rng.shuffle(windows)
-    items = []
-    for context, gold in windows[: cfg.items_per_task]:
-        candidates = [ln for ln in rng.sample(pool, min(len(pool), 50)) if ln != gold]
-        candidates.sort(key=lambda ln: abs(len(ln) - len(gold)))
-        if len(candidates) < cfg.choices - 1:
-            continue
-        items.append(_item(context, gold, candidates[: cfg.choices - 1], rng, delimiter=""))
-    return items
-
-
-_ANSWER = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
-
-
-def _wrong_numbers(answer: int, k: int, rng: random.Random) -> list[str]:
-    candidates = {answer + d for d in (-10, -2, -1, 1, 2, 10, 100)} | {int(str(abs(answer))[::-1] or 0)}
-    candidates.discard(answer)
-    picked = rng.sample(sorted(candidates), min(k, len(candidates)))
-    return [str(n) for n in picked]
-
-
-def arithmetic_items(docs: Sequence[str], cfg: Any, rng: random.Random) -> list[dict[str, Any]]:
-    """The worked solution up to its final result; choices = the right number and near misses."""
-    items = []
-    for text in docs:
-        m = _ANSWER.match(text.strip())
-        if not m:
-            continue
-        answer, solution = m["answer"], m["solution"]
-        cut = solution.rfind(answer)
-        if cut <= 0:
-            continue
-        context = f"Problem: {m['problem']}\nSolution: {solution[:cut].rstrip()}"
-        items.append(_item(context, answer, _wrong_numbers(int(answer), cfg.choices - 1, rng), rng))
-        if len(items) >= cfg.items_per_task:
-            break
-    return items
-
-
-_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ").split()
-
-
-def passkey_items(length_words: int, cfg: Any, rng: random.Random) -> list[dict[str, Any]]:
-    """A pass key hidden at a random depth in `length_words` words of filler."""
-    items = []
-    for _ in range(cfg.passkey_items):
-        key = rng.randint(10000, 99999)
-        filler = [_FILLER[i % len(_FILLER)] for i in range(length_words)]
-        depth = rng.randint(0, length_words)
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key.".split()
-        words = filler[:depth] + needle + filler[depth:]
-        context = " ".join(words) + "\nWhat is the pass key? The pass key is"
-        wrong = [str(k) for k in rng.sample(range(10000, 100000), cfg.choices - 1) if k != key]
-        items.append(_item(context, str(key), wrong[: cfg.choices - 1], rng))
-    return items
-
-
-def _item(context: str, gold: str, distractors: list[str], rng: random.Random, delimiter: str = " ") -> dict[str, Any]:
-    choices = [gold, *distractors]
-    rng.shuffle(choices)
-    return {"context": context, "choices": choices, "gold": choices.index(gold), "delimiter": delimiter}
-
-
-def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
-    """An lm-eval task over a local JSONL file (offline: `dataset_path: json`)."""
-    return "\n".join(
-        [
-            f"task: {name}",
-            "dataset_path: json",
-            "dataset_kwargs:",
-            "  data_files:",
-            f"    test: {json.dumps(str(data_file))}",
-            "test_split: test",
-            "output_type: multiple_choice",
-            'doc_to_text: "{{context}}"',
-            'doc_to_choice: "{{choices}}"',
-            "doc_to_target: gold",
-            f"target_delimiter: {json.dumps(delimiter)}",
-            "metric_list:",
-            "  - metric: acc",
-            "    aggregation: mean",
-            "    higher_is_better: true",
-            "  - metric: acc_norm",
-            "    aggregation: mean",
-            "    higher_is_better: true",
-            "",
-        ]
-    )
-
-
-# Generation (exact match) task for chat models: the ChatML prompt our tokenizer's template
-# renders is written into the prompt itself (not lm-eval's --apply_chat_template), so the task
-# file alone reproduces the score and a base model sees the same string; generation stops at the
-# end of the assistant turn and the final `Answer: N` is compared with the known answer.
-CHAT_PROMPT = "<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n"
-GENERATION_TASK = "arithmetic_exact"
-ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
-
-
-def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, Any]]:
-    """Held-out math problems as {problem, answer} for the exact-match generation task."""
-    items = []
-    for text in docs:
-        m = _ANSWER.match(text.strip())
-        if m:
-            items.append({"problem": m["problem"].strip(), "answer": m["answer"]})
-        if len(items) >= n:
-            break
-    return items
-
-
-def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> str:
-    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
-    return "\n".join(
-        [
-            f"task: {name}",
-            "dataset_path: json",
-            "dataset_kwargs:",
-            "  data_files:",
-            f"    test: {json.dumps(str(data_file))}",
-            "test_split: test",
-            "output_type: generate_until",
-            f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
-            'doc_to_target: "{{answer}}"',
-            "generation_kwargs:",
-            '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
-            f"  max_gen_toks: {max_gen_toks}",
-            "  do_sample: false",
-            "filter_list:",
-            "  - name: answer",
-            "    filter:",
-            "      - function: regex",
-            f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
-            "      - function: take_first",
-            "metric_list:",
-            "  - metric: exact_match",
-            "    aggregation: mean",
-            "    higher_is_better: true",
-            "",
-        ]
-    )
-
-
-SUITE_TASK = re.compile(r"prose_cloze|code_cloze|arithmetic_cloze|passkey_[1-9][0-9]{0,6}|" + GENERATION_TASK)
+def task_of(name: str, tasks: Sequence[EvalTask] = TASKS) -> EvalTask | None:
+    """The registered task that writes the task `name` (None: not one of the suite's)."""
+    return next((t for t in tasks if re.fullmatch(t.names, name)), None)
 
 
 def suite_task_yaml(name: str, data_file: Path, max_gen_tokens: int = 48) -> str:
-    """The task YAML the `eval_suite` step writes for its task `name` over `data_file`: the
-    builders above with the arguments the step gives them (the code cloze task joins context and
-    choice with no space, the other cloze and passkey tasks with one). Templates are plain
-    `{{field}}` substitutions; no `!function`, no `include:`."""
-    if name == GENERATION_TASK:
-        return generation_task_yaml(name, data_file, max_gen_tokens)
-    if SUITE_TASK.fullmatch(name):
-        return task_yaml(name, data_file, "" if name == "code_cloze" else " ")
-    raise ValueError(f"{name!r} is not a task the eval suite builds")
+    """The task YAML the `eval_suite` step writes for its task `name` over `data_file`: the one
+    its registered task writes (evals/harness.py regenerates the suite's files with it)."""
+    task = task_of(name)
+    if task is None:
+        raise ValueError(f"{name!r} is not a task the eval suite builds")
+    return task.task_yaml(name, data_file, max_gen_tokens)
+
+
+def build_suite(
+    spec: Any,
+    heldout: Mapping[str, Sequence[str]],
+    training_texts: Iterable[str],
+    out: Path,
+    log: Callable[[str], None] = print,
+    tasks: Sequence[EvalTask] = TASKS,
+) -> dict[str, Any]:
+    """Every task of `tasks` built from the `heldout` texts per domain: its JSONL and YAML in
+    `out/tasks`, and `out/contamination.json` (the share of each checked task's items sharing a
+    word n-gram with `training_texts`). `spec` is the step's `SuiteSpec`. Returns the step's meta."""
+    cfg = spec.eval
+    rng = random.Random(f"eval-suite:{spec.seed}")
+    built: dict[str, tuple[EvalTask, list[dict[str, Any]]]] = {}
+    for task in tasks:
+        for name, items in task.build(heldout, spec, rng).items():
+            if items:
+                built[name] = (task, items)
+    if not any(task.output_type == "multiple_choice" for task, _ in built.values()):
+        raise ValueError("no eval items could be built: the held-out splits are empty")
+    task_dir = out / "tasks"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    for name, (task, items) in built.items():
+        data = task_dir / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
+        (task_dir / f"{name}.yaml").write_text(task.task_yaml(name, data, spec.max_gen_tokens))
+    checked = {name: items for name, (task, items) in built.items() if task.contamination}
+    report = contamination(checked, training_texts, cfg.contamination_ngram)
+    (out / "contamination.json").write_text(json.dumps(report, indent=2))
+    for name, r in report.items():
+        log(
+            f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
+            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})"
+        )
+    return {
+        "tasks": {name: len(items) for name, (_, items) in built.items()},
+        "choices": cfg.choices,
+        "random_accuracy": 1.0 / cfg.choices,
+        "contamination": {k: round(v["rate"], 4) for k, v in report.items()},
+        "task_dir": str(task_dir),
+    }
 
 
 def ngrams(text: str, n: int) -> Iterator[int]:

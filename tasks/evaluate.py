@@ -1,7 +1,8 @@
 """Evaluation: cloze tasks from the held-out splits, passkey retrieval, contamination, lm-eval.
 
-The steps and their config; the task builders are evals/suite.py, running lm-eval and reading
-its results evals/harness.py.
+The steps and their config; the suite's tasks are evals/benchmarks/ (one module each, registered
+in evals/suite.py `TASKS`, which builds them), running lm-eval and reading its results
+evals/harness.py.
 
 Two steps:
 - `eval_suite` builds the task files once per data version: cloze-format multiple-choice tasks
@@ -29,7 +30,6 @@ and reports the same as a progress artifact.
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 import tempfile
@@ -49,17 +49,7 @@ from evals.harness import (
     stage_tasks,
     suite_task_files,
 )
-from evals.suite import (
-    GENERATION_TASK,
-    arithmetic_generation_items,
-    arithmetic_items,
-    code_items,
-    contamination,
-    generation_task_yaml,
-    passkey_items,
-    prose_items,
-    task_yaml,
-)
+from evals.suite import build_suite
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 
@@ -210,61 +200,16 @@ class EvalSpec(BaseModel):
 def eval_suite(
     config: SuiteSpec, heldout: tuple[Artifact, ...], train: tuple[Artifact, ...], *, out: Path, log=print
 ) -> dict[str, Any]:
-    """The eval suite from the held-out splits of the `heldout` corpora: every task's JSONL + YAML
-    in `out/tasks`, and the contamination report against the training text of the `train`
-    corpora; with `generation_items`, also the exact-match generation task (for post-trained chat
-    models)."""
-    cfg = config.eval
-    rng = random.Random(f"eval-suite:{config.seed}")
+    """The eval suite from the held-out splits of the `heldout` corpora: every registered task's
+    JSONL + YAML in `out/tasks` (evals/suite.py `TASKS`), and the contamination report against the
+    training text of the `train` corpora; with `generation_items`, also the exact-match generation
+    task (for post-trained chat models)."""
     by_domain: dict[str, list[str]] = {"web": [], "code": [], "math": []}
     for art in heldout:
         by_domain[art.meta["domain"]].extend(_texts(art.path / "heldout"))
-    tasks = {
-        "prose_cloze": prose_items(by_domain["web"], cfg, rng),
-        "code_cloze": code_items(by_domain["code"], cfg, rng),
-        "arithmetic_cloze": arithmetic_items(by_domain["math"], cfg, rng),
-    }
-    for length in cfg.passkey_lengths:
-        tasks[f"passkey_{length}"] = passkey_items(length, cfg, rng)
-    tasks = {k: v for k, v in tasks.items() if v}
-    if not tasks:
-        raise ValueError("no eval items could be built: the held-out splits are empty")
-    task_dir = out / "tasks"
-    task_dir.mkdir(parents=True, exist_ok=True)
-    for name, items in tasks.items():
-        data = task_dir / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
-        (task_dir / f"{name}.yaml").write_text(task_yaml(name, data, items[0]["delimiter"]))
-    gen: list[dict[str, Any]] = []
-    if config.generation_items:
-        gen = arithmetic_generation_items(by_domain["math"], config.generation_items)
-        if gen:
-            data = task_dir / f"{GENERATION_TASK}.jsonl"
-            data.write_text("".join(json.dumps(i) + "\n" for i in gen), encoding="utf-8")
-            (task_dir / f"{GENERATION_TASK}.yaml").write_text(
-                generation_task_yaml(GENERATION_TASK, data, config.max_gen_tokens)
-            )
-    cloze = {k: v for k, v in tasks.items() if not k.startswith("passkey_")}
-    report = contamination(
-        cloze,
-        (t for art in train for t in _texts(art.path / "train", cfg.contamination_max_docs)),
-        cfg.contamination_ngram,
-    )
-    (out / "contamination.json").write_text(json.dumps(report, indent=2))
-    for name, r in report.items():
-        log(
-            f"eval suite: {name}: {r['items']} items, {r['contaminated']} share a "
-            f"{cfg.contamination_ngram}-gram with training data ({r['rate']:.1%})"
-        )
-    if gen:
-        tasks[GENERATION_TASK] = gen
-    return {
-        "tasks": {k: len(v) for k, v in tasks.items()},
-        "choices": cfg.choices,
-        "random_accuracy": 1.0 / cfg.choices,
-        "contamination": {k: round(v["rate"], 4) for k, v in report.items()},
-        "task_dir": str(task_dir),
-    }
+    limit = config.eval.contamination_max_docs
+    training = (t for art in train for t in _texts(art.path / "train", limit))
+    return build_suite(config, by_domain, training, out, log)
 
 
 @step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")

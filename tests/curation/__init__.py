@@ -1,0 +1,1 @@
+"""Tests of the data library (curation/), one file per module."""

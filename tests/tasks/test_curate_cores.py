@@ -1,6 +1,6 @@
-"""Every core: a source is dealt into enough shards for its tasks, the local executor runs as many
-at once as the machine has cores when `workers` is unset, and the curated output is the same
-whatever the worker count (workers are operational: they never enter a fingerprint)."""
+"""Every core: a source is dealt into enough shards for its tasks, and the curated output is the
+same whatever the worker count (workers are operational: they never enter a fingerprint); the
+default worker count per stage: tests/curation/test_executors.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from curation.executors import machine_cores, stage_workers
 from curation.source_kinds import SourceConfig
 from pipeline.artifact import Artifact
 from tasks.curate import CurationConfig, curate
@@ -64,10 +63,3 @@ def test_the_output_is_the_same_whatever_the_worker_count(tmp_path):
     train, _, removed, kept = results[1]
     assert 0 < len(train) <= 4 and kept > 0  # one output file per task that kept documents
     assert any(k.startswith("exact") for k in removed) and any(k.startswith("minhash") for k in removed)
-
-
-def test_workers_default_to_the_machines_cores_locally_and_all_tasks_on_clusters():
-    assert stage_workers(CurationConfig(), 100) == min(machine_cores(), 100)
-    assert stage_workers(CurationConfig(), 1) == 1
-    assert stage_workers(CurationConfig(workers=3), 100) == 3
-    assert stage_workers(CurationConfig(executor="ray"), 100) == 100

@@ -153,90 +153,12 @@ def test_blank_lines_of_a_jsonl_file_are_counted(tmp_path):
     assert meta["rejected_examples"]["blank_line"] == ["b.jsonl:2", "b.jsonl:3"]
 
 
-def test_a_text_field_that_holds_no_strings_is_refused_by_the_check(tmp_path):
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [{"text": {"body": "a struct, not text", "lang": "en"}, "id": "1"}]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
-    (tmp_path / "l.jsonl").write_text(json.dumps({"text": ["a", "list"]}) + "\n")
-    datasets.Dataset.from_dict({"text": [[1, 2]]}).save_to_disk(str(tmp_path / "ds"))
-    problems = check_sources(
-        [
-            _cfg(name="pq", uri=f"files:{tmp_path}/s.parquet", domain="web"),
-            _cfg(name="js", uri=f"files:{tmp_path}/l.jsonl", domain="web"),
-            _cfg(name="ds", uri=f"hf:{tmp_path / 'ds'}", domain="web"),
-        ]
-    )
-    assert [p.split(":")[0] for p in problems] == [
-        "sources[pq].text_field",
-        "sources[js].text_field",
-        "sources[ds].text_field",
-    ]
-    assert all("holds no strings" in p for p in problems)
-
-
-def test_files_source_state_follows_the_files(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
-    cfg = _cfg(uri=f"files:{tmp_path}/*.jsonl", domain="web")
-    before = source_state(cfg, 0)
-    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
-    assert source_state(cfg, 0) != before
-
-
 def test_no_matching_files_is_a_clear_error(tmp_path):
     cfg = _cfg(uri=f"files:{tmp_path}/nothing-*.jsonl", domain="web")
     with pytest.raises(ValueError, match=r"sources\[s\]\.uri: no files match"):
         source(SourceSpec(source=cfg), out=tmp_path / "out", log=lambda _: None)
     with pytest.raises(FileNotFoundError, match=r"sources\[s\]\.uri: no files match"):
         source_state(cfg, 0)  # the fingerprint, computed before the step runs, says the same
-
-
-def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for name in ("p.parquet", "q.parquet"):
-        pq.write_table(pa.Table.from_pylist([{"content": "a", "url": "u"}] * 3), tmp_path / name)
-    (tmp_path / "j.jsonl").write_text('{"body": "x", "id": 1}\n{"body": "y", "id": 2}\n')
-    (tmp_path / "notes.csv").write_text("a,b\n")
-    (tmp_path / "array.json").write_text('[{"text": "x"}, {"text": "y"}]\n')
-    problems = check_sources(
-        [
-            _cfg(name="ok", uri="builtin:prose", domain="web"),
-            _cfg(name="hub", uri="hf:HuggingFaceFW/fineweb-edu", domain="web"),  # not checked offline
-            _cfg(name="none", uri=f"files:{tmp_path}/missing/*.jsonl", domain="web"),
-            _cfg(name="pq", uri=f"files:{tmp_path}/*.parquet", domain="web"),
-            _cfg(name="js", uri=f"files:{tmp_path}/j.jsonl", domain="web", text_field="body", id_field="doc_id"),
-            _cfg(name="csv", uri=f"files:{tmp_path}/*", domain="web"),
-            _cfg(name="arr", uri=f"files:{tmp_path}/array.json", domain="web"),
-        ]
-    )
-    assert len(problems) == 5, problems
-    none, pq_, js, csv, arr = problems
-    assert none.startswith("sources[none].uri: no files match") and "working directory" in none
-    assert pq_.startswith("sources[pq].text_field: 'text' is not a field of") and "(fields: content, url)" in pq_
-    assert "p.parquet (nor of 1 more of the first 8 files)" in pq_  # one error for the field
-    assert js.startswith("sources[js].id_field: 'doc_id'") and "(fields: body, id)" in js
-    assert csv.startswith("sources[csv].uri: 1 of the 5 matched files are not JSONL or Parquet")
-    assert arr.startswith("sources[arr].uri: cannot read") and "JSON lines expected" in arr
-
-
-def test_check_sources_reads_a_save_to_disk_folder_without_loading_it(tmp_path):
-    import datasets
-
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": ["a"]})}).save_to_disk(str(tmp_path / "ds"))
-    ok = _cfg(uri=f"hf:{tmp_path / 'ds'}", domain="web", text_field="body")
-    assert check_sources([ok]) == []
-    split = ok.model_copy(update={"hf_split": "validation"})
-    column = ok.model_copy(update={"text_field": "text"})
-    missing = _cfg(uri=f"hf:{tmp_path / 'nothing'}", domain="web")
-    assert check_sources([split, column, missing]) == [
-        f"sources[s].hf_split: 'validation' is not a split of {tmp_path / 'ds'} (splits: train)",
-        f"sources[s].text_field: 'text' is not a column of {tmp_path / 'ds'} (columns: body)",
-        f"sources[s].uri: {tmp_path / 'nothing'} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk",
-    ]
 
 
 def test_parquet_without_the_text_column_is_counted_unread_and_named(tmp_path):
@@ -271,17 +193,3 @@ def test_no_documents_because_of_the_text_field_says_so(tmp_path):
     (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[1:]))
     with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' of .* holds no strings"):
         source(SourceSpec(source=numbers, seed=0), out=tmp_path / "out2", log=lambda _: None)
-
-
-def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():
-    """The builtin sources' fingerprint reads these files: the fast walk must list exactly what
-    `rglob` did, in the same order, or every tiny-recipe fingerprint would move."""
-    import sysconfig
-    from pathlib import Path
-
-    from curation.source_kinds import _stdlib_files
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
-    expected = [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
-    assert len(expected) > 100 and _stdlib_files() == expected

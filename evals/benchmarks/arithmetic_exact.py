@@ -1,0 +1,82 @@
+"""The `arithmetic_exact` eval task (chat models, post-training suites): a held-out math problem,
+answered by generation and scored by exact match on the final `Answer: N`.
+
+The ChatML prompt our tokenizer's template renders is written into the prompt itself (not
+lm-eval's --apply_chat_template), so the task file alone reproduces the score and a base model
+sees the same string; generation stops at the end of the assistant turn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from evals.benchmarks.eval_task import WORKED_SOLUTION, EvalTask
+
+CHAT_PROMPT = "<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n"
+GENERATION_TASK = "arithmetic_exact"
+ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
+
+
+def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """Held-out math problems as {problem, answer} for the exact-match generation task."""
+    items = []
+    for text in docs:
+        m = WORKED_SOLUTION.match(text.strip())
+        if m:
+            items.append({"problem": m["problem"].strip(), "answer": m["answer"]})
+        if len(items) >= n:
+            break
+    return items
+
+
+def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> str:
+    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
+    return "\n".join(
+        [
+            f"task: {name}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            "  data_files:",
+            f"    test: {json.dumps(str(data_file))}",
+            "test_split: test",
+            "output_type: generate_until",
+            f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
+            'doc_to_target: "{{answer}}"',
+            "generation_kwargs:",
+            '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
+            f"  max_gen_toks: {max_gen_toks}",
+            "  do_sample: false",
+            "filter_list:",
+            "  - name: answer",
+            "    filter:",
+            "      - function: regex",
+            f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
+            "      - function: take_first",
+            "metric_list:",
+            "  - metric: exact_match",
+            "    aggregation: mean",
+            "    higher_is_better: true",
+            "",
+        ]
+    )
+
+
+class ArithmeticExact(EvalTask):
+    name = names = GENERATION_TASK
+    output_type = "generate_until"
+    headline = "exact_match"
+    contamination = False  # not multiple choice: the overlap report reads a gold choice
+
+    def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:
+        """Only in a suite asking for it (`spec.generation_items`: post-training's); draws nothing
+        from `rng`."""
+        if not spec.generation_items:
+            return {}
+        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items)}
+
+    def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
+        return generation_task_yaml(name, data_file, max_gen_tokens)

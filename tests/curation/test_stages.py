@@ -1,0 +1,48 @@
+"""The curation stages the curate step runs (curation/stages.py): language ID only with a model,
+and a recipe threshold reaching the filter of the planned pipeline."""
+
+from __future__ import annotations
+
+import pytest
+from datatrove.data import Document
+
+from curation.stages import plan_stages
+from flows.recipe import load_recipe
+from tasks.curate import CurationConfig
+
+
+def test_language_filter_only_with_a_local_model(tmp_path):
+    train = tmp_path / "train"
+    names = lambda cfg: [type(s).__name__ for _, p, _ in plan_stages(cfg, "none", train, tmp_path, 1) for s in p]  # noqa: E731
+    assert "LanguageFilter" not in names(CurationConfig())
+    with pytest.raises(FileNotFoundError, match="language_model 'missing.bin'"):
+        names(CurationConfig(language_model="missing.bin"))
+
+
+def _gopher_quality(stages) -> object:
+    """The GopherQualityFilter of the first (filter) stage the curate step would run."""
+    from datatrove.pipeline.filters import GopherQualityFilter
+
+    return next(c for c in stages[0][1] if isinstance(c, GopherQualityFilter))
+
+
+def test_a_recipe_threshold_reaches_the_filter_the_step_runs(tmp_path):
+    """`curation.filters.docs.gopher_quality.min_doc_words` is the threshold of the Gopher filter
+    in the pipeline the curate step builds: a document of exactly that many words is kept, one
+    word more in the threshold drops it as too short; the preset's other thresholds stay."""
+    # 60 words as spaCy counts them (no punctuation, no contractions), passing Gopher's other rules
+    text = " ".join(["the", "reading", "room", "and", "the", "garden", "open", "early", "with", "light"] * 6)
+    words = 60
+
+    def verdict(overrides: list[str]) -> tuple[object, object]:
+        cfg = load_recipe("tiny", overrides).curation
+        gopher = _gopher_quality(plan_stages(cfg, "docs", tmp_path / "train", tmp_path / "out", 1))
+        return gopher, gopher.filter(Document(text=text, id="d"))
+
+    gopher, kept = verdict([])
+    assert gopher.min_doc_words == 50 and gopher.max_non_alpha_words_ratio == 0.7 and kept is True
+    gopher, kept = verdict([f"curation.filters.docs.gopher_quality.min_doc_words={words}"])
+    assert gopher.min_doc_words == words and kept is True
+    gopher, dropped = verdict([f"curation.filters.docs.gopher_quality.min_doc_words={words + 1}"])
+    assert dropped == (False, "gopher_short_doc")
+    assert gopher.max_non_alpha_words_ratio == 0.7  # the docs preset's own default is kept under the override
