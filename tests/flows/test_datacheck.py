@@ -63,7 +63,13 @@ def test_the_language_preset_passes_and_the_check_is_cached(tmp_path, capsys):
 
 
 def test_the_published_recipe_plans_without_its_corpora(tmp_path, capsys):
-    assert main(["plan", "smollm3-3b", f"workspace={tmp_path / 'ws'}"]) == 0
+    """`plan` refuses a glob matching nothing as `run` does, naming it; `--allow-missing` plans
+    such sources as unresolved (the laptop that plans a run whose data lives on the cluster)."""
+    assert main(["plan", "smollm3-3b", f"workspace={tmp_path / 'ws'}"]) == 2
+    err = capsys.readouterr().err
+    assert "sources[stackexchange].uri: no files match 'data/smollm3/stackexchange/*.jsonl.gz'" in err
+    assert "--allow-missing" in err
+    assert main(["plan", "smollm3-3b", f"workspace={tmp_path / 'ws'}", "--allow-missing"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("source[", "curate[", "pretrain["))}
     assert "input not available here: sources[stackexchange].uri: no files match" in rows["source[stackexchange]"]
@@ -72,5 +78,6 @@ def test_the_published_recipe_plans_without_its_corpora(tmp_path, capsys):
     for subset, code in languages.items():
         assert rows[f"curate[fw2-{subset}]"].endswith(f"[preset web-{code}]")
     assert rows["curate[fineweb-edu/fineweb-edu]"].endswith("[preset web]")
-    assert "8 source(s) not on this machine (planned as unresolved): stackexchange" in out
+    assert "8 source(s) not on this machine, planned as unresolved (--allow-missing):" in out
+    assert "  stackexchange: sources[stackexchange].uri: no files match" in out
     assert main(["recipe", "smollm3-3b"]) == 2  # validation still names what is missing
