@@ -421,8 +421,9 @@ def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = Tr
         from flows.datacheck import preset_problems
         from pipeline.workspace import WorkspaceError, resolve_workspace
 
-        try:
-            cache = resolve_workspace(recipe.workspace) / "checks" / "presets"
+        try:  # cached in a workspace a run made: a check alone (`recipe`, `plan`) creates no folder
+            root = resolve_workspace(recipe.workspace)
+            cache = root / "checks" / "presets" if root.is_dir() else None
         except WorkspaceError:
             cache = None
         problems = preset_problems(recipe.curation, present, recipe.seed, cache)

@@ -52,8 +52,12 @@ def test_a_preset_that_would_empty_a_source_is_refused_naming_it(tmp_path, capsy
 @pytest.mark.slow
 def test_the_language_preset_passes_and_the_check_is_cached(tmp_path, capsys):
     argv = recipe_with(tmp_path, "fr")
-    assert main(["recipe", *argv]) == 0
+    assert main(["recipe", *argv]) == 0  # a check alone creates no workspace: nothing cached
     assert "language: fr" in capsys.readouterr().out
+    assert not (tmp_path / "ws").exists()
+    (tmp_path / "ws").mkdir()  # a workspace a run made
+    assert main(["recipe", *argv]) == 0
+    capsys.readouterr()
     cached = list((tmp_path / "ws" / "checks" / "presets").glob("*.json"))
     assert len(cached) == 1
     result = json.loads(cached[0].read_text())
@@ -81,3 +85,19 @@ def test_the_published_recipe_plans_without_its_corpora(tmp_path, capsys):
     assert "8 source(s) not on this machine, planned as unresolved (--allow-missing):" in out
     assert "  stackexchange: sources[stackexchange].uri: no files match" in out
     assert main(["recipe", "smollm3-3b"]) == 2  # validation still names what is missing
+
+
+def test_checking_and_planning_write_nothing_anywhere(tmp_path, monkeypatch, capsys):
+    """`recipe` and `plan` only read: run from an empty folder with an empty $SMOLLM3_HOME, they
+    create no file there nor in the home (the preset checks are cached only in a workspace a run
+    made)."""
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("SMOLLM3_HOME", str(home))
+    assert main(["recipe", "tiny"]) == 0
+    assert main(["plan", "tiny"]) == 0
+    assert main(["plan", "smollm3-3b", "--allow-missing"]) == 0
+    capsys.readouterr()
+    assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
