@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import random
+import re
 import sysconfig
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -88,10 +89,11 @@ class SourceConfig(BaseModel):
 
     @field_validator("language")
     @classmethod
-    def _known_language(cls, language: str) -> str:
-        from curation.languages import language_settings
-
-        language_settings(language)  # an unknown code fails naming the known ones
+    def _language_code(cls, language: str) -> str:
+        # A code without a web preset is the recipe's to refuse (flows/recipe.py): there the
+        # source's preset is known, and `curation.presets.NAME=none` curates it without one.
+        if not re.fullmatch(r"[a-z]{2,3}", language):
+            raise ValueError(f"{language!r} is not a language code (ISO 639-1, e.g. fr, or 639-3)")
         return language
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from curation.languages import LANGUAGES
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
@@ -148,6 +149,15 @@ class Recipe(BaseModel):
             if preset not in PRESETS:
                 raise ValueError(
                     f"curation.presets.{source}: unknown preset {preset!r}; allowed: {', '.join(PRESETS.names())}"
+                )
+        for s in self.sources:
+            if self.curation.preset_for(s.name, s.domain, s.language) not in PRESETS:  # a web source
+                known = ", ".join(sorted(LANGUAGES))
+                raise ValueError(
+                    f"sources[{s.name}].language: no web preset for language {s.language!r} (languages "
+                    f"with one: {known}); add an entry to curation/languages.py LANGUAGES (docs/data.md, "
+                    f"'Languages'), or keep the source without quality filters: curation.presets.{s.name}=none "
+                    "(exact and near dedup and decontamination still run)"
                 )
         unknown = sorted(set(self.curation.minhash_skip) - set(names))
         if unknown:
