@@ -101,3 +101,23 @@ def test_checking_and_planning_write_nothing_anywhere(tmp_path, monkeypatch, cap
     assert main(["plan", "smollm3-3b", "--allow-missing"]) == 0
     capsys.readouterr()
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_the_check_before_compute_passes_every_language_on_its_natural_paragraphs(tmp_path):
+    """The sample check `recipe` and `plan` run (flows/datacheck.py) on each language's real
+    paragraphs, as a `files:` source with its language: every preset keeps all of them, so a
+    recipe naming any of the table's languages is not refused for its natural text."""
+    from curation.languages import LANGUAGES
+    from curation.source_kinds import SourceConfig
+    from flows.datacheck import sample_source
+    from tasks.curate import CurationConfig
+
+    for code in sorted(LANGUAGES):
+        docs = [d for d in DATA["documents"] if d["source_language"] == code and d["kind"].startswith("good")]
+        path = tmp_path / f"{code}.jsonl"
+        path.write_text(
+            "".join(json.dumps({"text": d["text"], "id": d["id"]}, ensure_ascii=False) + "\n" for d in docs)
+        )
+        source = SourceConfig(name=code, uri=f"files:{path}", domain="web", language=code)
+        result = sample_source(CurationConfig(), source, 0)
+        assert (result.documents, result.kept) == (len(docs), len(docs)), (code, result.removed)

@@ -210,3 +210,41 @@ def test_a_language_without_a_preset_is_refused_with_advice_that_works(tmp_path)
     assert recipe.curation.preset_for(source.name, source.domain, source.language) == "none"
     with pytest.raises(RecipeError, match="'Turkish' is not a language code"):
         load_recipe(str(path), ["sources.tr.language=Turkish", "curation.presets.tr=none"])
+
+
+def test_a_source_curated_far_below_what_its_preset_keeps_is_flagged_naming_the_filter(tmp_path, prefect_harness):
+    """French text through the English preset keeps one English document of seven: the curate
+    step still finishes, but says so in its log, its meta, lineage (`data_events`) and a Prefect
+    event, naming the filter that removed the most; a source that keeps its text flags nothing."""
+    from pipeline.workspace import Workspace
+    from tasks.curate import publish_curated
+
+    docs = [d for d in DATA if d["id"] == "en-good-0"] + [d for d in DATA if d["source_language"] == "fr"]
+    cfg = CurationConfig(tasks=1, minhash=False, decontamination={"enabled": False}, presets={"fw2-fr": "web"})
+    lines: list[str] = []
+    meta = curate(cfg, corpus(tmp_path / "in", docs, "fw2-fr", "fr"), out=tmp_path / "out", log=lines.append)
+    low = meta["low_kept_share"]
+    assert (meta["documents"], meta["input_documents"]) == (1, 7)
+    assert low["kept_share"] == round(1 / 7, 4) and low["floor"] == 0.2 and low["filter"] == "language"
+    assert low["removed"] == meta["removed"]["language:wrong_language"] + meta["removed"].get("language:low_score", 0)
+    (warning,) = [line for line in lines if line.startswith("WARNING")]
+    assert "WARNING curate fw2-fr (web): kept 1 of 7 documents (14.3%), below curation.min_kept_share 0.2" in warning
+    assert "language removed the most" in warning
+
+    ws = Workspace.at(tmp_path / "ws")
+    art = Artifact(kind="corpus", uri=str(tmp_path / "out"), fingerprint="c" * 64, meta=meta)
+    publish_curated(art, ws, "fw2-fr")
+    (row,) = ws.lineage().query_dicts("SELECT source, kind, value, threshold, message, facts FROM data_events")
+    assert (row["source"], row["kind"], row["value"], row["threshold"]) == (
+        "fw2-fr",
+        "low_kept_share",
+        low["kept_share"],
+        0.2,
+    )
+    assert row["message"] == low["message"] and json.loads(row["facts"])["filter"] == "language"
+
+    # the control: the source's own preset keeps its French text and flags nothing
+    cfg = CurationConfig(tasks=1, minhash=False, decontamination={"enabled": False})
+    lines.clear()
+    meta = curate(cfg, corpus(tmp_path / "in2", docs, "fw2-fr", "fr"), out=tmp_path / "out2", log=lines.append)
+    assert "low_kept_share" not in meta and not any(line.startswith("WARNING") for line in lines)
