@@ -45,6 +45,9 @@ class LanguageSettings:
     min_doc_words: int = 50  # Gopher: 50 words
     short_line_length: int = 30  # FineWeb: a line of at most this many characters is short
     lid_threshold: float = 0.65  # FineWeb: keep documents whose LID score is above 0.65
+    # Whether the script ends sentences with punctuation. Thai does not (a space ends a sentence,
+    # nothing ends a paragraph): FineWeb's share of lines ending in punctuation is off for it.
+    sentence_punctuation: bool = True
     # (n, share) rules of Gopher repetition over word n-grams (None: Gopher's defaults)
     top_n_grams: tuple[tuple[int, float], ...] | None = None
     dup_n_grams: tuple[tuple[int, float], ...] | None = None
@@ -129,7 +132,15 @@ LANGUAGES: dict[str, LanguageSettings] = {
             "ko",
             "Korean",
             "spaces",
-            ("수", "것", "및", "등", "더", "그리고", "또한", "있는", "있다", "이", "그", "대한", "위해", "통해"),
+            # Korean attaches particles and endings to words, so a stop word must be a whole
+            # eojeol that stands alone in prose: dependent nouns, determiners, adverbs and the
+            # most frequent predicate forms (news prose ends sentences in 했다, 밝혔다, 말했다)
+            (
+                *("수", "것", "및", "등", "더", "그리고", "또한", "있는", "있다", "이", "그", "대한", "위해", "통해"),
+                *("같은", "위한", "함께", "모든", "많은", "다른", "가장", "다시", "매우", "크게", "먼저", "이미"),
+                *("하는", "한", "할", "한다", "했다", "하고", "된다", "있었다", "없는", "없다", "않는", "때문에"),
+                *("하지만", "그러나", "지난", "이번", "우리", "밝혔다", "말했다", "있습니다", "합니다", "때"),
+            ),
             min_avg_word_length=2,  # a Korean word (eojeol) is 2-4 syllable blocks
         ),
         LanguageSettings(
@@ -168,6 +179,7 @@ LANGUAGES: dict[str, LanguageSettings] = {
             "Thai",
             "chars",
             (),  # Thai function words are several letters: without a segmenter the rule is off
+            sentence_punctuation=False,
             min_avg_word_length=None,
             max_avg_word_length=None,
             min_doc_words=100,
@@ -177,13 +189,3 @@ LANGUAGES: dict[str, LanguageSettings] = {
         ),
     )
 }
-
-
-def language_settings(code: str) -> LanguageSettings:
-    """The settings of language `code`; an unknown code is refused with the known ones."""
-    if code not in LANGUAGES:
-        raise ValueError(
-            f"no curation settings for language {code!r}; known: {', '.join(sorted(LANGUAGES))} "
-            "(add an entry to curation/languages.py LANGUAGES, or give the source preset none)"
-        )
-    return LANGUAGES[code]

@@ -226,9 +226,16 @@ def web_thresholds(settings: LanguageSettings) -> PresetThresholds:
             max_avg_word_length=settings.max_avg_word_length,
             min_stop_words=settings.min_stop_words if settings.stop_words else None,
         ),
-        # C4's words-per-line rule splits on spaces: off where words are not space-separated
-        c4_quality=C4Thresholds(min_words_per_line=-1 if spaceless else 3),
-        fineweb_quality=FineWebQualityThresholds(short_line_length=settings.short_line_length),
+        # C4's words-per-line rule splits on spaces: off where words are not space-separated.
+        # C4's sentence count is off in every language: it removed short good documents (one
+        # paragraph of three sentences) and cannot count Thai sentences at all; a document's
+        # length is judged by Gopher's word count (min_doc_words) alone.
+        c4_quality=C4Thresholds(min_words_per_line=-1 if spaceless else 3, min_num_sentences=-1),
+        fineweb_quality=FineWebQualityThresholds(
+            short_line_length=settings.short_line_length,
+            # no share of lines ending in punctuation where the script ends no sentence with one
+            line_punct_thr=FineWebQualityThresholds().line_punct_thr if settings.sentence_punctuation else 0.0,
+        ),
     )
 
 

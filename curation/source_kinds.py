@@ -37,6 +37,7 @@ import itertools
 import json
 import os
 import random
+import re
 import sysconfig
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -47,6 +48,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from infra.home import HOME_ENV, from_base, project_base
 from infra.registry import Registry
 
 Domain = Literal["web", "code", "math"]
@@ -87,10 +89,11 @@ class SourceConfig(BaseModel):
 
     @field_validator("language")
     @classmethod
-    def _known_language(cls, language: str) -> str:
-        from curation.languages import language_settings
-
-        language_settings(language)  # an unknown code fails naming the known ones
+    def _language_code(cls, language: str) -> str:
+        # A code without a web preset is the recipe's to refuse (flows/recipe.py): there the
+        # source's preset is known, and `curation.presets.NAME=none` curates it without one.
+        if not re.fullmatch(r"[a-z]{2,3}", language):
+            raise ValueError(f"{language!r} is not a language code (ISO 639-1, e.g. fr, or 639-3)")
         return language
 
 
@@ -417,21 +420,22 @@ def _not_text(where: str, field: str, path: Path | str, more: int = 0) -> str:
 
 @SOURCE_KINDS.register("files:")
 class LocalFiles(SourceKind):
-    """JSONL or Parquet files matched by a glob (relative globs are taken from the cwd)."""
+    """JSONL or Parquet files matched by a glob (a relative glob is taken from $SMOLLM3_HOME, else
+    the project root, as a relative workspace is: never from the current directory)."""
 
     def _paths(self) -> list[Path]:
         pattern = self.config.uri.split(":", 1)[1]
-        base = Path(pattern).expanduser()
-        if base.is_absolute():
-            anchor = Path(base.anchor)
-            paths = sorted(anchor.glob(str(base.relative_to(anchor))))
-        else:
-            paths = sorted(Path.cwd().glob(pattern))
-        paths = [p for p in paths if p.is_file()]
+        full = from_base(pattern)
+        anchor = Path(full.anchor)
+        paths = [p for p in sorted(anchor.glob(str(full.relative_to(anchor)))) if p.is_file()]
         if not paths:
+            relative = (
+                ""
+                if Path(pattern).expanduser().is_absolute()
+                else f" (taken from {project_base()}: ${HOME_ENV}, else the project root)"
+            )
             raise FileNotFoundError(
-                f"{self.where}.uri: no files match {pattern!r} (a relative glob is taken from the "
-                f"working directory, {Path.cwd()}); fix the glob or give an absolute one"
+                f"{self.where}.uri: no files match {pattern!r}{relative}; fix the glob or give an absolute one"
             )
         return paths
 
@@ -538,7 +542,7 @@ class HuggingFace(SourceKind):
         return self.config.uri.split(":", 1)[1]
 
     def state(self) -> str:
-        target = Path(self._target()).expanduser()
+        target = from_base(self._target())
         if target.is_dir():
             return _files_digest(sorted(p for p in target.rglob("*") if p.is_file()))
         c = self.config
@@ -546,12 +550,12 @@ class HuggingFace(SourceKind):
 
     def _is_local(self) -> bool:
         target = self._target()
-        return target.startswith(("/", ".", "~")) or Path(target).expanduser().exists()
+        return target.startswith(("/", ".", "~")) or from_base(target).exists()
 
     def check(self) -> list[str]:
         if not self._is_local():
             return []  # a hub dataset: checking it needs the network (the step reports it)
-        target = Path(self._target()).expanduser()
+        target = from_base(self._target())
         if not target.is_dir():
             return [
                 f"{self.where}.uri: {target} is not a folder; hf:/PATH takes a folder written by datasets' save_to_disk"
@@ -588,13 +592,13 @@ class HuggingFace(SourceKind):
     def missing(self) -> str | None:
         if not self._is_local():
             return None
-        target = Path(self._target()).expanduser()
+        target = from_base(self._target())
         return None if target.exists() else f"{self.where}.uri: {target} does not exist on this machine"
 
     def records(self) -> Iterator[Document | Rejected]:
         import datasets
 
-        target = Path(self._target()).expanduser()
+        target = from_base(self._target())
         if target.is_dir():
             ds = datasets.load_from_disk(str(target))
             if isinstance(ds, datasets.DatasetDict):

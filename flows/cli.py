@@ -76,15 +76,24 @@ def cmd_plan(args) -> int:
 
     check_refresh(args.flow, args.refresh)
     from flows.graphs import plan
-    from flows.recipe import check_data, load_recipe
+    from flows.recipe import RecipeError, check_data, load_recipe
     from pipeline.dryrun import format_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
-    missing = check_data(recipe, allow_missing=True) if args.flow == "smollm3" else {}
+    missing: dict[str, str] = {}
+    if args.flow == "smollm3":
+        try:  # refused as `run` refuses it, unless the plan is for data that lives elsewhere
+            missing = check_data(recipe, allow_missing=args.allow_missing)
+        except RecipeError as exc:
+            raise RecipeError(
+                f"{exc}\n(to plan a recipe whose data is on another machine, e.g. the cluster that will "
+                "run it, add --allow-missing: its steps are then planned as unresolved)"
+            ) from None
     rows = plan(recipe, frozenset(args.refresh), args.flow, args.base)
     print(format_plan(rows))
-    if missing:  # planned all the same: their steps are marked unresolved above
-        print(f"{len(missing)} source(s) not on this machine (planned as unresolved): {', '.join(missing)}")
+    if missing:  # planned all the same (--allow-missing): their steps are marked unresolved above
+        print(f"{len(missing)} source(s) not on this machine, planned as unresolved (--allow-missing):")
+        print(printable_lines("\n".join(f"  {name}: {why}" for name, why in missing.items())))
     return 0
 
 
@@ -126,11 +135,22 @@ def cmd_sql(args) -> int:
 
     with lineage.snapshot() as con:
         try:
+            writes = [t.type.name for t in con.extract_statements(args.query) if t.type.name not in _READS]
             print(printable_lines(con.sql(args.query)))
         except duckdb.Error as exc:  # a bad query is the user's input: say what DuckDB said, no traceback
             tables = ", ".join(sorted(r[0] for r in con.execute("SHOW TABLES").fetchall() if not r[0].startswith("_")))
             raise ValueError(f"{type(exc).__name__}: {exc}\n(tables: {tables})") from None
+    if writes:  # the copy is thrown away: say so, rather than let a count suggest a change
+        print(
+            f"smollm3 sql: {', '.join(sorted(set(writes)))} ran on a private copy of the lineage, which is "
+            "discarded: the lineage is unchanged (it is written only by runs)",
+            file=sys.stderr,
+        )
     return 0
+
+
+# Statement kinds that only read (anything else ran on the copy and is discarded with it)
+_READS = {"SELECT", "EXPLAIN", "PRAGMA", "SET", "VARIABLE_SET", "RELATION", "CALL"}
 
 
 def cmd_report(args) -> int:
@@ -376,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="STEP[,STEP]",
         help="step names to plan as forced reruns (unknown names are refused with the flow's steps)",
+    )
+    p.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="plan sources whose data is not on this machine (a files: glob matching nothing, a "
+        "folder not here) as unresolved instead of refusing the recipe as `run` does",
     )
 
     p = add(

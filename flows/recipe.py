@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from curation.mixtures import check_stages, load_weights
+from curation.languages import LANGUAGES
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
@@ -149,6 +150,15 @@ class Recipe(BaseModel):
             if preset not in PRESETS:
                 raise ValueError(
                     f"curation.presets.{source}: unknown preset {preset!r}; allowed: {', '.join(PRESETS.names())}"
+                )
+        for s in self.sources:
+            if self.curation.preset_for(s.name, s.domain, s.language) not in PRESETS:  # a web source
+                known = ", ".join(sorted(LANGUAGES))
+                raise ValueError(
+                    f"sources[{s.name}].language: no web preset for language {s.language!r} (languages "
+                    f"with one: {known}); add an entry to curation/languages.py LANGUAGES (docs/data.md, "
+                    f"'Languages'), or keep the source without quality filters: curation.presets.{s.name}=none "
+                    "(exact and near dedup and decontamination still run)"
                 )
         unknown = sorted(set(self.curation.minhash_skip) - set(names))
         if unknown:
@@ -422,8 +432,9 @@ def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = Tr
         from flows.datacheck import preset_problems
         from pipeline.workspace import WorkspaceError, resolve_workspace
 
-        try:
-            cache = resolve_workspace(recipe.workspace) / "checks" / "presets"
+        try:  # cached in a workspace a run made: a check alone (`recipe`, `plan`) creates no folder
+            root = resolve_workspace(recipe.workspace)
+            cache = root / "checks" / "presets" if root.is_dir() else None
         except WorkspaceError:
             cache = None
         problems = preset_problems(recipe.curation, present, recipe.seed, cache)

@@ -173,6 +173,7 @@ class RunContext:
         self.deployment = runtime_deployment.name
         self.attempt = int(runtime_flow_run.run_count or 1) if runtime_flow_run.id else None
         self.records: list[StepRow] = []
+        self.reused: set[str] = set()  # steps whose body found their folder finished (recorded `cached`)
         self._records_lock = threading.Lock()
         self.owner_gone: str | None = None  # set when the serve process that owns the run died
         self.owner: ProcessRef | None = None
@@ -378,8 +379,14 @@ def prefect_task(d: StepDef):
                 retry_delay_seconds=d.retry_delay,
                 retry_condition_fn=_retry_if_transient,
             )
-            def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> dict[str, Any]:
-                return execute(call, inputs, gates).model_dump(mode="json")
+            def run(call: StepCall, inputs: dict[str, Any], gates: list[Any]) -> Any:
+                artifact = execute(call, inputs, gates)
+                data = artifact.model_dump(mode="json")
+                if call.node.key in call.ctx.reused:  # shown as reuse in the UI and `watch`, not as work
+                    from prefect.states import Completed
+
+                    return Completed(name="Cached", data=data, message="reused its finished folder")
+                return data
 
             _TASKS[id(d)] = (d, run)
         return _TASKS[id(d)][1]
@@ -512,7 +519,10 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
     # that has not seen it, as a built one does.
     publish = outcome.built or (outcome.fetched and lineage.artifact(artifact.fingerprint) is None)
     lineage.record_artifact(artifact, d.name, node.label, node.config, [*_flat(inputs), *(_artifact(g) for g in gates)])
-    ctx.record(node, "completed", started[0], _now())
+    reused = not outcome.built and not outcome.fetched  # a finished folder Prefect's cache did not know
+    if reused:
+        ctx.reused.add(node.key)
+    ctx.record(node, "cached" if reused else "completed", started[0], _now())
     if publish and d.publish is not None:
         d.publish(artifact, ws, node.label)
     if outcome.built and ws.storage is not None and ws.storage.s3_uri and not d.resumable:
@@ -645,7 +655,7 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
         state = future.state
         if state.is_completed():
             artifacts[node.key] = _artifact(future.result())
-            if state.name == "Cached":
+            if state.name == "Cached" and node.key not in ctx.reused:  # a hit of Prefect's cache
                 now = _now()
                 ctx.record(node, "cached", now, now)
         elif state.is_failed() or state.is_crashed():

@@ -30,17 +30,16 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from infra.home import HOME_ENV, project_base
 from infra.storage import StorageConfig
 from infra.terminal import printable
 
 if TYPE_CHECKING:  # imported where used: resolving a workspace needs no DuckDB
     from pipeline.lineage import Lineage
 
-HOME_ENV = "SMOLLM3_HOME"
 # A run id as it may name a file or folder (`runs/{id}/`, `reports/{id}.md`): Prefect's are UUIDs.
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 ROOTS_ENV = "SMOLLM3_WORKSPACE_ROOTS"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Neither these nor anything under them can hold a workspace.
 SYSTEM_TREES = (
     "/bin",
@@ -91,13 +90,10 @@ class WorkspaceError(ValueError):
 
 def workspace_base() -> Path:
     """What a relative workspace is resolved against: $SMOLLM3_HOME, else the project root."""
-    home = os.environ.get(HOME_ENV)
-    if not home:
-        return PROJECT_ROOT
-    base = Path(home).expanduser()
-    if not base.is_absolute():
-        raise WorkspaceError(f"{HOME_ENV}={home!r} must be an absolute path")
-    return base.resolve()
+    try:
+        return project_base()
+    except ValueError as exc:
+        raise WorkspaceError(str(exc)) from None
 
 
 def resolve_workspace(root: str | Path) -> Path:

@@ -204,12 +204,66 @@ def _heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> I
                     yield f"{source}/{doc['id']}", kept
 
 
+def _low_kept_share(rows: list[dict], docs_in: int, kept: int, floor: float) -> dict[str, Any] | None:
+    """A source that kept less than `floor` of its documents (every preset keeps all the natural
+    paragraphs of tests/tasks/data/multilingual.json: far below that is a preset that does not
+    fit the text), with the filter that removed the most and its main reasons; else None."""
+    if not docs_in or kept / docs_in >= floor:
+        return None
+    removals = [(r["docs_in"] - r["docs_out"], r) for r in rows if r["filter"] != "read"]
+    removed, worst = max(removals, key=lambda x: x[0]) if removals else (0, {"filter": "read", "reasons": {}})
+    reasons = dict(sorted(worst["reasons"].items(), key=lambda kv: -kv[1])[:3])
+    share = kept / docs_in
+    return {
+        "kept_share": round(share, 4),
+        "floor": floor,
+        "filter": worst["filter"],
+        "removed": removed,
+        "reasons": reasons,
+        "message": (
+            f"kept {kept} of {docs_in} documents ({share:.1%}), below curation.min_kept_share "
+            f"{floor:g}: {worst['filter']} removed the most ({removed}: "
+            f"{', '.join(f'{k} {v}' for k, v in reasons.items())}); check the source's preset "
+            "(curation.presets, its language) against a sample of its text"
+        ),
+    }
+
+
 def publish_curated(artifact: Artifact, ws, label: str) -> None:
-    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact."""
+    """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact; a source
+    that kept far less than its preset keeps on natural text also to lineage (`data_events`)
+    and as a Prefect event (`smollm3.curation.low_kept_share`)."""
     from prefect.artifacts import create_table_artifact
 
     rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
     source = artifact.meta.get("source", label)
+    low = artifact.meta.get("low_kept_share")
+    if low:
+        from datetime import UTC, datetime
+
+        from prefect.events import emit_event
+
+        facts = {k: low[k] for k in ("filter", "removed", "reasons")}
+        ws.lineage().record_rows(
+            "data_events",
+            [
+                (
+                    artifact.fingerprint,
+                    source,
+                    "low_kept_share",
+                    low["kept_share"],
+                    low["floor"],
+                    low["message"],
+                    json.dumps(facts, sort_keys=True),
+                    datetime.now(UTC).replace(tzinfo=None),
+                )
+            ],
+        )
+        emit_event(
+            event="smollm3.curation.low_kept_share",
+            resource={"prefect.resource.id": f"smollm3.source.{source}", "prefect.resource.name": source},
+            payload={"kept_share": low["kept_share"], "floor": low["floor"], **facts},
+        )
     ws.lineage().record_rows(
         "filter_stats",
         [
@@ -313,6 +367,9 @@ def curate(
         f"{seconds:.1f}s; held-out {held_in} -> {held_docs}; copies of held-out text removed "
         f"{dict(decont)}; rejected {dict(rejected)}"
     )
+    low = _low_kept_share(rows, docs_in, documents, config.min_kept_share)
+    if low is not None:  # in the task log; publish_curated records it in lineage and as an event
+        log(f"WARNING curate {source} ({preset}): {low['message']}")
     if documents == 0:
         raise ValueError(
             f"curation of source {source!r} with preset {preset!r} kept no documents; see "
@@ -339,6 +396,7 @@ def curate(
         "removed": dict(removed),
         "heldout_removed": dict(held_removed),
         "unaccounted": unaccounted,
+        **({"low_kept_share": low} if low is not None else {}),
         "seconds": round(seconds, 2),
         "executor": config.executor,
         "tasks": tasks,

@@ -109,6 +109,12 @@ CREATE TABLE IF NOT EXISTS preflight (
     run_id VARCHAR, check_name VARCHAR, status VARCHAR, value VARCHAR, threshold VARCHAR,
     advice VARCHAR, created TIMESTAMP
 );
+-- what a data step flagged about its output (a source that kept far less than its preset keeps
+-- on natural text, naming the filter that removed the most)
+CREATE TABLE IF NOT EXISTS data_events (
+    fingerprint VARCHAR, source VARCHAR, kind VARCHAR, value DOUBLE, threshold DOUBLE,
+    message VARCHAR, facts JSON, created TIMESTAMP
+);
 CREATE TABLE IF NOT EXISTS train_events (
     stage_dir VARCHAR, stage VARCHAR, run_id VARCHAR, attempt INTEGER, task_try INTEGER,
     kind VARCHAR, step BIGINT, rank INTEGER, host VARCHAR, value DOUBLE, threshold DOUBLE,
@@ -161,7 +167,7 @@ EXPERIMENT_COLUMNS = {t: COLUMNS[t] for t in ("experiments", "experiment_runs", 
 # What a journal operation may insert into (flow_runs and run_attempts change through STATEMENTS
 # only; the journal's own tables never through the journal).
 INSERT_TABLES = frozenset(
-    {"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events"}
+    {"steps", "artifacts", "edges", "metrics", "evals", "filter_stats", "preflight", "train_events", "data_events"}
 ) | set(EXPERIMENT_COLUMNS)
 IGNORE_TABLES = frozenset({"artifacts", "edges"})  # recording the same artifact or edge again is a no-op
 # The fixed statements of a flow run's life, by name: (SQL, number of parameters).
@@ -938,7 +944,7 @@ class LineageStore:
 
     def record_rows(self, table: str, rows: Sequence[Sequence[Any]]) -> None:
         """Append rows to one of the schema's fact tables (metrics, evals, filter_stats, ...)."""
-        if table not in {"metrics", "evals", "filter_stats", "preflight", "train_events"}:
+        if table not in {"metrics", "evals", "filter_stats", "preflight", "train_events", "data_events"}:
             raise ValueError(f"unknown lineage table {table!r}")
         if not rows:
             return

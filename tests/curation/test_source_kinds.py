@@ -67,7 +67,9 @@ def test_check_sources_names_the_field_and_the_fields_present(tmp_path):
     )
     assert len(problems) == 5, problems
     none, pq_, js, csv, arr = problems
-    assert none.startswith("sources[none].uri: no files match") and "working directory" in none
+    assert none.startswith("sources[none].uri: no files match") and none.endswith(
+        "fix the glob or give an absolute one"
+    )
     assert pq_.startswith("sources[pq].text_field: 'text' is not a field of") and "(fields: content, url)" in pq_
     assert "p.parquet (nor of 1 more of the first 8 files)" in pq_  # one error for the field
     assert js.startswith("sources[js].id_field: 'doc_id'") and "(fields: body, id)" in js

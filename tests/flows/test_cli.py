@@ -86,7 +86,17 @@ def test_a_bad_query_is_a_clean_error_naming_the_tables(workspace, capsys):
     assert err.startswith("smollm3 sql: error: CatalogException:") and "nosuch" in err
     assert "Traceback" not in err and "steps" in err.splitlines()[-1]  # the tables there are
     assert main(["sql", "SELECT count(*) AS n FROM steps", "--workspace", str(root)]) == 0
-    assert "2" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "2" in out.out and out.err == ""  # a read says nothing more
+
+
+def test_a_write_says_it_went_to_a_discarded_copy(workspace, capsys):
+    root, _ = workspace
+    assert main(["sql", "DELETE FROM steps", "--workspace", str(root)]) == 0
+    err = capsys.readouterr().err
+    assert "DELETE ran on a private copy of the lineage, which is discarded" in err
+    assert main(["sql", "SELECT count(*) AS n FROM steps", "--workspace", str(root)]) == 0
+    assert "2" in capsys.readouterr().out  # the lineage still holds both rows
 
 
 def test_recipe_prints_the_resolved_recipe(capsys):

@@ -104,7 +104,7 @@ def test_a_copied_workspace_reuses_every_step_and_reads_nothing_from_the_old_pla
     assert [r.action for r in plan] == ["reuse", "reuse"]  # `plan` reuses all
     summary = _run(tmp_path, new, ("1", "2"))  # ...and a downstream step that is new runs
     assert (_count(tmp_path, "makes"), _count(tmp_path, "uses")) == (1, 2)
-    assert summary["states"] == {"completed": 3}
+    assert summary["states"] == {"cached": 2, "completed": 1}  # reused as `cached`, the new one built
     outputs = dict(Lineage(new / "lineage.duckdb").labelled_outputs(summary["run_id"], "use"))
     second = outputs["2"]
     assert second.meta["from"] == str(new / "make" / second.meta["from"].split("/")[-2] / "data.txt")

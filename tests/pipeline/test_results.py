@@ -77,8 +77,8 @@ def test_a_planted_pickle_result_never_runs_and_is_a_cache_miss(tmp_path, prefec
     with caplog.at_level(logging.WARNING, logger="pipeline.results"):
         rows = _run(ws, config)
     assert not canary.exists()
-    assert [r["state"] for r in rows] == ["completed"]  # not served from the planted record...
-    assert (tmp_path / "n").read_text() == "1"  # ...and the body reused the finished folder
+    assert [r["state"] for r in rows] == ["cached"]  # not served from the planted record...
+    assert (tmp_path / "n").read_text() == "1"  # ...but the body reused the finished folder
     assert f"refusing the persisted result {record}: it names serializer 'pickle'" in caplog.text
     assert json.loads(record.read_bytes())["metadata"]["serializer"] == json_serializer()  # rewritten
     assert [r["state"] for r in _run(ws, config)] == ["cached"]
@@ -143,3 +143,26 @@ def test_a_legacy_blob_and_extra_fields_are_refused(tmp_path):
         check_record(json.dumps(record).encode(), KEY, ws)
     with pytest.raises(RefusedResult, match="more than a step result holds"):
         check_record(b" " * (5 << 20), KEY, ws)
+
+
+def test_a_finished_folder_the_cache_does_not_know_is_shown_cached_not_as_work(tmp_path, prefect_harness):
+    """Without Prefect's record (a moved workspace, `results/` deleted) the body finds the folder
+    finished: the task run ends `Cached` (what the UI and `smollm3 watch` show) with a message
+    saying so, and lineage records `cached`, not `completed` as if the step had been built."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    ws = tmp_path / "ws"
+    config = Counted(counter=str(tmp_path / "n"))
+    assert [r["state"] for r in _run(ws, config)] == ["completed"]
+    for record in (ws / "results").iterdir():
+        record.unlink()
+    assert [r["state"] for r in _run(ws, config)] == ["cached"]
+    assert (tmp_path / "n").read_text() == "1"  # built once
+    lineage = Lineage(ws / "lineage.duckdb")
+    run_id = lineage.runs(1)[0]["run_id"]
+    with get_client(sync_client=True) as client:
+        (task_run,) = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    assert (task_run.state.type.value, task_run.state.name) == ("COMPLETED", "Cached")
+    assert task_run.state.message == "reused its finished folder"
+    assert [r["state"] for r in _run(ws, config)] == ["cached"]  # the record was written: a cache hit now

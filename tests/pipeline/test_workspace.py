@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.home import PROJECT_ROOT
 from pipeline.workspace import (
-    PROJECT_ROOT,
     Workspace,
     WorkspaceError,
     resolve_workspace,
