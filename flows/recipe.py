@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from curation.mixtures import check_stages, load_weights
 from curation.languages import LANGUAGES
+from curation.mixtures import check_stages, load_weights
 from curation.presets import PRESETS
 from curation.source_kinds import SourceConfig, check_sources, missing_sources
 from infra.launchers import LaunchConfig
