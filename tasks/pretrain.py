@@ -48,11 +48,11 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
+from model.calibration import host_calibration
 from model.spec import ScheduleSpec, TrainSettings, TrainSpec, stage_settings
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from tasks.mixture import StageConfig
-from tasks.preflight import host_calibration
 from trainers.supervise import (
     RunRef,
     StageEvents,

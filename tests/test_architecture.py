@@ -217,20 +217,6 @@ NOT_YET_MOVED = {
         "stage_markdown",
     },
     "tasks/cpt.py": {"general_weights", "cpt_weights", "cpt_stage", "heldout_configs", "forgetting_flags"},
-    "tasks/compare.py": {"collect"},
-    "tasks/export.py": {"tokenizer_folder"},
-    "tasks/fertility.py": {
-        "TRAINED",
-        "load_candidate",
-        "find_eos",
-        "split_texts",
-        "heldout_texts",
-        "measured_texts",
-        "measure",
-        "decide",
-        "write_chart",
-        "markdown_table",
-    },
     "tasks/heldout.py": {"token_bytes", "token_losses", "heldout_loss", "heldout_scores"},
     "tasks/mixture.py": {
         "REPO_ROOT",
@@ -255,27 +241,9 @@ NOT_YET_MOVED = {
         "link_or_copy",
         "write_model_checkpoint",
     },
-    "tasks/posttrain/data.py": {
-        "math_conversation",
-        "prose_conversation",
-        "builtin_conversations",
-        "arithmetic_prompts",
-        "data_state",
-        "external_conversations",
-    },
-    "tasks/posttrain/merge.py": {"load_safetensors", "linear_merge"},
-    "tasks/preflight.py": {
-        "PreflightFailed",
-        "lineage_rows",
-        "run_checks",
-        "calibrations",
-        "host_calibration",
-        "recipe_facts",
-        "cuda_available",
-        "spec_for",
-        "model_facts",
-        "read_report",
-    },
+    # the step's body and the recipe's facts: both need pipeline's workspace and infra's preflight
+    # together, which only tasks/ may import; run_checks takes test doubles (gpu, commands)
+    "tasks/preflight.py": {"run_checks", "recipe_facts"},
     "tasks/run_report.py": {"stage_rows"},  # reads tasks/pretrain.py read_metrics: moves with it (item 1)
 }
 # Cross-step imports not yet replaced by an import from a library, each with why.
@@ -286,8 +254,6 @@ CROSS_STEP_NOT_YET = {
         "tasks.pin.BaseCheckpoint",
         "tasks.pretrain.optimizer_steps",
     },  # item 1 of issue 31 reshapes tasks/pretrain.py
-    "tasks.pretrain": {"tasks.preflight.host_calibration"},  # item 1 of issue 31 reshapes tasks/pretrain.py
-    "tasks.posttrain.preference": {"tasks.posttrain.data.data_state"},
     "tasks.run_report": {"tasks.pretrain.read_metrics"},  # item 1 of issue 31 reshapes tasks/pretrain.py
 }
 # File names shared by modules where the folder says why: the step, the flow and the trainer of
@@ -302,10 +268,8 @@ SHARED_NAMES = {
     "cpt.py": "flows/ the flow, tasks/ its steps",
     "compare.py": "flows/ the flow, tasks/ its step",
     "heldout.py": "tasks/ the held-out loss step, curation/ the decontamination components",
-    "data.py": "NOT YET: model/ token shards, tasks/posttrain/ chat data, trainers/posttrain/, infra/preflight/",
+    "data.py": "tasks/posttrain/ the posttrain_data step, infra/preflight/ the data check (named for what it checks)",
     "cli.py": "flows/ the smollm3 command, infra/preflight/ the preflight command",
-    "config.py": "NOT YET: model/ the architecture, trainers/posttrain/ the trainer sections",
-    "signals.py": "NOT YET: pipeline/ flow-run signals, trainers/ rank signals",
     "storage.py": "infra/ S3 storage, infra/preflight/ the storage check (each check named for what it checks)",
 }
 

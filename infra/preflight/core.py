@@ -287,3 +287,25 @@ def format_markdown(results: list[CheckResult]) -> str:
     counts = summary(results)
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
     return "\n".join(lines)
+
+
+def metric_of(results: list[CheckResult], name: str) -> float | None:
+    """The metric of check `name` in `results`; None when it did not run or was skipped."""
+    return next((r.metric for r in results if r.name == name and r.status != "skip"), None)
+
+
+def lineage_rows(run_id: str, results: list[CheckResult], created: Any = None) -> list[tuple]:
+    """Rows of the lineage `preflight` table: run_id, check_name, status, value, threshold, advice,
+    created."""
+    from datetime import UTC, datetime
+
+    created = created or datetime.now(UTC).replace(tzinfo=None)
+    return [(run_id, r.name, r.status, r.value, r.threshold, r.advice, created) for r in results]
+
+
+class PreflightFailed(RuntimeError):
+    """Preflight found blocking problems; `results` holds every check's result."""
+
+    def __init__(self, message: str, results: list[CheckResult]):
+        super().__init__(message)
+        self.results = results
