@@ -241,8 +241,9 @@ NOT_YET_MOVED = {
         "link_or_copy",
         "write_model_checkpoint",
     },
-    # the step's body and the recipe's facts: both need pipeline's workspace and infra's preflight
-    # together, which only tasks/ may import; run_checks takes test doubles (gpu, commands)
+    # the step's body (report, lineage rows of a failing run, calibration; takes test doubles for
+    # gpu and commands) and the recipe's facts: their home by name, infra/preflight/, may import
+    # neither pipeline's workspace nor model's calibration; they move when the report has a home
     "tasks/preflight.py": {"run_checks", "recipe_facts"},
     "tasks/run_report.py": {"stage_rows"},  # reads tasks/pretrain.py read_metrics: moves with it (item 1)
 }
