@@ -17,6 +17,7 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt")
 
 
 def load_safetensors(folder: Path) -> dict[str, Any]:
+    """Every tensor of the `.safetensors` shards in `folder`, by name."""
     from safetensors.torch import load_file
 
     shards = sorted(Path(folder).glob("*.safetensors"))

@@ -1,4 +1,5 @@
-"""Preflight core: results, the check base class and registry, the config and the recipe facts.
+"""Preflight core: results, the check base class and registry, the config and the recipe facts,
+the stop error (`PreflightFailed`) and the rows of the lineage `preflight` table.
 
 A preflight check measures one thing about the machine, the storage, the data or the recipe before
 a long training run spends GPU-weeks on it, and answers with a `CheckResult`: pass, warn, fail or
