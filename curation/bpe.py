@@ -130,3 +130,10 @@ def selected_tokenizer(tokenizer: Any) -> dict[str, Any]:
             "eos_id": tokenizer.meta["eos_id"],
         }
     raise ValueError(f"tokenize: give a fertility or tokenizer artifact as input, not a {tokenizer.kind} artifact")
+
+
+def tokenizer_folder(tokenizer: Any) -> tuple[Path, int]:
+    """The HF tokenizer folder and EOS id chosen upstream (fertility decision or tokenizer)."""
+    chosen = selected_tokenizer(tokenizer)
+    path = Path(chosen["path"])
+    return (path.parent if path.is_file() else path), int(chosen["eos_id"])

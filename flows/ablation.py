@@ -36,7 +36,7 @@ from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
 from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
 from tasks.mixture import MixtureSpec, mixture
-from tasks.preflight import preflight, spec_for
+from tasks.preflight import PreflightSpec, preflight
 from tasks.pretrain import pretrain
 
 # Settings of the run, not of a model: every arm trains in one flow run with the baseline's.
@@ -129,7 +129,11 @@ def graph(
         arm = Arm(g, "" if name == BASELINE else f"{name}.")
         d = data(arm, cfg)  # type: ignore[arg-type]  # Arm adds like a Graph
         check = arm.add(
-            preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer, mixtures=list(d.plans.values())
+            preflight,
+            PreflightSpec.for_recipe(cfg, run_id),
+            label="preflight",
+            tokenizer=d.tokenizer,
+            mixtures=list(d.plans.values()),
         )
         suite = None
         if spec.lm_eval != "none":

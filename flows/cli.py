@@ -238,10 +238,11 @@ def cmd_preflight(args) -> int:
         )
     from flows.recipe import load_recipe
     from infra.preflight import PreflightFacts, format_table, run_preflight, should_stop
-    from tasks.preflight import model_facts, spec_for
+    from model.config import model_facts
+    from tasks.preflight import PreflightSpec
 
     recipe = load_recipe(argv[0], argv[1:])
-    spec = spec_for(recipe)
+    spec = PreflightSpec.for_recipe(recipe)
     t = recipe.training
     facts = PreflightFacts.from_dict(
         {**spec.facts, **spec.run_facts, **model_facts(t.model, dict(t.model_overrides), recipe.tokenizer.vocab_size)}

@@ -45,7 +45,7 @@ from tasks.mixture import StageConfig
 from tasks.pretrain import TrainingConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from trainers.posttrain.config import PosttrainConfig
+from trainers.posttrain.sections import PosttrainConfig
 
 if TYPE_CHECKING:
     from pipeline.runner import RunSetup

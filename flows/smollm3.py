@@ -25,13 +25,13 @@ from tasks.posttrain.grpo import grpo
 from tasks.posttrain.merge import merge
 from tasks.posttrain.preference import preference
 from tasks.posttrain.sft import sft
-from tasks.preflight import preflight, spec_for
+from tasks.preflight import PreflightSpec, preflight
 from tasks.pretrain import pretrain
 from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
-from trainers.posttrain.config import ChatDataSpec, MergeSpec, PosttrainSpec
+from trainers.posttrain.sections import ChatDataSpec, MergeSpec, PosttrainSpec
 
 
 def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> Graph:
@@ -44,7 +44,11 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
     # waits for the previous one only: its export and evaluation run beside the next stage.
     check = g.add(
-        preflight, spec_for(cfg, run_id), label="preflight", tokenizer=d.tokenizer, mixtures=list(d.plans.values())
+        preflight,
+        PreflightSpec.for_recipe(cfg, run_id),
+        label="preflight",
+        tokenizer=d.tokenizer,
+        mixtures=list(d.plans.values()),
     )
     # Eval items come from the curated held-out splits: text like what is trained on, never in it.
     suite = g.add(

@@ -66,7 +66,7 @@ class AttentionMask:
 
 
 FLEX_BLOCK = 128  # BlockMask block size (torch's default), the unit the flex path pads T to
-PAD_DOC = -1  # document id of the padding (real ids are >= 0, see model.data.Batch)
+PAD_DOC = -1  # document id of the padding (real ids are >= 0, see model.token_shards.Batch)
 
 
 def flex_available() -> bool:

@@ -167,3 +167,14 @@ class ModelConfig:
         if key not in presets:
             raise ValueError(f"unknown model preset {name!r}; allowed presets: {', '.join(sorted(presets))}")
         return presets[key](**overrides)
+
+
+def model_facts(model: str, overrides: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The model's size and limits at the tokenizer's real vocabulary (the trainer's rule)."""
+    cfg = ModelConfig.from_preset(model, **{**overrides, "vocab_size": vocab_size})
+    return {
+        "max_positions": cfg.max_seq_len,
+        "tokenizer_vocab": vocab_size,
+        "model_vocab": cfg.vocab_size,
+        "params": cfg.num_parameters(),
+    }

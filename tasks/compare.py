@@ -2,9 +2,9 @@
 
 Its inputs are named by run (`{label}.lm`: lm-eval artifacts in step order; `{label}.heldout`:
 held-out BPB artifacts, one point per evaluated checkpoint; `base`: an anneal's pinned
-checkpoint); the statistics, the report and the chart are evals/experiments.py's. The publish
-hook writes DuckDB `experiments`, `experiment_runs` and `experiment_results` and the Prefect
-table and markdown artifacts.
+checkpoint); reading their scores (`collect`), the statistics, the report and the chart are
+evals/experiments.py's. The publish hook writes DuckDB `experiments`, `experiment_runs` and
+`experiment_results` and the Prefect table and markdown artifacts.
 """
 
 from __future__ import annotations
@@ -12,77 +12,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from evals.experiments import ExperimentSpec, TaskScores, chart, compare_variants, report_markdown, task_quality
-from pipeline.artifact import Artifact, Inputs
+from evals.experiments import ExperimentSpec, chart, collect, compare_variants, report_markdown, task_quality
+from pipeline.artifact import Artifact
 from pipeline.step import step
-
-
-def _listed(value: Artifact | Sequence[Artifact] | None) -> tuple[Artifact, ...]:
-    """The artifacts of one input: a list as it is, one artifact as a list of one, none as ()."""
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, Artifact) else tuple(value)
-
-
-def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
-    """Every task's points per run, from the lm-eval and held-out artifacts of the inputs."""
-    tasks: dict[str, TaskScores] = {}
-
-    def add(
-        task: str,
-        metric: str,
-        better: str,
-        random: float,
-        label: str,
-        step_no: int,
-        values: Mapping[str, float],
-        fingerprint: str,
-    ) -> None:
-        t = tasks.setdefault(task, TaskScores(metric, better))
-        if t.metric != metric:
-            raise ValueError(f"task {task}: scored on {t.metric} in one run and {metric} in another")
-        t.randoms.append(random)
-        stderr = values.get(f"{metric}_stderr")
-        t.points.setdefault(label, []).append(
-            (int(step_no), float(values[metric]), None if stderr is None else float(stderr), fingerprint)
-        )
-
-    for run in cfg.runs:
-        lm = _listed(inputs.get(f"{run.label}.lm"))
-        if len(lm) != len(run.lm_steps):
-            raise ValueError(f"run {run.label}: {len(lm)} lm-eval input(s) but {len(run.lm_steps)} lm_steps")
-        for art, step_no in zip(lm, run.lm_steps, strict=True):
-            for task, values in art.meta["scores"].items():
-                metric = next((m for m in (cfg.metric, "acc", "exact_match") if m in values), None)
-                if metric is None or math.isnan(values[metric]):
-                    continue
-                random = float(art.meta.get("random_accuracy") or 0.0) if metric.startswith("acc") else 0.0
-                add(task, metric, "higher", random, run.label, step_no, values, art.fingerprint)
-        for art in _listed(inputs.get(f"{run.label}.heldout")):
-            for point in art.meta["points"]:
-                for task, values in point["scores"].items():
-                    add(
-                        task,
-                        "bpb",
-                        "lower",
-                        float(art.meta["random"][task]["bpb"]),
-                        run.label,
-                        point["global_step"],
-                        values,
-                        art.fingerprint,
-                    )
-    for t in tasks.values():
-        for label, pts in t.points.items():
-            pts.sort()
-            steps = [p[0] for p in pts]
-            if len(set(steps)) != len(steps):
-                raise ValueError(f"run {label}: two scores at the same step {steps}")
-    return tasks
 
 
 def _json_safe(value: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from curation.bpe import selected_tokenizer
+from curation.bpe import tokenizer_folder
 from pipeline.artifact import Artifact
 from pipeline.step import step
 
@@ -23,13 +23,6 @@ class ExportConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights dtype of the exported folder
-
-
-def tokenizer_folder(tokenizer: Artifact) -> tuple[Path, int]:
-    """The HF tokenizer folder and EOS id chosen upstream (fertility decision or tokenizer)."""
-    chosen = selected_tokenizer(tokenizer)
-    path = Path(chosen["path"])
-    return (path.parent if path.is_file() else path), int(chosen["eos_id"])
 
 
 @step("export", version=2, kind="hf_model", resource="eval", isolate=True, retries=1)

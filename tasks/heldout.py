@@ -115,8 +115,8 @@ def heldout_eval(
     import numpy as np
 
     from model.checkpoint import Checkpointer, load_model, read_marker, read_trainer_state
-    from model.data import MixturePlan
     from model.spec import TrainSpec
+    from model.token_shards import MixturePlan
 
     spec = TrainSpec.load(checkpoint.path / "spec.json")
     seq_len = int(spec.seq_len or MixturePlan.load(spec.mixture_plan).seq_len)  # the trained length

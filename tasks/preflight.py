@@ -1,11 +1,11 @@
 """The preflight step: measure the machine, storage, data and recipe before training starts.
 
-    g.add(preflight, PreflightSpec(preflight=cfg.preflight, **recipe_facts(cfg)), label="preflight",
+    g.add(preflight, PreflightSpec.for_recipe(cfg, run_id), label="preflight",
           tokenizer=chosen, mixtures=[...plans])
 
 The build runs `infra.preflight.run_preflight`, writes `preflight.json` (every result, the config,
 the facts, host and time) and `preflight.md` (the table) into the step folder, and raises
-`PreflightFailed` listing the blocking checks when `should_stop` says so, so the flow stops before
+`PreflightFailed` (infra/preflight/core.py) listing the blocking checks when `should_stop` says so, so the flow stops before
 any training stage launches. The publish hook records one `preflight` lineage row per check and a
 Prefect table artifact.
 
@@ -20,7 +20,7 @@ invalidate an earlier measurement.
 Calibration: the report holds this host's measured matmul rates (`calibration`: the fp32
 `cpu_matmul` at the preflight's threads, the bf16 `gpu_matmul` of the slowest GPU), measured
 once, before training, under the `train` slot. The pretrain step reads the newest calibration of
-its workspace for the host it runs on (`host_calibration`) into the trainer's operational
+its workspace for the host it runs on (`host_calibration`, model/calibration.py) into the trainer's operational
 `peak_calibration`: the MFU peak where no datasheet value applies (model/flops.py). A host fact,
 like the slot's thread count: it never enters a fingerprint.
 
@@ -52,7 +52,10 @@ from infra.preflight import (
     should_stop,
     summary,
 )
-from model.spec import PeakCalibration
+from infra.preflight.core import PreflightFailed, lineage_rows, metric_of
+from infra.preflight.gpu import cuda_available
+from model.calibration import REPORT_JSON, calibrations
+from model.config import model_facts
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from pipeline.workspace import Workspace, resolve_workspace
@@ -60,15 +63,7 @@ from pipeline.workspace import Workspace, resolve_workspace
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
     from pipeline.lineage import Lineage
 
-JSON_NAME, MD_NAME = "preflight.json", "preflight.md"
-
-
-class PreflightFailed(RuntimeError):
-    """Preflight found blocking problems; `results` holds every check's result."""
-
-    def __init__(self, message: str, results: list[CheckResult]):
-        super().__init__(message)
-        self.results = results
+JSON_NAME, MD_NAME = REPORT_JSON, "preflight.md"
 
 
 class PreflightSpec(BaseModel):
@@ -83,23 +78,40 @@ class PreflightSpec(BaseModel):
     model_overrides: dict[str, Any] = {}  # its recipe overrides
     run_id: str | None = operational(None)  # the flow run, for the lineage rows
 
+    @classmethod
+    def for_recipe(cls, recipe: Any, run_id: str | None = None) -> PreflightSpec:
+        """The preflight step's config for a recipe: identity facts, operational facts, the model."""
+        t = recipe.training
+        device = t.device if t.device != "auto" else ("cuda" if cuda_available() else "cpu")
+        stages = tuple(recipe.stages)
+        facts = {
+            "device": device,
+            "global_batch": t.global_batch,
+            "stage_tokens": {st.name: st.tokens for st in stages},
+            "stage_seq_len": {st.name: st.seq_len for st in stages},
+            "seq_len": max((st.seq_len for st in stages), default=0),
+        }
+        run_facts = {
+            "nodes": recipe.launch.nodes,
+            "nproc_per_node": t.nproc_per_node,
+            "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
+            "micro_batch": t.micro_batch,
+            "checkpoint_keep": t.keep_last + len(stages),
+            "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
+        }
+        return cls(
+            preflight=recipe.preflight,
+            facts=facts,
+            run_facts=run_facts,
+            model=t.model,
+            model_overrides=dict(t.model_overrides),
+            run_id=run_id,
+        )
+
 
 def preflight_extra(config: PreflightSpec) -> str:
     """Facts outside the config that change the output: the host that is measured."""
     return socket.gethostname()
-
-
-def _metric(results: list[CheckResult], name: str) -> float | None:
-    return next((r.metric for r in results if r.name == name and r.status != "skip"), None)
-
-
-def lineage_rows(run_id: str, results: list[CheckResult], created: Any = None) -> list[tuple]:
-    """Rows of the lineage `preflight` table: run_id, check_name, status, value, threshold, advice,
-    created."""
-    from datetime import UTC, datetime
-
-    created = created or datetime.now(UTC).replace(tzinfo=None)
-    return [(run_id, r.name, r.status, r.value, r.threshold, r.advice, created) for r in results]
 
 
 def run_checks(
@@ -160,71 +172,12 @@ def run_checks(
         "summary": counts,
         "allow_warn": config.allow_warn,
         "warned": [r.name for r in results if r.status == "warn"],
-        "gpu_tflops": _metric(results, "gpu_matmul"),
-        "nccl_busbw_gbps": _metric(results, "nccl_allreduce"),
-        "cpu_gflops": _metric(results, "cpu_matmul"),
-        "gloo_busbw_gbps": _metric(results, "gloo_allreduce"),
+        "gpu_tflops": metric_of(results, "gpu_matmul"),
+        "nccl_busbw_gbps": metric_of(results, "nccl_allreduce"),
+        "cpu_gflops": metric_of(results, "cpu_matmul"),
+        "gloo_busbw_gbps": metric_of(results, "gloo_allreduce"),
         "calibration": report["calibration"],
     }
-
-
-def calibrations(results: list[CheckResult], config: PreflightConfig, host: str, folder: str) -> list[PeakCalibration]:
-    """The MFU peaks this preflight measured: `cpu_matmul` (fp32, at this process's threads) and
-    `gpu_matmul` (bf16, the slowest GPU: it paces every synchronous step)."""
-    import torch
-
-    out = []
-    cpu = _metric(results, "cpu_matmul")
-    if cpu:
-        threads = torch.get_num_threads()
-        out.append(
-            PeakCalibration(
-                host=host,
-                device="cpu",
-                dtype="float32",
-                flops=cpu * 1e9,
-                threads=threads,
-                source=(
-                    f"preflight {folder} on {host}: cpu_matmul fp32 {config.cpu_matmul_size}^2, "
-                    f"best burst of 3 rounds, {threads} thread{'s' if threads > 1 else ''}"
-                ),
-            )
-        )
-    gpu = _metric(results, "gpu_matmul")
-    if gpu:
-        out.append(
-            PeakCalibration(
-                host=host,
-                device="cuda",
-                dtype="bfloat16",
-                flops=gpu * 1e12,
-                source=f"preflight {folder} on {host}: gpu_matmul bf16 {config.matmul_size}^2, slowest GPU",
-            )
-        )
-    return out
-
-
-def host_calibration(workspace: Path, device: str, host: str | None = None) -> PeakCalibration | None:
-    """The newest calibration for `device` ("cpu"/"cuda") measured on `host` (default: this one)
-    by a finished preflight in `workspace`; None when there is none."""
-    from pipeline.artifact import read_marker
-
-    host = host or socket.gethostname()
-    best: tuple[float, PeakCalibration] | None = None
-    for report in sorted(Path(workspace, "preflight").glob(f"*/{JSON_NAME}")):
-        if read_marker(report.parent) is None:
-            continue  # a failed or unfinished preflight measured nothing it stands behind
-        try:
-            data = json.loads(report.read_text(encoding="utf-8"))
-            found = [PeakCalibration(**c) for c in data.get("calibration", [])]
-        except (OSError, ValueError, TypeError):
-            continue
-        for c in found:
-            if c.host == host and c.device == device:
-                when = report.stat().st_mtime
-                if best is None or when > best[0]:
-                    best = (when, c)
-    return best[1] if best else None
 
 
 def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) -> PreflightFacts:
@@ -241,63 +194,7 @@ def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) ->
     return PreflightFacts(**{**known, **facts})
 
 
-def cuda_available() -> bool:
-    """`torch.cuda.is_available()`, without importing torch (a second or more) on a host that has
-    no GPU device node at all, where torch can only answer False: `smollm3 plan` builds this
-    config on laptops and login nodes."""
-    import os
-
-    if not any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def spec_for(recipe: Any, run_id: str | None = None) -> PreflightSpec:
-    """The preflight step's config for a recipe: identity facts, operational facts, the model."""
-    t = recipe.training
-    device = t.device if t.device != "auto" else ("cuda" if cuda_available() else "cpu")
-    stages = tuple(recipe.stages)
-    facts = {
-        "device": device,
-        "global_batch": t.global_batch,
-        "stage_tokens": {st.name: st.tokens for st in stages},
-        "stage_seq_len": {st.name: st.seq_len for st in stages},
-        "seq_len": max((st.seq_len for st in stages), default=0),
-    }
-    run_facts = {
-        "nodes": recipe.launch.nodes,
-        "nproc_per_node": t.nproc_per_node,
-        "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
-        "micro_batch": t.micro_batch,
-        "checkpoint_keep": t.keep_last + len(stages),
-        "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
-    }
-    return PreflightSpec(
-        preflight=recipe.preflight,
-        facts=facts,
-        run_facts=run_facts,
-        model=t.model,
-        model_overrides=dict(t.model_overrides),
-        run_id=run_id,
-    )
-
-
-def model_facts(model: str, overrides: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    """The model's size and limits at the tokenizer's real vocabulary (the trainer's rule)."""
-    from model.config import ModelConfig
-
-    cfg = ModelConfig.from_preset(model, **{**overrides, "vocab_size": vocab_size})
-    return {
-        "max_positions": cfg.max_seq_len,
-        "tokenizer_vocab": vocab_size,
-        "model_vocab": cfg.vocab_size,
-        "params": cfg.num_parameters(),
-    }
-
-
-def read_report(artifact: Artifact) -> dict[str, Any]:
+def _read_report(artifact: Artifact) -> dict[str, Any]:
     return json.loads((artifact.path / JSON_NAME).read_text(encoding="utf-8"))
 
 
@@ -305,7 +202,7 @@ def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
     """Lineage rows (one per check) and a Prefect table artifact of a finished preflight."""
     from prefect.artifacts import create_table_artifact
 
-    report = read_report(artifact)
+    report = _read_report(artifact)
     results = [CheckResult(**r) for r in report["results"]]
     ws.lineage().record_rows("preflight", lineage_rows(report["run_id"], results))
     key = re.sub(r"[^a-z0-9-]+", "-", f"preflight-{label}".lower()).strip("-")

@@ -48,10 +48,10 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
+from model.calibration import host_calibration
 from model.spec import TrainSettings, TrainSpec
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
-from tasks.preflight import host_calibration
 from trainers.supervise import (
     RunRef,
     StageEvents,

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from infra.files import write_atomic
-from model.data import MixtureLoader
 from model.spec import MonitorConfig, SpikeSkipConfig, TrackerConfig, TrainSpec
+from model.token_shards import MixtureLoader
 from trainers.monitor import NONFINITE_FILE, REFERENCE_FILE, DataSkips, Events, SpeedChecks, SpikeRule, memory_scalars
 from trainers.tracker import Tracker, open_tracker, run_name
 from trainers.watchdog import Watchdog

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from infra.files import write_atomic
-from model.data import MixtureLoader
 from model.spec import MonitorConfig, NonFiniteConfig, SpikeSkipConfig
+from model.token_shards import MixtureLoader
 
 log = logging.getLogger("trainers.pretrain")
 

@@ -40,7 +40,7 @@ One launch trains one stage as described by a `TrainSpec`:
 - signals: SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, pod eviction, scancel)
   finish the current step on every rank, save a checkpoint of it (synchronously: complete with its
   marker, even with async checkpoints) and exit with code 75, so the requeue resumes at that step
-  (trainers/signals.py);
+  (trainers/rank_signals.py);
 - ownership: rank 0 leases `out_dir` (`infra.guard.StageLease`) before writing anything, so a
   second trainer in the same folder refuses to start (exit code 4) while the first lives; under
   torchrun every rank ends itself when torchrun dies (`protect_rank`), since torchrun puts ranks in
@@ -72,7 +72,6 @@ from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
-from model.data import MixtureLoader, MixturePlan
 from model.flops import resolve_peak, training_flops_per_token
 from model.layout import check_tensor_parallel, plan_layout
 from model.memory import resolve_checkpointing, step_shape
@@ -81,6 +80,7 @@ from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec
+from model.token_shards import MixtureLoader, MixturePlan
 from trainers.callbacks import (
     Callbacks,
     NonFiniteRollback,
@@ -90,7 +90,7 @@ from trainers.callbacks import (
     TrackerCallback,
     WatchdogCallback,
 )
-from trainers.signals import EXIT_STOPPED, StopRequested, StopSignals
+from trainers.rank_signals import EXIT_STOPPED, StopRequested, StopSignals
 from trainers.watchdog import Watchdog
 
 log = logging.getLogger("trainers.pretrain")

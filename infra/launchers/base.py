@@ -16,7 +16,7 @@ Resumption is the trainer's job, not the launcher's: every launch of the same sp
 the newest complete checkpoint in the spec's out_dir, so a Slurm requeue, a pod restart or a rerun
 from the Prefect UI all resume without the launcher knowing where training stopped. A stop signal
 (time limit, preemption, eviction) makes that checkpoint the step the signal came at
-(trainers/signals.py, exit code 75). Cluster jobs outlive the process that launched them: the job
+(trainers/rank_signals.py, exit code 75). Cluster jobs outlive the process that launched them: the job
 record (`JobRecord`) lets the next launch re-attach instead of submitting again
 (infra/launchers/follow.py). Failures are described by `FailureFacts`, which also names the peer
 or rendezvous store a surviving rank lost (infra/launchers/peers.py).
@@ -60,13 +60,13 @@ OnStart = Callable[[int], object] | None
 
 
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
-EXIT_STOPPED = 75  # trainers/signals.py: stopped on a signal, the step it stopped at saved
+EXIT_STOPPED = 75  # trainers/rank_signals.py: stopped on a signal, the step it stopped at saved
 EXIT_CODES = {
     3: "stopped on a non-finite loss, gradient or weights",
     4: "refused to start: another trainer holds the stage folder",
     5: "ended by its hang watchdog",
     EXIT_STOPPED: "stopped on a signal (time limit, preemption, eviction) after saving a checkpoint",
-}  # trainers/pretrain.py, trainers/watchdog.py, trainers/signals.py
+}  # trainers/pretrain.py, trainers/watchdog.py, trainers/rank_signals.py
 
 # `{out_dir}/monitor/hang/*.json`: one report per rank whose watchdog found no completed step
 # within its bound (trainers/watchdog.py), or the pretrain step's own when the ranks could not
@@ -315,7 +315,7 @@ def failure_facts(
         code, sig = returncode, signal_name
         if sig is None and returncode is not None and returncode < 0:
             sig = _SIGNALS.get(-returncode)
-    if first.line and first.line.startswith("stopped on SIG"):  # the trainer's own word (trainers/signals.py)
+    if first.line and first.line.startswith("stopped on SIG"):  # the trainer's own word (trainers/rank_signals.py)
         code, sig = EXIT_STOPPED, None  # torchrun, itself signalled, prints no summary of it
     return FailureFacts(
         rank=summary.rank(),

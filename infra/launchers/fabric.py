@@ -15,7 +15,7 @@ launcher (Slurm's sbatch script, the Kubernetes PyTorchJob, local torchrun):
 - torchrun (`torchrun_flags`, `launch_env`): the c10d rendezvous timeouts (`--rdzv-conf`: how
   long the first node waits for the last, how long a store read may take), the stop signals
   torchrun forwards to the ranks (SIGUSR1 besides its default SIGTERM/SIGINT/SIGHUP/SIGQUIT) and
-  how long it then waits for them to save a checkpoint (`--shutdown-timeout`, trainers/signals.py;
+  how long it then waits for them to save a checkpoint (`--shutdown-timeout`, trainers/rank_signals.py;
   set through the environment, which `accelerate launch` honours too), and rank-labelled output:
   every line a rank prints reaches the job log as `[rank17]: ...` (torchrun `--tee` with a
   log-line prefix), the full per-rank logs under the stage's `logs/ranks/`.

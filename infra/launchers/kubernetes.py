@@ -19,7 +19,7 @@ Gang scheduling (`gang`): "kueue" labels the job with its LocalQueue (Kueue admi
 none), "volcano" sets `schedulerName: volcano` and the runPolicy's `schedulingPolicy.minAvailable =
 nodes` (the operator creates the PodGroup when started with `--gang-scheduler-name=volcano`).
 Eviction sends SIGTERM to torchrun, which forwards it to the ranks; they save their step
-(trainers/signals.py) well within `terminationGracePeriodSeconds` (`termination_grace_s`, checked
+(trainers/rank_signals.py) well within `terminationGracePeriodSeconds` (`termination_grace_s`, checked
 to exceed `launch.rendezvous.stop_grace_s`). Fabric, NCCL and rendezvous settings and rank labels
 as for every launcher (infra/launchers/fabric.py). S3 credentials come from a pod identity
 (`service_account`) or a Secret's keys as env vars, never from the config. With
@@ -140,7 +140,7 @@ class KubernetesLauncher(Launcher):
         if k.credentials_secret:
             container["envFrom"] = [{"secretRef": {"name": k.credentials_secret}}]
         # Eviction sends SIGTERM to torchrun, which forwards it; the ranks save their step within
-        # rendezvous.stop_grace_s, well before the kubelet's SIGKILL (trainers/signals.py).
+        # rendezvous.stop_grace_s, well before the kubelet's SIGKILL (trainers/rank_signals.py).
         pod: dict[str, Any] = {
             "containers": [container],
             "volumes": volumes,

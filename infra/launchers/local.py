@@ -8,7 +8,7 @@ is picked per launch (fixed ports collide when two stages or test runs share a m
 torch.distributed.run: the same ranks, sessions and failure summary). The environment carries
 the stop signals torchrun forwards to the ranks and how long it waits for their checkpoint
 (infra/launchers/fabric.py `launch_env`), so a SIGTERM or SIGUSR1 to torchrun saves the step
-being trained (trainers/signals.py); the flow process dying still takes the ranks along.
+being trained (trainers/rank_signals.py); the flow process dying still takes the ranks along.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ With `accelerate_config`, each node's task runs `accelerate launch --config_file
 --machine_rank $SLURM_PROCID` with the same c10d rendezvous instead of torchrun (the rank is
 expanded by the task's own shell).
 
-A signal is a checkpoint (trainers/signals.py): preemption and `scancel` signal the job's
+A signal is a checkpoint (trainers/rank_signals.py): preemption and `scancel` signal the job's
 processes (SIGTERM), and `--signal=B:USR1@signal_s` warns the batch shell before the time limit;
 its trap forwards SIGUSR1 to the job's steps (`scancel --signal=USR1`), torchrun forwards what it
 gets to the ranks, and every rank finishes its step, saves it and exits. The script waits for
@@ -204,7 +204,7 @@ class SlurmLauncher(Launcher):
             f"MASTER_PORT={port}",
             'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
             '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
-            # Stop signals (trainers/signals.py): every rank finishes its step, saves it and exits
+            # Stop signals (trainers/rank_signals.py): every rank finishes its step, saves it and exits
             # 75; this script waits for srun to end. Preemption and scancel signal the job's
             # processes themselves (SIGTERM); the time-limit warning (--signal=B:USR1) reaches
             # only this shell, which forwards it to the job's steps and requeues once they saved.

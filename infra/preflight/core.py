@@ -1,4 +1,5 @@
-"""Preflight core: results, the check base class and registry, the config and the recipe facts.
+"""Preflight core: results, the check base class and registry, the config and the recipe facts,
+the stop error (`PreflightFailed`) and the rows of the lineage `preflight` table.
 
 A preflight check measures one thing about the machine, the storage, the data or the recipe before
 a long training run spends GPU-weeks on it, and answers with a `CheckResult`: pass, warn, fail or
@@ -287,3 +288,25 @@ def format_markdown(results: list[CheckResult]) -> str:
     counts = summary(results)
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
     return "\n".join(lines)
+
+
+def metric_of(results: list[CheckResult], name: str) -> float | None:
+    """The metric of check `name` in `results`; None when it did not run or was skipped."""
+    return next((r.metric for r in results if r.name == name and r.status != "skip"), None)
+
+
+def lineage_rows(run_id: str, results: list[CheckResult], created: Any = None) -> list[tuple]:
+    """Rows of the lineage `preflight` table: run_id, check_name, status, value, threshold, advice,
+    created."""
+    from datetime import UTC, datetime
+
+    created = created or datetime.now(UTC).replace(tzinfo=None)
+    return [(run_id, r.name, r.status, r.value, r.threshold, r.advice, created) for r in results]
+
+
+class PreflightFailed(RuntimeError):
+    """Preflight found blocking problems; `results` holds every check's result."""
+
+    def __init__(self, message: str, results: list[CheckResult]):
+        super().__init__(message)
+        self.results = results

@@ -590,3 +590,16 @@ class NcclAllReduce(Check):
                 metric=res.busbw_gbps,
             )
         return self.result("pass", value, threshold, metric=res.busbw_gbps)
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch (a second or more) on a host that has
+    no GPU device node at all, where torch can only answer False: `smollm3 plan` builds this
+    config on laptops and login nodes."""
+    import os
+
+    if not any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -20,8 +20,8 @@ from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
-from trainers.posttrain.config import DistillConfig, PosttrainSpec
 from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
+from trainers.posttrain.sections import DistillConfig, PosttrainSpec
 
 
 def teacher_state(run: PosttrainSpec[DistillConfig]) -> str:

@@ -23,8 +23,8 @@ from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
-from trainers.posttrain.config import GRPOConfig, PosttrainSpec
 from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
+from trainers.posttrain.sections import GRPOConfig, PosttrainSpec
 
 
 @step("grpo", version=3, kind="hf_model", resumable=True, resource="train", **TRAINER_RETRIES)

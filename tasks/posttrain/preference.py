@@ -21,12 +21,12 @@ from typing import Any
 
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from tasks.posttrain.data import data_state
+from trainers.posttrain.chat_data import data_state
 from trainers.posttrain.common import (
     model_dir,
 )
-from trainers.posttrain.config import PosttrainSpec, PreferenceConfig
 from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
+from trainers.posttrain.sections import PosttrainSpec, PreferenceConfig
 
 
 @step(

@@ -20,8 +20,8 @@ from pipeline.step import step
 from trainers.posttrain.common import (
     model_dir,
 )
-from trainers.posttrain.config import PosttrainSpec, SFTConfig
 from trainers.posttrain.launch import TRAINER_RETRIES, launch_trainer
+from trainers.posttrain.sections import PosttrainSpec, SFTConfig
 
 
 @step("sft", version=3, kind="hf_model", resource="train", resumable=True, **TRAINER_RETRIES)

@@ -79,8 +79,8 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
     from pipeline.artifact import MARKER, Artifact
     from tasks.posttrain.data import posttrain_data
     from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
-    from trainers.posttrain.config import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
     from trainers.posttrain.launch import launch_trainer
+    from trainers.posttrain.sections import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
 
     corpora = make_corpora(tmp_path / "corpora")
     base = make_tiny_model(tmp_path, corpus_texts(corpora))

@@ -56,7 +56,7 @@ def test_plan_budgets_epochs_and_contract(tmp_path):
 
 
 def test_plan_is_read_by_the_trainer_loader(tmp_path):
-    data = pytest.importorskip("model.data")
+    data = pytest.importorskip("model.token_shards")
     mix = tmp_path / "m.yaml"
     mix.write_text(yaml.safe_dump({"weights": {"a": 0.5, "b": 0.5}}))
     stage = StageConfig(name="stage2", mixture=str(mix), tokens=1000, seq_len=8)
@@ -73,7 +73,7 @@ def test_a_plan_moved_with_its_workspace_reads_the_shards_where_they_are_now(tmp
     import shutil
 
     from infra.preflight.data import load_plans
-    from model.data import MixturePlan
+    from model.token_shards import MixturePlan
 
     ws = tmp_path / "ws"
     mix = tmp_path / "m.yaml"

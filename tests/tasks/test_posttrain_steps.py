@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from curation.conversations import math_conversation
 from pipeline.artifact import Artifact, read_marker, run_step
-from tasks.posttrain.data import external_conversations, math_conversation, posttrain_data
-from trainers.posttrain.config import (
+from tasks.posttrain.data import posttrain_data
+from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
+from trainers.posttrain.sections import (
     ChatDataConfig,
     ChatDataSpec,
     DistillConfig,
@@ -30,7 +32,6 @@ from trainers.posttrain.config import (
     SoupConfig,
     micro_batches,
 )
-from trainers.posttrain.data import exact_match_reward, format_reward, read_jsonl
 
 
 def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
@@ -145,28 +146,6 @@ def test_builtin_chat_data_keeps_heldout_apart(world):
     kinds = {r["messages"][0]["content"].split("\n")[0] for r in train if "passage" in r["messages"][0]["content"]}
     assert kinds <= {"Continue this passage:", "Summarise this passage in one sentence:"} and kinds
     assert all(p["reference"].endswith(f"Answer: {p['answer']}") for p in prompts)
-
-
-def test_external_chat_data_from_jsonl_and_save_to_disk(tmp_path):
-    import datasets
-
-    rows = [
-        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
-        for i in range(40)
-    ]
-    rows += [{"messages": [{"role": "user", "content": "no reply"}]}, {"messages": "oops"}]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train, heldout, rejected = external_conversations(
-        ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", held_out_fraction=0.2)
-    )
-    assert len(train) + len(heldout) == 40 and heldout and dict(rejected) == {"no_assistant_turn": 1, "not_a_list": 1}
-    datasets.Dataset.from_list(rows[:40]).save_to_disk(str(tmp_path / "disk"))
-    train2, heldout2, _ = external_conversations(ChatDataConfig(uri=f"hf:{tmp_path}/disk", held_out_fraction=0.2))
-    assert (len(train2), len(heldout2)) == (len(train), len(heldout))
-    with pytest.raises(ValueError, match="messages_field"):
-        external_conversations(ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", messages_field="conversation"))
-    with pytest.raises(ValueError, match="unknown chat data 'smoltalk'"):
-        ChatDataConfig(uri="smoltalk")
 
 
 # --- SFT ------------------------------------------------------------------------------------------
@@ -464,7 +443,7 @@ def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
 
 
 def test_preference_rows_from_a_pairs_file(tmp_path):
-    from trainers.posttrain.data import preference_rows
+    from trainers.posttrain.chat_data import preference_rows
 
     whole = {
         "prompt": "2+2?",
@@ -551,23 +530,9 @@ def test_a_second_trainer_in_the_same_folder_is_refused(world, tmp_path, capsys)
         holder.wait()
 
 
-def test_edited_local_data_changes_the_fingerprint(tmp_path):
-    import os
-
-    from tasks.posttrain.data import data_state
-
-    f = tmp_path / "chat.jsonl"
-    f.write_text("{}\n")
-    before = data_state(f"files:{tmp_path}/*.jsonl")
-    f.write_text("{}\n{}\n")
-    os.utime(f, ns=(1, 1))
-    assert data_state(f"files:{tmp_path}/*.jsonl") != before
-    assert data_state("builtin") == "" and data_state("self") == ""
-
-
 def test_posttrain_launch_is_the_recipe_launcher_with_its_own_size():
     from infra.launchers import LaunchConfig, SlurmLaunchConfig
-    from trainers.posttrain.config import PosttrainLaunchConfig
+    from trainers.posttrain.sections import PosttrainLaunchConfig
 
     base = LaunchConfig(
         kind="slurm",

@@ -16,6 +16,8 @@ if str(REPO) not in sys.path:  # the repo is not installed into the venv
 
 import tasks.preflight as tp  # noqa: E402
 from infra.preflight import PreflightConfig, PreflightFacts  # noqa: E402
+from infra.preflight.core import PreflightFailed  # noqa: E402
+from model.calibration import host_calibration  # noqa: E402
 from pipeline.artifact import Artifact, run_step  # noqa: E402
 from pipeline.workspace import Workspace  # noqa: E402
 
@@ -80,17 +82,17 @@ def test_preflight_stores_this_hosts_calibration_and_stages_find_the_newest(tmp_
     assert cal["source"].startswith(f"preflight {art.path.name} on {cal['host']}: cpu_matmul fp32 64^2, best burst")
     assert json.loads((art.path / "preflight.json").read_text())["calibration"] == [cal]
 
-    found = tp.host_calibration(ws.path, "cpu")
+    found = host_calibration(ws.path, "cpu")
     assert found is not None and found.model_dump() == cal
-    assert tp.host_calibration(ws.path, "cuda") is None  # no GPU measured here
-    assert tp.host_calibration(ws.path, "cpu", host="another-node") is None
+    assert host_calibration(ws.path, "cuda") is None  # no GPU measured here
+    assert host_calibration(ws.path, "cpu", host="another-node") is None
     # A newer preflight (another recipe, same host) wins; an unfinished one does not count.
     newer = build(ws, PreflightConfig(checks=FAST, cpu_matmul_size=32, cpu_matmul_seconds=0.05), facts).artifact
     future = time.time() + 10
     os.utime(newer.path / "preflight.json", (future, future))
-    assert tp.host_calibration(ws.path, "cpu").source.startswith(f"preflight {newer.path.name}")
+    assert host_calibration(ws.path, "cpu").source.startswith(f"preflight {newer.path.name}")
     (newer.path / "_COMPLETE.json").unlink()
-    assert tp.host_calibration(ws.path, "cpu").source.startswith(f"preflight {art.path.name}")
+    assert host_calibration(ws.path, "cpu").source.startswith(f"preflight {art.path.name}")
 
 
 def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_path):
@@ -105,7 +107,7 @@ def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_pat
         model_vocab=128,
         workspace=str(tmp_path / "ws"),
     )
-    with pytest.raises(tp.PreflightFailed) as err:
+    with pytest.raises(PreflightFailed) as err:
         build(ws, config(), bad, run_id="run-bad")
     msg = str(err.value)
     assert "2 blocking check(s)" in msg and "batch_layout: FAIL" in msg and "seq_len: FAIL" in msg
@@ -131,7 +133,7 @@ def test_warn_stops_and_allow_warn_proceeds(tmp_path):
     out = tmp_path / "ws" / "preflight" / "abc"
     out.mkdir(parents=True)
     cfg = PreflightConfig(checks=("gpu_count",), expected_gpus=1)
-    with pytest.raises(tp.PreflightFailed, match="allow_warn=true"):
+    with pytest.raises(PreflightFailed, match="allow_warn=true"):
         tp.run_checks(cfg, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
     ok = PreflightConfig(checks=("gpu_count",), expected_gpus=1, allow_warn=True)
     meta = tp.run_checks(ok, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())

@@ -87,8 +87,8 @@ def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
 
 def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(tmp_path):
     """tokenizer meta -> tokenize meta -> mixture plan -> trainers/pretrain.py build_model_config."""
-    from model.data import MixturePlan
     from model.spec import TrainSpec
+    from model.token_shards import MixturePlan
     from tasks.mixture import MixtureSpec, StageConfig, mixture
     from tasks.tokenize import TokenizeConfig, TokenizeSpec, tokenize
     from trainers.pretrain import build_model_config

@@ -9,8 +9,8 @@ import math
 import torch
 
 from infra.files import write_atomic
-from model.data import MixtureLoader, MixturePlan
 from model.spec import NonFiniteConfig, SpikeSkipConfig, TrainSpec
+from model.token_shards import MixtureLoader, MixturePlan
 from trainers.callbacks import Callbacks, NonFiniteRollback, RunInfo, SpikeSkip
 from trainers.monitor import SKIP_FILE, plan_skip, read_nonfinite
 

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from infra.launchers.base import LaunchFailed
 from model.checkpoint import load_model
-from model.data import MixtureLoader, MixturePlan
 from model.spec import TrainSpec
+from model.token_shards import MixtureLoader, MixturePlan
 from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage
 from pipeline.step import step, transient

@@ -34,7 +34,7 @@ from tasks.posttrain.data import posttrain_data
 from tests.infra.test_storage import s3  # noqa: F401  (fixture: a moto S3 server)
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
 from trainers.posttrain.common import complete_checkpoints
-from trainers.posttrain.config import (
+from trainers.posttrain.sections import (
     ChatDataSpec,
     GRPOConfig,
     PosttrainConfig,

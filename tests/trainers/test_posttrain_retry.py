@@ -20,7 +20,7 @@ from pipeline.artifact import MARKER, Artifact
 from tasks.posttrain.data import posttrain_data
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
 from tests.trainers.test_posttrain import Killer
-from trainers.posttrain.config import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
+from trainers.posttrain.sections import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
 
 SFT = SFTConfig(max_steps=6, batch=8, max_length=128, save_steps=2)
 

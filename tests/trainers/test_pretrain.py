@@ -549,9 +549,9 @@ def test_doc_masking_option_decides_what_the_first_step_attends_to(plan_path, tm
     """`spec.doc_masking` is what the trainer trains with: its first-step loss equals the loss of
     the same initial model on the same batches with document ids (masking) or without (plain
     causal attention over the packed sequence), and differs from the other."""
-    from model.data import MixtureLoader, MixturePlan
     from model.model import SmolLM3
     from model.spec import TrainSpec
+    from model.token_shards import MixtureLoader, MixturePlan
     from trainers.pretrain import build_model_config
 
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ DeepSpeed per the accelerate config). Like trainers/pretrain.py: a rank ends its
 (`protect_rank`), rank 0 leases the out folder first (exit 4 when another trainer holds it),
 only rank 0 prints progress and writes `result.json` (the step's meta) last. A stop signal
 (SIGUSR1 before a time limit, SIGTERM at preemption or eviction) saves the step being trained and
-exits 75, like the pretraining trainer (trainers/signals.py).
+exits 75, like the pretraining trainer (trainers/rank_signals.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from infra.guard import LeaseHeld, StageLease, protect_rank
-from trainers.signals import EXIT_STOPPED, StopRequested
+from trainers.rank_signals import EXIT_STOPPED, StopRequested
 
 EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as trainers/pretrain.py
 

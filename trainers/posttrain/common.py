@@ -34,8 +34,8 @@ from typing import Any
 from infra import manifest
 from infra.files import write_atomic, write_json_atomic
 from pipeline.artifact import Artifact
-from trainers.posttrain.config import micro_batches
-from trainers.signals import StopRequested, StopSignals, trainer_callback
+from trainers.posttrain.sections import micro_batches
+from trainers.rank_signals import StopRequested, StopSignals, trainer_callback
 
 CHECKPOINTS = "checkpoints"  # {step folder}/checkpoints/step_{N:08d}, as model/checkpoint.py
 METRICS = "metrics.jsonl"
@@ -340,7 +340,7 @@ def quiet(trainer) -> None:
 def fit(trainer, out: Path, log: Callable[[str], None], what: str) -> int | None:
     """Train, resuming from the newest verified checkpoint in `out`; returns its step (or None).
 
-    A stop signal (trainers/signals.py) saves the step being trained and raises StopRequested."""
+    A stop signal (trainers/rank_signals.py) saves the step being trained and raises StopRequested."""
     resume = resume_point(out, log)
     start_metrics(out, resume)
     if resume is not None:

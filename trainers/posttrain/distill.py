@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainers.posttrain.chat_data import read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -32,8 +33,7 @@ from trainers.posttrain.common import (
     trainer_args,
     write_history,
 )
-from trainers.posttrain.config import DistillConfig
-from trainers.posttrain.data import read_jsonl
+from trainers.posttrain.sections import DistillConfig
 
 
 def check_teacher(teacher, student, teacher_name: str, teacher_tok=None, student_tok=None) -> None:
@@ -63,7 +63,7 @@ def train_distill(
     """Distil `cfg.teacher` into the model in `student` on-policy (resuming from a checkpoint in
     `out`); write `out/model`."""
     import torch
-    import trl  # trl.DistillationConfig, not ours (trainers/posttrain/config.py)
+    import trl  # trl.DistillationConfig, not ours (trainers/posttrain/sections.py)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 

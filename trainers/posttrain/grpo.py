@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -36,8 +37,7 @@ from trainers.posttrain.common import (
     trainer_args,
     write_history,
 )
-from trainers.posttrain.config import GRPOConfig
-from trainers.posttrain.data import exact_match_reward, format_reward, read_jsonl
+from trainers.posttrain.sections import GRPOConfig
 
 
 def weighted(fn: Callable[..., list[float]], weight: float) -> Callable[..., list[float]]:
@@ -62,7 +62,7 @@ def train_grpo(
 ) -> dict[str, Any]:
     """GRPO from the model in `policy` on `data/prompts.jsonl` (resuming from a checkpoint in
     `out`); write `out/model`; return the meta."""
-    import trl  # trl.GRPOConfig, not ours (trainers/posttrain/config.py)
+    import trl  # trl.GRPOConfig, not ours (trainers/posttrain/sections.py)
     from datasets import Dataset
 
     started = time.monotonic()

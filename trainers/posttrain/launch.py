@@ -34,8 +34,8 @@ from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
 from infra.storage import CheckpointMirror, pull_latest_checkpoint
 from pipeline.child import progress_lines
-from trainers.posttrain import config as sections
-from trainers.posttrain.config import PosttrainSpec
+from trainers.posttrain import sections
+from trainers.posttrain.sections import PosttrainSpec
 
 SPEC, RESULT = "spec.json", "result.json"
 

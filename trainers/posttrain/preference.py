@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.files import write_atomic
+from trainers.posttrain.chat_data import is_correct, preference_rows, read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -39,8 +40,7 @@ from trainers.posttrain.common import (
     trainer_args,
     write_history,
 )
-from trainers.posttrain.config import PreferenceConfig
-from trainers.posttrain.data import is_correct, preference_rows, read_jsonl
+from trainers.posttrain.sections import PreferenceConfig
 
 
 def sample_completions(
@@ -179,7 +179,7 @@ def train_preference(
 ) -> dict[str, Any]:
     """DPO/APO from the model in `policy` (resuming from a checkpoint in `out`); write
     `out/model` and `out/pairs.jsonl`."""
-    import trl  # trl.DPOConfig, not ours (trainers/posttrain/config.py)
+    import trl  # trl.DPOConfig, not ours (trainers/posttrain/sections.py)
     from datasets import Dataset
 
     started = time.monotonic()

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainers.posttrain.chat_data import read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -32,8 +33,7 @@ from trainers.posttrain.common import (
     trainer_args,
     write_history,
 )
-from trainers.posttrain.config import SFTConfig
-from trainers.posttrain.data import read_jsonl
+from trainers.posttrain.sections import SFTConfig
 
 
 @plain_print()
@@ -50,7 +50,7 @@ def train_sft(
 ) -> dict[str, Any]:
     """Fine-tune the model in `base` on `data/train.jsonl` (resuming from a checkpoint in `out`);
     write `out/model`; return the meta."""
-    import trl  # trl.SFTConfig, not ours (trainers/posttrain/config.py)
+    import trl  # trl.SFTConfig, not ours (trainers/posttrain/sections.py)
     from datasets import Dataset
 
     started = time.monotonic()

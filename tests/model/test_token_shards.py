@@ -1,4 +1,4 @@
-"""Tests for model/data.py: datatrove shard format, mixture plan, packing, sharding, resume."""
+"""Tests for model/token_shards.py: datatrove shard format, mixture plan, packing, sharding, resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.data import MixtureLoader, MixturePlan, SourcePlan, SourceStream, TokenShard
+from model.token_shards import MixtureLoader, MixturePlan, SourcePlan, SourceStream, TokenShard
 
 
 def write_shard(path: Path, docs: list[list[int]], dtype=np.uint16) -> str:
@@ -229,7 +229,7 @@ def test_every_tiny_stage_draws_its_weights_within_one_sequence(tmp_path, stage)
 def test_the_interleave_stays_within_one_sequence_for_many_sources():
     """Tijdeman's bound, 1 - 1/(2k - 2), on random weights of up to 40 sources (the 3B recipe's
     stage 1 has 32); Megatron's largest-deficit rule exceeds 1 on some of them."""
-    from model.data import interleave
+    from model.token_shards import interleave
 
     rng = np.random.default_rng(0)
     for _ in range(60):
@@ -243,7 +243,7 @@ def test_the_interleave_stays_within_one_sequence_for_many_sources():
 
 
 def test_window_order_is_a_permutation_of_each_pass():
-    from model.data import permute
+    from model.token_shards import permute
 
     for n in (1, 2, 7, 64, 1000, 4097):
         assert sorted(permute(i, n, (1, 2, 3, 4)) for i in range(n)) == list(range(n))

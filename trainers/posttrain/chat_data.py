@@ -1,19 +1,23 @@
 """Post-training data the trainers read on the ranks: conversations and preference pairs from
 `files:`/`hf:` datasets, JSONL rows, and the verifiable rewards of math answers (GRPO, APO pairs).
 
-The posttrain_data step (tasks/posttrain/data.py) writes the files these read.
+The posttrain_data step (tasks/posttrain/data.py) writes the files these read, with the
+conversations of `files:`/`hf:` datasets (`external_conversations`, held-out rows picked by a
+stable hash of the row index) and `data_state`, the digest of local data files in its fingerprint.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainers.posttrain.config import ChatDataConfig
+from trainers.posttrain.sections import ChatDataConfig
 
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 
@@ -131,3 +135,45 @@ def preference_rows(
     if not rows:
         raise ValueError(f"preference data {uri!r} holds no rows")
     return rows
+
+
+def data_state(uri: str) -> str:
+    """A digest of local data files (names, sizes, mtimes), so edited data changes fingerprints;
+    hub data is pinned by its revision in the config instead."""
+    if uri.startswith("files:"):
+        paths = [Path(p) for p in sorted(glob.glob(str(Path(uri[6:]).expanduser()), recursive=True))]
+    elif uri.startswith("hf:") and Path(uri[3:]).expanduser().exists():
+        paths = sorted(p for p in Path(uri[3:]).expanduser().rglob("*") if p.is_file())
+    else:
+        return ""
+    h = hashlib.sha256()
+    for p in paths:
+        st = p.stat()
+        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _held_out(i: int, fraction: float) -> bool:
+    h = int(hashlib.sha256(f"posttrain-row:{i}".encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < fraction
+
+
+def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict], Counter]:
+    """(train, held-out, rejected counts) from a files:/hf: dataset."""
+    train, heldout, rejected = [], [], Counter()
+    for i, row in enumerate(load_rows(cfg.uri, cfg)):
+        if cfg.max_examples and i >= cfg.max_examples:
+            break
+        messages = row.get(cfg.messages_field) if isinstance(row, dict) else None
+        why = check_messages(messages, f"{cfg.uri} row {i}")
+        if why:
+            rejected[why] += 1
+            continue
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        (heldout if _held_out(i, cfg.held_out_fraction) else train).append({"messages": messages})
+    if not train:
+        raise ValueError(
+            f"posttrain data {cfg.uri!r}: no usable conversations in field {cfg.messages_field!r} "
+            f"(rejected: {dict(rejected)}); set posttrain.data.messages_field to the right column"
+        )
+    return train, heldout, rejected

@@ -1,0 +1,45 @@
+"""Chat data of files:/hf: datasets: conversations with held-out rows apart and bad rows counted,
+and the digest of local data files that enters the posttrain_data step's fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainers.posttrain.chat_data import data_state, external_conversations
+from trainers.posttrain.sections import ChatDataConfig
+
+
+def test_external_chat_data_from_jsonl_and_save_to_disk(tmp_path):
+    import datasets
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+        for i in range(40)
+    ]
+    rows += [{"messages": [{"role": "user", "content": "no reply"}]}, {"messages": "oops"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, heldout, rejected = external_conversations(
+        ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", held_out_fraction=0.2)
+    )
+    assert len(train) + len(heldout) == 40 and heldout and dict(rejected) == {"no_assistant_turn": 1, "not_a_list": 1}
+    datasets.Dataset.from_list(rows[:40]).save_to_disk(str(tmp_path / "disk"))
+    train2, heldout2, _ = external_conversations(ChatDataConfig(uri=f"hf:{tmp_path}/disk", held_out_fraction=0.2))
+    assert (len(train2), len(heldout2)) == (len(train), len(heldout))
+    with pytest.raises(ValueError, match="messages_field"):
+        external_conversations(ChatDataConfig(uri=f"files:{tmp_path}/*.jsonl", messages_field="conversation"))
+    with pytest.raises(ValueError, match="unknown chat data 'smoltalk'"):
+        ChatDataConfig(uri="smoltalk")
+
+
+def test_edited_local_data_changes_the_fingerprint(tmp_path):
+    import os
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text("{}\n")
+    before = data_state(f"files:{tmp_path}/*.jsonl")
+    f.write_text("{}\n{}\n")
+    os.utime(f, ns=(1, 1))
+    assert data_state(f"files:{tmp_path}/*.jsonl") != before
+    assert data_state("builtin") == "" and data_state("self") == ""
