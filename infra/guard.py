@@ -417,15 +417,23 @@ class StageLease:
         return self
 
     def _renew(self) -> None:
+        import fcntl
+
         while not self._stop.wait(self.renew_s):
-            current = self.read()
-            if current is None or current.holder != self.me:
+            # Read and rewrite under the lock acquirers hold: a takeover between the two would
+            # otherwise be overwritten by this renewal, and neither trainer would know.
+            with open(self.folder / ".lease.lock", "a+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                current = self.read()
+                ours = current is not None and current.holder == self.me
+                if ours:
+                    self._write(Lease(self.me, current.acquired, time.time(), self.ttl_s))
+            if not ours:
                 who = current.holder.describe() if current else "nobody (lease file removed)"
                 self.on_lost(
                     f"lost the lease of {self.folder} to {who}; stopping so that only one trainer writes there"
                 )
                 return
-            self._write(Lease(self.me, current.acquired, time.time(), self.ttl_s))
 
     def release(self) -> None:
         self._stop.set()

@@ -6,6 +6,7 @@ The guard and `protect_rank` are exercised with real processes in tests/infra/te
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -101,11 +102,14 @@ def test_the_holder_renews_and_notices_a_takeover(tmp_path):
             time.sleep(0.05)
         assert lease.read().renewed > first
         thief = ProcessRef(4242, 1, "node-17", "another-boot")
-        # written whole (a new file renamed over it), as a holder writes: a half-written file
-        # would read as no lease at all
+        # written whole (a new file renamed over it) under the lock, as an acquirer writes: a
+        # half-written file would read as no lease at all, and without the lock a renewal that
+        # read the file just before would write over the takeover
         planted = tmp_path / "planted.tmp"
         planted.write_text(json.dumps(json.loads(Lease(thief, 0, time.time(), 120).to_json())))
-        os.replace(planted, tmp_path / LEASE_FILE)
+        with open(tmp_path / ".lease.lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            os.replace(planted, tmp_path / LEASE_FILE)
         assert lost.wait(30) and "node-17" in reasons[0]  # noticed at its next renewal (0.05 s)
     finally:
         lease.release()
