@@ -14,8 +14,21 @@ What a 384-GPU run needs from object storage, and how this module provides it:
 - Integrity end to end: each object is uploaded with `ChecksumAlgorithm=SHA256` (S3 verifies every
   part on receipt) and checked after the upload: its size, and its SHA-256 checksum against the
   whole-file digest or the composite digest of its parts, computed locally in the same pass. ETags
-  are never trusted (multipart ETags are not content hashes). Downloads are verified against the
-  manifest before the local marker is written.
+  are never trusted as content hashes (multipart ETags are not). An object is skipped as "already
+  there" only when the checksum the store computed matches (or, on a store that keeps none, when
+  it is the very object this process uploaded and verified, same ETag): the `sha256` we write
+  into object metadata is never taken as proof, since anyone who replaces the object can write it
+  too. Downloads are verified against the manifest before the local marker is written.
+- A mirror that cannot vouch for itself: with `$SMOLLM3_MIRROR_KEY` set (at least 16 characters,
+  from the environment only, never a recipe, so it never reaches lineage), every manifest is
+  signed with HMAC-SHA256: each file entry (folder key, path, size, sha256) and the whole folder
+  (its file list and the marker's sha256). A download then refuses, before any data file is
+  fetched, an unsigned manifest, an entry whose signature fails (`ForgedManifest` names the object:
+  it or its entry was changed after upload) and a folder whose file list or marker was changed.
+  Without a key the manifest lives in the same bucket as the objects it describes, so it proves
+  the transfer, not who wrote it: a bucket writer is then as trusted as a workspace writer (they
+  can change results; no file read from a step folder or checkpoint is turned into code, see
+  docs/architecture.md's threat model).
 - Large files go multipart through boto3's `TransferConfig` (threshold, part size, concurrency).
 - Every transfer is retried with exponential backoff and jitter on top of botocore's own
   per-request retries; an object already uploaded with the same size and digest is not sent again,
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -58,13 +72,19 @@ log = logging.getLogger(__name__)
 
 # CHECKPOINT_MARKER: model/checkpoint.py's marker {"step", "stage_end", "files"}; STEP_MARKER:
 # pipeline/artifact.py's marker of a finished step folder (both defined in infra/files.py)
-MANIFEST = "_SHA256SUMS.json"  # ours: {"files": {relative path: {"size", "sha256"}}}
+MANIFEST = "_SHA256SUMS.json"  # ours: {"files": {relative path: {"size", "sha256"[, "hmac"]}}[, "hmac"]}
+MIRROR_KEY_ENV = "SMOLLM3_MIRROR_KEY"  # the HMAC key that signs and checks manifests; environment only
+MIN_KEY_CHARS = 16
 MiB = 1 << 20
 T = TypeVar("T")
 
 
 class StorageError(RuntimeError):
     """A transfer or verification failed after every retry; the message names the object."""
+
+
+class ForgedManifest(StorageError):
+    """A manifest that `$SMOLLM3_MIRROR_KEY` did not sign as it is; the message names the object."""
 
 
 class CorruptCheckpoint(StorageError):
@@ -109,6 +129,35 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 
 def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def mirror_key() -> bytes | None:
+    """The manifest signing key from `$SMOLLM3_MIRROR_KEY`, None when unset or empty.
+
+    The error never shows the value, only its length.
+    """
+    raw = os.environ.get(MIRROR_KEY_ENV, "")
+    if not raw:
+        return None
+    if len(raw) < MIN_KEY_CHARS:
+        raise ValueError(
+            f"${MIRROR_KEY_ENV} holds {len(raw)} characters; a manifest signing key needs at least "
+            f"{MIN_KEY_CHARS} (e.g. the output of `openssl rand -hex 32`), or unset it to mirror unsigned"
+        )
+    return raw.encode()
+
+
+def entry_mac(key: bytes, folder_key: str, rel: str, size: int, sha256: str) -> str:
+    """HMAC-SHA256 of one manifest entry, bound to the folder's key in the bucket."""
+    msg = json.dumps(["entry", folder_key, rel, size, sha256]).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def folder_mac(key: bytes, folder_key: str, marker: str, marker_sha256: str, files: dict[str, Any]) -> str:
+    """HMAC-SHA256 of a whole folder: its file list with sizes and digests, and its marker."""
+    listing = [[rel, files[rel]["size"], files[rel]["sha256"]] for rel in sorted(files)]
+    msg = json.dumps(["folder", folder_key, marker, marker_sha256, listing]).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
 def retry(
@@ -217,6 +266,7 @@ class FolderReport:
     bytes: int = 0
     sent: int = 0  # files actually transferred (the rest were already there, verified)
     seconds: float = 0.0
+    signed: bool = False  # a download checked against a manifest signed with $SMOLLM3_MIRROR_KEY
 
     def as_meta(self) -> dict[str, Any]:
         return {
@@ -247,8 +297,12 @@ class S3Store:
         self.bucket, self.prefix = split_s3_uri(s3_uri)
         self.client = client or make_client(self.config)
         self._sleep = sleep
+        self.signing_key = mirror_key()  # None: manifests are written and read unsigned
         # (path, size, mtime_ns) -> digest: a long-lived mirror hashes each file once
         self._digests: dict[tuple[str, int, int], FileDigest] = {}
+        # key -> (size, sha256, ETag) of objects this store uploaded and verified: on a store that
+        # keeps no checksum, the only objects known to hold our bytes without downloading them
+        self._sent: dict[str, tuple[int, str, str]] = {}
         from boto3.s3.transfer import TransferConfig
 
         self.transfer = TransferConfig(
@@ -301,16 +355,24 @@ class S3Store:
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
-    def matches(self, key: str, digest: FileDigest) -> bool:
-        """The remote object has this size and this content (by its S3 SHA-256 checksum)."""
+    def matches(self, key: str, digest: FileDigest, *, just_sent: bool = False) -> bool:
+        """The remote object has this size and this content, by the SHA-256 checksum the store computed.
+
+        An object without a store checksum (put by someone else without one, or on an
+        S3-compatible store that keeps none) matches only when it is the object this store
+        uploaded and verified (same ETag): the `sha256` metadata is written by the uploader, so
+        whoever replaced the object could have written it too. `just_sent` is the check right
+        after our own upload, where that metadata and the size are all a store without checksums
+        offers.
+        """
         head = self.head(key)
         if head is None or head.get("ContentLength") != digest.size:
             return False
         remote = head.get("ChecksumSHA256")
         if remote is None:
-            # A store without checksums (some S3-compatible ones): fall back to our digest,
-            # recorded as metadata at upload time, which at least proves which file was sent.
-            return head.get("Metadata", {}).get("sha256") == digest.sha256
+            if just_sent:
+                return head.get("Metadata", {}).get("sha256") == digest.sha256
+            return self._sent.get(key) == (digest.size, digest.sha256, head.get("ETag"))
         remote = remote.split("-")[0]  # AWS appends -N (parts) to composite checksums
         return remote in {digest.sha256_b64, digest.composite_b64}
 
@@ -329,11 +391,13 @@ class S3Store:
                 Config=self.transfer,
                 ExtraArgs={"ChecksumAlgorithm": "SHA256", "Metadata": {"sha256": digest.sha256}},
             )
-            if not self.matches(key, digest):
+            if not self.matches(key, digest, just_sent=True):
                 raise StorageError(
                     f"s3://{self.bucket}/{key} does not match {path} after upload "
                     f"(size {digest.size}, sha256 {digest.sha256[:16]}...)"
                 )
+            head = self.head(key) or {}
+            self._sent[key] = (digest.size, digest.sha256, head.get("ETag"))
 
         self._retry(once, f"upload {path} -> s3://{self.bucket}/{key}")
         return True
@@ -389,7 +453,11 @@ class S3Store:
         marker_key = self.key(name, marker)
         marker_bytes = (folder / marker).read_bytes()
         files = folder_files(folder, exclude=(marker, MANIFEST))
-        if self.get_bytes(marker_key) == marker_bytes and self._manifest_matches(folder, name, marker):
+        if (
+            self.get_bytes(marker_key) == marker_bytes
+            and self._manifest_matches(folder, name, marker, marker_bytes)
+            and all(self.matches(self.key(name, rel), self.digest(folder / rel)) for rel in files)
+        ):
             report.files = len(files) + 1
             report.seconds = time.monotonic() - start
             return report  # already mirrored and verified
@@ -426,7 +494,7 @@ class S3Store:
                 f"{folder} changed or vanished while it was uploaded; {report.uri} is left "
                 "without its marker (incomplete) and the next sync retries it"
             )
-        body = json.dumps({"files": sums}, indent=1, sort_keys=True).encode()
+        body = json.dumps(self._manifest(name, marker, marker_bytes, sums), indent=1, sort_keys=True).encode()
         self.put_bytes(body, self.key(name, MANIFEST))
         self.put_bytes(marker_bytes, marker_key)  # last: now the remote folder is complete
         report.files += 1
@@ -442,28 +510,95 @@ class S3Store:
         )
         return report
 
-    def _manifest_matches(self, folder: Path, name: str, marker: str) -> bool:
+    def _manifest(self, name: str, marker: str, marker_bytes: bytes, sums: dict[str, dict[str, Any]]) -> dict:
+        """The manifest of a folder: its files' sizes and digests, signed when a key is set."""
+        if self.signing_key is None:
+            return {"files": sums}
+        folder_key = self.key(name)
+        signed = {
+            rel: entry | {"hmac": entry_mac(self.signing_key, folder_key, rel, entry["size"], entry["sha256"])}
+            for rel, entry in sums.items()
+        }
+        marker_sha = hashlib.sha256(marker_bytes).hexdigest()
+        return {"files": signed, "hmac": folder_mac(self.signing_key, folder_key, marker, marker_sha, sums)}
+
+    def _manifest_matches(self, folder: Path, name: str, marker: str, marker_bytes: bytes) -> bool:
         """The remote manifest lists exactly the local files, with their sizes and sha256.
 
         Content, not just sizes: a checkpoint re-trained at the same step after a resume from an
         older one has the same marker and sizes but different bytes. Digests are cached, so a
-        long-lived mirror hashes each file once.
+        long-lived mirror hashes each file once. With a signing key, the manifest must also be
+        signed with it (else it is written again, signed).
         """
         raw = self.get_bytes(self.key(name, MANIFEST))
         if raw is None:
             return False
         try:
-            remote = json.loads(raw)["files"]
-        except (ValueError, KeyError):
+            doc = self._parse_manifest(raw, name)
+            self._check_signature(doc, name, marker, marker_bytes)
+        except StorageError:
             return False
+        remote = doc["files"]
         local = folder_files(folder, exclude=(marker, MANIFEST))
         if sorted(remote) != local:
             return False
         for rel in local:
             d = self.digest(folder / rel)
-            if remote[rel].get("size") != d.size or remote[rel].get("sha256") != d.sha256:
+            if remote[rel]["size"] != d.size or remote[rel]["sha256"] != d.sha256:
                 return False
         return True
+
+    def _parse_manifest(self, raw: bytes, name: str) -> dict[str, Any]:
+        """The manifest as remote input: a JSON object whose `files` map safe relative paths to a
+        size and a sha256; anything else is a `StorageError` naming the manifest object."""
+        where = f"s3://{join_key(self.bucket, self.key(name, MANIFEST))}"
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise StorageError(f"{where} is not JSON ({exc}); refusing its folder") from None
+        files = doc.get("files") if isinstance(doc, dict) else None
+        if not isinstance(files, dict):
+            raise StorageError(f"{where} holds no `files` object; refusing its folder")
+        for rel, entry in files.items():
+            if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in Path(rel).parts:
+                raise StorageError(f"{where} lists an unsafe path {rel!r}; refusing to download it")
+            if (
+                not isinstance(entry, dict)
+                or type(entry.get("size")) is not int
+                or entry["size"] < 0
+                or not isinstance(entry.get("sha256"), str)
+            ):
+                raise StorageError(f"{where} entry {rel!r} has no integer size and sha256; refusing its folder")
+        return doc
+
+    def _check_signature(self, doc: dict[str, Any], name: str, marker: str, marker_bytes: bytes) -> None:
+        """With a signing key: every entry and the whole folder signed by it, else `ForgedManifest`."""
+        key = self.signing_key
+        if key is None:
+            return
+        folder_key = self.key(name)
+        uri = f"s3://{join_key(self.bucket, folder_key)}"
+        if "hmac" not in doc:
+            raise ForgedManifest(
+                f"{uri}/{MANIFEST} is not signed and ${MIRROR_KEY_ENV} is set: refusing {uri} "
+                "(mirror it again from a machine that holds the key)"
+            )
+        files = doc["files"]
+        for rel, entry in sorted(files.items()):
+            want = entry_mac(key, folder_key, rel, entry["size"], entry["sha256"])
+            if not isinstance(entry.get("hmac"), str) or not hmac.compare_digest(entry["hmac"], want):
+                raise ForgedManifest(
+                    f"{uri}/{rel}: its entry in {MANIFEST} is not signed with ${MIRROR_KEY_ENV} (the "
+                    "object and its entry were changed after upload, or signed with another key); "
+                    f"refusing {uri}"
+                )
+        marker_sha = hashlib.sha256(marker_bytes).hexdigest()
+        want = folder_mac(key, folder_key, marker, marker_sha, files)
+        if not isinstance(doc["hmac"], str) or not hmac.compare_digest(doc["hmac"], want):
+            raise ForgedManifest(
+                f"{uri}/{MANIFEST} does not match its signature with ${MIRROR_KEY_ENV}: a file was added "
+                f"or removed, or {uri}/{marker} replaced, after upload; refusing {uri}"
+            )
 
     def remote_complete(self, name: str, marker: str) -> bool:
         """A remote folder is complete when its marker object exists (it is uploaded last)."""
@@ -479,10 +614,10 @@ class S3Store:
             raise StorageError(
                 f"{report.uri} is incomplete (no {marker} or {MANIFEST}); upload it again from a complete local copy"
             )
-        files = json.loads(raw)["files"]
-        for rel in files:  # a manifest is remote input: never write outside the destination
-            if rel.startswith("/") or ".." in Path(rel).parts:
-                raise StorageError(f"{report.uri}/{MANIFEST} lists an unsafe path {rel!r}; refusing to download it")
+        doc = self._parse_manifest(raw, name)  # remote input: never a path outside the destination
+        self._check_signature(doc, name, marker, marker_bytes)  # before any data file is fetched
+        report.signed = self.signing_key is not None
+        files = doc["files"]
         dest = Path(dest)
         partial = dest.with_name(f".{dest.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -805,6 +940,8 @@ def describe(config: StorageConfig) -> dict[str, Any]:
 
 __all__: Sequence[str] = (
     "CheckpointMirror",
+    "ForgedManifest",
+    "MIRROR_KEY_ENV",
     "S3Store",
     "StorageConfig",
     "StorageError",

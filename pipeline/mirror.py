@@ -6,9 +6,13 @@ pointed at the same bucket, or after a local folder was lost, `fetcher` gives `r
 to bring such a folder back before building it: the download is verified file by file against
 the mirror's manifest (sizes and SHA-256, paths inside the folder only), lands in a temporary
 folder renamed into place, and is kept only if its marker is the one this step would write (the
-step's name and version, and the fingerprint the graph planned). Anything else (nothing mirrored,
-a file that does not match, another step's marker, S3 unreachable) is a miss, said in the log,
-and the step builds as it would without a mirror. Resumable steps (training stages) are not
+step's name and version, and the fingerprint the graph planned). With `$SMOLLM3_MIRROR_KEY` set
+the manifest must also be signed with that key (infra/storage.py), so a bucket writer who swaps an
+object and rewrites `_SHA256SUMS.json` to match is refused, the log naming the object; without a
+key the manifest only proves the transfer (what then holds: docs/architecture.md, threat model).
+Anything else (nothing mirrored, a file that does not match, a forged or unsigned manifest when a
+key is set, another step's marker, S3 unreachable) is a miss, said in the log, and the step builds
+as it would without a mirror. Resumable steps (training stages) are not
 fetched as folders: their checkpoints come back through `pull_latest_checkpoint`.
 """
 
@@ -44,7 +48,7 @@ def fetcher(ws: Workspace, step: str, version: int, log: Callable[[str], object]
             store = S3Store(prefix, ws.storage)
             if not store.remote_complete(folder.name, STEP_MARKER):
                 return False
-            store.download_folder(folder.name, folder, STEP_MARKER)
+            report = store.download_folder(folder.name, folder, STEP_MARKER)
         except Exception as exc:  # noqa: BLE001 - the mirror is a cache: any failure means building
             log(f"{step} {fingerprint[:12]}: not fetched from {where} ({type(exc).__name__}: {exc}); building it")
             return False
@@ -59,7 +63,8 @@ def fetcher(ws: Workspace, step: str, version: int, log: Callable[[str], object]
             shutil.rmtree(folder, ignore_errors=True)
             log(f"{step} {fingerprint[:12]}: {where} holds another step's folder; building it")
             return False
-        log(f"{step} {fingerprint[:12]}: fetched from {where}, every file verified against its manifest")
+        how = "its manifest signed with $SMOLLM3_MIRROR_KEY" if report.signed else "its manifest (unsigned)"
+        log(f"{step} {fingerprint[:12]}: fetched from {where}, every file verified against {how}")
         return True
 
     return fetch

@@ -511,9 +511,11 @@ class JobRecord:
     def __init__(self, workdir: Path, name: str):
         self.path = Path(workdir) / "launch" / name
 
-    def write(self, job: str, digest: str | None = None) -> None:
-        """A new job was submitted: it starts the record (and its history) afresh."""
-        self._save({"job": job, "digest": digest, "history": [self._event("submitted")]}, job)
+    def write(self, job: str, digest: str | None = None, cluster: str | None = None) -> None:
+        """A new job was submitted: it starts the record (and its history) afresh. `cluster`
+        names the scheduler's cluster the job id belongs to, when known."""
+        raw = {"job": job, "digest": digest, "history": [self._event("submitted")]}
+        self._save(raw | ({"cluster": cluster} if cluster is not None else {}), job)
 
     def attach(self) -> None:
         """This process now follows the recorded job (its earlier follower is gone)."""

@@ -30,11 +30,15 @@ cancelled Prefect run: infra/launchers/follow.py) `scancel`s a job being followe
 that does not answer for a while (`controller_grace_s`) is waited out.
 
 The record is a file of the workspace, so it is checked before it acts: its job id must be a
-Slurm job id (a positive integer, never `--me` or `4242; x`), and a job is re-attached to or
-cancelled only when its comment carries the stage's tag (`job_tag`: a digest of the stage folder
-and of what the record says the job runs), which every submission sets. A record naming a job
-that lacks it (someone else's job, a job of another stage) is refused, naming the job and the
-record, and nothing is done to that job.
+Slurm job id (a positive integer, never `--me` or `4242; x`) of the cluster it records (job ids
+are per cluster: a workspace on a file system shared by two clusters' login nodes would otherwise
+make job 4242 of one cluster act as job 4242 of the other; `ClusterName` from `scontrol show
+config`, recorded at submission), and a job is re-attached to or cancelled only when its comment
+carries the stage's tag (`job_tag`: a digest of the stage folder and of what the record says the
+job runs), which every submission sets. A record naming another cluster or a job that lacks the
+tag (someone else's job, a job of another stage) is refused, naming the job and the record, and
+nothing is done to that job. A record without a cluster (written before clusters were recorded,
+or when `scontrol show config` did not answer at submission) is held to the tag alone.
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedPr
 
 _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned integers
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
+_CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
+_CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
 
 class BadJobRecord(LaunchFailed):
@@ -115,6 +121,12 @@ def job_id(value: object, record: Path) -> str:
         f"{record}: job {printable(value)!r} is not a Slurm job id (a positive integer); no launch "
         "writes that: nothing was run for it. Delete the record after checking `squeue --me`"
     )
+
+
+def cluster_of(config_text: str) -> str | None:
+    """The `ClusterName` of `scontrol show config` output, None when it names none."""
+    m = _CLUSTER_NAME.search(config_text)
+    return m.group(1) if m and _CLUSTER.fullmatch(m.group(1)) else None
 
 
 def job_tag(workdir: Path, digest: str | None) -> str:
@@ -292,6 +304,39 @@ class SlurmLauncher(Launcher):
             raise LaunchFailed(f"sbatch printed {out.strip()!r} instead of a job id for {script}")
         return job
 
+    def cluster(self) -> str | None:
+        """This machine's Slurm cluster (`ClusterName` of `scontrol show config`), None when
+        the controller does not say."""
+        try:
+            proc = self.runner(["scontrol", "show", "config"])
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return cluster_of(proc.stdout or "") if proc.returncode == 0 else None
+
+    def _check_cluster(self, job: str, recorded: object, record: Path) -> None:
+        """Raise BadJobRecord unless the record's cluster is this machine's (a record without
+        one is left to the tag check)."""
+        if recorded is None:
+            return
+        if not isinstance(recorded, str) or not _CLUSTER.fullmatch(recorded):
+            raise BadJobRecord(
+                f"{record}: cluster {printable(recorded)!r} is not a Slurm cluster name; no launch writes "
+                f"that: nothing was run for job {job}. Delete the record after checking `squeue --me`"
+            )
+        here = self.cluster()
+        if here is None:
+            raise LaunchFailed(
+                f"{record} names Slurm job {job} of cluster {recorded}, and `scontrol show config` names "
+                "no cluster here (the controller did not answer?): nothing was done to the job; retry"
+            )
+        if here != recorded:
+            raise BadJobRecord(
+                f"{record} names Slurm job {job} of cluster {recorded}, but this machine's cluster is "
+                f"{here}: job ids are per cluster, so job {job} here is another job, neither followed "
+                f"nor cancelled. Launch from a login node of {recorded}, or delete the record after "
+                f"checking `squeue -M {recorded} -j {job}`"
+            )
+
     def state(self, job: str) -> tuple[str, str]:
         """(state, exit code) of a job, from scontrol (no accounting database needed).
 
@@ -329,7 +374,8 @@ class SlurmLauncher(Launcher):
         found = record.read()
         if found is None:
             return None
-        job, owner = job_id(record.raw()["job"], record.path), found[1]
+        raw = record.raw()
+        job, owner = job_id(raw["job"], record.path), found[1]
         if record.live_owner() is not None:
             raise LaunchFailed(
                 f"stage folder {workdir} already has Slurm job {job}, launched by "
@@ -347,7 +393,8 @@ class SlurmLauncher(Launcher):
             )
             record.clear()
             return None
-        self._check_tag(job, job_tag(workdir, record.digest), record.path)  # ours, before acting on it
+        self._check_cluster(job, raw.get("cluster"), record.path)  # this cluster's job id...
+        self._check_tag(job, job_tag(workdir, record.digest), record.path)  # ...and ours, before acting on it
         if record.digest == digest:
             record.attach()
             what = "completed while no launch followed it" if state in DONE else f"is still {state}"
@@ -387,7 +434,7 @@ class SlurmLauncher(Launcher):
         offset = logfile.stat().st_size if job is not None and logfile.exists() else 0  # from where it is
         if job is None:
             job = self.submit(spec_path, workdir, script, tag=job_tag(workdir, digest))
-            JobRecord(workdir, RECORD).write(job, digest)
+            JobRecord(workdir, RECORD).write(job, digest, cluster=self.cluster())
             logfile = workdir / f"slurm-{job}.log"
             log(f"[launch] submitted Slurm job {job}; log {logfile}")
         if on_start is not None:

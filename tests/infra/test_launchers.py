@@ -337,17 +337,37 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     assert "exclusive" not in sb
 
 
+# `scontrol show config` (Slurm 23.11; cut here)
+SCONTROL_CONFIG = """Configuration data as of 2026-12-03T20:00:00
+AccountingStorageBackupHost = (null)
+AuthType                = auth/munge
+ClusterName             = {cluster}
+CompleteWait            = 0 sec
+"""
+
+
 class FakeSlurm:
     """Answers sbatch/scontrol/scancel like Slurm would, writing the job log as it 'runs'; job
-    4242 carries the `--comment` it was submitted with (or `comment`: one submitted earlier)."""
+    4242 carries the `--comment` it was submitted with (or `comment`: one submitted earlier); the
+    controller's cluster is `cluster`."""
 
-    def __init__(self, workdir: Path, states: list[str], exit_code: str = "0:0", comment: str | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        states: list[str],
+        exit_code: str = "0:0",
+        comment: str | None = None,
+        cluster: str = "alpha",
+    ):
         self.workdir, self.states, self.exit_code, self.comment = workdir, list(states), exit_code, comment
+        self.cluster = cluster
         self.calls: list[list[str]] = []
         self.scripts: list[str | None] = []  # what sbatch read on stdin
 
     def __call__(self, cmd, input=None):
         self.calls.append(list(cmd))
+        if list(cmd) == ["scontrol", "show", "config"]:
+            return done(SCONTROL_CONFIG.format(cluster=self.cluster))
         if cmd[0] == "sbatch":
             self.scripts.append(input)
             self.comment = next((c.split("=", 1)[1] for c in cmd if c.startswith("--comment=")), None)
@@ -419,8 +439,8 @@ def test_slurm_interrupted_wait_cancels_the_job(tmp_path):
     assert fake.calls[-1] == ["scancel", "4242"]
 
 
-def _record(path: Path, job: str, pid: int, digest: str | None = None) -> None:
-    """A job record as a launch by process `pid` on this host writes it."""
+def _record(path: Path, job: str, pid: int, digest: str | None = None, **more) -> None:
+    """A job record as a launch by process `pid` on this host writes it (`more`: e.g. its cluster)."""
     from dataclasses import asdict
 
     from infra.guard import ProcessRef
@@ -428,7 +448,8 @@ def _record(path: Path, job: str, pid: int, digest: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     owner = asdict(ProcessRef.of(pid))
     event = {"event": "submitted", "owner": owner, "time": 0}
-    path.write_text(json.dumps({"job": job, "owner": owner, "submitted": 0, "digest": digest, "history": [event]}))
+    raw = {"job": job, "owner": owner, "submitted": 0, "digest": digest, "history": [event]}
+    path.write_text(json.dumps(raw | more))
 
 
 def _dead_pid() -> int:
@@ -1031,6 +1052,82 @@ def test_a_planted_record_acts_only_on_a_job_of_this_stage(tmp_path):
         with pytest.raises(BadJobRecord, match="is not a Slurm job id"):
             SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
         assert fake.calls == []
+
+
+def test_the_cluster_is_read_from_scontrol_config():
+    from infra.launchers.slurm import cluster_of
+
+    assert cluster_of(SCONTROL_CONFIG.format(cluster="alpha")) == "alpha"
+    assert cluster_of("AuthType = auth/munge\n") is None
+    assert cluster_of(SCONTROL_CONFIG.format(cluster="a;b c")) is None  # not a name slurm.conf takes
+
+
+def test_a_launch_records_its_cluster(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"], cluster="alpha")
+    seen: list[dict] = []
+
+    def runner(cmd, **kw):
+        if cmd[:3] == ["scontrol", "show", "job"] and not seen:  # the record, while the job runs
+            seen.append(json.loads((tmp_path / "launch" / "slurm-job.json").read_text()))
+        return fake(cmd, **kw)
+
+    SlurmLauncher(SLURM, runner=runner, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert seen[0]["job"] == "4242" and seen[0]["cluster"] == "alpha"
+    assert fake.calls[0][0] == "sbatch"  # asked after the submission, never before
+
+
+def test_a_planted_record_of_another_cluster_is_refused(tmp_path):
+    """Job ids are per cluster: a record naming job 4100 of cluster `beta`, read on a login node
+    of `alpha` (a workspace on a file system both clusters mount), is refused naming both, and
+    nothing is done to alpha's job 4100, even when that job carries this stage's tag. Control:
+    the same record naming `alpha` is acted on (`scancel`)."""
+    from infra.launchers.slurm import BadJobRecord
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    record = tmp_path / "launch" / "slurm-job.json"
+    leftover = "an-older-script"
+    tag = job_tag(tmp_path, leftover)  # the job carries the stage's tag: only the cluster differs
+
+    def slurm(fake: FakeSlurm):
+        states = iter(["RUNNING", "RUNNING", "CANCELLED"])
+
+        def runner(cmd, **kw):
+            if cmd[:3] == ["scontrol", "show", "job"] and cmd[-1] == "4100":
+                return done(f"JobId=4100 JobState={next(states)} ExitCode=0:15 Comment={tag}\n")
+            return fake(cmd, **kw)
+
+        return runner
+
+    _record(record, "4100", _dead_pid(), leftover, cluster="alpha")
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"], cluster="alpha")
+    SlurmLauncher(SLURM, runner=slurm(fake), sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert ["scancel", "4100"] in fake.calls  # control: the path the attack takes is live
+
+    for cluster, error, match in [
+        ("beta", BadJobRecord, r"names Slurm job 4100 of cluster beta, but this machine's cluster is alpha"),
+        ("alpha; scancel --me", BadJobRecord, r"cluster 'alpha; scancel --me' is not a Slurm cluster name"),
+        (7, BadJobRecord, r"cluster .7. is not a Slurm cluster name"),
+    ]:
+        _record(record, "4100", _dead_pid(), leftover, cluster=cluster)
+        fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"], cluster="alpha")
+        with pytest.raises(error, match=match):
+            SlurmLauncher(SLURM, runner=slurm(fake), sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+        assert not any(c[0] in ("scancel", "sbatch") for c in fake.calls)
+        assert record.exists()  # left for a person to check
+
+    # the controller does not say which cluster this is: nothing is done, a retry may tell
+    _record(record, "4100", _dead_pid(), leftover, cluster="alpha")
+    fake = FakeSlurm(tmp_path, ["RUNNING", "COMPLETED"], cluster="alpha")
+
+    def silent(cmd, **kw):
+        if list(cmd) == ["scontrol", "show", "config"]:
+            return done(returncode=1, stderr="slurm_load_ctl_conf error: Unable to contact slurm controller")
+        return slurm(fake)(cmd, **kw)
+
+    with pytest.raises(LaunchFailed, match=r"of cluster alpha, and `scontrol show config` names no cluster here"):
+        SlurmLauncher(SLURM, runner=silent, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert not any(c[0] in ("scancel", "sbatch") for c in fake.calls)
 
 
 def test_a_script_swapped_before_sbatch_runs_is_not_what_is_submitted(tmp_path):
