@@ -111,7 +111,9 @@ def cmd_lineage(args) -> int:
             print(printable_lines(trained_on_table(lineage, source)))
         else:
             print(
-                printable_lines(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+                printable_lines(
+                    tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants, full=args.full)
+                )
             )
     return 0
 
@@ -414,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
     p.add_argument("--descendants", action="store_true", help="walk downstream instead of upstream")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="also print each edge to an artifact already listed (as `(above)`); by default they are counted",
+    )
     p.add_argument(
         "--trained-on",
         metavar="SOURCE",

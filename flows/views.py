@@ -57,28 +57,43 @@ def resolve_artifact(lineage: Lineage, ref: str) -> dict[str, Any]:
     return row
 
 
-def tree(lineage: Lineage, root: dict[str, Any], descendants: bool = False) -> str:
+def tree(lineage: Lineage, root: dict[str, Any], descendants: bool = False, full: bool = False) -> str:
     """The ancestor (or descendant) tree of one artifact, one line per artifact.
 
-    Lineage is a DAG (every shard descends from the shared tokenizer), so an artifact whose
-    subtree was already printed appears once more as a single line marked `(above)`.
+    Lineage is a DAG (every shard descends from the shared tokenizer): each artifact is printed
+    once, where it is first reached; a later edge to it is counted in a closing line, or, with
+    `full`, printed as a single line marked `(above)`.
     """
     step = lineage.children if descendants else lineage.parents
-    lines = [_line(root)]
     shown = {root["fingerprint"]}
+    hidden = 0
 
-    def walk(fp: str, prefix: str) -> None:
-        rows = step(fp)
-        for i, row in enumerate(rows):
-            last = i == len(rows) - 1
-            repeat = row["fingerprint"] in shown
-            text = f"{row['kind']} {row['fingerprint'][:12]}  (above)" if repeat else _line(row)
+    def build(fp: str) -> list[tuple[dict[str, Any], list | None]]:
+        nonlocal hidden
+        children: list[tuple[dict[str, Any], list | None]] = []
+        for row in step(fp):
+            if row["fingerprint"] in shown:  # reached again: its subtree is printed already
+                hidden += 1
+                if full:
+                    children.append((row, None))
+                continue
+            shown.add(row["fingerprint"])
+            children.append((row, build(row["fingerprint"])))
+        return children
+
+    lines = [_line(root)]
+
+    def render(children: list, prefix: str) -> None:
+        for i, (row, below) in enumerate(children):
+            last = i == len(children) - 1
+            text = f"{row['kind']} {row['fingerprint'][:12]}  (above)" if below is None else _line(row)
             lines.append(prefix + ("└── " if last else "├── ") + text)
-            if not repeat:
-                shown.add(row["fingerprint"])
-                walk(row["fingerprint"], prefix + ("    " if last else "│   "))
+            if below:
+                render(below, prefix + ("    " if last else "│   "))
 
-    walk(root["fingerprint"], "")
+    render(build(root["fingerprint"]), "")
+    if hidden and not full:
+        lines.append(f"({hidden} more edge(s) to artifacts listed above; `smollm3 lineage --full` prints them)")
     return "\n".join(lines)
 
 

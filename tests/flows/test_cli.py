@@ -50,8 +50,13 @@ def test_lineage_prints_the_ancestor_tree(workspace, capsys):
     text = "\n".join(out)
     for name in ("tok", "prose", "math"):
         assert arts[name].short in text
-    # prose appears twice: directly and below the tokenizer
-    assert text.count(f"corpus {arts['prose'].short}") == 2
+    # prose is reached twice (directly and below the tokenizer): listed once, the second edge counted
+    assert text.count(f"corpus {arts['prose'].short}") == 1
+    assert out[-1] == "(1 more edge(s) to artifacts listed above; `smollm3 lineage --full` prints them)"
+    assert main(["lineage", arts["shards"].short, "--full", "--workspace", str(root)]) == 0
+    full = capsys.readouterr().out
+    assert full.count(f"corpus {arts['prose'].short}") == 2 and f"corpus {arts['prose'].short}  (above)" in full
+    assert "more edge(s)" not in full
 
 
 def test_lineage_by_path_and_descendants(workspace, capsys):
