@@ -112,7 +112,9 @@ def cmd_lineage(args) -> int:
         else:
             print(
                 printable_lines(
-                    tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants, full=args.full)
+                    tree(
+                        lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants, full=args.full
+                    )
                 )
             )
     return 0
@@ -156,7 +158,7 @@ _READS = {"SELECT", "EXPLAIN", "PRAGMA", "SET", "VARIABLE_SET", "RELATION", "CAL
 
 
 def cmd_report(args) -> int:
-    from flows.views import find_run, run_report
+    from flows.views import find_run, report_summary, run_report
 
     lineage = _lineage(args)
     with lineage.reading():
@@ -165,7 +167,9 @@ def cmd_report(args) -> int:
             if args.out
             else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
         )
-        print(printable_lines(run_report(lineage, args.run, out)))
+        path = run_report(lineage, args.run, out)
+        print(printable_lines(report_summary(lineage, args.run)))
+        print(printable_lines(f"report: {path}"))
     return 0
 
 

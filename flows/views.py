@@ -216,6 +216,46 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
     return out
 
 
+def report_summary(lineage: Lineage, ref: str) -> str:
+    """What `smollm3 report` prints besides the report's path: the run's state, its final
+    training loss, its best eval score against that task's random baseline, and where its
+    final model is."""
+    from evals.report import eval_rows
+    from evals.training_metrics import stage_rows
+
+    run = find_run(lineage, ref)
+    run_id = run["run_id"]
+    lines = [f"run {run_id}: recipe {run['recipe']}, {run['state']}"]
+    try:
+        stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
+    except (OSError, ValueError):  # a stage folder not readable here
+        stages = []
+    losses = [(st["label"], r) for st in stages for r in st["metrics"] if r.get("loss") is not None]
+    if losses:
+        label, last = losses[-1]
+        lines.append(f"final training loss: {last['loss']:.4f} (stage {label}, step {last.get('step', '?')})")
+    else:
+        lines.append("final training loss: none recorded in this run")
+    rows = [r for r in eval_rows(lineage.labelled_outputs(run_id, "evaluate")) if r["random"] is not None]
+    if rows:
+        best = max(rows, key=lambda r: r["score"] - r["random"])
+        err = f" ± {best['stderr']:.3f}" if best["stderr"] is not None else ""
+        lines.append(
+            f"best eval over random: {best['task']} {best['metric']} {best['score']:.3f}{err} "
+            f"(random {best['random']:.3f}) by {best['model']}"
+        )
+    else:
+        lines.append("best eval over random: no evaluation with a random baseline in this run")
+    final = final_artifact(lineage, run_id)
+    where = model_path(final) if final else None
+    lines.append(
+        f"final model: {where} (AutoModelForCausalLM.from_pretrained loads it)"
+        if where
+        else "final model: none exported in this run"
+    )
+    return "\n".join(lines)
+
+
 def _steps_only(lineage: Lineage, run_id: str) -> str:
     rows = lineage.steps_of(run_id)
     return "\n".join(
