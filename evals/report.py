@@ -67,23 +67,22 @@ def _task_order(task: str) -> tuple:
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per task (in `_task_order`): its metric and the usual items and baseline."""
+    """Per task (in `_task_order`): its metric and the usual random baseline."""
     tasks = sorted({r["task"] for r in rows}, key=_task_order)
     out = []
     for task in tasks:
         mine = [r for r in rows if r["task"] == task]
-        items = Counter(r["items"] for r in mine).most_common(1)[0][0]
-        random = next((r["random"] for r in mine if r["items"] == items), mine[0]["random"])
-        out.append({"task": task, "metric": mine[0]["metric"], "items": items, "random": random})
+        random = Counter(r["random"] for r in mine).most_common(1)[0][0]
+        out.append({"task": task, "metric": mine[0]["metric"], "random": random})
     return out
 
 
-def _cell(row: dict[str, Any] | None, column: dict[str, Any]) -> str:
+def _cell(row: dict[str, Any] | None, column: dict[str, Any], per_task_items: bool) -> str:
     if row is None:
         return "-"
     text = f"{row['score']:.3f}" + (f"±{row['stderr']:.3f}" if row["stderr"] is not None else "")
     notes = []
-    if row["items"] != column["items"]:
+    if per_task_items:
         notes.append(f"n={row['items'] if row['items'] is not None else '?'}")
     if row["random"] is not None and (column["random"] is None or abs(row["random"] - column["random"]) > 0.005):
         notes.append(f"random {row['random']:.3f}")
@@ -91,21 +90,22 @@ def _cell(row: dict[str, Any] | None, column: dict[str, Any]) -> str:
 
 
 def _matrix(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """(header, body) of the table: three head rows (metric, random, items), then the models."""
+    """(header, body) of the table: two head rows (metric, random), then the models, each with
+    the items it was scored on in its last column (or per cell, `n=`, where its tasks differ)."""
     columns = _columns(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
     at = {(r["model"], r["task"]): r for r in rows}
-    header = ["model", *(c["task"] for c in columns)]
+    header = ["model", *(c["task"] for c in columns), "items"]
 
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    body = [
-        ["metric", *(c["metric"] for c in columns)],
-        ["random", *(fmt(c["random"]) for c in columns)],
-        ["items", *(fmt(c["items"]) for c in columns)],
-        *([m, *(_cell(at.get((m, c["task"])), c) for c in columns)] for m in models),
-    ]
+    body = [["metric", *(c["metric"] for c in columns), ""], ["random", *(fmt(c["random"]) for c in columns), ""]]
+    for m in models:
+        counts = {r["items"] for r in rows if r["model"] == m}
+        varies = len(counts) > 1
+        items = "per task" if varies else fmt(next(iter(counts)))
+        body.append([m, *(_cell(at.get((m, c["task"])), c, varies) for c in columns), items])
     return header, body
 
 
@@ -121,10 +121,10 @@ def eval_table_text(rows: list[dict[str, Any]]) -> str:
         )
         for line in [header, *body]
     ]
-    lines.insert(4, "")  # between the column heads and the models
+    lines.insert(3, "")  # between the column heads and the models
     return "\n".join(line.rstrip() for line in lines) + (
-        "\n\nscore ± stderr of each task's metric; a model is ahead of another, or of random, only "
-        "by more than about two stderr"
+        "\n\nscore ± stderr of each task's metric, on the items of its row (per task: n= in each "
+        "cell); a model is ahead of another, or of random, only by more than about two stderr"
     )
 
 
@@ -135,10 +135,11 @@ def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
     header, body = _matrix(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, line in enumerate(body):
-        cells = [f"*{c}*" for c in line] if i < 3 else line
+        cells = [f"*{c}*" if c else c for c in line] if i < 2 else line
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
-        "\n\nScore ± stderr of each task's metric (acc_norm: length-normalised accuracy; "
+        "\n\nScore ± stderr of each task's metric, on the items of its row (`items`; per task: "
+        "n= in each cell) (acc_norm: length-normalised accuracy; "
         f"{GENERATION_TASK}: exact match of the final answer). A difference smaller than about two "
         "stderr, to another model or to the random baseline, is noise."
     )

@@ -111,7 +111,11 @@ def cmd_lineage(args) -> int:
             print(printable_lines(trained_on_table(lineage, source)))
         else:
             print(
-                printable_lines(tree(lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants))
+                printable_lines(
+                    tree(
+                        lineage, resolve_artifact(lineage, args.artifact), descendants=args.descendants, full=args.full
+                    )
+                )
             )
     return 0
 
@@ -154,7 +158,7 @@ _READS = {"SELECT", "EXPLAIN", "PRAGMA", "SET", "VARIABLE_SET", "RELATION", "CAL
 
 
 def cmd_report(args) -> int:
-    from flows.views import find_run, run_report
+    from flows.views import find_run, report_summary, run_report
 
     lineage = _lineage(args)
     with lineage.reading():
@@ -163,7 +167,9 @@ def cmd_report(args) -> int:
             if args.out
             else lineage.path.parent / "reports" / f"{find_run(lineage, args.run)['run_id']}.md"
         )
-        print(printable_lines(run_report(lineage, args.run, out)))
+        path = run_report(lineage, args.run, out)
+        print(printable_lines(report_summary(lineage, args.run)))
+        print(printable_lines(f"report: {path}"))
     return 0
 
 
@@ -415,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", help="a fingerprint (prefix of 4+ hex chars) or a path in a step folder")
     p.add_argument("--descendants", action="store_true", help="walk downstream instead of upstream")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="also print each edge to an artifact already listed (as `(above)`); by default they are counted",
+    )
     p.add_argument(
         "--trained-on",
         metavar="SOURCE",

@@ -57,28 +57,43 @@ def resolve_artifact(lineage: Lineage, ref: str) -> dict[str, Any]:
     return row
 
 
-def tree(lineage: Lineage, root: dict[str, Any], descendants: bool = False) -> str:
+def tree(lineage: Lineage, root: dict[str, Any], descendants: bool = False, full: bool = False) -> str:
     """The ancestor (or descendant) tree of one artifact, one line per artifact.
 
-    Lineage is a DAG (every shard descends from the shared tokenizer), so an artifact whose
-    subtree was already printed appears once more as a single line marked `(above)`.
+    Lineage is a DAG (every shard descends from the shared tokenizer): each artifact is printed
+    once, where it is first reached; a later edge to it is counted in a closing line, or, with
+    `full`, printed as a single line marked `(above)`.
     """
     step = lineage.children if descendants else lineage.parents
-    lines = [_line(root)]
     shown = {root["fingerprint"]}
+    hidden = 0
 
-    def walk(fp: str, prefix: str) -> None:
-        rows = step(fp)
-        for i, row in enumerate(rows):
-            last = i == len(rows) - 1
-            repeat = row["fingerprint"] in shown
-            text = f"{row['kind']} {row['fingerprint'][:12]}  (above)" if repeat else _line(row)
+    def build(fp: str) -> list[tuple[dict[str, Any], list | None]]:
+        nonlocal hidden
+        children: list[tuple[dict[str, Any], list | None]] = []
+        for row in step(fp):
+            if row["fingerprint"] in shown:  # reached again: its subtree is printed already
+                hidden += 1
+                if full:
+                    children.append((row, None))
+                continue
+            shown.add(row["fingerprint"])
+            children.append((row, build(row["fingerprint"])))
+        return children
+
+    lines = [_line(root)]
+
+    def render(children: list, prefix: str) -> None:
+        for i, (row, below) in enumerate(children):
+            last = i == len(children) - 1
+            text = f"{row['kind']} {row['fingerprint'][:12]}  (above)" if below is None else _line(row)
             lines.append(prefix + ("└── " if last else "├── ") + text)
-            if not repeat:
-                shown.add(row["fingerprint"])
-                walk(row["fingerprint"], prefix + ("    " if last else "│   "))
+            if below:
+                render(below, prefix + ("    " if last else "│   "))
 
-    walk(root["fingerprint"], "")
+    render(build(root["fingerprint"]), "")
+    if hidden and not full:
+        lines.append(f"({hidden} more edge(s) to artifacts listed above; `smollm3 lineage --full` prints them)")
     return "\n".join(lines)
 
 
@@ -199,6 +214,46 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
             parts += ["", f"Final model: `{model_path(final)}` (`AutoModelForCausalLM.from_pretrained` loads it)."]
     out.write_text("\n".join(parts) + "\n", encoding="utf-8")
     return out
+
+
+def report_summary(lineage: Lineage, ref: str) -> str:
+    """What `smollm3 report` prints besides the report's path: the run's state, its final
+    training loss, its best eval score against that task's random baseline, and where its
+    final model is."""
+    from evals.report import eval_rows
+    from evals.training_metrics import stage_rows
+
+    run = find_run(lineage, ref)
+    run_id = run["run_id"]
+    lines = [f"run {run_id}: recipe {run['recipe']}, {run['state']}"]
+    try:
+        stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
+    except (OSError, ValueError):  # a stage folder not readable here
+        stages = []
+    losses = [(st["label"], r) for st in stages for r in st["metrics"] if r.get("loss") is not None]
+    if losses:
+        label, last = losses[-1]
+        lines.append(f"final training loss: {last['loss']:.4f} (stage {label}, step {last.get('step', '?')})")
+    else:
+        lines.append("final training loss: none recorded in this run")
+    rows = [r for r in eval_rows(lineage.labelled_outputs(run_id, "evaluate")) if r["random"] is not None]
+    if rows:
+        best = max(rows, key=lambda r: r["score"] - r["random"])
+        err = f" ± {best['stderr']:.3f}" if best["stderr"] is not None else ""
+        lines.append(
+            f"best eval over random: {best['task']} {best['metric']} {best['score']:.3f}{err} "
+            f"(random {best['random']:.3f}) by {best['model']}"
+        )
+    else:
+        lines.append("best eval over random: no evaluation with a random baseline in this run")
+    final = final_artifact(lineage, run_id)
+    where = model_path(final) if final else None
+    lines.append(
+        f"final model: {where} (AutoModelForCausalLM.from_pretrained loads it)"
+        if where
+        else "final model: none exported in this run"
+    )
+    return "\n".join(lines)
 
 
 def _steps_only(lineage: Lineage, run_id: str) -> str:

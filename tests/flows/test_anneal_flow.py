@@ -168,6 +168,9 @@ def test_cpt_from_an_hf_folder_tracks_heldout_loss_on_both_domains(base_ws):
     lineage = Lineage(base_ws / "lineage.duckdb")
     (export,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'export' AND label = 'stage1'")
     hf_dir = json.loads(export["meta"])["model_dir"]
+    (stage1,) = lineage.query_dicts("SELECT fingerprint FROM artifacts WHERE step = 'pretrain' AND label = 'stage1'")
+    card = (Path(hf_dir) / "README.md").read_text()  # every export has its model card
+    assert "stage `stage1`" in card and f"checkpoint fingerprint: `{stage1['fingerprint']}`" in card
     result = cpt(overrides=[*OVERRIDES, f"workspace={base_ws}"], base=hf_dir)
     assert set(result["states"]) == {"completed"}
     pins = [json.loads(r["meta"]) for r in lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'pin'")]

@@ -50,8 +50,13 @@ def test_lineage_prints_the_ancestor_tree(workspace, capsys):
     text = "\n".join(out)
     for name in ("tok", "prose", "math"):
         assert arts[name].short in text
-    # prose appears twice: directly and below the tokenizer
-    assert text.count(f"corpus {arts['prose'].short}") == 2
+    # prose is reached twice (directly and below the tokenizer): listed once, the second edge counted
+    assert text.count(f"corpus {arts['prose'].short}") == 1
+    assert out[-1] == "(1 more edge(s) to artifacts listed above; `smollm3 lineage --full` prints them)"
+    assert main(["lineage", arts["shards"].short, "--full", "--workspace", str(root)]) == 0
+    full = capsys.readouterr().out
+    assert full.count(f"corpus {arts['prose'].short}") == 2 and f"corpus {arts['prose'].short}  (above)" in full
+    assert "more edge(s)" not in full
 
 
 def test_lineage_by_path_and_descendants(workspace, capsys):
@@ -427,10 +432,19 @@ def test_every_printed_model_path_loads_with_from_pretrained(model_run, tmp_path
     assert "prose_cloze" in out and "acc_norm" in out and "0.320±0.047" in out  # the eval table
 
     report = tmp_path / "r.md"
+    capsys.readouterr()
     assert main(["report", "run-2", "--workspace", str(root), "--out", str(report)]) == 0
     text = report.read_text()
     assert re.search(r"Final model: `(\S+)`", text).group(1) == path
     assert "| stage1 | 0.320±0.047 |" in text
+    # the command prints a short summary, not only the report's path
+    assert capsys.readouterr().out.splitlines() == [
+        "run run-2: recipe tiny, completed",
+        "final training loss: none recorded in this run",
+        "best eval over random: prose_cloze acc_norm 0.320 ± 0.047 (random 0.250) by stage1",
+        f"final model: {path} (AutoModelForCausalLM.from_pretrained loads it)",
+        f"report: {report}",
+    ]
 
 
 def test_report_of_a_run_whose_stage_folder_is_gone_says_so(model_run, tmp_path):

@@ -149,22 +149,24 @@ def _evals(root: Path) -> list[tuple[str, Artifact]]:
     ]
 
 
-def test_eval_table_one_metric_per_task_with_stderr_random_and_items(tmp_path):
+def test_eval_table_one_metric_per_task_with_stderr_random_and_items_per_row(tmp_path):
     rows = eval_rows(_evals(tmp_path))
     text = eval_table_text(rows)
     lines = text.splitlines()
-    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact"]
+    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact", "items"]
     assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match"]
     assert lines[2].split() == ["random", "0.253", "0.250", "0.000"]
-    assert lines[3].split() == ["items", "100", "100", "50"]
-    assert lines[5].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-"]
-    assert lines[6].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-"]  # same items, 1/choices
-    # 20 items: the cell says so; its stderr says 0.40 is within noise of 0.31.
-    assert lines[7].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043"]
-    assert "two stderr" in text
+    assert lines[3] == ""
+    # the items each model was scored on are its row's: one count, or n= per cell where they differ
+    assert lines[4].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-", "100"]
+    assert lines[5].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-", "100"]  # same items, 1/choices
+    # 20 and 50 items: each cell says so; the stderr says 0.40 is within noise of 0.31.
+    assert lines[6].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043", "(n=50)", "per", "task"]
+    assert "two stderr" in text and "items" not in "".join(lines[1:3])  # no items row to contradict a row
     markdown = eval_table_markdown(rows)
-    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |" in markdown
-    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in markdown
+    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |  |" in markdown
+    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | per task |" in markdown
+    assert "| stage1 | 0.410±0.049 | 0.310±0.046 | - | 100 |" in markdown
     assert eval_table_text([]) == "no evaluations in this run"
 
 
@@ -186,4 +188,6 @@ def test_run_report_step_publishes_two_artifacts_under_stable_keys(two_stages, t
     flow(publish_run_report)(Artifact(kind="report", uri=str(out), fingerprint="r" * 64, meta=meta), None, "smollm3")
     curve = PrefectArtifact.get("smollm3-loss-curve")
     assert "data:image/png;base64," in curve.data and "| stage1 | pretrain | 1-3 |" in curve.data
-    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 |" in PrefectArtifact.get("smollm3-evals").data
+    assert (
+        "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | per task |" in PrefectArtifact.get("smollm3-evals").data
+    )
