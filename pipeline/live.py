@@ -5,7 +5,9 @@ Training stages, evaluations and post-training trainers log one progress line fo
 `lm-eval: 1,234/4,000 items (31%) | prose_cloze 30/100 items | ETA 1m20s`. Those lines went to
 the task log only, so the demo terminal (and anyone without the UI's log tab open) saw 10%
 marks. `LiveStatus` keeps, for one build, a Prefect progress artifact whose value is the step's
-percentage and whose description is its key and its latest progress line:
+percentage (the one its latest progress line states, `step 40/100` is 40%, so the two never
+disagree; the step's own `progress()` where no line states one) and whose description is its
+key and its latest progress line:
 
     pretrain[stage2]
 
@@ -33,6 +35,20 @@ _STATUS = re.compile(r"\| (ETA|took) \S+\s*$")
 def is_status(line: str) -> bool:
     """Whether a log line is a progress line (infra/progress.py's format)."""
     return bool(_STATUS.search(line))
+
+
+# The first `done/total` of a progress line: `step 8/16`, `lm-eval: 26/251 items`.
+_FRACTION = re.compile(r"(\d[\d,]*)\s*/\s*(\d[\d,]*)")
+
+
+def line_percent(line: str) -> float | None:
+    """The percentage a progress line states by its first `done/total` (None: it states none).
+    The artifact shows this one, so its percentage and its line never disagree."""
+    m = _FRACTION.search(line)
+    if not m:
+        return None
+    done, total = (int(g.replace(",", "")) for g in m.groups())
+    return 100.0 * min(done, total) / total if total else None
 
 
 def describe(key: str, line: str) -> str:
@@ -89,12 +105,17 @@ class LiveStatus:
         self._send(force=True)
 
     def progress(self, percent: float) -> None:
+        if line_percent(self.line) is not None:
+            return  # the latest line says how far the step is: its percentage is shown
         self.percent = max(0.0, min(100.0, float(percent)))
         self._send(force=not self.line)  # a bare percentage (no line yet) is sent as it comes
 
     def log(self, line: str) -> None:
         if is_status(line):
             self.line = line.strip()
+            stated = line_percent(self.line)
+            if stated is not None:
+                self.percent = stated
             self._send()
 
     def wrap(self, sink: Callable[[str], None]) -> Callable[[str], None]:

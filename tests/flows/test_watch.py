@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from flows.recipe import load_recipe, run_setup
 from flows.watch import watch
 from pipeline.graph import Graph
-from pipeline.live import describe, is_status, parse
+from pipeline.live import describe, is_status, line_percent, parse
 from pipeline.named_runs import NamedTaskRunner
 from pipeline.runner import run_flow
 from pipeline.step import step
@@ -55,6 +55,15 @@ def test_progress_lines_are_recognised_and_carried_in_the_description():
     line = "stage1 step 4/8 | loss 4.0 | ETA 3s"
     assert parse(describe("pretrain[stage1]", line)) == ("pretrain[stage1]", line)
     assert parse(describe("pretrain[stage1]", "")) == ("pretrain[stage1]", "")
+
+
+def test_the_percentage_shown_is_the_one_the_line_states():
+    """A live line reads `50.0% stage3 step 8/16`, never the step's last coarse progress mark
+    beside a newer line (`43.8% stage3 step 8/16`, `0.0% lm-eval: 26/251 items (10%)`)."""
+    assert line_percent("stage3 step 8/16 | loss 3.2 | 1,234 tok/s | ETA 5s") == 50.0
+    assert line_percent("lm-eval: 26/251 items (10%) | prose_cloze 26/100 items | ETA 9s") == 100 * 26 / 251
+    assert line_percent("lm-eval: 1,234/4,000 items (31%) | ETA 1m") == 100 * 1234 / 4000
+    assert line_percent("sft step 3/0 | ETA 1s") is None and line_percent("merging | took 2s") is None
 
 
 @pytest.mark.slow
@@ -100,6 +109,9 @@ def test_the_terminal_shows_each_running_steps_latest_training_line(tmp_path, pr
         live = [ln for ln in lines if key in ln and "% stage step " in ln]
         assert len(live) >= 2, f"{key}: {text}"  # several training lines while it ran
         assert all(re.search(r"\d+\.\d% stage step \d/8 \| loss [\d.]+ \| .* tok/s \| ETA \d+s$", ln) for ln in live)
+        for ln in live:  # the percentage is the line's own: step i of 8 is 12.5 * i %
+            step_i = int(re.search(r"step (\d)/8", ln).group(1))
+            assert f"{100 * step_i / 8:.1f}% stage step {step_i}/8" in ln, ln
         steps = [int(re.search(r"step (\d)/8", ln).group(1)) for ln in live]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)  # each new, in order
         assert len(live) <= 8 // 2 + 1  # at most one per second of a 4 s run (a line per 0.5 s)
