@@ -45,7 +45,7 @@ from infra.launchers.base import HANG_DIR, LaunchFailed, describe_hang, hang_rep
 from infra.proc import kill_tree
 from model.spec import TrainSpec, WatchdogConfig
 from pipeline.workspace import Workspace
-from trainers.watchdog import HEARTBEAT_DIR, STACK_SIGNAL
+from trainers.watchdog import HEARTBEAT_DIR, STACK_SIGNAL, frozen_ranks
 
 # trainers/monitor.py (what the ranks run) imports torch: the light commands that import the steps
 # (`smollm3 recipe`, `plan`) must not, so its names are imported where they are used.
@@ -160,7 +160,8 @@ class StageSupervisor(threading.Thread):
             # A rank's heartbeat thread beats through long phases (a checkpoint's or start-up's
             # long bound) too: a heartbeat silent past the floor means the process itself is frozen.
             silent_bound = max(self.config.floor_s, 4 * self.config.heartbeat_s) + self.config.grace_s
-            for beat in heartbeats(self.out):
+            beats = sorted(heartbeats(self.out), key=lambda b: -(now - float(b.get("time", now))))
+            for beat in beats:  # the most silent first: a frozen rank, not one waiting on it
                 idle = now - float(beat.get("last_progress", now))
                 silent = now - float(beat.get("time", now))
                 if idle > float(beat.get("bound_s", float("inf"))) + self.config.grace_s or silent > silent_bound:
@@ -191,6 +192,10 @@ class StageSupervisor(threading.Thread):
                 self.end_launch()
 
     def _hang_known(self, report: dict[str, Any]) -> None:
+        if not report.get("frozen"):  # the reporting rank may be waiting on a rank that froze
+            frozen = frozen_ranks(self.out, self.config.heartbeat_s, exclude=report.get("rank"))
+            report = report | ({"frozen": frozen} if frozen else {})
+        culprit = (report.get("frozen") or [report])[0]  # the frozen rank, else the one that reported
         self.hang, self.hang_known_at = report, time.time()
         try:
             self.on_event(
@@ -198,8 +203,8 @@ class StageSupervisor(threading.Thread):
                     "kind": "hung",
                     "stage": report.get("stage"),
                     "step": report.get("step"),
-                    "rank": report.get("rank"),
-                    "host": report.get("host"),
+                    "rank": culprit.get("rank"),
+                    "host": culprit.get("host"),
                     "value": report.get("idle_s"),
                     "threshold": report.get("bound_s"),
                     "message": f"hung: {describe_hang(report)}; reported by the {report.get('by', 'rank watchdog')}",

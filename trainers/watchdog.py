@@ -62,12 +62,40 @@ def bound_for(config: WatchdogConfig, phase: str, step_times: list[float]) -> tu
     return config.floor_s, f"floor {config.floor_s:g} s > {config.multiple:g} x median step {median:.3g} s"
 
 
+def frozen_ranks(out_dir: Path, heartbeat_s: float, now: float | None = None, exclude: int | None = None) -> list[dict]:
+    """The ranks whose heartbeat stopped: frozen whole (SIGSTOP, a lost node), not waiting. A rank
+    blocked in a collective still beats (its watchdog thread runs while the collective holds
+    no GIL), so when one rank freezes, the ranks waiting on it are told apart from it by this."""
+    now = time.time() if now is None else now
+    silent_after = max(4 * heartbeat_s, 1.0)  # a live beat may lag a few periods on a loaded host
+    found = []
+    for path in sorted((Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json")):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced: written a moment ago
+        if not isinstance(beat, dict) or beat.get("rank") == exclude:
+            continue
+        silent = now - float(beat.get("time", now))
+        if silent > silent_after:
+            found.append(
+                {
+                    "rank": beat.get("rank"),
+                    "host": beat.get("host"),
+                    "pid": beat.get("pid"),
+                    "silent_s": round(silent, 1),
+                }
+            )
+    return found
+
+
 class Watchdog:
     """One rank's watchdog thread (see the module docstring). `completed()` after every step,
     `phase("checkpoint")` around a save; `stop()` at the end of training."""
 
     def __init__(self, config: WatchdogConfig, out_dir: Path, rank: int, stage: str, step: int = 0) -> None:
         self.config, self.rank, self.stage = config, rank, stage
+        self.out_dir = Path(out_dir)
         self.hang_path = Path(out_dir) / HANG_DIR / f"rank{rank}.json"
         self.heartbeat_path = Path(out_dir) / HEARTBEAT_DIR / f"rank{rank}.json"
         self.host, self.pid, self.start_ticks = socket.gethostname(), os.getpid(), start_time(os.getpid())
@@ -175,12 +203,22 @@ class Watchdog:
     def _fire(self, idle: float, bound: float, why: str, step: int, phase: str) -> None:
         """Report, print every thread's stack, end this rank (EXIT_HUNG)."""
         record = self._record(step, phase, bound) | {"idle_s": idle, "why": why, "by": "rank watchdog"}
+        # A rank whose heartbeat stopped is the one this rank waits on: named first
+        frozen = frozen_ranks(self.out_dir, self.config.heartbeat_s, exclude=self.rank)
+        if frozen:
+            record["frozen"] = frozen
         try:
             write_atomic(self.hang_path, json.dumps(record, indent=2))
         except OSError:
             pass
+        culprit = "".join(
+            f"rank {f['rank']} on {f['host']} is frozen (its heartbeat is {f['silent_s']:.1f} s old: the "
+            "process does not run); "
+            for f in frozen
+        )
         print(
-            f"ERROR: {self.stage}: hang watchdog: rank {self.rank} on {self.host} completed no step for "
+            f"ERROR: {self.stage}: hang watchdog: {culprit}rank {self.rank} on {self.host} "
+            f"{'waiting on it ' if frozen else ''}completed no step for "
             f"{idle:.1f} s after step {step} (bound {bound:.1f} s: {why}, phase {phase}); stacks of "
             "every thread follow, then this rank exits so the launch ends and its retry resumes "
             "from the last checkpoint",

@@ -89,13 +89,22 @@ def hang_reports(out_dir: Path) -> list[dict]:
 
 def describe_hang(report: dict) -> str:
     """One clause: `rank 1 on node-3 completed no step for 31.2 s (bound 30.0 s: 10 x median
-    0.42 s, floor 30 s) after step 5`."""
+    0.42 s, floor 30 s) after step 5`; when ranks froze whole (their heartbeat stopped), they come
+    first: `rank 1 on node-3 frozen (heartbeat silent 31.0 s); rank 0 on node-2 waiting on it ...`."""
     who = f"rank {report['rank']}" if report.get("rank") is not None else "the stage"
     host = f" on {report['host']}" if report.get("host") else ""
     phase = report.get("phase") or "train"
     doing = {"startup": " before its first step", "checkpoint": " while saving a checkpoint"}.get(phase, "")
+    # the frozen ranks first (their heartbeat stopped): the reporting rank only waited on them
+    frozen = "".join(
+        f"rank {f.get('rank')}{' on ' + f['host'] if f.get('host') else ''} frozen (heartbeat silent "
+        f"{float(f.get('silent_s', float('nan'))):.1f} s); "
+        for f in report.get("frozen") or ()
+        if isinstance(f, dict)
+    )
+    waiting = " waiting on it" if frozen else ""
     return (
-        f"{who}{host} completed no step for {report.get('idle_s', float('nan')):.1f} s{doing} "
+        f"{frozen}{who}{host}{waiting} completed no step for {report.get('idle_s', float('nan')):.1f} s{doing} "
         f"(bound {report.get('bound_s', float('nan')):.1f} s{', ' + report['why'] if report.get('why') else ''})"
     )
 

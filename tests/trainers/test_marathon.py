@@ -194,17 +194,22 @@ def test_a_frozen_rank_is_detected_its_stacks_logged_and_the_retry_resumes_bit_i
     assert err.facts.hung and str(err).count("hung: rank") == 1, str(err)[:500]
 
     reports = [json.loads(p.read_text()) for p in sorted((out / "monitor" / "hang").glob("*.json"))]
+    # rank 0 reports (it waited in the collective), and names rank 1, whose heartbeat stopped, as frozen
     assert reports[0]["rank"] == 0 and reports[0]["host"] == socket.gethostname()
+    assert [(f["rank"], f["host"]) for f in reports[0]["frozen"]] == [(1, socket.gethostname())]
+    assert f"hung: rank 1 on {socket.gethostname()} frozen (heartbeat silent" in str(err)
     detected = reports[0]["time"] - frozen["at"]
     bound = HANG_WATCH["floor_s"]  # 10 x a ~0.1 s median step is below the floor
     # The last step completed at most a step (and its 0.3 s sleep) before the freeze.
     assert reports[0]["bound_s"] == bound and reports[0]["idle_s"] > bound and bound - 1.0 < detected < bound + 3.0
     assert ended - frozen["at"] < bound + HANG_WATCH["grace_s"] + 8.0  # the frozen launch was ended
     text = "\n".join(lines)
-    assert "hang watchdog: rank 0" in text
+    assert f"hang watchdog: rank 1 on {socket.gethostname()} is frozen" in text
+    assert "rank 0 on" in text and "waiting on it completed no step" in text
     assert text.count("(most recent call first)") >= 2 and "in _train" in text  # stacks of the main threads
     rows = [r for r in train_events(ws) if r["kind"] == "hung"]
-    assert len(rows) == 1 and rows[0]["stage_dir"] == str(out) and rows[0]["rank"] == 0
+    assert len(rows) == 1 and rows[0]["stage_dir"] == str(out) and rows[0]["rank"] == 1  # the frozen one
+    assert rows[0]["message"].startswith(f"hung: rank 1 on {socket.gethostname()} frozen")
     assert not [p for p in frozen_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
     meta = train_stage(run, plan, out, lines)  # what the step's retry does
