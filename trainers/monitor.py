@@ -293,6 +293,10 @@ class SpeedChecks:
                     value=self.reference["tokens_per_s"],
                 )
             return {}
+        if first_step < self.launch_start + c.reference_skip:
+            # a resumed launch's warm-up (first batches, allocations, compilation): judged by no
+            # reference, as the reference's own warm-up was not (flagged a drop after every resume)
+            return {}
         reference = self.reference["tokens_per_s"]
         self.rates.append((first_step, steps, seconds))
         window = self.tokens_per_step * sum(n for _, n, _ in self.rates) / sum(t for _, _, t in self.rates)

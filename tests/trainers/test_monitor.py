@@ -68,3 +68,18 @@ def test_a_reference_slower_than_the_step_is_not_the_basis_and_a_rank_under_the_
     named = [f for f in flags(tmp_path) if f["kind"] == "straggler"]
     assert [(f["rank"], f["step"]) for f in named] == [(0, 6)] and "reference pace" not in named[0]["message"]
     assert [f["rank"] for f in flags(tmp_path) if f["kind"] == "straggler_cleared"] == [0]
+
+
+def test_a_resumed_launchs_warm_up_is_not_judged_against_the_reference(tmp_path):
+    """A launch resumed at step 100 with the earlier launch's reference (3,200 tokens/s): its
+    first `reference_skip` lines run at a fifth of that (first batches, allocations) and flag
+    nothing; a fall after the warm-up is still flagged, with the step it began."""
+    config = CONFIG.model_copy(update={"reference_skip": 3, "window": 3})
+    events = Events(tmp_path, "stage1", enabled=True)
+    checks = SpeedChecks(config, ["a", "b"], TOKENS, reference())
+    step = lines(checks, events, [(0.002, 0.200), (0.002, 0.200)], 100, 3)  # warm-up: 640 tokens/s
+    step = lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 5)  # the reference pace
+    assert [f["kind"] for f in flags(tmp_path)] == []
+    lines(checks, events, [(0.002, 0.100), (0.002, 0.100)], step, 3)  # 1,280 tokens/s: 40%
+    drops = [f for f in flags(tmp_path) if f["kind"] == "throughput_drop"]
+    assert [(f["step"], f["began_at"]) for f in drops] == [(108, 108)]
