@@ -1,9 +1,17 @@
-"""Shared test fixtures: an isolated Prefect home, a temporary Prefect server, small recipes."""
+"""Shared test fixtures: an isolated Prefect home, a temporary Prefect server, small recipes, and
+finished tiny workspaces built once per session and copied into each test that needs one."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+import shutil
+import sys
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 # Before Prefect is imported anywhere: never touch the user's ~/.prefect, never phone home.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="smollm3-test-prefect-")
@@ -13,6 +21,8 @@ os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Small overrides that keep the tiny recipe's sources fast in flow tests.
 SMALL = [
@@ -74,3 +84,75 @@ def private_api_url(tmp_path) -> str:
     with EmbeddedServer(home=str(home), log=lambda _: None) as server:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             yield server.api_url
+
+
+# Workspaces built once per session (`built_workspace`), by name: the overrides of the tiny recipe.
+BUILDS: dict[str, list[str]] = {
+    "data": DATA_ONLY,  # the data part of the tiny DAG: sources, curation, tokenizer, token shards
+    # The same at TINY_TRAIN's sizes: the data steps the ablation and anneal flows' runs share
+    "tiny-data": [*(o for o in TINY_TRAIN if o.startswith("sources.")), "stages=[]"],
+}
+# What a build depends on besides its overrides: the project's code and data files and the recipes.
+_BUILD_INPUTS = ("pipeline", "flows", "tasks", "curation", "evals", "trainers", "model", "infra", "configs", "mixtures")
+
+
+def _code_fingerprint() -> str:
+    """sha256 of every file the tiny DAG's outputs can depend on (the packages, configs/ and
+    mixtures/, caches excluded) and of the interpreter: a build is reused only by the same code."""
+    digest = hashlib.sha256(sys.version.encode())
+    for top in _BUILD_INPUTS:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def built_workspace(tmp_path_factory, prefect_harness) -> Callable[[str], Path]:
+    """`built_workspace(name)`: the finished workspace of one real run of the smollm3 flow on the
+    tiny recipe with `BUILDS[name]`, built once per session and never written to afterwards (copy
+    it with `workspace_copy`). Under pytest-xdist every worker is its own session: the build lives
+    in the folder the workers share (pytest's numbered session folder), under a file lock, and is
+    finished when its `BUILT` marker, written last, exists; its folder is named by the fingerprint
+    of the code, the recipe and the overrides, so a build of other code is never reused."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    code = _code_fingerprint()
+
+    def build(name: str) -> Path:
+        from flows.prefect_flows import smollm3
+
+        overrides = BUILDS[name]
+        key = hashlib.sha256(json.dumps([code, name, overrides]).encode()).hexdigest()[:16]
+        root = shared / f"built-{name}-{key}"
+        done = root / "BUILT"
+        with open(shared / f"built-{name}-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker builds; the others wait, then reuse
+            if not done.exists():
+                shutil.rmtree(root, ignore_errors=True)  # a build that died midway
+                result = smollm3(overrides=[*overrides, f"workspace={root / 'ws'}"])
+                assert set(result["states"]) == {"completed"}, result
+                done.write_text(json.dumps({"run_id": result["run_id"], "overrides": overrides}))
+        return root / "ws"
+
+    return build
+
+
+@pytest.fixture
+def workspace_copy(tmp_path, built_workspace) -> Callable[[str], Path]:
+    """`workspace_copy(name)`: this test's own copy (`tmp_path / "ws"`) of the finished workspace
+    `built_workspace(name)`. A workspace can move (pipeline/artifact.py): markers and lineage store
+    paths relative to its root, so the copy's steps, lineage and markers name the copy, never the
+    build. Prefect's cache key holds the workspace's path, so the first run in a copy reuses every
+    finished folder by its marker (state `completed`, nothing built) and later runs hit Prefect's
+    cache (`cached`), as in a workspace restored to another disk."""
+
+    return lambda name: copy_workspace(built_workspace(name), tmp_path / "ws")
+
+
+def copy_workspace(built: Path, ws: Path) -> Path:
+    """A copy of the finished workspace `built` at `ws` (which must not exist), links kept as
+    links. Prefect's persisted results (`results/`) stay behind: their keys hold the build's path,
+    so no run in the copy would read them."""
+    shutil.copytree(built, ws, symlinks=True, ignore=lambda folder, _: ["results"] if Path(folder) == built else [])
+    return ws

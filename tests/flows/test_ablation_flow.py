@@ -2,7 +2,8 @@
 (a 10x lower learning rate), two seeds each, on a 2-layer 64-wide model trained 8 steps with a
 checkpoint kept every 2.
 
-Checked: the data steps the variant shares with the baseline are built once; the four runs train
+Checked: the data steps the variant shares with the baseline run once (in a copy of the session's
+finished data steps, tests/conftest.py `built_workspace`, so they reuse their folders); the four runs train
 side by side in two train slots; held-out bits per byte is measured at every kept checkpoint and
 lm-eval after the stage; the comparison lands in DuckDB (`experiments`, `experiment_runs`,
 `experiment_results`) and in Prefect (table and report artifacts), says which evals it trusts and
@@ -36,13 +37,17 @@ VARIANT = "lr_low:training.optimizer.lr=0.0003"
 
 
 @pytest.mark.slow
-def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(tmp_path, prefect_harness, capsys):
+def test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise(
+    workspace_copy, prefect_harness, capsys
+):
     from prefect.artifacts import Artifact as PrefectArtifact
 
     from flows.cli import main
     from flows.prefect_flows import ablation
 
-    ws = tmp_path / "ws"
+    # A copy of the session's data part of the tiny DAG at these source sizes (tests/conftest.py):
+    # the ablation reuses its sources, curations, tokenizer and shards and builds the rest.
+    ws = workspace_copy("tiny-data")
     over = [*OVERRIDES, f"workspace={ws}"]
     result = ablation(variants=[VARIANT], seeds=2, overrides=over, eval_every=2, heldout_tokens=4096, lm_eval="final")
     assert set(result["states"]) == {"completed"}

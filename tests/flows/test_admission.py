@@ -120,17 +120,21 @@ def test_a_deployment_run_with_a_bad_override_fails_at_once_instead_of_waiting_f
 
 
 @pytest.mark.slow
-def test_smollm3_run_without_a_server_starts_one_for_the_run_and_stops_it(tmp_path):
+def test_smollm3_run_without_a_server_starts_one_for_the_run_and_stops_it(tmp_path, workspace_copy):
     """No PREFECT_API_URL and no demo: the data part of the tiny DAG runs against a server
-    started for it, however long that server takes to come up on this machine."""
+    started for it, however long that server takes to come up on this machine. The workspace is a
+    copy of the session's finished one (tests/conftest.py): the server's lifetime is under test
+    here, not the steps' builds, so every step of the run reuses its finished folder."""
     from tests.conftest import DATA_ONLY
+
+    ws = workspace_copy("data")
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(
         SMOLLM3_HOME=str(tmp_path), PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=str(REPO)
     )  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "tiny", *DATA_ONLY, f"workspace={tmp_path / 'ws'}"],
+        [sys.executable, "-m", "flows.cli", "run", "tiny", *DATA_ONLY, f"workspace={ws}"],
         capture_output=True,
         text=True,
         env=env,

@@ -1,7 +1,8 @@
 """Anneal and CPT flows end to end on the tiny recipe, from a base trained through the real steps.
 
 One module-scoped base run (the smollm3 flow: data, one stable-phase stage, export, eval) at a
-size that trains in about a minute on 2 cores; then
+size that trains in about a minute on 2 cores, in a copy of the session's finished data steps
+(tests/conftest.py `built_workspace`); then
 - an anneal with two candidates (math, code): baseline + one run per candidate from the pinned
   base, each exported and scored with lm-eval and held-out loss and bits per byte, and the
   experiment framework's comparison (evals/experiments.py) with real differences in DuckDB
@@ -45,10 +46,13 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def base_ws(tmp_path_factory, prefect_harness) -> Path:
+def base_ws(tmp_path_factory, prefect_harness, built_workspace) -> Path:
     from flows.prefect_flows import smollm3
+    from tests.conftest import copy_workspace
 
-    ws = tmp_path_factory.mktemp("anneal").resolve() / "ws"
+    # From a copy of the session's data part of the tiny DAG at these source sizes
+    # (tests/conftest.py): the base run reuses its data steps and trains, exports and evaluates.
+    ws = copy_workspace(built_workspace("tiny-data"), tmp_path_factory.mktemp("anneal").resolve() / "ws")
     result = smollm3(overrides=[*OVERRIDES, f"workspace={ws}"])
     assert set(result["states"]) == {"completed"}
     return ws

@@ -220,10 +220,20 @@ def test_every_operational_recipe_field_is_exercised_above():
 
 
 @pytest.mark.slow
-def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefect_harness):
+def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefect_harness, workspace_copy):
+    from pipeline.lineage import Lineage
+
     over = [*DATA_ONLY, f"workspace={tmp_path / 'ws'}"]
     before = plan(load_recipe("tiny", over))
     assert {r.action for r in before} == {"run"} and {r.reason for r in before} == {"never built"}
+    # The run the plan predicts: the session's build of these overrides from raw sources, made in
+    # another folder (tests/conftest.py) and copied here; it built exactly the planned steps.
+    ws = workspace_copy("data")
+    lineage = Lineage(ws / "lineage.duckdb")
+    (build,) = lineage.runs()
+    assert {
+        (f"{s['step']}[{s['label']}]", s["fingerprint"], s["state"]) for s in lineage.steps_of(build["run_id"])
+    } == {(r.key, r.fingerprint, "completed") for r in before}
     smollm3(overrides=over)
     after = plan(load_recipe("tiny", over))
     assert [r.fingerprint for r in after] == [r.fingerprint for r in before]
