@@ -430,13 +430,16 @@ def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = Tr
     problems = check_sources(present)
     if not problems and sample:
         from flows.datacheck import preset_problems
+        from infra.home import user_cache
         from pipeline.workspace import WorkspaceError, resolve_workspace
 
-        try:  # cached in a workspace a run made: a check alone (`recipe`, `plan`) creates no folder
+        # cached in the workspace once a run made it; before that in the user's cache: a check
+        # alone (`recipe`, `plan`) creates no workspace and writes nothing in the current directory
+        try:
             root = resolve_workspace(recipe.workspace)
-            cache = root / "checks" / "presets" if root.is_dir() else None
+            cache = root / "checks" / "presets" if root.is_dir() else user_cache() / "preset-checks"
         except WorkspaceError:
-            cache = None
+            cache = user_cache() / "preset-checks"
         problems = preset_problems(recipe.curation, present, recipe.seed, cache)
     if problems:
         raise RecipeError(

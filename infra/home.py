@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 HOME_ENV = "SMOLLM3_HOME"
+CACHE_ENV = "SMOLLM3_CACHE"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,3 +30,12 @@ def from_base(path: str | Path) -> Path:
     """`path` with `~` expanded, taken from `project_base()` when relative."""
     raw = Path(path).expanduser()
     return raw if raw.is_absolute() else project_base() / raw
+
+
+def user_cache() -> Path:
+    """Where checks that belong to no workspace yet keep their results: $SMOLLM3_CACHE, else
+    $XDG_CACHE_HOME/smollm3, else ~/.cache/smollm3 (never the current directory)."""
+    raw = os.environ.get(CACHE_ENV)
+    if raw:
+        return Path(raw).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "smollm3"

@@ -19,6 +19,8 @@ os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 os.environ.pop("PREFECT_API_URL", None)
+# ...and never the user's ~/.cache/smollm3 (the preset checks' cache outside a workspace)
+os.environ["SMOLLM3_CACHE"] = tempfile.mkdtemp(prefix="smollm3-test-cache-")
 
 import pytest  # noqa: E402
 

@@ -4,6 +4,7 @@ is refused by `smollm3 recipe`/`plan` naming the source, the preset and the filt
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,10 @@ def test_a_preset_that_would_empty_a_source_is_refused_naming_it(tmp_path, capsy
 @pytest.mark.slow
 def test_the_language_preset_passes_and_the_check_is_cached(tmp_path, capsys):
     argv = recipe_with(tmp_path, "fr")
-    assert main(["recipe", *argv]) == 0  # a check alone creates no workspace: nothing cached
+    assert main(["recipe", *argv]) == 0  # a check alone creates no workspace: cached in the user's cache
     assert "language: fr" in capsys.readouterr().out
     assert not (tmp_path / "ws").exists()
+    assert list((Path(os.environ["SMOLLM3_CACHE"]) / "preset-checks").glob("*.json"))
     (tmp_path / "ws").mkdir()  # a workspace a run made
     assert main(["recipe", *argv]) == 0
     capsys.readouterr()
@@ -89,8 +91,8 @@ def test_the_published_recipe_plans_without_its_corpora(tmp_path, capsys):
 
 def test_checking_and_planning_write_nothing_anywhere(tmp_path, monkeypatch, capsys):
     """`recipe` and `plan` only read: run from an empty folder with an empty $SMOLLM3_HOME, they
-    create no file there nor in the home (the preset checks are cached only in a workspace a run
-    made)."""
+    create no file there nor in the home (the preset checks are cached in a workspace a run made,
+    else in $SMOLLM3_CACHE)."""
     cwd, home = tmp_path / "cwd", tmp_path / "home"
     cwd.mkdir()
     home.mkdir()

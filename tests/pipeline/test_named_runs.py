@@ -71,7 +71,8 @@ def _pending_names(tmp_path: Path, runner) -> tuple[dict[str, str], dict[str, An
         while time.monotonic() < deadline:
             if "run_id" in seen:
                 runs = _task_runs(seen["run_id"])
-                if len(runs) == 3 and any(r.state and r.state.is_running() for r in runs):
+                # every row with its first state (a row is created a moment before its state is set)
+                if len(runs) == 3 and all(r.state for r in runs) and any(r.state.is_running() for r in runs):
                     seen["rows"] = {r.name: r for r in runs}
                     break
             time.sleep(0.2)
