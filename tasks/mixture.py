@@ -12,7 +12,7 @@ not define, a negative weight or a zero total is an error naming the file and th
 that do not sum to 1 are normalised with a warning that states the original sum, SmolLM3's decay
 stage sums to 1.0056). The mixture step then computes each source's token budget for the stage and its
 expected epochs over the tokens available, warns when a source repeats more than the stage's
-`max_epochs`, and writes `plan.json`, the contract the trainer (model/data.py) reads:
+`max_epochs`, and writes `plan.json`, the contract the trainer (model/token_shards.py) reads:
 
     {"stage", "seed", "seq_len", "tokens", "vocab_size", "eos_id", "token_dtype",
      "sources": [{"name", "weight", "files", "available_tokens", "budget_tokens",
