@@ -1,11 +1,7 @@
 """Fertility analysis: compare candidate tokenizers on each source's curated held-out text, pick one.
 
-Definitions (the Smol Training Playbook's, lower is better for the first two):
-- fertility: tokens per word (words are whitespace-separated strings);
-- continued words: share of words split into 2+ tokens (a token counts for every word its
-  character span overlaps, so context-dependent merges are measured as they happen in text);
-- bytes per token: UTF-8 bytes of the text over its tokens (compression);
-- vocabulary used: share of the candidate's vocabulary that appears in the text.
+The measures (fertility, continued words, bytes per token, vocabulary used) and the choice
+rule are defined in evals/tokenizer_fertility.py.
 
 Candidates are the trained tokenizer (the input artifact, named `trained`) plus the recipe's
 `tokenizer.json` paths, tokenizer folders or hub names (hub names need network access and, for

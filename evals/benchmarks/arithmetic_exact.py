@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evals.benchmarks.eval_task import WORKED_SOLUTION, EvalTask
+from evals.benchmarks.eval_task import WORKED_SOLUTION, EvalTask, local_json_task
 
 CHAT_PROMPT = "<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n"
 GENERATION_TASK = "arithmetic_exact"
@@ -37,12 +37,7 @@ def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> 
     """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
     return "\n".join(
         [
-            f"task: {name}",
-            "dataset_path: json",
-            "dataset_kwargs:",
-            "  data_files:",
-            f"    test: {json.dumps(str(data_file))}",
-            "test_split: test",
+            *local_json_task(name, data_file),
             "output_type: generate_until",
             f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
             'doc_to_target: "{{answer}}"',

@@ -52,16 +52,23 @@ def choice_item(
     return {"context": context, "choices": choices, "gold": choices.index(gold), "delimiter": delimiter}
 
 
+def local_json_task(name: str, data_file: Path) -> list[str]:
+    """The first lines of every suite task: its name and its local JSONL test split (offline)."""
+    return [
+        f"task: {name}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data_file))}",
+        "test_split: test",
+    ]
+
+
 def task_yaml(name: str, data_file: Path, delimiter: str) -> str:
     """An lm-eval multiple-choice task over a local JSONL file (offline: `dataset_path: json`)."""
     return "\n".join(
         [
-            f"task: {name}",
-            "dataset_path: json",
-            "dataset_kwargs:",
-            "  data_files:",
-            f"    test: {json.dumps(str(data_file))}",
-            "test_split: test",
+            *local_json_task(name, data_file),
             "output_type: multiple_choice",
             'doc_to_text: "{{context}}"',
             'doc_to_choice: "{{choices}}"',

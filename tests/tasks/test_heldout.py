@@ -18,20 +18,8 @@ from pipeline.artifact import Artifact
 from tasks.heldout import HeldoutEvalSpec, HeldoutSpec, heldout_eval, heldout_tokens
 
 REPO = Path(__file__).resolve().parents[2]
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Café déjà vu: naïve façade, 東京 and Zürich — emoji 🙂 too.",
-    "def f(x):\n    return x * 2  # doubled\n",
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from curation.bpe import save_hf_tokenizer, train_bpe
-
-    out = tmp_path_factory.mktemp("tok")
-    save_hf_tokenizer(train_bpe(iter(TEXTS * 20), vocab_size=320), out)
-    return out
+# the texts and the tokenizer trained on them, as the library's tests use them
+from tests.evals.test_heldout_loss import TEXTS, tokenizer_dir  # noqa: E402, F401
 
 
 def _corpus(root: Path, name: str, texts: list[str]) -> Artifact:
@@ -43,7 +31,7 @@ def _corpus(root: Path, name: str, texts: list[str]) -> Artifact:
     return Artifact(kind="corpus", uri=str(root / name), fingerprint=name * 16, meta={"source": name})
 
 
-def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):
+def test_heldout_set_records_tokens_and_bytes_of_text(tokenizer_dir, tmp_path):  # noqa: F811
     tok = Artifact(
         kind="tokenizer",
         uri=str(tokenizer_dir),
