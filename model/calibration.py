@@ -14,10 +14,9 @@ import socket
 from pathlib import Path
 
 from infra.preflight.core import CheckResult, PreflightConfig, metric_of
+from infra.preflight.outcome import REPORT_JSON
 from model.spec import PeakCalibration
 from pipeline.artifact import read_marker
-
-REPORT_JSON = "preflight.json"  # the preflight step's report, in its step folder
 
 
 def calibrations(results: list[CheckResult], config: PreflightConfig, host: str, folder: str) -> list[PeakCalibration]:

@@ -4,9 +4,9 @@
           tokenizer=chosen, mixtures=[...plans])
 
 The build runs `infra.preflight.run_preflight`, writes `preflight.json` (every result, the config,
-the facts, host and time) and `preflight.md` (the table) into the step folder, and raises
-`PreflightFailed` (infra/preflight/core.py) listing the blocking checks when `should_stop` says so, so the flow stops before
-any training stage launches. The publish hook records one `preflight` lineage row per check and a
+the facts, host and time) and `preflight.md` (the table) into the step folder
+(infra/preflight/outcome.py), and raises `PreflightFailed` listing the blocking checks when
+`should_stop` says so, so the flow stops before any training stage launches. The publish hook records one `preflight` lineage row per check and a
 Prefect table artifact.
 
 Caching: a preflight is a measurement of this host for this recipe. Its fingerprint holds the
@@ -35,35 +35,23 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.preflight import (
-    CheckResult,
-    PreflightConfig,
-    PreflightFacts,
-    blocking,
-    format_markdown,
-    format_table,
-    run_preflight,
-    should_stop,
-    summary,
-)
-from infra.preflight.core import PreflightFailed, lineage_rows, metric_of
+from infra.preflight import CheckResult, PreflightConfig, PreflightFacts, run_preflight
+from infra.preflight.core import lineage_rows
 from infra.preflight.gpu import cuda_available
-from model.calibration import REPORT_JSON, calibrations
+from infra.preflight.outcome import REPORT_JSON, step_summary, stop_error, write_report
+from model.calibration import calibrations
 from model.config import model_facts
 from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 from pipeline.workspace import Workspace, resolve_workspace
 
 if TYPE_CHECKING:  # at run time only where used: duckdb is not needed to read a recipe
-    from pipeline.lineage import Lineage
-
-JSON_NAME, MD_NAME = REPORT_JSON, "preflight.md"
+    pass
 
 
 class PreflightSpec(BaseModel):
@@ -114,88 +102,8 @@ def preflight_extra(config: PreflightSpec) -> str:
     return socket.gethostname()
 
 
-def run_checks(
-    config: PreflightConfig,
-    facts: PreflightFacts,
-    out: Path,
-    *,
-    log=print,
-    run_id: str | None = None,
-    gpu: Any = None,
-    commands: Any = None,
-    lineage: Lineage | None = None,
-) -> dict[str, Any]:
-    """Run the checks, write the report into `out`, raise PreflightFailed when training must not start.
-
-    `lineage` receives the rows of a failing run (default: the workspace holding `out`).
-    """
-    out = Path(out)
-    run_id = run_id or f"preflight-{out.name}"
-    results = run_preflight(config, facts, gpu=gpu, commands=commands, log=log)
-    stop = should_stop(results, config.allow_warn)
-    counts = summary(results)
-    host = socket.gethostname()
-    report = {
-        "run_id": run_id,
-        "host": host,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "stop": stop,
-        "summary": counts,
-        "config": config.model_dump(mode="json"),
-        "facts": facts.to_dict(),
-        "results": [r.to_dict() for r in results],
-        "calibration": [c.model_dump(mode="json") for c in calibrations(results, config, host, out.name)],
-    }
-    (out / JSON_NAME).write_text(json.dumps(report, indent=2), encoding="utf-8")
-    head = f"# Preflight on `{report['host']}` ({'STOP' if stop else 'go'})\n\nrun `{run_id}`\n\n"
-    (out / MD_NAME).write_text(head + format_markdown(results) + "\n", encoding="utf-8")
-    log("preflight report\n" + format_table(results))
-    if stop:
-        bad = blocking(results, config.allow_warn)
-        if lineage is None:
-            lineage = Workspace.at(out.parent.parent).lineage()
-        lineage.record_rows("preflight", lineage_rows(run_id, results))
-        listing = "\n".join(f"  {r.name}: {r.status.upper()} {r.value} -- {r.advice}" for r in bad)
-        warn_hint = (
-            ""
-            if config.allow_warn or any(r.status == "fail" for r in bad)
-            else ("\nonly warnings: rerun with allow_warn=true to proceed anyway")
-        )
-        raise PreflightFailed(
-            f"preflight stopped the run: {len(bad)} blocking check(s) of {len(results)} "
-            f"(report: {out / MD_NAME})\n{listing}{warn_hint}",
-            results,
-        )
-    return {
-        "run_id": run_id,
-        "host": report["host"],
-        "summary": counts,
-        "allow_warn": config.allow_warn,
-        "warned": [r.name for r in results if r.status == "warn"],
-        "gpu_tflops": metric_of(results, "gpu_matmul"),
-        "nccl_busbw_gbps": metric_of(results, "nccl_allreduce"),
-        "cpu_gflops": metric_of(results, "cpu_matmul"),
-        "gloo_busbw_gbps": metric_of(results, "gloo_allreduce"),
-        "calibration": report["calibration"],
-    }
-
-
-def recipe_facts(recipe: Any, plans: tuple[Artifact, ...] = (), **facts: Any) -> PreflightFacts:
-    """Facts the recipe already knows (stage tokens, sequence length, workspace) plus the mixture
-    plans' paths; the rest (device, nproc_per_node, global_batch, model_vocab, ...) as keywords."""
-    stages = tuple(getattr(recipe, "stages", ()) or ())
-    known: dict[str, Any] = {
-        "workspace": str(resolve_workspace(recipe.workspace)),  # as every command resolves it
-        "stage_tokens": {st.name: st.tokens for st in stages},
-        "stage_seq_len": {st.name: st.seq_len for st in stages},
-        "seq_len": max((st.seq_len for st in stages), default=0),
-        "mixture_plans": tuple(str(Path(a.uri) / "plan.json") for a in plans if a.kind == "mixture"),
-    }
-    return PreflightFacts(**{**known, **facts})
-
-
 def _read_report(artifact: Artifact) -> dict[str, Any]:
-    return json.loads((artifact.path / JSON_NAME).read_text(encoding="utf-8"))
+    return json.loads((artifact.path / REPORT_JSON).read_text(encoding="utf-8"))
 
 
 def publish_preflight(artifact: Artifact, ws: Workspace, label: str) -> None:
@@ -243,4 +151,20 @@ def preflight(
         vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
         facts.update(model_facts(config.model, config.model_overrides, vocab))
     facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in mixtures)
-    return run_checks(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)
+    return _measure(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)
+
+
+def _measure(
+    config: PreflightConfig, facts: PreflightFacts, out: Path, *, log, run_id: str | None, **doubles: Any
+) -> dict[str, Any]:
+    """Run the checks, write the report (with this host's calibration) into `out`; a failing run
+    records its rows in the lineage of the workspace holding `out`, then raises PreflightFailed.
+    `doubles`: `gpu` / `commands` backends for tests (infra.preflight.run_preflight)."""
+    run_id = run_id or f"preflight-{out.name}"
+    results = run_preflight(config, facts, log=log, **doubles)
+    calibration = [c.model_dump(mode="json") for c in calibrations(results, config, socket.gethostname(), out.name)]
+    report = write_report(out, run_id, config, facts, results, calibration=calibration, log=log)
+    if report["stop"]:
+        Workspace.at(out.parent.parent).lineage().record_rows("preflight", lineage_rows(run_id, results))
+        raise stop_error(results, config, out)
+    return step_summary(report, results)

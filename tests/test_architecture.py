@@ -202,12 +202,7 @@ def _sources(pkg: str) -> list[Path]:
 
 # Names of step modules not yet moved into the library they belong to, each with why; the test
 # fails when a name here is gone (shrink the list) or a module defines a name not here.
-NOT_YET_MOVED = {
-    # the step's body (report, lineage rows of a failing run, calibration; takes test doubles for
-    # gpu and commands) and the recipe's facts: their home by name, infra/preflight/, may import
-    # neither pipeline's workspace nor model's calibration; they move when the report has a home
-    "tasks/preflight.py": {"run_checks", "recipe_facts"},
-}
+NOT_YET_MOVED: dict[str, set[str]] = {}
 # Cross-step imports not yet replaced by an import from a library, each with why.
 CROSS_STEP_NOT_YET: dict[str, set[str]] = {}
 # File names shared by modules where the folder says why: the step, the flow and the trainer of

@@ -118,28 +118,6 @@ def test_failing_preflight_raises_listing_the_checks_and_records_lineage(tmp_pat
     assert (folder / "preflight.json").exists() and not (folder / "_COMPLETE.json").exists()
 
 
-class TwoGpus:
-    def unavailable_reason(self):
-        return None
-
-    def device_count(self):
-        return 2
-
-    def name(self, index):
-        return "fake"
-
-
-def test_warn_stops_and_allow_warn_proceeds(tmp_path):
-    out = tmp_path / "ws" / "preflight" / "abc"
-    out.mkdir(parents=True)
-    cfg = PreflightConfig(checks=("gpu_count",), expected_gpus=1)
-    with pytest.raises(PreflightFailed, match="allow_warn=true"):
-        tp.run_checks(cfg, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
-    ok = PreflightConfig(checks=("gpu_count",), expected_gpus=1, allow_warn=True)
-    meta = tp.run_checks(ok, PreflightFacts(), out, log=lambda _: None, gpu=TwoGpus())
-    assert meta["warned"] == ["gpu_count"] and meta["allow_warn"]
-
-
 def test_publish_records_rows_and_a_prefect_table(tmp_path, monkeypatch):
     ws = Workspace.at(tmp_path / "ws")
     art: Artifact = build(ws, config(), dataclasses.replace(GOOD, workspace=ws.root), run_id="run-pub").artifact
@@ -203,20 +181,18 @@ def test_step_in_a_prefect_flow_publishes_and_stops(tmp_path, prefect_harness):
     ]
 
 
-def test_recipe_facts_take_stages_plans_and_overrides():
-    from types import SimpleNamespace
+def test_spec_for_a_recipe_splits_identity_from_operational_facts(tmp_path):
+    """What the recipe trains is identity (stage tokens and lengths, device, global batch); how it
+    runs (ranks, micro-batch, TP, checkpoints kept, the workspace) is checked but operational."""
+    from flows.recipe import load_recipe
 
-    recipe = SimpleNamespace(
-        workspace="/w",
-        stages=(
-            SimpleNamespace(name="stage1", tokens=1000, seq_len=256),
-            SimpleNamespace(name="decay", tokens=200, seq_len=512),
-        ),
-    )
-    plan = Artifact(
-        kind="mixture", uri="/w/mixture/abc", fingerprint="f" * 64, meta={"plan": "/w/mixture/abc/plan.json"}
-    )
-    facts = tp.recipe_facts(recipe, (plan,), device="cuda", nproc_per_node=8)
-    assert facts.stage_tokens == {"stage1": 1000, "decay": 200} and facts.seq_len == 512
-    assert facts.mixture_plans == ("/w/mixture/abc/plan.json",) and facts.nproc_per_node == 8
-    assert facts.workspace == "/w" and facts.device == "cuda"
+    recipe = load_recipe("tiny", [f"workspace={tmp_path / 'ws'}", "training.device=cpu"])
+    s = tp.PreflightSpec.for_recipe(recipe, "run-x")
+    assert s.facts["stage_tokens"] == {st.name: st.tokens for st in recipe.stages}
+    assert s.facts["seq_len"] == max(st.seq_len for st in recipe.stages) and s.facts["device"] == "cpu"
+    assert s.run_facts["workspace"] == str(tmp_path / "ws") and s.run_facts["tp"] == recipe.training.tp
+    assert s.run_facts["checkpoint_keep"] == recipe.training.keep_last + len(recipe.stages)
+    assert (s.model, s.run_id) == (recipe.training.model, "run-x")
+    d = tp.preflight
+    other = s.model_copy(update={"run_facts": {**s.run_facts, "micro_batch": 99}, "run_id": "run-y"})
+    assert d.fingerprint(other, {}, d.facts(other)) == d.fingerprint(s, {}, d.facts(s))
