@@ -329,9 +329,6 @@ def test_prefect_only_in_flows_and_publish_hooks():
 MIRRORED = ("curation", "evals")
 NOT_YET_MIRRORED = {
     "curation/bpe.py": "through the tokenizer and tokenize steps (tests/tasks/test_tokenizer.py, test_tokenize.py)",
-    "curation/io.py": "datatrove readers and writers, through the curate step (tests/tasks/test_curate.py)",
-    "curation/languages.py": "the language table, with the presets (tests/tasks/test_multilingual.py)",
-    "curation/multilingual.py": "language ID, with the presets (tests/tasks/test_multilingual.py)",
     "evals/report.py": "tests/tasks/test_run_report.py (moves with the run_report step's helpers)",
     "evals/training_metrics.py": "stage_rows and read_metrics through tests/tasks/test_run_report.py",
 }
