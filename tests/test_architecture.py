@@ -329,7 +329,6 @@ def test_prefect_only_in_flows_and_publish_hooks():
 MIRRORED = ("curation", "evals")
 NOT_YET_MIRRORED = {
     "curation/bpe.py": "through the tokenizer and tokenize steps (tests/tasks/test_tokenizer.py, test_tokenize.py)",
-    "evals/report.py": "tests/tasks/test_run_report.py (moves with the run_report step's helpers)",
     "evals/training_metrics.py": "stage_rows and read_metrics through tests/tasks/test_run_report.py",
 }
 

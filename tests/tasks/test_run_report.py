@@ -4,14 +4,14 @@ run's step axis, one eval table over every evaluated model, and the step that pu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from evals.report import eval_rows, eval_table_markdown, eval_table_text, run_series
+from evals.report import eval_rows, run_series
 from evals.training_metrics import stage_rows
 from pipeline.artifact import Artifact
 from tasks.run_report import RunReportSpec, run_report
+from tests.evals.test_report import eval_artifacts
 
 TINY = {
     "hidden_size": 64,
@@ -88,95 +88,13 @@ def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, 
         run_report(RunReportSpec(stages=("stage1",)), out=out, **inputs)
 
 
-def _eval(root: Path, name: str, scores: dict, **meta) -> Artifact:
-    folder = root / "evaluate" / name
-    folder.mkdir(parents=True)
-    results = meta.pop("results", None)
-    if results:
-        (folder / "lm_eval_results.json").write_text(json.dumps(results))
-    return Artifact(
-        kind="eval",
-        uri=str(folder),
-        fingerprint=name * 8,
-        meta={"stage": name, "scores": scores, "random_accuracy": 0.25, **meta},
-    )
-
-
-def _evals(root: Path) -> list[tuple[str, Artifact]]:
-    cloze = {
-        "prose_cloze": {"acc": 0.29, "acc_stderr": 0.045, "acc_norm": 0.31, "acc_norm_stderr": 0.046},
-        "arithmetic_cloze": {"acc": 0.41, "acc_stderr": 0.049, "acc_norm": 0.2, "acc_norm_stderr": 0.04},
-    }
-    return [
-        (
-            "stage1",
-            _eval(
-                root,
-                "stage1",
-                cloze,
-                items={"prose_cloze": 100, "arithmetic_cloze": 100},
-                random_baseline={"prose_cloze": 0.25, "arithmetic_cloze": 0.2525},
-            ),
-        ),
-        # Recorded before items and baselines were: items from lm-eval's file, 1 / choices.
-        (
-            "stage2",
-            _eval(
-                root,
-                "stage2",
-                cloze,
-                results={
-                    "n-samples": {
-                        "prose_cloze": {"original": 100, "effective": 100},
-                        "arithmetic_cloze": {"original": 100, "effective": 100},
-                    }
-                },
-            ),
-        ),
-        (
-            "sft",
-            _eval(
-                root,
-                "sft",
-                {
-                    "prose_cloze": {"acc": 0.35, "acc_stderr": 0.11, "acc_norm": 0.4, "acc_norm_stderr": 0.112},
-                    "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.043},
-                },
-                items={"prose_cloze": 20, "arithmetic_exact": 50},
-                random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0},
-            ),
-        ),
-    ]
-
-
-def test_eval_table_one_metric_per_task_with_stderr_random_and_items_per_row(tmp_path):
-    rows = eval_rows(_evals(tmp_path))
-    text = eval_table_text(rows)
-    lines = text.splitlines()
-    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact", "items"]
-    assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match"]
-    assert lines[2].split() == ["random", "0.253", "0.250", "0.000"]
-    assert lines[3] == ""
-    # the items each model was scored on are its row's: one count, or n= per cell where they differ
-    assert lines[4].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-", "100"]
-    assert lines[5].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-", "100"]  # same items, 1/choices
-    # 20 and 50 items: each cell says so; the stderr says 0.40 is within noise of 0.31.
-    assert lines[6].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043", "(n=50)", "per", "task"]
-    assert "two stderr" in text and "items" not in "".join(lines[1:3])  # no items row to contradict a row
-    markdown = eval_table_markdown(rows)
-    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |  |" in markdown
-    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | per task |" in markdown
-    assert "| stage1 | 0.410±0.049 | 0.310±0.046 | - | 100 |" in markdown
-    assert eval_table_text([]) == "no evaluations in this run"
-
-
 def test_run_report_step_publishes_two_artifacts_under_stable_keys(two_stages, tmp_path, prefect_harness):
     from prefect import flow
     from prefect.artifacts import Artifact as PrefectArtifact
 
     from tasks.run_report import publish_run_report, run_report
 
-    evals = _evals(tmp_path)
+    evals = eval_artifacts(tmp_path)
     config = RunReportSpec(stages=("stage1", "stage2"), evals=tuple(label for label, _ in evals))
     inputs = {"stages": tuple(a for _, a in two_stages), "evals": tuple(a for _, a in evals)}
     out = tmp_path / "run_report"
