@@ -101,7 +101,7 @@ def stage_rows(recipe: Any) -> list[StageFit]:
 def check_stages_fit(recipe: Any) -> None:
     """Refuse a stage whose layout, batch or memory cannot work (module docstring)."""
     from flows.stage_plan import schedule_stages
-    from model.memory import CONTEXT_GB, FRAGMENTATION, fitting_alternatives
+    from model.memory import DoesNotFit, does_not_fit, fitting_alternatives
 
     rows = stage_rows(recipe)
     limit = recipe.training.gpu_memory_gb
@@ -116,17 +116,8 @@ def check_stages_fit(recipe: Any) -> None:
             continue
         run = runs[row.name]
         options = fitting_alternatives(run.spec, run.layout, _vocab(recipe), limit)
-        raise ValueError(
-            f"stages[{row.name}] does not fit training.gpu_memory_gb {limit:g} GB: predicted peak "
-            f"{row.peak_gb:.1f} GB per GPU with activation checkpointing {row.mode} on {row.layout} "
-            f"(+{FRAGMENTATION:.0%} fragmentation + {CONTEXT_GB:g} GB context = {row.budget_gb:.1f} GB; {row.detail}); "
-            + (
-                "settings that fit: " + ", ".join(options)
-                if options
-                else "no single change of checkpointing, micro-batch or tp fits: use more GPUs per stage "
-                "(nodes), a shorter seq_len or a smaller model"
-            )
-        )
+        est = run.memory(_vocab(recipe))
+        raise DoesNotFit(does_not_fit(f"stages[{row.name}]", est, row.layout, limit, "training.gpu_memory_gb", options))
 
 
 def _tokens(n: int) -> str:

@@ -273,6 +273,27 @@ def resolve_checkpointing(spec, shape: StepShape, device_memory_gb: float | None
     return estimate(shape, "none") if memory is None else choose(shape, memory)
 
 
+class DoesNotFit(ValueError):
+    """A stage's predicted peak is over the GPU memory it must fit (the recipe check and the
+    trainer's own start-up check raise it with the same message, `does_not_fit`)."""
+
+
+def does_not_fit(where: str, est: MemoryEstimate, layout: str, limit_gb: float, of: str, options: list[str]) -> str:
+    """Why a stage cannot run and what would: `where` names the stage (`stages[stage1]`), `of`
+    the memory it was held to (`training.gpu_memory_gb`, or this GPU's)."""
+    return (
+        f"{where} does not fit {of} {limit_gb:g} GB: predicted peak {est.peak_gb:.1f} GB per GPU with "
+        f"activation checkpointing {est.mode} on {layout} (+{FRAGMENTATION:.0%} fragmentation + {CONTEXT_GB:g} GB "
+        f"context = {est.budget_gb():.1f} GB; {est.describe()}); "
+        + (
+            "settings that fit: " + ", ".join(options)
+            if options
+            else "no single change of checkpointing, micro-batch or tp fits: use more GPUs per stage "
+            "(nodes), a shorter seq_len or a smaller model"
+        )
+    )
+
+
 def model_config_of(spec, vocab_size: int | None = None) -> ModelConfig:
     """The ModelConfig a TrainSpec trains, as the trainer builds it (trainers/pretrain.py), at
     `vocab_size` when the spec does not set one (the trainer takes the mixture plan's)."""

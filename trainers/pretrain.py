@@ -74,7 +74,7 @@ from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoin
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
 from model.layout import check_tensor_parallel, plan_layout
-from model.memory import resolve_checkpointing, step_shape
+from model.memory import DoesNotFit, does_not_fit, fitting_alternatives, resolve_checkpointing, step_shape
 from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
@@ -197,12 +197,25 @@ def lay_out(spec: TrainSpec, rt: Runtime):
     return layout, build_mesh(layout, rt.device.type, is_sharded(layout, rt.device))
 
 
-def memory_plan(spec: TrainSpec, cfg: ModelConfig, layout, device: torch.device, seq_len: int):
+def memory_plan(spec: TrainSpec, cfg: ModelConfig, layout, device: torch.device, seq_len: int, world: int = 1):
     """The stage's checkpointing mode and predicted peak (model/memory.py): "auto" decides
-    against the declared GPU memory, else this GPU's."""
-    shape = step_shape(spec.model_copy(update={"seq_len": seq_len}), cfg, layout, device.type)
+    against the declared GPU memory, else this GPU's. Checked here, before anything is allocated,
+    as the recipe check does: a launch that did not come through the recipe (a cluster job
+    running `python -m trainers.pretrain spec.json`) is held to the same limit, and "auto" that
+    finds no fitting mode refuses instead of running `full` over the limit."""
+    sized = spec.model_copy(update={"seq_len": seq_len})
+    shape = step_shape(sized, cfg, layout, device.type)
     total = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
-    return resolve_checkpointing(spec, shape, total)
+    est = resolve_checkpointing(spec, shape, total)
+    limit = spec.gpu_memory_gb or total
+    if limit is not None and not est.fits(limit):
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        options = fitting_alternatives(
+            sized, lambda tp: plan_layout(world, procs, tp, spec.hsdp), cfg.vocab_size, limit
+        )
+        of = "the spec's gpu_memory_gb" if spec.gpu_memory_gb else f"this GPU's ({torch.cuda.get_device_name(device)})"
+        raise DoesNotFit(does_not_fit(f"stage {spec.stage}", est, layout.describe(), limit, of, options))
+    return est
 
 
 def precision_name(spec: TrainSpec, device: torch.device) -> str:
@@ -438,7 +451,7 @@ def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
         )
     cfg = build_model_config(spec, plan, seq_len)
     check_tensor_parallel(cfg, layout.tp, seq_len)
-    memory = memory_plan(spec, cfg, layout, rt.device, seq_len)
+    memory = memory_plan(spec, cfg, layout, rt.device, seq_len, rt.world_size)
 
     model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
     model.init_weights(seed=spec.seed)

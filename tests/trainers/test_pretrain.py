@@ -578,3 +578,20 @@ def test_doc_masking_option_decides_what_the_first_step_attends_to(plan_path, tm
         causal = sum(model(b.input_ids, None, b.labels).loss.item() for b in batches) / len(batches)
     assert abs(masked - causal) > 1e-4  # the batches hold several documents per row
     assert logged == pytest.approx(masked if doc_masking else causal, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["none", "auto"])
+def test_launched_directly_the_trainer_refuses_a_stage_over_its_memory(plan_path, tmp_path, mode):
+    """`python -m trainers.pretrain spec.json` (as a cluster job runs it) checks the spec's
+    layout against `gpu_memory_gb` before allocating, with the recipe check's message: no
+    warning-and-train, and "auto" that finds no fitting mode refuses instead of picking `full`."""
+    out = tmp_path / mode
+    spec = write_spec(tmp_path / "spec.json", plan_path, out, gpu_memory_gb=0.001, activation_checkpointing=mode)
+    proc = run_train(spec, check=False)
+    assert proc.returncode != 0
+    expected = "does not fit the spec's gpu_memory_gb 0.001 GB: predicted peak"
+    assert "DoesNotFit" in proc.stderr and expected in proc.stderr
+    # auto tried every mode: the refusal is about the lightest one, full
+    assert f"activation checkpointing {'full' if mode == 'auto' else 'none'} on" in proc.stderr
+    assert "no single change of checkpointing, micro-batch or tp fits" in proc.stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
