@@ -278,6 +278,11 @@ class TrainSpec(TrainSettings):
     out_dir: str = operational("")  # stage folder: checkpoints/, metrics.jsonl, result.json
     init_from: str | None = operational(None)  # checkpoint to start from (the previous stage's end)
     tracker_dir: str = operational("")  # the stage's tracker run folder; "" = {out_dir}/tracker
+    # Where the stage starts in its run's training (the steps and tokens of the stages before it,
+    # along its init chain): trackers log at run_first_step + step, so the stages of a run draw
+    # one curve against one global step and tokens seen (trainers/tracker.py).
+    run_first_step: int = operational(0, ge=0)
+    run_first_token: int = operational(0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSpec:

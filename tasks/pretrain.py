@@ -188,6 +188,28 @@ class _Watcher(threading.Thread):
                     return
 
 
+def _run_position(init: Artifact | None) -> tuple[int, int]:
+    """Where a stage continuing `init` starts in its run's training: the previous stage's own
+    position plus its steps and tokens (its spec.json and meta), so the trackers of a run's stages
+    draw one curve. (0, 0) for a first stage and for a base that is not a stage's checkpoint (a
+    pinned import, an anneal's or CPT's pin: their curves start at 0)."""
+    if init is None or init.kind != "checkpoint":
+        return 0, 0
+    try:
+        before = json.loads((init.path / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0, 0
+    steps, tokens = int(before.get("steps") or 0), int(init.meta.get("tokens") or 0)
+    return int(before.get("run_first_step") or 0) + steps, int(before.get("run_first_token") or 0) + tokens
+
+
+def _flow_run_name() -> str | None:
+    """The calling thread's Prefect flow run name (its trackers' folder), None outside a flow run."""
+    from prefect.runtime import flow_run
+
+    return str(flow_run.name) if flow_run.id else None
+
+
 def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None]:
     """The calling thread's Prefect run (flow run, its attempt, the task's try) and a function
     that emits a Prefect event related to it; no run and no function outside a flow run (a build
@@ -315,7 +337,11 @@ def pretrain(
         )
     spec = spec.bind(mixture.path / "plan.json", out, init_from)
     check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
-    spec = spec.model_copy(update={"tracker_dir": str(tracker_dir(out.parent.parent, spec.tracker, out, spec.stage))})
+    first_step, first_token = _run_position(init)
+    folder = tracker_dir(out.parent.parent, spec.tracker, out, spec.stage, _flow_run_name())
+    spec = spec.model_copy(
+        update={"tracker_dir": str(folder), "run_first_step": first_step, "run_first_token": first_token}
+    )
     if spec.peak_flops is None:
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})

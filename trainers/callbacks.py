@@ -351,17 +351,26 @@ class TrackerCallback(Callback):
         if not run.main:
             return
         settings = {"stage": run.stage, "world_size": run.world_size, **run.spec.to_dict()}
+        # the run's global step and tokens (TrainSpec.run_first_step / run_first_token)
+        self.first_step, self.first_token = run.spec.run_first_step, run.spec.run_first_token
+        self.tokens_per_step = run.tokens_per_step
         self.tracker = open_tracker(
             self.config,
             run.spec.tracker_path,
             run_name(run.out, run.stage),
-            resume_step=run.start_step or None,
+            resume_step=self.first_step + run.start_step if run.start_step else None,
             settings={k: v for k, v in settings.items() if not isinstance(v, dict | list)},
         )
 
     def log_metrics(self, step: int, record: dict[str, Any], scalars: dict[str, Any]) -> None:
         if self.tracker is not None:
-            self.tracker.log(step, self._scalars(record) | scalars | memory_scalars(self.device))
+            tokens = self.first_token + step * self.tokens_per_step
+            progress = {"progress/tokens_seen": tokens, "progress/stage_step": step}
+            self.tracker.log(
+                self.first_step + step,
+                self._scalars(record) | scalars | memory_scalars(self.device) | progress,
+                tokens=tokens,
+            )
 
     @staticmethod
     def _scalars(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Experiment trackers: what rank 0 writes as it trains, for the tools users already read.
 
 `training.tracker.kind` picks one (TrackerConfig, model/spec.py):
-- `tensorboard` (default): event files written with torch's `SummaryWriter`, one run folder per
-  stage under the workspace (`{workspace}/tensorboard/{stage}-{folder}`), flushed at every metrics
-  line, so `tensorboard --logdir {workspace}/tensorboard` shows every stage of every run live. A
-  resumed launch purges the events after its checkpoint (`purge_step`): the redone steps replace
-  the lost ones instead of drawing a second curve;
+- `tensorboard` (default): event files written with torch's `SummaryWriter`, one folder per flow
+  run with a sub-run per stage (`{workspace}/tensorboard/{flow run}/{stage}-{folder}`), flushed at
+  every metrics line, so `tensorboard --logdir {workspace}/tensorboard` shows every stage of every
+  run live. Stages log at the run's global step (`TrainSpec.run_first_step` + the stage's step:
+  a run's stages draw one curve) with the tokens seen (`progress/tokens_seen`, and the loss and
+  learning rate against tokens under `by_tokens/`). A resumed launch purges the events after its
+  checkpoint (`purge_step`): the redone steps replace the lost ones instead of drawing a second
+  curve. A reused (cached) stage keeps the folder of the flow run that trained it;
 - `wandb`: a W&B run per stage through W&B's own client (`wandb.init`, `wandb.log`), its files in
   the stage's run folder, resumed by a stable id; `tracker.wandb_mode: offline` writes locally
   (`wandb sync` uploads later);
@@ -17,7 +20,8 @@ fails before any rank starts, naming the package to install (`check_tracker`).
 
 Scalars (trainers/pretrain.py, per metrics line): train/loss, train/lr, train/grad_norm,
 train/skipped_steps, perf/tokens_per_s, perf/mfu, memory/peak_gib (CUDA) or memory/rss_gib (CPU);
-the evaluation of a stage's checkpoint adds eval/{task}/{metric} at its step (tasks/evaluate.py).
+progress/tokens_seen, progress/stage_step; the evaluation of a stage's checkpoint adds
+eval/{task}/{metric} at its global step (tasks/evaluate.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from model.spec import TrackerConfig
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # kind -> PyPI package
 MLFLOW_RUN_FILE = "mlflow_run_id"
+BY_TOKENS = ("train/loss", "train/lr")  # drawn against tokens seen too in TensorBoard
 
 
 class TrackerUnavailable(RuntimeError):
@@ -56,10 +61,18 @@ def run_name(stage_dir: Path, stage: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stage}-{Path(stage_dir).name}")
 
 
-def tracker_dir(workspace: Path, config: TrackerConfig, stage_dir: Path, stage: str) -> Path:
-    """Where a stage's tracker files go: `{workspace}/{tensorboard|wandb|mlruns}/{stage}-{folder}`."""
-    root = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}.get(config.kind, "tracker")
-    return Path(workspace) / root / run_name(stage_dir, stage)
+def tracker_dir(
+    workspace: Path, config: TrackerConfig, stage_dir: Path, stage: str, flow_run: str | None = None
+) -> Path:
+    """Where a stage's tracker files go: `{workspace}/{tensorboard|wandb|mlruns}/{flow run}/{stage}-{folder}`
+    (one folder per flow run, its stages as sub-runs: TensorBoard draws them as one run's runs);
+    without a flow run (a build called directly) `.../{stage}-{folder}`."""
+    root = Path(workspace) / {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}.get(
+        config.kind, "tracker"
+    )
+    if flow_run:
+        root = root / re.sub(r"[^A-Za-z0-9_.-]+", "-", flow_run)
+    return root / run_name(stage_dir, stage)
 
 
 def _finite(scalars: Mapping[str, Any]) -> dict[str, float]:
@@ -71,9 +84,12 @@ def _finite(scalars: Mapping[str, Any]) -> dict[str, float]:
 
 
 class Tracker:
-    """A sink for scalars by step; `close()` flushes. Subclasses talk to one tool."""
+    """A sink for scalars by step (the run's global step); `close()` flushes. Subclasses talk to
+    one tool. `tokens`, when given, is the run's tokens seen at that step: W&B and MLflow get it
+    as the scalar `progress/tokens_seen` to plot against; TensorBoard, whose x-axis is a step,
+    also draws the losses against it (`by_tokens/...`, step = tokens seen)."""
 
-    def log(self, step: int, scalars: Mapping[str, Any]) -> None:
+    def log(self, step: int, scalars: Mapping[str, Any], tokens: int | None = None) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -88,9 +104,14 @@ class TensorBoardTracker(Tracker):
         # purge_step: events at or after it (steps lost with a killed launch) are hidden when read.
         self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else None)
 
-    def log(self, step: int, scalars: Mapping[str, Any]) -> None:
-        for tag, value in _finite(scalars).items():
+    def log(self, step: int, scalars: Mapping[str, Any], tokens: int | None = None) -> None:
+        values = _finite(scalars)
+        for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
+        if tokens is not None:
+            for tag in BY_TOKENS:
+                if tag in values:
+                    self.writer.add_scalar(f"by_tokens/{tag.replace('/', '_')}", values[tag], tokens)
         self.writer.flush()  # live: the file grows at every metrics line
 
     def close(self) -> None:
@@ -114,7 +135,7 @@ class WandbTracker(Tracker):
             config=dict(settings),
         )
 
-    def log(self, step: int, scalars: Mapping[str, Any]) -> None:
+    def log(self, step: int, scalars: Mapping[str, Any], tokens: int | None = None) -> None:
         self.run.log(_finite(scalars), step=step)
 
     def close(self) -> None:
@@ -139,7 +160,7 @@ class MlflowTracker(Tracker):
             for key, value in settings.items():
                 self.client.log_param(self.run_id, key, json.dumps(value) if not isinstance(value, str) else value)
 
-    def log(self, step: int, scalars: Mapping[str, Any]) -> None:
+    def log(self, step: int, scalars: Mapping[str, Any], tokens: int | None = None) -> None:
         for key, value in _finite(scalars).items():
             self.client.log_metric(self.run_id, key, value, step=step)
 
@@ -167,7 +188,8 @@ def open_tracker(
 
 def log_scores(stage_dir: Path, step: int, scores: Mapping[str, Mapping[str, Any]]) -> Path | None:
     """Evaluation scores of a stage's checkpoint (`{task: {metric: value}}`, stderr left out) into
-    that stage's tracker at `step`, as `eval/{task}/{metric}`. Reads the stage's spec.json for its
+    that stage's tracker at the stage's `step` (logged at the run's global step: the stage's
+    `run_first_step` plus `step`), as `eval/{task}/{metric}`. Reads the stage's spec.json for its
     tracker; returns the run folder written to (None: no tracker, or no stage spec)."""
     try:
         spec = json.loads((Path(stage_dir) / "spec.json").read_text())
@@ -187,7 +209,7 @@ def log_scores(stage_dir: Path, step: int, scores: Mapping[str, Mapping[str, Any
         if not metric.endswith("_stderr")
     }
     try:
-        tracker.log(step, scalars)
+        tracker.log(int(spec.get("run_first_step") or 0) + step, scalars)  # the run's global step
     finally:
         tracker.close()
     return folder

@@ -146,12 +146,20 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
         # the evaluation of its checkpoint at its last step.
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+        # One folder per flow run, a sub-run per stage, the stages on one global step.
+        end = 0
         for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
-            (run_dir,) = (ws / "tensorboard").glob(f"{stage}-*")
+            (run_dir,) = (ws / "tensorboard").glob(f"*/{stage}-*")
             board = EventAccumulator(str(run_dir))
             board.Reload()
             tags = board.Tags()["scalars"]
             assert "train/loss" in tags and any(t.startswith("eval/") for t in tags), (stage, tags)
+            steps = [e.step for e in board.Scalars("train/loss")]
+            assert steps[0] == end + 1, (stage, steps[:3], end)
+            end = steps[-1]
+            evals = {e.step for t in tags if t.startswith("eval/") for e in board.Scalars(t)}
+            assert evals == {end}, (stage, evals)  # its checkpoint's scores at its last global step
+        assert len({p.parent for p in (ws / "tensorboard").glob("*/*")}) == 1
         final = final_artifact(lineage, run_id)
         assert final["kind"] == "hf_model" and final["label"] == "long2"
         raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}

@@ -74,6 +74,15 @@ def test_one_loss_curve_on_the_runs_step_axis_with_the_one_schedule(two_stages, 
     assert lrs == pytest.approx([lr_at(x - 1, 1e-3, schedule, 6) for x in range(1, 7)])
     assert lrs[-1] < lrs[2]  # the decay is in stage 2
 
+    # the trackers draw the same axis: stage 2 continues stage 1's global step and tokens
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for (name, art), first in zip(two_stages, (0, 3), strict=True):
+        board = EventAccumulator(art.meta["tracker_dir"])
+        board.Reload()
+        assert [e.step for e in board.Scalars("train/loss")] == [first + 1, first + 2, first + 3], name
+        assert [e.value for e in board.Scalars("progress/tokens_seen")] == [(first + i) * 8 * 32 for i in (1, 2, 3)]
+
     inputs = {"stages": tuple(a for _, a in two_stages), "evals": ()}
     out = tmp_path / "report"
     out.mkdir()

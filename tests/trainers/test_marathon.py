@@ -460,6 +460,12 @@ def test_tensorboard_files_are_written_live_and_read_back_by_tensorboard(tmp_pat
     assert [e.value for e in board.Scalars("train/lr")] == pytest.approx([m["lr"] for m in rows])
     assert [e.value for e in board.Scalars("perf/tokens_per_s")] == pytest.approx([m["tokens_per_s"] for m in rows])
     assert [(e.step, e.value) for e in board.Scalars("eval/prose_cloze/acc_norm")] == [(12, 0.375)]
+    # tokens seen beside the step, and the loss drawn against them (x = tokens)
+    per_step = 4 * 32  # global_batch x seq_len of `stage`
+    assert [(e.step, e.value) for e in board.Scalars("progress/tokens_seen")] == [
+        (m["step"], m["step"] * per_step) for m in rows
+    ]
+    assert [e.step for e in board.Scalars("by_tokens/train_loss")] == [m["step"] * per_step for m in rows]
 
 
 @pytest.mark.parametrize("kind", ["wandb", "mlflow"])
@@ -500,6 +506,7 @@ def test_stage_fields_keep_unchanged_fingerprints():
 
     plain = TrainSpec(steps=4, global_batch=4, micro_batch=4)
     new = {"skip_spikes", "watchdog", "monitor", "tracker", "nonfinite", "tracker_dir", "debug_nan_token"}
+    new |= {"run_first_step", "run_first_token"}
     assert not new & set(identity(plain))
     ruled = TrainSpec(steps=4, global_batch=4, micro_batch=4, skip_spikes=SpikeSkipConfig(window=8))
     assert identity(ruled)["skip_spikes"] == {"window": 8, "sigma": 6.0, "min_history": 20}
