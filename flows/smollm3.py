@@ -163,7 +163,13 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
 
     def run(section, seed: int | None = None) -> PosttrainSpec:
         return PosttrainSpec.of(
-            section, pt, launch=launch, storage=cfg.storage, threads=cfg.resources.threads("train"), seed=seed
+            section,
+            pt,
+            launch=launch,
+            storage=cfg.storage,
+            threads=cfg.resources.threads("train"),
+            seed=seed,
+            tracker=cfg.training.tracker,
         )
 
     if pt.eval.base:

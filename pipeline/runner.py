@@ -73,6 +73,12 @@ from pipeline.step import StepDef, transient
 from pipeline.workspace import Workspace
 
 
+def flow_run_name() -> str | None:
+    """The calling thread's Prefect flow run name (e.g. `crimson-owl`), None outside a flow run:
+    where a step's trackers group the run's stages and trainers (trainers/tracker.py)."""
+    return str(runtime_flow_run.name) if runtime_flow_run.id else None
+
+
 def flow_run_cancelled(run_id: str) -> bool:
     """Whether Prefect's API has flow run `run_id` cancelling or cancelled."""
     from prefect.client.orchestration import get_client

@@ -203,13 +203,6 @@ def _run_position(init: Artifact | None) -> tuple[int, int]:
     return int(before.get("run_first_step") or 0) + steps, int(before.get("run_first_token") or 0) + tokens
 
 
-def _flow_run_name() -> str | None:
-    """The calling thread's Prefect flow run name (its trackers' folder), None outside a flow run."""
-    from prefect.runtime import flow_run
-
-    return str(flow_run.name) if flow_run.id else None
-
-
 def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None]:
     """The calling thread's Prefect run (flow run, its attempt, the task's try) and a function
     that emits a Prefect event related to it; no run and no function outside a flow run (a build
@@ -338,7 +331,9 @@ def pretrain(
     spec = spec.bind(mixture.path / "plan.json", out, init_from)
     check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
     first_step, first_token = _run_position(init)
-    folder = tracker_dir(out.parent.parent, spec.tracker, out, spec.stage, _flow_run_name())
+    from pipeline.runner import flow_run_name
+
+    folder = tracker_dir(out.parent.parent, spec.tracker, out, spec.stage, flow_run_name())
     spec = spec.model_copy(
         update={"tracker_dir": str(folder), "run_first_step": first_step, "run_first_token": first_token}
     )

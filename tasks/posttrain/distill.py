@@ -44,4 +44,6 @@ def distill(
 ) -> dict[str, Any]:
     """The student (`model`) distilled on-policy from the recipe's teacher on `data`,
     by a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer("distill", config, model_dir(model), data.path, out, log, progress)
+    from pipeline.runner import flow_run_name
+
+    return launch_trainer("distill", config, model_dir(model), data.path, out, log, progress, flow_run_name())

@@ -33,4 +33,6 @@ def grpo(
 ) -> dict[str, Any]:
     """The policy (`model`) trained with GRPO on the prompts of `data` by a launched
     job (trainers/posttrain/launch.py); resumes."""
-    return launch_trainer("grpo", config, model_dir(model), data.path, out, log, progress)
+    from pipeline.runner import flow_run_name
+
+    return launch_trainer("grpo", config, model_dir(model), data.path, out, log, progress, flow_run_name())

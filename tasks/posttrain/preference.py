@@ -43,4 +43,6 @@ def preference(
 ) -> dict[str, Any]:
     """The SFT model (`model`) preference-optimised on pairs (from `data` or the
     recipe), trained by a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer("preference", config, model_dir(model), data.path, out, log, progress)
+    from pipeline.runner import flow_run_name
+
+    return launch_trainer("preference", config, model_dir(model), data.path, out, log, progress, flow_run_name())

@@ -30,4 +30,6 @@ def sft(
 ) -> dict[str, Any]:
     """The base model (`model`) fine-tuned on the conversations (`data`), trained by
     a launched job (trainers/posttrain/launch.py)."""
-    return launch_trainer("sft", config, model_dir(model), data.path, out, log, progress)
+    from pipeline.runner import flow_run_name
+
+    return launch_trainer("sft", config, model_dir(model), data.path, out, log, progress, flow_run_name())

@@ -109,6 +109,10 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     ):
         assert states.get(name) == "completed", (name, states)
 
+    # every trainer's curves in the flow run's tracker folder (tiny's tracker: tensorboard)
+    boards = {p.name.split("-")[0] for p in (ws / "tensorboard").glob("*/*")}
+    assert {"sft", "preference", "grpo"} <= boards, boards
+
     table = eval_table(lineage, run_id)
     head, models, _note = table.split("\n\n")
     tasks, metrics = head.splitlines()[0].split(), head.splitlines()[1].split()

@@ -477,11 +477,19 @@ def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
         data=str(world["data"]),
         out=str(out),
         device="cpu",
+        tracker={"kind": "tensorboard"},
+        tracker_dir=str(tmp_path / "tensorboard" / "run-a" / "sft-x"),
     )
     spec.save(tmp_path / "spec.json")
     assert main([str(tmp_path / "spec.json")]) == 0
     meta = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert meta["steps"] == 1 and Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
+    # the main rank's log rows reach the recipe's tracker, in the flow run's folder
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(spec.tracker_dir)
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/loss")] == [1], board.Tags()["scalars"]
     assert json.loads((out / "result.json").read_text()) == meta  # what the launching step reads
     assert not (out / ".lease.json").exists()  # released
     assert main(["sft", str(tmp_path / "spec.json")]) == 2  # the old two-argument form is refused

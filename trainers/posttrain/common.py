@@ -330,6 +330,33 @@ def progress_callback(progress: Callable[[float], None] | None, log: Callable[[s
     return _Progress()
 
 
+def tracker_callback(config: Any, folder: Path, name: str):
+    """A transformers TrainerCallback: the main process's log rows (loss, reward, KL, LR, ...) to
+    the recipe's tracker (trainers/tracker.py) as `train/{key}` at the trainer's step, in `folder`
+    (the flow run's tracker folder: post-training beside the pretraining stages)."""
+    from transformers import TrainerCallback
+
+    from trainers.tracker import open_tracker
+
+    class _Tracker(TrainerCallback):
+        tracker = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                self.tracker = open_tracker(config, folder, name, resume_step=state.global_step or None)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.tracker is not None and logs:
+                self.tracker.log(state.global_step, {f"train/{k}": v for k, v in logs.items()})
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.tracker is not None:
+                self.tracker.close()
+                self.tracker = None
+
+    return _Tracker()
+
+
 def quiet(trainer) -> None:
     """Drop transformers' stdout printer: `progress_callback` logs through the step's logger."""
     from transformers.trainer_callback import PrinterCallback

@@ -33,9 +33,11 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, mod
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
 from infra.storage import CheckpointMirror, pull_latest_checkpoint
+from model.spec import TrackerConfig
 from pipeline.child import progress_lines
 from trainers.posttrain import sections
 from trainers.posttrain.sections import PosttrainSpec
+from trainers.tracker import tracker_dir
 
 SPEC, RESULT = "spec.json", "result.json"
 
@@ -67,6 +69,8 @@ class TrainerSpec(BaseModel):
     out: str  # the step folder: checkpoints/, model/, metrics.jsonl, result.json
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    tracker: TrackerConfig = TrackerConfig(kind="none")  # where the main rank sends its log rows
+    tracker_dir: str = ""  # ... into this run folder (trainers/tracker.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -120,8 +124,11 @@ def launch_trainer(
     out: Path,
     log: Callable[[str], None] = print,
     progress: Callable[[float], None] | None = None,
+    flow_run: str | None = None,
 ) -> dict[str, Any]:
-    """Run trainer `trainer` on `run.launch` until it finishes; return the meta its main rank wrote."""
+    """Run trainer `trainer` on `run.launch` until it finishes; return the meta its main rank wrote.
+    In a flow run (`flow_run`, its name), the main rank's log rows go to `run.tracker` in that
+    run's tracker folder, beside its pretraining stages."""
     out.mkdir(parents=True, exist_ok=True)
     spec = TrainerSpec(
         trainer=trainer,
@@ -131,6 +138,8 @@ def launch_trainer(
         out=str(out),
         seed=run.seed,
         device=run.device,
+        tracker=run.tracker,
+        tracker_dir=str(tracker_dir(out.parent.parent, run.tracker, out, trainer, flow_run)) if flow_run else "",
     )
     spec.save(out / SPEC)
     (out / RESULT).unlink(missing_ok=True)  # only this launch's result counts

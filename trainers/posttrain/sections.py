@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.launchers import LaunchConfig
 from infra.storage import StorageConfig
+from model.spec import TrackerConfig
 from pipeline.artifact import operational
 
 # transformers' `set_seed` seeds numpy's legacy generator, which takes a 32-bit seed
@@ -344,6 +345,7 @@ class PosttrainSpec(_Config, Generic[S]):
     launch: LaunchConfig = operational(LaunchConfig(module="trainers.posttrain"))  # posttrain.launch over launch
     storage: StorageConfig = operational(StorageConfig())  # S3 mirror of the trainer's checkpoints
     threads: int | None = operational(None, gt=0)  # CPU threads per rank (the train slot's)
+    tracker: TrackerConfig = operational(TrackerConfig(kind="none"))  # training.tracker: the trainer's curves
 
     @model_validator(mode="after")
     def _batch_fits_the_ranks(self) -> PosttrainSpec[S]:
@@ -379,6 +381,7 @@ class PosttrainSpec(_Config, Generic[S]):
         storage: StorageConfig | None = None,
         threads: int | None = None,
         seed: int | None = None,
+        tracker: TrackerConfig | None = None,
     ) -> PosttrainSpec[S]:
         return cls[type(section)](
             section=section,
@@ -387,6 +390,7 @@ class PosttrainSpec(_Config, Generic[S]):
             launch=launch or LaunchConfig(module="trainers.posttrain"),
             storage=storage or StorageConfig(),
             threads=threads,
+            tracker=tracker or TrackerConfig(kind="none"),
         )
 
 
