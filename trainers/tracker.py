@@ -75,6 +75,12 @@ def tracker_dir(
     return root / run_name(stage_dir, stage)
 
 
+def _flow_run_of(folder: Path) -> str | None:
+    """The flow run a tracker folder belongs to (`{root}/{flow run}/{stage}-{folder}`), if any."""
+    parent = Path(folder).parent
+    return parent.name if parent.parent.name in ("tensorboard", "wandb", "mlruns", "tracker") else None
+
+
 def _finite(scalars: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
@@ -133,6 +139,7 @@ class WandbTracker(Tracker):
             dir=str(folder),
             mode=config.wandb_mode,
             config=dict(settings),
+            group=_flow_run_of(folder),  # a flow run's stages and trainers side by side
         )
 
     def log(self, step: int, scalars: Mapping[str, Any], tokens: int | None = None) -> None:
@@ -154,7 +161,8 @@ class MlflowTracker(Tracker):
         if saved.exists():  # a resumed launch continues its run
             self.run_id = saved.read_text().strip()
         else:
-            run = self.client.create_run(experiment_id, run_name=name)
+            group = _flow_run_of(folder)
+            run = self.client.create_run(experiment_id, run_name=name, tags={"flow_run": group} if group else None)
             self.run_id = run.info.run_id
             saved.write_text(self.run_id)
             for key, value in settings.items():
