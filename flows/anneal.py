@@ -92,7 +92,9 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
         plan = g.add(weights_mixture, run.mixture, label=run.label, shards=shards)
         stage = anneal_stage(cfg.anneal, base, run, cfg.training.nproc_per_node, threads)
         stage = stage.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
-        ckpt = g.add(pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned)
+        ckpt = g.add(
+            pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned, retries=cfg.training.retries
+        )
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
         lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite)]
         held_scores[run.label] = [

@@ -61,7 +61,15 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
         # The first stage waits for preflight (a gate, not an input); later ones for their init.
         init = {"init": previous} if previous is not None else {}
         gate = [check] if previous is None else []
-        previous = g.add(pretrain, run, label=run.name, mixture=d.plans[run.name], after=gate, **init)
+        previous = g.add(
+            pretrain,
+            run,
+            label=run.name,
+            mixture=d.plans[run.name],
+            after=gate,
+            retries=cfg.training.retries,
+            **init,
+        )
         model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)
         g.add(
             evaluate,

@@ -55,6 +55,17 @@ class Node:
     # stage). They are dependencies in Prefect and lineage, never part of the fingerprint, so
     # measuring another host does not retrain anything.
     after: tuple[Node, ...] = ()
+    # Attempts after a transient failure (pipeline.step.transient), None = the step's own
+    # `retries`; never part of the fingerprint. A training stage takes the recipe's budget.
+    retries: int | None = None
+
+    @property
+    def attempts_after_failure(self) -> int:
+        return self.step.retries if self.retries is None else self.retries
+
+    def retry_delays(self) -> list[float]:
+        """Seconds before each retry: the step's `retry_delay`, doubled each time, at most 15 min."""
+        return [min(self.step.retry_delay * 2**k, 900.0) for k in range(self.attempts_after_failure)]
 
     @property
     def key(self) -> str:
@@ -105,6 +116,7 @@ class Graph:
         label: str,
         after: Sequence[Node] = (),
         reuse: bool = False,
+        retries: int | None = None,
         **inputs: Ref | Sequence[Ref],
     ) -> Node:
         """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them),
@@ -116,7 +128,11 @@ class Graph:
         reuse: when this exact step (same step, same fingerprint) is already in the graph, return
         that node, whatever its label, instead of adding a second one. An experiment builds each
         variant's graph into one graph this way, so the steps variants share appear once (its
-        gates and label are the first one's)."""
+        gates and label are the first one's).
+
+        retries: attempts after a transient failure, instead of the step's own (Node.retries)."""
+        if retries is not None and retries < 0:
+            raise ValueError(f"{step.name}[{label}]: retries must be >= 0, got {retries}")
         if not isinstance(config, step.config_type):
             raise TypeError(
                 f"{step.name}[{label}]: config must be a {step.config_type.__name__}, got {type(config).__name__}"
@@ -150,7 +166,7 @@ class Graph:
                 return same
         if any(n.key == key for n in self.nodes):
             raise ValueError(f"graph {self.name}: step {key} is added twice; give it another label")
-        node = Node(step, label, config, named, extra, fp, unresolved, tuple(after))
+        node = Node(step, label, config, named, extra, fp, unresolved, tuple(after), retries)
         self.nodes.append(node)
         self.final = node
         return node

@@ -404,12 +404,16 @@ def _retry_if_transient(task, task_run, state) -> bool:
     return isinstance(exc, Exception) and not isinstance(exc, StepStopped) and transient(exc)
 
 
-def _retrying(d: StepDef, exc: BaseException) -> bool:
-    """Whether Prefect will run this attempt again (what `_retry_if_transient` will answer)."""
+def _retrying(node: Node, exc: BaseException) -> tuple[int, float] | None:
+    """This attempt's number and the delay before Prefect runs the step again (what
+    `_retry_if_transient` will answer); None when it will not: the node's budget (Node.retries)
+    is spent or the failure lasts."""
     from prefect.runtime import task_run
 
     attempt = task_run.run_count or 0  # 0 outside a task run
-    return 0 < attempt <= d.retries and isinstance(exc, Exception) and transient(exc)
+    if 0 < attempt <= node.attempts_after_failure and isinstance(exc, Exception) and transient(exc):
+        return attempt, node.retry_delays()[attempt - 1]
+    return None
 
 
 def _artifact(value: Any) -> Artifact:
@@ -505,8 +509,10 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
             why = "its console pipe broke with it" if broken_pipe(exc) and ctx.owner_gone else cause
             cause = f"stopped: {ctx.stop_reason} ({why})"
             ctx.record(node, "failed", started[0], _now(), cause)
-        elif _retrying(d, exc):  # this attempt's own row; the next attempt records its outcome
-            ctx.record(node, "retried", started[0], _now(), f"{cause} (retrying in {d.retry_delay:g}s)")
+        elif (retry := _retrying(node, exc)) is not None:  # this attempt's own row; the next records its outcome
+            attempt, delay = retry
+            why = f"{cause} (attempt {attempt} of {node.attempts_after_failure + 1}; retrying in {delay:g}s)"
+            ctx.record(node, "retried", started[0], _now(), why)
         else:
             ctx.record(node, "failed", started[0], _now(), cause)
         if isinstance(exc, Exception):
@@ -646,7 +652,12 @@ def run_graph(graph: Graph, ctx: RunContext, refresh: Sequence[str] = ()) -> dic
             inputs[name] = resolved if isinstance(value, tuple) else resolved[0]
         fresh = node.step.name in refresh
         call = StepCall(node, ctx, fresh, resources)
-        task_ = prefect_task(node.step).with_options(task_run_name=node.key, refresh_cache=fresh or None)
+        task_ = prefect_task(node.step).with_options(
+            task_run_name=node.key,
+            refresh_cache=fresh or None,
+            retries=node.attempts_after_failure,
+            retry_delay_seconds=node.retry_delays() or 0,
+        )
         # Set after `with_options`, which accepts only blocks saved on the server (so that another
         # process could load them): a step's result is read back by the flow process that runs it.
         task_.result_storage = storage

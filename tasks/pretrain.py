@@ -79,6 +79,11 @@ class TrainingConfig(TrainSettings):
     min_lr: float = Field(default=0.0, ge=0)  # LR at the end of the decay
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
     nproc_per_node: int = operational(1, gt=0)  # torchrun processes (GPUs) per node
+    # Attempts after a transient failure of a stage (a hang, a lost node or rank, an NCCL error,
+    # preemption, a time limit: pipeline.step.transient), each resuming from the last checkpoint,
+    # 30 s after the first failure, doubling to at most 15 min; every attempt is a lineage row
+    # with its cause. A config or data error is never retried. A month-long stage wants several.
+    retries: int = operational(1, ge=0)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:

@@ -39,6 +39,7 @@ OPERATIONAL = [
     "training.num_threads=2",
     "training.micro_batch=4",
     "training.nproc_per_node=2",
+    "training.retries=4",
     "eval.batch_size=64",
     "curation.workers=2",
     "curation.executor=ray",

@@ -56,7 +56,7 @@ def flaky_child(config: Flaky, *, out: Path, log=print) -> dict:
     return _attempt(config)
 
 
-def _run(tmp_path: Path, step_def, config: Flaky) -> tuple[Lineage, str, list[dict]]:
+def _run(tmp_path: Path, step_def, config: BaseModel, retries: int | None = None) -> tuple[Lineage, str, list[dict]]:
     ws = tmp_path / "ws"
     recipe = load_recipe("tiny", [f"workspace={ws}"])
     lineage = Lineage(ws / "lineage.duckdb")
@@ -64,7 +64,7 @@ def _run(tmp_path: Path, step_def, config: Flaky) -> tuple[Lineage, str, list[di
     @flow(name="retry-test", task_runner=NamedTaskRunner())  # the project flows' runner
     def run() -> dict:
         g = Graph("retry-test")
-        g.add(step_def, config, label="x")
+        g.add(step_def, config, label="x", retries=retries)
         return run_flow("retry-test", g, run_setup(recipe, "tiny"))
 
     try:
@@ -147,6 +147,68 @@ def test_a_killed_training_stage_is_retried_once_and_resumes_from_its_checkpoint
     assert "rank 1 killed by SIGKILL after step 5 (last checkpoint: step 4)" in rows[0]["error"]
     ((label, artifact),) = lineage.labelled_outputs(run_id, "stage_like")
     assert artifact.meta["resumed_from_step"] == 4
+
+
+class Faults(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    counter: str
+
+
+# How each of three launches ends before the fourth finishes: a rank killed (OOM killer,
+# preemption), a hang ended by the watchdog, the scheduler's node failure.
+FAULTS = [
+    {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "last_step": 5, "checkpoint_step": 4},
+    {
+        "rank": 0,
+        "exitcode": 1,
+        "hung": "rank 1 on node-b (no heartbeat for 300 s)",
+        "last_step": 9,
+        "checkpoint_step": 8,
+    },
+    {"rank": 0, "exitcode": 1, "state": "NODE_FAIL", "last_step": 13, "checkpoint_step": 12},
+]
+
+
+@step("stage_faults", version=1, kind="checkpoint", resumable=True, retries=1, retry_delay=0)
+def stage_faults(config: Faults, *, out: Path, log=print) -> dict:
+    from infra.launchers.base import FailureFacts, LaunchFailed
+
+    counter = Path(config.counter)
+    n = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(n))
+    if n <= len(FAULTS):
+        raise LaunchFailed("torchrun", facts=FailureFacts(**FAULTS[n - 1]))
+    return {"attempts": n}
+
+
+def test_a_stage_survives_three_faults_within_its_recipe_budget_each_attempt_in_lineage(tmp_path, prefect_harness):
+    """The recipe's `training.retries` (3 here) replaces the step's own budget (1): three
+    different transient faults in one run, each attempt a lineage row naming its cause and
+    attempt; the same faults with a budget of 1 fail the stage at the second."""
+    lineage, run_id, rows = _run(tmp_path, stage_faults, Faults(counter=str(tmp_path / "n")), retries=3)
+    assert [r["state"] for r in rows] == ["retried", "retried", "retried", "completed"]
+    assert "killed by SIGKILL" in rows[0]["error"] and "(attempt 1 of 4; retrying in 0s)" in rows[0]["error"]
+    assert "hung" in rows[1]["error"] and "attempt 2 of 4" in rows[1]["error"]
+    assert "NODE_FAIL" in rows[2]["error"] and "attempt 3 of 4" in rows[2]["error"]
+    assert lineage.runs(1)[0]["state"] == "completed"
+    with pytest.raises(FlowFailed, match="stage_faults\\[x\\] failed"):
+        _run(tmp_path / "one", stage_faults, Faults(counter=str(tmp_path / "m")))
+    assert (tmp_path / "m").read_text() == "2"
+
+
+def test_retry_delays_back_off_from_the_steps_delay():
+    from pipeline.graph import Graph
+
+    g = Graph("delays")
+    node = g.add(stage_like, Stage(counter="/nonexistent", exitcode=-9), label="s", retries=7)
+    assert node.retry_delays() == [0.0] * 7  # the step's delay is 0
+    ours = step("backoff", version=1, kind="report", retries=1, retry_delay=30)(stage_like.build)
+    delays = Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s", retries=7).retry_delays()
+    assert delays == [30, 60, 120, 240, 480, 900, 900]
+    assert Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s").retry_delays() == [30]
+    with pytest.raises(ValueError, match="retries must be >= 0"):
+        Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s", retries=-1)
 
 
 def test_a_stage_stopped_on_a_non_finite_loss_is_not_retried(tmp_path, prefect_harness):
