@@ -16,7 +16,8 @@ kill it. It watches the flow-run process by pid *and* kernel start time (`infra.
 every `POLL_S` seconds, and at once when the pipe from the flow process reaches end of file), and
 the runner tells it which steps run through a file it appends to (`open-steps-<attempt>.jsonl` in
 the run's folder: a line when a step's task starts, when its build starts, when it is recorded).
-When the run closes normally the runner writes `closed` on the sentinel's stdin and it exits.
+When the run closes normally the runner writes `closed` on the sentinel's stdin and it exits (its
+empty log, `sentinel-<attempt>.log` beside the file, is removed; one that acted keeps it).
 
 When the process is gone without that word, the sentinel
 1. records every step still open as `failed` with `stopped: the flow-run process (pid N) of this
@@ -141,6 +142,12 @@ class Sentinel:
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass  # a sentinel that is gone or slow to exit changes nothing for the run
         self.steps.unlink(missing_ok=True)
+        log = self.steps.with_name(f"sentinel-{self.steps.stem.rsplit('-', 1)[-1]}.log")
+        try:
+            if log.stat().st_size == 0:  # a run that closed normally leaves nothing behind
+                log.unlink()
+        except OSError:
+            pass
 
 
 # --- the sentinel process ----------------------------------------------------------------------

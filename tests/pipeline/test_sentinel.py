@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from pipeline.lineage import Lineage
 
@@ -50,6 +51,7 @@ def _state(run_id: str):
         return client.read_flow_run(run_id).state
 
 
+@pytest.mark.slow
 def test_a_frozen_flow_process_is_not_crashed_and_its_sentinel_leaves_with_the_run(tmp_path, api_url):
     flow, sentinel = _start(tmp_path, api_url)
     try:
@@ -72,9 +74,10 @@ def test_a_frozen_flow_process_is_not_crashed_and_its_sentinel_leaves_with_the_r
     lineage = Lineage(tmp_path / "ws" / "lineage.duckdb")
     assert [(r["step"], r["state"]) for r in lineage.steps_of(run_id)] == [("waiter", "completed")]
     assert [a["state"] for a in lineage.attempts_of(run_id)] == ["completed"]
-    assert not list((tmp_path / "ws" / "runs" / run_id).glob("open-steps-*")), "the open-steps file stayed"
+    assert sorted(p.name for p in (tmp_path / "ws" / "runs" / run_id).iterdir()) == ["recipe.yaml"]
 
 
+@pytest.mark.slow
 def test_a_sigkilled_flow_process_is_crashed_in_seconds_with_its_running_step_stopped(tmp_path, api_url):
     flow, sentinel = _start(tmp_path, api_url)
     run_id = (tmp_path / "run_id").read_text()
@@ -99,3 +102,5 @@ def test_a_sigkilled_flow_process_is_crashed_in_seconds_with_its_running_step_st
     assert [a["state"] for a in lineage.attempts_of(run_id)] == ["crashed"]
     psutil.wait_procs([sentinel], timeout=30)
     assert not sentinel.is_running(), "the sentinel outlived the run it reported"
+    said = (tmp_path / "ws" / "runs" / run_id / "sentinel-1.log").read_text()
+    assert "marked Crashed" in said, said
