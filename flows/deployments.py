@@ -8,11 +8,12 @@ full runs on one machine would fight over its cores and the same workspace.
 process does not silently disable them. Before serving, flow runs are set to heartbeat every
 `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect's 180 unless set; the demo uses 60) and the
 server gets the automation that marks a run Crashed after three missed heartbeats
-(infra/prefect_server.py), so a run whose process was killed with this one does not stay Running
-forever. A run whose serve process dies while the run lives on stops and ends Crashed, saying
-so (pipeline/owner.py). A scheduled run whose parameters the flow would refuse (a misspelt
-recipe, an unknown override, data that cannot be read) is set Failed with that message within
-seconds, instead of waiting for its concurrency slot first (flows/admission.py).
+(pipeline/owner.py), the fallback for a lost machine: a run whose process was killed with this one
+is marked Crashed within seconds by its sentinel (pipeline/sentinel.py). A run whose serve process
+dies while the run lives on stops and ends Crashed, saying so (pipeline/owner.py). A scheduled
+run whose parameters the flow would refuse (a misspelt recipe, an unknown override, data that
+cannot be read) is set Failed with that message within seconds, instead of waiting for its
+concurrency slot first (flows/admission.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ Runs whose process died: a flow-run process killed without a chance to report (S
 killer, a lost node) stays `Running` in Prefect forever. Every flow run emits a
 `prefect.flow-run.heartbeat` event every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (Prefect
 3.1.8+; at least 30), and pipeline/owner.py installs the server-side automation Prefect
-documents for this ("detect zombie flows"); `heartbeat_seconds` here is the period both use.
+documents for this ("detect zombie flows"); `heartbeat_seconds` here is the period both use. It is
+the fallback for a lost machine: a run's sentinel (pipeline/sentinel.py) reports a dead flow-run
+process within seconds.
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ by the flow-run processes it starts), and every run (pipeline/runner.py `RunCont
   a message naming the dead serve process and `prefect flow-run retry <run id>`, which resumes it
   from its finished steps and checkpoints once a serve process runs again.
 
-And runs whose flow-run process itself died are marked Crashed by the server-side automation
-Prefect documents for "zombie" flow runs, installed by the serve process (`ensure_crash_detection`):
-a flow-run process killed without a chance to report (SIGKILL, OOM killer, a lost node) stays
-`Running` in Prefect forever and holds its deployment's concurrency slot. Every flow run emits a
+A run whose flow-run process itself died (SIGKILL with its serve process, the OOM killer) is marked
+Crashed within seconds by its sentinel (pipeline/sentinel.py). For what the sentinel cannot see
+(a lost node takes it along) the serve process installs the server-side automation Prefect
+documents for "zombie" flow runs (`ensure_crash_detection`): without it such a run stays `Running`
+in Prefect forever and holds its deployment's concurrency slot. Every flow run emits a
 `prefect.flow-run.heartbeat` event every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds
 (infra/prefect_server.py `heartbeat_seconds`); the automation is a proactive trigger that marks a
 run `Crashed` when neither a heartbeat nor a final state follows a heartbeat within `missed`

@@ -67,6 +67,7 @@ from pipeline.owner import (
     watch_owner,
 )
 from pipeline.results import CheckedResults
+from pipeline.sentinel import Sentinel
 from pipeline.signals import stop_on_signals
 from pipeline.slots import ResourcesConfig, hold
 from pipeline.step import StepDef, transient
@@ -186,6 +187,7 @@ class RunContext:
         self._owner_lock = threading.Lock()
         self.cancelled: str | None = None  # set when SIGTERM or SIGINT stopped the run
         self._signals: Any = None
+        self.sentinel: Sentinel | None = None  # marks the run Crashed if this process dies (pipeline/sentinel.py)
 
     def __enter__(self) -> RunContext:
         run_dir = self.ws.run_dir(self.run_id)
@@ -215,7 +217,47 @@ class RunContext:
         if owner is not None:
             self.owner = owner
             watch_owner(owner, self._owner_died)
+        if runtime_flow_run.id:  # last: once started, only __exit__ (or the deadline) closes it
+            self.sentinel = self._start_sentinel(run_dir)
         return self
+
+    def _start_sentinel(self, run_dir: Path) -> Sentinel | None:
+        """The process that marks this run Crashed and its running steps stopped if this process
+        dies without closing it (pipeline/sentinel.py); a run without one is only slower to be
+        seen dead (the heartbeat automation), so a failure to start it fails nothing."""
+        from prefect.settings import PREFECT_API_URL
+
+        try:
+            return Sentinel.start(
+                self.run_id, self.attempt or 1, run_dir, self.ws.lineage_path, PREFECT_API_URL.value()
+            )
+        except OSError as exc:
+            self.logger.warning(
+                f"no sentinel for this run ({type(exc).__name__}: {exc}): if this process "
+                "is killed, the run is marked Crashed only by the heartbeat automation"
+            )
+            return None
+
+    def step_entered(self, node: Node) -> None:
+        """Tell the sentinel a step's task runs (it may still wait for its slot)."""
+        if self.sentinel is None:
+            return
+        from prefect.runtime import task_run
+
+        row = {
+            "run_id": self.run_id,
+            "step": node.step.name,
+            "label": node.label,
+            "fingerprint": node.fingerprint,
+            "config": _config_json(node),
+            "code_version": f"{git_version()}/{node.step.code_version}",
+            "attempt": self.attempt,
+        }
+        self.sentinel.entered(node.key, row, str(task_run.id) if task_run.id else None)
+
+    def step_building(self, node: Node, started: datetime) -> None:
+        if self.sentinel is not None:
+            self.sentinel.building(node.key, started)
 
     def _owner_died(self, owner: ProcessRef) -> None:
         """The serve process died: stop the children, start no further step (pipeline/owner.py).
@@ -252,6 +294,8 @@ class RunContext:
     def _deadline(self, name: str) -> None:
         """Still running long after the signal (a step inside this process): record the end."""
         self.lineage.end_run(self.run_id, "cancelled", attempt=self.attempt)
+        if self.sentinel is not None:  # the process exits on purpose: nothing for it to report
+            self.sentinel.close()
 
     @property
     def stop_reason(self) -> str | None:
@@ -306,6 +350,8 @@ class RunContext:
             self._stop_followed(not terminated or cancel_requested())
         set_cancel_probe(None)
         self.lineage.end_run(self.run_id, state, attempt=self.attempt)
+        if self.sentinel is not None:
+            self.sentinel.close()
 
     def _stop_followed(self, explicit: bool) -> None:
         """Cancel the work this run's steps follow from worker threads that never see the
@@ -324,7 +370,7 @@ class RunContext:
             self.logger.warning(f"run cancelled: cancelled {', '.join(stopped)}")
 
     def record(self, node: Node, state: str, started: datetime, ended: datetime, error: str | None = None) -> None:
-        config = node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
+        config = _config_json(node)
         row = StepRow(
             self.run_id,
             node.step.name,
@@ -341,6 +387,12 @@ class RunContext:
         with self._records_lock:
             self.records.append(row)
         self.lineage.record_step(row)
+        if self.sentinel is not None:
+            self.sentinel.ended(node.key)
+
+
+def _config_json(node: Node) -> Any:
+    return node.config.model_dump(mode="json") if hasattr(node.config, "model_dump") else node.config
 
 
 # --- the Prefect task of a step --------------------------------------------------------------
@@ -433,6 +485,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
     started = [_now()]  # when the build began: after the slot was granted (waiting is not work)
     try:
         ctx.check_owner()
+        ctx.step_entered(node)
         got = d.fingerprint(node.config, inputs, node.extra)
         if got != node.fingerprint:  # an input changed between planning and running
             raise RuntimeError(
@@ -459,6 +512,7 @@ def execute(call: StepCall, raw_inputs: dict[str, Any], gates: Sequence[Any] = (
 
             def build(out: Path) -> dict[str, Any]:
                 ctx.check_owner()  # the run may have lost its owner while this step waited
+                ctx.step_building(node, started[0])
                 if d.isolate:
                     return _build_in_child(d, node, inputs, out, threads, logger.info)
                 return _build_here(d, node, inputs, out, threads, logger.info)
