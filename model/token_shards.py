@@ -30,8 +30,8 @@ How the loader builds its stream, and why:
   any world size dividing the global batch).
 - Nothing on a rank grows with the corpus (stage 1 of the 3B recipe: 4.5B documents in ~41k
   shards, which read whole took 72 GB and 41k open files per rank): start-up reads one file size
-  per shard and opens nothing; shards open when a window first reads them, at most
-  `open_shards` at once (LRU), and a window's documents are found by binary search in the
+  per shard (and each source's first `.metadata`) and maps no shard; shards open when a window
+  first reads them, at most `open_shards` at once (LRU), and a window's documents are found by binary search in the
   memory-mapped `.index`. A prefetch thread may draw the next micro-batches: a batch is a
   function of the counters it is drawn from, so the thread draws exactly what `next_batch`
   would, and the visible state stays that of the batches returned.
@@ -137,6 +137,19 @@ class MixturePlan:
 DEFAULT_OPEN_SHARDS: int = LoaderConfig.model_fields["open_shards"].default
 
 
+def check_token_size(path: str | Path, token_dtype: str) -> None:
+    """ValueError when the shard's `.ds.metadata` (if any) names another token size than the plan."""
+    meta = Path(str(path) + ".metadata")
+    if meta.exists():
+        # First line is "tokenizer|token_size"; a mismatch means the plan's dtype is wrong.
+        token_size = meta.read_text().splitlines()[0].rsplit("|", 1)[-1]
+        itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
+        if token_size.isdigit() and int(token_size) != itemsize:
+            raise ValueError(
+                f"{meta} says {token_size}-byte tokens but the plan's token_dtype is {token_dtype} ({itemsize} bytes)"
+            )
+
+
 class TokenShard:
     """One datatrove `.ds` file and its `.ds.index`, both memory-mapped: opening one costs two
     files and two maps, never memory in proportion to its documents. The index is checked where it
@@ -149,15 +162,8 @@ class TokenShard:
         for needed in (self.path, self.index):
             if not needed.exists():
                 raise FileNotFoundError(f"token shard file {needed} is missing")
-        meta = Path(str(self.path) + ".metadata")
-        if check_metadata and meta.exists():
-            # First line is "tokenizer|token_size"; a mismatch means the plan's dtype is wrong.
-            token_size = meta.read_text().splitlines()[0].rsplit("|", 1)[-1]
-            if token_size.isdigit() and int(token_size) != dtype.itemsize:
-                raise ValueError(
-                    f"{meta} says {token_size}-byte tokens but the plan's token_dtype is "
-                    f"{token_dtype} ({dtype.itemsize} bytes)"
-                )
+        if check_metadata:
+            check_token_size(self.path, token_dtype)
         size = self.path.stat().st_size
         if size % dtype.itemsize:
             raise ValueError(f"{self.path}: {size} bytes is not a whole number of {token_dtype}")
@@ -225,8 +231,9 @@ class SourceStream:
     """A source's shards as one endless (wrapping) token stream with document ids.
 
     Memory is one int64 per shard (where each starts in the stream) however many documents the
-    source holds: start-up reads one file size per shard and opens nothing; a shard is opened
-    (through `cache`, bounded) when a window first reads it, its metadata checked then, once."""
+    source holds: start-up reads one file size per shard (and the first shard's metadata) and maps
+    nothing; a shard is opened (through `cache`, bounded) when a window first reads it, its
+    metadata checked then, once."""
 
     def __init__(self, plan: SourcePlan, token_dtype: str, cache: ShardCache | None = None) -> None:
         self.name = plan.name
@@ -248,6 +255,8 @@ class SourceStream:
         self.file_starts = np.concatenate([[0], np.cumsum(sizes)])  # (F+1,)
         self.num_tokens = int(self.file_starts[-1])
         self._checked = np.zeros(len(self.files), dtype=bool)  # (F,) metadata checked once
+        check_token_size(self.files[0], token_dtype)  # a plan with the wrong dtype fails here, not at a step
+        self._checked[0] = True
 
     def shard(self, f: int) -> TokenShard:
         """File f of the source, from the cache."""

@@ -407,8 +407,8 @@ def test_a_bad_token_drawn_ahead_fails_the_batch_that_holds_it(tmp_path):
 
 
 def test_a_shard_is_checked_when_it_is_first_read(tmp_path):
-    """Start-up reads file sizes only; a shard's missing or corrupt index is named when a
-    window first reads that shard."""
+    """Start-up reads file sizes and each source's first metadata; a shard's missing or corrupt
+    index is named when a window first reads that shard."""
     plan = make_plan(tmp_path, {"a": (1.0, [counting_docs(4, length=lambda i: 4)] * 2)})
     Path(plan.sources[0].files[1] + ".index").unlink()
     loader = MixtureLoader(plan)
@@ -417,6 +417,9 @@ def test_a_shard_is_checked_when_it_is_first_read(tmp_path):
     np.array([4, 3, 12, 16], dtype="<u8").tofile(plan.sources[0].files[1] + ".index")
     with pytest.raises(ValueError, match="001_a.ds.index.*not increasing"):
         [MixtureLoader(plan).next_batch(4) for _ in range(2)]
+    wrong = MixturePlan.from_dict({**json.loads((tmp_path / "plan.json").read_text()), "token_dtype": "uint32"})
+    with pytest.raises(ValueError, match="000_a.ds.metadata says 2-byte tokens.*uint32"):
+        MixtureLoader(wrong)  # the plan's dtype is checked at start-up, on each source's first shard
     Path(plan.sources[0].files[0]).unlink()
     with pytest.raises(FileNotFoundError, match="000_a.ds is missing"):
         MixtureLoader(plan)
