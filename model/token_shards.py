@@ -31,8 +31,8 @@ How the loader builds its stream, and why:
 - Nothing on a rank grows with the corpus (stage 1 of the 3B recipe: 4.5B documents in ~41k
   shards, which read whole took 72 GB and 41k open files per rank): start-up reads one file size
   per shard (and each source's first `.metadata`) and maps no shard; shards open when a window
-  first reads them, at most `open_shards` at once (LRU), and a window's documents are found by binary search in the
-  memory-mapped `.index`. A prefetch thread may draw the next micro-batches: a batch is a
+  first reads them, at most `open_shards` at once (LRU), and a window's documents are found by
+  binary search in the memory-mapped `.index`. A prefetch thread may draw the next micro-batches: a batch is a
   function of the counters it is drawn from, so the thread draws exactly what `next_batch`
   would, and the visible state stays that of the batches returned.
 """
