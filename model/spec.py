@@ -11,7 +11,7 @@ launches `torchrun ... -m trainers.pretrain spec.json`. One type end to end: no 
 mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.load`).
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
-log intervals, threads, micro-batching, the MFU peak, activation checkpointing, the loss chunk,
+log intervals, threads, micro-batching, the data loader's open shards and prefetch, the MFU peak, activation checkpointing, the loss chunk,
 tensor parallelism and HSDP, asynchronous checkpoint writes, the hang watchdog, flag thresholds,
 NaN recovery, the tracker): they never enter a fingerprint, since they change memory, speed,
 floating-point summation order or what is watched, never what is computed. `skip_spikes` changes
@@ -156,6 +156,14 @@ class TrackerConfig(_Spec):
     mlflow_uri: str | None = None  # MLflow tracking URI; None = a file store `mlruns/` in the workspace
 
 
+class LoaderConfig(_Spec):
+    """How a rank reads its token shards (model/token_shards.py): memory, open files and overlap,
+    never which tokens; every setting draws the same batches."""
+
+    open_shards: int = Field(default=64, gt=0)  # shards open at once per rank: 2 files and 2 memory maps each
+    prefetch: int = Field(default=2, ge=0)  # micro-batches a background thread draws ahead; 0 = in the step
+
+
 class TrainSettings(_Spec):
     """Every training setting a user writes, declared once: the recipe's `training` section is
     this class plus the recipe-only fields (tasks/pretrain.py `TrainingConfig`), a stage's
@@ -198,6 +206,7 @@ class TrainSettings(_Spec):
     # one that does records the data it skipped in its result, metadata and lineage.
     nonfinite: NonFiniteConfig = operational(NonFiniteConfig())
     tracker: TrackerConfig = operational(TrackerConfig())  # TensorBoard (default), W&B or MLflow
+    loader: LoaderConfig = operational(LoaderConfig())  # shards open at once, micro-batches drawn ahead
 
     def settings(self) -> dict[str, Any]:
         """This object's training settings by name (nested sections as they are, not dumped)."""

@@ -28,12 +28,22 @@ How the loader builds its stream, and why:
   each global micro-batch, so the set of sequences in an optimizer step depends only on the
   global batch, and a checkpoint written by 2 ranks resumes the very same stream on 1 rank (or
   any world size dividing the global batch).
+- Nothing on a rank grows with the corpus (stage 1 of the 3B recipe: 4.5B documents in ~41k
+  shards, which read whole took 72 GB and 41k open files per rank): start-up reads one file size
+  per shard (and each source's first `.metadata`) and maps no shard; shards open when a window
+  first reads them, at most `open_shards` at once (LRU), and a window's documents are found by
+  binary search in the memory-mapped `.index`. A prefetch thread may draw the next micro-batches: a batch is a
+  function of the counters it is drawn from, so the thread draws exactly what `next_batch`
+  would, and the visible state stays that of the batches returned.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +52,7 @@ import numpy as np
 import torch
 
 from infra.files import path_from_file
+from model.spec import LoaderConfig
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -122,60 +133,142 @@ class MixturePlan:
 
 # ---- shards ---------------------------------------------------------------------------------
 
+# shards a loader keeps open at once (two files and two maps each): the spec's default
+DEFAULT_OPEN_SHARDS: int = LoaderConfig.model_fields["open_shards"].default
+
+
+def check_token_size(path: str | Path, token_dtype: str) -> None:
+    """ValueError when the shard's `.ds.metadata` (if any) names another token size than the plan."""
+    meta = Path(str(path) + ".metadata")
+    if meta.exists():
+        # First line is "tokenizer|token_size"; a mismatch means the plan's dtype is wrong.
+        token_size = meta.read_text().splitlines()[0].rsplit("|", 1)[-1]
+        itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
+        if token_size.isdigit() and int(token_size) != itemsize:
+            raise ValueError(
+                f"{meta} says {token_size}-byte tokens but the plan's token_dtype is {token_dtype} ({itemsize} bytes)"
+            )
+
 
 class TokenShard:
-    """One datatrove `.ds` file, memory-mapped, with its document ends."""
+    """One datatrove `.ds` file and its `.ds.index`, both memory-mapped: opening one costs two
+    files and two maps, never memory in proportion to its documents. The index is checked where it
+    is read: its last end must be the token count (here), its ends increasing (`documents`)."""
 
-    def __init__(self, path: str | Path, token_dtype: str) -> None:
+    def __init__(self, path: str | Path, token_dtype: str, check_metadata: bool = True) -> None:
         self.path = Path(path)
         dtype = np.dtype(TOKEN_DTYPES[token_dtype]).newbyteorder("<")
-        index = Path(str(self.path) + ".index")
-        for needed in (self.path, index):
+        self.index = Path(str(self.path) + ".index")
+        for needed in (self.path, self.index):
             if not needed.exists():
                 raise FileNotFoundError(f"token shard file {needed} is missing")
-        meta = Path(str(self.path) + ".metadata")
-        if meta.exists():
-            # First line is "tokenizer|token_size"; a mismatch means the plan's dtype is wrong.
-            token_size = meta.read_text().splitlines()[0].rsplit("|", 1)[-1]
-            if token_size.isdigit() and int(token_size) != dtype.itemsize:
-                raise ValueError(
-                    f"{meta} says {token_size}-byte tokens but the plan's token_dtype is "
-                    f"{token_dtype} ({dtype.itemsize} bytes)"
-                )
+        if check_metadata:
+            check_token_size(self.path, token_dtype)
         size = self.path.stat().st_size
         if size % dtype.itemsize:
             raise ValueError(f"{self.path}: {size} bytes is not a whole number of {token_dtype}")
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
-        self.doc_ends = np.fromfile(index, dtype="<u8").astype(np.int64)
+        index_size = self.index.stat().st_size
+        # (D,) exclusive document ends, uint64 as written: searched with uint64 keys, never cast
+        self.doc_ends = np.memmap(self.index, dtype="<u8", mode="r") if index_size >= 8 else np.zeros(0, "<u8")
         n = len(self.tokens)
-        if len(self.doc_ends) == 0 or self.doc_ends[-1] != n or np.any(np.diff(self.doc_ends) <= 0):
+        if index_size % 8 or len(self.doc_ends) == 0 or int(self.doc_ends[-1]) != n:
             raise ValueError(
-                f"{index} does not describe {self.path}: last end "
-                f"{self.doc_ends[-1] if len(self.doc_ends) else None} vs {n} tokens"
+                f"{self.index} does not describe {self.path}: last end "
+                f"{int(self.doc_ends[-1]) if len(self.doc_ends) else None} vs {n} tokens"
             )
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def documents(self, start: int, stop: int) -> np.ndarray:
+        """The shard's document number of each position in [start, stop) (stop > start): two
+        binary searches of the mapped index, then only the ends between them are read."""
+        ends = self.doc_ends
+        first = int(np.searchsorted(ends, np.uint64(start), side="right"))
+        last = int(np.searchsorted(ends, np.uint64(stop - 1), side="right"))
+        between = np.array(ends[first : last + 1])  # (last - first + 1,) the ends the range crosses
+        if last >= len(ends) or np.any(between[1:] <= between[:-1]):
+            raise ValueError(f"{self.index} does not describe {self.path}: document ends are not increasing")
+        positions = np.arange(start, stop, dtype=np.uint64)
+        return first + np.searchsorted(between, positions, side="right").astype(np.int64)
+
+
+class ShardCache:
+    """The shards a loader holds open, the least recently read closed first: at most `capacity`
+    (two open files and two memory maps each) however many shards the plan lists."""
+
+    def __init__(self, capacity: int = DEFAULT_OPEN_SHARDS) -> None:
+        if capacity < 1:
+            raise ValueError(f"open_shards must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._open: OrderedDict[str, TokenShard] = OrderedDict()
+        self.opened = 0  # shards opened so far (each miss opens one)
+
+    def get(self, path: str, token_dtype: str, tokens: int, check_metadata: bool) -> TokenShard:
+        """The shard at `path`, opened if it is not, which must still hold `tokens` tokens."""
+        shard = self._open.get(path)
+        if shard is not None:
+            self._open.move_to_end(path)
+            return shard
+        while len(self._open) >= self.capacity:  # closed before the next opens: never above capacity
+            self._open.popitem(last=False)  # its files and maps close with the last reference
+        shard = TokenShard(path, token_dtype, check_metadata=check_metadata)
+        if len(shard) != tokens:
+            raise ValueError(f"token shard {path} holds {len(shard)} tokens, {tokens} when the loader started")
+        self.opened += 1
+        self._open[path] = shard
+        return shard
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def clear(self) -> None:
+        self._open.clear()
+
 
 class SourceStream:
-    """A source's shards as one endless (wrapping) token stream with document ids."""
+    """A source's shards as one endless (wrapping) token stream with document ids.
 
-    def __init__(self, plan: SourcePlan, token_dtype: str) -> None:
+    Memory is one int64 per shard (where each starts in the stream) however many documents the
+    source holds: start-up reads one file size per shard (and the first shard's metadata) and maps
+    nothing; a shard is opened (through `cache`, bounded) when a window first reads it, its
+    metadata checked then, once."""
+
+    def __init__(self, plan: SourcePlan, token_dtype: str, cache: ShardCache | None = None) -> None:
         self.name = plan.name
-        self.shards = [TokenShard(f, token_dtype) for f in plan.files]
-        sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.token_dtype = token_dtype
+        self.cache = cache if cache is not None else ShardCache()
+        self.files = plan.files  # the plan's own strings: nothing per shard but two numbers below
+        itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
+        sizes = np.empty(len(self.files), dtype=np.int64)
+        for i, path in enumerate(self.files):
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FileNotFoundError(f"token shard file {path} is missing") from None
+            if size % itemsize:
+                raise ValueError(f"{path}: {size} bytes is not a whole number of {token_dtype}")
+            if size == 0:  # an empty shard has no document to end: its index cannot describe it
+                raise ValueError(f"{path}.index does not describe {path}: last end None vs 0 tokens")
+            sizes[i] = size // itemsize
         self.file_starts = np.concatenate([[0], np.cumsum(sizes)])  # (F+1,)
         self.num_tokens = int(self.file_starts[-1])
-        if self.num_tokens == 0:
-            raise ValueError(f"source {plan.name!r}: its files hold no tokens")
-        self.doc_ends = np.concatenate(
-            [s.doc_ends + start for s, start in zip(self.shards, self.file_starts[:-1], strict=True)]
-        )  # (D,) global exclusive document ends
-        self.num_docs = len(self.doc_ends)
+        self._checked = np.zeros(len(self.files), dtype=bool)  # (F,) metadata checked once
+        check_token_size(self.files[0], token_dtype)  # a plan with the wrong dtype fails here, not at a step
+        self._checked[0] = True
+
+    def shard(self, f: int) -> TokenShard:
+        """File f of the source, from the cache."""
+        tokens = int(self.file_starts[f + 1] - self.file_starts[f])
+        shard = self.cache.get(self.files[f], self.token_dtype, tokens, check_metadata=not self._checked[f])
+        self._checked[f] = True
+        return shard
 
     def read(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and global document ids of stream positions [start, start + length)."""
+        """Tokens and document ids of stream positions [start, start + length). A document's id
+        is its number in its file plus the file's first stream position, plus the stream length
+        per wrap: equal ids are one document, and a file edge or a wrap always starts a new one."""
         tokens = np.empty(length, dtype=np.int64)
         docs = np.empty(length, dtype=np.int64)
         done = 0
@@ -185,11 +278,12 @@ class SourceStream:
             f = int(np.searchsorted(self.file_starts, offset, side="right") - 1)
             take = min(length - done, int(self.file_starts[f + 1]) - offset)
             local = offset - int(self.file_starts[f])
-            tokens[done : done + take] = self.shards[f].tokens[local : local + take]
-            positions = np.arange(offset, offset + take)
-            doc = np.searchsorted(self.doc_ends, positions, side="right")
-            docs[done : done + take] = doc + epoch * self.num_docs
+            shard = self.shard(f)
+            tokens[done : done + take] = shard.tokens[local : local + take]
+            first = int(self.file_starts[f]) + epoch * self.num_tokens
+            docs[done : done + take] = shard.documents(local, local + take) + first
             done += take
+            shard = None  # the cache alone keeps shards open
         return tokens, docs
 
 
@@ -265,7 +359,14 @@ class Batch:
 
 
 class MixtureLoader:
-    """Deterministic, resumable, rank-sharded stream of packed sequences from a mixture plan."""
+    """Deterministic, resumable, rank-sharded stream of packed sequences from a mixture plan.
+
+    At most `open_shards` shards are open at once, over all sources. With `prefetch` > 0 a
+    background thread draws that many micro-batches ahead of the one asked for: a batch is a
+    function of the state it is drawn from (the counters, the micro-batch size), so the thread
+    draws exactly what `next_batch` would, and the state visible here (`sequence`,
+    `source_sequences`, `state_dict`) is always that of the batches returned, never of those
+    drawn ahead. `skip` and `load_state_dict` drop what was drawn ahead."""
 
     def __init__(
         self,
@@ -275,20 +376,28 @@ class MixtureLoader:
         world_size: int = 1,
         seed: int | None = None,
         vocab_size: int | None = None,
+        open_shards: int = DEFAULT_OPEN_SHARDS,
+        prefetch: int = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 micro-batches, got {prefetch}")
         self.plan = plan
         self.seq_len = seq_len or plan.seq_len
         self.rank, self.world_size = rank, world_size
         self.seed = plan.seed if seed is None else seed
         self.vocab_size = vocab_size
         self.names = [s.name for s in plan.sources]
-        self.streams = [SourceStream(s, plan.token_dtype) for s in plan.sources]
+        self.cache = ShardCache(open_shards)
+        self.streams = [SourceStream(s, plan.token_dtype, self.cache) for s in plan.sources]
         self.weights = plan.weights()
         self.sequence = 0  # global sequences drawn so far, over all ranks
         self.source_sequences = [0] * len(self.streams)  # global sequences drawn per source
         self._keys: dict[tuple[int, int], tuple[int, ...]] = {}  # (source, window epoch) -> round keys
+        self.prefetch = prefetch
+        self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, started by the first batch
+        self._ahead: deque[tuple[int, Future]] = deque()  # (per_rank, the draw) in stream order
 
     # -- window order --
 
@@ -308,9 +417,18 @@ class MixtureLoader:
 
     def next_batch(self, per_rank: int) -> Batch:
         """This rank's `per_rank` rows of the next global micro-batch of per_rank * W rows."""
+        state = (self.sequence, tuple(self.source_sequences))
+        _, batch, after = self._prefetched(per_rank, state) if self.prefetch else self._draw(state, per_rank)
+        self.sequence, self.source_sequences = after[0], list(after[1])
+        return batch
+
+    def _draw(self, state: tuple[int, tuple[int, ...]], per_rank: int):
+        """(state, batch, state after it): the micro-batch drawn from `state`. Reads the shards,
+        changes nothing but the shard cache (only one thread ever calls it)."""
+        sequence, before = state
         total = per_rank * self.world_size
-        counts = list(self.source_sequences)
-        choices = interleave(self.weights, list(counts), self.sequence, total)
+        counts = list(before)
+        choices = interleave(self.weights, list(counts), sequence, total)
         mine = range(self.rank * per_rank, (self.rank + 1) * per_rank)
         L = self.seq_len
         ids = np.empty((per_rank, L), dtype=np.int64)
@@ -333,9 +451,47 @@ class MixtureLoader:
             d = doc[:-1]
             docs[row] = np.concatenate([[0], np.cumsum(d[1:] != d[:-1])])
             sources.append(self.names[src])
-        self.sequence += total
-        self.source_sequences = counts
-        return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
+        batch = Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
+        return state, batch, (sequence + total, tuple(counts))
+
+    def _after(self, previous: Future, per_rank: int):
+        """The draw that follows `previous` (done already: one thread runs the draws in order)."""
+        return self._draw(previous.result()[2], per_rank)
+
+    def _prefetched(self, per_rank: int, state: tuple[int, tuple[int, ...]]):
+        """The draw from `state`, taken from the thread's queue (started there on a miss), and
+        the queue topped up to `prefetch` draws after it."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader-prefetch")
+        if not self._ahead or self._ahead[0][0] != per_rank:
+            self._drop_ahead()
+            self._ahead.append((per_rank, self._pool.submit(self._draw, state, per_rank)))
+        _, current = self._ahead.popleft()
+        while len(self._ahead) < self.prefetch:
+            previous = self._ahead[-1][1] if self._ahead else current
+            self._ahead.append((per_rank, self._pool.submit(self._after, previous, per_rank)))
+        try:
+            result = current.result()
+        except BaseException:
+            self._drop_ahead()  # the draws after it would fail the same way
+            raise
+        if result[0] != state:  # not reachable: skip and load_state_dict drop the queue
+            self._drop_ahead()
+            return self._prefetched(per_rank, state)
+        return result
+
+    def _drop_ahead(self) -> None:
+        """Forget the draws made ahead (the one running finishes; its result is never used)."""
+        while self._ahead:
+            self._ahead.pop()[1].cancel()
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close the open shards; the loader draws again if asked."""
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.cache.clear()
 
     def skip(self, sequences: int) -> None:
         """Advance past the next `sequences` global sequences without reading them (data skipped
@@ -343,6 +499,7 @@ class MixtureLoader:
         rank and at any world size."""
         if sequences < 0:
             raise ValueError(f"cannot skip {sequences} sequences")
+        self._drop_ahead()
         counts = list(self.source_sequences)
         interleave(self.weights, counts, self.sequence, sequences)  # counts as if they had been drawn
         self.source_sequences = counts
@@ -384,5 +541,6 @@ class MixtureLoader:
                 f"data loader state has sources {sorted(state['source_sequences'])} but the "
                 f"mixture plan has {sorted(self.names)}"
             )
+        self._drop_ahead()
         self.sequence = int(state["sequence"])
         self.source_sequences = [int(state["source_sequences"][n]) for n in self.names]

@@ -13,7 +13,8 @@ One launch trains one stage as described by a `TrainSpec`:
   whose predicted peak fits the GPU, model/memory.py), and the loss is chunked
   (`spec.loss_chunk_tokens`, model/loss.py);
 - data: `MixtureLoader` with global state, indexed by data-parallel rank (the ranks of one TP
-  group read the same rows); gradient accumulation over global_batch / (micro_batch x DP)
+  group read the same rows), at most `spec.loader.open_shards` shards open and
+  `spec.loader.prefetch` micro-batches drawn ahead by a background thread; gradient accumulation over global_batch / (micro_batch x DP)
   micro-batches; document ids mask attention inside each packed document unless `spec.doc_masking`
   is False (plain causal attention, positions 0..T-1);
 - resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size and
@@ -461,7 +462,11 @@ def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
     parallelize(model, layout, mesh, rt.device, spec.precision, compile_blocks if spec.compile_model else None)
     optimizer = build_optimizer(model, spec.optimizer)
     dp_rank = layout.dp_rank(rt.rank)
-    loader = MixtureLoader(plan, seq_len=seq_len, rank=dp_rank, world_size=layout.dp, vocab_size=cfg.vocab_size)
+    loader = MixtureLoader(
+        plan, seq_len=seq_len, rank=dp_rank, world_size=layout.dp, vocab_size=cfg.vocab_size,
+        open_shards=spec.loader.open_shards, prefetch=spec.loader.prefetch,
+    )  # fmt: skip
+    rt.closers.append(loader.close)
     ckpt = Checkpointer(Path(spec.out_dir) / "checkpoints", spec.keep_last, async_save=spec.async_checkpoint)
     return Stage(
         spec, rt, plan, seq_len, layout, spec.global_batch // per_step_rows, cfg, memory, model, optimizer, loader,

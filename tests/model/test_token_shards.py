@@ -295,3 +295,152 @@ def test_tokens_beyond_the_model_vocab_are_named(tmp_path):
     plan = make_plan(tmp_path, {"a": (1.0, [[[1, 2, 3, 5000, 4, 5, 6, 7, 8, 9]]])})
     with pytest.raises(ValueError, match="'a'.*5000.*vocab_size 4096"):
         MixtureLoader(plan, vocab_size=4096).next_batch(1)
+
+
+def _many_shard_plan(tmp_path: Path):
+    """Three sources over 31 shards of documents of 1 to 40 tokens (some longer than a window),
+    uint16 ids from a seeded generator: every path of the reader (file edges, wraps, long
+    documents) is crossed many times in a few hundred rows."""
+    rng = np.random.default_rng(7)
+    sources = {}
+    for name, weight, shards in (("web", 0.5, 17), ("code", 0.3, 9), ("math", 0.2, 5)):
+        files = []
+        for _ in range(shards):
+            lengths = rng.integers(1, 41, size=int(rng.integers(1, 12)))
+            files.append([rng.integers(1, 4096, size=int(n)).tolist() for n in lengths])
+        sources[name] = (weight, files)
+    return make_plan(tmp_path, sources, seq_len=16, seed=3)
+
+
+def _digest(batches) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for b in batches:
+        for t in (b.input_ids, b.labels, b.doc_ids):
+            h.update(t.numpy().tobytes())
+        h.update(",".join(b.sources).encode())
+    return h.hexdigest()
+
+
+def test_batches_are_bit_identical_to_the_pinned_stream(tmp_path):
+    """The loader's output pinned by a digest taken before the shards were read through bounded
+    caches and a prefetch thread: the same rows, labels, document ids and sources, bit for bit,
+    across skips and on every rank."""
+    plan = _many_shard_plan(tmp_path)
+    whole = MixtureLoader(plan)
+    batches = [whole.next_batch(6) for _ in range(30)]
+    whole.skip(17)
+    batches += [whole.next_batch(6) for _ in range(30)]
+    ranks = [MixtureLoader(plan, rank=r, world_size=3) for r in range(3)]
+    sliced = [loader.next_batch(2) for _ in range(20) for loader in ranks]
+    assert _digest(batches) == "e07ff166c66080bd96a95048212e63fee650678b56314caee384a560a43d36ad"
+    assert _digest(sliced) == "adbdc5657b03ca9c0bc2394b028f356a54e6ba9173faccce8c30dd174e35a341"
+
+
+def _open_shard_files(folder: Path) -> tuple[int, int]:
+    """(open file descriptors, memory maps) of this process on files under `folder`."""
+    fds = sum(1 for fd in Path("/proc/self/fd").iterdir() if str(folder) in str(_readlink(fd)))
+    maps = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line}
+    return fds, len(maps)
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return str(path.readlink())
+    except OSError:  # the descriptor closed while listing
+        return ""
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_a_bounded_shard_cache_and_the_prefetch_thread_give_the_pinned_stream(tmp_path, prefetch):
+    """Two shards open at most (of 31), batches drawn ahead by a thread: the pinned digests, and
+    never more than the cap's files and maps open (and the file a map is being made of)."""
+    plan = _many_shard_plan(tmp_path)
+    whole = MixtureLoader(plan, open_shards=2, prefetch=prefetch)
+    assert len(whole.cache) == 0 and _open_shard_files(tmp_path) == (0, 0)  # start-up opens nothing
+    batches, most = [], (0, 0)
+    for i in range(60):
+        if i == 30:
+            whole.skip(17)
+        batches.append(whole.next_batch(6))
+        most = tuple(max(a, b) for a, b in zip(most, _open_shard_files(tmp_path), strict=True))
+    assert _digest(batches) == "e07ff166c66080bd96a95048212e63fee650678b56314caee384a560a43d36ad"
+    assert most[0] <= 2 * 2 + 1 and most[1] <= 2 * 2 and len(whole.cache) <= 2
+    assert whole.cache.opened > 31  # shards were closed and opened again
+    ranks = [MixtureLoader(plan, rank=r, world_size=3, open_shards=2, prefetch=prefetch) for r in range(3)]
+    sliced = [loader.next_batch(2) for _ in range(20) for loader in ranks]
+    assert _digest(sliced) == "adbdc5657b03ca9c0bc2394b028f356a54e6ba9173faccce8c30dd174e35a341"
+    for loader in (whole, *ranks):
+        loader.close()
+    assert _open_shard_files(tmp_path) == (0, 0)
+
+
+def test_prefetched_batches_follow_skips_resumes_and_a_new_micro_batch_size(tmp_path):
+    plan = _many_shard_plan(tmp_path)
+    plain, ahead = MixtureLoader(plan), MixtureLoader(plan, prefetch=4)
+    saved = None
+    for op in ["b4"] * 5 + ["save", "skip7"] + ["b4"] * 3 + ["b2"] * 2 + ["load"] + ["b4"] * 3 + ["b3"]:
+        if op == "save":
+            saved = plain.state_dict()
+            assert ahead.state_dict() == saved  # the state of the batches returned, not of those drawn ahead
+        elif op == "skip7":
+            plain.skip(7), ahead.skip(7)
+        elif op == "load":
+            plain.load_state_dict(saved), ahead.load_state_dict(saved)
+        else:
+            a, b = plain.next_batch(int(op[1])), ahead.next_batch(int(op[1]))
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.doc_ids, b.doc_ids)
+            assert a.sources == b.sources
+        assert ahead.state_dict() == plain.state_dict()
+    ahead.close()
+
+
+def test_a_bad_token_drawn_ahead_fails_the_batch_that_holds_it(tmp_path):
+    plan = make_plan(tmp_path, {"a": (1.0, [[[1, 2, 3, 5000, 4, 5, 6, 7, 8, 9]]])})
+    loader = MixtureLoader(plan, vocab_size=4096, prefetch=2)
+    for _ in range(2):  # and again: the error is the batch's, not a broken thread's
+        with pytest.raises(ValueError, match="'a'.*5000.*vocab_size 4096"):
+            loader.next_batch(1)
+        assert loader.sequence == 0
+    loader.close()
+
+
+def test_a_shard_is_checked_when_it_is_first_read(tmp_path):
+    """Start-up reads file sizes and each source's first metadata; a shard's missing or corrupt
+    index is named when a window first reads that shard."""
+    plan = make_plan(tmp_path, {"a": (1.0, [counting_docs(4, length=lambda i: 4)] * 2)})
+    Path(plan.sources[0].files[1] + ".index").unlink()
+    loader = MixtureLoader(plan)
+    with pytest.raises(FileNotFoundError, match="001_a.ds.index"):
+        [loader.next_batch(1) for _ in range(4)]
+    np.array([4, 3, 12, 16], dtype="<u8").tofile(plan.sources[0].files[1] + ".index")
+    with pytest.raises(ValueError, match="001_a.ds.index.*not increasing"):
+        [MixtureLoader(plan).next_batch(4) for _ in range(2)]
+    wrong = MixturePlan.from_dict({**json.loads((tmp_path / "plan.json").read_text()), "token_dtype": "uint32"})
+    with pytest.raises(ValueError, match="000_a.ds.metadata says 2-byte tokens.*uint32"):
+        MixtureLoader(wrong)  # the plan's dtype is checked at start-up, on each source's first shard
+    Path(plan.sources[0].files[0]).unlink()
+    with pytest.raises(FileNotFoundError, match="000_a.ds is missing"):
+        MixtureLoader(plan)
+
+
+def test_loader_memory_does_not_grow_with_the_documents(tmp_path):
+    """A shard of a million one-token documents (an 8 MB index): building the loader and drawing
+    a batch allocate under 1 MB (reading the index into memory took 16 MB)."""
+    import tracemalloc
+
+    path = tmp_path / "many.ds"
+    n = 1_000_000
+    (np.arange(n, dtype=np.uint16) % 4000 + 1).tofile(path)
+    np.arange(1, n + 1, dtype="<u8").tofile(str(path) + ".index")
+    plan = MixturePlan("s", 0, 64, 1000, 4096, 0, "uint16", (SourcePlan("a", 1.0, (str(path),)),))
+    tracemalloc.start()
+    try:
+        loader = MixtureLoader(plan)
+        batch = loader.next_batch(4)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    assert batch.doc_ids[0].tolist() == list(range(64))  # one-token documents: a new one at every position

@@ -63,6 +63,7 @@ OPERATIONAL = [
     "training.monitor={straggler_margin: 0.2}",
     "training.nonfinite={retries: 0}",
     "training.tracker={kind: none}",
+    "training.loader={open_shards: 4, prefetch: 0}",  # how a rank reads its shards, never which tokens
     # memory and parallelism (several overrides of one case are joined by " & ")
     "training.activation_checkpointing=full",
     "training.loss_chunk_tokens=64",
@@ -79,7 +80,7 @@ OPERATIONAL = [
     "stages.stage2.compile_model=true & stages.stage2.num_threads=1 & stages.stage2.peak_flops=1e12",
     "stages.stage2.checkpoint_interval=5 & stages.stage2.keep_last=3 & stages.stage2.log_interval=2",
     "stages.stage2.watchdog={floor_s: 5} & stages.stage2.monitor={window: 3} & stages.stage2.nonfinite={retries: 0}"
-    " & stages.stage2.tracker={kind: none}",
+    " & stages.stage2.tracker={kind: none} & stages.stage2.loader={prefetch: 5}",
     # post-training: where the trainers run, their micro-batches and checkpoints
     "posttrain.launch={procs_per_node: 2, accelerate_config: configs/accelerate/cpu-ddp.yaml}",
     "posttrain.sft.per_device_batch=4",
