@@ -6,6 +6,11 @@ solution ending in `Answer: N`; prose documents become "Continue this passage" (
 and "Summarise this passage" (its lead sentence: an extractive stand-in for a summary, honest
 about being one). Corpora are curated corpus artifacts (`meta["domain"]`, `path/<split>/`
 shards). The posttrain_data step (tasks/posttrain/data.py) writes what these return.
+
+Every conversation and prompt opens with a system turn naming its reasoning mode for the dual-mode
+chat template (curation/bpe.py): `/no_think` for direct answers, which renders the template's
+short default instructions (the default /think instructions are ~1,100 characters, too long for
+the tiny recipe's rows).
 """
 
 from __future__ import annotations
@@ -17,16 +22,19 @@ from typing import Any
 
 from curation.source_kinds import read_shards
 
+NO_THINK = {"role": "system", "content": "/no_think"}  # a direct answer: an empty think block
 _MATH = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
 
 
 def math_conversation(text: str) -> dict[str, Any] | None:
-    """A math document as (user question, assistant worked solution); None if not one."""
+    """A math document as a no-think conversation (user question, assistant worked solution);
+    None if not one."""
     m = _MATH.match(text.strip())
     if not m:
         return None
     return {
         "messages": [
+            dict(NO_THINK),
             {"role": "user", "content": m["problem"].strip()},
             {"role": "assistant", "content": f"{m['solution'].strip()}\nAnswer: {m['answer']}"},
         ],
@@ -52,7 +60,7 @@ def prose_conversation(text: str, rng: random.Random, words: int = 60) -> dict[s
             lead = " ".join(passage[:20])
         user = "Summarise this passage in one sentence:\n" + body
         reply = lead
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+    return {"messages": [dict(NO_THINK), {"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
 
 
 def _corpus_texts(corpora: Sequence[Any], domain: str, split: str) -> Iterator[str]:
@@ -96,7 +104,7 @@ def arithmetic_prompts(corpora: Sequence[Any], skip: int, n: int) -> list[dict[s
         if seen <= skip:
             continue
         out.append(
-            {"prompt": conv["messages"][:1], "answer": conv["answer"], "reference": conv["messages"][1]["content"]}
+            {"prompt": conv["messages"][:-1], "answer": conv["answer"], "reference": conv["messages"][-1]["content"]}
         )
         if len(out) >= n:
             break

@@ -42,7 +42,7 @@ from trainers.posttrain.sections import ChatDataSpec
 
 @step(
     "posttrain_data",
-    version=2,
+    version=3,
     kind="corpus",
     resource="data",
     isolate=True,
