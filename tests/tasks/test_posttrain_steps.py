@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from curation.conversations import math_conversation
+from curation.conversations import THINK_SYSTEM, math_conversation
 from pipeline.artifact import Artifact, read_marker, run_step
 from tasks.posttrain.data import posttrain_data
 from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
@@ -81,7 +81,7 @@ def corpus_texts(corpora: list[Artifact]) -> list[str]:
     return [d["text"] for a in corpora for d in read_shards(a.path / "train")][:400]
 
 
-DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32)
+DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32, think_share=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,15 @@ def test_builtin_chat_data_keeps_heldout_apart(world):
     train = read_jsonl(world["data"] / "train.jsonl")
     heldout = read_jsonl(world["data"] / "heldout.jsonl")
     prompts = read_jsonl(world["data"] / "prompts.jsonl")
-    assert all(r["messages"][0] == {"role": "system", "content": "/no_think"} for r in train + heldout)
+    # both reasoning modes in SFT (think: a worked trace in <think>...</think>); RL prompts no-think
+    systems = [r["messages"][0]["content"] for r in train + heldout]
+    assert set(systems) == {"/no_think", THINK_SYSTEM}
+    assert all(
+        r["messages"][2]["content"].startswith("<think>\n")
+        for r in train
+        if r["messages"][0]["content"] == THINK_SYSTEM
+    )
+    assert all(p["prompt"][0] == {"role": "system", "content": "/no_think"} for p in prompts)
     key = lambda r: r["messages"][1]["content"]  # noqa: E731
     assert not {key(r) for r in heldout} & {key(r) for r in train}
     # RL prompts are math documents after the SFT ones: not SFT conversations replayed.
