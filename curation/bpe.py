@@ -19,7 +19,9 @@ from typing import Any
 EOS = "<|endoftext|>"
 IM_END = "<|im_end|>"  # the end of a chat turn: generation stops here (and at EOS)
 THINK_TOKENS = ("<think>", "</think>")  # one id each; decoded as text, so a reply keeps its trace
-SPECIAL_TOKENS = (EOS, "<|im_start|>", IM_END, "<|pad|>", *THINK_TOKENS)  # EOS first: id 0
+# Ids reserved in this order by BPE training (EOS first: id 0); save_hf_tokenizer re-marks the
+# think tokens as ordinary added tokens (never split, not skipped when decoding).
+SPECIAL_TOKENS = (EOS, "<|im_start|>", IM_END, "<|pad|>", *THINK_TOKENS)
 
 # SmolLM3's default custom instructions, per reasoning mode (used when the system turn has none).
 THINK_PERSONA = (
