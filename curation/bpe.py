@@ -1,5 +1,5 @@
 """Byte-level BPE tokenizers as files: train one on text, adopt a given tokenizer.json, save a
-Hugging Face folder with our special tokens and ChatML template; which tokenizer an upstream
+Hugging Face folder with our special tokens and dual-mode chat template; which tokenizer an upstream
 step chose; the `.ds` token type of a vocabulary.
 
 The tokenizer step (tasks/tokenizer.py) trains and saves; fertility (tasks/fertility.py) compares
@@ -17,20 +17,62 @@ from pathlib import Path
 from typing import Any
 
 EOS = "<|endoftext|>"
-SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>", "<|pad|>")  # EOS first: id 0
+IM_END = "<|im_end|>"  # the end of a chat turn: generation stops here (and at EOS)
+THINK_TOKENS = ("<think>", "</think>")  # one id each; decoded as text, so a reply keeps its trace
+# Ids reserved in this order by BPE training (EOS first: id 0); save_hf_tokenizer re-marks the
+# think tokens as ordinary added tokens (never split, not skipped when decoding).
+SPECIAL_TOKENS = (EOS, "<|im_start|>", IM_END, "<|pad|>", *THINK_TOKENS)
 
-# ChatML; assistant content and its <|im_end|> are the tokens the assistant-only loss trains on.
+# SmolLM3's default custom instructions, per reasoning mode (used when the system turn has none).
+THINK_PERSONA = (
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant "
+    "involves thoroughly exploring questions through a systematic thinking process before providing "
+    "the final precise and accurate solutions. This requires engaging in a comprehensive cycle of "
+    "analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to "
+    "develop well-considered thinking process. Please structure your response into two main sections: "
+    "Thought and Solution using the specified format: <think> Thought section </think> Solution "
+    "section. In the Thought section, detail your reasoning process in steps. Each step should include "
+    "detailed considerations such as analysing questions, summarizing relevant findings, brainstorming "
+    "new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting "
+    "previous steps. In the Solution section, based on various attempts, explorations, and reflections "
+    "from the Thought section, systematically present the final solution that you deem correct. The "
+    "Solution section should be logical, accurate, and concise and detail necessary steps needed to "
+    "reach the conclusion."
+)
+NO_THINK_PERSONA = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
+
+# SmolLM3's dual-mode ChatML (renders what its published template renders, see
+# docs/posttraining.md and tests/tasks/test_chat_template.py). The mode is /think unless
+# `enable_thinking` is false; a `/think` or `/no_think` in the system turn overrides it (and is
+# removed from the instructions). In /no_think mode every assistant turn, and the generation
+# prompt, opens with an empty think block. Tool turns render as user turns; `xml_tools` and
+# `python_tools` add nothing (as in the published copy). The assistant's content and its
+# <|im_end|> sit inside {% generation %}: the tokens the assistant-only loss trains on.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- set mode = '/think' if enable_thinking is not defined or enable_thinking else '/no_think' -%}"
+    "{%- set custom = '' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set flags = messages[0]['content'] -%}"
+    "{%- if '/no_think' in flags %}{% set mode = '/no_think' %}"
+    "{%- elif '/think' in flags %}{% set mode = '/think' %}{% endif -%}"
+    "{%- set custom = flags.replace('/no_think', '').replace('/think', '').rstrip() -%}"
+    "{%- endif -%}"
+    "{%- set persona = '" + THINK_PERSONA + "' if mode == '/think' else '" + NO_THINK_PERSONA + "' -%}"
+    "{{- '<|im_start|>system\\n## Metadata\\n\\nKnowledge Cutoff Date: June 2025\\n' -}}"
+    "{{- 'Reasoning Mode: ' + mode + '\\n\\n## Custom Instructions\\n\\n' -}}"
+    "{{- (custom or persona) + '\\n\\n<|im_end|>\\n' -}}"
+    "{%- set opening = '<|im_start|>assistant\\n' + ('' if mode == '/think' else '<think>\\n\\n</think>\\n') -%}"
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string else '' -%}"
+    "{%- if message['role'] in ('user', 'tool') -%}"
+    "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- opening -}}"
+    "{% generation %}{{- content.lstrip('\\n') + '<|im_end|>' -}}{% endgeneration %}"
+    "{{- '\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{- opening -}}{% endif -%}"
 )
 
 
@@ -89,14 +131,16 @@ def save_hf_tokenizer(tok, out: Path) -> dict[str, Any]:
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    missing = [t for t in SPECIAL_TOKENS if t not in THINK_TOKENS and tok.token_to_id(t) is None]
     if missing:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    # Never split, but not skipped when decoding: a generated reply keeps its <think> block.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
         pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", IM_END],
     )
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(out))

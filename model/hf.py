@@ -197,7 +197,9 @@ def _copy_tokenizer(tokenizer_dir: str | Path, out_dir: Path) -> None:
     if (tokenizer_dir / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer.save_pretrained(str(out_dir))
+        _stop_at_end_of_turn(tokenizer, out_dir)
     elif (tokenizer_dir / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
 
@@ -205,6 +207,20 @@ def _copy_tokenizer(tokenizer_dir: str | Path, out_dir: Path) -> None:
         tok.save_pretrained(str(out_dir))
     else:
         raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} has neither tokenizer_config.json nor tokenizer.json")
+
+
+def _stop_at_end_of_turn(tokenizer, out_dir: Path) -> None:
+    """Generation stops at `<|im_end|>` (an assistant turn's end, in either reasoning mode) as well
+    as at EOS, when the tokenizer has that token: `generation_config.eos_token_id` lists both."""
+    from transformers import GenerationConfig
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if end is None or end == tokenizer.unk_token_id or not (out_dir / "generation_config.json").exists():
+        return
+    generation = GenerationConfig.from_pretrained(str(out_dir))
+    eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    generation.eos_token_id = list(dict.fromkeys([end, *(i for i in eos if i is not None)]))
+    generation.save_pretrained(str(out_dir))
 
 
 def export_hf(

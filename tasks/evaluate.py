@@ -196,7 +196,7 @@ class EvalSpec(BaseModel):
         return cls(eval=eval.for_run(), long_context=long_context, cloze=not long_context or eval.long_context_cloze)
 
 
-@step("eval_suite", version=2, kind="eval", resource="data", isolate=True, retries=1)
+@step("eval_suite", version=3, kind="eval", resource="data", isolate=True, retries=1)
 def eval_suite(
     config: SuiteSpec, heldout: tuple[Artifact, ...], train: tuple[Artifact, ...], *, out: Path, log=print
 ) -> dict[str, Any]:

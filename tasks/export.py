@@ -1,8 +1,10 @@
 """Export a stage's final checkpoint to a Hugging Face folder: the format of every stage boundary.
 
 The folder (`model/` in the step folder) is a `SmolLM3ForCausalLM` `save_pretrained` export with
-safetensors weights and the run's tokenizer (with its ChatML template), so lm-eval's `hf` model,
-TRL and serving stacks load it with `from_pretrained`; its `README.md` is the model card
+safetensors weights and the run's tokenizer (with its dual-mode think / no-think chat template),
+so lm-eval's `hf` model, TRL and serving stacks load it with `from_pretrained`; its
+`generation_config.json` stops generation at `<|im_end|>` (the end of an assistant turn) as well
+as at `<|endoftext|>`; its `README.md` is the model card
 (model/model_card.py: architecture, the stage's training and data, lineage fingerprints).
 """
 

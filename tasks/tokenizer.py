@@ -2,7 +2,8 @@
 
 The output is a Hugging Face tokenizer folder (`PreTrainedTokenizerFast.save_pretrained`) with
 `tokenizer.json`, the special tokens for documents and chat (`<|endoftext|>` = id 0, the EOS
-between documents; `<|im_start|>`, `<|im_end|>`, `<|pad|>`) and a ChatML chat template whose
+between documents; `<|im_start|>`, `<|im_end|>`, `<|pad|>`; `<think>`, `</think>`, kept when
+decoding) and SmolLM3's dual-mode (think / no-think) chat template (curation/bpe.py), whose
 assistant turns sit inside `{% generation %}` ... `{% endgeneration %}`, so
 `apply_chat_template(..., return_assistant_tokens_mask=True)` (TRL's assistant-only loss) marks
 exactly the assistant's content and its closing `<|im_end|>`.
@@ -57,7 +58,7 @@ def given_tokenizer_digest(config: TokenizerConfig) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
-@step("tokenizer", version=2, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest, retries=1)
+@step("tokenizer", version=3, kind="tokenizer", resource="data", isolate=True, extra=given_tokenizer_digest, retries=1)
 def tokenizer(config: TokenizerConfig, corpora: tuple[Artifact, ...] = (), *, out: Path, log=print) -> dict[str, Any]:
     """Train a BPE tokenizer on curated `corpora` (none when adopting `tokenizer.path`) or adopt
     the given one, and save it into `out`; return the artifact meta."""

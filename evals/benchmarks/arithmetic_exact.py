@@ -1,9 +1,12 @@
 """The `arithmetic_exact` eval task (chat models, post-training suites): a held-out math problem,
 answered by generation and scored by exact match on the final `Answer: N`.
 
-The ChatML prompt our tokenizer's template renders is written into the prompt itself (not
-lm-eval's --apply_chat_template), so the task file alone reproduces the score and a base model
-sees the same string; generation stops at the end of the assistant turn.
+The prompt our tokenizer's dual-mode template renders for a no-think question (a `/no_think`
+system turn, as the built-in SFT data has, or `enable_thinking=False`: the same string, with the
+empty think block the answer follows) is written into the prompt itself (not lm-eval's
+--apply_chat_template), so the task file alone reproduces the score and a base model sees the
+same string (tests/tasks/test_chat_template.py checks it against the template); generation stops
+at the end of the assistant turn.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from typing import Any
 
 from evals.benchmarks.eval_task import WORKED_SOLUTION, EvalTask, local_json_task
 
-CHAT_PROMPT = "<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n"
+CHAT_PROMPT = (
+    "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: /no_think\n\n"
+    "## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n"
+    "<|im_end|>\n<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+)
 GENERATION_TASK = "arithmetic_exact"
 ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
 

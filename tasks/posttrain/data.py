@@ -42,7 +42,7 @@ from trainers.posttrain.sections import ChatDataSpec
 
 @step(
     "posttrain_data",
-    version=2,
+    version=3,
     kind="corpus",
     resource="data",
     isolate=True,
@@ -61,13 +61,14 @@ def posttrain_data(config: ChatDataSpec, corpora: tuple[Artifact, ...], *, out: 
         )
     rejected: Counter = Counter()
     if cfg.uri == "builtin":
-        train = builtin_conversations(corpora, "train", cfg.math_examples, cfg.prose_examples, seed)
+        train = builtin_conversations(corpora, "train", cfg.math_examples, cfg.prose_examples, seed, cfg.think_share)
         heldout = builtin_conversations(
             corpora,
             "heldout",
             cfg.heldout_examples - cfg.heldout_examples // 4,
             cfg.heldout_examples // 4,
             seed,
+            cfg.think_share,
         )
         if cfg.max_examples:
             train = train[: cfg.max_examples]

@@ -1,6 +1,6 @@
 """Supervised fine-tuning with TRL's `SFTTrainer`: chat messages, assistant-only loss, packing.
 
-The conversations are rendered with our tokenizer's ChatML template; its `{% generation %}`
+The conversations are rendered with our tokenizer's dual-mode chat template; its `{% generation %}`
 markers give TRL the assistant-token mask, so only assistant turns (content and closing
 `<|im_end|>`) carry loss (`assistant_only_loss=True`, as SmolLM3). Packing (best-fit decreasing,
 whole conversations, position ids restart per conversation) fills every row of `max_length`.

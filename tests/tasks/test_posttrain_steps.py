@@ -2,7 +2,7 @@
 APO pairs, the soup and linear merges, GRPO resume after a crash, on-policy distillation, the
 exact-match generation eval, the rank entry point and the recipe section's checks.
 
-Models are 2-layer SmolLM3s (hidden 64) exported with our own BPE tokenizer and its ChatML
+Models are 2-layer SmolLM3s (hidden 64) exported with our own BPE tokenizer and its chat
 template, built once per module; every trainer runs 2-4 optimizer steps. The same trainers as
 launched jobs (1 and 2 processes, killed and resumed): tests/trainers/test_posttrain.py.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from curation.conversations import math_conversation
+from curation.conversations import THINK_SYSTEM, math_conversation
 from pipeline.artifact import Artifact, read_marker, run_step
 from tasks.posttrain.data import posttrain_data
 from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
@@ -35,7 +35,7 @@ from trainers.posttrain.sections import (
 
 
 def make_tiny_model(folder: Path, texts: list[str], seed: int = 0, hidden: int = 64) -> Path:
-    """A random 2-layer SmolLM3 exported with a BPE tokenizer (ChatML template) trained on `texts`."""
+    """A random 2-layer SmolLM3 exported with a BPE tokenizer (dual-mode template) trained on `texts`."""
     from curation.bpe import save_hf_tokenizer, train_bpe
     from model.config import ModelConfig
     from model.hf import export_hf
@@ -81,7 +81,7 @@ def corpus_texts(corpora: list[Artifact]) -> list[str]:
     return [d["text"] for a in corpora for d in read_shards(a.path / "train")][:400]
 
 
-DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32)
+DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32, think_share=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def world(tmp_path_factory):
     sft_log: list[str] = []
     sft_progress: list[float] = []
     sft_meta = train_sft(
-        SFTConfig(max_steps=3, batch=4, max_length=128),
+        SFTConfig(max_steps=3, batch=4, max_length=256),
         base,
         root / "data",
         root / "sft",
@@ -129,7 +129,7 @@ def test_verifier_and_rewards():
     assert exact_match_reward([[{"role": "assistant", "content": good}]], ["42"]) == [1.0]
     assert format_reward([good, "Answer: 42", "42"]) == [1.0, 0.0, 0.0]
     conv = math_conversation("Problem: What is 2 + 3?\nSolution: 2 + 3 = 5.\nAnswer: 5")
-    assert conv["messages"][1]["content"] == "2 + 3 = 5.\nAnswer: 5" and conv["answer"] == "5"
+    assert conv["messages"][2]["content"] == "2 + 3 = 5.\nAnswer: 5" and conv["answer"] == "5"
 
 
 def test_builtin_chat_data_keeps_heldout_apart(world):
@@ -138,12 +138,21 @@ def test_builtin_chat_data_keeps_heldout_apart(world):
     train = read_jsonl(world["data"] / "train.jsonl")
     heldout = read_jsonl(world["data"] / "heldout.jsonl")
     prompts = read_jsonl(world["data"] / "prompts.jsonl")
-    key = lambda r: r["messages"][0]["content"]  # noqa: E731
+    # both reasoning modes in SFT (think: a worked trace in <think>...</think>); RL prompts no-think
+    systems = [r["messages"][0]["content"] for r in train + heldout]
+    assert set(systems) == {"/no_think", THINK_SYSTEM}
+    assert all(
+        r["messages"][2]["content"].startswith("<think>\n")
+        for r in train
+        if r["messages"][0]["content"] == THINK_SYSTEM
+    )
+    assert all(p["prompt"][0] == {"role": "system", "content": "/no_think"} for p in prompts)
+    key = lambda r: r["messages"][1]["content"]  # noqa: E731
     assert not {key(r) for r in heldout} & {key(r) for r in train}
     # RL prompts are math documents after the SFT ones: not SFT conversations replayed.
     sft_questions = {key(r) for r in train}
-    assert not {p["prompt"][0]["content"] for p in prompts} & sft_questions
-    kinds = {r["messages"][0]["content"].split("\n")[0] for r in train if "passage" in r["messages"][0]["content"]}
+    assert not {p["prompt"][1]["content"] for p in prompts} & sft_questions
+    kinds = {key(r).split("\n")[0] for r in train if "passage" in key(r)}
     assert kinds <= {"Continue this passage:", "Summarise this passage in one sentence:"} and kinds
     assert all(p["reference"].endswith(f"Answer: {p['answer']}") for p in prompts)
 
@@ -162,7 +171,7 @@ def test_sft_trains_on_assistant_tokens_only(world):
     conv = read_jsonl(world["data"] / "train.jsonl")[0]["messages"]
     enc = tok.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True)
     masked = [t for t, m in zip(enc["input_ids"], enc["assistant_masks"], strict=True) if m]
-    assert tok.decode(masked) == conv[1]["content"] + "<|im_end|>"
+    assert tok.decode(masked) == conv[2]["content"] + "<|im_end|>"
     gen = json.loads((folder / "generation_config.json").read_text())
     assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
 

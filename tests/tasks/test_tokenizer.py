@@ -37,17 +37,11 @@ def test_trains_bpe_with_special_tokens_first(trained):
     assert tok.decode(tok(text)["input_ids"]) == text
 
 
-def test_chat_template_marks_exactly_the_assistant_tokens(trained):
-    out, _ = trained
-    tok = AutoTokenizer.from_pretrained(str(out))
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Name a river."},
-        {"role": "assistant", "content": "The river stone garden."},
-        {"role": "user", "content": "Another?"},
-        {"role": "assistant", "content": "Silver forest bridge."},
-    ]
-    enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+def _assistant_runs(tok, messages, **kwargs) -> list[str]:
+    """The decoded runs of tokens the assistant-token mask marks."""
+    enc = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+    )
     ids, mask = enc["input_ids"], enc["assistant_masks"]
     assert len(ids) == len(mask)
     runs, current = [], []
@@ -59,12 +53,32 @@ def test_chat_template_marks_exactly_the_assistant_tokens(trained):
             current = []
     if current:
         runs.append(current)
-    # each assistant turn is one contiguous run: its content and the <|im_end|> that closes it
-    assert [tok.decode(r) for r in runs] == ["The river stone garden.<|im_end|>", "Silver forest bridge.<|im_end|>"]
+    return [tok.decode(r) for r in runs]
+
+
+def test_chat_template_marks_exactly_the_assistant_tokens(trained):
+    out, _ = trained
+    tok = AutoTokenizer.from_pretrained(str(out))
+    messages = [
+        {"role": "system", "content": "Be brief. /no_think"},
+        {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": "The river stone garden."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Silver forest bridge."},
+    ]
+    # each assistant turn is one contiguous run: its content and the <|im_end|> that closes it; in
+    # no-think mode the empty think block before it is part of the prompt, as at generation
+    runs = _assistant_runs(tok, messages)
+    assert runs == ["The river stone garden.<|im_end|>", "Silver forest bridge.<|im_end|>"]
     text = tok.apply_chat_template(messages, tokenize=False)
-    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert text.startswith("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\n")
+    assert "Reasoning Mode: /no_think\n\n## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n" in text
+    assert "<|im_start|>assistant\n<think>\n\n</think>\nThe river stone garden.<|im_end|>\n" in text
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_start|>assistant\n")
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n")
+    # think mode: the worked trace is the assistant's, so it carries loss too
+    think = [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n5"}]
+    assert _assistant_runs(tok, think) == ["<think>\n2 + 3 = 5\n</think>\n5<|im_end|>"]
 
 
 def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
@@ -78,7 +92,7 @@ def test_adopts_an_existing_tokenizer_json_and_adds_missing_specials(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     meta = tokenizer(TokenizerConfig(path=str(src)), [], out=out)
-    assert meta["origin"] == "given" and meta["vocab_size"] == 7
+    assert meta["origin"] == "given" and meta["vocab_size"] == 9  # 3 words, 4 specials, <think>, </think>
     assert set(meta["special_tokens"]) == set(SPECIAL_TOKENS)
     assert (out / "tokenizer.json").is_file() and base.get_vocab_size() <= 300
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):

@@ -44,7 +44,7 @@ from trainers.posttrain.sections import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SFT = SFTConfig(max_steps=6, batch=8, max_length=128, save_steps=2)
+SFT = SFTConfig(max_steps=6, batch=8, max_length=256, save_steps=2)
 APO = PreferenceConfig(max_steps=6, batch=4, samples_per_prompt=2, max_new_tokens=12, save_steps=2)
 GRPO = GRPOConfig(max_steps=6, batch=4, num_generations=2, max_completion_length=12, save_steps=2, lr=1e-3)
 PT = PosttrainConfig(device="cpu")
@@ -276,7 +276,7 @@ def test_a_trainer_spec_carries_its_trainers_own_section_typed(tmp_path):
     spec = TrainerSpec(trainer="sft", section=SFT, policy="p", data="d", out="o")
     spec.save(tmp_path / "spec.json")
     loaded = TrainerSpec.load(tmp_path / "spec.json")
-    assert loaded == spec and type(loaded.section) is SFTConfig and loaded.section.max_length == 128
+    assert loaded == spec and type(loaded.section) is SFTConfig and loaded.section.max_length == 256
     assert (
         type(TrainerSpec(trainer="preference", section={}, policy="p", data="d", out="o").section) is PreferenceConfig
     )

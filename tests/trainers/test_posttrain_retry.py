@@ -22,7 +22,7 @@ from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, m
 from tests.trainers.test_posttrain import Killer
 from trainers.posttrain.sections import ChatDataSpec, PosttrainConfig, PosttrainSpec, SFTConfig
 
-SFT = SFTConfig(max_steps=6, batch=8, max_length=128, save_steps=2)
+SFT = SFTConfig(max_steps=6, batch=8, max_length=256, save_steps=2)
 
 
 def test_every_post_training_trainer_retries_a_transient_failure_like_pretrain():

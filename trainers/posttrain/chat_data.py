@@ -34,6 +34,12 @@ def extract_answer(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+def question(prompt: list[dict[str, Any]]) -> str:
+    """A chat prompt's last user turn (what a reference solution is keyed by; the system turn
+    before it only names the reasoning mode)."""
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
 def is_correct(text: str, answer: str) -> bool:
     return extract_answer(text) == str(answer).strip()
 

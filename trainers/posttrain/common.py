@@ -2,7 +2,7 @@
 killed run resumes from, live metrics and progress, saving a model.
 
 A post-training step reads an `hf_model` artifact (a `save_pretrained` folder with our tokenizer
-and its ChatML template) and writes another into `{step folder}/model`. Saved models stop
+and its chat template) and writes another into `{step folder}/model`. Saved models stop
 generation at `<|im_end|>` (the end of an assistant turn) as well as at `<|endoftext|>`.
 
 The trainers are TRL's and run on every rank of a launch (`python -m trainers.posttrain SPEC.json`
@@ -97,7 +97,7 @@ def load_policy(folder: Path, bf16: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if tokenizer.chat_template is None:
         raise ValueError(
-            f"tokenizer in {folder} has no chat template; post-training needs the ChatML template "
+            f"tokenizer in {folder} has no chat template; post-training needs the chat template "
             "from tasks/tokenizer.py (export the model with the run's tokenizer)"
         )
     if tokenizer.pad_token is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.files import write_atomic
-from trainers.posttrain.chat_data import is_correct, preference_rows, read_jsonl
+from trainers.posttrain.chat_data import is_correct, preference_rows, question, read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -98,7 +98,7 @@ def verified_pairs(
         total += len(outs)
         if not wrong:
             continue
-        chosen = right[0] if right else (reference or {}).get(item["prompt"][0]["content"])
+        chosen = right[0] if right else (reference or {}).get(question(item["prompt"]))
         if chosen is None:
             continue
         from_policy += bool(right)
@@ -118,7 +118,7 @@ def verified_pairs(
 
 def reference_solutions(data: Path) -> dict[str, str]:
     """The reference worked solution of every prompt, keyed by its question."""
-    return {r["prompt"][0]["content"]: r["reference"] for r in read_jsonl(data / "prompts.jsonl") if "reference" in r}
+    return {question(r["prompt"]): r["reference"] for r in read_jsonl(data / "prompts.jsonl") if "reference" in r}
 
 
 def self_pairs(cfg: PreferenceConfig, model, tokenizer, data: Path, seed: int, log) -> tuple[list, dict]:

@@ -54,6 +54,9 @@ class ChatDataConfig(_Config):
     max_examples: int | None = Field(default=None, gt=0)  # cap on conversations read
     math_examples: int = Field(default=600, ge=0)  # builtin: arithmetic conversations
     prose_examples: int = Field(default=150, ge=0)  # builtin: summarise/continue conversations
+    # builtin: share of arithmetic conversations answered in think mode (a worked trace in
+    # <think>...</think>); the others, and every prose one, answer directly (/no_think)
+    think_share: float = Field(default=0.0, ge=0.0, le=1.0)
     heldout_examples: int = Field(default=64, ge=0)  # conversations kept for SFT eval loss
     held_out_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)  # files:/hf: held-out share
     prompts: int = Field(default=256, ge=1)  # arithmetic prompts (with answers) for APO/GRPO/OPD
