@@ -41,7 +41,7 @@ from lm_eval.models.huggingface import HFLM
 from infra.progress import Progress
 from model.attention import AttentionMask
 from model.model import SmolLM3
-from model.rope import inv_frequencies, rope_cos_sin
+from model.rope import rope_cos_sin, rope_tables
 
 # One request as lm-eval hands it to `_loglikelihood_tokens`: (cache key, context, continuation).
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
@@ -65,7 +65,8 @@ def smollm3_view(hf_model) -> SmolLM3 | None:
         ours = SmolLM3(cfg)
     ours.load_state_dict(weights, assign=True, strict=True)
     # RoPE tables are not weights: build them on the model's device.
-    ours.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta).to(device)
+    inv_freq, ours.rope_scale = rope_tables(cfg)
+    ours.inv_freq = inv_freq.to(device)
     return ours.eval()
 
 
@@ -207,7 +208,7 @@ def score_requests(
                 owner += [i] * len(tokens)
         ids, pos, ends = ids.to(device), pos.to(device), ends.to(device)
         x = model.embed(ids)  # (B, T, H)
-        cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype)  # (B, 1, T, hd) each
+        cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype, model.rope_scale)  # (B, 1, T, hd) each
         mask = AttentionMask("dense", dense=_mask(ends))
         for block in model.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
