@@ -219,6 +219,22 @@ def to_hf_model(model: SmolLM3, eos_token_id: int | None = None):
     return hf.eval()
 
 
+def read_with_rope_scaling(hf, scaling: RopeScaling):
+    """A loaded `SmolLM3ForCausalLM` (in place) read with `scaling` from now on: its config's
+    `rope_parameters` and `max_position_embeddings` as an export of that config would hold them,
+    its rotary tables rebuilt on its device (the weights are untouched). Refuses a model our
+    SmolLM3 cannot express, or one already scaled, naming what it holds."""
+    cfg = from_hf_config(hf.config, "the model to read with rope scaling")
+    if cfg.rope_scaling is not None:
+        raise ValueError(f"the model already has rope scaling {cfg.rope_scaling}; export it without, then scale it")
+    scaled = cfg.replace(rope_scaling=scaling, max_seq_len=max(cfg.max_seq_len, scaling.max_positions))
+    hf.config.rope_parameters = rope_parameters(scaled)
+    hf.config.max_position_embeddings = scaled.max_seq_len
+    device = next(hf.parameters()).device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(device)
+    return hf
+
+
 def _copy_tokenizer(tokenizer_dir: str | Path, out_dir: Path) -> None:
     tokenizer_dir = Path(tokenizer_dir)
     if (tokenizer_dir / "tokenizer_config.json").exists():
