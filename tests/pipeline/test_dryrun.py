@@ -276,7 +276,7 @@ def test_the_evaluation_past_the_trained_length_adds_two_evaluations_and_moves_n
     """`eval.beyond_factor` + `eval.beyond_passkey_words` (docs/model.md "Long context: YaRN"):
     two evaluations of the last stage's export, plain and YaRN; the suite gains the passkey_beyond
     task (its evaluations and the report rerun); no training, export or post-training suite moves.
-    Unset, nothing of the graph exists and no fingerprint is the one it had before."""
+    Unset (`null`), neither evaluation is in the graph."""
     off = graph(
         load_recipe(
             "tiny", ["workspace=/nonexistent-smollm3-plan", "eval.beyond_factor=null", "eval.beyond_passkey_words=null"]
