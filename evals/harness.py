@@ -9,6 +9,7 @@ reads `headline_metric` and `items_scored`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -22,11 +23,15 @@ from infra.files import write_atomic
 from pipeline.artifact import Artifact
 
 
-def stage_tasks(cfg: Any, suite: Artifact, long_context: bool, cloze: bool = True) -> list[str]:
+def stage_tasks(cfg: Any, suite: Artifact, long_context: bool, cloze: bool = True, beyond: bool = False) -> list[str]:
     """What to run on a model: every task of the suite but passkey retrieval (the cloze tasks,
     and the exact-match task of a post-training suite) unless `cloze` is off, passkey retrieval
-    after context extension, and the recipe's extra lm-eval tasks."""
+    after context extension, and the recipe's extra lm-eval tasks. `beyond` (a model read past
+    its trained length): only the tasks built for that (`EvalTask.beyond_training`)."""
     built = list(suite.meta.get("tasks", {}))
+    if beyond:
+        return [t for t in built if (task := task_of(t)) is not None and task.beyond_training]
+    built = [t for t in built if (task := task_of(t)) is None or not task.beyond_training]
     long = {t for t in built if (task := task_of(t)) is not None and task.long_context}
     short = [t for t in built if t not in long] if cloze else []
     passkey = [t for t in built if t in long] if long_context else []
@@ -120,6 +125,8 @@ def run_lm_eval(
     out: Path,
     harness_model: str = "prefix_sharing",
     progress: Any = None,
+    max_length: int | None = None,
+    rope_scaling: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Scores per task from lm-eval: {task: {acc, acc_stderr, acc_norm, ...}}; lm-eval's own
     results (configs, versions, n-shot, n-samples, model args, environment) go to
@@ -127,12 +134,17 @@ def run_lm_eval(
 
     `harness_model` "prefix_sharing" (default) is lm-eval's `hf` model with each shared context
     scored once (evals/lm.py, same scores); "hf" is lm-eval's stock `hf` model.
-    `progress`: a `evals.lm.EvalProgress` (prefix_sharing only) that logs items done."""
+    `progress`: a `evals.lm.EvalProgress` (prefix_sharing only) that logs items done.
+    `max_length`: lm-eval's window in tokens (None: the model's `max_position_embeddings`);
+    `rope_scaling`: a `model.config.RopeScaling` the model is read with (prefix_sharing only:
+    the stock `hf` model takes no config change), recorded in the results' config."""
     import lm_eval.models  # noqa: F401  (registers the built-in `hf` model before any lookup)
     import torch
 
     if harness_model not in HARNESS_MODELS:
         raise ValueError(f"harness_model must be one of {HARNESS_MODELS}, got {harness_model!r}")
+    if rope_scaling is not None and harness_model != "prefix_sharing":
+        raise ValueError(f"rope_scaling needs harness_model 'prefix_sharing', got {harness_model!r}")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hub = [t for t in tasks if t in cfg.lm_eval_tasks]
     # lm-eval reads the task files from a fresh private folder (mode 0700, removed after the run),
@@ -140,13 +152,15 @@ def run_lm_eval(
     # read. `out/tasks` keeps a copy of what ran, for people.
     private = Path(tempfile.mkdtemp(prefix="smollm3-lm-eval-tasks-"))
     try:
-        return _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, device, progress)
+        reading = {"max_length": max_length, "rope_scaling": rope_scaling}
+        return _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, device, progress, reading)
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, device, progress):
-    """`run_lm_eval` with its task files in the private folder `private`."""
+def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, device, progress, reading):
+    """`run_lm_eval` with its task files in the private folder `private`; `reading`: its
+    `max_length` and `rope_scaling`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
@@ -159,13 +173,21 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
     # `model_args` then paste into `lm_eval run --model hf --model_args ... --device ...` (with a
     # `device=` inside them lm-eval's CLI, whose --device defaults to cuda:0, passes it twice).
     model_args = {"pretrained": str(model_dir), "dtype": "float32"}
+    if reading["max_length"] is not None:
+        model_args["max_length"] = reading["max_length"]
     if harness_model == "hf":
         model = "hf"
     else:
         from evals.lm import PrefixSharingLM
 
         # An instance, not a registry name: nothing global is added per call.
-        model = PrefixSharingLM(**model_args, device=device, batch_size=cfg.batch_size, progress=progress)
+        model = PrefixSharingLM(
+            **model_args,
+            device=device,
+            batch_size=cfg.batch_size,
+            progress=progress,
+            rope_scaling=reading["rope_scaling"],
+        )
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=",".join(f"{k}={v}" for k, v in model_args.items()),
@@ -187,6 +209,8 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
             and not (isinstance(v, float) and v != v)
         }
     results["config"]["harness_model"] = harness_model
+    if reading["rope_scaling"] is not None:  # not in model_args: a config change lm-eval's CLI cannot pass
+        results["config"]["rope_scaling"] = dataclasses.asdict(reading["rope_scaling"])
     (out / "lm_eval_results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable))
     return scores
 

@@ -40,8 +40,9 @@ from lm_eval.models.huggingface import HFLM
 
 from infra.progress import Progress
 from model.attention import AttentionMask
+from model.config import RopeScaling
 from model.model import SmolLM3
-from model.rope import inv_frequencies, rope_cos_sin
+from model.rope import rope_cos_sin, rope_tables
 
 # One request as lm-eval hands it to `_loglikelihood_tokens`: (cache key, context, continuation).
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
@@ -65,7 +66,8 @@ def smollm3_view(hf_model) -> SmolLM3 | None:
         ours = SmolLM3(cfg)
     ours.load_state_dict(weights, assign=True, strict=True)
     # RoPE tables are not weights: build them on the model's device.
-    ours.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta).to(device)
+    inv_freq, ours.rope_scale = rope_tables(cfg)
+    ours.inv_freq = inv_freq.to(device)
     return ours.eval()
 
 
@@ -207,7 +209,7 @@ def score_requests(
                 owner += [i] * len(tokens)
         ids, pos, ends = ids.to(device), pos.to(device), ends.to(device)
         x = model.embed(ids)  # (B, T, H)
-        cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype)  # (B, 1, T, hd) each
+        cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype, model.rope_scale)  # (B, 1, T, hd) each
         mask = AttentionMask("dense", dense=_mask(ends))
         for block in model.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
@@ -231,7 +233,9 @@ class PrefixSharingLM(HFLM):
     """lm-eval's `hf` model whose log-likelihood requests are scored once per shared prefix on
     our SmolLM3 (see the module docstring). `batch_tokens` bounds the padded tokens per forward.
     Requests whose window exceeds `dense_limit` tokens (long-context models) keep the `hf`
-    scoring: its causal attention needs no (T, T) mask."""
+    scoring: its causal attention needs no (T, T) mask. `rope_scaling` (YaRN, model/config.py
+    `RopeScaling`) reads the loaded model with it, in both scorings (model/hf.py
+    `read_with_rope_scaling`); lm-eval's window is then its served length unless `max_length` says."""
 
     def __init__(
         self,
@@ -239,9 +243,16 @@ class PrefixSharingLM(HFLM):
         batch_tokens: int = 4096,
         dense_limit: int = 8192,
         progress: EvalProgress | None = None,
+        rope_scaling: RopeScaling | None = None,
         **kwargs,
     ) -> None:
+        if rope_scaling is not None:
+            kwargs.setdefault("max_length", rope_scaling.max_positions)
         super().__init__(pretrained=pretrained, **kwargs)
+        if rope_scaling is not None:
+            from model.hf import read_with_rope_scaling
+
+            read_with_rope_scaling(self.model, rope_scaling)
         if batch_tokens <= 0 or dense_limit <= 0:
             raise ValueError(f"batch_tokens and dense_limit must be > 0, got {batch_tokens}, {dense_limit}")
         self.batch_tokens, self.dense_limit = batch_tokens, dense_limit

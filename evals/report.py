@@ -58,11 +58,14 @@ def _items(art: Artifact) -> dict[str, int]:
 
 
 def _task_order(task: str) -> tuple:
-    """Columns: cloze tasks, passkeys by length, generation, then other (hub) tasks."""
+    """Columns: cloze tasks, passkeys by length (those past the trained length last), generation,
+    then other (hub) tasks."""
     if task.endswith("_cloze"):
         return (0, task)
     if task.startswith("passkey_") and task[8:].isdigit():
         return (1, int(task[8:]))
+    if task.startswith("passkey_beyond_") and task[15:].isdigit():
+        return (1, 1 << 30, int(task[15:]))
     return (2, "") if task == GENERATION_TASK else (3, task)
 
 

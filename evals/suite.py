@@ -27,6 +27,7 @@ from evals.benchmarks.eval_task import (
     task_yaml,  # noqa: F401  re-exported: NOT YET, see below
 )
 from evals.benchmarks.passkey import Passkey
+from evals.benchmarks.passkey_beyond import PasskeyBeyond
 from evals.benchmarks.prose_cloze import ProseCloze
 
 # NOT YET: three names re-exported above for tests of other steps, moved by others as this lands
@@ -55,6 +56,7 @@ TASKS = registry(
     ArithmeticCloze(),
     Passkey(),
     ArithmeticExact(),
+    PasskeyBeyond(),
 )
 
 SUITE_TASK = re.compile("|".join(f"(?:{task.names})" for task in TASKS))  # every task name the suite may write

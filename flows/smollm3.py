@@ -78,6 +78,15 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
             model=model,
             suite=suite,
         )
+    if cfg.eval.beyond_factor is not None:  # the last stage past its length, plain RoPE and YaRN
+        for yarn in (False, True):
+            g.add(
+                evaluate,
+                EvalSpec.past_training(cfg.eval, run.spec.seq_len, yarn),
+                label=f"{run.name}-x{cfg.eval.beyond_factor:g}" + ("-yarn" if yarn else ""),
+                model=model,
+                suite=suite,
+            )
     final = model
     if cfg.posttrain is not None:
         final = post_train(g, cfg, model, d.clean)
@@ -154,7 +163,9 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     suite = g.add(
         eval_suite,
         SuiteSpec(
-            eval=cfg.eval.for_suite().model_copy(update={"items_per_task": pt.eval.cloze_items}),
+            eval=cfg.eval.for_suite().model_copy(
+                update={"items_per_task": pt.eval.cloze_items, "beyond_passkey_words": None}
+            ),
             seed=cfg.seed,
             generation_items=pt.eval.generation_items,
             max_gen_tokens=pt.eval.max_gen_tokens,

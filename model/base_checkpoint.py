@@ -240,6 +240,12 @@ def describe_hf(lineage: Lineage, folder: Path, data_checkpoint: Path, run_id: s
 
     # AutoConfig keeps the folder's own model_type; the check names what our model cannot hold.
     model_config = from_hf_config(AutoConfig.from_pretrained(str(folder)), f"base HF model {folder}").to_dict()
+    if "rope_scaling" in model_config:  # YaRN reads a model past its trained length; training never uses it
+        raise ValueError(
+            f"base HF model {folder} has rope scaling {model_config['rope_scaling']} (YaRN, for reading past "
+            "the trained length): continue from the export without it (remove rope_parameters' YaRN keys "
+            "from its config.json)"
+        )
     return context.model_copy(
         update={
             "checkpoint": str(folder.resolve()),

@@ -4,6 +4,12 @@ A frozen dataclass validated on construction. Presets are named constructors
 (`ModelConfig.tiny()`, `ModelConfig.smollm3_3b()`, `ModelConfig.ablation_1b()`) and
 `ModelConfig.from_preset(name, **overrides)` is the one string-keyed entry point used by
 training specs. `num_parameters()` counts parameters analytically, without allocating.
+
+`RopeScaling` is YaRN (Peng et al. 2023, arXiv:2309.00071) as transformers computes it
+(`modeling_rope_utils._compute_yarn_parameters`): a model trained at `original_max_position_embeddings`
+read at `factor` x that length. SmolLM3 is trained without it and served at 128k with factor 2
+over its 64k stage (docs/model.md "Long context: YaRN"); here it is set for evaluation and export,
+never for training.
 """
 
 from __future__ import annotations
@@ -12,6 +18,52 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN: RoPE frequencies interpolated by `factor` where a dimension turns fewer than
+    `beta_slow` times over the trained length, kept where it turns more than `beta_fast` times,
+    a linear ramp between; cos and sin scaled by `attention_factor` (model/rope.py)."""
+
+    factor: float  # served length / trained length (SmolLM3: 2.0, 64k -> 128k)
+    original_max_position_embeddings: int  # the length the model was trained at (SmolLM3: 65536)
+    beta_fast: float = 32.0  # rotations over the trained length above which a dimension is kept
+    beta_slow: float = 1.0  # rotations below which a dimension is fully interpolated
+    attention_factor: float | None = None  # cos/sin scale; None = 0.1 ln(factor) + 1 (the paper's)
+    truncate: bool = True  # round the ramp's ends to whole dimensions (transformers' default)
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, name)
+            if value is None and name == "attention_factor":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"RopeScaling.{name} must be a finite number, got {value!r}")
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):  # one JSON form: 2 -> 2.0
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if self.factor < 1:
+            raise ValueError(f"RopeScaling.factor must be >= 1 (a longer context), got {self.factor!r}")
+        original = self.original_max_position_embeddings
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ValueError(f"RopeScaling.original_max_position_embeddings must be a positive int, got {original!r}")
+        if self.beta_fast < self.beta_slow:
+            raise ValueError(f"RopeScaling.beta_fast={self.beta_fast} must be >= beta_slow={self.beta_slow}")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(f"RopeScaling.attention_factor must be > 0, got {self.attention_factor!r}")
+
+    @property
+    def max_positions(self) -> int:
+        """The length the scaling serves: factor x the trained length."""
+        return int(self.factor * self.original_max_position_embeddings)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_scaling`)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -32,8 +84,17 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on per-head queries and keys (off in SmolLM3; not HF-exportable)
     z_loss: float = 0.0  # coefficient of the logsumexp^2 auxiliary loss (0 = off, as SmolLM3)
     init_std: float = 0.02  # std of the normal init of every linear and embedding weight
+    # YaRN for reading past the trained length (evaluation, export); None = plain RoPE, as trained
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # from JSON (a checkpoint's config, a recipe)
+            unknown = set(self.rope_scaling) - {f.name for f in dataclasses.fields(RopeScaling)}
+            if unknown:
+                raise ValueError(f"unknown ModelConfig.rope_scaling fields {sorted(unknown)}")
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         positive = (
             "vocab_size",
             "hidden_size",
@@ -95,7 +156,18 @@ class ModelConfig:
         return embed + self.num_layers * per_layer + h + head  # + final norm
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Its fields as JSON values; `rope_scaling` only when set (configs written before it
+        existed read back equal)."""
+        data = dataclasses.asdict(self)
+        if self.rope_scaling is None:
+            del data["rope_scaling"]
+        return data
+
+    def with_yarn(self, factor: float, trained_len: int | None = None, **options: Any) -> ModelConfig:
+        """This model read at `factor` x `trained_len` (default: its max_seq_len) with YaRN: the
+        scaling set and max_seq_len raised to the served length."""
+        scaling = RopeScaling(factor, trained_len or self.max_seq_len, **options)
+        return self.replace(rope_scaling=scaling, max_seq_len=max(self.max_seq_len, scaling.max_positions))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

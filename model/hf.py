@@ -6,7 +6,9 @@ evaluation (lm-eval `hf`), TRL post-training and serving load with `from_pretrai
 arithmetic), so a round trip reproduces every tensor bit for bit.
 
 Our NoPE interval becomes transformers' per-layer `no_rope_layers` list, where 1 means RoPE and
-0 means NoPE; the tied head is written as `lm_head.weight` = the embedding.
+0 means NoPE; the tied head is written as `lm_head.weight` = the embedding. YaRN
+(`ModelConfig.rope_scaling`) is `rope_parameters` `{"rope_type": "yarn", ...}`, which transformers
+also reads in the legacy form of SmolLM3's model card (`"rope_scaling": {"type": "yarn", ...}`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,29 @@ from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
+from model.config import ModelConfig, RopeScaling
 from model.model import SmolLM3
+
+# The YaRN keys of transformers' `rope_parameters` our RopeScaling holds (mscale and
+# mscale_all_dim, DeepSeek's variant of the attention factor, it does not).
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate")
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' `rope_parameters` of our config: plain RoPE, or YaRN with every setting
+    written out (no default left to the reader's version)."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    yarn = {k: v for k in _YARN_KEYS if (v := getattr(cfg.rope_scaling, k)) is not None}
+    return {"rope_type": "yarn", "rope_theta": float(cfg.rope_theta), **yarn}
+
+
+def _rope_scaling(rope: dict) -> RopeScaling | None:
+    """Our RopeScaling of transformers' `rope_parameters` (None: plain RoPE)."""
+    if rope.get("rope_type", "default") == "default":
+        return None
+    options = {k: rope[k] for k in _YARN_KEYS[2:] if rope.get(k) is not None}
+    return RopeScaling(float(rope["factor"]), int(rope["original_max_position_embeddings"]), **options)
 
 
 def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None):
@@ -37,7 +60,7 @@ def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None):
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_parameters=rope_parameters(cfg),
         no_rope_layers=[int(cfg.uses_rope(i)) for i in range(cfg.num_layers)],
         no_rope_layer_interval=cfg.no_rope_interval or cfg.num_layers + 1,
         tie_word_embeddings=cfg.tie_embeddings,
@@ -88,8 +111,11 @@ def unsupported_features(hf_cfg) -> list[str]:
             f"{len(sliding)} layer(s) {sorted(set(sliding)) or ['full_attention']}; ours attend to the whole sequence)"
         )
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        found.append(f"rope scaling {rope} (only plain RoPE, rope_type 'default', imports)")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "yarn"):
+        found.append(f"rope scaling {rope} (only plain RoPE and YaRN, rope_type 'default' or 'yarn', import)")
+    elif rope_type == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("factor") is None):
+        found.append(f"rope scaling {rope} (YaRN with mscale/mscale_all_dim or without a factor; ours has neither)")
     heads, hidden = getattr(hf_cfg, "num_attention_heads", 0), getattr(hf_cfg, "hidden_size", 0)
     head_dim = getattr(hf_cfg, "head_dim", None)
     if head_dim is not None and heads and head_dim != hidden // heads:
@@ -125,6 +151,7 @@ def from_hf_config(hf_cfg, what: str = "this model") -> ModelConfig:
         rms_norm_eps=hf_cfg.rms_norm_eps,
         tie_embeddings=bool(hf_cfg.tie_word_embeddings),
         init_std=hf_cfg.initializer_range,
+        rope_scaling=_rope_scaling(rope),
     )
 
 
@@ -190,6 +217,22 @@ def to_hf_model(model: SmolLM3, eos_token_id: int | None = None):
     # Buffers (RoPE inverse frequencies) were on meta; rebuild them from the config.
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg)
     return hf.eval()
+
+
+def read_with_rope_scaling(hf, scaling: RopeScaling):
+    """A loaded `SmolLM3ForCausalLM` (in place) read with `scaling` from now on: its config's
+    `rope_parameters` and `max_position_embeddings` as an export of that config would hold them,
+    its rotary tables rebuilt on its device (the weights are untouched). Refuses a model our
+    SmolLM3 cannot express, or one already scaled, naming what it holds."""
+    cfg = from_hf_config(hf.config, "the model to read with rope scaling")
+    if cfg.rope_scaling is not None:
+        raise ValueError(f"the model already has rope scaling {cfg.rope_scaling}; export it without, then scale it")
+    scaled = cfg.replace(rope_scaling=scaling, max_seq_len=max(cfg.max_seq_len, scaling.max_positions))
+    hf.config.rope_parameters = rope_parameters(scaled)
+    hf.config.max_position_embeddings = scaled.max_seq_len
+    device = next(hf.parameters()).device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(device)
+    return hf
 
 
 def _copy_tokenizer(tokenizer_dir: str | Path, out_dir: Path) -> None:
@@ -258,8 +301,8 @@ def export_hf(
 
 def import_hf(path: str | Path) -> SmolLM3:
     """Our model from a `SmolLM3ForCausalLM` folder (or a loaded `SmolLM3ForCausalLM`); a model
-    using what ours cannot compute (biases, another activation, sliding windows, rope scaling, an
-    explicit head_dim, unmapped tensors) is refused, naming each (`unsupported_features`)."""
+    using what ours cannot compute (biases, another activation, sliding windows, rope scaling
+    other than YaRN, an explicit head_dim, unmapped tensors) is refused, naming each (`unsupported_features`)."""
     if isinstance(path, str | Path):
         from safetensors.torch import load_file
         from transformers import AutoConfig

@@ -4,6 +4,7 @@ Design choices (all from the SmolLM3 recipe unless noted):
 - pre-norm blocks: x + attn(norm(x)), then x + mlp(norm(x)); RMSNorm, eps 1e-6;
 - grouped-query attention (16 query heads share 4 KV heads at 3B);
 - RoPE (theta 50k) on every layer except every `no_rope_interval`-th (NoPE: 3, 7, 11, ...);
+  YaRN (`rope_scaling`) only when the model is read past its trained length, never in training;
 - SwiGLU feed-forward, no biases anywhere;
 - tied input embedding and output head (the head is `F.linear` on the embedding weight, so
   there is one parameter to shard, checkpoint and decay-exclude);
@@ -37,7 +38,7 @@ from model.attention import Attention, build_attention_mask
 from model.config import ModelConfig
 from model.layers import RMSNorm, SwiGLU
 from model.loss import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, linear_cross_entropy
-from model.rope import inv_frequencies, positions_from_doc_ids, rope_cos_sin
+from model.rope import positions_from_doc_ids, rope_cos_sin, rope_tables
 
 __all__ = ["IGNORE_INDEX", "CausalLMOutput", "SmolLM3"]
 
@@ -82,7 +83,8 @@ class SmolLM3(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Not persistent: RoPE tables are a function of the config (rope_theta may change
         # between stages for context extension) and must never come back from a checkpoint.
-        self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False)
+        inv_freq, self.rope_scale = rope_tables(cfg)  # rope_scale: YaRN's cos/sin factor, else 1.0
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.loss_chunk_tokens = DEFAULT_CHUNK_TOKENS  # logits rows alive at once in the loss
         self.init_weights()
 
@@ -107,7 +109,7 @@ class SmolLM3(nn.Module):
                 module.weight.copy_(w)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-        self.inv_freq.copy_(inv_frequencies(self.config.head_dim, self.config.rope_theta))
+        self.inv_freq.copy_(rope_tables(self.config)[0])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -130,7 +132,7 @@ class SmolLM3(nn.Module):
         # One additive mask for every layer, made here (outside any checkpointed block): SDPA
         # would otherwise convert the bool mask into a (B, 1, T, T) float copy in every layer.
         mask = build_attention_mask(doc_ids, self.attention_backend).for_dtype(_compute_dtype(x))
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B or 1, 1, T, hd) each
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)  # (B or 1, 1, T, hd) each
         for block in self.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
         x = self.norm(x)

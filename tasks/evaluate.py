@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.source_kinds import read_shards
 from evals.harness import (
@@ -50,7 +50,8 @@ from evals.harness import (
     suite_task_files,
 )
 from evals.suite import build_suite
-from pipeline.artifact import Artifact, operational
+from model.config import RopeScaling
+from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
 
 
@@ -79,18 +80,34 @@ class EvalConfig(BaseModel):
     # passkey retrieval (the tiny recipe: its long stages train a few steps, and the final long
     # model is scored on the cloze tasks by post-training's `evaluate[base]` anyway)
     long_context_cloze: bool = True
+    # The last stage read past its trained length (docs/model.md "Long context: YaRN"): at this
+    # many times its seq_len, with plain RoPE and with YaRN (SmolLM3: 2, 64k -> 128k); None = not
+    beyond_factor: float | None = added_identity(None, ge=1.0)
+    # passkey filler of those evaluations, in words: more than the trained length, at most the factor x
+    beyond_passkey_words: int | None = added_identity(None, gt=0, le=2**18)
+
+    @model_validator(mode="after")
+    def _beyond_has_its_passkeys(self) -> EvalConfig:
+        if self.beyond_factor is not None and self.beyond_passkey_words is None:
+            raise ValueError(
+                f"eval.beyond_factor={self.beyond_factor} needs eval.beyond_passkey_words (the passkey length, "
+                "in words, those evaluations score)"
+            )
+        return self
 
     def for_suite(self) -> EvalConfig:
         """This section as the eval_suite step sees it: the fields that only say how models are
         evaluated are at their defaults, so changing them does not rebuild the suite."""
         return self.model_copy(
-            update={f: type(self).model_fields[f].default for f in (*_RUN_FIELDS, "long_context_cloze")}
+            update={
+                f: type(self).model_fields[f].default for f in (*_RUN_FIELDS, "long_context_cloze", "beyond_factor")
+            }
         )
 
     def for_run(self) -> EvalConfig:
         """This section as the evaluate step sees it: only the fields that say how models are
         evaluated; the suite's fields are at their defaults (the suite input carries them)."""
-        keep = set(_RUN_FIELDS)  # long_context_cloze reaches the step as EvalSpec.cloze
+        keep = set(_RUN_FIELDS)  # long_context_cloze and beyond_factor reach the step as EvalSpec's
         return self.model_copy(
             update={f: type(self).model_fields[f].default for f in type(self).model_fields if f not in keep}
         )
@@ -181,6 +198,25 @@ class SuiteSpec(BaseModel):
     max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
 
 
+class BeyondSpec(BaseModel):
+    """A model read past the length it was trained at: lm-eval's window is `factor` x
+    `trained_len` tokens, the RoPE plain or YaRN (model/config.py `RopeScaling`, factor over
+    the trained length: how SmolLM3 is served at 128k)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trained_len: int = Field(gt=0)  # the last stage's seq_len
+    factor: float = Field(ge=1.0)  # read at factor x trained_len
+    yarn: bool  # YaRN over the trained length (else plain RoPE, extrapolated)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.factor * self.trained_len)
+
+    def rope_scaling(self) -> RopeScaling | None:
+        return RopeScaling(self.factor, self.trained_len) if self.yarn else None
+
+
 class EvalSpec(BaseModel):
     """The evaluate step's config: how to score a model, and whether it is long-context (passkey
     retrieval runs only then). The tasks come from the suite input, not from the flow."""
@@ -190,10 +226,20 @@ class EvalSpec(BaseModel):
     eval: EvalConfig
     long_context: bool = False  # a context-extension stage: passkey retrieval runs too
     cloze: bool = True  # the suite's short tasks run too (`eval.long_context_cloze` after extension)
+    beyond: BeyondSpec | None = added_identity(None)  # read past the trained length: its passkeys only
 
     @classmethod
     def of(cls, eval: EvalConfig, long_context: bool = False) -> EvalSpec:
         return cls(eval=eval.for_run(), long_context=long_context, cloze=not long_context or eval.long_context_cloze)
+
+    @classmethod
+    def past_training(cls, eval: EvalConfig, trained_len: int, yarn: bool) -> EvalSpec:
+        """The evaluation of the last stage at `eval.beyond_factor` x its `trained_len`."""
+        if eval.beyond_factor is None:
+            raise ValueError("eval.beyond_factor is not set: no evaluation past the trained length")
+        beyond = BeyondSpec(trained_len=trained_len, factor=eval.beyond_factor, yarn=yarn)
+        run = eval.for_run().model_copy(update={"lm_eval_tasks": ()})  # its passkeys only
+        return cls(eval=run, long_context=True, cloze=False, beyond=beyond)
 
 
 @step("eval_suite", version=3, kind="eval", resource="data", isolate=True, retries=1)
@@ -221,7 +267,9 @@ def evaluate(
     from evals.lm import EvalProgress
 
     cfg = config.eval
-    tasks = stage_tasks(cfg, suite, config.long_context, config.cloze)
+    tasks = stage_tasks(cfg, suite, config.long_context, config.cloze, beyond=config.beyond is not None)
+    if config.beyond is not None and not tasks:
+        raise ValueError(f"the suite {suite.short} has no passkey_beyond task: set eval.beyond_passkey_words")
     available = set(suite.meta["tasks"])
     missing = [t for t in tasks if t not in available and t not in cfg.lm_eval_tasks]
     if missing:
@@ -232,6 +280,12 @@ def evaluate(
     expected = {t: min(suite.meta["tasks"][t], cfg.limit or 1 << 60) for t in tasks if t in available}
     listing = ", ".join(f"{t} ({expected[t]} items)" if t in expected else t for t in tasks)
     log(f"evaluating {model.meta.get('stage', model.short)} ({model.meta['model_dir']}) on {listing}")
+    reading: dict[str, Any] = {}
+    if config.beyond is not None:
+        b = config.beyond
+        reading = {"max_length": b.max_length, "rope_scaling": b.rope_scaling()}
+        how = f"YaRN {reading['rope_scaling']}" if b.yarn else "plain RoPE"
+        log(f"read at {b.max_length} tokens ({b.factor:g} x the trained {b.trained_len}) with {how}")
     meter = EvalProgress(log, progress, expected)
     # lm-eval runs only task files the suite's builders regenerate here, in a private folder
     # (evals/harness.py suite_task_files); a changed suite YAML is refused, a planted file ignored.
@@ -239,7 +293,7 @@ def evaluate(
     try:
         local = [t for t in tasks if t in available]
         task_dir = suite_task_files(Path(suite.meta["task_dir"]), local, available, private, log) if local else None
-        scores = run_lm_eval(Path(model.meta["model_dir"]), task_dir, tasks, cfg, out, progress=meter)
+        scores = run_lm_eval(Path(model.meta["model_dir"]), task_dir, tasks, cfg, out, progress=meter, **reading)
     finally:
         shutil.rmtree(private, ignore_errors=True)
     items = items_scored(out / "lm_eval_results.json")
@@ -255,4 +309,5 @@ def evaluate(
         "items": items,
         "random_baseline": random,
         "random_accuracy": suite.meta["random_accuracy"],
+        **({"beyond": config.beyond.model_dump()} if config.beyond is not None else {}),
     }

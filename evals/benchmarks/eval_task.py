@@ -27,6 +27,8 @@ class EvalTask(ABC):
     headline: ClassVar[str]  # the metric it is reported by (evals/harness.py headline_metric)
     contamination: ClassVar[bool] = True  # its items are checked for n-gram overlap with training text
     long_context: ClassVar[bool] = False  # runs only after a context-extension stage
+    # runs only where the last stage is read past its trained length (eval.beyond_factor), no elsewhere
+    beyond_training: ClassVar[bool] = False
 
     @abstractmethod
     def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:

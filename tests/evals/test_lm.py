@@ -133,3 +133,31 @@ def test_view_shares_the_transformers_weights(tiny_export):
         LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     )
     assert smollm3_view(llama) is None
+
+
+def test_read_with_yarn_both_scorings_compute_the_yarn_export_exactly(tiny_export):
+    """`rope_scaling` (how the evaluation past the trained length reads a model with YaRN): the
+    loaded transformers model and our view over it both compute what an export made with that
+    YaRN config computes, bit for bit, at twice the trained length; lm-eval's window is the served
+    length; the scores differ from plain RoPE's (the scaling is really applied)."""
+    from evals.lm import PrefixSharingLM
+    from model.config import RopeScaling
+    from model.hf import import_hf
+
+    lm = PrefixSharingLM(pretrained=str(tiny_export), rope_scaling=RopeScaling(2.0, 64), device="cpu", batch_size=4)
+    plain = PrefixSharingLM(pretrained=str(tiny_export), max_length=128, device="cpu", batch_size=4)
+    assert lm.max_length == 128 and lm.model.config.rope_parameters["rope_type"] == "yarn"
+    want = import_hf(tiny_export)
+    want = type(want)(want.config.with_yarn(2.0)).eval()
+    want.load_state_dict(import_hf(tiny_export).state_dict())
+    ids = torch.randint(0, 300, (2, 128))
+    with torch.no_grad():
+        expected = want(ids).logits
+        assert (lm.model(ids).logits - expected).abs().max().item() == 0.0
+        assert (lm.ours(ids).logits - expected).abs().max().item() == 0.0
+    request = [(ids[0, :100].tolist(), ids[0, 100:110].tolist())]
+    ((yarn_lp, _),) = score_requests(lm.ours, request, max_length=lm.max_length)
+    ((plain_lp, _),) = score_requests(plain.ours, request, max_length=plain.max_length)
+    logp = torch.log_softmax(expected[0], -1)
+    assert yarn_lp == pytest.approx(float(sum(logp[99 + i, ids[0, 100 + i]] for i in range(10))), abs=1e-4)
+    assert abs(yarn_lp - plain_lp) > 1e-3

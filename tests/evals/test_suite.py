@@ -36,7 +36,9 @@ def _heldout(seed: int = 0) -> dict[str, list[str]]:
 
 
 _SPEC = SuiteSpec(
-    eval=EvalConfig(items_per_task=5, passkey_lengths=(40, 90), passkey_items=2), generation_items=3, max_gen_tokens=20
+    eval=EvalConfig(items_per_task=5, passkey_lengths=(40, 90), passkey_items=2, beyond_passkey_words=150),
+    generation_items=3,
+    max_gen_tokens=20,
 )
 
 
@@ -59,7 +61,15 @@ class ReversedCloze(EvalTask):
 def test_every_registered_task_is_in_the_suite_with_the_task_file_the_evaluation_regenerates(tmp_path):
     meta = build_suite(_SPEC, _heldout(), [], tmp_path, log=lambda _: None)
     built = list(meta["tasks"])
-    assert built == ["prose_cloze", "code_cloze", "arithmetic_cloze", "passkey_40", "passkey_90", "arithmetic_exact"]
+    assert built == [
+        "prose_cloze",
+        "code_cloze",
+        "arithmetic_cloze",
+        "passkey_40",
+        "passkey_90",
+        "arithmetic_exact",
+        "passkey_beyond_150",
+    ]
     assert {task_of(name).name for name in built} == {task.name for task in TASKS}
     for name in built:
         data = tmp_path / "tasks" / f"{name}.jsonl"

@@ -203,6 +203,14 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     assert "data:image/png;base64," in PrefectArtifact.get("smollm3-loss-curve").data
     table = PrefectArtifact.get("smollm3-evals").data
     assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table
+    # long2 read at twice its length, plain RoPE and YaRN: two rows, scored on the long passkeys
+    assert "| long2-x2 | " in table and "| long2-x2-yarn | " in table and "passkey_beyond_1300" in table
+    beyond = {label: ev for label, ev in lineage.labelled_outputs(result["run_id"], "evaluate") if "-x2" in label}
+    assert {label: ev.meta["beyond"]["yarn"] for label, ev in beyond.items()} == {
+        "long2-x2": False,
+        "long2-x2-yarn": True,
+    }
+    assert all(set(ev.meta["scores"]) == {"passkey_beyond_1300"} for ev in beyond.values())
     # The model path the summary prints loads; lm-eval's own results sit beside every eval's scores.
     from transformers import AutoModelForCausalLM
 

@@ -79,6 +79,12 @@ def test_an_hf_base_our_model_cannot_hold_is_refused_naming_each_feature(run_ws,
         resolve_base(ws.lineage(), ws, str(tmp_path / "hf"), phase="last", allow_hf=True)
     assert "attention_bias=True" in str(err.value) and "hidden_act='gelu'" in str(err.value)
     assert f"base HF model {tmp_path / 'hf'}" in str(err.value)
+    # A YaRN export is evaluated (docs/model.md "Long context: YaRN"), never trained on.
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64}
+    cfg = SmolLM3Config(**{**cfg.to_dict(), "attention_bias": False, "hidden_act": "silu", "rope_parameters": yarn})
+    SmolLM3ForCausalLM(cfg).save_pretrained(tmp_path / "yarn")
+    with pytest.raises(ValueError, match=r"has rope scaling .*continue from the export without it"):
+        resolve_base(ws.lineage(), ws, str(tmp_path / "yarn"), phase="last", allow_hf=True)
 
 
 def test_an_imported_hf_model_becomes_a_model_only_base_checkpoint(tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -61,3 +64,23 @@ def test_invalid_fields_are_named(bad, field):
 def test_round_trips_through_a_dict():
     cfg = ModelConfig.tiny(vocab_size=77, qk_norm=True)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_yarn_settings_are_checked_and_round_trip_through_a_dict():
+    from model.config import RopeScaling
+
+    cfg = ModelConfig.tiny(max_seq_len=512).with_yarn(2)
+    assert cfg.rope_scaling == RopeScaling(2.0, 512) and cfg.max_seq_len == 1024
+    assert cfg.rope_scaling.cos_sin_scale == pytest.approx(0.1 * math.log(2) + 1)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    # Unset, the dict is what it was before YaRN existed (checkpoint configs read back equal).
+    assert "rope_scaling" not in ModelConfig.tiny().to_dict()
+    bad = {  # each bad setting, the words its refusal names it by
+        "factor": ({"factor": 0.5, "original_max_position_embeddings": 64}, "RopeScaling.factor must be >= 1"),
+        "original": ({"factor": 2.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+        "betas": ({"factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 1, "beta_slow": 4}, "beta_fast"),
+        "unknown": ({"factor": 2.0, "original_max_position_embeddings": 64, "mscale": 1}, "rope_scaling fields"),
+    }
+    for scaling, words in bad.values():
+        with pytest.raises(ValueError, match=words):
+            ModelConfig.tiny(rope_scaling=scaling)

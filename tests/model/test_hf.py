@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-from model.hf import export_hf, import_hf
+from model.hf import export_hf, import_hf, to_hf_config
 from model.model import SmolLM3
 
 
@@ -169,16 +169,20 @@ UNSUPPORTED = {
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     "sliding_window": ({"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window=True"),
-    "yarn": (
+    # YaRN imports (test_yarn_* below); linear interpolation and DeepSeek's mscale YaRN do not.
+    "linear_rope": ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, "rope scaling"),
+    "yarn_mscale": (
         {
             "rope_parameters": {
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,
                 "factor": 2.0,
                 "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
             }
         },
-        "rope scaling",
+        "mscale",
     ),
     "head_dim": ({"head_dim": 16}, "head_dim=16"),
 }
@@ -239,3 +243,97 @@ def test_another_architecture_is_refused_by_its_model_type(tmp_path):
     llama.save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="model_type 'llama'"):
         import_hf(tmp_path / "llama")
+
+
+# --- YaRN (docs/model.md "Long context: YaRN") -------------------------------------------------
+
+
+def test_yarn_tables_are_transformers_own_bit_for_bit():
+    """At SmolLM3's published shape and serving setting (theta 5M, 64k trained, factor 2) and on
+    a small head: the same inverse frequencies and cos/sin scale as `_compute_yarn_parameters`."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from model.config import ModelConfig
+    from model.rope import rope_tables
+
+    shapes = [
+        ModelConfig.smollm3_3b(rope_theta=5_000_000.0, max_seq_len=65536).with_yarn(2.0),
+        ModelConfig.tiny(vocab_size=128, hidden_size=64, num_heads=4, rope_theta=10_000.0).with_yarn(4.0, 100),
+        ModelConfig.tiny(hidden_size=64, num_heads=4).with_yarn(2.0, beta_fast=8, beta_slow=2, attention_factor=0.9),
+    ]
+    for cfg in shapes:
+        hf_cfg = to_hf_config(cfg)
+        theirs, their_scale = _compute_yarn_parameters(hf_cfg)
+        ours, our_scale = rope_tables(cfg)
+        assert torch.equal(ours, theirs) and our_scale == their_scale, cfg
+        plain, _ = rope_tables(cfg.replace(rope_scaling=None))
+        assert not torch.equal(ours, plain)  # some dimensions really are interpolated
+
+
+@pytest.fixture
+def yarn_pair(trained_like):
+    """The trained-like model read at twice its trained length with YaRN, same weights."""
+    cfg = trained_like.config.with_yarn(2.0)
+    yarn = SmolLM3(cfg).eval()
+    yarn.load_state_dict(trained_like.state_dict())
+    return trained_like, yarn
+
+
+def test_yarn_export_has_exact_transformers_parity_at_twice_the_trained_length(yarn_pair, tmp_path):
+    plain, yarn = yarn_pair
+    trained = plain.config.max_seq_len
+    out = export_hf(yarn, tmp_path / "hf", eos_token_id=0)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == {
+        "rope_type": "yarn",
+        "rope_theta": 10_000.0,
+        "factor": 2.0,
+        "original_max_position_embeddings": trained,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+    }
+    assert config["max_position_embeddings"] == 2 * trained
+    hf = SmolLM3ForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 2 * trained))
+    docs = torch.tensor([[0] * trained + [1] * trained, [0] * (2 * trained)])
+    with torch.no_grad():
+        ours, theirs = yarn(ids).logits, hf(ids).logits
+        assert (ours - theirs).abs().max().item() == 0.0  # CPU fp32, same kernels: exactly equal
+        # Not vacuous: without YaRN the same weights give other logits past the trained length.
+        assert (plain(ids).logits - ours).abs().max() > 1e-2
+        # Positions restart per document under YaRN too: a second document equals itself alone.
+        packed = yarn(ids[:1], doc_ids=docs[:1]).logits[0, trained:]
+        alone = yarn(ids[:1, trained:]).logits[0]
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    back = import_hf(out)
+    assert back.config == yarn.config and back.rope_scale == yarn.rope_scale
+
+
+def test_the_model_cards_legacy_rope_scaling_loads_as_the_same_yarn(yarn_pair, tmp_path):
+    """SmolLM3's card serves 128k by adding `"rope_scaling": {"factor": 2.0,
+    "original_max_position_embeddings": 65536, "type": "yarn"}` to config.json: that form, on a
+    plain export, gives the model our YaRN config computes (in transformers and in our import)."""
+    from evals.lm import smollm3_view
+
+    plain, yarn = yarn_pair
+    trained = plain.config.max_seq_len
+    out = export_hf(plain, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {
+        "rope_theta": rope["rope_theta"],
+        "max_position_embeddings": 2 * trained,
+        "rope_scaling": {"factor": 2.0, "original_max_position_embeddings": trained, "type": "yarn"},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, plain.config.vocab_size, (1, 2 * trained))
+    hf = SmolLM3ForCausalLM.from_pretrained(out).eval()
+    imported = import_hf(out)
+    assert imported.config == yarn.config
+    view = smollm3_view(hf)  # what the evaluator scores with
+    with torch.no_grad():
+        want = yarn(ids).logits
+        assert (hf(ids).logits - want).abs().max().item() == 0.0
+        assert (imported(ids).logits - want).abs().max().item() == 0.0
+        assert (view(ids).logits - want).abs().max().item() == 0.0

@@ -272,3 +272,32 @@ def test_the_published_recipe_resolves_without_compute():
     steps = {r.step for r in rows}
     assert {"source", "curate", "tokenize", "mixture", "preflight", "pretrain", "export", "evaluate"} <= steps
     assert sum(r.step == "pretrain" for r in rows) == 5 and all(r.action == "run" for r in rows)
+
+
+def test_the_evaluation_past_the_trained_length_adds_two_evaluations_and_moves_no_training():
+    """`eval.beyond_factor` + `eval.beyond_passkey_words` (docs/model.md "Long context: YaRN"):
+    two evaluations of the last stage's export, plain and YaRN; the suite gains the passkey_beyond
+    task (its evaluations and the report rerun); no training, export or post-training suite moves.
+    Unset (`null`), neither evaluation is in the graph."""
+    off = graph(
+        load_recipe(
+            "tiny", ["workspace=/nonexistent-smollm3-plan", "eval.beyond_factor=null", "eval.beyond_passkey_words=null"]
+        ),
+        tolerant=True,
+    )
+    on = graph(
+        load_recipe(
+            "tiny", ["workspace=/nonexistent-smollm3-plan", "eval.beyond_factor=2", "eval.beyond_passkey_words=1400"]
+        ),
+        tolerant=True,
+    )
+    before, after = {n.key: n.fingerprint for n in off}, {n.key: n.fingerprint for n in on}
+    assert set(after) - set(before) == {"evaluate[long2-x2]", "evaluate[long2-x2-yarn]"}
+    changed = {k for k in before if before[k] != after[k]}
+    assert "eval_suite[suite]" in changed and "run_report[smollm3]" in changed
+    assert not {k for k in changed if not k.startswith(("eval_suite[suite]", "evaluate[", "run_report["))}
+    assert "eval_suite[posttrain]" not in changed and "evaluate[sft]" not in changed
+    nodes = {n.key: n for n in on}
+    for key, yarn in (("evaluate[long2-x2]", False), ("evaluate[long2-x2-yarn]", True)):
+        beyond = nodes[key].config.beyond
+        assert (beyond.trained_len, beyond.factor, beyond.yarn) == (1024, 2.0, yarn)

@@ -101,3 +101,56 @@ def test_evaluate_logs_progress_and_records_one_metric_per_task_with_stderr_item
     saved = json.loads((out / "lm_eval_results.json").read_text())
     assert set(saved["results"]) == set(tasks)
     assert all(t in make_table(saved) for t in tasks)
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+def test_evaluate_past_the_trained_length_reads_the_model_at_the_factor_with_or_without_yarn(
+    tmp_path, tiny_hf_model, yarn
+):
+    """The last stage read at `eval.beyond_factor` x its length: only the passkey_beyond task,
+    lm-eval's window at the factor x the trained length, YaRN recorded when applied."""
+    from model.config import RopeScaling
+    from tasks.evaluate import EvalSpec, evaluate
+
+    sources = [_corpus(tmp_path, "prose", "builtin:prose", "web", 40)]
+    cfg = EvalConfig(
+        items_per_task=4,
+        passkey_lengths=(10,),
+        passkey_items=2,
+        beyond_factor=2.0,
+        beyond_passkey_words=24,
+        batch_size=4,
+        device="cpu",
+        lm_eval_tasks=("hellaswag",),
+    )
+    suite_meta = eval_suite(SuiteSpec(eval=cfg.for_suite()), heldout=sources, train=sources, out=tmp_path / "suite")
+    assert "passkey_beyond_24" in suite_meta["tasks"]
+    suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta=suite_meta)
+    model = Artifact(
+        kind="hf_model",
+        uri=str(tiny_hf_model.parent),
+        fingerprint="m" * 64,
+        meta={"stage": "long2", "model_dir": str(tiny_hf_model)},
+    )
+    spec = EvalSpec.past_training(cfg, trained_len=64, yarn=yarn)
+    assert spec.eval.lm_eval_tasks == ()  # hub tasks are the stage evaluation's, not this one's
+    lines: list[str] = []
+    out = tmp_path / "eval"
+    out.mkdir()
+    meta = evaluate(spec, model, suite, out=out, log=lines.append)
+    assert set(meta["scores"]) == {"passkey_beyond_24"} and meta["items"] == {"passkey_beyond_24": 2}
+    assert meta["beyond"] == {"trained_len": 64, "factor": 2.0, "yarn": yarn}
+    saved = json.loads((out / "lm_eval_results.json").read_text())
+    assert "max_length=128" in saved["config"]["model_args"]
+    assert any("read at 128 tokens (2 x the trained 64)" in line for line in lines)
+    if yarn:
+        assert saved["config"]["rope_scaling"]["factor"] == 2.0
+        assert saved["config"]["rope_scaling"]["original_max_position_embeddings"] == 64
+        assert RopeScaling(**saved["config"]["rope_scaling"]) == RopeScaling(2.0, 64)
+    else:
+        assert "rope_scaling" not in saved["config"]
+
+
+def test_the_evaluation_past_the_trained_length_needs_its_passkey_length():
+    with pytest.raises(ValueError, match="eval.beyond_factor=2.0 needs eval.beyond_passkey_words"):
+        EvalConfig(beyond_factor=2.0)

@@ -1,0 +1,36 @@
+"""The `passkey_beyond_<length>` eval task: passkey retrieval past the length the model was
+trained at, run only by the evaluations of the last stage read at `eval.beyond_factor` x its
+sequence length, once with plain RoPE and once with YaRN (docs/model.md "Long context: YaRN").
+
+SmolLM3 is trained to 64k and served at 128k with YaRN, factor 2 (its model card): this task
+is the small-scale check of that claim. Its length is `eval.beyond_passkey_words` words of
+filler, sized by the recipe to fill more than the trained length and at most the factor times it
+(the suite has no tokenizer: about 1.3 tokens per filler word with the tiny recipe's BPE).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from evals.benchmarks.eval_task import EvalTask, task_yaml
+from evals.benchmarks.passkey import passkey_items
+
+
+class PasskeyBeyond(EvalTask):
+    name = "passkey_beyond"
+    names = r"passkey_beyond_[1-9][0-9]{0,6}"
+    output_type = "multiple_choice"
+    headline = "acc"
+    contamination = False  # synthetic filler: nothing to find in training text
+    long_context = True
+    beyond_training = True
+
+    def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:
+        words = spec.eval.beyond_passkey_words
+        return {} if words is None else {f"passkey_beyond_{words}": passkey_items(words, spec.eval, rng)}
+
+    def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
+        return task_yaml(name, data_file, " ")
