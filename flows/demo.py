@@ -157,7 +157,12 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
     os.environ.update(env)  # this process's Prefect client talks to the demo's server
     from prefect.deployments import run_deployment
 
-    flow_run = run_deployment(deployment, timeout=0, as_subflow=False)
+    # The run writes where this command shows it: `--workspace` reaches the recipe as an override
+    # (without it a `make demo WORKSPACE=/elsewhere` run would train in the recipe's own workspace
+    # and the summary below would find no run).
+    flow_run = run_deployment(
+        deployment, parameters={"overrides": [f"workspace={workspace}"]}, timeout=0, as_subflow=False
+    )
     print(f"[demo] started {deployment} run {flow_run.id}; UI: http://127.0.0.1:{port}/runs/flow-run/{flow_run.id}")
     print(f"[demo] training curves, live: {tracker_hint(workspace)}")
     final, message = watch(flow_run.id, lineage=Lineage(workspace / "lineage.duckdb"))
