@@ -338,7 +338,6 @@ NOT_YET_MIRRORED = {
     "curation/languages.py": "the language table, with the presets (tests/tasks/test_multilingual.py)",
     "curation/multilingual.py": "language ID, with the presets (tests/tasks/test_multilingual.py)",
     "evals/report.py": "tests/tasks/test_run_report.py (moves with the run_report step's helpers)",
-    "evals/training_metrics.py": "stage_rows and read_metrics through tests/tasks/test_run_report.py",
 }
 
 
