@@ -13,7 +13,8 @@ The step writes `spec.json` into its folder and launches
 `python -m torch.distributed.run --standalone --nproc-per-node N -m trainers.pretrain spec.json` through
 `infra.proc.run_streaming` (own process group, output streamed to the run logger, killed with the
 task). The folder is resumable: after a crash or a `prefect flow-run retry`, the trainer restarts
-from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
+from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0;
+the step reads only its downsampled `metrics.curve.jsonl`, evals/training_metrics.py);
 the publish hook ingests them into DuckDB and posts a summary with the loss curve to the UI.
 
 While the trainer runs, a supervisor thread (trainers/supervise.py) turns the ranks' flags

@@ -30,7 +30,12 @@ One launch trains one stage as described by a `TrainSpec`:
   skip-step rule, planned data skips and the tracker (rules in trainers/monitor.py,
   trainers/tracker.py); checkpointing is `Checkpointing`. The loop itself (`_train`) builds the
   stage (`build_stage`), resumes it (`resume`), and runs `train_step` and the hooks;
-- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- host synchronisation: none inside a step (the loss, gradient norm and first non-finite step
+  stay on the device, `StepValues`); the loop reads them at a metrics line, before a save and at
+  the end, where it also gathers the ranks' timings and answers stop signals (every step only
+  when the skip-step rule, which judges each step, is on);
+- outputs: `{out_dir}/metrics.jsonl` (rank 0) and its downsampled `metrics.curve.jsonl` with the
+  per-source counts (`MetricsWriter`), checkpoints, and `{out_dir}/result.json`;
 - logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
   gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
   log; other ranks say only warnings and errors. MFU is against the peak of
@@ -38,8 +43,9 @@ One launch trains one stage as described by a `TrainSpec`:
   a figure above 100% is never printed: the line says the peak is wrong instead (what was achieved
   and against which peak), and the metrics record `mfu` null with `mfu_invalid` saying why;
 - signals: SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, pod eviction, scancel)
-  finish the current step on every rank, save a checkpoint of it (synchronously: complete with its
-  marker, even with async checkpoints) and exit with code 75, so the requeue resumes at that step
+  finish the steps up to the next metrics line or save (the current one at log_interval 1) on
+  every rank, save a checkpoint of that step (synchronously: complete with its marker, even with
+  async checkpoints) and exit with code 75, so the requeue resumes at that step
   (trainers/rank_signals.py);
 - ownership: rank 0 leases `out_dir` (`infra.guard.StageLease`) before writing anything, so a
   second trainer in the same folder refuses to start (exit code 4) while the first lives; under
