@@ -1,30 +1,87 @@
-"""A training stage's metrics, as the trainer wrote them (`metrics.jsonl`, one JSON row per
-step): read back, drawn as the stage's loss curve (the pretrain step, tasks/pretrain.py), and
-laid end to end over a run's stages (`stage_rows`, the rows evals/report.py plots and tabulates).
+"""A training stage's metrics, as the trainer wrote them: read back, drawn as the stage's loss
+curve (the pretrain step, tasks/pretrain.py), and laid end to end over a run's stages
+(`stage_rows`, the rows evals/report.py plots and tabulates).
+
+The flow process never reads a stage's whole metrics file (`metrics.jsonl`, one line per
+`log_interval` steps: millions of lines at the published scale). It reads the curve file the
+trainer writes beside it (`metrics.curve.jsonl`, model/spec.py `curve_path`: about
+`CURVE_POINTS` lines at any stage length, the last line always among them); a stage trained
+before the curve file existed is streamed a line at a time and downsampled as it is read
+(`downsample`), so memory stays bounded either way. A stage of at most `CURVE_POINTS` lines
+has every line in its curve: its rows are the metrics file's, with the per-source counts.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from model.spec import CURVE_POINTS, curve_path
 from pipeline.artifact import Artifact
 
 
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """A JSONL file's objects, a line at a time (a line cut by a crash is skipped)."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if isinstance(row, dict):
+                yield row
+
+
+def downsample(rows: Iterable[dict[str, Any]], points: int = CURVE_POINTS) -> list[dict[str, Any]]:
+    """Every k-th row and the last, at most about `points` of them whatever the input's length
+    (k doubles each time the kept rows pass `points`); every row when there are no more."""
+    kept: list[dict[str, Any]] = []
+    stride, last, index = 1, None, 0
+    for index, row in enumerate(rows):
+        last = row
+        if index % stride:
+            continue
+        kept.append(row)
+        if len(kept) > points:
+            kept, stride = kept[::2], stride * 2
+    if last is not None and (not kept or kept[-1] is not last):
+        kept.append(last)
+    return kept
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a stage's metrics.jsonl (none when it does not exist; a line cut by a crash
-    is skipped)."""
+    """A stage's metrics rows as the flow process reads them, from its metrics file's path: the
+    curve file beside it (model/spec.py `curve_path`), else the metrics file streamed and
+    downsampled to about `CURVE_POINTS` rows; none when neither exists."""
+    curve = curve_path(path)
+    if curve.exists():
+        return list(_rows(curve))
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return rows
+    return downsample(_rows(path))
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stage's figures from its rows (`read_metrics`): the final loss and per-source tokens
+    (its last line), mean tokens/s and MFU over the lines after the first (which carries the
+    start-up costs), the last reason MFU was not reported, the peak it was taken against."""
+    timed = rows[1:] or rows
+    speeds = [r["tokens_per_s"] for r in timed if isinstance(r.get("tokens_per_s"), int | float)]
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    last = rows[-1] if rows else {}
+    return {
+        "final_loss": last.get("loss"),
+        "tokens_per_source": last.get("tokens_per_source", {}),
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # The trainer never records MFU above 1: a peak below the achieved rate is wrong, and
+        # `mfu_invalid` says so instead.
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "mfu_invalid": next((r["mfu_invalid"] for r in reversed(rows) if r.get("mfu_invalid")), None),
+        "mfu_peak_flops": last.get("mfu_peak_flops"),
+        "mfu_peak_source": last.get("mfu_peak_source"),
+    }
 
 
 def loss_curve(rows: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -259,6 +259,23 @@ def stage_settings(overrides: BaseModel) -> dict[str, Any]:
     return {name: v for name in StageSettings.model_fields if (v := getattr(overrides, name)) is not None}
 
 
+CURVE_POINTS = 1000  # about this many lines in a stage's curve file, whatever its length
+
+
+def curve_path(metrics: Path) -> Path:
+    """Beside a metrics file (`metrics.jsonl`), its downsampled copy (`metrics.curve.jsonl`): every
+    `curve_stride`-th line and the last, each with the per-source token and epoch counts that the
+    metrics lines themselves leave out."""
+    return metrics.with_name(f"{metrics.stem}.curve{metrics.suffix}")
+
+
+def curve_stride(steps: int, log_interval: int) -> int:
+    """Every how many metrics lines of a stage of `steps` steps go to its curve file: at most
+    `CURVE_POINTS` (plus the last line); 1 (every line) for a stage of fewer lines."""
+    lines = -(-steps // log_interval)
+    return max(1, -(-lines // CURVE_POINTS))
+
+
 class TrainSpec(TrainSettings):
     """One training stage (see the module docstring): its settings, and what the schedule layout
     decides for it."""
@@ -313,6 +330,11 @@ class TrainSpec(TrainSettings):
     @property
     def metrics_file(self) -> Path:
         return Path(self.metrics_path) if self.metrics_path else Path(self.out_dir) / "metrics.jsonl"
+
+    @property
+    def curve_file(self) -> Path:
+        """The stage's downsampled metrics (`curve_path`): what the flow process reads."""
+        return curve_path(self.metrics_file)
 
     def bind(self, mixture_plan: Path | str, out_dir: Path | str, init_from: str | None) -> TrainSpec:
         """This stage with the paths its step resolved from its inputs and folder."""

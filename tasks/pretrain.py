@@ -13,7 +13,8 @@ The step writes `spec.json` into its folder and launches
 `python -m torch.distributed.run --standalone --nproc-per-node N -m trainers.pretrain spec.json` through
 `infra.proc.run_streaming` (own process group, output streamed to the run logger, killed with the
 task). The folder is resumable: after a crash or a `prefect flow-run retry`, the trainer restarts
-from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0);
+from the newest complete checkpoint in `checkpoints/`. Metrics land in `metrics.jsonl` (rank 0;
+the step reads only its downsampled `metrics.curve.jsonl`, evals/training_metrics.py);
 the publish hook ingests them into DuckDB and posts a summary with the loss curve to the UI.
 
 While the trainer runs, a supervisor thread (trainers/supervise.py) turns the ranks' flags
@@ -43,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from evals.training_metrics import loss_curve, read_metrics
+from evals.training_metrics import loss_curve, read_metrics, summarize
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.proc import kill_tree
@@ -286,7 +287,8 @@ def _mfu_line(meta: dict[str, Any]) -> str:
 
 
 def publish_stage(artifact: Artifact, ws, label: str) -> None:
-    """Metrics to DuckDB; the stage summary with its loss curve to the Prefect UI."""
+    """Metrics to DuckDB (the curve file's rows: every line of a stage of up to `CURVE_POINTS`
+    lines, evenly spaced ones beyond); the stage summary with its loss curve to the Prefect UI."""
     import re
 
     from prefect.artifacts import create_markdown_artifact
@@ -397,28 +399,20 @@ def pretrain(
             supervisor.close()
         break
     result = json.loads((out / "result.json").read_text())
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out / "metrics.jsonl")  # the curve file: bounded at any stage length
     if rows:
         loss_curve(rows, out / "loss.png", f"{spec.stage} ({config.kind})")
-    timed = rows[1:] or rows  # the first step carries start-up costs
-    speeds = [r["tokens_per_s"] for r in timed]
-    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    figures = summarize(rows)
     meta = {
         "stage": spec.stage,
         "kind": config.kind,
         "steps": spec.steps,
         "seq_len": spec.seq_len,
         "tokens": spec.steps * spec.global_batch * spec.seq_len if spec.seq_len else None,
-        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_loss": figures["final_loss"],
         "checkpoint": result.get("checkpoint"),
-        "tokens_per_source": rows[-1].get("tokens_per_source", {}) if rows else {},
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-        # The trainer never records MFU above 1: a peak below the achieved rate is wrong, and
-        # `mfu_invalid` says so instead.
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
-        "mfu_invalid": next((r["mfu_invalid"] for r in reversed(rows) if r.get("mfu_invalid")), None),
-        "mfu_peak_flops": rows[-1].get("mfu_peak_flops") if rows else None,
-        "mfu_peak_source": rows[-1].get("mfu_peak_source") if rows else None,
+        "tokens_per_source": figures["tokens_per_source"],
+        **{k: figures[k] for k in ("tokens_per_s", "mfu", "mfu_invalid", "mfu_peak_flops", "mfu_peak_source")},
         "resumed": resumed,
         "init_from": init_from,
         "skipped_steps": result.get("skipped_steps", 0),  # the skip-step rule's

@@ -39,7 +39,16 @@ import torch.distributed as dist
 from infra.files import write_atomic
 from model.spec import MonitorConfig, SpikeSkipConfig, TrackerConfig, TrainSpec
 from model.token_shards import MixtureLoader
-from trainers.monitor import NONFINITE_FILE, REFERENCE_FILE, DataSkips, Events, SpeedChecks, SpikeRule, memory_scalars
+from trainers.monitor import (
+    NONFINITE_FILE,
+    REFERENCE_FILE,
+    DataSkips,
+    Events,
+    SpeedChecks,
+    SpikeRule,
+    memory_scalars,
+    rank_summary,
+)
 from trainers.tracker import Tracker, open_tracker, run_name
 from trainers.watchdog import Watchdog
 
@@ -69,7 +78,11 @@ class RunInfo:
 
 
 class Callback:
-    """A concern of the training loop; every hook does nothing unless overridden."""
+    """A concern of the training loop; every hook does nothing unless overridden. One that sets
+    `per_step_values` reads every step's loss and gradient norm (`skip_update`): the step then
+    waits for the device (the loop otherwise reads them only at metrics lines and checkpoints)."""
+
+    per_step_values = False
 
     def pre_train(self, run: RunInfo) -> None:
         pass
@@ -118,6 +131,10 @@ class Callbacks:
     def pre_step(self, step: int) -> None:
         for cb in self.callbacks:
             cb.pre_step(step)
+
+    @property
+    def per_step_values(self) -> bool:
+        return any(cb.per_step_values for cb in self.callbacks)
 
     def skip_update(self, step: int, loss: float, grad_norm: float) -> bool:
         return any([cb.skip_update(step, loss, grad_norm) for cb in self.callbacks])  # every one is asked
@@ -180,8 +197,11 @@ class WatchdogCallback(Callback):
 
 class SpeedMonitor(Callback):
     """Stragglers and throughput drops (trainers/monitor.py `SpeedChecks`): each rank times the
-    work it does without waiting for any other (`local()`: data loading, the optimizer update);
-    every metrics line the ranks all-gather those seconds and rank 0 checks them."""
+    work it does without waiting for any other (`local()`: data loading on the host clock, the
+    optimizer update with CUDA events on a GPU, so the step never waits for the device to time
+    it); every metrics line the ranks all-gather those seconds and rank 0 checks them. The line
+    records their summary (`rank_local`: min, median, max, slowest rank and host) and the full
+    per-rank list (`rank_local_s`) only while a rank is flagged as a straggler."""
 
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
@@ -189,6 +209,7 @@ class SpeedMonitor(Callback):
         self.hosts = [socket.gethostname()]
         self._sums = torch.zeros(3, dtype=torch.float64)  # [local s, step s, steps] since the last line
         self._local = 0.0
+        self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs since the last line
         self._line_start = 1
 
     def pre_train(self, run: RunInfo) -> None:
@@ -216,8 +237,19 @@ class SpeedMonitor(Callback):
         self._local = 0.0
 
     @contextmanager
-    def local(self) -> Iterator[None]:
-        """Work this rank does without waiting for any other (its straggler measure)."""
+    def local(self, device: bool = False) -> Iterator[None]:
+        """Work this rank does without waiting for any other (its straggler measure). `device`:
+        work queued on the GPU (the optimizer update), timed by CUDA events read at the next
+        metrics line instead of a synchronisation now; on CPU the host clock times both."""
+        if device and getattr(self, "run", None) is not None and self.run.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+            return
         t0 = time.perf_counter()
         try:
             yield
@@ -227,25 +259,38 @@ class SpeedMonitor(Callback):
     def post_step(self, step: int, seconds: float) -> None:
         self._sums += torch.tensor([self._local, seconds, 1.0], dtype=torch.float64)
 
+    def _device_seconds(self) -> float:
+        """The GPU time of the timed updates since the last line (waits for the last one only)."""
+        if not self._events:
+            return 0.0
+        self._events[-1][1].synchronize()
+        seconds = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+        self._events.clear()
+        return seconds
+
     def metrics(self, step: int, fields: dict[str, Any], scalars: dict[str, Any]) -> None:
         world = self.run.world_size
+        self._sums[0] += self._device_seconds()
         if world > 1:
             mine = self._sums.to(device=self.run.device, dtype=torch.float32)
             gathered = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine)
-            table = torch.stack([g.cpu() for g in gathered]).double()
+            table = torch.stack(gathered).cpu().double()  # one copy to the host, not one per rank
         else:
             table = self._sums.unsqueeze(0).clone()
         first, self._line_start = self._line_start, step + 1
         self._sums.zero_()
         if self.checks is None:
             return
-        had_reference = self.checks.reference is not None
+        had_reference, flagged = self.checks.reference is not None, set(self.checks.slow)
         scalars |= self.checks.add(table, first, step, self.events)
         if not had_reference and self.checks.reference is not None:
             write_atomic(self.run.out / REFERENCE_FILE, json.dumps(self.checks.reference, indent=2))
         if world > 1:
-            fields["rank_local_s"] = (table[:, 0] / table[:, 2].clamp(min=1)).tolist()
+            local = (table[:, 0] / table[:, 2].clamp(min=1)).tolist()
+            fields["rank_local"] = rank_summary(local, self.hosts)
+            if self.checks.slow or flagged != self.checks.slow:  # named, still named, or cleared now
+                fields["rank_local_s"] = local
 
 
 class SpikeSkip(Callback):
@@ -256,6 +301,7 @@ class SpikeSkip(Callback):
     def __init__(self, config: SpikeSkipConfig | None) -> None:
         self.rule = SpikeRule(config) if config else None
         self.events: Events | None = None
+        self.per_step_values = self.rule is not None  # the rule judges every step's values
 
     @property
     def skipped(self) -> int:
@@ -328,7 +374,9 @@ class NonFiniteRollback(Callback):
             # where the data trained after that checkpoint began (past the windows skipped already)
             "checkpoint_sequence": min(self._step_sequences.values(), default=self._ckpt_sequence),
             "step_sequences": self._step_sequences,
-            "sequence_after": self.run.loader.sequence,
+            # the end of the failing step's data (it may be noticed a few steps later, at a
+            # metrics line: the loop reads the values only there)
+            "sequence_after": self._step_sequences.get(step + 1, self.run.loader.sequence),
             "seq_len": self.run.seq_len,
             "time": time.time(),
         }

@@ -6,8 +6,11 @@ hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
 
 - Stragglers. In synchronous data parallelism every rank's step takes as long as the slowest
   rank's, so step times name nobody. What differs is the work a rank does without waiting for any
-  other: loading its batches and applying its optimizer update (timed in `local()`). Every
-  metrics line the ranks all-gather those seconds and their step seconds (three floats each);
+  other: loading its batches and applying its optimizer update (timed in `local()`: host time for
+  the loader, CUDA events for the update, read only at the metrics line, so nothing blocks in a
+  step). Every metrics line the ranks all-gather those seconds and their step seconds (three
+  floats each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank
+  and its host), and the full per-rank list only while a rank is flagged;
   rank 0 names a rank whose local seconds per step, over the last `monitor.window` lines, exceed
   the median of the other ranks' by `monitor.straggler_margin` (and by at least
   `straggler_min_share` of a step at the stage's reference pace: the straggler lengthens the
@@ -342,6 +345,19 @@ class SpeedChecks:
         splits = [i for i in range(1, len(rates)) if sum(rates[i:]) / (len(rates) - i) < sum(rates[:i]) / i]
         best = min(splits, key=lambda i: spread(rates[:i]) + spread(rates[i:]), default=0)
         return self.rates[best][0]
+
+
+def rank_summary(local: list[float], hosts: list[str]) -> dict[str, Any]:
+    """A metrics line's per-rank local seconds per step, summarised: its size does not grow with
+    the world (the full list is written only while a rank is flagged, `SpeedMonitor`)."""
+    slowest = max(range(len(local)), key=local.__getitem__)
+    return {
+        "min_s": min(local),
+        "median_s": statistics.median(local),
+        "max_s": local[slowest],
+        "slowest_rank": slowest,
+        "slowest_host": hosts[slowest] if slowest < len(hosts) else None,
+    }
 
 
 # --- memory, for the tracker ------------------------------------------------------------------

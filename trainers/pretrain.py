@@ -31,7 +31,12 @@ One launch trains one stage as described by a `TrainSpec`:
   skip-step rule, planned data skips and the tracker (rules in trainers/monitor.py,
   trainers/tracker.py); checkpointing is `Checkpointing`. The loop itself (`_train`) builds the
   stage (`build_stage`), resumes it (`resume`), and runs `train_step` and the hooks;
-- outputs: `{out_dir}/metrics.jsonl` (rank 0), checkpoints, and `{out_dir}/result.json`;
+- host synchronisation: none inside a step (the loss, gradient norm and first non-finite step
+  stay on the device, `StepValues`); the loop reads them at a metrics line, before a save and at
+  the end, where it also gathers the ranks' timings and answers stop signals (every step only
+  when the skip-step rule, which judges each step, is on);
+- outputs: `{out_dir}/metrics.jsonl` (rank 0) and its downsampled `metrics.curve.jsonl` with the
+  per-source counts (`MetricsWriter`), checkpoints, and `{out_dir}/result.json`;
 - logs: rank 0 writes one line every `log_interval` steps and at the end (step/total, loss, LR,
   gradient norm, tokens/s, MFU, ETA) to stderr, which the pretrain step streams into its task
   log; other ranks say only warnings and errors. MFU is against the peak of
@@ -39,8 +44,9 @@ One launch trains one stage as described by a `TrainSpec`:
   a figure above 100% is never printed: the line says the peak is wrong instead (what was achieved
   and against which peak), and the metrics record `mfu` null with `mfu_invalid` saying why;
 - signals: SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, pod eviction, scancel)
-  finish the current step on every rank, save a checkpoint of it (synchronously: complete with its
-  marker, even with async checkpoints) and exit with code 75, so the requeue resumes at that step
+  finish the steps up to the next metrics line or save (the current one at log_interval 1) on
+  every rank, save a checkpoint of that step (synchronously: complete with its marker, even with
+  async checkpoints) and exit with code 75, so the requeue resumes at that step
   (trainers/rank_signals.py);
 - ownership: rank 0 leases `out_dir` (`infra.guard.StageLease`) before writing anything, so a
   second trainer in the same folder refuses to start (exit code 4) while the first lives; under
@@ -80,7 +86,7 @@ from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
 from model.parallel import build_mesh, is_sharded, parallelize
 from model.schedule import lr_at
-from model.spec import TrainSpec
+from model.spec import TrainSpec, curve_path, curve_stride
 from model.token_shards import MixtureLoader, MixturePlan
 from trainers.callbacks import (
     Callbacks,
@@ -236,31 +242,50 @@ def _all_finite(tensors) -> bool:
     return bad.item() == 0
 
 
-class MetricsWriter:
-    """Rank 0 appends one JSON object per line; other ranks write nothing."""
+PER_SOURCE = ("tokens_per_source", "epochs_per_source")  # in the curve's lines only
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int) -> None:
-        self.path, self.enabled = path, enabled
+
+class MetricsWriter:
+    """Rank 0 appends one JSON object per metrics line to the metrics file, and every `stride`-th
+    line and the stage's last (model/spec.py `curve_stride`: about `CURVE_POINTS` lines whatever
+    the stage's length) to its curve file, the one the flow process reads. The per-source token
+    and epoch counts (a dict each, as many keys as the mixture has sources) go to the curve's
+    lines only, so a metrics line's size does not grow with the mixture. Other ranks write nothing."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int, stride: int = 1, log_interval: int = 1) -> None:
+        self.path, self.enabled, self.stride, self.log_interval = path, enabled, stride, log_interval
+        self.curve = curve_path(path)
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            # Drop lines of steps lost with a killed run (they will be redone) and a last line
-            # cut by SIGKILL mid-write.
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and record.get("step", 0) <= resume_step:
-                    kept.append(line)
-            write_atomic(path, "".join(line + "\n" for line in kept))
+        for file in (path, self.curve):
+            _drop_lines_after(file, resume_step)
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
+    def write(self, record: dict[str, Any], step: int, last: bool) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({k: v for k, v in record.items() if k not in PER_SOURCE}) + "\n")
+        if last or (-(-step // self.log_interval) - 1) % self.stride == 0:
+            with open(self.curve, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _drop_lines_after(path: Path, step: int) -> None:
+    """Drop lines of steps lost with a killed run (they will be redone) and a last line cut by
+    SIGKILL mid-write; read and rewritten a line at a time (a stage's file can be gigabytes)."""
+    if not path.exists():
+        return
+    part = path.with_name(path.name + ".part")
+    with open(path) as src, open(part, "w") as dst:
+        for line in src:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                dst.write(line if line.endswith("\n") else line + "\n")
+    os.replace(part, path)
 
 
 class StepReport:
@@ -346,6 +371,13 @@ class StepReport:
             "time": time.time(),
             "peak_memory_gib": peak_memory_gib(self.device) if self.device is not None else None,
         }
+
+    def line_rate(self) -> float:
+        """Tokens/s over the steps since the last log line (their training time, checkpoints
+        excluded): the device's pace, not the host's, as the line is taken after the device is
+        waited for (at log_interval 1: the logged step's own rate)."""
+        seconds, steps = self.seconds - self.since[0], self.steps - self.since[1]
+        return self.tokens_per_step * steps / seconds if seconds > 0 else float("nan")
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
         seconds, steps = self.seconds - self.since[0], self.steps - self.since[1]
@@ -552,10 +584,65 @@ class Checkpointing:
         return path
 
 
-def train_step(st: Stage, step: int, speed: SpeedMonitor, callbacks: Callbacks, last: Path | None):
+class StepValues:
+    """A step's global loss and gradient norm, kept on the device until a host needs them (a
+    metrics line, a checkpoint, the stage's end, or a callback that judges every step): reading
+    a device value is a host synchronisation, and the loop makes none elsewhere. The first step
+    whose loss or gradient norm was not finite is remembered on the device too (`note`), so a
+    failure read a few steps late still names its own step, what failed and its value."""
+
+    LOSS, GRAD = 1.0, 2.0  # what failed first, as the fault's second number
+
+    def __init__(self, device: torch.device) -> None:
+        self.fault = torch.zeros(3, dtype=torch.float64, device=device)  # [step, what, value]; step 0: none
+        self.loss_sum = torch.zeros((), device=device)
+        self.grad_norm = torch.zeros((), device=device)
+        self.scale = 1
+
+    def note(self, step: int, loss_sum: torch.Tensor, scale: int, grad_norm: torch.Tensor) -> None:
+        """The step's summed loss (divided by `scale` on the host, as the loss always was) and
+        gradient norm; no synchronisation."""
+        self.loss_sum, self.scale, self.grad_norm = loss_sum, scale, grad_norm
+        loss_bad, grad_bad = ~torch.isfinite(loss_sum), ~torch.isfinite(grad_norm)
+        what = torch.where(loss_bad, self.LOSS, self.GRAD).double()
+        value = torch.where(loss_bad, loss_sum.double(), grad_norm.double())
+        first = (self.fault[0] == 0) & (loss_bad | grad_bad)
+        candidate = torch.stack([torch.full_like(value, float(step)), what, value])
+        self.fault = torch.where(first, candidate, self.fault)
+
+    def read(self) -> tuple[float, float, tuple[int, str, float] | None]:
+        """(loss, gradient norm, first fault or None): one transfer to the host."""
+        loss_sum, grad_norm, step, what, value = torch.cat(
+            [torch.stack([self.loss_sum.double(), self.grad_norm.double()]), self.fault]
+        ).tolist()
+        fault = None if step == 0 else (int(step), "loss" if what == self.LOSS else "gradient norm", value)
+        return loss_sum / self.scale, grad_norm, fault
+
+
+def check_finite(values: StepValues, callbacks: Callbacks, last: Path | None) -> tuple[float, float]:
+    """Read the step values; NonFiniteError (after the callbacks heard of it) when a step since the
+    last check had a non-finite loss or gradient norm."""
+    loss_value, grad_norm, fault = values.read()
+    if fault is None:
+        return loss_value, grad_norm
+    step, what, value = fault
+    callbacks.nonfinite(step, what, value, last)
+    if what == "loss":
+        raise NonFiniteError(
+            f"loss is {value} at step {step}; stopping before any checkpoint of "
+            f"this state (last good checkpoint: {last})"
+        )
+    raise NonFiniteError(f"gradient norm is {value} at step {step}; stopping (last good checkpoint: {last})")
+
+
+def train_step(
+    st: Stage, step: int, speed: SpeedMonitor, callbacks: Callbacks, last: Path | None, values: StepValues
+) -> bool:
     """One optimizer step (`step`, 1-based) at the LR already set: forward and backward over the
-    micro-batches, the global loss, clipping, the update unless a callback withholds it. Returns
-    (loss, gradient norm, skipped); NonFiniteError on a non-finite loss or gradient norm."""
+    micro-batches, the global loss, clipping, the update unless a callback withholds it. The loss
+    and gradient norm stay on the device in `values` (read at metrics lines and checkpoints);
+    only when a callback judges every step (the skip-step rule) are they read here, and a
+    non-finite one raises NonFiniteError before the update. Returns whether the update was skipped."""
     spec, rt, accum = st.spec, st.rt, st.accum
     loss_sum = torch.zeros((), device=rt.device)
     for micro in range(accum):
@@ -574,14 +661,7 @@ def train_step(st: Stage, step: int, speed: SpeedMonitor, callbacks: Callbacks, 
             loss = loss * float("nan")  # testing only: a planted token poisons its batch
         (loss / accum).backward()
         loss_sum += loss.detach().float()
-    dist.all_reduce(loss_sum)
-    loss_value = loss_sum.item() / (accum * rt.world_size)
-    if not math.isfinite(loss_value):
-        callbacks.nonfinite(step, "loss", loss_value, last)
-        raise NonFiniteError(
-            f"loss is {loss_value} at step {step}; stopping before any checkpoint of "
-            f"this state (last good checkpoint: {last})"
-        )
+    dist.all_reduce(loss_sum)  # on the device: no host synchronisation
     params = st.params
     if spec.optimizer.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
@@ -589,20 +669,16 @@ def train_step(st: Stage, step: int, speed: SpeedMonitor, callbacks: Callbacks, 
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    grad_norm = grad_norm.item()
-    if not math.isfinite(grad_norm):
-        callbacks.nonfinite(step, "gradient norm", grad_norm, last)
-        raise NonFiniteError(
-            f"gradient norm is {grad_norm} at step {step} (loss {loss_value}); stopping (last good checkpoint: {last})"
-        )
-    skipped = callbacks.skip_update(step, loss_value, grad_norm)  # the skip-step rule, when on
-    with speed.local():
+    values.note(step, loss_sum, accum * rt.world_size, grad_norm)
+    skipped = False
+    if callbacks.per_step_values:
+        loss_value, grad_value = check_finite(values, callbacks, last)
+        skipped = callbacks.skip_update(step, loss_value, grad_value)  # the skip-step rule
+    with speed.local(device=True):
         if not skipped:
             st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-    return loss_value, grad_norm, skipped
+    return skipped
 
 
 def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dict[str, Any]:
@@ -618,7 +694,8 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     start = resume(st)
     step, schedule_start = start.step, start.schedule_start
     total = spec.schedule.total_steps or schedule_start + spec.steps
-    metrics = MetricsWriter(spec.metrics_file, is_main, step)
+    stride = curve_stride(spec.steps, spec.log_interval)
+    metrics = MetricsWriter(spec.metrics_file, is_main, step, stride, spec.log_interval)
     report = announce(st, step)
     # One object per concern (trainers/callbacks.py); the order is the order each hook runs in.
     speed, spikes, rollback = SpeedMonitor(spec.monitor), SpikeSkip(spec.skip_spikes), NonFiniteRollback()
@@ -629,6 +706,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
         RunInfo(spec, rt.rank, rt.world_size, rt.device, st.plan.stage, st.seq_len, tokens_per_step, st.loader, step, start.state)
     )  # fmt: skip
     saves = Checkpointing(st, callbacks, schedule_start, start.latest)
+    values = StepValues(rt.device)
     loss_value = float("nan")
 
     while step < spec.steps:
@@ -637,27 +715,30 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
         lr = lr_at(schedule_start + step, spec.optimizer.lr, spec.schedule, total)
         for group in st.optimizer.param_groups:
             group["lr"] = lr
-        loss_value, grad_norm, skipped = train_step(st, step + 1, speed, callbacks, saves.last)
+        skipped = train_step(st, step + 1, speed, callbacks, saves.last, values)
         step += 1
+        stage_end = step == spec.steps
+        logged, saved = step % spec.log_interval == 0 or stage_end, saves.due(step)
+        if logged or saved:  # the host waits for the device here only (and before a save)
+            loss_value, grad_norm = check_finite(values, callbacks, saves.last)
         elapsed = time.perf_counter() - t0
         report.stepped(elapsed)
         callbacks.post_step(step, elapsed)
-        if step % spec.log_interval == 0 or step == spec.steps:
+        if logged:
             fields, scalars = callbacks.metrics(step)  # collective: the ranks' times (stragglers, throughput)
             if is_main:
-                record = report.record(step, loss_value, grad_norm, lr, tokens_per_step / elapsed, st.loader)
+                record = report.record(step, loss_value, grad_norm, lr, report.line_rate(), st.loader)
                 record = {**record, "skipped": skipped, **fields}
-                metrics.write(record)
+                metrics.write(record, step, stage_end)
                 callbacks.log_metrics(step, record, scalars)  # TensorBoard / W&B / MLflow, live
                 report.log_step(step, loss_value, lr, grad_norm)
-        stage_end = step == spec.steps
         st.ckpt.poll()  # a background save whose every shard is written gets its marker
-        saved = saves.due(step)
         if saved:
             saves.save(step, stage_end, loss_value)
         if spec.debug_step_sleep_s:
             time.sleep(spec.debug_step_sleep_s)
-        if stop is not None and not stage_end and stop.requested(rt.device):  # all ranks agree
+        # A stop signal is answered at the steps the host waits for the device anyway (all ranks agree).
+        if stop is not None and not stage_end and (logged or saved) and stop.requested(rt.device):
             if not saved:
                 saves.save(step, False, loss_value)
             st.ckpt.wait()  # an async save is complete (marker written) before the rank exits

@@ -87,3 +87,19 @@ def test_nonfinite_rollback_skips_the_planned_data_and_records_where_each_step_b
     record = read_nonfinite(tmp_path)
     assert (record["checkpoint"], record["checkpoint_step"], record["checkpoint_sequence"]) == ("ckpt/step_2", 2, 14)
     assert record["step_sequences"] == {"3": 14} and record["sequence_after"] == 18
+
+
+def test_a_failure_noticed_at_a_later_metrics_line_still_skips_only_through_its_own_steps_data(tmp_path, plan_path):
+    """The loop reads a step's values only at metrics lines: a NaN at step 2 is noticed after
+    step 4. The record still ends the window with step 2's data, not with what steps 3 and 4 read."""
+    run = run_info(tmp_path, plan_path)
+    rollback = NonFiniteRollback()
+    rollback.pre_train(run)
+    for step in (1, 2, 3, 4):
+        rollback.pre_step(step)
+        run.loader.next_batch(4)
+    rollback.nonfinite(2, "loss", math.nan, None)
+    record = read_nonfinite(tmp_path)
+    assert record["step_sequences"] == {"1": 0, "2": 4, "3": 8, "4": 12} and record["sequence_after"] == 8
+    planned = plan_skip(tmp_path, record, NonFiniteConfig(retries=2, skip_steps=1))
+    assert (planned["from"], planned["to"], planned["failed_step"]) == (4, 8, 2)

@@ -85,6 +85,11 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def curve(out: Path) -> list[dict]:
+    """The curve file's lines: every metrics line of a short stage, with the per-source counts."""
+    return [json.loads(line) for line in (out / "metrics.curve.jsonl").read_text().splitlines()]
+
+
 def assert_same_weights(a: Path, b: Path, exact: bool = True) -> None:
     wa, wb = load_model(a).state_dict(), load_model(b).state_dict()
     assert wa.keys() == wb.keys()
@@ -138,7 +143,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
     """1 rank for 2 steps, a 2-rank FSDP2 torchrun for 2 more, then 1 rank again to the end."""
     reference = tmp_path / "reference"
     run_train(write_spec(tmp_path / "ref.json", plan_path, reference))
-    ref_metrics = metrics(reference)
+    ref_metrics = curve(reference)
 
     out = tmp_path / "run"
     run_train(write_spec(tmp_path / "a.json", plan_path, out, steps=2))
@@ -150,7 +155,7 @@ def test_world_size_changes_1_to_2_to_1_continue_the_same_data_stream(plan_path,
     mid = json.loads((out / "result.json").read_text())
     assert mid["world_size"] == 2 and mid["final_step"] == 4
     assert mid["resumed_from"].endswith("step_00000002")
-    for a, b in zip(metrics(out), ref_metrics[:4], strict=True):
+    for a, b in zip(curve(out), ref_metrics[:4], strict=True):
         assert a["step"] == b["step"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["tokens_per_source"] == b["tokens_per_source"]
@@ -216,14 +221,19 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     proc = run_train(write_spec(tmp_path / "s.json", plan_path, out, steps=3, log_interval=1))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # A short stage's curve file has every line, with the per-source counts the metrics lines leave out.
+    lines = curve(out)
+    assert [{k: v for k, v in r.items() if k not in ("tokens_per_source", "epochs_per_source")} for r in lines] == rows
+    assert [sum(r["tokens_per_source"].values()) for r in lines] == [4 * 32, 2 * 4 * 32, 3 * 4 * 32]
+    assert all(r["epochs_per_source"].keys() == r["tokens_per_source"].keys() for r in lines)
     for row in rows:
+        assert "tokens_per_source" not in row and "epochs_per_source" not in row
         assert {
             "loss",
             "grad_norm",
             "lr",
             "tokens_per_s",
             "mfu",
-            "tokens_per_source",
             "mfu_peak_flops",
             "mfu_peak_source",
             "peak_memory_gib",
@@ -248,6 +258,43 @@ def test_metrics_and_result_files(plan_path, tmp_path):
     with torch.no_grad():
         ours = load_model(result["checkpoint"])(ids).logits
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+
+
+def test_the_host_waits_for_the_device_only_at_metrics_lines_and_saves(plan_path, tmp_path):
+    """Two ranks, a metrics line every 4 steps, a save only at the end (step 12): counted from
+    outside (tests/trainers/host_syncs.py patches `Tensor.item`, `Tensor.tolist`,
+    `cuda.synchronize` and `all_gather`), no step reads a device value, and the loop reads its
+    values, gathers the ranks' timings and asks about stop signals only at steps 4, 8 and 12
+    (and at start-up, step 0). The optimizer's own `_get_value` reads its step counts, CPU tensors
+    unless the optimizer is capturable (torch's design: no device synchronisation), and is not counted."""
+    out = tmp_path / "run"
+    spec = write_spec(tmp_path / "s.json", plan_path, out, steps=12, log_interval=4, checkpoint_interval=100)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    helper = Path(__file__).with_name("host_syncs.py")
+    cmd = [
+        str(TORCHRUN),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(helper),
+        str(spec),
+        str(tmp_path / "calls"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in metrics(out)] == [4, 8, 12]
+    for rank in (0, 1):
+        calls = json.loads((tmp_path / f"calls.{rank}").read_text())
+        counted = [c for c in calls if c[3] != "torch/optim/optimizer.py:_get_value"]
+        assert not [c for c in counted if c[2]], counted  # nothing inside a step
+        assert {c[1] for c in counted} <= {0, 4, 8, 12}, counted
+        assert [c[1] for c in counted if c[0] == "all_gather"] == [4, 8, 12]  # the timings, once a line
+        assert not [c for c in counted if c[0] == "synchronize"]
+        values = [c[1] for c in counted if c[3].endswith("trainers/pretrain.py:read")]
+        assert values == [4, 8, 12], counted  # loss, gradient norm and faults: one read a line
 
 
 STEP_LINE = re.compile(
