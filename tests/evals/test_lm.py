@@ -150,14 +150,17 @@ def test_read_with_yarn_both_scorings_compute_the_yarn_export_exactly(tiny_expor
     want = import_hf(tiny_export)
     want = type(want)(want.config.with_yarn(2.0)).eval()
     want.load_state_dict(import_hf(tiny_export).state_dict())
-    ids = torch.randint(0, 300, (2, 128))
+    ids = torch.randint(0, 300, (2, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = want(ids).logits
         assert (lm.model(ids).logits - expected).abs().max().item() == 0.0
         assert (lm.ours(ids).logits - expected).abs().max().item() == 0.0
+        # the scaling is really applied: plain RoPE computes other logits
+        assert (plain.ours(ids).logits - expected).abs().max().item() > 1e-3
     request = [(ids[0, :100].tolist(), ids[0, 100:110].tolist())]
     ((yarn_lp, _),) = score_requests(lm.ours, request, max_length=lm.max_length)
     ((plain_lp, _),) = score_requests(plain.ours, request, max_length=plain.max_length)
     logp = torch.log_softmax(expected[0], -1)
     assert yarn_lp == pytest.approx(float(sum(logp[99 + i, ids[0, 100 + i]] for i in range(10))), abs=1e-4)
-    assert abs(yarn_lp - plain_lp) > 1e-3
+    plain_logp = torch.log_softmax(plain.ours(ids).logits[0], -1)
+    assert plain_lp == pytest.approx(float(sum(plain_logp[99 + i, ids[0, 100 + i]] for i in range(10))), abs=1e-4)
