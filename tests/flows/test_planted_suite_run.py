@@ -32,6 +32,8 @@ OVERRIDES = [
     "eval.limit=2",
     "preflight.max_epochs=1000",
     "posttrain=null",
+    "eval.beyond_factor=null",  # one evaluation: stage 1's (no reading past its length)
+    "eval.beyond_passkey_words=null",
 ]
 
 
