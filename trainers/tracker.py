@@ -56,9 +56,14 @@ def check_tracker(config: TrackerConfig) -> None:
         )
 
 
+def _folder_name(text: str) -> str:
+    """`text` as one safe folder name (runs of other characters become `-`)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
+
+
 def run_name(stage_dir: Path, stage: str) -> str:
     """`{stage}-{folder}`: readable in a tracker's run list, unique per stage folder."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stage}-{Path(stage_dir).name}")
+    return _folder_name(f"{stage}-{Path(stage_dir).name}")
 
 
 def tracker_dir(
@@ -71,7 +76,7 @@ def tracker_dir(
         config.kind, "tracker"
     )
     if flow_run:
-        root = root / re.sub(r"[^A-Za-z0-9_.-]+", "-", flow_run)
+        root = root / _folder_name(flow_run)
     return root / run_name(stage_dir, stage)
 
 

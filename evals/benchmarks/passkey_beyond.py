@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from evals.benchmarks.eval_task import EvalTask, task_yaml
-from evals.benchmarks.passkey import passkey_items
+from evals.benchmarks.passkey import Passkey, passkey_items
 
 
-class PasskeyBeyond(EvalTask):
+class PasskeyBeyond(Passkey):
+    """Passkey's items, scoring and YAML at one length, `eval.beyond_passkey_words`."""
+
     name = "passkey_beyond"
     names = r"passkey_beyond_[1-9][0-9]{0,6}"
-    output_type = "multiple_choice"
-    headline = "acc"
-    contamination = False  # synthetic filler: nothing to find in training text
-    long_context = True
     beyond_training = True
 
     def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:
         words = spec.eval.beyond_passkey_words
         return {} if words is None else {f"passkey_beyond_{words}": passkey_items(words, spec.eval, rng)}
-
-    def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
-        return task_yaml(name, data_file, " ")

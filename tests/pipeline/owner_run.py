@@ -93,6 +93,13 @@ def serve(state: Path) -> None:
 
 
 def flow(state: Path) -> None:
+    run_steps(state, "owner-test", (chatty, raw_writer, sleeper), return_state=True)
+
+
+def run_steps(state: Path, name: str, steps: tuple, return_state: bool = False) -> Any:
+    """One run of a real flow `name` over `steps` (each with label `x` and config `Where(state)`);
+    the flow writes its run id to STATE/run_id, the workspace is STATE/ws. Also the flow of
+    tests/pipeline/sentinel_run.py."""
     from prefect import flow as prefect_flow
     from prefect.runtime import flow_run
 
@@ -102,16 +109,15 @@ def flow(state: Path) -> None:
 
     recipe = load_recipe("tiny", [f"workspace={state / 'ws'}"])
 
-    @prefect_flow(name="owner-test")
+    @prefect_flow(name=name)
     def run() -> Any:
         (state / "run_id").write_text(str(flow_run.id))
-        g = Graph("owner-test")
-        g.add(chatty, Where(state=str(state)), label="x")
-        g.add(raw_writer, Where(state=str(state)), label="x")
-        g.add(sleeper, Where(state=str(state)), label="x")
-        return run_flow("owner-test", g, run_setup(recipe, "tiny"))
+        g = Graph(name)
+        for s in steps:
+            g.add(s, Where(state=str(state)), label="x")
+        return run_flow(name, g, run_setup(recipe, "tiny"))
 
-    run(return_state=True)
+    return run(return_state=return_state)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from pipeline.step import step
-
-
-class Where(BaseModel):
-    """The test's state folder."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    state: str
+from tests.pipeline.owner_run import Where, run_steps
 
 
 @step("waiter", version=1, kind="report")
@@ -36,23 +27,7 @@ def waiter(config: Where, *, out: Path, log=print) -> dict[str, Any]:
 
 
 def flow(state: Path) -> None:
-    from prefect import flow as prefect_flow
-    from prefect.runtime import flow_run
-
-    from flows.recipe import load_recipe, run_setup
-    from pipeline.graph import Graph
-    from pipeline.runner import run_flow
-
-    recipe = load_recipe("tiny", [f"workspace={state / 'ws'}"])
-
-    @prefect_flow(name="sentinel-test")
-    def run() -> Any:
-        (state / "run_id").write_text(str(flow_run.id))
-        g = Graph("sentinel-test")
-        g.add(waiter, Where(state=str(state)), label="x")
-        return run_flow("sentinel-test", g, run_setup(recipe, "tiny"))
-
-    run()
+    run_steps(state, "sentinel-test", (waiter,))
 
 
 if __name__ == "__main__":
