@@ -66,10 +66,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A stage's figures from its rows (`read_metrics`): the final loss and per-source tokens
     (its last line), mean tokens/s and MFU over the lines after the first (which carries the
-    start-up costs), the last reason MFU was not reported, the peak it was taken against."""
+    start-up costs; null if any line found the peak wrong), the last reason MFU was not
+    reported, the peak it was taken against."""
     timed = rows[1:] or rows
     speeds = [r["tokens_per_s"] for r in timed if isinstance(r.get("tokens_per_s"), int | float)]
     mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), int | float)]
+    # One peak serves the whole stage: if any line's rate exceeded it, the peak is wrong for
+    # every line, and a mean over the other lines would report a figure against a wrong peak.
+    invalid = next((r["mfu_invalid"] for r in reversed(rows) if r.get("mfu_invalid")), None)
     last = rows[-1] if rows else {}
     return {
         "final_loss": last.get("loss"),
@@ -77,8 +81,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
         # The trainer never records MFU above 1: a peak below the achieved rate is wrong, and
         # `mfu_invalid` says so instead.
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
-        "mfu_invalid": next((r["mfu_invalid"] for r in reversed(rows) if r.get("mfu_invalid")), None),
+        "mfu": sum(mfus) / len(mfus) if mfus and invalid is None else None,
+        "mfu_invalid": invalid,
         "mfu_peak_flops": last.get("mfu_peak_flops"),
         "mfu_peak_source": last.get("mfu_peak_source"),
     }

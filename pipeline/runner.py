@@ -316,8 +316,8 @@ class RunContext:
     def owner_crash(self) -> State:
         """The final state of a run that lost its serve process (see pipeline/owner.py)."""
         failed = [r for r in self.records if r.state == "failed"]
-        stopped = [f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: ")]
-        earlier = [f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: ")]
+        stopped = sorted(f"{r.step}[{r.label}]" for r in failed if (r.error or "").startswith("stopped: "))
+        earlier = sorted(f"{r.step}[{r.label}]" for r in failed if not (r.error or "").startswith("stopped: "))
         unstarted = [r for r in self.records if r.state == "skipped"]
         return Crashed(
             message=(

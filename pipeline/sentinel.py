@@ -261,8 +261,8 @@ def crash_in_prefect(conf: dict[str, Any], steps: list[dict[str, Any]], message:
 
 
 def crash_message(conf: dict[str, Any], steps: list[dict[str, Any]], why: str) -> str:
-    stopped = [e["key"] for e in steps if e["started"] is not None]
-    waiting = [e["key"] for e in steps if e["started"] is None]
+    stopped = sorted(e["key"] for e in steps if e["started"] is not None)
+    waiting = sorted(e["key"] for e in steps if e["started"] is None)
     where = " once a serve process runs again (`python -m flows.deployments`)" if conf.get("served") else ""
     return (
         f"{why}. Stopped while running: {', '.join(stopped) or 'none'}"

@@ -154,3 +154,17 @@ def test_downsample_keeps_every_row_up_to_its_bound_then_evenly_spaced_ones_and_
     kept = [r["step"] for r in downsample(iter(rows), points=4)]
     assert kept == [1, 5, 9, 10]
     assert downsample(iter([])) == []
+
+
+def test_one_line_above_the_peak_makes_the_stage_mfu_null_with_the_reason():
+    """The CI failure of 2026-12-04: under load, one interval of the tiny DAG ran faster than the
+    preflight peak measured on the same busy cores; the stage's MFU was the mean of the other
+    lines (0.61) beside a 'peak is wrong' reason. One peak serves the stage, so it is wrong for
+    every line: the stage reports no MFU and says why."""
+    rows = [record(s) for s in range(1, 6)]
+    assert summarize(rows)["mfu"] is not None and summarize(rows)["mfu_invalid"] is None
+    why = "the peak is wrong: 5.35e+10 FLOP/s achieved, above the peak of 4.65e+10 FLOP/s (preflight)"
+    rows[2] = {**rows[2], "mfu": None, "mfu_invalid": why}
+    figures = summarize(rows)
+    assert figures["mfu"] is None and figures["mfu_invalid"] == why
+    assert figures["tokens_per_s"] == sum(r["tokens_per_s"] for r in rows[1:]) / 4
