@@ -55,6 +55,28 @@ TINY_TRAIN = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _log_streams_outlive_capture():
+    """A logging handler created during a test that captures output (`capsys`) keeps that test's
+    stream, closed once the test ends: Prefect's console handler, set up by the first flow run
+    of a process, then fails every later run of the process with `I/O operation on closed file`
+    (seen with `TEST_WORKERS=0`: the ablation flow's test, then the anneal flow's setup). After
+    each test, a handler whose stream is closed writes to the current `sys.stderr` again."""
+    yield
+    import logging
+
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for handler in {h for logger in loggers for h in logger.handlers}:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+            console = getattr(handler, "console", None)  # Prefect's rich console keeps its own file
+            if console is not None:
+                console.file = sys.stderr
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server (SQLite) shared by every test that runs flows."""
