@@ -89,6 +89,9 @@ def test_capacity_recipe_prints_every_stage_and_plan_rows_carry_the_memory():
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["stage", "nodes", "layout", "batch"]
     assert [line.split()[0] for line in lines[1:6]] == ["stage1", "stage2", "stage3", "long32k", "long64k"]
+    # the host side of a node: memory, CPUs, open files per rank (model/host_memory.py)
+    assert lines[0].split()[-4:] == ["host", "GB", "cpus", "nofile"]
+    assert lines[1].split()[-3:] == ["94", "25", "8192"]
 
     from flows.graphs import plan
 
