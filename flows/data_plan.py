@@ -71,7 +71,7 @@ def _where(executor: str, workers: int | None, slurm: Any) -> str:
         return f"slurm ({slurm.partition}, {slurm.cpus_per_task} CPU x {slurm.mem_per_cpu_gb} GB)"
     if executor == "ray":
         return "ray cluster"
-    return f"flow host ({workers or 'all cores'} workers)"
+    return f"flow host ({workers} workers)" if workers else "flow host (a worker per core)"
 
 
 def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
