@@ -88,6 +88,27 @@ class HeldoutIndex:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def nbytes(self) -> int:
+        """Bytes it takes in a process that loaded it: its arrays and its ids (as Python strings,
+        about 50 bytes each besides their characters)."""
+        arrays = self.exact.nbytes + self.grams.nbytes + self.owners.nbytes + self.sizes.nbytes
+        return arrays + sum(50 + len(i) for i in self.ids)
+
+    def report(self, caps: list[int | None]) -> dict:
+        """Its size now and at the held-out caps of the sources it indexes (`caps`, one per
+        source; None where a source has no cap, and then no bound): every datatrove task of a
+        curate step loads it whole, so this is memory per task."""
+        per_doc = self.nbytes() / len(self) if len(self) else 0.0
+        bound = None if not caps or any(c is None for c in caps) else sum(caps)
+        return {
+            "documents": len(self),
+            "ngrams": int(len(self.grams)),
+            "bytes": self.nbytes(),
+            "bytes_per_document": round(per_doc, 1),
+            "documents_at_cap": bound,
+            "bytes_at_cap": None if bound is None else round(per_doc * bound),
+        }
+
     def save(self, path: Path) -> None:
         np.savez(path, exact=self.exact, grams=self.grams, owners=self.owners, sizes=self.sizes)
         Path(str(path) + ".json").write_text(json.dumps({"ngram": self.ngram, "ids": self.ids}), encoding="utf-8")

@@ -622,10 +622,15 @@ class HuggingFace(SourceKind):
             yield _extract(record, self.config, f"row {i}")
 
 
+def held_out_rank(source: str, doc_id: str) -> int:
+    """A document's stable 64-bit hash: the held-out split takes a share of them by value
+    (`is_held_out`), and a capped split the smallest ones of that share (tasks/sources.py)."""
+    return int.from_bytes(hashlib.sha1(f"{source}\0{doc_id}".encode()).digest()[:8], "big")
+
+
 def is_held_out(source: str, doc_id: str, fraction: float) -> bool:
     """Stable membership of a document in the held-out split (same answer on every machine)."""
-    h = int.from_bytes(hashlib.sha1(f"{source}\0{doc_id}".encode()).digest()[:8], "big")
-    return h % 1_000_000 < round(fraction * 1_000_000)
+    return held_out_rank(source, doc_id) % 1_000_000 < round(fraction * 1_000_000)
 
 
 class ShardWriter:

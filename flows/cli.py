@@ -272,7 +272,11 @@ def cmd_capacity(args) -> int:
         others = argv[:at] + argv[at + 2 :]
         if any(not a.count("=") for a in others):
             raise ValueError("with --recipe, the other arguments are key=value overrides of the recipe")
-        print(format_rows(stage_rows(load_recipe(argv[at + 1], others))))
+        from flows.data_plan import data_rows, format_data_rows
+
+        recipe = load_recipe(argv[at + 1], others)
+        print(format_rows(stage_rows(recipe)))
+        print(format_data_rows(data_rows(recipe)[0], recipe))
         return 0
     from infra.capacity import main as planner_main
 

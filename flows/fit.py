@@ -39,6 +39,7 @@ class StageFit:
     budget_gb: float | None  # + context and fragmentation (GPU stages); None on CPU
     limit_gb: float | None  # the declared GPU memory
     detail: str  # MemoryEstimate.describe()
+    host: Any = None  # HostNeeds per node (model/host_memory.py): what the launch asks the cluster for
 
 
 def _vocab(recipe: Any) -> int:
@@ -56,6 +57,9 @@ def stage_rows(recipe: Any) -> list[StageFit]:
         gb, mb = stage_batch(st, t)
         if gb % mb:
             raise ValueError(f"stages[{st.name}]: global_batch {gb} must be a multiple of micro_batch {mb}")
+    from model.host_memory import host_needs
+
+    threads = t.num_threads or recipe.resources.threads("train") or 1
     rows = []
     for run in schedule_stages(t, recipe.stages, recipe.seed):
         run = run.model_copy(update={"launch": run.on(recipe.launch)})
@@ -93,6 +97,7 @@ def stage_rows(recipe: Any) -> list[StageFit]:
                 budget_gb=est.budget_gb() if t.gpu_memory_gb is not None or t.device == "cuda" else None,
                 limit_gb=t.gpu_memory_gb,
                 detail=est.describe(),
+                host=host_needs(run.spec, layout, t.nproc_per_node, threads=threads, vocab_size=_vocab(recipe)),
             )
         )
     return rows
@@ -129,6 +134,7 @@ def format_rows(rows: list[StageFit]) -> str:
     head = (
         f"{'stage':<10}{'nodes':>6}  {'layout':<32}{'batch':>6}{'micro':>6}{'accum':>6}{'seq':>7}"
         f"{'tok/step':>10}{'steps':>10}  {'ckpt':<10}{'peak GB':>8}{'budget':>8}{'limit':>7}"
+        f"{'host GB':>9}{'cpus':>6}{'nofile':>8}"
     )
     lines = [head]
     for r in rows:
@@ -137,12 +143,13 @@ def format_rows(rows: list[StageFit]) -> str:
         lines.append(
             f"{r.name:<10}{r.nodes:>6}  {r.layout:<32}{r.global_batch:>6}{r.micro_batch:>6}{r.accum:>6}"
             f"{r.seq_len:>7}{_tokens(r.tokens_per_step):>10}{r.steps:>10,}  {r.mode:<10}{r.peak_gb:>8.2f}"
-            f"{budget:>8}{limit:>7}"
+            f"{budget:>8}{limit:>7}{r.host.mem_gb:>9}{r.host.cpus:>6}{r.host.open_files:>8}"
         )
     lines.append(
         "peak: predicted allocated peak per GPU or CPU rank, GB (model/memory.py); "
-        "budget: + fragmentation and context (GPU)"
+        "budget: + fragmentation and context (GPU); host GB, cpus: per node, nofile: open files per rank, "
+        "what the launch asks for where the recipe sets none (model/host_memory.py)"
     )
     for r in rows:
-        lines.append(f"  {r.name}: {r.detail}")
+        lines.append(f"  {r.name}: {r.detail}; {r.host.describe()}")
     return "\n".join(lines)

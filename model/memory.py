@@ -117,6 +117,17 @@ def _params_per_rank(cfg: ModelConfig, tp: int) -> dict[str, float]:
     return {"block": matrices + norms, "block_matrices": matrices, "embed": embed, "final_norm": h}
 
 
+def state_bytes(cfg: ModelConfig, tp: int, shard: int) -> tuple[float, float]:
+    """(model state, its largest tensor) in bytes on one rank, both fp32: the parameters and
+    AdamW's two moments (12 bytes per parameter) of its TP slice over the `shard` ranks of its
+    FSDP group, and the largest single state tensor (the embedding's slice, 4 bytes per
+    parameter): what a checkpoint save stages in host memory (model/host_memory.py)."""
+    p = _params_per_rank(cfg, tp)
+    per_rank = cfg.num_layers * p["block"] + p["embed"] + p["final_norm"]
+    largest = cfg.vocab_size * cfg.hidden_size / tp
+    return 12 * per_rank / shard, 4 * largest / shard
+
+
 def layer_bytes(x: StepShape, mode: str) -> float:
     """Bytes one block keeps for backward in `mode` (module docstring)."""
     cfg, a, t = x.cfg, x.act_bytes, x.tp

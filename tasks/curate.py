@@ -91,6 +91,20 @@ class DecontaminationConfig(BaseModel):
     min_ngrams: int = Field(default=50, ge=1)
 
 
+class HeldoutSplitConfig(BaseModel):
+    """The recipe's `curation.heldout`: how large each source's held-out split may grow. The split
+    is made by the source step (tasks/sources.py, `SourceSpec.held_out_max_documents`) and indexed
+    whole by every curate step for decontamination, so it is bounded in documents, not as a share
+    of a source (5% of DCLM's ~3B documents would be 150M)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # documents per source at most: enough for the eval suite's items and held-out loss, small
+    # enough that the index of all 71 sources of smollm3-3b stays ~1 GB in each curate task
+    # (docs/scale.md); None: the sources' held_out_fraction alone
+    max_docs: int | None = Field(default=2000, gt=0)
+
+
 class CurationConfig(BaseModel):
     """The recipe's `curation` section: filters, dedup and where the pipelines run."""
 
@@ -112,6 +126,9 @@ class CurationConfig(BaseModel):
     minhash_buckets: int = Field(default=14, gt=0)  # LSH bands
     minhash_hashes_per_bucket: int = Field(default=8, gt=0)  # rows per band (~0.72 Jaccard cut)
     decontamination: DecontaminationConfig = DecontaminationConfig()  # train vs held-out copies
+    # the held-out split's size per source; it enters the source steps' fingerprints (where it
+    # can bind), never the curate steps' (`for_source` leaves it at its default)
+    heldout: HeldoutSplitConfig = added_identity(HeldoutSplitConfig())
     # language ID of the web presets: py3langid's bundled model, or this local fastText model
     # (lid.176.bin); never a download
     language_model: str | None = None
@@ -165,6 +182,7 @@ class CurationConfig(BaseModel):
                 "presets": presets,
                 "minhash_skip": tuple(n for n in self.minhash_skip if n == name),
                 "filters": filters,
+                "heldout": HeldoutSplitConfig(),  # the source step's: it reaches curate through its input
             }
         )
 
@@ -181,6 +199,22 @@ def _has_lines(folder: Path) -> bool:
             if any(line.strip() for line in fh):
                 return True
     return False
+
+
+def _describe_index(report: dict, sources: int) -> str:
+    """`held-out index: 1,204 documents of 3 sources, 98,120 n-grams, 1.4 MB in each task; at the
+    sources' caps (6,000 documents): 7.0 MB` (or `no cap: it grows with the sources`)."""
+    mb = report["bytes"] / 1e6
+    text = (
+        f"held-out index: {report['documents']:,} documents of {sources} sources, {report['ngrams']:,} n-grams, "
+        f"{mb:.1f} MB in each task"
+    )
+    if report["bytes_at_cap"] is None:
+        return text + "; a source without curation.heldout.max_docs: it grows with the sources' held-out fraction"
+    return (
+        text
+        + f"; at the sources' caps ({report['documents_at_cap']:,} documents): {report['bytes_at_cap'] / 1e6:.1f} MB"
+    )
 
 
 def _heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> Iterator[tuple[str, str]]:
@@ -325,8 +359,11 @@ def curate(
     logs = out / "logs"
     start = time.monotonic()
     index_path, against = None, [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
+    index_report = None
     if config.decontamination.enabled:
         index = HeldoutIndex.build(_heldout_documents(against, config), config.decontamination.ngram)
+        index_report = index.report([a.meta.get("heldout_max_documents") for a in against])
+        log(f"curate {source}: {_describe_index(index_report, len(against))}")
         if len(index):
             (out / "work").mkdir(parents=True, exist_ok=True)
             index_path = out / "work" / "heldout_index.npz"
@@ -390,6 +427,8 @@ def curate(
         "heldout_characters": held_chars,
         "heldout_input_documents": held_in,
         "decontaminated_against": (sorted({a.meta.get("source", a.short) for a in against}) if index_path else []),
+        # the held-out index every task loads: its size, and at the sources' held-out caps
+        "heldout_index": index_report,
         # what this step dropped, each document once (the source step's rejections stay in
         # the source's meta): unreadable lines of either split, train removals, held-out removals
         "rejected": dict(rejected),

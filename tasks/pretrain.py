@@ -249,14 +249,21 @@ def _device(spec: TrainSpec) -> str:
 
 
 def _launch_config(run: StageSpec) -> LaunchConfig:
-    """The launcher for a stage: ranks per node from the recipe, and on CPU the stage's threads
+    """The launcher for a stage: ranks per node from the recipe, on CPU the stage's threads
     (its train slot's, else the machine's cores split between the ranks; torchrun would
-    otherwise pin one thread per rank)."""
+    otherwise pin one thread per rank), and on a cluster the host memory, CPUs and open files
+    its plan needs where the recipe sets none (model/host_memory.py)."""
     env = dict(run.launch.env)
     if "OMP_NUM_THREADS" not in env:
         threads = run.spec.num_threads or run.threads or max(1, (os.cpu_count() or 1) // run.nproc_per_node)
         env["OMP_NUM_THREADS"] = str(threads)
-    return run.launch.model_copy(update={"procs_per_node": run.nproc_per_node, "env": env})
+    launch = run.launch.model_copy(update={"procs_per_node": run.nproc_per_node, "env": env})
+    if launch.kind == "local":
+        return launch
+    from model.host_memory import host_needs
+
+    threads = int(env["OMP_NUM_THREADS"]) if env["OMP_NUM_THREADS"].isdigit() else 1
+    return launch.sized(host_needs(run.spec, run.layout(), run.nproc_per_node, threads=threads))
 
 
 def _stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

@@ -6,13 +6,24 @@ curation/source_kinds.py; this module is the step and its config.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from curation.source_kinds import Document, Rejected, ShardWriter, SourceConfig, is_held_out, resolve_kind, source_state
+from curation.source_kinds import (
+    Document,
+    Rejected,
+    ShardWriter,
+    SourceConfig,
+    held_out_rank,
+    is_held_out,
+    resolve_kind,
+    source_state,
+)
+from pipeline.artifact import added_identity
 from pipeline.step import step
 
 
@@ -24,10 +35,21 @@ class SourceSpec(BaseModel):
 
     source: SourceConfig
     seed: int | None = None
+    # the held-out split holds at most this many documents: of those `held_out_fraction` selects,
+    # the ones of smallest hash (the same set in any read order); the others go to train. None:
+    # the fraction alone. Set from the recipe's `curation.heldout.max_docs` where it can bind.
+    held_out_max_documents: int | None = added_identity(None, gt=0)
 
     @classmethod
-    def of(cls, source: SourceConfig, seed: int) -> SourceSpec:
-        return cls(source=source, seed=seed if resolve_kind(source.uri).seeded else None)
+    def of(cls, source: SourceConfig, seed: int, held_out_max_documents: int | None = None) -> SourceSpec:
+        """The step's config for a recipe source; a held-out cap the source cannot reach (its
+        `max_documents` is at most the cap, or it holds nothing out) is left out, so it changes
+        neither the output nor the fingerprint."""
+        cap = held_out_max_documents
+        if source.held_out_fraction == 0 or (source.max_documents is not None and source.max_documents <= (cap or 0)):
+            cap = None
+        seed = seed if resolve_kind(source.uri).seeded else None
+        return cls(source=source, seed=seed, held_out_max_documents=cap)
 
 
 # 3: the train split is dealt into `shards` shards; blank lines of files are counted; the
@@ -61,6 +83,9 @@ def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
     seen_ids: set[str] = set()
     fields_seen: tuple[str, ...] = ()
     kept = 0
+    cap = config.held_out_max_documents
+    held: list[tuple[int, int, Document]] = []  # capped split: (-hash, read order, document)
+    capped = 0  # documents the fraction selected and the cap sent to train
     for record in kind.records():
         if isinstance(record, Document):
             text = record.text
@@ -77,15 +102,27 @@ def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
             fields_seen = fields_seen or record.fields
             continue
         seen_ids.add(record.id)
-        split = "heldout" if is_held_out(cfg.name, record.id, cfg.held_out_fraction) else "train"
-        writers[split].add(record, cfg.name)
-        docs[split] += 1
-        chars[split] += len(record.text)
         kept += 1
+        if not is_held_out(cfg.name, record.id, cfg.held_out_fraction):
+            _write(writers, "train", record, cfg.name, docs, chars)
+        elif cap is None:
+            _write(writers, "heldout", record, cfg.name, docs, chars)
+        else:  # keep the `cap` smallest hashes: a max-heap of them, the largest pushed out to train
+            heapq.heappush(held, (-held_out_rank(cfg.name, record.id), kept, record))
+            if len(held) > cap:
+                _write(writers, "train", heapq.heappop(held)[2], cfg.name, docs, chars)
+                capped += 1
         if kept % 5000 == 0:
             log(f"source {cfg.name}: {kept} documents")
         if cfg.max_documents and kept >= cfg.max_documents:
             break
+    if capped:
+        log(
+            f"source {cfg.name}: held-out split capped at {cap:,} documents (curation.heldout.max_docs); "
+            f"{capped:,} more the fraction {cfg.held_out_fraction:g} selected went to train"
+        )
+    for _, _, record in sorted(held, key=lambda entry: entry[1]):  # the capped split, in read order
+        _write(writers, "heldout", record, cfg.name, docs, chars)
     for w in writers.values():
         w.flush()
     if rejected:
@@ -112,7 +149,15 @@ def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
         "characters": chars["train"],
         "heldout_documents": docs["heldout"],
         "heldout_characters": chars["heldout"],
+        "heldout_max_documents": cap,
+        "heldout_capped": capped,
         "shards": {split: w.shards for split, w in writers.items()},
         "rejected": dict(rejected),
         "rejected_examples": {k: v for k, v in examples.items()},
     }
+
+
+def _write(writers, split: str, record: Document, source: str, docs: Counter[str], chars: Counter[str]) -> None:
+    writers[split].add(record, source)
+    docs[split] += 1
+    chars[split] += len(record.text)

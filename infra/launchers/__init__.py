@@ -12,6 +12,7 @@ from infra.launchers import local as _local  # noqa: F401  (registers "local")
 from infra.launchers import slurm as _slurm  # noqa: F401  (registers "slurm")
 from infra.launchers.base import (
     LAUNCHERS,
+    HostNeeds,
     KubernetesLaunchConfig,
     LaunchConfig,
     Launcher,
@@ -22,6 +23,7 @@ from infra.launchers.base import (
 
 __all__ = [
     "LAUNCHERS",
+    "HostNeeds",
     "KubernetesLaunchConfig",
     "LaunchFailed",
     "Launcher",

@@ -350,8 +350,9 @@ class SlurmLaunchConfig(BaseModel):
     account: ShellWord | None = None  # account charged for the allocation
     qos: ShellWord | None = None  # quality of service
     time: ShellWord = "24:00:00"  # wall-clock limit (Slurm syntax: D-HH:MM:SS or HH:MM:SS)
-    cpus_per_task: int | None = Field(default=None, gt=0)  # CPUs for each node's torchrun
-    mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the cluster's default
+    cpus_per_task: int | None = Field(default=None, gt=0)  # CPUs for each node's torchrun; None = the stage plan's
+    open_files: int | None = Field(default=None, gt=0)  # `ulimit -n` of the job; None = the stage plan's
+    mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the stage plan's (HostNeeds)
     exclusive: bool = True  # whole nodes: training shares nothing well
     requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes
     signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
@@ -367,25 +368,36 @@ class KubernetesLaunchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    image: str = "ghcr.io/smollm3-pipeline/trainer:latest"  # image with this repo and its venv
+    # image with this repo and its venv, pinned: `registry/name:tag` or `name@sha256:...`
+    # (`:latest` or no tag is refused: every restart of a 24-day job must run the same code)
+    image: str | None = None
     namespace: str = "default"  # namespace of the PyTorchJob
     job_name: str = "smollm3"  # PyTorchJob name prefix (a spec digest is appended)
     service_account: str | None = None  # for IRSA / workload identity (S3 without static keys)
     gpu_resource: str = "nvidia.com/gpu"  # extended resource name of the accelerators
-    cpu: str | None = None  # CPU request/limit per pod
-    memory: str | None = None  # memory request/limit per pod
-    workspace_claim: str | None = None  # PVC mounted at the workspace path (shared by all pods)
+    cpu: str | None = None  # CPU request/limit per pod; None = the stage plan's (HostNeeds)
+    memory: str | None = None  # memory request/limit per pod; None = the stage plan's (HostNeeds)
+    workspace_claim: str | None = None  # PVC mounted at the workspace path (shared by all pods): required
     workspace_mount: str = "/workspace"  # where the claim is mounted (the spec's paths live here)
     credentials_secret: str | None = None  # Secret whose keys become env vars (AWS_* chain)
     node_selector: dict[str, str] = {}  # e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     code_dir: str = "/app"  # the repo inside the image (working directory of the trainer)
     poll_seconds: float = Field(default=15.0, ge=0.01)  # how often kubectl is asked for the status (a floor)
-    # All pods or none: "kueue" labels the job for a Kueue LocalQueue (`queue`), "volcano" asks
-    # the training operator (started with --gang-scheduler-name=volcano) for a PodGroup of
-    # minAvailable = nodes; "none": the default scheduler, which may start some pods only
-    gang: Literal["none", "kueue", "volcano"] = "none"
+    # All pods or none: "auto" = "volcano" for a multi-pod job, the default scheduler for one pod;
+    # "volcano" sets `schedulerName: volcano` and asks the training operator (started with
+    # --gang-scheduler-name=volcano) for a PodGroup of minAvailable = nodes; "kueue" labels the
+    # job for a Kueue LocalQueue (`queue`); "none": the default scheduler, which may start some
+    # pods only and leave them waiting on the rest
+    gang: Literal["auto", "none", "kueue", "volcano"] = "auto"
     queue: str | None = None  # Kueue LocalQueue / Volcano queue (kueue: required)
     priority_class: str | None = None  # Kueue WorkloadPriorityClass / Volcano priority class
+    # The RDMA devices a pod requests when launch.fabric.kind is efa or infiniband (the device
+    # plugin's extended resource): None = by fabric, efa "vpc.amazonaws.com/efa" (the AWS EFA
+    # device plugin), infiniband "rdma/rdma_shared_device_a" (NVIDIA network operator's shared
+    # RDMA device plugin); `fabric_devices` of them (None = efa 32, a p5.48xlarge's EFA
+    # interfaces; infiniband 1, the shared device)
+    fabric_resource: str | None = None
+    fabric_devices: int | None = Field(default=None, gt=0)
     # What a failed pod restarts: "elastic" = torchrun's c10d rendezvous under the operator's
     # elasticPolicy (every node's torchrun restarts its ranks and they meet again, a lone restarted
     # pod included, up to max_restarts); "job" = no pod restarts alone: the job fails whole and the
@@ -400,6 +412,54 @@ class KubernetesLaunchConfig(BaseModel):
         if self.gang == "kueue" and not self.queue:
             raise ValueError("kubernetes.gang is kueue: name the LocalQueue in kubernetes.queue")
         return self
+
+    @field_validator("image")
+    @classmethod
+    def _pinned_image(cls, image: str | None) -> str | None:
+        if image is not None and not pinned_image(image):
+            raise ValueError(
+                f"launch.kubernetes.image {image!r} is not pinned: name a tag other than latest "
+                "(registry/smollm3:1.0) or a digest (registry/smollm3@sha256:...), so that every pod "
+                "and every restart runs the same code"
+            )
+        return image
+
+    def gang_for(self, nodes: int) -> str:
+        """The gang scheduler a job of `nodes` pods uses ("auto" resolved)."""
+        if self.gang != "auto":
+            return self.gang
+        return "volcano" if nodes > 1 else "none"
+
+    def rdma(self, fabric: str) -> tuple[str, int] | None:
+        """(extended resource, count) of RDMA devices a pod requests on this fabric; None on ethernet."""
+        default = {"efa": ("vpc.amazonaws.com/efa", 32), "infiniband": ("rdma/rdma_shared_device_a", 1)}.get(fabric)
+        if default is None:
+            return None
+        return (self.fabric_resource or default[0], self.fabric_devices or default[1])
+
+
+def pinned_image(image: str) -> bool:
+    """Whether a container image names one build: a digest, or a tag other than `latest`."""
+    if "@" in image:
+        return image.split("@", 1)[1].startswith("sha256:")
+    last = image.rsplit("/", 1)[-1]  # a registry's port (host:5000/name) is not a tag
+    return ":" in last and last.rsplit(":", 1)[1] not in ("", "latest")
+
+
+@dataclass(frozen=True)
+class HostNeeds:
+    """What one node of a stage needs besides its GPUs (model/host_memory.py computes it from the
+    stage plan): host memory, CPUs for the node's torchrun and its ranks, and the open-file
+    limit of each rank. `parts` holds the memory terms per node, in GB, for reports."""
+
+    mem_gb: int  # per node, rounded up
+    cpus: int  # per node: the one task's --cpus-per-task
+    open_files: int  # per process: ulimit -n
+    parts: dict[str, float]
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{k} {v:.1f}" for k, v in self.parts.items())
+        return f"host {self.mem_gb} GB per node ({terms}), {self.cpus} CPUs, {self.open_files} open files per rank"
 
 
 class LaunchConfig(BaseModel):
@@ -437,6 +497,35 @@ class LaunchConfig(BaseModel):
                 "before its ranks can save their step"
             )
         return self
+
+    @model_validator(mode="after")
+    def _kubernetes_pods_can_run(self) -> LaunchConfig:
+        if self.kind != "kubernetes":
+            return self
+        if self.kubernetes.image is None:
+            raise ValueError(
+                "launch.kubernetes.image is not set: name the trainer's image with a pinned tag or digest "
+                "(registry/smollm3:1.0)"
+            )
+        if self.kubernetes.workspace_claim is None:
+            raise ValueError(
+                "launch.kubernetes.workspace_claim is not set: the pods read the stage's spec.json and write "
+                "its checkpoints on the workspace; name the PersistentVolumeClaim that holds it"
+            )
+        return self
+
+    def sized(self, needs: HostNeeds) -> LaunchConfig:
+        """This launch with the host resources a stage plan needs where the recipe left them unset
+        (Slurm `mem`, `cpus_per_task`, `open_files`; Kubernetes `memory`, `cpu`): a value the
+        recipe sets wins."""
+        s, k = self.slurm, self.kubernetes
+        slurm = {
+            "mem": s.mem if s.mem is not None else f"{needs.mem_gb}G",
+            "cpus_per_task": s.cpus_per_task or needs.cpus,
+            "open_files": s.open_files or needs.open_files,
+        }
+        kube = {"memory": k.memory or f"{needs.mem_gb}G", "cpu": k.cpu or str(needs.cpus)}
+        return self.model_copy(update={"slurm": s.model_copy(update=slurm), "kubernetes": k.model_copy(update=kube)})
 
     @field_validator("env")
     @classmethod

@@ -15,9 +15,16 @@ the trainer resumes from its newest complete checkpoint. How a failure restarts 
   fails the whole job (its survivors are deleted: cleanPodPolicy Running) and the step's retry
   applies it again.
 
-Gang scheduling (`gang`): "kueue" labels the job with its LocalQueue (Kueue admits all its pods or
-none), "volcano" sets `schedulerName: volcano` and the runPolicy's `schedulingPolicy.minAvailable =
-nodes` (the operator creates the PodGroup when started with `--gang-scheduler-name=volcano`).
+Gang scheduling (`gang`), on by default for a multi-pod job ("auto": Volcano, which needs no queue
+to be named; a one-pod job is whole anyway): "volcano" sets `schedulerName: volcano` and the
+runPolicy's `schedulingPolicy.minAvailable = nodes` (the operator creates the PodGroup when started
+with `--gang-scheduler-name=volcano`), "kueue" labels the job with its LocalQueue (Kueue admits all
+its pods or none), "none" leaves the default scheduler, which may start some pods and leave them
+waiting on the rest. The image must be pinned (a tag other than `latest`, or a digest), the
+workspace claim named, and on an RDMA fabric (`launch.fabric.kind` efa or infiniband) every pod
+requests the fabric's devices (`fabric_resource`, `fabric_devices`) with the IPC_LOCK capability
+that registering RDMA memory needs. Memory and CPUs per pod are the stage plan's where the recipe
+sets none (`LaunchConfig.sized`).
 Eviction sends SIGTERM to torchrun, which forwards it to the ranks; they save their step
 (trainers/rank_signals.py) well within `terminationGracePeriodSeconds` (`termination_grace_s`, checked
 to exceed `launch.rendezvous.stop_grace_s`). Fabric, NCCL and rendezvous settings and rank labels
@@ -107,6 +114,9 @@ class KubernetesLauncher(Launcher):
             limits["cpu"] = k.cpu
         if k.memory:
             limits["memory"] = k.memory
+        rdma = k.rdma(c.fabric.kind)
+        if rdma is not None:  # the fabric's devices in the pod: RDMA needs them and locked memory
+            limits[rdma[0]] = str(rdma[1])
         labels = not c.accelerate_config  # accelerate prints progress marks that must stay unlabelled
         env_vars = {"OMP_NUM_THREADS": "1"} | launch_env(c.fabric, c.rendezvous, labels=labels) | dict(c.env)
         env = [{"name": n, "value": v} for n, v in sorted(env_vars.items())]
@@ -133,6 +143,8 @@ class KubernetesLauncher(Launcher):
             "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL needs shared memory
         }
+        if rdma is not None:  # registering RDMA memory pins it: the container may lock memory
+            container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
         volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
         if k.workspace_claim:
             container["volumeMounts"].append({"name": "workspace", "mountPath": k.workspace_mount})
@@ -150,7 +162,8 @@ class KubernetesLauncher(Launcher):
             pod["serviceAccountName"] = k.service_account
         if k.node_selector:
             pod["nodeSelector"] = dict(k.node_selector)
-        if k.gang == "volcano":
+        gang = k.gang_for(c.nodes)
+        if gang == "volcano":
             pod["schedulerName"] = "volcano"
 
         def replica(n: int) -> dict[str, Any]:
@@ -167,12 +180,12 @@ class KubernetesLauncher(Launcher):
             "backoffLimit": 10 if elastic else 0,
             "cleanPodPolicy": "None" if elastic else "Running",  # job: a failed job's survivors go
         }
-        if k.gang == "volcano":
+        if gang == "volcano":
             run_policy["schedulingPolicy"] = {"minAvailable": c.nodes, **({"queue": k.queue} if k.queue else {})}
             if k.priority_class:
                 run_policy["schedulingPolicy"]["priorityClass"] = k.priority_class
         metadata_labels = {"app.kubernetes.io/part-of": "smollm3-pipeline"}
-        if k.gang == "kueue":
+        if gang == "kueue":
             metadata_labels["kueue.x-k8s.io/queue-name"] = str(k.queue)
             if k.priority_class:
                 metadata_labels["kueue.x-k8s.io/priority-class"] = k.priority_class

@@ -1,7 +1,8 @@
 """Slurm launcher: an sbatch script running `srun torchrun` (c10d rendezvous on the first node).
 
 The rendered script asks for `nodes` whole nodes, one task per node (each runs one torchrun that
-forks `procs_per_node` ranks), and rendezvouses every torchrun at the allocation's first host,
+forks `procs_per_node` ranks) with the memory, CPUs and open-file limit (`ulimit -n`) the stage
+plan needs where the recipe sets none (`LaunchConfig.sized`, model/host_memory.py), and rendezvouses every torchrun at the allocation's first host,
 with the recipe's fabric, NCCL and rendezvous settings and rank-labelled output
 (infra/launchers/fabric.py). The log is opened in append mode, so all attempts share one file.
 With `accelerate_config`, each node's task runs `accelerate launch --config_file FILE
@@ -189,6 +190,17 @@ class SlurmLauncher(Launcher):
         lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sb]
         lines += ["", *s.setup]  # before `set -u`: activate scripts read unset variables
         lines += ["set -uo pipefail"]
+        if s.open_files:
+            # every rank's data shards, libraries, sockets and checkpoint files (model/host_memory.py);
+            # srun passes the batch shell's limits to the tasks (PropagateResourceLimits, default ALL)
+            n = s.open_files
+            lines += [
+                f'if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt {n} ]; then',
+                f'  ulimit -n {n} || {{ echo "error: cannot raise the open-file limit to {n} (hard limit '
+                f"$(ulimit -Hn)): raise it on the nodes or lower launch.slurm.open_files / "
+                f'training.loader.open_shards" >&2; exit 1; }}',
+                "fi",
+            ]
         labels = not c.accelerate_config  # accelerate's own launcher prints its progress marks unlabelled
         env = {"OMP_NUM_THREADS": "1"} | launch_env(c.fabric, c.rendezvous, labels=labels)
         env |= dict(c.env)

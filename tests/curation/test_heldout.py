@@ -35,3 +35,17 @@ def test_heldout_index_overlap_rules():
         env={**__import__("os").environ, "PYTHONHASHSEED": "123"},
     )
     assert json.loads(other.stdout) == word_ngrams("a b c d e f g h i", 8).tolist()
+
+
+def test_the_index_reports_its_memory_now_and_at_the_sources_caps():
+    from curation.heldout import HeldoutIndex
+
+    docs = [(f"s/{i}", " ".join(f"word{i}x{j}" for j in range(40))) for i in range(10)]
+    index = HeldoutIndex.build(docs, 8)
+    report = index.report([2000, 2000, 2000])
+    arrays = index.exact.nbytes + index.grams.nbytes + index.owners.nbytes + index.sizes.nbytes
+    assert report["documents"] == 10 and report["ngrams"] == 10 * 33
+    assert report["bytes"] == arrays + sum(50 + len(i) for i, _ in docs)
+    assert report["documents_at_cap"] == 6000
+    assert report["bytes_at_cap"] == round(report["bytes"] / 10 * 6000)
+    assert index.report([2000, None])["bytes_at_cap"] is None  # a source without a cap: no bound

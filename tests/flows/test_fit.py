@@ -89,6 +89,13 @@ def test_capacity_recipe_prints_every_stage_and_plan_rows_carry_the_memory():
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["stage", "nodes", "layout", "batch"]
     assert [line.split()[0] for line in lines[1:6]] == ["stage1", "stage2", "stage3", "long32k", "long64k"]
+    # the host side of a node: memory, CPUs, open files per rank (model/host_memory.py)
+    assert lines[0].split()[-4:] == ["host", "GB", "cpus", "nofile"]
+    assert lines[1].split()[-3:] == ["94", "25", "8192"]
+    # the data plan beside it (flows/data_plan.py)
+    at = next(i for i, line in enumerate(lines) if line.startswith("data plan: 71 sources"))
+    assert lines[at + 1].split() == ["step", "executor", "tasks", "CPU-hours", "disk", "GB", "GB/task"]
+    assert [line.split()[0] for line in lines[at + 2 : at + 5]] == ["source", "curate", "tokenize"]
 
     from flows.graphs import plan
 

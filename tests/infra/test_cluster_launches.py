@@ -74,7 +74,9 @@ def k8s_3b(**kubernetes) -> LaunchConfig:
     """The 3B recipe's launch (48 nodes x 8 H100, its training's ranks per node) on Kubernetes."""
     recipe = load_recipe("smollm3-3b")
     launch = recipe.launch
-    k8s = KubernetesLaunchConfig(workspace_claim="fsx", workspace_mount="/fsx/ws", **kubernetes)
+    k8s = KubernetesLaunchConfig(
+        image="registry.example/smollm3:1.0", workspace_claim="fsx", workspace_mount="/fsx/ws", **kubernetes
+    )
     return launch.model_copy(
         update={"kind": "kubernetes", "procs_per_node": recipe.training.nproc_per_node, "kubernetes": k8s}
     )
@@ -103,7 +105,10 @@ def test_the_3b_recipes_pytorchjob_validates_against_kubeflows_model(options, tm
     assert all(p["terminationGracePeriodSeconds"] > config.rendezvous.stop_grace_s for p in pods)
     if options.get("gang") == "kueue":
         assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "h100"
-    if options.get("gang") == "volcano":
+    # the recipe's fabric (EFA): every pod asks for the devices and may lock memory for RDMA
+    assert all(p["containers"][0]["resources"]["limits"]["vpc.amazonaws.com/efa"] == "32" for p in pods)
+    assert all(p["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"] for p in pods)
+    if options.get("gang", "volcano") == "volcano":  # volcano by default: 48 pods, all or none
         assert all(p["schedulerName"] == "volcano" for p in pods)
         assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == config.nodes
 

@@ -47,7 +47,7 @@ def test_registry_builds_each_kind_and_refuses_duplicates_and_unknown_kinds():
     assert LAUNCHERS.names() == ["kubernetes", "local", "slurm"]
     assert isinstance(get_launcher(LaunchConfig()), LocalTorchrun)
     assert isinstance(get_launcher(LaunchConfig(kind="slurm")), SlurmLauncher)
-    assert isinstance(get_launcher(LaunchConfig(kind="kubernetes")), KubernetesLauncher)
+    assert isinstance(get_launcher(K8S), KubernetesLauncher)
     with pytest.raises(ValueError, match="launcher 'local' is already registered"):
         LAUNCHERS.register("local")(LocalTorchrun)
     with pytest.raises(ValidationError, match="kind"):
@@ -673,11 +673,20 @@ def test_pytorchjob_manifest(tmp_path):
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 47
     assert {r["restartPolicy"] for r in replicas.values()} == {"Never"} and "elasticPolicy" not in job["spec"]
-    assert job["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "Running"}
+    assert job["spec"]["runPolicy"] == {
+        "backoffLimit": 0,
+        "cleanPodPolicy": "Running",
+        "schedulingPolicy": {"minAvailable": 48},  # gang-scheduled by default (volcano)
+    }
     assert "--max-restarts=0" in replicas["Master"]["template"]["spec"]["containers"][0]["args"]
 
-    single = yaml.safe_load(get_launcher(LaunchConfig(kind="kubernetes")).render(Path("/s.json"), tmp_path))
+    one_pod = K8S.model_copy(
+        update={"nodes": 1, "kubernetes": K8S.kubernetes.model_copy(update={"workspace_mount": "/"})}
+    )
+    single = yaml.safe_load(get_launcher(one_pod).render(Path("/s.json"), tmp_path))
     assert single["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    # one pod is whole by itself: no gang scheduler needed
+    assert "schedulerName" not in single["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     with pytest.raises(ValueError, match="not under kubernetes.workspace_mount /fsx/ws"):
         get_launcher(K8S).render(Path("/elsewhere/spec.json"), tmp_path)
 
@@ -1150,3 +1159,116 @@ def test_a_script_swapped_before_sbatch_runs_is_not_what_is_submitted(tmp_path):
     assert (tmp_path / "launch" / "train.sbatch").read_text() == payload  # the swap happened
     assert submitted == [SlurmLauncher(SLURM).render(spec, tmp_path)]
     assert "pwned" not in submitted[0]
+
+
+# --- host resources and fabric from the plan (model/host_memory.py) ------------------------------
+
+
+def _3b_stage(name: str = "stage1"):
+    from flows.recipe import load_recipe
+    from flows.stage_plan import schedule_stages
+
+    recipe = load_recipe("smollm3-3b")
+    runs = {r.name: r for r in schedule_stages(recipe.training, recipe.stages, recipe.seed)}
+    return recipe, runs[name].model_copy(update={"launch": runs[name].on(recipe.launch)})
+
+
+def test_the_3b_sbatch_script_asks_for_the_plans_memory_cpus_open_files_and_fabric(tmp_path):
+    from model.host_memory import host_needs
+
+    recipe, run = _3b_stage()
+    needs = host_needs(run.spec, run.layout(), run.nproc_per_node)
+    launch = recipe.launch.model_copy(update={"procs_per_node": run.nproc_per_node}).sized(needs)
+    script = get_launcher(launch).render(Path("/fsx/ws/pretrain/ab12/spec.json"), Path("/fsx/ws/pretrain/ab12"))
+    path = tmp_path / "train.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True).returncode == 0
+    sb = sbatch_lines(script)
+    assert sb["mem"] == f"{needs.mem_gb}G" and sb["cpus-per-task"] == str(needs.cpus)
+    assert (needs.mem_gb, needs.cpus, needs.open_files) == (94, 25, 8192)  # docs/scale.md's figures
+    assert "  ulimit -n 8192 || {" in script
+    # the recipe names its fabric (EFA) and the script exports libfabric's settings
+    assert recipe.launch.fabric.kind == "efa"
+    for line in ("export FI_PROVIDER=efa", "export FI_EFA_USE_DEVICE_RDMA=1", "export FI_EFA_FORK_SAFE=1"):
+        assert line in script.splitlines()
+    # what the recipe sets itself wins over the plan
+    mine = SLURM.sized(needs)
+    assert (mine.slurm.mem, mine.slurm.cpus_per_task, mine.slurm.open_files) == ("0", 96, 8192)
+
+
+def _ulimit_lines(script: str) -> str:
+    lines = script.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith('if [ "$(ulimit -n)"'))
+    return "\n".join(lines[start : start + 3])
+
+
+def test_the_scripts_open_file_limit_is_raised_or_the_job_stops_naming_it():
+    def run(open_files: int) -> subprocess.CompletedProcess:
+        config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"open_files": open_files})})
+        block = _ulimit_lines(get_launcher(config).render(Path("/fsx/ws/s.json"), Path("/fsx/ws")))
+        shell = f"ulimit -Sn 256\n{block}\nulimit -n"
+        return subprocess.run(["bash", "-c", shell], capture_output=True, text=True)
+
+    raised = run(512)
+    assert raised.returncode == 0, raised.stderr
+    assert raised.stdout.strip() == "512"
+    hard = int(subprocess.run(["bash", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout)
+    refused = run(hard * 2)
+    assert refused.returncode == 1
+    assert f"cannot raise the open-file limit to {hard * 2}" in refused.stderr
+    assert "launch.slurm.open_files" in refused.stderr
+    plain = get_launcher(LaunchConfig(kind="slurm")).render(Path("/fsx/ws/s.json"), Path("/fsx/ws"))
+    assert "ulimit" not in plain  # nothing asked: the cluster's limit
+
+
+def test_a_pytorchjob_needs_a_pinned_image_and_the_workspace_claim():
+    for image in ("ghcr.io/x/trainer:latest", "ghcr.io/x/trainer", "registry:5000/trainer", "x@md5:12"):
+        with pytest.raises(ValidationError, match=f"launch.kubernetes.image '{image}' is not pinned"):
+            KubernetesLaunchConfig(image=image)
+    for image in ("registry:5000/trainer:1.0", "ghcr.io/x/trainer@sha256:" + "a" * 64):
+        assert KubernetesLaunchConfig(image=image).image == image
+    with pytest.raises(ValidationError, match="launch.kubernetes.image is not set"):
+        LaunchConfig(kind="kubernetes", kubernetes=KubernetesLaunchConfig(workspace_claim="fsx"))
+    with pytest.raises(ValidationError, match="launch.kubernetes.workspace_claim is not set"):
+        LaunchConfig(kind="kubernetes", kubernetes=KubernetesLaunchConfig(image="r/t:1"))
+
+
+def test_a_pytorchjob_requests_the_fabrics_rdma_devices_and_the_plans_memory(tmp_path):
+    from infra.launchers import HostNeeds
+    from infra.launchers.fabric import FabricConfig
+
+    def pod(config: LaunchConfig) -> dict:
+        job = yaml.safe_load(get_launcher(config).render(Path("/fsx/ws/train/ab12/spec.json"), tmp_path))
+        return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+
+    plain = K8S.kubernetes.model_copy(update={"cpu": None, "memory": None})
+    efa = K8S.model_copy(update={"fabric": FabricConfig(kind="efa"), "kubernetes": plain})
+    efa = efa.sized(HostNeeds(mem_gb=94, cpus=25, open_files=8192, parts={}))
+    (container,) = pod(efa)["containers"]
+    assert container["resources"]["limits"] == {
+        "nvidia.com/gpu": "8",
+        "cpu": "25",
+        "memory": "94G",
+        "vpc.amazonaws.com/efa": "32",
+    }
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {"name": "FI_PROVIDER", "value": "efa"} in container["env"]
+    assert pod(efa)["schedulerName"] == "volcano"  # 48 pods: all or none, by default
+
+    ib = K8S.model_copy(
+        update={
+            "fabric": FabricConfig(kind="infiniband", ib_hca="mlx5"),
+            "kubernetes": K8S.kubernetes.model_copy(update={"fabric_resource": "rdma/hca", "fabric_devices": 2}),
+        }
+    )
+    (container,) = pod(ib)["containers"]
+    assert container["resources"]["limits"]["rdma/hca"] == "2" and "vpc.amazonaws.com/efa" not in str(container)
+    (container,) = pod(K8S)["containers"]  # ethernet: no RDMA devices, no locked memory
+    assert "securityContext" not in container and set(container["resources"]["limits"]) == {
+        "nvidia.com/gpu",
+        "cpu",
+        "memory",
+    }
+    off = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"gang": "none"})})
+    assert "schedulerName" not in pod(off)

@@ -443,3 +443,25 @@ def test_an_exact_copy_of_held_out_web_text_is_counted_exact(tmp_path):
     assert meta["heldout_documents"] == 1  # h2 is h1 once C4 dropped its short line: deduplicated
     (kept,) = [json.loads(line)["text"] for line in gzip.open(out / "heldout" / "00000.jsonl.gz", "rt")][:1]
     assert kept.count("\n\n") == len(PARAGRAPHS) - 1  # the curated held-out text keeps its paragraphs
+
+
+def test_the_step_reports_the_held_out_index_every_task_loads_and_its_size_at_the_caps(tmp_path):
+    rng = random.Random(3)
+    held = [(f"h{i}", random_text(rng, 120)) for i in range(3)]
+    art = corpus(tmp_path / "in", [(f"t{i}", random_text(rng, 120)) for i in range(4)], heldout=held)
+    capped = art.model_copy(update={"meta": {**art.meta, "heldout_max_documents": 2000}})
+    cfg = CurationConfig(minhash=False, exact_dedup=False, presets={"toy": "none"})
+    for name, corpus_art, bound in (("open", art, None), ("capped", capped, 2000)):
+        out = tmp_path / name
+        out.mkdir()
+        logs: list[str] = []
+        meta = curate(cfg, corpus_art, out=out, log=logs.append)
+        index = meta["heldout_index"]
+        assert index["documents"] == 3 and index["ngrams"] > 0 and index["bytes"] > 12 * index["ngrams"]
+        assert index["documents_at_cap"] == bound
+        line = next(ln for ln in logs if "held-out index: 3 documents of 1 sources" in ln)
+        if bound is None:
+            assert index["bytes_at_cap"] is None and "without curation.heldout.max_docs" in line
+        else:
+            assert index["bytes_at_cap"] == round(index["bytes"] / 3 * 2000)
+            assert "at the sources' caps (2,000 documents)" in line

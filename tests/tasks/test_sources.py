@@ -193,3 +193,51 @@ def test_no_documents_because_of_the_text_field_says_so(tmp_path):
     (tmp_path / "n.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[1:]))
     with pytest.raises(ValueError, match=r"sources\[s\]\.text_field: 'text' of .* holds no strings"):
         source(SourceSpec(source=numbers, seed=0), out=tmp_path / "out2", log=lambda _: None)
+
+
+def _numbered(path, ids):
+    with open(path, "w") as fh:
+        for i in ids:
+            fh.write(json.dumps({"id": f"d{i}", "text": f"document number {i} of the capped source"}) + "\n")
+
+
+def test_the_held_out_split_is_capped_in_documents_whatever_the_read_order(tmp_path):
+    from curation.source_kinds import held_out_rank
+
+    n, cap = 600, 25
+    _numbered(tmp_path / "a.jsonl", range(n))
+    _numbered(tmp_path / "b.jsonl", reversed(range(n)))  # the same documents, read in another order
+    selected = [f"d{i}" for i in range(n) if is_held_out("s", f"d{i}", 0.3)]
+    assert len(selected) > cap  # the fraction alone would hold out ~180
+    smallest = sorted(selected, key=lambda i: held_out_rank("s", i))[:cap]
+    splits = {}
+    for name in ("a", "b"):
+        cfg = _cfg(uri=f"files:{tmp_path}/{name}.jsonl", domain="web", id_field="id", held_out_fraction=0.3)
+        logs: list[str] = []
+        meta = source(SourceSpec(source=cfg, held_out_max_documents=cap), out=tmp_path / name, log=logs.append)
+        held = [d["id"] for d in read_shards(tmp_path / name / "heldout")]
+        train = [d["id"] for d in read_shards(tmp_path / name / "train")]
+        assert sorted(held) == sorted(smallest) and meta["heldout_documents"] == cap
+        assert meta["documents"] == n - cap and sorted(held + train) == sorted(f"d{i}" for i in range(n))
+        assert meta["heldout_capped"] == len(selected) - cap and meta["heldout_max_documents"] == cap
+        assert any(f"held-out split capped at {cap} documents" in line for line in logs)
+        splits[name] = held
+    assert splits["a"] == sorted(smallest, key=lambda i: int(i[1:]))  # written in read order
+    # without a cap: the fraction alone, as before
+    cfg = _cfg(uri=f"files:{tmp_path}/a.jsonl", domain="web", id_field="id", held_out_fraction=0.3)
+    meta = source(SourceSpec(source=cfg), out=tmp_path / "plain", log=lambda _: None)
+    assert [d["id"] for d in read_shards(tmp_path / "plain" / "heldout")] == selected
+    assert meta["heldout_capped"] == 0 and meta["heldout_max_documents"] is None
+
+
+def test_a_cap_a_source_cannot_reach_changes_no_fingerprint():
+    from pipeline.artifact import identity
+
+    small = _cfg(max_documents=2000)
+    assert SourceSpec.of(small, 0, 2000).held_out_max_documents is None  # at most 2,000 documents at all
+    assert SourceSpec.of(_cfg(max_documents=2001), 0, 2000).held_out_max_documents == 2000
+    web = _cfg(uri="hf:org/web", domain="web")
+    assert SourceSpec.of(web, 0, 2000).held_out_max_documents == 2000
+    assert SourceSpec.of(web.model_copy(update={"held_out_fraction": 0.0}), 0, 2000).held_out_max_documents is None
+    assert identity(SourceSpec.of(small, 0, 2000)) == identity(SourceSpec.of(small, 0))
+    assert identity(SourceSpec.of(web, 0, 2000)) != identity(SourceSpec.of(web, 0))

@@ -1,0 +1,152 @@
+"""The data plan of a recipe: where each data step runs and what it costs, beside the training
+table of `smollm3 capacity --recipe` (flows/fit.py).
+
+For each data step (the source step, curation, tokenization; one per source) its executor, its
+datatrove tasks, CPU-hours, disk written and memory per task, projected from:
+
+- the size of each source: the tokens the recipe draws from it, sum over the stages of its
+  mixture weight x the stage's tokens (`stages[].mixture`, `stages[].tokens`); a source repeated
+  for epochs is smaller, a subsampled one larger: the recipe holds no other size. Documents and
+  bytes follow from `TOKENS_PER_DOCUMENT` and `BYTES_PER_TOKEN`;
+- costs measured on this machine, each named where it is defined below.
+
+Nothing here reads a source: `smollm3 capacity --recipe smollm3-3b` prints it offline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# --- what a source is made of (assumed: the recipe names tokens only) -----------------------------
+BYTES_PER_TOKEN = 4.0  # assumed: UTF-8 bytes per Llama-3 token of English web text
+TOKENS_PER_DOCUMENT = 1300  # issue 33's reading of DCLM: ~3B documents for ~4T tokens
+# --- measured costs -------------------------------------------------------------------------------
+# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM (load 7-12): 1.6 CPU s,
+# 0.079 CPU-s per MB; written gzip shards 0.363 of the text
+SOURCE_CPU_S_PER_MB = 0.079
+SOURCE_GZIP_RATIO = 0.363
+# the source step keeps every document id it has seen (duplicate-id check): a Python str in a set,
+# ~115 bytes per document (issue 33, from the data structure: 100-130 bytes)
+SOURCE_ID_BYTES = 115
+# benchmarks/curate.py --scale, 100 MB at 1 worker (docs/data.md, "Curation on every core"):
+# the web preset with exact and MinHash dedup, 11.69 CPU-s per MB
+CURATE_CPU_S_PER_MB = 11.69
+# benchmarks/tokenize_step.py (docs/data.md, "Benchmarks"): the tokenize step, 260,583 tokens/s
+TOKENIZE_TOKENS_PER_CPU_S = 260_583
+TOKENIZE_TASK_GB = 1.0  # assumed, not measured: the tokenizer and a batch of documents per task
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DataStep:
+    """One data step kind summed over the recipe's sources (or one source's step)."""
+
+    step: str  # source, curate, tokenize
+    executor: str  # where its tasks run
+    tasks: int  # datatrove tasks (the source step: processes), all sources
+    cpu_hours: float
+    disk_gb: float  # written
+    mem_gb: float  # per task, the largest
+    note: str = ""
+
+
+def _drawn_tokens(recipe: Any) -> dict[str, float]:
+    """Tokens the recipe draws from each source: weight x tokens, summed over its stages."""
+    from curation.mixtures import load_weights
+
+    drawn = dict.fromkeys((s.name for s in recipe.sources), 0.0)
+    for stage in recipe.stages:
+        weights = load_weights(stage.mixture)
+        total = sum(weights.values()) or 1.0
+        for name, w in weights.items():
+            if name in drawn:
+                drawn[name] += w / total * stage.tokens
+    return drawn
+
+
+def _where(executor: str, workers: int | None, slurm: Any) -> str:
+    if executor == "slurm" and slurm is not None:
+        return f"slurm ({slurm.partition}, {slurm.cpus_per_task} CPU x {slurm.mem_per_cpu_gb} GB)"
+    if executor == "ray":
+        return "ray cluster"
+    return f"flow host ({workers} workers)" if workers else "flow host (a worker per core)"
+
+
+def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
+    """The data steps of a recipe summed over its sources, and the largest source's name."""
+    drawn = _drawn_tokens(recipe)
+    c, t = recipe.curation, recipe.tokenize
+    index_gb = 0.0
+    cap = c.heldout.max_docs
+    if cap is not None:  # curation/heldout.py: 12 bytes per n-gram (~750 words a document) + ~60 per document
+        index_gb = len(recipe.sources) * cap * (750 * 12 + 60) / GB
+    id_bytes = 4 if recipe.tokenizer.vocab_size > 65535 else 2
+    rows = {"source": [0, 0.0, 0.0, 0.0], "curate": [0, 0.0, 0.0, 0.0], "tokenize": [0, 0.0, 0.0, 0.0]}
+    for s in recipe.sources:
+        tokens = drawn[s.name]
+        mb = tokens * BYTES_PER_TOKEN / 1e6
+        docs = tokens / TOKENS_PER_DOCUMENT
+        shards = max(s.shards, math.ceil(docs / s.documents_per_shard))
+        # per task: the Slurm request where there is one (the index must fit in it), else the index
+        curate_mem = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else index_gb
+        for step, tasks, cpu_s, disk, mem in (
+            ("source", 1, mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, docs * SOURCE_ID_BYTES),
+            ("curate", min(c.tasks, shards), mb * CURATE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, curate_mem * GB),
+            (
+                "tokenize",
+                min(t.tasks, shards),
+                tokens / TOKENIZE_TOKENS_PER_CPU_S,
+                tokens * id_bytes + docs * 8,
+                TOKENIZE_TASK_GB * GB,
+            ),
+        ):
+            row = rows[step]
+            row[0] += tasks
+            row[1] += cpu_s / 3600
+            row[2] += disk / GB
+            row[3] = max(row[3], mem / GB)
+    largest = max(drawn, key=drawn.get)
+    days = drawn[largest] * BYTES_PER_TOKEN / 1e6 * SOURCE_CPU_S_PER_MB / 86400
+    notes = {
+        "source": f"one process per source, its memory the id set, which grows with the source: {largest} "
+        f"{drawn[largest] / TOKENS_PER_DOCUMENT * SOURCE_ID_BYTES / GB:,.0f} GB and {days:.1f} days in one process",
+        "curate": (
+            f"per task: the Slurm request, which holds the held-out index every task loads ({index_gb:.2f} GB)"
+            if c.slurm
+            else f"per task: the held-out index every task loads ({index_gb:.2f} GB) and the pipeline"
+        )
+        + "; disk at most the source's shards",
+        "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",
+    }
+    where = {
+        "source": "flow host (1 process per source)",
+        "curate": _where(c.executor, c.workers, c.slurm),
+        "tokenize": _where(t.executor, t.workers, t.slurm),
+    }
+    out = [DataStep(k, where[k], int(v[0]), v[1], v[2], v[3], notes[k]) for k, v in rows.items()]
+    return out, largest
+
+
+def format_data_rows(rows: list[DataStep], recipe: Any) -> str:
+    """The data table printed under the training table."""
+    drawn = sum(_drawn_tokens(recipe).values())
+    lines = [
+        "",
+        f"data plan: {len(recipe.sources)} sources, {drawn:,.0f} tokens drawn "
+        f"(~{drawn / TOKENS_PER_DOCUMENT:,.0f} documents, {drawn * BYTES_PER_TOKEN / 1e9:,.1f} GB of text)",
+        f"{'step':<10}{'executor':<44}{'tasks':>8}{'CPU-hours':>12}{'disk GB':>11}{'GB/task':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.step:<10}{r.executor:<44}{r.tasks:>8,}{r.cpu_hours:>12,.0f}{r.disk_gb:>11,.0f}{r.mem_gb:>9,.1f}"
+        )
+    lines.append(
+        "sizes: tokens drawn per source (stage weight x stage tokens), "
+        f"{BYTES_PER_TOKEN:g} bytes per token, {TOKENS_PER_DOCUMENT:,} tokens per document; costs measured "
+        "(flows/data_plan.py names each)"
+    )
+    for r in rows:
+        lines.append(f"  {r.step}: {r.note}")
+    return "\n".join(lines)
