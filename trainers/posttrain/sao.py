@@ -66,6 +66,7 @@ from trainers.posttrain.common import (
 )
 from trainers.posttrain.sao_objective import decoupled_ppo_loss, explained_variance, gae, split_stale
 from trainers.posttrain.sections import SAOConfig
+from trainers.rank_signals import StopRequested, StopSignals
 
 STATE = "state.json"
 
@@ -79,7 +80,7 @@ def value_model(policy):
         def __init__(self):
             super().__init__()
             self.backbone = copy.deepcopy(policy.model)
-            self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+            self.head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=policy.dtype)
             torch.nn.init.zeros_(self.head.weight)
             torch.nn.init.zeros_(self.head.bias)
 
@@ -285,16 +286,26 @@ def load_checkpoint(folder: Path, model, value, optimizers) -> State:
     return State(**json.loads((folder / STATE).read_text()))
 
 
+def _chunks(b: dict, size: int) -> list[dict]:
+    """The batch in micro-batches of at most `size` sequences (tensors sliced on their first dim)."""
+    n = b["input_ids"].shape[0]
+    return [{k: v[i : i + size] for k, v in b.items()} for i in range(0, n, size)]
+
+
 def train_batch(model, value, ref, optimizers, samples, cfg: SAOConfig, policy_phase: bool, pad_id: int, device: str):
-    """One trainer step on `samples`: the value model always, the policy after the warmup."""
+    """One trainer step on `samples`: the value model always, the policy after the warmup. Forward
+    passes take `per_device_batch` sequences at a time; gradients accumulate over them, each
+    micro-batch's loss weighted by its share of the batch's completion tokens."""
     import torch
 
     b = batch_tensors(samples, pad_id, device)
-    mask = b["mask"]
+    parts = _chunks(b, cfg.per_device_batch)
+    mask, tokens = b["mask"], b["mask"].sum()
     with torch.no_grad():
-        old_values = (value(b["input_ids"], b["attention_mask"]).gather(1, b["where"]) * mask).cpu()
-        logp_prox = token_logp(model, b, cfg.temperature)
-        logp_ref = token_logp(ref, b, cfg.temperature)
+        old_values = torch.cat([value(c["input_ids"], c["attention_mask"]).gather(1, c["where"]) for c in parts])
+        old_values = (old_values.float() * mask).cpu()
+        logp_prox = torch.cat([token_logp(model, c, cfg.temperature) for c in parts])
+        logp_ref = torch.cat([token_logp(ref, c, cfg.temperature) for c in parts])
     adv, targets = advantages(b["rewards"], old_values, mask.cpu(), cfg)
     adv, targets = adv.to(device), targets.to(device)
     m = mask.bool()
@@ -304,26 +315,44 @@ def train_batch(model, value, ref, optimizers, samples, cfg: SAOConfig, policy_p
         "kl_start": float((torch.exp(diff) - diff - 1)[m].mean()),  # k3 estimate, policy vs start
     }
     for epoch in range(cfg.epochs):
-        values = value(b["input_ids"], b["attention_mask"]).gather(1, b["where"])
-        value_loss = 0.5 * (((values - targets) ** 2) * mask).sum() / mask.sum()
         optimizers["value"].zero_grad()
-        value_loss.backward()
+        value_loss = 0.0
+        for c, t in zip(parts, targets.split(cfg.per_device_batch), strict=True):
+            v = value(c["input_ids"], c["attention_mask"]).gather(1, c["where"]).float()
+            part = 0.5 * (((v - t) ** 2) * c["mask"]).sum() / tokens
+            part.backward()
+            value_loss += part.item()
         torch.nn.utils.clip_grad_norm_(value.parameters(), 1.0)
         optimizers["value"].step()
         if epoch == 0:
-            row["value_loss"] = value_loss.item()
-        if policy_phase:
-            logp = token_logp(model, b, cfg.temperature)
-            loss, stats = decoupled_ppo_loss(logp, logp_prox, b["behav"], adv, mask, cfg.clip, cfg.is_cap)
-            optimizers["policy"].zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizers["policy"].step()
-            if epoch == 0:
-                row |= {"loss": float(loss), **stats}
-            else:
-                row["clip_share"] = stats["clip_share"]  # clipping acts from the second pass on
+            row["value_loss"] = value_loss
+        if not policy_phase:
+            continue
+        optimizers["policy"].zero_grad()
+        current = []
+        for c, a, prox in zip(
+            parts, adv.split(cfg.per_device_batch), logp_prox.split(cfg.per_device_batch), strict=True
+        ):
+            logp = token_logp(model, c, cfg.temperature)
+            part, _ = decoupled_ppo_loss(logp, prox, c["behav"], a, c["mask"], cfg.clip, cfg.is_cap)
+            (part * c["mask"].sum() / tokens).backward()
+            current.append(logp.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizers["policy"].step()
+        # the batch's loss and statistics, from the log-probs the gradient was taken at
+        loss, stats = decoupled_ppo_loss(torch.cat(current), logp_prox, b["behav"], adv, mask, cfg.clip, cfg.is_cap)
+        if epoch == 0:
+            row |= {"loss": float(loss), **stats}
+        else:
+            row["clip_share"] = stats["clip_share"]  # clipping acts from the second pass on
     return row
+
+
+def set_lr(optimizer, cfg: SAOConfig, version: int) -> None:
+    """Linear warmup of the policy LR over the first `warmup_ratio` of the policy updates."""
+    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * min(1.0, (version + 1) / warmup) if warmup else cfg.lr
 
 
 def save_model_folder(model, tokenizer, folder: Path) -> Path:
@@ -362,7 +391,9 @@ def train_sao(
     device = resolve_device(device)
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_policy(policy)
+    model, tokenizer = load_policy(policy, cfg.bf16)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # the start, for the KL curve
     value = value_model(model)
     model.to(device), ref.to(device), value.to(device)
@@ -386,6 +417,7 @@ def train_sao(
         f"{cfg.rollout_workers} rollout worker(s), queue {cfg.queue_size}, max staleness {cfg.max_staleness}"
     )
     rewards: list[float] = []
+    stop = StopSignals().install()  # SIGUSR1/SIGTERM: save the step being trained and exit 75
     try:
         while state.step < total:
             samples, drops, waited = [], [], 0.0
@@ -400,6 +432,7 @@ def train_sao(
             lags = Counter(state.version - s["version"] for s in samples)  # versions behind, as trained
             began = time.monotonic()
             policy_phase = state.step >= cfg.value_warmup
+            set_lr(optimizers["policy"], cfg, state.version)
             row = train_batch(model, value, ref, optimizers, samples, cfg, policy_phase, tokenizer.pad_token_id, device)
             state.step += 1
             if policy_phase:
@@ -438,9 +471,12 @@ def train_sao(
             )
             if progress is not None:
                 progress(100.0 * state.step / total)
-            if state.step % cfg.save_steps == 0 or state.step == total:
-                save_checkpoint(out, model, value, optimizers, state, state.step == total, cfg.keep_checkpoints)
+            if state.step % cfg.save_steps == 0 or state.step == total or stop.received:
+                saved = save_checkpoint(out, model, value, optimizers, state, state.step == total, cfg.keep_checkpoints)
+                if stop.received and state.step < total:
+                    raise StopRequested(stop.received, state.step, str(saved))
     finally:
+        stop.restore()
         queue.stop()
         if board is not None:
             board.close()
