@@ -369,6 +369,78 @@ def save_model_folder(model, tokenizer, folder: Path) -> Path:
     return folder
 
 
+def take_batch(queue: Rollouts, state: State, cfg: SAOConfig) -> tuple[list[dict], list[int], float]:
+    """The next `batch` samples within the staleness bound, in queue order; the numbers of those
+    dropped as stale (counted in `state`) and the seconds waited."""
+    samples, drops, waited = [], [], 0.0
+    while len(samples) < cfg.batch:
+        sample, w = queue.take(state.consumed)
+        state.consumed += 1
+        waited += w
+        kept, dropped = split_stale([sample], state.version, cfg.max_staleness)
+        samples += kept
+        state.dropped += dropped
+        drops += [sample["seq"]] if dropped else []
+    return samples, drops, waited
+
+
+def step_row(
+    row: dict, state: State, samples: list[dict], lags: Counter, drops: list[int], waited: float, policy_phase: bool
+):
+    """The metrics row of a trainer step: the losses and statistics of `train_batch` (`row`), the
+    rewards, the staleness histogram, the drops, the wait, and which sample numbers it took."""
+    n = len(samples)
+    return row | {
+        "step": state.step,
+        "phase": "policy" if policy_phase else "value",
+        "version": state.version,
+        "reward": sum(s["reward"] for s in samples) / n,
+        "exact_reward": sum(s["exact"] for s in samples) / n,
+        "format_reward": sum(s["format"] for s in samples) / n,
+        "staleness_mean": sum(k * v for k, v in lags.items()) / n,
+        **{f"staleness/{k}": v for k, v in sorted(lags.items())},
+        "dropped_stale": sum(state.dropped.values()),
+        "wait_s": round(waited, 3),
+        "rollout_restarts": state.restarts,
+        "seqs": [s["seq"] for s in samples],
+        "dropped_seqs": drops,
+    }
+
+
+def report(row: dict, out: Path, board, log: Callable[[str], None], total: int) -> None:
+    """The row to `metrics.jsonl`, its numbers to the tracker (`train/...`), a line to the log."""
+    with open(out / METRICS, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    if board is not None:
+        board.log(row["step"], {f"train/{k}": v for k, v in row.items() if isinstance(v, int | float)})
+    log(
+        f"sao: step {row['step']}/{total} ({row['phase']}) | reward {row['reward']:.3g} | value loss "
+        f"{row['value_loss']:.4g} | explained var {row['explained_variance']:.3g}"
+        + (f" | ess {row['ess_share']:.3f}" if "ess_share" in row else "")
+        + f" | staleness {row['staleness_mean']:.2g} | dropped {row['dropped_stale']} | wait {row['wait_s']:.2f} s"
+    )
+
+
+def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) -> dict[str, Any]:
+    """The meta's figures: counts, idle share and throughput of the trainer's time (over every
+    launch of the step), first and last reward (from `metrics.jsonl`, so across resumes)."""
+    elapsed = state.busy + state.waited
+    rewards = [json.loads(line)["reward"] for line in (out / METRICS).read_text().splitlines() if line.strip()]
+    return {
+        "steps": state.step,
+        "value_warmup": cfg.value_warmup,
+        "policy_version": state.version,
+        "resumed_from_step": resumed,
+        "samples": state.consumed,
+        "dropped_stale": dict(sorted(state.dropped.items())),
+        "rollout_restarts": state.restarts,
+        "trainer_idle_share": round(state.waited / elapsed, 3) if elapsed else None,
+        "samples_per_s": round(state.consumed / elapsed, 3) if elapsed else None,
+        "first_reward": round(rewards[0], 4) if rewards else None,
+        "last_reward": round(rewards[-1], 4) if rewards else None,
+    }
+
+
 @plain_print()
 def train_sao(
     cfg: SAOConfig,
@@ -416,19 +488,10 @@ def train_sao(
         f"sao: {cfg.value_warmup} value-only + {cfg.max_steps} policy steps of {cfg.batch} samples, "
         f"{cfg.rollout_workers} rollout worker(s), queue {cfg.queue_size}, max staleness {cfg.max_staleness}"
     )
-    rewards: list[float] = []
     stop = StopSignals().install()  # SIGUSR1/SIGTERM: save the step being trained and exit 75
     try:
         while state.step < total:
-            samples, drops, waited = [], [], 0.0
-            while len(samples) < cfg.batch:
-                sample, w = queue.take(state.consumed)
-                state.consumed += 1
-                waited += w
-                kept, dropped = split_stale([sample], state.version, cfg.max_staleness)
-                samples += kept
-                state.dropped += dropped
-                drops += [sample["seq"]] if dropped else []
+            samples, drops, waited = take_batch(queue, state, cfg)
             lags = Counter(state.version - s["version"] for s in samples)  # versions behind, as trained
             began = time.monotonic()
             policy_phase = state.step >= cfg.value_warmup
@@ -442,33 +505,8 @@ def train_sao(
             state.busy += time.monotonic() - began
             state.waited += waited
             state.restarts = queue.restarts
-            reward = sum(s["reward"] for s in samples) / len(samples)
-            rewards.append(reward)
-            row |= {
-                "step": state.step,
-                "phase": "policy" if policy_phase else "value",
-                "version": state.version,
-                "reward": reward,
-                "exact_reward": sum(s["exact"] for s in samples) / len(samples),
-                "format_reward": sum(s["format"] for s in samples) / len(samples),
-                "staleness_mean": sum(k * v for k, v in lags.items()) / len(samples),
-                **{f"staleness/{k}": v for k, v in sorted(lags.items())},
-                "dropped_stale": sum(state.dropped.values()),
-                "wait_s": round(waited, 3),
-                "rollout_restarts": state.restarts,
-                "seqs": [s["seq"] for s in samples],
-                "dropped_seqs": drops,
-            }
-            with open(out / METRICS, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            if board is not None:
-                board.log(state.step, {f"train/{k}": v for k, v in row.items() if isinstance(v, int | float)})
-            log(
-                f"sao: step {state.step}/{total} ({row['phase']}) | reward {reward:.3g} | value loss "
-                f"{row['value_loss']:.4g} | explained var {row['explained_variance']:.3g}"
-                + (f" | ess {row['ess_share']:.3f}" if "ess_share" in row else "")
-                + f" | staleness {row['staleness_mean']:.2g} | dropped {row['dropped_stale']} | wait {waited:.2f} s"
-            )
+            row = step_row(row, state, samples, lags, drops, waited, policy_phase)
+            report(row, out, board, log, total)
             if progress is not None:
                 progress(100.0 * state.step / total)
             if state.step % cfg.save_steps == 0 or state.step == total or stop.received:
@@ -481,20 +519,7 @@ def train_sao(
         if board is not None:
             board.close()
     folder = save_model_folder(model.cpu(), tokenizer, out / "model")
-    elapsed = state.busy + state.waited
-    facts = {
-        "steps": state.step,
-        "value_warmup": cfg.value_warmup,
-        "policy_version": state.version,
-        "resumed_from_step": resumed_step(resume),
-        "samples": state.consumed,
-        "dropped_stale": dict(sorted(state.dropped.items())),
-        "rollout_restarts": state.restarts,
-        "trainer_idle_share": round(state.waited / elapsed, 3) if elapsed else None,
-        "samples_per_s": round(state.consumed / elapsed, 3) if elapsed else None,
-        "first_reward": round(rewards[0], 4) if rewards else None,
-        "last_reward": round(rewards[-1], 4) if rewards else None,
-    }
+    facts = final_facts(state, cfg, resumed_step(resume), out)
     log(
         f"sao: {state.step} steps, policy version {state.version}, {state.consumed} samples, reward -> {facts['last_reward']}"
     )
