@@ -7,9 +7,10 @@ proximal -> current), its gradient, the ESS; GAE against the direct sum of disco
 staleness dropping and counting; explained variance; the rollout queue's sequence numbers.
 
 Slow (the tiny 2-layer SmolLM3 of test_posttrain_steps, one rollout worker): the step through the
-launcher with its worker killed mid-run (restarted, no sample lost or trained twice), and the
-trainer killed after a checkpoint (the rerun resumes from it; every sample number is trained or
-dropped exactly once in metrics.jsonl).
+launcher with its worker killed mid-run (restarted, no sample lost or trained twice), the
+trainer killed after a checkpoint, and the trainer stopped by SIGTERM (it saves the step it was
+at); each rerun resumes, and every sample number is trained or dropped exactly once in
+metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -138,12 +139,12 @@ def world(tmp_path_factory):
     return {"model": hf_input(root / "in-base", base, "base"), "data": data}
 
 
-def build(world, root: Path, log=lambda _: None) -> Artifact:
+def build(world, root: Path, log=lambda _: None, section: SAOConfig = SAO) -> Artifact:
     """The sao step as the flow runner runs it (its build here, the trainer launched, one rank)."""
     from tasks.posttrain.sao import sao
 
     run = PosttrainSpec.of(
-        SAO, PosttrainConfig(device="cpu"), launch=LaunchConfig(module="trainers.posttrain"), threads=1
+        section, PosttrainConfig(device="cpu"), launch=LaunchConfig(module="trainers.posttrain"), threads=1
     )
     inputs = {"model": world["model"], "data": world["data"]}
     return run_step(
@@ -276,3 +277,35 @@ def test_sao_trainer_killed_after_a_checkpoint_resumes_without_losing_or_repeati
     assert final[-1][0] == 5 and final[-1][2]["stage_end"]
     state = json.loads((final[-1][1] / "state.json").read_text())
     assert state["version"] == SAO.max_steps and state["consumed"] == artifact.meta["samples"]
+
+
+def _stop_trainer(folder: Path) -> int:
+    sent_after = len(rows(folder))
+    _trainer(folder).send_signal(signal.SIGTERM)
+    return sent_after
+
+
+@pytest.mark.slow
+def test_sao_stopped_by_a_signal_saves_that_step_and_the_resume_loses_no_sample(world, tmp_path):
+    from trainers.posttrain.common import complete_checkpoints
+
+    section = SAO.model_copy(update={"save_steps": 100})  # only the end: a stop must save by itself
+    watcher = Watcher(
+        tmp_path,
+        lambda f: (f / "metrics.jsonl").is_file() and len(rows(f)) >= 1 and _trainer(f) is not None,
+        _stop_trainer,
+    )
+    watcher.start()
+    with pytest.raises(LaunchFailed) as err:
+        build(world, tmp_path, section=section)
+    watcher.join(timeout=5)
+    assert watcher.done is not None, "the trainer finished before the signal"
+    assert err.value.facts.exitcode == 75 and "stopped on a signal" in err.value.cause
+    folder = next(p for p in (tmp_path / "sao").iterdir() if p.is_dir())
+    (saved, _, _), *_ = complete_checkpoints(folder / "checkpoints")
+    assert watcher.done <= saved <= watcher.done + 1  # the step being trained
+    lines: list[str] = []
+    artifact = build(world, tmp_path, lines.append, section=section)
+    assert any(f"resuming from step_{saved:08d}" in line for line in lines), lines
+    assert artifact.meta["resumed_from_step"] == saved
+    assert_every_sample_once(artifact)

@@ -170,10 +170,12 @@ class Rollouts:
             "threads": cfg.rollout_threads,
         }
 
-    def reset(self, consumed: int, model, version: int) -> None:
+    def reset(self, consumed: int) -> None:
         """Before the workers start: end the workers of a killed attempt, drop every queued sample
-        (those after `consumed` may come from versions this run no longer has), push `version`."""
+        and pushed weights (those after `consumed` may come from versions this run no longer
+        has). The workers wait for the first push."""
         self._end_old_workers()
+        (self.folder / rollout.WEIGHTS).unlink(missing_ok=True)
         if (self.folder / rollout.QUEUE).exists():
             shutil.rmtree(self.folder / rollout.QUEUE)
         for old in self.folder.glob("weights-*.safetensors"):
@@ -181,7 +183,6 @@ class Rollouts:
         (self.folder / rollout.QUEUE).mkdir(parents=True)
         write_json_atomic(self.folder / rollout.CONFIG, self.config)
         rollout.write_consumed(self.folder, consumed)
-        rollout.push_weights(self.folder, model, version)
 
     def _end_old_workers(self) -> None:
         """Workers end with their trainer (parent-death signal); one still finishing a sample is
@@ -401,6 +402,7 @@ def step_row(
         **{f"staleness/{k}": v for k, v in sorted(lags.items())},
         "dropped_stale": sum(state.dropped.values()),
         "wait_s": round(waited, 3),
+        "elapsed_s": round(state.busy + state.waited, 3),  # trainer time so far (reward vs time)
         "rollout_restarts": state.restarts,
         "seqs": [s["seq"] for s in samples],
         "dropped_seqs": drops,
@@ -441,6 +443,23 @@ def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) ->
     }
 
 
+def build_models(policy: Path, cfg: SAOConfig, device: str):
+    """(policy, tokenizer, frozen start for the KL curve, value model, optimizers) on `device`."""
+    import torch
+
+    model, tokenizer = load_policy(policy, cfg.bf16)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    value = value_model(model)
+    model.to(device), ref.to(device), value.to(device)
+    optimizers = {
+        "policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+        "value": torch.optim.AdamW(value.parameters(), lr=cfg.value_lr),
+    }
+    return model, tokenizer, ref, value, optimizers
+
+
 @plain_print()
 def train_sao(
     cfg: SAOConfig,
@@ -463,27 +482,26 @@ def train_sao(
     device = resolve_device(device)
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_policy(policy, cfg.bf16)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref = copy.deepcopy(model).eval().requires_grad_(False)  # the start, for the KL curve
-    value = value_model(model)
-    model.to(device), ref.to(device), value.to(device)
-    optimizers = {
-        "policy": torch.optim.AdamW(model.parameters(), lr=cfg.lr),
-        "value": torch.optim.AdamW(value.parameters(), lr=cfg.value_lr),
-    }
+    # The queue position first: the workers start (import torch, load the policy) while the
+    # trainer builds its models, then wait for the first push.
     resume = resume_point(out, log)
-    state = load_checkpoint(resume, model, value, optimizers) if resume is not None else State()
+    position = json.loads((resume / STATE).read_text())["consumed"] if resume is not None else 0
+    queue = Rollouts(out / "rollout", cfg, policy, data / "prompts.jsonl", seed, log)
+    queue.reset(position)
+    queue.start_all()
+    try:
+        model, tokenizer, ref, value, optimizers = build_models(policy, cfg, device)
+        state = load_checkpoint(resume, model, value, optimizers) if resume is not None else State()
+        queue.restarts = state.restarts
+        queue.push(model, state.version)
+    except BaseException:
+        queue.stop()  # a trainer called in-process (tests) would leave its workers waiting
+        raise
     if resume is not None:
         log(f"sao: resuming from {resume.name} (policy version {state.version}, sample {state.consumed})")
     start_metrics(out, resume)
     total = cfg.value_warmup + cfg.max_steps
     board = open_tracker(tracker[0], tracker[1], "sao", resume_step=state.step or None) if tracker else None
-    queue = Rollouts(out / "rollout", cfg, policy, data / "prompts.jsonl", seed, log)
-    queue.restarts = state.restarts
-    queue.reset(state.consumed, model, state.version)
-    queue.start_all()
     log(
         f"sao: {cfg.value_warmup} value-only + {cfg.max_steps} policy steps of {cfg.batch} samples, "
         f"{cfg.rollout_workers} rollout worker(s), queue {cfg.queue_size}, max staleness {cfg.max_staleness}"
