@@ -228,7 +228,13 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
         model = g.add(merge, MergeSpec(weights=pt.merge.weights), label="merge", models=[model, other])
         score(model, "merge")
     if pt.sao.enabled:  # beside GRPO, from the same model: single-rollout asynchronous RL, one rank
-        single = launch.model_copy(update={"nodes": 1, "procs_per_node": 1, "accelerate_config": None})
+        one = {
+            "nodes": 1,
+            "procs_per_node": 1,
+            "gpus_per_node": min(launch.gpus_per_node, 1),
+            "accelerate_config": None,
+        }
+        single = launch.model_copy(update=one)
         rl = PosttrainSpec.of(
             pt.sao,
             pt,

@@ -309,3 +309,22 @@ def test_sao_stopped_by_a_signal_saves_that_step_and_the_resume_loses_no_sample(
     assert any(f"resuming from step_{saved:08d}" in line for line in lines), lines
     assert artifact.meta["resumed_from_step"] == saved
     assert_every_sample_once(artifact)
+
+
+def test_the_flow_runs_sao_beside_grpo_from_the_same_model_on_one_rank(tmp_path):
+    """With the 3B recipe's 8-node FSDP launch, sao gets one node and one process (its trainer is
+    one rank that starts its own rollout workers); it reads what grpo reads and is scored."""
+    from flows.graphs import flow_graph, plan
+    from flows.recipe import load_recipe
+
+    cfg = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}", "posttrain.sao.enabled=true"])
+    g = flow_graph("smollm3", cfg)
+    sao, grpo = g.node("sao[sao]"), g.node("grpo[grpo]")
+    assert sao.inputs["model"].key == grpo.inputs["model"].key == "merge[merge]"
+    assert sao.inputs["data"].key == grpo.inputs["data"].key
+    assert g.node("evaluate[sao]").inputs["model"].key == "sao[sao]"
+    rows = {r.key: r for r in plan(cfg)}
+    where = rows["sao[sao]"].launch
+    assert where.startswith("slurm, 1 node x 1 process (1 GPU") and "torchrun" in where, where
+    assert "8 nodes" in rows["grpo[grpo]"].launch
+    assert "sao[sao]" not in {n.key for n in flow_graph("smollm3", load_recipe("smollm3-3b", []))}  # off by default
