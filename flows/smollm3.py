@@ -24,6 +24,7 @@ from tasks.posttrain.distill import distill
 from tasks.posttrain.grpo import grpo
 from tasks.posttrain.merge import merge
 from tasks.posttrain.preference import preference
+from tasks.posttrain.sao import sao
 from tasks.posttrain.sft import sft
 from tasks.preflight import PreflightSpec, preflight
 from tasks.pretrain import pretrain
@@ -229,6 +230,23 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
                 ) from None
         model = g.add(merge, MergeSpec(weights=pt.merge.weights), label="merge", models=[model, other])
         score(model, "merge")
+    if pt.sao.enabled:  # beside GRPO, from the same model: single-rollout asynchronous RL, one rank
+        one = {
+            "nodes": 1,
+            "procs_per_node": 1,
+            "gpus_per_node": min(launch.gpus_per_node, 1),
+            "accelerate_config": None,
+        }
+        single = launch.model_copy(update=one)
+        rl = PosttrainSpec.of(
+            pt.sao,
+            pt,
+            launch=single,
+            storage=cfg.storage,
+            threads=cfg.resources.threads("train"),
+            tracker=cfg.training.tracker,
+        )
+        score(g.add(sao, rl, label="sao", model=model, data=data), "sao")
     if pt.grpo.enabled:
         model = g.add(grpo, run(pt.grpo), label="grpo", model=model, data=data)
         score(model, "grpo")

@@ -213,6 +213,7 @@ SHARED_NAMES = {
     "sft.py": "tasks/posttrain/ the step, trainers/posttrain/ the TRL trainer",
     "preference.py": "tasks/posttrain/ the step, trainers/posttrain/ the TRL trainer",
     "grpo.py": "tasks/posttrain/ the step, trainers/posttrain/ the TRL trainer",
+    "sao.py": "tasks/posttrain/ the step, trainers/posttrain/ its trainer loop",
     "distill.py": "tasks/posttrain/ the step, trainers/posttrain/ the TRL trainer",
     "cpt.py": "flows/ the flow, tasks/ its steps",
     "compare.py": "flows/ the flow, tasks/ its step",

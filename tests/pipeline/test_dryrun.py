@@ -92,6 +92,8 @@ OPERATIONAL = [
     "posttrain.grpo.per_device_batch=4",
     "posttrain.grpo.save_steps=2",
     "posttrain.grpo.keep_checkpoints=1",
+    "posttrain.sao.save_steps=1 & posttrain.sao.keep_checkpoints=1",
+    "posttrain.sao.rollout_workers=2 & posttrain.sao.rollout_threads=2 & posttrain.sao.per_device_batch=2",
     "posttrain.distill.per_device_batch=4",
     "posttrain.distill.save_steps=2",
     "posttrain.distill.keep_checkpoints=1",
@@ -144,7 +146,7 @@ IDENTITY = {
     },
     "eval.items_per_task=50": {"eval_suite[suite]"},
     "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
-    | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo")},
+    | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo", "sao")},
     "posttrain.sft.lr=0.001": {"sft[sft]"},
     "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]"},
     "seed=3": None,  # the recipe seed: many consumers (math data, shuffles, eval items, init)

@@ -109,7 +109,7 @@ def test_retries_are_declared_where_they_help():
         "export",
     ):
         assert steps[name].retries >= 1, name
-    for name in ("pretrain", "sft", "preference", "grpo", "distill"):
+    for name in ("pretrain", "sft", "preference", "grpo", "sao", "distill"):
         assert steps[name].retries == 1 and steps[name].resumable, name
     for name in ("evaluate", "merge", "mixture", "preflight", "compare"):
         assert steps[name].retries == 0, name

@@ -3,7 +3,7 @@
 A small flow runs the sources, a stand-in base model step (a random tiny SmolLM3 plus a BPE
 tokenizer trained on the sources: the pretraining stages are tested elsewhere), then the
 post-training DAG: posttrain data -> SFT -> APO and a second APO run (seed 1) -> soup -> merge
-with the base -> GRPO, each model scored by `evaluate` on the cloze tasks and the held-out
+with the base -> GRPO and SAO beside it, each model scored by `evaluate` on the cloze tasks and the held-out
 arithmetic exact-match task. Every trainer runs as a launched job (local torchrun) like a
 pretraining stage. Checks: every step completed, the flow process never imported TRL's trainers,
 the run's eval table has a row per model with the exact-match column, the merges' lineage names
@@ -37,6 +37,7 @@ POSTTRAIN = [
     "posttrain.preference={max_steps: 2, batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
     "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
     "posttrain.grpo={max_steps: 2, batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
+    "posttrain.sao={enabled: true, max_steps: 2, value_warmup: 1, batch: 4, max_completion_length: 12, save_steps: 2}",
     "posttrain.eval={generation_items: 6, max_gen_tokens: 12, cloze_items: 4}",
 ]
 
@@ -98,6 +99,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
         "merge[soup]",
         "merge[merge]",
         "grpo[grpo]",
+        "sao[sao]",
         "eval_suite[posttrain]",
         "evaluate[base]",
         "evaluate[sft]",
@@ -106,19 +108,20 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
         "evaluate[soup]",
         "evaluate[merge]",
         "evaluate[grpo]",
+        "evaluate[sao]",
     ):
         assert states.get(name) == "completed", (name, states)
 
     # every trainer's curves in the flow run's tracker folder (tiny's tracker: tensorboard)
     boards = {p.name.split("-")[0] for p in (ws / "tensorboard").glob("*/*")}
-    assert {"sft", "preference", "grpo"} <= boards, boards
+    assert {"sft", "preference", "grpo", "sao"} <= boards, boards
 
     table = eval_table(lineage, run_id)
     head, models, _note = table.split("\n\n")
     tasks, metrics = head.splitlines()[0].split(), head.splitlines()[1].split()
     assert tasks[-2:] == ["arithmetic_exact", "items"] and metrics[-1] == "exact_match", table
     rows = {line.split()[0] for line in models.splitlines()}
-    assert rows == {"base", "sft", "apo", "apo-s1", "soup", "merge", "grpo"}, table
+    assert rows == {"base", "sft", "apo", "apo-s1", "soup", "merge", "grpo", "sao"}, table
     assert all("±" in line for line in models.splitlines()), table
 
     by_key = {f"{s['step']}[{s['label']}]": s["fingerprint"] for s in steps}
@@ -131,11 +134,15 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     assert {i["seed"] for i in soup.meta["ingredients"]} == {0, 1}
     parents = {a.fingerprint for a in lineage.inputs_of(by_key["merge[merge]"])}
     assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
-    for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]"):
+    for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]", "sao[sao]"):
         meta = lineage.get(by_key[trainer]).meta
         assert meta["launch"].startswith("local, 1 node x 1 process, torchrun, -m trainers.posttrain")
         assert (Path(lineage.get(by_key[trainer]).uri) / "spec.json").is_file()
 
+    # SAO trains beside GRPO from the same merged model, on the same prompts
+    assert {a.fingerprint for a in lineage.inputs_of(by_key["sao[sao]"])} == {
+        a.fingerprint for a in lineage.inputs_of(by_key["grpo[grpo]"])
+    }
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
     up = lineage.ancestors(final)
     assert {a["step"] for a in up} >= {"source", "tiny_base", "posttrain_data", "sft", "preference", "merge"}

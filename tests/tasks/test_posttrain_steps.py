@@ -304,8 +304,9 @@ def test_merge_section_checks_the_soup():
         MergeConfig(soup=(SoupConfig(name="x"), SoupConfig(name="x", seed=2)))
     with pytest.raises(ValueError, match="must be 2 non-negative"):
         MergeConfig(weights=(0.8, 0.1, 0.1))
-    with pytest.raises(ValueError, match="labels of other post-training steps"):
-        PosttrainConfig(merge={"soup": [{"name": "apo"}]})
+    for taken in ("apo", "sao"):
+        with pytest.raises(ValueError, match="labels of other post-training steps"):
+            PosttrainConfig(merge={"soup": [{"name": taken}]})
     with pytest.raises(ValueError, match="preference.enabled is false"):
         PosttrainConfig(merge={"soup": [{"name": "apo2"}]}, preference={"enabled": False})
     with pytest.raises(ValueError, match="beta"):

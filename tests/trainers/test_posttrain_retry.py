@@ -29,10 +29,11 @@ def test_every_post_training_trainer_retries_a_transient_failure_like_pretrain()
     from tasks.posttrain.distill import distill
     from tasks.posttrain.grpo import grpo
     from tasks.posttrain.preference import preference
+    from tasks.posttrain.sao import sao
     from tasks.posttrain.sft import sft
     from tasks.pretrain import pretrain
 
-    for d in (sft, preference, grpo, distill):
+    for d in (sft, preference, grpo, sao, distill):
         assert (d.retries, d.retry_delay, d.resumable) == (pretrain.retries, pretrain.retry_delay, True), d
 
 

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     protect_rank()  # first: a rank must not outlive torchrun, even during startup
     from infra.files import write_atomic
     from pipeline.child import PROGRESS_MARK
-    from trainers.posttrain.common import is_main, tracker_callback
+    from trainers.posttrain.common import is_main
     from trainers.posttrain.launch import RESULT, TRAINERS, TrainerSpec
 
     spec = TrainerSpec.load(Path(argv[0]))
@@ -64,9 +64,7 @@ def main(argv: list[str]) -> int:
             device=spec.device,
             log=(lambda line: print(line, flush=True)) if main_rank else (lambda _: None),
             progress=(lambda p: print(f"{PROGRESS_MARK}{p:.2f}", flush=True)) if main_rank else None,
-            callbacks=[tracker_callback(spec.tracker, Path(spec.tracker_dir), spec.trainer)]
-            if spec.tracker_dir
-            else [],
+            **trainer_hooks(spec),
         )
         if main_rank:
             write_atomic(out / RESULT, json.dumps(meta, default=str))
@@ -80,6 +78,17 @@ def main(argv: list[str]) -> int:
         if lease is not None:
             lease.release()
     return 0
+
+
+def trainer_hooks(spec) -> dict:
+    """How a trainer reports its curves: TRL trainers through a callback, SAO (its own loop) is
+    handed the tracker and its folder."""
+    from trainers.posttrain.common import tracker_callback
+
+    if spec.trainer == "sao":
+        return {"tracker": (spec.tracker, Path(spec.tracker_dir)) if spec.tracker_dir else None}
+    hooks = [tracker_callback(spec.tracker, Path(spec.tracker_dir), spec.trainer)] if spec.tracker_dir else []
+    return {"callbacks": hooks}
 
 
 def _end_process_group() -> None:

@@ -51,6 +51,7 @@ TRAINERS: dict[str, tuple[str, str, type[sections.TrainerConfig]]] = {
     "sft": ("trainers.posttrain.sft", "train_sft", sections.SFTConfig),
     "preference": ("trainers.posttrain.preference", "train_preference", sections.PreferenceConfig),
     "grpo": ("trainers.posttrain.grpo", "train_grpo", sections.GRPOConfig),
+    "sao": ("trainers.posttrain.sao", "train_sao", sections.SAOConfig),
     "distill": ("trainers.posttrain.distill", "train_distill", sections.DistillConfig),
 }
 
@@ -60,7 +61,7 @@ class TrainerSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    trainer: Literal["sft", "preference", "grpo", "distill"]
+    trainer: Literal["sft", "preference", "grpo", "sao", "distill"]
     # The step's recipe section (posttrain.sft, ...), typed as the trainer's own class (TRAINERS);
     # a mapping (spec.json) is read as that class.
     section: SerializeAsAny[sections.TrainerConfig]
