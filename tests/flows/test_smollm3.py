@@ -183,7 +183,7 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     # eval table for the run, under stable keys.
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    stages = ("stage1", "stage2", "stage3", "long1", "long2")
+    stages = ("stage1", "stage2", "stage3", "long1", "long2", "reasoning")
     for key in [*(f"pretrain-{s}-progress" for s in stages), *(f"evaluate-{s}-progress" for s in stages)]:
         assert PrefectArtifact.get(key).data == 100.0, key
     # ... each with the step's last progress line, what the demo terminal showed while it ran
