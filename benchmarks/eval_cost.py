@@ -149,7 +149,7 @@ def main() -> None:
         model = artifact(
             "hf_model", export_dir, export(ExportConfig(), previous, tok, out=export_dir, log=quiet), "m" + name
         )
-        long = run.kind == "long_context"
+        long = run.kind != "pretrain"  # after context extension: the reasoning stages too
         tasks = stage_tasks(recipe.eval, suite, long, cloze=not long or recipe.eval.long_context_cloze)
         timings, cpu, scores = {}, {}, {}
         for path in (["hf"] if not args.no_old else []) + ["default"]:

@@ -43,6 +43,7 @@ from tasks.export import ExportConfig
 from tasks.fertility import FertilityConfig
 from tasks.mixture import StageConfig
 from tasks.pretrain import TrainingConfig
+from tasks.reasoning_data import ReasoningDataConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
 from trainers.posttrain.sections import PosttrainConfig
@@ -120,6 +121,8 @@ class Recipe(BaseModel):
     fertility: FertilityConfig = FertilityConfig()  # candidate tokenizers and the choice rule
     tokenize: TokenizeConfig = TokenizeConfig()  # token shards per source
     stages: tuple[StageConfig, ...] = ()  # pretraining stages: mixture file, tokens, seq_len
+    # reasoning traces by source name, token shards a stage's mixture may weigh (reasoning stages)
+    reasoning_data: tuple[ReasoningDataConfig, ...] = ()
     preflight: PreflightConfig = PreflightConfig()  # checks before training, and thresholds
     training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage
@@ -163,10 +166,20 @@ class Recipe(BaseModel):
         unknown = sorted(set(self.curation.minhash_skip) - set(names))
         if unknown:
             raise ValueError(f"curation.minhash_skip names unknown source(s) {', '.join(unknown)}")
-        check_stages(self.stages, names)  # mixtures fail here, before any compute
+        traces = [r.name for r in self.reasoning_data]
+        clash = sorted(set(traces) & set(names) | {n for n in traces if traces.count(n) > 1})
+        if clash:
+            raise ValueError(
+                f"reasoning_data names must be unique and differ from the sources'; repeated: {', '.join(clash)}"
+            )
+        check_stages(self.stages, names + traces)  # mixtures fail here, before any compute
         kinds = [st.kind for st in self.stages]
-        if "long_context" in kinds and "pretrain" in kinds[kinds.index("long_context") :]:
-            raise ValueError("stages: every pretrain stage must come before the long_context stages")
+        order = {"pretrain": 0, "long_context": 1, "reasoning": 2}
+        if [order[k] for k in kinds] != sorted(order[k] for k in kinds):
+            raise ValueError(
+                "stages: every pretrain stage must come before the long_context stages, and those "
+                f"before the reasoning stages; this recipe's kinds: {', '.join(kinds)}"
+            )
         if kinds and kinds[0] != "pretrain":
             raise ValueError("stages: the first stage must be a pretrain stage")
         t = self.training

@@ -49,7 +49,7 @@ def check_lr_order(recipe: Recipe) -> None:
             "the schedule decays from the peak to min_lr; lower min_lr"
         )
     for st in recipe.stages:
-        if st.kind == "long_context" and t.min_lr > t.optimizer.lr * st.lr_scale:
+        if st.kind != "pretrain" and t.min_lr > t.optimizer.lr * st.lr_scale:
             raise ValueError(
                 f"training.min_lr ({t.min_lr:g}) is above the peak of stage {st.name} "
                 f"(training.optimizer.lr x stages[{st.name}].lr_scale = {t.optimizer.lr * st.lr_scale:g}); "

@@ -1,5 +1,6 @@
-"""The `smollm3` flow: recipe -> data -> token shards -> mixtures -> preflight -> stages -> evals
--> post-training -> the run report (one loss curve, one eval table).
+"""The `smollm3` flow: recipe -> data -> token shards (and reasoning traces) -> mixtures -> preflight
+-> stages (pretraining, context extension, reasoning mid-training) -> evals -> post-training -> the
+run report (one loss curve, one eval table).
 
 `graph(recipe)` is the DAG as a value (pipeline/graph.py): every step with its typed config and
 named inputs, fingerprinted before anything runs. The flow runs it (pipeline/runner.py: independent
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from curation.mixtures import load_weights
 from flows.params import RecipeParam, step_names
 from flows.recipe import Recipe, check_data, load_recipe
 from flows.stage_plan import schedule_stages
@@ -28,6 +30,7 @@ from tasks.posttrain.sao import sao
 from tasks.posttrain.sft import sft
 from tasks.preflight import PreflightSpec, preflight
 from tasks.pretrain import pretrain
+from tasks.reasoning_data import ReasoningDataSpec, reasoning_data
 from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
@@ -56,6 +59,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
         eval_suite, SuiteSpec(eval=cfg.eval.for_suite(), seed=cfg.seed), label="suite", heldout=d.clean, train=d.clean
     )
     previous: Node | None = None
+    extended = None  # the last stage before the reasoning stages, and its export: read past its length
     threads = cfg.resources.threads("train")
     for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
         run = run.model_copy(update={"launch": run.on(cfg.launch), "storage": cfg.storage, "threads": threads})
@@ -72,20 +76,24 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
             **init,
         )
         model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)
+        # After context extension (the reasoning stages too): passkeys, and cloze if asked.
         g.add(
             evaluate,
-            EvalSpec.of(cfg.eval, long_context=run.kind == "long_context"),
+            EvalSpec.of(cfg.eval, long_context=run.kind != "pretrain"),
             label=run.name,
             model=model,
             suite=suite,
         )
-    if cfg.eval.beyond_factor is not None:  # the last stage past its length, plain RoPE and YaRN
+        if run.kind != "reasoning":
+            extended = (run, model)
+    if cfg.eval.beyond_factor is not None and extended:  # past its length, plain RoPE and YaRN
+        last, exported = extended
         for yarn in (False, True):
             g.add(
                 evaluate,
-                EvalSpec.past_training(cfg.eval, run.spec.seq_len, yarn),
-                label=f"{run.name}-x{cfg.eval.beyond_factor:g}" + ("-yarn" if yarn else ""),
-                model=model,
+                EvalSpec.past_training(cfg.eval, last.spec.seq_len, yarn),
+                label=f"{last.name}-x{cfg.eval.beyond_factor:g}" + ("-yarn" if yarn else ""),
+                model=exported,
                 suite=suite,
             )
     final = model
@@ -153,7 +161,29 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
         g.add(tokenize, TokenizeSpec(tokenize=cfg.tokenize, seed=cfg.seed), label=name, tokenizer=chosen, corpus=node)
         for name, node in clean.items()
     ]
-    plans = {st.name: g.add(mixture, MixtureSpec.of(st, cfg.seed), label=st.name, shards=shards) for st in cfg.stages}
+    # Reasoning traces in ChatML, tokenized like the shards; a stage's mixture takes the ones it
+    # weighs (and traces no stage weighs are not made).
+    weighs = {st.name: load_weights(st.mixture) for st in cfg.stages}
+    traces = {
+        r.name: g.add(
+            reasoning_data,
+            ReasoningDataSpec(data=r, seed=cfg.seed),
+            label=r.name,
+            tokenizer=chosen,
+            heldout=list(clean.values()),
+        )
+        for r in cfg.reasoning_data
+        if any(r.name in w for w in weighs.values())
+    }
+    plans = {
+        st.name: g.add(
+            mixture,
+            MixtureSpec.of(st, cfg.seed),
+            label=st.name,
+            shards=shards + [node for name, node in traces.items() if name in weighs[st.name]],
+        )
+        for st in cfg.stages
+    }
     return DataNodes(list(raw.values()), list(clean.values()), chosen, plans)
 
 

@@ -3,8 +3,8 @@
 SmolLM3's schedule, as data: the `pretrain` stages share ONE warmup-stable-decay schedule (each
 stage knows its position in it, `start_step` of `total_steps`, and the decay covers the last
 `training.decay_stages` stages), so a stage boundary never resets the learning rate; each
-`long_context` stage gets a fresh optimizer and a fresh cosine schedule at `lr_scale` x the peak
-LR. `optimizer_steps` is the one formula from tokens to optimizer steps (anneals and CPT use it).
+`long_context` stage, then each `reasoning` stage, gets a fresh optimizer and a fresh cosine
+schedule at `lr_scale` x the peak LR. `optimizer_steps` is the one formula from tokens to optimizer steps (anneals and CPT use it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def stage_spec(stage: StageConfig, training: TrainingConfig, seed: int, **fields
 
 def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], seed: int = 0) -> list[StageSpec]:
     """Resolve the recipe's stages into launches: one WSD across the pretrain stages, then a fresh
-    cosine schedule (and optimizer) per long-context stage at `lr_scale` x the peak LR."""
+    cosine schedule (and optimizer) per long-context and per reasoning stage, in recipe order, at
+    `lr_scale` x the peak LR."""
     main = [s for s in stages if s.kind == "pretrain"]
     steps = [stage_steps(s, training) for s in main]
     total = sum(steps)
@@ -61,7 +62,7 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
         runs.append(StageSpec(spec=spec, kind="pretrain", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
         position += n
     for s in stages:
-        if s.kind != "long_context":
+        if s.kind == "pretrain":
             continue
         n = stage_steps(s, training)
         schedule = ScheduleSpec(
@@ -83,5 +84,5 @@ def schedule_stages(training: TrainingConfig, stages: Sequence[StageConfig], see
             reset_optimizer=True,
             reset_schedule=True,
         )
-        runs.append(StageSpec(spec=spec, kind="long_context", nproc_per_node=training.nproc_per_node, nodes=s.nodes))
+        runs.append(StageSpec(spec=spec, kind=s.kind, nproc_per_node=training.nproc_per_node, nodes=s.nodes))
     return runs

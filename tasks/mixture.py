@@ -50,11 +50,13 @@ class StageConfig(StageSettings):
     seq_len: int = Field(gt=0)  # training sequence length in tokens
     max_epochs: float = Field(default=4.0, gt=0)  # warn when a source repeats more than this
     # Training: `pretrain` stages share one WSD schedule; `long_context` stages follow with a raised
-    # seq_len and RoPE theta, a fresh optimizer and a fresh cosine schedule (tasks/pretrain.py).
-    kind: Literal["pretrain", "long_context"] = "pretrain"
+    # seq_len and RoPE theta, a fresh optimizer and a fresh cosine schedule (tasks/pretrain.py);
+    # `reasoning` stages (mid-training on reasoning traces, before post-training) come last, with
+    # a fresh optimizer and cosine schedule of their own too.
+    kind: Literal["pretrain", "long_context", "reasoning"] = "pretrain"
     rope_theta: float | None = Field(default=None, gt=0)  # RoPE base override for this stage
-    lr_scale: float = Field(default=1.0, gt=0)  # long_context: peak LR = training.lr x this
-    warmup_steps: int = Field(default=0, ge=0)  # long_context: warmup of the fresh schedule
+    lr_scale: float = Field(default=1.0, gt=0)  # long_context, reasoning: peak LR = training.lr x this
+    warmup_steps: int = Field(default=0, ge=0)  # long_context, reasoning: warmup of the fresh schedule
     # The node count of its launch: a long-context stage whose global batch is smaller than the
     # main stages' DP size runs on fewer nodes (docs/scale.md). Operational.
     nodes: int | None = operational(None, gt=0)

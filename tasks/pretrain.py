@@ -7,7 +7,10 @@ SmolLM3's schedule, as data (planned into one `StageSpec` per stage by flows/sta
   the learning rate;
 - `long_context` stages follow, each from the previous stage's final checkpoint with a raised
   sequence length and RoPE theta, a fresh optimizer and a fresh (cosine) schedule at a fraction of
-  the peak LR (SmolLM3: 4k->32k->64k at 2e-5, 10% of 2e-4).
+  the peak LR (SmolLM3: 4k->32k->64k at 2e-5, 10% of 2e-4);
+- `reasoning` stages (SmolLM3's reasoning mid-training) come last: the same trainer on reasoning
+  traces rendered in ChatML (tasks/reasoning_data.py), packed, with a fresh optimizer and cosine
+  schedule of their own at `lr_scale` x the peak LR.
 
 The step writes `spec.json` into its folder and launches
 `python -m torch.distributed.run --standalone --nproc-per-node N -m trainers.pretrain spec.json` through
@@ -115,7 +118,7 @@ class StageSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     spec: TrainSpec  # what the trainer trains (its identity fields are the stage's identity)
-    kind: Literal["pretrain", "long_context", "anneal", "cpt"] = "pretrain"  # what the stage is for
+    kind: Literal["pretrain", "long_context", "reasoning", "anneal", "cpt"] = "pretrain"  # what the stage is for
     # Downstream steps read a checkpoint every N steps (CPT's monitor): the stage then checkpoints
     # every N steps and keeps them all. Identity: which checkpoints exist is part of the output.
     keep_every: int | None = Field(default=None, gt=0)

@@ -130,7 +130,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
         ]
         assert {k: states[k] for k in before} == {k: "cached" for k in before}
         assert states["pretrain[stage2]"] == "completed"
-        for stage in ("stage3", "long1", "long2"):
+        for stage in ("stage3", "long1", "long2", "reasoning"):
             assert states[f"pretrain[{stage}]"] == "completed"
         (stage2,) = lineage.query_dicts("SELECT meta FROM artifacts WHERE step = 'pretrain' AND label = 'stage2'")
         meta = json.loads(stage2["meta"])
@@ -139,7 +139,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
         assert [m["step"] for m in metrics] == [1, 2]  # resumed at step 2: step 1 not trained twice
 
         table = eval_table(lineage, run_id)
-        for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
+        for stage in ("stage1", "stage2", "stage3", "long1", "long2", "reasoning"):
             assert stage in table
         assert "passkey_100" in table
         # Every stage has its TensorBoard run, read back by TensorBoard: the loss as it trained,
@@ -148,7 +148,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
 
         # One folder per flow run, a sub-run per stage, the stages on one global step.
         end = 0
-        for stage in ("stage1", "stage2", "stage3", "long1", "long2"):
+        for stage in ("stage1", "stage2", "stage3", "long1", "long2", "reasoning"):
             (run_dir,) = (ws / "tensorboard").glob(f"*/{stage}-*")
             board = EventAccumulator(str(run_dir))
             board.Reload()
@@ -161,7 +161,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
             assert evals == {end}, (stage, evals)  # its checkpoint's scores at its last global step
         assert len({p.parent for p in (ws / "tensorboard").glob("*/*")}) == 1
         final = final_artifact(lineage, run_id)
-        assert final["kind"] == "hf_model" and final["label"] == "long2"
+        assert final["kind"] == "hf_model" and final["label"] == "reasoning"
         raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}
         assert raw == {"prose", "code", "math"}
 
@@ -178,9 +178,9 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
             timeout=300,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 36 reuse"), (
+        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 41 reuse"), (
             out.stdout
-        )  # 34 + the two YaRN evaluations
+        )  # 34 + the two YaRN evaluations + the reasoning stage's 5 (traces, mixture, pretrain, export, evaluate)
     finally:
         if watcher is not None and watcher.poll() is None:  # a test failing while it watches
             watcher.kill()

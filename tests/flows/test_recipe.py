@@ -64,7 +64,7 @@ def test_check_data_names_the_source_field_before_any_compute(tmp_path):
 def test_unknown_keys_are_rejected_with_the_allowed_ones(tmp_path):
     with pytest.raises(
         RecipeError,
-        match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (resources, )?seed, sources, .*workspace",
+        match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (reasoning_data, )?(resources, )?seed, sources, .*workspace",
     ):
         load_recipe(_write(tmp_path, {**BASE, "colour": "red"}))
     with pytest.raises(RecipeError, match=r"sources\[m\]\.colour: unknown field; allowed: .*domain"):
@@ -207,7 +207,7 @@ def test_the_largest_seed_and_the_models_positions_are_accepted():
     assert load_recipe("tiny", [f"seed={2**63 - 1}"]).seed == 2**63 - 1
     assert load_recipe("tiny", ["stages.stage1.seq_len=1024"]).stages[0].seq_len == 1024
     raised = load_recipe("tiny", ["stages.long2.seq_len=2048", "training.model_overrides.max_seq_len=2048"])
-    assert raised.stages[-1].seq_len == 2048
+    assert raised.stages[-2].seq_len == 2048  # long2 (the reasoning stage follows it)
 
 
 def test_a_duplicate_key_names_the_key_and_both_lines(tmp_path):

@@ -183,7 +183,7 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
     # eval table for the run, under stable keys.
     from prefect.artifacts import Artifact as PrefectArtifact
 
-    stages = ("stage1", "stage2", "stage3", "long1", "long2")
+    stages = ("stage1", "stage2", "stage3", "long1", "long2", "reasoning")
     for key in [*(f"pretrain-{s}-progress" for s in stages), *(f"evaluate-{s}-progress" for s in stages)]:
         assert PrefectArtifact.get(key).data == 100.0, key
     # ... each with the step's last progress line, what the demo terminal showed while it ran
@@ -200,6 +200,11 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path
         # reported and `mfu_invalid` says why (never a figure above 100%)
         mfu, invalid = stage.meta["mfu"], stage.meta["mfu_invalid"]
         assert (mfu is not None and 0 < mfu < 1 and not invalid) or (mfu is None and invalid), (label, mfu, invalid)
+    # Reasoning mid-training: its mixture holds only the reasoning traces (ChatML, think mode)
+    plans = dict(lineage.labelled_outputs(result["run_id"], "mixture"))
+    assert plans["reasoning"].meta["budgets"] == {"reasoning": 8192}
+    (traces,) = [a for _, a in lineage.labelled_outputs(result["run_id"], "reasoning_data")]
+    assert traces.meta["documents"] == 24 == traces.meta["think_conversations"] and traces.meta["tokens"] > 0
     assert "data:image/png;base64," in PrefectArtifact.get("smollm3-loss-curve").data
     table = PrefectArtifact.get("smollm3-evals").data
     assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table

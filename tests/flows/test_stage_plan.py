@@ -85,3 +85,28 @@ def test_doc_masking_is_a_recipe_switch_that_reaches_every_stage_and_its_fingerp
     assert all(r.spec.doc_masking for r in on) and not any(r.spec.doc_masking for r in off)
     assert identity(on[0])["spec"]["doc_masking"] is True  # identity: another model, another folder
     assert identity(on[0]) != identity(off[0])
+
+
+def test_the_reasoning_stage_continues_the_long_model_with_a_schedule_of_its_own(tmp_path):
+    """Reasoning mid-training comes after context extension: a fresh optimizer and cosine schedule
+    at lr_scale x the peak, the long stage's RoPE theta; SmolLM3's 140B tokens at 2e-5 in the 3B recipe."""
+    recipe = load_recipe("tiny")
+    runs = schedule_stages(recipe.training, recipe.stages, recipe.seed)
+    assert [r.kind for r in runs][-3:] == ["long_context", "long_context", "reasoning"]
+    spec = runs[-1].spec.bind(tmp_path / "plan.json", tmp_path, init_from="/ckpt/long2")
+    assert spec.reset_optimizer and spec.reset_schedule and spec.schedule.kind == "cosine"
+    assert spec.schedule.total_steps == spec.steps == 12 and spec.schedule.start_step == 0
+    assert spec.optimizer.lr == pytest.approx(3e-4) and spec.rope_theta == runs[-2].spec.rope_theta == 500000
+    big = load_recipe("smollm3-3b")
+    reasoning = schedule_stages(big.training, big.stages, big.seed)[-1].spec
+    assert reasoning.stage == "reasoning" and reasoning.optimizer.lr == pytest.approx(2e-5)
+    assert reasoning.steps * reasoning.global_batch * reasoning.seq_len >= 140e9 and reasoning.rope_theta == 5e6
+
+
+def test_reasoning_stages_come_after_the_long_context_stages():
+    from flows.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="and those before the reasoning stages; this recipe's kinds: pretrain"):
+        load_recipe("tiny", ["stages.long2.kind=reasoning", "stages.reasoning.kind=long_context"])
+    with pytest.raises(RecipeError, match="reasoning_data names must be unique and differ from the sources'"):
+        load_recipe("tiny", ["reasoning_data=[{name: math}]"])

@@ -127,6 +127,7 @@ IDENTITY = {
         "pretrain[stage3]",
         "pretrain[long1]",
         "pretrain[long2]",
+        "pretrain[reasoning]",
     },
     "training.doc_masking=false": {
         "pretrain[stage1]",
@@ -134,6 +135,7 @@ IDENTITY = {
         "pretrain[stage3]",
         "pretrain[long1]",
         "pretrain[long2]",
+        "pretrain[reasoning]",
     },
     "stages.long1.rope_theta=300000": {"pretrain[long1]"},
     "stages.long2.doc_masking=false": {"pretrain[long2]"},  # a stage's own identity setting
@@ -145,10 +147,14 @@ IDENTITY = {
         "preflight[preflight]",
     },
     "eval.items_per_task=50": {"eval_suite[suite]"},
-    "eval.lm_eval_tasks=[hellaswag]": {f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2")}
+    "eval.lm_eval_tasks=[hellaswag]": {
+        f"evaluate[{s}]" for s in ("stage1", "stage2", "stage3", "long1", "long2", "reasoning")
+    }
     | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo", "sao")},
     "posttrain.sft.lr=0.001": {"sft[sft]"},
-    "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]"},
+    "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]", "evaluate[reasoning]"},
+    # the reasoning stage's own schedule: that stage, and what follows it (its traces: below)
+    "stages.reasoning.lr_scale=0.2": {"pretrain[reasoning]"},
     "seed=3": None,  # the recipe seed: many consumers (math data, shuffles, eval items, init)
 }
 
@@ -273,7 +279,25 @@ def test_the_published_recipe_resolves_without_compute():
     rows = plan(load_recipe("smollm3-3b", ["workspace=/nonexistent-smollm3-plan"]))
     steps = {r.step for r in rows}
     assert {"source", "curate", "tokenize", "mixture", "preflight", "pretrain", "export", "evaluate"} <= steps
-    assert sum(r.step == "pretrain" for r in rows) == 5 and all(r.action == "run" for r in rows)
+    # stages 1-3, the two long-context stages and reasoning mid-training, on its two trace sources
+    assert sum(r.step == "pretrain" for r in rows) == 6 and all(r.action == "run" for r in rows)
+    assert sum(r.step == "reasoning_data" for r in rows) == 2
+
+
+def test_other_reasoning_traces_rerun_the_reasoning_stage_and_the_preflight_not_the_earlier_stages():
+    """The traces feed the reasoning stage's mixture, which the preflight checks with every other
+    stage's (a gate of stage 1, not its input): the earlier stages keep their fingerprints."""
+    g0 = graph(load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan"]), tolerant=True)
+    g1 = graph(
+        load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan", "reasoning_data.reasoning.examples=50"]),
+        tolerant=True,
+    )
+    before = {n.key: n.fingerprint for n in g0}
+    changed = {n.key for n in g1 if n.fingerprint != before[n.key]}
+    stage = {f"{s}[reasoning]" for s in ("reasoning_data", "mixture", "pretrain", "export", "evaluate")}
+    assert stage | {"preflight[preflight]", "sft[sft]", "evaluate[base]"} <= changed
+    earlier = ("pretrain[stage", "pretrain[long", "export[stage", "export[long", "source", "curate", "tokenize")
+    assert not {k for k in changed if k.startswith(earlier)}
 
 
 def test_the_evaluation_past_the_trained_length_adds_two_evaluations_and_moves_no_training():

@@ -165,6 +165,10 @@ def test_sft_trains_on_assistant_tokens_only(world):
 
     meta = world["sft"]
     assert meta["stage"] == "sft" and meta["steps"] == 3 and meta["eval_loss"] > 0
+    # the held-out loss per reasoning mode too: think conversations (a trace to predict) and no-think
+    assert set(meta["eval_loss_by_mode"]) == {"think", "no_think"} and all(
+        v > 0 for v in meta["eval_loss_by_mode"].values()
+    )
     folder = Path(meta["model_dir"])
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -186,6 +190,8 @@ def test_post_training_logs_step_loss_lr_and_eta_and_reports_progress(world):
     steps = [line for line in lines if line.startswith("step ") and " | loss " in line]
     assert [line.split(" |")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
     assert any(line.startswith("step 3/3 | eval_loss ") for line in lines)  # held-out loss after training
+    for mode in ("think", "no_think"):  # and per reasoning mode, a line per held-out set
+        assert any(line.startswith(f"step 3/3 | eval_{mode}_loss ") for line in lines), mode
     assert all(re.fullmatch(r"step \d/3 \| loss [\d.e-]+ \| lr \S+ \| ETA \S+", line) for line in steps), steps
     assert steps[-1].endswith("ETA 0s")
     assert world["sft_progress"] == pytest.approx([100 / 3, 200 / 3, 100.0])
@@ -500,6 +506,9 @@ def test_command_line_entry_runs_a_trainer_from_a_spec(world, tmp_path, capsys):
     board = EventAccumulator(spec.tracker_dir)
     board.Reload()
     assert [e.step for e in board.Scalars("train/loss")] == [1], board.Tags()["scalars"]
+    # the held-out loss per reasoning mode, evaluated at the last step (and every save_steps)
+    for mode in ("all", "think", "no_think"):
+        assert [e.step for e in board.Scalars(f"train/eval_{mode}_loss")] == [1], board.Tags()["scalars"]
     assert json.loads((out / "result.json").read_text()) == meta  # what the launching step reads
     assert not (out / ".lease.json").exists()  # released
     assert main(["sft", str(tmp_path / "spec.json")]) == 2  # the old two-argument form is refused

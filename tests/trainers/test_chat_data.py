@@ -43,3 +43,15 @@ def test_edited_local_data_changes_the_fingerprint(tmp_path):
     os.utime(f, ns=(1, 1))
     assert data_state(f"files:{tmp_path}/*.jsonl") != before
     assert data_state("builtin") == "" and data_state("self") == ""
+
+
+def test_a_conversation_is_in_the_mode_its_system_turn_renders():
+    from trainers.posttrain.chat_data import by_mode, conversation_mode
+
+    no_think = [{"role": "system", "content": "/no_think"}, {"role": "user", "content": "q"}]
+    think = [{"role": "system", "content": "Think step by step, then answer. /think"}, {"role": "user", "content": "q"}]
+    default = [{"role": "user", "content": "q"}]  # no system turn: the template's default, /think
+    assert [conversation_mode(m) for m in (no_think, think, default)] == ["no_think", "think", "think"]
+    rows = [{"messages": m} for m in (no_think, think, default)]
+    assert by_mode(rows) == {"think": rows[1:], "no_think": rows[:1]}
+    assert by_mode(rows[:1]) == {"no_think": rows[:1]}

@@ -40,6 +40,21 @@ def question(prompt: list[dict[str, Any]]) -> str:
     return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
 
 
+def conversation_mode(messages: Sequence[dict[str, Any]]) -> str:
+    """The reasoning mode the chat template renders a conversation in: `no_think` when its system
+    turn says `/no_think`, else `think` (the template's default, and `/think`)."""
+    first = messages[0] if messages else {}
+    return "no_think" if first.get("role") == "system" and "/no_think" in str(first.get("content")) else "think"
+
+
+def by_mode(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Conversation rows split by reasoning mode (`think`, `no_think`), modes without rows left out."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(conversation_mode(row["messages"]), []).append(row)
+    return dict(sorted(out.items(), key=lambda kv: kv[0] != "think"))
+
+
 def is_correct(text: str, answer: str) -> bool:
     return extract_answer(text) == str(answer).strip()
 

@@ -314,10 +314,13 @@ def progress_callback(progress: Callable[[float], None] | None, log: Callable[[s
             if out is not None:
                 with open(out / METRICS, "a") as fh:
                     fh.write(json.dumps({**logs, "step": state.global_step}) + "\n")
-            keys = [k for k in ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss") if k in logs]
+            shown = ("loss", "reward", "rewards/exact_match_reward/mean", "eval_loss", "eval_all_loss")
+            keys = [k for k in (*shown, "eval_think_loss", "eval_no_think_loss") if k in logs]
             if keys:
                 elapsed = time.monotonic() - self.started
-                parts = [f"step {state.global_step}/{state.max_steps}", *(f"{k} {logs[k]:.4g}" for k in keys)]
+                named = {"eval_all_loss": "eval_loss"}  # SFT's held-out loss of every conversation
+                parts = [f"step {state.global_step}/{state.max_steps}"]
+                parts += [f"{named.get(k, k)} {logs[k]:.4g}" for k in keys]
                 if "learning_rate" in logs:
                     parts.append(f"lr {logs['learning_rate']:.2e}")
                 done = state.global_step - self.first  # a resumed launch: steps since it began

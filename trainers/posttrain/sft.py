@@ -4,7 +4,8 @@ The conversations are rendered with our tokenizer's dual-mode chat template; its
 markers give TRL the assistant-token mask, so only assistant turns (content and closing
 `<|im_end|>`) carry loss (`assistant_only_loss=True`, as SmolLM3). Packing (best-fit decreasing,
 whole conversations, position ids restart per conversation) fills every row of `max_length`.
-The held-out conversations give an eval loss after training.
+The held-out conversations give an eval loss, of all of them and per reasoning mode (think,
+no-think), every `save_steps` (to the tracker) and after training (to the meta).
 
 The step launches `train_sft` on the recipe's launcher (trainers/posttrain/launch.py); it resumes
 from its newest checkpoint when a killed attempt left one.
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainers.posttrain.chat_data import read_jsonl
+from trainers.posttrain.chat_data import by_mode, read_jsonl
 from trainers.posttrain.common import (
     checkpoint_callback,
     fit,
@@ -58,7 +59,12 @@ def train_sft(
     model, tokenizer = load_policy(base, cfg.bf16)
     train = Dataset.from_list([{"messages": r["messages"]} for r in read_jsonl(data / "train.jsonl")])
     heldout_rows = read_jsonl(data / "heldout.jsonl")
-    heldout = Dataset.from_list([{"messages": r["messages"]} for r in heldout_rows]) if heldout_rows else None
+    # The held-out loss of all conversations and of each reasoning mode's, every `save_steps` (the
+    # tracker's `train/eval_think_loss`, `train/eval_no_think_loss`) and after training (the meta).
+    heldout = None
+    if heldout_rows:
+        sets = {"all": heldout_rows, **by_mode(heldout_rows)}
+        heldout = {k: Dataset.from_list([{"messages": r["messages"]} for r in rows]) for k, rows in sets.items()}
     common = trainer_args(cfg, out, seed, device)
     args = trl.SFTConfig(
         **common,
@@ -66,7 +72,8 @@ def train_sft(
         packing=cfg.packing,
         assistant_only_loss=cfg.assistant_only_loss,
         per_device_eval_batch_size=common["per_device_train_batch_size"],
-        eval_strategy="no",
+        eval_strategy="steps" if heldout else "no",
+        eval_steps=cfg.save_steps,
     )
     trainer = trl.SFTTrainer(
         model=model,
@@ -80,10 +87,18 @@ def train_sft(
     resumed = fit(trainer, out, log, "sft")
     facts = write_history(trainer, out)
     if heldout is not None:
-        facts["eval_loss"] = round(float(trainer.evaluate()["eval_loss"]), 5)
+        # the evaluation at the last step, when this launch trained it (else evaluate now)
+        step, scores = trainer.state.global_step, {}
+        for row in trainer.state.log_history:  # one row per held-out set
+            if row.get("step") == step:
+                scores.update({k: v for k, v in row.items() if k.startswith("eval_")})
+        if any(f"eval_{m}_loss" not in scores for m in heldout):
+            scores = trainer.evaluate()
+        facts["eval_loss"] = round(float(scores["eval_all_loss"]), 5)
+        facts["eval_loss_by_mode"] = {m: round(float(scores[f"eval_{m}_loss"]), 5) for m in heldout if m != "all"}
     folder = save_policy(trainer, tokenizer, out / "model")
     log(
         f"sft: {facts['steps']} steps, loss {facts['first_loss']} -> {facts['last_loss']}, "
-        f"held-out loss {facts.get('eval_loss')}"
+        f"held-out loss {facts.get('eval_loss')} (by mode: {facts.get('eval_loss_by_mode')})"
     )
     return model_meta("sft", folder, started, examples=len(train), resumed_from_step=resumed, **facts)

@@ -1,0 +1,106 @@
+"""Reasoning traces for the reasoning mid-training stage: think-mode conversations, and the token
+shards the pretraining trainer reads them from.
+
+SmolLM3 trained on reasoning traces (OpenThoughts3, Llama-Nemotron post-training data) in ChatML
+with packing, after context extension and before SFT (docs/posttraining.md). Here:
+- `builtin_traces`: arithmetic and word problems (the `builtin:math` kinds plus two-step ones),
+  drawn with a seeded generator of their own, each a think-mode conversation whose reply is a
+  worked trace in `<think>...</think>` and `Answer: N` (curation/conversations.py, the same shape as
+  the think rows of SFT). Problems whose text is in `exclude` (the held-out math problems the
+  evaluations ask) are skipped, so the stage never trains on an eval question.
+- `as_messages`: a `files:`/`hf:` row's conversation as `[{role, content}]`, from either the
+  `messages` layout or ShareGPT's `from`/`value` (OpenThoughts3's `conversations` column).
+- `write_token_shard`: token ids per document (each ending in EOS) as one datatrove `.ds` file with
+  its `.ds.index` and `.ds.metadata` (model/token_shards.py reads them).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from curation.conversations import math_conversation
+from curation.source_kinds import math_problem
+
+_NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines", "Jun"]
+_ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "cards", "shells"]
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def two_step_problem(rng: random.Random) -> tuple[str, str, str]:
+    """A problem that takes two operations: an expression or a purchase with change."""
+    if rng.random() < 0.5:
+        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 999)
+        t = a * b
+        return f"What is {a} * {b} + {c}?", f"{a} * {b} = {t}, and {t} + {c} = {t + c}.", str(t + c)
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    n, price = rng.randint(2, 12), rng.randint(2, 25)
+    cost = n * price
+    paid = (cost // 100 + 1) * 100
+    return (
+        f"{name} buys {n} {item} at {price} dollars each and pays with {paid} dollars. "
+        "How many dollars of change does " + name + " get?",
+        f"{n} * {price} = {cost}, and {paid} - {cost} = {paid - cost}.",
+        str(paid - cost),
+    )
+
+
+def builtin_traces(n: int, seed: int, exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """`n` think-mode conversations (`{"messages": [...]}`) with worked traces, deterministic per
+    seed: a third two-step problems, the rest the `builtin:math` kinds; none whose problem text is in
+    `exclude`."""
+    rng = random.Random(f"reasoning:{seed}")
+    skip = set(exclude)
+    out: list[dict[str, Any]] = []
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 20 * n + 100:
+            raise ValueError(f"reasoning traces: only {len(out)} of {n} problems are not in the excluded set")
+        problem, solution, answer = two_step_problem(rng) if rng.random() < 1 / 3 else math_problem(rng)
+        if problem in skip:
+            continue
+        conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}", think=True)
+        out.append({"messages": conv["messages"]})
+    return out
+
+
+def heldout_problems(texts: Iterable[str]) -> Iterator[str]:
+    """The problem text of every math document among `texts` (`Problem: ...` first line)."""
+    for text in texts:
+        conv = math_conversation(text)
+        if conv is not None:
+            yield conv["messages"][1]["content"]
+
+
+def as_messages(value: Any) -> list[dict[str, str]] | None:
+    """A conversation as `[{role, content}]`, from `messages` rows or ShareGPT `from`/`value`
+    rows; None when it is neither."""
+    if not isinstance(value, list) or not value:
+        return None
+    out = []
+    for m in value:
+        if not isinstance(m, dict):
+            return None
+        role = _ROLES.get(str(m.get("role", m.get("from", ""))))
+        content = m.get("content", m.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        out.append({"role": role, "content": content})
+    return out if any(m["role"] == "assistant" for m in out) else None
+
+
+def write_token_shard(path: Path, documents: Sequence[Sequence[int]], dtype: str, tokenizer: str) -> int:
+    """Write `documents` (token ids, each ending in EOS) as `path` (`.ds`), `path.index` (uint64
+    end offsets) and `path.metadata` (datatrove's three lines); return the token count."""
+    import numpy as np
+
+    tokens = np.fromiter((t for doc in documents for t in doc), dtype=np.dtype(dtype))
+    ends = np.cumsum([len(doc) for doc in documents], dtype="<u8")
+    path.write_bytes(tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+    Path(f"{path}.index").write_bytes(ends.tobytes())
+    count = int(tokens.size)
+    Path(f"{path}.metadata").write_text(f"{tokenizer}|{tokens.itemsize}\n{count}\n{count:,} tokens\n", encoding="utf-8")
+    return count

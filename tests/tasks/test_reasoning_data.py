@@ -1,0 +1,93 @@
+"""The reasoning_data step: reasoning traces rendered with the chat template (think mode) and
+written as token shards that the mixture step plans and the pretraining loader reads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from curation.reasoning import builtin_traces
+from pipeline.artifact import Artifact
+from tasks.mixture import MixtureSpec, mixture
+from tasks.reasoning_data import ReasoningDataConfig, ReasoningDataSpec, reasoning_data
+from tasks.tokenizer import TokenizerConfig, tokenizer
+from tests.tasks.datafiles import corpus
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A BPE trained on arithmetic traces, and a math corpus whose held-out split asks the first
+    problem the builtin generator would draw."""
+    tmp = tmp_path_factory.mktemp("reasoning")
+    texts = [c["messages"][2]["content"] for c in builtin_traces(200, seed=9)]
+    src = corpus(tmp / "tokdata", [(f"t{i}", t) for i, t in enumerate(texts)])
+    out = tmp / "tok"
+    out.mkdir()
+    meta = tokenizer(TokenizerConfig(vocab_size=600, min_frequency=1), [src], out=out)
+    tok = Artifact(kind="tokenizer", uri=str(out), fingerprint="2" * 64, meta=meta)
+    asked = builtin_traces(1, seed=0)[0]["messages"][1]["content"]
+    math = corpus(
+        tmp / "math", [("m0", "x")], heldout=[("h0", f"Problem: {asked}\nSolution: x\nAnswer: 1")], domain="math"
+    )
+    return tok, math, asked
+
+
+def test_builtin_traces_become_think_mode_chatml_documents_each_closed_by_eos(world, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok, math, asked = world
+    spec = ReasoningDataSpec(data=ReasoningDataConfig(name="reasoning", examples=12), seed=0)
+    meta = reasoning_data(spec, tokenizer=tok, heldout=(math,), out=tmp_path)
+    assert meta["source"] == "reasoning" and meta["documents"] == 12 == meta["think_conversations"]
+    assert meta["files"] == ["reasoning_00000.ds"] and meta["token_dtype"] == "uint16" and meta["eos_id"] == 0
+    tokens = np.fromfile(tmp_path / "reasoning_00000.ds", dtype="<u2")
+    ends = np.fromfile(tmp_path / "reasoning_00000.ds.index", dtype="<u8").astype(np.int64)
+    assert meta["tokens"] == len(tokens) == ends[-1] and (tokens[ends - 1] == 0).all()
+    hf = AutoTokenizer.from_pretrained(str(tok.path))
+    starts = np.concatenate([[0], ends[:-1]])
+    texts = [hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)]
+    # every document is the chat template's rendering of one conversation, in /think mode
+    rendered = {hf.apply_chat_template(c["messages"], tokenize=False) for c in builtin_traces(13, seed=0)}
+    assert set(texts) <= rendered and all("Reasoning Mode: /think" in t and "</think>\nAnswer: " in t for t in texts)
+    assert not any(f"<|im_start|>user\n{asked}<|im_end|>" in t for t in texts)  # the held-out problem is left out
+    # the mixture step plans it like any token shards, and a second build is byte-identical
+    plan_dir = tmp_path.parent / "plan"
+    plan_dir.mkdir()
+    shards = Artifact(kind="shards", uri=str(tmp_path), fingerprint="3" * 64, meta=meta)
+    mixture_file = tmp_path.parent / "reasoning.yaml"
+    mixture_file.write_text("weights: {reasoning: 1.0}\n")
+    planned = mixture(
+        MixtureSpec(name="reasoning", mixture=str(mixture_file), tokens=4 * meta["tokens"], seq_len=64, max_epochs=5),
+        shards=(shards,),
+        out=plan_dir,
+    )
+    assert planned["expected_epochs"] == {"reasoning": 4.0}
+    again = tmp_path.parent / "again"
+    again.mkdir()
+    reasoning_data(spec, tokenizer=tok, heldout=(math,), out=again)
+    assert (again / "reasoning_00000.ds").read_bytes() == (tmp_path / "reasoning_00000.ds").read_bytes()
+
+
+def test_files_rows_in_sharegpt_form_are_read_and_bad_rows_counted(world, tmp_path):
+    tok, _, _ = world
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "What is 2 + 3?"},
+                {"from": "gpt", "value": "<think>\n2 + 3 = 5\n</think>\nAnswer: 5"},
+            ]
+        },
+        {"conversations": "not a conversation"},
+    ]
+    data = tmp_path / "traces.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = ReasoningDataConfig(name="traces", uri=f"files:{data}", messages_field="conversations")
+    meta = reasoning_data(ReasoningDataSpec(data=cfg), tokenizer=tok, out=out)
+    assert meta["documents"] == 1 and meta["rejected"] == {"not_a_conversation": 1} and meta["think_conversations"] == 1
+    wrong = ReasoningDataConfig(name="traces", uri=f"files:{data}")  # the default `messages` column is absent
+    with pytest.raises(ValueError, match=r"reasoning_data\[traces\].messages_field"):
+        reasoning_data(ReasoningDataSpec(data=wrong), tokenizer=tok, out=tmp_path / "bad")
