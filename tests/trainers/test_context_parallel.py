@@ -1,8 +1,9 @@
 """Context parallelism through the trainer on CPU over gloo (model/context_parallel.py), as real
 torchrun launches on sequences of several packed documents each (intra-document masking on):
 
-- CP 2 and CP 4 train with the losses of CP 1 within 1e-5 and the gradient norms within 1e-4
-  relative at each of 8 steps, and end at the same weights (fp32 summation order aside);
+- CP 2, CP 4 and CP 2 x TP 2 (with selective checkpointing) train with the losses of CP 1 within
+  1e-5 and the gradient norms within 1e-4 relative at each of 8 steps, and end at the same weights
+  (fp32 summation order aside);
 - CP 2 resumed from its own checkpoint ends bit-identical to the uninterrupted run;
 - a CP 2 checkpoint loads at another layout (one plain rank) and trains on like CP 2.
 
@@ -45,12 +46,20 @@ def cp1(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_trains_like_cp1(cp1, tmp_path, cp):
+@pytest.mark.parametrize(
+    ("cp", "tp", "checkpointing", "layout"),
+    [
+        (2, 1, "none", "DP 1 x CP 2 (2 ranks)"),
+        (4, 1, "none", "DP 1 x CP 4 (4 ranks)"),
+        (2, 2, "selective", "DP 1 x CP 2 x TP 2 (4 ranks)"),  # composed with TP, recomputing the all-gather
+    ],
+)
+def test_cp_trains_like_cp1(cp1, tmp_path, cp, tp, checkpointing, layout):
     plan, ref = cp1
     out = tmp_path / f"cp{cp}"
-    proc = run_train(write_spec(tmp_path / "cp.json", plan, out, cp=cp, **STEPS), nproc=cp)
-    assert f"world {cp} (DP 1 x CP {cp} ({cp} ranks)), accum 2" in proc.stderr
+    spec = write_spec(tmp_path / "cp.json", plan, out, cp=cp, tp=tp, activation_checkpointing=checkpointing, **STEPS)
+    proc = run_train(spec, nproc=cp * tp)
+    assert f"world {cp * tp} ({layout}), accum 2" in proc.stderr
     assert _close(_losses(out), _losses(ref), 1e-5), (_losses(out), _losses(ref))
     assert _close(_grad_norms(out), _grad_norms(ref), 1e-4), (_grad_norms(out), _grad_norms(ref))
     _weights_close(out, ref)
