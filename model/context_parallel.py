@@ -42,6 +42,11 @@ def gathered_index(seq_len: int, cp: int, device: torch.device | None = None) ->
     return torch.cat([local_index(seq_len, cp, r, device) for r in range(cp)])
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has the old ones only.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along the sequence (dim 2 of (B, heads, S_local, hd)) in rank order; the
     backward reduce-scatters the gradient, so each rank gets the sum of every rank's gradient of
@@ -52,14 +57,14 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.size = group, size
         front = x.movedim(2, 0).contiguous()  # (S_local, B, heads, hd)
         out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=group)
+        _all_gather(out, front, group=group)
         return out.movedim(0, 2)  # (B, heads, S, hd)
 
     @staticmethod
     def backward(ctx, grad):
         front = grad.movedim(2, 0).contiguous()  # (S, B, heads, hd)
         out = front.new_empty((front.shape[0] // ctx.size, *front.shape[1:]))
-        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        _reduce_scatter(out, front, group=ctx.group)
         return out.movedim(0, 2), None, None
 
 
