@@ -75,7 +75,7 @@ def stage_rows(recipe: Any) -> list[StageFit]:
             raise ValueError(
                 f"{where}: global_batch {spec.global_batch} must be a multiple of micro_batch x data-parallel "
                 f"size = {spec.micro_batch} x {layout.dp} (nodes {nodes} x training.nproc_per_node "
-                f"{t.nproc_per_node} / tp {layout.tp})"
+                f"{t.nproc_per_node} / tp {layout.tp}{f' / cp {layout.cp}' if layout.cp > 1 else ''})"
             )
         try:
             est = run.memory(_vocab(recipe))  # on GPU where the recipe trains there, else CPU
@@ -132,7 +132,7 @@ def _tokens(n: int) -> str:
 def format_rows(rows: list[StageFit]) -> str:
     """The per-stage table of `smollm3 capacity --recipe`."""
     head = (
-        f"{'stage':<10}{'nodes':>6}  {'layout':<32}{'batch':>6}{'micro':>6}{'accum':>6}{'seq':>7}"
+        f"{'stage':<10}{'nodes':>6}  {'layout':<38}{'batch':>6}{'micro':>6}{'accum':>6}{'seq':>7}"
         f"{'tok/step':>10}{'steps':>10}  {'ckpt':<10}{'peak GB':>8}{'budget':>8}{'limit':>7}"
         f"{'host GB':>9}{'cpus':>6}{'nofile':>8}"
     )
@@ -141,7 +141,7 @@ def format_rows(rows: list[StageFit]) -> str:
         limit = f"{r.limit_gb:g}" if r.limit_gb else "-"
         budget = f"{r.budget_gb:.1f}" if r.budget_gb is not None else "-"
         lines.append(
-            f"{r.name:<10}{r.nodes:>6}  {r.layout:<32}{r.global_batch:>6}{r.micro_batch:>6}{r.accum:>6}"
+            f"{r.name:<10}{r.nodes:>6}  {r.layout:<38}{r.global_batch:>6}{r.micro_batch:>6}{r.accum:>6}"
             f"{r.seq_len:>7}{_tokens(r.tokens_per_step):>10}{r.steps:>10,}  {r.mode:<10}{r.peak_gb:>8.2f}"
             f"{budget:>8}{limit:>7}{r.host.mem_gb:>9}{r.host.cpus:>6}{r.host.open_files:>8}"
         )

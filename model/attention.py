@@ -54,6 +54,10 @@ class AttentionMask:
     dense: torch.Tensor | None = None
     block_mask: Any = None  # flex BlockMask over T + flex_pad positions; kind "flex"
     flex_pad: int = 0  # kind "flex": zero positions appended so (T + flex_pad) % FLEX_BLOCK == 0
+    kv_pad: int | None = None  # kind "flex" under CP: the same for the gathered keys (None: flex_pad)
+    # Context parallelism (model/context_parallel.py): keys and values are all-gathered over the
+    # CP group before attention, and the mask is this rank's query rows against the whole sequence.
+    context: Any = None
 
     def for_dtype(self, dtype: torch.dtype) -> AttentionMask:
         """This mask with a dense bool mask turned into the additive float mask SDPA would build
@@ -62,7 +66,8 @@ class AttentionMask:
         if self.kind != "dense" or self.dense.dtype != torch.bool:
             return self
         additive = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
-        return AttentionMask("dense", dense=additive.masked_fill_(self.dense.logical_not(), float("-inf")))
+        additive = additive.masked_fill_(self.dense.logical_not(), float("-inf"))
+        return AttentionMask("dense", dense=additive, context=self.context)
 
 
 FLEX_BLOCK = 128  # BlockMask block size (torch's default), the unit the flex path pads T to
@@ -95,20 +100,26 @@ def _flex(q, k, v, block_mask):
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") -> AttentionMask:
-    """Mask for (B, T) document ids; backend "auto" | "sdpa" | "flex" ("flex" forces it)."""
+def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto", context=None) -> AttentionMask:
+    """Mask for (B, T) document ids; backend "auto" | "sdpa" | "flex" ("flex" forces it). With
+    `context` (model/context_parallel.py `ContextParallel`), `doc_ids` are the whole sequence's and
+    the mask is this CP rank's query rows against the all-gathered keys."""
     if backend not in ("auto", "sdpa", "flex"):
         raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
     if doc_ids is None:
+        if context is not None:
+            raise ValueError("context parallelism needs document ids (all zeros for plain causal attention)")
         return AttentionMask("causal")
     B, T = doc_ids.shape
     use_flex = backend == "flex" or (backend == "auto" and doc_ids.is_cuda and flex_available())
+    if use_flex and not flex_available():
+        raise RuntimeError(
+            f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}: "
+            "use attention_backend 'sdpa' (or 'auto') or upgrade torch"
+        )
+    if context is not None:
+        return _context_parallel_mask(doc_ids, use_flex, context)
     if use_flex:
-        if not flex_available():
-            raise RuntimeError(
-                f"attention backend 'flex' needs torch >= 2.5, this is {torch.__version__}: "
-                "use attention_backend 'sdpa' (or 'auto') or upgrade torch"
-            )
         pad = -T % FLEX_BLOCK
         docs = F.pad(doc_ids, (0, pad), value=PAD_DOC) if pad else doc_ids  # (B, T + pad)
 
@@ -121,6 +132,34 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str = "auto") ->
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return AttentionMask("dense", dense=(same & causal)[:, None])  # (B, 1, T, T)
+
+
+def _context_parallel_mask(doc_ids: torch.Tensor, use_flex: bool, context) -> AttentionMask:
+    """This CP rank's rows of the CP 1 mask: query i is global token `q_at[i]`, gathered key j is
+    global token `kv_at[j]`; same document and causal on those global indices, so the mask is
+    exact whatever the load-balanced order."""
+    B, T = doc_ids.shape
+    q_at = context.local_index(T, doc_ids.device)  # (T / cp,)
+    kv_at = context.gathered_index(T, doc_ids.device)  # (T,)
+    if not use_flex:
+        causal = q_at[:, None] >= kv_at[None, :]  # (T / cp, T)
+        same = doc_ids[:, q_at, None] == doc_ids[:, None, kv_at]  # (B, T / cp, T)
+        return AttentionMask("dense", dense=(same & causal)[:, None], context=context)  # (B, 1, T / cp, T)
+    n_q = q_at.shape[0]
+    q_pad, kv_pad = -n_q % FLEX_BLOCK, -T % FLEX_BLOCK
+    q_docs = F.pad(doc_ids[:, q_at], (0, q_pad), value=PAD_DOC)  # (B, T / cp + q_pad)
+    kv_docs = F.pad(doc_ids[:, kv_at], (0, kv_pad), value=PAD_DOC)  # (B, T + kv_pad)
+    q_at = F.pad(q_at, (0, q_pad), value=T)
+    kv_at = F.pad(kv_at, (0, kv_pad), value=T)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        # Padded query rows attend to everything (never empty); their outputs are sliced off.
+        real = (q_docs[b, q_idx] == kv_docs[b, kv_idx]) & (q_at[q_idx] >= kv_at[kv_idx])
+        return real | (q_idx >= n_q)
+
+    n_kv = T + kv_pad
+    block = create_block_mask(same_doc_causal, B, None, n_q + q_pad, n_kv, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+    return AttentionMask("flex", block_mask=block, flex_pad=q_pad, kv_pad=kv_pad, context=context)
 
 
 class Attention(nn.Module):
@@ -164,9 +203,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask.context is not None:  # CP: every key and value of the sequence, rotated where it sits
+            k, v = mask.context.gather(k), mask.context.gather(v)  # (B, nkv, S, hd), S = T x cp
+        S = k.shape[2]
         if mask.kind == "flex":
+            kv_pad = mask.flex_pad if mask.kv_pad is None else mask.kv_pad
             if mask.flex_pad:  # whole blocks only (see the module docstring)
-                q, k, v = (F.pad(t, (0, 0, 0, mask.flex_pad)) for t in (q, k, v))
+                q = F.pad(q, (0, 0, 0, mask.flex_pad))
+            if kv_pad:
+                k, v = F.pad(k, (0, 0, 0, kv_pad)), F.pad(v, (0, 0, 0, kv_pad))
             y = _flex(q, k, v, mask.block_mask)
             y = y[:, :, :T]  # (B, nh, T, hd)
         elif mask.kind == "causal":
@@ -178,8 +223,8 @@ class Attention(nn.Module):
         else:
             # CUDA kernels fall back to math for GQA with a mask: expand the kv heads instead.
             rep = nh // nkv
-            k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
-            v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+            k = k[:, :, None].expand(B, nkv, rep, S, hd).reshape(B, nh, S, hd)
+            v = v[:, :, None].expand(B, nkv, rep, S, hd).reshape(B, nh, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
         y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, H / tp)
         return self.o(y)

@@ -51,7 +51,7 @@ def host_needs(spec, layout, nproc_per_node: int, *, threads: int = 1, vocab_siz
     """What one node of a stage (a TrainSpec on its `layout`) needs on the host (module docstring)."""
     cfg = model_config_of(spec, vocab_size)
     gpu = spec.gpu_memory_gb is not None or spec.device == "cuda"
-    state, largest = state_bytes(cfg, layout.tp, layout.shard)
+    state, largest = state_bytes(cfg, layout.tp, layout.fsdp)  # FSDP shards over DP x CP
     seq = spec.seq_len or cfg.max_seq_len
     prefetch = spec.loader.prefetch * spec.micro_batch * seq * 3 * 8
     staging = state if spec.async_checkpoint else largest

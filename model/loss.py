@@ -57,9 +57,12 @@ def linear_cross_entropy(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     z_loss: float = 0.0,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy (+ z-loss) of `hidden` (..., H) through the head `weight` (V, H) against
-    `labels` (...) (IGNORE_INDEX = no target); DTensor inputs of tensor parallelism are handled."""
+    `labels` (...) (IGNORE_INDEX = no target); DTensor inputs of tensor parallelism are handled.
+    `count`: the number of targets the sum is divided by (default: the valid targets of `labels`;
+    context parallelism passes its group's, so each rank computes its share of the group's mean)."""
     if chunk_tokens <= 0:
         raise ValueError(f"loss chunk_tokens must be positive, got {chunk_tokens}")
     group, vocab_start = None, 0
@@ -85,7 +88,7 @@ def linear_cross_entropy(
     targets = labels.reshape(-1).to(flat.device)  # (N,)
     if targets.shape[0] != flat.shape[0]:
         raise ValueError(f"labels hold {targets.shape[0]} targets for {flat.shape[0]} hidden states")
-    return _LinearCrossEntropy.apply(flat, weight, targets, chunk_tokens, float(z_loss), group, vocab_start)
+    return _LinearCrossEntropy.apply(flat, weight, targets, chunk_tokens, float(z_loss), group, vocab_start, count)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -101,13 +104,13 @@ def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, z_loss, group, vocab_start):
+    def forward(ctx, hidden, weight, targets, chunk, z_loss, group, vocab_start, count=None):
         dtype = _compute_dtype(hidden.device, hidden.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # no copy unless autocast changes the dtype
             valid = targets != IGNORE_INDEX
-            count = valid.sum().to(torch.float32)
+            count = valid.sum().to(torch.float32) if count is None else count.to(torch.float32)
             grad_h = torch.empty_like(hidden) if need_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -148,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_out.to(torch.float32)).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _chunk_softmax(h, w, t, v, group, vocab_start):

@@ -7,7 +7,12 @@ training steps (benchmarks/memory_check.py; docs/model.md has the error table).
 
 Notation: b micro-batch, s sequence, h hidden, kv = KV heads x head dim, i SwiGLU width, V
 vocabulary, t tensor-parallel degree, a bytes per activation element (4 fp32 on CPU, 2 under bf16
-mixed precision on GPU).
+mixed precision on GPU). Under context parallelism (cp > 1, model/context_parallel.py) s below is
+the rank's share of the sequence, seq_len / cp, except for what the all-gather makes whole: the
+gathered keys and values attention keeps for backward (2 a b seq_len kv / t per block, instead of
+the local ones), their gradients before the reduce-scatter in backward (as much again, transient)
+and the key dimension of the dense CPU mask (b, 1, s, seq_len); the model state is sharded over
+DP x CP ranks (`Layout.fsdp`).
 
 Per block, kept for backward (`activation_checkpointing: none`):
 - each RMSNorm: its input in fp32 (the block's input itself when a = 4, a copy otherwise; b s/t h
@@ -74,6 +79,12 @@ class StepShape:
     doc_masking: bool = True  # CPU: a dense (b, 1, s, s) mask; CUDA: FlexAttention
     loss_chunk_tokens: int = 1024
     wrapped: bool = True  # FSDP2 (always on GPU; on CPU from 2 ranks): gathered copies exist
+    cp: int = 1  # context parallelism: this rank holds seq_len / cp tokens and gathers K/V of all
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence on this rank (all of them without context parallelism)."""
+        return self.seq_len // self.cp
 
     @property
     def act_bytes(self) -> int:
@@ -131,12 +142,12 @@ def state_bytes(cfg: ModelConfig, tp: int, shard: int) -> tuple[float, float]:
 def layer_bytes(x: StepShape, mode: str) -> float:
     """Bytes one block keeps for backward in `mode` (module docstring)."""
     cfg, a, t = x.cfg, x.act_bytes, x.tp
-    b, s, h = x.micro_batch, x.seq_len, cfg.hidden_size
+    b, s, h = x.micro_batch, x.local_seq, cfg.hidden_size
     kv, i, heads = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.num_heads
     local = b * s / t * h  # elements of the residual stream on this rank
     flex = x.device == "cuda" and x.doc_masking
     lse = 4 * b * heads / t * s
-    qkv = a * b * s * (h + 2 * kv) / t
+    qkv = a * b * (s * h + 2 * x.seq_len * kv) / t  # under CP: local q, gathered k and v
     out = a * b * s * h / t
     if mode == "full":
         return a * local
@@ -155,9 +166,9 @@ def _recompute_bytes(x: StepShape, mode: str) -> float:
     if mode == "full":
         return none
     cfg, a, t = x.cfg, x.act_bytes, x.tp
-    b, s = x.micro_batch, x.seq_len
+    b, s = x.micro_batch, x.local_seq
     kept = (
-        a * b * s * (cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim) / t
+        a * b * (s * cfg.hidden_size + 2 * x.seq_len * cfg.num_kv_heads * cfg.head_dim) / t
         + a * b * s * cfg.hidden_size / t
         + 4 * b * cfg.num_heads / t * s
         + 2 * a * b * s * cfg.intermediate_size / t
@@ -169,14 +180,16 @@ def _backward_transient(x: StepShape) -> float:
     """Gradients alive while one block's backward runs: the residual stream's (two), and the SwiGLU
     backward's (the product's gradient, then SiLU's and up's, then gate's)."""
     cfg, a, t = x.cfg, x.act_bytes, x.tp
-    b, s, h, i = x.micro_batch, x.seq_len, cfg.hidden_size, cfg.intermediate_size
-    return 2 * a * b * s / t * h + a * b * s * h + 3 * a * b * s * i / t
+    b, s, h, i = x.micro_batch, x.local_seq, cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    gathered = 2 * a * b * x.seq_len * kv / t if x.cp > 1 else 0.0  # K/V gradients before the reduce-scatter
+    return 2 * a * b * s / t * h + a * b * s * h + 3 * a * b * s * i / t + gathered
 
 
 def _loss_bytes(x: StepShape) -> tuple[float, float]:
     """(held from the loss's forward to its backward, the chunk's transient peak)."""
     cfg, a, t = x.cfg, x.act_bytes, x.tp
-    b, s, h, v = x.micro_batch, x.seq_len, cfg.hidden_size, cfg.vocab_size
+    b, s, h, v = x.micro_batch, x.local_seq, cfg.hidden_size, cfg.vocab_size
     held = a * b * s * h + 4 * v * h / t  # hidden-state gradient, fp32 head gradient
     rows = min(x.loss_chunk_tokens, b * s)
     chunk = rows * v / t * (4 + (2 * a if a == 2 else 0))  # fp32 logits (+ bf16 output, bf16 gradient)
@@ -206,10 +219,10 @@ def estimate(x: StepShape, mode: str) -> MemoryEstimate:
     else:  # CPU keeps every gathered block until backward
         gathered_fwd = gathered_bwd = 4 * per_rank
     accum_grads = 4 * per_rank if x.accum > 1 else 0.0
-    b, s, h = x.micro_batch, x.seq_len, cfg.hidden_size
+    b, s, h = x.micro_batch, x.local_seq, cfg.hidden_size
     layers = cfg.num_layers * layer_bytes(x, mode)
     final_norm = (4 + a) * b * s / x.tp * h + a * b * s * h
-    mask = a * b * s * s if (x.doc_masking and not gpu) else 0.0
+    mask = a * b * s * x.seq_len if ((x.doc_masking or x.cp > 1) and not gpu) else 0.0
     rope = 2 * a * (b if x.doc_masking else 1) * s * cfg.head_dim
     buffers = mask + rope
     held, chunk = _loss_bytes(x)
@@ -264,7 +277,8 @@ def step_shape(spec, cfg: ModelConfig, layout, device: str) -> StepShape:
         micro_batch=spec.micro_batch,
         accum=accum,
         tp=layout.tp,
-        shard=layout.shard if wrapped else 1,
+        shard=layout.fsdp if wrapped else 1,
+        cp=layout.cp,
         device=device,
         precision=spec.precision,
         doc_masking=spec.doc_masking,
@@ -320,10 +334,12 @@ def model_config_of(spec, vocab_size: int | None = None) -> ModelConfig:
 def stage_estimate(spec, layout, vocab_size: int | None = None, device: str = "cuda") -> MemoryEstimate:
     """The prediction for one recipe stage on its layout: what `smollm3 plan` shows and the recipe
     check enforces (with "auto" resolved against the spec's declared GPU memory)."""
-    from model.layout import check_tensor_parallel
+    from model.layout import check_context_parallel, check_tensor_parallel
 
     cfg = model_config_of(spec, vocab_size)
-    check_tensor_parallel(cfg, layout.tp, spec.seq_len or cfg.max_seq_len)
+    seq = spec.seq_len or cfg.max_seq_len
+    check_tensor_parallel(cfg, layout.tp, seq // layout.cp)
+    check_context_parallel(layout.cp, layout.tp, seq)
     return resolve_checkpointing(spec, step_shape(spec, cfg, layout, device))
 
 

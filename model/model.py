@@ -20,7 +20,9 @@ With labels the loss is the chunked linear cross-entropy of model/loss.py, which
 whole (B, T, V) logits, and `logits` is None unless `return_logits=True` asks for them too.
 
 How it runs, set by the trainer and never part of the state dict: `activation_checkpointing`
-("none" | "selective" | "full", model/recompute.py) and `loss_chunk_tokens`; tensor parallelism
+("none" | "selective" | "full", model/recompute.py), `loss_chunk_tokens` and `context_parallel`
+(model/context_parallel.py: each rank of a CP group takes its load-balanced share of the
+sequence, all-gathers keys and values, and the loss is the group's mean); tensor parallelism
 (model/parallel.py) shards the blocks in place, which is why attention reads its head counts from
 the tensors it is given.
 """
@@ -86,6 +88,7 @@ class SmolLM3(nn.Module):
         inv_freq, self.rope_scale = rope_tables(cfg)  # rope_scale: YaRN's cos/sin factor, else 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.loss_chunk_tokens = DEFAULT_CHUNK_TOKENS  # logits rows alive at once in the loss
+        self.context_parallel = None  # model/context_parallel.py ContextParallel: set by the trainer
         self.init_weights()
 
     def set_activation_checkpointing(self, mode: str) -> None:
@@ -128,18 +131,31 @@ class SmolLM3(nn.Module):
             positions = torch.arange(T, device=input_ids.device)[None]  # (1, T), broadcast over B
         else:
             positions = positions_from_doc_ids(doc_ids)  # (B, T)
+        cp = self.context_parallel
+        if cp is not None:  # this CP rank's tokens, at their global positions (model/context_parallel.py)
+            if doc_ids is None:  # plain causal attention: one document, positions 0..T-1
+                doc_ids = torch.zeros_like(input_ids)
+            local = cp.local_index(T, input_ids.device)  # (T / cp,)
+            input_ids, positions = input_ids[:, local], positions[:, local]
+            labels = labels[:, local] if labels is not None else None
         x = self.embed(input_ids)  # (B, T, H); (B, T/tp, H) under sequence parallelism
         # One additive mask for every layer, made here (outside any checkpointed block): SDPA
         # would otherwise convert the bool mask into a (B, 1, T, T) float copy in every layer.
-        mask = build_attention_mask(doc_ids, self.attention_backend).for_dtype(_compute_dtype(x))
+        mask = build_attention_mask(doc_ids, self.attention_backend, cp).for_dtype(_compute_dtype(x))
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)  # (B or 1, 1, T, hd) each
         for block in self.layers:
             x = block(x, cos, sin, mask)  # (B, T, H)
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         loss = None
-        if labels is not None:
+        if labels is not None and cp is None:
             loss = linear_cross_entropy(x, head, labels, chunk_tokens=self.loss_chunk_tokens, z_loss=self.config.z_loss)
+        elif labels is not None:  # the mean over the CP group's targets, on every CP rank
+            count = cp.count((labels != IGNORE_INDEX).sum().float())
+            share = linear_cross_entropy(
+                x, head, labels, chunk_tokens=self.loss_chunk_tokens, z_loss=self.config.z_loss, count=count
+            )
+            loss = cp.sum(share)
         logits = self.logits(x, head) if labels is None or return_logits else None
         return CausalLMOutput(logits, loss)
 

@@ -2,10 +2,15 @@
 parallelism, FSDP2 (or HSDP) and its mixed precision, as torchtitan's `parallelize_llama` does.
 
 Layout (model/layout.py `Layout`, torch-free so recipe checks can use it): world = data-parallel
-size x `tp`. Ranks are laid out (replicate, shard, tp)
+size x `cp` x `tp`. Ranks are laid out (replicate, shard, cp, tp)
 row-major, so the `tp` ranks of a group are consecutive: inside one node, where tensor
-parallelism's per-layer collectives belong. Each TP group reads the same batch, so the data loader
-and the global batch's divisibility see the DP size only (`dp_rank`, `Layout.dp`).
+parallelism's per-layer collectives belong. Each CP x TP block reads the same batch, so the data
+loader and the global batch's divisibility see the DP size only (`dp_rank`, `Layout.dp`).
+
+- Context parallelism (`cp` > 1, model/context_parallel.py): each CP rank takes a load-balanced
+  share of every sequence and all-gathers keys and values over the mesh's `cp` dimension; FSDP
+  shards over `dp_shard` x `cp` flattened (`dp_shard_cp`), as torchtitan does. It composes with TP
+  (the CP share of the sequence is what sequence parallelism splits further) and HSDP.
 
 - Tensor parallelism (`tp` > 1), DTensor's Megatron plan with sequence parallelism: q, k, v, gate
   and up are column-parallel (each rank holds its heads and its slice of the SwiGLU width), o and
@@ -36,6 +41,8 @@ other (tests/trainers/test_parallel.py).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -43,16 +50,29 @@ from model.layout import Layout
 
 
 def build_mesh(layout: Layout, device_type: str, sharded: bool):
-    """The (dp_replicate, dp_shard, tp) device mesh, or None when nothing is distributed."""
+    """The (dp_replicate, dp_shard, cp, tp) device mesh, or None when nothing is distributed;
+    with CP, `dp_shard` and `cp` are also flattened into `dp_shard_cp`, FSDP's shard dimension."""
     if not sharded:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type,
-        (layout.replicate, layout.shard, layout.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        (layout.replicate, layout.shard, layout.cp, layout.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
     )
+    if layout.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def context_parallel(layout: Layout, mesh):
+    """This rank's CP group (model/context_parallel.py), or None without context parallelism."""
+    if mesh is None or layout.cp == 1:
+        return None
+    from model.context_parallel import ContextParallel
+
+    return ContextParallel.of(mesh["cp"].get_group())
 
 
 def is_sharded(layout: Layout, device: torch.device) -> bool:
@@ -128,5 +148,11 @@ def parallelize(model: nn.Module, layout: Layout, mesh, device: torch.device, pr
         compile_fn(model)
     if mesh is None:
         return
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.replicate > 1 else mesh["dp_shard"]
+    # The CP ranks of a replica hold the same weights: FSDP shards over them too, and its
+    # reduce-scatter averages over DP x CP ranks. Each CP rank's gradient is cp x its share of the
+    # sequence's (the loss's all-reduce backward, model/context_parallel.py), so that average is CP 1's.
+    shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    with warnings.catch_warnings():  # torch 2.13 says slicing a flattened dimension will change
+        warnings.filterwarnings("ignore", "Slicing a flattened dim")
+        dp_mesh = mesh["dp_replicate", shard] if layout.replicate > 1 else mesh[shard]
     apply_fsdp(model, dp_mesh, mixed_precision(device, precision), reshard_after_forward=device.type == "cuda")

@@ -12,7 +12,7 @@ mapping back from `spec.json` (an anneal reads a stage's spec with `TrainSpec.lo
 
 Fields marked operational (`pipeline.artifact.operational`) say how a stage runs (checkpoint and
 log intervals, threads, micro-batching, the data loader's open shards and prefetch, the MFU peak, activation checkpointing, the loss chunk,
-tensor parallelism and HSDP, asynchronous checkpoint writes, the hang watchdog, flag thresholds,
+tensor and context parallelism and HSDP, asynchronous checkpoint writes, the hang watchdog, flag thresholds,
 NaN recovery, the tracker): they never enter a fingerprint, since they change memory, speed,
 floating-point summation order or what is watched, never what is computed. `skip_spikes` changes
 the weights, so it is identity, but added after fingerprints were published
@@ -191,6 +191,9 @@ class TrainSettings(_Spec):
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = operational("none")
     loss_chunk_tokens: int = operational(1024, gt=0)  # logits rows alive at once in the loss (model/loss.py)
     tp: int = operational(1, gt=0)  # tensor-parallel degree inside a node (model/parallel.py)
+    cp: int = operational(
+        1, gt=0
+    )  # context-parallel degree: ranks each sequence is split over (model/context_parallel.py)
     hsdp: bool = operational(False)  # shard inside a node, replicate across nodes (multi-node runs)
     async_checkpoint: bool = operational(False)  # DCP async_save: training goes on while shards are written
     gpu_memory_gb: float | None = operational(None, gt=0)  # declared memory per GPU (GB; H100: 80): stages must fit it

@@ -93,11 +93,16 @@ class TrainingConfig(TrainSettings):
     def _batch_divides(self) -> TrainingConfig:
         if self.nproc_per_node % self.tp:
             raise ValueError(f"tp {self.tp} must divide nproc_per_node {self.nproc_per_node} (TP stays in a node)")
-        per_step = self.micro_batch * self.nproc_per_node // self.tp
-        if self.global_batch % per_step:
+        if self.nproc_per_node % (self.tp * self.cp):
             raise ValueError(
-                f"global_batch {self.global_batch} must be a multiple of micro_batch x "
-                f"nproc_per_node / tp = {self.micro_batch} x {self.nproc_per_node} / {self.tp}"
+                f"cp {self.cp} x tp {self.tp} must divide nproc_per_node {self.nproc_per_node} (CP stays in a node)"
+            )
+        per_step = self.micro_batch * self.nproc_per_node // (self.tp * self.cp)
+        if self.global_batch % per_step:
+            per_model = "tp" if self.cp == 1 else "(tp x cp)"
+            raise ValueError(
+                f"global_batch {self.global_batch} must be a multiple of micro_batch x nproc_per_node / "
+                f"{per_model} = {self.micro_batch} x {self.nproc_per_node} / {self.tp * self.cp}"
             )
         self.model_shape()  # unknown presets and bad overrides fail at load time, naming them
         return self
@@ -141,7 +146,8 @@ class StageSpec(BaseModel):
         from model.layout import plan_layout
 
         nodes = self.nodes or self.launch.nodes
-        return plan_layout(nodes * self.nproc_per_node, self.nproc_per_node, tp or self.spec.tp, self.spec.hsdp)
+        procs = self.nproc_per_node
+        return plan_layout(nodes * procs, procs, tp or self.spec.tp, self.spec.hsdp, self.spec.cp)
 
     def memory(self, vocab_size: int | None = None):
         """Predicted peak per rank (model/memory.py) on the stage's layout, on GPU when it trains

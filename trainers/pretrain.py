@@ -4,7 +4,8 @@ One launch trains one stage as described by a `TrainSpec`:
 - ranks: NCCL on GPU, gloo on CPU; without torchrun a single-process gloo group, so
   collectives and DCP checkpointing run the same code at every world size;
 - model: built and initialised identically on every rank from `spec.seed`, then laid out by
-  model/parallel.py: tensor parallelism over `spec.tp` ranks of a node, FSDP2 (HSDP with
+  model/parallel.py: tensor parallelism over `spec.tp` ranks of a node, context parallelism over
+  `spec.cp` (each rank a load-balanced share of every sequence), FSDP2 (HSDP with
   `spec.hsdp`) over the data-parallel ranks, so the initial weights do not depend on the layout;
   `spec.precision` "auto" = FSDP2 mixed precision on GPU (bf16 compute, fp32 reduction and master
   weights), fp32 on CPU ("bf16" on CPU: bf16 autocast); `spec.compile_model` compiles each block in
@@ -12,8 +13,8 @@ One launch trains one stage as described by a `TrainSpec`:
   what `spec.activation_checkpointing` says (model/recompute.py; "auto" picks the lightest mode
   whose predicted peak fits the GPU, model/memory.py), and the loss is chunked
   (`spec.loss_chunk_tokens`, model/loss.py);
-- data: `MixtureLoader` with global state, indexed by data-parallel rank (the ranks of one TP
-  group read the same rows), at most `spec.loader.open_shards` shards open and
+- data: `MixtureLoader` with global state, indexed by data-parallel rank (the ranks of one CP x TP
+  block read the same rows), at most `spec.loader.open_shards` shards open and
   `spec.loader.prefetch` micro-batches drawn ahead by a background thread; gradient accumulation over global_batch / (micro_batch x DP)
   micro-batches; document ids mask attention inside each packed document unless `spec.doc_masking`
   is False (plain causal attention, positions 0..T-1);
@@ -80,11 +81,11 @@ from infra.progress import duration
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
-from model.layout import check_tensor_parallel, plan_layout
+from model.layout import check_context_parallel, check_tensor_parallel, plan_layout
 from model.memory import DoesNotFit, does_not_fit, fitting_alternatives, resolve_checkpointing, step_shape
 from model.model import SmolLM3
 from model.optim import apply_hyperparameters, build_optimizer
-from model.parallel import build_mesh, is_sharded, parallelize
+from model.parallel import build_mesh, context_parallel, is_sharded, parallelize
 from model.schedule import lr_at
 from model.spec import TrainSpec, curve_path, curve_stride
 from model.token_shards import MixtureLoader, MixturePlan
@@ -200,7 +201,7 @@ def peak_memory_gib(device: torch.device) -> float | None:
 def lay_out(spec: TrainSpec, rt: Runtime):
     """The launch's layout (model/parallel.py) and its device mesh (None when nothing is sharded)."""
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
-    layout = plan_layout(rt.world_size, procs, spec.tp, spec.hsdp)
+    layout = plan_layout(rt.world_size, procs, spec.tp, spec.hsdp, spec.cp)
     return layout, build_mesh(layout, rt.device.type, is_sharded(layout, rt.device))
 
 
@@ -218,7 +219,7 @@ def memory_plan(spec: TrainSpec, cfg: ModelConfig, layout, device: torch.device,
     if limit is not None and not est.fits(limit):
         procs = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         options = fitting_alternatives(
-            sized, lambda tp: plan_layout(world, procs, tp, spec.hsdp), cfg.vocab_size, limit
+            sized, lambda tp: plan_layout(world, procs, tp, spec.hsdp, spec.cp), cfg.vocab_size, limit
         )
         of = "the spec's gpu_memory_gb" if spec.gpu_memory_gb else f"this GPU's ({torch.cuda.get_device_name(device)})"
         raise DoesNotFit(does_not_fit(f"stage {spec.stage}", est, layout.describe(), limit, of, options))
@@ -480,16 +481,18 @@ def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
     if spec.global_batch % per_step_rows:
         raise ValueError(
             f"spec.global_batch={spec.global_batch} is not a multiple of micro_batch "
-            f"{spec.micro_batch} x data-parallel size {layout.dp} (world {rt.world_size} / tp {layout.tp})"
+            f"{spec.micro_batch} x data-parallel size {layout.dp} (world {rt.world_size} / tp {layout.tp} / cp {layout.cp})"
         )
     cfg = build_model_config(spec, plan, seq_len)
-    check_tensor_parallel(cfg, layout.tp, seq_len)
+    check_tensor_parallel(cfg, layout.tp, seq_len // layout.cp)
+    check_context_parallel(layout.cp, layout.tp, seq_len)
     memory = memory_plan(spec, cfg, layout, rt.device, seq_len, rt.world_size)
 
     model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
     model.init_weights(seed=spec.seed)
     model.set_activation_checkpointing(memory.mode)
     model.loss_chunk_tokens = spec.loss_chunk_tokens
+    model.context_parallel = context_parallel(layout, mesh)  # None without CP
     autocast = autocast_for(spec, rt.device)
     parallelize(model, layout, mesh, rt.device, spec.precision, compile_blocks if spec.compile_model else None)
     optimizer = build_optimizer(model, spec.optimizer)

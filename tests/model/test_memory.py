@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.memory import StepShape, choose, estimate, measured_step_peak
+from model.memory import StepShape, choose, estimate, layer_bytes, measured_step_peak
 from model.model import SmolLM3
 from model.optim import build_optimizer
 from model.spec import OptimizerConfig
@@ -59,6 +59,23 @@ def test_sharding_divides_the_state_and_tp_the_activations():
     tp1 = estimate(StepShape(cfg, 4096, 1, shard=8, tp=1), "none").parts["activations"]
     tp2 = estimate(StepShape(cfg, 4096, 1, shard=8, tp=2), "none").parts["activations"]
     assert 0.5 * tp1 < tp2 < 0.65 * tp1  # halved, but for the gathered inputs the projections keep
+
+
+def test_cp_divides_the_sequence_but_keeps_the_gathered_keys_and_values():
+    cfg = ModelConfig.smollm3_3b()
+    kv, a, seq = cfg.num_kv_heads * cfg.head_dim, 2, 32768
+    for mode in ("none", "selective"):
+        cp4 = layer_bytes(StepShape(cfg, seq, 1, tp=2, cp=4), mode)
+        quarter = layer_bytes(StepShape(cfg, seq // 4, 1, tp=2), mode)
+        # every local tensor is a quarter's, plus the whole K and V the all-gather makes
+        assert cp4 == pytest.approx(quarter + 2 * a * (seq - seq // 4) * kv / 2), mode
+    assert layer_bytes(StepShape(cfg, seq, 1, tp=2, cp=4), "full") == pytest.approx(
+        layer_bytes(StepShape(cfg, seq // 4, 1, tp=2), "full")
+    )
+    # The published 32k layout: TP 2 x CP 4, model state over the node's 4 CP ranks, fits 80 GB.
+    published = estimate(StepShape(cfg, seq, 1, accum=6, tp=2, cp=4, shard=4), "none")
+    without = estimate(StepShape(cfg, seq, 1, accum=6, tp=2, shard=4), "none")
+    assert published.fits(80) and not without.fits(80)
 
 
 def test_choose_takes_the_lightest_mode_that_fits_and_full_when_none_does():

@@ -73,6 +73,8 @@ OPERATIONAL = [
     "training.nproc_per_node=2 & training.tp=2",
     "stages.long1.activation_checkpointing=selective",
     "training.nproc_per_node=2 & stages.long1.tp=2",
+    "training.nproc_per_node=2 & training.cp=2",
+    "training.nproc_per_node=2 & stages.long1.cp=2",
     "stages.long1.nodes=1",
     # a stage's own operational settings (model/spec.py StageSettings)
     "stages.stage2.micro_batch=4",
