@@ -117,7 +117,7 @@ def test_capacity_recipe_prints_every_stage_and_plan_rows_carry_the_memory():
 
     rows = plan(load_recipe("smollm3-3b", ["workspace=/nonexistent-smollm3-plan"]))
     pretrain = [r for r in rows if r.step == "pretrain"]
-    assert len(pretrain) == 5
+    assert len(pretrain) == 6  # stages 1-3, the two long-context stages and the reasoning stage
     for r in pretrain:
         assert "peak " in r.launch and "of 80 GB" in r.launch and "checkpointing " in r.launch, r.launch
     assert "slurm, 12 nodes x 8 processes" in {r.label: r.launch for r in pretrain}["long64k"]
