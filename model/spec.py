@@ -107,6 +107,9 @@ class WatchdogConfig(_Spec):
     grace_s: float = Field(
         default=30.0, ge=0
     )  # step side: after a hang is known, wait this long for the launch to end, then end it
+    # step side: polls in a row (each on time: the step's own process ran) a rank must be seen
+    # silent or idle past its bound before it is reported (a late heartbeat on a loaded host is not)
+    confirm: int = Field(default=2, ge=1)
 
 
 class MonitorConfig(_Spec):
@@ -125,6 +128,7 @@ class MonitorConfig(_Spec):
     reference_skip: int = Field(default=5, ge=0)  # first steps of a stage left out of the reference (warm-up)
     reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the reference
     window: int = Field(default=5, ge=1)  # metrics lines a flag is decided over (one noisy line is no flag)
+    confirm: int = Field(default=3, ge=1)  # lines in a row a rule must hold before a flag is raised or cleared
 
 
 class SpikeSkipConfig(_Spec):
