@@ -7,21 +7,34 @@ hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
 - Stragglers. In synchronous data parallelism every rank's step takes as long as the slowest
   rank's, so step times name nobody. What differs is the work a rank does without waiting for any
   other: loading its batches and applying its optimizer update (timed in `local()`: host time for
-  the loader, CUDA events for the update, read only at the metrics line, so nothing blocks in a
-  step). Every metrics line the ranks all-gather those seconds and their step seconds (three
-  floats each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank
-  and its host), and the full per-rank list only while a rank is flagged;
-  rank 0 names a rank whose local seconds per step, over the last `monitor.window` lines, exceed
-  the median of the other ranks' by `monitor.straggler_margin` (and by at least
-  `straggler_min_share` of a step at the stage's reference pace: the straggler lengthens the
-  step it is measured against), with its host. A rank slow only inside forward and backward
-  (whose collectives make everyone wait alike) shows as a throughput drop, not by name.
-- Throughput drops. The stage's reference is the median tokens/s over `reference_steps` steps
-  after the first `reference_skip` of the first launch that trains them; it is kept in
-  `monitor/throughput.json`, so a resumed launch a day later compares with the first hour.
-  Tokens/s over the last `window` metrics lines below `throughput_fraction` of it is flagged, with
-  the step where the fall began (the window's first line below); it counts as recovered half-way
-  back to the reference. A straggler is likewise cleared only at half its margin.
+  the loader, net of the time the rank's thread waited for a CPU that other processes held
+  (`run_delay`; a CPU quota's throttling stays in: that is the rank's own slowness), CUDA events
+  for the update, read only at the metrics line, so nothing blocks in a step). Every metrics
+  line the ranks all-gather those seconds, their step seconds and their CPU wait (four floats
+  each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank and
+  its host), and the full per-rank list only while a rank is flagged;
+  rank 0 names a rank whose local seconds per step (the median over the last `monitor.window`
+  lines: the few lines a loaded machine still slows on one rank name nobody) exceed the median
+  of the other ranks' by `monitor.straggler_margin` (and by at least `straggler_min_share` of a
+  step at the reference pace: the straggler lengthens the step it is measured against), with
+  its host, once that has held on `confirm` metrics lines in a row. A rank slow only inside
+  forward and backward (whose collectives make everyone wait alike) shows as a throughput drop,
+  not by name.
+- Throughput drops. Each launch measures its own reference after its own warm-up: the median
+  tokens/s over `reference_steps` steps after its first `reference_skip` (its first batches,
+  allocations, compilation are judged by nothing), with the CPU wait per step its ranks met
+  meanwhile. The stage's first launch's reference is kept in `monitor/throughput.json` and
+  reported (`perf/throughput_vs_reference`; a later launch's reference says what share of it it
+  runs at), but a launch is judged against its own: a resume on a busier machine is no drop.
+  The machine's pace: a step at the reference pace plus the CPU wait per step the median rank
+  meets beyond what it met while the reference was measured (a machine loaded from outside
+  makes every rank wait; one rank throttled alone does not move the median). Tokens/s over the
+  last `window` metrics lines below `throughput_fraction` of the reference at that pace, on
+  `confirm` lines in a row, is flagged with the step where the fall began (the window's first
+  line below); it counts as recovered half-way back, on `confirm` lines in a row too. A
+  straggler is likewise cleared only at half its margin. A slowdown every rank meets in its own
+  CPU wait (a loaded host) is the machine's pace, not a drop (`perf/machine_pace`); one that no
+  CPU wait explains (a rank's slower compute, the network, a quota, the file system) is.
 - Loss spikes (`skip_spikes`, off by default): OLMo-core's skip-step rule (`SpikeRule`); the
   rolling history is checkpointed, so a resumed stage skips exactly what an uninterrupted one does.
 - Non-finite values: `nonfinite()` writes `monitor/nonfinite.json` (the failing step, the
