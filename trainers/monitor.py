@@ -265,7 +265,7 @@ class SpeedChecks:
         self.config, self.hosts, self.tokens_per_step = config, hosts, tokens_per_step
         self.reference = reference  # the stage's, its first launch's: {"tokens_per_s", "delay_s", "from_step", ...}
         self.launch: dict[str, Any] | None = None  # this launch's own, measured after its warm-up
-        self.samples: list[tuple[float, float]] = []  # (tokens/s, CPU wait s/step) of lines while it is measured
+        self.samples: list[tuple[float, float, float]] = []  # (tokens/s, CPU wait, own work s/step) while measured
         self.launch_start: int | None = None
         self.lines: deque[_Line] = deque(maxlen=config.window)  # after the launch's warm-up
         self.slow: set[int] = set()  # ranks named and not cleared
@@ -300,30 +300,40 @@ class SpeedChecks:
 
     @staticmethod
     def _wait(lines: list[_Line]) -> float:
-        """The machine's CPU wait per step over `lines`: the median rank's (one rank throttled
-        alone is no load of the machine's)."""
+        """The CPU wait per step over `lines` of the rank that waited most (the others wait for it
+        in every collective); the wait excludes quota throttling, so a throttled rank's is its load's."""
         steps = sum(line.steps for line in lines)
-        per_rank = [sum(line.delay[r] * line.steps for line in lines) / steps for r in range(len(lines[0].delay))]
-        return statistics.median(per_rank)
+        return max(sum(line.delay[r] * line.steps for line in lines) / steps for r in range(len(lines[0].delay)))
+
+    @staticmethod
+    def _own(lines: list[_Line]) -> float:
+        """The machine's speed at a rank's own work: the fastest rank's median seconds per step of
+        it over `lines` (a CPU shared with a busy sibling thread or a slower clock slows every
+        rank's; one rank throttled alone does not slow the fastest)."""
+        return min(statistics.median(line.local[r] for line in lines) for r in range(len(lines[0].local)))
 
     def _paced_step(self, reference: dict[str, Any] | None, lines: list[_Line]) -> float | None:
-        """Seconds a step takes at `reference`'s pace on the machine as loaded now: its step plus
-        the CPU wait per step the ranks meet beyond what they met while it was measured."""
+        """Seconds a step takes at `reference`'s pace on the machine as it runs now: its step,
+        longer by as much as the fastest rank's own work is slower than then, plus the CPU wait
+        per step beyond what the ranks met while it was measured."""
         if reference is None or not reference.get("tokens_per_s"):
             return None
         extra = max(0.0, self._wait(lines) - float(reference.get("delay_s") or 0.0))
-        return self.tokens_per_step / reference["tokens_per_s"] + extra
+        then = float(reference.get("local_s") or 0.0)
+        slower = max(1.0, self._own(lines) / then) if then > 0 else 1.0
+        return self.tokens_per_step / reference["tokens_per_s"] * slower + extra
 
     def _measure(self, events: Events) -> None:
         c, line = self.config, self.lines[-1]
-        self.samples.append((self.tokens_per_step * line.steps / line.seconds, self._wait([line])))
+        self.samples.append((self.tokens_per_step * line.steps / line.seconds, self._wait([line]), self._own([line])))
         start = self.launch_start + c.reference_skip
         if line.end < start + c.reference_steps - 1:
             return
-        rate = statistics.median(r for r, _ in self.samples)
+        rate = statistics.median(r for r, _, _ in self.samples)
         self.launch = {
             "tokens_per_s": rate,
-            "delay_s": statistics.median(d for _, d in self.samples),
+            "delay_s": statistics.median(d for _, d, _ in self.samples),
+            "local_s": statistics.median(o for _, _, o in self.samples),
             "from_step": start,
             "to_step": line.end,
         }
