@@ -26,15 +26,17 @@ hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
   meanwhile. The stage's first launch's reference is kept in `monitor/throughput.json` and
   reported (`perf/throughput_vs_reference`; a later launch's reference says what share of it it
   runs at), but a launch is judged against its own: a resume on a busier machine is no drop.
-  The machine's pace: a step at the reference pace plus the CPU wait per step the median rank
-  meets beyond what it met while the reference was measured (a machine loaded from outside
-  makes every rank wait; one rank throttled alone does not move the median). Tokens/s over the
+  The machine's pace: a step at the reference pace, longer by as much as the fastest rank's own
+  work is slower than while the reference was measured (a CPU slower at everything), plus the
+  CPU wait per step of the rank that waits most beyond what it waited then (a machine loaded
+  from outside; a quota's throttling is no wait, and one rank throttled alone does not slow the
+  fastest rank's own work). Tokens/s over the
   last `window` metrics lines below `throughput_fraction` of the reference at that pace, on
   `confirm` lines in a row, is flagged with the step where the fall began (the window's first
   line below); it counts as recovered half-way back, on `confirm` lines in a row too. A
-  straggler is likewise cleared only at half its margin. A slowdown every rank meets in its own
-  CPU wait (a loaded host) is the machine's pace, not a drop (`perf/machine_pace`); one that no
-  CPU wait explains (a rank's slower compute, the network, a quota, the file system) is.
+  straggler is likewise cleared only at half its margin. A slowdown every rank meets (CPU wait on a
+  loaded host, a slower CPU) is the machine's pace, not a drop (`perf/machine_pace`); one that
+  neither explains (one rank's slower compute, the network, a quota, the file system) is.
 - Loss spikes (`skip_spikes`, off by default): OLMo-core's skip-step rule (`SpikeRule`); the
   rolling history is checkpointed, so a resumed stage skips exactly what an uninterrupted one does.
 - Non-finite values: `nonfinite()` writes `monitor/nonfinite.json` (the failing step, the
