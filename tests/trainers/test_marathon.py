@@ -276,7 +276,7 @@ SLOWED_MONITOR = {
 def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_first_step(tmp_path):
     """Rank 1 slowed from outside after step 12 (a CPU quota: 1 ms of every 8): rank 0 names rank 1
     and its host as a straggler (never rank 0 once it is slowed), and flags the fall of tokens/s
-    below 70% of the reference of steps 3..10 with the step where it began; lineage rows and
+    below 70% of the reference of steps 3..10 (at the machine's pace) with the step where it began; lineage rows and
     task-log warnings.
 
     On a loaded machine the cores make stragglers and drops of their own before the throttle
@@ -336,7 +336,9 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
         rate = len(fell) / sum(1 / m["tokens_per_s"] for m in fell)  # one step's tokens each
         assert rate < drops[0]["threshold"], why
     reference = next(e for e in flags if e["kind"] == "throughput_reference")
-    assert reference["step"] <= 12 and drops[0]["threshold"] == pytest.approx(0.7 * reference["value"])
+    # 70% of the launch's reference at the machine's pace (1: as fast as while it was measured)
+    assert reference["step"] <= 12 and 0 < drops[0]["pace"] <= 1
+    assert drops[0]["threshold"] == pytest.approx(0.7 * reference["value"] * drops[0]["pace"])
     text = "\n".join(lines)
     assert f"WARNING: stage1: straggler: rank 1 on {socket.gethostname()}" in text
     assert "WARNING: stage1: throughput drop:" in text and f"since step {drops[0]['began_at']}" in text
