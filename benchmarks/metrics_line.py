@@ -53,7 +53,7 @@ def main() -> None:
     record |= {"skipped": False, "skipped_steps": 0}
     local = [0.0123456789 + (r % 7) * 1.3e-4 + (0.02 if r == 17 else 0.0) for r in range(RANKS)]
     table = torch.tensor([[x * 10, 4.4, 10.0] for x in local], dtype=torch.float64)
-    config = MonitorConfig(window=3, reference_skip=0, reference_steps=1)
+    config = MonitorConfig(window=3, reference_skip=0, reference_steps=1, confirm=1)
     with tempfile.TemporaryDirectory() as tmp:
         checks = SpeedChecks(config, hosts, 576 * 4096, None)
         for line in range(3):

@@ -107,11 +107,15 @@ class WatchdogConfig(_Spec):
     grace_s: float = Field(
         default=30.0, ge=0
     )  # step side: after a hang is known, wait this long for the launch to end, then end it
+    # step side: polls in a row (each on time: the step's own process ran) a rank must be seen
+    # silent or idle past its bound before it is reported (a late heartbeat on a loaded host is not)
+    confirm: int = Field(default=2, ge=1)
 
 
 class MonitorConfig(_Spec):
     """Stragglers and throughput drops (trainers/monitor.py), checked at every metrics line over
-    the last `window` lines."""
+    the last `window` lines, each launch against its own warm-up and the machine's pace; a flag
+    is raised (and cleared) only when its rule held on `confirm` lines in a row."""
 
     # A rank whose own work (data loading and optimizer update: the parts of a step that wait for
     # no other rank) takes this fraction longer than the median of the other ranks' is named.
@@ -119,12 +123,13 @@ class MonitorConfig(_Spec):
     # ...and only when that excess is at least this share of a step at the stage's reference pace
     # (noise in tiny sections; the measured step is lengthened by the straggler itself).
     straggler_min_share: float = Field(default=0.01, ge=0)
-    # tokens/s (over the window) below this fraction of the stage's early reference is a drop;
-    # recovered at half-way back to the reference
+    # tokens/s (over the window) below this fraction of the launch's own reference, at the
+    # machine's pace now (its CPU wait), is a drop; recovered at half-way back to it
     throughput_fraction: float = Field(default=0.7, gt=0, lt=1)
-    reference_skip: int = Field(default=5, ge=0)  # first steps of a stage left out of the reference (warm-up)
-    reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the reference
+    reference_skip: int = Field(default=5, ge=0)  # first steps of each launch judged by nothing (warm-up)
+    reference_steps: int = Field(default=50, ge=1)  # steps after those whose median tokens/s is the launch's reference
     window: int = Field(default=5, ge=1)  # metrics lines a flag is decided over (one noisy line is no flag)
+    confirm: int = Field(default=3, ge=1)  # lines in a row a rule must hold before a flag is raised or cleared
 
 
 class SpikeSkipConfig(_Spec):

@@ -48,6 +48,7 @@ from trainers.monitor import (
     SpikeRule,
     memory_scalars,
     rank_summary,
+    run_delay,
 )
 from trainers.tracker import Tracker, open_tracker, run_name
 from trainers.watchdog import Watchdog
@@ -199,7 +200,9 @@ class SpeedMonitor(Callback):
     """Stragglers and throughput drops (trainers/monitor.py `SpeedChecks`): each rank times the
     work it does without waiting for any other (`local()`: data loading on the host clock, the
     optimizer update with CUDA events on a GPU, so the step never waits for the device to time
-    it); every metrics line the ranks all-gather those seconds and rank 0 checks them. The line
+    it), and the seconds its training thread waited for a CPU (`run_delay`: the machine's load,
+    which the throughput rule allows for); every metrics line the ranks all-gather those seconds
+    and rank 0 checks them. The line
     records their summary (`rank_local`: min, median, max, slowest rank and host) and the full
     per-rank list (`rank_local_s`) only while a rank is flagged as a straggler."""
 
@@ -207,7 +210,8 @@ class SpeedMonitor(Callback):
         self.config = config
         self.checks: SpeedChecks | None = None  # rank 0's
         self.hosts = [socket.gethostname()]
-        self._sums = torch.zeros(3, dtype=torch.float64)  # [local s, step s, steps] since the last line
+        self._sums = torch.zeros(4, dtype=torch.float64)  # [local s, step s, steps, CPU wait s] since the last line
+        self._waited = 0.0  # the training thread's CPU wait (run_delay) at the last line
         self._local = 0.0
         self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs since the last line
         self._line_start = 1
@@ -215,6 +219,7 @@ class SpeedMonitor(Callback):
     def pre_train(self, run: RunInfo) -> None:
         self.run = run
         self._line_start = run.start_step + 1
+        self._waited = run_delay()
         if run.world_size > 1:
             hosts: list[Any] = [None] * run.world_size
             dist.all_gather_object(hosts, socket.gethostname())
@@ -250,14 +255,16 @@ class SpeedMonitor(Callback):
                 end.record()
                 self._events.append((start, end))
             return
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), run_delay()
         try:
             yield
         finally:
-            self._local += time.perf_counter() - t0
+            # net of the time the thread waited for a CPU others held: a loaded machine preempts a
+            # 2 ms section for 10-20 ms on any rank now and then (a CPU quota's throttling stays in)
+            self._local += max(0.0, time.perf_counter() - t0 - (run_delay() - waited))
 
     def post_step(self, step: int, seconds: float) -> None:
-        self._sums += torch.tensor([self._local, seconds, 1.0], dtype=torch.float64)
+        self._sums += torch.tensor([self._local, seconds, 1.0, 0.0], dtype=torch.float64)
 
     def _device_seconds(self) -> float:
         """The GPU time of the timed updates since the last line (waits for the last one only)."""
@@ -271,6 +278,8 @@ class SpeedMonitor(Callback):
     def metrics(self, step: int, fields: dict[str, Any], scalars: dict[str, Any]) -> None:
         world = self.run.world_size
         self._sums[0] += self._device_seconds()
+        waited, self._waited = self._waited, run_delay()  # the machine's load as this rank met it
+        self._sums[3] = max(0.0, self._waited - waited)
         if world > 1:
             mine = self._sums.to(device=self.run.device, dtype=torch.float32)
             gathered = [torch.zeros_like(mine) for _ in range(world)]

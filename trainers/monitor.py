@@ -7,21 +7,36 @@ hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
 - Stragglers. In synchronous data parallelism every rank's step takes as long as the slowest
   rank's, so step times name nobody. What differs is the work a rank does without waiting for any
   other: loading its batches and applying its optimizer update (timed in `local()`: host time for
-  the loader, CUDA events for the update, read only at the metrics line, so nothing blocks in a
-  step). Every metrics line the ranks all-gather those seconds and their step seconds (three
-  floats each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank
-  and its host), and the full per-rank list only while a rank is flagged;
-  rank 0 names a rank whose local seconds per step, over the last `monitor.window` lines, exceed
-  the median of the other ranks' by `monitor.straggler_margin` (and by at least
-  `straggler_min_share` of a step at the stage's reference pace: the straggler lengthens the
-  step it is measured against), with its host. A rank slow only inside forward and backward
-  (whose collectives make everyone wait alike) shows as a throughput drop, not by name.
-- Throughput drops. The stage's reference is the median tokens/s over `reference_steps` steps
-  after the first `reference_skip` of the first launch that trains them; it is kept in
-  `monitor/throughput.json`, so a resumed launch a day later compares with the first hour.
-  Tokens/s over the last `window` metrics lines below `throughput_fraction` of it is flagged, with
-  the step where the fall began (the window's first line below); it counts as recovered half-way
-  back to the reference. A straggler is likewise cleared only at half its margin.
+  the loader, net of the time the rank's thread waited for a CPU that other processes held
+  (`run_delay`; a CPU quota's throttling stays in: that is the rank's own slowness), CUDA events
+  for the update, read only at the metrics line, so nothing blocks in a step). Every metrics
+  line the ranks all-gather those seconds, their step seconds and their CPU wait (four floats
+  each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank and
+  its host), and the full per-rank list only while a rank is flagged;
+  rank 0 names a rank whose local seconds per step (the median over the last `monitor.window`
+  lines: the few lines a loaded machine still slows on one rank name nobody) exceed the median
+  of the other ranks' by `monitor.straggler_margin` (and by at least `straggler_min_share` of a
+  step at the reference pace: the straggler lengthens the step it is measured against), with
+  its host, once that has held on `confirm` metrics lines in a row. A rank slow only inside
+  forward and backward (whose collectives make everyone wait alike) shows as a throughput drop,
+  not by name.
+- Throughput drops. Each launch measures its own reference after its own warm-up: the median
+  tokens/s over `reference_steps` steps after its first `reference_skip` (its first batches,
+  allocations, compilation are judged by nothing), with the CPU wait per step its ranks met
+  meanwhile. The stage's first launch's reference is kept in `monitor/throughput.json` and
+  reported (`perf/throughput_vs_reference`; a later launch's reference says what share of it it
+  runs at), but a launch is judged against its own: a resume on a busier machine is no drop.
+  The machine's pace: a step at the reference pace, longer by as much as the fastest rank's own
+  work is slower than while the reference was measured (a CPU slower at everything), plus the
+  CPU wait per step of the rank that waits most beyond what it waited then (a machine loaded
+  from outside; a quota's throttling is no wait, and one rank throttled alone does not slow the
+  fastest rank's own work). Tokens/s over the
+  last `window` metrics lines below `throughput_fraction` of the reference at that pace, on
+  `confirm` lines in a row, is flagged with the step where the fall began (the window's first
+  line below); it counts as recovered half-way back, on `confirm` lines in a row too. A
+  straggler is likewise cleared only at half its margin. A slowdown every rank meets (CPU wait on a
+  loaded host, a slower CPU) is the machine's pace, not a drop (`perf/machine_pace`); one that
+  neither explains (one rank's slower compute, the network, a quota, the file system) is.
 - Loss spikes (`skip_spikes`, off by default): OLMo-core's skip-step rule (`SpikeRule`); the
   rolling history is checkpointed, so a resumed stage skips exactly what an uninterrupted one does.
 - Non-finite values: `nonfinite()` writes `monitor/nonfinite.json` (the failing step, the
@@ -42,6 +57,7 @@ import resource
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -188,71 +204,205 @@ class DataSkips:
 # --- stragglers and throughput ----------------------------------------------------------------
 
 
+def run_delay() -> float:
+    """Seconds the calling thread has waited for a CPU that others held (Linux: its run-queue wait
+    in schedstat, less what its cgroup's CPU quota throttled it: a quota is the rank's own
+    slowness, not the machine's load); 0.0 where the kernel does not say."""
+    try:
+        waited = int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return waited - _quota_throttled()
+
+
+def _quota_throttled() -> float:
+    """Seconds this process's cgroup (v1 `cpu` or v2) was throttled by its CPU quota; 0.0 without one."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # the unified hierarchy (v2)
+            stat, key, unit = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.stat", "throttled_usec", 1e6
+        elif "cpu" in controllers.split(","):
+            stat, key, unit = Path("/sys/fs/cgroup/cpu") / path.lstrip("/") / "cpu.stat", "throttled_time", 1e9
+        else:
+            continue
+        try:
+            for row in stat.read_text().splitlines():
+                name, _, value = row.partition(" ")
+                if name == key:
+                    return int(value) / unit
+        except (OSError, ValueError):
+            continue
+    return 0.0
+
+
+@dataclass(frozen=True)
+class _Line:
+    """One metrics line of the gathered table, per step: every rank's own work and CPU wait."""
+
+    first: int  # its first step
+    end: int  # its last step
+    steps: float
+    seconds: float  # rank 0's wall seconds over its steps (every rank's, in synchronous training)
+    local: list[float]  # per rank: seconds per step of its own work (data, optimizer)
+    delay: list[float]  # per rank: seconds per step its training thread waited for a CPU
+
+
+def _judge(values: list[float], rank: int, margin: float, least: float) -> tuple[float, bool, bool]:
+    """(rank's value / the other ranks' median, slow: over 1 + `margin` and `least` seconds more,
+    fine: under half the margin or half that excess: cleared only well below, no flag by turns)."""
+    mine, others = values[rank], statistics.median(values[:rank] + values[rank + 1 :])
+    ratio = mine / others if others > 0 else 1.0
+    slow = ratio > 1 + margin and mine - others >= least
+    return ratio, slow, ratio < 1 + margin / 2 or mine - others < least / 2
+
+
 class SpeedChecks:
     """Rank 0's view of the gathered step times (see the module docstring)."""
 
     def __init__(self, config: MonitorConfig, hosts: list[str], tokens_per_step: int, reference: dict | None) -> None:
         self.config, self.hosts, self.tokens_per_step = config, hosts, tokens_per_step
-        self.lines: deque[tuple[torch.Tensor, int]] = deque(maxlen=config.window)  # (per-rank sums, end step)
-        self.slow: set[int] = set()  # ranks named and not cleared
-        self.reference = reference  # {"tokens_per_s", "from_step", "to_step", ...}
-        self.samples: list[float] = []  # line rates while the reference is measured
+        self.reference = reference  # the stage's, its first launch's: {"tokens_per_s", "delay_s", "from_step", ...}
+        self.launch: dict[str, Any] | None = None  # this launch's own, measured after its warm-up
+        self.samples: list[tuple[float, float, float]] = []  # (tokens/s, CPU wait, own work s/step) while measured
         self.launch_start: int | None = None
-        self.rates: deque[tuple[int, float, float]] = deque(maxlen=config.window)  # (first step, steps, seconds)
+        self.lines: deque[_Line] = deque(maxlen=config.window)  # after the launch's warm-up
+        self.slow: set[int] = set()  # ranks named and not cleared
         self.dropped = False
+        self._streaks: dict[Any, int] = {}  # (rule, rank): judgements in a row that it held
 
     def add(self, sums: torch.Tensor, first_step: int, end_step: int, events: Events) -> dict[str, Any]:
-        """One metrics line's gathered sums (ranks x [local s, step s, steps]); returns scalars."""
+        """One metrics line's gathered sums (ranks x [local s, step s, steps, CPU wait s]; the last
+        column may be absent: no wait known); returns scalars."""
+        steps, seconds = float(sums[0, 2]), float(sums[0, 1])
+        if steps <= 0 or seconds <= 0:
+            return {}
+        if self.launch_start is None:
+            self.launch_start = first_step
+        if first_step < self.launch_start + self.config.reference_skip:
+            # the launch's warm-up (first batches, allocations, compilation; a resumed launch's
+            # too) is judged by nothing and measures nothing
+            return {}
+        per_step = sums / sums[:, 2:3].clamp(min=1)
+        delay = per_step[:, 3].tolist() if sums.shape[1] > 3 else [0.0] * sums.shape[0]
+        self.lines.append(_Line(first_step, end_step, steps, seconds, per_step[:, 0].tolist(), delay))
         out: dict[str, Any] = {}
-        steps = float(sums[0, 2])
-        if steps <= 0:
-            return out
-        out |= self._throughput(first_step, steps, float(sums[0, 1]), end_step, events)
-        # A launch's first steps (first batches read, allocations, compilation) name nobody.
-        if sums.shape[0] > 1 and first_step >= (self.launch_start or first_step) + self.config.reference_skip:
-            self.lines.append((sums, end_step))
+        if self.launch is None:
+            self._measure(events)
+        else:
+            out |= self._throughput(events)
+        if sums.shape[0] > 1 and len(self.lines) == self.config.window:
             out |= self._stragglers(end_step, events)
         return out
 
+    # -- the launch's pace --
+
+    @staticmethod
+    def _wait(lines: list[_Line]) -> float:
+        """The CPU wait per step over `lines` of the rank that waited most (the others wait for it
+        in every collective); the wait excludes quota throttling, so a throttled rank's is its load's."""
+        steps = sum(line.steps for line in lines)
+        return max(sum(line.delay[r] * line.steps for line in lines) / steps for r in range(len(lines[0].delay)))
+
+    @staticmethod
+    def _own(lines: list[_Line]) -> float:
+        """The machine's speed at a rank's own work: the fastest rank's median seconds per step of
+        it over `lines` (a CPU shared with a busy sibling thread or a slower clock slows every
+        rank's; one rank throttled alone does not slow the fastest)."""
+        return min(statistics.median(line.local[r] for line in lines) for r in range(len(lines[0].local)))
+
+    def _paced_step(self, reference: dict[str, Any] | None, lines: list[_Line]) -> float | None:
+        """Seconds a step takes at `reference`'s pace on the machine as it runs now: its step,
+        longer by as much as the fastest rank's own work is slower than then, plus the CPU wait
+        per step beyond what the ranks met while it was measured."""
+        if reference is None or not reference.get("tokens_per_s"):
+            return None
+        extra = max(0.0, self._wait(lines) - float(reference.get("delay_s") or 0.0))
+        then = float(reference.get("local_s") or 0.0)
+        slower = max(1.0, self._own(lines) / then) if then > 0 else 1.0
+        return self.tokens_per_step / reference["tokens_per_s"] * slower + extra
+
+    def _measure(self, events: Events) -> None:
+        c, line = self.config, self.lines[-1]
+        self.samples.append((self.tokens_per_step * line.steps / line.seconds, self._wait([line]), self._own([line])))
+        start = self.launch_start + c.reference_skip
+        if line.end < start + c.reference_steps - 1:
+            return
+        rate = statistics.median(r for r, _, _ in self.samples)
+        self.launch = {
+            "tokens_per_s": rate,
+            "delay_s": statistics.median(d for _, d, _ in self.samples),
+            "local_s": statistics.median(o for _, _, o in self.samples),
+            "from_step": start,
+            "to_step": line.end,
+        }
+        share = ""
+        if self.reference is None:  # the stage's first launch: its reference is the stage's
+            self.reference = self.launch | {
+                "tokens_per_step": self.tokens_per_step,
+                "world_size": len(self.hosts),
+                "measured": time.time(),
+            }
+        else:
+            share = f" ({rate / self.reference['tokens_per_s']:.0%} of the stage's first launch's)"
+        events.emit(
+            "throughput_reference",
+            line.end,
+            f"throughput reference: {rate:,.0f} tokens/s (median of steps {start}..{line.end}){share}; "
+            f"a fall below {c.throughput_fraction:.0%} of it, at the machine's pace, is flagged",
+            level=logging.INFO,
+            value=rate,
+        )
+
+    # -- the rules --
+
+    def _held(self, key: Any, holds: bool) -> bool:
+        """Whether `holds` has been true on `confirm` judgements in a row (hysteresis)."""
+        self._streaks[key] = self._streaks.get(key, 0) + 1 if holds else 0
+        return self._streaks[key] >= self.config.confirm
+
     def _stragglers(self, step: int, events: Events) -> dict[str, Any]:
-        total = torch.stack([s for s, _ in self.lines]).sum(0)  # ranks x 3 over the window
-        local = (total[:, 0] / total[:, 2].clamp(min=1)).tolist()
-        step_s = float((total[:, 1] / total[:, 2].clamp(min=1)).mean())
-        # The excess is judged against a step at the stage's reference pace when there is one: a
+        c, lines = self.config, list(self.lines)
+        # Each rank's own work per step, net of the time it waited for a CPU others held (a CPU
+        # quota's throttling stays in): the median over the window's lines, so the few lines a
+        # loaded machine still slows on one rank name nobody.
+        local = [statistics.median(line.local[r] for line in lines) for r in range(len(lines[0].local))]
+        step_s = statistics.median(line.seconds / line.steps for line in lines)
+        # The excess is judged against a step at the reference pace (the stage's or this
+        # launch's, the faster, plus the CPU wait the machine adds now) when that is shorter: a
         # slow rank lengthens every rank's step (the others wait for it in the collectives), so a
         # share of the step as measured shrinks the slower the straggler is.
         paced = ""
-        if self.reference is not None and self.reference.get("tokens_per_s"):
-            reference_s = self.tokens_per_step / self.reference["tokens_per_s"]
-            if reference_s < step_s:
+        for reference in (self.reference, self.launch):
+            reference_s = self._paced_step(reference, lines)
+            if reference_s is not None and reference_s < step_s:
                 step_s, paced = reference_s, " at the reference pace"
         ratios = []
         for rank, mine in enumerate(local):
-            others = statistics.median(local[:rank] + local[rank + 1 :])
-            ratio = mine / others if others > 0 else 1.0
+            ratio, slow, fine = _judge(local, rank, c.straggler_margin, c.straggler_min_share * step_s)
             ratios.append(ratio)
-            slow = (
-                ratio > 1 + self.config.straggler_margin and mine - others >= self.config.straggler_min_share * step_s
-            )
-            # Cleared only well below the margin: a rank near it is not named and cleared by turns.
-            fine = ratio < 1 + self.config.straggler_margin / 2
-            full = len(self.lines) == self.config.window
-            if slow and full and rank not in self.slow:
+            if rank not in self.slow and self._held(("slow", rank), slow):
                 self.slow.add(rank)
+                self._streaks[("fine", rank)] = 0
+                others = statistics.median(local[:rank] + local[rank + 1 :])
                 events.emit(
                     "straggler",
                     step,
                     f"straggler: rank {rank} on {self.hosts[rank]} takes {ratio:.2f}x the other ranks' time "
                     f"for its own work (data and optimizer: {1e3 * mine:.1f} ms/step vs a median "
                     f"{1e3 * others:.1f} ms; step {1e3 * step_s:.0f} ms{paced}) over the last "
-                    f"{len(self.lines)} metrics lines",
+                    f"{len(lines)} metrics lines, {c.confirm} judgement(s) in a row",
                     rank=rank,
                     host=self.hosts[rank],
                     value=ratio,
-                    threshold=1 + self.config.straggler_margin,
+                    threshold=1 + c.straggler_margin,
                 )
-            elif fine and full and rank in self.slow:
+            elif rank in self.slow and self._held(("fine", rank), fine):
                 self.slow.discard(rank)
+                self._streaks[("slow", rank)] = 0
                 events.emit(
                     "straggler_cleared",
                     step,
@@ -261,82 +411,63 @@ class SpeedChecks:
                     rank=rank,
                     host=self.hosts[rank],
                     value=ratio,
-                    threshold=1 + self.config.straggler_margin,
+                    threshold=1 + c.straggler_margin,
                 )
         slowest = max(range(len(ratios)), key=ratios.__getitem__)
         return {"perf/slowest_rank_ratio": ratios[slowest], "perf/slowest_rank": slowest}
 
-    def _throughput(self, first_step: int, steps: float, seconds: float, step: int, events: Events) -> dict[str, Any]:
-        """The reference first; then tokens/s over the last `window` lines against it: one line
-        (a step that met a slow file, a fast one right after) decides nothing alone."""
-        if seconds <= 0:
+    def _throughput(self, events: Events) -> dict[str, Any]:
+        """Tokens/s over the last `window` lines (one line, a step that met a slow file, decides
+        nothing alone) against this launch's own reference at the machine's pace now."""
+        c, launch = self.config, self.launch
+        lines = [line for line in self.lines if line.first > launch["to_step"]]
+        if not lines:
             return {}
-        c, rate = self.config, self.tokens_per_step * steps / seconds
-        if self.launch_start is None:
-            self.launch_start = first_step
-        if self.reference is None:
-            start = self.launch_start + c.reference_skip
-            if first_step >= start:
-                self.samples.append(rate)
-            if step >= start + c.reference_steps - 1 and self.samples:
-                self.reference = {
-                    "tokens_per_s": statistics.median(self.samples),
-                    "from_step": start,
-                    "to_step": step,
-                    "tokens_per_step": self.tokens_per_step,
-                    "world_size": len(self.hosts),
-                    "measured": time.time(),
-                }
-                events.emit(
-                    "throughput_reference",
-                    step,
-                    f"throughput reference: {self.reference['tokens_per_s']:,.0f} tokens/s (median of steps "
-                    f"{start}..{step}); a fall below {c.throughput_fraction:.0%} of it is flagged",
-                    level=logging.INFO,
-                    value=self.reference["tokens_per_s"],
-                )
-            return {}
-        if first_step < self.launch_start + c.reference_skip:
-            # a resumed launch's warm-up (first batches, allocations, compilation): judged by no
-            # reference, as the reference's own warm-up was not (flagged a drop after every resume)
-            return {}
-        reference = self.reference["tokens_per_s"]
-        self.rates.append((first_step, steps, seconds))
-        window = self.tokens_per_step * sum(n for _, n, _ in self.rates) / sum(t for _, _, t in self.rates)
-        ratio = window / reference
-        if ratio < c.throughput_fraction and len(self.rates) == c.window and not self.dropped:
-            self.dropped = True
-            began = self._began(c.throughput_fraction * reference)
+        window = self.tokens_per_step * sum(line.steps for line in lines) / sum(line.seconds for line in lines)
+        paced_s = self._paced_step(launch, lines)
+        expected = self.tokens_per_step / paced_s
+        pace = expected / launch["tokens_per_s"]  # 1: the machine as fast as while the reference was measured
+        ratio = window / expected
+        full = len(lines) == c.window
+        if not self.dropped and self._held("drop", full and ratio < c.throughput_fraction):
+            self.dropped, self._streaks["recovered"] = True, 0
+            began = self._began(lines, c.throughput_fraction * expected)
+            machine = f" at the machine's pace now ({pace:.0%} of it)" if pace < 0.995 else ""
             events.emit(
                 "throughput_drop",
-                step,
-                f"throughput drop: {window:,.0f} tokens/s over the last {len(self.rates)} metrics lines is "
-                f"{ratio:.0%} of the stage's reference {reference:,.0f} (steps {self.reference['from_step']}.."
-                f"{self.reference['to_step']}), below {c.throughput_fraction:.0%} since step {began}",
+                lines[-1].end,
+                f"throughput drop: {window:,.0f} tokens/s over the last {len(lines)} metrics lines is "
+                f"{ratio:.0%} of this launch's reference {launch['tokens_per_s']:,.0f} (steps {launch['from_step']}.."
+                f"{launch['to_step']}){machine}, below {c.throughput_fraction:.0%} since step {began}",
                 value=window,
-                threshold=c.throughput_fraction * reference,
+                threshold=c.throughput_fraction * expected,
                 began_at=began,
-                reference=reference,
+                reference=launch["tokens_per_s"],
+                pace=pace,
             )
-        elif self.dropped and ratio >= c.throughput_fraction + (1 - c.throughput_fraction) / 2:
-            self.dropped = False  # recovered well above the fraction (no flag and clear by turns)
+        elif self.dropped and self._held("recovered", ratio >= c.throughput_fraction + (1 - c.throughput_fraction) / 2):
+            self.dropped, self._streaks["drop"] = False, 0  # recovered well above the fraction
             events.emit(
                 "throughput_recovered",
-                step,
-                f"throughput recovered: {window:,.0f} tokens/s ({ratio:.0%} of the reference)",
+                lines[-1].end,
+                f"throughput recovered: {window:,.0f} tokens/s ({ratio:.0%} of the reference at the machine's pace)",
                 level=logging.INFO,
                 value=window,
-                threshold=c.throughput_fraction * reference,
+                threshold=c.throughput_fraction * expected,
             )
-        return {"perf/throughput_vs_reference": ratio}
+        return {
+            "perf/throughput_vs_reference": window / self.reference["tokens_per_s"],  # the stage's
+            "perf/throughput_vs_expected": ratio,
+            "perf/machine_pace": pace,
+        }
 
-    def _began(self, threshold: float) -> int:
+    def _began(self, lines: list[_Line], threshold: float) -> int:
         """Where the fall began: the first step of the window when every line of it is below
         `threshold`, else the change point of the window's (log) rates, the split that leaves
         the least spread on either side (one slow line before fast ones is noise, not the start)."""
-        rates = [math.log(self.tokens_per_step * n / t) for _, n, t in self.rates]
+        rates = [math.log(self.tokens_per_step * line.steps / line.seconds) for line in lines]
         if all(r < math.log(threshold) for r in rates):
-            return self.rates[0][0]
+            return lines[0].first
 
         def spread(part: list[float]) -> float:
             mean = sum(part) / len(part)
@@ -344,7 +475,7 @@ class SpeedChecks:
 
         splits = [i for i in range(1, len(rates)) if sum(rates[i:]) / (len(rates) - i) < sum(rates[:i]) / i]
         best = min(splits, key=lambda i: spread(rates[:i]) + spread(rates[i:]), default=0)
-        return self.rates[best][0]
+        return lines[best].first
 
 
 def rank_summary(local: list[float], hosts: list[str]) -> dict[str, Any]:

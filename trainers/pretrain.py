@@ -752,6 +752,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
                     time.monotonic() - stop.received_at,
                 )
             raise StopRequested(stop.received or "a signal", step, str(saves.last))
+    watchdog.begin_phase("ending")  # the last save's background writes and the result: the checkpoint bound
     st.ckpt.wait()
     return finish(st, start, step, loss_value, saves.last, report, spikes.skipped, rollback.skips.windows)
 

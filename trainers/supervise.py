@@ -12,8 +12,17 @@ shared file system:
   and, when the launch has not ended `grace_s` later (torchrun itself frozen or lost), ends it
   (`end_launch`: the local launcher's process tree);
 - `monitor/heartbeat/*.json`: a rank frozen whole (SIGSTOP, a node gone, a C call holding the GIL)
-  writes no report. When a rank's last completed step is older than its bound plus `grace_s`, the
-  supervisor writes the hang report on its behalf and proceeds as above.
+  writes no report. When a rank's last completed step is older than its bound plus `grace_s`
+  (less the time the rank's own process did not run, `stalled_s`), or its heartbeat is silent
+  past max(`floor_s`, 4 heartbeats) plus `grace_s`, the supervisor writes the hang report on its
+  behalf and proceeds as above.
+
+A loaded machine is no hang: a rank is reported only when it is seen silent (or idle) on
+`confirm` polls in a row, each poll on time; a poll that comes more than `STALL_S` late (this
+process did not run either: the machine, not the rank, stood still) starts the count again. A rank
+whose training ended (its last heartbeat's phase is `ended`) is never silent: the seconds its
+process takes to exit are torchrun's to wait for (a clean run at load 9-12 once reported its
+ranks hung during that teardown).
 
 `reset_launch_files` clears the hang reports and heartbeats before each launch, so what the
 supervisor and the launcher's failure facts read describes the launch that runs.
@@ -45,7 +54,7 @@ from infra.launchers.base import HANG_DIR, LaunchFailed, describe_hang, hang_rep
 from infra.proc import kill_tree
 from model.spec import TrainSpec, WatchdogConfig
 from pipeline.workspace import Workspace
-from trainers.watchdog import HEARTBEAT_DIR, STACK_SIGNAL, frozen_ranks
+from trainers.watchdog import ENDED, HEARTBEAT_DIR, STACK_SIGNAL, STALL_S, frozen_ranks
 
 # trainers/monitor.py (what the ranks run) imports torch: the light commands that import the steps
 # (`smollm3 recipe`, `plan`) must not, so its names are imported where they are used.
@@ -101,9 +110,15 @@ class StageSupervisor(threading.Thread):
         self.hang_known_at: float | None = None
         self.ended = False  # whether this supervisor ended the launch
         self.host = socket.gethostname()
+        self._seen: dict[Any, int] = {}  # rank -> polls in a row it was seen silent or idle past its bound
+        self._late = False  # the last wait ended more than STALL_S late
 
     def run(self) -> None:
-        while not self._done.wait(self.poll_s):
+        while True:
+            asked = time.monotonic()
+            if self._done.wait(self.poll_s):
+                return
+            self._late = self._late or time.monotonic() - asked - self.poll_s > STALL_S
             self.poll()
 
     def close(self) -> None:
@@ -157,14 +172,23 @@ class StageSupervisor(threading.Thread):
             if reports:
                 self._hang_known(reports[0])
                 return
+            if self._late:  # this process did not run either: what it sees now says nothing of the ranks
+                self._late = False
+                self._seen.clear()
+                return
             # A rank's heartbeat thread beats through long phases (a checkpoint's or start-up's
             # long bound) too: a heartbeat silent past the floor means the process itself is frozen.
             silent_bound = max(self.config.floor_s, 4 * self.config.heartbeat_s) + self.config.grace_s
-            beats = sorted(heartbeats(self.out), key=lambda b: -(now - float(b.get("time", now))))
+            beats = [b for b in heartbeats(self.out) if b.get("phase") != ENDED]
+            beats.sort(key=lambda b: -(now - float(b.get("time", now))))
             for beat in beats:  # the most silent first: a frozen rank, not one waiting on it
-                idle = now - float(beat.get("last_progress", now))
+                idle = now - float(beat.get("last_progress", now)) - float(beat.get("stalled_s", 0.0))
                 silent = now - float(beat.get("time", now))
-                if idle > float(beat.get("bound_s", float("inf"))) + self.config.grace_s or silent > silent_bound:
+                past = idle > float(beat.get("bound_s", float("inf"))) + self.config.grace_s or silent > silent_bound
+                self._seen[beat.get("rank")] = self._seen.get(beat.get("rank"), 0) + 1 if past else 0
+            for beat in beats:
+                idle = now - float(beat.get("last_progress", now))
+                if self._seen.get(beat.get("rank"), 0) >= self.config.confirm:
                     report = beat | {
                         "idle_s": idle,
                         "time": now,

@@ -7,7 +7,8 @@ launch when that is longer ago than the bound:
 
     bound = max(floor_s, multiple x the running median step time)      while training
             startup_s                                                  before the first step
-            checkpoint_s                                               while a checkpoint is saved
+            checkpoint_s                                               while a checkpoint is saved,
+                                                                       and after the last step
 
 When it fires it writes the rank's hang report (`{out_dir}/monitor/hang/rank{N}.json`, read by the
 launcher's failure facts, infra/launchers/base.py), prints every thread's Python stack to stderr
@@ -22,6 +23,14 @@ stops writing it. And a C-level backstop (`faulthandler.dump_traceback_later`, a
 bound) dumps the stacks and exits even if the rank's Python thread cannot run (a C extension
 holding the GIL). `SIGUSR2` prints a rank's stacks on demand (faulthandler's handler, also in C):
 the step sends it to every rank it can reach when a hang is known.
+
+A loaded machine is not a hang. The time a rank's own process did not run (the whole rank stopped
+or starved: its watchdog thread woke more than `STALL_S` after it asked to) is left out of its
+idle time, so a machine paused or slowed as a whole ends nothing, while a rank waiting on a frozen
+peer (its thread wakes on time) still fires at its bound; the bound itself follows the launch's
+own pace (the running median step). A rank that ends its training writes a last heartbeat,
+`phase: "ended"`: the seconds from there to the process's exit (a slow teardown on a loaded
+machine, torchrun waiting for its ranks) are no silence the pretrain step reports.
 """
 
 from __future__ import annotations
@@ -47,13 +56,15 @@ from model.spec import WatchdogConfig
 EXIT_HUNG = 5
 HEARTBEAT_DIR = Path("monitor") / "heartbeat"
 STACK_SIGNAL = signal.SIGUSR2  # print this rank's stacks (faulthandler)
+ENDED = "ended"  # the phase of a rank's last heartbeat, written when its training ends
+STALL_S = 1.0  # a watchdog thread waking this much later than it asked: its process did not run
 
 
 def bound_for(config: WatchdogConfig, phase: str, step_times: list[float]) -> tuple[float, str]:
     """(seconds a rank may go without a completed step, how that was decided) in `phase`."""
     if phase == "startup" or not step_times:
         return config.startup_s, "startup bound"
-    if phase == "checkpoint":
+    if phase in ("checkpoint", "ending"):  # a save, or the last save's wait and the stage's result
         return config.checkpoint_s, "checkpoint bound"
     median = statistics.median(step_times)
     scaled = config.multiple * median
@@ -74,8 +85,8 @@ def frozen_ranks(out_dir: Path, heartbeat_s: float, now: float | None = None, ex
             beat = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being replaced: written a moment ago
-        if not isinstance(beat, dict) or beat.get("rank") == exclude:
-            continue
+        if not isinstance(beat, dict) or beat.get("rank") == exclude or beat.get("phase") == ENDED:
+            continue  # an ended rank's heartbeat stops by design
         silent = now - float(beat.get("time", now))
         if silent > silent_after:
             found.append(
@@ -106,6 +117,7 @@ class Watchdog:
         self._phase = "startup"
         self._since = time.monotonic()  # when the last step completed (or the phase began)
         self._since_wall = time.time()
+        self._stalled = 0.0  # seconds since `_since` this process did not run (left out of idle)
         self._thread: threading.Thread | None = None
 
     # -- what the training loop calls --
@@ -124,30 +136,34 @@ class Watchdog:
         with self._lock:
             self._step, self._phase = step, "train"
             self._times.append(seconds)
-            self._since, self._since_wall = time.monotonic(), time.time()
+            self._since, self._since_wall, self._stalled = time.monotonic(), time.time(), 0.0
         self._arm_backstop()
 
     def begin_phase(self, name: str) -> None:
         """Work with a bound of its own (`checkpoint`) begins; `end_phase` when it is done."""
         with self._lock:
             self._phase = name
-            self._since, self._since_wall = time.monotonic(), time.time()
+            self._since, self._since_wall, self._stalled = time.monotonic(), time.time(), 0.0
         self._arm_backstop()
 
     def end_phase(self) -> None:
         """Back to training; the clock restarts."""
         with self._lock:
             self._phase = "train" if self._times else "startup"
-            self._since, self._since_wall = time.monotonic(), time.time()
+            self._since, self._since_wall, self._stalled = time.monotonic(), time.time(), 0.0
         self._arm_backstop()
 
     def stop(self) -> None:
+        """Training ended (however): the last heartbeat says so, then the thread stops."""
         self._stop.set()
         if self._thread is not None:
             faulthandler.cancel_dump_traceback_later()
             faulthandler.unregister(STACK_SIGNAL)
             self._thread.join(timeout=5)
             self._thread = None
+            with self._lock:
+                step = self._step
+            self._heartbeat(step, ENDED, self.config.checkpoint_s)
 
     # -- the thread --
 
@@ -165,9 +181,14 @@ class Watchdog:
     def _run(self) -> None:
         poll = max(0.05, min(1.0, self.config.floor_s / 20, self.config.heartbeat_s))
         last_beat = 0.0
+        woke = time.monotonic()
         while not self._stop.wait(poll):
+            late = time.monotonic() - woke - poll
+            woke = time.monotonic()
             with self._lock:
-                idle, step, phase = time.monotonic() - self._since, self._step, self._phase
+                if late > STALL_S:  # this process did not run (stopped, starved): no idle time of its own
+                    self._stalled += late
+                idle, step, phase = woke - self._since - self._stalled, self._step, self._phase
             bound, why = self.bound()
             if time.monotonic() - last_beat >= self.config.heartbeat_s:
                 last_beat = time.monotonic()
@@ -179,7 +200,7 @@ class Watchdog:
     def _record(self, step: int, phase: str, bound: float) -> dict[str, Any]:
         with self._lock:
             median = statistics.median(self._times) if self._times else None
-            since = self._since_wall
+            since, stalled = self._since_wall, self._stalled
         return {
             "stage": self.stage,
             "rank": self.rank,
@@ -191,6 +212,7 @@ class Watchdog:
             "bound_s": bound,
             "median_step_s": median,
             "last_progress": since,
+            "stalled_s": stalled,  # of the time since then, what this process did not run
             "time": time.time(),
         }
 

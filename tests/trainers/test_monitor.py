@@ -1,29 +1,36 @@
-"""The straggler rule of trainers/monitor.py on gathered tables (ranks x [local s, step s, steps])."""
+"""The straggler and throughput rules of trainers/monitor.py on gathered tables (ranks x [local s,
+step s, steps], and the CPU wait s where a test gives the machine's load)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from model.spec import MonitorConfig
 from trainers.monitor import Events, SpeedChecks
 
-CONFIG = MonitorConfig(straggler_margin=1.0, straggler_min_share=0.05, window=3, reference_skip=0, reference_steps=1)
+# `confirm=1`: each judgement flags at once; the hysteresis has tests of its own below
+CONFIG = MonitorConfig(
+    straggler_margin=1.0, straggler_min_share=0.05, window=3, reference_skip=0, reference_steps=1, confirm=1
+)
 TOKENS = 128  # per step; at the reference's 3,200 tokens/s a step takes 40 ms
 
 
-def lines(checks: SpeedChecks, events: Events, per_rank: list[tuple[float, float]], start: int, count: int) -> int:
-    """`count` metrics lines of one step each, every rank's (local s, step s) as given."""
+def lines(checks: SpeedChecks, events: Events, per_rank: list[tuple[float, ...]], start: int, count: int) -> int:
+    """`count` metrics lines of one step each, every rank's (local s, step s[, CPU wait s]) as given."""
     for step in range(start, start + count):
-        table = torch.tensor([[local, step_s, 1.0] for local, step_s in per_rank], dtype=torch.float64)
+        table = torch.tensor([[r[0], r[1], 1.0, *r[2:]] for r in per_rank], dtype=torch.float64)
         checks.add(table, step, step, events)
     return start + count
 
 
 def flags(tmp_path) -> list[dict]:
+    """The flags raised (each launch's throughput reference is a measurement, not a flag)."""
     path = tmp_path / "monitor" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    found = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [f for f in found if f["kind"] != "throughput_reference"]
 
 
 def reference(tokens_per_s: float = 3200.0) -> dict:
@@ -56,18 +63,74 @@ def test_without_a_reference_the_measured_step_decides_and_a_small_excess_names_
 
 def test_a_reference_slower_than_the_step_is_not_the_basis_and_a_rank_under_the_margin_is_never_named(tmp_path):
     """Steps faster than the reference (40 ms against 128 ms) are their own basis: the reference
-    never shrinks a share. A rank 1.5x the other (under the 2x margin) is not named; one slow line
-    of rank 0 (12 ms) makes its window 2.7x the other's with an excess of 3.3 ms a line, over 5%
-    of the 40 ms step (under 5% of 128 ms): named while it is in the window, cleared after."""
+    never shrinks a share. A rank 1.5x the other (under the 2x margin) is not named; rank 0 slow
+    (12 ms) on two lines of the window of three makes its median 6x the other's, an excess of
+    10 ms, over 5% of the 40 ms step (under 5% of 128 ms): named, then cleared once its window
+    is fast again (its median at step 8)."""
     events = Events(tmp_path, "stage1", enabled=True)
     checks = SpeedChecks(CONFIG, ["a", "b"], TOKENS, reference(tokens_per_s=1000.0))
     step = lines(checks, events, [(0.002, 0.040), (0.003, 0.040)], 1, 4)
     assert flags(tmp_path) == []
-    step = lines(checks, events, [(0.012, 0.040), (0.002, 0.040)], step, 1)
+    step = lines(checks, events, [(0.012, 0.040), (0.002, 0.040)], step, 2)
     lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 4)
     named = [f for f in flags(tmp_path) if f["kind"] == "straggler"]
     assert [(f["rank"], f["step"]) for f in named] == [(0, 6)] and "reference pace" not in named[0]["message"]
-    assert [f["rank"] for f in flags(tmp_path) if f["kind"] == "straggler_cleared"] == [0]
+    assert [(f["rank"], f["step"]) for f in flags(tmp_path) if f["kind"] == "straggler_cleared"] == [(0, 8)]
+
+
+def test_a_rank_preempted_on_a_few_lines_is_no_straggler_and_a_flag_needs_confirm_lines_in_a_row(tmp_path):
+    """A loaded machine preempts a rank for 10-20 ms inside its 2 ms sections now and then: a
+    rank slow on one line of a window of five (a mean over the window would make it 3x the
+    other) names nobody. A rank slow on every line is named only after `confirm` (3) judgements
+    in a row, and cleared only after three in a row below half the margin."""
+    config = CONFIG.model_copy(update={"window": 5, "confirm": 3})
+    events = Events(tmp_path, "stage1", enabled=True)
+    checks = SpeedChecks(config, ["a", "b"], TOKENS, reference())
+    step = 1
+    for _ in range(4):  # one preempted line in every five, on either rank
+        step = lines(checks, events, [(0.002, 0.060), (0.002, 0.060)], step, 4)
+        step = lines(checks, events, [(0.020, 0.060), (0.002, 0.060)], step, 1)
+    assert flags(tmp_path) == []
+    # rank 1 slow on every line from step 21: its median is at step 23, named after 3 in a row
+    step = lines(checks, events, [(0.002, 0.060), (0.010, 0.060)], step, 5)
+    assert [(f["kind"], f["rank"], f["step"]) for f in flags(tmp_path)] == [("straggler", 1, 25)]
+    lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 6)
+    cleared = [(f["rank"], f["step"]) for f in flags(tmp_path) if f["kind"] == "straggler_cleared"]
+    assert cleared == [(1, 30)]  # its median falls at step 28 (three fast lines of five), then 3 in a row
+
+
+def test_a_machine_slowed_as_a_whole_drops_no_throughput_while_a_fall_the_load_does_not_explain_does(tmp_path):
+    """The launch's reference: 3,200 tokens/s (40 ms steps), 5 ms of CPU wait and 2 ms of own work
+    a step. Then the machine is loaded from outside: steps take 120 ms, and every rank's thread
+    now waits 85 ms a step for a CPU: a step at the reference pace is 40 + 80 ms, so 1,067
+    tokens/s is the machine's pace, not a drop (no flag; `perf/machine_pace` says a third). Nor
+    is a CPU three times slower at everything (every rank's own work 6 ms: a busy sibling
+    thread, a lower clock). With three ranks, one slowed alone (its own work 9 ms, its wait as
+    the others') is no pace of the machine's: its 120 ms steps are a drop, flagged after
+    `confirm` lines in a row and dated to its first."""
+    config = CONFIG.model_copy(update={"window": 3, "confirm": 2})
+    for name, loaded in (("waits", (0.002, 0.120, 1.0, 0.085)), ("slower", (0.006, 0.120, 1.0, 0.005))):
+        events = Events(tmp_path / name, "stage1", enabled=True)
+        checks = SpeedChecks(config, ["a", "b"], TOKENS, None)
+        step = lines(checks, events, [(0.002, 0.040, 0.005), (0.002, 0.040, 0.005)], 1, 4)
+        for _ in range(6):
+            scalars = checks.add(torch.tensor([loaded] * 2, dtype=torch.float64), step, step, events)
+            step += 1
+        assert flags(tmp_path / name) == []
+        assert scalars["perf/machine_pace"] == pytest.approx(1 / 3)
+        assert scalars["perf/throughput_vs_expected"] == pytest.approx(1.0)
+        assert scalars["perf/throughput_vs_reference"] == pytest.approx(1 / 3)
+
+    other = tmp_path / "three"
+    events = Events(other, "stage1", enabled=True)
+    checks = SpeedChecks(config, ["a", "b", "c"], TOKENS, None)
+    fine = (0.002, 0.040, 0.005)
+    step = lines(checks, events, [fine] * 3, 1, 4)
+    lines(checks, events, [(0.002, 0.120, 0.005), (0.002, 0.120, 0.005), (0.009, 0.120, 0.005)], step, 3)
+    drops = [f for f in flags(other) if f["kind"] == "throughput_drop"]
+    assert [(f["step"], f["began_at"]) for f in drops] == [(6, 5)] and drops[0]["pace"] == 1.0
+    named = [f for f in flags(other) if f["kind"] == "straggler"]
+    assert [(f["rank"], f["step"]) for f in named] == [(2, 7)]  # its median slow from step 6, 2 in a row
 
 
 def test_a_resumed_launchs_warm_up_is_not_judged_against_the_reference(tmp_path):

@@ -76,5 +76,33 @@ def test_a_rank_frozen_while_saving_is_found_by_its_silent_heartbeat(tmp_path):
     assert supervisor.hang is None
     (beats / "rank0.json").write_text(json.dumps(saving | {"time": now - 4.5}))  # silent for 4.5 s > 3 + 1
     supervisor.poll()
+    assert supervisor.hang is None  # seen once: a late beat on a loaded host, perhaps (`confirm`: 2)
+    supervisor.poll()
     assert supervisor.hang is not None and supervisor.hang["by"].startswith("pretrain step")
     assert json.loads((out / HANG_DIR / "step-rank0.json").read_text())["why"].startswith("heartbeat 4.")
+
+
+def test_a_rank_that_ended_is_never_silent_and_a_rank_is_judged_on_the_time_it_ran(tmp_path):
+    """A clean two-rank run at load 9-12 was reported hung at its end: the ranks' heartbeats stop
+    when training ends and their processes took more than the silence bound to exit. A rank's
+    last heartbeat says `ended`: however old, it is no hang. A rank beating whose last step is
+    21 s old, 20 s of which its process did not run (its watchdog's `stalled_s`), is idle 1 s,
+    under its 3 s bound; once its heartbeat falls silent it is reported on the second poll."""
+    out = tmp_path / "ws" / "pretrain" / "stage"
+    beats = out / HEARTBEAT_DIR
+    beats.mkdir(parents=True)
+    now = time.time()
+    beat = {"stage": "stage1", "host": socket.gethostname(), "pid": 1, "start": None, "step": 8, "bound_s": 3.0}
+    (beats / "rank0.json").write_text(json.dumps(beat | {"rank": 0, "phase": "ended", "time": now - 600}))
+    stalled = beat | {"rank": 1, "phase": "train", "last_progress": now - 21, "stalled_s": 20.0, "time": now - 0.3}
+    (beats / "rank1.json").write_text(json.dumps(stalled))
+    config = WatchdogConfig(floor_s=3.0, heartbeat_s=0.5, grace_s=1.0)
+    supervisor = StageSupervisor(out, config, lambda e: None, poll_s=0.05)
+    for _ in range(3):
+        supervisor.poll()
+    assert supervisor.hang is None
+    (beats / "rank1.json").write_text(json.dumps(stalled | {"time": now - 10}))  # now silent
+    supervisor.poll()
+    assert supervisor.hang is None
+    supervisor.poll()
+    assert supervisor.hang is not None and supervisor.hang["rank"] == 1

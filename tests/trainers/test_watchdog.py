@@ -1,12 +1,19 @@
-"""trainers/watchdog.py: telling the rank that froze from the ranks that wait on it."""
+"""trainers/watchdog.py: telling the rank that froze from the ranks that wait on it, and from a
+rank that ended or was paused whole."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from infra.launchers.base import describe_hang
-from trainers.watchdog import HEARTBEAT_DIR, frozen_ranks
+from model.spec import WatchdogConfig
+from trainers.watchdog import HEARTBEAT_DIR, Watchdog, frozen_ranks
 
 
 def _beat(out, rank: int, age_s: float, now: float) -> None:
@@ -41,3 +48,50 @@ def test_the_hang_names_the_frozen_rank_first():
     assert describe_hang(frozen).startswith(
         "rank 1 on node-1 frozen (heartbeat silent 30.5 s); rank 0 on node-0 waiting on it completed no step for 31.2 s"
     )
+
+
+def test_a_rank_that_ended_is_not_frozen_however_old_its_last_heartbeat(tmp_path):
+    """A real watchdog's `stop()` (training ended) writes a last heartbeat, phase `ended`: a rank
+    slow to exit on a loaded machine is never named frozen for it."""
+    watchdog = Watchdog(WatchdogConfig(floor_s=5.0, heartbeat_s=0.1), tmp_path, 0, "stage1").start()
+    watchdog.completed(1, 0.01)
+    watchdog.stop()
+    beat = json.loads((tmp_path / HEARTBEAT_DIR / "rank0.json").read_text())
+    assert (beat["phase"], beat["step"]) == ("ended", 1)
+    assert frozen_ranks(tmp_path, 0.1, now=time.time() + 600) == []
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from model.spec import WatchdogConfig
+from trainers.watchdog import Watchdog
+config = WatchdogConfig(floor_s=2.0, multiple=2.0, heartbeat_s=0.1, startup_s=2.0, grace_s=2.0)
+watchdog = Watchdog(config, Path(sys.argv[1]), 0, "stage1").start()
+for step in range(1, 60):
+    watchdog.completed(step, 0.1)
+    if step == 5:
+        print("stepping", flush=True)
+    time.sleep(0.1)
+watchdog.stop()
+"""
+
+
+def test_a_rank_paused_whole_from_outside_does_not_count_the_pause_as_a_hang(tmp_path):
+    """A process stepping every 0.1 s (bound: the 2 s floor) is stopped from outside for 3.5 s, as
+    a loaded or paused machine stops it, then continued: its watchdog thread wakes 3.5 s late and
+    leaves that out of the idle time (its process did not run), so it does not fire (exit 5) and
+    the process ends normally. A rank waiting on a frozen peer runs, so it still fires
+    (tests/trainers/test_marathon.py)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert child.stdout.readline().strip() == "stepping"
+    child.send_signal(signal.SIGSTOP)
+    time.sleep(3.5)
+    child.send_signal(signal.SIGCONT)
+    assert child.wait(timeout=60) == 0
+    assert not (tmp_path / "monitor" / "hang").exists()
