@@ -79,6 +79,26 @@ def _log_streams_outlive_capture():
                 console.file = sys.stderr
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """The `xdist_group` marks, made to work under pytest 9. pytest-xdist's `--dist loadgroup`
+    sends the tests of one group to one worker by a `@group` suffix it adds to their node ids on
+    each worker; it assigns `item._nodeid`, which pytest 9's `item.nodeid` (built from `item._id`)
+    no longer reads, so every group was spread over the workers (a Slurm cluster and a module's
+    fixture built on each). The suffix is added here where xdist's did not take."""
+    if not getattr(config.option, "loadgroup", False):
+        return  # not a worker of `--dist loadgroup`
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        groups = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        suffix = "@" + "_".join(groups)
+        if groups and not item.nodeid.endswith(suffix):
+            item._id = coerce_node_id(item.nodeid + suffix)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server (SQLite) shared by every test that runs flows."""

@@ -45,6 +45,11 @@ OVERRIDES = [
 ]
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the base run) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("anneal-base")
+
+
 @pytest.fixture(scope="module")
 def base_ws(tmp_path_factory, prefect_harness, built_workspace) -> Path:
     from flows.prefect_flows import smollm3

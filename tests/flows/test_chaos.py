@@ -20,7 +20,8 @@ kill are logged to `chaos.log` and stdout; rerun one with `SMOLLM3_CHAOS_SEED=N`
 Then: the run is Completed, no process of the run is left (by command line under this test's
 folder and by flow-run id), lineage has one row per step per attempt (and every step in the last
 attempt), and the final checkpoint's tensors equal, bit for bit, those of the same recipe run
-uninterrupted in another workspace (CPU training is deterministic; resume is exact).
+uninterrupted in another workspace (CPU training is deterministic; resume is exact). The served run
+builds from raw sources; the uninterrupted one starts from a copy of the session's data part.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from model.checkpoint import load_model
 from model.checkpoint import read_marker as checkpoint_complete
 from pipeline.artifact import read_marker
 from pipeline.lineage import Lineage
+from tests.conftest import SMALL, copy_workspace
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -54,9 +56,7 @@ STEPS = 8  # per stage: room for a kill in stage 1 and two in stage 2, each afte
 # model, a checkpoint every step (keep 2, so a corrupted newest one has an older one to fall back
 # to), small sources and evaluations.
 CHAOS = [
-    "sources.prose.max_documents=60",
-    "sources.code.max_documents=20",
-    "sources.math.max_documents=200",
+    *SMALL,  # the sources of the session's `data` build, which the uninterrupted run copies
     "stages=[{name: stage1, mixture: mixtures/tiny/stage1.yaml, tokens: 16384, seq_len: 256},"
     " {name: stage2, mixture: mixtures/tiny/stage2.yaml, tokens: 16384, seq_len: 256}]",
     "training.model_overrides={num_layers: 2}",
@@ -264,8 +264,11 @@ def _weights(stage_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_path, private_api_url):
+def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_path, private_api_url, built_workspace):
     api_url = private_api_url
+    # The uninterrupted run starts from a copy of the session's data part (tests/conftest.py: the
+    # same sources at the same sizes, so the same data steps): it only trains, exports and scores.
+    ref_ws = copy_workspace(built_workspace("data"), tmp_path / "reference")
     seed = int(os.environ.get("SMOLLM3_CHAOS_SEED") or time.time_ns() % 100_000)
     c = Chaos(tmp_path, api_url, seed)
     k1 = c.rng.randint(1, STEPS - 3)  # stage 1 step after which a rank dies
@@ -325,7 +328,6 @@ def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_p
         c.serve.wait()
         c.assert_no_leftovers("after the serve and flow processes died")
         # The uninterrupted run, meanwhile
-        ref_ws = tmp_path / "reference"
         reference = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "run", "tiny", *CHAOS, f"workspace={ref_ws}"],
             cwd=REPO,

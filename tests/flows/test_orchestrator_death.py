@@ -4,7 +4,9 @@ works at once (pipeline/sentinel.py).
 
 The real thing, driven from outside: `python -m flows.deployments` and `prefect deployment run
 smollm3/full` on the data part of the tiny recipe (the cheapest served run: its first steps, the
-sources, run in child processes, two at once in the `data` slots, the third waiting for a slot).
+sources, run in child processes, two at once in the `data` slots, the third waiting for a slot),
+in a copy of the session's finished data part whose source folders are deleted (the sources build
+again; their curations, tokenizer and shards are reused by fingerprint).
 Once the first source steps build, their child processes are frozen (SIGSTOP) so that they are
 certainly still running when the serve and flow process groups are SIGKILLed; what Prefect shows
 running at that moment is what lineage must then show stopped. A new serve process and `prefect
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,8 +85,13 @@ def _kill_tree(procs: list[psutil.Process]) -> None:
 
 
 @pytest.mark.slow
-def test_killed_serve_and_flow_processes_are_seen_in_seconds_and_the_run_retries(tmp_path, private_api_url):
-    ws = tmp_path / "ws"
+def test_killed_serve_and_flow_processes_are_seen_in_seconds_and_the_run_retries(
+    tmp_path, private_api_url, workspace_copy
+):
+    # A copy of the session's data part (tests/conftest.py) without its source folders: the
+    # sources build again (the steps frozen and killed here), the rest is reused by fingerprint.
+    ws = workspace_copy("data")
+    shutil.rmtree(ws / "source")
     env = {**os.environ, "PREFECT_API_URL": private_api_url}
     serve = _serve(tmp_path, env, 1)
     frozen: list[psutil.Process] = []

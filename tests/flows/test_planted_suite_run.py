@@ -1,7 +1,8 @@
 """A planted eval-suite payload stays inert through a normal `smollm3 run tiny eval.limit=2` (issue 35).
 
 The run goes through the CLI, as a person types it (one short stage, a 2-layer model, so the
-whole DAG fits a test). Between two runs another process plants payloads into the finished
+whole DAG fits a test), in a copy of the session's finished data steps (tests/conftest.py
+`workspace_copy`). Between two runs another process plants payloads into the finished
 `eval_suite` folder of the workspace: a Jinja task YAML with its data and a `utils.py` beside the
 suite, then one of the suite's own task YAMLs swapped for the payload. Each is shown live on that
 folder (lm-eval's `TaskManager` renders it and the canary file appears), then
@@ -42,10 +43,12 @@ def _evaluate_rows(lineage: Lineage) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_planted_suite_payload_stays_inert_through_smollm3_run(tmp_path, prefect_harness):
+def test_a_planted_suite_payload_stays_inert_through_smollm3_run(tmp_path, prefect_harness, workspace_copy):
     from flows.cli import main
 
-    ws = tmp_path / "ws"
+    # A copy of the session's data steps at these source sizes (tests/conftest.py): the run reuses
+    # its sources, curations, tokenizer and shards and builds the stage, its suite and evaluation.
+    ws = workspace_copy("tiny-data")
     run = ["run", "tiny", *OVERRIDES, f"workspace={ws}"]
     assert main(run) == 0
     lineage = Lineage(ws / "lineage.duckdb")

@@ -153,26 +153,39 @@ def _lineage_edges(lineage: Lineage, run_id: str) -> set[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(tmp_path, prefect_harness):
+def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(workspace_copy, prefect_harness):
     """The whole tiny DAG (pretraining, export and eval per stage) through Prefect: independent
     branches overlap in time (per-source data steps; the evaluation of stage 1 beside the training
     of stage 2), every task run's inputs in the Prefect API equal the lineage edges, and both equal
-    the graph the flow built."""
+    the graph the flow built.
+
+    From a copy of the session's data steps at these sizes (tests/conftest.py) with its source
+    folders deleted: the three sources build again (two at once in the `data` slots), their
+    curations, tokenizer and shards are reused by fingerprint, and the rest is built."""
     from flows.recipe import load_recipe
     from flows.smollm3 import graph
     from tests.conftest import TINY_TRAIN
 
-    over = [*TINY_TRAIN, f"workspace={tmp_path / 'ws'}"]
+    ws = workspace_copy("tiny-data")
+    shutil.rmtree(ws / "source")
+    over = [*TINY_TRAIN, f"workspace={ws}"]
     result = smollm3(overrides=over)
-    assert set(result["states"]) == {"completed"}
-    lineage = Lineage(tmp_path / "ws" / "lineage.duckdb")
-    span = {f"{s['step']}[{s['label']}]": (s["started"], s["ended"]) for s in lineage.steps_of(result["run_id"])}
+    assert set(result["states"]) == {"completed", "cached"}  # built, or reused from the copy
+    lineage = Lineage(ws / "lineage.duckdb")
+    steps = lineage.steps_of(result["run_id"])
+    span = {f"{s['step']}[{s['label']}]": (s["started"], s["ended"]) for s in steps}
+    state = {f"{s['step']}[{s['label']}]": s["state"] for s in steps}
+    reused = {k for k, v in state.items() if v == "cached"}  # (fertility reads the stages' weights: it runs)
+    assert reused == {f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math")} | {
+        "tokenizer[bpe]"
+    }, reused
 
     def overlap(a: str, b: str) -> bool:
         return span[a][0] < span[b][1] and span[b][0] < span[a][1]
 
     assert overlap("evaluate[stage1]", "pretrain[stage2]"), (span["evaluate[stage1]"], span["pretrain[stage2]"])
-    assert overlap("source[prose]", "source[code]") or overlap("curate[prose]", "curate[code]")
+    sources = ("source[prose]", "source[code]", "source[math]")
+    assert any(overlap(a, b) for a in sources for b in sources if a < b), {k: span[k] for k in sources}
 
     expected = graph(load_recipe("tiny", over)).edges()
     assert _lineage_edges(lineage, result["run_id"]) == expected

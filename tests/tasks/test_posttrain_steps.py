@@ -84,6 +84,11 @@ def corpus_texts(corpora: list[Artifact]) -> list[str]:
 DATA = ChatDataConfig(math_examples=80, prose_examples=16, heldout_examples=8, prompts=32, think_share=0.5)
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the base model, chat data and the 3-step SFT) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("posttrain-steps-world")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Corpora, chat data, a base model and a 3-step SFT model (shared by this module's tests)."""

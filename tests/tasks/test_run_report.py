@@ -23,6 +23,11 @@ TINY = {
 }
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the two trained stages) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("run-report-stages")
+
+
 @pytest.fixture(scope="module")
 def two_stages(tmp_path_factory):
     """Two real stages of one WSD schedule (3 + 3 steps, the decay in the second), trained by the

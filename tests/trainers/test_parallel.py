@@ -50,6 +50,11 @@ def _copy_checkpoint(src_out, step: int, dst_out) -> None:
     shutil.copytree(src_out / "checkpoints" / name, dst_out / "checkpoints" / name)
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the DP 4 reference run) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("parallel-dp4")
+
+
 @pytest.fixture(scope="module")
 def dp4(tmp_path_factory):
     """One DP 4 reference run (FSDP2 over 4 ranks), shared by the tests below."""

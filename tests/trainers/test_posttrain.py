@@ -67,6 +67,11 @@ def hf_input(folder: Path, model_dir: Path, name: str) -> Artifact:
     )
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the base model and the 1-process SFT and APO runs) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("posttrain-world")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Base model and chat data as input artifacts, and the uninterrupted 1-process SFT and APO

@@ -66,6 +66,11 @@ def _trainer_processes(guard_pid: int) -> tuple[psutil.Process, dict[int, psutil
     return torchrun, ranks
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the uninterrupted 2-rank run) is built once,
+# not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("rank-signals-clean")
+
+
 @pytest.fixture(scope="module")
 def shared_plan(tmp_path_factory) -> Path:
     """One plan for the whole module, so the uninterrupted run is trained once."""
