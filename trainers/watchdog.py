@@ -50,7 +50,7 @@ from typing import Any
 
 from infra.files import write_atomic
 from infra.guard import start_time
-from infra.launchers.base import HANG_DIR
+from infra.launchers.base import HANG_DIR, NODE_ENV
 from model.spec import WatchdogConfig
 
 EXIT_HUNG = 5
@@ -109,7 +109,11 @@ class Watchdog:
         self.out_dir = Path(out_dir)
         self.hang_path = Path(out_dir) / HANG_DIR / f"rank{rank}.json"
         self.heartbeat_path = Path(out_dir) / HEARTBEAT_DIR / f"rank{rank}.json"
-        self.host, self.pid, self.start_ticks = socket.gethostname(), os.getpid(), start_time(os.getpid())
+        self.host, self.pid, self.start_ticks = (
+            os.environ.get(NODE_ENV) or socket.gethostname(),
+            os.getpid(),
+            start_time(os.getpid()),
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._times: deque[float] = deque(maxlen=config.window)

@@ -27,6 +27,7 @@ New substrates register a `Launcher` subclass under a unique name (`@LAUNCHERS.r
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -72,6 +73,9 @@ EXIT_CODES = {
 # within its bound (trainers/watchdog.py), or the pretrain step's own when the ranks could not
 # report (tasks/pretrain.py). Cleared before each launch, so reports describe the launch that ended.
 HANG_DIR = Path("monitor") / "hang"
+# the node a rank runs on, when its hostname is not it (a Kubernetes pod's): heartbeats and hang
+# reports name it, so that a failed node can be excluded from the next attempt (exclude.py)
+NODE_ENV = "SMOLLM3_NODE"
 
 
 def hang_reports(out_dir: Path) -> list[dict]:
@@ -125,6 +129,8 @@ class FailureFacts:
     state: str | None = None  # the scheduler's final state when it says more (NODE_FAIL, TIMEOUT)
     lost: str | None = None  # the peer or rendezvous store a survivor lost (infra/launchers/peers.py)
     hung: str | None = None  # the first hang report (`describe_hang`): the launch was ended as hung
+    node: str | None = None  # the node to blame (`suspect_node`): a frozen or hung rank's, a lost peer's
+    excluded: tuple[str, ...] = ()  # the nodes the stage's next attempt keeps away from (infra/launchers/exclude.py)
 
     @property
     def external(self) -> bool:
@@ -135,7 +141,7 @@ class FailureFacts:
     def cause(self) -> str:
         """One sentence: who died how, where, and what a retry does."""
         if self.hung:
-            return f"hung: {self.hung}; stacks are in the log; the launch was ended{self._then()}"
+            return f"hung: {self.hung}; stacks are in the log; the launch was ended{self._then()}{self._avoid()}"
         who = f"rank {self.rank}" if self.rank is not None else self.who
         if self.signal:
             how = f"killed by {self.signal}"
@@ -153,7 +159,13 @@ class FailureFacts:
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
         if self.lost:
             how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
-        return f"{who} {how}{self._then()}"
+        return f"{who} {how}{self._then()}{self._avoid()}"
+
+    def _avoid(self) -> str:
+        """The nodes the next attempt excludes, when a failure named one."""
+        if not self.excluded:
+            return ""
+        return f"; the next attempt excludes node{'s' if len(self.excluded) > 1 else ''} {', '.join(self.excluded)}"
 
     def _then(self) -> str:
         """Where the launch stopped and what a retry does."""
@@ -338,7 +350,32 @@ def failure_facts(
         state=state,
         lost=lost.describe() if lost is not None else None,
         hung=describe_hang(hangs[0]) if hangs else None,
+        node=suspect_node(hangs, lost),
     )
+
+
+def suspect_node(hangs: Sequence[dict], lost: LostPeer | None = None) -> str | None:
+    """The node a failed launch's next attempt should avoid: the host of the first frozen rank of
+    the first hang report (its heartbeat stopped: SIGSTOP, a dead GPU or node), else the host of the
+    rank that reported the hang; without a hang, the host of the peer or rendezvous store a survivor
+    lost, when the transport named it by name (an IP address is not a node name Slurm or Kubernetes
+    can exclude). None when nothing names a node (a rank's own error is not the node's fault)."""
+    if hangs:
+        report = hangs[0]
+        frozen = [f for f in report.get("frozen") or () if isinstance(f, dict) and f.get("host")]
+        host = frozen[0]["host"] if frozen else report.get("host")
+        return host if isinstance(host, str) and host else None
+    if lost is None:
+        return None
+    where = lost.store or (lost.endpoint if lost.store_lost else None) or lost.peer
+    host = (where or "").rpartition(":")[0].strip("[]")
+    if not host or host == "localhost":
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return None
 
 
 class SlurmLaunchConfig(BaseModel):
@@ -469,6 +506,9 @@ class LaunchConfig(BaseModel):
 
     kind: Literal["local", "slurm", "kubernetes"] = "local"  # registered launcher name
     nodes: int = Field(default=1, gt=0)  # machines (local: must be 1)
+    # nodes a stage's later attempts may exclude after failures that named them (a frozen or hung
+    # rank's host, a lost peer's): Slurm `--exclude`, a Kubernetes node anti-affinity; 0 = never
+    max_excluded_nodes: int = Field(default=4, ge=0)
     procs_per_node: int = Field(default=1, gt=0)  # torchrun ranks per node (= GPUs per node on GPU)
     gpus_per_node: int = Field(default=0, ge=0)  # GPUs requested per node (0: CPU/gloo)
     master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500

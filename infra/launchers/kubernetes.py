@@ -62,6 +62,7 @@ import yaml
 
 from infra.launchers.base import (
     LAUNCHERS,
+    NODE_ENV,
     FirstError,
     JobRecord,
     Launcher,
@@ -74,6 +75,7 @@ from infra.launchers.base import (
     failure_facts,
     launch_digest,
 )
+from infra.launchers.exclude import exclude_node, excluded_nodes
 from infra.launchers.fabric import launch_env, torchrun_flags
 from infra.launchers.follow import explicit_stop, following
 from infra.launchers.peers import LostPeer
@@ -99,7 +101,8 @@ class KubernetesLauncher(Launcher):
         base = re.sub(r"[^a-z0-9-]", "-", self.config.kubernetes.job_name.lower()).strip("-")
         return f"{base[:40]}-{digest}"
 
-    def manifest(self, spec_path: Path) -> dict[str, Any]:
+    def manifest(self, spec_path: Path, workdir: Path | None = None) -> dict[str, Any]:
+        """The PyTorchJob; `workdir` (default: the spec's folder) holds the nodes to avoid."""
         c, k = self.config, self.config.kubernetes
         spec = Path(spec_path)
         if k.workspace_claim and not spec.is_relative_to(k.workspace_mount):
@@ -121,6 +124,8 @@ class KubernetesLauncher(Launcher):
         env_vars = {"OMP_NUM_THREADS": "1"} | launch_env(c.fabric, c.rendezvous, labels=labels) | dict(c.env)
         env = [{"name": n, "value": v} for n, v in sorted(env_vars.items())]
         env.append({"name": "PYTHONPATH", "value": k.code_dir})
+        # the node's name (not the pod's) in heartbeats and hang reports: what an anti-affinity excludes
+        env.append({"name": NODE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
         elastic = self.elastic
         restarts = k.max_restarts if elastic else 0
         log_dir = str(spec.parent / "logs" / "ranks") if labels else None
@@ -162,6 +167,16 @@ class KubernetesLauncher(Launcher):
             pod["serviceAccountName"] = k.service_account
         if k.node_selector:
             pod["nodeSelector"] = dict(k.node_selector)
+        if excluded := excluded_nodes(Path(workdir) if workdir is not None else spec.parent):
+            # nodes earlier attempts failed on (infra/launchers/exclude.py): no pod is placed there
+            term = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": excluded}
+            pod["affinity"] = {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [term]}]
+                    }
+                }
+            }
         gang = k.gang_for(c.nodes)
         if gang == "volcano":
             pod["schedulerName"] = "volcano"
@@ -230,7 +245,7 @@ class KubernetesLauncher(Launcher):
         return {"command": ["bash", "-c"], "args": ["exec " + run]}
 
     def render(self, spec_path: Path, workdir: Path) -> str:
-        return yaml.safe_dump(self.manifest(Path(spec_path)), sort_keys=False)
+        return yaml.safe_dump(self.manifest(Path(spec_path), Path(workdir)), sort_keys=False)
 
     def _kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
         try:
@@ -328,6 +343,7 @@ class KubernetesLauncher(Launcher):
             log(line)
         if state != "Succeeded":
             facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state, lost=lost)
+            facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(
                 f"PyTorchJob {ns}/{name} failed; see "
                 f"{shlex.join(['kubectl', 'describe', 'pytorchjob', name, '-n', ns])}",

@@ -68,6 +68,7 @@ from infra.launchers.base import (
     launch_digest,
     stage_dir,
 )
+from infra.launchers.exclude import exclude_node, excluded_nodes
 from infra.launchers.fabric import launch_env, torchrun_flags
 from infra.launchers.follow import explicit_stop, following
 from infra.launchers.peers import LostPeer
@@ -173,6 +174,8 @@ class SlurmLauncher(Launcher):
         sb.append(("time", s.time))
         if s.exclusive:
             sb.append(("exclusive", None))
+        if excluded := excluded_nodes(workdir):  # nodes earlier attempts failed on (infra/launchers/exclude.py)
+            sb.append(("exclude", ",".join(excluded)))
         if s.requeue:
             sb += [("requeue", None), ("signal", f"B:USR1@{s.signal_s}")]
         sb += [
@@ -516,6 +519,7 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
+            facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -659,7 +660,7 @@ def test_pytorchjob_manifest(tmp_path):
     ]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "cpu": "96", "memory": "1800Gi"}
     assert container["envFrom"] == [{"secretRef": {"name": "aws-s3"}}]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1") and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "180"
     assert {"name": "workspace", "mountPath": "/fsx/ws"} in container["volumeMounts"]
@@ -1272,3 +1273,102 @@ def test_a_pytorchjob_requests_the_fabrics_rdma_devices_and_the_plans_memory(tmp
     }
     off = K8S.model_copy(update={"kubernetes": K8S.kubernetes.model_copy(update={"gang": "none"})})
     assert "schedulerName" not in pod(off)
+
+
+# --- nodes excluded after a failure that named them ------------------------------------------------
+
+
+def _hang_report(out: Path, frozen_host: str) -> None:
+    """A hang report as trainers/watchdog.py writes it: rank 0 on node-1 waited on a frozen rank 1."""
+    (out / "monitor" / "hang").mkdir(parents=True, exist_ok=True)
+    report = {
+        "rank": 0,
+        "host": "node-1",
+        "step": 5,
+        "idle_s": 31.0,
+        "bound_s": 30.0,
+        "time": 1.0,
+        "frozen": [{"rank": 1, "host": frozen_host, "pid": 7, "silent_s": 31.0}],
+    }
+    (out / "monitor" / "hang" / "rank0.json").write_text(json.dumps(report))
+
+
+def test_excluded_nodes_accumulate_up_to_the_limit_and_name_the_culprit(tmp_path):
+    from infra.launchers.base import FailureFacts, suspect_node
+    from infra.launchers.exclude import EXCLUDED_FILE, exclude_node, excluded_nodes
+    from infra.launchers.peers import LostPeer
+
+    # the frozen rank's host is blamed, not the healthy rank that reported the hang
+    assert suspect_node([{"rank": 0, "host": "node-1", "frozen": [{"rank": 1, "host": "node-7"}]}]) == "node-7"
+    assert suspect_node([{"rank": 0, "host": "node-1"}]) == "node-1"  # no frozen rank: the hung one
+    peer = LostPeer()
+    peer.feed("RuntimeError: Connection reset by peer [node-3]:45735")
+    assert suspect_node([], peer) == "node-3"  # a lost peer named by its name
+    lost_ip = LostPeer()
+    lost_ip.peer = "10.0.0.2:45735"
+    assert suspect_node([], lost_ip) is None  # an address is not a node name a scheduler excludes
+    assert suspect_node([], None) is None and suspect_node([], LostPeer()) is None
+
+    lines: list[str] = []
+    first = exclude_node(tmp_path, FailureFacts(rank=1, node="node-7", signal="SIGKILL"), 2, lines.append)
+    assert first.excluded == ("node-7",) and first.cause().endswith("; the next attempt excludes node node-7")
+    again = exclude_node(tmp_path, FailureFacts(node="node-7"), 2, lines.append)  # the same node: once
+    second = exclude_node(tmp_path, FailureFacts(node="node-3"), 2, lines.append)
+    assert again.excluded == ("node-7",) and second.excluded == ("node-7", "node-3")
+    assert second.cause().endswith("the next attempt excludes nodes node-7, node-3")
+    none = exclude_node(tmp_path, FailureFacts(exitcode=1, error="ValueError: x"), 2, lines.append)
+    assert none.excluded == ("node-7", "node-3")  # a rank's own error blames no node, adds none
+    third = exclude_node(tmp_path, FailureFacts(node="node-9"), 2, lines.append)
+    assert third.excluded == ("node-7", "node-3") and excluded_nodes(tmp_path) == ["node-7", "node-3"]
+    assert "not excluding node node-9" in lines[-1] and "launch.max_excluded_nodes is 2" in lines[-1]
+    record = json.loads((tmp_path / EXCLUDED_FILE).read_text())
+    assert [c["node"] for c in record["causes"]] == ["node-7", "node-3"]
+    assert "rank 1 killed by SIGKILL" in record["causes"][0]["cause"]
+    assert exclude_node(tmp_path / "other", FailureFacts(node="n"), 0, lines.append).excluded == ()  # 0: never
+    assert "not excluding node n" in lines[-1]
+
+
+def test_slurm_excludes_the_frozen_ranks_node_from_the_next_attempts(tmp_path):
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    assert "--exclude" not in SlurmLauncher(SLURM).render(spec, tmp_path)
+    _hang_report(tmp_path, "node-7")
+    fake = FakeSlurm(tmp_path, ["RUNNING", "FAILED"], exit_code="5:0")
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert "rank 1 on node-7 frozen" in err.value.cause and err.value.cause.endswith("excludes node node-7")
+    assert "[launch] node node-7 is excluded from the stage's next attempts" in "\n".join(lines)
+    assert "#SBATCH --exclude=node-7\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+    _hang_report(tmp_path, "node-3")  # the next attempt hangs on another node: both stay excluded
+    fake = FakeSlurm(tmp_path, ["RUNNING", "FAILED"], exit_code="5:0")
+    with pytest.raises(LaunchFailed):
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert "#SBATCH --exclude=node-7\n" in fake.scripts[0]  # that attempt was already kept off node-7
+    assert "#SBATCH --exclude=node-7,node-3\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+def test_kubernetes_keeps_the_next_attempts_pods_off_the_frozen_ranks_node(tmp_path):
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    launcher = KubernetesLauncher(_k8s_here(ws), runner=FakeKubectl([FAILED_JOB]), sleep=lambda s: None)
+    pod = launcher.manifest(spec, ws)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert "affinity" not in pod
+    # ranks name their node, not their pod, in heartbeats and hang reports (the downward API)
+    node_env = {"name": "SMOLLM3_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert node_env in pod["containers"][0]["env"]
+
+    _hang_report(ws, "ip-10-1-2-3.ec2.internal")
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lambda _: None)
+    assert err.value.cause.endswith("the next attempt excludes node ip-10-1-2-3.ec2.internal")
+    manifest = yaml.safe_load(launcher.render(spec, ws))
+    # the operator's model takes the node env and the anti-affinity (tests/infra/schemas)
+    schema = json.loads((Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json").read_text())
+    jsonschema.validate(manifest, schema)
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        affinity = replica["template"]["spec"]["affinity"]["nodeAffinity"]
+        (term,) = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [
+            {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["ip-10-1-2-3.ec2.internal"]}
+        ]

@@ -61,6 +61,15 @@ def test_a_rank_that_ended_is_not_frozen_however_old_its_last_heartbeat(tmp_path
     assert frozen_ranks(tmp_path, 0.1, now=time.time() + 600) == []
 
 
+def test_a_rank_names_its_node_when_the_launcher_gives_it_one(tmp_path, monkeypatch):
+    """In a Kubernetes pod the hostname is the pod's: the node's name comes in SMOLLM3_NODE (the
+    downward API, infra/launchers/kubernetes.py), which is what an anti-affinity can exclude."""
+    monkeypatch.setenv("SMOLLM3_NODE", "ip-10-1-2-3.ec2.internal")
+    watchdog = Watchdog(WatchdogConfig(floor_s=5.0, heartbeat_s=0.1), tmp_path, 0, "stage1").start()
+    watchdog.stop()
+    assert json.loads((tmp_path / HEARTBEAT_DIR / "rank0.json").read_text())["host"] == "ip-10-1-2-3.ec2.internal"
+
+
 CHILD = """
 import sys, time
 from pathlib import Path
