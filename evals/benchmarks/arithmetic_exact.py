@@ -37,8 +37,29 @@ ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions e
 
 # Think mode: what the template renders for `/think` (or enable_thinking=True) with a generation
 # prompt: the system turn says /think and the assistant turn opens bare, for the model's <think>.
-THINK_PROMPT = CHAT_PROMPT.replace("Reasoning Mode: /no_think", "Reasoning Mode: /think").removesuffix(
-    "<think>\n\n</think>\n"
+# Its default custom instructions are SmolLM3's think-mode persona (curation/bpe.py THINK_PERSONA).
+THINK_PERSONA = (
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant "
+    "involves thoroughly exploring questions through a systematic thinking process before providing "
+    "the final precise and accurate solutions. This requires engaging in a comprehensive cycle of "
+    "analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to "
+    "develop well-considered thinking process. Please structure your response into two main sections: "
+    "Thought and Solution using the specified format: <think> Thought section </think> Solution "
+    "section. In the Thought section, detail your reasoning process in steps. Each step should include "
+    "detailed considerations such as analysing questions, summarizing relevant findings, brainstorming "
+    "new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting "
+    "previous steps. In the Solution section, based on various attempts, explorations, and reflections "
+    "from the Thought section, systematically present the final solution that you deem correct. The "
+    "Solution section should be logical, accurate, and concise and detail necessary steps needed to "
+    "reach the conclusion."
+)
+THINK_PROMPT = (
+    CHAT_PROMPT.replace("Reasoning Mode: /no_think", "Reasoning Mode: /think")
+    .replace(
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face.\n",
+        THINK_PERSONA + "\n",
+    )
+    .removesuffix("<think>\n\n</think>\n")
 )
 THINK_TASK = "arithmetic_exact_think"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
