@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from evals.benchmarks.arithmetic_exact import think_stats
 from evals.suite import SUITE_TASK, suite_task_yaml, task_of
 from infra.files import write_atomic
 from pipeline.artifact import Artifact
@@ -188,6 +189,7 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
             progress=progress,
             rope_scaling=reading["rope_scaling"],
         )
+    think = [t for t in tasks if (ours := task_of(t)) is not None and ours.think]
     results = lm_eval.simple_evaluate(
         model=model,
         model_args=",".join(f"{k}={v}" for k, v in model_args.items()),
@@ -196,7 +198,7 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
         task_manager=manager,
         batch_size=cfg.batch_size,
         limit=cfg.limit,
-        log_samples=False,
+        log_samples=bool(think),
     )
     scores: dict[str, dict[str, float]] = {}
     for task, metrics in results["results"].items():
@@ -208,6 +210,17 @@ def _run(model_dir, task_dir, private, hub, tasks, cfg, out, harness_model, devi
             and "," in k
             and not (isinstance(v, float) and v != v)
         }
+    samples = results.pop("samples", None) or {}  # kept out of the results file, as before
+    if think:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        for task in think:
+            completions = [s["resps"][0][0] for s in samples.get(task, [])]
+            if completions and task in scores:
+                scores[task].update(
+                    think_stats(completions, lambda text: len(tok.encode(text, add_special_tokens=False)))
+                )
     results["config"]["harness_model"] = harness_model
     if reading["rope_scaling"] is not None:  # not in model_args: a config change lm-eval's CLI cannot pass
         results["config"]["rope_scaling"] = dataclasses.asdict(reading["rope_scaling"])

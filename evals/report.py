@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from evals.benchmarks.arithmetic_exact import GENERATION_TASK
+from evals.benchmarks.arithmetic_exact import GENERATION_TASK, THINK_TASK
 from evals.harness import headline_metric, items_scored
 from pipeline.artifact import Artifact
 
@@ -45,6 +45,9 @@ def eval_rows(labelled: Sequence[tuple[str, Artifact]]) -> list[dict[str, Any]]:
                     "stderr": metrics.get(f"{metric}_stderr"),
                     "items": items.get(task),
                     "random": base,
+                    # think-mode tasks: mean tokens in the <think> block, share closing it
+                    "think_tokens": metrics.get("think_tokens"),
+                    "think_closed": metrics.get("think_closed"),
                 }
             )
     return rows
@@ -58,15 +61,17 @@ def _items(art: Artifact) -> dict[str, int]:
 
 
 def _task_order(task: str) -> tuple:
-    """Columns: cloze tasks, passkeys by length (those past the trained length last), generation,
-    then other (hub) tasks."""
+    """Columns: cloze tasks, passkeys by length (those past the trained length last), generation
+    (no-think, then think mode), then other (hub) tasks."""
     if task.endswith("_cloze"):
         return (0, task)
     if task.startswith("passkey_") and task[8:].isdigit():
         return (1, int(task[8:]))
     if task.startswith("passkey_beyond_") and task[15:].isdigit():
         return (1, 1 << 30, int(task[15:]))
-    return (2, "") if task == GENERATION_TASK else (3, task)
+    if task in (GENERATION_TASK, THINK_TASK):
+        return (2, task)
+    return (3, task)
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -89,6 +94,10 @@ def _cell(row: dict[str, Any] | None, column: dict[str, Any], per_task_items: bo
         notes.append(f"n={row['items'] if row['items'] is not None else '?'}")
     if row["random"] is not None and (column["random"] is None or abs(row["random"] - column["random"]) > 0.005):
         notes.append(f"random {row['random']:.3f}")
+    if row.get("think_tokens") is not None:
+        notes.append(f"think {row['think_tokens']:.1f} tok")
+    if row.get("think_closed") is not None:
+        notes.append(f"{row['think_closed']:.0%} closed")
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -127,7 +136,7 @@ def eval_table_text(rows: list[dict[str, Any]]) -> str:
     lines.insert(3, "")  # between the column heads and the models
     return "\n".join(line.rstrip() for line in lines) + (
         "\n\nscore ± stderr of each task's metric, on the items of its row (per task: n= in each "
-        "cell); a model is ahead of another, or of random, only by more than about two stderr"
+        f"cell; {THINK_TASK}: think mode, with the mean think length and the share closing it); a model is ahead of another, or of random, only by more than about two stderr"
     )
 
 
@@ -143,7 +152,9 @@ def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + (
         "\n\nScore ± stderr of each task's metric, on the items of its row (`items`; per task: "
         "n= in each cell) (acc_norm: length-normalised accuracy; "
-        f"{GENERATION_TASK}: exact match of the final answer). A difference smaller than about two "
+        f"{GENERATION_TASK}: exact match of the final answer, no-think mode; {THINK_TASK}: the same in "
+        "think mode, the answer after the closed think block, with the mean think length in tokens "
+        "and the share of answers closing the block). A difference smaller than about two "
         "stderr, to another model or to the random baseline, is noise."
     )
 

@@ -18,6 +18,7 @@ from typing import Any
 from evals.benchmarks.arithmetic_cloze import ArithmeticCloze
 from evals.benchmarks.arithmetic_exact import (
     ArithmeticExact,
+    ArithmeticExactThink,
     arithmetic_generation_items,  # noqa: F401  re-exported: NOT YET, see below
     generation_task_yaml,  # noqa: F401  re-exported: NOT YET, see below
 )
@@ -57,6 +58,7 @@ TASKS = registry(
     Passkey(),
     ArithmeticExact(),
     PasskeyBeyond(),
+    ArithmeticExactThink(),
 )
 
 SUITE_TASK = re.compile("|".join(f"(?:{task.names})" for task in TASKS))  # every task name the suite may write
@@ -101,7 +103,7 @@ def build_suite(
     for name, (task, items) in built.items():
         data = task_dir / f"{name}.jsonl"
         data.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
-        (task_dir / f"{name}.yaml").write_text(task.task_yaml(name, data, spec.max_gen_tokens))
+        (task_dir / f"{name}.yaml").write_text(task.task_yaml(name, data, task.gen_tokens(spec)))
     checked = {name: items for name, (task, items) in built.items() if task.contamination}
     report = contamination(checked, training_texts, cfg.contamination_ngram)
     (out / "contamination.json").write_text(json.dumps(report, indent=2))

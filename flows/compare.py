@@ -82,7 +82,11 @@ def eval_pairs(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]]) -> li
 def _score(r: dict[str, Any] | None) -> str:
     if r is None:
         return "-"
-    return f"{r['score']:.3f}" + (f"±{r['stderr']:.3f}" if r["stderr"] is not None else "") + f" (n={r['items']})"
+    think = ""  # think-mode tasks: mean think length and the share of answers closing the block
+    if r.get("think_tokens") is not None and r.get("think_closed") is not None:
+        think = f", think {r['think_tokens']:.1f} tok, {r['think_closed']:.0%} closed"
+    stderr = f"±{r['stderr']:.3f}" if r["stderr"] is not None else ""
+    return f"{r['score']:.3f}{stderr} (n={r['items']}{think})"
 
 
 def _diff(row: dict[str, Any]) -> tuple[str, str]:

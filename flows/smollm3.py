@@ -203,6 +203,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
             seed=cfg.seed,
             generation_items=pt.eval.generation_items,
             max_gen_tokens=pt.eval.max_gen_tokens,
+            think_gen_tokens=pt.eval.think_gen_tokens,
         ),
         label="posttrain",
         heldout=clean,

@@ -196,6 +196,8 @@ class SuiteSpec(BaseModel):
     seed: int = 0
     generation_items: int = Field(default=0, ge=0)  # arithmetic exact-match items (0: none)
     max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
+    # > 0: the think-mode twin of the generation task too, this many tokens per answer
+    think_gen_tokens: int = added_identity(0, ge=0)
 
 
 class BeyondSpec(BaseModel):

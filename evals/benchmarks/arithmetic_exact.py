@@ -7,13 +7,21 @@ empty think block the answer follows) is written into the prompt itself (not lm-
 --apply_chat_template), so the task file alone reproduces the score and a base model sees the
 same string (tests/tasks/test_chat_template.py checks it against the template); generation stops
 at the end of the assistant turn.
+
+Post-training suites also carry its think-mode twin, `arithmetic_exact_think` (`ArithmeticExactThink`,
+built only where the suite's `think_gen_tokens` is set, so pretraining suites are unchanged): the
+same items under the `/think` system turn (`enable_thinking=True`), the assistant turn left open
+for the model's `<think>` block; exact match reads the `Answer: N` after a closed `</think>` only,
+and the evaluation records each model's mean think length and the share of answers that close the
+block (`think_stats`).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,67 @@ CHAT_PROMPT = (
 )
 GENERATION_TASK = "arithmetic_exact"
 ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
+
+# Think mode: what the template renders for `/think` (or enable_thinking=True) with a generation
+# prompt: the system turn says /think and the assistant turn opens bare, for the model's <think>.
+# Its default custom instructions are SmolLM3's think-mode persona (curation/bpe.py THINK_PERSONA).
+THINK_PERSONA = (
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant "
+    "involves thoroughly exploring questions through a systematic thinking process before providing "
+    "the final precise and accurate solutions. This requires engaging in a comprehensive cycle of "
+    "analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to "
+    "develop well-considered thinking process. Please structure your response into two main sections: "
+    "Thought and Solution using the specified format: <think> Thought section </think> Solution "
+    "section. In the Thought section, detail your reasoning process in steps. Each step should include "
+    "detailed considerations such as analysing questions, summarizing relevant findings, brainstorming "
+    "new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting "
+    "previous steps. In the Solution section, based on various attempts, explorations, and reflections "
+    "from the Thought section, systematically present the final solution that you deem correct. The "
+    "Solution section should be logical, accurate, and concise and detail necessary steps needed to "
+    "reach the conclusion."
+)
+THINK_PROMPT = (
+    CHAT_PROMPT.replace("Reasoning Mode: /no_think", "Reasoning Mode: /think")
+    .replace(
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face.\n",
+        THINK_PERSONA + "\n",
+    )
+    .removesuffix("<think>\n\n</think>\n")
+)
+THINK_TASK = "arithmetic_exact_think"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The final answer after the closed think block (an `Answer:` inside the trace does not count).
+THINK_ANSWER_PATTERN = r"</think>[\s\S]*?Answer:\s*(-?\d+)"
+
+
+def strip_think(completion: str) -> str | None:
+    """The answer part of a think-mode completion: the text after its `</think>` (None: the block
+    never closes, so there is no answer)."""
+    _, closed, after = completion.partition(THINK_CLOSE)
+    return after if closed else None
+
+
+def think_answer(completion: str) -> str | None:
+    """The final `Answer: N` of a think-mode completion after its think block, as lm-eval's filter
+    of the task reads it (None: no closed block, or no answer after it)."""
+    m = re.search(THINK_ANSWER_PATTERN, completion)
+    return m[1] if m else None
+
+
+def think_stats(completions: Sequence[str], count_tokens: Callable[[str], int]) -> dict[str, float]:
+    """Over think-mode completions: `think_tokens`, the mean number of tokens between `<think>`
+    and `</think>` (an unclosed block counts up to the end of the completion; a completion without
+    `<think>` counts from its start), and `think_closed`, the share that close the block."""
+    if not completions:
+        raise ValueError("think_stats: no completions to measure")
+    lengths, closed = [], 0
+    for text in completions:
+        start = text.find(THINK_OPEN)
+        body = text[start + len(THINK_OPEN) :] if start >= 0 else text
+        inside, shut, _ = body.partition(THINK_CLOSE)
+        closed += bool(shut)
+        lengths.append(count_tokens(inside.strip()) if inside.strip() else 0)
+    return {"think_tokens": sum(lengths) / len(lengths), "think_closed": closed / len(completions)}
 
 
 def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, Any]]:
@@ -40,13 +109,16 @@ def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, A
     return items
 
 
-def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> str:
-    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer."""
+def generation_task_yaml(
+    name: str, data_file: Path, max_gen_toks: int = 48, prompt: str = CHAT_PROMPT, answer: str = ANSWER_PATTERN
+) -> str:
+    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer
+    (`prompt` and `answer`: the think-mode task's own)."""
     return "\n".join(
         [
             *local_json_task(name, data_file),
             "output_type: generate_until",
-            f"doc_to_text: {json.dumps(CHAT_PROMPT)}",
+            f"doc_to_text: {json.dumps(prompt)}",
             'doc_to_target: "{{answer}}"',
             "generation_kwargs:",
             '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
@@ -56,7 +128,7 @@ def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48) -> 
             "  - name: answer",
             "    filter:",
             "      - function: regex",
-            f"        regex_pattern: {json.dumps(ANSWER_PATTERN)}",
+            f"        regex_pattern: {json.dumps(answer)}",
             "      - function: take_first",
             "metric_list:",
             "  - metric: exact_match",
@@ -82,3 +154,26 @@ class ArithmeticExact(EvalTask):
 
     def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
         return generation_task_yaml(name, data_file, max_gen_tokens)
+
+
+class ArithmeticExactThink(EvalTask):
+    """`arithmetic_exact`'s items in think mode (post-training suites with `think_gen_tokens`)."""
+
+    name = names = THINK_TASK
+    output_type = "generate_until"
+    headline = "exact_match"
+    contamination = False
+    think = True  # the evaluation records its think length and closed share
+
+    def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:
+        """Only in a suite with `spec.generation_items` and `spec.think_gen_tokens`; draws nothing
+        from `rng`."""
+        if not spec.generation_items or not getattr(spec, "think_gen_tokens", 0):
+            return {}
+        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items)}
+
+    def gen_tokens(self, spec: Any) -> int:
+        return spec.think_gen_tokens
+
+    def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
+        return generation_task_yaml(name, data_file, max_gen_tokens, THINK_PROMPT, THINK_ANSWER_PATTERN)

@@ -29,6 +29,7 @@ class EvalTask(ABC):
     long_context: ClassVar[bool] = False  # runs only after a context-extension stage
     # runs only where the last stage is read past its trained length (eval.beyond_factor), no elsewhere
     beyond_training: ClassVar[bool] = False
+    think: ClassVar[bool] = False  # a think-mode generation task: its think length is measured too
 
     @abstractmethod
     def build(self, heldout: Mapping[str, Sequence[str]], spec: Any, rng: random.Random) -> dict[str, list[dict]]:
@@ -36,6 +37,10 @@ class EvalTask(ABC):
         `spec` is the eval_suite step's config (tasks/evaluate.py `SuiteSpec`: the recipe's eval
         section as `spec.eval`); `rng` is the suite's one random stream, shared by the tasks in
         registry order. A task with no items is left out of the suite."""
+
+    def gen_tokens(self, spec: Any) -> int:
+        """Its cap on generated tokens in the suite of config `spec` (the suite's `max_gen_tokens`)."""
+        return spec.max_gen_tokens
 
     @abstractmethod
     def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:

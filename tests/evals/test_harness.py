@@ -94,6 +94,27 @@ def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     assert 0.0 <= ours["gen_test"]["exact_match"] <= 1.0
 
 
+@pytest.mark.slow
+def test_the_think_mode_task_scores_with_its_think_length_and_closed_share(tmp_path, tiny_hf_model):
+    """The think-mode twin (its suite name, its builder's file) gets exact match plus the mean
+    think length in tokens (at most the tokens generated) and the share closing the block; the
+    generated answers it reads them from stay out of lm-eval's results file, as before."""
+    from evals.benchmarks.arithmetic_exact import THINK_TASK, arithmetic_generation_items
+    from evals.suite import suite_task_yaml
+
+    docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(4)]
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    data = task_dir / f"{THINK_TASK}.jsonl"
+    data.write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 4)))
+    (task_dir / f"{THINK_TASK}.yaml").write_text(suite_task_yaml(THINK_TASK, data, 6))
+    scores = run_lm_eval(tiny_hf_model, task_dir, [THINK_TASK], EvalConfig(batch_size=4, device="cpu"), tmp_path)
+    got = scores[THINK_TASK]
+    assert 0.0 <= got["exact_match"] <= 1.0
+    assert 0.0 <= got["think_tokens"] <= 6 and 0.0 <= got["think_closed"] <= 1.0
+    assert "samples" not in json.loads((tmp_path / "lm_eval_results.json").read_text())
+
+
 def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     """Generation requests (lm-eval's own `generate_until`) are counted as they are answered."""
     from evals.benchmarks.arithmetic_exact import arithmetic_generation_items, generation_task_yaml

@@ -64,9 +64,16 @@ def eval_artifacts(root: Path) -> list[tuple[str, Artifact]]:
                 {
                     "prose_cloze": {"acc": 0.35, "acc_stderr": 0.11, "acc_norm": 0.4, "acc_norm_stderr": 0.112},
                     "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.043},
+                    # think mode: the evaluation adds its mean think length and closed share
+                    "arithmetic_exact_think": {
+                        "exact_match": 0.3,
+                        "exact_match_stderr": 0.065,
+                        "think_tokens": 41.5,
+                        "think_closed": 0.9,
+                    },
                 },
-                items={"prose_cloze": 20, "arithmetic_exact": 50},
-                random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0},
+                items={"prose_cloze": 20, "arithmetic_exact": 50, "arithmetic_exact_think": 50},
+                random_baseline={"prose_cloze": 0.25, "arithmetic_exact": 0.0, "arithmetic_exact_think": 0.0},
             ),
         ),
     ]
@@ -76,18 +83,24 @@ def test_eval_table_one_metric_per_task_with_stderr_random_and_items_per_row(tmp
     rows = eval_rows(eval_artifacts(tmp_path))
     text = eval_table_text(rows)
     lines = text.splitlines()
-    assert lines[0].split() == ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact", "items"]
-    assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match"]
-    assert lines[2].split() == ["random", "0.253", "0.250", "0.000"]
+    # no-think then think mode of the generation task, side by side
+    header = ["model", "arithmetic_cloze", "prose_cloze", "arithmetic_exact", "arithmetic_exact_think", "items"]
+    assert lines[0].split() == header
+    assert lines[1].split() == ["metric", "acc", "acc_norm", "exact_match", "exact_match"]
+    assert lines[2].split() == ["random", "0.253", "0.250", "0.000", "0.000"]
     assert lines[3] == ""
     # the items each model was scored on are its row's: one count, or n= per cell where they differ
-    assert lines[4].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-", "100"]
-    assert lines[5].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-", "100"]  # same items, 1/choices
+    assert lines[4].split() == ["stage1", "0.410±0.049", "0.310±0.046", "-", "-", "100"]
+    assert lines[5].split() == ["stage2", "0.410±0.049", "0.310±0.046", "-", "-", "100"]  # same items, 1/choices
     # 20 and 50 items: each cell says so; the stderr says 0.40 is within noise of 0.31.
-    assert lines[6].split() == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043", "(n=50)", "per", "task"]
+    assert "0.300±0.065 (n=50, think 41.5 tok, 90% closed)" in lines[6]
+    assert lines[6].split()[:6] == ["sft", "-", "0.400±0.112", "(n=20)", "0.100±0.043", "(n=50)"]
+    assert lines[6].split()[-2:] == ["per", "task"]
     assert "two stderr" in text and "items" not in "".join(lines[1:3])  # no items row to contradict a row
     markdown = eval_table_markdown(rows)
-    assert "| *metric* | *acc* | *acc_norm* | *exact_match* |  |" in markdown
-    assert "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | per task |" in markdown
-    assert "| stage1 | 0.410±0.049 | 0.310±0.046 | - | 100 |" in markdown
+    assert "| *metric* | *acc* | *acc_norm* | *exact_match* | *exact_match* |  |" in markdown
+    sft = "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | 0.300±0.065 (n=50, think 41.5 tok, 90% closed) |"
+    assert sft + " per task |" in markdown
+    assert "| stage1 | 0.410±0.049 | 0.310±0.046 | - | - | 100 |" in markdown
+    assert "arithmetic_exact_think: the same in think mode" in markdown
     assert eval_table_text([]) == "no evaluations in this run"

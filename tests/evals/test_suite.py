@@ -39,6 +39,7 @@ _SPEC = SuiteSpec(
     eval=EvalConfig(items_per_task=5, passkey_lengths=(40, 90), passkey_items=2, beyond_passkey_words=150),
     generation_items=3,
     max_gen_tokens=20,
+    think_gen_tokens=64,
 )
 
 
@@ -69,12 +70,14 @@ def test_every_registered_task_is_in_the_suite_with_the_task_file_the_evaluation
         "passkey_90",
         "arithmetic_exact",
         "passkey_beyond_150",
+        "arithmetic_exact_think",
     ]
     assert {task_of(name).name for name in built} == {task.name for task in TASKS}
     for name in built:
         data = tmp_path / "tasks" / f"{name}.jsonl"
         assert len(data.read_text(encoding="utf-8").splitlines()) == meta["tasks"][name]
-        assert (tmp_path / "tasks" / f"{name}.yaml").read_text() == suite_task_yaml(name, data, _SPEC.max_gen_tokens)
+        gen = _SPEC.think_gen_tokens if name == "arithmetic_exact_think" else _SPEC.max_gen_tokens
+        assert (tmp_path / "tasks" / f"{name}.yaml").read_text() == suite_task_yaml(name, data, gen)
     # the contamination report covers the tasks that ask for it, in registry order
     assert list(meta["contamination"]) == ["prose_cloze", "code_cloze", "arithmetic_cloze"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from flows.compare import compare_runs, config_differences, eval_pairs
+from flows.compare import _score, compare_runs, config_differences, eval_pairs
 from flows.recipe import load_recipe
 from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage, StepRow
@@ -96,6 +96,16 @@ def test_each_eval_difference_comes_with_its_noise():
     assert pairs[0]["signal"] is True  # 0.10 > 2 x 0.0424
     assert "diff" not in pairs[1]  # only in one run: no difference to speak of
     assert eval_pairs(a, [{**a[0], "score": 0.35}])[0]["signal"] is False  # 0.05: noise
+
+
+def test_a_think_mode_score_is_shown_with_its_think_length_and_closed_share():
+    """Both modes are rows of `eval_rows` (arithmetic_exact, arithmetic_exact_think): compare
+    pairs them per task like any other, the think-mode one with its think statistics."""
+    row = {"model": "sft", "task": "arithmetic_exact_think", "metric": "exact_match", "score": 0.3}
+    think = {**row, "stderr": 0.065, "items": 50, "think_tokens": 41.5, "think_closed": 0.9}
+    assert _score(think) == "0.300±0.065 (n=50, think 41.5 tok, 90% closed)"
+    assert _score({**row, "stderr": None, "items": 50}) == "0.300 (n=50)"
+    assert eval_pairs([think], [{**think, "score": 0.1}])[0]["diff"] == pytest.approx(-0.2)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evals.benchmarks.arithmetic_exact import CHAT_PROMPT
+from evals.benchmarks.arithmetic_exact import CHAT_PROMPT, THINK_PROMPT
 from model.config import ModelConfig
 from model.hf import export_hf
 from model.model import SmolLM3
@@ -110,3 +110,16 @@ def test_the_arithmetic_eval_prompt_is_the_no_think_rendering(exported):
     )
     switched = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert flagged == switched == CHAT_PROMPT
+
+
+def test_the_think_mode_arithmetic_prompt_is_the_think_rendering(exported):
+    """The think-mode twin writes the template's `/think` prompt: the assistant turn left open for
+    the model's own <think> block."""
+    tok = AutoTokenizer.from_pretrained(str(exported))
+    question = [{"role": "user", "content": "{{problem}}"}]
+    flagged = tok.apply_chat_template(
+        [{"role": "system", "content": "/think"}, *question], tokenize=False, add_generation_prompt=True
+    )
+    switched = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert flagged == switched == THINK_PROMPT
+    assert THINK_PROMPT.endswith("<|im_start|>assistant\n") and "Reasoning Mode: /think\n" in THINK_PROMPT

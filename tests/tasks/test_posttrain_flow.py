@@ -38,7 +38,7 @@ POSTTRAIN = [
     "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
     "posttrain.grpo={max_steps: 2, batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
     "posttrain.sao={enabled: true, max_steps: 2, value_warmup: 1, batch: 4, max_completion_length: 12, save_steps: 2}",
-    "posttrain.eval={generation_items: 6, max_gen_tokens: 12, cloze_items: 4}",
+    "posttrain.eval={generation_items: 6, max_gen_tokens: 12, think_gen_tokens: 12, cloze_items: 4}",
 ]
 
 
@@ -119,7 +119,10 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     table = eval_table(lineage, run_id)
     head, models, _note = table.split("\n\n")
     tasks, metrics = head.splitlines()[0].split(), head.splitlines()[1].split()
-    assert tasks[-2:] == ["arithmetic_exact", "items"] and metrics[-1] == "exact_match", table
+    # both modes of the generation task, no-think then think, every model with its think statistics
+    assert tasks[-3:] == ["arithmetic_exact", "arithmetic_exact_think", "items"], table
+    assert metrics[-2:] == ["exact_match", "exact_match"], table
+    assert all("% closed)" in line for line in models.splitlines()), table
     rows = {line.split()[0] for line in models.splitlines()}
     assert rows == {"base", "sft", "apo", "apo-s1", "soup", "merge", "grpo", "sao"}, table
     assert all("±" in line for line in models.splitlines()), table

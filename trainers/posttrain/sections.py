@@ -276,6 +276,8 @@ class PosttrainEvalConfig(_Config):
 
     generation_items: int = Field(default=100, gt=0)  # held-out arithmetic exact-match items
     max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
+    # tokens per think-mode answer (its <think> block and the answer; 0: no think-mode task)
+    think_gen_tokens: int = Field(default=256, ge=0)
     # items per cloze task (regression check); fewer than the stages' suite, because every
     # post-training step is scored (the first items of the same held-out tasks)
     cloze_items: int = Field(default=100, gt=0)
