@@ -48,6 +48,10 @@ from typing import Any
 
 from infra.guard import ProcessRef, boot_id
 
+# How long the sentinel keeps setting the open steps' task runs `Crashed` until Prefect holds it
+# (crash_in_prefect): the server records task runs from events, seconds late under load.
+TASK_RUN_WAIT_S = 30.0
+
 POLL_S = 1.0  # how often the sentinel looks at the flow-run process (its pipe's end is seen at once)
 CLOSED = b"closed\n"
 STEPS_FILE = "open-steps-{attempt}.jsonl"
@@ -252,12 +256,26 @@ def crash_in_prefect(conf: dict[str, Any], steps: list[dict[str, Any]], message:
 
     with _client() as client:
         client.set_flow_run_state(conf["run_id"], Crashed(message=message), force=False)
-        for entry in steps:
-            if entry.get("task_run"):
+        # Prefect 3 records a task run from the events its flow process sent, through a server
+        # service that lags on a loaded machine: a task run the flow entered just before the kill
+        # may not exist yet (the state cannot be set), then appear `Running` seconds later. So
+        # each is set, then read back until it holds a final state, for up to TASK_RUN_WAIT_S.
+        open_runs = {entry["task_run"]: entry["key"] for entry in steps if entry.get("task_run")}
+        deadline = time.monotonic() + TASK_RUN_WAIT_S
+        while open_runs:
+            for task_run, key in list(open_runs.items()):
                 try:
-                    client.set_task_run_state(entry["task_run"], Crashed(message=f"stopped: {why}"), force=True)
+                    state = client.read_task_run(task_run).state
+                    if state is not None and state.is_final():
+                        del open_runs[task_run]
+                        continue
+                    client.set_task_run_state(task_run, Crashed(message=f"stopped: {why}"), force=True)
                 except Exception as exc:  # noqa: BLE001 - the flow run's state is what matters
-                    _say(f"could not mark task run {entry['task_run']} ({entry['key']}) Crashed: {exc}")
+                    if time.monotonic() >= deadline:
+                        _say(f"could not mark task run {task_run} ({key}) Crashed: {exc}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
 
 
 def crash_message(conf: dict[str, Any], steps: list[dict[str, Any]], why: str) -> str:

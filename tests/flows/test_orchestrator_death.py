@@ -158,7 +158,11 @@ def test_killed_serve_and_flow_processes_are_seen_in_seconds_and_the_run_retries
         for key in waiting:
             assert rows[key]["error"].startswith("not started: the flow-run process (pid "), rows[key]
         assert "Stopped while running: " + ", ".join(sorted(stopped)) in state.message, state.message
-        assert "RUNNING" not in _task_runs(run_id).values()
+        # no step left running in the UI within the same 60 s (the server records task runs
+        # from events, seconds late under load: the sentinel sets them until Prefect holds it)
+        while "RUNNING" in (task_runs := _task_runs(run_id)).values() and time.monotonic() - killed < 60:
+            time.sleep(0.5)
+        assert "RUNNING" not in task_runs.values(), task_runs
         assert [a["state"] for a in lineage.attempts_of(run_id)] == ["crashed"]
         _, alive = psutil.wait_procs(frozen, timeout=30)  # the guards end the frozen builds
         assert not alive, alive
