@@ -2,7 +2,8 @@
 
 `torchrun --nnodes 1 --nproc-per-node N --master-port P -m trainers.pretrain SPEC.json`, started in its
 own process group so a failed, interrupted or cancelled task kills every rank with it. A free port
-is picked per launch (fixed ports collide when two stages or test runs share a machine). With
+is picked per launch (fixed ports collide when two stages or test runs share a machine); when
+another process takes it before torchrun binds it, the launch retries on a new port. With
 `accelerate_config`, `accelerate launch --config_file FILE --num_machines 1 --num_processes N
 --main_process_port P -m MODULE SPEC.json` instead (accelerate starts the ranks through
 torch.distributed.run: the same ranks, sessions and failure summary). The environment carries
@@ -34,6 +35,14 @@ from infra.launchers.base import (
 )
 from infra.launchers.fabric import launch_env
 from infra.proc import ChildFailed, run_streaming
+
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(tail: list[str]) -> bool:
+    """torchrun's agent failed to bind the picked rendezvous port (before any rank started)."""
+    text = "\n".join(tail)
+    return "EADDRINUSE" in text and ("TCPStore" in text or "rendezvous" in text)
 
 
 @LAUNCHERS.register("local")
@@ -97,23 +106,33 @@ class LocalTorchrun(Launcher):
                 f"are read from {c.code_path}); write one with `accelerate config` or use the "
                 "examples in configs/accelerate/"
             )
-        cmd = self.command(spec_path)
-        log(f"[launch] {shlex.join(cmd)}")
-        first, summary = FirstError(), TorchrunSummary()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            cmd = self.command(spec_path)
+            log(f"[launch] {shlex.join(cmd)}")
+            first, summary = FirstError(), TorchrunSummary()
 
-        def stream(line: str) -> None:
-            first.feed(line)
-            summary.feed(line)
-            log(line)
+            def stream(line: str, first=first, summary=summary) -> None:
+                first.feed(line)
+                summary.feed(line)
+                log(line)
 
-        try:
-            run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
-        except ChildFailed as exc:
-            # No summary when torchrun itself was killed: then its own status is the cause.
-            facts = failure_facts(spec_path, Path(workdir), summary, first, exc.returncode, who="torchrun")
-            raise LaunchFailed(
-                f"local {'accelerate' if c.accelerate_config else 'torchrun'} of {spec_path} failed",
-                exc.tail,
-                first.line,
-                facts,
-            ) from exc
+            try:
+                run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
+                return
+            except ChildFailed as exc:
+                # The picked port was free when asked and taken before the rendezvous bound it
+                # (another launch on this machine): no rank started, so a new port is safe.
+                if c.master_port or attempt == PORT_ATTEMPTS or not _port_taken(exc.tail):
+                    failed = exc
+                    break
+                log(
+                    f"[launch] rendezvous port taken before torchrun bound it; retrying on a new port ({attempt}/{PORT_ATTEMPTS})"
+                )
+        # No summary when torchrun itself was killed: then its own status is the cause.
+        facts = failure_facts(spec_path, Path(workdir), summary, first, failed.returncode, who="torchrun")
+        raise LaunchFailed(
+            f"local {'accelerate' if c.accelerate_config else 'torchrun'} of {spec_path} failed",
+            failed.tail,
+            first.line,
+            facts,
+        ) from failed

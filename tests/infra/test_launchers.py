@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from infra.launchers import (
     SlurmLaunchConfig,
     get_launcher,
 )
-from infra.launchers.base import FirstError, TorchrunSummary, failure_facts, launch_digest
+from infra.launchers.base import FirstError, TorchrunSummary, failure_facts, free_port, launch_digest
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
 from infra.launchers.slurm import SlurmLauncher, job_tag
@@ -123,6 +124,34 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     assert err.value.cause.endswith("before its first step (no checkpoint yet); a retry starts the stage over")
     with pytest.raises(FileNotFoundError, match="stage spec .*nope.json does not exist"):
         launcher.launch(tmp_path / "nope.json", out, print)
+
+
+def test_a_rendezvous_port_taken_after_it_was_picked_is_retried_on_a_new_one(monkeypatch, tmp_path):
+    """Another process binds the picked port between `free_port` and torchrun's bind (CI saw it
+    under xdist): the launch retries on a fresh port instead of failing the stage; a configured
+    port is the user's and fails as it is."""
+    import infra.launchers.local as local
+
+    bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port])
+        monkeypatch.setattr(local, "free_port", lambda: next(ports, None) or free_port())
+        lines: list[str] = []
+        with pytest.raises(LaunchFailed) as err:
+            get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lines.append)
+        # the second attempt got past the rendezvous: the trainer itself ran and named its cause
+        assert "missing-plan.json" in err.value.first_error
+        assert sum(line.startswith("[launch] ") and "retrying" not in line for line in lines) == 2
+        assert f"--master-port {port}" in lines[0]
+        assert any("retrying on a new port (1/3)" in line for line in lines)
+        with pytest.raises(LaunchFailed) as err:
+            get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN, master_port=port)).launch(
+                bad, tmp_path / "bad", lambda _: None
+            )
+        assert "EADDRINUSE" in "\n".join(err.value.tail)
 
 
 @pytest.mark.slow
