@@ -62,15 +62,13 @@ def run_train(spec: Path, nproc: int | None = None, check: bool = True):
     if nproc is None:
         cmd = [sys.executable, "-m", "trainers.pretrain", str(spec)]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # --standalone: the rendezvous binds port 0 itself (a port picked here and bound later
+        # can be taken by another xdist worker's launch in between)
         cmd = [
             str(TORCHRUN),
+            "--standalone",
             "--nproc-per-node",
             str(nproc),
-            "--master-port",
-            str(port),
             "-m",
             "trainers.pretrain",
             str(spec),
