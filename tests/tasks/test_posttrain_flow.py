@@ -2,7 +2,8 @@
 
 A small flow runs the sources, a stand-in base model step (a random tiny SmolLM3 plus a BPE
 tokenizer trained on the sources: the pretraining stages are tested elsewhere), then the
-post-training DAG: posttrain data -> SFT -> APO and a second APO run (seed 1) -> soup -> merge
+post-training DAG: posttrain data -> SFT -> on-policy pairs per mode -> APO and a second APO run
+(seed 1) -> soup -> merge
 with the base -> GRPO and SAO beside it, each model scored by `evaluate` on the cloze tasks and the held-out
 arithmetic exact-match task. Every trainer runs as a launched job (local torchrun) like a
 pretraining stage. Checks: every step completed, the flow process never imported TRL's trainers,
@@ -34,7 +35,8 @@ POSTTRAIN = [
     "posttrain.data.heldout_examples=8",
     "posttrain.data.prompts=32",
     "posttrain.sft={max_steps: 3, batch: 4, max_length: 256, save_steps: 2}",
-    "posttrain.preference={max_steps: 2, batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
+    "posttrain.pairs={think: {max_prompts: 4, max_new_tokens: 12}, no_think: {max_prompts: 4, max_new_tokens: 12}}",
+    "posttrain.preference={max_steps: 2, batch: 4, pairs: on_policy}",
     "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
     "posttrain.grpo={max_steps: 2, batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
     "posttrain.sao={enabled: true, max_steps: 2, value_warmup: 1, batch: 4, max_completion_length: 12, save_steps: 2}",
@@ -94,6 +96,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     for name in (
         "posttrain_data[chat]",
         "sft[sft]",
+        "preference_pairs[pairs]",
         "preference[apo]",
         "preference[apo-s1]",
         "merge[soup]",
@@ -135,6 +138,19 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     ]
     assert [i["weight"] for i in soup.meta["ingredients"]] == [0.5, 0.5]
     assert {i["seed"] for i in soup.meta["ingredients"]} == {0, 1}
+    # both APO runs train on the on-policy pairs, made from the SFT model and the chat data's prompts
+    for run in ("preference[apo]", "preference[apo-s1]"):
+        assert {a.fingerprint for a in lineage.inputs_of(by_key[run])} == {
+            by_key["sft[sft]"],
+            by_key["preference_pairs[pairs]"],
+        }
+    assert {a.fingerprint for a in lineage.inputs_of(by_key["preference_pairs[pairs]"])} == {
+        by_key["sft[sft]"],
+        by_key["posttrain_data[chat]"],
+    }
+    pairs = lineage.get(by_key["preference_pairs[pairs]"])
+    assert set(pairs.meta["modes"]) == {"think", "no_think"}
+    assert lineage.get(by_key["preference[apo]"]).meta["pairs"] == pairs.meta["pairs"]
     parents = {a.fingerprint for a in lineage.inputs_of(by_key["merge[merge]"])}
     assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
     for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]", "sao[sao]"):
@@ -148,7 +164,15 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     }
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
     up = lineage.ancestors(final)
-    assert {a["step"] for a in up} >= {"source", "tiny_base", "posttrain_data", "sft", "preference", "merge"}
+    assert {a["step"] for a in up} >= {
+        "source",
+        "tiny_base",
+        "posttrain_data",
+        "sft",
+        "preference_pairs",
+        "preference",
+        "merge",
+    }
     assert {a["label"] for a in up if a["step"] == "preference"} == {"apo", "apo-s1"}
     assert {a["label"] for a in up if a["step"] == "source"} == {"prose", "code", "math"}
 
