@@ -88,7 +88,7 @@ def _answers(side: str, prompts, rows, cfg: PairModeConfig, mode: str, seed: int
 
     name = str(policy) if side == "policy" else side[6:]
     if name not in cache:
-        cache[name] = load_chat_model(name, device)
+        cache[name] = load_chat_model(name, device, bf16=device.startswith("cuda"))  # 32B in fp32 fits no GPU
     model, tokenizer = cache[name]
     return chat_answers(model, tokenizer, prompts, mode, cfg.max_new_tokens, cfg.temperature, seed, cfg.batch_size)
 
