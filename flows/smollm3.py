@@ -26,6 +26,7 @@ from tasks.posttrain.distill import distill
 from tasks.posttrain.grpo import grpo
 from tasks.posttrain.merge import merge
 from tasks.posttrain.preference import preference
+from tasks.posttrain.preference_pairs import preference_pairs
 from tasks.posttrain.sao import sao
 from tasks.posttrain.sft import sft
 from tasks.preflight import PreflightSpec, preflight
@@ -35,7 +36,7 @@ from tasks.run_report import RunReportSpec, run_report
 from tasks.sources import SourceSpec, source
 from tasks.tokenize import TokenizeSpec, tokenize
 from tasks.tokenizer import tokenizer
-from trainers.posttrain.sections import ChatDataSpec, MergeSpec, PosttrainSpec
+from trainers.posttrain.sections import ChatDataSpec, MergeSpec, PairsSpec, PosttrainSpec
 
 
 def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> Graph:
@@ -188,7 +189,8 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
 
 
 def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
-    """SFT -> APO (a soup of preference runs, merged) -> linear merge with a mid-training or
+    """SFT -> [on-policy preference pairs per mode] -> APO (a soup of preference runs, merged) ->
+    linear merge with a mid-training or
     long-context checkpoint -> GRPO -> optional on-policy distillation (docs/posttraining.md).
     Every model is scored on the cloze tasks plus held-out arithmetic exact match, under its label
     (base, sft, apo and each soup run, soup, merge, grpo, opd). Trainers run as launched jobs on
@@ -233,15 +235,19 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
     score(model, "sft")
     if pt.preference.enabled:
         tuned = model
+        pairs = data
+        if pt.preference.pairs == "on_policy":  # per mode: the SFT model's answers against stronger ones
+            spec = PairsSpec(pairs=pt.pairs, seed=pt.seed, device=pt.device)
+            pairs = g.add(preference_pairs, spec, label="pairs", model=tuned, data=data)
         label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
-        model = g.add(preference, run(pt.preference), label=label, model=tuned, data=data)
+        model = g.add(preference, run(pt.preference), label=label, model=tuned, data=pairs)
         score(model, label)
         if pt.merge.enabled and pt.merge.soup:
             # SmolLM3 merged a soup of APO checkpoints: more preference runs from the same SFT model
             ingredients = [model]
             for extra in pt.merge.soup:
                 node = g.add(
-                    preference, run(extra.apply(pt.preference), extra.seed), label=extra.name, model=tuned, data=data
+                    preference, run(extra.apply(pt.preference), extra.seed), label=extra.name, model=tuned, data=pairs
                 )
                 score(node, extra.name)
                 ingredients.append(node)

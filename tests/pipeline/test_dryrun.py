@@ -96,6 +96,7 @@ OPERATIONAL = [
     "posttrain.grpo.keep_checkpoints=1",
     "posttrain.sao.save_steps=1 & posttrain.sao.keep_checkpoints=1",
     "posttrain.sao.rollout_workers=2 & posttrain.sao.rollout_threads=2 & posttrain.sao.per_device_batch=2",
+    "posttrain.pairs.think.batch_size=3 & posttrain.pairs.no_think.batch_size=2",
     "posttrain.distill.per_device_batch=4",
     "posttrain.distill.save_steps=2",
     "posttrain.distill.keep_checkpoints=1",
@@ -154,6 +155,7 @@ IDENTITY = {
     }
     | {f"evaluate[{s}]" for s in ("base", "sft", "apo", "apo-s1", "soup", "merge", "grpo", "sao")},
     "posttrain.sft.lr=0.001": {"sft[sft]"},
+    "posttrain.pairs.think.max_prompts=6": {"preference_pairs[pairs]"},  # then both APO runs and after
     "eval.long_context_cloze=true": {"evaluate[long1]", "evaluate[long2]", "evaluate[reasoning]"},
     # the reasoning stage's own schedule: that stage, and what follows it (its traces: below)
     "stages.reasoning.lr_scale=0.2": {"pretrain[reasoning]"},

@@ -2,7 +2,8 @@
 
 A small flow runs the sources, a stand-in base model step (a random tiny SmolLM3 plus a BPE
 tokenizer trained on the sources: the pretraining stages are tested elsewhere), then the
-post-training DAG: posttrain data -> SFT -> APO and a second APO run (seed 1) -> soup -> merge
+post-training DAG: posttrain data -> SFT -> on-policy pairs per mode -> APO and a second APO run
+(seed 1) -> soup -> merge
 with the base -> GRPO and SAO beside it, each model scored by `evaluate` on the cloze tasks and the held-out
 arithmetic exact-match task. Every trainer runs as a launched job (local torchrun) like a
 pretraining stage. Checks: every step completed, the flow process never imported TRL's trainers,
@@ -34,7 +35,8 @@ POSTTRAIN = [
     "posttrain.data.heldout_examples=8",
     "posttrain.data.prompts=32",
     "posttrain.sft={max_steps: 3, batch: 4, max_length: 256, save_steps: 2}",
-    "posttrain.preference={max_steps: 2, batch: 4, samples_per_prompt: 2, max_new_tokens: 12}",
+    "posttrain.pairs={think: {max_prompts: 4, max_new_tokens: 12}, no_think: {max_prompts: 4, max_new_tokens: 12}}",
+    "posttrain.preference={max_steps: 2, batch: 4, pairs: on_policy}",
     "posttrain.merge={soup: [{name: apo-s1, seed: 1}], weights: [0.9, 0.1]}",
     "posttrain.grpo={max_steps: 2, batch: 4, num_generations: 2, max_completion_length: 12, save_steps: 2}",
     "posttrain.sao={enabled: true, max_steps: 2, value_warmup: 1, batch: 4, max_completion_length: 12, save_steps: 2}",
@@ -94,6 +96,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     for name in (
         "posttrain_data[chat]",
         "sft[sft]",
+        "preference_pairs[pairs]",
         "preference[apo]",
         "preference[apo-s1]",
         "merge[soup]",
@@ -135,6 +138,19 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     ]
     assert [i["weight"] for i in soup.meta["ingredients"]] == [0.5, 0.5]
     assert {i["seed"] for i in soup.meta["ingredients"]} == {0, 1}
+    # both APO runs train on the on-policy pairs, made from the SFT model and the chat data's prompts
+    for run in ("preference[apo]", "preference[apo-s1]"):
+        assert {a.fingerprint for a in lineage.inputs_of(by_key[run])} == {
+            by_key["sft[sft]"],
+            by_key["preference_pairs[pairs]"],
+        }
+    assert {a.fingerprint for a in lineage.inputs_of(by_key["preference_pairs[pairs]"])} == {
+        by_key["sft[sft]"],
+        by_key["posttrain_data[chat]"],
+    }
+    pairs = lineage.get(by_key["preference_pairs[pairs]"])
+    assert set(pairs.meta["modes"]) == {"think", "no_think"}
+    assert lineage.get(by_key["preference[apo]"]).meta["pairs"] == pairs.meta["pairs"]
     parents = {a.fingerprint for a in lineage.inputs_of(by_key["merge[merge]"])}
     assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
     for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]", "sao[sao]"):
@@ -148,7 +164,15 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     }
     final = next(s for s in steps if s["step"] == "grpo")["fingerprint"]
     up = lineage.ancestors(final)
-    assert {a["step"] for a in up} >= {"source", "tiny_base", "posttrain_data", "sft", "preference", "merge"}
+    assert {a["step"] for a in up} >= {
+        "source",
+        "tiny_base",
+        "posttrain_data",
+        "sft",
+        "preference_pairs",
+        "preference",
+        "merge",
+    }
     assert {a["label"] for a in up if a["step"] == "preference"} == {"apo", "apo-s1"}
     assert {a["label"] for a in up if a["step"] == "source"} == {"prose", "code", "math"}
 
@@ -166,24 +190,42 @@ def test_the_3b_plan_shows_each_trainer_with_its_launcher_and_the_published_sett
     cfg = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}"])
     pt = cfg.posttrain
     assert (pt.sft.lr, pt.sft.assistant_only_loss, pt.sft.packing) == (2e-5, True, True)
-    assert (pt.preference.loss_type, pt.preference.lr) == ("apo_zero", 1e-6)
+    assert (pt.sft.warmup_ratio, pt.sft.max_length, pt.sft.batch) == (0.03, 65536, 128)  # sft.yaml
+    assert (pt.data.uri, pt.data.hf_subset) == ("hf:HuggingFaceTB/smoltalk2", "SFT")
+    splits = pt.data.hf_split.split("+")
+    assert len(splits) == 25 and "OpenThoughts3_1.2M_think[:2%]" in splits  # sft.yaml's 25 subsets
+    assert {s.rsplit("_", 1)[-1].split("[")[0] for s in splits} == {"think"}  # every one names its mode
+    assert (pt.preference.loss_type, pt.preference.lr, pt.preference.beta) == ("apo_zero", 1e-6, 0.05)  # apo.yaml
+    assert pt.preference.pairs == "on_policy"
     betas = {pt.preference.beta} | {r.apply(pt.preference).beta for r in pt.merge.soup}
     assert betas == {0.1, 0.075, 0.05} and all(0.05 <= b <= 0.1 for b in betas)  # the published range
+    # the published preference sources: Qwen3-32B over Qwen3-0.6B in think mode, Tulu 3's pairs in no-think
+    think, no_think = pt.pairs.think, pt.pairs.no_think
+    tulu = "hf:allenai/llama-3.1-tulu-3-8b-preference-mixture"
+    assert (think.prompts, think.chosen, think.rejected) == (tulu, "model:Qwen/Qwen3-32B", "model:Qwen/Qwen3-0.6B")
+    assert no_think.pairs == tulu
+    mid = {r.name: (r.uri, r.hf_subset, r.hf_split) for r in cfg.reasoning_data}
+    assert mid["openthoughts3"][0] == "hf:open-thoughts/OpenThoughts3-1.2M"
+    assert mid["nemotron"] == ("hf:HuggingFaceTB/smoltalk2", "Mid", "Llama_Nemotron_Post_Training_Dataset_reasoning_r1")
     assert pt.merge.weights == (0.9, 0.1) and pt.merge.stage == "long64k"
     rows = {r.key: r for r in plan(cfg)}
     where = (
         "slurm, 8 nodes x 8 processes (8 GPUs each), accelerate (configs/accelerate/fsdp.yaml), -m trainers.posttrain"
     )
-    for key in ("sft[sft]", "preference[apo]", "preference[apo-b0075]", "preference[apo-b005]", "grpo[grpo]"):
+    for key in ("sft[sft]", "preference[apo]", "preference[apo-b0075]", "preference[apo-b01]", "grpo[grpo]"):
         assert rows[key].launch.startswith(where), (key, rows[key].launch)
-    assert rows["sft[sft]"].launch.endswith("batch 256 = 64 ranks x 1 x 4 accumulation")
+    assert rows["sft[sft]"].launch.endswith("batch 128 = 64 ranks x 1 x 2 accumulation")
+    assert {"reasoning_data[nemotron]", "pretrain[reasoning]", "preference_pairs[pairs]"} <= set(rows)
     assert rows["merge[soup]"].launch == "" and f"[launch: {where}" in format_plan(list(rows.values()))
     g = flow_graph("smollm3", cfg)
     soup, final = g.node("merge[soup]"), g.node("merge[merge]")
     assert [n.key for n in soup.inputs["models"]] == [
         "preference[apo]",
         "preference[apo-b0075]",
-        "preference[apo-b005]",
+        "preference[apo-b01]",
     ]
+    pairs = g.node("preference_pairs[pairs]")
+    assert pairs.inputs["model"].key == "sft[sft]" and pairs.inputs["data"].key == "posttrain_data[chat]"
+    assert {g.node(k).inputs["data"].key for k in ("preference[apo]", "preference[apo-b01]")} == {pairs.key}
     assert [n.key for n in final.inputs["models"]] == ["merge[soup]", "export[long64k]"]
     assert soup.config.weights == pytest.approx((1 / 3, 1 / 3, 1 / 3)) and final.config.weights == (0.9, 0.1)

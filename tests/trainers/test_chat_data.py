@@ -55,3 +55,33 @@ def test_a_conversation_is_in_the_mode_its_system_turn_renders():
     rows = [{"messages": m} for m in (no_think, think, default)]
     assert by_mode(rows) == {"think": rows[1:], "no_think": rows[:1]}
     assert by_mode(rows[:1]) == {"no_think": rows[:1]}
+
+
+def test_smoltalk2_style_rows_keep_their_mode_and_a_split_list_reads_as_one(tmp_path):
+    """SmolTalk2's no-think rows say so in `chat_template_kwargs`: the conversation gets the
+    /no_think flag (a flag already in the system turn wins); a list of splits with shares is read
+    as `datasets` reads `a+b[:50%]`."""
+    import datasets
+
+    def row(i: int, thinking: bool | None, system: str | None = None) -> dict:
+        msgs = [{"role": "system", "content": system}] if system is not None else []
+        msgs += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]
+        return {"messages": msgs, "chat_template_kwargs": {"enable_thinking": thinking}}
+
+    think = [row(i, True) for i in range(4)]
+    plain = [row(i, False) for i in range(4, 8)]
+    plain[1] = row(5, False, "Be brief.")
+    plain[2] = row(6, False, "Reason. /think")
+    datasets.DatasetDict(
+        {"a_think": datasets.Dataset.from_list(think), "b_no_think": datasets.Dataset.from_list(plain)}
+    ).save_to_disk(str(tmp_path / "disk"))
+    cfg = ChatDataConfig(uri=f"hf:{tmp_path}/disk", hf_split=["a_think", "b_no_think[:50%]"], held_out_fraction=0.0)
+    assert cfg.hf_split == "a_think+b_no_think[:50%]"
+    train, _, _ = external_conversations(cfg)
+    assert [m["messages"][0] for m in train[4:]] == [
+        {"role": "system", "content": "/no_think"},
+        {"role": "system", "content": "Be brief. /no_think"},
+    ]
+    assert len(train) == 6 and all(m["messages"][0]["role"] == "user" for m in train[:4])
+    with pytest.raises(ValueError, match="a list must hold split names"):
+        ChatDataConfig(hf_split=[])

@@ -109,12 +109,26 @@ def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
     if Path(target).expanduser().exists():
         ds = datasets.load_from_disk(str(Path(target).expanduser()))
         if isinstance(ds, datasets.DatasetDict):
-            if cfg.hf_split not in ds:
-                raise KeyError(f"posttrain data {uri!r}: no split {cfg.hf_split!r}; splits: {', '.join(ds)}")
-            ds = ds[cfg.hf_split]
+            ds = datasets.concatenate_datasets([_disk_split(ds, part, uri) for part in cfg.hf_split.split("+")])
     else:
         ds = datasets.load_dataset(target, cfg.hf_subset, split=cfg.hf_split, revision=cfg.hf_revision)
     yield from ds
+
+
+_SLICE = re.compile(r"^(?P<name>[^\[]+)(?:\[:(?P<n>\d+)(?P<pct>%?)\])?$")
+
+
+def _disk_split(ds, part: str, uri: str):
+    """One part of a split spec (`name`, `name[:N]`, `name[:N%]`: the first rows, as the hub's
+    split syntax) of a saved DatasetDict."""
+    m = _SLICE.match(part.strip())
+    if not m or m["name"] not in ds:
+        raise KeyError(f"posttrain data {uri!r}: no split {part!r}; splits: {', '.join(ds)}")
+    split = ds[m["name"]]
+    if m["n"] is None:
+        return split
+    n = len(split) * int(m["n"]) // 100 if m["pct"] else int(m["n"])
+    return split.select(range(min(n, len(split))))
 
 
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -179,6 +193,21 @@ def _held_out(i: int, fraction: float) -> bool:
     return h / 0xFFFFFFFF < fraction
 
 
+def with_mode_flag(messages: list[dict[str, str]], row: dict[str, Any]) -> list[dict[str, str]]:
+    """A row's `chat_template_kwargs` (SmolTalk2's rows carry `{"enable_thinking": false}` in
+    no-think subsets) as the `/no_think` flag of its system turn, so the conversation renders in
+    its own mode when SFT renders every row with one template call. A flag already in the system
+    turn wins, as in the template."""
+    kwargs = row.get("chat_template_kwargs")
+    if not isinstance(kwargs, dict) or kwargs.get("enable_thinking") is not False:
+        return messages
+    if messages[0]["role"] == "system":
+        if "/think" in messages[0]["content"] or "/no_think" in messages[0]["content"]:
+            return messages
+        return [{"role": "system", "content": f"{messages[0]['content']} /no_think".strip()}, *messages[1:]]
+    return [{"role": "system", "content": "/no_think"}, *messages]
+
+
 def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict], Counter]:
     """(train, held-out, rejected counts) from a files:/hf: dataset."""
     train, heldout, rejected = [], [], Counter()
@@ -190,7 +219,7 @@ def external_conversations(cfg: ChatDataConfig) -> tuple[list[dict], list[dict],
         if why:
             rejected[why] += 1
             continue
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = with_mode_flag([{"role": m["role"], "content": m["content"]} for m in messages], row)
         (heldout if _held_out(i, cfg.held_out_fraction) else train).append({"messages": messages})
     if not train:
         raise ValueError(

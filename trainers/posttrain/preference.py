@@ -1,6 +1,8 @@
 """Preference optimisation with TRL's `DPOTrainer` (APO-zero by default, as SmolLM3).
 
-Pairs come from a dataset (`pairs: files:...|hf:...`, rows of prompt/chosen/rejected) or, with
+Pairs come from a dataset (`pairs: files:...|hf:...`, rows of prompt/chosen/rejected), from the
+preference_pairs step (`pairs: on_policy`: the step's folder is this trainer's data, its
+`pairs.jsonl` rows carry their mode and sources; tasks/posttrain/preference_pairs.py) or, with
 `pairs: self`, from the SFT model's own samples judged by the arithmetic verifier: for each
 prompt the policy samples `samples_per_prompt` answers; an incorrect one is the rejected
 completion; the chosen one is a correct sample when the policy produced one, else the reference
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -145,6 +148,21 @@ def self_pairs(cfg: PreferenceConfig, model, tokenizer, data: Path, seed: int, l
     return rows, facts
 
 
+def on_policy_pairs(data: Path, log) -> tuple[list, dict]:
+    """The preference_pairs step's rows (`data` is its folder), with their mode and sources."""
+    path = data / "pairs.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"preference: pairs 'on_policy' reads {path}, which does not exist; the input `data` must "
+            "be the preference_pairs step's folder"
+        )
+    rows = read_jsonl(path)
+    modes = Counter(r.get("mode", "unknown") for r in rows)
+    sources = Counter(f"{r.get('chosen_source')} > {r.get('rejected_source')}" for r in rows)
+    log(f"preference: {len(rows)} on-policy pairs ({dict(modes)}; chosen > rejected: {dict(sources)})")
+    return rows, {"pairs": len(rows), "pairs_by_mode": dict(modes), "pair_sources": dict(sources)}
+
+
 def make_pairs(
     cfg: PreferenceConfig, args, model, tokenizer, data: Path, out: Path, seed: int, log
 ) -> tuple[list, dict]:
@@ -156,6 +174,8 @@ def make_pairs(
             return read_jsonl(rows_path), json.loads(facts_path.read_text())
         if cfg.pairs == "self":
             rows, facts = self_pairs(cfg, model.to(args.device), tokenizer, data, seed, log)
+        elif cfg.pairs == "on_policy":
+            rows, facts = on_policy_pairs(data, log)
         else:
             rows = preference_rows(cfg.pairs, cfg.pairs_subset, cfg.pairs_split, cfg.pairs_revision, cfg.max_pairs)
             facts = {"pairs": len(rows)}
@@ -200,7 +220,8 @@ def train_preference(
     trainer = trl.DPOTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(rows),
+        # DPO reads these three; a pair's mode and sources stay in pairs.jsonl
+        train_dataset=Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]),
         processing_class=tokenizer,
         callbacks=[progress_callback(progress, log, out), checkpoint_callback(out, cfg.keep_checkpoints), *callbacks],
     )

@@ -49,7 +49,9 @@ class ChatDataConfig(_Config):
     uri: str = "builtin"
     messages_field: str = "messages"  # column holding [{role, content}, ...] in files:/hf: data
     hf_subset: str | None = None  # hub dataset configuration (e.g. SmolTalk's "all")
-    hf_split: str = "train"  # split to read from hf: data
+    # split to read from hf: data; a list is read as one split, joined with "+" as `datasets`
+    # does (`a+b[:50%]`: all of a, the first half of b), e.g. SmolTalk2's SFT subsets
+    hf_split: str = "train"
     hf_revision: str | None = None  # pinned hub revision; pin it so caching means something
     max_examples: int | None = Field(default=None, gt=0)  # cap on conversations read
     math_examples: int = Field(default=600, ge=0)  # builtin: arithmetic conversations
@@ -65,6 +67,15 @@ class ChatDataConfig(_Config):
     @classmethod
     def _uri(cls, v: str) -> str:
         return _check_data_uri(v)
+
+    @field_validator("hf_split", mode="before")
+    @classmethod
+    def _splits(cls, v: object) -> object:
+        if isinstance(v, list | tuple):
+            if not v or not all(isinstance(s, str) and s.strip() for s in v):
+                raise ValueError(f"posttrain.data.hf_split: a list must hold split names, got {v!r}")
+            return "+".join(s.strip() for s in v)
+        return v
 
 
 def micro_batches(batch: int, per_device_max: int, world: int, what: str = "batch") -> tuple[int, int]:
@@ -115,8 +126,10 @@ class PreferenceConfig(TrainerConfig):
     beta: float = Field(default=0.1, gt=0)  # strength of the implicit KL to the SFT reference
     lr: float = Field(default=5e-5, gt=0)  # ~10x below SFT
     max_length: int = Field(default=256, gt=8)  # prompt + completion tokens
-    # self: pairs from the SFT model's own samples judged by the arithmetic verifier; or a
-    # dataset with prompt/chosen/rejected (files:GLOB, hf:NAME, hf:/PATH)
+    # self: pairs from the SFT model's own samples judged by the arithmetic verifier; on_policy:
+    # the pairs of the preference_pairs step (`posttrain.pairs`: per mode, the policy's answer
+    # against a stronger source's); or a dataset with prompt/chosen/rejected (files:GLOB, hf:NAME,
+    # hf:/PATH)
     pairs: str = "self"
     pairs_subset: str | None = None  # dataset configuration of a hub pairs dataset
     pairs_split: str = "train"  # split of a pairs dataset (ultrafeedback_binarized: train_prefs)
@@ -129,7 +142,98 @@ class PreferenceConfig(TrainerConfig):
     @field_validator("pairs")
     @classmethod
     def _pairs(cls, v: str) -> str:
-        return v if v == "self" else _check_data_uri(v)
+        return v if v in ("self", "on_policy") else _check_data_uri(v)
+
+
+PAIR_SIDES = ("reference", "policy")  # besides `model:NAME`
+
+
+def _check_side(v: str) -> str:
+    if v in PAIR_SIDES or (v.startswith("model:") and v[6:]):
+        return v
+    raise ValueError(
+        f"unknown pair source {v!r}; use 'reference' (the verified worked answer of a builtin "
+        "prompt), 'policy' (the model being post-trained) or 'model:NAME' (a local HF folder or a "
+        "hub model, e.g. model:Qwen/Qwen3-32B)"
+    )
+
+
+class PairModeConfig(_Config):
+    """One reasoning mode's preference pairs (`posttrain.pairs.think`, `posttrain.pairs.no_think`):
+    on the same prompts, a chosen answer from a stronger source and a rejected one (by default the
+    policy's own), or the pairs of a dataset."""
+
+    # builtin: posttrain_data's arithmetic prompts (known answers, worked reference solutions);
+    # or a files:GLOB / hf:NAME / hf:/PATH dataset whose `prompt_field` holds the prompt
+    prompts: str = "builtin"
+    prompt_field: str = "prompt"  # column of a prompts dataset: a string or a message list
+    # instead of sampling: a dataset of prompt/chosen/rejected rows (files:/hf:), e.g. Tulu 3's
+    # preference mixture for no-think mode; `prompts`, `chosen` and `rejected` are then unused
+    pairs: str | None = None
+    hf_subset: str | None = None  # dataset configuration of the prompts or pairs dataset
+    hf_split: str = "train"  # split of the prompts or pairs dataset
+    hf_revision: str | None = None  # pinned hub revision of that dataset; pin it so caching means something
+    max_prompts: int = Field(default=8, gt=0)  # prompts answered (or dataset rows read) for this mode
+    # who answers: reference (the builtin prompt's verified answer; in think mode with its worked
+    # trace), policy (the model being post-trained, the SFT model) or model:NAME (a local HF
+    # folder or hub model with a chat template, sampled in this mode with `enable_thinking`)
+    chosen: str = "reference"
+    rejected: str = "policy"
+    max_new_tokens: int = Field(default=64, gt=0)  # tokens per sampled answer
+    temperature: float = Field(default=0.0, ge=0)  # 0: greedy; else seeded sampling
+    batch_size: int = operational(16, gt=0)  # prompts per generate call
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, v: str) -> str:
+        return v if v == "builtin" else _check_data_uri(v)
+
+    @field_validator("pairs")
+    @classmethod
+    def _pairs_uri(cls, v: str | None) -> str | None:
+        return None if v is None else _check_data_uri(v)
+
+    @field_validator("chosen", "rejected")
+    @classmethod
+    def _side(cls, v: str) -> str:
+        return _check_side(v)
+
+    @model_validator(mode="after")
+    def _sides(self) -> PairModeConfig:
+        if self.pairs is not None:
+            return self
+        if self.chosen == self.rejected:
+            raise ValueError(f"posttrain.pairs: chosen and rejected are both {self.chosen!r}; a pair needs two sources")
+        if self.rejected == "reference":
+            raise ValueError(
+                "posttrain.pairs: rejected 'reference' would reject the verified answer; use policy or model:NAME"
+            )
+        if self.chosen == "reference" and self.prompts != "builtin":
+            raise ValueError(
+                f"posttrain.pairs: chosen 'reference' needs the builtin prompts (they carry verified "
+                f"answers), not {self.prompts!r}; name a chosen model:NAME"
+            )
+        return self
+
+
+class PairsConfig(_Config):
+    """`posttrain.pairs`: the preference_pairs step, one section per reasoning mode (a mode left
+    unset gets no pairs). `posttrain.preference.pairs: on_policy` trains APO on its pairs."""
+
+    think: PairModeConfig | None = None  # pairs whose prompt renders in /think mode
+    no_think: PairModeConfig | None = None  # pairs whose prompt renders in /no_think mode
+
+    def modes(self) -> dict[str, PairModeConfig]:
+        """The configured modes, think first."""
+        return {m: c for m, c in (("think", self.think), ("no_think", self.no_think)) if c is not None}
+
+
+class PairsSpec(_Config):
+    """The preference_pairs step's config: the pairs section, the post-training seed and device."""
+
+    pairs: PairsConfig
+    seed: int = 0  # posttrain.seed: prompt order and sampling
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # posttrain.device
 
 
 class SoupConfig(_Config):
@@ -333,6 +437,7 @@ class PosttrainConfig(_Config):
     data: ChatDataConfig = ChatDataConfig()
     sft: SFTConfig = SFTConfig()
     preference: PreferenceConfig = PreferenceConfig()
+    pairs: PairsConfig = PairsConfig()  # on-policy preference pairs per mode (preference.pairs: on_policy)
     merge: MergeConfig = MergeConfig()
     grpo: GRPOConfig = GRPOConfig()
     sao: SAOConfig = SAOConfig()  # off unless enabled (tiny: on)
@@ -345,6 +450,11 @@ class PosttrainConfig(_Config):
     def _soup_needs_preference(self) -> PosttrainConfig:
         if self.merge.enabled and self.merge.soup and not self.preference.enabled:
             raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
+        if self.preference.enabled and self.preference.pairs == "on_policy" and not self.pairs.modes():
+            raise ValueError(
+                "posttrain.preference.pairs is 'on_policy' but posttrain.pairs names no mode; set "
+                "posttrain.pairs.think and/or posttrain.pairs.no_think"
+            )
         taken = {
             "base",
             "sft",
@@ -354,6 +464,7 @@ class PosttrainConfig(_Config):
             "sao",
             "opd",
             "chat",
+            "pairs",
             "posttrain",
             self.preference.loss_type.split("_")[0]
             if self.preference.loss_type.startswith("apo")

@@ -1,0 +1,146 @@
+"""On-policy preference pairs per reasoning mode: the policy (the SFT model) answers the
+preference prompts, a stronger source answers the same prompts, and each pair records which side
+came from where and its mode (curation/pairing.py has the row format and the rules).
+
+For each mode of `posttrain.pairs` (think, no_think):
+- prompts: the builtin arithmetic prompts of `posttrain_data` (`prompts.jsonl`, known answers and
+  worked reference solutions), or a files:/hf: prompts dataset, in a seeded order, the first
+  `max_prompts`, each with a system turn naming the mode;
+- chosen and rejected: `reference` (the verified worked answer; in think mode with the SFT data's
+  `<think>` trace), `policy` (the input model) or `model:NAME` (a local folder or hub model),
+  answered greedily (temperature 0) or with seeded sampling (trainers/posttrain/sampling.py);
+- or `pairs`: the prompt/chosen/rejected rows of a dataset (Tulu 3's preference mixture in the
+  3B recipe's no-think mode), put in the mode.
+SmolLM3's think-mode pairs took chosen answers from Qwen3-32B and rejected ones from Qwen3-0.6B;
+the tiny recipe rejects the policy's own greedy answer against the verified reference.
+
+Writes `pairs.jsonl` (every mode's rows) and returns counts per mode (pairs, dropped by reason,
+each side's accuracy where answers are known) as the artifact's meta. `preference.pairs:
+on_policy` makes APO train on them (trainers/posttrain/preference.py). Runs in a child process
+(torch and transformers stay out of the flow process) on the eval slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+from typing import Any
+
+from curation.pairing import as_messages, dataset_pair, mode_prompt, pair_rows, reference_answer
+from pipeline.artifact import Artifact
+from pipeline.step import step
+from trainers.posttrain.chat_data import data_state, load_rows, preference_rows, read_jsonl, write_jsonl
+from trainers.posttrain.common import model_dir
+from trainers.posttrain.sections import ChatDataConfig, PairModeConfig, PairsSpec
+
+
+def _sources_state(spec: PairsSpec) -> str:
+    """Facts outside the config: local data files and local model folders named as sources."""
+    h = hashlib.sha256()
+    for cfg in spec.pairs.modes().values():
+        for uri in (cfg.prompts, cfg.pairs or ""):
+            h.update(data_state(uri).encode())
+        for side in (cfg.chosen, cfg.rejected):
+            folder = Path(side[6:]).expanduser() if side.startswith("model:") else None
+            if folder is not None and folder.is_dir():
+                for f in sorted(folder.glob("*.safetensors")):
+                    st = f.stat()
+                    h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _prompt_rows(cfg: PairModeConfig, data: Path, mode: str, seed: int) -> list[dict[str, Any]]:
+    """This mode's prompt rows ({prompt, answer?, reference?}), seeded order, at most max_prompts."""
+    if cfg.prompts == "builtin":
+        path = data / "prompts.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"preference_pairs: input `data` {data} has no prompts.jsonl (a posttrain_data folder)"
+            )
+        rows = read_jsonl(path)
+    else:
+        where = ChatDataConfig(
+            uri=cfg.prompts, hf_subset=cfg.hf_subset, hf_split=cfg.hf_split, hf_revision=cfg.hf_revision
+        )
+        rows = []
+        for i, row in enumerate(load_rows(cfg.prompts, where)):
+            if cfg.prompt_field not in row:
+                raise KeyError(
+                    f"preference_pairs {mode}: prompts {cfg.prompts!r} row {i} has no column "
+                    f"{cfg.prompt_field!r} (columns: {', '.join(row)}); set posttrain.pairs.{mode}.prompt_field"
+                )
+            rows.append({"prompt": as_messages(row[cfg.prompt_field], f"{cfg.prompts} row {i}")})
+            if len(rows) >= cfg.max_prompts * 4:  # enough to draw from without reading the whole hub set
+                break
+    if not rows:
+        raise ValueError(f"preference_pairs {mode}: no prompts in {cfg.prompts!r}")
+    random.Random(f"pairs:{mode}:{seed}").shuffle(rows)
+    return rows[: cfg.max_prompts]
+
+
+def _answers(side: str, prompts, rows, cfg: PairModeConfig, mode: str, seed: int, policy: Path, device: str, cache):
+    """One answer per prompt from a source (reference, policy or model:NAME); models are loaded
+    once per step (`cache`)."""
+    if side == "reference":
+        return [reference_answer(r, mode) for r in rows]
+    from trainers.posttrain.sampling import chat_answers, load_chat_model
+
+    name = str(policy) if side == "policy" else side[6:]
+    if name not in cache:
+        cache[name] = load_chat_model(name, device, bf16=device.startswith("cuda"))  # 32B in fp32 fits no GPU
+    model, tokenizer = cache[name]
+    return chat_answers(model, tokenizer, prompts, mode, cfg.max_new_tokens, cfg.temperature, seed, cfg.batch_size)
+
+
+def _mode_pairs(cfg: PairModeConfig, mode: str, data: Path, policy: Path, seed: int, device: str, cache, log):
+    if cfg.pairs is not None:
+        rows = preference_rows(cfg.pairs, cfg.hf_subset, cfg.hf_split, cfg.hf_revision, cfg.max_prompts)
+        pairs = [dataset_pair(r, mode, cfg.pairs, f"{cfg.pairs} row {i}") for i, r in enumerate(rows)]
+        facts = {"prompts": len(rows), "pairs": len(pairs), "dropped": {}, "source": cfg.pairs}
+        log(f"preference_pairs {mode}: {len(pairs)} pairs from {cfg.pairs}")
+        return pairs, facts
+    rows = _prompt_rows(cfg, data, mode, seed)
+    builtin = cfg.prompts == "builtin"
+    prompts = [mode_prompt(r["prompt"], mode, builtin) for r in rows]
+    chosen = _answers(cfg.chosen, prompts, rows, cfg, mode, seed, policy, device, cache)
+    rejected = _answers(cfg.rejected, prompts, rows, cfg, mode, seed, policy, device, cache)
+    answers = [r.get("answer") for r in rows] if builtin else None
+    pairs, facts = pair_rows(prompts, chosen, rejected, mode, (cfg.chosen, cfg.rejected), answers)
+    facts.update(chosen_source=cfg.chosen, rejected_source=cfg.rejected)
+    log(
+        f"preference_pairs {mode}: {facts['pairs']} pairs from {len(rows)} prompts (chosen: {cfg.chosen}, "
+        f"rejected: {cfg.rejected}; dropped {facts['dropped'] or 'none'}"
+        + (f"; rejected side right on {facts['rejected_accuracy']:.0%}" if "rejected_accuracy" in facts else "")
+        + ")"
+    )
+    return pairs, facts
+
+
+@step("preference_pairs", version=1, kind="corpus", resource="eval", isolate=True, extra=_sources_state)
+def preference_pairs(config: PairsSpec, model: Artifact, data: Artifact, *, out: Path, log=print) -> dict[str, Any]:
+    """Pairs per reasoning mode from the policy (`model`, the SFT model) and the recipe's
+    sources on the prompts of `data` (posttrain_data's folder) or of a dataset."""
+    from trainers.posttrain.common import resolve_device
+
+    modes = config.pairs.modes()
+    if not modes:
+        raise ValueError("preference_pairs: posttrain.pairs names no mode; set posttrain.pairs.think and/or no_think")
+    device = resolve_device(config.device)
+    policy, cache, rows, by_mode = model_dir(model), {}, [], {}
+    for mode, cfg in modes.items():
+        pairs, by_mode[mode] = _mode_pairs(cfg, mode, data.path, policy, config.seed, device, cache, log)
+        rows += pairs
+    if not rows:
+        raise ValueError(
+            f"preference_pairs: no pair kept ({by_mode}); every rejected answer was right or the "
+            "prompts are empty: raise posttrain.pairs.<mode>.max_prompts or use a weaker rejected source"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "pairs.jsonl", rows)
+    return {
+        "pairs": len(rows),
+        "modes": by_mode,
+        "policy": {"fingerprint": model.fingerprint, "stage": model.meta.get("stage")},
+        "files": {"pairs": str(out / "pairs.jsonl")},
+    }
