@@ -71,7 +71,7 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
             from datatrove.executor import SlurmPipelineExecutor
 
             if config.slurm is None:
-                section = {"CurationConfig": "curation", "TokenizeConfig": "tokenize"}.get(
+                section = {"CurationConfig": "curation", "SourceSpec": "curation", "TokenizeConfig": "tokenize"}.get(
                     type(config).__name__, type(config).__name__
                 )
                 raise ValueError(
