@@ -11,7 +11,8 @@ A source is named in the recipe by a URI:
     hf:NAME         a Hugging Face dataset from the hub (`hf_subset`, `hf_split`, `hf_revision`)
     hf:/PATH        a dataset folder written by `datasets.save_to_disk`
 
-The source step (tasks/sources.py) writes `train/` and `heldout/` shards (`ShardWriter`; `read_shards` reads them back) (gzip JSONL with `id`, `text`, `metadata`
+The source step (tasks/sources.py, read as datatrove tasks by curation/ingest.py: each task its
+part, `SourceKind.task_records`) writes `train/` and `heldout/` shards (`ShardWriter`; `read_shards` reads them back) (gzip JSONL with `id`, `text`, `metadata`
 as datatrove's readers expect, or Parquet) and returns counts in the artifact. The held-out split
 is chosen by a stable hash of each document's id (the same on every machine); copies of a
 held-out document under other ids land in train here, and curation removes them

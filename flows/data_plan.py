@@ -33,7 +33,8 @@ SOURCE_GZIP_RATIO = 0.363
 # bytes); a source uncapped by `max_documents` has `curation.tasks` buckets
 SOURCE_ID_BYTES = 115
 # benchmarks/ingest_scale.py: the largest peak of a read, id-bucket or finish task (its process,
-# imports included) at 10k, 100k and 1M documents in files of 10k (one read task each): flat
+# imports included) at 10k, 100k and 1M documents in files of 10k (one read task each): 24-33 MB,
+# flat; rounded up for a shard buffer of 5,000 web documents (~5 KB each, not the benchmark's 160 B)
 SOURCE_TASK_GB = 0.1
 # benchmarks/curate.py --scale, 100 MB at 1 worker (docs/data.md, "Curation on every core"):
 # the web preset with exact and MinHash dedup, 11.69 CPU-s per MB
