@@ -9,7 +9,8 @@ one step below, chained so each starts when the previous one has finished:
    record under its reason, writes its kept documents to its own train and held-out shards
    (`{r:05d}-00000.jsonl.gz`, ...; with one task the names and bytes of a single reader,
    `00000.jsonl.gz`), and the id of each to one of P bucket files by a hash of the id. Memory:
-   the shard buffers and, with a held-out cap, at most `cap` candidates; never the source's ids.
+   the shard buffers, a bounded buffer of ids and, with a held-out cap, at most `cap`
+   candidates; never the source's ids.
 2. `IdBucketTask` (P tasks): bucket b reads bucket b of every read task in read order and reports
    each id it has already seen as a duplicate of its first occurrence. Memory: one bucket's ids,
    about 1/P of the source's (P is the number of read tasks the recipe asks for).
@@ -190,8 +191,7 @@ class IdBucketTask(_IngestStep):
     def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> None:
         bucket = rank
         seen: set[str] = set()
-        drops = self.work / "drops"
-        out: dict[int, Any] = {}
+        drops: dict[int, list[str]] = {}  # read task -> its duplicates in this bucket
         dropped_candidates = []
         readers = sorted((self.work / "ids").glob(f"*/{bucket:05d}.jsonl"))  # task folders, in task order
         for path in readers:
@@ -202,15 +202,14 @@ class IdBucketTask(_IngestStep):
                     if doc_id not in seen:
                         seen.add(doc_id)
                         continue
-                    if task not in out:
-                        (drops / f"{task:05d}").mkdir(parents=True, exist_ok=True)
-                        out[task] = open(drops / f"{task:05d}" / f"{bucket:05d}.jsonl", "w", encoding="utf-8")
-                    out[task].write(json.dumps([position, doc_id], ensure_ascii=False) + "\n")
+                    drops.setdefault(task, []).append(json.dumps([position, doc_id], ensure_ascii=False) + "\n")
                     if candidate:
                         dropped_candidates.append(f"{task}\t{position}\n")
                     self.stat_update("duplicate_id")
-        for fh in out.values():
-            fh.close()
+        for task, lines in drops.items():  # one file open at a time
+            folder = self.work / "drops" / f"{task:05d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{bucket:05d}.jsonl").write_text("".join(lines), encoding="utf-8")
         (self.work / "dropped_candidates").mkdir(parents=True, exist_ok=True)
         (self.work / "dropped_candidates" / f"{bucket:05d}.tsv").write_text("".join(dropped_candidates))
 
@@ -334,23 +333,31 @@ class FinishTask(_IngestStep):
 
 
 class _IdBuckets:
-    """A read task's ids, one JSON-lines file per bucket (opened when first written)."""
+    """A read task's ids, one JSON-lines file per bucket. Lines are buffered and appended a
+    bucket at a time, so a task never holds more than one file open (P can be thousands, above
+    the open-file limit) nor more than `FLUSH_LINES` lines."""
+
+    FLUSH_LINES = 200_000
 
     def __init__(self, folder: Path, rank: int, buckets: int):
         self.folder = folder / f"{rank:05d}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.buckets = buckets
-        self.files: dict[int, Any] = {}
+        self.lines: dict[int, list[str]] = {}
+        self.held = 0
 
     def add(self, doc_id: str, position: int, candidate: bool) -> None:
         b = id_bucket(doc_id, self.buckets)
-        if b not in self.files:
-            self.files[b] = open(self.folder / f"{b:05d}.jsonl", "w", encoding="utf-8")
-        self.files[b].write(json.dumps([position, int(candidate), doc_id], ensure_ascii=False) + "\n")
+        self.lines.setdefault(b, []).append(json.dumps([position, int(candidate), doc_id], ensure_ascii=False) + "\n")
+        self.held += 1
+        if self.held >= self.FLUSH_LINES:
+            self.close()
 
     def close(self) -> None:
-        for fh in self.files.values():
-            fh.close()
+        for b, lines in sorted(self.lines.items()):
+            with open(self.folder / f"{b:05d}.jsonl", "a", encoding="utf-8") as fh:
+                fh.writelines(lines)
+        self.lines, self.held = {}, 0
 
 
 class _Counts:
