@@ -117,6 +117,7 @@ class SourceKind(ABC):
     """Base class of a source kind: yields Documents (and Rejected records) in a stable order."""
 
     seeded = False  # whether the text depends on the recipe seed (generated data)
+    parallel = False  # whether several tasks may read it (`max_tasks`, `task_records`)
 
     def __init__(self, config: SourceConfig, seed: int):
         self.config = config
@@ -500,6 +501,8 @@ class LocalFiles(SourceKind):
     def state(self) -> str:
         return _files_digest(self._paths())
 
+    parallel = True
+
     def max_tasks(self, requested: int) -> int:
         return max(1, min(requested, len(self._paths())))  # a file is read by one task
 
@@ -617,6 +620,8 @@ class HuggingFace(SourceKind):
             return None
         target = from_base(self._target())
         return None if target.exists() else f"{self.where}.uri: {target} does not exist on this machine"
+
+    parallel = True
 
     def max_tasks(self, requested: int) -> int:
         return max(1, requested)

@@ -36,7 +36,8 @@ class SourceSpec(BaseModel):
     # datatrove tasks that read the source (its files are dealt to them in contiguous blocks; at
     # most one task per file; the built-in kinds and a capped source: one), and the hash buckets
     # of the duplicate-id stage. Each task writes its own shards, so the count is part of the
-    # output. None: one task. Set from the recipe's `curation.tasks` for an uncapped source.
+    # output. None: one task. Set from the recipe's `curation.tasks` for an uncapped source of a
+    # kind several tasks can read (files:, hf:).
     read_tasks: int | None = added_identity(None, gt=0)
     # where the tasks run: the recipe's curation executor (curation/executors.py)
     executor: Literal["local", "slurm", "ray"] = operational("local")
@@ -59,7 +60,8 @@ class SourceSpec(BaseModel):
         spec = cls(source=source, seed=seed, held_out_max_documents=cap)
         if curation is None:
             return spec
-        tasks = None if source.max_documents is not None or curation.tasks == 1 else curation.tasks
+        one = source.max_documents is not None or curation.tasks == 1 or not resolve_kind(source.uri).parallel
+        tasks = None if one else curation.tasks
         run = {k: getattr(curation, k) for k in ("executor", "workers", "slurm", "ray")}
         return spec.model_copy(update={"read_tasks": tasks, **run})
 

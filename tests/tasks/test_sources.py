@@ -321,3 +321,4 @@ def test_the_recipe_curation_section_sets_the_read_tasks_and_executor_of_uncappe
     web = SourceSpec.of(_cfg(uri="hf:org/web", domain="web"), 0, 2000, curation)
     assert web.read_tasks == 64 and identity(web) != identity(SourceSpec.of(web.source, 0, 2000))
     assert identity(web) == identity(web.model_copy(update={"workers": 8, "executor": "ray"}))  # operational
+    assert SourceSpec.of(_cfg(uri="builtin:prose", domain="web"), 0, None, curation).read_tasks is None  # one reader
