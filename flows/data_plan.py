@@ -24,9 +24,10 @@ from typing import Any
 BYTES_PER_TOKEN = 4.0  # assumed: UTF-8 bytes per Llama-3 token of English web text
 TOKENS_PER_DOCUMENT = 1300  # issue 33's reading of DCLM: ~3B documents for ~4T tokens
 # --- measured costs -------------------------------------------------------------------------------
-# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM (load 7-12): 1.6 CPU s,
-# 0.079 CPU-s per MB; written gzip shards 0.363 of the text
-SOURCE_CPU_S_PER_MB = 0.079
+# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM: 2.1 CPU s, 0.103
+# CPU-s per MB with the three datatrove stages (0.079 for the single reader before: the id buckets
+# are written and read once more); written gzip shards 0.363 of the text
+SOURCE_CPU_S_PER_MB = 0.103
 SOURCE_GZIP_RATIO = 0.363
 # the source step's duplicate-id stage (curation/ingest.py): a bucket task holds its bucket's ids,
 # a Python str in a set, ~115 bytes per document (issue 33, from the data structure: 100-130
