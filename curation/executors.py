@@ -1,8 +1,8 @@
 """Where datatrove pipelines run: one executor per stage (local processes, Slurm array jobs or
 Ray), each depending on the previous one, and the settings of the cluster executors.
 
-Shared by the curate and tokenize steps: `config` is any recipe section with `executor`,
-`workers`, `slurm` and `ray`. The worker count is operational (the output is the same whatever
+Shared by the source, curate and tokenize steps: `config` is any recipe section (or the source
+step's spec, which copies curation's) with `executor`, `workers`, `slurm` and `ray`. The worker count is operational (the output is the same whatever
 it is); the number of datatrove tasks is not (it sets the output shards) and is chosen by the step.
 """
 
@@ -71,7 +71,7 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
             from datatrove.executor import SlurmPipelineExecutor
 
             if config.slurm is None:
-                section = {"CurationConfig": "curation", "TokenizeConfig": "tokenize"}.get(
+                section = {"CurationConfig": "curation", "SourceSpec": "curation", "TokenizeConfig": "tokenize"}.get(
                     type(config).__name__, type(config).__name__
                 )
                 raise ValueError(

@@ -11,7 +11,8 @@ A source is named in the recipe by a URI:
     hf:NAME         a Hugging Face dataset from the hub (`hf_subset`, `hf_split`, `hf_revision`)
     hf:/PATH        a dataset folder written by `datasets.save_to_disk`
 
-The source step (tasks/sources.py) writes `train/` and `heldout/` shards (`ShardWriter`; `read_shards` reads them back) (gzip JSONL with `id`, `text`, `metadata`
+The source step (tasks/sources.py, read as datatrove tasks by curation/ingest.py: each task its
+part, `SourceKind.task_records`) writes `train/` and `heldout/` shards (`ShardWriter`; `read_shards` reads them back) (gzip JSONL with `id`, `text`, `metadata`
 as datatrove's readers expect, or Parquet) and returns counts in the artifact. The held-out split
 is chosen by a stable hash of each document's id (the same on every machine); copies of a
 held-out document under other ids land in train here, and curation removes them
@@ -116,6 +117,7 @@ class SourceKind(ABC):
     """Base class of a source kind: yields Documents (and Rejected records) in a stable order."""
 
     seeded = False  # whether the text depends on the recipe seed (generated data)
+    parallel = False  # whether several tasks may read it (`max_tasks`, `task_records`)
 
     def __init__(self, config: SourceConfig, seed: int):
         self.config = config
@@ -128,6 +130,18 @@ class SourceKind(ABC):
     @abstractmethod
     def records(self) -> Iterator[Document | Rejected]:
         """Every record of the source, in a stable order."""
+
+    def max_tasks(self, requested: int) -> int:
+        """How many tasks may read this source at once (`task_records`), at most `requested`:
+        the built-in kinds are laptop-sized and read by one task."""
+        return 1
+
+    def task_records(self, rank: int, world: int) -> Iterator[Document | Rejected]:
+        """The records task `rank` of `world` reads: every record in exactly one task, a task's
+        records in read order and the tasks' parts in read order (task 0 reads first)."""
+        if world != 1:
+            raise ValueError(f"{self.where}: {type(self).__name__} is read by one task, not {world}")
+        return self.records()
 
     def check(self) -> list[str]:
         """Mistakes in the source's configuration that would fail the run, found cheaply
@@ -487,8 +501,20 @@ class LocalFiles(SourceKind):
     def state(self) -> str:
         return _files_digest(self._paths())
 
+    parallel = True
+
+    def max_tasks(self, requested: int) -> int:
+        return max(1, min(requested, len(self._paths())))  # a file is read by one task
+
+    def task_records(self, rank: int, world: int) -> Iterator[Document | Rejected]:
+        paths = self._paths()  # a contiguous block of the files, so the tasks' parts are in read order
+        yield from self._read(paths[rank * len(paths) // world : (rank + 1) * len(paths) // world])
+
     def records(self) -> Iterator[Document | Rejected]:
-        for path in self._paths():
+        yield from self._read(self._paths())
+
+    def _read(self, paths: list[Path]) -> Iterator[Document | Rejected]:
+        for path in paths:
             if path.suffix == ".parquet":
                 yield from self._parquet(path)
             else:
@@ -595,7 +621,15 @@ class HuggingFace(SourceKind):
         target = from_base(self._target())
         return None if target.exists() else f"{self.where}.uri: {target} does not exist on this machine"
 
+    parallel = True
+
+    def max_tasks(self, requested: int) -> int:
+        return max(1, requested)
+
     def records(self) -> Iterator[Document | Rejected]:
+        return self.task_records(0, 1)
+
+    def task_records(self, rank: int, world: int) -> Iterator[Document | Rejected]:
         import datasets
 
         target = from_base(self._target())
@@ -608,18 +642,30 @@ class HuggingFace(SourceKind):
                         f"{target}; available: {', '.join(ds)}"
                     )
                 ds = ds[self.config.hf_split]
+            # a contiguous block of rows (Arrow files, memory-mapped: nothing loaded whole), so
+            # a row's id `row N` is the same whatever the task count
+            first = rank * len(ds) // world
+            rows: Any = ds.select(range(first, (rank + 1) * len(ds) // world))
+            where = "row {}"
         else:
             # The hub path: needs network access (HF_HUB_OFFLINE unset) and, for gated sets, a
-            # token in the standard Hugging Face location. Streaming avoids a full download.
-            ds = datasets.load_dataset(
+            # token in the standard Hugging Face location. Streamed, never downloaded whole; with
+            # several tasks each streams its part (`split_dataset_by_node`: whole files when the
+            # dataset has a multiple of `world` files, else every world-th row), and a row
+            # without `id_field` is named by its task and its row within it.
+            from datasets.distributed import split_dataset_by_node
+
+            stream = datasets.load_dataset(
                 self._target(),
                 self.config.hf_subset,
                 split=self.config.hf_split,
                 revision=self.config.hf_revision,
                 streaming=True,
             )
-        for i, record in enumerate(ds):
-            yield _extract(record, self.config, f"row {i}")
+            rows = stream if world == 1 else split_dataset_by_node(stream, rank=rank, world_size=world)
+            first, where = 0, "row {}" if world == 1 else f"task {rank}/{world} row {{}}"
+        for i, record in enumerate(rows, first):
+            yield _extract(record, self.config, where.format(i))
 
 
 def held_out_rank(source: str, doc_id: str) -> int:
@@ -643,18 +689,26 @@ class ShardWriter:
     they are written, which depends only on the documents' order.
     """
 
-    def __init__(self, folder: Path, fmt: str, per_shard: int, streams: int = 1):
+    def __init__(
+        self, folder: Path, fmt: str, per_shard: int, streams: int = 1, *, prefix: str = "", layout: Any = None
+    ):
         self.folder, self.fmt, self.per_shard = folder, fmt, per_shard
         folder.mkdir(parents=True, exist_ok=True)
         self.buffers: list[list[dict[str, Any]]] = [[] for _ in range(streams)]
+        self.positions: list[list[int]] = [[] for _ in range(streams)]
         self.added = 0
         self.shards: list[str] = []
+        # several writers share a folder by their prefixes (an ingestion task's `00003-`); with
+        # `layout` (a text file), each shard written adds a line `name<TAB>position,...` naming
+        # the `add` positions it holds, so a later pass can rewrite the shards that hold some
+        self.prefix, self.layout = prefix, layout
 
-    def add(self, doc: Document, source: str) -> None:
+    def add(self, doc: Document, source: str, position: int = 0) -> None:
         stream = self.added % len(self.buffers)
         self.added += 1
         buffer = self.buffers[stream]
         buffer.append({"id": doc.id, "text": doc.text, "metadata": {**doc.metadata, "source": source}})
+        self.positions[stream].append(position)
         if len(buffer) >= self.per_shard:
             self._write(stream)
 
@@ -666,35 +720,45 @@ class ShardWriter:
         rows = self.buffers[stream]
         if not rows:
             return
-        index = len(self.shards)
-        if self.fmt == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            name = f"{index:05d}.parquet"
-            table = [{**r, "metadata": json.dumps(r["metadata"])} for r in rows]
-            pq.write_table(pa.Table.from_pylist(table), self.folder / name)
-        else:
-            name = f"{index:05d}.jsonl.gz"
-            with gzip.open(self.folder / name, "wt", encoding="utf-8", compresslevel=5) as fh:
-                for r in rows:
-                    fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        name = f"{self.prefix}{len(self.shards):05d}.{'parquet' if self.fmt == 'parquet' else 'jsonl.gz'}"
+        write_shard(self.folder / name, rows)
+        if self.layout is not None:
+            self.layout.write(f"{name}\t{','.join(map(str, self.positions[stream]))}\n")
         self.shards.append(name)
-        self.buffers[stream] = []
+        self.buffers[stream], self.positions[stream] = [], []
+
+
+def write_shard(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One shard of rows (`id`, `text`, `metadata`): gzip JSONL, or Parquet (by the name)."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = [{**r, "metadata": json.dumps(r["metadata"])} for r in rows]
+        pq.write_table(pa.Table.from_pylist(table), path)
+    else:
+        with gzip.open(path, "wt", encoding="utf-8", compresslevel=5) as fh:
+            for r in rows:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def read_shard(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of one shard written by `write_shard`, in order."""
+    if path.name.endswith(".jsonl.gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                yield json.loads(line)
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for row in pq.read_table(path).to_pylist():
+            yield {**row, "metadata": json.loads(row["metadata"])}
 
 
 def read_shards(folder: Path) -> Iterator[dict[str, Any]]:
     """Documents of one split folder written by ShardWriter, in order."""
     for path in sorted(Path(folder).iterdir()):
-        if path.name.endswith(".jsonl.gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as fh:
-                for line in fh:
-                    yield json.loads(line)
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            for row in pq.read_table(path).to_pylist():
-                yield {**row, "metadata": json.loads(row["metadata"])}
+        yield from read_shard(path)
 
 
 def source_state(config: SourceConfig, seed: int | None) -> str:

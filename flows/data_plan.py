@@ -1,7 +1,8 @@
 """The data plan of a recipe: where each data step runs and what it costs, beside the training
 table of `smollm3 capacity --recipe` (flows/fit.py).
 
-For each data step (the source step, curation, tokenization; one per source) its executor, its
+For each data step (the source step, curation, tokenization; one per source) its executor (the
+source step's is curation's), its
 datatrove tasks, CPU-hours, disk written and memory per task, projected from:
 
 - the size of each source: the tokens the recipe draws from it, sum over the stages of its
@@ -23,13 +24,19 @@ from typing import Any
 BYTES_PER_TOKEN = 4.0  # assumed: UTF-8 bytes per Llama-3 token of English web text
 TOKENS_PER_DOCUMENT = 1300  # issue 33's reading of DCLM: ~3B documents for ~4T tokens
 # --- measured costs -------------------------------------------------------------------------------
-# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM (load 7-12): 1.6 CPU s,
-# 0.079 CPU-s per MB; written gzip shards 0.363 of the text
-SOURCE_CPU_S_PER_MB = 0.079
+# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM: 2.1 CPU s, 0.103
+# CPU-s per MB with the three datatrove stages (0.079 for the single reader before: the id buckets
+# are written and read once more); written gzip shards 0.363 of the text
+SOURCE_CPU_S_PER_MB = 0.103
 SOURCE_GZIP_RATIO = 0.363
-# the source step keeps every document id it has seen (duplicate-id check): a Python str in a set,
-# ~115 bytes per document (issue 33, from the data structure: 100-130 bytes)
+# the source step's duplicate-id stage (curation/ingest.py): a bucket task holds its bucket's ids,
+# a Python str in a set, ~115 bytes per document (issue 33, from the data structure: 100-130
+# bytes); a source uncapped by `max_documents` has `curation.tasks` buckets
 SOURCE_ID_BYTES = 115
+# benchmarks/ingest_scale.py: the largest peak of a read, id-bucket or finish task (its process,
+# imports included) at 10k, 100k and 1M documents in files of 10k (one read task each): 24-33 MB,
+# flat; rounded up for a shard buffer of 5,000 web documents (~5 KB each, not the benchmark's 160 B)
+SOURCE_TASK_GB = 0.1
 # benchmarks/curate.py --scale, 100 MB at 1 worker (docs/data.md, "Curation on every core"):
 # the web preset with exact and MinHash dedup, 11.69 CPU-s per MB
 CURATE_CPU_S_PER_MB = 11.69
@@ -45,7 +52,7 @@ class DataStep:
 
     step: str  # source, curate, tokenize
     executor: str  # where its tasks run
-    tasks: int  # datatrove tasks (the source step: processes), all sources
+    tasks: int  # datatrove tasks, all sources (the source step: its three stages' tasks)
     cpu_hours: float
     disk_gb: float  # written
     mem_gb: float  # per task, the largest
@@ -84,6 +91,7 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         index_gb = len(recipe.sources) * cap * (750 * 12 + 60) / GB
     id_bytes = 4 if recipe.tokenizer.vocab_size > 65535 else 2
     rows = {"source": [0, 0.0, 0.0, 0.0], "curate": [0, 0.0, 0.0, 0.0], "tokenize": [0, 0.0, 0.0, 0.0]}
+    buckets = {}  # source -> the id buckets of its duplicate-id stage (none: a capped source)
     for s in recipe.sources:
         tokens = drawn[s.name]
         mb = tokens * BYTES_PER_TOKEN / 1e6
@@ -91,8 +99,13 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         shards = max(s.shards, math.ceil(docs / s.documents_per_shard))
         # per task: the Slurm request where there is one (the index must fit in it), else the index
         curate_mem = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else index_gb
+        # the source step: read and finish tasks (one for a capped source, else `curation.tasks`,
+        # at most one per file) and as many id buckets, each holding its share of the ids
+        read = 1 if s.max_documents is not None else c.tasks
+        buckets[s.name] = 0 if s.max_documents is not None else c.tasks
+        source_mem = max(SOURCE_TASK_GB * GB, docs / max(buckets[s.name], 1) * SOURCE_ID_BYTES)
         for step, tasks, cpu_s, disk, mem in (
-            ("source", 1, mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, docs * SOURCE_ID_BYTES),
+            ("source", 2 * read + buckets[s.name], mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, source_mem),
             ("curate", min(c.tasks, shards), mb * CURATE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, curate_mem * GB),
             (
                 "tokenize",
@@ -108,10 +121,14 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             row[2] += disk / GB
             row[3] = max(row[3], mem / GB)
     largest = max(drawn, key=drawn.get)
-    days = drawn[largest] * BYTES_PER_TOKEN / 1e6 * SOURCE_CPU_S_PER_MB / 86400
+    per_bucket = drawn[largest] / TOKENS_PER_DOCUMENT / max(buckets[largest], 1) * SOURCE_ID_BYTES / GB
     notes = {
-        "source": f"one process per source, its memory the id set, which grows with the source: {largest} "
-        f"{drawn[largest] / TOKENS_PER_DOCUMENT * SOURCE_ID_BYTES / GB:,.0f} GB and {days:.1f} days in one process",
+        "source": f"per task: a read task's shard buffers ({SOURCE_TASK_GB:g} GB measured, flat in the source's size) "
+        + (
+            f"or an id bucket's ids: {largest} in {buckets[largest]:,} buckets, {per_bucket:.2f} GB each"
+            if buckets[largest]
+            else f"and its ids: {largest} is capped (max_documents), read by one task"
+        ),
         "curate": (
             f"per task: the Slurm request, which holds the held-out index every task loads ({index_gb:.2f} GB)"
             if c.slurm
@@ -121,7 +138,7 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",
     }
     where = {
-        "source": "flow host (1 process per source)",
+        "source": _where(c.executor, c.workers, c.slurm),
         "curate": _where(c.executor, c.workers, c.slurm),
         "tokenize": _where(t.executor, t.workers, t.slurm),
     }

@@ -128,7 +128,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     """Sources -> curation -> tokenizer -> fertility -> token shards -> mixture plans: one branch
     per source up to the tokenizer, which samples every curated source."""
     raw = {
-        s.name: g.add(source, SourceSpec.of(s, cfg.seed, cfg.curation.heldout.max_docs), label=s.name)
+        s.name: g.add(source, SourceSpec.of(s, cfg.seed, cfg.curation.heldout.max_docs, cfg.curation), label=s.name)
         for s in cfg.sources
     }
     # Each source's train split is decontaminated against every source's held-out split.

@@ -105,3 +105,17 @@ def test_stdlib_files_are_what_rglob_finds_without_walking_site_packages():
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
     expected = [p for p in sorted(root.rglob("*.py")) if not skip.intersection(p.relative_to(root).parts)]
     assert len(expected) > 100 and _stdlib_files() == expected
+
+
+def test_a_save_to_disk_folder_is_read_in_contiguous_blocks_of_rows_with_the_same_ids(tmp_path):
+    """Each task reads a block of rows; a row's id (`row N`, no id_field) is the same for 1 or 3 tasks."""
+    import datasets
+
+    from curation.source_kinds import resolve_kind
+
+    datasets.Dataset.from_dict({"text": [f"row text {i}" for i in range(10)]}).save_to_disk(str(tmp_path / "ds"))
+    kind = resolve_kind("hf:")(_cfg(name="ds", uri=f"hf:{tmp_path / 'ds'}", domain="web"), 0)
+    one = [(d.id, d.text) for d in kind.task_records(0, 1)]
+    parts = [[(d.id, d.text) for d in kind.task_records(r, 3)] for r in range(3)]
+    assert [len(p) for p in parts] == [3, 3, 4] and sum(parts, []) == one
+    assert one[4] == ("row 4", "row text 4") and kind.max_tasks(3) == 3

@@ -34,11 +34,13 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     assert "held-out index every task loads (1.29 GB)" in by["curate"].note
     # the recipe names no tokenize executor: its 500 workers run on the flow host, and the plan says so
     assert by["tokenize"].executor == "flow host (500 workers)"
-    # the source step: one process per source, holding every id of DCLM
-    assert by["source"].tasks == 71 and by["source"].mem_gb > 300 and "dclm/dclm" in by["source"].note
+    # the source step: datatrove tasks on curation's executor (read, id buckets, finish: 1,000 each
+    # per source), no task holding more than one bucket of DCLM's ids
+    assert by["source"].executor == by["curate"].executor and by["source"].tasks == 71 * 3 * 1000
     assert by["source"].mem_gb == pytest.approx(
-        _drawn(recipe, "dclm/dclm") / TOKENS_PER_DOCUMENT * SOURCE_ID_BYTES / 1e9, rel=1e-9
+        _drawn(recipe, "dclm/dclm") / TOKENS_PER_DOCUMENT / 1000 * SOURCE_ID_BYTES / 1e9, rel=1e-9
     )
+    assert by["source"].mem_gb < 1 and "dclm/dclm in 1,000 buckets" in by["source"].note
     text = format_data_rows(rows, recipe)
     assert tokens == 11_199_000_000_000 and "data plan: 71 sources, 11,199,000,000,000 tokens drawn" in text
 
@@ -58,4 +60,5 @@ def test_the_tiny_data_plan_runs_on_the_flow_host():
     rows, _ = data_rows(recipe)
     assert [r.step for r in rows] == ["source", "curate", "tokenize"]
     assert all(r.executor.startswith("flow host") for r in rows)
-    assert {r.step: r.tasks for r in rows} == {"source": 3, "curate": 12, "tokenize": 12}  # 4 tasks x 3 sources
+    # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources
+    assert {r.step: r.tasks for r in rows} == {"source": 6, "curate": 12, "tokenize": 12}

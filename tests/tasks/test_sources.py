@@ -241,3 +241,84 @@ def test_a_cap_a_source_cannot_reach_changes_no_fingerprint():
     assert SourceSpec.of(web.model_copy(update={"held_out_fraction": 0.0}), 0, 2000).held_out_max_documents is None
     assert identity(SourceSpec.of(small, 0, 2000)) == identity(SourceSpec.of(small, 0))
     assert identity(SourceSpec.of(web, 0, 2000)) != identity(SourceSpec.of(web, 0))
+
+
+def _three_files(tmp_path, ids=True):
+    """Three JSONL files with bad records in each and duplicate ids across and within them."""
+    rows = {
+        "a": [{"id": "x1", "text": "first x1"}, {"id": "x2", "text": "   "}, {"id": "x3", "text": "a three"}],
+        "b": [{"id": "x4", "text": "b four"}, {"id": "x1", "text": "second x1"}, {"id": "x5", "text": "y" * 5000}],
+        "c": [{"id": "x6", "text": "c six"}, {"id": "x4", "text": "second x4"}, {"id": "x7", "text": "c seven"}],
+    }
+    for name, records in rows.items():
+        with open(tmp_path / f"{name}.jsonl", "w") as fh:
+            for r in records:
+                fh.write(json.dumps(r if ids else {"text": r["text"]}) + "\n")
+            fh.write('{"text": broken\n')  # malformed, one per file
+    return f"files:{tmp_path}/*.jsonl"
+
+
+@pytest.mark.parametrize("tasks", [1, 3])
+def test_duplicate_ids_across_read_tasks_are_found_and_rejections_counted(tmp_path, tasks):
+    """Read by 3 datatrove tasks (one file each), ids checked in 3 hash buckets: the copies of x1
+    and x4 in later files are dropped as duplicate_id exactly as one reader drops them, and every
+    rejection is counted under its reason whichever task met it."""
+    cfg = _cfg(uri=_three_files(tmp_path), domain="web", id_field="id", held_out_fraction=0.0, max_document_chars=1000)
+    meta = source(SourceSpec(source=cfg, read_tasks=tasks), out=tmp_path / "out", log=lambda _: None)
+    assert meta["read_tasks"] == tasks
+    assert meta["rejected"] == {"empty": 1, "too_large": 1, "malformed_json": 3, "duplicate_id": 2}
+    assert meta["rejected_examples"]["duplicate_id"] == ["x1", "x4"]  # in read order
+    assert meta["rejected_examples"]["malformed_json"] == ["a.jsonl:4", "b.jsonl:4", "c.jsonl:4"]
+    docs = list(read_shards(tmp_path / "out" / "train"))
+    assert sorted(d["text"] for d in docs) == ["a three", "b four", "c seven", "c six", "first x1"]
+    assert meta["documents"] == 5 and meta["characters"] == sum(len(d["text"]) for d in docs)
+    assert not (tmp_path / "out" / "work").exists()  # the id buckets are gone with the step
+    names = sorted(p.name for p in (tmp_path / "out" / "train").iterdir())
+    assert names == sorted(meta["shards"]["train"])  # a shard emptied by the drops is gone too
+
+
+def test_a_source_without_ids_gets_file_and_line_ids_in_every_task(tmp_path):
+    cfg = _cfg(uri=_three_files(tmp_path, ids=False), domain="web", held_out_fraction=0.0, max_document_chars=1000)
+    meta = source(SourceSpec(source=cfg, read_tasks=3), out=tmp_path / "out", log=lambda _: None)
+    ids = sorted(d["id"] for d in read_shards(tmp_path / "out" / "train"))
+    assert ids == ["a.jsonl:1", "a.jsonl:3", "b.jsonl:1", "b.jsonl:2", "c.jsonl:1", "c.jsonl:2", "c.jsonl:3"]
+    assert "duplicate_id" not in meta["rejected"]  # the text repeats nothing of the ids
+
+
+def test_the_held_out_cap_holds_across_read_tasks(tmp_path):
+    """Four files read by 4 tasks keep the same held-out split under the cap as one reader: the
+    `cap` smallest hashes of the whole source, with duplicates counted once."""
+    from curation.source_kinds import held_out_rank
+
+    n, cap = 800, 30
+    for k in range(4):  # d0..d799 over four files, and every 50th id again in the next file
+        ids = list(range(k * 200, (k + 1) * 200)) + [i for i in range(0, k * 200, 50)]
+        _numbered(tmp_path / f"{k}.jsonl", ids)
+    cfg = _cfg(uri=f"files:{tmp_path}/*.jsonl", domain="web", id_field="id", held_out_fraction=0.3)
+    metas, held = {}, {}
+    for tasks in (1, 4):
+        out = tmp_path / f"out{tasks}"
+        metas[tasks] = source(SourceSpec(source=cfg, held_out_max_documents=cap, read_tasks=tasks), out=out, log=print)
+        held[tasks] = sorted(d["id"] for d in read_shards(out / "heldout"))
+        train = [d["id"] for d in read_shards(out / "train")]
+        assert sorted(held[tasks] + train) == sorted(f"d{i}" for i in range(n))  # each once
+    selected = [f"d{i}" for i in range(n) if is_held_out("s", f"d{i}", 0.3)]
+    assert held[4] == sorted(sorted(selected, key=lambda i: held_out_rank("s", i))[:cap]) == held[1]
+    for key in ("documents", "heldout_documents", "heldout_capped", "rejected"):
+        assert metas[1][key] == metas[4][key], key
+    assert metas[4]["rejected"] == {"duplicate_id": 4 + 8 + 12}
+    assert metas[4]["heldout_capped"] == len(selected) - cap
+
+
+def test_the_recipe_curation_section_sets_the_read_tasks_and_executor_of_uncapped_sources_only():
+    from pipeline.artifact import identity
+    from tasks.curate import CurationConfig
+
+    curation = CurationConfig(tasks=64, workers=2)
+    capped = SourceSpec.of(_cfg(max_documents=3000), 0, None, curation)  # read by one task anyway
+    assert capped.read_tasks is None and capped.workers == 2
+    assert identity(capped) == identity(SourceSpec.of(_cfg(max_documents=3000), 0))  # tiny's fingerprints hold
+    web = SourceSpec.of(_cfg(uri="hf:org/web", domain="web"), 0, 2000, curation)
+    assert web.read_tasks == 64 and identity(web) != identity(SourceSpec.of(web.source, 0, 2000))
+    assert identity(web) == identity(web.model_copy(update={"workers": 8, "executor": "ray"}))  # operational
+    assert SourceSpec.of(_cfg(uri="builtin:prose", domain="web"), 0, None, curation).read_tasks is None  # one reader
