@@ -26,11 +26,19 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Curation and tokenization in their step's own process, one datatrove task after another: at test
+# sizes a pool of worker processes per datatrove stage costs more than the work (the data part of
+# the tiny DAG: 179 s with the machine's 2 cores as workers, 73 s with 1, at load 9). `workers` is
+# operational: the same folders, bytes and fingerprints whatever the count (tests/tasks/
+# test_tokenize.py); tests/tasks/test_curate.py runs the data steps with worker processes.
+SERIAL_DATA = ["curation.workers=1", "tokenize.workers=1"]
+
 # Small overrides that keep the tiny recipe's sources fast in flow tests.
 SMALL = [
     "sources.prose.max_documents=60",
     "sources.code.max_documents=20",
     "sources.math.max_documents=200",
+    *SERIAL_DATA,
 ]
 
 
@@ -42,6 +50,7 @@ TINY_TRAIN = [
     "sources.prose.max_documents=200",
     "sources.code.max_documents=60",
     "sources.math.max_documents=400",
+    *SERIAL_DATA,
     "stages.stage1.tokens=12288",
     "stages.stage2.tokens=8192",
     "stages.stage3.tokens=4096",
@@ -189,7 +198,7 @@ def private_api_url(tmp_path) -> str:
 BUILDS: dict[str, list[str]] = {
     "data": DATA_ONLY,  # the data part of the tiny DAG: sources, curation, tokenizer, token shards
     # The same at TINY_TRAIN's sizes: the data steps the ablation and anneal flows' runs share
-    "tiny-data": [*(o for o in TINY_TRAIN if o.startswith("sources.")), "stages=[]"],
+    "tiny-data": [*(o for o in TINY_TRAIN if o.startswith("sources.")), *SERIAL_DATA, "stages=[]"],
 }
 # What a build depends on besides its overrides: the project's code and data files and the recipes.
 _BUILD_INPUTS = ("pipeline", "flows", "tasks", "curation", "evals", "trainers", "model", "infra", "configs", "mixtures")
