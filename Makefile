@@ -24,15 +24,17 @@ demo: install
 # The suite runs on pytest-xdist workers: one more than the machine has cores (the tests wait on
 # servers, subprocesses and Slurm as much as they compute), at most 8. Tests that share the one
 # Slurm cluster run on one worker (`xdist_group("slurm")`, `--dist loadgroup`); every other test
-# has its own ports, workspace, Prefect home and server (tests/conftest.py). TEST_WORKERS=0 runs
-# the same tests serially in one process.
+# has its own ports, workspace, Prefect home and server (tests/conftest.py). Tests are handed out
+# heaviest first (`heaviest_first` in tests/conftest.py; `--no-loadscope-reorder` keeps that
+# order instead of xdist's by group size), so the ten-minute runs never start last. TEST_WORKERS=0
+# runs the same tests serially in one process.
 TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, (os.cpu_count() or 1) + 1))')
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The fast tier: unit and component tests (everything not marked `slow`), for before each commit.
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow"
 
 down:
 	@if [ -x $(BIN)/smollm3 ]; then $(BIN)/smollm3 down; else echo "nothing to stop"; fi

@@ -26,11 +26,19 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Curation and tokenization in their step's own process, one datatrove task after another: at test
+# sizes a pool of worker processes per datatrove stage costs more than the work (the data part of
+# the tiny DAG: 179 s with the machine's 2 cores as workers, 73 s with 1, at load 9). `workers` is
+# operational: the same folders, bytes and fingerprints whatever the count (tests/tasks/
+# test_tokenize.py); tests/tasks/test_curate.py runs the data steps with worker processes.
+SERIAL_DATA = ["curation.workers=1", "tokenize.workers=1"]
+
 # Small overrides that keep the tiny recipe's sources fast in flow tests.
 SMALL = [
     "sources.prose.max_documents=60",
     "sources.code.max_documents=20",
     "sources.math.max_documents=200",
+    *SERIAL_DATA,
 ]
 
 
@@ -42,6 +50,7 @@ TINY_TRAIN = [
     "sources.prose.max_documents=200",
     "sources.code.max_documents=60",
     "sources.math.max_documents=400",
+    *SERIAL_DATA,
     "stages.stage1.tokens=12288",
     "stages.stage2.tokens=8192",
     "stages.stage3.tokens=4096",
@@ -85,7 +94,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     sends the tests of one group to one worker by a `@group` suffix it adds to their node ids on
     each worker; it assigns `item._nodeid`, which pytest 9's `item.nodeid` (built from `item._id`)
     no longer reads, so every group was spread over the workers (a Slurm cluster and a module's
-    fixture built on each). The suffix is added here where xdist's did not take."""
+    fixture built on each). The suffix is added here where xdist's did not take. Then the items
+    are put in the order the workers should draw them (`heaviest_first`)."""
     if not getattr(config.option, "loadgroup", False):
         return  # not a worker of `--dist loadgroup`
     from _pytest.nodeid import coerce_node_id
@@ -97,6 +107,58 @@ def pytest_collection_modifyitems(config, items) -> None:
         suffix = "@" + "_".join(groups)
         if groups and not item.nodeid.endswith(suffix):
             item._id = coerce_node_id(item.nodeid + suffix)
+    items[:] = heaviest_first(items)
+
+
+# Seconds the slowest tests take in a full `make test` (3 workers on 2 loaded cores, setup
+# included), for `heaviest_first`; a test not named here counts 30 s if marked `slow`, else 0.5 s.
+# Refresh it from the suite's "slowest 25 durations" when they change.
+EXPECTED_SECONDS = {
+    "tests/flows/test_chaos.py::test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical": 613,
+    "tests/flows/test_e2e.py::test_served_run_fails_in_stage2_and_retry_resumes": 596,
+    "tests/flows/test_anneal_flow.py::test_anneal_two_candidates_compares_against_the_baseline": 306,
+    "tests/flows/test_smollm3.py::test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage": 213,
+    "tests/flows/test_ablation_flow.py::test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise": 170,
+    "tests/flows/test_smollm3.py::test_caching_partial_rerun_refresh_and_rebuild": 144,
+    "tests/tasks/test_posttrain_flow.py::test_posttrain_dag_scores_every_step_and_keeps_lineage": 139,
+    "tests/flows/test_smollm3.py::test_finished_step_folders_are_mirrored_to_s3": 134,
+    "tests/flows/test_admission.py::test_smollm3_run_without_a_server_starts_one_for_the_run_and_stops_it": 129,
+    "tests/flows/test_planted_suite_run.py::test_a_planted_suite_payload_stays_inert_through_smollm3_run": 113,
+    "tests/benchmarks/test_gpu_check.py::test_cpu_smoke_exits_0_and_prints_every_row": 91,
+    "tests/infra/test_launchers_slurm.py::test_a_post_training_step_runs_on_slurm_through_accelerate": 81,
+    "tests/trainers/test_parallel.py::test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layout": 78,
+    "tests/infra/test_slurm_resilience.py::test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it": 74,
+    "tests/tasks/test_curate.py::test_data_flow_through_prefect_in_a_worker_thread": 74,
+}
+
+
+def _expected_seconds(item) -> float:
+    name = item.nodeid.split("@")[0].split("[")[0]
+    return EXPECTED_SECONDS.get(name, 30.0 if item.get_closest_marker("slow") else 0.5)
+
+
+def heaviest_first(items: list) -> list:
+    """`items` in the order pytest-xdist should hand them out: the heaviest block first, a block
+    being an `xdist_group` (one worker runs it whole) or else a test module, weighed by the
+    `EXPECTED_SECONDS` of its tests; the items of a block keep their order and stay together
+    (a module-scoped fixture is built once per worker that runs the module's tests in a row).
+    `--dist loadgroup --no-loadscope-reorder` (Makefile) hands out the tests in this order, so the
+    longest runs (chaos, end to end: ten minutes each on 2 cores) start at once on their own
+    workers instead of wherever the collection order puts them, possibly last, when they alone
+    would keep the suite running after every other test has finished. Every worker sorts the same
+    collection the same way: xdist requires the workers' collections to be identical."""
+
+    def block(item) -> str:
+        nodeid = item.nodeid
+        if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's own reading of a group suffix
+            return "@" + nodeid.split("@")[-1]
+        return nodeid.split("::")[0]
+
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[block(item)] = weight.get(block(item), 0.0) + _expected_seconds(item)
+    rank = {b: i for i, b in enumerate(sorted(weight, key=lambda b: -weight[b]))}  # stable: ties keep collection order
+    return sorted(items, key=lambda item: rank[block(item)])
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +198,7 @@ def private_api_url(tmp_path) -> str:
 BUILDS: dict[str, list[str]] = {
     "data": DATA_ONLY,  # the data part of the tiny DAG: sources, curation, tokenizer, token shards
     # The same at TINY_TRAIN's sizes: the data steps the ablation and anneal flows' runs share
-    "tiny-data": [*(o for o in TINY_TRAIN if o.startswith("sources.")), "stages=[]"],
+    "tiny-data": [*(o for o in TINY_TRAIN if o.startswith("sources.")), *SERIAL_DATA, "stages=[]"],
 }
 # What a build depends on besides its overrides: the project's code and data files and the recipes.
 _BUILD_INPUTS = ("pipeline", "flows", "tasks", "curation", "evals", "trainers", "model", "infra", "configs", "mixtures")

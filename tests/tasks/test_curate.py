@@ -398,6 +398,7 @@ def test_data_flow_through_prefect_in_a_worker_thread(tmp_path, prefect_harness)
         "sources.math.documents_per_shard=100",
         "curation.tasks=2",
         "curation.workers=2",
+        "tokenize.workers=2",  # (SMALL runs them in one process: tests/conftest.py SERIAL_DATA)
     ]
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(data_flow(over)))
