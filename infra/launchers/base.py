@@ -157,6 +157,8 @@ class FailureFacts:
             how += f" ({self.error})"
         elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
+        if self.node and self.state and self.state.upper() in ("NODE_FAIL", "BOOT_FAIL"):
+            how += f", node {self.node} failed"  # the node the scheduler took out of service
         if self.lost:
             how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
         return f"{who} {how}{self._then()}{self._avoid()}"

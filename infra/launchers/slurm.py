@@ -51,10 +51,12 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from infra.launchers.base import (
     LAUNCHERS,
+    FailureFacts,
     FirstError,
     JobRecord,
     Launcher,
@@ -94,6 +96,10 @@ FAILED = {
 }
 # End states a requeueable job (--requeue) passes through on its way back to PENDING.
 REQUEUED_FROM = {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
+# Job states that mean a node of the allocation failed (the node is found with `failed_node`).
+NODE_LOST = {"NODE_FAIL", "BOOT_FAIL"}
+# `sinfo %t` states of a node Slurm took out of service (a trailing `*`: not responding).
+NODE_DOWN = {"down", "drain", "drng", "fail", "failg"}
 
 
 class JobGone(LaunchFailed):
@@ -106,6 +112,7 @@ def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedPr
 
 _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned integers
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
+_NODE_LIST = re.compile(r"(?:^|\s)NodeList=(\S+)")
 _CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
@@ -465,6 +472,7 @@ class SlurmLauncher(Launcher):
         tail: collections.deque[str] = collections.deque(maxlen=40)
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
+        pending_exclude: tuple[str, ...] = ()  # nodes to exclude from the requeued job once it is pending
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
                 while True:
@@ -492,11 +500,16 @@ class SlurmLauncher(Launcher):
                             lost.feed(line)
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
+                        if settling == 0 and state in NODE_LOST:  # requeued in place: keep off the lost node
+                            pending_exclude = self._exclude_lost_node(job, state, workdir, log)
                         settling += 1  # Slurm puts it back in the queue right after: keep following
                     elif state in DONE or state in FAILED:
                         break
                     else:
                         settling = 0
+                        if state == "PENDING" and pending_exclude:
+                            self._update_excluded(job, pending_exclude, log)
+                            pending_exclude = ()
                     self.sleep(self.config.slurm.poll_seconds)
                     handle.check()
             except BaseException as exc:
@@ -519,6 +532,8 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
+            if state in NODE_LOST and facts.node is None:  # the job names no node: Slurm's node states do
+                facts = replace(facts, node=self.failed_node(job))
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
@@ -536,6 +551,48 @@ class SlurmLauncher(Launcher):
                 f"{record} names Slurm job {job}, whose comment is not this stage's tag {tag}: it was not "
                 "submitted by a launch of this stage, so it is neither followed nor cancelled. Check "
                 f"`squeue -j {job}`, then delete the record"
+            )
+
+    def failed_node(self, job: str) -> str | None:
+        """The node a job ended NODE_FAIL (or BOOT_FAIL) on: the first node of its allocation
+        (`scontrol show job` NodeList, else accounting's `sacct -o NodeList`) that Slurm now holds
+        down, drained, failing or not responding (`sinfo -N -o "%N %t"`). None when Slurm names
+        none (the node came back, or the site keeps no accounting for a purged job)."""
+        proc = self.runner(["scontrol", "show", "job", "-o", job])
+        found = _NODE_LIST.search(proc.stdout or "") if proc.returncode == 0 else None
+        nodes = found.group(1) if found else None
+        if nodes in (None, "(null)"):
+            acct = self.runner(["sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", job])
+            lines = (acct.stdout or "").split() if acct.returncode == 0 else []
+            nodes = lines[0] if lines else None
+        if not nodes or nodes in ("(null)", "None"):
+            return None
+        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t"])
+        for line in (info.stdout or "").splitlines() if info.returncode == 0 else []:
+            name, _, state = line.strip().partition(" ")
+            state = state.strip().lower()
+            if name and (state.endswith("*") or state.rstrip("~#!%$@^-") in NODE_DOWN):
+                return name
+        return None
+
+    def _exclude_lost_node(self, job: str, state: str, workdir: Path, log: LogFn) -> tuple[str, ...]:
+        """Add the node a requeued job lost to the stage's excluded nodes; every node the
+        requeued job should exclude (() when Slurm names none)."""
+        node = self.failed_node(job)
+        if node is None:
+            return ()
+        facts = FailureFacts(who=f"Slurm job {job}", state=state, node=node)
+        return exclude_node(workdir, facts, self.config.max_excluded_nodes, log).excluded
+
+    def _update_excluded(self, job: str, nodes: tuple[str, ...], log: LogFn) -> None:
+        """Keep a requeued (pending) job off `nodes` (ExcNodeList can change only while it is pending)."""
+        proc = self.runner(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"])
+        if proc.returncode == 0:
+            log(f"[launch] Slurm requeued job {job} in place; it now excludes {', '.join(nodes)}")
+        else:
+            log(
+                f"[launch] WARNING: could not exclude {', '.join(nodes)} from requeued Slurm job {job} "
+                f"({(proc.stderr or proc.stdout).strip()[:200]}); Slurm keeps down nodes out by itself"
             )
 
     def _requeues(self, job: str) -> bool:
