@@ -185,6 +185,8 @@ class SlurmLauncher(Launcher):
             sb.append(("exclude", ",".join(excluded)))
         if s.requeue:
             sb += [("requeue", None), ("signal", f"B:USR1@{s.signal_s}")]
+        else:  # whatever the cluster's JobRequeue default: a failed node then fails the job
+            sb.append(("no-requeue", None))
         sb += [
             ("open-mode", "append"),  # requeued attempts append to the same log
             ("output", str(workdir / "slurm-%j.log")),
@@ -556,8 +558,9 @@ class SlurmLauncher(Launcher):
     def failed_node(self, job: str) -> str | None:
         """The node a job ended NODE_FAIL (or BOOT_FAIL) on: the first node of its allocation
         (`scontrol show job` NodeList, else accounting's `sacct -o NodeList`) that Slurm now holds
-        down, drained, failing or not responding (`sinfo -N -o "%N %t"`). None when Slurm names
-        none (the node came back, or the site keeps no accounting for a purged job)."""
+        down, drained, failing or not responding (`sinfo -N -o "%N %t"`), else the job's only
+        node. None when Slurm names none (a node of several came back, or the site keeps no
+        accounting for a purged job)."""
         proc = self.runner(["scontrol", "show", "job", "-o", job])
         found = _NODE_LIST.search(proc.stdout or "") if proc.returncode == 0 else None
         nodes = found.group(1) if found else None
@@ -573,7 +576,9 @@ class SlurmLauncher(Launcher):
             state = state.strip().lower()
             if name and (state.endswith("*") or state.rstrip("~#!%$@^-") in NODE_DOWN):
                 return name
-        return None
+        # Back in service already (a node that rebooted and registered): a one-node job can only
+        # have lost its one node; of several, Slurm no longer says which.
+        return nodes if re.fullmatch(r"[^\[\],]+", nodes) else None
 
     def _exclude_lost_node(self, job: str, state: str, workdir: Path, log: LogFn) -> tuple[str, ...]:
         """Add the node a requeued job lost to the stage's excluded nodes; every node the

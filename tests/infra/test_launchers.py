@@ -364,6 +364,7 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     minimal = get_launcher(LaunchConfig(kind="slurm", slurm=SlurmLaunchConfig(exclusive=False, requeue=False)))
     sb = sbatch_lines(minimal.render(Path("/s.json"), Path("/w")))
     assert "gpus-per-node" not in sb and "partition" not in sb and "requeue" not in sb
+    assert "no-requeue" in sb  # the cluster's JobRequeue default would requeue it otherwise
     assert "exclusive" not in sb
 
 
