@@ -113,6 +113,7 @@ def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedPr
 _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned integers
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
 _NODE_LIST = re.compile(r"(?:^|\s)NodeList=(\S+)")
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")  # srun's line when a node of the job fails
 _CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
@@ -474,7 +475,8 @@ class SlurmLauncher(Launcher):
         tail: collections.deque[str] = collections.deque(maxlen=40)
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
-        pending_exclude: tuple[str, ...] = ()  # nodes to exclude from the requeued job once it is pending
+        lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
+        excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
                 while True:
@@ -500,18 +502,20 @@ class SlurmLauncher(Launcher):
                             first.feed(line)
                             summary.feed(line)
                             lost.feed(line)
+                            if (failed := _NODE_FAILURE.search(line)) and failed.group(1) not in lost_nodes:
+                                lost_nodes.append(failed.group(1))
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
-                        if settling == 0 and state in NODE_LOST:  # requeued in place: keep off the lost node
-                            pending_exclude = self._exclude_lost_node(job, state, workdir, log)
                         settling += 1  # Slurm puts it back in the queue right after: keep following
                     elif state in DONE or state in FAILED:
                         break
                     else:
                         settling = 0
-                        if state == "PENDING" and pending_exclude:
-                            self._update_excluded(job, pending_exclude, log)
-                            pending_exclude = ()
+                        if state == "PENDING" and len(lost_nodes) > excluded_from:
+                            # requeued in place after a node failure (often seen only as PENDING
+                            # again): keep the job off the nodes its log says failed
+                            self._exclude_in_place(job, lost_nodes[excluded_from:], workdir, log)
+                            excluded_from = len(lost_nodes)
                     self.sleep(self.config.slurm.poll_seconds)
                     handle.check()
             except BaseException as exc:
@@ -534,8 +538,8 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
-            if state in NODE_LOST and facts.node is None:  # the job names no node: Slurm's node states do
-                facts = replace(facts, node=self.failed_node(job))
+            if state in NODE_LOST and facts.node is None:  # the job's log or Slurm's node states name it
+                facts = replace(facts, node=lost_nodes[-1] if lost_nodes else self.failed_node(job))
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
@@ -580,17 +584,15 @@ class SlurmLauncher(Launcher):
         # have lost its one node; of several, Slurm no longer says which.
         return nodes if re.fullmatch(r"[^\[\],]+", nodes) else None
 
-    def _exclude_lost_node(self, job: str, state: str, workdir: Path, log: LogFn) -> tuple[str, ...]:
-        """Add the node a requeued job lost to the stage's excluded nodes; every node the
-        requeued job should exclude (() when Slurm names none)."""
-        node = self.failed_node(job)
-        if node is None:
-            return ()
-        facts = FailureFacts(who=f"Slurm job {job}", state=state, node=node)
-        return exclude_node(workdir, facts, self.config.max_excluded_nodes, log).excluded
-
-    def _update_excluded(self, job: str, nodes: tuple[str, ...], log: LogFn) -> None:
-        """Keep a requeued (pending) job off `nodes` (ExcNodeList can change only while it is pending)."""
+    def _exclude_in_place(self, job: str, failed: list[str], workdir: Path, log: LogFn) -> None:
+        """Add the nodes a job Slurm requeued lost to the stage's excluded nodes, and keep the
+        pending job off all of them (ExcNodeList can change only while it is pending)."""
+        nodes: tuple[str, ...] = ()
+        for node in failed:
+            facts = FailureFacts(who=f"Slurm job {job}", state="NODE_FAIL", node=node)
+            nodes = exclude_node(workdir, facts, self.config.max_excluded_nodes, log).excluded
+        if not nodes:
+            return
         proc = self.runner(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"])
         if proc.returncode == 0:
             log(f"[launch] Slurm requeued job {job} in place; it now excludes {', '.join(nodes)}")

@@ -1383,8 +1383,9 @@ class NodeFailSlurm:
     the job's state moves on once per poll (the launcher's sleep), so every query of one poll
     sees the same state, as it would in one instant."""
 
-    def __init__(self, states: list[str], requeue: bool) -> None:
+    def __init__(self, states: list[str], requeue: bool, workdir: Path | None = None) -> None:
         self.states, self.requeue, self.comment = list(states), requeue, None
+        self.workdir = workdir  # where srun writes `Node failure on node-2` once it is lost (None: nothing)
         self.calls: list[list[str]] = []
         self.scripts: list[str | None] = []
 
@@ -1403,6 +1404,10 @@ class NodeFailSlurm:
         if cmd[:3] == ["scontrol", "show", "job"]:
             state = self.states[0]
             nodes = "(null)" if state == "PENDING" else "node-[1-2]"
+            if self.workdir is not None and state == "PENDING" and self.requeue:  # the requeue after the loss
+                with open(self.workdir / "slurm-4242.log", "a") as fh:
+                    fh.write("srun: error: Node failure on node-2\n")
+                self.workdir = None
             return done(
                 f"JobId=4242 JobState={state} Reason=None ExitCode=0:9 Requeue={int(self.requeue)} "
                 f"ReqNodeList=(null) NodeList={nodes} Comment={self.comment}\n"
@@ -1434,13 +1439,15 @@ def test_slurm_names_the_node_a_node_failure_lost_and_keeps_the_next_attempt_off
 
 
 def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_place(tmp_path):
-    """With `--requeue` Slurm requeues a NODE_FAIL job by itself: the launcher keeps following the
-    same job (no new submission, no failed attempt) and, once it is pending, excludes the lost node
-    from it (`scontrol update ExcNodeList`), as the stage's later attempts will."""
+    """With `--requeue` Slurm requeues a job whose node failed by itself, at once (the follower
+    sees it PENDING again, not NODE_FAIL): the launcher keeps following the same job (no new
+    submission, no failed attempt) and, the job's log naming the lost node (srun's `Node failure
+    on node-2`), excludes it from the pending job (`scontrol update ExcNodeList`), as the stage's
+    later attempts will."""
     from infra.launchers.exclude import excluded_nodes
 
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
-    slurm = NodeFailSlurm(["RUNNING", "NODE_FAIL", "PENDING", "RUNNING", "COMPLETED"], requeue=True)
+    slurm = NodeFailSlurm(["RUNNING", "PENDING", "RUNNING", "COMPLETED"], requeue=True, workdir=tmp_path)
     lines: list[str] = []
     SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
     assert [c[0] for c in slurm.calls].count("sbatch") == 1
