@@ -93,7 +93,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
         stage = anneal_stage(cfg.anneal, base, run, cfg.training.nproc_per_node, threads)
         stage = stage.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
         ckpt = g.add(
-            pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned, retries=cfg.training.retries
+            pretrain, stage, label=f"anneal-{run.label}", mixture=plan, init=pinned, **cfg.training.retry_policy()
         )
         model = g.add(export, cfg.export, label=f"anneal-{run.label}", checkpoint=ckpt, tokenizer=tok)
         lm[run.label] = [g.add(evaluate, EvalSpec.of(cfg.eval), label=f"anneal-{run.label}", model=model, suite=suite)]

@@ -115,7 +115,7 @@ def graph(cfg: Recipe, base: BaseCheckpoint, *, tolerant: bool = False) -> Graph
     ]
     run = cpt_stage(c, base, cfg.training.nproc_per_node, cfg.resources.threads("train"))
     run = run.model_copy(update={"launch": cfg.launch, "storage": cfg.storage})
-    stage = g.add(pretrain, run, label="cpt", mixture=plan, init=pinned, retries=cfg.training.retries)
+    stage = g.add(pretrain, run, label="cpt", mixture=plan, init=pinned, **cfg.training.retry_policy())
     g.add(cpt_monitor, c, label="cpt", base=pinned, stage=stage, heldout=held)
     g.add(export, cfg.export, label="cpt", checkpoint=stage, tokenizer=tok)
     return g

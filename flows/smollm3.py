@@ -73,7 +73,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
             label=run.name,
             mixture=d.plans[run.name],
             after=gate,
-            retries=cfg.training.retries,
+            **cfg.training.retry_policy(),
             **init,
         )
         model = g.add(export, cfg.export, label=run.name, checkpoint=previous, tokenizer=d.tokenizer)

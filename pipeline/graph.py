@@ -58,14 +58,20 @@ class Node:
     # Attempts after a transient failure (pipeline.step.transient), None = the step's own
     # `retries`; never part of the fingerprint. A training stage takes the recipe's budget.
     retries: int | None = None
+    # Seconds before the first retry (None = the step's `retry_delay`), doubled before each next
+    # one up to `retry_delay_max`; never part of the fingerprint. A training stage takes the
+    # recipe's `training.retry_backoff_s` and `training.retry_backoff_max_s`.
+    retry_delay: float | None = None
+    retry_delay_max: float = 900.0
 
     @property
     def attempts_after_failure(self) -> int:
         return self.step.retries if self.retries is None else self.retries
 
     def retry_delays(self) -> list[float]:
-        """Seconds before each retry: the step's `retry_delay`, doubled each time, at most 15 min."""
-        return [min(self.step.retry_delay * 2**k, 900.0) for k in range(self.attempts_after_failure)]
+        """Seconds before each retry: the first delay, doubled each time, at most `retry_delay_max`."""
+        first = self.step.retry_delay if self.retry_delay is None else self.retry_delay
+        return [min(first * 2**k, self.retry_delay_max) for k in range(self.attempts_after_failure)]
 
     @property
     def key(self) -> str:
@@ -117,6 +123,8 @@ class Graph:
         after: Sequence[Node] = (),
         reuse: bool = False,
         retries: int | None = None,
+        retry_delay: float | None = None,
+        retry_delay_max: float = 900.0,
         **inputs: Ref | Sequence[Ref],
     ) -> Node:
         """Add one step; `inputs` name its inputs (a node, a Given artifact, or a list of them),
@@ -130,9 +138,15 @@ class Graph:
         variant's graph into one graph this way, so the steps variants share appear once (its
         gates and label are the first one's).
 
-        retries: attempts after a transient failure, instead of the step's own (Node.retries)."""
+        retries: attempts after a transient failure, instead of the step's own (Node.retries);
+        retry_delay, retry_delay_max: their backoff (Node.retry_delay)."""
         if retries is not None and retries < 0:
             raise ValueError(f"{step.name}[{label}]: retries must be >= 0, got {retries}")
+        if (retry_delay is not None and retry_delay < 0) or retry_delay_max < 0:
+            raise ValueError(
+                f"{step.name}[{label}]: retry delays must be >= 0, got retry_delay={retry_delay}, "
+                f"retry_delay_max={retry_delay_max}"
+            )
         if not isinstance(config, step.config_type):
             raise TypeError(
                 f"{step.name}[{label}]: config must be a {step.config_type.__name__}, got {type(config).__name__}"
@@ -166,7 +180,9 @@ class Graph:
                 return same
         if any(n.key == key for n in self.nodes):
             raise ValueError(f"graph {self.name}: step {key} is added twice; give it another label")
-        node = Node(step, label, config, named, extra, fp, unresolved, tuple(after), retries)
+        node = Node(
+            step, label, config, named, extra, fp, unresolved, tuple(after), retries, retry_delay, retry_delay_max
+        )
         self.nodes.append(node)
         self.final = node
         return node

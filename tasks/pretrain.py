@@ -84,10 +84,22 @@ class TrainingConfig(TrainSettings):
     decay_stages: int = Field(default=1, ge=0)  # last N pretrain stages are the WSD decay
     nproc_per_node: int = operational(1, gt=0)  # torchrun processes (GPUs) per node
     # Attempts after a transient failure of a stage (a hang, a lost node or rank, an NCCL error,
-    # preemption, a time limit: pipeline.step.transient), each resuming from the last checkpoint,
-    # 30 s after the first failure, doubling to at most 15 min; every attempt is a lineage row
-    # with its cause. A config or data error is never retried. A month-long stage wants several.
+    # preemption, a time limit: pipeline.step.transient), each resuming from the last checkpoint;
+    # every attempt is a lineage row with its cause. A config or data error is never retried. A
+    # month-long stage wants several.
     retries: int = operational(1, ge=0)
+    # Seconds before the first retry, doubled before each next one up to `retry_backoff_max_s`
+    # (a scheduler or node that just failed gets time to recover; a fault storm is not hammered).
+    retry_backoff_s: float = operational(30.0, ge=0)
+    retry_backoff_max_s: float = operational(900.0, ge=0)
+
+    def retry_policy(self) -> dict[str, Any]:
+        """The stage's retry budget and backoff, as `Graph.add` takes them."""
+        return {
+            "retries": self.retries,
+            "retry_delay": self.retry_backoff_s,
+            "retry_delay_max": self.retry_backoff_max_s,
+        }
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:

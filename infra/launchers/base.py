@@ -157,6 +157,8 @@ class FailureFacts:
             how += f" ({self.error})"
         elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
+        if self.node and self.state and self.state.upper() in ("NODE_FAIL", "BOOT_FAIL"):
+            how += f", node {self.node} failed"  # the node the scheduler took out of service
         if self.lost:
             how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
         return f"{who} {how}{self._then()}{self._avoid()}"
@@ -391,7 +393,7 @@ class SlurmLaunchConfig(BaseModel):
     open_files: int | None = Field(default=None, gt=0)  # `ulimit -n` of the job; None = the stage plan's
     mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the stage plan's (HostNeeds)
     exclusive: bool = True  # whole nodes: training shares nothing well
-    requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes
+    requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes (False: --no-requeue)
     signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
     controller_grace_s: float = Field(default=600.0, gt=0)  # keep following while slurmctld does not answer
     setup: tuple[OneLine, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)

@@ -51,10 +51,12 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from infra.launchers.base import (
     LAUNCHERS,
+    FailureFacts,
     FirstError,
     JobRecord,
     Launcher,
@@ -94,6 +96,10 @@ FAILED = {
 }
 # End states a requeueable job (--requeue) passes through on its way back to PENDING.
 REQUEUED_FROM = {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
+# Job states that mean a node of the allocation failed (the node is found with `failed_node`).
+NODE_LOST = {"NODE_FAIL", "BOOT_FAIL"}
+# `sinfo %t` states of a node Slurm took out of service (a trailing `*`: not responding).
+NODE_DOWN = {"down", "drain", "drng", "fail", "failg"}
 
 
 class JobGone(LaunchFailed):
@@ -106,6 +112,8 @@ def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedPr
 
 _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned integers
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
+_NODE_LIST = re.compile(r"(?:^|\s)NodeList=(\S+)")
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")  # srun's line when a node of the job fails
 _CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
@@ -178,6 +186,8 @@ class SlurmLauncher(Launcher):
             sb.append(("exclude", ",".join(excluded)))
         if s.requeue:
             sb += [("requeue", None), ("signal", f"B:USR1@{s.signal_s}")]
+        else:  # whatever the cluster's JobRequeue default: a failed node then fails the job
+            sb.append(("no-requeue", None))
         sb += [
             ("open-mode", "append"),  # requeued attempts append to the same log
             ("output", str(workdir / "slurm-%j.log")),
@@ -465,6 +475,8 @@ class SlurmLauncher(Launcher):
         tail: collections.deque[str] = collections.deque(maxlen=40)
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
+        lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
+        excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
                 while True:
@@ -490,6 +502,8 @@ class SlurmLauncher(Launcher):
                             first.feed(line)
                             summary.feed(line)
                             lost.feed(line)
+                            if (failed := _NODE_FAILURE.search(line)) and failed.group(1) not in lost_nodes:
+                                lost_nodes.append(failed.group(1))
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
                         settling += 1  # Slurm puts it back in the queue right after: keep following
@@ -497,6 +511,11 @@ class SlurmLauncher(Launcher):
                         break
                     else:
                         settling = 0
+                        if state == "PENDING" and len(lost_nodes) > excluded_from:
+                            # requeued in place after a node failure (often seen only as PENDING
+                            # again): keep the job off the nodes its log says failed
+                            self._exclude_in_place(job, lost_nodes[excluded_from:], workdir, log)
+                            excluded_from = len(lost_nodes)
                     self.sleep(self.config.slurm.poll_seconds)
                     handle.check()
             except BaseException as exc:
@@ -519,6 +538,8 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
+            if state in NODE_LOST and facts.node is None:  # the job's log or Slurm's node states name it
+                facts = replace(facts, node=lost_nodes[-1] if lost_nodes else self.failed_node(job))
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
@@ -536,6 +557,49 @@ class SlurmLauncher(Launcher):
                 f"{record} names Slurm job {job}, whose comment is not this stage's tag {tag}: it was not "
                 "submitted by a launch of this stage, so it is neither followed nor cancelled. Check "
                 f"`squeue -j {job}`, then delete the record"
+            )
+
+    def failed_node(self, job: str) -> str | None:
+        """The node a job ended NODE_FAIL (or BOOT_FAIL) on: the first node of its allocation
+        (`scontrol show job` NodeList, else accounting's `sacct -o NodeList`) that Slurm now holds
+        down, drained, failing or not responding (`sinfo -N -o "%N %t"`), else the job's only
+        node. None when Slurm names none (a node of several came back, or the site keeps no
+        accounting for a purged job)."""
+        proc = self.runner(["scontrol", "show", "job", "-o", job])
+        found = _NODE_LIST.search(proc.stdout or "") if proc.returncode == 0 else None
+        nodes = found.group(1) if found else None
+        if nodes in (None, "(null)"):
+            acct = self.runner(["sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", job])
+            lines = (acct.stdout or "").split() if acct.returncode == 0 else []
+            nodes = lines[0] if lines else None
+        if not nodes or nodes in ("(null)", "None"):
+            return None
+        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t"])
+        for line in (info.stdout or "").splitlines() if info.returncode == 0 else []:
+            name, _, state = line.strip().partition(" ")
+            state = state.strip().lower()
+            if name and (state.endswith("*") or state.rstrip("~#!%$@^-") in NODE_DOWN):
+                return name
+        # Back in service already (a node that rebooted and registered): a one-node job can only
+        # have lost its one node; of several, Slurm no longer says which.
+        return nodes if re.fullmatch(r"[^\[\],]+", nodes) else None
+
+    def _exclude_in_place(self, job: str, failed: list[str], workdir: Path, log: LogFn) -> None:
+        """Add the nodes a job Slurm requeued lost to the stage's excluded nodes, and keep the
+        pending job off all of them (ExcNodeList can change only while it is pending)."""
+        nodes: tuple[str, ...] = ()
+        for node in failed:
+            facts = FailureFacts(who=f"Slurm job {job}", state="NODE_FAIL", node=node)
+            nodes = exclude_node(workdir, facts, self.config.max_excluded_nodes, log).excluded
+        if not nodes:
+            return
+        proc = self.runner(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"])
+        if proc.returncode == 0:
+            log(f"[launch] Slurm requeued job {job} in place; it now excludes {', '.join(nodes)}")
+        else:
+            log(
+                f"[launch] WARNING: could not exclude {', '.join(nodes)} from requeued Slurm job {job} "
+                f"({(proc.stderr or proc.stdout).strip()[:200]}); Slurm keeps down nodes out by itself"
             )
 
     def _requeues(self, job: str) -> bool:

@@ -364,6 +364,7 @@ def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_p
     minimal = get_launcher(LaunchConfig(kind="slurm", slurm=SlurmLaunchConfig(exclusive=False, requeue=False)))
     sb = sbatch_lines(minimal.render(Path("/s.json"), Path("/w")))
     assert "gpus-per-node" not in sb and "partition" not in sb and "requeue" not in sb
+    assert "no-requeue" in sb  # the cluster's JobRequeue default would requeue it otherwise
     assert "exclusive" not in sb
 
 
@@ -1375,6 +1376,85 @@ def test_slurm_excludes_the_frozen_ranks_node_from_the_next_attempts(tmp_path):
         SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
     assert "#SBATCH --exclude=node-7\n" in fake.scripts[0]  # that attempt was already kept off node-7
     assert "#SBATCH --exclude=node-7,node-3\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+class NodeFailSlurm:
+    """Slurm whose job 4242 runs on node-[1-2] and loses node-2 (`sinfo`: down, not responding);
+    the job's state moves on once per poll (the launcher's sleep), so every query of one poll
+    sees the same state, as it would in one instant."""
+
+    def __init__(self, states: list[str], requeue: bool, workdir: Path | None = None) -> None:
+        self.states, self.requeue, self.comment = list(states), requeue, None
+        self.workdir = workdir  # where srun writes `Node failure on node-2` once it is lost (None: nothing)
+        self.calls: list[list[str]] = []
+        self.scripts: list[str | None] = []
+
+    def sleep(self, _seconds: float) -> None:
+        if len(self.states) > 1:
+            self.states.pop(0)
+
+    def __call__(self, cmd, input=None):
+        self.calls.append(list(cmd))
+        if list(cmd) == ["scontrol", "show", "config"]:
+            return done(SCONTROL_CONFIG.format(cluster="alpha"))
+        if cmd[0] == "sbatch":
+            self.scripts.append(input)
+            self.comment = next((c.split("=", 1)[1] for c in cmd if c.startswith("--comment=")), None)
+            return done("4242\n")
+        if cmd[:3] == ["scontrol", "show", "job"]:
+            state = self.states[0]
+            nodes = "(null)" if state == "PENDING" else "node-[1-2]"
+            if self.workdir is not None and state == "PENDING" and self.requeue:  # the requeue after the loss
+                with open(self.workdir / "slurm-4242.log", "a") as fh:
+                    fh.write("srun: error: Node failure on node-2\n")
+                self.workdir = None
+            return done(
+                f"JobId=4242 JobState={state} Reason=None ExitCode=0:9 Requeue={int(self.requeue)} "
+                f"ReqNodeList=(null) NodeList={nodes} Comment={self.comment}\n"
+            )
+        if cmd[0] == "sinfo":
+            assert cmd[cmd.index("-n") + 1] == "node-[1-2]", cmd  # asked about the job's nodes only
+            return done("node-1 alloc\nnode-2 down*\n")
+        return done()
+
+
+def test_slurm_names_the_node_a_node_failure_lost_and_keeps_the_next_attempt_off_it(tmp_path):
+    """NODE_FAIL names no node: the launcher asks Slurm which node of the job's allocation it now
+    holds down or not responding, names it in the cause (transient: retried) and excludes it."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    slurm = NodeFailSlurm(["RUNNING", "NODE_FAIL"], requeue=False)
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert err.value.cause == (
+        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL), node node-2 failed after step 7 (no "
+        "checkpoint yet); a retry starts the stage over; the next attempt excludes node node-2"
+    )
+    assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2"]
+    assert "#SBATCH --exclude=node-2\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_place(tmp_path):
+    """With `--requeue` Slurm requeues a job whose node failed by itself, at once (the follower
+    sees it PENDING again, not NODE_FAIL): the launcher keeps following the same job (no new
+    submission, no failed attempt) and, the job's log naming the lost node (srun's `Node failure
+    on node-2`), excludes it from the pending job (`scontrol update ExcNodeList`), as the stage's
+    later attempts will."""
+    from infra.launchers.exclude import excluded_nodes
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    slurm = NodeFailSlurm(["RUNNING", "PENDING", "RUNNING", "COMPLETED"], requeue=True, workdir=tmp_path)
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert [c[0] for c in slurm.calls].count("sbatch") == 1
+    updates = [c for c in slurm.calls if c[:2] == ["scontrol", "update"]]
+    assert updates == [["scontrol", "update", "JobId=4242", "ExcNodeList=node-2"]]
+    assert "[launch] Slurm requeued job 4242 in place; it now excludes node-2" in lines
+    assert lines[-1] == "[launch] Slurm job 4242 completed" and excluded_nodes(tmp_path) == ["node-2"]
 
 
 def test_kubernetes_keeps_the_next_attempts_pods_off_the_frozen_ranks_node(tmp_path):

@@ -370,3 +370,90 @@ def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_s
             subprocess.run(["scancel", job], capture_output=True)
         os.killpg(serve.pid, 9)
         serve.wait()
+
+
+@pytest.mark.slow
+def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(local_slurm, clean, tmp_path):  # noqa: F811
+    """The node taken down from outside mid-stage (`scontrol update State=DOWN`, as slurmctld does
+    when a node stops responding): the job ends NODE_FAIL (`--no-requeue` here), the failure names
+    the node it lost, counts as transient (the step retries it), and the stage's next script
+    excludes that node. (This cluster's node returns to service at once, its slurmd being alive:
+    the job's only node is the one it lost.)"""
+    from infra.launchers.base import LaunchFailed
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    plan, _ = clean
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, CLEAN_STEPS, debug_step_sleep_s=0.5)
+    launcher = get_launcher(config(requeue=False))
+    host = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
+    node = host.stdout.split()[0]
+    thread, lines, errors = launch_in_thread(launcher, spec, out)
+    try:
+        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        assert thread.is_alive(), (errors, lines[-60:])
+        subprocess.run(
+            ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=smollm3-node-failure-test"],
+            check=True,
+            capture_output=True,
+        )
+        thread.join(timeout=300)
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+        for p in psutil.process_iter(["cmdline"]):  # what the downed node's job left running
+            if str(spec) in " ".join(p.info["cmdline"] or []):
+                p.kill()
+        wait_for(
+            lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
+            120,
+            "the node back in service",
+        )
+    assert not thread.is_alive() and errors and isinstance(errors[0], LaunchFailed), (errors, lines[-40:])
+    err = errors[0]
+    assert err.facts.state == "NODE_FAIL" and err.facts.node == node, err.facts
+    assert f"node {node} failed" in err.cause and err.cause.endswith(f"the next attempt excludes node {node}")
+    assert transient(err) and excluded_nodes(out) == [node]
+    assert f"#SBATCH --exclude={node}\n" in launcher.render(spec, out)
+
+
+@pytest.mark.slow
+def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(local_slurm, clean, tmp_path):  # noqa: F811
+    """With `--requeue` (the default) Slurm requeues the job whose node went down at once (the
+    follower sees it PENDING again); the launcher keeps following the same job and excludes the node
+    srun's log line names (`Node failure on vm`) from it (`ExcNodeList`).
+    On this one-node cluster nothing else can run it then: the test cancels it there."""
+    plan, _ = clean
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, CLEAN_STEPS, debug_step_sleep_s=0.5)
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[
+        0
+    ]
+    thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
+    try:
+        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        assert thread.is_alive(), (errors, lines[-60:])
+        subprocess.run(
+            ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=smollm3-node-failure-test"],
+            check=True,
+            capture_output=True,
+        )
+        wait_for(lambda: any("in place; it now excludes" in line for line in lines), 120, "the in-place exclusion")
+        (job,) = jobs_writing(out)
+        info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        assert f"ExcNodeList={node}" in info and "JobState=PENDING" in info and "Restarts=1" in info, info
+        assert f"[launch] Slurm requeued job {job} in place; it now excludes {node}" in lines
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+        for job in jobs_writing(out):
+            subprocess.run(["scancel", job], capture_output=True)
+        thread.join(timeout=120)
+        for p in psutil.process_iter(["cmdline"]):  # what the downed node's job left running
+            if str(spec) in " ".join(p.info["cmdline"] or []):
+                p.kill()
+        wait_for(
+            lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
+            120,
+            "the node back in service",
+        )
+    assert not thread.is_alive()

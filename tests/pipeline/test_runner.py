@@ -207,6 +207,13 @@ def test_retry_delays_back_off_from_the_steps_delay():
     delays = Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s", retries=7).retry_delays()
     assert delays == [30, 60, 120, 240, 480, 900, 900]
     assert Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s").retry_delays() == [30]
+    # the recipe's backoff (training.retry_backoff_s, retry_backoff_max_s) replaces the step's
+    mine = Graph("d").add(
+        ours, Stage(counter="/x", exitcode=-9), label="s", retries=5, retry_delay=2, retry_delay_max=10
+    )
+    assert mine.retry_delays() == [2, 4, 8, 10, 10]
+    with pytest.raises(ValueError, match="retry delays must be >= 0"):
+        Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s", retry_delay=-1)
     with pytest.raises(ValueError, match="retries must be >= 0"):
         Graph("d").add(ours, Stage(counter="/x", exitcode=-9), label="s", retries=-1)
 

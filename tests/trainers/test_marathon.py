@@ -4,7 +4,7 @@ Every fault comes from outside the code under test: a rank (or a whole launch) f
 by this process, a rank slowed by SIGSTOP/SIGCONT cycles, a token shard crafted with a spike or a
 poisoned batch. Stages run through the pretrain step (local torchrun launcher,
 its supervisor, lineage rows), as a flow runs them; what the step's retry would do is done by
-calling it again. The TensorBoard files are read back with TensorBoard's own reader.
+calling it again, except in the three-fault test, where a flow run's own retries do it. The TensorBoard files are read back with TensorBoard's own reader.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -656,3 +657,121 @@ def test_the_skipped_window_follows_the_policy_and_the_loader_skips_it_as_if_dra
     skipped.skip(20)
     assert skipped.state_dict() == drawn.state_dict()
     assert torch.equal(skipped.next_batch(4).input_ids, drawn.next_batch(4).input_ids)
+
+
+# --- 3. a stage that meets three faults in one run ------------------------------------------
+
+
+class Faults:
+    """Three faults sent to a stage's launches from outside, one per launch, each once its launch
+    trained past a step: rank 1 SIGKILLed (a lost rank or node: the OOM killer, a dead host),
+    rank 1 with its torchrun and guard frozen by SIGSTOP (a frozen node: its heartbeat stops),
+    SIGTERM to torchrun (preemption, a pod's eviction). Runs in a thread of the test process."""
+
+    PLAN = (("kill", 3), ("freeze", 7), ("preempt", 11))
+
+    def __init__(self, ws: Path) -> None:
+        self.ws, self.sent, self.stop = ws, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, name="faults", daemon=True)
+
+    def _launch(self, after: int | None) -> tuple[Path, int] | None:
+        """(stage folder, guard pid) of a launch other than the guard `after`, if one runs."""
+        for pgid in self.ws.glob("pretrain/*/.trainer.pgid"):
+            try:
+                guard = int(pgid.read_text())
+            except (OSError, ValueError):
+                continue
+            if guard != after and psutil.pid_exists(guard):
+                return pgid.parent, guard
+        return None
+
+    def _run(self) -> None:
+        guard = None
+        for kind, at in self.PLAN:
+            while not self.stop.is_set():
+                found = self._launch(guard)
+                try:
+                    if found and metrics(found[0])[-1]["step"] >= at:
+                        break
+                except (OSError, ValueError, IndexError):
+                    pass
+                time.sleep(0.02)
+            if self.stop.is_set():
+                return
+            out, guard = found
+            _, torchrun, ranks = launch_tree(out)
+            step = metrics(out)[-1]["step"]
+            if kind == "kill":
+                ranks[1].send_signal(signal.SIGKILL)
+            elif kind == "freeze":
+                for p in (psutil.Process(guard), torchrun, ranks[1]):
+                    p.send_signal(signal.SIGSTOP)
+            else:
+                torchrun.send_signal(signal.SIGTERM)
+            self.sent.append((kind, step))
+
+
+@pytest.mark.slow
+def test_a_stage_survives_three_faults_in_one_run_within_its_retry_budget(tmp_path, prefect_harness):
+    """The pretrain step in a flow run (real runner, local torchrun, 2 ranks), its budget and
+    backoff from the recipe's fields (`training.retries` 3, `retry_backoff_s` 1 doubling to
+    `retry_backoff_max_s` 2): a killed rank, a frozen node and a preemption, sent from outside to
+    three launches in turn, are each a `retried` lineage row naming its cause, its attempt and its
+    backoff; the fourth launch finishes the stage with the weights and losses of a run never
+    interrupted, bit for bit."""
+    from prefect import flow
+
+    from flows.recipe import load_recipe, run_setup
+    from pipeline.graph import Graph
+    from pipeline.named_runs import NamedTaskRunner
+    from pipeline.runner import run_flow
+
+    ws = tmp_path / "ws"
+    fields = ["training.retries=3", "training.retry_backoff_s=1", "training.retry_backoff_max_s=2"]
+    recipe = load_recipe("tiny", [f"workspace={ws}", *fields])
+    steps = 14
+    run = stage(Path("unused"), nproc=2, steps=steps, watchdog=HANG_WATCH)
+    clean = tmp_path / "clean" / "pretrain" / "clean0000000"
+    train_stage(run, write_plan(tmp_path / "clean-plan"), clean)  # the same data as planted_mixture's
+
+    @flow(name="three-faults-test", task_runner=NamedTaskRunner())
+    def train() -> dict:
+        g = Graph("three-faults-test")
+        data = g.add(planted_mixture, Planted(spikes=()), label="stage1")
+        slow = run.model_copy(update={"spec": run.spec.model_copy(update={"debug_step_sleep_s": 0.3})})
+        g.add(pretrain, slow, label="stage1", mixture=data, **recipe.training.retry_policy())
+        return run_flow("three-faults-test", g, run_setup(recipe, "tiny"))
+
+    faults = Faults(ws)
+    faults.thread.start()
+    began = time.monotonic()
+    try:
+        train()
+    finally:
+        faults.stop.set()
+        faults.thread.join()
+    took = time.monotonic() - began
+    assert [kind for kind, _ in faults.sent] == ["kill", "freeze", "preempt"], faults.sent
+
+    lineage = Lineage(ws / "lineage.duckdb")
+    run_id = lineage.runs(1)[0]["run_id"]
+    rows = [r for r in lineage.steps_of(run_id) if r["step"] == "pretrain"]
+    assert [r["state"] for r in rows] == ["retried", "retried", "retried", "completed"], rows
+    kill, freeze, preempt = (r["error"] for r in rows[:3])
+    assert "rank 1 killed by SIGKILL" in kill and "(attempt 1 of 4; retrying in 1s)" in kill, kill
+    assert f"hung: rank 1 on {socket.gethostname()} frozen" in freeze and "(attempt 2 of 4; retrying in 2s)" in freeze
+    assert "stopped on a signal" in preempt and "(attempt 3 of 4; retrying in 2s)" in preempt, preempt
+    assert lineage.runs(1)[0]["state"] == "completed"
+    # each retry waited its backoff: the next attempt began at least that long after the last ended
+    for before, after, delay in zip(rows[:3], rows[1:], (1, 2, 2), strict=True):
+        assert (after["started"] - before["ended"]).total_seconds() >= delay - 0.1
+
+    (out,) = ws.glob("pretrain/*/result.json")
+    out = out.parent
+    result = json.loads((out / "result.json").read_text())
+    saved_at = int(re.search(r"stopped on SIGTERM after step (\d+)", preempt).group(1))
+    assert f"(last checkpoint: step {saved_at})" in preempt
+    assert result["resumed_from"].endswith(f"step_{saved_at:08d}")  # the preemption lost no step
+    assert same_weights(clean / "checkpoints" / f"step_{steps:08d}", out / "checkpoints" / f"step_{steps:08d}")
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(clean)]
+    print(f"three faults {faults.sent} survived in {took:.0f}s (load {os.getloadavg()[0]:.1f})")
