@@ -118,6 +118,7 @@ EXPECTED_SECONDS = {
     "tests/flows/test_e2e.py::test_served_run_fails_in_stage2_and_retry_resumes": 596,
     "tests/flows/test_anneal_flow.py::test_anneal_two_candidates_compares_against_the_baseline": 306,
     "tests/flows/test_smollm3.py::test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage": 213,
+    "tests/trainers/test_marathon.py::test_a_stage_survives_three_faults_in_one_run_within_its_retry_budget": 212,
     "tests/flows/test_ablation_flow.py::test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise": 170,
     "tests/flows/test_smollm3.py::test_caching_partial_rerun_refresh_and_rebuild": 144,
     "tests/tasks/test_posttrain_flow.py::test_posttrain_dag_scores_every_step_and_keeps_lineage": 139,
