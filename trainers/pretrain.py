@@ -233,11 +233,13 @@ def precision_name(spec: TrainSpec, device: torch.device) -> str:
 
 
 def _all_finite(tensors) -> bool:
-    bad = torch.zeros((), dtype=torch.float32)
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() and not torch.isfinite(local).all():
-            bad += 1
+    """Collective: whether every rank's shards of `tensors` are finite. The flag lives on the
+    tensors' device: NCCL (the training group on GPU) reduces no CPU tensor."""
+    locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    bad = torch.zeros((), dtype=torch.float32, device=locals_[0].device if locals_ else "cpu")
+    for local in locals_:
+        if local.numel():
+            bad += (~torch.isfinite(local)).any().float()
     if dist.is_initialized():
         dist.all_reduce(bad)
     return bad.item() == 0
