@@ -15,7 +15,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
-from curation.ingest import ingest_stages, merge_stats
 from curation.source_kinds import SourceConfig, resolve_kind, source_state
 from pipeline.artifact import added_identity, operational
 from pipeline.step import step
@@ -85,6 +84,8 @@ def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
     problems = kind.check()  # the same cheap check as `smollm3 recipe`, before the full read
     if problems:
         raise ValueError("; ".join(problems))
+    from curation.ingest import ingest_stages, merge_stats  # datatrove: not for `smollm3 plan`
+
     wanted = config.read_tasks or 1
     tasks = 1 if cfg.max_documents is not None else kind.max_tasks(wanted)
     cap = config.held_out_max_documents
