@@ -372,6 +372,35 @@ def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_s
         serve.wait()
 
 
+def the_node() -> str:
+    """The one node of the tests' cluster."""
+    return subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[
+        0
+    ]
+
+
+def set_node_down(node: str) -> None:
+    """A node failure as Slurm sees one: the node DOWN under a running job."""
+    subprocess.run(
+        ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=smollm3-node-failure-test"],
+        check=True,
+        capture_output=True,
+    )
+
+
+def bring_node_back(node: str, spec: Path) -> None:
+    """The node in service again, with what the downed node's job left running killed."""
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+    for p in psutil.process_iter(["cmdline"]):
+        if str(spec) in " ".join(p.info["cmdline"] or []):
+            p.kill()
+    wait_for(
+        lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
+        120,
+        "the node back in service",
+    )
+
+
 @pytest.mark.slow
 def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(local_slurm, clean, tmp_path):  # noqa: F811
     """The node taken down from outside mid-stage (`scontrol update State=DOWN`, as slurmctld does
@@ -387,28 +416,15 @@ def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(loc
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, CLEAN_STEPS, debug_step_sleep_s=0.5)
     launcher = get_launcher(config(requeue=False))
-    host = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
-    node = host.stdout.split()[0]
+    node = the_node()
     thread, lines, errors = launch_in_thread(launcher, spec, out)
     try:
         wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
         assert thread.is_alive(), (errors, lines[-60:])
-        subprocess.run(
-            ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=smollm3-node-failure-test"],
-            check=True,
-            capture_output=True,
-        )
+        set_node_down(node)
         thread.join(timeout=300)
     finally:
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
-        for p in psutil.process_iter(["cmdline"]):  # what the downed node's job left running
-            if str(spec) in " ".join(p.info["cmdline"] or []):
-                p.kill()
-        wait_for(
-            lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
-            120,
-            "the node back in service",
-        )
+        bring_node_back(node, spec)
     assert not thread.is_alive() and errors and isinstance(errors[0], LaunchFailed), (errors, lines[-40:])
     err = errors[0]
     assert err.facts.state == "NODE_FAIL" and err.facts.node == node, err.facts
@@ -426,18 +442,12 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
     plan, _ = clean
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, CLEAN_STEPS, debug_step_sleep_s=0.5)
-    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[
-        0
-    ]
+    node = the_node()
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
     try:
         wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
         assert thread.is_alive(), (errors, lines[-60:])
-        subprocess.run(
-            ["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=smollm3-node-failure-test"],
-            check=True,
-            capture_output=True,
-        )
+        set_node_down(node)
         wait_for(lambda: any("in place; it now excludes" in line for line in lines), 120, "the in-place exclusion")
         (job,) = jobs_writing(out)
         info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
@@ -448,12 +458,5 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
         for job in jobs_writing(out):
             subprocess.run(["scancel", job], capture_output=True)
         thread.join(timeout=120)
-        for p in psutil.process_iter(["cmdline"]):  # what the downed node's job left running
-            if str(spec) in " ".join(p.info["cmdline"] or []):
-                p.kill()
-        wait_for(
-            lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
-            120,
-            "the node back in service",
-        )
+        bring_node_back(node, spec)
     assert not thread.is_alive()
