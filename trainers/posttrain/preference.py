@@ -43,6 +43,7 @@ from trainers.posttrain.common import (
     trainer_args,
     write_history,
 )
+from trainers.posttrain.sampling import generate_left_padded
 from trainers.posttrain.sections import PreferenceConfig
 
 
@@ -62,30 +63,17 @@ def sample_completions(
     torch.manual_seed(seed)
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     flat = [t for t in texts for _ in range(n)]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    replies: list[str] = []
-    model.eval()
-    try:
-        for i in range(0, len(flat), batch_size):
-            enc = tokenizer(flat[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(
-                model.device
-            )
-            with torch.no_grad():
-                gen = model.generate(
-                    **enc,
-                    do_sample=True,
-                    temperature=temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=model.generation_config.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            new = gen[:, enc["input_ids"].shape[1] :]
-            replies += tokenizer.batch_decode(new, skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
+    replies = generate_left_padded(
+        model,
+        tokenizer,
+        flat,
+        batch_size,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+    )
     return [replies[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 

@@ -44,33 +44,46 @@ def chat_answers(
     batch_size: int = 16,
 ) -> list[str]:
     """One answer per chat prompt, in `mode` (think / no_think)."""
-    import torch
 
     texts = [
         tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, enable_thinking=mode == "think")
         for p in prompts
     ]
     sample = temperature > 0
+    extra = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}
+    answers = generate_left_padded(
+        model, tokenizer, texts, batch_size, seed=seed, do_sample=sample, max_new_tokens=max_new_tokens, **extra
+    )
+    return [a.strip() for a in answers]
+
+
+def generate_left_padded(
+    model, tokenizer, texts: list[str], batch_size: int, *, seed: int | None = None, **generate
+) -> list[str]:
+    """The new text of each rendered prompt in `texts`: left-padded batches of `batch_size`,
+    `model.generate(**generate)` with the model's end-of-turn ids, special tokens dropped. With
+    `seed`, each batch reseeds to `seed + its first index` (its draws depend on the seed and its
+    position only); without, the caller's generator state runs on."""
+    import torch
+
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    answers: list[str] = []
+    out: list[str] = []
     model.eval()
     try:
         for i in range(0, len(texts), batch_size):
-            torch.manual_seed(seed + i)  # each batch's draws depend on the seed and its position only
+            if seed is not None:
+                torch.manual_seed(seed + i)
             enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(model.device)
-            extra = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}
             with torch.no_grad():
-                out = model.generate(
+                gen = model.generate(
                     **enc,
-                    do_sample=sample,
-                    max_new_tokens=max_new_tokens,
                     eos_token_id=model.generation_config.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
-                    **extra,
+                    **generate,
                 )
-            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            out += tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
-    return [a.strip() for a in answers]
+    return out
