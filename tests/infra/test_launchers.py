@@ -110,6 +110,7 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["final_step"] == 2
     assert lines[0].startswith("[launch] ") and "--nproc-per-node 2" in lines[0]
+    assert not any("retrying on a new port" in line for line in lines)  # silence: the port was free
     assert any("world_size" in line for line in lines[1:])  # the trainer's output was streamed
 
     bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")

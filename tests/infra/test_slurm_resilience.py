@@ -183,6 +183,10 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
     assert "(restart 1)" in text  # Slurm requeued the same job
     assert len(jobs_writing(out)) == 1
     assert_lost_no_step(out, steps, stops, loss)
+    # silence: a preemption's requeue is no node failure, no node is excluded
+    from infra.launchers.exclude import excluded_nodes
+
+    assert excluded_nodes(out) == [] and "it now excludes" not in text, lines[-40:]
     state = subprocess.run(["scontrol", "show", "job", "-o", urgent], capture_output=True, text=True).stdout
     assert "JobState=COMPLETED" in state  # the preemptor ran in between
 
