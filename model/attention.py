@@ -181,8 +181,29 @@ class Attention(nn.Module):
         self.k = nn.Linear(hidden, kv, bias=False)
         self.v = nn.Linear(hidden, kv, bias=False)
         self.o = nn.Linear(hidden, hidden, bias=False)
+        # q, k, v as one matmul (`_project`); how it runs, never the math: set by the trainer
+        self.fused_qkv = False
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of `x`: three matmuls, or with `fused_qkv` one over the three weights
+        concatenated at forward time (the parameters, their names, the checkpoint and the HF
+        export stay three). Under tensor parallelism the weights are DTensors sharded by rows
+        (column-parallel) and `x` the replicated sequence: the fused matmul runs on the local
+        shards, whose concatenation holds exactly this rank's q, k and v heads; the gradient of
+        `x` is then this rank's partial sum, which the all-gather's backward reduce-scatters, as
+        ColwiseParallel's own backward does."""
+        if not self.fused_qkv:
+            return self.q(x), self.k(x), self.v(x)
+        weights = (self.q.weight, self.k.weight, self.v.weight)
+        if hasattr(x, "to_local"):  # a DTensor: tensor parallelism (imported only then: ~1 s)
+            from torch.distributed.tensor import Partial
+
+            x = x.to_local(grad_placements=[Partial()] * len(x.placements))  # (B, T, H) whole
+            weights = tuple(w.to_local() for w in weights)
+        qkv = F.linear(x, torch.cat(weights))  # (B, T, (nh + 2 nkv) hd / tp)
+        return qkv.split([w.shape[0] for w in weights], dim=-1)
 
     def forward(
         self,
@@ -195,9 +216,10 @@ class Attention(nn.Module):
         hd = self.head_dim
         # Head counts from the projections: under tensor parallelism each rank holds nh / tp
         # query and nkv / tp key/value heads (model/parallel.py), and x is the gathered sequence.
-        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k, v = self._project(x)  # (B, T, nh hd), (B, T, nkv hd) x 2: local heads under TP
+        q = q.view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         nh, nkv = q.shape[1], k.shape[1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -20,7 +20,8 @@ With labels the loss is the chunked linear cross-entropy of model/loss.py, which
 whole (B, T, V) logits, and `logits` is None unless `return_logits=True` asks for them too.
 
 How it runs, set by the trainer and never part of the state dict: `activation_checkpointing`
-("none" | "selective" | "full", model/recompute.py), `loss_chunk_tokens` and `context_parallel`
+("none" | "selective" | "full", model/recompute.py), `fused_qkv` (q, k and v as one matmul over
+the three weights, model/attention.py), `loss_chunk_tokens` and `context_parallel`
 (model/context_parallel.py: each rank of a CP group takes its load-balanced share of the
 sequence, all-gathers keys and values, and the loss is the group's mean); tensor parallelism
 (model/parallel.py) shards the blocks in place, which is why attention reads its head counts from
@@ -96,6 +97,11 @@ class SmolLM3(nn.Module):
         recompute.check_mode(mode)
         for block in self.layers:
             block.activation_checkpointing = mode
+
+    def set_fused_qkv(self, fused: bool) -> None:
+        """q, k and v as one matmul in every block (model/attention.py `_project`), or three."""
+        for block in self.layers:
+            block.attn.fused_qkv = bool(fused)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

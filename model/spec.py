@@ -205,7 +205,10 @@ class TrainSettings(_Spec):
     checkpoint_interval: int = operational(25, gt=0)  # save every N steps (and at the last step)
     keep_last: int = operational(2, ge=1)  # complete checkpoints kept besides stage ends
     log_interval: int = operational(1, gt=0)  # a metrics line every N steps
-    compile_model: bool = operational(False)  # torch.compile each block (same math, fused kernels)
+    # torch.compile each block (same math, fused kernels); "auto": on CUDA, eager elsewhere (CPU:
+    # compiling costs more than it saves at test sizes, and eager is the oracle the tests compare to)
+    compile_model: Literal["auto"] | bool = operational("auto")
+    fused_qkv: bool = operational(True)  # q, k, v as one matmul (model/attention.py); False: three
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared peak FLOP/s per device for MFU
     watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang detection

@@ -9,7 +9,9 @@ One launch trains one stage as described by a `TrainSpec`:
   `spec.hsdp`) over the data-parallel ranks, so the initial weights do not depend on the layout;
   `spec.precision` "auto" = FSDP2 mixed precision on GPU (bf16 compute, fp32 reduction and master
   weights), fp32 on CPU ("bf16" on CPU: bf16 autocast); `spec.compile_model` compiles each block in
-  place (`Module.compile`, so parameter names and checkpoints do not change); each block keeps
+  place (`Module.compile`, so parameter names and checkpoints do not change; "auto", the default:
+  on CUDA only, `compiles_blocks`); `spec.fused_qkv` computes q, k and v as one matmul over the
+  three weights (model/attention.py; the parameters and checkpoints stay three); each block keeps
   what `spec.activation_checkpointing` says (model/recompute.py; "auto" picks the lightest mode
   whose predicted peak fits the GPU, model/memory.py), and the loss is chunked
   (`spec.loss_chunk_tokens`, model/loss.py);
@@ -180,6 +182,18 @@ def computes_in_bf16(spec: TrainSpec, device: torch.device) -> bool:
     if device.type == "cuda":
         return spec.precision != "fp32"
     return spec.precision == "bf16"
+
+
+def compiles_blocks(setting: bool | str, device: torch.device) -> bool:
+    """Whether `spec.compile_model` compiles the blocks on `device`: True and False force it;
+    "auto" compiles on CUDA (inductor's Triton kernels: the speed-up torchtitan trains with) and
+    runs eager elsewhere (on CPU compiling costs more than it saves at the sizes that train
+    there, and the eager path is what every test compares against)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"spec.compile_model must be true, false or 'auto', got {setting!r}")
 
 
 def compile_blocks(model: SmolLM3) -> None:
@@ -493,10 +507,12 @@ def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
     model = SmolLM3(cfg, attention_backend=spec.attention_backend).to(rt.device)
     model.init_weights(seed=spec.seed)
     model.set_activation_checkpointing(memory.mode)
+    model.set_fused_qkv(spec.fused_qkv)
     model.loss_chunk_tokens = spec.loss_chunk_tokens
     model.context_parallel = context_parallel(layout, mesh)  # None without CP
     autocast = autocast_for(spec, rt.device)
-    parallelize(model, layout, mesh, rt.device, spec.precision, compile_blocks if spec.compile_model else None)
+    compiled = compiles_blocks(spec.compile_model, rt.device)
+    parallelize(model, layout, mesh, rt.device, spec.precision, compile_blocks if compiled else None)
     optimizer = build_optimizer(model, spec.optimizer)
     dp_rank = layout.dp_rank(rt.rank)
     loader = MixtureLoader(
@@ -782,7 +798,8 @@ def announce(st: Stage, step: int) -> StepReport:
             step,
             spec.steps,
             precision_name(spec, rt.device),
-            "compiled blocks" if spec.compile_model else "eager",
+            ("compiled blocks" if compiles_blocks(spec.compile_model, rt.device) else "eager")
+            + (", fused QKV" if spec.fused_qkv else ", unfused QKV"),
             "intra-document masking" if spec.doc_masking else "causal attention across documents",
             f"activation checkpointing {st.memory.mode} (predicted peak {st.memory.describe()})",
             f"{peak:.3g} FLOP/s" if peak else "unknown",
@@ -833,7 +850,7 @@ def finish(
     if rt.rank == 0:
         report.log_end(loss_value)
         write_atomic(Path(spec.out_dir) / "result.json", json.dumps(result, indent=2) + "\n")
-        if spec.compile_model:
+        if compiles_blocks(spec.compile_model, rt.device):
             from torch._dynamo.utils import counters
 
             # Evidence that compilation happened (and how often: recompiles show up here).
