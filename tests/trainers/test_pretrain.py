@@ -409,6 +409,28 @@ def test_bf16_autocast_and_compiled_blocks_train_close_to_fp32(plan_path, tmp_pa
     assert [r["grad_norm"] for r in runs["bf16"][1]] != [r["grad_norm"] for r in ref]
 
 
+def test_compile_model_auto_compiles_blocks_on_cuda_and_runs_eager_on_cpu(tmp_path):
+    """`compile_model: auto` (the default) resolves by device: compiled on CUDA, eager on CPU,
+    where eager stays the tests' oracle; true and false force it on either. The device is given
+    to the resolution only (no GPU is needed to name one)."""
+    from model.spec import TrainSpec
+    from trainers.pretrain import compiles_blocks
+
+    base = {"mixture_plan": "plan.json", "out_dir": str(tmp_path), "steps": 1, "global_batch": 1, "micro_batch": 1}
+    spec = TrainSpec.from_dict(base)
+    assert spec.compile_model == "auto" and spec.fused_qkv is True
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert compiles_blocks(spec.compile_model, cpu) is False
+    assert compiles_blocks(spec.compile_model, cuda) is True
+    for forced in (True, False):
+        value = TrainSpec.from_dict({**base, "compile_model": forced}).compile_model
+        assert compiles_blocks(value, cpu) is forced and compiles_blocks(value, cuda) is forced
+    with pytest.raises(ValueError, match="spec.compile_model"):
+        TrainSpec.from_dict({**base, "compile_model": "sometimes"})
+    with pytest.raises(ValueError, match="spec.compile_model must be true, false or 'auto', got 'yes'"):
+        compiles_blocks("yes", cuda)
+
+
 def test_precision_is_validated_with_the_field_named(tmp_path):
     from model.parallel import mixed_precision
     from model.spec import TrainSpec
