@@ -13,8 +13,10 @@ Caching: a preflight is a measurement of this host for this recipe. Its fingerpr
 host name (through `extra`), the checks' config and the facts of what the recipe trains (device,
 batch, sequence lengths, vocabulary, model size, token budgets), so a rerun on the same host reuses
 it and another host, model or data measures again; `--refresh preflight` measures again on demand.
-Facts that come from operational settings (ranks per node, micro-batch, checkpoints kept, the
-workspace path) and the run id are operational: they are checked, but changing them alone does not
+Facts that come from operational settings (ranks per node, micro-batch, TP and CP degrees, each
+stage's own layout, checkpoints kept, the workspace path) and the run id are operational (a
+stage's own global batch rides with its layout: the recipe check refuses one its ranks cannot
+split before any step runs, flows/fit.py): they are checked, but changing them alone does not
 invalidate an earlier measurement.
 
 Calibration: the report holds this host's measured matmul rates (`calibration`: the fp32
@@ -82,7 +84,10 @@ class PreflightSpec(BaseModel):
         run_facts = {
             "nodes": recipe.launch.nodes,
             "nproc_per_node": t.nproc_per_node,
-            "tp": t.tp,  # the batch check splits the global batch over DP = world / tp
+            "tp": t.tp,  # the batch check splits the global batch over DP = world / (tp x cp)
+            "cp": t.cp,
+            # each stage's own layout (the long-context stages: their nodes, TP x CP, micro-batch)
+            "stage_layouts": {st.name: _stage_layout(st) for st in stages if _stage_layout(st)},
             "micro_batch": t.micro_batch,
             "checkpoint_keep": t.keep_last + len(stages),
             "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
@@ -95,6 +100,12 @@ class PreflightSpec(BaseModel):
             model_overrides=dict(t.model_overrides),
             run_id=run_id,
         )
+
+
+def _stage_layout(stage: Any) -> dict[str, int]:
+    """The layout keys a recipe stage sets apart from the training section (the batch check's)."""
+    keys = ("nodes", "tp", "cp", "micro_batch", "global_batch")
+    return {k: v for k in keys if (v := getattr(stage, k, None)) is not None}
 
 
 def preflight_extra(config: PreflightSpec) -> str:

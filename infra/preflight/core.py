@@ -48,6 +48,9 @@ class CheckResult:
         return dataclasses.asdict(self)
 
 
+STAGE_LAYOUT_KEYS = ("nodes", "tp", "cp", "micro_batch", "global_batch")  # what a stage may set apart
+
+
 @dataclass(frozen=True)
 class PreflightFacts:
     """What the recipe implies for the machine; the caller fills it from the resolved recipe."""
@@ -57,6 +60,7 @@ class PreflightFacts:
     nproc_per_node: int = 1  # ranks per node (GPUs per node on a GPU cluster)
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree
+    cp: int = 1  # context-parallel degree: ranks each sequence is split over (they share one batch)
     global_batch: int = 0  # sequences per optimizer step across all ranks (0: not known)
     micro_batch: int = 0  # sequences per rank per forward/backward (0: not known)
     seq_len: int = 0  # training sequence length in tokens
@@ -66,6 +70,9 @@ class PreflightFacts:
     params: int = 0  # model parameters (for checkpoint-size estimates)
     stage_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> tokens trained on
     stage_seq_len: Mapping[str, int] = field(default_factory=dict)  # stage -> its seq_len (else seq_len)
+    # stage -> the layout keys it sets apart (nodes, tp, cp, micro_batch, global_batch); the rest
+    # are the fields above (the 3B recipe's long-context stages: 12 nodes, TP 2 x CP 4, micro 1)
+    stage_layouts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     available_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> unique tokens
     shards: tuple[str, ...] = ()  # tokenized shard folders (.ds files) that must exist
     mixture_plans: tuple[str, ...] = ()  # plan.json of each stage's mixture step (per-source epochs)
@@ -77,9 +84,19 @@ class PreflightFacts:
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"preflight facts: device must be cuda or cpu, got {self.device!r}")
-        for name in ("nodes", "nproc_per_node", "tp", "pp"):
+        for name in ("nodes", "nproc_per_node", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"preflight facts: {name} must be >= 1, got {getattr(self, name)}")
+        for stage, layout in dict(self.stage_layouts).items():
+            unknown = sorted(set(layout) - set(STAGE_LAYOUT_KEYS))
+            if unknown:
+                raise ValueError(
+                    f"preflight facts: stage_layouts[{stage}] has unknown key(s) {', '.join(unknown)}; "
+                    f"allowed: {', '.join(STAGE_LAYOUT_KEYS)}"
+                )
+            bad = {k: v for k, v in layout.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+            if bad:
+                raise ValueError(f"preflight facts: stage_layouts[{stage}] values must be integers >= 1, got {bad}")
         for name in (
             "global_batch",
             "micro_batch",
@@ -102,6 +119,17 @@ class PreflightFacts:
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
 
+    def layouts(self) -> dict[str, dict[str, int]]:
+        """Each distinct training layout: "" for the fields above, then every stage that sets
+        its own (its keys over the fields above), as {nodes, tp, cp, micro_batch, global_batch}."""
+        base = {k: getattr(self, k) for k in STAGE_LAYOUT_KEYS}
+        found = {"": base}
+        for stage, own in dict(self.stage_layouts).items():
+            layout = {**base, **own}
+            if layout != base:
+                found[stage] = layout
+        return found
+
     @property
     def checkpoint_size(self) -> int:
         """Bytes of one checkpoint: the recipe's figure, else fp32 weights + two Adam moments."""
@@ -112,6 +140,7 @@ class PreflightFacts:
         d = dataclasses.asdict(self)
         d["stage_tokens"] = dict(self.stage_tokens)
         d["stage_seq_len"] = dict(self.stage_seq_len)
+        d["stage_layouts"] = {k: dict(v) for k, v in self.stage_layouts.items()}
         d["available_tokens"] = dict(self.available_tokens)
         d["shards"] = list(self.shards)
         d["mixture_plans"] = list(self.mixture_plans)

@@ -12,7 +12,10 @@ from infra.preflight.data import human_tokens
 
 @register
 class BatchLayout(Check):
-    """Global batch = data-parallel ranks x micro-batch x gradient-accumulation steps."""
+    """Global batch = data-parallel ranks x micro-batch x gradient-accumulation steps, where the
+    data-parallel size is world / (tp x cp x pp): the ranks of one TP x CP block read the same
+    sequences (model/parallel.py). Checked for the training layout and each stage's own (the 3B
+    recipe's long-context stages: 12 nodes x 8, TP 2 x CP 4, DP 12, micro 1, accumulation 6)."""
 
     name, group, order = "batch_layout", "config", 1
 
@@ -20,33 +23,57 @@ class BatchLayout(Check):
         f = ctx.facts
         if not f.global_batch or not f.micro_batch:
             return self.skip("facts give no global_batch and micro_batch")
-        world, model_parallel = f.world_size, f.tp * f.pp
+        values, accums = [], []
+        for stage, layout in f.layouts().items():
+            failed, value, accum = self._one(f, stage, **layout)
+            if failed is not None:
+                return failed
+            values.append(value)
+            accums.append(accum)
+        threshold = "global_batch % (dp x micro_batch) == 0, dp = world / (tp x cp x pp)"
+        return self.result("pass", "; ".join(values), threshold, metric=accums[0])
+
+    def _one(self, f, stage: str, nodes: int, tp: int, cp: int, micro_batch: int, global_batch: int):
+        """(a fail result or None, the pass value, the accumulation) of one layout."""
+        where = f"stage {stage}: " if stage else ""
+        world, model_parallel = nodes * f.nproc_per_node, tp * cp * f.pp
         if world % model_parallel:
-            return self.result(
-                "fail",
-                f"world {world}, tp {f.tp} x pp {f.pp}",
-                "world % (tp x pp) == 0",
-                f"world size {world} (nodes {f.nodes} x nproc_per_node {f.nproc_per_node}) is not "
-                f"a multiple of tp x pp = {model_parallel}",
+            return (
+                self.result(
+                    "fail",
+                    f"{where}world {world}, tp {tp} x cp {cp} x pp {f.pp}",
+                    "world % (tp x cp x pp) == 0",
+                    f"{where}world size {world} (nodes {nodes} x nproc_per_node {f.nproc_per_node}) is not "
+                    f"a multiple of tp x cp x pp = {model_parallel}",
+                ),
+                "",
+                0,
             )
         dp = world // model_parallel
-        unit = dp * f.micro_batch
-        threshold = f"global_batch % (dp {dp} x micro_batch {f.micro_batch}) == 0"
-        if f.global_batch % unit:
-            lower = f.global_batch // unit * unit
+        unit = dp * micro_batch
+        if global_batch % unit:
+            lower = global_batch // unit * unit
             options = " or ".join(str(x) for x in (lower, lower + unit) if x > 0)
-            return self.result(
-                "fail",
-                f"global_batch {f.global_batch}",
-                threshold,
-                f"global_batch {f.global_batch} is not a multiple of {unit}: use {options}, or "
-                "change micro_batch / the number of ranks",
+            return (
+                self.result(
+                    "fail",
+                    f"{where}global_batch {global_batch}",
+                    f"global_batch % (dp {dp} x micro_batch {micro_batch}) == 0",
+                    f"{where}global_batch {global_batch} is not a multiple of {unit} (dp {dp} = world {world} / "
+                    f"(tp {tp} x cp {cp} x pp {f.pp}) x micro_batch {micro_batch}): use {options}, or "
+                    "change micro_batch / the number of ranks",
+                ),
+                "",
+                0,
             )
-        accum = f.global_batch // unit
-        value = f"{f.global_batch} = dp {dp} x micro {f.micro_batch} x accum {accum}"
-        if f.seq_len:
-            value += f" ({human_tokens(f.global_batch * f.seq_len)} tokens/step)"
-        return self.result("pass", value, threshold, metric=accum)
+        accum = global_batch // unit
+        value = f"{where}{global_batch} = dp {dp} x micro {micro_batch} x accum {accum}"
+        if cp > 1:
+            value += f" (tp {tp} x cp {cp})"
+        seq_len = f.stage_seq_len.get(stage, f.seq_len) if stage else f.seq_len
+        if seq_len:
+            value += f" ({human_tokens(global_batch * seq_len)} tokens/step)"
+        return None, value, accum
 
 
 @register

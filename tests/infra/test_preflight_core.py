@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -138,7 +139,28 @@ def test_batch_that_ranks_cannot_split_fails_with_options():
     res = run(["batch_layout"], facts)["batch_layout"]
     assert res.status == "fail" and "use 96 or 128" in res.advice
     bad_tp = PreflightFacts(nproc_per_node=6, tp=4, global_batch=8, micro_batch=1)
-    assert "not a multiple of tp x pp" in run(["batch_layout"], bad_tp)["batch_layout"].advice
+    assert "not a multiple of tp x cp x pp = 4" in run(["batch_layout"], bad_tp)["batch_layout"].advice
+
+
+def test_context_parallel_ranks_share_a_batch_in_each_stage_layout():
+    """The published long-context layout (huggingface/smollm, smollm3 long-context configs): 12
+    nodes x 8 GPUs at TP 2 x CP 4 is DP 12, so 72 sequences of 32k are micro 1 x accumulation 6.
+    Counting DP as world / tp (48) would call it unsplittable."""
+    long = {"nodes": 12, "tp": 2, "cp": 4, "micro_batch": 1, "global_batch": 72}
+    facts = dataclasses.replace(SMOLLM3, stage_layouts={"long32k": long}, stage_seq_len={"long32k": 32768})
+    res = run(["batch_layout"], facts)["batch_layout"]
+    assert res.status == "pass", res.advice
+    assert res.value.startswith("576 = dp 192 x micro 3 x accum 1")  # the training layout first
+    assert "stage long32k: 72 = dp 12 x micro 1 x accum 6 (tp 2 x cp 4) (2.36M tokens/step)" in res.value
+    # A CP degree that leaves the ranks a batch they cannot split fails, naming the stage.
+    bad = dataclasses.replace(facts, stage_layouts={"long32k": {**long, "micro_batch": 5}})
+    res = run(["batch_layout"], bad)["batch_layout"]
+    assert res.status == "fail" and res.advice.startswith("stage long32k: global_batch 72 is not a multiple of 60")
+    assert "(dp 12 = world 96 / (tp 2 x cp 4 x pp 1)" in res.advice
+    whole = dataclasses.replace(SMOLLM3, nodes=12, tp=2, cp=4, global_batch=72, micro_batch=1)
+    assert run(["batch_layout"], whole)["batch_layout"].value.startswith("72 = dp 12 x micro 1 x accum 6")
+    with pytest.raises(ValueError, match=r"stage_layouts\[long32k\] has unknown key\(s\) pp"):
+        PreflightFacts(stage_layouts={"long32k": {"pp": 2}})
 
 
 def test_sequence_longer_than_positions_fails():

@@ -196,3 +196,21 @@ def test_spec_for_a_recipe_splits_identity_from_operational_facts(tmp_path):
     d = tp.preflight
     other = s.model_copy(update={"run_facts": {**s.run_facts, "micro_batch": 99}, "run_id": "run-y"})
     assert d.fingerprint(other, {}, d.facts(other)) == d.fingerprint(s, {}, d.facts(s))
+
+
+def test_published_recipe_batch_check_sees_each_stage_layout_with_cp(tmp_path):
+    """smollm3-3b's long-context stages run at TP 2 x CP 4 on 12 nodes (DP 12, micro 1): the
+    batch check is held to each stage's own layout, CP included, and passes."""
+    from flows.recipe import load_recipe
+    from infra.preflight import run_preflight
+
+    recipe = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}"])
+    s = tp.PreflightSpec.for_recipe(recipe, "run-x")
+    assert s.run_facts["stage_layouts"]["long32k"] == {
+        "nodes": 12, "tp": 2, "cp": 4, "micro_batch": 1, "global_batch": 72,
+    }  # fmt: skip
+    facts = PreflightFacts.from_dict({**s.facts, **s.run_facts})
+    [res] = run_preflight(PreflightConfig(checks=("batch_layout",)), facts, log=lambda _: None)
+    assert res.status == "pass", res.advice
+    assert "stage long32k: 72 = dp 12 x micro 1 x accum 6 (tp 2 x cp 4)" in res.value
+    assert "stage long64k: 36 = dp 12 x micro 1 x accum 3 (tp 2 x cp 4)" in res.value
