@@ -187,6 +187,7 @@ def _tp_worker(rank: int, world: int, init_file: str, cfg_dict: dict, out: str) 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks: 12-21 s at load 1-5 on 2 cores
 def test_fused_qkv_under_tensor_parallelism_trains_like_three_matmuls(tiny_cfg, tmp_path):
     """TP 2 over gloo (column-parallel q, k, v as DTensors, sequence parallelism): the fused
     matmul on the local shards gives the losses and gradients of the three ColwiseParallel

@@ -16,11 +16,12 @@ from model.optim import build_optimizer
 from model.spec import OptimizerConfig
 
 
-def _train(cfg, mode: str, steps: int = 4, doc_masking: bool = True):
+def _train(cfg, mode: str, steps: int = 4, doc_masking: bool = True, fused_qkv: bool = False):
     torch.manual_seed(0)
     model = SmolLM3(cfg)
     model.init_weights(seed=0)
     model.set_activation_checkpointing(mode)
+    model.set_fused_qkv(fused_qkv)
     opt = build_optimizer(model, OptimizerConfig(lr=3e-3))
     gen = torch.Generator().manual_seed(1)
     losses, grads = [], []
@@ -37,13 +38,16 @@ def _train(cfg, mode: str, steps: int = 4, doc_masking: bool = True):
     return losses, grads, model.state_dict()
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-@pytest.mark.parametrize("doc_masking", [True, False])
-def test_checkpointing_is_bit_identical_to_none_on_cpu_fp32(tiny_cfg, mode, doc_masking):
+@pytest.mark.parametrize(
+    ("mode", "doc_masking", "fused_qkv"),
+    [(m, d, False) for m in ("selective", "full") for d in (True, False)]
+    + [("selective", True, True), ("full", True, True)],
+)
+def test_checkpointing_is_bit_identical_to_none_on_cpu_fp32(tiny_cfg, mode, doc_masking, fused_qkv):
     torch.use_deterministic_algorithms(True)
     try:
-        want_losses, want_grads, want_weights = _train(tiny_cfg, "none", doc_masking=doc_masking)
-        got_losses, got_grads, got_weights = _train(tiny_cfg, mode, doc_masking=doc_masking)
+        want_losses, want_grads, want_weights = _train(tiny_cfg, "none", doc_masking=doc_masking, fused_qkv=fused_qkv)
+        got_losses, got_grads, got_weights = _train(tiny_cfg, mode, doc_masking=doc_masking, fused_qkv=fused_qkv)
     finally:
         torch.use_deterministic_algorithms(False)
     assert got_losses == want_losses  # exact floats, not approximately

@@ -60,6 +60,7 @@ OPERATIONAL = [
     "posttrain.eval.batch_size=4",
     "stages.stage1.max_epochs=2",
     "training.compile_model=true",
+    "training.fused_qkv=false & stages.long1.fused_qkv=true & stages.long1.compile_model=auto",
     # a long run watching itself: hang bounds, flag thresholds, NaN recovery, the tracker
     "training.watchdog={floor_s: 5, grace_s: 1}",
     "training.monitor={straggler_margin: 0.2}",
