@@ -208,7 +208,9 @@ class TrainSettings(_Spec):
     # torch.compile each block (same math, fused kernels); "auto": on CUDA, eager elsewhere (CPU:
     # compiling costs more than it saves at test sizes, and eager is the oracle the tests compare to)
     compile_model: Literal["auto"] | bool = operational("auto")
-    fused_qkv: bool = operational(True)  # q, k, v as one matmul (model/attention.py); False: three
+    # q, k, v as one matmul over their concatenated weights (model/attention.py); off by default:
+    # 2.7-5.3% slower on CPU (docs/model.md, Throughput), no GPU gain measured yet
+    fused_qkv: bool = operational(False)
     num_threads: int | None = operational(None, gt=0)  # CPU threads per rank (default: the train slot's)
     peak_flops: float | None = operational(None, gt=0)  # declared peak FLOP/s per device for MFU
     watchdog: WatchdogConfig = operational(WatchdogConfig())  # hang detection

@@ -1,8 +1,9 @@
 """Layouts of the trainer on CPU over gloo (model/parallel.py), as real torchrun launches.
 
-- DP 2 x TP 2 (tensor + sequence parallelism, FSDP2 over the DP pairs) trains with the losses of
-  DP 4 within fp32 tolerance; resumed from its own checkpoint it ends bit-identical to the
-  uninterrupted run; its checkpoint loads at another layout (one plain rank) and trains on.
+- DP 2 x TP 2 (tensor + sequence parallelism, FSDP2 over the DP pairs) with fused QKV (one matmul
+  on each rank's q, k, v shards) trains with the losses of DP 4's three matmuls within fp32
+  tolerance; resumed from its own checkpoint it ends bit-identical to the uninterrupted run; its
+  checkpoint loads at another layout (one plain rank, three matmuls) and trains on.
 - HSDP over two torchrun "nodes" of two ranks (replicate 2 x shard 2) trains like DP 4.
 - Activation checkpointing through the trainer, and "auto" choosing it from a declared memory;
   asynchronous checkpoint writes resume bit-identically.
@@ -71,7 +72,8 @@ def dp4(tmp_path_factory):
 def test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layout(dp4, tmp_path):
     plan, dp4_out = dp4
     tp = tmp_path / "tp"
-    proc = run_train(write_spec(tmp_path / "tp.json", plan, tp, tp=2, **STEPS), nproc=4)
+    proc = run_train(write_spec(tmp_path / "tp.json", plan, tp, tp=2, fused_qkv=True, **STEPS), nproc=4)
+    assert "fused QKV" in proc.stderr
     assert "world 4 (DP 2 x TP 2 (4 ranks)), accum 2" in proc.stderr
     assert "redistributing" not in proc.stderr  # the 2D-norm warning is silenced (trainer main)
     assert _close(_losses(tp), _losses(dp4_out)), (_losses(tp), _losses(dp4_out))
@@ -80,7 +82,7 @@ def test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layo
     # The same layout, resumed from step 2 in a fresh folder: bit-identical to the uninterrupted run.
     again = tmp_path / "again"
     _copy_checkpoint(tp, 2, again)
-    resumed = run_train(write_spec(tmp_path / "again.json", plan, again, tp=2, **STEPS), nproc=4)
+    resumed = run_train(write_spec(tmp_path / "again.json", plan, again, tp=2, fused_qkv=True, **STEPS), nproc=4)
     assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
     assert _losses(again) == _losses(tp)[2:]
     assert_same_weights(again, tp, exact=True)

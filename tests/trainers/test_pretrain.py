@@ -418,7 +418,7 @@ def test_compile_model_auto_compiles_blocks_on_cuda_and_runs_eager_on_cpu(tmp_pa
 
     base = {"mixture_plan": "plan.json", "out_dir": str(tmp_path), "steps": 1, "global_batch": 1, "micro_batch": 1}
     spec = TrainSpec.from_dict(base)
-    assert spec.compile_model == "auto" and spec.fused_qkv is True
+    assert spec.compile_model == "auto" and spec.fused_qkv is False
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert compiles_blocks(spec.compile_model, cpu) is False
     assert compiles_blocks(spec.compile_model, cuda) is True
