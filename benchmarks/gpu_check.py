@@ -888,9 +888,9 @@ def _single_gpu_note(r: Rental, setup: Setup) -> str:
 
 def rental_rows(setup: Setup, budget: Budget, stages: list[Rental]) -> list[Row]:
     """Each stage's per-GPU shape compiled (the first stage eager too, and their MFU ratio):
-    tokens/s, MFU, measured peak against model/memory.py's prediction."""
+    tokens/s, MFU, measured peak against model/memory.py's prediction. A row that raises is a
+    FAIL naming the error; the next rows still run."""
     dev = torch.device("cuda" if setup.cuda else "cpu")
-    peak_flops = _peak_flops(setup)
     rows, mfu = [], {}
     for r in stages:
         for compiled in rental_modes(r, stages, setup):
@@ -903,33 +903,49 @@ def rental_rows(setup: Setup, budget: Budget, stages: list[Rental]) -> list[Row]
                                 f"not run: {max(budget.left(), 0):.0f} s of the --budget-s left, needs about {needs:.0f} s"))  # fmt: skip
                 continue
             start = time.monotonic()
-            got = _rental_measure(r, dev, compiled, setup)
-            flops = r.flops_per_token() * got["tps"]
-            m = flops / peak_flops if peak_flops else None
-            mfu[kind] = (m, got["tps"])
-            value = f"{got['tps']:,.0f} tok/s/GPU, " + ("MFU n/a" if m is None else f"MFU {100 * m:.1f}%")
-            status = "PASS"
-            if got["peak"] is not None:
-                error = est.peak_bytes / got["peak"] - 1
-                value += f", measured {_size(got['peak'])}, predicted {_size(est.peak_bytes)} ({100 * error:+.1f}%)"
-                status = "PASS" if abs(error) <= RENTAL_TOLERANCE else "FAIL"
-            else:
-                value += (
-                    f", predicted {_size(est.peak_bytes)} (not measured: MemTracker cannot see inductor's CPU buffers)"
-                )
-            shape = r.describe()
-            detail = (
-                f"{shape}; {'compiled blocks' if compiled else 'eager blocks'}, "
-                + ("bf16 mixed precision, FlexAttention doc masking" if setup.cuda else "fp32, dense-mask SDPA")
-                + f"; step {got['step_s']:.2f} s, first steps {got['first_s']:.0f} s; MFU = 6N + 12 L h s FLOPs per "
-                f"token / tp x tokens/s per GPU / {'datasheet bf16 peak' if peak_flops else 'no peak on CPU'}; "
-                f"memory PASS within {RENTAL_TOLERANCE:.0%} of the prediction (peak phase {est.phase}); "
-                + _single_gpu_note(r, setup)
-            )
-            rows.append(Row(name, status, value, detail, time.monotonic() - start))
+            try:
+                row, figures = _rental_row(name, r, est, dev, compiled, setup)
+                mfu[kind] = figures
+            except Exception as exc:  # noqa: BLE001 (reported, not hidden)
+                row = Row(name, "FAIL", f"predicted {_size(est.peak_bytes)}",
+                          f"raised {type(exc).__name__}: {exc}"[:800] + f"; {r.describe()}")  # fmt: skip
+                gc.collect()
+                if setup.cuda:
+                    torch.cuda.empty_cache()
+            row.seconds = time.monotonic() - start
+            rows.append(row)
+            print(f"[gpu_check] {name}: {row.status} at {time.monotonic() - START:.0f} s", file=sys.stderr, flush=True)
         if r is stages[0]:
             rows.append(_compile_ratio_row(r, mfu, setup))
     return rows
+
+
+def _rental_row(name: str, r: Rental, est, dev: torch.device, compiled: bool, setup: Setup) -> tuple[Row, tuple]:
+    """One measured rental row and its (MFU, tokens/s)."""
+    peak_flops = _peak_flops(setup)
+    got = _rental_measure(r, dev, compiled, setup)
+    m = r.flops_per_token() * got["tps"] / peak_flops if peak_flops else None
+    value = f"{got['tps']:,.0f} tok/s/GPU, " + ("MFU n/a" if m is None else f"MFU {100 * m:.1f}%")
+    status = "PASS"
+    if got["peak"] is not None:
+        error = est.peak_bytes / got["peak"] - 1
+        value += f", measured {_size(got['peak'])}, predicted {_size(est.peak_bytes)} ({100 * error:+.1f}%)"
+        status = "PASS" if abs(error) <= RENTAL_TOLERANCE else "FAIL"
+    else:
+        value += f", predicted {_size(est.peak_bytes)} (not measured: MemTracker cannot see inductor's CPU buffers)"
+    detail = (
+        f"{r.describe()}; {'compiled blocks' if compiled else 'eager blocks'}, "
+        + ("bf16 mixed precision, FlexAttention doc masking" if setup.cuda else "fp32, dense-mask SDPA")
+        + f"; step {got['step_s']:.2f} s, first steps {got['first_s']:.0f} s; MFU = 6N + 12 L h s FLOPs per "
+        f"token / tp x tokens/s per GPU / {'datasheet bf16 peak' if peak_flops else 'no peak on CPU'}; "
+        + (
+            f"memory PASS within {RENTAL_TOLERANCE:.0%} of the prediction (peak phase {est.phase}); "
+            if got["peak"] is not None
+            else "memory not judged; "
+        )
+        + _single_gpu_note(r, setup)
+    )
+    return Row(name, status, value, detail), (m, got["tps"])
 
 
 def _compile_ratio_row(r: Rental, mfu: dict, setup: Setup) -> Row:
