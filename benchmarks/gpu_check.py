@@ -1583,7 +1583,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         setup = Setup.cpu_smoke(args) if args.cpu_smoke else Setup.gpu(args)
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{PLAN_DEVICE} (assumed: no GPU here)"
-        print(format_plan(plan_rows(setup, sections), args.budget_s, "CPU (smoke)" if args.cpu_smoke else device))
+        print(
+            format_plan(
+                plan_rows(setup, sections),
+                args.budget_s,
+                "CPU smoke (seconds: the H200 figures, not the smoke's)" if args.cpu_smoke else device,
+            )
+        )
         return 0
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(
