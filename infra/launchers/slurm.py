@@ -96,7 +96,7 @@ FAILED = {
 }
 # End states a requeueable job (--requeue) passes through on its way back to PENDING.
 REQUEUED_FROM = {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
-# Job states that mean a node of the allocation failed (the node is found with `failed_node`).
+# Job states that mean a node of the allocation failed (the nodes are found with `failed_nodes`).
 NODE_LOST = {"NODE_FAIL", "BOOT_FAIL"}
 # `sinfo %t` states of a node Slurm took out of service (a trailing `*`: not responding).
 NODE_DOWN = {"down", "drain", "drng", "fail", "failg"}
@@ -538,8 +538,8 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
-            if state in NODE_LOST and facts.node is None:  # the job's log or Slurm's node states name it
-                facts = replace(facts, node=lost_nodes[-1] if lost_nodes else self.failed_node(job))
+            if state in NODE_LOST and facts.node is None:  # the job's log and Slurm's node states name them
+                facts = self._lost_nodes(job, facts, lost_nodes)
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
@@ -559,12 +559,14 @@ class SlurmLauncher(Launcher):
                 f"`squeue -j {job}`, then delete the record"
             )
 
-    def failed_node(self, job: str) -> str | None:
-        """The node a job ended NODE_FAIL (or BOOT_FAIL) on: the first node of its allocation
-        (`scontrol show job` NodeList, else accounting's `sacct -o NodeList`) that Slurm now holds
-        down, drained, failing or not responding (`sinfo -N -o "%N %t"`), else the job's only
-        node. None when Slurm names none (a node of several came back, or the site keeps no
-        accounting for a purged job)."""
+    def failed_nodes(self, job: str) -> list[tuple[str, str | None]]:
+        """The nodes a job ended NODE_FAIL (or BOOT_FAIL) on, each with what Slurm says of it:
+        every node of its allocation (`scontrol show job` NodeList, else accounting's `sacct -o
+        NodeList`) that Slurm now holds down, drained, failing or not responding (`sinfo -N -o
+        "%N %t %E"`: `("node-2", "Slurm: down*, Not responding")`); the healthy nodes of the
+        allocation are not among them. When none is (a node that rebooted and registered is back
+        in service), a one-node job's node with no word (it can only have lost that one); [] when
+        Slurm names none (several nodes all back, or a purged job on a site without accounting)."""
         proc = self.runner(["scontrol", "show", "job", "-o", job])
         found = _NODE_LIST.search(proc.stdout or "") if proc.returncode == 0 else None
         nodes = found.group(1) if found else None
@@ -573,16 +575,39 @@ class SlurmLauncher(Launcher):
             lines = (acct.stdout or "").split() if acct.returncode == 0 else []
             nodes = lines[0] if lines else None
         if not nodes or nodes in ("(null)", "None"):
-            return None
-        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t"])
+            return []
+        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t %E"])
+        down: dict[str, str] = {}  # sinfo -N lists a node once per partition: once here
         for line in (info.stdout or "").splitlines() if info.returncode == 0 else []:
-            name, _, state = line.strip().partition(" ")
-            state = state.strip().lower()
-            if name and (state.endswith("*") or state.rstrip("~#!%$@^-") in NODE_DOWN):
-                return name
+            name, state, reason = (line.strip().split(None, 2) + ["", ""])[:3]
+            flags = state.lower()
+            if name and name not in down and (flags.endswith("*") or flags.rstrip("~#!%$@^-") in NODE_DOWN):
+                said = f"Slurm: {flags}" + (
+                    f", {' '.join(reason.split())[:120]}" if reason and reason != "none" else ""
+                )
+                down[name] = said
+        if down:
+            return list(down.items())
         # Back in service already (a node that rebooted and registered): a one-node job can only
         # have lost its one node; of several, Slurm no longer says which.
-        return nodes if re.fullmatch(r"[^\[\],]+", nodes) else None
+        return [(nodes, None)] if re.fullmatch(r"[^\[\],]+", nodes) else []
+
+    def _lost_nodes(self, job: str, facts: FailureFacts, logged: list[str]) -> FailureFacts:
+        """`facts` of a job that ended NODE_FAIL with every node it lost: those srun's log named
+        (`Node failure on X`, the last one blamed first) and those Slurm holds down; each with
+        Slurm's word on it when it has one."""
+        said = dict(self.failed_nodes(job))
+        for node in reversed(logged):
+            said.setdefault(node, "srun: Node failure")
+        if not said:
+            return facts
+        order = [*reversed(logged), *(n for n in said if n not in logged)]
+        words = [f"{n} ({said[n]})" if said[n] else n for n in order]
+        if len(order) == 1:
+            clause = f"node {order[0]} failed ({said[order[0]]})" if said[order[0]] else None  # None: "node X failed"
+        else:
+            clause = f"nodes {', '.join(words)} failed"
+        return replace(facts, node=order[0], more_nodes=tuple(order[1:]), node_lost=clause)
 
     def _exclude_in_place(self, job: str, failed: list[str], workdir: Path, log: LogFn) -> None:
         """Add the nodes a job Slurm requeued lost to the stage's excluded nodes, and keep the

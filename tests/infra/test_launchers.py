@@ -724,12 +724,22 @@ def test_pytorchjob_manifest(tmp_path):
 
 
 class FakeKubectl:
-    """Answers kubectl like a cluster with the training operator would, for one PyTorchJob."""
+    """Answers kubectl like a cluster with the training operator would, for one PyTorchJob: its
+    conditions move on at each `get pytorchjob`, its pods (`pods`, one list per job poll, the last
+    one kept) with them; `nodes` are the cluster's Node objects by name (a name absent: NotFound)."""
 
-    def __init__(self, conditions: list[list[dict]], exists: bool = False):
+    def __init__(
+        self,
+        conditions: list[list[dict]],
+        exists: bool = False,
+        pods: list[list[dict]] | None = None,
+        nodes: dict[str, dict] | None = None,
+    ):
         self.conditions, self.exists = list(conditions), exists
+        self.pods, self.nodes = list(pods or [[]]), dict(nodes or {})
         self.calls: list[list[str]] = []
         self.manifests: list[str | None] = []  # what `apply -f -` read on stdin
+        self.polls = 0
 
     def __call__(self, cmd, input=None):
         self.calls.append(list(cmd))
@@ -741,7 +751,15 @@ class FakeKubectl:
             self.exists = True
         if cmd[1] == "delete":
             self.exists = False
+        if cmd[1:3] == ["get", "pods"]:
+            now = self.pods[min(self.polls, len(self.pods)) - 1] if self.polls else []
+            return done(json.dumps({"apiVersion": "v1", "kind": "List", "items": now, "metadata": {}}))
+        if cmd[1:3] == ["get", "node"]:
+            if cmd[3] not in self.nodes:
+                return done(returncode=1, stderr=f'Error from server (NotFound): nodes "{cmd[3]}" not found')
+            return done(json.dumps(self.nodes[cmd[3]]))
         if cmd[1] == "get":
+            self.polls += 1
             now = self.conditions.pop(0) if len(self.conditions) > 1 else self.conditions[0]
             return done(json.dumps({"status": {"conditions": now}}))
         if cmd[1] == "logs":
@@ -1415,7 +1433,7 @@ class NodeFailSlurm:
             )
         if cmd[0] == "sinfo":
             assert cmd[cmd.index("-n") + 1] == "node-[1-2]", cmd  # asked about the job's nodes only
-            return done("node-1 alloc\nnode-2 down*\n")
+            return done("node-1 alloc none\nnode-2 down* Not responding\n")  # -o "%N %t %E"
         return done()
 
 
@@ -1432,11 +1450,82 @@ def test_slurm_names_the_node_a_node_failure_lost_and_keeps_the_next_attempt_off
     with pytest.raises(LaunchFailed) as err:
         SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
     assert err.value.cause == (
-        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL), node node-2 failed after step 7 (no "
-        "checkpoint yet); a retry starts the stage over; the next attempt excludes node node-2"
+        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL), node node-2 failed (Slurm: down*, Not "
+        "responding) after step 7 (no checkpoint yet); a retry starts the stage over; the next attempt "
+        "excludes node node-2"
     )
     assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2"]
     assert "#SBATCH --exclude=node-2\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+class ManyNodesFailSlurm:
+    """Slurm whose job 4242 ran on node-[1-4] and ended NODE_FAIL with no srun line in its log:
+    node-2 is down and not responding, node-3 drained by a health check, node-1 and node-4
+    healthy (`sinfo -N` lists node-2 once per partition it is in). `purged`: slurmctld has
+    forgotten the job, accounting (sacct) still knows it."""
+
+    SINFO = (
+        "node-1 alloc none\n"
+        "node-2 down* Not responding\n"
+        "node-2 down* Not responding\n"
+        "node-3 drain GPU XID 79 on GPU 3 [root@2026-12-04T15:02:11]\n"
+        "node-4 idle none\n"
+    )
+
+    def __init__(self, purged: bool) -> None:
+        self.purged, self.states, self.comment = purged, ["RUNNING", "NODE_FAIL"], None
+        self.calls: list[list[str]] = []
+
+    def sleep(self, _seconds: float) -> None:
+        if len(self.states) > 1:
+            self.states.pop(0)
+
+    def __call__(self, cmd, input=None):
+        self.calls.append(list(cmd))
+        if list(cmd) == ["scontrol", "show", "config"]:
+            return done(SCONTROL_CONFIG.format(cluster="alpha"))
+        if cmd[0] == "sbatch":
+            self.comment = next((c.split("=", 1)[1] for c in cmd if c.startswith("--comment=")), None)
+            return done("4242\n")
+        if cmd[:3] == ["scontrol", "show", "job"]:
+            if self.purged and self.states[0] == "NODE_FAIL":
+                return done(returncode=1, stderr="slurm_load_jobs error: Invalid job id specified")
+            return done(
+                f"JobId=4242 JobState={self.states[0]} Reason=NodeDown ExitCode=0:0 Requeue=0 "
+                f"NodeList=node-[1-4] Comment={self.comment}\n"
+            )
+        if cmd[0] == "sacct":
+            field = cmd[cmd.index("-o") + 1]
+            return done({"State,ExitCode": "NODE_FAIL|0:0\n", "NodeList": "node-[1-4]\n"}.get(field, ""))
+        if cmd[0] == "sinfo":
+            assert cmd[cmd.index("-n") + 1] == "node-[1-4]", cmd  # asked about the job's nodes only
+            return done(self.SINFO)
+        return done()
+
+
+@pytest.mark.parametrize("purged", [False, True], ids=["scontrol", "sacct"])
+def test_a_node_failure_of_several_nodes_names_and_excludes_every_down_node_and_no_healthy_one(tmp_path, purged):
+    """NODE_FAIL on a 4-node job, no srun line: the launcher reads the allocation (scontrol, or
+    accounting once slurmctld forgot the job) and the nodes' states and reasons (sinfo -N), names
+    the two nodes that are down or drained with Slurm's reason for each, excludes both and not
+    the two healthy ones."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    slurm = ManyNodesFailSlurm(purged)
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert err.value.facts.nodes == ("node-2", "node-3")
+    assert (
+        "Slurm job 4242 ended NODE_FAIL, nodes node-2 (Slurm: down*, Not responding), node-3 (Slurm: drain, GPU "
+        "XID 79 on GPU 3 [root@2026-12-04T15:02:11]) failed before its first step" in err.value.cause
+    )
+    assert err.value.cause.endswith("; the next attempt excludes nodes node-2, node-3")
+    assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2", "node-3"]
+    assert "#SBATCH --exclude=node-2,node-3\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+    assert any(c[0] == "sacct" and "NodeList" in c for c in slurm.calls) == purged
 
 
 def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_place(tmp_path):
@@ -1482,3 +1571,232 @@ def test_kubernetes_keeps_the_next_attempts_pods_off_the_frozen_ranks_node(tmp_p
         assert term["matchExpressions"] == [
             {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["ip-10-1-2-3.ec2.internal"]}
         ]
+
+
+# --- a pod lost with its node (Kubernetes) --------------------------------------------------------
+
+
+def _pod(job: str, replica: str, node: str, uid: str, phase: str = "Running", **status) -> dict:
+    """A pod of a PyTorchJob as `kubectl get pods -o json` returns it (the training operator's
+    labels and owner, the node it was placed on); `status` adds to its status (reason, message,
+    conditions, containerStatuses) and `deletionTimestamp` goes to its metadata."""
+    rtype, index = replica.rsplit("-", 1)
+    metadata = {
+        "name": f"{job}-{replica}",
+        "namespace": "training",
+        "uid": uid,
+        "labels": {
+            "training.kubeflow.org/job-name": job,
+            "training.kubeflow.org/operator-name": "pytorchjob-controller",
+            "training.kubeflow.org/replica-index": index,
+            "training.kubeflow.org/replica-type": rtype,
+        },
+        "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job, "controller": True}],
+    }
+    if "deletionTimestamp" in status:
+        metadata["deletionTimestamp"] = status.pop("deletionTimestamp")
+    ready = {"type": "Ready", "status": "True" if phase == "Running" else "False"}
+    body = {"phase": phase, "hostIP": "10.1.2.3", "conditions": [ready, *status.pop("conditions", [])]} | status
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {"nodeName": node}, "status": body}
+
+
+def _node(
+    name: str, ready: str = "True", reason: str = "KubeletReady", message: str = "kubelet is posting ready status"
+) -> dict:
+    """A Node object as `kubectl get node NAME -o json` returns it; a kubelet that stopped reporting
+    leaves Ready Unknown and the node lifecycle controller's unreachable taints."""
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": ready, "reason": reason, "message": message}]},
+    }
+    if ready != "True":
+        node["spec"]["taints"] = [
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": "2026-12-04T15:00:40Z"},
+        ]
+    return node
+
+
+UNREACHABLE = {"ready": "Unknown", "reason": "NodeStatusUnknown", "message": "Kubelet stopped posting node status."}
+
+
+def _excluded_in(manifest: dict) -> list[list[str]]:
+    """The nodes each replica's pods are kept off (their required node anti-affinity)."""
+    out = []
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        affinity = replica["template"]["spec"].get("affinity")
+        if affinity is None:
+            out.append([])
+            continue
+        (term,) = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        (expr,) = term["matchExpressions"]
+        assert expr["key"] == "kubernetes.io/hostname" and expr["operator"] == "NotIn"
+        out.append(expr["values"])
+    return out
+
+
+def test_a_pod_the_taint_manager_deleted_from_a_dead_node_names_it_and_the_next_manifest_excludes_it(tmp_path):
+    """Node b dies under worker-1 of an elastic PyTorchJob: its kubelet stops reporting (Ready
+    Unknown, the unreachable taints), the taint manager marks the pod DisruptionTarget
+    DeletionByTaintManager and deletes it (stuck terminating: no kubelet confirms), the operator
+    recreates it on node c, and the job fails in the end. The launcher names node b from the pod's
+    spec.nodeName as soon as the pod says so, in the log, the exclusion list and the cause
+    (transient: retried), and the next attempt's pods are kept off node b only."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    (ws / "metrics.jsonl").write_text('{"step": 12}\n')
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    healthy = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-b", "u1")]
+    evicted = _pod(
+        job,
+        "worker-1",
+        "node-b",
+        "u1",
+        deletionTimestamp="2026-12-04T15:05:40Z",
+        conditions=[
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByTaintManager",
+                "message": "Taint manager: deleting due to NoExecute taint",
+                "lastTransitionTime": "2026-12-04T15:05:40Z",
+            }
+        ],
+    )
+    recreated = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-c", "u2")]
+    fake = FakeKubectl(
+        [[], RUNNING, RUNNING, RUNNING, FAILED_JOB],
+        pods=[healthy, [healthy[0], evicted], recreated, recreated],
+        nodes={"node-a": _node("node-a"), "node-b": _node("node-b", **UNREACHABLE), "node-c": _node("node-c")},
+    )
+    launcher.runner = fake
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [[]]
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    lost = (
+        f"pod {job}-worker-1 lost with its node node-b (DisruptionTarget DeletionByTaintManager: "
+        "Taint manager: deleting due to NoExecute taint)"
+    )
+    assert f"[launch] {lost}" in lines  # seen while the job ran, before it failed
+    assert lines.index(f"[launch] {lost}") < lines.index("step 1 loss 4.8")
+    assert err.value.cause == (
+        f"PyTorchJob {job} ended Failed, {lost} after step 12 (no checkpoint yet); a retry starts the "
+        "stage over; the next attempt excludes node node-b"
+    )
+    assert transient(err.value) and excluded_nodes(ws) == ["node-b"]
+    assert [
+        "kubectl",
+        "get",
+        "pods",
+        "-n",
+        "training",
+        "-l",
+        f"training.kubeflow.org/job-name={job}",
+        "-o",
+        "json",
+    ] in (fake.calls)
+    assert not any(c[1:3] == ["get", "node"] for c in fake.calls)  # the pod said it all: no node asked
+    manifest = yaml.safe_load(launcher.render(spec, ws))
+    schema = json.loads((Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json").read_text())
+    jsonschema.validate(manifest, schema)
+    assert _excluded_in(manifest) == [["node-b"]]
+
+
+def test_pods_lost_to_a_node_shutdown_and_a_deleted_node_both_name_their_nodes(tmp_path):
+    """A "job" restart PyTorchJob (Master and Workers, pods never restarted) loses two nodes in
+    one attempt: worker-0's node shuts down (the kubelet's graceful node shutdown: phase Failed,
+    reason Terminated), worker-1 vanishes with its node (the Node object deleted: PodGC removed
+    the pod between two polls); the master, on a Ready node, then fails on the lost peers. Both
+    nodes are named and excluded, the master's node is not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    config = _k8s_here(ws)
+    config = config.model_copy(update={"kubernetes": config.kubernetes.model_copy(update={"restart": "job"})})
+    launcher = KubernetesLauncher(config, sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    running = [
+        _pod(job, "master-0", "node-m", "m0"),
+        _pod(job, "worker-0", "node-s", "w0"),
+        _pod(job, "worker-1", "node-g", "w1"),
+    ]
+    shutdown = _pod(
+        job,
+        "worker-0",
+        "node-s",
+        "w0",
+        phase="Failed",
+        reason="Terminated",
+        message="Pod was terminated in response to imminent node shutdown.",
+    )
+    master_failed = _pod(
+        job,
+        "master-0",
+        "node-m",
+        "m0",
+        phase="Failed",
+        containerStatuses=[{"name": "pytorch", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+    )
+    fake = FakeKubectl(
+        [[], RUNNING, RUNNING, FAILED_JOB],
+        pods=[running, [running[0], shutdown], [master_failed, shutdown]],
+        nodes={"node-m": _node("node-m"), "node-s": _node("node-s", ready="False", reason="KubeletNotReady")},
+    )
+    launcher.runner = fake
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    assert excluded_nodes(ws) == ["node-s", "node-g"]
+    cause = err.value.cause
+    assert (
+        f"pod {job}-worker-0 lost with its node node-s (Terminated: Pod was terminated in response to imminent "
+        "node shutdown.)" in cause
+    )
+    assert f"pod {job}-worker-1 lost with its node node-g (node object gone (NotFound))" in cause
+    assert cause.endswith("the next attempt excludes nodes node-s, node-g") and "node-m" not in cause
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [["node-s", "node-g"], ["node-s", "node-g"]]
+
+
+def test_a_pod_that_failed_from_its_own_code_on_a_ready_node_excludes_no_node(tmp_path):
+    """The silence: the master exits 1 from the training code's own error (phase Failed, its node
+    Ready, nothing of a node in the pod's status). The launcher looks at the node, finds it Ready
+    and excludes nothing: the cause names no node, the failure is not retried, the next manifest
+    has no anti-affinity."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    failed = _pod(
+        job,
+        "worker-0",
+        "node-a",
+        "u0",
+        phase="Failed",
+        containerStatuses=[{"name": "pytorch", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+    )
+    fake = FakeKubectl(
+        [[], RUNNING, FAILED_JOB],
+        pods=[[_pod(job, "worker-0", "node-a", "u0")], [failed]],
+        nodes={"node-a": _node("node-a")},
+    )
+    launcher.runner = fake
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    assert ["kubectl", "get", "node", "node-a", "-o", "json"] in fake.calls  # judged, not overlooked
+    assert [c for c in fake.calls if c[1:3] == ["get", "node"]] == [["kubectl", "get", "node", "node-a", "-o", "json"]]
+    assert "node" not in err.value.cause and not transient(err.value)
+    assert excluded_nodes(ws) == [] and not any("lost with its node" in line for line in lines)
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [[]]
