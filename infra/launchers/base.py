@@ -408,6 +408,10 @@ class SlurmLaunchConfig(BaseModel):
     mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the stage plan's (HostNeeds)
     exclusive: bool = True  # whole nodes: training shares nothing well
     requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes (False: --no-requeue)
+    # Slurm's own requeues of a job after node failures with no newer checkpoint in between, before
+    # its script refuses to train again and the step fails (slurm.py `_requeue_budget`); the time
+    # limit's and preemption's requeues lose no step and are not counted
+    max_node_requeues: int = Field(default=3, ge=0)
     signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
     controller_grace_s: float = Field(default=600.0, gt=0)  # keep following while slurmctld does not answer
     setup: tuple[OneLine, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)

@@ -241,6 +241,10 @@ class SlurmLauncher(Launcher):
             f"MASTER_PORT={port}",
             'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
             '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        ]
+        if s.requeue:
+            lines += self._requeue_budget(workdir, _out_dir(spec, workdir) / "checkpoints")
+        lines += [
             # Stop signals (trainers/rank_signals.py): every rank finishes its step, saves it and exits
             # 75; this script waits for srun to end. Preemption and scancel signal the job's
             # processes themselves (SIGTERM); the time-limit warning (--signal=B:USR1) reaches
@@ -249,6 +253,16 @@ class SlurmLauncher(Launcher):
             "forward() {",
             '  stop=$1; echo "[launch] $1: the ranks finish their step and save it '
             f'(torchrun waits {c.rendezvous.stop_grace_s}s for them)"',
+            *(
+                [
+                    "  # the time limit's warning or a preemption: the requeue that follows loses no step,",
+                    "  # it is not one of Slurm's own requeues after a node failure (the budget above)",
+                    '  if [ "$1" = USR1 ] || scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "PreemptTime=[0-9]"; '
+                    'then echo "planned $restart" >> "$requeues"; fi',
+                ]
+                if s.requeue
+                else []
+            ),
             '  scancel --signal=USR1 "$SLURM_JOB_ID" 2>/dev/null || true  # every step of the job, not this shell',
             "}",
             "trap 'forward USR1' USR1",
@@ -297,6 +311,41 @@ class SlurmLauncher(Launcher):
             ]
         lines += ["exit $rc", ""]
         return "\n".join(lines)
+
+    def _requeue_budget(self, workdir: Path, checkpoints: Path) -> list[str]:
+        """Script lines bounding Slurm's own requeues of the job after node failures.
+
+        Slurm requeues a `--requeue` job whose node failed at once and without bound (its
+        `MaxBatchRequeue` counts batch launch failures, not these; docs/scale.md), and no step
+        retry sees it. Each start reads `SLURM_RESTART_COUNT`: a restart that did not follow a
+        planned stop (the time limit's warning, a preemption: `forward` writes `planned N` when
+        restart N gets one) was Slurm's own, after a node failure, and is counted, the count
+        starting over whenever the stage saved a newer checkpoint in between (a month with a
+        few node failures spread over it never reaches the budget; a storm of them without
+        progress does). Past `slurm.max_node_requeues` the script refuses to train again: the job
+        fails with an `error:` line, which the step does not retry (not transient)."""
+        n = self.config.slurm.max_node_requeues
+        launch_dir = shlex.quote(str(workdir / "launch"))
+        return [
+            f"requeues={launch_dir}/requeues-$SLURM_JOB_ID  # this job's planned stops and node-failure count",
+            "restart=${SLURM_RESTART_COUNT:-0}",
+            f"newest=$(ls -1d {shlex.quote(str(checkpoints))}/step_* 2>/dev/null | sort | tail -n 1)",
+            'if [ "$restart" -gt 0 ] && ! grep -qx "planned $((restart - 1))" "$requeues" 2>/dev/null; then',
+            '  count=0; since=""',
+            '  if [ -f "$requeues.count" ]; then read -r count since < "$requeues.count" || true; fi',
+            '  if [ "$newest" != "$since" ]; then count=0; fi  # a newer checkpoint since: the count starts over',
+            "  count=$((count + 1))",
+            '  echo "$count $newest" > "$requeues.count"',
+            '  echo "[launch] Slurm requeued job $SLURM_JOB_ID by itself (restart $restart: a node failure), '
+            f'$count time(s) since checkpoint ${{newest:-none}}; at most {n} (launch.slurm.max_node_requeues)"',
+            f'  if [ "$count" -gt {n} ]; then',
+            '    echo "error: Slurm requeued job $SLURM_JOB_ID $count times after node failures without a new '
+            f"checkpoint (launch.slurm.max_node_requeues is {n}): not training again; check the nodes "
+            '(sinfo -R) and the log, then rerun the stage" >&2',
+            "    exit 1",
+            "  fi",
+            "fi",
+        ]
 
     # -- submission and monitoring --
 

@@ -28,7 +28,7 @@ from infra.launchers import (
     SlurmLaunchConfig,
     get_launcher,
 )
-from infra.launchers.base import FirstError, TorchrunSummary, failure_facts, free_port, launch_digest
+from infra.launchers.base import FailureFacts, FirstError, TorchrunSummary, failure_facts, free_port, launch_digest
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
 from infra.launchers.slurm import SlurmLauncher, job_tag
@@ -1456,6 +1456,75 @@ def test_slurm_names_the_node_a_node_failure_lost_and_keeps_the_next_attempt_off
     )
     assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2"]
     assert "#SBATCH --exclude=node-2\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+def _batch_start(script: Path, bin_dir: Path, restart: int, srun: str = "exit 1") -> subprocess.CompletedProcess:
+    """One start of the rendered batch script as slurmd runs it (restart `restart` of job 77),
+    with Slurm's commands on PATH: `srun` runs `srun` (a shell body) and notes that it ran, the
+    others note their arguments."""
+    bin_dir.mkdir(exist_ok=True)
+    calls = bin_dir / "calls"
+    for name, body in {
+        "srun": f'echo "srun $SLURM_RESTART_COUNT" >> {calls}\n{srun}',
+        "scontrol": f'echo "scontrol $*" >> {calls}\n[ "$1 $2" = "show hostnames" ] && echo node-1\n'
+        '[ "$1 $2" = "show job" ] && echo "JobId=77 JobState=RUNNING PreemptTime=None"\nexit 0',
+        "scancel": f'echo "scancel $*" >> {calls}',
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "node-1",
+        "SLURM_RESTART_COUNT": str(restart),
+    }
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_slurms_own_requeues_after_node_failures_are_bounded_unless_a_checkpoint_came_between(tmp_path):
+    """The batch script counts the restarts Slurm made by itself (SLURM_RESTART_COUNT, no planned
+    stop before it: node failures) since the newest checkpoint: within launch.slurm.max_node_requeues
+    it trains, past it it refuses with an `error:` line (the step does not retry it); a newer
+    checkpoint starts the count over, and a restart after the time limit's warning (SIGUSR1 sent
+    to the batch shell from outside while srun runs) is not counted."""
+    from pipeline.step import transient
+
+    out = tmp_path / "stage"
+    spec = write_spec(out / "spec.json", tmp_path / "plan.json", out)
+    config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"max_node_requeues": 2})})
+    launcher = SlurmLauncher(config)
+    script = tmp_path / "train.sbatch"
+    script.write_text(launcher.render(spec, out))
+    (out / "launch").mkdir(parents=True, exist_ok=True)
+    bin_dir = tmp_path / "bin"
+    ran = lambda: (bin_dir / "calls").read_text().count("srun ")  # noqa: E731
+
+    for restart in (0, 1, 2):  # the first start, then two node-failure requeues: within the budget
+        start = _batch_start(script, bin_dir, restart)
+        assert start.returncode == 1 and ran() == restart + 1, start.stdout + start.stderr
+    assert "by itself (restart 2: a node failure), 2 time(s) since checkpoint none; at most 2" in start.stdout
+    (out / "checkpoints" / "step_00000040").mkdir(parents=True)  # progress: the count starts over
+    start = _batch_start(script, bin_dir, 3)
+    assert ran() == 4 and "1 time(s) since checkpoint" in start.stdout, start.stdout + start.stderr
+    # the time limit's warning reaches the batch shell while srun runs (sent from outside it):
+    # a planned stop, so the requeue after it is not Slurm's own and the next start not counted
+    warned = _batch_start(script, bin_dir, 4, srun='kill -USR1 "$PPID"; sleep 1; exit 75')
+    assert "2 time(s) since checkpoint" in warned.stdout and ran() == 5, warned.stdout + warned.stderr
+    assert "[launch] time limit near: requeueing 77" in warned.stdout
+    assert "scontrol requeue 77" in (bin_dir / "calls").read_text()
+    after = _batch_start(script, bin_dir, 5)
+    assert "by itself" not in after.stdout and ran() == 6, after.stdout + after.stderr
+
+    refused = _batch_start(script, bin_dir, 6)  # a third node failure without a newer checkpoint
+    assert refused.returncode == 1 and ran() == 6, "srun ran past the budget"
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error: ")]
+    assert "requeued job 77 3 times after node failures without a new checkpoint" in line
+    assert "launch.slurm.max_node_requeues is 2" in line
+    first = FirstError()
+    first.feed(line)  # what the follower reads from the job log: a failure the step does not retry
+    facts = FailureFacts(exitcode=1, error=first.line, state="FAILED", who="Slurm job 77")
+    assert not transient(LaunchFailed("Slurm job 77 ended FAILED", [line], first.line, facts))
 
 
 class ManyNodesFailSlurm:
