@@ -40,7 +40,13 @@ it runs the same manifest and spec and it has not failed, this launch re-attache
 its end, applies nothing); otherwise it is deleted (foreground: its pods first) and the new one
 applied (`kubectl apply -f -`: the manifest rendered in memory goes on stdin, so a copy of
 `launch/pytorchjob.yaml` swapped after it was written is never what is applied). It refuses
-while the recorded owner is still alive on this host. Only an explicit
+while the recorded owner is still alive on this host.
+
+While it waits, the launcher watches the job's pods (`LostPods`): a pod lost with its node (the
+pod's own DisruptionTarget, NodeLost or node-shutdown status, or a failed, stuck or vanished pod
+whose Node is NotReady or gone) names that node (its `spec.nodeName`), which is excluded from the
+stage's next attempts at once (infra/launchers/exclude.py) and named in a failed job's cause; a pod
+that failed from its own code on a Ready node names none. Only an explicit
 cancellation (Ctrl-C, a cancelled Prefect run: infra/launchers/follow.py) deletes a job being
 waited for.
 """

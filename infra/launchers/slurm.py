@@ -16,7 +16,9 @@ gets to the ranks, and every rank finishes its step, saves it and exits. The scr
 srun, then requeues the job (`scontrol requeue`) after the time-limit warning or once preemption
 has begun (a preempted job that ends by itself within GraceTime would otherwise count as ended),
 unless the stage finished in this run. Every start runs the same spec and resumes from the newest
-complete checkpoint, which is now the step the signal came at.
+complete checkpoint, which is now the step the signal came at. Slurm's own requeues after node
+failures, which Slurm does not bound, are counted by the script since the newest checkpoint and
+refused past `slurm.max_node_requeues` (`_requeue_budget`).
 
 `launch` submits with `sbatch --parsable --comment=TAG`, the script on stdin (the bytes rendered
 in memory, not a file someone could swap before sbatch reads it; `launch/train.sbatch` is written
