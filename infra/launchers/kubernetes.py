@@ -153,10 +153,10 @@ class LostPods:
 
     Each poll lists the job's pods (`kubectl get pods -l training.kubeflow.org/job-name=NAME`) and
     remembers each pod's node (`spec.nodeName`). A pod is lost with its node when its own status
-    says so (`pod_lost_with_node`), or when it failed, is stuck terminating, is phase Unknown or
-    vanished (deleted, or replaced by the operator) and its node is out of service
-    (`node_out_of_service`, `kubectl get node`; a node object that is gone counts). A pod that
-    failed from its own code on a Ready node names no node. A failed or vanished pod is judged
+    says so (`pod_lost_with_node`), or when it failed, is stuck terminating, is phase Unknown,
+    vanished (deleted, or replaced by the operator) or, once the job failed, did not succeed, and
+    its node is out of service (`node_out_of_service`, `kubectl get node`; a node object that is
+    gone counts). A pod that failed from its own code on a Ready node names no node. A failed or vanished pod is judged
     once; one stuck terminating or Unknown again at every poll (the node controller marks a node
     NotReady about 40 s after its kubelet stops reporting). `lost`: node -> what was seen, in
     the order found."""
@@ -167,8 +167,10 @@ class LostPods:
         self.judged: set[str] = set()  # uids whose fate is settled
         self.lost: dict[str, str] = {}
 
-    def poll(self) -> list[str]:
-        """Look at the job's pods once; the nodes found lost in this poll."""
+    def poll(self, final: bool = False) -> list[str]:
+        """Look at the job's pods once; the nodes found lost in this poll. `final` (the job
+        failed): every placed pod that did not succeed has its node looked at too, since a node
+        that died less than the taint manager's 300 s before leaves its pod Running, unmarked."""
         proc = self.kubectl("get", "pods", "-n", self.namespace, "-l", f"{JOB_LABEL}={self.name}", "-o", "json")
         if proc.returncode != 0:
             return []  # the API did not answer: the next poll looks again
@@ -193,7 +195,7 @@ class LostPods:
             why = pod_lost_with_node(pod)
             phase = (pod.get("status") or {}).get("phase") if isinstance(pod.get("status"), dict) else None
             stuck = bool(meta.get("deletionTimestamp")) or phase == "Unknown"
-            if why is None and (stuck or phase == "Failed"):
+            if why is None and (stuck or phase == "Failed" or (final and phase != "Succeeded")):
                 why = self._node(node, nodes)
                 if phase == "Failed" and not stuck:
                     self.judged.add(uid)  # its end is written: judged once
@@ -367,10 +369,10 @@ class KubernetesLauncher(Launcher):
         """Elastic restarts; not with accelerate, which takes a static machine rank and address."""
         return self.config.kubernetes.restart == "elastic" and not self.config.accelerate_config
 
-    def _exclude_lost(self, pods: LostPods, spec_path: Path, workdir: Path, log: LogFn) -> None:
+    def _exclude_lost(self, pods: LostPods, spec_path: Path, workdir: Path, log: LogFn, final: bool = False) -> None:
         """Look at the job's pods; a node it lost a pod with is excluded at once from the stage's
         next attempts (an elastic job may go on without it: its pod is recreated elsewhere)."""
-        for node in pods.poll():
+        for node in pods.poll(final):
             log(f"[launch] {pods.lost[node]}")
             last_step, checkpoint_step = stage_progress(spec_path, workdir)
             facts = FailureFacts(
@@ -498,7 +500,7 @@ class KubernetesLauncher(Launcher):
             lost.feed(line)
             log(line)
         if state != "Succeeded":
-            self._exclude_lost(pods, spec_path, workdir, log)  # what the pods of the failed job say last
+            self._exclude_lost(pods, spec_path, workdir, log, final=True)  # what the failed job's pods say last
             facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state, lost=lost)
             if pods.lost:  # nodes the job lost pods with: the first is blamed unless a hang named one
                 blamed = facts.node or next(iter(pods.lost))

@@ -1772,7 +1772,9 @@ def test_a_pod_the_taint_manager_deleted_from_a_dead_node_names_it_and_the_next_
         "-o",
         "json",
     ] in (fake.calls)
-    assert not any(c[1:3] == ["get", "node"] for c in fake.calls)  # the pod said it all: no node asked
+    # the pod said it all while the job ran (no node asked then); once the job failed, the nodes of
+    # the pods that did not succeed were looked at and found Ready
+    assert [c[3] for c in fake.calls if c[1:3] == ["get", "node"]] == ["node-a", "node-c"]
     manifest = yaml.safe_load(launcher.render(spec, ws))
     schema = json.loads((Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json").read_text())
     jsonschema.validate(manifest, schema)
@@ -1869,3 +1871,33 @@ def test_a_pod_that_failed_from_its_own_code_on_a_ready_node_excludes_no_node(tm
     assert "node" not in err.value.cause and not transient(err.value)
     assert excluded_nodes(ws) == [] and not any("lost with its node" in line for line in lines)
     assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [[]]
+
+
+def test_a_job_that_fails_before_the_taint_manager_acts_still_names_the_dead_node(tmp_path):
+    """The node under worker-1 dies and the job fails within the taint manager's 300 s: the pod is
+    still phase Running (its kubelet can no longer say otherwise), only not Ready. Once the job
+    failed, the launcher looks at the node of every pod that did not succeed: node b is NotReady
+    (Kubelet stopped posting node status) and excluded, node a is Ready and not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    pods = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-b", "u1")]
+    pods[1]["status"]["conditions"][0]["status"] = "False"  # the node controller's MarkPodsNotReady
+    fake = FakeKubectl(
+        [[], RUNNING, FAILED_JOB],
+        pods=[pods],
+        nodes={"node-a": _node("node-a"), "node-b": _node("node-b", **UNREACHABLE)},
+    )
+    launcher.runner = fake
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lambda _: None)
+    assert excluded_nodes(ws) == ["node-b"]
+    assert (
+        f"pod {job}-worker-1 lost with its node node-b (NotReady (NodeStatusUnknown: Kubelet stopped posting "
+        "node status.))" in err.value.cause
+    )
+    asked = [c[3] for c in fake.calls if c[1:3] == ["get", "node"]]
+    assert asked == ["node-a", "node-b"]  # only once the job failed: never while it ran
