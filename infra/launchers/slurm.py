@@ -71,6 +71,7 @@ from infra.launchers.base import (
     failure_facts,
     launch_digest,
     stage_dir,
+    stage_progress,
 )
 from infra.launchers.exclude import exclude_node, excluded_nodes
 from infra.launchers.fabric import launch_env, torchrun_flags
@@ -116,6 +117,8 @@ _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned in
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
 _NODE_LIST = re.compile(r"(?:^|\s)NodeList=(\S+)")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")  # srun's line when a node of the job fails
+# the batch script's refusal past launch.slurm.max_node_requeues (`_requeue_budget`)
+_REFUSED = re.compile(r"^error: (Slurm requeued job \d+ \d+ times after node failures .*)$")
 _CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
@@ -527,6 +530,7 @@ class SlurmLauncher(Launcher):
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
         lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
+        refused: str | None = None  # the script's refusal past the node-failure requeue budget
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -555,6 +559,8 @@ class SlurmLauncher(Launcher):
                             lost.feed(line)
                             if (failed := _NODE_FAILURE.search(line)) and failed.group(1) not in lost_nodes:
                                 lost_nodes.append(failed.group(1))
+                            if m := _REFUSED.match(line.strip()):
+                                refused = m.group(1)
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
                         settling += 1  # Slurm puts it back in the queue right after: keep following
@@ -576,6 +582,19 @@ class SlurmLauncher(Launcher):
         if partial:
             tail.append(partial)
             log(partial)
+        if state not in DONE and refused is not None:
+            # The script refused to train again: this, not what the killed starts before it
+            # printed (a stop signal, a lost peer), is how the job ended; not retried.
+            last_step, checkpoint_step = stage_progress(spec_path, workdir)
+            facts = FailureFacts(
+                who=f"Slurm job {job}",
+                exitcode=1,
+                error=refused,
+                state=state,
+                last_step=last_step,
+                checkpoint_step=checkpoint_step,
+            )
+            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, refused, facts)
         if state not in DONE:
             rc, _, sig = code.partition(":")  # Slurm's ExitCode is "code:signal"
             facts = failure_facts(

@@ -1527,6 +1527,32 @@ def test_slurms_own_requeues_after_node_failures_are_bounded_unless_a_checkpoint
     assert not transient(LaunchFailed("Slurm job 77 ended FAILED", [line], first.line, facts))
 
 
+def test_the_scripts_refusal_past_the_requeue_budget_is_the_cause_and_is_not_retried(tmp_path):
+    """The follower of a job whose script refused to train again (past max_node_requeues) names
+    that refusal, not what the starts Slurm killed before it printed (a rank stopped on SIGTERM, a
+    lost peer: both read as transient), and the step does not retry it."""
+    from pipeline.step import transient
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    refusal = (
+        "error: Slurm requeued job 4242 3 times after node failures without a new checkpoint "
+        "(launch.slurm.max_node_requeues is 2): not training again; check the nodes (sinfo -R) and the log, "
+        "then rerun the stage"
+    )
+    (tmp_path / "slurm-4242.log").write_text(
+        "[launch] job 4242 (restart 0) on 2 node(s) node-[1-2]; rendezvous node-1:29500\n"
+        "[rank1]: error: stopped on SIGTERM after saving step 7 (trainers/rank_signals.py)\n"
+        "[rank0]: RuntimeError: Connection reset by peer [node-2]:45735\n"
+        "[launch] job 4242 (restart 3) on 2 node(s) node-[1-2]; rendezvous node-1:29500\n"
+        f"{refusal}\n"
+    )
+    fake = FakeSlurm(tmp_path, ["FAILED"], exit_code="1:0")
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert err.value.cause.startswith(f"Slurm job 4242 exited with code 1 ({refusal[len('error: ') :]})")
+    assert not transient(err.value) and err.value.first_error == refusal[len("error: ") :]
+
+
 class ManyNodesFailSlurm:
     """Slurm whose job 4242 ran on node-[1-4] and ended NODE_FAIL with no srun line in its log:
     node-2 is down and not responding, node-3 drained by a health check, node-1 and node-4
