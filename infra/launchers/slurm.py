@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from infra import manifest
 from infra.launchers.base import (
     LAUNCHERS,
     FailureFacts,
@@ -334,7 +335,9 @@ class SlurmLauncher(Launcher):
         return [
             f"requeues={launch_dir}/requeues-$SLURM_JOB_ID  # this job's planned stops and node-failure count",
             "restart=${SLURM_RESTART_COUNT:-0}",
-            f"newest=$(ls -1d {shlex.quote(str(checkpoints))}/step_* 2>/dev/null | sort | tail -n 1)",
+            # the newest complete checkpoint (its marker is written last: infra/manifest.py)
+            f"newest=$(ls -1 {shlex.quote(str(checkpoints))}/step_*/{manifest.MARKER} 2>/dev/null | sort | tail -n 1)",
+            f'newest="${{newest%/{manifest.MARKER}}}"',
             'if [ "$restart" -gt 0 ] && ! grep -qx "planned $((restart - 1))" "$requeues" 2>/dev/null; then',
             '  count=0; since=""',
             '  if [ -f "$requeues.count" ]; then read -r count since < "$requeues.count" || true; fi',

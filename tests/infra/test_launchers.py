@@ -1504,7 +1504,13 @@ def test_slurms_own_requeues_after_node_failures_are_bounded_unless_a_checkpoint
         start = _batch_start(script, bin_dir, restart)
         assert start.returncode == 1 and ran() == restart + 1, start.stdout + start.stderr
     assert "by itself (restart 2: a node failure), 2 time(s) since checkpoint none; at most 2" in start.stdout
-    (out / "checkpoints" / "step_00000040").mkdir(parents=True)  # progress: the count starts over
+    (out / "checkpoints" / "step_00000040").mkdir(parents=True)  # a save under way: no progress yet
+    start = _batch_start(script, bin_dir, 3)
+    assert start.returncode == 1 and ran() == 3, start.stdout + start.stderr  # srun did not run
+    assert "not training again" in start.stderr  # 3 > 2 without a complete checkpoint: refused
+    # the same start again once that checkpoint is complete (its marker written last): progress,
+    # so the count starts over
+    (out / "checkpoints" / "step_00000040" / "_CHECKPOINT.json").write_text("{}")
     start = _batch_start(script, bin_dir, 3)
     assert ran() == 4 and "1 time(s) since checkpoint" in start.stdout, start.stdout + start.stderr
     # the time limit's warning reaches the batch shell while srun runs (sent from outside it):
