@@ -566,6 +566,9 @@ class SlurmLauncher(Launcher):
                                 refused = m.group(1)
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
+                        if state in NODE_LOST and settling == 0:  # seen before it is pending again:
+                            # the nodes Slurm holds down, when srun's log names none (or not all)
+                            lost_nodes += [n for n, _ in self.failed_nodes(job) if n not in lost_nodes]
                         settling += 1  # Slurm puts it back in the queue right after: keep following
                     elif state in DONE or state in FAILED:
                         break

@@ -1648,6 +1648,22 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_
     assert lines[-1] == "[launch] Slurm job 4242 completed" and excluded_nodes(tmp_path) == ["node-2"]
 
 
+def test_a_requeue_seen_at_node_fail_with_no_srun_line_is_kept_off_the_down_node(tmp_path):
+    """The follower catches the job in NODE_FAIL before Slurm puts it back in the queue, and the
+    job's log has no srun line: the down node of the allocation (sinfo) is kept off the pending
+    job all the same, the healthy one is not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    slurm = NodeFailSlurm(["RUNNING", "NODE_FAIL", "PENDING", "RUNNING", "COMPLETED"], requeue=True)
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert [c for c in slurm.calls if c[:2] == ["scontrol", "update"]] == [
+        ["scontrol", "update", "JobId=4242", "ExcNodeList=node-2"]
+    ]
+    assert lines[-1] == "[launch] Slurm job 4242 completed" and excluded_nodes(tmp_path) == ["node-2"]
+
+
 def test_kubernetes_keeps_the_next_attempts_pods_off_the_frozen_ranks_node(tmp_path):
     ws = tmp_path
     spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
