@@ -482,11 +482,21 @@ def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local
     launcher = get_launcher(config(max_node_requeues=0).model_copy(update={"max_excluded_nodes": 0}))
     node = the_node()
     thread, lines, errors = launch_in_thread(launcher, spec, out)
+
+    def pending() -> bool:
+        return any(
+            "JobState=PENDING"
+            in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+            for job in jobs_writing(out)
+        )
+
     try:
         wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
         assert thread.is_alive(), (errors, lines[-60:])
+        set_node_down(node)
+        wait_for(pending, 120, "Slurm's requeue of the job")
+        bring_node_back(node, spec)  # the only node back in service, for the requeued start
         with requeue_without_delay(out):
-            set_node_down(node)
             wait_for(lambda: not thread.is_alive(), 240, "the refused restart")
     finally:
         bring_node_back(node, spec)
