@@ -130,13 +130,25 @@ class FailureFacts:
     lost: str | None = None  # the peer or rendezvous store a survivor lost (infra/launchers/peers.py)
     hung: str | None = None  # the first hang report (`describe_hang`): the launch was ended as hung
     node: str | None = None  # the node to blame (`suspect_node`): a frozen or hung rank's, a lost peer's
+    # further nodes the scheduler says the job lost (a Slurm NODE_FAIL of several nodes, pods lost
+    # with their nodes): excluded with `node`
+    more_nodes: tuple[str, ...] = ()
+    # what the scheduler said of the lost node(s), one clause: "node node-2 failed (Slurm: down*, Not
+    # responding)", "pod job-worker-1 lost with its node ip-10-1-2-3 (DisruptionTarget: DeletionByTaintManager)"
+    node_lost: str | None = None
     excluded: tuple[str, ...] = ()  # the nodes the stage's next attempt keeps away from (infra/launchers/exclude.py)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node this failure blames, `node` first."""
+        return tuple(dict.fromkeys(n for n in (self.node, *self.more_nodes) if n))
 
     @property
     def external(self) -> bool:
         """The job ended for a reason outside the trainer's code and data: a stop signal it
-        checkpointed on, or a lost peer (a dead node, a failed network). A retry resumes."""
-        return self.exitcode == EXIT_STOPPED or self.lost is not None
+        checkpointed on, a lost peer (a dead node, a failed network), or a node the scheduler says
+        the job lost. A retry resumes."""
+        return self.exitcode == EXIT_STOPPED or self.lost is not None or self.node_lost is not None
 
     def cause(self) -> str:
         """One sentence: who died how, where, and what a retry does."""
@@ -157,7 +169,9 @@ class FailureFacts:
             how += f" ({self.error})"
         elif self.state and self.state.upper() != "FAILED" and not how.startswith("ended"):
             how += f" (job state {self.state})"  # NODE_FAIL, TIMEOUT, PREEMPTED say more
-        if self.node and self.state and self.state.upper() in ("NODE_FAIL", "BOOT_FAIL"):
+        if self.node_lost:
+            how += f", {self.node_lost}"  # the scheduler's own word on the node(s) it lost
+        elif self.node and self.state and self.state.upper() in ("NODE_FAIL", "BOOT_FAIL"):
             how += f", node {self.node} failed"  # the node the scheduler took out of service
         if self.lost:
             how += f", having lost {self.lost}: that node died or its network failed (its own log says which)"
@@ -394,6 +408,10 @@ class SlurmLaunchConfig(BaseModel):
     mem: ShellWord | None = None  # memory per node ("0" = all of it); None = the stage plan's (HostNeeds)
     exclusive: bool = True  # whole nodes: training shares nothing well
     requeue: bool = True  # let Slurm requeue on node failure/preemption; the trainer resumes (False: --no-requeue)
+    # Slurm's own requeues of a job after node failures with no newer checkpoint in between, before
+    # its script refuses to train again and the step fails (slurm.py `_requeue_budget`); the time
+    # limit's and preemption's requeues lose no step and are not counted
+    max_node_requeues: int = Field(default=3, ge=0)
     signal_s: int = Field(default=300, gt=0)  # SIGUSR1 this long before the time limit: save, then requeue
     controller_grace_s: float = Field(default=600.0, gt=0)  # keep following while slurmctld does not answer
     setup: tuple[OneLine, ...] = ()  # shell lines before srun (module load, source venv/bin/activate)

@@ -1,9 +1,11 @@
 """Nodes a training stage's next attempts keep away from, after failures that named them.
 
 When a cluster launch fails and its failure names a node (`FailureFacts.node`: the host of the
-rank whose heartbeat stopped, of the rank that hung, or of the peer a survivor lost), the node is
-added to `{stage folder}/launch/excluded_nodes.json` (written atomically), with the failure's cause
-and time. Every later render of the stage reads it: Slurm puts `#SBATCH --exclude=a,b` in the
+rank whose heartbeat stopped, of the rank that hung, or of the peer a survivor lost; with
+`FailureFacts.more_nodes`, every node the scheduler says the job lost: Slurm's down nodes of a
+NODE_FAIL, the nodes Kubernetes lost pods with), each is added to
+`{stage folder}/launch/excluded_nodes.json` (written atomically), with the failure's cause and
+time. Every later render of the stage reads it: Slurm puts `#SBATCH --exclude=a,b` in the
 script, Kubernetes a required node anti-affinity (`kubernetes.io/hostname NotIn [a, b]`) in every
 pod of the PyTorchJob. The list grows over the stage's attempts (a Prefect retry, a flow-run
 retry, a rerun: the folder is the stage's), up to `launch.max_excluded_nodes`: past it, a further
@@ -32,12 +34,14 @@ def excluded_nodes(workdir: Path) -> list[str]:
 
 
 def exclude_node(workdir: Path, facts: FailureFacts, limit: int, log: Callable[[str], None] = print) -> FailureFacts:
-    """Add the node `facts` blames to the stage's excluded nodes (unless already there, or the
-    stage already excludes `limit` nodes: then the log says it is not); `facts` with `excluded`
-    set to every node the next attempt excludes, so that its cause (and the lineage row) says so."""
+    """Add the nodes `facts` blames (`FailureFacts.nodes`) to the stage's excluded nodes (each
+    unless already there, or the stage already excludes `limit` nodes: then the log says it is
+    not); `facts` with `excluded` set to every node the next attempt excludes, so that its cause
+    (and the lineage row) says so."""
     nodes = excluded_nodes(workdir)
-    node = facts.node
-    if node is not None and node not in nodes:
+    for node in facts.nodes:
+        if node in nodes:
+            continue
         if len(nodes) >= limit:
             log(
                 f"[launch] WARNING: not excluding node {node} from the next attempt: the stage already "
@@ -45,15 +49,15 @@ def exclude_node(workdir: Path, facts: FailureFacts, limit: int, log: Callable[[
                 f"{limit}; excluding more could leave the job unschedulable. Check the nodes, then delete "
                 f"{Path(workdir) / EXCLUDED_FILE} or raise the limit"
             )
-        else:
-            path = Path(workdir) / EXCLUDED_FILE
-            record = read_json(path)
-            causes = record.get("causes") if isinstance(record, dict) else None
-            causes = [
-                *(causes if isinstance(causes, list) else []),
-                {"node": node, "cause": facts.cause(), "time": time.time()},
-            ]
-            nodes.append(node)
-            write_json_atomic(path, {"nodes": nodes, "causes": causes})
-            log(f"[launch] node {node} is excluded from the stage's next attempts (all excluded: {', '.join(nodes)})")
+            continue
+        path = Path(workdir) / EXCLUDED_FILE
+        record = read_json(path)
+        causes = record.get("causes") if isinstance(record, dict) else None
+        causes = [
+            *(causes if isinstance(causes, list) else []),
+            {"node": node, "cause": facts.cause(), "time": time.time()},
+        ]
+        nodes.append(node)
+        write_json_atomic(path, {"nodes": nodes, "causes": causes})
+        log(f"[launch] node {node} is excluded from the stage's next attempts (all excluded: {', '.join(nodes)})")
     return replace(facts, excluded=tuple(nodes)) if nodes else facts

@@ -40,7 +40,13 @@ it runs the same manifest and spec and it has not failed, this launch re-attache
 its end, applies nothing); otherwise it is deleted (foreground: its pods first) and the new one
 applied (`kubectl apply -f -`: the manifest rendered in memory goes on stdin, so a copy of
 `launch/pytorchjob.yaml` swapped after it was written is never what is applied). It refuses
-while the recorded owner is still alive on this host. Only an explicit
+while the recorded owner is still alive on this host.
+
+While it waits, the launcher watches the job's pods (`LostPods`): a pod lost with its node (the
+pod's own DisruptionTarget, NodeLost or node-shutdown status, or a failed, stuck or vanished pod
+whose Node is NotReady or gone) names that node (its `spec.nodeName`), which is excluded from the
+stage's next attempts at once (infra/launchers/exclude.py) and named in a failed job's cause; a pod
+that failed from its own code on a Ready node names none. Only an explicit
 cancellation (Ctrl-C, a cancelled Prefect run: infra/launchers/follow.py) deletes a job being
 waited for.
 """
@@ -55,6 +61,7 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,7 @@ import yaml
 from infra.launchers.base import (
     LAUNCHERS,
     NODE_ENV,
+    FailureFacts,
     FirstError,
     JobRecord,
     Launcher,
@@ -74,6 +82,7 @@ from infra.launchers.base import (
     check_spec,
     failure_facts,
     launch_digest,
+    stage_progress,
 )
 from infra.launchers.exclude import exclude_node, excluded_nodes
 from infra.launchers.fabric import launch_env, torchrun_flags
@@ -82,10 +91,142 @@ from infra.launchers.peers import LostPeer
 
 Runner = Callable[..., subprocess.CompletedProcess]  # runner(cmd) or runner(cmd, input=text)
 RECORD = "kubernetes-job.json"  # launch/kubernetes-job.json (base.py JobRecord)
+JOB_LABEL = "training.kubeflow.org/job-name"  # the training operator's label on every pod of a job
+
+# Kubernetes' own words for a pod lost with its node, not to its code
+# (kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions): the
+# DisruptionTarget reasons of a pod deleted for its node (the taint manager's NoExecute eviction
+# from a not-ready or unreachable node; pod garbage collection of a pod whose Node object is gone),
+# and the pod `status.reason`s of a node lost or shutting down (the node controller's NodeLost; the
+# kubelet's graceful node shutdown, Terminated, Shutdown before 1.22; NodeShutdown: refused by a
+# node shutting down). TerminationByKubelet alone is not one: node-pressure eviction sets it too,
+# and a pod's own memory can cause that.
+NODE_DISRUPTIONS = ("DeletionByTaintManager", "DeletionByPodGC")
+NODE_POD_REASONS = ("NodeLost", "Terminated", "Shutdown", "NodeShutdown")
+# the taints the node lifecycle controller puts on a node whose kubelet stopped reporting
+NOT_READY_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
 
 def _run(cmd: Sequence[str], input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), input=input, capture_output=True, text=True, timeout=120)
+
+
+def _said(what: str, message: object) -> str:
+    text = " ".join(str(message or "").split())[:200]
+    return f"{what}: {text}" if text else what
+
+
+def pod_lost_with_node(pod: dict) -> str | None:
+    """What a pod's own status says of losing its node (`DisruptionTarget DeletionByTaintManager:
+    Taint manager: deleting due to NoExecute taint`); None when it says nothing of the kind."""
+    status = pod.get("status") if isinstance(pod.get("status"), dict) else {}
+    for cond in status.get("conditions") or ():
+        if (
+            isinstance(cond, dict)
+            and cond.get("type") == "DisruptionTarget"
+            and cond.get("status") == "True"
+            and cond.get("reason") in NODE_DISRUPTIONS
+        ):
+            return _said(f"DisruptionTarget {cond['reason']}", cond.get("message"))
+    if status.get("reason") in NODE_POD_REASONS:
+        return _said(str(status["reason"]), status.get("message"))
+    return None
+
+
+def node_out_of_service(node: dict) -> str | None:
+    """What a Node object says of being out of service (`NotReady (NodeStatusUnknown: Kubelet
+    stopped posting node status.)`, or a not-ready/unreachable taint); None when it is Ready."""
+    status = node.get("status") if isinstance(node.get("status"), dict) else {}
+    ready = next((c for c in status.get("conditions") or () if isinstance(c, dict) and c.get("type") == "Ready"), None)
+    if ready is not None and ready.get("status") != "True":
+        why = ready.get("reason") or f"Ready={ready.get('status')}"
+        return f"NotReady ({_said(str(why), ready.get('message'))})"
+    spec = node.get("spec") if isinstance(node.get("spec"), dict) else {}
+    for taint in spec.get("taints") or ():
+        if isinstance(taint, dict) and taint.get("key") in NOT_READY_TAINTS:
+            return f"tainted {taint['key']}:{taint.get('effect', '')}"
+    return None
+
+
+class LostPods:
+    """Follows the pods of one PyTorchJob over the polls and names the nodes it lost pods with.
+
+    Each poll lists the job's pods (`kubectl get pods -l training.kubeflow.org/job-name=NAME`) and
+    remembers each pod's node (`spec.nodeName`). A pod is lost with its node when its own status
+    says so (`pod_lost_with_node`), or when it failed, is stuck terminating, is phase Unknown,
+    vanished (deleted, or replaced by the operator) or, once the job failed, did not succeed, and
+    its node is out of service (`node_out_of_service`, `kubectl get node`; a node object that is
+    gone counts). A pod that failed from its own code on a Ready node names no node. A failed or vanished pod is judged
+    once; one stuck terminating or Unknown again at every poll (the node controller marks a node
+    NotReady about 40 s after its kubelet stops reporting). `lost`: node -> what was seen, in
+    the order found."""
+
+    def __init__(self, kubectl: Callable[..., subprocess.CompletedProcess], name: str, namespace: str):
+        self.kubectl, self.name, self.namespace = kubectl, name, namespace
+        self.pods: dict[str, tuple[str, str]] = {}  # uid -> (pod name, node) of every pod seen placed
+        self.judged: set[str] = set()  # uids whose fate is settled
+        self.lost: dict[str, str] = {}
+
+    def poll(self, final: bool = False) -> list[str]:
+        """Look at the job's pods once; the nodes found lost in this poll. `final` (the job
+        failed): every placed pod that did not succeed has its node looked at too, since a node
+        that died less than the taint manager's 300 s before leaves its pod Running, unmarked."""
+        proc = self.kubectl("get", "pods", "-n", self.namespace, "-l", f"{JOB_LABEL}={self.name}", "-o", "json")
+        if proc.returncode != 0:
+            return []  # the API did not answer: the next poll looks again
+        try:
+            items = json.loads(proc.stdout or "{}").get("items")
+        except (ValueError, AttributeError):
+            return []
+        pods = [p for p in items if isinstance(p, dict)] if isinstance(items, list) else []
+        nodes: dict[str, str | None] = {}  # this poll's node answers
+        found: list[str] = []
+        present: set[str] = set()
+        for pod in pods:
+            meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}
+            spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+            uid, name, node = str(meta.get("uid") or meta.get("name")), str(meta.get("name")), spec.get("nodeName")
+            if not isinstance(node, str) or not node:
+                continue  # not placed yet
+            present.add(uid)
+            self.pods[uid] = (name, node)
+            if uid in self.judged or node in self.lost:
+                continue
+            why = pod_lost_with_node(pod)
+            phase = (pod.get("status") or {}).get("phase") if isinstance(pod.get("status"), dict) else None
+            stuck = bool(meta.get("deletionTimestamp")) or phase == "Unknown"
+            if why is None and (stuck or phase == "Failed" or (final and phase != "Succeeded")):
+                why = self._node(node, nodes)
+                if phase == "Failed" and not stuck:
+                    self.judged.add(uid)  # its end is written: judged once
+            if why is not None:
+                self.judged.add(uid)
+                found.append(self._lose(name, node, why))
+        for uid, (name, node) in self.pods.items():
+            if uid in present or uid in self.judged:
+                continue
+            self.judged.add(uid)  # vanished: deleted, or replaced by the operator
+            if node not in self.lost and (why := self._node(node, nodes)) is not None:
+                found.append(self._lose(name, node, why))
+        return found
+
+    def _lose(self, pod: str, node: str, why: str) -> str:
+        self.lost[node] = f"pod {pod} lost with its node {node} ({why})"
+        return node
+
+    def _node(self, node: str, seen: dict[str, str | None]) -> str | None:
+        """Why `node` is out of service (None: Ready, or the API did not say)."""
+        if node not in seen:
+            proc = self.kubectl("get", "node", node, "-o", "json")
+            if proc.returncode != 0:
+                gone = "NotFound" in (proc.stderr or "") or "not found" in (proc.stderr or "")
+                seen[node] = "node object gone (NotFound)" if gone else None
+            else:
+                try:
+                    seen[node] = node_out_of_service(json.loads(proc.stdout or "{}"))
+                except (ValueError, AttributeError):
+                    seen[node] = None
+        return seen[node]
 
 
 @LAUNCHERS.register("kubernetes")
@@ -228,6 +369,21 @@ class KubernetesLauncher(Launcher):
         """Elastic restarts; not with accelerate, which takes a static machine rank and address."""
         return self.config.kubernetes.restart == "elastic" and not self.config.accelerate_config
 
+    def _exclude_lost(self, pods: LostPods, spec_path: Path, workdir: Path, log: LogFn, final: bool = False) -> None:
+        """Look at the job's pods; a node it lost a pod with is excluded at once from the stage's
+        next attempts (an elastic job may go on without it: its pod is recreated elsewhere)."""
+        for node in pods.poll(final):
+            log(f"[launch] {pods.lost[node]}")
+            last_step, checkpoint_step = stage_progress(spec_path, workdir)
+            facts = FailureFacts(
+                who=f"PyTorchJob {pods.name}",
+                node=node,
+                node_lost=pods.lost[node],
+                last_step=last_step,
+                checkpoint_step=checkpoint_step,
+            )
+            exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
+
     def leader_pod(self, name: str) -> str:
         """The pod whose log holds rank 0's lines (and the rendezvous store)."""
         return f"{name}-worker-0" if self.elastic else f"{name}-master-0"
@@ -317,9 +473,11 @@ class KubernetesLauncher(Launcher):
         if on_start is not None:
             on_start(0)
         delete = ("delete", "pytorchjob", name, "-n", ns, "--wait=false")
+        pods = LostPods(self._kubectl, name, ns)
         with following(f"PyTorchJob {ns}/{name}", lambda: self._kubectl(*delete)) as handle:
             try:
                 while (state := self.status(name)) not in {"Succeeded", "Failed"}:
+                    self._exclude_lost(pods, spec_path, workdir, log)
                     self.sleep(self.config.kubernetes.poll_seconds)
                     handle.check()
             except BaseException as exc:
@@ -342,7 +500,12 @@ class KubernetesLauncher(Launcher):
             lost.feed(line)
             log(line)
         if state != "Succeeded":
+            self._exclude_lost(pods, spec_path, workdir, log, final=True)  # what the failed job's pods say last
             facts = failure_facts(spec_path, workdir, summary, first, who=f"PyTorchJob {name}", state=state, lost=lost)
+            if pods.lost:  # nodes the job lost pods with: the first is blamed unless a hang named one
+                blamed = facts.node or next(iter(pods.lost))
+                more = tuple(n for n in pods.lost if n != blamed)
+                facts = replace(facts, node=blamed, more_nodes=more, node_lost="; ".join(pods.lost.values()))
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(
                 f"PyTorchJob {ns}/{name} failed; see "

@@ -16,7 +16,9 @@ gets to the ranks, and every rank finishes its step, saves it and exits. The scr
 srun, then requeues the job (`scontrol requeue`) after the time-limit warning or once preemption
 has begun (a preempted job that ends by itself within GraceTime would otherwise count as ended),
 unless the stage finished in this run. Every start runs the same spec and resumes from the newest
-complete checkpoint, which is now the step the signal came at.
+complete checkpoint, which is now the step the signal came at. Slurm's own requeues after node
+failures, which Slurm does not bound, are counted by the script since the newest checkpoint and
+refused past `slurm.max_node_requeues` (`_requeue_budget`).
 
 `launch` submits with `sbatch --parsable --comment=TAG`, the script on stdin (the bytes rendered
 in memory, not a file someone could swap before sbatch reads it; `launch/train.sbatch` is written
@@ -54,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from infra import manifest
 from infra.launchers.base import (
     LAUNCHERS,
     FailureFacts,
@@ -69,6 +72,7 @@ from infra.launchers.base import (
     failure_facts,
     launch_digest,
     stage_dir,
+    stage_progress,
 )
 from infra.launchers.exclude import exclude_node, excluded_nodes
 from infra.launchers.fabric import launch_env, torchrun_flags
@@ -96,7 +100,7 @@ FAILED = {
 }
 # End states a requeueable job (--requeue) passes through on its way back to PENDING.
 REQUEUED_FROM = {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
-# Job states that mean a node of the allocation failed (the node is found with `failed_node`).
+# Job states that mean a node of the allocation failed (the nodes are found with `failed_nodes`).
 NODE_LOST = {"NODE_FAIL", "BOOT_FAIL"}
 # `sinfo %t` states of a node Slurm took out of service (a trailing `*`: not responding).
 NODE_DOWN = {"down", "drain", "drng", "fail", "failg"}
@@ -114,6 +118,8 @@ _JOB_ID = re.compile(r"[1-9][0-9]{0,9}")  # Slurm job ids are 32-bit unsigned in
 _COMMENT = re.compile(r"(?:^|\s)Comment=(\S*)")
 _NODE_LIST = re.compile(r"(?:^|\s)NodeList=(\S+)")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")  # srun's line when a node of the job fails
+# the batch script's refusal past launch.slurm.max_node_requeues (`_requeue_budget`)
+_REFUSED = re.compile(r"^error: (Slurm requeued job \d+ \d+ times after node failures .*)$")
 _CLUSTER_NAME = re.compile(r"^ClusterName\s*=\s*(\S+)\s*$", re.MULTILINE)  # `scontrol show config`
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what slurm.conf's ClusterName may be
 
@@ -241,6 +247,10 @@ class SlurmLauncher(Launcher):
             f"MASTER_PORT={port}",
             'echo "[launch] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
             '$SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST; rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        ]
+        if s.requeue:
+            lines += self._requeue_budget(workdir, _out_dir(spec, workdir) / "checkpoints")
+        lines += [
             # Stop signals (trainers/rank_signals.py): every rank finishes its step, saves it and exits
             # 75; this script waits for srun to end. Preemption and scancel signal the job's
             # processes themselves (SIGTERM); the time-limit warning (--signal=B:USR1) reaches
@@ -249,6 +259,16 @@ class SlurmLauncher(Launcher):
             "forward() {",
             '  stop=$1; echo "[launch] $1: the ranks finish their step and save it '
             f'(torchrun waits {c.rendezvous.stop_grace_s}s for them)"',
+            *(
+                [
+                    "  # the time limit's warning or a preemption: the requeue that follows loses no step,",
+                    "  # it is not one of Slurm's own requeues after a node failure (the budget above)",
+                    '  if [ "$1" = USR1 ] || scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "PreemptTime=[0-9]"; '
+                    'then echo "planned $restart" >> "$requeues"; fi',
+                ]
+                if s.requeue
+                else []
+            ),
             '  scancel --signal=USR1 "$SLURM_JOB_ID" 2>/dev/null || true  # every step of the job, not this shell',
             "}",
             "trap 'forward USR1' USR1",
@@ -297,6 +317,43 @@ class SlurmLauncher(Launcher):
             ]
         lines += ["exit $rc", ""]
         return "\n".join(lines)
+
+    def _requeue_budget(self, workdir: Path, checkpoints: Path) -> list[str]:
+        """Script lines bounding Slurm's own requeues of the job after node failures.
+
+        Slurm requeues a `--requeue` job whose node failed at once and without bound (its
+        `MaxBatchRequeue` counts batch launch failures, not these; docs/scale.md), and no step
+        retry sees it. Each start reads `SLURM_RESTART_COUNT`: a restart that did not follow a
+        planned stop (the time limit's warning, a preemption: `forward` writes `planned N` when
+        restart N gets one) was Slurm's own, after a node failure, and is counted, the count
+        starting over whenever the stage saved a newer checkpoint in between (a month with a
+        few node failures spread over it never reaches the budget; a storm of them without
+        progress does). Past `slurm.max_node_requeues` the script refuses to train again: the job
+        fails with an `error:` line, which the step does not retry (not transient)."""
+        n = self.config.slurm.max_node_requeues
+        launch_dir = shlex.quote(str(workdir / "launch"))
+        return [
+            f"requeues={launch_dir}/requeues-$SLURM_JOB_ID  # this job's planned stops and node-failure count",
+            "restart=${SLURM_RESTART_COUNT:-0}",
+            # the newest complete checkpoint (its marker is written last: infra/manifest.py)
+            f"newest=$(ls -1 {shlex.quote(str(checkpoints))}/step_*/{manifest.MARKER} 2>/dev/null | sort | tail -n 1)",
+            f'newest="${{newest%/{manifest.MARKER}}}"',
+            'if [ "$restart" -gt 0 ] && ! grep -qx "planned $((restart - 1))" "$requeues" 2>/dev/null; then',
+            '  count=0; since=""',
+            '  if [ -f "$requeues.count" ]; then read -r count since < "$requeues.count" || true; fi',
+            '  if [ "$newest" != "$since" ]; then count=0; fi  # a newer checkpoint since: the count starts over',
+            "  count=$((count + 1))",
+            '  echo "$count $newest" > "$requeues.count"',
+            '  echo "[launch] Slurm requeued job $SLURM_JOB_ID by itself (restart $restart: a node failure), '
+            f'$count time(s) since checkpoint ${{newest:-none}}; at most {n} (launch.slurm.max_node_requeues)"',
+            f'  if [ "$count" -gt {n} ]; then',
+            '    echo "error: Slurm requeued job $SLURM_JOB_ID $count times after node failures without a new '
+            f"checkpoint (launch.slurm.max_node_requeues is {n}): not training again; check the nodes "
+            '(sinfo -R) and the log, then rerun the stage" >&2',
+            "    exit 1",
+            "  fi",
+            "fi",
+        ]
 
     # -- submission and monitoring --
 
@@ -476,6 +533,7 @@ class SlurmLauncher(Launcher):
         first, summary, lost = FirstError(), TorchrunSummary(), LostPeer()
         partial, unanswered, settling = "", None, 0
         lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
+        refused: str | None = None  # the script's refusal past the node-failure requeue budget
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -504,8 +562,13 @@ class SlurmLauncher(Launcher):
                             lost.feed(line)
                             if (failed := _NODE_FAILURE.search(line)) and failed.group(1) not in lost_nodes:
                                 lost_nodes.append(failed.group(1))
+                            if m := _REFUSED.match(line.strip()):
+                                refused = m.group(1)
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
+                        if state in NODE_LOST and settling == 0:  # seen before it is pending again:
+                            # the nodes Slurm holds down, when srun's log names none (or not all)
+                            lost_nodes += [n for n, _ in self.failed_nodes(job) if n not in lost_nodes]
                         settling += 1  # Slurm puts it back in the queue right after: keep following
                     elif state in DONE or state in FAILED:
                         break
@@ -525,6 +588,19 @@ class SlurmLauncher(Launcher):
         if partial:
             tail.append(partial)
             log(partial)
+        if state not in DONE and refused is not None:
+            # The script refused to train again: this, not what the killed starts before it
+            # printed (a stop signal, a lost peer), is how the job ended; not retried.
+            last_step, checkpoint_step = stage_progress(spec_path, workdir)
+            facts = FailureFacts(
+                who=f"Slurm job {job}",
+                exitcode=1,
+                error=refused,
+                state=state,
+                last_step=last_step,
+                checkpoint_step=checkpoint_step,
+            )
+            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, refused, facts)
         if state not in DONE:
             rc, _, sig = code.partition(":")  # Slurm's ExitCode is "code:signal"
             facts = failure_facts(
@@ -538,8 +614,8 @@ class SlurmLauncher(Launcher):
                 signal_name=_signal_name(sig),
                 lost=lost,
             )
-            if state in NODE_LOST and facts.node is None:  # the job's log or Slurm's node states name it
-                facts = replace(facts, node=lost_nodes[-1] if lost_nodes else self.failed_node(job))
+            if state in NODE_LOST and facts.node is None:  # the job's log and Slurm's node states name them
+                facts = self._lost_nodes(job, facts, lost_nodes)
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
             raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
@@ -559,12 +635,14 @@ class SlurmLauncher(Launcher):
                 f"`squeue -j {job}`, then delete the record"
             )
 
-    def failed_node(self, job: str) -> str | None:
-        """The node a job ended NODE_FAIL (or BOOT_FAIL) on: the first node of its allocation
-        (`scontrol show job` NodeList, else accounting's `sacct -o NodeList`) that Slurm now holds
-        down, drained, failing or not responding (`sinfo -N -o "%N %t"`), else the job's only
-        node. None when Slurm names none (a node of several came back, or the site keeps no
-        accounting for a purged job)."""
+    def failed_nodes(self, job: str) -> list[tuple[str, str | None]]:
+        """The nodes a job ended NODE_FAIL (or BOOT_FAIL) on, each with what Slurm says of it:
+        every node of its allocation (`scontrol show job` NodeList, else accounting's `sacct -o
+        NodeList`) that Slurm now holds down, drained, failing or not responding (`sinfo -N -o
+        "%N %t %E"`: `("node-2", "Slurm: down*, Not responding")`); the healthy nodes of the
+        allocation are not among them. When none is (a node that rebooted and registered is back
+        in service), a one-node job's node with no word (it can only have lost that one); [] when
+        Slurm names none (several nodes all back, or a purged job on a site without accounting)."""
         proc = self.runner(["scontrol", "show", "job", "-o", job])
         found = _NODE_LIST.search(proc.stdout or "") if proc.returncode == 0 else None
         nodes = found.group(1) if found else None
@@ -573,16 +651,39 @@ class SlurmLauncher(Launcher):
             lines = (acct.stdout or "").split() if acct.returncode == 0 else []
             nodes = lines[0] if lines else None
         if not nodes or nodes in ("(null)", "None"):
-            return None
-        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t"])
+            return []
+        info = self.runner(["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %t %E"])
+        down: dict[str, str] = {}  # sinfo -N lists a node once per partition: once here
         for line in (info.stdout or "").splitlines() if info.returncode == 0 else []:
-            name, _, state = line.strip().partition(" ")
-            state = state.strip().lower()
-            if name and (state.endswith("*") or state.rstrip("~#!%$@^-") in NODE_DOWN):
-                return name
+            name, state, reason = (line.strip().split(None, 2) + ["", ""])[:3]
+            flags = state.lower()
+            if name and name not in down and (flags.endswith("*") or flags.rstrip("~#!%$@^-") in NODE_DOWN):
+                said = f"Slurm: {flags}" + (
+                    f", {' '.join(reason.split())[:120]}" if reason and reason != "none" else ""
+                )
+                down[name] = said
+        if down:
+            return list(down.items())
         # Back in service already (a node that rebooted and registered): a one-node job can only
         # have lost its one node; of several, Slurm no longer says which.
-        return nodes if re.fullmatch(r"[^\[\],]+", nodes) else None
+        return [(nodes, None)] if re.fullmatch(r"[^\[\],]+", nodes) else []
+
+    def _lost_nodes(self, job: str, facts: FailureFacts, logged: list[str]) -> FailureFacts:
+        """`facts` of a job that ended NODE_FAIL with every node it lost: those srun's log named
+        (`Node failure on X`, the last one blamed first) and those Slurm holds down; each with
+        Slurm's word on it when it has one."""
+        said = dict(self.failed_nodes(job))
+        for node in reversed(logged):
+            said.setdefault(node, "srun: Node failure")
+        if not said:
+            return facts
+        order = [*reversed(logged), *(n for n in said if n not in logged)]
+        words = [f"{n} ({said[n]})" if said[n] else n for n in order]
+        if len(order) == 1:
+            clause = f"node {order[0]} failed ({said[order[0]]})" if said[order[0]] else None  # None: "node X failed"
+        else:
+            clause = f"nodes {', '.join(words)} failed"
+        return replace(facts, node=order[0], more_nodes=tuple(order[1:]), node_lost=clause)
 
     def _exclude_in_place(self, job: str, failed: list[str], workdir: Path, log: LogFn) -> None:
         """Add the nodes a job Slurm requeued lost to the stage's excluded nodes, and keep the

@@ -28,7 +28,7 @@ from infra.launchers import (
     SlurmLaunchConfig,
     get_launcher,
 )
-from infra.launchers.base import FirstError, TorchrunSummary, failure_facts, free_port, launch_digest
+from infra.launchers.base import FailureFacts, FirstError, TorchrunSummary, failure_facts, free_port, launch_digest
 from infra.launchers.kubernetes import KubernetesLauncher
 from infra.launchers.local import LocalTorchrun
 from infra.launchers.slurm import SlurmLauncher, job_tag
@@ -724,12 +724,22 @@ def test_pytorchjob_manifest(tmp_path):
 
 
 class FakeKubectl:
-    """Answers kubectl like a cluster with the training operator would, for one PyTorchJob."""
+    """Answers kubectl like a cluster with the training operator would, for one PyTorchJob: its
+    conditions move on at each `get pytorchjob`, its pods (`pods`, one list per job poll, the last
+    one kept) with them; `nodes` are the cluster's Node objects by name (a name absent: NotFound)."""
 
-    def __init__(self, conditions: list[list[dict]], exists: bool = False):
+    def __init__(
+        self,
+        conditions: list[list[dict]],
+        exists: bool = False,
+        pods: list[list[dict]] | None = None,
+        nodes: dict[str, dict] | None = None,
+    ):
         self.conditions, self.exists = list(conditions), exists
+        self.pods, self.nodes = list(pods or [[]]), dict(nodes or {})
         self.calls: list[list[str]] = []
         self.manifests: list[str | None] = []  # what `apply -f -` read on stdin
+        self.polls = 0
 
     def __call__(self, cmd, input=None):
         self.calls.append(list(cmd))
@@ -741,7 +751,15 @@ class FakeKubectl:
             self.exists = True
         if cmd[1] == "delete":
             self.exists = False
+        if cmd[1:3] == ["get", "pods"]:
+            now = self.pods[min(self.polls, len(self.pods)) - 1] if self.polls else []
+            return done(json.dumps({"apiVersion": "v1", "kind": "List", "items": now, "metadata": {}}))
+        if cmd[1:3] == ["get", "node"]:
+            if cmd[3] not in self.nodes:
+                return done(returncode=1, stderr=f'Error from server (NotFound): nodes "{cmd[3]}" not found')
+            return done(json.dumps(self.nodes[cmd[3]]))
         if cmd[1] == "get":
+            self.polls += 1
             now = self.conditions.pop(0) if len(self.conditions) > 1 else self.conditions[0]
             return done(json.dumps({"status": {"conditions": now}}))
         if cmd[1] == "logs":
@@ -1415,7 +1433,7 @@ class NodeFailSlurm:
             )
         if cmd[0] == "sinfo":
             assert cmd[cmd.index("-n") + 1] == "node-[1-2]", cmd  # asked about the job's nodes only
-            return done("node-1 alloc\nnode-2 down*\n")
+            return done("node-1 alloc none\nnode-2 down* Not responding\n")  # -o "%N %t %E"
         return done()
 
 
@@ -1432,11 +1450,183 @@ def test_slurm_names_the_node_a_node_failure_lost_and_keeps_the_next_attempt_off
     with pytest.raises(LaunchFailed) as err:
         SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
     assert err.value.cause == (
-        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL), node node-2 failed after step 7 (no "
-        "checkpoint yet); a retry starts the stage over; the next attempt excludes node node-2"
+        "Slurm job 4242 killed by SIGKILL (job state NODE_FAIL), node node-2 failed (Slurm: down*, Not "
+        "responding) after step 7 (no checkpoint yet); a retry starts the stage over; the next attempt "
+        "excludes node node-2"
     )
     assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2"]
     assert "#SBATCH --exclude=node-2\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+
+
+def _batch_start(script: Path, bin_dir: Path, restart: int, srun: str = "exit 1") -> subprocess.CompletedProcess:
+    """One start of the rendered batch script as slurmd runs it (restart `restart` of job 77),
+    with Slurm's commands on PATH: `srun` runs `srun` (a shell body) and notes that it ran, the
+    others note their arguments."""
+    bin_dir.mkdir(exist_ok=True)
+    calls = bin_dir / "calls"
+    for name, body in {
+        "srun": f'echo "srun $SLURM_RESTART_COUNT" >> {calls}\n{srun}',
+        "scontrol": f'echo "scontrol $*" >> {calls}\n[ "$1 $2" = "show hostnames" ] && echo node-1\n'
+        '[ "$1 $2" = "show job" ] && echo "JobId=77 JobState=RUNNING PreemptTime=None"\nexit 0',
+        "scancel": f'echo "scancel $*" >> {calls}',
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "node-1",
+        "SLURM_RESTART_COUNT": str(restart),
+    }
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_slurms_own_requeues_after_node_failures_are_bounded_unless_a_checkpoint_came_between(tmp_path):
+    """The batch script counts the restarts Slurm made by itself (SLURM_RESTART_COUNT, no planned
+    stop before it: node failures) since the newest checkpoint: within launch.slurm.max_node_requeues
+    it trains, past it it refuses with an `error:` line (the step does not retry it); a newer
+    checkpoint starts the count over, and a restart after the time limit's warning (SIGUSR1 sent
+    to the batch shell from outside while srun runs) is not counted."""
+    from pipeline.step import transient
+
+    out = tmp_path / "stage"
+    spec = write_spec(out / "spec.json", tmp_path / "plan.json", out)
+    config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"max_node_requeues": 2})})
+    launcher = SlurmLauncher(config)
+    script = tmp_path / "train.sbatch"
+    script.write_text(launcher.render(spec, out))
+    (out / "launch").mkdir(parents=True, exist_ok=True)
+    bin_dir = tmp_path / "bin"
+    ran = lambda: (bin_dir / "calls").read_text().count("srun ")  # noqa: E731
+
+    for restart in (0, 1, 2):  # the first start, then two node-failure requeues: within the budget
+        start = _batch_start(script, bin_dir, restart)
+        assert start.returncode == 1 and ran() == restart + 1, start.stdout + start.stderr
+    assert "by itself (restart 2: a node failure), 2 time(s) since checkpoint none; at most 2" in start.stdout
+    (out / "checkpoints" / "step_00000040").mkdir(parents=True)  # a save under way: no progress yet
+    start = _batch_start(script, bin_dir, 3)
+    assert start.returncode == 1 and ran() == 3, start.stdout + start.stderr  # srun did not run
+    assert "not training again" in start.stderr  # 3 > 2 without a complete checkpoint: refused
+    # the same start again once that checkpoint is complete (its marker written last): progress,
+    # so the count starts over
+    (out / "checkpoints" / "step_00000040" / "_CHECKPOINT.json").write_text("{}")
+    start = _batch_start(script, bin_dir, 3)
+    assert ran() == 4 and "1 time(s) since checkpoint" in start.stdout, start.stdout + start.stderr
+    # the time limit's warning reaches the batch shell while srun runs (sent from outside it):
+    # a planned stop, so the requeue after it is not Slurm's own and the next start not counted
+    warned = _batch_start(script, bin_dir, 4, srun='kill -USR1 "$PPID"; sleep 1; exit 75')
+    assert "2 time(s) since checkpoint" in warned.stdout and ran() == 5, warned.stdout + warned.stderr
+    assert "[launch] time limit near: requeueing 77" in warned.stdout
+    assert "scontrol requeue 77" in (bin_dir / "calls").read_text()
+    after = _batch_start(script, bin_dir, 5)
+    assert "by itself" not in after.stdout and ran() == 6, after.stdout + after.stderr
+
+    refused = _batch_start(script, bin_dir, 6)  # a third node failure without a newer checkpoint
+    assert refused.returncode == 1 and ran() == 6, "srun ran past the budget"
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error: ")]
+    assert "requeued job 77 3 times after node failures without a new checkpoint" in line
+    assert "launch.slurm.max_node_requeues is 2" in line
+    first = FirstError()
+    first.feed(line)  # what the follower reads from the job log: a failure the step does not retry
+    facts = FailureFacts(exitcode=1, error=first.line, state="FAILED", who="Slurm job 77")
+    assert not transient(LaunchFailed("Slurm job 77 ended FAILED", [line], first.line, facts))
+
+
+def test_the_scripts_refusal_past_the_requeue_budget_is_the_cause_and_is_not_retried(tmp_path):
+    """The follower of a job whose script refused to train again (past max_node_requeues) names
+    that refusal, not what the starts Slurm killed before it printed (a rank stopped on SIGTERM, a
+    lost peer: both read as transient), and the step does not retry it."""
+    from pipeline.step import transient
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    refusal = (
+        "error: Slurm requeued job 4242 3 times after node failures without a new checkpoint "
+        "(launch.slurm.max_node_requeues is 2): not training again; check the nodes (sinfo -R) and the log, "
+        "then rerun the stage"
+    )
+    (tmp_path / "slurm-4242.log").write_text(
+        "[launch] job 4242 (restart 0) on 2 node(s) node-[1-2]; rendezvous node-1:29500\n"
+        "[rank1]: error: stopped on SIGTERM after saving step 7 (trainers/rank_signals.py)\n"
+        "[rank0]: RuntimeError: Connection reset by peer [node-2]:45735\n"
+        "[launch] job 4242 (restart 3) on 2 node(s) node-[1-2]; rendezvous node-1:29500\n"
+        f"{refusal}\n"
+    )
+    fake = FakeSlurm(tmp_path, ["FAILED"], exit_code="1:0")
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lambda _: None)
+    assert err.value.cause.startswith(f"Slurm job 4242 exited with code 1 ({refusal[len('error: ') :]})")
+    assert not transient(err.value) and err.value.first_error == refusal[len("error: ") :]
+
+
+class ManyNodesFailSlurm:
+    """Slurm whose job 4242 ran on node-[1-4] and ended NODE_FAIL with no srun line in its log:
+    node-2 is down and not responding, node-3 drained by a health check, node-1 and node-4
+    healthy (`sinfo -N` lists node-2 once per partition it is in). `purged`: slurmctld has
+    forgotten the job, accounting (sacct) still knows it."""
+
+    SINFO = (
+        "node-1 alloc none\n"
+        "node-2 down* Not responding\n"
+        "node-2 down* Not responding\n"
+        "node-3 drain GPU XID 79 on GPU 3 [root@2026-12-04T15:02:11]\n"
+        "node-4 idle none\n"
+    )
+
+    def __init__(self, purged: bool) -> None:
+        self.purged, self.states, self.comment = purged, ["RUNNING", "NODE_FAIL"], None
+        self.calls: list[list[str]] = []
+
+    def sleep(self, _seconds: float) -> None:
+        if len(self.states) > 1:
+            self.states.pop(0)
+
+    def __call__(self, cmd, input=None):
+        self.calls.append(list(cmd))
+        if list(cmd) == ["scontrol", "show", "config"]:
+            return done(SCONTROL_CONFIG.format(cluster="alpha"))
+        if cmd[0] == "sbatch":
+            self.comment = next((c.split("=", 1)[1] for c in cmd if c.startswith("--comment=")), None)
+            return done("4242\n")
+        if cmd[:3] == ["scontrol", "show", "job"]:
+            if self.purged and self.states[0] == "NODE_FAIL":
+                return done(returncode=1, stderr="slurm_load_jobs error: Invalid job id specified")
+            return done(
+                f"JobId=4242 JobState={self.states[0]} Reason=NodeDown ExitCode=0:0 Requeue=0 "
+                f"NodeList=node-[1-4] Comment={self.comment}\n"
+            )
+        if cmd[0] == "sacct":
+            field = cmd[cmd.index("-o") + 1]
+            return done({"State,ExitCode": "NODE_FAIL|0:0\n", "NodeList": "node-[1-4]\n"}.get(field, ""))
+        if cmd[0] == "sinfo":
+            assert cmd[cmd.index("-n") + 1] == "node-[1-4]", cmd  # asked about the job's nodes only
+            return done(self.SINFO)
+        return done()
+
+
+@pytest.mark.parametrize("purged", [False, True], ids=["scontrol", "sacct"])
+def test_a_node_failure_of_several_nodes_names_and_excludes_every_down_node_and_no_healthy_one(tmp_path, purged):
+    """NODE_FAIL on a 4-node job, no srun line: the launcher reads the allocation (scontrol, or
+    accounting once slurmctld forgot the job) and the nodes' states and reasons (sinfo -N), names
+    the two nodes that are down or drained with Slurm's reason for each, excludes both and not
+    the two healthy ones."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    slurm = ManyNodesFailSlurm(purged)
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert err.value.facts.nodes == ("node-2", "node-3")
+    assert (
+        "Slurm job 4242 ended NODE_FAIL, nodes node-2 (Slurm: down*, Not responding), node-3 (Slurm: drain, GPU "
+        "XID 79 on GPU 3 [root@2026-12-04T15:02:11]) failed before its first step" in err.value.cause
+    )
+    assert err.value.cause.endswith("; the next attempt excludes nodes node-2, node-3")
+    assert transient(err.value) and excluded_nodes(tmp_path) == ["node-2", "node-3"]
+    assert "#SBATCH --exclude=node-2,node-3\n" in SlurmLauncher(SLURM).render(spec, tmp_path)
+    assert any(c[0] == "sacct" and "NodeList" in c for c in slurm.calls) == purged
 
 
 def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_place(tmp_path):
@@ -1455,6 +1645,22 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node_in_
     updates = [c for c in slurm.calls if c[:2] == ["scontrol", "update"]]
     assert updates == [["scontrol", "update", "JobId=4242", "ExcNodeList=node-2"]]
     assert "[launch] Slurm requeued job 4242 in place; it now excludes node-2" in lines
+    assert lines[-1] == "[launch] Slurm job 4242 completed" and excluded_nodes(tmp_path) == ["node-2"]
+
+
+def test_a_requeue_seen_at_node_fail_with_no_srun_line_is_kept_off_the_down_node(tmp_path):
+    """The follower catches the job in NODE_FAIL before Slurm puts it back in the queue, and the
+    job's log has no srun line: the down node of the allocation (sinfo) is kept off the pending
+    job all the same, the healthy one is not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    slurm = NodeFailSlurm(["RUNNING", "NODE_FAIL", "PENDING", "RUNNING", "COMPLETED"], requeue=True)
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=slurm, sleep=slurm.sleep).launch(spec, tmp_path, lines.append)
+    assert [c for c in slurm.calls if c[:2] == ["scontrol", "update"]] == [
+        ["scontrol", "update", "JobId=4242", "ExcNodeList=node-2"]
+    ]
     assert lines[-1] == "[launch] Slurm job 4242 completed" and excluded_nodes(tmp_path) == ["node-2"]
 
 
@@ -1482,3 +1688,264 @@ def test_kubernetes_keeps_the_next_attempts_pods_off_the_frozen_ranks_node(tmp_p
         assert term["matchExpressions"] == [
             {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["ip-10-1-2-3.ec2.internal"]}
         ]
+
+
+# --- a pod lost with its node (Kubernetes) --------------------------------------------------------
+
+
+def _pod(job: str, replica: str, node: str, uid: str, phase: str = "Running", **status) -> dict:
+    """A pod of a PyTorchJob as `kubectl get pods -o json` returns it (the training operator's
+    labels and owner, the node it was placed on); `status` adds to its status (reason, message,
+    conditions, containerStatuses) and `deletionTimestamp` goes to its metadata."""
+    rtype, index = replica.rsplit("-", 1)
+    metadata = {
+        "name": f"{job}-{replica}",
+        "namespace": "training",
+        "uid": uid,
+        "labels": {
+            "training.kubeflow.org/job-name": job,
+            "training.kubeflow.org/operator-name": "pytorchjob-controller",
+            "training.kubeflow.org/replica-index": index,
+            "training.kubeflow.org/replica-type": rtype,
+        },
+        "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job, "controller": True}],
+    }
+    if "deletionTimestamp" in status:
+        metadata["deletionTimestamp"] = status.pop("deletionTimestamp")
+    ready = {"type": "Ready", "status": "True" if phase == "Running" else "False"}
+    body = {"phase": phase, "hostIP": "10.1.2.3", "conditions": [ready, *status.pop("conditions", [])]} | status
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {"nodeName": node}, "status": body}
+
+
+def _node(
+    name: str, ready: str = "True", reason: str = "KubeletReady", message: str = "kubelet is posting ready status"
+) -> dict:
+    """A Node object as `kubectl get node NAME -o json` returns it; a kubelet that stopped reporting
+    leaves Ready Unknown and the node lifecycle controller's unreachable taints."""
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": ready, "reason": reason, "message": message}]},
+    }
+    if ready != "True":
+        node["spec"]["taints"] = [
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": "2026-12-04T15:00:40Z"},
+        ]
+    return node
+
+
+UNREACHABLE = {"ready": "Unknown", "reason": "NodeStatusUnknown", "message": "Kubelet stopped posting node status."}
+
+
+def _excluded_in(manifest: dict) -> list[list[str]]:
+    """The nodes each replica's pods are kept off (their required node anti-affinity)."""
+    out = []
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        affinity = replica["template"]["spec"].get("affinity")
+        if affinity is None:
+            out.append([])
+            continue
+        (term,) = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        (expr,) = term["matchExpressions"]
+        assert expr["key"] == "kubernetes.io/hostname" and expr["operator"] == "NotIn"
+        out.append(expr["values"])
+    return out
+
+
+def test_a_pod_the_taint_manager_deleted_from_a_dead_node_names_it_and_the_next_manifest_excludes_it(tmp_path):
+    """Node b dies under worker-1 of an elastic PyTorchJob: its kubelet stops reporting (Ready
+    Unknown, the unreachable taints), the taint manager marks the pod DisruptionTarget
+    DeletionByTaintManager and deletes it (stuck terminating: no kubelet confirms), the operator
+    recreates it on node c, and the job fails in the end. The launcher names node b from the pod's
+    spec.nodeName as soon as the pod says so, in the log, the exclusion list and the cause
+    (transient: retried), and the next attempt's pods are kept off node b only."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    (ws / "metrics.jsonl").write_text('{"step": 12}\n')
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    healthy = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-b", "u1")]
+    evicted = _pod(
+        job,
+        "worker-1",
+        "node-b",
+        "u1",
+        deletionTimestamp="2026-12-04T15:05:40Z",
+        conditions=[
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByTaintManager",
+                "message": "Taint manager: deleting due to NoExecute taint",
+                "lastTransitionTime": "2026-12-04T15:05:40Z",
+            }
+        ],
+    )
+    recreated = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-c", "u2")]
+    fake = FakeKubectl(
+        [[], RUNNING, RUNNING, RUNNING, FAILED_JOB],
+        pods=[healthy, [healthy[0], evicted], recreated, recreated],
+        nodes={"node-a": _node("node-a"), "node-b": _node("node-b", **UNREACHABLE), "node-c": _node("node-c")},
+    )
+    launcher.runner = fake
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [[]]
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    lost = (
+        f"pod {job}-worker-1 lost with its node node-b (DisruptionTarget DeletionByTaintManager: "
+        "Taint manager: deleting due to NoExecute taint)"
+    )
+    assert f"[launch] {lost}" in lines  # seen while the job ran, before it failed
+    assert lines.index(f"[launch] {lost}") < lines.index("step 1 loss 4.8")
+    assert err.value.cause == (
+        f"PyTorchJob {job} ended Failed, {lost} after step 12 (no checkpoint yet); a retry starts the "
+        "stage over; the next attempt excludes node node-b"
+    )
+    assert transient(err.value) and excluded_nodes(ws) == ["node-b"]
+    assert [
+        "kubectl",
+        "get",
+        "pods",
+        "-n",
+        "training",
+        "-l",
+        f"training.kubeflow.org/job-name={job}",
+        "-o",
+        "json",
+    ] in (fake.calls)
+    # the pod said it all while the job ran (no node asked then); once the job failed, the nodes of
+    # the pods that did not succeed were looked at and found Ready
+    assert [c[3] for c in fake.calls if c[1:3] == ["get", "node"]] == ["node-a", "node-c"]
+    manifest = yaml.safe_load(launcher.render(spec, ws))
+    schema = json.loads((Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json").read_text())
+    jsonschema.validate(manifest, schema)
+    assert _excluded_in(manifest) == [["node-b"]]
+
+
+def test_pods_lost_to_a_node_shutdown_and_a_deleted_node_both_name_their_nodes(tmp_path):
+    """A "job" restart PyTorchJob (Master and Workers, pods never restarted) loses two nodes in
+    one attempt: worker-0's node shuts down (the kubelet's graceful node shutdown: phase Failed,
+    reason Terminated), worker-1 vanishes with its node (the Node object deleted: PodGC removed
+    the pod between two polls); the master, on a Ready node, then fails on the lost peers. Both
+    nodes are named and excluded, the master's node is not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    config = _k8s_here(ws)
+    config = config.model_copy(update={"kubernetes": config.kubernetes.model_copy(update={"restart": "job"})})
+    launcher = KubernetesLauncher(config, sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    running = [
+        _pod(job, "master-0", "node-m", "m0"),
+        _pod(job, "worker-0", "node-s", "w0"),
+        _pod(job, "worker-1", "node-g", "w1"),
+    ]
+    shutdown = _pod(
+        job,
+        "worker-0",
+        "node-s",
+        "w0",
+        phase="Failed",
+        reason="Terminated",
+        message="Pod was terminated in response to imminent node shutdown.",
+    )
+    master_failed = _pod(
+        job,
+        "master-0",
+        "node-m",
+        "m0",
+        phase="Failed",
+        containerStatuses=[{"name": "pytorch", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+    )
+    fake = FakeKubectl(
+        [[], RUNNING, RUNNING, FAILED_JOB],
+        pods=[running, [running[0], shutdown], [master_failed, shutdown]],
+        nodes={"node-m": _node("node-m"), "node-s": _node("node-s", ready="False", reason="KubeletNotReady")},
+    )
+    launcher.runner = fake
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    assert excluded_nodes(ws) == ["node-s", "node-g"]
+    cause = err.value.cause
+    assert (
+        f"pod {job}-worker-0 lost with its node node-s (Terminated: Pod was terminated in response to imminent "
+        "node shutdown.)" in cause
+    )
+    assert f"pod {job}-worker-1 lost with its node node-g (node object gone (NotFound))" in cause
+    assert cause.endswith("the next attempt excludes nodes node-s, node-g") and "node-m" not in cause
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [["node-s", "node-g"], ["node-s", "node-g"]]
+
+
+def test_a_pod_that_failed_from_its_own_code_on_a_ready_node_excludes_no_node(tmp_path):
+    """The silence: the master exits 1 from the training code's own error (phase Failed, its node
+    Ready, nothing of a node in the pod's status). The launcher looks at the node, finds it Ready
+    and excludes nothing: the cause names no node, the failure is not retried, the next manifest
+    has no anti-affinity."""
+    from infra.launchers.exclude import excluded_nodes
+    from pipeline.step import transient
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    failed = _pod(
+        job,
+        "worker-0",
+        "node-a",
+        "u0",
+        phase="Failed",
+        containerStatuses=[{"name": "pytorch", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+    )
+    fake = FakeKubectl(
+        [[], RUNNING, FAILED_JOB],
+        pods=[[_pod(job, "worker-0", "node-a", "u0")], [failed]],
+        nodes={"node-a": _node("node-a")},
+    )
+    launcher.runner = fake
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lines.append)
+    assert ["kubectl", "get", "node", "node-a", "-o", "json"] in fake.calls  # judged, not overlooked
+    assert [c for c in fake.calls if c[1:3] == ["get", "node"]] == [["kubectl", "get", "node", "node-a", "-o", "json"]]
+    assert "node" not in err.value.cause and not transient(err.value)
+    assert excluded_nodes(ws) == [] and not any("lost with its node" in line for line in lines)
+    assert _excluded_in(yaml.safe_load(launcher.render(spec, ws))) == [[]]
+
+
+def test_a_job_that_fails_before_the_taint_manager_acts_still_names_the_dead_node(tmp_path):
+    """The node under worker-1 dies and the job fails within the taint manager's 300 s: the pod is
+    still phase Running (its kubelet can no longer say otherwise), only not Ready. Once the job
+    failed, the launcher looks at the node of every pod that did not succeed: node b is NotReady
+    (Kubelet stopped posting node status) and excluded, node a is Ready and not."""
+    from infra.launchers.exclude import excluded_nodes
+
+    ws = tmp_path
+    spec = write_spec(ws / "spec.json", ws / "plan.json", ws)
+    launcher = KubernetesLauncher(_k8s_here(ws), sleep=lambda s: None)
+    job = launcher.job_name(spec.resolve())
+    pods = [_pod(job, "worker-0", "node-a", "u0"), _pod(job, "worker-1", "node-b", "u1")]
+    pods[1]["status"]["conditions"][0]["status"] = "False"  # the node controller's MarkPodsNotReady
+    fake = FakeKubectl(
+        [[], RUNNING, FAILED_JOB],
+        pods=[pods],
+        nodes={"node-a": _node("node-a"), "node-b": _node("node-b", **UNREACHABLE)},
+    )
+    launcher.runner = fake
+    with pytest.raises(LaunchFailed) as err:
+        launcher.launch(spec, ws, lambda _: None)
+    assert excluded_nodes(ws) == ["node-b"]
+    assert (
+        f"pod {job}-worker-1 lost with its node node-b (NotReady (NodeStatusUnknown: Kubelet stopped posting "
+        "node status.))" in err.value.cause
+    )
+    asked = [c[3] for c in fake.calls if c[1:3] == ["get", "node"]]
+    assert asked == ["node-a", "node-b"]  # only once the job failed: never while it ran

@@ -464,3 +464,50 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
         thread.join(timeout=120)
         bring_node_back(node, spec)
     assert not thread.is_alive()
+
+
+@pytest.mark.slow
+def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local_slurm, clean, tmp_path):  # noqa: F811
+    """`launch.slurm.max_node_requeues: 0`: the node taken down from outside mid-stage, Slurm
+    requeues the job by itself (`--requeue`); at its next start (`SLURM_RESTART_COUNT` 1, no
+    planned stop before it) the batch script refuses to train again, the job ends FAILED with the
+    script's `error:` line, and the step would not retry it. (No node is excluded here,
+    `max_excluded_nodes: 0`: this cluster's only node must run the requeued job.)"""
+    from infra.launchers.base import LaunchFailed
+    from pipeline.step import transient
+
+    plan, _ = clean
+    out = tmp_path / "stage"
+    spec = stage_spec(plan, out, CLEAN_STEPS, debug_step_sleep_s=0.5)
+    launcher = get_launcher(config(max_node_requeues=0).model_copy(update={"max_excluded_nodes": 0}))
+    node = the_node()
+    thread, lines, errors = launch_in_thread(launcher, spec, out)
+
+    def pending() -> bool:
+        return any(
+            "JobState=PENDING"
+            in subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+            for job in jobs_writing(out)
+        )
+
+    try:
+        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        assert thread.is_alive(), (errors, lines[-60:])
+        set_node_down(node)
+        wait_for(pending, 120, "Slurm's requeue of the job")
+        bring_node_back(node, spec)  # the only node back in service, for the requeued start
+        with requeue_without_delay(out):
+            wait_for(lambda: not thread.is_alive(), 240, "the refused restart")
+    finally:
+        bring_node_back(node, spec)
+        for job in jobs_writing(out):
+            subprocess.run(["scancel", job], capture_output=True)
+        thread.join(timeout=120)
+    assert errors and isinstance(errors[0], LaunchFailed), (errors, lines[-40:])
+    err = errors[0]
+    assert err.facts.state == "FAILED", (err.facts, lines[-40:])
+    assert "requeued job" in (err.facts.error or "") and "max_node_requeues is 0" in err.facts.error, lines[-40:]
+    assert not transient(err)
+    text = "\n".join(p.read_text() for p in out.glob("slurm-*.log"))
+    restart = text.index("(restart 1: a node failure), 1 time(s) since checkpoint")
+    assert "error: Slurm requeued job" in text[restart:]  # the second start refused, before srun
