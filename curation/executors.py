@@ -216,6 +216,10 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if env:  # and the mode this process had before
+            from ray._raylet import Config
+
+            Config.initialize("")
 
 
 def run_executors(config: Any, executors: list, logs: Path, log=print) -> None:

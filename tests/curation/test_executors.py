@@ -39,6 +39,54 @@ def test_workers_default_to_the_machines_cores_locally_and_all_tasks_on_clusters
     assert stage_workers(CurationConfig(executor="ray"), 100) == 100
 
 
+def test_slurm_scripts_find_the_submitting_venv_and_this_checkout(tmp_path):
+    """Without venv_path the script puts the submitting interpreter's bin/ (datatrove's
+    launch_pickled_pipeline) first on PATH; with it, activates it; either way this checkout is
+    first on PYTHONPATH, whatever sbatch exports."""
+    import subprocess
+    import sys
+
+    from curation.executors import CODE_ROOT
+
+    stages = plan_stages(CurationConfig(), "web", tmp_path / "train", tmp_path, 2)[:1]
+    for venv, first in (
+        (None, f"export PATH={Path(sys.executable).parent}:"),
+        ("/fsx/v/bin/activate", "source /fsx/v/bin/activate;"),
+    ):
+        config = CurationConfig(executor="slurm", slurm=SlurmExecutorConfig(partition="cpu", venv_path=venv))
+        ex = make_executors(config, stages, tmp_path / "logs")[0]
+        script = ex.get_launch_file_contents(ex.get_sbatch_args(max_array=2), "srun -l launch_pickled_pipeline x.pik")
+        line = next(ln.strip() for ln in script.splitlines() if "PYTHONPATH" in ln)
+        assert line.startswith(first) and f"export PYTHONPATH={CODE_ROOT}" in line
+        # what the line does in bash: the checkout first, an inherited PYTHONPATH kept after it
+        probe = f'{line.replace("source /fsx/v/bin/activate;", "")}; echo "$PYTHONPATH"'
+        out = subprocess.run(
+            ["bash", "-c", probe],
+            env={"PYTHONPATH": "/elsewhere", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+        )
+        assert out.stdout.strip() == f"{CODE_ROOT}:/elsewhere", out.stderr
+
+
+def test_ray_token_authentication_needs_a_token_and_names_where_it_is_read_from(tmp_path, monkeypatch):
+    from curation.executors import RayExecutorConfig, ray_auth_env
+
+    assert ray_auth_env(RayExecutorConfig(address="10.0.0.1:6379"), {}) == {}
+    token = tmp_path / "token"
+    token.write_text("0f" * 32)
+    given = RayExecutorConfig(address="10.0.0.1:6379", auth="token", token_path=str(token))
+    assert ray_auth_env(given, {}) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    token.write_text("")
+    with pytest.raises(ValueError, match=rf"ray.token_path {token}: no such file, or it is empty"):
+        ray_auth_env(given, {})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.ray/auth_token
+    bare = RayExecutorConfig(address="10.0.0.1:6379", auth="token")
+    with pytest.raises(ValueError, match="ray.auth is token but no token was found: set ray.token_path"):
+        ray_auth_env(bare, {})
+    assert ray_auth_env(bare, {"RAY_AUTH_TOKEN": "x"}) == {"RAY_AUTH_MODE": "token"}
+
+
 # --- tiny's data steps on a real Slurm cluster and a real Ray head, against the local executor ------
 # A subset of the tiny recipe, so that the cluster runs stay short: its `code` source at 200
 # documents (one read task: a capped source), curated with tiny's settings in 2 tasks (every
