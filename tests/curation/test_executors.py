@@ -166,6 +166,25 @@ def _assert_same_output(local: Path, other: Path, local_meta: dict, other_meta: 
     assert len(shards) == 2 and other_meta["tokenize"]["documents"] > 100  # 2 token shards, the corpus in them
 
 
+def _queued_jobs() -> set[str]:
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
+    """Wait for `jobs` (this test's) to leave the queue; cancel, by id, those still there."""
+    import subprocess
+
+    deadline = time.monotonic() + wait_s
+    while jobs & _queued_jobs() and time.monotonic() < deadline:
+        time.sleep(1)
+    left = sorted(jobs & _queued_jobs())
+    if left:
+        subprocess.run(["scancel", *left], check=False)
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):  # noqa: F811
@@ -179,9 +198,13 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
 
     slurm = SlurmExecutorConfig(partition="debug", time="00:20:00", mem_per_cpu_gb=1, poll_seconds=0.5)
     local = _run_data_steps(tmp_path / "local", {"executor": "local", "workers": 1})
+    before = _queued_jobs()
     start = time.monotonic()
-    on_slurm = _run_data_steps(tmp_path / "slurm", {"executor": "slurm", "workers": 2, "slurm": slurm})
-    seconds = time.monotonic() - start
+    try:
+        on_slurm = _run_data_steps(tmp_path / "slurm", {"executor": "slurm", "workers": 2, "slurm": slurm})
+        seconds = time.monotonic() - start
+    finally:  # datatrove's merge_stats jobs (one per stage, after its array) end on their own in
+        _end_jobs(_queued_jobs() - before)  # seconds; what is left of this test's jobs is cancelled
     _assert_same_output(tmp_path / "local", tmp_path / "slurm", local, on_slurm)
     assert identity(CurationConfig(executor="slurm", slurm=slurm, workers=2)) == identity(CurationConfig())
     # each stage was an array job of this cluster: its script and job id are in the step's logs
