@@ -127,7 +127,9 @@ EXPECTED_SECONDS = {
     "tests/flows/test_planted_suite_run.py::test_a_planted_suite_payload_stays_inert_through_smollm3_run": 113,
     "tests/benchmarks/test_gpu_check.py::test_cpu_smoke_exits_0_and_prints_every_row": 91,
     "tests/infra/test_launchers_slurm.py::test_a_post_training_step_runs_on_slurm_through_accelerate": 81,
+    "tests/curation/test_executors.py::test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output": 80,
     "tests/trainers/test_parallel.py::test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layout": 78,
+    "tests/curation/test_executors.py::test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output": 75,
     "tests/infra/test_slurm_resilience.py::test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it": 74,
     "tests/tasks/test_curate.py::test_data_flow_through_prefect_in_a_worker_thread": 74,
 }
