@@ -2,16 +2,34 @@
 Ray), each depending on the previous one, and the settings of the cluster executors.
 
 Shared by the source, curate and tokenize steps: `config` is any recipe section (or the source
-step's spec, which copies curation's) with `executor`, `workers`, `slurm` and `ray`. The worker count is operational (the output is the same whatever
-it is); the number of datatrove tasks is not (it sets the output shards) and is chosen by the step.
+step's spec, which copies curation's) with `executor`, `workers`, `slurm` and `ray`. The worker
+count is operational (the output is the same whatever it is), and so is the executor and its
+settings; the number of datatrove tasks is not (it sets the output shards) and is chosen by the step.
+
+- Slurm: each stage is an sbatch array job. Its script puts the submitting interpreter's `bin/`
+  first on PATH (or activates `slurm.venv_path`) and this checkout first on PYTHONPATH, so the
+  jobs unpickle the pipeline with the code that built it (both on the cluster's shared file system).
+- Ray: the step connects with `ray.init(address=ray.address)` before the first stage and
+  disconnects after the last. A head with token authentication (Ray 2.5x and later:
+  `RAY_AUTH_MODE=token`) is reached with `ray.auth: token`: the token is read from
+  `ray.token_path`, else `RAY_AUTH_TOKEN` or `RAY_AUTH_TOKEN_PATH` of the step's environment, else
+  `~/.ray/auth_token`; the recipe never holds the token itself. Ray enables token mode on its
+  own only for a cluster it finds on this machine, never for an explicit address, so without
+  `auth: token` a driver is refused by such a head.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+CODE_ROOT = Path(__file__).resolve().parent.parent  # the checkout the jobs import (curation/, tasks/)
 
 
 class SlurmExecutorConfig(BaseModel):
@@ -30,10 +48,22 @@ class SlurmExecutorConfig(BaseModel):
 
 
 class RayExecutorConfig(BaseModel):
-    """Where curation runs on a Ray cluster (datatrove RayPipelineExecutor parameters)."""
+    """Where curation runs on a Ray cluster (datatrove RayPipelineExecutor parameters, and the
+    cluster the step connects to)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # the cluster: its GCS address `host:6379` (the flow host joins as a driver) or a Ray Client
+    # address `ray://host:10001`; None: Ray's own lookup (RAY_ADDRESS, else a cluster started on
+    # this machine, else a new Ray instance on this machine, sized by its cores)
+    address: str | None = None
+    # "token": the head runs with RAY_AUTH_MODE=token (see the module docstring for where the
+    # token is read from); "none": no authentication
+    auth: Literal["none", "token"] = "none"
+    token_path: str | None = None  # file holding the token (e.g. a mounted secret); never the token
+    # Ray runtime_env of the driver's jobs, e.g. {"env_vars": {...}, "py_modules": [...]} where
+    # the workers do not see this checkout on a shared file system
+    runtime_env: dict[str, Any] = {}
     cpus_per_task: int = Field(default=1, gt=0)  # CPUs reserved per datatrove task
     mem_per_cpu_gb: float = Field(default=2.0, gt=0)  # memory reserved per CPU
 
@@ -89,6 +119,7 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
                 qos=s.qos,
                 venv_path=s.venv_path,
                 sbatch_args=dict(s.sbatch_args),
+                env_command=slurm_env_command(s.venv_path),
                 job_name=f"curate-{name}",
                 logging_dir=logging_dir,
                 depends=previous,
@@ -110,16 +141,109 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
     return executors
 
 
-def run_executors(config: Any, executors: list, logs: Path) -> None:
+def slurm_env_command(venv_path: str | None) -> str:
+    """The sbatch script's environment line: the venv (`venv_path`, else the submitting
+    interpreter's `bin/`, where datatrove's `launch_pickled_pipeline` is) and this checkout on
+    PYTHONPATH, whatever environment the cluster's sbatch exports."""
+    import shlex
+
+    first = (
+        f"source {shlex.quote(venv_path)}"
+        if venv_path
+        else f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"'
+    )
+    return f'{first}; export PYTHONPATH={shlex.quote(str(CODE_ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"'
+
+
+def ray_auth_env(settings: RayExecutorConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment Ray's driver needs for `settings.auth`; a missing token is an error
+    naming the fields that give one."""
+    environ = os.environ if environ is None else environ
+    if settings.auth == "none":
+        return {}
+    if settings.token_path is not None:
+        path = Path(settings.token_path).expanduser()
+        if not path.is_file() or not path.read_text(encoding="utf-8").strip():
+            raise ValueError(
+                f"ray.token_path {settings.token_path}: no such file, or it is empty; it must hold the Ray cluster's token"
+            )
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    default = Path.home() / ".ray" / "auth_token"
+    if not (environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH") or default.is_file()):
+        raise ValueError(
+            "ray.auth is token but no token was found: set ray.token_path to a file holding it, or "
+            f"RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) in the flow's environment, or write it to {default}"
+        )
+    return {"RAY_AUTH_MODE": "token"}
+
+
+@contextmanager
+def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
+    """Connected to the recipe's Ray cluster while the block runs (`ray.init(address=...)`, then
+    `ray.shutdown()`); a connection the caller already opened is used as it is."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    env = ray_auth_env(settings)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        if env:  # Ray caches its config (the auth mode among it) per process: read the new mode
+            from ray._raylet import Config
+
+            Config.initialize("")
+        where = settings.address or "Ray's default (RAY_ADDRESS, else this machine)"
+        log(f"ray: connecting to {where}" + (" with token authentication" if env else ""))
+        try:
+            ray.init(
+                address=settings.address,
+                runtime_env=dict(settings.runtime_env) or None,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except ConnectionError as exc:
+            hint = "" if env else "; a head with token authentication needs ray.auth: token"
+            raise ConnectionError(f"ray.address {settings.address}: {exc}{hint}") from exc
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if env:  # and the mode this process had before
+            from ray._raylet import Config
+
+            Config.initialize("")
+
+
+def run_executors(config: Any, executors: list, logs: Path, log=print) -> None:
     """Run the chain; the local executor runs in-process stage by stage, clusters are awaited."""
     if config.executor == "local":
         for ex in executors:
             ex.run()
         return
+    if config.executor == "ray":
+        with ray_connection(config.ray, log):
+            for ex in executors:  # stage by stage: a stage with failed tasks stops the chain here
+                ex.run()  # (datatrove's next stage would wait for them forever)
+                missing = ex.get_incomplete_ranks()
+                if missing:
+                    name = Path(ex.logging_dir.path).name
+                    raise RuntimeError(
+                        f"datatrove stage {name!r} on Ray: {len(missing)} of {ex.world_size} tasks did not "
+                        f"finish (ranks {missing[:10]}); see {ex.logging_dir.path}/logs, fix the cause "
+                        "and rerun (finished tasks are skipped)"
+                    )
+        return
     executors[-1].run()  # launches its dependencies first (slurm: sbatch with afterok)
-    if config.executor == "slurm":
-        from infra.launchers.slurm import wait_for_datatrove
+    from infra.launchers.slurm import wait_for_datatrove
 
-        # polls the array jobs too: a failed stage raises (and cancels the chain) instead of
-        # leaving its afterok dependents pending forever
-        wait_for_datatrove(executors, config.slurm.poll_seconds if config.slurm else 60.0)
+    # polls the array jobs too: a failed stage raises (and cancels the chain) instead of
+    # leaving its afterok dependents pending forever
+    wait_for_datatrove(executors, config.slurm.poll_seconds if config.slurm else 60.0)

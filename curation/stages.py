@@ -163,10 +163,29 @@ def _chars(stats: dict[str, Any]) -> int | None:
 
 
 def read_stage_stats(logs: Path, stage: str) -> list[dict[str, Any]]:
-    path = logs / stage / "stats.json"
-    if not path.is_file():
+    """A stage's statistics per pipeline component, summed over its tasks, in the same form on
+    every executor: merged here from the tasks' own files (`stats/{rank:05d}.json`, written by
+    every datatrove executor). The stage's `stats.json` is not read: on Slurm a separate job
+    (datatrove's `merge_stats`, after the array) writes it, maybe after the chain's wait has
+    returned, and there, as on Ray, a counter read back from a task's file is summed as a summary
+    (`{"total": 3, "n": 2, ..., "unit": "task"}`) where the local executor writes `3`: such a
+    summary is turned back into its total, the local executor's form."""
+    from datatrove.utils.stats import PipelineStats
+
+    files = sorted((logs / stage / "stats").glob("*.json"))
+    if not files:
         return []
-    return json.loads(path.read_text(encoding="utf-8"))
+    merged = sum(
+        (PipelineStats.from_json(json.loads(f.read_text(encoding="utf-8"))) for f in files), start=PipelineStats()
+    )
+    entries = json.loads(merged.to_json())
+    for entry in entries:
+        stats = entry.get("stats")
+        if isinstance(stats, dict):
+            entry["stats"] = {
+                k: v["total"] if isinstance(v, dict) and v.get("unit") == "task" else v for k, v in stats.items()
+            }
+    return entries
 
 
 def filter_rows(logs: Path, stages: list[tuple[str, list, int]]) -> list[dict[str, Any]]:

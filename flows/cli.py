@@ -76,7 +76,7 @@ def cmd_plan(args) -> int:
 
     check_refresh(args.flow, args.refresh)
     from flows.graphs import plan
-    from flows.recipe import RecipeError, check_data, load_recipe
+    from flows.recipe import ExecutorRefused, RecipeError, check_data, load_recipe
     from pipeline.dryrun import format_plan
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -84,6 +84,8 @@ def cmd_plan(args) -> int:
     if args.flow == "smollm3":
         try:  # refused as `run` refuses it, unless the plan is for data that lives elsewhere
             missing = check_data(recipe, allow_missing=args.allow_missing)
+        except ExecutorRefused:
+            raise
         except RecipeError as exc:
             raise RecipeError(
                 f"{exc}\n(to plan a recipe whose data is on another machine, e.g. the cluster that will "

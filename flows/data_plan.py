@@ -167,3 +167,97 @@ def format_data_rows(rows: list[DataStep], recipe: Any) -> str:
     for r in rows:
         lines.append(f"  {r.step}: {r.note}")
     return "\n".join(lines)
+
+
+# --- where the data steps may run -----------------------------------------------------------------
+# A data step is "at scale" when the flow host would need more than a day for it at full use of
+# every core: past that, the recipe must name a cluster executor (Slurm or Ray) for it.
+HOST_DAY_HOURS = 24
+
+
+def task_hours(recipe: Any) -> dict[str, tuple[float, str]]:
+    """The longest task of each data step (hours on one CPU, every stage of the step summed) and
+    its source: the source with the most tokens drawn, split over the step's tasks."""
+    drawn = _drawn_tokens(recipe)
+    c, t = recipe.curation, recipe.tokenize
+    longest: dict[str, tuple[float, str]] = {}
+    for s in recipe.sources:
+        tokens = drawn[s.name]
+        mb = tokens * BYTES_PER_TOKEN / 1e6
+        shards = max(s.shards, math.ceil(tokens / TOKENS_PER_DOCUMENT / s.documents_per_shard))
+        read = 1 if s.max_documents is not None else c.tasks
+        for step, cpu_s, tasks in (
+            ("source", mb * SOURCE_CPU_S_PER_MB, read),
+            ("curate", mb * CURATE_CPU_S_PER_MB, min(c.tasks, shards)),
+            ("tokenize", tokens / TOKENIZE_TOKENS_PER_CPU_S, min(t.tasks, shards)),
+        ):
+            hours = cpu_s / max(tasks, 1) / 3600
+            if hours > longest.get(step, (-1.0, ""))[0]:
+                longest[step] = (hours, s.name)
+    return longest
+
+
+def slurm_hours(limit: str) -> float:
+    """A Slurm time limit (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in hours."""
+    days, _, rest = limit.rpartition("-")
+    parts = [float(p) for p in rest.split(":")]
+    if days:  # after a day count the first field is hours
+        h, m, sec = (parts + [0.0, 0.0])[:3]
+    else:
+        h, m, sec = {1: (0.0, parts[0], 0.0), 2: (0.0, *parts), 3: tuple(parts)}[len(parts)]
+    return float(days or 0) * 24 + h + m / 60 + sec / 3600
+
+
+def executor_problems(recipe: Any, cores: int | None = None) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) about where the recipe's data steps run, for a flow host of `cores`
+    cores (default: this machine's). Refused: a step at scale (more than `HOST_DAY_HOURS` of the
+    host's cores) on the local executor with more workers than the host has cores, the recipe
+    that would start hundreds of processes on the flow host. Warned: any other local step with
+    more workers than cores, a step at scale on the local executor, and a Slurm request shorter
+    than the step's longest task or smaller than its memory per task."""
+    from curation.executors import machine_cores
+
+    cores = cores or machine_cores()
+    rows = {r.step: r for r in data_rows(recipe)[0]}
+    longest = task_hours(recipe)
+    sections = {"source": ("curation", recipe.curation), "curate": ("curation", recipe.curation)}
+    sections["tokenize"] = ("tokenize", recipe.tokenize)
+    refusals: list[str] = []
+    warnings: list[str] = []
+    for step, (name, section) in sections.items():
+        hours, days = rows[step].cpu_hours, rows[step].cpu_hours / cores / 24
+        at_scale = hours > HOST_DAY_HOURS * cores
+        if section.executor == "local":
+            workers = section.workers
+            over = workers is not None and workers > cores
+            if over and at_scale:
+                refusals.append(
+                    f"{name}.executor is local: the {step} step would run {workers} workers on this "
+                    f"{cores}-core flow host for ~{hours:,.0f} CPU-hours; set {name}.executor to slurm "
+                    f"(with {name}.slurm) or ray (with {name}.ray.address) (docs/scale.md)"
+                )
+            elif over:
+                warnings.append(
+                    f"{name}.workers {workers} is more than this host's {cores} cores: the {step} step "
+                    "oversubscribes them (unset it to run one worker per core)"
+                )
+            elif at_scale:
+                warnings.append(
+                    f"{name}.executor is local: the {step} step needs ~{hours:,.0f} CPU-hours, ~{days:,.1f} "
+                    f"days on this host's {cores} cores; a cluster executor runs it in parallel"
+                )
+        elif section.executor == "slurm" and section.slurm is not None:
+            limit = slurm_hours(section.slurm.time)
+            task, source = longest[step]
+            if task > limit:
+                warnings.append(
+                    f"{name}.slurm.time {section.slurm.time} is shorter than the {step} step's longest "
+                    f"task, ~{task:,.1f} h ({source}; flows/data_plan.py): raise it or {name}.tasks"
+                )
+            request = section.slurm.cpus_per_task * section.slurm.mem_per_cpu_gb
+            if request < rows[step].mem_gb:
+                warnings.append(
+                    f"{name}.slurm asks {request:g} GB per task, less than the {step} step's "
+                    f"{rows[step].mem_gb:.1f} GB (flows/data_plan.py): raise mem_per_cpu_gb"
+                )
+    return refusals, warnings

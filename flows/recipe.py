@@ -15,6 +15,7 @@ overrides can carry things that must not end up in logs.
 from __future__ import annotations
 
 import math
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -105,6 +106,10 @@ class AnnealConfig(BaseModel):
 
 class RecipeError(ValueError):
     """A recipe or override that cannot be used; the message names the field and the fix."""
+
+
+class ExecutorRefused(RecipeError):
+    """A data step the recipe would run on this machine at a scale it cannot take."""
 
 
 class Recipe(BaseModel):
@@ -437,6 +442,11 @@ def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = Tr
 
     `allow_missing` (the dry run): sources whose data is not on this machine are returned
     (name -> why) instead of refused, and planned as unresolved.
+
+    Also refused: a data step at scale on the local executor with more workers than this
+    machine (the flow host) has cores; warned on stderr: other local steps that oversubscribe or
+    would take days here, a Slurm time limit below a step's longest task (flows/data_plan.py
+    `executor_problems`).
     """
     missing = missing_sources(recipe.sources) if allow_missing else {}
     present = [s for s in recipe.sources if s.name not in missing]
@@ -454,9 +464,20 @@ def check_data(recipe: Recipe, *, allow_missing: bool = False, sample: bool = Tr
         except WorkspaceError:
             cache = user_cache() / "preset-checks"
         problems = preset_problems(recipe.curation, present, recipe.seed, cache)
+    from flows.data_plan import executor_problems
+
+    # where the data steps run, for this machine as the flow host (flows/data_plan.py)
+    refused, warned = executor_problems(recipe)
+    for warning in warned:
+        print(f"WARNING: recipe {recipe.name}: {warning}", file=sys.stderr)
     if problems:
         raise RecipeError(
             f"recipe {recipe.name}: {len(problems)} data source problem(s):\n" + "\n".join(f"  {p}" for p in problems)
+        )
+    if refused:
+        raise ExecutorRefused(
+            f"recipe {recipe.name}: {len(refused)} data step(s) on this machine at scale:\n"
+            + "\n".join(f"  {p}" for p in refused)
         )
     return missing
 

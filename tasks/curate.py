@@ -372,7 +372,7 @@ def curate(
     stages = plan_stages(config, preset, train, out, tasks, heldout=heldout if has_heldout else None, index=index_path)
     train_stages = [s for s in stages if s[0] != "heldout"]
     held_stages = [s for s in stages if s[0] == "heldout"]
-    run_executors(config, make_executors(config, stages, logs), logs)
+    run_executors(config, make_executors(config, stages, logs), logs, log)
     seconds = time.monotonic() - start
     rows = filter_rows(logs, train_stages)
     held_rows = filter_rows(logs, held_stages)

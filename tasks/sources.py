@@ -93,7 +93,7 @@ def source(config: SourceSpec, *, out: Path, log=print) -> dict[str, Any]:
     log(
         f"source {cfg.name}: read by {tasks} task(s) on the {config.executor} executor, ids checked in {wanted} bucket(s)"
     )
-    run_executors(config, make_executors(config, stages, out / "logs"), out / "logs")
+    run_executors(config, make_executors(config, stages, out / "logs"), out / "logs", log)
     stats = merge_stats(out / "work", tasks)
     shutil.rmtree(out / "work")  # the id buckets and layouts: as large as the source's ids
     docs, rejected, capped = stats["documents"], stats["rejected"], stats["capped"]

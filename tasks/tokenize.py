@@ -78,7 +78,7 @@ def tokenize(config: TokenizeSpec, tokenizer: Artifact, corpus: Artifact, *, out
     dtype = token_dtype(tokenizer_step.tokenizer.get_vocab_size())
     pipeline = [CountingJsonlReader(str(train), max_chars=settings.max_document_chars), tokenizer_step]
     # The same executor choice as curation: local processes, Slurm array jobs or Ray tasks.
-    run_executors(settings, make_executors(settings, [("tokenize", pipeline, tasks)], logs), logs)
+    run_executors(settings, make_executors(settings, [("tokenize", pipeline, tasks)], logs), logs, log)
     stats = read_stage_stats(logs, "tokenize")
     reader = stats[0]["stats"] if stats else {}
     rejected = {k[len("rejected_") :]: int(v) for k, v in reader.items() if k.startswith("rejected_")}

@@ -3,11 +3,17 @@ the worker count per stage."""
 
 from __future__ import annotations
 
+import gzip
+import json
+import time
+from pathlib import Path
+
 import pytest
 
 from curation.executors import SlurmExecutorConfig, machine_cores, make_executors, stage_workers
 from curation.stages import plan_stages
-from tasks.curate import CurationConfig
+from tasks.curate import CurationConfig, curate
+from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
@@ -31,3 +37,271 @@ def test_workers_default_to_the_machines_cores_locally_and_all_tasks_on_clusters
     assert stage_workers(CurationConfig(), 1) == 1
     assert stage_workers(CurationConfig(workers=3), 100) == 3
     assert stage_workers(CurationConfig(executor="ray"), 100) == 100
+
+
+def test_slurm_scripts_find_the_submitting_venv_and_this_checkout(tmp_path):
+    """Without venv_path the script puts the submitting interpreter's bin/ (datatrove's
+    launch_pickled_pipeline) first on PATH; with it, activates it; either way this checkout is
+    first on PYTHONPATH, whatever sbatch exports."""
+    import subprocess
+    import sys
+
+    from curation.executors import CODE_ROOT
+
+    stages = plan_stages(CurationConfig(), "web", tmp_path / "train", tmp_path, 2)[:1]
+    for venv, first in (
+        (None, f"export PATH={Path(sys.executable).parent}:"),
+        ("/fsx/v/bin/activate", "source /fsx/v/bin/activate;"),
+    ):
+        config = CurationConfig(executor="slurm", slurm=SlurmExecutorConfig(partition="cpu", venv_path=venv))
+        ex = make_executors(config, stages, tmp_path / "logs")[0]
+        script = ex.get_launch_file_contents(ex.get_sbatch_args(max_array=2), "srun -l launch_pickled_pipeline x.pik")
+        line = next(ln.strip() for ln in script.splitlines() if "PYTHONPATH" in ln)
+        assert line.startswith(first) and f"export PYTHONPATH={CODE_ROOT}" in line
+        # what the line does in bash: the checkout first, an inherited PYTHONPATH kept after it
+        probe = f'{line.replace("source /fsx/v/bin/activate;", "")}; echo "$PYTHONPATH"'
+        out = subprocess.run(
+            ["bash", "-c", probe],
+            env={"PYTHONPATH": "/elsewhere", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+        )
+        assert out.stdout.strip() == f"{CODE_ROOT}:/elsewhere", out.stderr
+
+
+def test_ray_token_authentication_needs_a_token_and_names_where_it_is_read_from(tmp_path, monkeypatch):
+    from curation.executors import RayExecutorConfig, ray_auth_env
+
+    assert ray_auth_env(RayExecutorConfig(address="10.0.0.1:6379"), {}) == {}
+    token = tmp_path / "token"
+    token.write_text("0f" * 32)
+    given = RayExecutorConfig(address="10.0.0.1:6379", auth="token", token_path=str(token))
+    assert ray_auth_env(given, {}) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    token.write_text("")
+    with pytest.raises(ValueError, match=rf"ray.token_path {token}: no such file, or it is empty"):
+        ray_auth_env(given, {})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.ray/auth_token
+    bare = RayExecutorConfig(address="10.0.0.1:6379", auth="token")
+    with pytest.raises(ValueError, match="ray.auth is token but no token was found: set ray.token_path"):
+        ray_auth_env(bare, {})
+    assert ray_auth_env(bare, {"RAY_AUTH_TOKEN": "x"}) == {"RAY_AUTH_MODE": "token"}
+
+
+# --- tiny's data steps on a real Slurm cluster and a real Ray head, against the local executor ------
+# A subset of the tiny recipe, so that the cluster runs stay short: its `code` source at 200
+# documents (one read task: a capped source), curated with tiny's settings in 2 tasks (every
+# stage: filter, exact, unique, MinHash buckets and clusters, final, held-out) and tokenized in 2
+# tasks with a small BPE trained on the curated text.
+
+
+def _tiny_code_source():
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe("tiny")
+    return recipe, recipe.source("code").model_copy(update={"max_documents": 200})
+
+
+def _contents(folder: Path, run: Path) -> dict[str, bytes]:
+    """Every file a step wrote, gzip members decompressed (their headers hold the write time),
+    except its logs (datatrove's per-executor logs, timings and launch scripts). The run's folder
+    is named `<run>`: datatrove's readers record each document's input path (`file_path`), and
+    each run of the test reads its own source folder."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_file() and rel.parts[0] != "logs" and path.name != "_COMPLETE.json":
+            data = path.read_bytes()
+            data = gzip.decompress(data) if path.suffix == ".gz" else data
+            out[str(rel)] = data.replace(str(run).encode(), b"<run>")
+    return out
+
+
+def _same_meta(a: dict, b: dict) -> None:
+    drop = ("seconds", "executor")
+    assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
+    """The source (unless `raw` is given), curate and tokenize steps of the subset with the
+    executor settings `executor` (curation's and tokenization's), each in its own folder."""
+    from pipeline.artifact import Artifact
+    from tasks.sources import SourceSpec, source
+    from tasks.tokenize import TokenizeSpec, tokenize
+
+    recipe, src = _tiny_code_source()
+    quiet = lambda _: None  # noqa: E731
+    curation = recipe.curation.model_copy(update={"tasks": 2, **executor})
+    out = {}
+    if raw is None:
+        spec = SourceSpec.of(src, recipe.seed, recipe.curation.heldout.max_docs, curation)
+        out["source"] = source(spec, out=root / "source", log=quiet)
+        raw = Artifact(kind="corpus", uri=str(root / "source"), fingerprint="a" * 64, meta=out["source"])
+    (root / "curate").mkdir(parents=True)
+    out["curate"] = curate(curation.for_source(src, []), raw, out=root / "curate", log=quiet)
+    cur = Artifact(kind="corpus", uri=str(root / "curate"), fingerprint="b" * 64, meta=out["curate"])
+    tok = _tokenizer(root.parent / "tokenizer", cur)
+    settings = recipe.tokenize.model_copy(update={"tasks": 2, **executor})
+    (root / "tokenize").mkdir()
+    out["tokenize"] = tokenize(
+        TokenizeSpec(tokenize=settings, seed=recipe.seed), tokenizer=tok, corpus=cur, out=root / "tokenize", log=quiet
+    )
+    return out
+
+
+def _tokenizer(folder: Path, corpus):
+    """One small BPE for every run of the test (trained once, from the first curated corpus)."""
+    from pipeline.artifact import Artifact
+    from tasks.tokenizer import TokenizerConfig, tokenizer
+
+    if not (folder / "meta.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = tokenizer(TokenizerConfig(vocab_size=400, min_frequency=1), [corpus], out=folder, log=lambda _: None)
+        (folder / "meta.json").write_text(json.dumps(meta))
+    meta = json.loads((folder / "meta.json").read_text())
+    return Artifact(kind="tokenizer", uri=str(folder), fingerprint="c" * 64, meta=meta)
+
+
+def _assert_same_output(local: Path, other: Path, local_meta: dict, other_meta: dict) -> None:
+    for step in local_meta:
+        assert _contents(other / step, other) == _contents(local / step, local), step
+        _same_meta(local_meta[step], other_meta[step])
+    shards = sorted(p.name for p in (other / "tokenize").glob("*.ds"))
+    assert len(shards) == 2 and other_meta["tokenize"]["documents"] > 100  # 2 token shards, the corpus in them
+
+
+def _queued_jobs() -> set[str]:
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
+    """Wait for `jobs` (this test's) to leave the queue; cancel, by id, those still there."""
+    import subprocess
+
+    deadline = time.monotonic() + wait_s
+    while jobs & _queued_jobs() and time.monotonic() < deadline:
+        time.sleep(1)
+    left = sorted(jobs & _queued_jobs())
+    if left:
+        subprocess.run(["scancel", *left], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):  # noqa: F811
+    """The source, curate and tokenize steps of a subset of tiny (its `code` source, 200
+    documents) as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
+    (gzip contents), the same token shards byte for byte, the same counts and the same config
+    identity (fingerprint) as on the local executor. No venv_path: the jobs find datatrove's
+    launcher and this checkout through the script's PATH and PYTHONPATH lines."""
+    from pipeline.artifact import identity
+    from tasks.curate import CurationConfig
+
+    slurm = SlurmExecutorConfig(partition="debug", time="00:20:00", mem_per_cpu_gb=1, poll_seconds=0.5)
+    local = _run_data_steps(tmp_path / "local", {"executor": "local", "workers": 1})
+    before = _queued_jobs()
+    start = time.monotonic()
+    try:
+        on_slurm = _run_data_steps(tmp_path / "slurm", {"executor": "slurm", "workers": 2, "slurm": slurm})
+        seconds = time.monotonic() - start
+    finally:  # datatrove's merge_stats jobs (one per stage, after its array) end on their own in
+        _end_jobs(_queued_jobs() - before)  # seconds; what is left of this test's jobs is cancelled
+    _assert_same_output(tmp_path / "local", tmp_path / "slurm", local, on_slurm)
+    assert identity(CurationConfig(executor="slurm", slurm=slurm, workers=2)) == identity(CurationConfig())
+    # each stage was an array job of this cluster: its script and job id are in the step's logs
+    scripts = sorted((tmp_path / "slurm").glob("*/logs/*/launch_script.slurm"))
+    stages = {f"{p.parts[-4]}/{p.parts[-2]}" for p in scripts}
+    assert {"source/read", "source/finish", "curate/filter", "curate/final", "tokenize/tokenize"} <= stages
+    assert all("srun" in p.read_text() and "--partition=debug" in p.read_text() for p in scripts)
+    # and Slurm ran its tasks: an output file per array task (`slurm_logs/{job}_{task}.out`)
+    assert all(list((p.parent / "slurm_logs").glob("*_*.out")) for p in scripts)
+    print(f"tiny subset on Slurm: {len(scripts)} array jobs, {seconds:.0f} s")  # measured for docs/scale.md
+
+
+@pytest.fixture
+def ray_head():
+    """A Ray head on this machine with token authentication (`RAY_AUTH_MODE=token`), started with
+    `--node-ip-address 127.0.0.1`, its own temporary folder and free ports, no dashboard; stopped
+    at teardown (its `ray start --block` process drains and stops the node processes it started).
+    Yields (address, token file, the head's log folder). Its workers import this checkout through
+    the head's PYTHONPATH. Ray 2.60 does not bind to loopback: it replaces 127.0.0.1 by the
+    host's routable address (`services.resolve_ip_for_localhost`) and its GCS and raylet listen on
+    every interface, so for the test's minute the token is what keeps others out."""
+    import os
+    import secrets
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    root = Path(tempfile.mkdtemp(prefix="ray"))  # short: Ray's Unix sockets live under it
+    token = root / "token"
+    token.write_text(secrets.token_hex(32))
+    gcs = port()
+    ports = ["--node-manager-port", "--object-manager-port", "--ray-client-server-port"]
+    ports += ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port"]
+    ports += ["--metrics-export-port"]
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1"]
+    cmd += ["--port", str(gcs), "--temp-dir", str(root / "r"), "--num-cpus", "2", "--include-dashboard", "false"]
+    cmd += ["--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
+    cmd += [arg for flag in ports for arg in (flag, str(port()))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    repo = str(Path(__file__).resolve().parents[2])
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PYTHONPATH": repo}
+    log = open(root / "head.log", "w")  # noqa: SIM115  (closed at teardown)
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in (root / "head.log").read_text():
+            assert head.poll() is None, (root / "head.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Ray head did not start in 120 s"
+            time.sleep(0.5)
+        yield f"127.0.0.1:{gcs}", token, root / "r" / "session_latest" / "logs"
+    finally:
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # the group this fixture started
+            head.wait(10)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output(ray_head, tmp_path):
+    """The curate and tokenize steps of the same subset of tiny on a Ray head that requires a
+    token: refused without `ray.auth: token` (Ray turns token mode on by itself only for a cluster
+    it finds on this machine), and with it the same output as the local executor, computed on that
+    head (the step's driver is in the head's logs: it did not start a Ray of its own)."""
+    import os
+
+    from curation.executors import RayExecutorConfig
+    from pipeline.artifact import Artifact, identity
+
+    address, token, head_logs = ray_head
+    local = _run_data_steps(tmp_path / "local", {"executor": "local", "workers": 1})
+    raw = Artifact(
+        kind="corpus", uri=str(tmp_path / "local" / "source"), fingerprint="a" * 64, meta=local.pop("source")
+    )
+    ray = RayExecutorConfig(address=address, cpus_per_task=1, mem_per_cpu_gb=0.25)
+    with pytest.raises(ConnectionError, match=rf"ray.address {address}: .*needs ray.auth: token"):
+        _run_data_steps(tmp_path / "refused", {"executor": "ray", "ray": ray}, raw=raw)
+    ray = ray.model_copy(update={"auth": "token", "token_path": str(token)})
+    start = time.monotonic()
+    on_ray = _run_data_steps(tmp_path / "ray", {"executor": "ray", "workers": 2, "ray": ray}, raw=raw)
+    seconds = time.monotonic() - start
+    _assert_same_output(tmp_path / "local", tmp_path / "ray", local, on_ray)
+    assert identity(CurationConfig(executor="ray", ray=ray)) == identity(CurationConfig())
+    assert list(head_logs.glob(f"python-core-driver-*_{os.getpid()}.log"))  # this process drove the head
+    assert "RAY_AUTH_MODE" not in os.environ  # the connection's environment is put back
+    print(f"tiny subset on Ray: curate + tokenize {seconds:.0f} s")  # measured for docs/scale.md

@@ -46,3 +46,27 @@ def test_a_recipe_threshold_reaches_the_filter_the_step_runs(tmp_path):
     gopher, dropped = verdict([f"curation.filters.docs.gopher_quality.min_doc_words={words + 1}"])
     assert dropped == (False, "gopher_short_doc")
     assert gopher.max_non_alpha_words_ratio == 0.7  # the docs preset's own default is kept under the override
+
+
+def test_stage_stats_are_summed_from_the_tasks_files_in_the_local_executors_form(tmp_path):
+    """On Slurm and Ray datatrove's merged stats.json (written by a later job on Slurm) holds a
+    per-task counter as a summary; read_stage_stats sums the tasks' own files and gives totals."""
+    import json
+
+    from curation.stages import read_stage_stats
+
+    folder = tmp_path / "filter" / "stats"
+    folder.mkdir(parents=True)
+    for rank, (rejected, docs) in enumerate([(1, 10), (2, 12)]):
+        task = [
+            {
+                "name": "reader",
+                "time_stats": 0,
+                "stats": {"rejected_too_large": rejected, "doc_len": {"total": docs * 5, "n": docs, "mean": 5}},
+            }
+        ]
+        (folder / f"{rank:05d}.json").write_text(json.dumps(task))
+    (tmp_path / "filter" / "stats.json").write_text("[]")  # a merge job's file, stale or late: not read
+    [entry] = read_stage_stats(tmp_path, "filter")
+    assert entry["stats"]["rejected_too_large"] == 3 and entry["stats"]["doc_len"]["total"] == 110
+    assert read_stage_stats(tmp_path, "nothing") == []

@@ -12,9 +12,12 @@ from flows.data_plan import (
     TOKENIZE_TOKENS_PER_CPU_S,
     TOKENS_PER_DOCUMENT,
     data_rows,
+    executor_problems,
     format_data_rows,
+    slurm_hours,
+    task_hours,
 )
-from flows.recipe import load_recipe
+from flows.recipe import ExecutorRefused, check_data, load_recipe
 
 
 def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
@@ -32,8 +35,8 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     # where each runs: curation on the recipe's Slurm partition, 2 GB a task, the held-out index inside
     assert by["curate"].executor == "slurm (cpu, 1 CPU x 2 GB)" and by["curate"].mem_gb == 2
     assert "held-out index every task loads (1.29 GB)" in by["curate"].note
-    # the recipe names no tokenize executor: its 500 workers run on the flow host, and the plan says so
-    assert by["tokenize"].executor == "flow host (500 workers)"
+    # tokenization on Slurm too (it ran 500 local workers on the flow host when the recipe named none)
+    assert by["tokenize"].executor == "slurm (cpu, 1 CPU x 2 GB)"
     # the source step: datatrove tasks on curation's executor (read, id buckets, finish: 1,000 each
     # per source), no task holding more than one bucket of DCLM's ids
     assert by["source"].executor == by["curate"].executor and by["source"].tasks == 71 * 3 * 1000
@@ -62,3 +65,64 @@ def test_the_tiny_data_plan_runs_on_the_flow_host():
     assert all(r.executor.startswith("flow host") for r in rows)
     # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources
     assert {r.step: r.tasks for r in rows} == {"source": 6, "curate": 12, "tokenize": 12}
+
+
+def test_no_data_step_of_the_3b_recipe_runs_on_the_flow_host():
+    """Every data step of smollm3-3b on Slurm, its time limit and memory per task covering the
+    data plan's longest task; the same recipe with tokenization left on the local executor (its
+    500 workers) is refused on a flow host of any size below 500 cores, naming the field."""
+    recipe = load_recipe("smollm3-3b")
+    assert {recipe.curation.executor, recipe.tokenize.executor} == {"slurm"}
+    assert executor_problems(recipe, cores=2) == ([], [])
+    hours, source = task_hours(recipe)["curate"]
+    assert source == "dclm/dclm" and 24 < hours < slurm_hours(recipe.curation.slurm.time)
+    assert task_hours(recipe)["tokenize"][0] < slurm_hours(recipe.tokenize.slurm.time)
+
+    local = load_recipe("smollm3-3b", ["tokenize.executor=local"])
+    for cores in (2, 64, 256):
+        refused, _ = executor_problems(local, cores=cores)
+        assert len(refused) == 1 and refused[0].startswith(
+            "tokenize.executor is local: the tokenize step would run 500"
+        )
+    assert executor_problems(local, cores=500) == ([], [])  # one worker per core, under a day
+    # one worker per core of a small host: not refused, but the months it would take are said
+    refused, warned = executor_problems(
+        load_recipe("smollm3-3b", ["tokenize.executor=local", "tokenize.workers=null"]), 2
+    )
+    assert refused == [] and warned == [
+        "tokenize.executor is local: the tokenize step needs ~11,938 CPU-hours, ~248.7 days on this host's 2 "
+        "cores; a cluster executor runs it in parallel"
+    ]
+    with pytest.raises(ExecutorRefused, match=r"tokenize.executor is local: .* 500 workers on this \d+-core"):
+        check_data(local, allow_missing=True, sample=False)
+
+
+def test_small_local_recipes_and_cluster_limits_are_warned_not_refused(capsys):
+    # tiny: a few CPU-seconds; more workers than cores only oversubscribes them
+    tiny = load_recipe("tiny", ["curation.workers=64"])
+    refused, warned = executor_problems(tiny, cores=2)
+    assert refused == [] and warned == [
+        "curation.workers 64 is more than this host's 2 cores: the source step oversubscribes them "
+        "(unset it to run one worker per core)",
+        "curation.workers 64 is more than this host's 2 cores: the curate step oversubscribes them "
+        "(unset it to run one worker per core)",
+    ]
+    assert executor_problems(load_recipe("tiny"), cores=1) == ([], [])
+    # a Slurm limit below the longest task; a request below the memory per task (100 id buckets
+    # of DCLM: 3.5 GB each)
+    short = load_recipe(
+        "smollm3-3b",
+        ['curation.slurm.time="1-00:00:00"', "curation.tasks=100"],
+    )
+    _, warned = executor_problems(short, cores=2)
+    assert any(
+        w.startswith("curation.slurm.time 1-00:00:00 is shorter than the curate step's longest task") for w in warned
+    )
+    assert "curation.slurm asks 2 GB per task, less than the source step's 3.5 GB" in " ".join(warned)
+    check_data(short, allow_missing=True, sample=False)  # warned on stderr, not refused
+    assert "WARNING: recipe smollm3-3b: curation.slurm.time 1-00:00:00" in capsys.readouterr().err
+
+
+def test_slurm_time_limits_in_every_format():
+    assert slurm_hours("90") == 1.5 and slurm_hours("30:00") == 0.5 and slurm_hours("72:00:00") == 72
+    assert slurm_hours("2-12") == 60 and slurm_hours("1-00:30") == 24.5 and slurm_hours("1-01:00:00") == 25

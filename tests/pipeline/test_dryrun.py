@@ -45,6 +45,8 @@ OPERATIONAL = [
     "eval.batch_size=64",
     "curation.workers=2",
     "curation.executor=ray",
+    "curation.ray.address=ray://10.0.0.1:10001",  # the cluster and its authentication: where, not what
+    "tokenize.executor=ray & tokenize.ray.auth=token",
     "curation.min_kept_share=0.5",
     "curation.sample_documents=10",
     "curation.sample_chars=1000",
@@ -205,10 +207,7 @@ def test_every_operational_recipe_field_is_exercised_above():
     marked field is changed by a case of OPERATIONAL (or listed here with why it is not)."""
     not_settable_here = {
         "curation.slurm",
-        "curation.ray",
         "tokenize.slurm",
-        "tokenize.ray",
-        "tokenize.executor",
         "resources.poll_seconds",
         "workspace",
     }  # need a cluster, or move outputs
