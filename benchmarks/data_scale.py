@@ -177,11 +177,10 @@ def m_heldout_load(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
 
 def m_curate(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     from curation.executors import make_executors
-    from curation.heldout import HeldoutIndex
     from curation.stages import plan_stages
     from tasks.curate import CurationConfig
 
-    held = HeldoutIndex.load(work / "index.npz").ids
+    held = json.loads((work / "heldout.json").read_text())["documents"]  # not the index: tasks load it
     config = CurationConfig(tasks=args.tasks, workers=1, removed_samples=0)
     out = work / "out"
     stages = plan_stages(
@@ -192,7 +191,7 @@ def m_curate(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
         start = time.perf_counter()
         peak = max(forked_peak(lambda ex=ex, r=r: ex._run_for_rank(r)) for r in range(tasks))
         seconds = (time.perf_counter() - start) / tasks
-        x = {"exact": n, "cluster": n, "heldout": len(held), "buckets": n / tasks}.get(name, n / tasks)
+        x = {"exact": n, "cluster": n, "heldout": held, "buckets": n / tasks}.get(name, n / tasks)
         rows.append({"part": f"curate {name}", "x": x, "peak": peak, "seconds": seconds})
     return rows
 
@@ -327,6 +326,7 @@ def prepare_curate(work: Path, n: int, tasks: int) -> None:
     write_shards(work / "train", texts(n), tasks)
     write_shards(work / "heldout", [t for _, t in held], 1, prefix="held/")
     HeldoutIndex.build(held, 8).save(work / "index.npz")
+    (work / "heldout.json").write_text(json.dumps({"documents": len(held)}))
 
 
 def prepare_tokenize(work: Path, n: int, tasks: int) -> None:
@@ -463,6 +463,12 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
         "loader_shards": stage_shards[loader_stage],
         "largest": largest.name,
         "ranks": recipe.launch.nodes * recipe.launch.gpus_per_node,
+        # what a curation (and source) task asks its Slurm partition for, where the recipe says
+        "task_request_gb": (
+            recipe.curation.slurm.cpus_per_task * recipe.curation.slurm.mem_per_cpu_gb
+            if recipe.curation.executor == "slurm" and recipe.curation.slurm
+            else None
+        ),
         "sources": len(sizes),
         "tokens": sum(s.tokens for s in recipe.stages),
     }
@@ -588,6 +594,15 @@ def report(rows: list[dict], scale: dict, fewer: dict | None, args: argparse.Nam
         )
     if not over:
         print("every part within its budget at recipe scale")
+    request = scale.get("task_request_gb")
+    if request is not None:
+        above = [p["part"] for p in lines if p["part"].startswith(("ingest", "heldout load", "curate"))]
+        above = [p for p in lines if p["part"] in above and p["peak_at"] > request * GB]
+        for p in above:
+            print(
+                f"above the recipe's Slurm request per task ({request:g} GB, curation.slurm): {p['part']} "
+                f"at {p['peak_at'] / GB:,.2f} GB"
+            )
     worst = max(lines, key=lambda p: p["peak_at"])
     print(f"worst per-process peak at recipe scale: {worst['peak_at'] / GB:.2f} GB ({worst['part']})")
     return lines
