@@ -23,7 +23,10 @@ largest task's; the inputs are written beforehand by this process, never by the 
 - a curation task: every stage of `curation/stages.py` `plan_stages` (the curate step's own
   plan, preset `--preset`), each task forked and run by datatrove's executor as a cluster task
   runs it: x = documents per task for the parallel stages, the source's documents for the
-  single-task exact-dedup and MinHash-cluster stages, held-out documents for the held-out stage;
+  stages whose tasks see all of it (exact-dedup find and MinHash cluster, one task each; MinHash
+  buckets, a task per band), held-out documents for the held-out stage. Those four are projected
+  thousands of times past the largest size, so their slope is the traced heap's (tracemalloc, a
+  second run of the task), which page noise cannot hide; their peak is the RSS measured plus it;
 - a tokenization task: the `tokenize` step itself (tasks/tokenize.py, a BPE of 512 tokens, the
   local executor with one worker: its tasks one after another in this process): x = documents per task;
 - the mixture plan: the `mixture` step (tasks/mixture.py) over N/4 token shards of 10 sources:
@@ -57,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,10 @@ WORDS = (
     "the of and to in is was for on that with as by at from this are be or an it not which have one had "
     "all were when we there can more if out so what up about into than them only other new some could time"
 ).split()
+# curation stages whose tasks see every document of the source (a band of each, for buckets), so
+# their x at the recipe is thousands of times the largest measured: their slope is taken from the
+# traced heap, where page noise cannot hide a slow growth
+WHOLE_SOURCE = ("exact", "buckets", "cluster", "heldout")
 STAGES_IN_REPORT = 3  # stages of the synthetic run the report step draws
 HELDOUT_WORDS = 100  # words of a synthetic held-out document
 MIXTURE_SOURCES = 10
@@ -85,7 +93,7 @@ PARTS: dict[str, tuple[str, str, str, float]] = {
     "curate filter": ("curation task", "cluster task", "documents per task", TASK),
     "curate exact": ("curation task", "cluster task (1)", "source documents", TASK),
     "curate unique": ("curation task", "cluster task", "documents per task", TASK),
-    "curate buckets": ("curation task", "cluster task", "source documents / buckets", TASK),
+    "curate buckets": ("curation task", "cluster task (1 per band)", "source documents", TASK),
     "curate cluster": ("curation task", "cluster task (1)", "source documents", TASK),
     "curate final": ("curation task", "cluster task", "documents per task", TASK),
     "curate heldout": ("curation task", "cluster task (1)", "held-out documents", TASK),
@@ -134,6 +142,32 @@ def forked_peak(run) -> int:
     from ingest_scale import forked_peak as peak
 
     return peak(run)
+
+
+def forked_heap(run) -> int:
+    """Peak traced heap bytes (tracemalloc: Python's and numpy's allocations, exact and free of
+    page noise, but slow) of a task forked from this process."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            import tracemalloc
+
+            tracemalloc.start()
+            run()
+            os.write(write, str(tracemalloc.get_traced_memory()[1]).encode())
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    os.close(write)
+    _, status, _ = os.wait4(pid, 0)
+    with os.fdopen(read) as fh:
+        got = fh.read()
+    if status != 0:
+        raise RuntimeError(f"a traced task failed (status {status}); its traceback is above")
+    return int(got)
 
 
 # ---- the measurements, each in a fresh process ----------------------------------------------------
@@ -191,8 +225,11 @@ def m_curate(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
         start = time.perf_counter()
         peak = max(forked_peak(lambda ex=ex, r=r: ex._run_for_rank(r)) for r in range(tasks))
         seconds = (time.perf_counter() - start) / tasks
-        x = {"exact": n, "cluster": n, "heldout": held, "buckets": n / tasks}.get(name, n / tasks)
+        x = {"exact": n, "cluster": n, "heldout": held, "buckets": n}.get(name, n / tasks)
         rows.append({"part": f"curate {name}", "x": x, "peak": peak, "seconds": seconds})
+        if name in WHOLE_SOURCE:  # a task that sees the whole source: its growth, exactly, traced once more
+            (out / "logs" / name / "completions" / "00000").unlink()  # or datatrove skips the done rank
+            rows[-1]["heap"] = forked_heap(lambda ex=ex: ex._run_for_rank(0))
     return rows
 
 
@@ -437,7 +474,6 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
         lines[stage.name] = -(-stage_steps(stage, recipe.training) // interval)
     loader_stage = max(stage_docs, key=stage_docs.get)
     ngrams = (indexed if indexed is not None else largest.documents * 0.05 * len(sizes)) * WORDS_PER_DOCUMENT
-    buckets = recipe.curation.minhash_buckets
     return {
         "x": {
             "ingest read": per_read,
@@ -448,7 +484,7 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
             "curate filter": per_curate,
             "curate exact": largest.documents,
             "curate unique": per_curate,
-            "curate buckets": largest.documents / buckets,
+            "curate buckets": largest.documents,
             "curate cluster": largest.documents,
             "curate final": per_curate,
             "curate heldout": held_docs,
@@ -533,7 +569,15 @@ def projections(rows: list[dict], scale: dict, fewer: dict | None) -> list[dict]
         mem, tim = fit(xs, peaks), fit(xs, secs)
         at = scale["x"][part]
         peak_at = project(mem, peaks, at)
-        note = ""
+        note, slope = "", mem.b
+        if all("heap" in r for r in mine):
+            # the traced heap's slope (exact) instead of the RSS's (page noise hides a slow growth)
+            heap = fit(xs, [r["heap"] for r in mine])
+            peak_at, slope = max(peaks) + max(heap.b, 0.0) * max(at - xs[-1], 0.0), heap.b
+            note = (
+                f"traced heap {mine[0]['heap'] / 1e6:,.1f} -> {mine[-1]['heap'] / 1e6:,.1f} MB, "
+                f"{heap.b:,.1f} bytes per unit of x (the projection's slope)"
+            )
         if part == "loader rank" and fewer is not None:
             # documents and shards apart (loader_scale.project), on the loader's own heap
             from loader_scale import project as two_slopes
@@ -555,6 +599,7 @@ def projections(rows: list[dict], scale: dict, fewer: dict | None) -> list[dict]
                 "seconds_at": project(tim, secs, at),
                 "budget": PARTS[part][3],
                 "note": note,
+                "slope": slope,
                 "rows": mine,
             }
         )
@@ -590,7 +635,7 @@ def report(rows: list[dict], scale: dict, fewer: dict | None, args: argparse.Nam
         print(
             f"MISSES THE GOAL: {p['part']} ({component}, {where}): {p['peak_at'] / GB:,.1f} GB at {p['x_at']:,.0f} "
             f"{unit} against {budget:g} GB; it grows as x^{p['fit'].exponent:.2f}, "
-            f"{p['fit'].b:,.1f} bytes per unit of x"
+            f"{p['slope']:,.1f} bytes per unit of x"
         )
     if not over:
         print("every part within its budget at recipe scale")
@@ -643,7 +688,7 @@ def main() -> None:
         f"{args.tasks} tasks per data step; peaks: VmHWM of each fresh process, ru_maxrss of each forked task (imports included)"
     )
     print(
-        f"recipe {args.recipe}: {scale['tokens']:,} tokens, {scale['sources']} sources (largest {scale['largest']}), "
+        f"recipe {args.recipe}: {scale['tokens']:,} tokens over its stages, {scale['sources']} sources (largest {scale['largest']}), "
         f"{scale['ranks']} ranks; the loader at {scale['loader_stage']} "
         f"({scale['x']['loader rank']:,.0f} documents in {scale['loader_shards']:,} shards)"
     )
