@@ -26,7 +26,7 @@ largest task's; the inputs are written beforehand by this process, never by the 
   stages whose tasks see all of it (exact-dedup find and MinHash cluster, one task each; MinHash
   buckets, a task per band), held-out documents for the held-out stage. Those four are projected
   thousands of times past the largest size, so their slope is the traced heap's (tracemalloc, a
-  second run of the task), which page noise cannot hide; their peak is the RSS measured plus it;
+  second run of the task), which page noise cannot hide, added to the largest RSS measured;
 - a tokenization task: the `tokenize` step itself (tasks/tokenize.py, a BPE of 512 tokens, the
   local executor with one worker: its tasks one after another in this process): x = documents per task;
 - the mixture plan: the `mixture` step (tasks/mixture.py) over N/4 token shards of 10 sources:
