@@ -213,20 +213,19 @@ def exponent(x: list[float], y: list[float]) -> float:
     return float(np.polyfit(np.log([p[0] for p in pos]), np.log([p[1] for p in pos]), 1)[0]) if len(pos) > 1 else 0.0
 
 
-def project(line: list[dict], fewer: dict, key: str) -> tuple[float, float, float]:
-    """(per document, per shard, at the recipe) of `key` ~ a + b_doc D + b_shard S. Along the
-    sizes shards grow with documents, so their slope is b_doc + b_shard S/D; the run with the
-    largest size's documents in fewer shards gives b_shard. Projected from the largest size."""
+def project(
+    line: list[dict], fewer: dict, key: str, at_docs: float = RECIPE_DOCS, at_shards: float = RECIPE_SHARDS
+) -> tuple[float, float, float]:
+    """(per document, per shard, at `at_docs` documents in `at_shards` shards: the recipe's stage 1 by
+    default) of `key` ~ a + b_doc D + b_shard S. Along the sizes shards grow with documents, so
+    their slope is b_doc + b_shard S/D; the run with the largest size's documents in fewer shards
+    gives b_shard. Projected from the largest size."""
     docs = [r["docs"] for r in line]
     slope = float(np.polyfit(np.array(docs, dtype=float), [r[key] for r in line], 1)[0])
     top = line[-1]
     per_shard = (top[key] - fewer[key]) / (top["shards"] - fewer["shards"])
     per_doc = slope - per_shard * top["shards"] / top["docs"]
-    at = (
-        top[key]
-        + max(per_doc, 0.0) * (RECIPE_DOCS - top["docs"])
-        + max(per_shard, 0.0) * (RECIPE_SHARDS - top["shards"])
-    )
+    at = top[key] + max(per_doc, 0.0) * (at_docs - top["docs"]) + max(per_shard, 0.0) * (at_shards - top["shards"])
     return per_doc, per_shard, at
 
 

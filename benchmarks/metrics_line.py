@@ -44,14 +44,27 @@ class Counts:
         return {s: self.step / (3.1 * (i + 1)) / 1e4 for i, s in enumerate(self.sources)}
 
 
-def main() -> None:
+def line_parts(step: int) -> tuple[dict, list[float], list[str], list[str]]:
+    """A metrics line's record at `step` (the trainer's own `StepReport.record`, stage 1's
+    sources), the 384 ranks' local seconds (rank 17 slower), their hosts, and the sources."""
     sources = list(yaml.safe_load((REPO / "mixtures/smollm3/stage1.yaml").read_text())["weights"])
     hosts = [f"ip-10-0-{r // 8 // 256}-{r // 8 % 256}" for r in range(RANKS)]
-    step = 1_234_567
     report = StepReport("stage1", STEPS, 576 * 4096, 6 * 3.08e9, 989e12 * RANKS, "datasheet (H100 SXM bf16)", 989e12)
     record = report.record(step, 2.0123456789, 0.31234567, 1.98765e-4, 5_312_345.678, Counts(sources, step))
     record |= {"skipped": False, "skipped_steps": 0}
     local = [0.0123456789 + (r % 7) * 1.3e-4 + (0.02 if r == 17 else 0.0) for r in range(RANKS)]
+    return record, local, hosts, sources
+
+
+def summary_line(step: int) -> dict:
+    """The line as the trainer writes it now: the record with its per-rank summary."""
+    record, local, hosts, _ = line_parts(step)
+    return {**record, "rank_local": rank_summary(local, hosts)}
+
+
+def main() -> None:
+    step = 1_234_567
+    record, local, hosts, sources = line_parts(step)
     table = torch.tensor([[x * 10, 4.4, 10.0] for x in local], dtype=torch.float64)
     config = MonitorConfig(window=3, reference_skip=0, reference_steps=1, confirm=1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,7 @@ from typing import Any
 # --- what a source is made of (assumed: the recipe names tokens only) -----------------------------
 BYTES_PER_TOKEN = 4.0  # assumed: UTF-8 bytes per Llama-3 token of English web text
 TOKENS_PER_DOCUMENT = 1300  # issue 33's reading of DCLM: ~3B documents for ~4T tokens
+WORDS_PER_DOCUMENT = 750  # assumed: words of a held-out web document (about 1,000 tokens)
 # --- measured costs -------------------------------------------------------------------------------
 # benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM: 2.1 CPU s, 0.103
 # CPU-s per MB with the three datatrove stages (0.079 for the single reader before: the id buckets
@@ -73,6 +74,44 @@ def _drawn_tokens(recipe: Any) -> dict[str, float]:
     return drawn
 
 
+@dataclass(frozen=True)
+class SourceSize:
+    """One source at the recipe's scale, as the plan sizes it: its documents and the datatrove
+    tasks of its source, curate and tokenize steps (each task's share is documents / tasks)."""
+
+    name: str
+    tokens: float  # drawn by the recipe's stages
+    documents: float
+    shards: int  # input shards of curation and tokenization
+    read_tasks: int  # the source step's read (and finish) tasks
+    id_buckets: int  # its duplicate-id tasks (0: a capped source keeps its ids in its one task)
+    curate_tasks: int
+    tokenize_tasks: int
+
+
+def source_sizes(recipe: Any) -> list[SourceSize]:
+    """Every source of the recipe at its scale (module docstring: sizes from the tokens drawn)."""
+    drawn = _drawn_tokens(recipe)
+    c, t = recipe.curation, recipe.tokenize
+    out = []
+    for s in recipe.sources:
+        docs = drawn[s.name] / TOKENS_PER_DOCUMENT
+        shards = max(s.shards, math.ceil(docs / s.documents_per_shard))
+        read = 1 if s.max_documents is not None else c.tasks
+        buckets = 0 if s.max_documents is not None else c.tasks
+        out.append(
+            SourceSize(s.name, drawn[s.name], docs, shards, read, buckets, min(c.tasks, shards), min(t.tasks, shards))
+        )
+    return out
+
+
+def heldout_index_documents(recipe: Any) -> int | None:
+    """Held-out documents every curate task indexes at the recipe's scale: each source's cap
+    (`curation.heldout.max_docs`); None without a cap (the index grows with the sources)."""
+    cap = recipe.curation.heldout.max_docs
+    return None if cap is None else len(recipe.sources) * cap
+
+
 def _where(executor: str, workers: int | None, slurm: Any) -> str:
     if executor == "slurm" and slurm is not None:
         return f"slurm ({slurm.partition}, {slurm.cpus_per_task} CPU x {slurm.mem_per_cpu_gb} GB)"
@@ -86,30 +125,28 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
     drawn = _drawn_tokens(recipe)
     c, t = recipe.curation, recipe.tokenize
     index_gb = 0.0
-    cap = c.heldout.max_docs
-    if cap is not None:  # curation/heldout.py: 12 bytes per n-gram (~750 words a document) + ~60 per document
-        index_gb = len(recipe.sources) * cap * (750 * 12 + 60) / GB
+    indexed = heldout_index_documents(recipe)
+    if indexed is not None:  # curation/heldout.py: 12 bytes per n-gram (a word each) + ~60 per document
+        index_gb = indexed * (WORDS_PER_DOCUMENT * 12 + 60) / GB
     id_bytes = 4 if recipe.tokenizer.vocab_size > 65535 else 2
     rows = {"source": [0, 0.0, 0.0, 0.0], "curate": [0, 0.0, 0.0, 0.0], "tokenize": [0, 0.0, 0.0, 0.0]}
     buckets = {}  # source -> the id buckets of its duplicate-id stage (none: a capped source)
-    for s in recipe.sources:
-        tokens = drawn[s.name]
+    for size in source_sizes(recipe):
+        tokens, docs = size.tokens, size.documents
         mb = tokens * BYTES_PER_TOKEN / 1e6
-        docs = tokens / TOKENS_PER_DOCUMENT
-        shards = max(s.shards, math.ceil(docs / s.documents_per_shard))
         # per task: the Slurm request where there is one (the index must fit in it), else the index
         curate_mem = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else index_gb
         # the source step: read and finish tasks (one for a capped source, else `curation.tasks`,
         # at most one per file) and as many id buckets, each holding its share of the ids
-        read = 1 if s.max_documents is not None else c.tasks
-        buckets[s.name] = 0 if s.max_documents is not None else c.tasks
-        source_mem = max(SOURCE_TASK_GB * GB, docs / max(buckets[s.name], 1) * SOURCE_ID_BYTES)
+        read = size.read_tasks
+        buckets[size.name] = size.id_buckets
+        source_mem = max(SOURCE_TASK_GB * GB, docs / max(size.id_buckets, 1) * SOURCE_ID_BYTES)
         for step, tasks, cpu_s, disk, mem in (
-            ("source", 2 * read + buckets[s.name], mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, source_mem),
-            ("curate", min(c.tasks, shards), mb * CURATE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, curate_mem * GB),
+            ("source", 2 * read + size.id_buckets, mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, source_mem),
+            ("curate", size.curate_tasks, mb * CURATE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, curate_mem * GB),
             (
                 "tokenize",
-                min(t.tasks, shards),
+                size.tokenize_tasks,
                 tokens / TOKENIZE_TOKENS_PER_CPU_S,
                 tokens * id_bytes + docs * 8,
                 TOKENIZE_TASK_GB * GB,
