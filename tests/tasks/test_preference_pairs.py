@@ -250,10 +250,11 @@ def _marked_inputs(world, tmp_path) -> dict:
     return {"model": policy, "data": data}
 
 
+@pytest.mark.slow
 def test_a_killed_step_resumes_from_its_chunks_and_writes_the_same_bytes(world, tmp_path):
     """Chunks of 2 prompts (batches of 1, 2 per chunk): 4 chunks per mode. Think mode pairs the
-    policy with itself as a named model (every pair dropped as the same answer: the counts are
-    summed over chunks); no-think samples the policy (seeded, temperature 1), so the chunked
+    policy with itself as a named model (every pair dropped, as the same or an empty answer: the
+    counts are summed over chunks); both modes sample (seeded, temperature 1), so the chunked
     answers must draw what one batch list draws. A run killed from outside after its first chunk
     leaves no pairs.jsonl; the rerun keeps the chunks written and writes the bytes and counts of
     an uninterrupted run, which are also those of one chunk per mode."""
@@ -266,7 +267,7 @@ def test_a_killed_step_resumes_from_its_chunks_and_writes_the_same_bytes(world, 
     policy = world["policy"].meta["model_dir"]
     common = {"max_prompts": 8, "batch_size": 1}
     pairs = PairsConfig(
-        think=PairModeConfig(chosen=f"model:{policy}", max_new_tokens=16, chunk_batches=2, **common),
+        think=PairModeConfig(chosen=f"model:{policy}", max_new_tokens=16, temperature=1.0, chunk_batches=2, **common),
         no_think=PairModeConfig(max_new_tokens=12, temperature=1.0, chunk_batches=2, **common),
     )
     spec = PairsSpec(pairs=pairs, seed=5, device="cpu")
@@ -278,7 +279,9 @@ def test_a_killed_step_resumes_from_its_chunks_and_writes_the_same_bytes(world, 
     single = attempt(tmp_path / "single", PairsSpec(pairs=one_chunk, seed=5, device="cpu"), inputs, lambda _: None)
     expected = (whole.path / "pairs.jsonl").read_bytes()
     assert (single.path / "pairs.jsonl").read_bytes() == expected and single.fingerprint == whole.fingerprint
-    assert whole.meta["modes"]["think"]["dropped"] == {"same_answer": 8} and whole.meta["modes"]["think"]["pairs"] == 0
+    think = whole.meta["modes"]["think"]  # the same model twice: no pair kept, each drop counted
+    assert think["pairs"] == 0 and sum(think["dropped"].values()) == 8, think
+    assert set(think["dropped"]) <= {"same_answer", "empty_chosen"}
     assert whole.meta["modes"]["no_think"]["pairs"] == 8 and whole.meta["pairs"] == 8
     assert not (whole.path / "chunks").exists()
 
