@@ -77,6 +77,8 @@ class PreflightSpec(BaseModel):
             "global_batch": t.global_batch,
             "stage_tokens": {st.name: st.tokens for st in stages},
             "stage_seq_len": {st.name: st.seq_len for st in stages},
+            # the repeats a stage's recipe accepts, where it says (data_epochs holds it to them)
+            "stage_max_epochs": {st.name: st.max_epochs for st in stages if "max_epochs" in st.model_fields_set},
             "seq_len": max((st.seq_len for st in stages), default=0),
         }
         run_facts = {

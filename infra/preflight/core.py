@@ -67,6 +67,9 @@ class PreflightFacts:
     stage_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> tokens trained on
     stage_seq_len: Mapping[str, int] = field(default_factory=dict)  # stage -> its seq_len (else seq_len)
     available_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> unique tokens
+    # stage -> the repeats its recipe accepts (`stages[].max_epochs`, set explicitly): data_epochs
+    # fails that stage only above the larger of this and the check's `max_epochs`
+    stage_max_epochs: Mapping[str, float] = field(default_factory=dict)
     shards: tuple[str, ...] = ()  # tokenized shard folders (.ds files) that must exist
     mixture_plans: tuple[str, ...] = ()  # plan.json of each stage's mixture step (per-source epochs)
     checkpoint_keep: int = 0  # checkpoints retained on disk at once
@@ -113,6 +116,7 @@ class PreflightFacts:
         d["stage_tokens"] = dict(self.stage_tokens)
         d["stage_seq_len"] = dict(self.stage_seq_len)
         d["available_tokens"] = dict(self.available_tokens)
+        d["stage_max_epochs"] = dict(self.stage_max_epochs)
         d["shards"] = list(self.shards)
         d["mixture_plans"] = list(self.mixture_plans)
         d["eval_tasks"] = list(self.eval_tasks)
@@ -133,6 +137,8 @@ class PreflightFacts:
         for name in ("stage_tokens", "available_tokens"):
             if name in d:
                 d[name] = {str(k): int(v) for k, v in dict(d[name]).items()}
+        if "stage_max_epochs" in d:
+            d["stage_max_epochs"] = {str(k): float(v) for k, v in dict(d["stage_max_epochs"]).items()}
         return cls(**d)
 
 
