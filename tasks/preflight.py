@@ -77,8 +77,6 @@ class PreflightSpec(BaseModel):
             "global_batch": t.global_batch,
             "stage_tokens": {st.name: st.tokens for st in stages},
             "stage_seq_len": {st.name: st.seq_len for st in stages},
-            # the repeats a stage's recipe accepts, where it says (data_epochs holds it to them)
-            "stage_max_epochs": {st.name: st.max_epochs for st in stages if "max_epochs" in st.model_fields_set},
             "seq_len": max((st.seq_len for st in stages), default=0),
         }
         run_facts = {
@@ -88,6 +86,9 @@ class PreflightSpec(BaseModel):
             "micro_batch": t.micro_batch,
             "checkpoint_keep": t.keep_last + len(stages),
             "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
+            # the repeats a stage's recipe accepts, where it says (data_epochs holds it to them;
+            # operational like the stage's own max_epochs, which only warns in its mixture)
+            "stage_max_epochs": {st.name: st.max_epochs for st in stages if "max_epochs" in st.model_fields_set},
         }
         return cls(
             preflight=recipe.preflight,
