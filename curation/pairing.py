@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from curation.conversations import NO_THINK, THINK_SYSTEM, math_conversation
@@ -117,6 +117,21 @@ def pair_rows(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Pair rows (module docstring) from aligned prompts and answers, and the counts: pairs,
     dropped pairs by reason, and each side's accuracy where the answers are known."""
+    rows, counts = pair_chunk(prompts, chosen, rejected, mode, sources, answers)
+    return rows, pair_facts([counts])
+
+
+def pair_chunk(
+    prompts: Sequence[list[dict[str, str]]],
+    chosen: Sequence[str],
+    rejected: Sequence[str],
+    mode: str,
+    sources: tuple[str, str],
+    answers: Sequence[str | None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`pair_rows` for one chunk of a mode's prompts: the rows and the raw counts (prompts,
+    pairs, dropped by reason, known answers, right answers per side) that `pair_facts` sums over
+    the chunks into the mode's facts."""
     _check_mode(mode)
     answers = list(answers) if answers is not None else [None] * len(prompts)
     if not (len(prompts) == len(chosen) == len(rejected) == len(answers)):
@@ -125,7 +140,6 @@ def pair_rows(
             f"{len(answers)} answers; each prompt needs one of each"
         )
     rows, dropped, right = [], Counter(), Counter()
-    known = sum(a is not None for a in answers)
     for prompt, good, bad, answer in zip(prompts, chosen, rejected, answers, strict=True):
         if answer is not None:
             right["chosen"] += final_answer(good) == str(answer)
@@ -149,11 +163,30 @@ def pair_rows(
                     "rejected_source": sources[1],
                 }
             )
-    facts: dict[str, Any] = {"prompts": len(prompts), "pairs": len(rows), "dropped": dict(sorted(dropped.items()))}
+    counts = {
+        "prompts": len(prompts),
+        "pairs": len(rows),
+        "dropped": dict(dropped),
+        "known": sum(a is not None for a in answers),
+        "right": {"chosen": right["chosen"], "rejected": right["rejected"]},
+    }
+    return rows, counts
+
+
+def pair_facts(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's facts from its chunks' counts (`pair_chunk`): prompts, pairs, dropped pairs by
+    reason, and each side's accuracy where answers are known."""
+    prompts = pairs = known = 0
+    dropped, right = Counter(), Counter()
+    for c in chunks:
+        prompts, pairs, known = prompts + c["prompts"], pairs + c["pairs"], known + c["known"]
+        dropped.update(c["dropped"])
+        right.update(c["right"])
+    facts: dict[str, Any] = {"prompts": prompts, "pairs": pairs, "dropped": dict(sorted(dropped.items()))}
     if known:
         facts["chosen_accuracy"] = round(right["chosen"] / known, 4)
         facts["rejected_accuracy"] = round(right["rejected"] / known, 4)
-    return rows, facts
+    return facts
 
 
 def dataset_pair(row: dict[str, Any], mode: str, source: str, where: str) -> dict[str, Any]:

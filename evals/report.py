@@ -121,8 +121,9 @@ def _matrix(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def eval_table_text(rows: list[dict[str, Any]]) -> str:
-    """The eval table as aligned text (the CLI's)."""
+def eval_table_text(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]] = ()) -> str:
+    """The eval table as aligned text (the CLI's); with `parents`, then the change of each
+    post-trained model from the model its step started from (`moves_text`)."""
     if not rows:
         return "no evaluations in this run"
     header, body = _matrix(rows)
@@ -134,14 +135,19 @@ def eval_table_text(rows: list[dict[str, Any]]) -> str:
         for line in [header, *body]
     ]
     lines.insert(3, "")  # between the column heads and the models
-    return "\n".join(line.rstrip() for line in lines) + (
-        "\n\nscore ± stderr of each task's metric, on the items of its row (per task: n= in each "
-        f"cell; {THINK_TASK}: think mode, with the mean think length and the share closing it); a model is ahead of another, or of random, only by more than about two stderr"
+    return (
+        "\n".join(line.rstrip() for line in lines)
+        + (
+            "\n\nscore ± stderr of each task's metric, on the items of its row (per task: n= in each "
+            f"cell; {THINK_TASK}: think mode, with the mean think length and the share closing it); a model is ahead of another, or of random, only by more than about two stderr"
+        )
+        + _after(moves_text(rows, parents))
     )
 
 
-def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
-    """The eval table as markdown (the UI's and the report file's)."""
+def eval_table_markdown(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]] = ()) -> str:
+    """The eval table as markdown (the UI's and the report file's); with `parents`, as
+    `eval_table_text`."""
     if not rows:
         return "No evaluations in this run."
     header, body = _matrix(rows)
@@ -149,13 +155,71 @@ def eval_table_markdown(rows: list[dict[str, Any]]) -> str:
     for i, line in enumerate(body):
         cells = [f"*{c}*" if c else c for c in line] if i < 2 else line
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (
-        "\n\nScore ± stderr of each task's metric, on the items of its row (`items`; per task: "
-        "n= in each cell) (acc_norm: length-normalised accuracy; "
-        f"{GENERATION_TASK}: exact match of the final answer, no-think mode; {THINK_TASK}: the same in "
-        "think mode, the answer after the closed think block, with the mean think length in tokens "
-        "and the share of answers closing the block). A difference smaller than about two "
-        "stderr, to another model or to the random baseline, is noise."
+    return (
+        "\n".join(lines)
+        + (
+            "\n\nScore ± stderr of each task's metric, on the items of its row (`items`; per task: "
+            "n= in each cell) (acc_norm: length-normalised accuracy; "
+            f"{GENERATION_TASK}: exact match of the final answer, no-think mode; {THINK_TASK}: the same in "
+            "think mode, the answer after the closed think block, with the mean think length in tokens "
+            "and the share of answers closing the block). A difference smaller than about two "
+            "stderr, to another model or to the random baseline, is noise."
+        )
+        + _after(moves_text(rows, parents).replace("\n", "\n- ").replace(":\n", ":\n\n", 1))
+    )
+
+
+def _after(text: str) -> str:
+    return f"\n\n{text}" if text else ""
+
+
+# --- did a post-training step move the scores? ----------------------------------------------
+
+NOISE_Z = 2.0  # a change of more than this many combined stderr is more than noise
+
+
+def moves(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Per (model, parent) of `parents` (a post-trained model and the model its step started
+    from, scored on the same items): each shared task's change, score - parent's, in units of the
+    combined stderr sqrt(se^2 + se_parent^2) (`z`; unpaired, so cautious: both were scored on the
+    same items), and whether any task moved by more than `NOISE_Z` of them (`moved`)."""
+    at = {(r["model"], r["task"]): r for r in rows}
+    out = []
+    for model, parent in parents:
+        changes = []
+        for task in sorted({r["task"] for r in rows if r["model"] == model}, key=_task_order):
+            a, b = at.get((model, task)), at.get((parent, task))
+            if b is None or a["stderr"] is None or b["stderr"] is None:
+                continue
+            diff = a["score"] - b["score"]
+            se = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
+            z = diff / se if se > 0 else (0.0 if diff == 0 else float("inf") if diff > 0 else float("-inf"))
+            changes.append({"task": task, "diff": diff, "z": z})
+        if changes:
+            moved = any(abs(c["z"]) > NOISE_Z for c in changes)
+            out.append({"model": model, "parent": parent, "changes": changes, "moved": moved})
+    return out
+
+
+def moves_text(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> str:
+    """One line per post-trained model: the tasks it moved beyond noise from the model its step
+    started from, or a flag that it moved none (with its largest change)."""
+    lines = []
+    for m in moves(rows, parents):
+        step = f"{m['model']} vs {m['parent']}:"
+        if m["moved"]:
+            big = [c for c in m["changes"] if abs(c["z"]) > NOISE_Z]
+            lines.append(f"{step} " + ", ".join(f"{c['task']} {c['diff']:+.3f} ({c['z']:+.1f} se)" for c in big))
+        else:
+            c = max(m["changes"], key=lambda c: abs(c["z"]))
+            lines.append(
+                f"{step} NO CHANGE BEYOND NOISE on any task (largest: {c['task']} {c['diff']:+.3f}, {c['z']:+.1f} se)"
+            )
+    if not lines:
+        return ""
+    return (
+        f"Change from the model each post-training step started from, on the same items (score difference, "
+        f"in combined stderr; beyond {NOISE_Z:g} is more than noise):\n" + "\n".join(lines)
     )
 
 

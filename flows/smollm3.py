@@ -105,13 +105,31 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     evals = [n for n in g if n.step is evaluate]
     g.add(
         run_report,
-        RunReportSpec(stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals)),
+        RunReportSpec(
+            stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals), parents=started_from(evals)
+        ),
         label="smollm3",
         stages=stages,
         evals=evals,
     )
     g.final = final
     return g
+
+
+def started_from(evals: list[Node]) -> tuple[tuple[str, str], ...]:
+    """(label, label) per evaluation of a post-trained model and the evaluation, on the same
+    items (suite), of the model its step started from (a merge's: its first model), so the
+    report can say whether the step moved the scores beyond noise."""
+    scored = {(id(e.inputs["model"]), id(e.inputs["suite"])): e.label for e in evals}
+    pairs = []
+    for e in evals:
+        trained = e.inputs["model"]
+        inputs = getattr(trained, "inputs", {})
+        start = inputs.get("model") or next(iter(inputs.get("models") or ()), None)
+        parent = scored.get((id(start), id(e.inputs["suite"]))) if start is not None else None
+        if parent is not None:
+            pairs.append((e.label, parent))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)

@@ -117,11 +117,23 @@ def eval_table(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
     """Every model a run evaluated (rows: stages, then post-trained models) on every task
     (columns): each task's one metric, score ± stderr, with the random baseline and the items
     scored. The same table as the run report step's (tasks/run_report.py), from the same
-    evaluate artifacts."""
+    evaluate artifacts, with its flags of post-training steps that moved no score beyond noise
+    once the run has its report."""
     from evals.report import eval_rows, eval_table_markdown, eval_table_text
 
     rows = eval_rows(lineage.labelled_outputs(run_id, "evaluate"))
-    return eval_table_markdown(rows) if markdown else eval_table_text(rows)
+    parents = _started_from(lineage, run_id)
+    return eval_table_markdown(rows, parents) if markdown else eval_table_text(rows, parents)
+
+
+def _started_from(lineage: Lineage, run_id: str) -> tuple[tuple[str, str], ...]:
+    """The run report's (post-trained model, model its step started from) labels, once the run
+    has its report (tasks/run_report.py `parents`)."""
+    for _, art in lineage.labelled_outputs(run_id, "run_report"):
+        rows = lineage.query_dicts("SELECT config FROM artifacts WHERE fingerprint = ?", [art.fingerprint])
+        config = json.loads(rows[0]["config"]) if rows and rows[0]["config"] else {}
+        return tuple((str(a), str(b)) for a, b in config.get("parents") or ())
+    return ()
 
 
 def final_artifact(lineage: Lineage, run_id: str) -> dict[str, Any] | None:

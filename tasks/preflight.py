@@ -91,6 +91,9 @@ class PreflightSpec(BaseModel):
             "micro_batch": t.micro_batch,
             "checkpoint_keep": t.keep_last + len(stages),
             "workspace": str(resolve_workspace(recipe.workspace)),  # never the current directory
+            # the repeats a stage's recipe accepts, where it says (data_epochs holds it to them;
+            # operational like the stage's own max_epochs, which only warns in its mixture)
+            "stage_max_epochs": {st.name: st.max_epochs for st in stages if "max_epochs" in st.model_fields_set},
         }
         return cls(
             preflight=recipe.preflight,

@@ -10,7 +10,9 @@ into its folder:
 - `evals.md` / `evals.json`: one row per evaluated model (stages, then post-trained models), one
   column per task, each cell the task's headline metric ± stderr (tasks/evaluate.py), the column
   head naming the metric, the random baseline and the items scored (a cell whose items or
-  baseline differ says so).
+  baseline differ says so), then, per post-trained model, the tasks it moved beyond noise from
+  the model its step started from, or a flag that it moved none (also the meta's `moved` and
+  `unmoved`).
 It publishes them as two Prefect markdown artifacts with stable keys, `<label>-loss-curve` and
 `<label>-evals` (label "smollm3": `smollm3-loss-curve`, `smollm3-evals`), and it is cached and
 lineage-tracked like every step. `smollm3 summary` and `smollm3 report` (flows/views.py) print
@@ -28,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from evals.report import eval_rows, eval_table_markdown, eval_table_text, plot_run_loss, stages_markdown
+from evals.report import eval_rows, eval_table_markdown, eval_table_text, moves, plot_run_loss, stages_markdown
 from evals.training_metrics import stage_rows
 from pipeline.artifact import Artifact
 from pipeline.step import step
@@ -41,12 +43,18 @@ class RunReportSpec(BaseModel):
 
     stages: tuple[str, ...] = ()  # labels of the `stages` inputs (training order)
     evals: tuple[str, ...] = ()  # labels of the `evals` inputs (stages, then post-trained models)
+    # (post-trained model, the model its step started from), as eval labels on the same items:
+    # the table flags a step whose scores did not move beyond noise (evals/report.py `moves`)
+    parents: tuple[tuple[str, str], ...] = ()
 
     @model_validator(mode="after")
     def _unique(self) -> RunReportSpec:
         for name, labels in (("stages", self.stages), ("evals", self.evals)):
             if len(set(labels)) != len(labels):
                 raise ValueError(f"run report {name} labels repeat: {list(labels)}")
+        unknown = sorted({label for pair in self.parents for label in pair} - set(self.evals))
+        if unknown:
+            raise ValueError(f"run report parents name labels that are no evals: {unknown} (evals: {list(self.evals)})")
         return self
 
 
@@ -98,9 +106,10 @@ def run_report(
     if trained:
         plot_run_loss(trained, out / "loss.png")
     (out / "stages.md").write_text(stages_markdown(trained) + "\n", encoding="utf-8")
-    (out / "evals.md").write_text(eval_table_markdown(rows) + "\n", encoding="utf-8")
+    (out / "evals.md").write_text(eval_table_markdown(rows, config.parents) + "\n", encoding="utf-8")
     (out / "evals.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
-    log("eval scores of the run\n" + eval_table_text(rows))
+    log("eval scores of the run\n" + eval_table_text(rows, config.parents))
+    changes = moves(rows, config.parents)
     steps = sum(s["steps"] for s in trained)
     tokens = sum(s["tokens"] for s in trained)
     final = next((s["metrics"][-1]["loss"] for s in reversed(trained) if s["metrics"]), None)
@@ -110,4 +119,7 @@ def run_report(
         "steps": steps,
         "tokens": tokens,
         "final_loss": final,
+        # post-training steps whose scores moved beyond noise from their starting model, and not
+        "moved": [m["model"] for m in changes if m["moved"]],
+        "unmoved": [m["model"] for m in changes if not m["moved"]],
     }

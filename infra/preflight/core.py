@@ -74,6 +74,9 @@ class PreflightFacts:
     # are the fields above (the 3B recipe's long-context stages: 12 nodes, TP 2 x CP 4, micro 1)
     stage_layouts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     available_tokens: Mapping[str, int] = field(default_factory=dict)  # stage -> unique tokens
+    # stage -> the repeats its recipe accepts (`stages[].max_epochs`, set explicitly): data_epochs
+    # fails that stage only above the larger of this and the check's `max_epochs`
+    stage_max_epochs: Mapping[str, float] = field(default_factory=dict)
     shards: tuple[str, ...] = ()  # tokenized shard folders (.ds files) that must exist
     mixture_plans: tuple[str, ...] = ()  # plan.json of each stage's mixture step (per-source epochs)
     checkpoint_keep: int = 0  # checkpoints retained on disk at once
@@ -142,6 +145,7 @@ class PreflightFacts:
         d["stage_seq_len"] = dict(self.stage_seq_len)
         d["stage_layouts"] = {k: dict(v) for k, v in self.stage_layouts.items()}
         d["available_tokens"] = dict(self.available_tokens)
+        d["stage_max_epochs"] = dict(self.stage_max_epochs)
         d["shards"] = list(self.shards)
         d["mixture_plans"] = list(self.mixture_plans)
         d["eval_tasks"] = list(self.eval_tasks)
@@ -162,6 +166,8 @@ class PreflightFacts:
         for name in ("stage_tokens", "available_tokens"):
             if name in d:
                 d[name] = {str(k): int(v) for k, v in dict(d[name]).items()}
+        if "stage_max_epochs" in d:
+            d["stage_max_epochs"] = {str(k): float(v) for k, v in dict(d["stage_max_epochs"]).items()}
         return cls(**d)
 
 

@@ -138,16 +138,20 @@ class DataEpochs(Check):
             return self.skip("facts give no available_tokens, shards or mixture_plans to count")
         worst = max(epochs.values())
         value = ", ".join(f"{s}: {e:.2f} epochs{label.get(s, '')}" for s, e in epochs.items())
-        threshold = f"<= 1 epoch (warn up to {c.max_epochs:g})"
+        # A stage whose recipe accepts more repeats (reasoning mid-training: 4-5 epochs) is held to that.
+        limit = {s: max(c.max_epochs, f.stage_max_epochs.get(s, 0.0)) for s in epochs}
+        own = {s: v for s, v in limit.items() if v > c.max_epochs}
+        threshold = f"<= 1 epoch (warn up to {c.max_epochs:g}" + "".join(f", {s} {v:g}" for s, v in own.items()) + ")"
         over = [s for s, e in epochs.items() if e > 1]
-        if worst > c.max_epochs:
-            too_many = [s for s, e in epochs.items() if e > c.max_epochs]
+        too_many = [s for s, e in epochs.items() if e > limit[s]]
+        if too_many:
             return self.result(
                 "fail",
                 value,
                 threshold,
-                f"stage(s) {', '.join(too_many)} repeat their data more than {c.max_epochs:g} times: "
-                "add data, lower the stage's tokens, or reweight the mixture",
+                f"stage(s) {', '.join(too_many)} repeat their data more than "
+                + ", ".join(f"{limit[s]:g}" for s in too_many)
+                + " times: add data, lower the stage's tokens, or reweight the mixture",
                 metric=worst,
             )
         if over:

@@ -14,8 +14,13 @@ For each mode of `posttrain.pairs` (think, no_think):
 SmolLM3's think-mode pairs took chosen answers from Qwen3-32B and rejected ones from Qwen3-0.6B;
 the tiny recipe rejects the policy's own greedy answer against the verified reference.
 
-Writes `pairs.jsonl` (every mode's rows) and returns counts per mode (pairs, dropped by reason,
-each side's accuracy where answers are known) as the artifact's meta. `preference.pairs:
+Streams: a mode's prompts are answered in chunks of `chunk_batches` generate calls, each chunk's
+pairs written to `chunks/` before the next is generated (curation/pair_chunks.py), so memory is
+one chunk's answers, not the mode's; the folder is kept after a kill (`resumable`) and a rerun
+makes only the chunks not yet written. At the end the chunks are streamed into `pairs.jsonl`
+(every mode's rows, through a temporary name renamed last: the same bytes as one uninterrupted
+run) and the counts per mode (pairs, dropped by reason, each side's accuracy where answers are
+known), summed over the chunks, are the artifact's meta. `preference.pairs:
 on_policy` makes APO train on them (trainers/posttrain/preference.py). Runs in a child process
 (torch and transformers stay out of the flow process) on the eval slot.
 """
@@ -24,13 +29,15 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from curation.pairing import as_messages, dataset_pair, mode_prompt, pair_rows, reference_answer
+from curation.pair_chunks import ChunkStore, Span, spans
+from curation.pairing import as_messages, dataset_pair, mode_prompt, pair_chunk, pair_facts, reference_answer
 from pipeline.artifact import Artifact
 from pipeline.step import step
-from trainers.posttrain.chat_data import data_state, load_rows, preference_rows, read_jsonl, write_jsonl
+from trainers.posttrain.chat_data import data_state, load_rows, preference_rows, read_jsonl
 from trainers.posttrain.common import model_dir
 from trainers.posttrain.sections import ChatDataConfig, PairModeConfig, PairsSpec
 
@@ -79,45 +86,89 @@ def _prompt_rows(cfg: PairModeConfig, data: Path, mode: str, seed: int) -> list[
     return rows[: cfg.max_prompts]
 
 
-def _answers(side: str, prompts, rows, cfg: PairModeConfig, mode: str, seed: int, policy: Path, device: str, cache):
+def _answers(side: str, prompts, rows, cfg: PairModeConfig, mode: str, seed: int, offset: int, ctx):
     """One answer per prompt from a source (reference, policy or model:NAME); models are loaded
-    once per step (`cache`)."""
+    once per step (`ctx.cache`). `offset`: the first prompt's position in the mode's prompts."""
     if side == "reference":
         return [reference_answer(r, mode) for r in rows]
     from trainers.posttrain.sampling import chat_answers, load_chat_model
 
-    name = str(policy) if side == "policy" else side[6:]
-    if name not in cache:
-        cache[name] = load_chat_model(name, device, bf16=device.startswith("cuda"))  # 32B in fp32 fits no GPU
-    model, tokenizer = cache[name]
-    return chat_answers(model, tokenizer, prompts, mode, cfg.max_new_tokens, cfg.temperature, seed, cfg.batch_size)
+    name = str(ctx.policy) if side == "policy" else side[6:]
+    if name not in ctx.cache:  # 32B in fp32 fits no GPU
+        ctx.cache[name] = load_chat_model(name, ctx.device, bf16=ctx.device.startswith("cuda"))
+    model, tokenizer = ctx.cache[name]
+    return chat_answers(
+        model, tokenizer, prompts, mode, cfg.max_new_tokens, cfg.temperature, seed, cfg.batch_size, offset
+    )
 
 
-def _mode_pairs(cfg: PairModeConfig, mode: str, data: Path, policy: Path, seed: int, device: str, cache, log):
-    if cfg.pairs is not None:
-        rows = preference_rows(cfg.pairs, cfg.hf_subset, cfg.hf_split, cfg.hf_revision, cfg.max_prompts)
-        pairs = [dataset_pair(r, mode, cfg.pairs, f"{cfg.pairs} row {i}") for i, r in enumerate(rows)]
-        facts = {"prompts": len(rows), "pairs": len(pairs), "dropped": {}, "source": cfg.pairs}
-        log(f"preference_pairs {mode}: {len(pairs)} pairs from {cfg.pairs}")
-        return pairs, facts
-    rows = _prompt_rows(cfg, data, mode, seed)
+@dataclass
+class _Run:
+    """What every mode of one step run shares."""
+
+    data: Path
+    policy: Path
+    seed: int
+    device: str
+    store: ChunkStore
+    log: Any
+    cache: dict = field(default_factory=dict)
+
+
+def _dataset_mode(cfg: PairModeConfig, mode: str, ctx: _Run) -> tuple[list[Span], dict[str, Any]]:
+    rows = preference_rows(cfg.pairs, cfg.hf_subset, cfg.hf_split, cfg.hf_revision, cfg.max_prompts)
+    plan = spans(len(rows), cfg.chunk_batches * cfg.batch_size)
+    for a, b in plan:
+        if ctx.store.counts(mode, (a, b)) is None:
+            pairs = [dataset_pair(r, mode, cfg.pairs, f"{cfg.pairs} row {i}") for i, r in enumerate(rows[a:b], a)]
+            ctx.store.write(mode, (a, b), pairs, {"prompts": b - a, "pairs": len(pairs)})
+    facts = {"prompts": len(rows), "pairs": len(rows), "dropped": {}, "source": cfg.pairs}
+    ctx.log(f"preference_pairs {mode}: {len(rows)} pairs from {cfg.pairs}")
+    return plan, facts
+
+
+def _sampled_mode(cfg: PairModeConfig, mode: str, ctx: _Run) -> tuple[list[Span], dict[str, Any]]:
+    """A mode's pairs from answers, chunk by chunk (curation/pair_chunks.py): each chunk's
+    chosen and rejected answers, paired and written before the next chunk is generated; the
+    chunks a killed attempt wrote are kept."""
+    rows = _prompt_rows(cfg, ctx.data, mode, ctx.seed)
     builtin = cfg.prompts == "builtin"
-    prompts = [mode_prompt(r["prompt"], mode, builtin) for r in rows]
-    chosen = _answers(cfg.chosen, prompts, rows, cfg, mode, seed, policy, device, cache)
-    rejected = _answers(cfg.rejected, prompts, rows, cfg, mode, seed, policy, device, cache)
-    answers = [r.get("answer") for r in rows] if builtin else None
-    pairs, facts = pair_rows(prompts, chosen, rejected, mode, (cfg.chosen, cfg.rejected), answers)
+    plan = spans(len(rows), cfg.chunk_batches * cfg.batch_size)  # whole batches: seeds as in one list
+    kept = sum(ctx.store.counts(mode, s) is not None for s in plan)
+    if kept:
+        ctx.log(f"preference_pairs {mode}: resuming, {kept} of {len(plan)} chunks already written")
+    for k, (a, b) in enumerate(plan):
+        if ctx.store.counts(mode, (a, b)) is not None:
+            continue
+        part = rows[a:b]
+        prompts = [mode_prompt(r["prompt"], mode, builtin) for r in part]
+        chosen = _answers(cfg.chosen, prompts, part, cfg, mode, ctx.seed, a, ctx)
+        rejected = _answers(cfg.rejected, prompts, part, cfg, mode, ctx.seed, a, ctx)
+        answers = [r.get("answer") for r in part] if builtin else None
+        pairs, counts = pair_chunk(prompts, chosen, rejected, mode, (cfg.chosen, cfg.rejected), answers)
+        ctx.store.write(mode, (a, b), pairs, counts)
+        if len(plan) > 1:
+            ctx.log(f"preference_pairs {mode}: chunk {k + 1}/{len(plan)} written (prompts {a}-{b - 1})")
+    facts = pair_facts(ctx.store.counts(mode, s) for s in plan)
     facts.update(chosen_source=cfg.chosen, rejected_source=cfg.rejected)
-    log(
+    ctx.log(
         f"preference_pairs {mode}: {facts['pairs']} pairs from {len(rows)} prompts (chosen: {cfg.chosen}, "
         f"rejected: {cfg.rejected}; dropped {facts['dropped'] or 'none'}"
         + (f"; rejected side right on {facts['rejected_accuracy']:.0%}" if "rejected_accuracy" in facts else "")
         + ")"
     )
-    return pairs, facts
+    return plan, facts
 
 
-@step("preference_pairs", version=1, kind="corpus", resource="eval", isolate=True, extra=_sources_state)
+@step(
+    "preference_pairs",
+    version=1,
+    kind="corpus",
+    resource="eval",
+    isolate=True,
+    resumable=True,  # the chunks of a killed attempt are kept (curation/pair_chunks.py)
+    extra=_sources_state,
+)
 def preference_pairs(config: PairsSpec, model: Artifact, data: Artifact, *, out: Path, log=print) -> dict[str, Any]:
     """Pairs per reasoning mode from the policy (`model`, the SFT model) and the recipe's
     sources on the prompts of `data` (posttrain_data's folder) or of a dataset."""
@@ -126,20 +177,21 @@ def preference_pairs(config: PairsSpec, model: Artifact, data: Artifact, *, out:
     modes = config.pairs.modes()
     if not modes:
         raise ValueError("preference_pairs: posttrain.pairs names no mode; set posttrain.pairs.think and/or no_think")
-    device = resolve_device(config.device)
-    policy, cache, rows, by_mode = model_dir(model), {}, [], {}
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = _Run(data.path, model_dir(model), config.seed, resolve_device(config.device), ChunkStore(out), log)
+    parts, by_mode = [], {}
     for mode, cfg in modes.items():
-        pairs, by_mode[mode] = _mode_pairs(cfg, mode, data.path, policy, config.seed, device, cache, log)
-        rows += pairs
-    if not rows:
+        plan, by_mode[mode] = (_dataset_mode if cfg.pairs is not None else _sampled_mode)(cfg, mode, ctx)
+        parts += [(mode, s) for s in plan]
+    total = sum(f["pairs"] for f in by_mode.values())
+    if not total:
         raise ValueError(
             f"preference_pairs: no pair kept ({by_mode}); every rejected answer was right or the "
             "prompts are empty: raise posttrain.pairs.<mode>.max_prompts or use a weaker rejected source"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "pairs.jsonl", rows)
+    ctx.store.assemble(out / "pairs.jsonl", parts)
     return {
-        "pairs": len(rows),
+        "pairs": total,
         "modes": by_mode,
         "policy": {"fingerprint": model.fingerprint, "stage": model.meta.get("stage")},
         "files": {"pairs": str(out / "pairs.jsonl")},

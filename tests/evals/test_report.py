@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evals.report import eval_rows, eval_table_markdown, eval_table_text
+import pytest
+
+from evals.report import eval_rows, eval_table_markdown, eval_table_text, moves
 from pipeline.artifact import Artifact
 
 
@@ -104,3 +106,45 @@ def test_eval_table_one_metric_per_task_with_stderr_random_and_items_per_row(tmp
     assert "| stage1 | 0.410±0.049 | 0.310±0.046 | - | - | 100 |" in markdown
     assert "arithmetic_exact_think: the same in think mode" in markdown
     assert eval_table_text([]) == "no evaluations in this run"
+
+
+def _scored(label: str, scores: dict[str, tuple[float, float]]) -> list[dict]:
+    metric = {"arithmetic_exact": "exact_match", "prose_cloze": "acc_norm", "arithmetic_cloze": "acc"}
+    return [
+        {"model": label, "task": t, "metric": metric[t], "score": s, "stderr": se, "items": 50, "random": 0.0}
+        for t, (s, se) in scores.items()
+    ]
+
+
+def test_a_post_training_step_that_moved_no_score_beyond_noise_is_flagged():
+    rows = (
+        _scored("base", {"arithmetic_exact": (0.0, 0.0), "prose_cloze": (0.25, 0.1), "arithmetic_cloze": (0.3, 0.1)})
+        # sft: exact match 0 -> 0.30 (stderr 0.065): 4.6 combined stderr, more than noise
+        + _scored("sft", {"arithmetic_exact": (0.3, 0.065), "prose_cloze": (0.3, 0.1), "arithmetic_cloze": (0.3, 0.1)})
+        # apo: every change under two combined stderr (0.34 - 0.30 = 0.04 of 0.094; 0.15 of 0.141)
+        + _scored(
+            "apo", {"arithmetic_exact": (0.34, 0.067), "prose_cloze": (0.45, 0.1), "arithmetic_cloze": (0.3, 0.1)}
+        )
+        # grpo: one of three tasks moved is enough; a parent missing a task compares the others
+        + _scored("grpo", {"arithmetic_exact": (0.6, 0.069), "prose_cloze": (0.45, 0.1)})
+    )
+    parents = [("sft", "base"), ("apo", "sft"), ("grpo", "apo")]
+    got = {m["model"]: m for m in moves(rows, parents)}
+    assert {k: m["moved"] for k, m in got.items()} == {"sft": True, "apo": False, "grpo": True}
+    sft = {c["task"]: c for c in got["sft"]["changes"]}
+    assert sft["arithmetic_exact"]["z"] == pytest.approx(0.3 / 0.065)
+    assert sft["prose_cloze"]["z"] == pytest.approx(0.05 / (2 * 0.01) ** 0.5)
+    assert [c["task"] for c in got["grpo"]["changes"]] == ["prose_cloze", "arithmetic_exact"]
+    # a score certain on both sides (stderr 0) that moved is a move; one that did not is none
+    exact = _scored("a", {"arithmetic_exact": (0.0, 0.0)}) + _scored("b", {"arithmetic_exact": (1.0, 0.0)})
+    assert moves(exact, [("b", "a")])[0]["changes"][0]["z"] == float("inf")
+    assert moves(exact + _scored("c", {"arithmetic_exact": (0.0, 0.0)}), [("c", "a")])[0]["moved"] is False
+
+    text = eval_table_text(rows, parents)
+    assert "apo vs sft: NO CHANGE BEYOND NOISE on any task (largest: prose_cloze +0.150, +1.1 se)" in text
+    assert "sft vs base: arithmetic_exact +0.300 (+4.6 se)" in text
+    assert "grpo vs apo: arithmetic_exact +0.260 (+2.7 se)" in text
+    markdown = eval_table_markdown(rows, parents)
+    assert "\n\n- sft vs base: arithmetic_exact +0.300 (+4.6 se)\n- apo vs sft: NO CHANGE BEYOND NOISE" in markdown
+    # without parents (a run without post-training, or before its report) the table is as before
+    assert "NO CHANGE" not in eval_table_text(rows) and "started from" not in eval_table_markdown(rows)

@@ -238,3 +238,22 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(workspac
     assert final.endswith("/model") and AutoModelForCausalLM.from_pretrained(final) is not None
     for _, ev in lineage.labelled_outputs(result["run_id"], "evaluate"):
         assert (ev.path / "scores.json").is_file() and (ev.path / "lm_eval_results.json").is_file()
+
+
+def test_the_run_report_knows_where_each_post_training_step_started():
+    """The report flags a post-training step that moved no score beyond noise: it compares each
+    post-trained model with the model its step started from, scored on the same items."""
+    from flows.recipe import load_recipe
+    from flows.smollm3 import graph
+
+    g = graph(load_recipe("tiny", ["workspace=/nonexistent-smollm3-plan"]), tolerant=True)
+    assert g.node("run_report[smollm3]").config.parents == (
+        ("sft", "base"),  # base: the reasoning stage's export on post-training's suite, not evaluate[reasoning]
+        ("apo", "sft"),
+        ("apo-s1", "sft"),
+        ("soup", "apo"),  # a merge: its first model
+        ("merge", "soup"),
+        ("sao", "merge"),
+        ("grpo", "merge"),
+    )
+    assert g.node("evaluate[base]").inputs["model"] is g.node("export[reasoning]")

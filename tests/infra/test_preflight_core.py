@@ -205,6 +205,25 @@ def test_shards_count_tokens_and_epochs_follow(tmp_path):
     assert run(["data_epochs"], enough)["data_epochs"].status == "pass"
 
 
+def test_a_stage_that_accepts_more_repeats_is_held_to_its_own_limit():
+    """The tiny reasoning stage repeats its traces 4.18 times and says `max_epochs: 5` (SmolLM3's
+    mid-training: 4-5 epochs): the check's default of 4 failed the demo at preflight."""
+    reasoning = {"stage_tokens": {"s1": 100, "reasoning": 418}, "available_tokens": {"s1": 1000, "reasoning": 100}}
+    assert run(["data_epochs"], PreflightFacts(**reasoning))["data_epochs"].status == "fail"
+    facts = PreflightFacts(**reasoning, stage_max_epochs={"reasoning": 5.0})
+    res = run(["data_epochs"], facts)["data_epochs"]
+    assert res.status == "warn" and res.threshold == "<= 1 epoch (warn up to 4, reasoning 5)"
+    more = PreflightFacts(
+        **{**reasoning, "stage_tokens": {"s1": 100, "reasoning": 550}}, stage_max_epochs={"reasoning": 5}
+    )
+    res = run(["data_epochs"], more)["data_epochs"]
+    assert res.status == "fail" and "stage(s) reasoning repeat their data more than 5 times" in res.advice
+    # a stage's own limit never tightens the check's, and it survives the facts' JSON round trip
+    lower = PreflightFacts(**reasoning, stage_max_epochs={"s1": 0.05, "reasoning": 5.0})
+    assert run(["data_epochs"], lower)["data_epochs"].status == "warn"
+    assert PreflightFacts.from_dict(facts.to_dict()) == facts
+
+
 def test_missing_or_empty_shard_folders_fail(tmp_path):
     (tmp_path / "empty").mkdir()
     facts = PreflightFacts(shards=(str(tmp_path / "nope"), str(tmp_path / "empty")))

@@ -102,6 +102,7 @@ OPERATIONAL = [
     "posttrain.sao.save_steps=1 & posttrain.sao.keep_checkpoints=1",
     "posttrain.sao.rollout_workers=2 & posttrain.sao.rollout_threads=2 & posttrain.sao.per_device_batch=2",
     "posttrain.pairs.think.batch_size=3 & posttrain.pairs.no_think.batch_size=2",
+    "posttrain.pairs.think.chunk_batches=1 & posttrain.pairs.no_think.chunk_batches=5",
     "posttrain.distill.per_device_batch=4",
     "posttrain.distill.save_steps=2",
     "posttrain.distill.keep_checkpoints=1",

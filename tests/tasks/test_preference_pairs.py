@@ -201,3 +201,123 @@ def test_a_prompts_dataset_without_the_prompt_column_is_named(world, tmp_path):
         preference_pairs(
             PairsSpec(pairs=cfg, device="cpu"), model=world["policy"], data=world["data"], out=tmp_path / "o"
         )
+
+
+# The kill test's child: one attempt of the step as the runner makes it (run_step with the step's
+# own `resumable`), its log lines on stdout.
+_ATTEMPT = """
+import json, sys
+from pathlib import Path
+from tests.tasks.test_preference_pairs import attempt
+from trainers.posttrain.sections import PairsSpec
+from pipeline.artifact import Artifact
+args = json.loads(sys.argv[1])
+inputs = {k: Artifact.model_validate_json(v) for k, v in args["inputs"].items()}
+attempt(Path(args["root"]), PairsSpec.model_validate_json(args["spec"]), inputs, print)
+"""
+
+
+def attempt(root: Path, spec: PairsSpec, inputs: dict, log) -> Artifact:
+    """One run of the step in workspace `root`, through run_step as the runner calls it."""
+    from pipeline.artifact import run_step
+
+    d = preference_pairs
+    return run_step(
+        root=root,
+        step=d.name,
+        version=d.version,
+        kind=d.kind,
+        config=spec,
+        inputs=inputs,
+        extra=d.facts(spec),
+        build=lambda out: d.run(spec, inputs, out, log=log),
+        resumable=d.resumable,
+    ).artifact
+
+
+def _marked_inputs(world, tmp_path) -> dict:
+    """The world's data and policy as finished step folders (run_step checks its inputs' markers)."""
+    import shutil
+
+    from infra.files import STEP_MARKER, mark_complete
+
+    shutil.copytree(world["data"].path, tmp_path / "inputs" / "data")
+    (tmp_path / "inputs" / "policy").mkdir()
+    data = world["data"].model_copy(update={"uri": str(tmp_path / "inputs" / "data")})
+    policy = world["policy"].model_copy(update={"uri": str(tmp_path / "inputs" / "policy")})
+    for art in (data, policy):
+        mark_complete(art.path, STEP_MARKER, {"artifact": art.model_dump(mode="json")})
+    return {"model": policy, "data": data}
+
+
+@pytest.mark.slow
+def test_a_killed_step_resumes_from_its_chunks_and_writes_the_same_bytes(world, tmp_path):
+    """Chunks of 2 prompts (batches of 1, 2 per chunk): 4 chunks per mode. Think mode pairs the
+    policy with itself as a named model (every pair dropped, as the same or an empty answer: the
+    counts are summed over chunks); both modes sample (seeded, temperature 1), so the chunked
+    answers must draw what one batch list draws. A run killed from outside after its first chunk
+    leaves no pairs.jsonl; the rerun keeps the chunks written and writes the bytes and counts of
+    an uninterrupted run, which are also those of one chunk per mode."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    inputs = _marked_inputs(world, tmp_path)
+    policy = world["policy"].meta["model_dir"]
+    common = {"max_prompts": 8, "batch_size": 1}
+    pairs = PairsConfig(
+        think=PairModeConfig(chosen=f"model:{policy}", max_new_tokens=16, temperature=1.0, chunk_batches=2, **common),
+        no_think=PairModeConfig(max_new_tokens=12, temperature=1.0, chunk_batches=2, **common),
+    )
+    spec = PairsSpec(pairs=pairs, seed=5, device="cpu")
+    whole = attempt(tmp_path / "whole", spec, inputs, lambda _: None)
+    one_chunk = PairsConfig(
+        think=pairs.think.model_copy(update={"chunk_batches": 8}),
+        no_think=pairs.no_think.model_copy(update={"chunk_batches": 8}),
+    )
+    single = attempt(tmp_path / "single", PairsSpec(pairs=one_chunk, seed=5, device="cpu"), inputs, lambda _: None)
+    expected = (whole.path / "pairs.jsonl").read_bytes()
+    assert (single.path / "pairs.jsonl").read_bytes() == expected and single.fingerprint == whole.fingerprint
+    think = whole.meta["modes"]["think"]  # the same model twice: no pair kept, each drop counted
+    assert think["pairs"] == 0 and sum(think["dropped"].values()) == 8, think
+    assert set(think["dropped"]) <= {"same_answer", "empty_chosen"}
+    assert whole.meta["modes"]["no_think"]["pairs"] == 8 and whole.meta["pairs"] == 8
+    assert not (whole.path / "chunks").exists()
+
+    root = tmp_path / "killed"
+    args = {
+        "root": str(root),
+        "spec": spec.model_dump_json(),
+        "inputs": {k: v.model_dump_json() for k, v in inputs.items()},
+    }
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ATTEMPT, json.dumps(args)],
+        cwd=repo,
+        env={**__import__("os").environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not list(root.glob("preference_pairs/*/chunks/*.json")):
+        assert child.poll() is None, f"the step ended before its first chunk: {child.stdout.read().decode()[-2000:]}"
+        assert time.monotonic() < deadline, "no chunk written within 300 s"
+        time.sleep(0.01)
+    __import__("os").killpg(child.pid, signal.SIGKILL)
+    child.wait(timeout=60)
+    child.stdout.close()
+    (folder,) = [p for p in root.glob("preference_pairs/*") if p.is_dir()]  # beside it: its lock file
+    done = {m: len(list(folder.glob(f"chunks/{m}-*.json"))) for m in ("think", "no_think")}
+    assert 1 <= done["think"] + done["no_think"] < 8, done
+    assert not (folder / "pairs.jsonl").exists() and not (folder / "_COMPLETE.json").exists()
+
+    lines: list[str] = []
+    again = attempt(root, spec, inputs, lines.append)
+    assert (again.path / "pairs.jsonl").read_bytes() == expected
+    assert again.meta["modes"] == whole.meta["modes"] and again.meta["pairs"] == 8
+    for mode, n in done.items():
+        resumed = [line for line in lines if line.startswith(f"preference_pairs {mode}: resuming")]
+        assert resumed == ([f"preference_pairs {mode}: resuming, {n} of 4 chunks already written"] if n else [])
+    assert not (again.path / "chunks").exists()

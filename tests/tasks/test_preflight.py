@@ -190,6 +190,7 @@ def test_spec_for_a_recipe_splits_identity_from_operational_facts(tmp_path):
     s = tp.PreflightSpec.for_recipe(recipe, "run-x")
     assert s.facts["stage_tokens"] == {st.name: st.tokens for st in recipe.stages}
     assert s.facts["seq_len"] == max(st.seq_len for st in recipe.stages) and s.facts["device"] == "cpu"
+    assert s.run_facts["stage_max_epochs"] == {"reasoning": 5.0}  # the one stage whose recipe says
     assert s.run_facts["workspace"] == str(tmp_path / "ws") and s.run_facts["tp"] == recipe.training.tp
     assert s.run_facts["checkpoint_keep"] == recipe.training.keep_last + len(recipe.stages)
     assert (s.model, s.run_id) == (recipe.training.model, "run-x")

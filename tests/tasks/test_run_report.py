@@ -124,3 +124,18 @@ def test_run_report_step_publishes_two_artifacts_under_stable_keys(two_stages, t
         "| sft | - | 0.400±0.112 (n=20) | 0.100±0.043 (n=50) | 0.300±0.065 (n=50, think 41.5 tok, 90% closed) "
         "| per task |" in PrefectArtifact.get("smollm3-evals").data
     )
+
+
+def test_the_report_flags_a_step_that_moved_no_score_beyond_noise(tmp_path):
+    evals = eval_artifacts(tmp_path)  # stage1, stage2 (the same scores), sft (prose_cloze 0.40±0.112 vs 0.31±0.046)
+    labels = tuple(label for label, _ in evals)
+    config = RunReportSpec(evals=labels, parents=(("stage2", "stage1"), ("sft", "stage2")))
+    out = tmp_path / "report"
+    out.mkdir()
+    lines: list[str] = []
+    meta = run_report(config, evals=tuple(a for _, a in evals), out=out, log=lines.append)
+    assert meta["moved"] == [] and meta["unmoved"] == ["stage2", "sft"]
+    assert "sft vs stage2: NO CHANGE BEYOND NOISE on any task (largest: prose_cloze +0.090, +0.7 se)" in lines[0]
+    assert "- stage2 vs stage1: NO CHANGE BEYOND NOISE" in (out / "evals.md").read_text()
+    with pytest.raises(ValueError, match=r"parents name labels that are no evals: \['grpo'\]"):
+        RunReportSpec(evals=labels, parents=(("grpo", "sft"),))

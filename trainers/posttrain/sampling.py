@@ -42,8 +42,10 @@ def chat_answers(
     temperature: float = 0.0,
     seed: int = 0,
     batch_size: int = 16,
+    offset: int = 0,
 ) -> list[str]:
-    """One answer per chat prompt, in `mode` (think / no_think)."""
+    """One answer per chat prompt, in `mode` (think / no_think). `offset`: the position of
+    `prompts[0]` in the whole prompt list, for the seeds (`generate_left_padded`)."""
 
     texts = [
         tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, enable_thinking=mode == "think")
@@ -52,18 +54,27 @@ def chat_answers(
     sample = temperature > 0
     extra = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}
     answers = generate_left_padded(
-        model, tokenizer, texts, batch_size, seed=seed, do_sample=sample, max_new_tokens=max_new_tokens, **extra
+        model,
+        tokenizer,
+        texts,
+        batch_size,
+        seed=seed,
+        offset=offset,
+        do_sample=sample,
+        max_new_tokens=max_new_tokens,
+        **extra,
     )
     return [a.strip() for a in answers]
 
 
 def generate_left_padded(
-    model, tokenizer, texts: list[str], batch_size: int, *, seed: int | None = None, **generate
+    model, tokenizer, texts: list[str], batch_size: int, *, seed: int | None = None, offset: int = 0, **generate
 ) -> list[str]:
     """The new text of each rendered prompt in `texts`: left-padded batches of `batch_size`,
     `model.generate(**generate)` with the model's end-of-turn ids, special tokens dropped. With
-    `seed`, each batch reseeds to `seed + its first index` (its draws depend on the seed and its
-    position only); without, the caller's generator state runs on."""
+    `seed`, each batch reseeds to `seed + offset + its first index` (its draws depend on the seed
+    and its position only: `texts` cut into pieces of whole batches, each given its `offset` in
+    the whole list, draw what the whole list draws); without, the caller's generator state runs on."""
     import torch
 
     side = tokenizer.padding_side
@@ -73,7 +84,7 @@ def generate_left_padded(
     try:
         for i in range(0, len(texts), batch_size):
             if seed is not None:
-                torch.manual_seed(seed + i)
+                torch.manual_seed(seed + offset + i)
             enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(model.device)
             with torch.no_grad():

@@ -182,6 +182,9 @@ class PairModeConfig(_Config):
     max_new_tokens: int = Field(default=64, gt=0)  # tokens per sampled answer
     temperature: float = Field(default=0.0, ge=0)  # 0: greedy; else seeded sampling
     batch_size: int = operational(16, gt=0)  # prompts per generate call
+    # generate calls per chunk: each chunk's pairs are written to disk before the next is generated
+    # (memory bounded by a chunk; a killed attempt resumes from the chunks written)
+    chunk_batches: int = operational(32, gt=0)
 
     @field_validator("prompts")
     @classmethod
