@@ -244,14 +244,16 @@ class VLLMEngine:
     loaded into the running engine, never by restarting it."""
 
     def __init__(self, cfg: dict[str, Any], worker: int):
+        import torch
         from transformers import AutoTokenizer
         from vllm import LLM
 
         from trainers.posttrain.common import stop_ids
 
-        # one process, no torch.distributed group of its own: vLLM's external launcher reads these
+        # one process, a world of one: vLLM's external launcher reads these; the worker's GPU is
+        # its number modulo the node's GPUs (cuda:LOCAL_RANK)
         os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", str(worker % max(1, torch.cuda.device_count())))
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29600 + worker))
@@ -278,10 +280,8 @@ class VLLMEngine:
 
         text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        params = SamplingParams(
+        params = SamplingParams(  # top-k and top-p left off: the full distribution, as generate's
             temperature=self.cfg["temperature"],
-            top_k=-1,
-            top_p=1.0,
             max_tokens=self.cfg["max_completion_length"],
             seed=seed,
             logprobs=0,  # the sampled token's log-prob
