@@ -376,7 +376,8 @@ def test_sao_trains_on_the_samples_of_a_rollout_pool_started_from_outside(world,
             node.kill()
             node.wait()
     assert any("no local worker" in line for line in lines), lines
-    assert not (out / "rollout" / rollout.WORKERS_FILE).exists()  # the trainer started none
+    assert not (out / "rollout" / rollout.WORKERS_FILE).exists()  # the trainer started none...
+    assert list(json.loads((out / "rollout" / "workers-node0.json").read_text())) == ["0"]  # ...the pool node did
     assert meta["steps"] == SAO.value_warmup + SAO.max_steps and meta["rollout_restarts"] == 0
     got = rows(out)
     seqs = [s for r in got for s in r["seqs"] + r["dropped_seqs"]]

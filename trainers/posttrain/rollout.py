@@ -405,15 +405,12 @@ class Workers:
     """Worker processes on this machine (the trainer's, or a pool node's): numbers `first` ...
     `first + count - 1` of `total`, children of this process; `check` restarts the dead ones."""
 
-    def __init__(self, folder: Path, first: int, count: int, total: int, threads: int, log=print):
-        self.folder, self.first, self.count, self.total, self.threads, self.log = (
-            folder,
-            first,
-            count,
-            total,
-            threads,
-            log,
-        )
+    def __init__(
+        self, folder: Path, first: int, count: int, total: int, threads: int, log=print, record: str = WORKERS_FILE
+    ):
+        self.folder, self.first, self.count, self.total = folder, first, count, total
+        self.threads, self.log = threads, log
+        self.record = record  # where their pids are written: the trainer's workers.json, a pool node's own
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
 
@@ -421,7 +418,7 @@ class Workers:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         cmd = [sys.executable, "-m", "trainers.posttrain.rollout", str(self.folder), str(worker), str(self.total)]
         self.procs[worker] = subprocess.Popen([*cmd, str(os.getpid())], env=env)
-        write_json_atomic(self.folder / WORKERS_FILE, {str(w): p.pid for w, p in self.procs.items()})
+        write_json_atomic(self.folder / self.record, {str(w): p.pid for w, p in self.procs.items()})
 
     def start_all(self) -> None:
         for w in range(self.first, self.first + self.count):
@@ -467,7 +464,8 @@ def run_pool_node(folder: Path, node: int, nodes: int, procs: int, parent: int |
     while cfg is None:  # the trainer has not prepared the folder yet
         cfg = read_config(folder)
         time.sleep(0.2)
-    workers = Workers(folder, node * procs, procs, nodes * procs, cfg.get("threads", 1), log=_flush_print)
+    record = f"workers-node{node}.json"
+    workers = Workers(folder, node * procs, procs, nodes * procs, cfg.get("threads", 1), _flush_print, record)
     workers.start_all()
     try:
         while parent is None or os.getppid() == parent:
