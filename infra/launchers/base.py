@@ -539,6 +539,9 @@ class LaunchConfig(BaseModel):
     # here; relative to code_dir. None: plain torchrun (DDP when the trainer asks for it)
     accelerate_config: ShellWord | None = None
     accelerate: ShellWord = "accelerate"  # accelerate executable (a venv path on clusters)
+    # Python on the nodes for helper pools beside the trainer (SAO's rollout pool, pool.py); the
+    # local launcher runs this interpreter
+    python: ShellWord = "python"
     code_dir: ShellWord | None = None  # checkout holding `model/`; None = this one (shared FS on Slurm)
     env: dict[
         EnvName, OneLine
@@ -639,6 +642,29 @@ class Launcher(ABC):
         `on_start` receives the handle of what was started, as soon as it exists: the process
         group id (local torchrun) or the Slurm job id; Kubernetes calls it with 0.
         """
+
+    # -- helper pools beside the trainer's job (infra/launchers/pool.py) --
+
+    def render_pool(self, pool, workdir: Path) -> str:
+        """What `submit_pool` would submit for `pool` (a PoolSpec): script, manifest, commands."""
+        raise NotImplementedError(f"the {self.config.kind} launcher runs no helper pool")
+
+    def submit_pool(self, pool, workdir: Path, log: LogFn = print) -> str:
+        """Start `pool` beside the trainer's job; returns its handle (a job id, a name, pids)."""
+        raise NotImplementedError(f"the {self.config.kind} launcher runs no helper pool")
+
+    def pool_state(self, pool, handle: str) -> str | None:
+        """None while the pool runs or waits for nodes; else how it ended, one clause starting
+        with "completed" when every node exited 0 (the trainer was done) ("ended FAILED (exit 1:0)")."""
+        raise NotImplementedError(f"the {self.config.kind} launcher runs no helper pool")
+
+    def cancel_pool(self, pool, handle: str, workdir: Path) -> None:
+        """Stop the pool (whatever it is doing) and forget its record."""
+        raise NotImplementedError(f"the {self.config.kind} launcher runs no helper pool")
+
+    def describe_pool(self, pool, handle: str) -> str:
+        """The pool for people: "Slurm job 12 (2 nodes), log ..."."""
+        return f"{self.config.kind} {pool.name} pool {handle}"
 
 
 LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")

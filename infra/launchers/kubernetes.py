@@ -403,6 +403,94 @@ class KubernetesLauncher(Launcher):
     def render(self, spec_path: Path, workdir: Path) -> str:
         return yaml.safe_dump(self.manifest(Path(spec_path), Path(workdir)), sort_keys=False)
 
+    # -- a helper pool beside the PyTorchJob (infra/launchers/pool.py) --
+
+    def pool_name(self, pool, workdir: Path) -> str:
+        digest = hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:8]
+        base = re.sub(r"[^a-z0-9-]", "-", f"{self.config.kubernetes.job_name}-{pool.name}".lower()).strip("-")
+        return f"{base[:40]}-{digest}"
+
+    def pool_manifest(self, pool, workdir: Path) -> dict[str, Any]:
+        """A second replica set beside the PyTorchJob: a batch/v1 Indexed Job of `pool.nodes`
+        pods (completions = parallelism = nodes), each running the pool's command with its index
+        (`$(POOL_NODE)`, from the Job's completion-index annotation). A PyTorchJob takes only
+        Master and Worker replicas, which all join torchrun's rendezvous: the pool is not one.
+        Same image, claim, code folder, environment, resources and node selector as the trainer's
+        pods; a pod that fails restarts in place (OnFailure), a Job that fails is resubmitted by
+        the step's launch while the trainer runs."""
+        c, k = self.config, self.config.kubernetes
+        if k.workspace_claim and not Path(workdir).is_relative_to(k.workspace_mount):
+            raise ValueError(
+                f"step folder {workdir} is not under kubernetes.workspace_mount {k.workspace_mount}: the "
+                f"{pool.name} pool's pods only see the shared claim"
+            )
+        trainer = self.manifest(Path(workdir) / "spec.json", workdir)
+        replica = next(iter(trainer["spec"]["pytorchReplicaSpecs"].values()))
+        pod = copy.deepcopy(replica["template"]["spec"])
+        container = pod["containers"][0]
+        container["name"] = pool.name
+        container["command"] = pool.argv(c.python, "$(POOL_NODE)")
+        container.pop("args", None)
+        index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        container["env"] = [{"name": "POOL_NODE", "valueFrom": {"fieldRef": {"fieldPath": index}}}, *container["env"]]
+        pod["restartPolicy"] = "OnFailure"
+        pod.pop("schedulerName", None)  # the pool's pods are independent: no gang to wait for
+        labels = dict(trainer["metadata"]["labels"])
+        return {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": self.pool_name(pool, workdir), "namespace": k.namespace, "labels": labels},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": pool.nodes,
+                "parallelism": pool.nodes,
+                "backoffLimit": 4 * pool.nodes,  # pod restarts in place before the Job counts as failed
+                "template": {"metadata": {"labels": labels}, "spec": pod},
+            },
+        }
+
+    def render_pool(self, pool, workdir: Path) -> str:
+        return yaml.safe_dump(self.pool_manifest(pool, Path(workdir)), sort_keys=False)
+
+    def submit_pool(self, pool, workdir: Path, log: LogFn = print) -> str:
+        """Apply the pool's Job (on stdin; `launch/{name}-job.yaml` for people to read), after
+        deleting one an earlier launch of this step left."""
+        name, ns = self.pool_name(pool, workdir), self.config.kubernetes.namespace
+        text = self.render_pool(pool, workdir)
+        copy_path = Path(workdir) / "launch" / f"{pool.name}-job.yaml"
+        copy_path.parent.mkdir(parents=True, exist_ok=True)
+        copy_path.write_text(text)
+        gone = self._kubectl("delete", "job", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=600s")
+        if gone.returncode != 0:
+            raise LaunchFailed(f"could not delete the leftover {pool.name} pool Job {ns}/{name}: {gone.stderr.strip()}")
+        proc = self._kubectl("apply", "-f", "-", input=text)
+        if proc.returncode != 0:
+            raise LaunchFailed(f"kubectl apply -f - ({copy_path}, from memory) failed: {proc.stderr.strip()}")
+        return f"{ns}/{name}"
+
+    def pool_state(self, pool, handle: str) -> str | None:
+        ns, name = handle.split("/", 1)
+        proc = self._kubectl("get", "job", name, "-n", ns, "-o", "json")
+        if proc.returncode != 0:
+            if "NotFound" in (proc.stderr or ""):
+                return "is gone (deleted)"
+            raise LaunchFailed(f"kubectl get job {name} -n {ns} failed: {proc.stderr.strip()}")
+        conditions = json.loads(proc.stdout).get("status", {}).get("conditions", [])
+        true = {cond["type"]: cond.get("reason", "") for cond in conditions if cond.get("status") == "True"}
+        if "Complete" in true:
+            return "completed"
+        if "Failed" in true:
+            return f"ended Failed ({true['Failed'] or 'no reason given'})"
+        return None
+
+    def cancel_pool(self, pool, handle: str, workdir: Path) -> None:
+        ns, name = handle.split("/", 1)
+        self._kubectl("delete", "job", name, "-n", ns, "--ignore-not-found", "--wait=false")
+
+    def describe_pool(self, pool, handle: str) -> str:
+        nodes = "1 pod" if pool.nodes == 1 else f"{pool.nodes} pods"
+        return f"{pool.name} pool Job {handle} ({nodes}; `kubectl logs -n {handle.split('/')[0]} job/{handle.split('/')[1]}`)"
+
     def _kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
         try:
             return self.runner(["kubectl", *args]) if input is None else self.runner(["kubectl", *args], input=input)

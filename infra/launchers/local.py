@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from infra.launchers.base import (
     free_port,
 )
 from infra.launchers.fabric import launch_env
-from infra.proc import ChildFailed, run_streaming
+from infra.proc import ChildFailed, kill_group, run_streaming
 
 PORT_ATTEMPTS = 3
 
@@ -95,6 +96,61 @@ class LocalTorchrun(Launcher):
 
     def render(self, spec_path: Path, workdir: Path) -> str:
         return shlex.join(self.command(Path(spec_path), port=self.config.master_port or 29500))
+
+    # -- a helper pool: one process per "node", on this machine, in a session of its own --
+
+    def pool_commands(self, pool, parent: int | None = None) -> list[list[str]]:
+        """Each node's command; `parent`: the pid the nodes end with (`pool.parent_arg`)."""
+        tail = [pool.parent_arg, str(parent)] if parent is not None and pool.parent_arg else []
+        return [pool.argv(sys.executable, str(node)) + tail for node in range(pool.nodes)]
+
+    def render_pool(self, pool, workdir: Path) -> str:
+        return "\n".join(shlex.join(cmd) for cmd in self.pool_commands(pool)) + "\n"
+
+    def submit_pool(self, pool, workdir: Path, log: LogFn = print) -> str:
+        """The nodes as children of this process (they end with it: `pool.parent_arg`), each in
+        a session of its own, their output appended to `{workdir}/{name}-pool.log`."""
+        if not hasattr(self, "_pools"):
+            self._pools: dict[str, list[subprocess.Popen]] = {}
+        logfile = Path(workdir) / f"{pool.name}-pool.log"
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        procs = []
+        with open(logfile, "ab") as out:
+            for cmd in self.pool_commands(pool, parent=os.getpid()):
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=self.config.code_path,
+                        env={**os.environ, **self.env()},
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+        handle = ",".join(str(p.pid) for p in procs)
+        self._pools[handle] = procs
+        return handle
+
+    def pool_state(self, pool, handle: str) -> str | None:
+        for node, proc in enumerate(self._pools[handle]):
+            code = proc.poll()
+            if code is None:
+                continue
+            if code == 0 and all(p.poll() == 0 for p in self._pools[handle]):
+                return "completed"
+            if code != 0:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"ended: node {node} (pid {proc.pid}) {how}"
+        return None
+
+    def cancel_pool(self, pool, handle: str, workdir: Path) -> None:
+        for proc in self._pools.pop(handle, []):
+            kill_group(proc, grace=10.0)
+
+    def describe_pool(self, pool, handle: str) -> str:
+        n = "1 process" if pool.nodes == 1 else f"{pool.nodes} processes"
+        return f"local {pool.name} pool ({n}, pid {handle})"
 
     def launch(self, spec_path: Path, workdir: Path, log: LogFn = print, *, on_start: OnStart = None) -> None:
         spec_path = check_spec(spec_path)

@@ -355,6 +355,92 @@ class SlurmLauncher(Launcher):
             "fi",
         ]
 
+    # -- a helper pool beside the trainer's job (infra/launchers/pool.py) --
+
+    def render_pool(self, pool, workdir: Path) -> str:
+        """A separate job of `pool.nodes` nodes, one task per node, each running the pool's
+        command with its node index (`$SLURM_PROCID`, expanded by the task's own shell). Same
+        partition, account, time, setup and environment as the trainer's job; never requeued by
+        Slurm (the step's launch resubmits it while the trainer runs: PoolRunner)."""
+        c, s = self.config, self.config.slurm
+        workdir = Path(workdir).resolve()
+        code = c.code_path
+        sb: list[tuple[str, str | None]] = [
+            ("job-name", f"{s.job_name}-{pool.name}"),
+            ("nodes", str(pool.nodes)),
+            ("ntasks-per-node", "1"),  # one pool node process per node; it starts the workers
+        ]
+        if c.gpus_per_node:
+            sb.append(("gpus-per-node", str(c.gpus_per_node)))
+        if s.cpus_per_task:
+            sb.append(("cpus-per-task", str(s.cpus_per_task)))
+        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
+            if value is not None:
+                sb.append((key, value))
+        sb.append(("time", s.time))
+        if s.exclusive:
+            sb.append(("exclusive", None))
+        sb += [
+            ("no-requeue", None),
+            ("open-mode", "append"),
+            ("output", str(workdir / f"{pool.name}-%j.log")),
+            ("chdir", str(code)),
+        ]
+        sb += sorted(s.sbatch_args.items())
+        lines = [
+            "#!/bin/bash",
+            f"# The {pool.name} pool of a smollm3 step, rendered by infra/launchers/slurm.py: re-render, do not edit.",
+            f"# Beside the trainer's job in {workdir}; they meet in its folder on the shared file system.",
+        ]
+        lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sb]
+        lines += ["", *s.setup, "set -uo pipefail"]
+        lines += [f'export PYTHONPATH={shlex.quote(str(code))}"${{PYTHONPATH:+:$PYTHONPATH}}"']
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(({"OMP_NUM_THREADS": "1"} | dict(c.env)).items())]
+        inner = shlex.join(pool.argv(c.python, "__NODE__")).replace("__NODE__", '"$SLURM_PROCID"')
+        lines += [
+            'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
+            f'echo "[pool] job $SLURM_JOB_ID: {pool.name} pool on $SLURM_JOB_NUM_NODES node(s) $SLURM_JOB_NODELIST"',
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
+            "  bash -c " + shlex.quote("exec " + inner),
+            "rc=$?",
+            'echo "[pool] srun exited with code $rc"',
+            "exit $rc",
+            "",
+        ]
+        return "\n".join(lines)
+
+    def submit_pool(self, pool, workdir: Path, log: LogFn = print) -> str:
+        """sbatch the pool's script (`launch/{name}.sbatch`); a pool job of this step that an
+        earlier launch left running with the same script is followed instead, one with another
+        script cancelled first (the trainer's rules: `reattach`)."""
+        workdir = Path(workdir).resolve()
+        text = self.render_pool(pool, workdir)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        record = f"slurm-{pool.name}.json"
+        job = self.reattach(workdir, digest, log, record_name=record)
+        if job is None:
+            script = workdir / "launch" / f"{pool.name}.sbatch"
+            job = self.submit(script, workdir, text, tag=job_tag(workdir, digest), script=script)
+            JobRecord(workdir, record).write(job, digest, cluster=self.cluster())
+        return job
+
+    def pool_state(self, pool, handle: str) -> str | None:
+        try:
+            state, code = self.state(handle)
+        except JobGone:
+            return "is gone from Slurm"
+        if state in DONE:
+            return "completed"
+        return f"ended {state} (exit {code})" if state in FAILED else None
+
+    def cancel_pool(self, pool, handle: str, workdir: Path) -> None:
+        self.runner(["scancel", handle])  # one that ended already: nothing to do
+        JobRecord(Path(workdir).resolve(), f"slurm-{pool.name}.json").clear()
+
+    def describe_pool(self, pool, handle: str) -> str:
+        nodes = "1 node" if pool.nodes == 1 else f"{pool.nodes} nodes"
+        return f"{pool.name} pool Slurm job {handle} ({nodes})"
+
     # -- submission and monitoring --
 
     def _call(self, cmd: Sequence[str], what: str, input: str | None = None) -> str:
@@ -371,12 +457,19 @@ class SlurmLauncher(Launcher):
             )
         return proc.stdout
 
-    def submit(self, spec_path: Path, workdir: Path, script_text: str | None = None, tag: str | None = None) -> str:
+    def submit(
+        self,
+        spec_path: Path,
+        workdir: Path,
+        script_text: str | None = None,
+        tag: str | None = None,
+        script: Path | None = None,
+    ) -> str:
         """sbatch the script (on stdin: what is submitted is these bytes, whatever happens to
-        the copy written into `workdir/launch/` for people to read), with comment `tag`; returns
-        the job id."""
+        the copy written into `workdir/launch/` for people to read: `script`, by default
+        `train.sbatch`), with comment `tag`; returns the job id."""
         text = script_text if script_text is not None else self.render(spec_path, workdir)
-        script = self.script_path(workdir)
+        script = script or self.script_path(workdir)
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(text)
         cmd = ["sbatch", "--parsable", *([f"--comment={tag}"] if tag else [])]
@@ -442,7 +535,9 @@ class SlurmLauncher(Launcher):
             "check `squeue --me` and the job log"
         )
 
-    def reattach(self, workdir: Path, digest: str, log: LogFn = print, timeout_s: float = 600.0) -> str | None:
+    def reattach(
+        self, workdir: Path, digest: str, log: LogFn = print, timeout_s: float = 600.0, record_name: str = RECORD
+    ) -> str | None:
         """The job an earlier launch of this stage left running, now followed by this one; None
         when there is none to follow (a new job must be submitted).
 
@@ -452,7 +547,7 @@ class SlurmLauncher(Launcher):
         cancelled first and waited for: two jobs in one stage folder would write the same
         checkpoints and metrics. Refuses while the recorded owner is still alive on this host.
         """
-        record = JobRecord(workdir, RECORD)
+        record = JobRecord(workdir, record_name)
         found = record.read()
         if found is None:
             return None

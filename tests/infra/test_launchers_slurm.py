@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,56 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
         .path.joinpath("model.safetensors")
         .is_file()
     )
+
+
+@pytest.mark.slow
+def test_sao_trains_on_a_rollout_pool_that_runs_as_a_slurm_job(local_slurm, tmp_path):  # noqa: F811
+    """SAO's rollout pool (`rollout_nodes: 1`) as a real Slurm job beside the trainer (here the
+    trainer runs in this process): the job's task runs the pool node on the allocation, the
+    trainer trains on its samples and starts no worker, and its end completes the job."""
+    from infra.launchers.pool import PoolRunner, read_pool_record
+    from pipeline.artifact import MARKER
+    from tasks.posttrain.data import posttrain_data
+    from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
+    from trainers.posttrain.launch import rollout_pool
+    from trainers.posttrain.sao import train_sao
+    from trainers.posttrain.sections import ChatDataSpec, SAOConfig
+
+    corpora = make_corpora(tmp_path / "corpora")
+    base = make_tiny_model(tmp_path, corpus_texts(corpora))
+    posttrain_data(ChatDataSpec(data=DATA), corpora, out=tmp_path / "data", log=lambda _: None)
+    (tmp_path / "data" / MARKER).write_text("{}")
+    section = SAOConfig(
+        enabled=True,
+        max_steps=2,
+        value_warmup=1,
+        batch=4,
+        max_completion_length=12,
+        rollout_nodes=1,
+        rollout_timeout_s=300,
+    )
+    slurm = LaunchConfig(
+        kind="slurm",
+        module="trainers.posttrain",
+        python=sys.executable,
+        slurm=SlurmLaunchConfig(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-pool-test"),
+    )
+    out = tmp_path / "sao"
+    launcher = get_launcher(slurm)
+    lines: list[str] = []
+    with PoolRunner(launcher, rollout_pool(section, out), out, lines.append, poll_s=0.5):
+        job = read_pool_record(out, "rollout")["job"]
+        meta = train_sao(section, base, tmp_path / "data", out, device="cpu", log=lines.append)
+        for _ in range(240):  # the trainer's `done` ends the pool's task, which completes the job
+            if launcher.pool_state(rollout_pool(section, out), job) is not None:
+                break
+            time.sleep(0.5)
+        assert launcher.pool_state(rollout_pool(section, out), job) == "completed"
+    text = "\n".join(lines)
+    assert f"rollouts from the rollout pool Slurm job {job} (1 node)" in text and "no local worker" in text, text
+    assert meta["steps"] == 3 and meta["samples"] >= 12 and meta["rollout_restarts"] == 0
+    assert not (out / "rollout" / "workers.json").exists()
+    log = (out / f"rollout-{job}.log").read_text()
+    assert "rollout pool node 0/1" in log and "the trainer is done" in log and "srun exited with code 0" in log, log
+    script = (out / "launch" / "rollout.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --no-requeue" in script

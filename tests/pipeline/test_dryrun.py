@@ -101,6 +101,7 @@ OPERATIONAL = [
     "posttrain.grpo.keep_checkpoints=1",
     "posttrain.sao.save_steps=1 & posttrain.sao.keep_checkpoints=1",
     "posttrain.sao.rollout_workers=2 & posttrain.sao.rollout_threads=2 & posttrain.sao.per_device_batch=2",
+    "posttrain.sao.rollout_nodes=2 & posttrain.sao.rollout_timeout_s=60 & posttrain.sao.engine=auto",
     "posttrain.pairs.think.batch_size=3 & posttrain.pairs.no_think.batch_size=2",
     "posttrain.pairs.think.chunk_batches=1 & posttrain.pairs.no_think.chunk_batches=5",
     "posttrain.distill.per_device_batch=4",

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
+import subprocess
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -98,13 +101,13 @@ def test_explained_variance():
 
 
 def test_a_restarted_worker_starts_at_its_first_missing_sample_at_or_after_the_queue_position(tmp_path):
-    (tmp_path / rollout.QUEUE).mkdir()
+    rollout.queue_dir(tmp_path, "s1").mkdir(parents=True)
     rollout.write_consumed(tmp_path, 5)
     for seq in (5, 6, 7, 9):
-        rollout.sample_path(tmp_path, seq).write_text("{}")
-    assert rollout.first_free_seq(tmp_path, 0, 1) == 8
+        rollout.sample_path(tmp_path, "s1", seq).write_text("{}")
+    assert rollout.first_free_seq(tmp_path, "s1", 0, 1) == 8
     # two workers: worker 1 owns the odd numbers (7 and 9 are there), worker 0 the even ones
-    assert rollout.first_free_seq(tmp_path, 1, 2) == 11 and rollout.first_free_seq(tmp_path, 0, 2) == 8
+    assert rollout.first_free_seq(tmp_path, "s1", 1, 2) == 11 and rollout.first_free_seq(tmp_path, "s1", 0, 2) == 8
     assert sorted(rollout.prompt_order(10, 0)) == list(range(10)) and rollout.prompt_order(10, 0) != list(range(10))
 
 
@@ -328,3 +331,136 @@ def test_the_flow_runs_sao_beside_grpo_from_the_same_model_on_one_rank(tmp_path)
     assert where.startswith("slurm, 1 node x 1 process (1 GPU") and "torchrun" in where, where
     assert "8 nodes" in rows["grpo[grpo]"].launch
     assert "sao[sao]" not in {n.key for n in flow_graph("smollm3", load_recipe("smollm3-3b", []))}  # off by default
+
+
+# --- the rollout pool: workers in processes of their own, not the trainer's -------------------
+
+POOLED = SAO.model_copy(update={"rollout_nodes": 1, "rollout_timeout_s": 300.0})
+
+
+def _policy(world) -> Path:
+    from trainers.posttrain.common import model_dir
+
+    return model_dir(world["model"])
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sao_trains_on_the_samples_of_a_rollout_pool_started_from_outside(world, tmp_path):
+    """The pool node is started by the test with the command line the launcher renders (as the
+    pool's job would run it); the trainer starts no worker, trains on the pool's samples, and its
+    end ends the pool."""
+    from infra.launchers import get_launcher
+    from trainers.posttrain.launch import rollout_pool
+    from trainers.posttrain.sao import train_sao
+
+    out = tmp_path / "sao"
+    rendered = get_launcher(LaunchConfig(module="trainers.posttrain")).render_pool(rollout_pool(POOLED, out), out)
+    (command,) = rendered.splitlines()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with open(tmp_path / "pool.log", "wb") as log:
+        node = subprocess.Popen(shlex.split(command), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        lines: list[str] = []
+        meta = train_sao(POOLED, _policy(world), world["data"].path, out, device="cpu", log=lines.append)
+        assert node.wait(timeout=60) == 0  # the trainer's `done` ended the pool
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert any("no local worker" in line for line in lines), lines
+    assert not (out / "rollout" / rollout.WORKERS_FILE).exists()  # the trainer started none...
+    assert list(json.loads((out / "rollout" / "workers-node0.json").read_text())) == ["0"]  # ...the pool node did
+    assert meta["steps"] == SAO.value_warmup + SAO.max_steps and meta["rollout_restarts"] == 0
+    got = rows(out)
+    seqs = [s for r in got for s in r["seqs"] + r["dropped_seqs"]]
+    assert sorted(seqs) == list(range(meta["samples"]))
+    text = (tmp_path / "pool.log").read_text()
+    assert "rollout pool node 0/1" in text and "the trainer is done" in text, text
+
+
+@pytest.mark.slow
+def test_a_rollout_pool_that_never_produces_stops_the_trainer_naming_its_job(world, tmp_path):
+    """The pool's one node is frozen (SIGSTOP) from outside as soon as it starts: no sample comes."""
+    from infra.launchers import get_launcher
+    from infra.launchers.pool import PoolRunner, read_pool_record
+    from trainers.posttrain.launch import rollout_pool
+    from trainers.posttrain.sao import RolloutPoolSilent, train_sao
+
+    out = tmp_path / "sao"
+    section = POOLED.model_copy(update={"rollout_timeout_s": 3.0})
+    launcher = get_launcher(LaunchConfig(module="trainers.posttrain"))
+    with PoolRunner(launcher, rollout_pool(section, out), out, lambda _: None, poll_s=0.2):
+        pid = int(read_pool_record(out, "rollout")["job"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RolloutPoolSilent) as err:
+                train_sao(section, _policy(world), world["data"].path, out, device="cpu", log=lambda _: None)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert f"no sample from the local rollout pool (1 process, pid {pid}) for 3 s (waiting for sample 0" in str(
+        err.value
+    )
+
+
+@pytest.mark.slow
+def test_the_vllm_engine_asked_for_where_it_does_not_import_stops_the_trainer_with_why(world, tmp_path):
+    from trainers.posttrain.sao import train_sao
+
+    section = SAO.model_copy(update={"engine": "vllm"})
+    with pytest.raises(
+        RuntimeError, match=r"rollout worker 0 on .*: RuntimeError: posttrain.sao.engine is vllm but vllm"
+    ):
+        train_sao(section, _policy(world), world["data"].path, tmp_path / "sao", device="cpu", log=lambda _: None)
+
+
+def _kill_pool(folder: Path) -> int:
+    from infra.launchers.pool import read_pool_record
+
+    pid = int(read_pool_record(folder, "rollout")["job"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.slow
+def test_sao_step_with_a_rollout_pool_survives_the_pool_s_death(world, tmp_path):
+    """The step on the local launcher with `rollout_nodes: 1`: its launch starts the pool beside
+    the trainer; the pool's node is SIGKILLed mid-run, the launch resubmits it, and the trainer
+    ends on every sample exactly once."""
+    watcher = Watcher(
+        tmp_path,
+        lambda f: (f / "metrics.jsonl").is_file() and bool((f / "metrics.jsonl").read_text().strip()),
+        _kill_pool,
+    )
+    watcher.start()
+    lines: list[str] = []
+    artifact = build(world, tmp_path, lines.append, section=POOLED)
+    watcher.join(timeout=5)
+    assert watcher.done is not None, "the run ended before its pool could be killed"
+    text = "\n".join(lines)
+    assert f"ended: node 0 (pid {watcher.done}) killed by signal 9 while the trainer runs; resubmitting" in text, text
+    assert "no local worker" in text
+    assert artifact.meta["steps"] == 5 and artifact.meta["policy_version"] == SAO.max_steps
+    assert_every_sample_once(artifact)
+    assert not (artifact.path / "launch" / "rollout-pool.json").exists()  # stopped with the launch
+
+
+def test_the_rollout_pool_shows_in_the_plan_and_moves_no_fingerprint(tmp_path):
+    from flows.graphs import plan
+    from flows.recipe import load_recipe
+
+    base = ["posttrain.sao.enabled=true", f"workspace={tmp_path / 'ws'}"]
+    local = {r.key: r for r in plan(load_recipe("smollm3-3b", base))}["sao[sao]"]
+    pooled = load_recipe("smollm3-3b", [*base, "posttrain.sao.rollout_nodes=4", "posttrain.sao.engine=auto"])
+    row = {r.key: r for r in plan(pooled)}["sao[sao]"]
+    assert "rollout pool: 4 node(s) x 1 worker(s), auto" in row.launch and "rollout pool" not in local.launch
+    assert row.fingerprint == local.fingerprint  # how the rollouts run, not what the step computes
+    with pytest.raises(ValueError, match="posttrain.sao.engine"):
+        load_recipe("smollm3-3b", [*base, "posttrain.sao.engine=sglang"])

@@ -32,10 +32,11 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, mod
 
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
+from infra.launchers.pool import NODE, PoolRunner, PoolSpec
 from infra.storage import CheckpointMirror, pull_latest_checkpoint
 from model.spec import TrackerConfig
 from pipeline.child import progress_lines
-from trainers.posttrain import sections
+from trainers.posttrain import rollout, sections
 from trainers.posttrain.sections import PosttrainSpec
 from trainers.tracker import tracker_dir
 
@@ -117,6 +118,31 @@ def s3_checkpoints(run: PosttrainSpec, out: Path) -> str | None:
     return f"{uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if uri else None
 
 
+def rollout_pool(section: sections.TrainerConfig, out: Path) -> PoolSpec | None:
+    """SAO's rollout pool (`posttrain.sao.rollout_nodes` > 0): each node runs
+    `python -m trainers.posttrain.rollout pool {out}/rollout --node I --nodes N --procs W`."""
+    if not isinstance(section, sections.SAOConfig) or section.rollout_nodes == 0:
+        return None
+    n = section.rollout_nodes
+    folder = str(out / "rollout")
+    args = ("pool", folder, "--node", NODE, "--nodes", str(n), "--procs", str(section.rollout_workers))
+    return PoolSpec("rollout", n, "trainers.posttrain.rollout", args, parent_arg="--parent")
+
+
+def helper_pool(run: PosttrainSpec, out: Path, log: Callable[[str], None]):
+    """The trainer's helper pool, running for as long as its launch (a no-op without one). The
+    pool's job runs on the step's launcher with the pool's node count, one task per node; the
+    rollout folder's `done` of an earlier launch is removed first, so the new pool does not end
+    at once."""
+    pool = rollout_pool(run.section, out)
+    if pool is None:
+        return nullcontext()
+    (out / "rollout" / rollout.DONE).unlink(missing_ok=True)
+    config = run.launch.model_copy(update={"nodes": pool.nodes, "procs_per_node": 1})
+    poll = {"slurm": config.slurm.poll_seconds, "kubernetes": config.kubernetes.poll_seconds}.get(config.kind, 1.0)
+    return PoolRunner(get_launcher(config), pool, out, log, poll_s=poll)
+
+
 def launch_trainer(
     trainer: str,
     run: PosttrainSpec,
@@ -156,7 +182,10 @@ def launch_trainer(
     line = progress_lines(log, progress)
 
     mirror = CheckpointMirror(remote, config=run.storage) if remote else None
-    with mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext():
+    with (
+        mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext(),
+        helper_pool(run, out, log),
+    ):
         get_launcher(config).launch(
             out / SPEC, out, line, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
         )

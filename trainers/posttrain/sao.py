@@ -5,10 +5,13 @@ batch and uses the group mean as the baseline. Here, as in the SAO note (GLM pos
 slime; AReaL's decoupled objective; VAPO's value model):
 
 - **One rollout per prompt, generated elsewhere.** `rollout_workers` processes
-  (trainers/posttrain/rollout.py, CPU, transformers generation) sample completions and write them
-  into a bounded file queue in the step folder; the trainer takes them in sequence order and
+  (trainers/posttrain/rollout.py; transformers generation, or vLLM) sample completions and write
+  them into a bounded file queue in the step folder; the trainer takes them in sequence order and
   updates as soon as it holds `batch` usable samples. Every `push_every` policy updates it
-  publishes its weights (a new policy version) for the workers to load between samples.
+  publishes its weights (a new policy version) for the workers to load between samples. The
+  workers run beside the trainer, started by it, or (`rollout_nodes` > 0) as a pool job of their
+  own that the step's launch submits (infra/launchers/pool.py); the trainer then starts none, and
+  stops with an error naming the pool's job when no sample comes for `rollout_timeout_s`.
 - **Bounded staleness, off-policy correction.** Each sample carries the version that generated it
   and its behaviour log-probs. A sample more than `max_staleness` versions behind the trainer is
   dropped and counted. The loss is AReaL's decoupled PPO (trainers/posttrain/sao_objective.py):
@@ -28,8 +31,10 @@ restart counts), sealed with the manifest of trainers/posttrain/common.py. A res
 from the newest verified one: the queue's samples after its position are deleted (they may come
 from versions the restart no longer has) and generated again by the restored policy, so every
 sample number is trained or dropped exactly once in the run's `metrics.jsonl` (`seqs`,
-`dropped_seqs`). A rollout worker that dies is restarted by the trainer at its first missing
-sample; samples already queued are kept.
+`dropped_seqs`). A restart is a new session of the rollout folder: a pool's workers see it and
+start over at the restart's position. A local rollout worker that dies is restarted by the
+trainer at its first missing sample (a pool's, by its pool node; a pool job that ends, by the
+step's launch); samples already queued are kept.
 
 Runs as one process (`python -m trainers.posttrain spec.json`, the step's launch with one rank);
 the `sao` step (tasks/posttrain/sao.py) launches it.
@@ -41,8 +46,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -151,14 +154,21 @@ def advantages(rewards, values, mask, cfg: SAOConfig):
     return ((adv - mean) / (std + 1e-6)) * mask, targets
 
 
-class Rollouts:
-    """The trainer's end of the queue: starts the workers, takes samples in order, restarts a
-    worker that died, pushes weights."""
+class RolloutPoolSilent(RuntimeError):
+    """The external rollout pool produced no sample within `rollout_timeout_s`."""
 
-    def __init__(self, folder: Path, cfg: SAOConfig, policy: Path, prompts: Path, seed: int, log):
+
+class Rollouts:
+    """The trainer's end of the queue: prepares the rollout folder for a new session, starts the
+    local workers (none with a pool: `rollout_nodes` > 0), takes samples in order, restarts a
+    local worker that died, stops when a worker cannot start or a pool stays silent, pushes
+    weights."""
+
+    def __init__(self, folder: Path, cfg: SAOConfig, policy: Path, prompts: Path, seed: int, log, device: str = "cpu"):
         self.folder, self.cfg, self.log = folder, cfg, log
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.restarts = 0
+        self.external = cfg.rollout_nodes > 0
+        self.session = rollout.new_session()
+        self.workers = rollout.Workers(folder, 0, cfg.rollout_workers, cfg.rollout_workers, cfg.rollout_threads, log)
         self.config = {
             "policy": str(policy),
             "prompts": str(prompts),
@@ -168,27 +178,42 @@ class Rollouts:
             "format_weight": cfg.format_weight,
             "queue_size": cfg.queue_size,
             "threads": cfg.rollout_threads,
+            "engine": cfg.engine,
+            # a pool's workers generate on their node's GPUs when the trainer has one; local
+            # workers stay on the CPU, leaving the trainer's GPU to the trainer
+            "device": device if self.external else "cpu",
+            "session": self.session,
         }
 
+    @property
+    def restarts(self) -> int:
+        return self.workers.restarts
+
+    @restarts.setter
+    def restarts(self, n: int) -> None:
+        self.workers.restarts = n
+
     def reset(self, consumed: int) -> None:
-        """Before the workers start: end the workers of a killed attempt, drop every queued sample
-        and pushed weights (those after `consumed` may come from versions this run no longer
-        has). The workers wait for the first push."""
+        """Before the workers start: end the local workers of a killed attempt, drop every queued
+        sample and pushed weights (those after `consumed` may come from versions this run no
+        longer has), then publish this session's settings last: workers (a pool's too) see the
+        new session, start at their first free sample and wait for its first push."""
         self._end_old_workers()
-        (self.folder / rollout.WEIGHTS).unlink(missing_ok=True)
+        for name in (rollout.WEIGHTS, rollout.DONE, rollout.ERROR):
+            (self.folder / name).unlink(missing_ok=True)
         if (self.folder / rollout.QUEUE).exists():
             shutil.rmtree(self.folder / rollout.QUEUE)
         for old in self.folder.glob("weights-*.safetensors"):
             old.unlink()
-        (self.folder / rollout.QUEUE).mkdir(parents=True)
-        write_json_atomic(self.folder / rollout.CONFIG, self.config)
+        rollout.queue_dir(self.folder, self.session).mkdir(parents=True)
         rollout.write_consumed(self.folder, consumed)
+        write_json_atomic(self.folder / rollout.CONFIG, self.config)
 
     def _end_old_workers(self) -> None:
         """Workers end with their trainer (parent-death signal); one still finishing a sample is
         ended here, by the pid its trainer recorded, and only if it is that worker."""
         try:
-            pids = json.loads((self.folder / "workers.json").read_text())
+            pids = json.loads((self.folder / rollout.WORKERS_FILE).read_text())
         except (OSError, ValueError):
             return
         for pid in pids.values():
@@ -199,29 +224,46 @@ class Rollouts:
             if b"trainers.posttrain.rollout" in cmdline and str(self.folder).encode() in cmdline:
                 os.kill(pid, 9)
 
-    def start(self, worker: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.rollout_threads)}
-        n = str(self.cfg.rollout_workers)
-        cmd = [sys.executable, "-m", "trainers.posttrain.rollout", str(self.folder), str(worker), n, str(os.getpid())]
-        self.procs[worker] = subprocess.Popen(cmd, env=env)
-        write_json_atomic(self.folder / "workers.json", {str(w): p.pid for w, p in self.procs.items()})
-
     def start_all(self) -> None:
-        for w in range(self.cfg.rollout_workers):
-            self.start(w)
+        if not self.external:
+            self.workers.start_all()
+            return
+        (self.folder / rollout.WORKERS_FILE).unlink(missing_ok=True)
+        self.log(
+            f"sao: rollouts from {self.pool_name()} ({self.cfg.rollout_nodes} node(s) x "
+            f"{self.cfg.rollout_workers} worker(s)); no local worker"
+        )
+
+    def pool_name(self) -> str:
+        """The pool as the step's launch recorded it (`launch/rollout-pool.json`)."""
+        from infra.launchers.pool import pool_record, read_pool_record
+
+        record = read_pool_record(self.folder.parent, "rollout")
+        if record is None:
+            return (
+                f"the rollout pool (no job recorded in {pool_record(self.folder.parent, 'rollout')}: "
+                "rollout_nodes > 0 needs the step's launch to start it)"
+            )
+        restarts = f", resubmitted {record['restarts']} time(s)" if record.get("restarts") else ""
+        return f"the {record.get('describe', 'rollout pool')}{restarts}"
 
     def take(self, seq: int) -> tuple[dict[str, Any], float]:
-        """Sample `seq` (waiting for it; restarting a worker that died) and the seconds waited."""
-        path = rollout.sample_path(self.folder, seq)
+        """Sample `seq` (waiting for it; restarting a local worker that died) and the seconds waited."""
+        path = rollout.sample_path(self.folder, self.session, seq)
         began = time.monotonic()
         while not path.exists():
-            for worker, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is not None:
-                    self.restarts += 1
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    self.log(f"sao: rollout worker {worker} (pid {proc.pid}) ended by {how}; restarting it")
-                    self.start(worker)
+            error = rollout.read_error(self.folder, self.session)
+            if error is not None:
+                raise RuntimeError(f"sao: a rollout worker cannot start: {error}")
+            if self.external:
+                if time.monotonic() - began > self.cfg.rollout_timeout_s:
+                    raise RolloutPoolSilent(
+                        f"sao: no sample from {self.pool_name()} for {self.cfg.rollout_timeout_s:.0f} s "
+                        f"(waiting for sample {seq}; posttrain.sao.rollout_timeout_s); check the pool's job "
+                        f"and its log, and that its nodes see {self.folder}"
+                    )
+            else:
+                self.workers.check()
             time.sleep(0.005)
         waited = time.monotonic() - began
         sample = json.loads(path.read_text())
@@ -230,18 +272,14 @@ class Rollouts:
         return sample, waited
 
     def push(self, model, version: int) -> None:
-        rollout.push_weights(self.folder, model, version)
+        rollout.push_weights(self.folder, model, version, self.session)
+
+    def finish(self) -> None:
+        """This session's trainer is done: the pool's nodes and the workers end."""
+        rollout.finish(self.folder, self.session)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.workers.stop()
 
 
 class State:
@@ -486,7 +524,7 @@ def train_sao(
     # trainer builds its models, then wait for the first push.
     resume = resume_point(out, log)
     position = json.loads((resume / STATE).read_text())["consumed"] if resume is not None else 0
-    queue = Rollouts(out / "rollout", cfg, policy, data / "prompts.jsonl", seed, log)
+    queue = Rollouts(out / "rollout", cfg, policy, data / "prompts.jsonl", seed, log, device)
     queue.reset(position)
     queue.start_all()
     try:
@@ -507,6 +545,7 @@ def train_sao(
         f"{cfg.rollout_workers} rollout worker(s), queue {cfg.queue_size}, max staleness {cfg.max_staleness}"
     )
     stop = StopSignals().install()  # SIGUSR1/SIGTERM: save the step being trained and exit 75
+    ended = True  # whether the pool may stop: not after a stop signal (a restart resumes with it)
     try:
         while state.step < total:
             samples, drops, waited = take_batch(queue, state, cfg)
@@ -530,9 +569,12 @@ def train_sao(
             if state.step % cfg.save_steps == 0 or state.step == total or stop.received:
                 saved = save_checkpoint(out, model, value, optimizers, state, state.step == total, cfg.keep_checkpoints)
                 if stop.received and state.step < total:
+                    ended = False
                     raise StopRequested(stop.received, state.step, str(saved))
     finally:
         stop.restore()
+        if ended:
+            queue.finish()
         queue.stop()
         if board is not None:
             board.close()

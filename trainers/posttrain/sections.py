@@ -301,9 +301,22 @@ class SAOConfig(TrainerConfig):
     max_completion_length: int = Field(default=48, gt=0)  # generated tokens per completion
     temperature: float = Field(default=1.0, gt=0)  # sampling temperature (behaviour and training)
     format_weight: float = Field(default=0.2, ge=0)  # weight of the format reward vs exact match
-    # rollout processes on the trainer's node, each generating every n-th sample on CPU
+    # rollout processes per node, each generating every n-th sample: on the trainer's node
+    # (rollout_nodes 0), or on each node of the rollout pool
     rollout_workers: int = operational(1, gt=0)
     rollout_threads: int = operational(1, gt=0)  # CPU threads per rollout process
+    # 0: the rollout workers run beside the trainer, started by it; N > 0: a separate rollout job
+    # of N nodes on the step's launcher (a Slurm job, a Kubernetes Indexed Job, local processes;
+    # infra/launchers/pool.py) meeting the trainer in the step folder on the shared file system;
+    # the trainer starts no worker then
+    rollout_nodes: int = operational(0, ge=0)
+    # the trainer stops with an error naming the pool's job when no sample came for this long
+    # (a pool that never starts, hangs or keeps failing); 0 rollout_nodes: not used
+    rollout_timeout_s: float = operational(900.0, gt=0)
+    # how the rollouts generate: transformers `generate`; vllm (the optional [vllm] extra, GPU
+    # nodes; an error when it does not import); auto: vllm where it imports and a GPU is visible.
+    # The same sampling distribution either way: which one runs is not part of the step's identity
+    engine: Literal["transformers", "vllm", "auto"] = operational("transformers")
     save_steps: int = operational(5, gt=0)  # checkpoint interval in trainer steps (warmup included)
 
 
@@ -526,7 +539,11 @@ class PosttrainSpec(_Config, Generic[S]):
         """Where and how the trainer runs, for plans and logs."""
         micro, accum = self.micro_batches()
         ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
-        return f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x {accum} accumulation"
+        pool = ""
+        if isinstance(self.section, SAOConfig) and self.section.rollout_nodes:
+            s = self.section
+            pool = f"; rollout pool: {s.rollout_nodes} node(s) x {s.rollout_workers} worker(s), {s.engine}"
+        return f"{self.launch.describe()}; batch {self.section.batch} = {ranks} x {micro} x {accum} accumulation{pool}"
 
     @classmethod
     def of(
