@@ -37,7 +37,17 @@ Outside the blocks: the embedding's output feeds the first block; the final norm
 block's norm keeps; the loss (model/loss.py) holds one chunk of logits (c V/t, fp32, plus the bf16
 matmul output and the bf16 gradient when a = 2), the hidden states' gradient (a b s h) and the
 head's fp32 gradient (4 V h / t) until backward; the dense CPU document mask is one (b, 1, s, s)
-additive tensor shared by every layer (CUDA's FlexAttention block mask is negligible).
+additive tensor shared by every layer (CUDA's FlexAttention block mask is negligible once built).
+
+Building that block mask is not: model/attention.py calls torch's `create_block_mask` outside any
+compiled region, which evaluates the mask function on the dense (b, q, k) grid (a bool tensor, b x
+queries x keys, each padded to 128), pads it (a bool copy) and sums it per 128 x 128 block, and
+torch's sum of a bool tensor first makes an int64 copy of it: 10 bytes per element, freed before
+the first block runs (measured on CPU with the same torch code: `MASK_BUILD_BYTES`,
+tests/model/test_memory.py). It is the peak of a step (phase `mask`) when activations are small
+and the key axis is long: CP's queries attend over the whole gathered sequence, so at 3B long64k
+(16,384 queries x 65,536 keys per GPU) it is 10.7 GB, on top of the model state and, from the
+second micro-batch of an accumulating step on, the accumulated fp32 gradients.
 
 Model state per rank, P = parameters held per TP rank (matrices / t, norms whole), F = the FSDP
 shard group (DP size, or the node's DP ranks under HSDP): fp32 parameters, gradients and both
@@ -65,6 +75,10 @@ MODES = ("none", "selective", "full")
 CONTEXT_GB = 2.0  # CUDA context + NCCL communicators per GPU: assumed, not measured here
 FRAGMENTATION = 0.10  # caching-allocator overhead over the allocated peak: assumed, not measured here
 GB = 1e9
+# create_block_mask (torch 2.11-2.13): its dense bool mask (1 byte per element), the padded copy (1)
+# and the int64 copy its per-block sum makes (8); measured 10.00 bytes per element on CPU
+MASK_BUILD_BYTES = 10
+FLEX_BLOCK = 128  # model/attention.py pads queries and keys to whole blocks of this size
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,7 @@ class MemoryEstimate:
 
     mode: str  # activation checkpointing the prediction is for
     peak_bytes: float
-    phase: str  # where the peak falls: loss, backward or optimizer
+    phase: str  # where the peak falls: mask (its build), loss, backward or optimizer
     parts: dict[str, float] = field(default_factory=dict)  # the terms of the peak phase
     phases: dict[str, float] = field(default_factory=dict)  # every phase's total
 
@@ -206,6 +220,17 @@ def _loss_bytes(x: StepShape) -> tuple[float, float]:
     return held, chunk
 
 
+def mask_build_bytes(x: StepShape) -> float:
+    """The transient peak of building the FlexAttention block mask on CUDA (module docstring):
+    10 bytes per element of the dense (b, queries, keys) grid, each axis padded to whole blocks;
+    0 where no block mask is built (CPU's dense mask is counted as a buffer; no document masking
+    and no CP is plain causal attention)."""
+    if x.device != "cuda" or not (x.doc_masking or x.cp > 1):
+        return 0.0
+    q, k = x.local_seq, x.seq_len
+    return MASK_BUILD_BYTES * x.micro_batch * (q + -q % FLEX_BLOCK) * (k + -k % FLEX_BLOCK)
+
+
 def estimate(x: StepShape, mode: str) -> MemoryEstimate:
     """Peak bytes per rank of one optimizer step of shape `x` with activation checkpointing `mode`."""
     if mode not in MODES:
@@ -235,13 +260,24 @@ def estimate(x: StepShape, mode: str) -> MemoryEstimate:
     buffers = mask + rope
     held, chunk = _loss_bytes(x)
     base = state + accum_grads + buffers
+    # at the mask's build: the root's gathered embedding (FSDP2's root forward) and its output
+    root = mp * p["embed"] if x.wrapped and gpu else 0.0
+    embedded = a * b * s / x.tp * h
     phases = {
+        "mask": base + root + embedded + mask_build_bytes(x),
         "loss": base + gathered_fwd + layers + final_norm + held + chunk,
         "backward": base + gathered_bwd + layers + held + _recompute_bytes(x, mode) + _backward_transient(x),
         "optimizer": state + grads + optimizer_tmp,
     }
     phase = max(phases, key=phases.get)
     parts = {
+        "mask": {
+            "model state": state + accum_grads,
+            "gathered params": root,
+            "embedding output": embedded,
+            "block mask build": mask_build_bytes(x),
+            "buffers": buffers,
+        },
         "loss": {
             "model state": state + accum_grads,
             "gathered params": gathered_fwd,

@@ -73,6 +73,8 @@ def test_cpu_smoke_exits_0_and_prints_every_row(tmp_path):
         assert "predicted " in rows[name]["value"] and "rank 0 of " in rows[name]["detail"], rows[name]
     assert "TP 2" in rows["3b stage1 eager"]["detail"] and "CP 4" in rows["3b long64k eager"]["detail"]
     assert "checkpointing full" in rows["3b long64k eager"]["detail"]  # the recipe's mode, read from it
+    assert "one document per sequence" in rows["3b long64k eager"]["detail"]
+    assert "about 6 documents per row" in rows["3b stage1 eager"]["detail"]
     assert "every tensor equal" in rows["ckpt load (1 GPU share)"]["value"]
     assert "71 sources" in rows["loader start-up"]["detail"]
     assert "needs the 8 GPUs of one node" in rows["3b node TP 2 x HSDP over NCCL"]["detail"]
@@ -163,3 +165,24 @@ def test_cpu_smoke_of_the_checkpoint_share_and_the_loader(tmp_path):
     assert " GB/s" in save["value"] and "HSDP 48 x 4 x TP 2" in save["detail"]
     assert load["value"].endswith("every tensor equal")
     assert "213 shards" in rows["loader start-up"]["detail"]  # 71 sources x 3 shards
+
+
+def test_long_context_rows_train_one_document_per_sequence():
+    """Long-context data are long documents, and the MFU formula counts the full s x s attention:
+    packed documents at 64k let the mask skip most of it (the H200 read MFU 94.6%). The rental
+    rows' stages as the recipe gives them: stage1 packs documents, long32k and long64k do not."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_check import Setup, rental_stages
+
+    stages = {r.stage: r for r in rental_stages(Setup.cpu_smoke(None))}
+    assert set(stages) == {"stage1", "long32k", "long64k"}
+    gen = torch.Generator().manual_seed(0)
+    for name in ("long32k", "long64k"):
+        docs = stages[name].doc_ids(gen)
+        assert docs.shape == (stages[name].spec.micro_batch, stages[name].seq_len)
+        assert (docs == 0).all() and "one document per sequence" in stages[name].attention_note(True)
+    packed = stages["stage1"].doc_ids(gen)
+    assert (packed.max(dim=1).values >= 1).all()  # several documents in every row
+    assert "about 6 documents per row" in stages["stage1"].attention_note(True)

@@ -9,12 +9,15 @@ tensor parallelism the activations, and `choose` takes the lightest mode that fi
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from model.config import ModelConfig
-from model.memory import StepShape, choose, estimate, layer_bytes, measured_step_peak
+from model.memory import StepShape, choose, estimate, layer_bytes, mask_build_bytes, measured_step_peak
 from model.model import SmolLM3
 from model.optim import build_optimizer
 from model.spec import OptimizerConfig
@@ -105,3 +108,50 @@ def test_choose_takes_the_lightest_mode_that_fits_and_full_when_none_does():
     assert choose(shape, budgets["full"] + 0.1).mode == "full"
     too_small = choose(shape, budgets["full"] - 1)
     assert too_small.mode == "full" and not too_small.fits(budgets["full"] - 1)
+
+
+# Builds the FlexAttention block mask (model/attention.py) once to warm up, then again with the
+# process's peak RSS reset: prints the second build's peak above the RSS before it, in bytes.
+_MASK_BUILD = """
+import sys, torch
+from model.attention import build_attention_mask
+from model.context_parallel import ContextParallel
+b, seq, cp = map(int, sys.argv[1:])
+docs = (torch.arange(seq) * 7 // seq).expand(b, seq).contiguous()  # 7 documents per row
+context = ContextParallel(None, cp, 0) if cp > 1 else None  # its indices only: no collective runs
+build = lambda: build_attention_mask(docs, "flex", context)
+build()
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak RSS, to the current RSS
+mask = build()
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize(("b", "seq", "cp"), [(1, 4096, 4), (2, 2048, 1)])
+def test_block_mask_build_transient_is_what_the_prediction_counts(b, seq, cp):
+    """torch's create_block_mask materialises the dense (b, queries, keys) mask and an int64 copy
+    of it: measured as the peak RSS of a fresh process (glibc maps every buffer over 1 MB, so
+    freed ones leave the RSS) against `mask_build_bytes` of the same shape, within 10%."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", _MASK_BUILD, str(b), str(seq), str(cp)],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    got = int(out.stdout.split()[-1])
+    shape = StepShape(ModelConfig.tiny(), seq, b, cp=cp, device="cuda")
+    assert got == pytest.approx(mask_build_bytes(shape), rel=0.10), (got, mask_build_bytes(shape))
+
+
+def test_long64k_prediction_counts_the_mask_build_the_h200_measured():
+    """3B long64k, one GPU of HSDP 12 x CP 4 x TP 2 (16,384 queries over 65,536 keys, full
+    checkpointing, 3 micro-batches): the H200 measured a 22.15 GB peak (benchmarks/gpu_check.py,
+    2026-12-04, docs/model.md); its peak is the block mask's build, not backward."""
+    cfg = ModelConfig.smollm3_3b(max_seq_len=65536)
+    est = estimate(StepShape(cfg, 65536, 1, accum=3, tp=2, shard=4, cp=4), "full")
+    assert est.phase == "mask", est.phases
+    assert abs(est.peak_bytes / 22.15e9 - 1) <= TOLERANCE, est.phases
