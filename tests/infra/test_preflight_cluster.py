@@ -43,7 +43,9 @@ def slurm_launch(setup: tuple[str, ...] = (), **kw) -> LaunchConfig:
 
 
 def preflight_config(**kw) -> PreflightConfig:
-    return PreflightConfig(checks=CHECKS, cpu_matmul_size=64, cpu_matmul_seconds=0.05, io_probe_mib=4, **kw)
+    return PreflightConfig(
+        **{"checks": CHECKS, "cpu_matmul_size": 64, "cpu_matmul_seconds": 0.05, "io_probe_mib": 4} | kw
+    )
 
 
 # --- what the job is, without a cluster ------------------------------------------------------------
