@@ -1,12 +1,13 @@
 """The preflight job (infra/preflight/cluster.py): what it renders and how it judges nodes, and,
 on the tests' real one-node Slurm cluster, the preflight step submitting it: the node's rows come
 back into the step's report and lineage, a healthy node is not flagged, and a node made bad from
-outside (a hard open-file limit below what training opens, set in the job's shell as a site's
-limits would) is named and excluded from the next training job's `--exclude`."""
+outside (slurmd's hard open-file limit lowered below what training opens, as a node's limits
+would be) is named and excluded from the next training job's `--exclude`."""
 
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -152,10 +153,23 @@ def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(loc
     assert (outcome.artifact.path / "nodes" / f"{node}.json").exists()
     assert any(f"[preflight] job {meta['job']} on 1 node(s) {node}" in line for line in lines)  # the job's log
 
-    # Bad from outside: the node's hard open-file limit is below what a rank opens. (Another
-    # probe size: the same preflight config would be the finished step above, reused.)
-    with pytest.raises(PreflightFailed) as err:
-        _run(ws, slurm_launch(setup=("ulimit -n 512",)), "run-bad", io_probe_mib=2)
+    # A job shell's `ulimit -n 512` is no fault: srun propagates soft limits only, and the job
+    # raises its soft limit itself. (Another probe size each time: the same preflight config
+    # would be the finished step above, reused.)
+    outcome, _ = _run(ws, slurm_launch(setup=("ulimit -n 512",)), "run-soft", io_probe_mib=3)
+    report = json.loads((outcome.artifact.path / "preflight.json").read_text())
+    assert report["bad_nodes"] == {} and excluded_nodes(ws.root) == []
+
+    # Bad from outside: the node's hard open-file limit (slurmd's, which every job step on the
+    # node inherits, as a node's limits.conf would set it) is below what a rank opens.
+    slurmd = int((Path(local_slurm).parent / "slurmd.pid").read_text())
+    before = resource.prlimit(slurmd, resource.RLIMIT_NOFILE)
+    resource.prlimit(slurmd, resource.RLIMIT_NOFILE, (512, 512))
+    try:
+        with pytest.raises(PreflightFailed) as err:
+            _run(ws, slurm_launch(), "run-bad", io_probe_mib=2)
+    finally:
+        resource.prlimit(slurmd, resource.RLIMIT_NOFILE, before)
     message = str(err.value)
     assert f"open_files@{node}: FAIL soft 512, hard 512" in message
     assert f"bad node(s) {node}: excluded" in message
