@@ -1,13 +1,12 @@
 """The preflight job (infra/preflight/cluster.py): what it renders and how it judges nodes, and,
 on the tests' real one-node Slurm cluster, the preflight step submitting it: the node's rows come
 back into the step's report and lineage, a healthy node is not flagged, and a node made bad from
-outside (slurmd's hard open-file limit lowered below what training opens, as a node's limits
-would be) is named and excluded from the next training job's `--exclude`."""
+outside (an allocation whose memory, SLURM_MEM_PER_NODE from the job's --mem, is below what
+training needs) is named and excluded from the next training job's `--exclude`."""
 
 from __future__ import annotations
 
 import json
-import resource
 import socket
 import sys
 from pathlib import Path
@@ -160,31 +159,25 @@ def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(loc
     report = json.loads((outcome.artifact.path / "preflight.json").read_text())
     assert report["bad_nodes"] == {} and excluded_nodes(ws.root) == []
 
-    # Bad from outside: the node's hard open-file limit (slurmd's, which every job step on the
-    # node inherits, as a node's limits.conf would set it) is below what a rank opens.
-    slurmd = int((Path(local_slurm).parent / "slurmd.pid").read_text())
-    before = resource.prlimit(slurmd, resource.RLIMIT_NOFILE)
-    resource.prlimit(slurmd, resource.RLIMIT_NOFILE, (512, 512))
-    try:
-        with pytest.raises(PreflightFailed) as err:
-            _run(ws, slurm_launch(), "run-bad", io_probe_mib=2)
-    finally:
-        resource.prlimit(slurmd, resource.RLIMIT_NOFILE, before)
+    # Bad from outside: the allocation gives the node less host memory than training needs (the
+    # job's --mem, which Slurm hands the node's tasks as SLURM_MEM_PER_NODE).
+    with pytest.raises(PreflightFailed) as err:
+        _run(ws, slurm_launch(mem="256M"), "run-bad", io_probe_mib=2)
     message = str(err.value)
-    assert f"open_files@{node}: FAIL soft 512, hard 512" in message
+    assert f"host_memory@{node}: FAIL 0.3 GB (Slurm --mem;" in message
     assert f"bad node(s) {node}: excluded" in message
     assert excluded_nodes(ws.root) == [node]
-    record = json.loads((ws.root / "launch" / "excluded_nodes.json").read_text())
-    assert "run-bad" in record["causes"][0]["cause"] and "open_files FAIL" in record["causes"][0]["cause"]
+    record = json.loads((ws.path / "launch" / "excluded_nodes.json").read_text())
+    assert "run-bad" in record["causes"][0]["cause"] and "host_memory FAIL" in record["causes"][0]["cause"]
     with ws.lineage().snapshot() as con:
         found = con.sql(
-            "SELECT check_name, status FROM preflight WHERE run_id = 'run-bad' AND check_name LIKE 'open_files@%'"
+            "SELECT check_name, status FROM preflight WHERE run_id = 'run-bad' AND check_name LIKE 'host_memory@%'"
         ).fetchall()
-    assert found == [(f"open_files@{node}", "fail")]
+    assert found == [(f"host_memory@{node}", "fail")]
 
     # The run's next training job keeps off it: the stage adopts the workspace's list (as the
     # pretrain step does before it launches) and its sbatch script excludes the node.
-    stage = ws.root / "pretrain" / "0123456789ab"
+    stage = ws.path / "pretrain" / "0123456789ab"
     train = slurm_launch()
     assert adopt_excluded(stage, ws.root, train.max_excluded_nodes, lambda _: None) == [node]
     script = get_launcher(train).render(stage / "spec.json", stage)
