@@ -9,6 +9,7 @@ branches at once, within the recipe's resource slots) and `smollm3 plan` predict
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from curation.mixtures import load_weights
@@ -48,9 +49,14 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
 
     # Training: preflight, eval suite, then every stage -> HF export -> evaluation. Each stage
     # waits for the previous one only: its export and evaluation run beside the next stage.
+    threads = cfg.resources.threads("train")
+    runs = [
+        run.model_copy(update={"launch": run.on(cfg.launch), "storage": cfg.storage, "threads": threads})
+        for run in schedule_stages(cfg.training, cfg.stages, cfg.seed)
+    ]
     check = g.add(
         preflight,
-        PreflightSpec.for_recipe(cfg, run_id),
+        PreflightSpec.for_recipe(cfg, run_id, **_where_preflight_runs(runs)),
         label="preflight",
         tokenizer=d.tokenizer,
         mixtures=list(d.plans.values()),
@@ -61,9 +67,7 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
     )
     previous: Node | None = None
     extended = None  # the last stage before the reasoning stages, and its export: read past its length
-    threads = cfg.resources.threads("train")
-    for run in schedule_stages(cfg.training, cfg.stages, cfg.seed):
-        run = run.model_copy(update={"launch": run.on(cfg.launch), "storage": cfg.storage, "threads": threads})
+    for run in runs:
         # The first stage waits for preflight (a gate, not an input); later ones for their init.
         init = {"init": previous} if previous is not None else {}
         gate = [check] if previous is None else []
@@ -130,6 +134,17 @@ def started_from(evals: list[Node]) -> tuple[tuple[str, str], ...]:
         if parent is not None:
             pairs.append((e.label, parent))
     return tuple(pairs)
+
+
+def _where_preflight_runs(runs: list) -> dict:
+    """On Slurm, the first stage's sized launch (preflight checks its nodes as a job) and what the
+    most demanding stage needs of a node; elsewhere nothing (preflight runs in its process)."""
+    if not runs or runs[0].launch.kind != "slurm":
+        return {}
+    needs = [run.host_needs() for run in runs]
+    most = max(needs, key=lambda n: n.mem_gb)
+    most = dataclasses.replace(most, open_files=max(n.open_files for n in needs))
+    return {"launch": runs[0].launch_config(), "needs": most}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,16 @@ its workspace for the host it runs on (`host_calibration`, model/calibration.py)
 `peak_calibration`: the MFU peak where no datasheet value applies (model/flops.py). A host fact,
 like the slot's thread count: it never enters a fingerprint.
 
+Where it runs: with a local launch, here, in the step's process (every check). With a Slurm launch
+(the 3B recipe's), the checks about a node run on every node of the first stage's allocation as a
+Slurm job (infra/preflight/cluster.py) and only the recipe checks (config review, data) run here,
+so a login node without GPUs preflights the GPU cluster instead of failing `gpu_count`. Each node's
+rows come back as `check@node` rows of the report and lineage; a node whose checks would stop
+training (or that wrote no report) is named, and recorded in `{workspace}/launch/excluded_nodes.json`
+(infra/launchers/exclude.py), which every cluster stage adopts before it renders its job
+(`--exclude`). The step then stops the flow as any failing preflight does; run it again (a
+flow-run retry, `--refresh preflight`) to check a fresh allocation without that node.
+
 Deliberate break of the "build functions stay free of DuckDB" rule: a failing preflight never
 reaches `publish` (the step raises, no marker is written), yet failures are what lineage must
 remember. The build therefore records the rows of a failing run itself, in the lineage database of
@@ -42,8 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from infra.launchers import LaunchConfig
 from infra.preflight import CheckResult, PreflightConfig, PreflightFacts, run_preflight
-from infra.preflight.core import lineage_rows
+from infra.preflight.core import PreflightFailed, lineage_rows
 from infra.preflight.gpu import cuda_available
 from infra.preflight.outcome import REPORT_JSON, step_summary, stop_error, write_report
 from model.calibration import calibrations
@@ -67,10 +78,17 @@ class PreflightSpec(BaseModel):
     model: str | None = None  # ModelConfig preset, sized at the tokenizer input's vocabulary
     model_overrides: dict[str, Any] = {}  # its recipe overrides
     run_id: str | None = operational(None)  # the flow run, for the lineage rows
+    # where the first stage trains (its nodes, GPUs, host resources): slurm runs the node checks
+    # there as a job; local (and kubernetes, for now) runs every check in the step's process
+    launch: LaunchConfig = operational(LaunchConfig())
 
     @classmethod
-    def for_recipe(cls, recipe: Any, run_id: str | None = None) -> PreflightSpec:
-        """The preflight step's config for a recipe: identity facts, operational facts, the model."""
+    def for_recipe(
+        cls, recipe: Any, run_id: str | None = None, launch: LaunchConfig | None = None, needs: Any = None
+    ) -> PreflightSpec:
+        """The preflight step's config for a recipe: identity facts, operational facts, the model;
+        `launch` is the first stage's (sized), `needs` the largest HostNeeds of its stages
+        (model/host_memory.py), given for a cluster launch."""
         t = recipe.training
         device = t.device if t.device != "auto" else ("cuda" if cuda_available() else "cpu")
         stages = tuple(recipe.stages)
@@ -95,6 +113,8 @@ class PreflightSpec(BaseModel):
             # operational like the stage's own max_epochs, which only warns in its mixture)
             "stage_max_epochs": {st.name: st.max_epochs for st in stages if "max_epochs" in st.model_fields_set},
         }
+        if needs is not None:  # what a node must give training (the host checks' thresholds)
+            run_facts |= {"open_files": needs.open_files, "host_memory_gb": needs.mem_gb}
         return cls(
             preflight=recipe.preflight,
             facts=facts,
@@ -102,6 +122,7 @@ class PreflightSpec(BaseModel):
             model=t.model,
             model_overrides=dict(t.model_overrides),
             run_id=run_id,
+            **({"launch": launch} if launch is not None else {}),
         )
 
 
@@ -165,7 +186,66 @@ def preflight(
         vocab = int(selected_tokenizer(tokenizer)["vocab_size"])
         facts.update(model_facts(config.model, config.model_overrides, vocab))
     facts["mixture_plans"] = tuple(str(a.path / "plan.json") for a in mixtures)
+    if config.launch.kind == "slurm":
+        return _measure_on_slurm(config, PreflightFacts.from_dict(facts), out, log=log)
     return _measure(config.preflight, PreflightFacts.from_dict(facts), out, log=log, run_id=config.run_id)
+
+
+def _measure_on_slurm(spec: PreflightSpec, facts: PreflightFacts, out: Path, *, log) -> dict[str, Any]:
+    """The recipe checks here, the node checks as a Slurm job on every node of the stage's
+    allocation; bad nodes are excluded from the workspace's training jobs, then the stop rule."""
+    from infra.launchers.base import FailureFacts
+    from infra.launchers.exclude import exclude_node, excluded_nodes
+    from infra.preflight.cluster import run_preflight_job, split_config
+
+    config, launch = spec.preflight, spec.launch
+    run_id = spec.run_id or f"preflight-{out.name}"
+    workspace = out.parent.parent
+    on_nodes, here = split_config(config)
+    results = run_preflight(here, facts, log=log)
+    job = run_preflight_job(launch, on_nodes, facts, out, excluded=excluded_nodes(workspace), log=log)
+    results += job.rows(config)
+    bad = job.bad_nodes(config.allow_warn)
+    for node, why in bad.items():
+        log(f"[preflight] node {node} must not train: {why}")
+        exclude_node(
+            workspace,
+            FailureFacts(who=f"preflight job {job.job}", node=node),
+            launch.max_excluded_nodes,
+            log,
+            cause=f"preflight job {job.job} ({run_id}): {why}",
+        )
+    extra = {
+        "job": job.job,
+        "job_state": job.state,
+        "nodes": job.nodes,
+        "bad_nodes": bad,
+        "excluded_nodes": excluded_nodes(workspace),
+    }
+    report = write_report(out, run_id, config, facts, results, log=log, extra=extra)
+    if report["stop"]:
+        Workspace.at(workspace).lineage().record_rows("preflight", lineage_rows(run_id, results))
+        err = stop_error(results, config, out)
+        if bad:
+            note = (
+                f"\nbad node(s) {', '.join(bad)}: excluded from this workspace's training jobs "
+                f"({workspace / 'launch' / 'excluded_nodes.json'}); run preflight again (a flow-run retry, "
+                "--refresh preflight) to check an allocation without them"
+            )
+            raise PreflightFailed(str(err) + note, results)
+        raise err
+    meta = step_summary(report, results)
+    slowest = {k: job.slowest(c) for k, c in _NODE_METRICS.items()}
+    return meta | slowest | {"nodes": job.nodes, "job": job.job, "excluded_nodes": extra["excluded_nodes"]}
+
+
+# the step's headline figures on a cluster: the slowest node's (it paces every synchronous step)
+_NODE_METRICS = {
+    "gpu_tflops": "gpu_matmul",
+    "nccl_busbw_gbps": "nccl_allreduce",
+    "cpu_gflops": "cpu_matmul",
+    "gloo_busbw_gbps": "gloo_allreduce",
+}
 
 
 def _measure(

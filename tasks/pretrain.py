@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from evals.training_metrics import loss_curve, read_metrics, summarize
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
+from infra.launchers.exclude import adopt_excluded
 from infra.proc import kill_tree
 from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
 from model.calibration import host_calibration
@@ -169,6 +170,29 @@ class StageSpec(BaseModel):
         gpu = self.spec.gpu_memory_gb is not None or self.spec.device == "cuda"
         return stage_estimate(self.spec, self.layout(), vocab_size, "cuda" if gpu else "cpu")
 
+    def _threaded_launch(self) -> LaunchConfig:
+        env = dict(self.launch.env)
+        if "OMP_NUM_THREADS" not in env:
+            threads = self.spec.num_threads or self.threads or max(1, (os.cpu_count() or 1) // self.nproc_per_node)
+            env["OMP_NUM_THREADS"] = str(threads)
+        return self.launch.model_copy(update={"procs_per_node": self.nproc_per_node, "env": env})
+
+    def host_needs(self):
+        """What one node of the stage needs besides its GPUs (model/host_memory.py HostNeeds)."""
+        from model.host_memory import host_needs
+
+        threads = self._threaded_launch().env["OMP_NUM_THREADS"]
+        threads = int(threads) if threads.isdigit() else 1
+        return host_needs(self.spec, self.layout(), self.nproc_per_node, threads=threads)
+
+    def launch_config(self) -> LaunchConfig:
+        """The launcher for the stage: ranks per node from the recipe, on CPU the stage's threads
+        (its train slot's, else the machine's cores split between the ranks; torchrun would
+        otherwise pin one thread per rank), and on a cluster the host memory, CPUs and open files
+        its plan needs where the recipe sets none (model/host_memory.py)."""
+        launch = self._threaded_launch()
+        return launch if launch.kind == "local" else launch.sized(self.host_needs())
+
     def launch_summary(self) -> str:
         """Where and how the stage runs, and its predicted memory, for `smollm3 plan`."""
         launch = self.on(self.launch).model_copy(update={"procs_per_node": self.nproc_per_node})
@@ -267,24 +291,6 @@ def _device(spec: TrainSpec) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _launch_config(run: StageSpec) -> LaunchConfig:
-    """The launcher for a stage: ranks per node from the recipe, on CPU the stage's threads
-    (its train slot's, else the machine's cores split between the ranks; torchrun would
-    otherwise pin one thread per rank), and on a cluster the host memory, CPUs and open files
-    its plan needs where the recipe sets none (model/host_memory.py)."""
-    env = dict(run.launch.env)
-    if "OMP_NUM_THREADS" not in env:
-        threads = run.spec.num_threads or run.threads or max(1, (os.cpu_count() or 1) // run.nproc_per_node)
-        env["OMP_NUM_THREADS"] = str(threads)
-    launch = run.launch.model_copy(update={"procs_per_node": run.nproc_per_node, "env": env})
-    if launch.kind == "local":
-        return launch
-    from model.host_memory import host_needs
-
-    threads = int(env["OMP_NUM_THREADS"]) if env["OMP_NUM_THREADS"].isdigit() else 1
-    return launch.sized(host_needs(run.spec, run.layout(), run.nproc_per_node, threads=threads))
 
 
 def _stage_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -397,7 +403,10 @@ def pretrain(
     )
     if spec.tracker.kind != "none":
         log(f"{spec.stage}: {spec.tracker.kind} run folder {spec.tracker_dir}")
-    launcher = get_launcher(_launch_config(config))
+    launch = config.launch_config()
+    if launch.kind != "local":  # nodes the workspace's preflight found bad (infra/launchers/exclude.py)
+        adopt_excluded(out, out.parent.parent, launch.max_excluded_nodes, log)
+    launcher = get_launcher(launch)
     inject = os.environ.get(_FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
     mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
     sink = StageEvents(out, spec.stage, log, *_run_context())

@@ -11,6 +11,12 @@ pod of the PyTorchJob. The list grows over the stage's attempts (a Prefect retry
 retry, a rerun: the folder is the stage's), up to `launch.max_excluded_nodes`: past it, a further
 node is not excluded and the log says so, since excluding too many nodes can leave the job
 unschedulable. Delete the file to let the stage use every node again.
+
+A preflight job that finds a bad node (infra/preflight/cluster.py) records it the same way, in the
+workspace's own `{workspace}/launch/excluded_nodes.json` (`exclude_node` with the preflight's
+cause); each cluster stage adopts that list into its own before it renders (`adopt_excluded`), so
+the training jobs of the run, and of later runs in the workspace, keep away from it. Delete the
+workspace's file (and a stage's) to let the node back in.
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ def excluded_nodes(workdir: Path) -> list[str]:
     return [n for n in nodes if isinstance(n, str) and n] if isinstance(nodes, list) else []
 
 
-def exclude_node(workdir: Path, facts: FailureFacts, limit: int, log: Callable[[str], None] = print) -> FailureFacts:
+def exclude_node(
+    workdir: Path, facts: FailureFacts, limit: int, log: Callable[[str], None] = print, cause: str | None = None
+) -> FailureFacts:
     """Add the nodes `facts` blames (`FailureFacts.nodes`) to the stage's excluded nodes (each
     unless already there, or the stage already excludes `limit` nodes: then the log says it is
     not); `facts` with `excluded` set to every node the next attempt excludes, so that its cause
-    (and the lineage row) says so."""
+    (and the lineage row) says so. `cause` replaces `facts.cause()` in the record (a preflight's
+    finding is no launch failure)."""
     nodes = excluded_nodes(workdir)
     for node in facts.nodes:
         if node in nodes:
@@ -55,9 +64,23 @@ def exclude_node(workdir: Path, facts: FailureFacts, limit: int, log: Callable[[
         causes = record.get("causes") if isinstance(record, dict) else None
         causes = [
             *(causes if isinstance(causes, list) else []),
-            {"node": node, "cause": facts.cause(), "time": time.time()},
+            {"node": node, "cause": cause or facts.cause(), "time": time.time()},
         ]
         nodes.append(node)
         write_json_atomic(path, {"nodes": nodes, "causes": causes})
         log(f"[launch] node {node} is excluded from the stage's next attempts (all excluded: {', '.join(nodes)})")
     return replace(facts, excluded=tuple(nodes)) if nodes else facts
+
+
+def adopt_excluded(workdir: Path, source: Path, limit: int, log: Callable[[str], None] = print) -> list[str]:
+    """Add the nodes `source` (a folder with its own `launch/excluded_nodes.json`: the workspace,
+    where preflight records bad nodes) excludes to the stage in `workdir`, each with its recorded
+    cause, within `limit`; every node the stage now excludes."""
+    record = read_json(Path(source) / EXCLUDED_FILE)
+    causes = record.get("causes") if isinstance(record, dict) else None
+    why = {c.get("node"): c.get("cause") for c in causes or () if isinstance(c, dict)}
+    for node in excluded_nodes(source):
+        if node not in excluded_nodes(workdir):
+            cause = str(why.get(node) or f"excluded by {Path(source) / EXCLUDED_FILE}")
+            exclude_node(workdir, FailureFacts(who="preflight", node=node), limit, log, cause=cause)
+    return excluded_nodes(workdir)

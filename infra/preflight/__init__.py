@@ -5,11 +5,11 @@
     print(format_table(results))
     if should_stop(results, allow_warn=False): ...
 
-Checks live in one module per group (review, gpu, compute, storage, data) and register themselves
+Checks live in one module per group (review, gpu, compute, host, storage, data) and register themselves
 in `CHECKS`; importing this package registers them all. See docs/preflight.md.
 """
 
-from infra.preflight import compute, data, gpu, review, storage  # noqa: F401  (registers checks)
+from infra.preflight import compute, data, gpu, host, review, storage  # noqa: F401  (registers checks)
 from infra.preflight.commands import CommandOutput, CommandRunner, SubprocessRunner
 from infra.preflight.core import (
     CHECKS,

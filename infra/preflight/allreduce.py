@@ -6,7 +6,9 @@
 
 First checks the sum is right (each rank contributes rank+1), then times `iters` all-reduces of
 `mib` MiB fp32 after warmup. The slowest rank's time counts. Rank 0 prints one line:
-`PREFLIGHT_ALLREDUCE {"busbw_gbps": ..., "algbw_gbps": ..., "world": ..., "correct": ...}`.
+`PREFLIGHT_ALLREDUCE {"busbw_gbps": ..., "algbw_gbps": ..., "world": ..., "correct": ...}`,
+and with `--json PATH` writes the same record there, atomically (the preflight job's all-reduce
+across its nodes: infra/preflight/cluster.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=4.0, help="message size in MiB (fp32)")
     parser.add_argument("--iters", type=int, default=10, help="timed all-reduces")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="rank 0 also writes its record to this file")
     args = parser.parse_args(argv)
 
     import torch
@@ -74,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 "correct": correct,
             }
             print(MARK + json.dumps(result), flush=True)
+            if args.json:
+                from infra.files import write_json_atomic
+
+                write_json_atomic(args.json, result)
     finally:
         dist.destroy_process_group()
     return 0

@@ -5,14 +5,15 @@
 
 `key=value` items override PreflightConfig fields, `facts.key=value` items PreflightFacts fields
 (values parsed as YAML: `checks=[gpu_matmul,gpu_throttle]`). Prints the table; exits 0 when
-training may start, 1 when `should_stop`, 2 on bad input. On a Slurm cluster run it on every node:
-`srun --ntasks-per-node=1 python -m infra.preflight ...`.
+training may start, 1 when `should_stop`, 2 on bad input. `--json` is written atomically (a
+reader sees the whole report or none), with `--node` naming the node in it (default: the host
+name): the preflight job (infra/preflight/cluster.py) runs this on every node of an allocation,
+each writing `nodes/{node}.json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from infra.files import write_json_atomic
 from infra.preflight.core import PreflightConfig, PreflightFacts, format_table, should_stop
 from infra.preflight.run import run_preflight
 from infra.yamlfile import YamlRefused, load_yaml
@@ -49,6 +51,7 @@ def build_parser(**kw: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML/JSON file of PreflightConfig fields")
     p.add_argument("--facts", help="YAML/JSON file of PreflightFacts fields (from the recipe)")
     p.add_argument("--json", help="write every result (and host, config, facts) to this file")
+    p.add_argument("--node", help="the node's name in the --json report (default: the host name)")
     p.add_argument("--list", action="store_true", help="list the registered checks and exit")
     p.add_argument("overrides", nargs="*", help="key=value (config) or facts.key=value")
     return p
@@ -90,12 +93,13 @@ def main(argv: Sequence[str] | None = None, **parser: str) -> int:
     if args.json:
         report = {
             "host": socket.gethostname(),
+            "node": args.node or socket.gethostname(),
             "stop": stop,
             "config": config.model_dump(mode="json"),
             "facts": facts.to_dict(),
             "results": [r.to_dict() for r in results],
         }
-        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        write_json_atomic(Path(args.json), report)
     print(
         "STOP: fix the failing checks" + ("" if config.allow_warn else " (or allow_warn=true for warnings)")
         if stop

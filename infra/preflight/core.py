@@ -83,6 +83,8 @@ class PreflightFacts:
     checkpoint_bytes: int = 0  # approximate size of one checkpoint (0: estimate from params)
     eval_tasks: tuple[str, ...] = ()  # lm-eval task names run on every checkpoint
     workspace: str = "workspace"  # the workspace folder of the run
+    open_files: int = 0  # open files a rank needs (model/host_memory.py; 0: not known)
+    host_memory_gb: float = 0  # host memory a node needs, GB (model/host_memory.py; 0: not known)
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -110,6 +112,8 @@ class PreflightFacts:
             "params",
             "checkpoint_keep",
             "checkpoint_bytes",
+            "open_files",
+            "host_memory_gb",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"preflight facts: {name} must be >= 0 (0: not known), got {getattr(self, name)}")
@@ -248,7 +252,7 @@ class Check(ABC):
     """Base class of a preflight check: set `name`, `group`, `order`; implement `run`."""
 
     name: ClassVar[str]
-    group: ClassVar[str]  # gpu | compute | storage | data | config
+    group: ClassVar[str]  # gpu | compute | host | storage | data | config
     order: ClassVar[int]  # run order; cheap config checks first, GPU stress before its readers
 
     @abstractmethod

@@ -45,8 +45,10 @@ def write_report(
     *,
     calibration: list[dict[str, Any]] = (),
     log: Callable[[str], Any] = print,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write `preflight.json` and `preflight.md` into `out`, log the table, return the report."""
+    """Write `preflight.json` and `preflight.md` into `out`, log the table, return the report
+    (`extra`: more keys, e.g. the preflight job's nodes)."""
     out = Path(out)
     stop = should_stop(results, config.allow_warn)
     report = {
@@ -59,6 +61,7 @@ def write_report(
         "facts": facts.to_dict(),
         "results": [r.to_dict() for r in results],
         "calibration": list(calibration),
+        **(extra or {}),
     }
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2), encoding="utf-8")
     head = f"# Preflight on `{report['host']}` ({'STOP' if stop else 'go'})\n\nrun `{run_id}`\n\n"

@@ -1377,6 +1377,33 @@ def test_excluded_nodes_accumulate_up_to_the_limit_and_name_the_culprit(tmp_path
     assert "not excluding node n" in lines[-1]
 
 
+def test_a_stage_adopts_the_nodes_its_workspace_excludes_with_their_causes(tmp_path):
+    """What the preflight job records for the workspace (infra/preflight/cluster.py) reaches
+    each cluster stage's own list before it renders: once per node, its cause kept, within the
+    stage's limit."""
+    import json
+
+    from infra.launchers.base import FailureFacts
+    from infra.launchers.exclude import EXCLUDED_FILE, adopt_excluded, exclude_node, excluded_nodes
+
+    ws, stage, lines = tmp_path / "ws", tmp_path / "ws" / "pretrain" / "abc", []
+    for node in ("gpu-7", "gpu-9", "gpu-11"):
+        exclude_node(ws, FailureFacts(node=node), 8, lines.append, cause=f"preflight job 12: {node} open_files FAIL")
+    exclude_node(stage, FailureFacts(node="gpu-9", signal="SIGKILL"), 8, lines.append)  # its own, earlier
+    assert adopt_excluded(stage, ws, 3, lines.append) == ["gpu-9", "gpu-7", "gpu-11"]
+    causes = json.loads((stage / EXCLUDED_FILE).read_text())["causes"]
+    assert [c["cause"] for c in causes[1:]] == [
+        "preflight job 12: gpu-7 open_files FAIL",
+        "preflight job 12: gpu-11 open_files FAIL",
+    ]
+    assert "killed by SIGKILL" in causes[0]["cause"]  # the stage's own cause stays as it was
+    assert adopt_excluded(stage, ws, 3, lines.append) == ["gpu-9", "gpu-7", "gpu-11"]  # again: nothing new
+    other = tmp_path / "ws" / "pretrain" / "def"
+    assert adopt_excluded(other, ws, 2, lines.append) == ["gpu-7", "gpu-9"]  # the limit holds
+    assert "not excluding node gpu-11" in lines[-1]
+    assert adopt_excluded(tmp_path / "s", tmp_path / "empty", 4) == [] and excluded_nodes(tmp_path / "s") == []
+
+
 def test_slurm_excludes_the_frozen_ranks_node_from_the_next_attempts(tmp_path):
     spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
     assert "--exclude" not in SlurmLauncher(SLURM).render(spec, tmp_path)

@@ -215,3 +215,26 @@ def test_published_recipe_batch_check_sees_each_stage_layout_with_cp(tmp_path):
     assert res.status == "pass", res.advice
     assert "stage long32k: 72 = dp 12 x micro 1 x accum 6 (tp 2 x cp 4)" in res.value
     assert "stage long64k: 36 = dp 12 x micro 1 x accum 3 (tp 2 x cp 4)" in res.value
+
+
+def test_the_3b_recipes_preflight_checks_the_first_stages_nodes_and_moves_no_fingerprint(tmp_path):
+    """On Slurm the graph hands preflight the first stage's sized launch (its nodes run the node
+    checks as a job) and what the most demanding stage needs of a node (the host checks'
+    thresholds): both operational, so the fingerprint is the one the same spec has without them,
+    and a local recipe's spec is as before (no launch, no host facts)."""
+    from flows.recipe import load_recipe
+    from flows.smollm3 import graph
+    from infra.launchers import LaunchConfig
+
+    recipe = load_recipe("smollm3-3b", [f"workspace={tmp_path / 'ws'}"])
+    (node,) = [n for n in graph(recipe, tolerant=True) if n.label == "preflight"]
+    s = node.config
+    assert s.launch.kind == "slurm" and s.launch.nodes == 48 and s.launch.gpus_per_node == 8
+    assert s.launch.slurm.mem == f"{s.run_facts['host_memory_gb']}G" and s.run_facts["open_files"] >= 4096
+    plain = s.model_copy(update={"launch": LaunchConfig(), "run_facts": {"nodes": 48}})
+    d = tp.preflight
+    assert d.fingerprint(plain, {}, d.facts(plain)) == d.fingerprint(s, {}, d.facts(s))
+
+    tiny = load_recipe("tiny", [f"workspace={tmp_path / 'ws'}", "training.device=cpu"])
+    (local,) = [n.config for n in graph(tiny, tolerant=True) if n.label == "preflight"]
+    assert local.launch == LaunchConfig() and "open_files" not in local.run_facts
