@@ -32,11 +32,12 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     assert by["curate"].cpu_hours == pytest.approx(mb * CURATE_CPU_S_PER_MB / 3600, rel=1e-9)
     assert by["tokenize"].cpu_hours == pytest.approx(tokens / TOKENIZE_TOKENS_PER_CPU_S / 3600, rel=1e-9)
     assert by["tokenize"].disk_gb == pytest.approx((tokens * 4 + tokens / TOKENS_PER_DOCUMENT * 8) / 1e9, rel=1e-9)
-    # where each runs: curation on the recipe's Slurm partition, 2 GB a task, the held-out index inside
-    assert by["curate"].executor == "slurm (cpu, 1 CPU x 2 GB)" and by["curate"].mem_gb == 2
+    # where each runs: curation on the recipe's Slurm partition, 4 GB a task (the filter task's
+    # 2.1 GB, benchmarks/data_scale.py), the held-out index inside
+    assert by["curate"].executor == "slurm (cpu, 1 CPU x 4 GB)" and by["curate"].mem_gb == 4
     assert "held-out index every task loads (1.29 GB)" in by["curate"].note
     # tokenization on Slurm too (it ran 500 local workers on the flow host when the recipe named none)
-    assert by["tokenize"].executor == "slurm (cpu, 1 CPU x 2 GB)"
+    assert by["tokenize"].executor == "slurm (cpu, 1 CPU x 4 GB)"
     # the source step: datatrove tasks on curation's executor (read, id buckets, finish: 1,000 each
     # per source), no task holding more than one bucket of DCLM's ids
     assert by["source"].executor == by["curate"].executor and by["source"].tasks == 71 * 3 * 1000
@@ -112,7 +113,7 @@ def test_small_local_recipes_and_cluster_limits_are_warned_not_refused(capsys):
     # of DCLM: 3.5 GB each)
     short = load_recipe(
         "smollm3-3b",
-        ['curation.slurm.time="1-00:00:00"', "curation.tasks=100"],
+        ['curation.slurm.time="1-00:00:00"', "curation.tasks=100", "curation.slurm.mem_per_cpu_gb=2"],
     )
     _, warned = executor_problems(short, cores=2)
     assert any(
