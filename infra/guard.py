@@ -269,12 +269,14 @@ def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
     if owner.alive() is False or os.getppid() != owner_pid:
         _say(f"owner {owner_pid} is gone before {cmd[0]} started")
         return 125
-    stop = threading.Event()
+    # `why` non-empty is the stop request. A signal handler takes no lock: a `threading.Event`
+    # set from the handler deadlocked the guard when a second signal (the group's SIGTERM while it
+    # was stopping) arrived inside the first handler's `Event.set`, and the frozen build it was
+    # ending stayed stopped (tests/flows/test_orchestrator_death.py, a full run at load ~5).
     why: list[str] = []
 
     def on_signal(signum: int, _frame) -> None:
         why.append(f"received {signal.Signals(signum).name}")
-        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
@@ -285,9 +287,9 @@ def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
     child = subprocess.Popen(  # same stdout/stderr (the owner's pipe), same process group
         list(cmd), preexec_fn=(lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)) if prctl else None
     )
-    watch(owner, lambda: (why.append(f"owner {owner_pid} died"), stop.set()))
-    while child.poll() is None and not stop.wait(0.1):
-        pass
+    watch(owner, lambda: why.append(f"owner {owner_pid} died"))
+    while child.poll() is None and not why:
+        time.sleep(0.1)
     if child.poll() is None:
         _say(f"{why[0] if why else 'stopping'}: stopping {cmd[0]} and everything it started")
         kill_descendants()

@@ -205,7 +205,7 @@ def _measure_on_slurm(spec: PreflightSpec, facts: PreflightFacts, out: Path, *, 
     results = run_preflight(here, facts, log=log)
     job = run_preflight_job(launch, on_nodes, facts, out, excluded=excluded_nodes(workspace), log=log)
     results += job.rows(config)
-    bad = job.bad_nodes(config.allow_warn)
+    bad = job.bad_nodes()
     for node, why in bad.items():
         log(f"[preflight] node {node} must not train: {why}")
         exclude_node(

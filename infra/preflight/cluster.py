@@ -169,16 +169,19 @@ class JobOutcome:
     allreduce: dict | None = None
     log: Path | None = None
 
-    def bad_nodes(self, allow_warn: bool) -> dict[str, str]:
-        """node -> why it must not train: its blocking checks, or the report it never wrote."""
+    def bad_nodes(self) -> dict[str, str]:
+        """node -> why it must not train: its failed checks, or the report it never wrote. A
+        warning (slow checkpoint storage, a throttled clock under load) stops the run unless
+        `allow_warn`, as a local preflight does, but excludes no node: what warns on one node of a
+        shared filesystem or a busy machine usually warns on every node."""
         bad = {}
         for node in self.nodes:
             found = self.results.get(node)
             if found is None:
                 bad[node] = f"wrote no report (crashed, hung or was killed: see {self.log})"
-            elif should_stop(found, allow_warn):
+            elif should_stop(found, allow_warn=True):
                 bad[node] = "; ".join(
-                    f"{r.name} {r.status.upper()} {r.value}".strip() for r in blocking(found, allow_warn)
+                    f"{r.name} {r.status.upper()} {r.value}".strip() for r in blocking(found, allow_warn=True)
                 )
         return bad
 

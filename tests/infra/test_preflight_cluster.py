@@ -96,11 +96,13 @@ def test_a_node_without_a_report_is_bad_and_a_passing_one_is_not(tmp_path):
         job="7", state="COMPLETED", nodes=["a", "b", "c"], results={"a": ok, "b": None, "c": ok}, log=tmp_path / "l"
     )
     outcome.results["c"] = [CheckResult("open_files", "fail", "soft 512, hard 512")]
-    bad = outcome.bad_nodes(allow_warn=False)
+    outcome.nodes.append("d")  # a warning (here slow storage under load) stops a run but excludes no node
+    outcome.results["d"] = [CheckResult("checkpoint_io", "warn", "read 44 MB/s")]
+    bad = outcome.bad_nodes()
     assert set(bad) == {"b", "c"}
     assert "wrote no report" in bad["b"] and "open_files FAIL soft 512, hard 512" in bad["c"]
     names = [r.name for r in outcome.rows(PreflightConfig())]
-    assert names == ["open_files@a", "report@b", "open_files@c", "allreduce_nodes"]
+    assert names == ["open_files@a", "report@b", "open_files@c", "checkpoint_io@d", "allreduce_nodes"]
 
 
 # --- on the real one-node Slurm cluster --------------------------------------------------------------
@@ -137,7 +139,9 @@ def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(loc
     node = _node()
 
     # Healthy: the job runs the node checks on the node, its rows come back, nothing is flagged.
-    outcome, lines = _run(ws, slurm_launch(), "run-good")
+    # allow_warn: the timed storage probe may warn on this loaded machine (44 MB/s once, in a full
+    # run); a warning excludes no node either way (`bad_nodes`), and stopping on one is the local rule
+    outcome, lines = _run(ws, slurm_launch(), "run-good", allow_warn=True)
     meta = outcome.artifact.meta
     assert meta["nodes"] == [node] and meta["job"].isdigit() and meta["excluded_nodes"] == []
     report = json.loads((outcome.artifact.path / "preflight.json").read_text())
@@ -145,8 +149,9 @@ def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(loc
     assert rows["batch_layout"]["status"] == "pass"  # the recipe check, in the step's process
     assert "gpu_count" not in rows  # not asked of a login node: it runs on the node ...
     assert rows[f"gpu_count@{node}"]["status"] == "skip"  # ... where a CPU recipe skips it
-    for check in ("open_files", "host_memory", "checkpoint_io", "cpu_matmul"):
+    for check in ("open_files", "host_memory", "cpu_matmul"):
         assert rows[f"{check}@{node}"]["status"] == "pass", rows[f"{check}@{node}"]
+    assert rows[f"checkpoint_io@{node}"]["status"] in {"pass", "warn"}, rows[f"checkpoint_io@{node}"]  # timed
     assert rows["allreduce_nodes"]["status"] == "pass" and "2 ranks, gloo" in rows["allreduce_nodes"]["value"]
     assert report["bad_nodes"] == {} and excluded_nodes(ws.root) == []
     assert (outcome.artifact.path / "nodes" / f"{node}.json").exists()
