@@ -114,3 +114,36 @@ def test_the_holder_renews_and_notices_a_takeover(tmp_path):
     finally:
         lease.release()
     assert (tmp_path / LEASE_FILE).exists()  # not ours any more: left for its holder
+
+
+def test_a_storm_of_signals_still_ends_the_guard_and_its_command():
+    """SIGTERM after SIGTERM to the guard of a frozen command from outside, as a process group's
+    kill delivers them while it is stopping: the guard ends its command and exits. A handler that took a lock
+    (`threading.Event.set`) deadlocked when a signal arrived inside the handler of the one before,
+    leaving the command it was ending stopped (seen in a full run at load ~5)."""
+    from infra.guard import guard_command
+
+    import psutil
+
+    cmd = guard_command(ProcessRef.current(), [sys.executable, "-c", "import time; time.sleep(120)"])
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 20
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (child,) = psutil.Process(proc.pid).children()
+    os.kill(child.pid, 19)  # a frozen command (SIGSTOP), as in a frozen build: ending it takes longer
+    for _ in range(5):  # bursts, each a few hundred signals as fast as the kernel takes them
+        for _ in range(300):
+            try:
+                os.kill(proc.pid, 15)
+            except ProcessLookupError:
+                break
+        time.sleep(0.02)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:  # deadlocked: clean up before failing
+            proc.kill()
+            child.kill()
+    assert proc.returncode is not None
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
