@@ -121,9 +121,9 @@ def test_a_storm_of_signals_still_ends_the_guard_and_its_command():
     kill delivers them while it is stopping: the guard ends its command and exits. A handler that took a lock
     (`threading.Event.set`) deadlocked when a signal arrived inside the handler of the one before,
     leaving the command it was ending stopped (seen in a full run at load ~5)."""
-    from infra.guard import guard_command
-
     import psutil
+
+    from infra.guard import guard_command
 
     cmd = guard_command(ProcessRef.current(), [sys.executable, "-c", "import time; time.sleep(120)"])
     proc = subprocess.Popen(cmd)
