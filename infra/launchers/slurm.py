@@ -629,6 +629,7 @@ class SlurmLauncher(Launcher):
         partial, unanswered, settling = "", None, 0
         lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
         refused: str | None = None  # the script's refusal past the node-failure requeue budget
+        requeueing = False  # the script said it requeues the job (time limit, preemption)
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -659,12 +660,20 @@ class SlurmLauncher(Launcher):
                                 lost_nodes.append(failed.group(1))
                             if m := _REFUSED.match(line.strip()):
                                 refused = m.group(1)
+                            if f": requeueing {job};" in line:
+                                requeueing = True
+                            elif line.startswith(f"[launch] job {job} "):  # the next start
+                                requeueing = False
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
                         if state in NODE_LOST and settling == 0:  # seen before it is pending again:
                             # the nodes Slurm holds down, when srun's log names none (or not all)
                             lost_nodes += [n for n, _ in self.failed_nodes(job) if n not in lost_nodes]
                         settling += 1  # Slurm puts it back in the queue right after: keep following
+                    elif state in FAILED and requeueing and settling < 10:
+                        # the script asked `scontrol requeue` and exited: Slurm may show the job
+                        # FAILED for a moment before it is pending again (seen at load ~5)
+                        settling += 1
                     elif state in DONE or state in FAILED:
                         break
                     else:

@@ -1976,3 +1976,20 @@ def test_a_job_that_fails_before_the_taint_manager_acts_still_names_the_dead_nod
     )
     asked = [c[3] for c in fake.calls if c[1:3] == ["get", "node"]]
     assert asked == ["node-a", "node-b"]  # only once the job failed: never while it ran
+
+
+def test_a_job_seen_failed_right_after_its_script_requeued_it_is_followed_until_it_runs_again(tmp_path):
+    """The batch script said `requeueing` (time limit near) and exited while `scontrol requeue`
+    was still being carried out: Slurm shows the job FAILED for a poll, then PENDING. The follower
+    keeps following instead of reporting the job failed (seen once on the real cluster at load ~5);
+    without the script's line a FAILED job still ends the launch (the tests above)."""
+    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
+    (tmp_path / "slurm-4242.log").write_text(
+        "[launch] job 4242 (restart 0) on 1 node(s) vm\n"
+        "[launch] time limit near: requeueing 4242; the next start resumes at the saved step\n"
+    )
+    fake = FakeSlurm(tmp_path, ["RUNNING", "FAILED", "PENDING", "RUNNING", "COMPLETED"])
+    lines: list[str] = []
+    SlurmLauncher(SLURM, runner=fake, sleep=lambda s: None).launch(spec, tmp_path, lines.append)
+    assert lines[-1] == "[launch] Slurm job 4242 completed", lines
+    assert "line while FAILED" in lines and "line while COMPLETED" in lines
