@@ -62,6 +62,7 @@ from infra.launchers.base import (
     FailureFacts,
     FirstError,
     JobRecord,
+    LaunchConfig,
     Launcher,
     LaunchFailed,
     LogFn,
@@ -157,6 +158,25 @@ def comment_of(scontrol_line: str) -> str | None:
     return m.group(1) if m and m.group(1) != "(null)" else None
 
 
+def sbatch_resources(c: LaunchConfig, job_name: str, nodes: int, time_limit: str) -> list[tuple[str, str | None]]:
+    """The `#SBATCH` options every job of a launch shares (name, nodes with one task each, GPUs,
+    CPUs, memory, partition, account, QoS, time limit, exclusivity), in script order: the trainer's
+    job, a helper pool's and the preflight job's (infra/preflight/cluster.py) add their own."""
+    s = c.slurm
+    sb: list[tuple[str, str | None]] = [("job-name", job_name), ("nodes", str(nodes)), ("ntasks-per-node", "1")]
+    if c.gpus_per_node:
+        sb.append(("gpus-per-node", str(c.gpus_per_node)))
+    if s.cpus_per_task:
+        sb.append(("cpus-per-task", str(s.cpus_per_task)))
+    for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
+        if value is not None:
+            sb.append((key, value))
+    sb.append(("time", time_limit))
+    if s.exclusive:
+        sb.append(("exclusive", None))
+    return sb
+
+
 @LAUNCHERS.register("slurm")
 class SlurmLauncher(Launcher):
     """sbatch + srun torchrun; `runner` runs sbatch/scontrol/scancel (a fake in unit tests)."""
@@ -173,21 +193,7 @@ class SlurmLauncher(Launcher):
         workdir = Path(workdir).resolve()
         spec = Path(spec_path).resolve()
         code = c.code_path
-        sb: list[tuple[str, str | None]] = [
-            ("job-name", s.job_name),
-            ("nodes", str(c.nodes)),
-            ("ntasks-per-node", "1"),  # one torchrun per node; it forks the ranks
-        ]
-        if c.gpus_per_node:
-            sb.append(("gpus-per-node", str(c.gpus_per_node)))
-        if s.cpus_per_task:
-            sb.append(("cpus-per-task", str(s.cpus_per_task)))
-        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
-            if value is not None:
-                sb.append((key, value))
-        sb.append(("time", s.time))
-        if s.exclusive:
-            sb.append(("exclusive", None))
+        sb = sbatch_resources(c, s.job_name, c.nodes, s.time)  # one torchrun per node; it forks the ranks
         if excluded := excluded_nodes(workdir):  # nodes earlier attempts failed on (infra/launchers/exclude.py)
             sb.append(("exclude", ",".join(excluded)))
         if s.requeue:
@@ -365,21 +371,8 @@ class SlurmLauncher(Launcher):
         c, s = self.config, self.config.slurm
         workdir = Path(workdir).resolve()
         code = c.code_path
-        sb: list[tuple[str, str | None]] = [
-            ("job-name", f"{s.job_name}-{pool.name}"),
-            ("nodes", str(pool.nodes)),
-            ("ntasks-per-node", "1"),  # one pool node process per node; it starts the workers
-        ]
-        if c.gpus_per_node:
-            sb.append(("gpus-per-node", str(c.gpus_per_node)))
-        if s.cpus_per_task:
-            sb.append(("cpus-per-task", str(s.cpus_per_task)))
-        for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
-            if value is not None:
-                sb.append((key, value))
-        sb.append(("time", s.time))
-        if s.exclusive:
-            sb.append(("exclusive", None))
+        # one pool node process per node; it starts the workers
+        sb = sbatch_resources(c, f"{s.job_name}-{pool.name}", pool.nodes, s.time)
         sb += [
             ("no-requeue", None),
             ("open-mode", "append"),

@@ -45,7 +45,7 @@ from infra.files import read_json, write_json_atomic
 from infra.launchers.base import LaunchConfig, LaunchFailed
 from infra.launchers.fabric import launch_env
 from infra.launchers.follow import following
-from infra.launchers.slurm import DONE, FAILED, JobGone, SlurmLauncher
+from infra.launchers.slurm import DONE, FAILED, JobGone, SlurmLauncher, sbatch_resources
 from infra.preflight.core import CHECKS, CheckResult, PreflightConfig, PreflightFacts, blocking, selected, should_stop
 
 NODE_GROUPS = ("gpu", "compute", "host", "storage")  # checks about a node: they run on every node
@@ -81,21 +81,7 @@ def render_slurm(launch: LaunchConfig, config: PreflightConfig, out: Path, exclu
     docstring); it reads `{out}/launch/preflight-config.json` and `-facts.json`."""
     c, s = launch, launch.slurm
     out = Path(out).resolve()
-    sb: list[tuple[str, str | None]] = [
-        ("job-name", f"{s.job_name}-preflight"),
-        ("nodes", str(c.nodes)),
-        ("ntasks-per-node", "1"),
-    ]
-    if c.gpus_per_node:
-        sb.append(("gpus-per-node", str(c.gpus_per_node)))
-    if s.cpus_per_task:
-        sb.append(("cpus-per-task", str(s.cpus_per_task)))
-    for key, value in (("mem", s.mem), ("partition", s.partition), ("account", s.account), ("qos", s.qos)):
-        if value is not None:
-            sb.append((key, value))
-    sb.append(("time", JOB_TIME))
-    if s.exclusive:
-        sb.append(("exclusive", None))
+    sb = sbatch_resources(c, f"{s.job_name}-preflight", c.nodes, JOB_TIME)
     if excluded:
         sb.append(("exclude", ",".join(excluded)))
     sb += [
