@@ -24,6 +24,11 @@ os.environ["SMOLLM3_CACHE"] = tempfile.mkdtemp(prefix="smollm3-test-cache-")
 
 import pytest  # noqa: E402
 
+# The one-node Slurm cluster, one per test session (pytest worker). Registered here, once: a
+# session fixture imported into several test modules is a separate fixture in each, and each
+# module started a cluster of its own that lived until the session ended (five at once).
+from tests.infra.slurm_cluster import local_slurm  # noqa: E402, F401
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Curation and tokenization in their step's own process, one datatrove task after another: at test

@@ -13,7 +13,6 @@ import pytest
 from curation.executors import SlurmExecutorConfig, machine_cores, make_executors, stage_workers
 from curation.stages import plan_stages
 from tasks.curate import CurationConfig, curate
-from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
@@ -192,7 +191,7 @@ def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
-def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):  # noqa: F811
+def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):
     """The source, curate and tokenize steps of a subset of tiny (its `code` source, 200
     documents) as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
     (gzip contents), the same token shards byte for byte, the same counts and the same config

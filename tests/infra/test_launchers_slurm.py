@@ -17,7 +17,6 @@ import pytest
 from infra.launchers import LaunchConfig, LaunchFailed, SlurmLaunchConfig, get_launcher
 from infra.launchers.base import free_port
 from tests.infra.launch_fixtures import write_plan, write_spec
-from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 # One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -37,7 +36,7 @@ def slurm_config(procs: int = 2, **kw) -> LaunchConfig:
 
 
 @pytest.mark.slow
-def test_sbatch_srun_torchrun_trains_then_a_resubmission_resumes(local_slurm, tmp_path):  # noqa: F811
+def test_sbatch_srun_torchrun_trains_then_a_resubmission_resumes(local_slurm, tmp_path):
     plan = write_plan(tmp_path / "shards")
     out = tmp_path / "stage"
     launcher = get_launcher(slurm_config())
@@ -60,7 +59,7 @@ def test_sbatch_srun_torchrun_trains_then_a_resubmission_resumes(local_slurm, tm
 
 
 @pytest.mark.slow
-def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):  # noqa: F811
+def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):
     out = tmp_path / "bad"
     spec = write_spec(out / "spec.json", tmp_path / "no-such-plan.json", out)
     with pytest.raises(LaunchFailed, match=r"Slurm job \d+ ended FAILED \(exit 1:0\)") as err:
@@ -72,7 +71,7 @@ def test_a_failing_job_is_reported_with_its_log(local_slurm, tmp_path):  # noqa:
 
 
 @pytest.mark.slow
-def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_path):  # noqa: F811
+def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_path):
     """An SFT step whose launch is Slurm + `accelerate launch` (CPU DDP config, 2 ranks): the
     job runs `-m trainers.posttrain` on the allocation, its log streams into the step's log, and the
     loss curve is the one of a local single-process run."""
@@ -133,7 +132,7 @@ def test_a_post_training_step_runs_on_slurm_through_accelerate(local_slurm, tmp_
 
 
 @pytest.mark.slow
-def test_sao_trains_on_a_rollout_pool_that_runs_as_a_slurm_job(local_slurm, tmp_path):  # noqa: F811
+def test_sao_trains_on_a_rollout_pool_that_runs_as_a_slurm_job(local_slurm, tmp_path):
     """SAO's rollout pool (`rollout_nodes: 1`) as a real Slurm job beside the trainer (here the
     trainer runs in this process): the job's task runs the pool node on the allocation, the
     trainer trains on its samples and starts no worker, and its end completes the job."""

@@ -22,7 +22,6 @@ from infra.preflight.cluster import JobOutcome, render_slurm, split_config
 from infra.preflight.core import PreflightFailed
 from pipeline.artifact import run_step
 from pipeline.workspace import Workspace
-from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # one recipe check (here) and the node checks a CPU node can run (there)
@@ -134,7 +133,7 @@ def _node() -> str:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
-def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(local_slurm, tmp_path):  # noqa: F811
+def test_preflight_runs_as_a_job_on_the_node_and_a_node_made_bad_is_excluded(local_slurm, tmp_path):
     ws = Workspace.at(tmp_path / "ws")
     node = _node()
 

@@ -22,7 +22,6 @@ from datatrove.pipeline.writers import JsonlWriter
 from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
 from curation.stages import plan_stages
 from tasks.curate import CurationConfig
-from tests.infra.slurm_cluster import local_slurm  # noqa: F401  (session fixture)
 
 # One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -109,7 +108,7 @@ def test_slurm_executors_for_the_curation_stages_render_valid_sbatch_without_sub
 
 
 @pytest.mark.slow
-def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_path, monkeypatch):  # noqa: F811
+def test_slurm_executor_runs_a_chained_pipeline_on_real_slurm(local_slurm, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     config = CurationConfig(
         executor="slurm",
@@ -161,7 +160,7 @@ def test_ray_executor_runs_a_chained_pipeline_on_local_ray(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_stage_stops_the_wait_instead_of_hanging(local_slurm, tmp_path):  # noqa: F811
+def test_a_failing_stage_stops_the_wait_instead_of_hanging(local_slurm, tmp_path):
     """tasks/curate.py polls get_incomplete_ranks() only: after a failed stage the next one stays
     pending forever (afterok never satisfied). wait_for_datatrove notices and cancels the chain."""
     from infra.launchers import LaunchFailed

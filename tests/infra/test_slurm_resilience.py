@@ -30,7 +30,7 @@ import pytest
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
 from infra.launchers.base import JobRecord, free_port
 from tests.infra.launch_fixtures import write_plan, write_spec
-from tests.infra.slurm_cluster import URGENT, local_slurm  # noqa: F401  (session fixture)
+from tests.infra.slurm_cluster import URGENT
 
 # One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -160,7 +160,7 @@ def assert_lost_no_step(out: Path, steps: int, stops: list[int], loss: float) ->
 
 
 @pytest.mark.slow
-def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(local_slurm, clean, tmp_path):  # noqa: F811
+def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(local_slurm, clean, tmp_path):
     steps = CLEAN_STEPS
     plan, loss = clean
     out = tmp_path / "stage"
@@ -192,7 +192,7 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
 
 
 @pytest.mark.slow
-def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_slurm, clean, tmp_path):  # noqa: F811
+def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_slurm, clean, tmp_path):
     """The time-limit warning delivered as Slurm delivers it: `--signal=B:USR1@N` makes slurmctld
     send SIGUSR1 to the batch shell alone, N seconds before the limit, which is what
     `scancel --signal=USR1 --batch` does now (Slurm checks limits every 30 s and its limits are in
@@ -235,7 +235,7 @@ FOLLOWER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_killed_follower_leaves_the_job_running_and_the_retry_reattaches(local_slurm, tmp_path):  # noqa: F811
+def test_a_killed_follower_leaves_the_job_running_and_the_retry_reattaches(local_slurm, tmp_path):
     steps = 14
     plan = write_plan(tmp_path / "shards")
     out = tmp_path / "stage"
@@ -307,7 +307,7 @@ def _job_state(job: str) -> str:
 
 
 @pytest.mark.slow
-def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_slurm, tmp_path, api_url):  # noqa: F811
+def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_slurm, tmp_path, api_url):
     """Two runs of a served flow whose step follows a Slurm job: `prefect flow-run cancel` cancels
     the job (the run's steps follow it from worker threads that never see the cancellation); a
     SIGTERM to the flow-run process from anything else (a host shutting down) leaves it running."""
@@ -406,7 +406,7 @@ def bring_node_back(node: str, spec: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(local_slurm, clean, tmp_path):  # noqa: F811
+def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(local_slurm, clean, tmp_path):
     """The node taken down from outside mid-stage (`scontrol update State=DOWN`, as slurmctld does
     when a node stops responding): the job ends NODE_FAIL (`--no-requeue` here), the failure names
     the node it lost, counts as transient (the step retries it), and the stage's next script
@@ -438,7 +438,7 @@ def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(loc
 
 
 @pytest.mark.slow
-def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(local_slurm, clean, tmp_path):  # noqa: F811
+def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(local_slurm, clean, tmp_path):
     """With `--requeue` (the default) Slurm requeues the job whose node went down at once (the
     follower sees it PENDING again); the launcher keeps following the same job and excludes the node
     srun's log line names (`Node failure on vm`) from it (`ExcNodeList`).
@@ -467,7 +467,7 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
 
 
 @pytest.mark.slow
-def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local_slurm, clean, tmp_path):  # noqa: F811
+def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local_slurm, clean, tmp_path):
     """`launch.slurm.max_node_requeues: 0`: the node taken down from outside mid-stage, Slurm
     requeues the job by itself (`--requeue`); at its next start (`SLURM_RESTART_COUNT` 1, no
     planned stop before it) the batch script refuses to train again, the job ends FAILED with the
