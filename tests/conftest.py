@@ -177,8 +177,15 @@ def prefect_harness():
     """A temporary Prefect server (SQLite) shared by every test that runs flows."""
     from prefect.testing.utilities import prefect_test_harness
 
+    from infra.prefect_server import drain_events
+
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        try:
+            yield
+        finally:
+            # bounded: the harness's own drain has no timeout, and a worker retrying a stopped
+            # server's address held a whole CI run at 98% until its limit
+            drain_events(timeout=60)
 
 
 @pytest.fixture
@@ -196,13 +203,14 @@ def private_api_url(tmp_path) -> str:
     meet this test's serve process. The test process's own Prefect client talks to it too."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from infra.prefect_server import EmbeddedServer
+    from infra.prefect_server import EmbeddedServer, drain_events
 
     home = tmp_path / "prefect-home"
     home.mkdir()
     with EmbeddedServer(home=str(home), log=lambda _: None) as server:
+        drain_events()  # the events of this test go to its server, not to a worker bound to another
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url
+            yield server.api_url  # leaving the server drains the worker before the server stops
 
 
 # Workspaces built once per session (`built_workspace`), by name: the overrides of the tiny recipe.
