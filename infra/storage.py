@@ -1050,25 +1050,47 @@ class CheckpointUploader:
             failed = sorted(self.report.failed)[-self.config.upload_queue :]
             return set(self._pending) | set(failed)
 
+    def _failed(self) -> list[str]:
+        with self._lock:
+            return sorted(self.report.failed)
+
     def submit(self, folder: str | Path) -> None:
-        """Queue a complete checkpoint folder; blocks only while the queue is full."""
+        """Queue a complete checkpoint folder; blocks only while the queue is full (and never
+        once the thread has died: the folder is then reported as failed by `close`)."""
         folder = Path(folder)
         with self._lock:
             self._pending.add(folder.name)
         try:
             self._queue.put_nowait(folder)
+            return
         except queue.Full:
             self._log(
                 f"[mirror] {self.config.upload_queue} checkpoint(s) still waiting for their upload to "
                 f"{self.s3_uri}; training waits until there is room for {folder.name}"
             )
-            self._queue.put(folder)
+        while not self._put(folder, timeout=1.0):
+            if self._thread is None or not self._thread.is_alive():
+                self._fail(folder.name, "the upload thread has stopped")
+                return
+
+    def _put(self, item: Any, timeout: float) -> bool:
+        try:
+            self._queue.put(item, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def _fail(self, name: str, error: str) -> None:
+        with self._lock:
+            self._pending.discard(name)
+            self.report.failed[name] = error
 
     def close(self) -> UploadReport:
         """Upload what is queued, retry what failed once, stop; `StorageError` if any is still
         not on S3 (the stage must not end as if its checkpoints were safe)."""
         if self._thread is not None:
-            self._queue.put(_STOP)
+            while self._thread.is_alive() and not self._put(_STOP, timeout=1.0):
+                pass
             self._thread.join()
             self._thread = None
         if self.report.failed:
@@ -1096,7 +1118,7 @@ class CheckpointUploader:
             self.store = S3Store(s3_uri, config, client=client, sleep=sleep)
         except Exception as exc:  # noqa: BLE001 - reported by close(), like a failed upload
             for f in backlog:
-                self.report.failed[f.name] = f"{type(exc).__name__}: {exc}"
+                self._fail(f.name, f"{type(exc).__name__}: {exc}")
             self._drain_failing(exc)
             return
         for folder in backlog:
@@ -1107,11 +1129,11 @@ class CheckpointUploader:
             item = self._queue.get()
             if item is _STOP or self._abandoned.is_set():
                 break
-            for name in sorted(self.report.failed):  # a failed one first: it is older
+            for name in self._failed():  # a failed one first: it is older
                 self._upload(self.root / name)
             self._upload(item)
         if not self._abandoned.is_set():
-            for name in sorted(self.report.failed):
+            for name in self._failed():
                 self._upload(self.root / name)
 
     def _drain_failing(self, exc: BaseException) -> None:
@@ -1119,9 +1141,17 @@ class CheckpointUploader:
             item = self._queue.get()
             if item is _STOP:
                 return
-            self.report.failed[Path(item).name] = f"{type(exc).__name__}: {exc}"
+            self._fail(Path(item).name, f"{type(exc).__name__}: {exc}")
 
     def _upload(self, folder: Path) -> None:
+        """`_upload_one`, never raising: the thread must outlive any one checkpoint."""
+        try:
+            self._upload_one(folder)
+        except Exception as exc:  # noqa: BLE001 - e.g. the record file's disk is full
+            self._fail(folder.name, f"{type(exc).__name__}: {exc}")
+            self._log(f"WARNING: [mirror] {folder.name}: {type(exc).__name__}: {exc}")
+
+    def _upload_one(self, folder: Path) -> None:
         assert self.store is not None
         name = folder.name
         start = time.monotonic()
@@ -1137,10 +1167,8 @@ class CheckpointUploader:
             self._settle(name)
             return
         except Exception as exc:  # noqa: BLE001 - S3 hiccups must not kill a 24-day run: retried
-            self.report.failed[name] = f"{type(exc).__name__}: {exc}"
+            self._fail(name, f"{type(exc).__name__}: {exc}")
             self._log(f"WARNING: [mirror] upload of {name} to {self.s3_uri} failed, retried with the next one: {exc}")
-            with self._lock:
-                self._pending.discard(name)
             return
         seconds = time.monotonic() - start
         self.report.uploaded.append(name)
@@ -1161,7 +1189,7 @@ class CheckpointUploader:
     def _settle(self, name: str) -> None:
         with self._lock:
             self._pending.discard(name)
-        self.report.failed.pop(name, None)
+            self.report.failed.pop(name, None)
 
     def _note(self, event: str, name: str, **fields: Any) -> None:
         if self.record is None:

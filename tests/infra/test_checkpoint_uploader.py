@@ -189,3 +189,21 @@ def test_a_kill_mid_upload_leaves_nothing_a_resume_takes_as_complete(s3, tmp_pat
     pulled = pull_latest_checkpoint("s3://ckpts/run/stage1", again, storage, client=client)
     assert pulled is not None and pulled.name == "step_00000020"
     assert (pulled / "__0_0.distcp").read_bytes() == (root / "step_00000020" / "__0_0.distcp").read_bytes()
+
+
+def test_a_checkpoint_that_cannot_be_uploaded_fails_the_close_naming_it_and_stays_local(s3, tmp_path):  # noqa: F811
+    """S3 refuses (no such bucket): training is not stopped by it, the checkpoint stays on local
+    disk while it waits, and the stage's end fails naming it instead of ending as if it were safe."""
+    from infra.storage import StorageError
+
+    endpoint, _ = s3
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uploader = CheckpointUploader(
+        "s3://no-such-bucket/run", cfg(endpoint, "s3://no-such-bucket/run", attempts=1), root, log=lines.append
+    ).start()
+    uploader.submit(fake_checkpoint(root, 10))
+    with pytest.raises(StorageError, match=r"not mirrored to s3://no-such-bucket/run: step_00000010: .*NoSuchBucket"):
+        uploader.close()
+    assert uploader.pending() == {"step_00000010"}  # still protected from local pruning
+    assert any("upload of step_00000010" in line and "failed" in line for line in lines)
