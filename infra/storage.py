@@ -33,8 +33,13 @@ What a 384-GPU run needs from object storage, and how this module provides it:
 - Every transfer is retried with exponential backoff and jitter on top of botocore's own
   per-request retries; an object already uploaded with the same size and digest is not sent again,
   so a retry after a failure midway resumes instead of restarting.
-- `CheckpointMirror.sync` keeps the newest `keep_local` complete checkpoints (and stage ends) on
-  local disk, as SmolLM3 did; an older local copy is deleted only after its upload was verified.
+- `CheckpointUploader` runs in the trainer (rank 0 of pretraining, the main rank of
+  post-training): each checkpoint is queued as its marker is written and uploaded from a
+  background thread, and the bucket's retention (`storage.checkpoints`: the newest `keep_last`
+  plus milestones) deletes older ones only after a newer one is uploaded and verified.
+- `CheckpointMirror.sync` (a library call, no step uses it) uploads a checkpoints folder and keeps
+  the newest `keep_local` complete checkpoints (and stage ends) on local disk; an older local copy
+  is deleted only after its upload was verified.
 - `pull_latest_checkpoint` brings back the newest complete remote checkpoint when the local copy is
   gone (a new node, a wiped scratch disk), into a temporary folder renamed into place at the end,
   and verifies it against the trainer's own digests in its marker; a remote checkpoint that fails
@@ -53,6 +58,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import threading
@@ -75,6 +81,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "_SHA256SUMS.json"  # ours: {"files": {relative path: {"size", "sha256"[, "hmac"]}}[, "hmac"]}
 MIRROR_KEY_ENV = "SMOLLM3_MIRROR_KEY"  # the HMAC key that signs and checks manifests; environment only
 MIN_KEY_CHARS = 16
+MIRROR_RECORD = "mirror.jsonl"  # a stage folder's record of its trainer's uploads and deletions
 MiB = 1 << 20
 T = TypeVar("T")
 
@@ -91,6 +98,68 @@ class CorruptCheckpoint(StorageError):
     """A local checkpoint's files do not match the digests in its own marker: not uploaded."""
 
 
+MILESTONE_NAMES = ("stage_end", "decay_start")
+
+
+class CheckpointRetention(BaseModel):
+    """Which mirrored checkpoints stay in the bucket (the recipe's `storage.checkpoints`).
+
+    The newest `keep_last` complete checkpoints of a stage, plus its milestones, which are never
+    deleted: the stage's final checkpoint (always; the next stage and continued pretraining start
+    from it), and each entry of `milestones`: a step number of the stage, or `decay_start`, the
+    newest checkpoint still in the stable phase of the WSD schedule (global step <= the decay's
+    start: what an anneal's base resolves to, model/base_checkpoint.py). An older checkpoint is
+    deleted only by the uploader, right after a newer one was uploaded and verified.
+    `keep_last: null` keeps every checkpoint.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keep_last: int | None = None  # newest complete checkpoints kept on S3; None: all of them
+    milestones: tuple[int | str, ...] = ()  # step numbers of the stage, or "decay_start"
+
+    @field_validator("keep_last", mode="before")
+    @classmethod
+    def _keep_last(cls, v: Any) -> Any:
+        if v is not None and (type(v) is not int or v < 1):
+            raise ValueError(
+                f"storage.checkpoints.keep_last must be a whole number >= 1 (or null to keep every "
+                f"checkpoint), got {v!r}"
+            )
+        return v
+
+    @field_validator("milestones", mode="before")
+    @classmethod
+    def _milestones(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if isinstance(v, str | int) or not isinstance(v, list | tuple):
+            raise ValueError(f"storage.checkpoints.milestones must be a list, got {v!r}")
+        for m in v:
+            if not ((type(m) is int and m >= 1) or m in MILESTONE_NAMES):
+                raise ValueError(
+                    f"storage.checkpoints.milestones: {m!r} is neither a step number (>= 1) nor one of "
+                    f"{', '.join(MILESTONE_NAMES)}"
+                )
+        return tuple(v)
+
+    def kept(self, checkpoints: Sequence[tuple[str, int, bool]], stable_until: int | None = None) -> set[str]:
+        """The names to keep among `checkpoints` (name, step, stage end) of the complete remote
+        checkpoints, oldest first. `stable_until`: the stage's last step in the stable phase
+        (None: the stage's schedule has no decay), for `decay_start`."""
+        ordered = sorted(checkpoints, key=lambda c: c[1])
+        if self.keep_last is None:
+            return {name for name, _, _ in ordered}
+        keep = {name for name, _, _ in ordered[-self.keep_last :]}
+        keep |= {name for name, _, end in ordered if end}  # the stage's final checkpoint
+        steps = {m for m in self.milestones if type(m) is int}
+        keep |= {name for name, step, _ in ordered if step in steps}
+        if "decay_start" in self.milestones and stable_until is not None:
+            stable = [name for name, step, _ in ordered if step <= stable_until]
+            keep |= set(stable[-1:])
+        return keep
+
+
 class StorageConfig(BaseModel):
     """Where and how artifacts and checkpoints are mirrored (the recipe's `storage` section)."""
 
@@ -105,15 +174,35 @@ class StorageConfig(BaseModel):
     attempts: int = Field(default=5, gt=0)  # tries per object before giving up
     backoff_seconds: float = Field(default=1.0, ge=0)  # first retry delay; doubles each try
     max_backoff_seconds: float = Field(default=60.0, ge=0)  # cap on one retry delay
+    # `CheckpointMirror` only (a library call syncing a checkpoints folder by hand; no step uses
+    # it: a trainer uploads its own checkpoints and keeps `keep_last` of them locally)
     keep_local: int = Field(default=2, gt=0)  # newest complete checkpoints kept on local disk
     keep_stage_ends: bool = True  # never delete a stage-end checkpoint locally (next stage inits)
-    sync_every_s: float = Field(default=300.0, gt=0)  # checkpoint sync period while a stage trains
+    sync_every_s: float = Field(default=300.0, gt=0)  # `CheckpointMirror.syncing`'s period
+    checkpoints: CheckpointRetention = CheckpointRetention()  # what stays in the bucket
+    upload_queue: int = Field(default=2, ge=1)  # checkpoints waiting for the trainer's uploader
 
     @field_validator("s3_uri")
     @classmethod
     def _s3(cls, v: str | None) -> str | None:
         if v is not None:
             split_s3_uri(v)
+        return v
+
+
+class MirrorTarget(BaseModel):
+    """Where one stage's checkpoints are mirrored, as its trainer reads it (`TrainSpec.mirror`):
+    the stage's own prefix, `{storage.s3_uri}/{step}/{fp12}/checkpoints`, and the storage settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str
+    storage: StorageConfig
+
+    @field_validator("uri")
+    @classmethod
+    def _s3(cls, v: str) -> str:
+        split_s3_uri(v)
         return v
 
 
@@ -872,6 +961,296 @@ class CheckpointMirror:
         ]
 
 
+@dataclass
+class UploadReport:
+    """What a `CheckpointUploader` did (names of step folders); safe to log and record."""
+
+    uploaded: list[str] = field(default_factory=list)  # complete on S3, verified, by this uploader
+    deleted_remote: list[str] = field(default_factory=list)  # removed from the bucket by retention
+    skipped_corrupt: list[str] = field(default_factory=list)  # files fail their digests: not sent
+    failed: dict[str, str] = field(default_factory=dict)  # still not on S3: name -> last error
+    bytes_sent: int = 0
+
+
+_STOP = object()
+
+
+class CheckpointUploader:
+    """Uploads a trainer's checkpoints from the process that wrote them, in a background thread.
+
+        uploader = CheckpointUploader(s3_prefix, storage, stage_dir / "checkpoints", record=stage_dir / "mirror.jsonl")
+        uploader.start()                       # first: the complete local checkpoints not yet on S3
+        ckpt = Checkpointer(root, on_complete=uploader.submit, protect=uploader.pending)
+        ...                                    # every save's marker hands its folder to submit()
+        uploader.close()                       # the stage's end: everything verified on S3, or raises
+
+    The trainer's rank 0 runs it (trainers/pretrain.py): it writes each checkpoint's marker, so it
+    knows first that the folder is complete, and the folder is on the shared file system every
+    rank wrote its shards to. `submit` only queues the folder; it blocks the training step only
+    when `storage.upload_queue` checkpoints are already waiting (backpressure: local disk then
+    holds at most keep_last + upload_queue + 1 checkpoints, since a folder waiting for its upload
+    is never pruned locally: `pending`). Each upload is `S3Store.upload_folder`: digests checked
+    against the trainer's marker, every object verified, the manifest (signed with
+    `$SMOLLM3_MIRROR_KEY` when set) then the marker last, so a process killed mid-upload leaves a
+    folder without its marker, which no resume takes. After each verified upload the retention of
+    `storage.checkpoints` runs: complete checkpoints older than the one just verified that are
+    neither among the newest `keep_last` nor milestones are deleted (marker first, so a
+    half-deleted folder is incomplete too), and incomplete leftovers of killed uploads older than
+    it go as well. A failed upload is logged and retried with the next one; `close` retries what is
+    still missing once more and raises `StorageError` naming it. Each verified upload and each
+    deletion is a line of `record` (JSONL: event, checkpoint, pid, host, bytes, seconds).
+    """
+
+    def __init__(
+        self,
+        s3_uri: str,
+        config: StorageConfig,
+        checkpoints_dir: str | Path,
+        *,
+        stable_until: int | None = None,
+        record: str | Path | None = None,
+        log: Callable[[str], None] | None = None,
+        client: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+        marker: str = CHECKPOINT_MARKER,
+    ):
+        self.s3_uri = s3_uri
+        self.config = config
+        self.root = Path(checkpoints_dir)
+        self.stable_until = stable_until
+        self.record = Path(record) if record is not None else None
+        self.marker = marker
+        self._log = log or log_info
+        self._store_args = (s3_uri, config, client, sleep)
+        self.store: S3Store | None = None
+        self.report = UploadReport()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.upload_queue)
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # accepted, not yet verified on S3 (never pruned locally)
+        self._newest: str | None = None  # the newest checkpoint this uploader verified on S3
+        self._thread: threading.Thread | None = None
+        self._abandoned = threading.Event()
+
+    def start(self) -> CheckpointUploader:
+        """Start the thread; it first uploads the complete local checkpoints (a crash or a kill may
+        have left some written but not mirrored: `upload_folder` skips what is already there)."""
+        backlog = [f for f in step_folders(self.root) if checkpoint_complete(f, self.marker) is not None]
+        with self._lock:
+            self._pending |= {f.name for f in backlog}
+        self._thread = threading.Thread(target=self._run, args=(backlog,), name="checkpoint-upload", daemon=True)
+        self._thread.start()
+        return self
+
+    def pending(self) -> set[str]:
+        """Names of the checkpoints handed over and not yet verified on S3: keep them locally.
+
+        Of those whose upload failed, only the newest `upload_queue` are kept (a long outage must
+        not fill the disk): an older one pruned meanwhile is reported and never reaches S3."""
+        with self._lock:
+            failed = sorted(self.report.failed)[-self.config.upload_queue :]
+            return set(self._pending) | set(failed)
+
+    def _failed(self) -> list[str]:
+        with self._lock:
+            return sorted(self.report.failed)
+
+    def submit(self, folder: str | Path) -> None:
+        """Queue a complete checkpoint folder; blocks only while the queue is full (and never
+        once the thread has died: the folder is then reported as failed by `close`)."""
+        folder = Path(folder)
+        with self._lock:
+            self._pending.add(folder.name)
+        try:
+            self._queue.put_nowait(folder)
+            return
+        except queue.Full:
+            self._log(
+                f"[mirror] {self.config.upload_queue} checkpoint(s) still waiting for their upload to "
+                f"{self.s3_uri}; training waits until there is room for {folder.name}"
+            )
+        while not self._put(folder, timeout=1.0):
+            if self._thread is None or not self._thread.is_alive():
+                self._fail(folder.name, "the upload thread has stopped")
+                return
+
+    def _put(self, item: Any, timeout: float) -> bool:
+        try:
+            self._queue.put(item, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def _fail(self, name: str, error: str) -> None:
+        with self._lock:
+            self._pending.discard(name)
+            self.report.failed[name] = error
+
+    def close(self) -> UploadReport:
+        """Upload what is queued, retry what failed once, stop; `StorageError` if any is still
+        not on S3 (the stage must not end as if its checkpoints were safe)."""
+        if self._thread is not None:
+            while self._thread.is_alive() and not self._put(_STOP, timeout=1.0):
+                pass
+            self._thread.join()
+            self._thread = None
+        if self.report.failed:
+            raise StorageError(
+                f"checkpoints not mirrored to {self.s3_uri}: "
+                + "; ".join(f"{n}: {e}" for n, e in sorted(self.report.failed.items()))
+                + " (they stay on local disk; a rerun of the stage uploads them first)"
+            )
+        return self.report
+
+    def abandon(self) -> None:
+        """Stop without waiting (the trainer is failing or stopping): a folder being uploaded stays
+        without its marker on S3, and the next launch's `start` uploads it again."""
+        self._abandoned.set()
+        try:
+            self._queue.put_nowait(_STOP)
+        except queue.Full:
+            pass  # the thread sees the event after its current folder
+
+    # -- the thread --
+
+    def _run(self, backlog: list[Path]) -> None:
+        s3_uri, config, client, sleep = self._store_args
+        try:
+            self.store = S3Store(s3_uri, config, client=client, sleep=sleep)
+        except Exception as exc:  # noqa: BLE001 - reported by close(), like a failed upload
+            for f in backlog:
+                self._fail(f.name, f"{type(exc).__name__}: {exc}")
+            self._drain_failing(exc)
+            return
+        for folder in backlog:
+            if self._abandoned.is_set():
+                return
+            self._upload(folder)
+        while not self._abandoned.is_set():
+            item = self._queue.get()
+            if item is _STOP or self._abandoned.is_set():
+                break
+            for name in self._failed():  # a failed one first: it is older
+                self._upload(self.root / name)
+            self._upload(item)
+        if not self._abandoned.is_set():
+            for name in self._failed():
+                self._upload(self.root / name)
+
+    def _drain_failing(self, exc: BaseException) -> None:
+        while not self._abandoned.is_set():
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            self._fail(Path(item).name, f"{type(exc).__name__}: {exc}")
+
+    def _upload(self, folder: Path) -> None:
+        """`_upload_one`, never raising: the thread must outlive any one checkpoint."""
+        try:
+            self._upload_one(folder)
+        except Exception as exc:  # noqa: BLE001 - e.g. the record file's disk is full
+            self._fail(folder.name, f"{type(exc).__name__}: {exc}")
+            self._log(f"WARNING: [mirror] {folder.name}: {type(exc).__name__}: {exc}")
+
+    def _upload_one(self, folder: Path) -> None:
+        assert self.store is not None
+        name = folder.name
+        start = time.monotonic()
+        if checkpoint_complete(folder, self.marker) is None:
+            self._log(f"WARNING: [mirror] {folder} is not a complete checkpoint (or was pruned); not uploaded")
+            self._settle(name)
+            return
+        try:
+            result = self.store.upload_folder(folder, name, self.marker)
+        except CorruptCheckpoint as exc:
+            self._log(f"WARNING: [mirror] {exc}")
+            self.report.skipped_corrupt.append(name)
+            self._settle(name)
+            return
+        except Exception as exc:  # noqa: BLE001 - S3 hiccups must not kill a 24-day run: retried
+            self._fail(name, f"{type(exc).__name__}: {exc}")
+            self._log(f"WARNING: [mirror] upload of {name} to {self.s3_uri} failed, retried with the next one: {exc}")
+            return
+        seconds = time.monotonic() - start
+        self.report.uploaded.append(name)
+        self.report.bytes_sent += result.bytes if result.sent else 0
+        self._settle(name)
+        if self._newest is None or name > self._newest:
+            self._newest = name
+        self._note("uploaded", name, bytes=result.bytes, sent=result.sent, seconds=round(seconds, 3))
+        self._log(
+            f"[mirror] pid {os.getpid()} uploaded {name} to {self.s3_uri} "
+            f"({result.bytes / 1e6:.1f} MB, {result.sent} file(s) sent, verified, {seconds:.1f}s)"
+        )
+        try:
+            self._retain()
+        except Exception as exc:  # noqa: BLE001 - deleting is tried again after the next upload
+            self._log(f"WARNING: [mirror] retention on {self.s3_uri} failed, tried again next upload: {exc}")
+
+    def _settle(self, name: str) -> None:
+        with self._lock:
+            self._pending.discard(name)
+            self.report.failed.pop(name, None)
+
+    def _note(self, event: str, name: str, **fields: Any) -> None:
+        if self.record is None:
+            return
+        import socket
+
+        row = {"event": event, "checkpoint": name, "pid": os.getpid(), "host": socket.gethostname(), **fields}
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.record, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def _retain(self) -> None:
+        """Delete what `storage.checkpoints` does not keep, older than the newest verified upload."""
+        store, newest = self.store, self._newest
+        assert store is not None and newest is not None
+        names = [n for n in store.subfolders() if n.startswith("step_") and n[5:].isdigit()]
+        busy = self.pending()
+        complete: list[tuple[str, int, bool]] = []
+        leftovers: list[str] = []
+        for n in names:
+            raw = store.get_bytes(store.key(n, self.marker))
+            if raw is None or not store.exists(store.key(n, MANIFEST)):
+                if n < newest and n not in busy:
+                    leftovers.append(n)  # a killed upload's files: nothing will complete them
+                continue
+            try:
+                record = json.loads(raw)
+                stage_end = bool(record.get("stage_end")) if isinstance(record, dict) else False
+            except ValueError:
+                stage_end = False
+            complete.append((n, int(n[5:]), stage_end))
+        keep = self.config.checkpoints.kept(complete, self.stable_until)
+        doomed = [n for n, _, _ in complete if n < newest and n not in keep and n not in busy]
+        for n in doomed + leftovers:
+            self._delete_remote(n)
+            self.report.deleted_remote.append(n)
+            self._note("deleted", n)
+        if doomed:
+            self._log(f"[mirror] deleted {', '.join(doomed)} from {self.s3_uri} (storage.checkpoints retention)")
+
+    def _delete_remote(self, name: str) -> None:
+        """Marker first (from then on the folder is incomplete), then the manifest, then the rest."""
+        store = self.store
+        assert store is not None
+        store.delete(store.key(name, self.marker))
+        store.delete(store.key(name, MANIFEST))
+        prefix = store.key(name) + "/"
+        paginator = store.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=store.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                store._retry(
+                    lambda keys=keys: store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": keys}),
+                    f"delete {len(keys)} objects under s3://{store.bucket}/{prefix}",
+                )
+
+
+def log_info(message: str) -> None:
+    log.info("%s", message)
+
+
 def pull_latest_checkpoint(
     s3_prefix: str,
     local_dir: str | Path,
@@ -935,17 +1314,22 @@ def describe(config: StorageConfig) -> dict[str, Any]:
         "endpoint_url": config.endpoint_url,
         "region": config.region,
         "keep_local": config.keep_local,
+        "checkpoints": config.checkpoints.model_dump(mode="json"),
     }
 
 
 __all__: Sequence[str] = (
     "CheckpointMirror",
+    "CheckpointRetention",
+    "CheckpointUploader",
     "ForgedManifest",
     "MIRROR_KEY_ENV",
+    "MirrorTarget",
     "S3Store",
     "StorageConfig",
     "StorageError",
     "SyncReport",
+    "UploadReport",
     "describe",
     "fetch_artifact",
     "mirror_artifact",

@@ -23,7 +23,9 @@ layouts (by module and name, resolved without importing anything: `SafeFileSyste
 non-tensor items (optimizer hyperparameters) and the RNG files load with
 `torch.load(weights_only=True)`. The digest check runs before any of it. See docs/architecture.md, "Threat model".
 
-Retention keeps the newest `keep_last` complete checkpoints plus every stage end.
+Retention keeps the newest `keep_last` complete checkpoints plus every stage end, and any that
+the trainer's S3 uploader has not yet verified in the bucket (`protect`, infra/storage.py
+`CheckpointUploader`; it is handed each folder as its marker is written: `on_complete`).
 
 Asynchronous saves (`Checkpointer(async_save=True)`, the trainer's `spec.async_checkpoint`): DCP's
 `async_save` copies this rank's shards to CPU memory (so the next optimizer step cannot change what
@@ -44,6 +46,7 @@ import logging
 import pickle
 import shutil
 import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -252,12 +255,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 class Checkpointer:
     """Saves, finds, loads and prunes the checkpoints under `root`."""
 
-    def __init__(self, root: str | Path, keep_last: int = 2, *, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        keep_last: int = 2,
+        *,
+        async_save: bool = False,
+        on_complete: Callable[[Path], None] | None = None,
+        protect: Callable[[], Collection[str]] | None = None,
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
+        # Rank 0, once a checkpoint's marker is written (the trainer's S3 uploader queues it), and
+        # the names prune must keep besides its own rule (those still waiting for their upload).
+        self.on_complete = on_complete
+        self.protect = protect
         self._pending: tuple[Path, Any, int, bool] | None = None  # folder, future, step, stage end
         self._groups: tuple[Any, Any] | None = None  # gloo groups: the writer thread's, poll()'s
 
@@ -385,15 +400,20 @@ class Checkpointer:
             files = {k: v for part in hashed for k, v in part.items()}
             record = manifest.marker_record(step, stage_end, dict(sorted(files.items())))
             write_atomic(folder / MARKER, json.dumps(record, indent=2))
+            if self.on_complete is not None:
+                self.on_complete(folder)
             self.prune()
         _barrier()
 
     def prune(self) -> None:
-        """Keep the newest keep_last complete checkpoints, every stage end, nothing older."""
+        """Keep the newest keep_last complete checkpoints, every stage end, those `protect` names
+        (waiting for their upload), nothing older."""
         complete = [(f, m) for f in self.step_folders() if (m := read_marker(f)) is not None]
         if not complete:
             return
         keep = {f for f, _ in complete[-self.keep_last :]} | {f for f, m in complete if m["stage_end"]}
+        if self.protect is not None:
+            keep |= {self.root / name for name in self.protect()}
         newest = complete[-1][0]
         for folder in self.step_folders():
             # Incomplete folders newer than the newest complete one may still be being written.

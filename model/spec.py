@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
 from infra.files import path_for_file, path_from_file
+from infra.storage import MirrorTarget
 from pipeline.artifact import added_identity, operational
 
 # The spec's paths (bound by the pretrain step from its inputs and folder)
@@ -322,6 +323,9 @@ class TrainSpec(TrainSettings):
     # one curve against one global step and tokens seen (trainers/tracker.py).
     run_first_step: int = operational(0, ge=0)
     run_first_token: int = operational(0, ge=0)
+    # The stage's S3 prefix for its checkpoints (the recipe's `storage`): rank 0 uploads each one
+    # as its marker is written (infra/storage.py CheckpointUploader). None: local disk only.
+    mirror: MirrorTarget | None = operational(None)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainSpec:
@@ -349,14 +353,18 @@ class TrainSpec(TrainSettings):
         """The stage's downsampled metrics (`curve_path`): what the flow process reads."""
         return curve_path(self.metrics_file)
 
-    def bind(self, mixture_plan: Path | str, out_dir: Path | str, init_from: str | None) -> TrainSpec:
-        """This stage with the paths its step resolved from its inputs and folder."""
+    def bind(
+        self, mixture_plan: Path | str, out_dir: Path | str, init_from: str | None, mirror: MirrorTarget | None = None
+    ) -> TrainSpec:
+        """This stage with the paths its step resolved from its inputs and folder, and its own S3
+        prefix (never a spec's it was copied from: an anneal starts from another stage's spec)."""
         return TrainSpec.model_validate(
             {
                 **self.model_dump(),
                 "mixture_plan": str(mixture_plan),
                 "out_dir": str(out_dir),
                 "init_from": init_from,
+                "mirror": mirror.model_dump() if mirror is not None else None,
             }
         )
 

@@ -29,8 +29,14 @@ data that led there skipped, at most `training.nonfinite.retries` times (docs/tr
 long run"). Rank 0 writes the stage's TensorBoard run (or W&B / MLflow) under
 `{workspace}/tensorboard/{stage}-{folder}`.
 
+With `storage.s3_uri`, the trainer mirrors its own checkpoints: rank 0 uploads each one to
+`{s3_uri}/pretrain/{fp12}/checkpoints/` from a background thread as its marker is written, and
+applies `storage.checkpoints` retention there (infra/storage.py `CheckpointUploader`, recorded in
+`mirror.jsonl`); this process only pulls the newest one back when the local copies are gone.
+
 Testing hook: `SMOLLM3_INJECT_FAILURE=<stage>` kills that stage's trainer (SIGKILL of its process
-group, as a node failure would) once its first checkpoint is complete, once per stage folder.
+group, as a node failure would) once its first checkpoint is complete (with a mirror: and
+uploaded), once per stage folder.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,7 +57,7 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.launchers.exclude import adopt_excluded
 from infra.proc import kill_tree
-from infra.storage import CheckpointMirror, StorageConfig, pull_latest_checkpoint
+from infra.storage import MIRROR_RECORD, MirrorTarget, StorageConfig, pull_latest_checkpoint
 from model.calibration import host_calibration
 from model.spec import TrainSettings, TrainSpec
 from pipeline.artifact import Artifact, operational
@@ -212,9 +217,10 @@ class _Watcher(threading.Thread):
     """Reports progress from the last line of metrics.jsonl and, when asked, kills the trainer
     right after its first complete checkpoint (the failure-injection hook)."""
 
-    def __init__(self, out: Path, steps: int, progress, inject: bool):
+    def __init__(self, out: Path, steps: int, progress, inject: bool, mirrored: bool = False):
         super().__init__(daemon=True)
         self.out, self.steps, self.progress, self.inject = out, steps, progress, inject
+        self.mirrored = mirrored  # with a mirror, the kill waits until the trainer uploaded one
         self.stop = threading.Event()
         self.injected = False
 
@@ -230,13 +236,27 @@ class _Watcher(threading.Thread):
                 if step is not None and 100.0 * step / self.steps >= reported + 10.0:
                     reported = 100.0 * step / self.steps
                     self.progress(reported)
-            if self.inject and Checkpointer(self.out / "checkpoints").latest() is not None:
+            if (
+                self.inject
+                and Checkpointer(self.out / "checkpoints").latest() is not None
+                and (not self.mirrored or _uploaded(self.out))
+            ):
                 pgid = _trainer_pgid(self.out)
                 if pgid:
                     (self.out / ".failure-injected").write_text(time.strftime("%FT%T"))
                     self.injected = True
                     kill_tree(pgid)  # torchrun and its ranks (each in a session of its own)
                     return
+
+
+def _uploaded(out: Path) -> bool:
+    """The trainer recorded a verified upload of a checkpoint (`mirror.jsonl`, infra/storage.py)."""
+    try:
+        return any(
+            json.loads(line).get("event") == "uploaded" for line in (out / MIRROR_RECORD).read_text().splitlines()
+        )
+    except (OSError, ValueError):
+        return False
 
 
 def _run_position(init: Artifact | None) -> tuple[int, int]:
@@ -365,11 +385,18 @@ def pretrain(
     previous stage, or a pinned anneal/CPT base)."""
     init_from = init.meta["checkpoint"] if init is not None else None
     spec = config.spec
+    storage = config.storage
+    s3_checkpoints = (
+        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
+    )
     if config.keep_every:
         spec = spec.model_copy(
             update={"checkpoint_interval": config.keep_every, "keep_last": spec.steps // config.keep_every + 1}
         )
-    spec = spec.bind(mixture.path / "plan.json", out, init_from)
+        # every checkpoint is part of the output: the bucket keeps them all too
+        storage = storage.model_copy(update={"checkpoints": storage.checkpoints.model_copy(update={"keep_last": None})})
+    mirror = MirrorTarget(uri=s3_checkpoints, storage=storage) if s3_checkpoints else None
+    spec = spec.bind(mixture.path / "plan.json", out, init_from, mirror)
     check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
     first_step, first_token = _run_position(init)
     from pipeline.runner import flow_run_name
@@ -382,10 +409,6 @@ def pretrain(
         # The MFU peak where no datasheet value applies: this host's preflight measurement.
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
     spec.save(out / "spec.json", relative_to=out.parent.parent)  # paths inside the workspace: relative
-    storage = config.storage
-    s3_checkpoints = (
-        f"{storage.s3_uri.rstrip('/')}/{out.parent.name}/{out.name}/checkpoints" if storage.s3_uri else None
-    )
     ckpt_dir = out / "checkpoints"
     if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
         # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
@@ -408,20 +431,19 @@ def pretrain(
         adopt_excluded(out, out.parent.parent, launch.max_excluded_nodes, log)
     launcher = get_launcher(launch)
     inject = os.environ.get(_FAILURE_ENV) == spec.stage and not (out / ".failure-injected").exists()
-    mirror = CheckpointMirror(s3_checkpoints, config=storage) if s3_checkpoints else None
     sink = StageEvents(out, spec.stage, log, *_run_context())
     while True:  # again only after a non-finite value, with its data skipped (bounded)
-        watcher = _Watcher(out, spec.steps, progress, inject)
+        watcher = _Watcher(out, spec.steps, progress, inject, mirror is not None)
         reset_launch_files(out)  # hang reports and heartbeats describe this launch only
         local = config.launch.kind == "local"
         supervisor = StageSupervisor(out, spec.watchdog, sink, end_launch=(lambda: end_local(out)) if local else None)
         watcher.start()
         supervisor.start()
         try:
-            with mirror.syncing(ckpt_dir, every_s=storage.sync_every_s, log=log) if mirror else nullcontext():
-                launcher.launch(
-                    out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
-                )
+            # The trainer's rank 0 uploads each checkpoint to `s3_checkpoints` itself (spec.mirror).
+            launcher.launch(
+                out / "spec.json", out, log, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
+            )
         except Exception as exc:
             if watcher.injected:
                 raise RuntimeError(

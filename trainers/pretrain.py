@@ -23,6 +23,10 @@ One launch trains one stage as described by a `TrainSpec`:
 - resume: from the newest complete checkpoint in `{out_dir}/checkpoints` (any world size and
   layout); otherwise from `init_from` (model, and optimizer unless reset_optimizer); otherwise
   fresh; `spec.async_checkpoint` writes checkpoints in the background (model/checkpoint.py);
+- S3: with `spec.mirror`, rank 0 uploads each checkpoint once its marker is written, from a
+  background thread behind a bounded queue, and applies the bucket's retention
+  (`start_uploader`, infra/storage.py `CheckpointUploader`); the stage ends only when every
+  checkpoint is verified on S3;
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written, after
   recording in `monitor/nonfinite.json` what the pretrain step needs to roll back and skip the
@@ -80,6 +84,7 @@ from infra.files import write_atomic
 from infra.guard import LeaseHeld, StageLease, protect_rank
 from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
+from infra.storage import MIRROR_RECORD, CheckpointUploader
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
@@ -714,6 +719,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     st = build_stage(spec, rt)
     start = resume(st)
     step, schedule_start = start.step, start.schedule_start
+    uploader = start_uploader(st, schedule_start)
     total = spec.schedule.total_steps or schedule_start + spec.steps
     stride = curve_stride(spec.steps, spec.log_interval)
     metrics = MetricsWriter(spec.metrics_file, is_main, step, stride, spec.log_interval)
@@ -772,7 +778,34 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
             raise StopRequested(stop.received or "a signal", step, str(saves.last))
     watchdog.begin_phase("ending")  # the last save's background writes and the result: the checkpoint bound
     st.ckpt.wait()
+    if uploader is not None:  # the stage ends with every checkpoint verified on S3, or fails
+        uploader.close()
     return finish(st, start, step, loss_value, saves.last, report, spikes.skipped, rollback.skips.windows)
+
+
+def start_uploader(st: Stage, schedule_start: int) -> CheckpointUploader | None:
+    """Rank 0's S3 uploader of the stage's checkpoints (`spec.mirror`), handed every checkpoint as
+    its marker is written; None on the other ranks and without a mirror. Rank 0 writes the marker,
+    so it is the first to know a checkpoint is complete, and reads every rank's shards from the
+    shared file system they were written to: one uploader per stage, no collective, nothing on
+    the training thread but a bounded queue (infra/storage.py `CheckpointUploader`)."""
+    spec = st.spec
+    if spec.mirror is None or st.rt.rank != 0:
+        return None
+    from model.base_checkpoint import decay_start
+
+    decay = decay_start(spec)
+    uploader = CheckpointUploader(
+        spec.mirror.uri,
+        spec.mirror.storage,
+        st.ckpt.root,
+        stable_until=None if decay is None else decay - schedule_start,
+        record=Path(spec.out_dir) / MIRROR_RECORD,
+        log=log.info,
+    ).start()
+    st.rt.closers.append(uploader.abandon)  # a failing or stopping rank does not wait for S3
+    st.ckpt.on_complete, st.ckpt.protect = uploader.submit, uploader.pending
+    return uploader
 
 
 def announce(st: Stage, step: int) -> StepReport:

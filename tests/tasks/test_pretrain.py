@@ -5,6 +5,7 @@ tests/flows/test_stage_plan.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -74,13 +75,20 @@ def s3(monkeypatch):
 @pytest.mark.slow
 def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, monkeypatch):
     """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
-    the newest complete checkpoint from S3 and continues from it instead of starting over."""
+    the newest complete checkpoint from S3 and continues from it instead of starting over. The
+    uploads happen in the trainer (rank 0's process), never in this one (the flow's), and the
+    bucket keeps what `storage.checkpoints` says: the newest one, step 20 and the stage's end."""
+    from infra.storage import CheckpointRetention, S3Store
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import Artifact
     from tasks.pretrain import StageSpec, pretrain
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
 
+    def no_upload_here(self, *args, **kwargs):
+        raise AssertionError("the flow process uploaded a checkpoint")
+
+    monkeypatch.setattr(S3Store, "upload_folder", no_upload_here)
     endpoint, client = s3
     plan = write_two_source_plan(tmp_path / "plan")
     spec = TrainSpec(
@@ -102,7 +110,7 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
         optimizer=OptimizerConfig(lr=1e-3),
         schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=60, start_step=0),
     )
-    storage = cfg(endpoint, "s3://ckpts/run")
+    storage = cfg(endpoint, "s3://ckpts/run", checkpoints=CheckpointRetention(keep_last=1, milestones=[20]))
     run = StageSpec(spec=spec, storage=storage)
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
     out = tmp_path / "pretrain" / "abcdef123456"
@@ -120,6 +128,15 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert 10 < first["step"] < 60, "the rerun started from scratch instead of the S3 checkpoint"
     assert meta["resumed"] and meta["checkpoint"].endswith("step_00000060")
+    rows = [json.loads(line) for line in (out / "mirror.jsonl").read_text().splitlines()]
+    uploads = [r for r in rows if r["event"] == "uploaded"]
+    assert uploads and os.getpid() not in {r["pid"] for r in rows}  # the trainer's process uploaded
+    assert uploads[-1]["checkpoint"] == "step_00000060"
+    assert any(line.startswith(f"[mirror] pid {uploads[-1]['pid']} uploaded step_00000060") for line in lines)
+    prefix = "run/pretrain/abcdef123456/checkpoints/"
+    complete = sorted(k[len(prefix) :].split("/")[0] for k in _keys(client) if k.endswith("_CHECKPOINT.json"))
+    assert complete == ["step_00000020", "step_00000060"]  # the milestone and the stage end (the newest)
+    assert {k[len(prefix) :].split("/")[0] for k in _keys(client) if k.startswith(prefix)} == set(complete)
 
 
 def _keys(client) -> list[str]:

@@ -20,6 +20,7 @@ Uses the tiny world of test_posttrain_steps (2-layer SmolLM3, BPE tokenizer, bui
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -175,11 +176,12 @@ def _rank_processes(pgid: int) -> list[psutil.Process]:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs the trainer's ranks (as the OOM killer would) once a checkpoint is published."""
+    """SIGKILLs the trainer's ranks (as the OOM killer would) once a checkpoint is published
+    (`mirrored`: and its main rank recorded it as uploaded to S3, `mirror.jsonl`)."""
 
-    def __init__(self, root: Path, step: str):
+    def __init__(self, root: Path, step: str, mirrored: bool = False):
         super().__init__(daemon=True)
-        self.root, self.step = root, step
+        self.root, self.step, self.mirrored = root, step, mirrored
         self.killed_after: int | None = None
         self.stop = threading.Event()
 
@@ -187,6 +189,8 @@ class Killer(threading.Thread):
         while not self.stop.wait(0.02):
             for folder in (self.root / self.step).glob("*"):
                 done = complete_checkpoints(folder / "checkpoints")
+                if self.mirrored:
+                    done = [d for d in done if d[1].name in _uploaded(folder)]
                 pgid = folder / ".trainer.pgid"
                 if done and pgid.exists():
                     ranks = _rank_processes(int(pgid.read_text()))
@@ -195,6 +199,14 @@ class Killer(threading.Thread):
                         for p in ranks:
                             p.kill()
                         return
+
+
+def _uploaded(folder: Path) -> set[str]:
+    try:
+        rows = [json.loads(line) for line in (folder / "mirror.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return set()
+    return {r["checkpoint"] for r in rows if r.get("event") == "uploaded"}
 
 
 def kill_then_resume(name: str, run: PosttrainSpec, inputs: dict, root: Path) -> tuple[Artifact, int, str]:
@@ -246,12 +258,20 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(world, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_path, s3):  # noqa: F811
+def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_path, s3, monkeypatch):  # noqa: F811
+    """The trainer's main rank uploads (never this, the flow's, process); a rerun on a wiped
+    folder pulls the newest one and ends on the uninterrupted losses."""
+    from infra.storage import S3Store
+
+    def no_upload_here(self, *args, **kwargs):
+        raise AssertionError("the flow process uploaded a checkpoint")
+
+    monkeypatch.setattr(S3Store, "upload_folder", no_upload_here)
     endpoint, client = s3
     storage = StorageConfig(s3_uri="s3://ckpts/run", endpoint_url=endpoint, keep_local=1, sync_every_s=0.2)
     run = run_of(SFT, storage=storage)
     inputs = {"model": world["base"], "data": world["data"]}
-    killer = Killer(tmp_path, "sft")
+    killer = Killer(tmp_path, "sft", mirrored=True)
     killer.start()
     with pytest.raises(LaunchFailed):
         build("sft", run, inputs, tmp_path)
@@ -268,6 +288,8 @@ def test_checkpoints_are_mirrored_and_a_wiped_folder_resumes_from_s3(world, tmp_
     assert artifact.meta["s3_checkpoints"] == f"s3://ckpts/{prefix.rstrip('/')}"
     final = f"{prefix}step_{SFT.max_steps:08d}/_CHECKPOINT.json"
     assert final in {o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix=prefix)["Contents"]}
+    rows = [json.loads(line) for line in (folder / "mirror.jsonl").read_text().splitlines()]
+    assert rows and os.getpid() not in {r["pid"] for r in rows}  # uploaded by the trainer's process
     assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)
 
 

@@ -10,7 +10,8 @@ The post-training steps launch it through infra/launchers (trainers/posttrain/la
 seed, device). TRL's trainers pick up the torchrun/accelerate environment (DDP, or FSDP and
 DeepSpeed per the accelerate config). Like trainers/pretrain.py: a rank ends itself when torchrun dies
 (`protect_rank`), rank 0 leases the out folder first (exit 4 when another trainer holds it),
-only rank 0 prints progress and writes `result.json` (the step's meta) last. A stop signal
+only rank 0 prints progress and writes `result.json` (the step's meta) last, after its S3
+uploader (with `spec.mirror`) verified every checkpoint in the bucket. A stop signal
 (SIGUSR1 before a time limit, SIGTERM at preemption or eviction) saves the step being trained and
 exits 75, like the pretraining trainer (trainers/rank_signals.py).
 """
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> int:
         # TRL's unpublished checkpoint folders are what a killed attempt was writing: never used.
         for partial in (out / "trainer").glob("checkpoint-*"):
             shutil.rmtree(partial, ignore_errors=True)
+    uploader = start_uploader(spec, out) if is_main() else None
     try:
         module, fn, _ = TRAINERS[spec.trainer]
         train = getattr(importlib.import_module(module), fn)
@@ -66,6 +68,8 @@ def main(argv: list[str]) -> int:
             progress=(lambda p: print(f"{PROGRESS_MARK}{p:.2f}", flush=True)) if main_rank else None,
             **trainer_hooks(spec),
         )
+        if uploader is not None:  # the step ends with every checkpoint verified on S3, or fails
+            uploader.close()
         if main_rank:
             write_atomic(out / RESULT, json.dumps(meta, default=str))
             print(json.dumps(meta, default=str), flush=True)
@@ -74,10 +78,31 @@ def main(argv: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_STOPPED
     finally:
+        if uploader is not None:
+            uploader.abandon()  # a failing or stopping rank does not wait for S3 (no-op once closed)
         _end_process_group()
         if lease is not None:
             lease.release()
     return 0
+
+
+def start_uploader(spec, out: Path):
+    """The main rank's S3 uploader of the step's checkpoints (`spec.mirror`), or None: it uploads
+    the complete local ones first, then each one `publish_checkpoint` hands it."""
+    if spec.mirror is None:
+        return None
+    from infra.storage import MIRROR_RECORD, CheckpointUploader
+    from trainers.posttrain.common import CHECKPOINTS, use_uploader
+
+    uploader = CheckpointUploader(
+        spec.mirror.uri,
+        spec.mirror.storage,
+        out / CHECKPOINTS,
+        record=out / MIRROR_RECORD,
+        log=lambda line: print(line, flush=True),
+    ).start()
+    use_uploader(uploader)
+    return uploader
 
 
 def trainer_hooks(spec) -> dict:

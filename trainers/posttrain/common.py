@@ -11,12 +11,13 @@ when called directly (tests); the world size comes from the environment. Only th
 writes the model folder, `metrics.jsonl` and `result.json`.
 
 Checkpoints use the stage layout of model/checkpoint.py, so the launchers' failure reports, the
-S3 mirror and its pulls treat them like pretraining checkpoints: TRL writes
+S3 uploader and its pulls treat them like pretraining checkpoints: TRL writes
 `trainer/checkpoint-N` every `save_steps` (and at the last step); once every rank has written its
 part, the main process lists every file with its size and SHA-256 in `_CHECKPOINT.json`
 (infra/manifest.py) and renames the folder to `checkpoints/step_{N:08d}`. A start resumes from
 the newest checkpoint whose files match their digests (each rank hashes a share), falling back
-to older ones with a warning.
+to older ones with a warning. With `TrainerSpec.mirror`, the main process uploads each published
+checkpoint to S3 from a background thread (`use_uploader`, as the pretraining trainer does).
 """
 
 from __future__ import annotations
@@ -177,8 +178,21 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path, dict[str, Any]]]:
     return sorted(found, key=lambda f: f[0])
 
 
+# The main rank's S3 uploader (trainers/posttrain/__main__.py, with `TrainerSpec.mirror`): handed
+# every published checkpoint; what it has not yet verified on S3 is never pruned locally.
+_uploader: Any = None
+
+
+def use_uploader(uploader: Any) -> None:
+    """Hand every checkpoint this process publishes to `uploader` (infra/storage.py
+    `CheckpointUploader`; None: none)."""
+    global _uploader
+    _uploader = uploader
+
+
 def publish_checkpoint(src: Path, root: Path, step: int, final: bool, keep: int) -> Path:
-    """Seal TRL's `src` checkpoint (manifest written last) and move it to `root/step_N`; prune."""
+    """Seal TRL's `src` checkpoint (manifest written last) and move it to `root/step_N`; hand it
+    to the S3 uploader, if any; prune."""
     # TRL pickles its arguments next to the weights; resuming never reads them, so no checkpoint
     # (local or on S3) carries a pickle that something might load one day.
     (src / "training_args.bin").unlink(missing_ok=True)
@@ -190,6 +204,8 @@ def publish_checkpoint(src: Path, root: Path, step: int, final: bool, keep: int)
     if dest.exists():  # an older attempt's checkpoint of this step that failed verification
         shutil.rmtree(dest)
     os.replace(src, dest)
+    if _uploader is not None:
+        _uploader.submit(dest)
     prune_checkpoints(root, keep)
     return dest
 
@@ -199,6 +215,8 @@ def prune_checkpoints(root: Path, keep: int) -> None:
     mirror or a human may be looking at them; the next publish of that step replaces them)."""
     complete = complete_checkpoints(root)
     keep_set = {f for _, f, _ in complete[-keep:]} | {f for _, f, r in complete if r.get("stage_end")}
+    if _uploader is not None:  # still waiting for its upload
+        keep_set |= {Path(root) / name for name in _uploader.pending()}
     for _, folder, _ in complete:
         if folder not in keep_set:
             shutil.rmtree(folder, ignore_errors=True)

@@ -12,8 +12,9 @@ pretraining stage gets, a post-training step gets the same way:
 - one trainer per folder: rank 0 leases the step folder before writing (exit 4 otherwise);
 - resume: TRL checkpoints are published as `checkpoints/step_N` with a verified manifest
   (trainers/posttrain/common.py), and a rerun, Slurm requeue or pod restart resumes from the newest;
-- S3: with `storage.s3_uri`, checkpoints are mirrored while the trainer runs
-  (`CheckpointMirror.syncing`) and pulled back when the local copies are gone;
+- S3: with `storage.s3_uri`, the main rank uploads each checkpoint as it is published
+  (`TrainerSpec.mirror`, infra/storage.py `CheckpointUploader`, with `storage.checkpoints`
+  retention), and this process pulls the newest back when the local copies are gone;
 - failures: `LaunchFailed.cause` names the rank, its signal or exit code, the last logged step
   and the last checkpoint ("a retry resumes from step 4");
 - progress: the main rank prints `pipeline.step` progress marks, turned back into `progress()` here.
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, mod
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.pool import NODE, PoolRunner, PoolSpec
-from infra.storage import CheckpointMirror, pull_latest_checkpoint
+from infra.storage import MirrorTarget, pull_latest_checkpoint
 from model.spec import TrackerConfig
 from pipeline.child import progress_lines
 from trainers.posttrain import rollout, sections
@@ -73,6 +74,7 @@ class TrainerSpec(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tracker: TrackerConfig = TrackerConfig(kind="none")  # where the main rank sends its log rows
     tracker_dir: str = ""  # ... into this run folder (trainers/tracker.py)
+    mirror: MirrorTarget | None = None  # the step's S3 prefix for its checkpoints; None: local only
 
     @model_validator(mode="before")
     @classmethod
@@ -168,9 +170,11 @@ def launch_trainer(
         tracker=run.tracker,
         tracker_dir=str(tracker_dir(out.parent.parent, run.tracker, out, trainer, flow_run)) if flow_run else "",
     )
+    remote = s3_checkpoints(run, out)
+    if remote:
+        spec = spec.model_copy(update={"mirror": MirrorTarget(uri=remote, storage=run.storage)})
     spec.save(out / SPEC)
     (out / RESULT).unlink(missing_ok=True)  # only this launch's result counts
-    remote = s3_checkpoints(run, out)
     ckpts = out / "checkpoints"
     if remote and not (ckpts.is_dir() and any(ckpts.iterdir())):
         # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
@@ -181,11 +185,7 @@ def launch_trainer(
     log(f"{trainer}: {run.section.max_steps} steps of {run.section.batch} on {config.describe()}")
     line = progress_lines(log, progress)
 
-    mirror = CheckpointMirror(remote, config=run.storage) if remote else None
-    with (
-        mirror.syncing(ckpts, every_s=run.storage.sync_every_s, log=log) if mirror else nullcontext(),
-        helper_pool(run, out, log),
-    ):
+    with helper_pool(run, out, log):  # the main rank uploads the checkpoints itself (spec.mirror)
         get_launcher(config).launch(
             out / SPEC, out, line, on_start=lambda handle: (out / ".trainer.pgid").write_text(str(handle))
         )
