@@ -34,6 +34,34 @@ def demo_api(state: Path = ROOT / ".demo") -> str | None:
     return url if healthy(url) else None
 
 
+def drain_events(timeout: float = 30.0) -> None:
+    """Deliver what this process's Prefect events worker still holds and stop it (a new one
+    starts at the next event). Prefect keeps one events worker per process for any server and
+    binds it to the API URL current when it started: left running after its server stops, it
+    retries every later event against the dead address (10 reconnections each) and
+    `drain_all` at exit then waits for that backlog (seen: 473 events, hours). Call it while
+    the server it sends to is still up, and whenever this process switches API URL. Bounded
+    by `timeout` seconds: what is still unsent then is left to the stopped worker."""
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=timeout)
+
+
+@contextmanager
+def embedded_api(home: str | None = None, log=print) -> Iterator[str]:
+    """A Prefect server of this block's own (`EmbeddedServer`) as this process's API; the
+    process's events reach it before it stops, and none are left bound to its address."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with EmbeddedServer(home=home, log=log) as server:
+        drain_events()  # a worker bound to another API would send this block's events there
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+                yield server.api_url
+        finally:
+            drain_events()
+
+
 @contextmanager
 def running_api() -> Iterator[str]:
     """A Prefect API that runs already (`PREFECT_API_URL`, else the demo's server), for
@@ -72,5 +100,5 @@ def prefect_api(log=print) -> Iterator[str]:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
         return
-    with EmbeddedServer(log=log) as server, temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-        yield server.api_url
+    with embedded_api(log=log) as url:
+        yield url

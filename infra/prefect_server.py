@@ -184,19 +184,6 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def drain_events(timeout: float = 30.0) -> None:
-    """Deliver what this process's Prefect events worker still holds and stop it (a new one
-    starts at the next event). Prefect keeps one events worker per process for any server and
-    binds it to the API URL current when it started: left running after its server stops, it
-    retries every later event against the dead address (10 reconnections each) and
-    `drain_all` at exit then waits for that backlog (seen: 473 events, hours). Call it while
-    the server it sends to is still up, and whenever this process switches API URL. Bounded
-    by `timeout` seconds: what is still unsent then is left to the stopped worker."""
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all(timeout=timeout)
-
-
 class EmbeddedServer:
     """`prefect server start` on a free loopback port for the life of one command, waited for
     by the wall clock until it answers or exits.
@@ -283,7 +270,4 @@ class EmbeddedServer:
                 self.proc.wait()
 
     def __exit__(self, *exc) -> None:
-        try:
-            drain_events()  # this process's events reach this server before it stops
-        finally:
-            self.stop()
+        self.stop()

@@ -179,7 +179,7 @@ def prefect_harness():
     """A temporary Prefect server (SQLite) shared by every test that runs flows."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from infra.prefect_server import drain_events
+    from flows.api import drain_events
 
     with prefect_test_harness(server_startup_timeout=120):
         try:
@@ -203,16 +203,12 @@ def private_api_url(tmp_path) -> str:
     serve the project's deployments (`smollm3/full`, `anneal/nightly`): on the shared server a
     deployment registered by an earlier test on the same pytest worker (and its schedule) would
     meet this test's serve process. The test process's own Prefect client talks to it too."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from infra.prefect_server import EmbeddedServer, drain_events
+    from flows.api import embedded_api
 
     home = tmp_path / "prefect-home"
     home.mkdir()
-    with EmbeddedServer(home=str(home), log=lambda _: None) as server:
-        drain_events()  # the events of this test go to its server, not to a worker bound to another
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url  # leaving the server drains the worker before the server stops
+    with embedded_api(home=str(home), log=lambda _: None) as url:  # events drained before it stops
+        yield url
 
 
 # Workspaces built once per session (`built_workspace`), by name: the overrides of the tiny recipe.
