@@ -199,6 +199,22 @@ def test_a_lost_peer_is_named_in_the_cause_and_makes_the_failure_transient(tmp_p
     assert nccl.describe() == "peer node-0:45122"
 
 
+def _wait_listening(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> None:
+    """Until a process of `proc`'s tree listens on `port` (a fixed sleep lost the race on a loaded
+    machine: the second node's torchrun bound the port first and hosted the store)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the first node's torchrun exited"
+        tree = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+        if any(
+            c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid in tree
+            for c in psutil.net_connections(kind="tcp")
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the first node's torchrun did not listen on {port} in {timeout}s")
+
+
 def _two_nodes(tmp_path: Path, victim: int) -> tuple[subprocess.Popen, Path, float]:
     """Start two torchrun nodes of one job, kill `victim` (its whole process group, as a node
     loss would) after 3 steps; return the survivor, its log, the time of the kill."""
@@ -238,7 +254,8 @@ def _two_nodes(tmp_path: Path, victim: int) -> tuple[subprocess.Popen, Path, flo
         nodes.append(
             subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
-        time.sleep(1.0)  # node 0 first: its torchrun hosts the c10d store
+        if node == 0:  # node 0 first: its torchrun hosts the c10d store (whoever binds the port does)
+            _wait_listening(nodes[0], port)
     ranks: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
