@@ -52,8 +52,8 @@ _SHIFT = np.uint64(32)
 
 def _keys(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The two documents of each pair (rows of file1, doc1, file2, doc2) as `file << 32 | doc`."""
-    p = pairs.astype(np.uint64)
-    return (p[:, 0] << _SHIFT) | p[:, 1], (p[:, 2] << _SHIFT) | p[:, 3]
+    col = lambda k: pairs[:, k].astype(np.uint64)  # noqa: E731
+    return (col(0) << _SHIFT) | col(1), (col(2) << _SHIFT) | col(3)
 
 
 def _unite(parent: array, first: np.ndarray, second: np.ndarray, sentinel: int) -> None:

@@ -185,3 +185,55 @@ def test_curation_plans_the_bounded_cluster_stage(tmp_path):
         (name, pipeline) for name, pipeline, _ in plan_stages(CurationConfig(), "none", tmp_path, tmp_path, 2)
     )
     assert [type(s) for s in stages["cluster"]] == [MinhashClusterArrays]
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Each gzip shard of `folder`, decompressed (a gzip header carries the time it was written)."""
+    return {p.name: gzip.decompress(p.read_bytes()) for p in sorted(folder.glob("*.jsonl.gz"))}
+
+
+@pytest.mark.slow
+def test_the_curate_step_writes_the_same_corpus_as_with_datatrove_cluster(tmp_path, monkeypatch):
+    """The curate step (tasks/curate.py) on a corpus with chains of near duplicates over 3
+    shards: its curated train and held-out shards, removed samples, filter rows and removal
+    counts are the same with this cluster stage as with datatrove's `MinhashDedupCluster`
+    planned in its place."""
+    import curation.minhash_cluster as module
+    from tasks.curate import curate
+    from tests.tasks.datafiles import corpus, random_text
+
+    rng = random.Random(3)
+    train: list[tuple[str, str]] = []
+    for i in range(60):
+        if i > 5 and rng.random() < 0.4:  # two words changed in 200, of an earlier document or copy
+            words = train[rng.randrange(i)][1].split(" ")
+            for _ in range(2):
+                words[rng.randrange(len(words))] = "zeppelin"
+            train.append((f"near{i}", " ".join(words)))
+        else:
+            train.append((f"u{i}", random_text(rng)))
+    held = [("h0", random_text(rng))]
+    art = corpus(tmp_path / "in", train, heldout=held, source="toy", shards=3)
+    config = CurationConfig(presets={"toy": "none"}, tasks=3)
+    got = {}
+    for name in ("theirs", "mine"):
+        if name == "theirs":
+            monkeypatch.setattr(module, "MinhashClusterArrays", MinhashDedupCluster)
+        else:
+            monkeypatch.undo()
+        out = tmp_path / name
+        out.mkdir()
+        meta = curate(config, art, out=out, log=lambda _: None)
+        got[name] = {
+            "train": _contents(out / "train"),
+            "heldout": _contents(out / "heldout"),
+            "removed": {p.parent.name: gzip.decompress(p.read_bytes()) for p in (out / "removed").rglob("*.gz")},
+            "rows": (out / "filter_stats.json").read_text(),
+            "meta": {k: v for k, v in meta.items() if k != "seconds"},
+        }
+        stats = json.loads((out / "logs" / "cluster" / "stats.json").read_text())
+        got[name]["cluster"] = stats[0]["name"]  # which cluster stage ran
+    assert got["theirs"].pop("cluster").endswith(MinhashDedupCluster.name)
+    assert got["mine"].pop("cluster").endswith(MinhashClusterArrays.name)
+    assert got["mine"] == got["theirs"]
+    assert got["mine"]["meta"]["removed"].get("minhash_dedup:minhash_dedup", 0) >= 10
