@@ -9,16 +9,18 @@ bytes per document that has a near duplicate, in the one task of the stage (docs
 
 `MinhashClusterArrays` does the same union-find on arrays, in three passes over the pair files:
 
-1. the documents that occur in a pair, as one sorted uint64 array of keys `file << 32 | doc`
-   (8 bytes each; a chunk's new keys merged in, so 16 bytes each while merging);
-2. the pairs again, in the same order, each key turned into its position in that array
-   (`searchsorted`), joined in a parent array of int32 (int64 past 2^31 documents) that holds,
-   at a root, minus the size of its cluster: 4 bytes per document;
+1. the documents that occur in a pair: per input file, a sorted uint32 array of its document
+   indexes (4 bytes each), a chunk's new ones merged in; a document's position is its file's
+   offset plus its place in that array;
+2. the pairs again, in the same order, each document turned into its position (`searchsorted`
+   in its file's array), joined in a parent array of int32 (int64 past 2^31 documents) that
+   holds, at a root, minus the size of its cluster: 4 bytes per document;
 3. every document's root (pointer jumping, in place, a chunk at a time), and the documents that
-   are not their root written out, file by file, in key order.
+   are not their root written out, file by file, in document order.
 
-So about 16 bytes per document with a near duplicate at the peak, plus a chunk of pairs
-(`chunk_pairs`, 1M by default: 16 MB read, ~50 MB of working arrays), against datatrove's ~260.
+So about 8 bytes per document with a near duplicate, plus a chunk of pairs (`chunk_pairs`, 1M by
+default: 16 MB read, ~60 MB of working arrays) and one file's array while a chunk is merged into
+it, against datatrove's ~260.
 
 The output is datatrove's byte for byte, whatever the pairs: the root of a cluster is the
 document kept, and a union-find's roots depend only on the order of its unions and its rule for
@@ -45,7 +47,6 @@ from datatrove.utils.logging import logger
 from datatrove.utils.stats import MetricStats
 
 PAIR_BYTES = 16  # four little-endian uint32
-SENTINEL_KEY = np.uint64((SENTINEL << 32) | SENTINEL)
 _LOW = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
 
@@ -54,6 +55,15 @@ def _keys(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The two documents of each pair (rows of file1, doc1, file2, doc2) as `file << 32 | doc`."""
     col = lambda k: pairs[:, k].astype(np.uint64)  # noqa: E731
     return (col(0) << _SHIFT) | col(1), (col(2) << _SHIFT) | col(3)
+
+
+def _by_file(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(file, positions in `keys`) for each file of `keys` (uint64 `file << 32 | doc`)."""
+    files = keys >> _SHIFT
+    order = np.argsort(files, kind="stable")
+    cuts = np.flatnonzero(np.diff(files[order])) + 1
+    for part in np.split(order, cuts) if len(order) else ():
+        yield int(files[part[0]]), part
 
 
 def _unite(parent: array, first: np.ndarray, second: np.ndarray, sentinel: int) -> None:
@@ -101,7 +111,7 @@ def _metric(total: int, n: int, low: int, high: int, sum_squares: int, unit: str
 
 class MinhashClusterArrays(PipelineStep):
     """Minhash deduplication, third step, in bounded memory: `MinhashDedupCluster`'s `.remove`
-    files and stats from the buckets stage's `.dups` files, with ~16 bytes per duplicate document
+    files and stats from the buckets stage's `.dups` files, with ~8 bytes per duplicate document
     instead of ~260 (the module's docstring)."""
 
     type = "🫂 - DEDUP"
@@ -140,25 +150,37 @@ class MinhashClusterArrays(PipelineStep):
                 if rest:
                     raise ValueError(f"{name}: {len(rest)} bytes after the last whole pair of 16")
 
-    def _documents(self, files: list[str]) -> np.ndarray:
-        """Pass 1: the sorted unique keys of every document in a pair."""
-        keys = np.empty(0, dtype=np.uint64)
+    def _documents(self, files: list[str]) -> dict[int, np.ndarray]:
+        """Pass 1: per input file, the sorted indexes (uint32) of its documents in a pair."""
+        docs: dict[int, np.ndarray] = {}
         for pairs in self._pairs(files):
             first, second = _keys(pairs)
             new = np.unique(np.concatenate((first, second)))
             del first, second
-            if len(keys):
-                at = np.searchsorted(keys, new)
-                known = at < len(keys)
-                known[known] = keys[at[known]] == new[known]
-                new = new[~known]
-                del at, known
-            if len(new):
-                merged = np.concatenate((keys, new))
-                del keys
-                merged.sort(kind="stable")  # two sorted runs: one linear merge
-                keys = merged
-        return keys
+            for file, at in _by_file(new):
+                mine = (new[at] & _LOW).astype(np.uint32)
+                old = docs.get(file)
+                if old is not None:
+                    where = np.searchsorted(old, mine)
+                    known = where < len(old)
+                    known[known] = old[where[known]] == mine[known]
+                    mine = mine[~known]
+                    if not len(mine):
+                        continue
+                    mine = np.concatenate((old, mine))
+                    del old
+                    mine.sort(kind="stable")  # two sorted runs: one linear merge
+                docs[file] = mine
+        return docs
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        """Each document of `keys` (`file << 32 | doc`) as its position: its file's offset plus
+        its place in the file's array."""
+        out = np.empty(len(keys), dtype=np.int64)
+        for file, at in _by_file(keys):
+            slot = self._slot[file]
+            out[at] = self._offsets[slot] + np.searchsorted(self._docs[slot], (keys[at] & _LOW).astype(np.uint32))
+        return out
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         dup_files = self.input_folder.list_files(glob_pattern="*.dups")
@@ -167,20 +189,24 @@ class MinhashClusterArrays(PipelineStep):
         )
         assert world_size == 1, "World size must be 1 for clustering"
         with self.track_time():
-            keys = self._documents(dup_files)
-            n = len(keys)
-            logger.info(f"{n:,} documents in {len(dup_files)} pair files")
+            per_file = self._documents(dup_files)
+            self._files = sorted(per_file)
+            self._docs = [per_file.pop(f) for f in self._files]
+            self._slot = {f: i for i, f in enumerate(self._files)}
+            self._offsets = np.cumsum([0] + [len(d) for d in self._docs], dtype=np.int64)
+            n = int(self._offsets[-1])
+            logger.info(f"{n:,} documents of {len(self._files)} files in {len(dup_files)} pair files")
             code, dtype = ("i", np.int32) if n < 2**31 - 1 else ("q", np.int64)
             parent = array(code, [-1]) * n
-            sentinel = n - 1 if n and keys[-1] == SENTINEL_KEY else -1
+            sentinel = n - 1 if self._files and self._files[-1] == SENTINEL else -1
             for pairs in self._pairs(dup_files):  # pass 2
                 first, second = _keys(pairs)
-                _unite(parent, np.searchsorted(keys, first), np.searchsorted(keys, second), sentinel)
-            self._write(keys, np.frombuffer(parent, dtype=dtype))
+                _unite(parent, self._positions(first), self._positions(second), sentinel)
+            self._write(np.frombuffer(parent, dtype=dtype))
 
-    def _write(self, keys: np.ndarray, parent: np.ndarray) -> None:
+    def _write(self, parent: np.ndarray) -> None:
         """Pass 3: the stats, every document's root, and the `.remove` files."""
-        n, step = len(keys), self.chunk_pairs
+        n, step = len(parent), self.chunk_pairs
         if not n:
             return
         clusters = sizes = squares = 0
@@ -206,14 +232,14 @@ class MinhashClusterArrays(PipelineStep):
                     changed = True
         removed = 0
         with self.output_folder.get_output_file_manager(mode="wb") as out:
-            for start in range(0, n, step):
-                seg = parent[start : start + step]
-                drop = keys[start : start + step][seg != np.arange(start, start + len(seg))]
-                removed += len(drop)
-                files = drop >> _SHIFT
-                cuts = np.flatnonzero(np.diff(files)) + 1
-                for part in np.split(drop, cuts) if len(drop) else ():
-                    out.write(f"{int(part[0] >> _SHIFT):06d}.remove", (part & _LOW).astype("<u4").tobytes())
+            for file, docs, offset in zip(self._files, self._docs, self._offsets.tolist(), strict=False):
+                for start in range(0, len(docs), step):
+                    end = min(start + step, len(docs))
+                    here = np.arange(offset + start, offset + end)
+                    drop = docs[start:end][parent[offset + start : offset + end] != here]
+                    if len(drop):
+                        out.write(f"{file:06d}.remove", drop.astype("<u4").tobytes())
+                        removed += len(drop)
         self.stats["duplicates"] = _metric(n, n, 1, 1, n)
         if removed:
             self.stats["to_remove"] = _metric(removed, removed, 1, 1, removed)
