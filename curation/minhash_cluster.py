@@ -4,8 +4,8 @@ datatrove's cluster stage (the third of its four MinHash steps) reads the duplic
 the buckets stage wrote (`{band:05d}_{worker:02d}.dups`: little-endian uint32 records `file1,
 doc1, file2, doc2`), joins them with a union-find and writes, per input file, the documents to
 drop (`{file:06d}.remove`: little-endian uint32 document indexes, ascending), every member of a
-cluster but its root. Its union-find is a Python dict keyed by `(file, doc)` tuples: about 260
-bytes per document that has a near duplicate, in the one task of the stage (docs/scale.md).
+cluster but its root. Its union-find is a Python dict keyed by `(file, doc)` tuples: 168 bytes
+per document in a pair measured at 1-2M of them, in the one task of the stage (docs/scale.md).
 
 `MinhashClusterArrays` does the same union-find on arrays, in three passes over the pair files:
 
@@ -18,9 +18,10 @@ bytes per document that has a near duplicate, in the one task of the stage (docs
 3. every document's root (pointer jumping, in place, a chunk at a time), and the documents that
    are not their root written out, file by file, in document order.
 
-So about 8 bytes per document with a near duplicate, plus a chunk of pairs (`chunk_pairs`, 1M by
-default: 16 MB read, ~60 MB of working arrays) and one file's array while a chunk is merged into
-it, against datatrove's ~260.
+So about 8 bytes per document in a pair (9.7 measured from 4M to 8M of them), plus a chunk of
+pairs (`chunk_pairs`, 1M by default: 16 MB read, ~160 MB with its working arrays, the 4M run
+less 9.7 bytes per document) and one file's array while a chunk is merged into it
+(benchmarks/minhash_cluster.py).
 
 The output is datatrove's byte for byte, whatever the pairs: the root of a cluster is the
 document kept, and a union-find's roots depend only on the order of its unions and its rule for
