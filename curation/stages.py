@@ -49,7 +49,6 @@ def plan_stages(
     """
     from datatrove.pipeline.dedup import (
         MinhashDedupBuckets,
-        MinhashDedupCluster,
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
@@ -66,6 +65,7 @@ def plan_stages(
     from curation.filters import ExactDedupInMemoryFilter
     from curation.heldout import HeldoutDecontFilter, exact_text
     from curation.io import CountingJsonlReader
+    from curation.minhash_cluster import MinhashClusterArrays
 
     decont = config.decontamination
     read = CountingJsonlReader(str(train), max_chars=config.max_document_chars)
@@ -126,7 +126,7 @@ def plan_stages(
         stages.append(
             (
                 "cluster",
-                [MinhashDedupCluster(str(work / "minhash_buckets"), str(work / "minhash_remove"), config=mh_cfg)],
+                [MinhashClusterArrays(str(work / "minhash_buckets"), str(work / "minhash_remove"), config=mh_cfg)],
                 1,
             )
         )

@@ -6,7 +6,7 @@ Stages (each a datatrove executor run whose logs and `stats.json` stay in the st
              start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
     unique   read `filtered/` -> drop exact duplicates -> write `unique/` -> MinHash signatures
-    buckets  MinHash buckets;   cluster  MinHash clusters
+    buckets  MinHash buckets;   cluster  MinHash clusters (bounded memory: curation/minhash_cluster.py)
     final    read `unique/` -> drop near duplicates -> write `train/` (the curated corpus)
     heldout  read the held-out split -> preset filters -> exact dedup -> `heldout/`
 
