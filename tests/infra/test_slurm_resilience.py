@@ -99,13 +99,21 @@ def jobs_writing(out: Path) -> list[str]:
     ]
 
 
+def cluster_state() -> str:
+    """What Slurm says of every job and node now: the message of a wait that timed out."""
+    queue = subprocess.run(["squeue", "-a", "-o", "%i %j %T %r %N %S"], capture_output=True, text=True, timeout=60)
+    nodes = subprocess.run(["sinfo", "-N", "-o", "%N %P %T %E"], capture_output=True, text=True, timeout=60)
+    return f"squeue:\n{queue.stdout}{queue.stderr}sinfo:\n{nodes.stdout}{nodes.stderr}"
+
+
 def wait_for(predicate, timeout: float, what: str, *, fail: bool = True) -> None:
-    """Poll `predicate` until it holds; past `timeout` fail naming `what` (or return, with
-    `fail=False`, for a caller that asserts the exact outcome itself)."""
+    """Poll `predicate` until it holds; past `timeout` fail naming `what` and showing the
+    cluster's jobs and nodes (or return, with `fail=False`, for a caller that asserts the exact
+    outcome itself)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() >= deadline:
-            assert not fail, f"timed out waiting for {what}"
+            assert not fail, f"timed out waiting for {what}\n{cluster_state()}"
             return
         time.sleep(0.2)
 
