@@ -623,6 +623,7 @@ class SlurmLauncher(Launcher):
         lost_nodes: list[str] = []  # nodes the job's log says failed (`srun: error: Node failure on X`)
         refused: str | None = None  # the script's refusal past the node-failure requeue budget
         requeueing = False  # the script said it requeues the job (time limit, preemption)
+        failed_since: float | None = None  # when a requeueing job was first seen FAILED
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -663,14 +664,20 @@ class SlurmLauncher(Launcher):
                             # the nodes Slurm holds down, when srun's log names none (or not all)
                             lost_nodes += [n for n, _ in self.failed_nodes(job) if n not in lost_nodes]
                         settling += 1  # Slurm puts it back in the queue right after: keep following
-                    elif state in FAILED and requeueing and settling < 10:
+                    elif (
+                        state in FAILED
+                        and requeueing
+                        and time.monotonic() - (failed_since := failed_since or time.monotonic())
+                        < max(60.0, 10 * self.config.slurm.poll_seconds)
+                    ):
                         # the script asked `scontrol requeue` and exited: Slurm may show the job
-                        # FAILED for a moment before it is pending again (seen at load ~5)
-                        settling += 1
+                        # FAILED for a while before it is pending again (seconds at load ~5, longer
+                        # than 10 polls of 0.5 s once): followed for up to a minute
+                        pass
                     elif state in DONE or state in FAILED:
                         break
                     else:
-                        settling = 0
+                        settling, failed_since = 0, None
                         if state == "PENDING" and len(lost_nodes) > excluded_from:
                             # requeued in place after a node failure (often seen only as PENDING
                             # again): keep the job off the nodes its log says failed

@@ -401,11 +401,26 @@ def set_node_down(node: str) -> None:
 
 
 def bring_node_back(node: str, spec: Path) -> None:
-    """The node in service again, with what the downed node's job left running killed."""
-    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+    """The node in service again, with what the downed node's job left running killed first, as
+    a lost node's reboot would: the job's processes and its steps' slurmstepd. A step left behind
+    (the batch script still waiting on torchrun) made slurmd refuse the requeued job's restart
+    with "Duplicate jobid": the node drained, the job held ("launch failed requeued held")."""
+    steps = tuple(f"slurmstepd: [{job}." for job in jobs_writing(Path(spec).parent))
+    doomed = []
     for p in psutil.process_iter(["cmdline"]):
-        if str(spec) in " ".join(p.info["cmdline"] or []):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(spec) in cmd or (steps and cmd.startswith(steps)):
+            try:
+                doomed += [p, *p.children(recursive=True)]
+            except psutil.Error:
+                continue
+    for p in doomed:
+        try:
             p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(doomed, timeout=30)
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
     wait_for(
         lambda: "idle" in subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout,
         120,
