@@ -1,8 +1,10 @@
-"""Context parallelism's pieces without processes (model/context_parallel.py, model/layout.py,
-model/attention.py): the load-balanced shards, the layout and its checks, and the masks of each
-CP rank, which must be exactly CP 1's mask restricted to the rank's query rows and the gathered key
-order, for the dense (SDPA) and the FlexAttention backends. The trainer runs CP over gloo in
-tests/trainers/test_context_parallel.py."""
+"""Context parallelism's pieces below the trainer (model/context_parallel.py, model/layout.py,
+model/attention.py, model/model.py): the load-balanced shards, the layout and its checks, the
+masks of each CP rank, which must be exactly CP 1's mask restricted to the rank's query rows and
+the gathered key order, for the dense (SDPA) and the FlexAttention backends (no processes); and
+the model at CP 2 and CP 4 over gloo (spawned ranks) giving every parameter CP 1's gradient at
+each of 8 AdamW steps. The trainer runs CP over gloo in tests/trainers/test_context_parallel.py
+(losses, gradient norms, weights, HSDP with CP, resume, reshard)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from model.attention import build_attention_mask
+from model.config import ModelConfig
 from model.context_parallel import ContextParallel, gathered_index, local_index
 from model.layout import check_context_parallel, plan_layout
+from model.model import SmolLM3
+from tests.model.test_attention import packed_doc_ids
 
 
 def test_each_rank_holds_chunks_i_and_2cp_minus_1_minus_i():
@@ -61,3 +66,92 @@ def test_each_cp_rank_attends_with_the_cp1_mask_rows(cp):
             warnings.simplefilter("ignore")
             y = flex_attention(qs, ks, vs, block_mask=flex.block_mask, enable_gqa=True)[:, :, : q_at.numel()]
         torch.testing.assert_close(y, ref[:, :, q_at], atol=1e-5, rtol=1e-5)
+
+
+# ---- every parameter's gradient under CP, spawned ranks over gloo ----------------------------------
+
+CP_STEPS, CP_SEQ = 8, 64  # 64 = 8 chunks of 8 tokens at CP 4
+
+
+def _cp_case(cfg: ModelConfig):
+    """The initial weights and CP_STEPS batches of 2 rows x CP_SEQ tokens, about 6 documents a row."""
+    torch.manual_seed(0)
+    state = SmolLM3(cfg).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for step in range(CP_STEPS):
+        ids = torch.randint(0, cfg.vocab_size, (2, CP_SEQ), generator=gen)
+        batches.append((ids, packed_doc_ids(2, CP_SEQ, seed=step), ids.roll(-1, 1)))
+    return state, batches
+
+
+def _cp_train(model, batches, reduce_grads=None):
+    """(losses, per-step gradients by name) of one AdamW step per batch; `reduce_grads` runs
+    between backward and the update (under CP: the CP group's mean, what FSDP2's reduce-scatter
+    over the DP x CP ranks computes in the trainer)."""
+    from model.optim import build_optimizer
+    from model.spec import OptimizerConfig
+
+    opt = build_optimizer(model, OptimizerConfig(lr=3e-3))
+    losses, grads = [], []
+    for ids, docs, labels in batches:
+        loss = model(ids, docs, labels).loss
+        loss.backward()
+        if reduce_grads is not None:
+            reduce_grads(model)
+        losses.append(float(loss.detach()))
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _cp_worker(rank: int, world: int, init_file: str, cfg_dict: dict, out: str) -> None:
+    """One rank of a CP group of `world` over gloo: the whole batch in, this rank's load-balanced
+    share trained (model/model.py slices it), the gradients averaged over the group."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = ModelConfig.from_dict(cfg_dict)
+        state, batches = _cp_case(cfg)
+        model = SmolLM3(cfg)
+        model.load_state_dict(state)
+        model.context_parallel = ContextParallel.of(dist.group.WORLD)
+
+        def group_mean(m) -> None:
+            for p in m.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+
+        run = _cp_train(model, batches, group_mean)
+        torch.save(run, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawned ranks: 2 + 4 processes
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_parameter_gets_the_cp1_gradient_over_8_steps(tiny_cfg, tmp_path, cp):
+    """CP 2 and CP 4 (all-gather-KV attention with the dense mask, several documents per row)
+    against one plain rank, 8 AdamW steps: every CP rank's loss within 1e-5 relative of CP 1's and,
+    after the group mean, every parameter's gradient within 1e-4 relative (by its norm) at every step."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "cp.pt"
+    mp.start_processes(
+        _cp_worker, args=(cp, str(tmp_path / "init"), tiny_cfg.to_dict(), str(out)), nprocs=cp, start_method="spawn"
+    )
+    state, batches = _cp_case(tiny_cfg)
+    plain = SmolLM3(tiny_cfg)
+    plain.load_state_dict(state)
+    ref_losses, ref_grads = _cp_train(plain, batches)
+    for rank in range(cp):
+        losses, grads = torch.load(f"{out}.{rank}")
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0), (rank, losses, ref_losses)
+        for step, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
+            assert got.keys() == want.keys()
+            for name in want:
+                rel = float((got[name] - want[name]).norm() / want[name].norm())
+                assert rel <= 1e-4, (rank, step, name, rel)

@@ -4,6 +4,9 @@ torchrun launches on sequences of several packed documents each (intra-document 
 - CP 2, CP 4 and CP 2 x TP 2 (with selective checkpointing) train with the losses of CP 1 within
   1e-5 and the gradient norms within 1e-4 relative at each of 8 steps, and end at the same weights
   (fp32 summation order aside);
+- HSDP with CP, the published long-context layout's composition (HSDP 12 x 1 x CP 4 x TP 2 in
+  configs/smollm3-3b.yaml), as HSDP 2 x 1 x CP 2 over two torchrun "nodes" of two ranks: FSDP2
+  over each node's CP pair, replicated across the nodes, trains like CP 1 as well;
 - CP 2 resumed from its own checkpoint ends bit-identical to the uninterrupted run;
 - a CP 2 checkpoint loads at another layout (one plain rank) and trains on like CP 2.
 
@@ -17,7 +20,7 @@ import json
 
 import pytest
 
-from tests.trainers.test_parallel import _copy_checkpoint, _losses, _weights_close
+from tests.trainers.test_parallel import _copy_checkpoint, _losses, _weights_close, run_two_nodes
 from tests.trainers.test_pretrain import assert_same_weights, metrics, run_train, write_spec
 
 SEQ = 64  # 2 x cp = 8 chunks of 8 tokens at CP 4; documents of 6 to 61 tokens: several per row
@@ -60,6 +63,21 @@ def test_cp_trains_like_cp1(cp1, tmp_path, cp, tp, checkpointing, layout):
     spec = write_spec(tmp_path / "cp.json", plan, out, cp=cp, tp=tp, activation_checkpointing=checkpointing, **STEPS)
     proc = run_train(spec, nproc=cp * tp)
     assert f"world {cp * tp} ({layout}), accum 2" in proc.stderr
+    assert _close(_losses(out), _losses(ref), 1e-5), (_losses(out), _losses(ref))
+    assert _close(_grad_norms(out), _grad_norms(ref), 1e-4), (_grad_norms(out), _grad_norms(ref))
+    _weights_close(out, ref)
+
+
+@pytest.mark.slow
+def test_hsdp_with_cp_over_two_nodes_trains_like_cp1(cp1, tmp_path):
+    """HSDP 2 x 1 x CP 2: each node's two ranks are one CP group and one FSDP shard group, the two
+    nodes are DP replicas (one micro-batch each, no accumulation), as the long-context stages run
+    at 12 nodes of TP 2 x CP 4."""
+    plan, ref = cp1
+    out = tmp_path / "hsdp_cp"
+    spec = write_spec(tmp_path / "hsdp_cp.json", plan, out, cp=2, hsdp=True, **STEPS)
+    outputs = run_two_nodes(spec)
+    assert "world 4 (HSDP 2 x 1 x CP 2 (4 ranks)), accum 1" in outputs[0][1]
     assert _close(_losses(out), _losses(ref), 1e-5), (_losses(out), _losses(ref))
     assert _close(_grad_norms(out), _grad_norms(ref), 1e-4), (_grad_norms(out), _grad_norms(ref))
     _weights_close(out, ref)

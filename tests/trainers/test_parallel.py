@@ -102,11 +102,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
-    plan, dp4_out = dp4
-    out = tmp_path / "hsdp"
-    spec = write_spec(tmp_path / "hsdp.json", plan, out, hsdp=True, **STEPS)
+def run_two_nodes(spec) -> list[tuple[str, str]]:
+    """`spec` trained by two torchrun "nodes" of two ranks each on this machine (HSDP replicates
+    across them); (stdout, stderr) of each node, both asserted to exit 0."""
     port = _free_port()
     nodes = [
         subprocess.Popen(
@@ -136,6 +134,14 @@ def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
     ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    return outputs
+
+
+@pytest.mark.slow
+def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
+    plan, dp4_out = dp4
+    out = tmp_path / "hsdp"
+    outputs = run_two_nodes(write_spec(tmp_path / "hsdp.json", plan, out, hsdp=True, **STEPS))
     assert "world 4 (HSDP 2 x 2 (4 ranks))" in outputs[0][1]
     assert _close(_losses(out), _losses(dp4_out)), (_losses(out), _losses(dp4_out))
     _weights_close(out, dp4_out)
