@@ -108,6 +108,42 @@ def test_eval_table_one_metric_per_task_with_stderr_random_and_items_per_row(tmp
     assert eval_table_text([]) == "no evaluations in this run"
 
 
+def test_passkeys_past_the_trained_length_are_the_last_passkey_columns_with_a_row_per_rope(tmp_path):
+    """The last stage read at 2x its length (`eval.beyond_factor`, tasks/evaluate.py): its plain-RoPE
+    and YaRN evaluations are two rows, `<stage>-x2` and `<stage>-x2-yarn`, scored only on
+    `passkey_beyond_<words>`, a column after the passkeys within the trained length (shorter
+    first) and before generation; the stage's own row has no cell there, theirs none elsewhere."""
+
+    def passkey(acc, se):
+        return {"acc": acc, "acc_stderr": se}
+
+    long2 = {
+        "passkey_1000": passkey(0.6, 0.1),
+        "passkey_100": passkey(0.9, 0.05),
+        "arithmetic_exact": {"exact_match": 0.1, "exact_match_stderr": 0.04},
+    }
+    evals = [
+        ("long2", _eval(tmp_path, "long2", long2, items={t: 20 for t in long2}, random_baseline={"passkey_1000": 0.1, "passkey_100": 0.1, "arithmetic_exact": 0.0})),
+        ("long2-x2", _eval(tmp_path, "long2-x2", {"passkey_beyond_1300": passkey(0.1, 0.07)}, items={"passkey_beyond_1300": 20}, random_baseline={"passkey_beyond_1300": 0.1}, beyond={"factor": 2.0, "yarn": False})),
+        ("long2-x2-yarn", _eval(tmp_path, "long2-x2-yarn", {"passkey_beyond_1300": passkey(0.45, 0.11)}, items={"passkey_beyond_1300": 20}, random_baseline={"passkey_beyond_1300": 0.1}, beyond={"factor": 2.0, "yarn": True})),
+    ]  # fmt: skip
+    lines = eval_table_text(eval_rows(evals)).splitlines()
+    assert lines[0].split() == [
+        "model",
+        "passkey_100",
+        "passkey_1000",
+        "passkey_beyond_1300",
+        "arithmetic_exact",
+        "items",
+    ]
+    assert lines[4].split() == ["long2", "0.900±0.050", "0.600±0.100", "-", "0.100±0.040", "20"]
+    assert lines[5].split() == ["long2-x2", "-", "-", "0.100±0.070", "-", "20"]
+    assert lines[6].split() == ["long2-x2-yarn", "-", "-", "0.450±0.110", "-", "20"]
+    markdown = eval_table_markdown(eval_rows(evals))
+    assert "| long2-x2 | - | - | 0.100±0.070 | - | 20 |" in markdown
+    assert "| long2-x2-yarn | - | - | 0.450±0.110 | - | 20 |" in markdown
+
+
 def _scored(label: str, scores: dict[str, tuple[float, float]]) -> list[dict]:
     metric = {"arithmetic_exact": "exact_match", "prose_cloze": "acc_norm", "arithmetic_cloze": "acc"}
     return [
