@@ -378,6 +378,7 @@ class MixtureLoader:
         vocab_size: int | None = None,
         open_shards: int = DEFAULT_OPEN_SHARDS,
         prefetch: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -396,6 +397,10 @@ class MixtureLoader:
         self.source_sequences = [0] * len(self.streams)  # global sequences drawn per source
         self._keys: dict[tuple[int, int], tuple[int, ...]] = {}  # (source, window epoch) -> round keys
         self.prefetch = prefetch
+        # CUDA: batches in page-locked memory, so the step's host-to-device copies can be
+        # non_blocking (a copy from pageable memory synchronises the stream); pinned in the
+        # prefetch thread when there is one, off the step's path
+        self.pin_memory = pin_memory
         self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, started by the first batch
         self._ahead: deque[tuple[int, Future]] = deque()  # (per_rank, the draw) in stream order
 
@@ -452,6 +457,8 @@ class MixtureLoader:
             docs[row] = np.concatenate([[0], np.cumsum(d[1:] != d[:-1])])
             sources.append(self.names[src])
         batch = Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(docs), sources)
+        if self.pin_memory:
+            batch = Batch(batch.input_ids.pin_memory(), batch.labels.pin_memory(), batch.doc_ids.pin_memory(), sources)
         return state, batch, (sequence + total, tuple(counts))
 
     def _after(self, previous: Future, per_rank: int):

@@ -522,7 +522,7 @@ def build_stage(spec: TrainSpec, rt: Runtime) -> Stage:
     dp_rank = layout.dp_rank(rt.rank)
     loader = MixtureLoader(
         plan, seq_len=seq_len, rank=dp_rank, world_size=layout.dp, vocab_size=cfg.vocab_size,
-        open_shards=spec.loader.open_shards, prefetch=spec.loader.prefetch,
+        open_shards=spec.loader.open_shards, prefetch=spec.loader.prefetch, pin_memory=rt.device.type == "cuda",
     )  # fmt: skip
     rt.closers.append(loader.close)
     ckpt = Checkpointer(Path(spec.out_dir) / "checkpoints", spec.keep_last, async_save=spec.async_checkpoint)
@@ -671,6 +671,7 @@ def train_step(
     non-finite one raises NonFiniteError before the update. Returns whether the update was skipped."""
     spec, rt, accum = st.spec, st.rt, st.accum
     loss_sum = torch.zeros((), device=rt.device)
+    copy = {"non_blocking": rt.device.type == "cuda"}  # the loader pins batches on CUDA: no stream sync
     for micro in range(accum):
         with speed.local():
             batch = st.loader.next_batch(spec.micro_batch)
@@ -678,9 +679,9 @@ def train_step(
             st.model.set_requires_gradient_sync(micro == accum - 1)  # reduce once per step
         with st.autocast:
             out = st.model(
-                batch.input_ids.to(rt.device),
-                batch.doc_ids.to(rt.device) if spec.doc_masking else None,  # None: causal only
-                batch.labels.to(rt.device),
+                batch.input_ids.to(rt.device, **copy),
+                batch.doc_ids.to(rt.device, **copy) if spec.doc_masking else None,  # None: causal only
+                batch.labels.to(rt.device, **copy),
             )
         loss = out.loss
         if spec.debug_nan_token is not None and bool((batch.input_ids == spec.debug_nan_token).any()):
