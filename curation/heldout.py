@@ -443,19 +443,43 @@ class HeldoutIndexMerge(PipelineStep):
         return data
 
 
+def _npy_body(path: Path, dtype: np.dtype):
+    """An open `.npy` file of a 1-D `dtype` array positioned at its data, and its length."""
+    fh = open(path, "rb")  # noqa: SIM115 (the caller closes it)
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, got = read(fh)
+    if got != dtype or len(shape) != 1 or fortran:
+        fh.close()
+        raise ValueError(f"held-out index: {path} holds {got} {shape}, not a 1-D {dtype} array")
+    return fh, shape[0]
+
+
 def _concat_npy(path: Path, parts: Sequence[Path], dtype: np.dtype, block: int = 1 << 22) -> int:
-    """The arrays in `parts`, end to end, as one `.npy` at `path` (written under a temporary
-    name, renamed), copied in blocks of `block` entries: memory is a block, whatever the size."""
-    arrays = [np.load(p, mmap_mode="r") for p in parts]
-    total = sum(len(a) for a in arrays)
+    """The 1-D arrays in `parts` (all of `dtype`), end to end, as one `.npy` at `path` (written
+    under a temporary name, renamed), copied through a buffer of `block` entries with plain
+    reads: its memory is the buffer whatever the size (a memory map would keep every page it
+    read resident in this task until it is unmapped)."""
+    dtype = np.dtype(dtype)
+    total = 0
+    for part in parts:
+        fh, n = _npy_body(part, dtype)
+        fh.close()
+        total += n
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (total,)}
-        np.lib.format.write_array_header_1_0(fh, header)
-        for a in arrays:
-            for lo in range(0, len(a), block):
-                fh.write(np.ascontiguousarray(a[lo : lo + block], dtype=dtype).tobytes())
-    del arrays
+    with open(tmp, "wb") as out:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (total,)}
+        np.lib.format.write_array_header_1_0(out, header)
+        for part in parts:
+            fh, n = _npy_body(part, dtype)
+            with fh:
+                left = n * dtype.itemsize
+                while left:
+                    chunk = fh.read(min(left, block * dtype.itemsize))
+                    if not chunk:
+                        raise EOFError(f"held-out index: {part} ends before its {n} entries")
+                    out.write(chunk)
+                    left -= len(chunk)
     os.replace(tmp, path)
     return total
 
