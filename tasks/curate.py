@@ -2,6 +2,9 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
+    index_*  the held-out index, built by tasks (curation/heldout.py `index_stages`: shards by
+             n-gram hash partition, a merge per partition, a finish task); this process only
+             lists the held-out shards and reads the finished index's `index.json`
     filter   read train shards (counting unreadable lines) -> preset filters (the web presets
              start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
