@@ -408,8 +408,8 @@ def _shard_heads(folder: Path, shards: int) -> list[dict]:
 class HeldoutIndexMerge(PipelineStep):
     """Stage `index_merge`: partition `rank`'s pairs of every shard, numbered in the index's
     document order and sorted by n-gram (stably: a tie keeps document order, as
-    `HeldoutIndex.build` does), and its text hashes, unique; its memory is ~40 bytes per pair
-    of its partition."""
+    `HeldoutIndex.build` does), and its text hashes, unique; its memory grows ~20 bytes per
+    pair of its partition (benchmarks/data_scale.py, traced heap)."""
 
     name = "🧪 Held-out index: merge"
     type = "🔢 - INDEX"

@@ -94,8 +94,8 @@ class DecontaminationConfig(BaseModel):
     # header) cannot make every long text that quotes it a copy; 50 is one prose cloze item
     min_ngrams: int = Field(default=50, ge=1)
     # merge tasks of the index's build (a power of two): each sorts 1/index_partitions of the
-    # index's n-grams (~40 bytes each: 0.27 GB of smollm3-3b's ~106M at 16); the index is the
-    # same whatever the count
+    # index's n-grams (~20 bytes each measured: 0.20 GB per task projected for smollm3-3b's
+    # ~106M at 16, docs/scale.md); the index is the same whatever the count
     index_partitions: int = operational(16, gt=0)
 
     @field_validator("index_partitions")
