@@ -17,9 +17,14 @@ largest task's; the inputs are written beforehand by this process, never by the 
 
 - ingestion: the source step's read, ids and finish stages (curation/ingest.py), measured by
   `benchmarks/ingest_scale.py`'s `measure` (its corpus, its forked tasks): x = documents per task;
-- held-out index (curation/heldout.py): building it from N/10 held-out documents of ~100 words
-  (what the curate step's process does) and loading and matching it (what each curation task
-  does): x = the index's n-grams;
+- held-out index (curation/heldout.py): its build from N/10 held-out documents of ~100 words in
+  `--tasks` shards, by the curate step's own index stages (`index_stages`: a shard task per
+  file, a merge task per partition, at the recipe's `index_partitions`, and one finish task),
+  each task forked and run by datatrove's executor: x = n-grams per shard task, per partition,
+  and of the index; the curate step's own process meanwhile (the `curate` step with its
+  executor's tasks forked from it, as a cluster runs them apart: what the flow host holds):
+  x = the index's n-grams; and mapping and matching it (what each curation task does): x = the
+  index's n-grams;
 - a curation task: every stage of `curation/stages.py` `plan_stages` (the curate step's own
   plan, preset `--preset`), each task forked and run by datatrove's executor as a cluster task
   runs it: x = documents per task for the parallel stages, the source's documents for the
@@ -78,6 +83,9 @@ WORDS = (
 # their x at the recipe is thousands of times the largest measured: their slope is taken from the
 # traced heap, where page noise cannot hide a slow growth
 WHOLE_SOURCE = ("exact", "buckets", "cluster", "heldout")
+# likewise the held-out index's merge (a partition: x at the recipe ~60 times the largest here)
+# and finish (the whole index) tasks
+TRACED_INDEX = ("index_merge", "index_finish")
 STAGES_IN_REPORT = 3  # stages of the synthetic run the report step draws
 HELDOUT_WORDS = 100  # words of a synthetic held-out document
 MIXTURE_SOURCES = 10
@@ -88,7 +96,10 @@ PARTS: dict[str, tuple[str, str, str, float]] = {
     "ingest read": ("ingestion", "cluster task", "documents per task", TASK),
     "ingest ids": ("ingestion", "cluster task", "ids per bucket", TASK),
     "ingest finish": ("ingestion", "cluster task", "documents per task", TASK),
-    "heldout build": ("held-out index", "curate step process", "index n-grams", TASK),
+    "heldout shards": ("held-out index", "cluster task", "n-grams per shard task", TASK),
+    "heldout merge": ("held-out index", "cluster task (1 per partition)", "n-grams per partition", TASK),
+    "heldout finish": ("held-out index", "cluster task (1)", "index n-grams", TASK),
+    "heldout step": ("held-out index", "curate step process (flow host)", "index n-grams", FLOW),
     "heldout load": ("held-out index", "cluster task", "index n-grams", TASK),
     "curate filter": ("curation task", "cluster task", "documents per task", TASK),
     "curate exact": ("curation task", "cluster task (1)", "source documents", TASK),
@@ -188,13 +199,84 @@ def _heldout_docs(n: int) -> list[tuple[str, str]]:
     return [(f"held/{i}", t) for i, t in enumerate(texts(max(n // 10, 2), seed=1, words=HELDOUT_WORDS))]
 
 
-def m_heldout_build(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
-    from curation.heldout import HeldoutIndex
+def _index_plan(work: Path):
+    from curation.heldout import HeldoutFile, IndexPlan
+    from tasks.curate import DecontaminationConfig
 
+    files = tuple(HeldoutFile(str(p), "held", False) for p in sorted((work / "heldout").iterdir()))
+    return IndexPlan(files, work / "index", 8, DecontaminationConfig().index_partitions, len(files))
+
+
+def m_heldout_build(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
+    """The index's three stages, each task forked and run as a cluster runs it; the index lands
+    at `work/index/index` for `m_heldout_load`."""
+    from curation.executors import make_executors
+    from curation.heldout import HeldoutIndex, index_stages
+    from tasks.curate import CurationConfig
+
+    plan = _index_plan(work)
+    stages = index_stages(plan)
+    config = CurationConfig(workers=1)
+    rows = []
+    for (name, _, tasks), ex in zip(stages, make_executors(config, stages, work / "logs"), strict=True):
+        start = time.perf_counter()
+        peak = max(forked_peak(lambda ex=ex, r=r: ex._run_for_rank(r)) for r in range(tasks))
+        seconds = (time.perf_counter() - start) / tasks
+        rows.append({"part": f"heldout {name.removeprefix('index_')}", "peak": peak, "seconds": seconds})
+        if name in TRACED_INDEX:  # x at the recipe far past the largest size: the traced heap's slope
+            for r in range(tasks):
+                (work / "logs" / name / "completions" / f"{r:05d}").unlink()
+            rows[-1]["heap"] = max(forked_heap(lambda ex=ex, r=r: ex._run_for_rank(r)) for r in range(tasks))
+    heads = [json.loads(p.read_text()) for p in sorted((plan.folder / "shards").glob("*/shard.json"))]
+    per_partition = [sum(h["ngrams"][p] for h in heads) for p in range(plan.partitions)]
+    rows[0]["x"] = max(sum(h["ngrams"]) for h in heads)
+    rows[1]["x"] = max(per_partition)
+    rows[2]["x"] = HeldoutIndex.read_header(plan.index)["ngrams"]
+    return rows
+
+
+def m_heldout_step(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
+    """The curate step's own process (decontamination on, dedup off: the index's stages, the
+    filter and held-out stages) with every task of its executor forked from it and run apart,
+    as Slurm or Ray run them: its peak is what the flow host holds for one curate step."""
+    import tracemalloc
+
+    import tasks.curate as curate_module
+    from pipeline.artifact import Artifact
+
+    apart = [0.0]  # seconds in the tasks, not the step's own
+    heap = [0]  # the step's traced heap at its peak (an upper bound: see below)
+
+    def run_apart(config, executors, logs, log) -> None:
+        # the tasks run untraced (tracemalloc would slow them and they are not this process);
+        # the heap held while they run is counted under what is allocated after
+        live, peak = tracemalloc.get_traced_memory()
+        heap[0] = max(heap[0], peak)
+        tracemalloc.stop()
+        t0 = time.perf_counter()
+        for ex in executors:
+            for r in range(ex.world_size):
+                forked_peak(lambda ex=ex, r=r: ex._run_for_rank(r))
+        apart[0] += time.perf_counter() - t0
+        tracemalloc.start()
+        heap.append(live)
+
+    curate_module.run_executors = run_apart
+    meta = {"source": "held", "domain": "web", "format": "jsonl"}
+    corpus = Artifact(kind="corpus", uri=str(work), fingerprint="2" * 64, meta=meta)
+    config = curate_module.CurationConfig(
+        tasks=args.tasks, workers=1, removed_samples=0, exact_dedup=False, minhash=False, presets={"held": args.preset}
+    )
+    out = work / "step"
+    out.mkdir()
     start = time.perf_counter()
-    index = HeldoutIndex.build(_heldout_docs(n), 8)
-    index.save(work / "index.npz")
-    return [{"part": "heldout build", "x": len(index.grams), "seconds": time.perf_counter() - start}]
+    tracemalloc.start()
+    got = curate_module.curate(config, corpus, out=out, log=lambda _: None)
+    traced = max(heap[0], heap[-1] + tracemalloc.get_traced_memory()[1])
+    tracemalloc.stop()
+    seconds = time.perf_counter() - start - apart[0]
+    x = got["heldout_index"]["ngrams"]
+    return [{"part": "heldout step", "x": x, "seconds": seconds, "heap": traced}]
 
 
 def m_heldout_load(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
@@ -203,9 +285,9 @@ def m_heldout_load(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     from curation.heldout import HeldoutDecontFilter
 
     start = time.perf_counter()
-    task = HeldoutDecontFilter(str(work / "index.npz"), 0.5, 50)
+    task = HeldoutDecontFilter(str(work / "index" / "index"), 0.5, 50)
     kept = sum(task.filter(Document(text=t, id=str(i))) is True for i, t in enumerate(texts(1000, seed=2)))
-    grams = len(task._index.grams)  # loaded by the first document, as in a curation task
+    grams = len(task._index.grams)  # mapped by the first document, as in a curation task
     return [{"part": "heldout load", "x": grams, "seconds": time.perf_counter() - start, "kept": kept}]
 
 
@@ -218,7 +300,7 @@ def m_curate(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     config = CurationConfig(tasks=args.tasks, workers=1, removed_samples=0)
     out = work / "out"
     stages = plan_stages(
-        config, args.preset, work / "train", out, args.tasks, heldout=work / "heldout", index=work / "index.npz"
+        config, args.preset, work / "train", out, args.tasks, heldout=work / "heldout", index=work / "index"
     )
     rows = []
     for (name, _, tasks), ex in zip(stages, make_executors(config, stages, out / "logs"), strict=True):
@@ -321,6 +403,7 @@ MEASURES = {
     "ingest": m_ingest,
     "heldout_build": m_heldout_build,
     "heldout_load": m_heldout_load,
+    "heldout_step": m_heldout_step,
     "curate": m_curate,
     "tokenize": m_tokenize,
     "mixture": m_mixture,
@@ -355,6 +438,14 @@ def fresh(what: str, work: Path, n: int, args: argparse.Namespace, *extra: str) 
 # ---- preparing the inputs of one size (in this process: not measured) ----------------------------
 
 
+def prepare_heldout(work: Path, n: int, tasks: int) -> None:
+    """N/10 held-out documents in `tasks` shards, and a train split of as many documents (the
+    held-out step's filter stage reads it)."""
+    held = _heldout_docs(n)
+    write_shards(work / "heldout", [t for _, t in held], tasks, prefix="held/")
+    write_shards(work / "train", texts(len(held), seed=3), tasks)
+
+
 def prepare_curate(work: Path, n: int, tasks: int) -> None:
     """A source's train shards and held-out split, and the index of its held-out documents."""
     from curation.heldout import HeldoutIndex
@@ -362,7 +453,7 @@ def prepare_curate(work: Path, n: int, tasks: int) -> None:
     held = _heldout_docs(n)
     write_shards(work / "train", texts(n), tasks)
     write_shards(work / "heldout", [t for _, t in held], 1, prefix="held/")
-    HeldoutIndex.build(held, 8).save(work / "index.npz")
+    HeldoutIndex.build(held, 8).save(work / "index")
     (work / "heldout.json").write_text(json.dumps({"documents": len(held)}))
 
 
@@ -406,8 +497,12 @@ def measure_size(n: int, args: argparse.Namespace, tmp: Path, plan: dict | None)
         rows += fresh("ingest", folder("ingest"), n, args)
     if "heldout" in want:
         held = folder("heldout")
+        prepare_heldout(held, n, args.tasks)
         rows += fresh("heldout_build", held, n, args)
         rows += fresh("heldout_load", held, n, args)
+        step = folder("heldout-step")
+        prepare_heldout(step, n, args.tasks)
+        rows += fresh("heldout_step", step, n, args)
     if "curate" in want:
         cur = folder("curate")
         prepare_curate(cur, n, args.tasks)
@@ -474,12 +569,18 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
         lines[stage.name] = -(-stage_steps(stage, recipe.training) // interval)
     loader_stage = max(stage_docs, key=stage_docs.get)
     ngrams = (indexed if indexed is not None else largest.documents * 0.05 * len(sizes)) * WORDS_PER_DOCUMENT
+    # a shard task per held-out file, at most curation.tasks: every source's split is one file
+    # at least, so its n-grams per task are at most the index's over this many tasks
+    shard_tasks = min(recipe.curation.tasks, len(sizes))
     return {
         "x": {
             "ingest read": per_read,
             "ingest ids": per_bucket,
             "ingest finish": per_read,
-            "heldout build": ngrams,
+            "heldout shards": ngrams / shard_tasks,
+            "heldout merge": ngrams / recipe.curation.decontamination.index_partitions,
+            "heldout finish": ngrams,
+            "heldout step": ngrams,
             "heldout load": ngrams,
             "curate filter": per_curate,
             "curate exact": largest.documents,
@@ -641,8 +742,8 @@ def report(rows: list[dict], scale: dict, fewer: dict | None, args: argparse.Nam
         print("every part within its budget at recipe scale")
     request = scale.get("task_request_gb")
     if request is not None:
-        above = [p["part"] for p in lines if p["part"].startswith(("ingest", "heldout load", "curate"))]
-        above = [p for p in lines if p["part"] in above and p["peak_at"] > request * GB]
+        tasks = [p for p in lines if PARTS[p["part"]][1].startswith("cluster task")]
+        above = [p for p in tasks if p["peak_at"] > request * GB]
         for p in above:
             print(
                 f"above the recipe's Slurm request per task ({request:g} GB, curation.slurm): {p['part']} "

@@ -43,9 +43,10 @@ def plan_stages(
 ) -> list[tuple[str, list, int]]:
     """The curation stages as (name, datatrove pipeline, tasks), in order.
 
-    `index` (a saved HeldoutIndex) adds decontamination after the reader; `heldout` (a folder
-    of held-out shards) adds the `heldout` stage, one task: the split is small by design and an
-    in-memory exact dedup needs to see all of it.
+    `index` (a HeldoutIndex folder, built by `curation.heldout.index_stages` before these stages
+    run) adds decontamination after the filters; `heldout` (a folder of held-out shards) adds the
+    `heldout` stage, one task: the split is small by design and an in-memory exact dedup needs
+    to see all of it.
     """
     from datatrove.pipeline.dedup import (
         MinhashDedupBuckets,

@@ -167,9 +167,9 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             else f"and its ids: {largest} is capped (max_documents), read by one task"
         ),
         "curate": (
-            f"per task: the Slurm request, which holds the held-out index every task loads ({index_gb:.2f} GB)"
+            f"per task: the Slurm request, which holds the held-out index a filter task maps ({index_gb:.2f} GB)"
             if c.slurm
-            else f"per task: the held-out index every task loads ({index_gb:.2f} GB) and the pipeline"
+            else f"per task: the held-out index a filter task maps ({index_gb:.2f} GB) and the pipeline"
         )
         + "; disk at most the source's shards",
         "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",

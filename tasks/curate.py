@@ -2,6 +2,9 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
+    index_*  the held-out index, built by tasks (curation/heldout.py `index_stages`: shards by
+             n-gram hash partition, a merge per partition, a finish task); this process only
+             lists the held-out shards and reads the finished index's `index.json`
     filter   read train shards (counting unreadable lines) -> preset filters (the web presets
              start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
@@ -59,7 +62,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -72,6 +75,7 @@ from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
 
 if TYPE_CHECKING:
+    from curation.heldout import HeldoutFile
     from curation.source_kinds import SourceConfig
 
 
@@ -89,6 +93,17 @@ class DecontaminationConfig(BaseModel):
     # a held-out document counts as at least this many n-grams, so a short one (a license
     # header) cannot make every long text that quotes it a copy; 50 is one prose cloze item
     min_ngrams: int = Field(default=50, ge=1)
+    # merge tasks of the index's build (a power of two): each sorts 1/index_partitions of the
+    # index's n-grams (~20 bytes each measured: 0.20 GB per task projected for smollm3-3b's
+    # ~106M at 16, docs/scale.md); the index is the same whatever the count
+    index_partitions: int = operational(16, gt=0)
+
+    @field_validator("index_partitions")
+    @classmethod
+    def _power_of_two(cls, n: int) -> int:
+        if n & (n - 1):
+            raise ValueError(f"must be a power of two (the top bits of an n-gram's hash pick its partition), got {n}")
+        return n
 
 
 class HeldoutSplitConfig(BaseModel):
@@ -191,23 +206,34 @@ class CurationConfig(BaseModel):
         return f"preset {next(iter(self.presets.values()))}" if self.presets else ""
 
 
-def _has_lines(folder: Path) -> bool:
+def _has_lines(path: Path) -> bool:
+    """Whether a gzip JSONL shard, or any of a folder's, holds a non-blank line (a Parquet
+    shard: a row)."""
     import gzip
 
-    for path in sorted(folder.glob("*.jsonl.gz")):
-        with gzip.open(path, "rb") as fh:
+    for shard in sorted(path.glob("*.jsonl.gz")) if path.is_dir() else [path]:
+        if shard.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            if pq.ParquetFile(shard).metadata.num_rows:
+                return True
+            continue
+        if not shard.name.endswith(".jsonl.gz"):
+            continue
+        with gzip.open(shard, "rb") as fh:
             if any(line.strip() for line in fh):
                 return True
     return False
 
 
 def _describe_index(report: dict, sources: int) -> str:
-    """`held-out index: 1,204 documents of 3 sources, 98,120 n-grams, 1.4 MB in each task; at the
-    sources' caps (6,000 documents): 7.0 MB` (or `no cap: it grows with the sources`)."""
+    """`held-out index: 1,204 documents of 3 sources, 98,120 n-grams, 1.4 MB memory-mapped by
+    each task; at the sources' caps (6,000 documents): 7.0 MB` (or `no cap: it grows with the
+    sources`)."""
     mb = report["bytes"] / 1e6
     text = (
         f"held-out index: {report['documents']:,} documents of {sources} sources, {report['ngrams']:,} n-grams, "
-        f"{mb:.1f} MB in each task"
+        f"{mb:.1f} MB memory-mapped by each task"
     )
     if report["bytes_at_cap"] is None:
         return text + "; a source without curation.heldout.max_docs: it grows with the sources' held-out fraction"
@@ -217,25 +243,30 @@ def _describe_index(report: dict, sources: int) -> str:
     )
 
 
-def _heldout_documents(corpora: Sequence[Artifact], config: CurationConfig) -> Iterator[tuple[str, str]]:
-    """(source/id, text) of every held-out document of the corpora, as their sources wrote them
-    and, where the source's preset rewrites text (`docs`: prose only), also as curation keeps it:
-    the eval suite's items come from that form, and rewriting changes the n-grams (links and
-    inline markup unwrapped, code dropped) so that the written form alone misses copies of it."""
-    from curation.filters import DocumentationProseFilter, prose_text
-    from curation.source_kinds import read_shards
+def _heldout_files(corpora: Sequence[Artifact], config: CurationConfig) -> list[HeldoutFile]:
+    """Every held-out shard of the corpora, in order, with what the index holds of its documents:
+    the text as the source wrote it and, where the source's preset rewrites text (`docs`: prose
+    only), also as curation keeps it (curation/heldout.py `heldout_forms`). Listing them is all
+    this process does with the held-out text: the index is built by tasks on the executor."""
+    from curation.filters import DocumentationProseFilter
+    from curation.heldout import HeldoutFile
 
+    files = []
     for art in corpora:
         folder = art.path / "heldout"
         if folder.is_dir():
             source = art.meta.get("source", art.short)
             preset = config.preset_for(source, art.meta.get("domain", "web"), art.meta.get("language", "en"))
             rewrites = any(isinstance(f, DocumentationProseFilter) for f in PRESETS.get(preset).filters())
-            for doc in read_shards(folder):
-                yield f"{source}/{doc['id']}", doc["text"]
-                kept = prose_text(doc["text"]) if rewrites else ""
-                if kept and kept != doc["text"]:
-                    yield f"{source}/{doc['id']}", kept
+            files += [HeldoutFile(str(path), source, rewrites) for path in sorted(folder.iterdir())]
+    return files
+
+
+def index_report_of(header: dict, corpora: Sequence[Artifact]) -> dict:
+    """The index's size (curation/heldout.py `index_report`) at the held-out caps of `corpora`."""
+    from curation.heldout import index_report
+
+    return index_report(header, [a.meta.get("heldout_max_documents") for a in corpora])
 
 
 def _low_kept_share(rows: list[dict], docs_in: int, kept: int, floor: float) -> dict[str, Any] | None:
@@ -339,7 +370,7 @@ def curate(
     is decontaminated against its own held-out split and those of the `others` corpora (the
     other sources: the eval suite mixes the held-out text of every source of a domain).
     """
-    from curation.heldout import HeldoutIndex
+    from curation.heldout import INDEX_STAGES, HeldoutIndex, IndexPlan, index_stages
 
     source = corpus.meta.get("source", corpus.short)
     domain = corpus.meta.get("domain", "web")
@@ -358,22 +389,40 @@ def curate(
     tasks = max(1, min(config.tasks, shard_count(train)))
     logs = out / "logs"
     start = time.monotonic()
-    index_path, against = None, [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
-    index_report = None
+    against = [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
+    index_plan, index_report = None, None
     if config.decontamination.enabled:
-        index = HeldoutIndex.build(_heldout_documents(against, config), config.decontamination.ngram)
-        index_report = index.report([a.meta.get("heldout_max_documents") for a in against])
-        log(f"curate {source}: {_describe_index(index_report, len(against))}")
-        if len(index):
-            (out / "work").mkdir(parents=True, exist_ok=True)
-            index_path = out / "work" / "heldout_index.npz"
-            index.save(index_path)
+        files = _heldout_files(against, config)
+        if any(_has_lines(Path(f.path)) for f in files):
+            index_plan = IndexPlan(
+                tuple(files),
+                out / "work" / "heldout_index",
+                config.decontamination.ngram,
+                config.decontamination.index_partitions,
+                tasks,
+            )
+        else:  # nothing held out anywhere: no index, no decontamination filter
+            index_report = index_report_of(HeldoutIndex.build([], config.decontamination.ngram).header(), against)
+            log(f"curate {source}: {_describe_index(index_report, len(against))}")
     has_heldout = heldout.is_dir() and _has_lines(heldout)
-    stages = plan_stages(config, preset, train, out, tasks, heldout=heldout if has_heldout else None, index=index_path)
-    train_stages = [s for s in stages if s[0] != "heldout"]
+    stages = plan_stages(
+        config,
+        preset,
+        train,
+        out,
+        tasks,
+        heldout=heldout if has_heldout else None,
+        index=index_plan.index if index_plan else None,
+    )
+    if index_plan is not None:  # built first, by tasks on the executor, as every other stage
+        stages = index_stages(index_plan) + stages
+    train_stages = [s for s in stages if s[0] not in ("heldout", *INDEX_STAGES)]
     held_stages = [s for s in stages if s[0] == "heldout"]
     run_executors(config, make_executors(config, stages, logs), logs, log)
     seconds = time.monotonic() - start
+    if index_plan is not None:  # its size, from its index.json (this process maps none of it)
+        index_report = index_report_of(HeldoutIndex.read_header(index_plan.index), against)
+        log(f"curate {source}: {_describe_index(index_report, len(against))}")
     rows = filter_rows(logs, train_stages)
     held_rows = filter_rows(logs, held_stages)
     (out / "train").mkdir(exist_ok=True)
@@ -426,8 +475,8 @@ def curate(
         "heldout_documents": held_docs,
         "heldout_characters": held_chars,
         "heldout_input_documents": held_in,
-        "decontaminated_against": (sorted({a.meta.get("source", a.short) for a in against}) if index_path else []),
-        # the held-out index every task loads: its size, and at the sources' held-out caps
+        "decontaminated_against": (sorted({a.meta.get("source", a.short) for a in against}) if index_plan else []),
+        # the held-out index every task maps: its size, and at the sources' held-out caps
         "heldout_index": index_report,
         # what this step dropped, each document once (the source step's rejections stay in
         # the source's meta): unreadable lines of either split, train removals, held-out removals

@@ -79,6 +79,13 @@ def test_the_recipe_scale_comes_from_the_recipe_and_its_data_plan():
     stage1 = recipe.stages[0]
     assert scale["x"]["metrics curve"] == math.ceil(stage_steps(stage1, recipe.training) / recipe.training.log_interval)
     assert scale["x"]["heldout load"] == 71 * recipe.curation.heldout.max_docs * 750
+    # the index's build: a shard task per source's split at least, a merge task per partition
+    ngrams = scale["x"]["heldout finish"]
+    assert ngrams == scale["x"]["heldout step"] == scale["x"]["heldout load"]
+    assert scale["x"]["heldout shards"] == ngrams / min(recipe.curation.tasks, 71)
+    assert scale["x"]["heldout merge"] == ngrams / recipe.curation.decontamination.index_partitions
+    wider = ds.recipe_scale(load_recipe("smollm3-3b", ["curation.decontamination.index_partitions=64"]))
+    assert wider["x"]["heldout merge"] == pytest.approx(scale["x"]["heldout merge"] / 4)
     # a recipe setting moves it: half the tasks, twice the documents per task
     halved = ds.recipe_scale(load_recipe("smollm3-3b", ["curation.tasks=500"]))
     assert halved["x"]["ingest read"] == pytest.approx(2 * scale["x"]["ingest read"])
@@ -109,7 +116,8 @@ def _check_table(out: str, parts: set[str], sizes: int) -> None:
 def test_runs_at_tiny_sizes_and_prints_the_table_and_the_worst_peak():
     done = _run("--sizes", "40", "160", "640", "--tasks", "2", "--components", "mixture", "metrics", "heldout")
     assert done.returncode == 0, done.stdout + done.stderr
-    parts = {"heldout build", "heldout load", "mixture plan", "metrics curve", "metrics stream"}
+    held = {"heldout shards", "heldout merge", "heldout finish", "heldout step", "heldout load"}
+    parts = held | {"mixture plan", "metrics curve", "metrics stream"}
     _check_table(done.stdout, parts, 3)
 
 

@@ -35,7 +35,7 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     # where each runs: curation on the recipe's Slurm partition, 4 GB a task (the filter task's
     # 2.1 GB, benchmarks/data_scale.py), the held-out index inside
     assert by["curate"].executor == "slurm (cpu, 1 CPU x 4 GB)" and by["curate"].mem_gb == 4
-    assert "held-out index every task loads (1.29 GB)" in by["curate"].note
+    assert "held-out index a filter task maps (1.29 GB)" in by["curate"].note
     # tokenization on Slurm too (it ran 500 local workers on the flow host when the recipe named none)
     assert by["tokenize"].executor == "slurm (cpu, 1 CPU x 4 GB)"
     # the source step: datatrove tasks on curation's executor (read, id buckets, finish: 1,000 each

@@ -224,6 +224,37 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     assert meta["decontaminated_against"] == ["mine", "other"]
 
 
+def test_the_held_out_index_is_built_by_executor_tasks_not_in_the_step_process(tmp_path, monkeypatch):
+    import curation.heldout as heldout_module
+
+    rng = random.Random(12)
+    held = {name: [(f"{name}{i}", random_text(rng)) for i in range(3)] for name in ("o1", "o2")}
+    others = [
+        corpus(tmp_path / name, [("x", random_text(rng))], heldout=docs, source=name) for name, docs in held.items()
+    ]
+    clean = [(f"m{i}", random_text(rng)) for i in range(6)]
+    art = corpus(tmp_path / "mine", [*clean, ("copy", held["o2"][1][1])], source="mine", shards=2)
+    hashed: list[str] = []  # texts whose n-grams this process computes
+    real = heldout_module.word_ngrams
+    monkeypatch.setattr(heldout_module, "word_ngrams", lambda text, n: hashed.append(text) or real(text, n))
+    monkeypatch.setattr(heldout_module.HeldoutIndex, "build", None)  # no index built in this process
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = CurationConfig(presets={"mine": "none"}, minhash=False, exact_dedup=False, workers=2)
+    meta = curate(cfg, art, others=others, out=out, log=lambda _: None)
+    # the planted copy of another source's held-out text goes; every clean document stays
+    assert meta["removed"] == {"heldout_decont:exact": 1}
+    assert sorted(_ids(out / "train")) == sorted(i for i, _ in clean)
+    assert meta["decontaminated_against"] == ["mine", "o1", "o2"] and meta["heldout_index"]["documents"] == 6
+    # built by the index stages' tasks (pool workers of the local executor, array jobs on Slurm),
+    # none of the held-out text hashed here
+    assert not {t for docs in held.values() for _, t in docs} & set(hashed)
+    stats = json.loads((out / "logs" / "index_shards" / "stats.json").read_text())
+    assert sum(e["stats"]["documents"] for e in stats if "documents" in e.get("stats", {})) == 6
+    assert len(list((out / "logs" / "index_merge" / "completions").iterdir())) == 16
+    assert not (out / "work").exists()  # the index went with the step's work folder
+
+
 def test_another_sources_preset_decides_which_form_of_its_heldout_is_matched(tmp_path):
     """Source `docs` is web text the recipe curates with the `docs` preset (links unwrapped). The
     curate step of another source gets every source's preset from the recipe, so a training
