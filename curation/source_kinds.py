@@ -71,7 +71,7 @@ class SourceConfig(BaseModel):
     text_field: str = "text"  # field holding the text in files: and hf: sources
     id_field: str | None = None  # field holding a stable id; default: file and line number
     max_documents: int | None = Field(default=None, gt=0)  # cap (and the count for builtin:math)
-    # builtin:math only: the largest operand of the generated problems (the tiny recipe: 9);
+    # builtin:math only: the largest operand of the generated problems (e.g. 9: docs/posttraining.md);
     # None: the generator's ranges (sums of up to 999, products of up to 99 x 99). Out of the
     # fingerprint while None (an added identity field, pipeline/artifact.py `added_identity`), so
     # recipes without it keep their folders.

@@ -43,8 +43,8 @@ class ReasoningDataConfig(BaseModel):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # the source name mixtures weigh
     uri: str = "builtin"  # builtin (generated problems), files:GLOB, hf:NAME or hf:/PATH
     examples: int = Field(default=1000, gt=0)  # builtin: problems generated; else the most rows read
-    # builtin: the largest operand of the problems (as a builtin:math source's `max_operand`; tiny:
-    # 9); None: the generator's ranges. Out of the fingerprint while None.
+    # builtin: the largest operand of the problems (as a builtin:math source's `max_operand`);
+    # None: the generator's ranges. Out of the fingerprint while None.
     max_operand: int | None = added_identity(None, ge=3)
     messages_field: str = "messages"  # files:/hf: column holding the conversation
     hf_subset: str | None = None  # hub dataset configuration
