@@ -101,7 +101,9 @@ def build_world(work: Path, args) -> tuple[Path, Path]:
         math_examples=args.sft_examples, prose_examples=0, heldout_examples=8, prompts=args.prompts, think_share=0.0
     )
     posttrain_data(ChatDataSpec(data=chat), [corpus], out=data, log=quiet)
-    sft = SFTConfig(max_steps=args.sft_steps, lr=3e-3, batch=16, max_length=128, save_steps=10_000, warmup_ratio=0.1)
+    # rows of 256 tokens: the chat template's /no_think system turn alone is ~160-175 tokens with this
+    # 512-token BPE, so at 128 every row was cut before its answer and the warm start had no loss
+    sft = SFTConfig(max_steps=args.sft_steps, lr=3e-3, batch=16, max_length=256, save_steps=10_000, warmup_ratio=0.1)
     train_sft(sft, base, data, work / "sft", device="cpu", log=quiet)
     return policy, data
 
@@ -301,7 +303,7 @@ def main() -> None:
         help="largest operand of the arithmetic (the tiny recipe's 9; 'none': the generator's ranges, up to 999)",
     )
     parser.add_argument("--sft-examples", type=int, default=300)
-    parser.add_argument("--sft-steps", type=int, default=40, help="warm-start SFT steps (batch 16)")
+    parser.add_argument("--sft-steps", type=int, default=300, help="warm-start SFT steps (batch 16)")
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per run (SAO: 1 trainer + rest rollout)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and data (reused)")
