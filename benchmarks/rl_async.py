@@ -2,7 +2,8 @@
 
 Both trainers start from the same policy (a tiny SmolLM3 with a short SFT warm start on the
 built-in no-think arithmetic conversations, so that the verifiable reward is not zero
-everywhere), on the same arithmetic prompts and rewards (exact match of `Answer: N` +
+everywhere; the arithmetic has operands of at most `--max-operand`, 9 as in the tiny recipe: with
+the generator's 3-digit ranges the warm start scored 0), on the same arithmetic prompts and rewards (exact match of `Answer: N` +
 `format_weight` x the format reward), with the same samples per update (`--batch` completions)
 and the same wall-clock budget (`--budget` seconds from the call of the trainer, model loading
 and the rollout worker's start included) on the same number of CPU threads:
@@ -79,7 +80,9 @@ def build_world(work: Path, args) -> tuple[Path, Path]:
     policy, data = work / "sft" / "model", work / "data"
     if (policy / "config.json").is_file() and (data / "prompts.jsonl").is_file():
         return policy, data
-    math = SourceConfig(name="math", uri="builtin:math", domain="math", max_documents=args.math_docs)
+    math = SourceConfig(
+        name="math", uri="builtin:math", domain="math", max_documents=args.math_docs, max_operand=args.max_operand
+    )
     meta = source(SourceSpec(source=math), out=work / "math", log=quiet)
     corpus = Artifact(kind="corpus", uri=str(work / "math"), fingerprint="m" * 64, meta=meta)
     texts = [d["text"] for d in read_shards(corpus.path / "train")]
@@ -98,7 +101,9 @@ def build_world(work: Path, args) -> tuple[Path, Path]:
         math_examples=args.sft_examples, prose_examples=0, heldout_examples=8, prompts=args.prompts, think_share=0.0
     )
     posttrain_data(ChatDataSpec(data=chat), [corpus], out=data, log=quiet)
-    sft = SFTConfig(max_steps=args.sft_steps, lr=3e-3, batch=16, max_length=128, save_steps=10_000, warmup_ratio=0.1)
+    # rows of 256 tokens: the chat template's /no_think system turn alone is ~160-175 tokens with this
+    # 512-token BPE, so at 128 every row was cut before its answer and the warm start had no loss
+    sft = SFTConfig(max_steps=args.sft_steps, lr=3e-3, batch=16, max_length=256, save_steps=10_000, warmup_ratio=0.1)
     train_sft(sft, base, data, work / "sft", device="cpu", log=quiet)
     return policy, data
 
@@ -291,8 +296,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--math-docs", type=int, default=600)
+    parser.add_argument(
+        "--max-operand",
+        type=lambda v: None if v == "none" else int(v),
+        default=9,
+        help="largest operand of the arithmetic (the tiny recipe's 9; 'none': the generator's ranges, up to 999)",
+    )
     parser.add_argument("--sft-examples", type=int, default=300)
-    parser.add_argument("--sft-steps", type=int, default=40, help="warm-start SFT steps (batch 16)")
+    parser.add_argument("--sft-steps", type=int, default=300, help="warm-start SFT steps (batch 16)")
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per run (SAO: 1 trainer + rest rollout)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and data (reused)")
@@ -328,8 +339,9 @@ def main() -> None:
     print()
     print(
         f"RL on CPU, {args.budget:.0f} s wall each, {args.threads} threads, {len(prompts)} prompts, "
-        f"{args.batch} completions per update, <= {args.max_tokens} tokens, lr {args.lr:g}; model "
-        f"{args.layers} layers x {args.hidden} hidden (SFT warm start, built in {setup_s:.0f} s)"
+        f"{args.batch} completions per update, <= {args.max_tokens} tokens, lr {args.lr:g}, operands <= "
+        f"{args.max_operand or 999}; model {args.layers} layers x {args.hidden} hidden (SFT warm start, "
+        f"{args.sft_steps} steps, built in {setup_s:.0f} s)"
     )
     print(f"start policy: score {start_score:.3f} (mean reward of {args.eval_samples} samples per prompt)")
     head = (

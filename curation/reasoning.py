@@ -22,23 +22,27 @@ from pathlib import Path
 from typing import Any
 
 from curation.conversations import math_conversation
-from curation.source_kinds import math_problem
+from curation.source_kinds import math_problem, operand_draw
 
 _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines", "Jun"]
 _ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "cards", "shells"]
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def two_step_problem(rng: random.Random) -> tuple[str, str, str]:
-    """A problem that takes two operations: an expression or a purchase with change."""
+def two_step_problem(rng: random.Random, max_operand: int | None = None) -> tuple[str, str, str]:
+    """A problem that takes two operations: an expression or a purchase with change. With
+    `max_operand` every operand is at most that and the payment is the next multiple of 10 above
+    the cost (of 100 without it)."""
+    draw = operand_draw(rng, max_operand)
     if rng.random() < 0.5:
-        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 999)
+        a, b, c = draw(2, 99), draw(2, 99), draw(2, 999)
         t = a * b
         return f"What is {a} * {b} + {c}?", f"{a} * {b} = {t}, and {t} + {c} = {t + c}.", str(t + c)
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    n, price = rng.randint(2, 12), rng.randint(2, 25)
+    n, price = draw(2, 12), draw(2, 25)
     cost = n * price
-    paid = (cost // 100 + 1) * 100
+    unit = 100 if max_operand is None else 10
+    paid = (cost // unit + 1) * unit
     return (
         f"{name} buys {n} {item} at {price} dollars each and pays with {paid} dollars. "
         "How many dollars of change does " + name + " get?",
@@ -47,10 +51,12 @@ def two_step_problem(rng: random.Random) -> tuple[str, str, str]:
     )
 
 
-def builtin_traces(n: int, seed: int, exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
+def builtin_traces(
+    n: int, seed: int, exclude: Iterable[str] = (), max_operand: int | None = None
+) -> list[dict[str, Any]]:
     """`n` think-mode conversations (`{"messages": [...]}`) with worked traces, deterministic per
-    seed: a third two-step problems, the rest the `builtin:math` kinds; none whose problem text is in
-    `exclude`."""
+    seed: a third two-step problems, the rest the `builtin:math` kinds, every operand at most
+    `max_operand` when it is set; none whose problem text is in `exclude`."""
     rng = random.Random(f"reasoning:{seed}")
     skip = set(exclude)
     out: list[dict[str, Any]] = []
@@ -59,7 +65,8 @@ def builtin_traces(n: int, seed: int, exclude: Iterable[str] = ()) -> list[dict[
         tries += 1
         if tries > 20 * n + 100:
             raise ValueError(f"reasoning traces: only {len(out)} of {n} problems are not in the excluded set")
-        problem, solution, answer = two_step_problem(rng) if rng.random() < 1 / 3 else math_problem(rng)
+        two_step = rng.random() < 1 / 3
+        problem, solution, answer = (two_step_problem if two_step else math_problem)(rng, max_operand)
         if problem in skip:
             continue
         conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}", think=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra.home import HOME_ENV, from_base, project_base
 from infra.registry import Registry
@@ -71,6 +71,11 @@ class SourceConfig(BaseModel):
     text_field: str = "text"  # field holding the text in files: and hf: sources
     id_field: str | None = None  # field holding a stable id; default: file and line number
     max_documents: int | None = Field(default=None, gt=0)  # cap (and the count for builtin:math)
+    # builtin:math only: the largest operand of the generated problems (e.g. 9: docs/posttraining.md);
+    # None: the generator's ranges (sums of up to 999, products of up to 99 x 99). Out of the
+    # fingerprint while None (an added identity field, pipeline/artifact.py `added_identity`), so
+    # recipes without it keep their folders.
+    max_operand: int | None = Field(default=None, ge=3, json_schema_extra={"identity_unless_default": True})
     held_out_fraction: float = Field(default=0.05, ge=0.0, lt=0.5)  # share kept for evaluation
     max_document_chars: int = Field(default=1_000_000, gt=0)  # longer documents are rejected
     output_format: Literal["jsonl", "parquet"] = "jsonl"  # shard format of the corpus
@@ -87,6 +92,14 @@ class SourceConfig(BaseModel):
     def _known_scheme(cls, uri: str) -> str:
         resolve_kind(uri)
         return uri
+
+    @model_validator(mode="after")
+    def _operands_of_generated_math(self) -> SourceConfig:
+        if self.max_operand is not None and self.uri != "builtin:math":
+            raise ValueError(
+                f"source {self.name}: max_operand sets the generated problems of builtin:math, not of {self.uri}"
+            )
+        return self
 
     @field_validator("language")
     @classmethod
@@ -308,7 +321,7 @@ class BuiltinMath(SourceKind):
     def records(self) -> Iterator[Document | Rejected]:
         rng = random.Random(f"builtin:math:{self.seed}")
         for i in range(self.config.max_documents or 4000):
-            problem, solution, answer = math_problem(rng)
+            problem, solution, answer = math_problem(rng, self.config.max_operand)
             text = f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}"
             yield Document(f"math:{self.seed}:{i}", text, {"kind": "math", "answer": answer})
 
@@ -317,31 +330,42 @@ _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines",
 _ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "cards", "shells"]
 
 
-def math_problem(rng: random.Random) -> tuple[str, str, str]:
-    """One problem, its worked solution and the final answer (a string of an integer)."""
+def operand_draw(rng: random.Random, max_operand: int | None):
+    """`draw(lo, hi)`: a random operand in [lo, hi], or with `max_operand` one in
+    [min(lo, 2), min(hi, max_operand)] (every operand small, whatever range the problem kind has)."""
+    if max_operand is None:
+        return rng.randint
+    return lambda lo, hi: rng.randint(min(lo, 2), min(hi, max_operand))
+
+
+def math_problem(rng: random.Random, max_operand: int | None = None) -> tuple[str, str, str]:
+    """One problem, its worked solution and the final answer (a string of an integer). With
+    `max_operand` (a source's `max_operand`) every operand is at most that (the same kinds and
+    texts; division and sharing from the small times table); without it the same draws as ever."""
+    draw = operand_draw(rng, max_operand)
     kind = rng.choice(["add", "sub", "mul", "div", "shop", "share", "speed", "multi"])
-    a, b = rng.randint(2, 999), rng.randint(2, 999)
+    a, b = draw(2, 999), draw(2, 999)
     if kind == "add":
         return f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", str(a + b)
     if kind == "sub":
         a, b = max(a, b), min(a, b)
         return f"What is {a} - {b}?", f"{a} - {b} = {a - b}.", str(a - b)
     if kind == "mul":
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        a, b = draw(2, 99), draw(2, 99)
         return f"What is {a} * {b}?", f"{a} * {b} = {a * b}.", str(a * b)
     if kind == "div":
-        b, q = rng.randint(2, 30), rng.randint(2, 60)
+        b, q = draw(2, 30), draw(2, 60)
         return f"What is {b * q} / {b}?", f"{b * q} / {b} = {q}.", str(q)
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if kind == "shop":
-        n, price = rng.randint(2, 12), rng.randint(2, 25)
+        n, price = draw(2, 12), draw(2, 25)
         return (
             f"{name} buys {n} {item} at {price} dollars each. How many dollars does {name} spend?",
             f"Each costs {price} dollars, so {n} cost {n} * {price} = {n * price} dollars.",
             str(n * price),
         )
     if kind == "share":
-        k, each = rng.randint(2, 9), rng.randint(2, 20)
+        k, each = draw(2, 9), draw(2, 20)
         total = k * each
         return (
             f"{name} shares {total} {item} equally among {k} friends. How many does each friend get?",
@@ -349,13 +373,13 @@ def math_problem(rng: random.Random) -> tuple[str, str, str]:
             str(each),
         )
     if kind == "speed":
-        v, t = rng.randint(20, 120), rng.randint(2, 9)
+        v, t = draw(20, 120), draw(2, 9)
         return (
             f"A train travels at {v} km per hour for {t} hours. How many km does it travel?",
             f"Distance is speed times time: {v} * {t} = {v * t} km.",
             str(v * t),
         )
-    have, more, gave = rng.randint(5, 50), rng.randint(5, 50), rng.randint(1, 40)
+    have, more, gave = draw(5, 50), draw(5, 50), draw(1, 40)
     total = have + more
     gave = min(gave, total)
     return (

@@ -24,12 +24,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from curation.bpe import CHAT_TEMPLATE, selected_tokenizer, token_dtype, tokenizer_folder
 from curation.reasoning import as_messages, builtin_traces, heldout_problems, write_token_shard
 from curation.source_kinds import read_shards
-from pipeline.artifact import Artifact
+from pipeline.artifact import Artifact, added_identity
 from pipeline.step import step
 from trainers.posttrain.chat_data import data_state, load_rows
 from trainers.posttrain.sections import ChatDataConfig
@@ -43,6 +43,9 @@ class ReasoningDataConfig(BaseModel):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # the source name mixtures weigh
     uri: str = "builtin"  # builtin (generated problems), files:GLOB, hf:NAME or hf:/PATH
     examples: int = Field(default=1000, gt=0)  # builtin: problems generated; else the most rows read
+    # builtin: the largest operand of the problems (as a builtin:math source's `max_operand`);
+    # None: the generator's ranges. Out of the fingerprint while None.
+    max_operand: int | None = added_identity(None, ge=3)
     messages_field: str = "messages"  # files:/hf: column holding the conversation
     hf_subset: str | None = None  # hub dataset configuration
     hf_split: str = "train"  # split of hf: data
@@ -54,6 +57,12 @@ class ReasoningDataConfig(BaseModel):
         if v == "builtin" or (v.startswith(("files:", "hf:")) and v.split(":", 1)[1]):
             return v
         raise ValueError(f"unknown reasoning data {v!r}; use 'builtin', 'files:GLOB', 'hf:NAME' or 'hf:/PATH'")
+
+    @model_validator(mode="after")
+    def _operands_of_builtin(self) -> ReasoningDataConfig:
+        if self.max_operand is not None and self.uri != "builtin":
+            raise ValueError(f"reasoning_data {self.name}: max_operand sets builtin problems, not {self.uri}")
+        return self
 
 
 class ReasoningDataSpec(BaseModel):
@@ -68,7 +77,7 @@ class ReasoningDataSpec(BaseModel):
 def _conversations(cfg: ReasoningDataConfig, seed: int, heldout: tuple[Artifact, ...]) -> tuple[list, Counter]:
     if cfg.uri == "builtin":
         texts = (d["text"] for a in heldout if (a.path / "heldout").is_dir() for d in read_shards(a.path / "heldout"))
-        return builtin_traces(cfg.examples, seed, exclude=heldout_problems(texts)), Counter()
+        return builtin_traces(cfg.examples, seed, heldout_problems(texts), cfg.max_operand), Counter()
     where = ChatDataConfig(uri=cfg.uri, hf_subset=cfg.hf_subset, hf_split=cfg.hf_split, hf_revision=cfg.hf_revision)
     rows, rejected = [], Counter()
     for i, row in enumerate(load_rows(cfg.uri, where)):

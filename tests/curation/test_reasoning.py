@@ -71,3 +71,25 @@ def test_a_token_shard_is_what_the_pretraining_loader_reads(tmp_path):
     assert np.fromfile(path, dtype="<u2").tolist() == [t for d in docs for t in d]
     check_token_size(path, "uint16")  # the metadata names 2-byte tokens
     assert (tmp_path / "reasoning_00000.ds.metadata").read_text().splitlines()[:2] == ["trained|2", "11"]
+
+
+def test_builtin_traces_with_max_operand_work_small_problems_in_every_step():
+    import random
+
+    rng = random.Random(4)
+    for _ in range(100):
+        problem, solution, answer = two_step_problem(rng, max_operand=9)
+        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution)
+        assert len(steps) == 2 and steps[-1][3] == answer and int(answer) >= 0
+        assert all(eval(f"{x} {op} {y}") == int(z) for x, op, y, z in steps)
+        if "change" in problem:  # paid with the next multiple of 10 above the cost
+            cost, paid = int(steps[0][3]), int(steps[1][0])
+            assert paid % 10 == 0 and 0 < paid - cost <= 10
+        else:
+            assert max(int(n) for n in re.findall(r"\d+", problem)) <= 9
+    small = builtin_traces(40, seed=0, max_operand=9)
+    assert small == builtin_traces(40, seed=0, max_operand=9) and small != builtin_traces(40, seed=0)
+    for conv in small:
+        trace = conv["messages"][2]["content"]
+        equations = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", trace)
+        assert equations and all(eval(f"{x} {op} {y}") == int(z) for x, op, y, z in equations)

@@ -119,3 +119,36 @@ def test_a_save_to_disk_folder_is_read_in_contiguous_blocks_of_rows_with_the_sam
     parts = [[(d.id, d.text) for d in kind.task_records(r, 3)] for r in range(3)]
     assert [len(p) for p in parts] == [3, 3, 4] and sum(parts, []) == one
     assert one[4] == ("row 4", "row text 4") and kind.max_tasks(3) == 3
+
+
+def test_builtin_math_with_max_operand_asks_only_small_operands_and_its_answers_are_right():
+    import random
+    import re
+
+    from curation.source_kinds import math_problem
+
+    rng = random.Random(5)
+    for _ in range(400):
+        problem, solution, answer = math_problem(rng, max_operand=9)
+        equations = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution)
+        assert equations and all(eval(f"{x} {op} {y}") == int(z) for x, op, y, z in equations)
+        assert equations[-1][3] == answer
+        x, op, y, z = equations[0]
+        # the operands drawn are at most 9; a division's dividend is a product of two of them
+        assert max(int(y), int(z)) <= 9 if op == "/" else max(int(x), int(y)) <= 9
+    # without it the generator draws what it always did: sums of up to 999
+    plain = [math_problem(random.Random(5)) for _ in range(1)] + [math_problem(rng) for _ in range(50)]
+    assert max(int(n) for problem, _, _ in plain for n in re.findall(r"\d+", problem)) > 99
+
+
+def test_max_operand_is_for_builtin_math_only_and_out_of_the_identity_while_unset():
+    import pytest
+    from pydantic import ValidationError
+
+    from pipeline.artifact import identity
+    from tasks.sources import SourceSpec
+
+    with pytest.raises(ValidationError, match="max_operand"):
+        _cfg(name="p", uri="builtin:prose", domain="web", max_operand=9)
+    assert "max_operand" not in identity(SourceSpec(source=_cfg(), seed=0))["source"]
+    assert identity(SourceSpec(source=_cfg(max_operand=9), seed=0))["source"]["max_operand"] == 9

@@ -70,6 +70,28 @@ def test_builtin_traces_become_think_mode_chatml_documents_each_closed_by_eos(wo
     assert (again / "reasoning_00000.ds").read_bytes() == (tmp_path / "reasoning_00000.ds").read_bytes()
 
 
+def test_builtin_traces_with_max_operand_are_the_small_problems_and_only_builtin_takes_it(world, tmp_path):
+    from pydantic import ValidationError
+    from transformers import AutoTokenizer
+
+    from pipeline.artifact import identity
+
+    tok, math, _ = world
+    cfg = ReasoningDataConfig(name="reasoning", examples=12, max_operand=9)
+    meta = reasoning_data(ReasoningDataSpec(data=cfg, seed=0), tokenizer=tok, heldout=(math,), out=tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tok.path))
+    tokens = np.fromfile(tmp_path / "reasoning_00000.ds", dtype="<u2")
+    ends = np.fromfile(tmp_path / "reasoning_00000.ds.index", dtype="<u8").astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    texts = {hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)}
+    small = builtin_traces(12, seed=0, max_operand=9)
+    assert meta["documents"] == 12 and texts == {hf.apply_chat_template(c["messages"], tokenize=False) for c in small}
+    assert "max_operand" not in identity(ReasoningDataConfig(name="reasoning"))
+    assert identity(cfg)["max_operand"] == 9
+    with pytest.raises(ValidationError, match="max_operand"):
+        ReasoningDataConfig(name="r", uri="files:/tmp/*.jsonl", max_operand=9)
+
+
 def test_files_rows_in_sharegpt_form_are_read_and_bad_rows_counted(world, tmp_path):
     tok, _, _ = world
     rows = [
