@@ -16,6 +16,9 @@ Three layers keep a training stage from outliving the flow process that launched
     flow process --(guard: pdeathsig + watchdog on the flow process, child subreaper)--> torchrun
         torchrun --(each rank: pdeathsig + watchdog on torchrun, see `protect_rank`)--> rank i
 
+(a one-rank local launch has no torchrun: the guard's child is the rank, which watches the guard;
+infra/launchers/local.py)
+
 `python -I infra/guard.py guard --owner PID:START -- CMD...` runs CMD and kills CMD's whole tree
 (also the ranks torchrun puts in sessions of their own, which become the guard's children when
 torchrun dies because the guard is a child subreaper) when the owner dies or the guard is signalled.
