@@ -16,6 +16,9 @@ Three layers keep a training stage from outliving the flow process that launched
     flow process --(guard: pdeathsig + watchdog on the flow process, child subreaper)--> torchrun
         torchrun --(each rank: pdeathsig + watchdog on torchrun, see `protect_rank`)--> rank i
 
+(a one-rank local launch has no torchrun: the guard's child is the rank, which watches the guard;
+infra/launchers/local.py)
+
 `python -I infra/guard.py guard --owner PID:START -- CMD...` runs CMD and kills CMD's whole tree
 (also the ranks torchrun puts in sessions of their own, which become the guard's children when
 torchrun dies because the guard is a child subreaper) when the owner dies or the guard is signalled.
@@ -50,6 +53,10 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 WATCH_INTERVAL_S = 0.5  # how often a watchdog looks at its owner
 KILL_GRACE_S = 5.0  # SIGTERM, then this long, then SIGKILL
+# The guard's line when its command died of a signal on its own (not stopped by the guard): the
+# guard then dies of the same signal, so its owner could not otherwise tell the command's death
+# from the guard's (infra/launchers/local.py names the rank of a one-process launch from it).
+COMMAND_KILLED = "command killed by"
 
 
 # --- process identity ---------------------------------------------------------------------------
@@ -171,7 +178,8 @@ def _die_with_grace(reason: str, grace: float = KILL_GRACE_S) -> None:
 
 
 def protect_rank() -> bool:
-    """Under torchrun: end this rank when torchrun (its parent) dies. Returns True when armed.
+    """Under torchrun (or a one-rank local launch, which has torchrun's environment and the guard
+    for a parent): end this rank when its parent dies. Returns True when armed.
 
     torchrun starts each rank in a session of its own, so nothing that kills torchrun's process
     group reaches the ranks; without this a SIGKILLed torchrun leaves its ranks training with
@@ -181,9 +189,14 @@ def protect_rank() -> bool:
         return False
     parent = ProcessRef.of(os.getppid())
     arm_parent_death(signal.SIGTERM)
-    if os.getppid() != parent.pid or parent.start is None:  # torchrun died before we armed
-        _die_with_grace(f"parent torchrun {parent.pid} is gone at startup")
-    watch(parent, lambda: _die_with_grace(f"parent torchrun {parent.pid} died"), name="torchrun-watchdog")
+    # the parent: torchrun, or the guard of a one-rank local launch (infra/launchers/local.py)
+    if os.getppid() != parent.pid or parent.start is None:  # it died before we armed
+        _die_with_grace(f"parent {parent.pid} (torchrun or the launch's guard) is gone at startup")
+    watch(
+        parent,
+        lambda: _die_with_grace(f"parent {parent.pid} (torchrun or the launch's guard) died"),
+        name="torchrun-watchdog",
+    )
     return True
 
 
@@ -299,7 +312,8 @@ def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
     if descendants(os.getpid()):
         kill_descendants(grace=2.0)
     code = child.returncode
-    if code < 0:  # died of a signal: die of the same one
+    if code < 0:  # died of a signal: say so (the owner sees only our status), then die of the same one
+        _say(f"{COMMAND_KILLED} {signal.Signals(-code).name} (pid {child.pid})")
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

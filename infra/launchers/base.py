@@ -612,9 +612,18 @@ class LaunchConfig(BaseModel):
         return Path(self.code_dir) if self.code_dir else CODE_DIR
 
     @property
+    def direct(self) -> bool:
+        """One rank on this machine without accelerate: the local launcher runs it directly under
+        its guard, without torchrun's agent (infra/launchers/local.py)."""
+        return self.kind == "local" and self.nodes == 1 and self.procs_per_node == 1 and not self.accelerate_config
+
+    @property
     def starter(self) -> str:
-        """What starts the ranks: `torchrun`, or `accelerate (FILE)`."""
-        return f"accelerate ({self.accelerate_config})" if self.accelerate_config else "torchrun"
+        """What starts the ranks: `torchrun`, `accelerate (FILE)`, or `direct` (one local rank
+        started by the launcher's guard itself)."""
+        if self.accelerate_config:
+            return f"accelerate ({self.accelerate_config})"
+        return "direct" if self.direct else "torchrun"
 
     def describe(self) -> str:
         """One line for plans and logs: `slurm, 8 nodes x 8 processes (8 GPUs each), accelerate

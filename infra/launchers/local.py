@@ -10,17 +10,31 @@ torch.distributed.run: the same ranks, sessions and failure summary). The enviro
 the stop signals torchrun forwards to the ranks and how long it waits for their checkpoint
 (infra/launchers/fabric.py `launch_env`), so a SIGTERM or SIGUSR1 to torchrun saves the step
 being trained (trainers/rank_signals.py); the flow process dying still takes the ranks along.
+
+One process on one node (the tiny recipe's every stage and post-training trainer) skips torchrun:
+`python -u -m MODULE SPEC.json` runs directly under the guard with the environment torchrun gives
+a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR,
+MASTER_PORT, ...), so the trainer takes the same code path (its process group over a TCPStore it
+serves itself on the picked port) and trains the same bits. torchrun's elastic agent, a second
+Python process importing torch before the rank can start, had nothing to coordinate for one rank:
+a stop signal reaches the rank with the guard's process group (the rank saves its step and exits
+75), the guard's parent-death signal and `protect_rank` end it with the guard, and the failure is
+read from the guard's status: the rank's exit code passes through, and a rank killed by a signal
+is named from the guard's `command killed by SIG...` line (torchrun's failure summary otherwise).
+Several ranks, several nodes or `accelerate_config` keep torchrun (or accelerate).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from infra.guard import COMMAND_KILLED
 from infra.launchers.base import (
     LAUNCHERS,
     FirstError,
@@ -46,9 +60,44 @@ def _port_taken(tail: list[str]) -> bool:
     return "EADDRINUSE" in text and ("TCPStore" in text or "rendezvous" in text)
 
 
+class DirectSummary(TorchrunSummary):
+    """What a one-process launch without torchrun (`direct`) says of how its rank ended, read like
+    torchrun's failure summary: rank 0, its exit code (the guard passes it through) or the signal
+    that killed it (the guard's `command killed by SIG...` line). Nothing when the guard itself
+    was stopped or killed (its owner died, a kill of the whole group): then its status is the cause."""
+
+    _KILLED = re.compile(rf"^\[lifeline\] {COMMAND_KILLED} (SIG[A-Z0-9]+)\b")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed_by: str | None = None
+        self.guard_stopped = False
+
+    def feed(self, line: str) -> None:
+        text = line.strip()
+        if m := self._KILLED.match(text):
+            self.killed_by = m.group(1)
+        elif text.startswith("[lifeline] "):  # the guard stopping its command, or refusing to start it
+            self.guard_stopped = True
+
+    def settle(self, returncode: int) -> None:
+        """Fill the summary's fields once the guard's status is known."""
+        if self.guard_stopped:
+            return
+        if returncode < 0 and self.killed_by is not None:
+            self.fields = {"rank": "0", "exitcode": f"{returncode} ({self.killed_by})"}
+        elif returncode > 0:
+            self.fields = {"rank": "0", "exitcode": str(returncode)}
+
+
 @LAUNCHERS.register("local")
 class LocalTorchrun(Launcher):
     """One node, N ranks, torchrun's static rendezvous on 127.0.0.1."""
+
+    @property
+    def direct(self) -> bool:
+        """One rank on this machine, no accelerate: the rank runs under the guard without torchrun."""
+        return self.config.direct
 
     def command(self, spec_path: Path, port: int | None = None) -> list[str]:
         c = self.config
@@ -57,6 +106,8 @@ class LocalTorchrun(Launcher):
                 f"launch.nodes={c.nodes} with kind local: the local launcher runs on this machine "
                 "only; use kind slurm or kubernetes for several nodes"
             )
+        if self.direct:  # the port is the rank's own (`rank_env`)
+            return [sys.executable, "-u", "-m", c.module, str(spec_path)]
         port = port or c.master_port or free_port()
         if c.accelerate_config:
             # `make` runs .venv/bin/smollm3 without the venv on PATH: this interpreter's accelerate.
@@ -94,8 +145,19 @@ class LocalTorchrun(Launcher):
             "PYTHONPATH": f"{code}{os.pathsep}{path}" if path else code,
         }
 
+    def rank_env(self, port: int) -> dict[str, str]:
+        """A direct launch's rank environment: what torchrun gives rank 0 of a one-process launch
+        (less its agent's own variables: the rank serves its rendezvous store itself)."""
+        one = {name: "1" for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")}
+        zero = {name: "0" for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")}
+        return {**zero, **one, "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
     def render(self, spec_path: Path, workdir: Path) -> str:
-        return shlex.join(self.command(Path(spec_path), port=self.config.master_port or 29500))
+        port = self.config.master_port or 29500
+        cmd = shlex.join(self.command(Path(spec_path), port=port))
+        if self.direct:
+            return " ".join(f"{k}={v}" for k, v in self.rank_env(port).items()) + " " + cmd
+        return cmd
 
     # -- a helper pool: one process per "node", on this machine, in a session of its own --
 
@@ -163,9 +225,15 @@ class LocalTorchrun(Launcher):
                 "examples in configs/accelerate/"
             )
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            cmd = self.command(spec_path)
-            log(f"[launch] {shlex.join(cmd)}")
-            first, summary = FirstError(), TorchrunSummary()
+            if self.direct:
+                port = c.master_port or free_port()
+                cmd, env = self.command(spec_path), {**self.env(), **self.rank_env(port)}
+                log(f"[launch] MASTER_PORT={port} {shlex.join(cmd)}  (one rank: no torchrun)")
+            else:
+                cmd, env = self.command(spec_path), self.env()
+                log(f"[launch] {shlex.join(cmd)}")
+            first = FirstError()
+            summary = DirectSummary() if self.direct else TorchrunSummary()
 
             def stream(line: str, first=first, summary=summary) -> None:
                 first.feed(line)
@@ -173,21 +241,27 @@ class LocalTorchrun(Launcher):
                 log(line)
 
             try:
-                run_streaming(cmd, stream, cwd=self.config.code_path, env=self.env(), on_start=on_start)
+                run_streaming(cmd, stream, cwd=self.config.code_path, env=env, on_start=on_start)
                 return
             except ChildFailed as exc:
                 # The picked port was free when asked and taken before the rendezvous bound it
-                # (another launch on this machine): no rank started, so a new port is safe.
+                # (another launch on this machine): no rank trained (a direct rank fails binding
+                # its store before it writes anything), so a new port is safe.
                 if c.master_port or attempt == PORT_ATTEMPTS or not _port_taken(exc.tail):
                     failed = exc
                     break
                 log(
                     f"[launch] rendezvous port taken before torchrun bound it; retrying on a new port ({attempt}/{PORT_ATTEMPTS})"
                 )
-        # No summary when torchrun itself was killed: then its own status is the cause.
-        facts = failure_facts(spec_path, Path(workdir), summary, first, failed.returncode, who="torchrun")
+        # No summary when torchrun (or the direct rank's guard) itself was killed: then its own
+        # status is the cause.
+        if isinstance(summary, DirectSummary):
+            summary.settle(failed.returncode)
+        who = "the guard of rank 0" if self.direct else "torchrun"
+        facts = failure_facts(spec_path, Path(workdir), summary, first, failed.returncode, who=who)
+        starter = "accelerate" if c.accelerate_config else ("run" if self.direct else "torchrun")
         raise LaunchFailed(
-            f"local {'accelerate' if c.accelerate_config else 'torchrun'} of {spec_path} failed",
+            f"local {starter} of {spec_path} failed",
             failed.tail,
             first.line,
             facts,

@@ -222,20 +222,19 @@ class Chaos:
         raise AssertionError(f"{stage} did not reach step {step} in {timeout}s")
 
     def rank(self, stage: str) -> psutil.Process:
-        """The training rank of a stage (torchrun's child running trainers.pretrain)."""
+        """The training rank of a stage: the process running trainers.pretrain on its spec (one
+        rank: the guard's child, no torchrun; infra/launchers/local.py), not the guard itself."""
         spec = str(self.stage_dir(stage) / "spec.json")
-        for p in psutil.process_iter(["cmdline"]):
+        for p in psutil.process_iter(["cmdline", "environ"]):
             cmd = p.info["cmdline"] or []
-            try:
-                if (
-                    "trainers.pretrain" in cmd
-                    and spec in cmd
-                    and "torch.distributed.run" not in cmd
-                    and "torch.distributed.run" in psutil.Process(p.ppid()).cmdline()
-                ):
-                    return p
-            except psutil.Error:
-                continue
+            if (
+                "trainers.pretrain" in cmd
+                and spec in cmd
+                and "guard" not in cmd
+                and "torch.distributed.run" not in cmd
+                and (p.info["environ"] or {}).get("RANK") == "0"
+            ):
+                return p
         raise AssertionError(f"no rank of {stage} running")
 
     def jitter(self) -> float:

@@ -95,6 +95,15 @@ def test_local_command_is_torchrun_on_one_node(monkeypatch):
     assert launcher.command(Path("/ws/spec.json"), port=29555)[:3] == [sys.executable, "-m", "torch.distributed.run"]
     with pytest.raises(ValueError, match="launch.nodes=2 with kind local.*use kind slurm"):
         get_launcher(LaunchConfig(nodes=2)).render(Path("s.json"), Path("."))
+    # One process: the rank itself, with the environment torchrun would give it, and no torchrun.
+    one = get_launcher(LaunchConfig(master_port=29555))
+    assert one.render(Path("/ws/spec.json"), Path("/ws")) == (
+        "RANK=0 LOCAL_RANK=0 GROUP_RANK=0 ROLE_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_WORLD_SIZE=1 "
+        "ROLE_WORLD_SIZE=1 ROLE_NAME=default MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 "
+        f"{sys.executable} -u -m trainers.pretrain /ws/spec.json"
+    )
+    accelerate_one = LaunchConfig(module="trainers.posttrain", accelerate_config="configs/accelerate/fsdp.yaml")
+    assert not accelerate_one.direct and LaunchConfig().direct and not LaunchConfig(procs_per_node=2).direct
 
 
 @pytest.mark.slow
@@ -116,7 +125,7 @@ def test_local_launch_trains_on_two_ranks_and_a_failure_raises_with_the_output_t
     bad = write_spec(tmp_path / "bad" / "spec.json", tmp_path / "missing-plan.json", tmp_path / "bad")
     with pytest.raises(
         LaunchFailed,
-        match=r"local torchrun of .*bad/spec.json failed: rank 0 "
+        match=r"local run of .*bad/spec.json failed: rank 0 "
         r"exited with code 1 \(FileNotFoundError",
     ) as err:
         get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lambda _: None)
@@ -146,7 +155,7 @@ def test_a_rendezvous_port_taken_after_it_was_picked_is_retried_on_a_new_one(mon
         # the second attempt got past the rendezvous: the trainer itself ran and named its cause
         assert "missing-plan.json" in err.value.first_error
         assert sum(line.startswith("[launch] ") and "retrying" not in line for line in lines) == 2
-        assert f"--master-port {port}" in lines[0]
+        assert f"MASTER_PORT={port} " in lines[0] and "no torchrun" in lines[0]  # one rank: started directly
         assert any("retrying on a new port (1/3)" in line for line in lines)
         with pytest.raises(LaunchFailed) as err:
             get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN, master_port=port)).launch(
@@ -200,6 +209,76 @@ def test_a_killed_rank_is_named_with_its_signal_step_and_checkpoint(tmp_path):
         f"step {newest}); a retry resumes from step {newest}"
     )
     assert "ChildFailedError" not in (err.value.first_error or "")
+
+
+@pytest.mark.slow
+def test_one_rank_runs_without_torchrun_and_its_death_is_named_like_torchrun_names_it(tmp_path):
+    """One process on one node: the guard's child is the rank itself (torchrun's environment, no
+    torchrun); it trains like it does under torchrun, and a SIGKILL of the rank is named as
+    torchrun's summary names it (rank 0, the signal, the step and the checkpoint)."""
+    plan = write_plan(tmp_path / "shards")
+    clean = tmp_path / "clean"
+    lines: list[str] = []
+    get_launcher(LaunchConfig()).launch(write_spec(clean / "spec.json", plan, clean), clean, lines.append)
+    assert json.loads((clean / "result.json").read_text())["world_size"] == 1
+    assert "no torchrun" in lines[0] and not any("torch.distributed" in line for line in lines)
+
+    out = tmp_path / "stage"
+    spec = write_spec(
+        out / "spec.json",
+        plan,
+        out,
+        steps=40,
+        checkpoint_interval=2,
+        debug_step_sleep_s=0.3,
+        schedule={"warmup_steps": 1, "total_steps": 40},
+    )
+    killed: list[int] = []
+
+    def kill_the_rank_after_a_checkpoint(line: str) -> None:
+        if killed or not (out / "checkpoints").is_dir():
+            return
+        if any(read_marker(f) for f in (out / "checkpoints").glob("step_*")):
+            (rank,) = [int(p) for p in Path(f"/proc/{started[0]}/task/{started[0]}/children").read_text().split()]
+            environ = Path(f"/proc/{rank}/environ").read_text().split("\0")
+            assert "RANK=0" in environ and "WORLD_SIZE=1" in environ and "LOCAL_RANK=0" in environ
+            assert "trainers.pretrain" in Path(f"/proc/{rank}/cmdline").read_text()
+            os.kill(rank, signal.SIGKILL)
+            killed.append(rank)
+
+    started: list[int] = []
+    with pytest.raises(LaunchFailed) as err:
+        get_launcher(LaunchConfig()).launch(spec, out, kill_the_rank_after_a_checkpoint, on_start=started.append)
+    assert killed, "the run ended before the rank could be killed"
+    facts = err.value.facts
+    assert facts.rank == 0 and facts.signal == "SIGKILL" and facts.exitcode == -9
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    newest = max(int(f.name[5:]) for f in (out / "checkpoints").glob("step_*") if read_marker(f))
+    assert err.value.cause == (
+        f"rank 0 killed by SIGKILL after step {last} (last checkpoint: step {newest}); a retry resumes from step {newest}"
+    )
+
+
+def test_a_direct_launch_names_the_rank_only_when_the_rank_itself_ended():
+    """The guard's status alone: a rank's exit code passes through it, a rank's signal death comes
+    with the guard's own line; a guard that stopped its command (or was killed) names no rank."""
+    from infra.launchers.local import DirectSummary
+
+    def settled(lines, code):
+        summary = DirectSummary()
+        for line in lines:
+            summary.feed(line)
+        summary.settle(code)
+        return summary.rank(), summary.exitcode(), summary.signal()
+
+    assert settled(["[lifeline] command killed by SIGKILL (pid 12)"], -9) == (0, -9, "SIGKILL")
+    assert settled(["error: loss is nan"], 3) == (0, 3, None)
+    assert settled([], -9) == (None, None, None)  # the guard itself killed (with its group)
+    assert settled(["[lifeline] received SIGTERM: stopping python and everything it started"], 143) == (
+        None,
+        None,
+        None,
+    )
 
 
 def test_failure_facts_from_torchrun_summary_and_the_stage_folder(tmp_path):
@@ -954,7 +1033,8 @@ def test_local_command_is_accelerate_launch_with_the_config_file(monkeypatch):
     assert config.describe() == (
         "local, 1 node x 2 processes, accelerate (configs/accelerate/fsdp.yaml), -m trainers.posttrain"
     )
-    assert LaunchConfig().describe() == "local, 1 node x 1 process, torchrun, -m trainers.pretrain"
+    assert LaunchConfig().describe() == "local, 1 node x 1 process, direct, -m trainers.pretrain"
+    assert LaunchConfig(procs_per_node=2).describe() == "local, 1 node x 2 processes, torchrun, -m trainers.pretrain"
 
 
 def test_slurm_script_runs_accelerate_with_each_task_s_own_machine_rank(tmp_path):

@@ -155,7 +155,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     assert parents == {by_key["merge[soup]"], by_key["tiny_base[long2]"]}
     for trainer in ("sft[sft]", "preference[apo]", "grpo[grpo]", "sao[sao]"):
         meta = lineage.get(by_key[trainer]).meta
-        assert meta["launch"].startswith("local, 1 node x 1 process, torchrun, -m trainers.posttrain")
+        assert meta["launch"].startswith("local, 1 node x 1 process, direct, -m trainers.posttrain")
         assert (Path(lineage.get(by_key[trainer]).uri) / "spec.json").is_file()
 
     # SAO trains beside GRPO from the same merged model, on the same prompts
