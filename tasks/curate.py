@@ -262,13 +262,6 @@ def _heldout_files(corpora: Sequence[Artifact], config: CurationConfig) -> list[
     return files
 
 
-def index_report_of(header: dict, corpora: Sequence[Artifact]) -> dict:
-    """The index's size (curation/heldout.py `index_report`) at the held-out caps of `corpora`."""
-    from curation.heldout import index_report
-
-    return index_report(header, [a.meta.get("heldout_max_documents") for a in corpora])
-
-
 def _low_kept_share(rows: list[dict], docs_in: int, kept: int, floor: float) -> dict[str, Any] | None:
     """A source that kept less than `floor` of its documents (every preset keeps all the natural
     paragraphs of tests/tasks/data/multilingual.json: far below that is a preset that does not
@@ -371,6 +364,7 @@ def curate(
     other sources: the eval suite mixes the held-out text of every source of a domain).
     """
     from curation.heldout import INDEX_STAGES, HeldoutIndex, IndexPlan, index_stages
+    from curation.heldout import index_report as size_report
 
     source = corpus.meta.get("source", corpus.short)
     domain = corpus.meta.get("domain", "web")
@@ -391,6 +385,7 @@ def curate(
     start = time.monotonic()
     against = [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
     index_plan, index_report = None, None
+    caps = [a.meta.get("heldout_max_documents") for a in against]  # the index's size at these caps
     if config.decontamination.enabled:
         files = _heldout_files(against, config)
         if any(_has_lines(Path(f.path)) for f in files):
@@ -402,7 +397,7 @@ def curate(
                 tasks,
             )
         else:  # nothing held out anywhere: no index, no decontamination filter
-            index_report = index_report_of(HeldoutIndex.build([], config.decontamination.ngram).header(), against)
+            index_report = size_report(HeldoutIndex.build([], config.decontamination.ngram).header(), caps)
             log(f"curate {source}: {_describe_index(index_report, len(against))}")
     has_heldout = heldout.is_dir() and _has_lines(heldout)
     stages = plan_stages(
@@ -421,7 +416,7 @@ def curate(
     run_executors(config, make_executors(config, stages, logs), logs, log)
     seconds = time.monotonic() - start
     if index_plan is not None:  # its size, from its index.json (this process maps none of it)
-        index_report = index_report_of(HeldoutIndex.read_header(index_plan.index), against)
+        index_report = size_report(HeldoutIndex.read_header(index_plan.index), caps)
         log(f"curate {source}: {_describe_index(index_report, len(against))}")
     rows = filter_rows(logs, train_stages)
     held_rows = filter_rows(logs, held_stages)

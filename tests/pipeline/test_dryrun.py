@@ -47,6 +47,7 @@ OPERATIONAL = [
     "curation.executor=ray",
     "curation.ray.address=ray://10.0.0.1:10001",  # the cluster and its authentication: where, not what
     "tokenize.executor=ray & tokenize.ray.auth=token",
+    "curation.decontamination.index_partitions=4",  # how the held-out index is built, not what
     "curation.min_kept_share=0.5",
     "curation.sample_documents=10",
     "curation.sample_chars=1000",
