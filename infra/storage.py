@@ -43,7 +43,10 @@ What a 384-GPU run needs from object storage, and how this module provides it:
 - `pull_latest_checkpoint` brings back the newest complete remote checkpoint when the local copy is
   gone (a new node, a wiped scratch disk), into a temporary folder renamed into place at the end,
   and verifies it against the trainer's own digests in its marker; a remote checkpoint that fails
-  is skipped (with a warning naming the files) for the next older one.
+  is skipped (with a warning naming the files) for the next older one. On a cluster launch the
+  trainer's rank 0 calls it (`pull_for_resume`, `MirrorTarget.pull`) into the shared checkpoints
+  folder while the other ranks wait, so the flow host moves no checkpoint bytes; on the local
+  launcher the step calls it before the launch.
 
 Credentials come only from boto3's standard chain (environment, shared config/credentials files,
 SSO, instance or pod roles); `endpoint_url` points at S3-compatible stores (MinIO, Ceph, R2). Nothing
@@ -192,12 +195,16 @@ class StorageConfig(BaseModel):
 
 class MirrorTarget(BaseModel):
     """Where one stage's checkpoints are mirrored, as its trainer reads it (`TrainSpec.mirror`):
-    the stage's own prefix, `{storage.s3_uri}/{step}/{fp12}/checkpoints`, and the storage settings."""
+    the stage's own prefix, `{storage.s3_uri}/{step}/{fp12}/checkpoints`, and the storage settings.
+    `pull`: the trainer's rank 0 brings the newest checkpoint back itself before resuming when its
+    checkpoints folder holds no complete one (`pull_for_resume`; a cluster launch, whose flow host
+    moves no checkpoint bytes); False: the step did that before the launch (the local launcher)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     uri: str
     storage: StorageConfig
+    pull: bool = False
 
     @field_validator("uri")
     @classmethod
@@ -333,6 +340,12 @@ def checkpoint_complete(folder: Path, marker: str = CHECKPOINT_MARKER) -> dict[s
     """The checkpoint's marker when the folder is complete (every listed file there, with its
     size), else None. The rule lives in infra/manifest.py, shared with the trainer."""
     return manifest.quick_check(Path(folder), marker)
+
+
+def has_complete_checkpoint(root: Path, marker: str = CHECKPOINT_MARKER) -> bool:
+    """Whether a checkpoints root holds a complete checkpoint (`checkpoint_complete`). Leftovers
+    do not count: a killed save's folder without its marker, a killed pull's `.step_*.partial`."""
+    return any(checkpoint_complete(f, marker) is not None for f in step_folders(root))
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -1307,6 +1320,40 @@ def pull_latest_checkpoint(
     return None
 
 
+def pull_for_resume(
+    mirror: MirrorTarget,
+    local_dir: str | Path,
+    *,
+    record: Path | None = None,
+    log: Callable[[str], None] = log_info,
+    client: Any = None,
+) -> Path | None:
+    """The trainer's pull before it resumes (`MirrorTarget.pull`, rank 0 only, the other ranks
+    wait for it): when `local_dir` holds no complete checkpoint (a fresh machine, a wiped shared
+    folder, only a killed pull's or save's leftovers), `pull_latest_checkpoint` brings the newest
+    one that verifies from `mirror.uri` into it. Returns the pulled folder, or None (nothing pulled:
+    a complete local one is there, or S3 holds none). Each pull is logged with this process's pid
+    and recorded in `record` (`mirror.jsonl`, event "pulled")."""
+    local_dir = Path(local_dir)
+    if has_complete_checkpoint(local_dir):
+        return None
+    start = time.monotonic()
+    pulled = pull_latest_checkpoint(mirror.uri, local_dir, mirror.storage, client=client)
+    if pulled is None:
+        log(f"[mirror] pid {os.getpid()}: no complete checkpoint under {mirror.uri} to resume from")
+        return None
+    seconds = time.monotonic() - start
+    log(f"[mirror] pid {os.getpid()} pulled {pulled.name} from {mirror.uri} ({seconds:.1f}s, verified)")
+    if record is not None:
+        import socket
+
+        row = {"event": "pulled", "checkpoint": pulled.name, "pid": os.getpid(), "host": socket.gethostname()}
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with open(record, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return pulled
+
+
 def describe(config: StorageConfig) -> dict[str, Any]:
     """Facts about the storage setup for lineage and logs: never credentials."""
     return {
@@ -1332,7 +1379,9 @@ __all__: Sequence[str] = (
     "UploadReport",
     "describe",
     "fetch_artifact",
+    "has_complete_checkpoint",
     "mirror_artifact",
+    "pull_for_resume",
     "pull_latest_checkpoint",
     "split_s3_uri",
 )

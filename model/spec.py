@@ -324,7 +324,9 @@ class TrainSpec(TrainSettings):
     run_first_step: int = operational(0, ge=0)
     run_first_token: int = operational(0, ge=0)
     # The stage's S3 prefix for its checkpoints (the recipe's `storage`): rank 0 uploads each one
-    # as its marker is written (infra/storage.py CheckpointUploader). None: local disk only.
+    # as its marker is written (infra/storage.py CheckpointUploader); with `mirror.pull` (a cluster
+    # launch) it first pulls the newest one back when the checkpoints folder holds no complete one
+    # (trainers/pretrain.py pull_mirror). None: local disk only.
     mirror: MirrorTarget | None = operational(None)
 
     @model_validator(mode="after")

@@ -32,7 +32,10 @@ long run"). Rank 0 writes the stage's TensorBoard run (or W&B / MLflow) under
 With `storage.s3_uri`, the trainer mirrors its own checkpoints: rank 0 uploads each one to
 `{s3_uri}/pretrain/{fp12}/checkpoints/` from a background thread as its marker is written, and
 applies `storage.checkpoints` retention there (infra/storage.py `CheckpointUploader`, recorded in
-`mirror.jsonl`); this process only pulls the newest one back when the local copies are gone.
+`mirror.jsonl`). When no complete local checkpoint is left (a fresh machine), the newest one is
+pulled back before the trainer resumes: by this process on the local launcher, by the trainer's
+rank 0 into the shared folder on Slurm and Kubernetes (`MirrorTarget.pull`, trainers/pretrain.py
+`pull_mirror`), so there the flow host moves no checkpoint bytes.
 
 Testing hook: `SMOLLM3_INJECT_FAILURE=<stage>` kills that stage's trainer (SIGKILL of its process
 group, as a node failure would) once its first checkpoint is complete (with a mirror: and
@@ -57,7 +60,7 @@ from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.base import last_metrics_step
 from infra.launchers.exclude import adopt_excluded
 from infra.proc import kill_tree
-from infra.storage import MIRROR_RECORD, MirrorTarget, StorageConfig, pull_latest_checkpoint
+from infra.storage import MIRROR_RECORD, MirrorTarget, StorageConfig, has_complete_checkpoint, pull_latest_checkpoint
 from model.calibration import host_calibration
 from model.spec import TrainSettings, TrainSpec
 from pipeline.artifact import Artifact, operational
@@ -395,7 +398,10 @@ def pretrain(
         )
         # every checkpoint is part of the output: the bucket keeps them all too
         storage = storage.model_copy(update={"checkpoints": storage.checkpoints.model_copy(update={"keep_last": None})})
-    mirror = MirrorTarget(uri=s3_checkpoints, storage=storage) if s3_checkpoints else None
+    # The local launcher's ranks run on this host: the step pulls a lost checkpoint back itself.
+    # A cluster launch's rank 0 does (spec.mirror.pull): checkpoint bytes never pass this host.
+    pulls_here = config.launch.kind == "local"
+    mirror = MirrorTarget(uri=s3_checkpoints, storage=storage, pull=not pulls_here) if s3_checkpoints else None
     spec = spec.bind(mixture.path / "plan.json", out, init_from, mirror)
     check_tracker(spec.tracker)  # a missing W&B / MLflow package fails here, not in every rank
     first_step, first_token = _run_position(init)
@@ -410,12 +416,13 @@ def pretrain(
         spec = spec.model_copy(update={"peak_calibration": host_calibration(out.parent.parent, _device(spec))})
     spec.save(out / "spec.json", relative_to=out.parent.parent)  # paths inside the workspace: relative
     ckpt_dir = out / "checkpoints"
-    if s3_checkpoints and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
-        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+    if s3_checkpoints and pulls_here and not has_complete_checkpoint(ckpt_dir):
+        # The local copy is gone (a new machine, a cleaned disk, a killed pull's leftovers): resume
+        # from the mirror.
         pulled = pull_latest_checkpoint(s3_checkpoints, ckpt_dir, storage)
         if pulled is not None:
             log(f"{spec.stage}: pulled {pulled.name} from {s3_checkpoints}")
-    resumed = ckpt_dir.exists() and any(ckpt_dir.iterdir())
+    resumed = has_complete_checkpoint(ckpt_dir)
     sched = spec.schedule
     start = sched.start_step or 0
     log(
@@ -472,7 +479,7 @@ def pretrain(
         "checkpoint": result.get("checkpoint"),
         "tokens_per_source": figures["tokens_per_source"],
         **{k: figures[k] for k in ("tokens_per_s", "mfu", "mfu_invalid", "mfu_peak_flops", "mfu_peak_source")},
-        "resumed": resumed,
+        "resumed": resumed or bool(result.get("resumed")),  # a cluster launch's rank 0 may have pulled
         "init_from": init_from,
         "skipped_steps": result.get("skipped_steps", 0),  # the skip-step rule's
         "skipped_data": result.get("skipped_data", []),  # windows skipped after non-finite values

@@ -26,7 +26,9 @@ One launch trains one stage as described by a `TrainSpec`:
 - S3: with `spec.mirror`, rank 0 uploads each checkpoint once its marker is written, from a
   background thread behind a bounded queue, and applies the bucket's retention
   (`start_uploader`, infra/storage.py `CheckpointUploader`); the stage ends only when every
-  checkpoint is verified on S3;
+  checkpoint is verified on S3. With `spec.mirror.pull` (cluster launches) rank 0 first pulls
+  the newest checkpoint from S3 when the checkpoints folder holds no complete one, the other
+  ranks waiting at a barrier (`pull_mirror`);
 - guard: a non-finite loss or gradient norm, or non-finite weights about to be saved, stops the
   run with `NonFiniteError` (exit code 3) before any checkpoint of that state is written, after
   recording in `monitor/nonfinite.json` what the pretrain step needs to roll back and skip the
@@ -84,7 +86,7 @@ from infra.files import write_atomic
 from infra.guard import LeaseHeld, StageLease, protect_rank
 from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
-from infra.storage import MIRROR_RECORD, CheckpointUploader
+from infra.storage import MIRROR_RECORD, CheckpointUploader, pull_for_resume
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
@@ -717,6 +719,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         spec.save(out_dir / "spec.resolved.json")
+    pull_mirror(spec, rt)  # a cluster launch: rank 0 brings the newest checkpoint from S3, the others wait
     st = build_stage(spec, rt)
     start = resume(st)
     step, schedule_start = start.step, start.schedule_start
@@ -782,6 +785,24 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     if uploader is not None:  # the stage ends with every checkpoint verified on S3, or fails
         uploader.close()
     return finish(st, start, step, loss_value, saves.last, report, spikes.skipped, rollback.skips.windows)
+
+
+def pull_mirror(spec: TrainSpec, rt: Runtime) -> None:
+    """With `spec.mirror.pull` (a cluster launch): rank 0 pulls the newest checkpoint that verifies
+    from the mirror into the shared `{out_dir}/checkpoints` when that holds no complete one
+    (infra/storage.py `pull_for_resume`: downloaded into a `.partial` folder renamed into place
+    with its marker last, checked against the trainer's digests), then every rank passes a barrier,
+    so no rank lists the checkpoints before the pull ended. A failing pull ends rank 0, and with it
+    the launch; the others wait at most the collective timeout. Nothing without it: the step pulled
+    before the launch (the local launcher), or there is no mirror."""
+    if spec.mirror is None or not spec.mirror.pull:
+        return
+    if rt.rank == 0:
+        pull_for_resume(
+            spec.mirror, Path(spec.out_dir) / "checkpoints", record=Path(spec.out_dir) / MIRROR_RECORD, log=log.info
+        )
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def start_uploader(st: Stage, schedule_start: int) -> CheckpointUploader | None:
@@ -878,6 +899,7 @@ def finish(
         "activation_checkpointing": st.memory.mode,
         "predicted_peak_gb": round(st.memory.peak_gb, 3),  # model/memory.py, per rank
         "resumed_from": start.resumed_from,
+        "resumed": start.latest is not None,  # from a checkpoint of this stage (not init_from)
         "skipped_steps": skipped_steps,  # the skip-step rule's
         "skipped_data": skipped_data,  # data windows skipped after non-finite values
     }

@@ -191,6 +191,80 @@ def test_a_kill_mid_upload_leaves_nothing_a_resume_takes_as_complete(s3, tmp_pat
     assert (pulled / "__0_0.distcp").read_bytes() == (root / "step_00000020" / "__0_0.distcp").read_bytes()
 
 
+PULL_CHILD = r"""
+import sys, time
+from pathlib import Path
+from infra import storage
+from infra.storage import MirrorTarget, StorageConfig, pull_for_resume
+
+endpoint, root, signal_file = sys.argv[1:4]
+original = storage.file_digest
+
+def digest_then_hang(path, *args, **kwargs):
+    got = original(path, *args, **kwargs)
+    if Path(path).name == "__0_0.distcp" and ".partial" in str(path):
+        Path(signal_file).write_text(str(path))  # the big file is down, the marker is not: kill me now
+        time.sleep(600)
+    return got
+
+storage.file_digest = digest_then_hang
+config = StorageConfig(
+    s3_uri="s3://ckpts/run", endpoint_url=endpoint, multipart_threshold_mb=5, multipart_chunk_mb=5,
+    attempts=1, backoff_seconds=0.0,
+)
+pull_for_resume(MirrorTarget(uri="s3://ckpts/run/stage1", storage=config, pull=True), Path(root))
+"""
+
+
+def test_a_kill_mid_pull_leaves_nothing_a_resume_takes_as_complete_and_the_next_pull_completes(s3, tmp_path):  # noqa: F811
+    """The trainer's pull before a resume (`pull_for_resume`, rank 0 on a cluster launch) killed
+    midway: its `.partial` folder is no checkpoint to the trainer, does not stop the next pull,
+    and that pull (in its own process, recorded with its pid) brings the checkpoint back whole."""
+    from infra.storage import MirrorTarget, has_complete_checkpoint, pull_for_resume
+    from model.checkpoint import Checkpointer
+
+    endpoint, client = s3
+    storage = cfg(endpoint)
+    written = tmp_path / "written" / "checkpoints"
+    fake_checkpoint(written, 30, big=12 * MiB)
+    CheckpointUploader("s3://ckpts/run/stage1", storage, written, client=client).start().close()
+    root = tmp_path / "fresh" / "checkpoints"
+    signal_file = tmp_path / "half-pulled"
+    child = subprocess.Popen(
+        [sys.executable, "-c", PULL_CHILD, endpoint, str(root), str(signal_file)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_file.exists():
+            assert child.poll() is None, "the pull exited before it downloaded the big file"
+            assert time.monotonic() < deadline, "the big file was not downloaded within 120 s"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    assert [p.name for p in root.iterdir()] == [".step_00000030.partial"]  # what the kill left
+    assert (root / ".step_00000030.partial" / "__0_0.distcp").exists()
+    assert not has_complete_checkpoint(root)
+    assert Checkpointer(root, keep_last=2).latest_verified() is None  # nothing to resume from
+
+    lines: list[str] = []
+    mirror = MirrorTarget(uri="s3://ckpts/run/stage1", storage=storage, pull=True)
+    pulled = pull_for_resume(mirror, root, record=tmp_path / "mirror.jsonl", log=lines.append, client=client)
+    assert pulled == root / "step_00000030"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000030"]  # the leftover was replaced
+    assert Checkpointer(root, keep_last=2).latest_verified() == pulled
+    assert (pulled / "__0_0.distcp").read_bytes() == (written / "step_00000030" / "__0_0.distcp").read_bytes()
+    row = json.loads((tmp_path / "mirror.jsonl").read_text())
+    assert row["event"] == "pulled" and row["checkpoint"] == "step_00000030" and row["pid"] == os.getpid()
+    assert lines[-1].startswith(f"[mirror] pid {os.getpid()} pulled step_00000030 from s3://ckpts/run/stage1")
+    # a complete local checkpoint is there now: the next launch pulls nothing
+    assert pull_for_resume(mirror, root, log=lines.append, client=client) is None
+
+
 def test_a_checkpoint_that_cannot_be_uploaded_fails_the_close_naming_it_and_stays_local(s3, tmp_path):  # noqa: F811
     """S3 refuses (no such bucket): training is not stopped by it, the checkpoint stays on local
     disk while it waits, and the stage's end fails naming it instead of ending as if it were safe."""

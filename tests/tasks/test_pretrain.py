@@ -139,6 +139,87 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
     assert {k[len(prefix) :].split("/")[0] for k in _keys(client) if k.startswith(prefix)} == set(complete)
 
 
+@pytest.mark.slow
+def test_on_a_cluster_launch_rank_0_pulls_the_checkpoint_and_the_step_moves_no_bytes(tmp_path, s3, monkeypatch):
+    """A Slurm-kind stage (its ranks started here by the local launcher, as on a node) whose
+    checkpoints are lost after a kill, with a killed pull's leftover in their folder: the step
+    pulls nothing (the flow host moves no checkpoint bytes); the trainer's rank 0 pulls the newest
+    checkpoint from S3, in its own process, while rank 1 waits, and both resume from it."""
+    import tasks.pretrain as task
+    from infra.launchers import get_launcher
+    from infra.storage import S3Store
+    from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
+    from pipeline.artifact import Artifact
+    from tests.infra.test_storage import cfg
+    from tests.model.conftest import write_two_source_plan
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("the flow process moved checkpoint bytes")
+
+    monkeypatch.setattr(task, "pull_latest_checkpoint", not_here)
+    monkeypatch.setattr(S3Store, "download_folder", not_here)  # the ranks' processes are not patched
+    monkeypatch.setattr(S3Store, "upload_folder", not_here)
+    # no cluster here: the stage's ranks start on this machine, as Slurm would start them on a node
+    monkeypatch.setattr(task, "get_launcher", lambda launch: get_launcher(launch.model_copy(update={"kind": "local"})))
+    monkeypatch.setattr(task, "adopt_excluded", lambda *args: None)
+    endpoint, client = s3
+    plan = write_two_source_plan(tmp_path / "plan")
+    spec = TrainSpec(
+        stage="stage1",
+        steps=40,
+        global_batch=32,
+        micro_batch=8,
+        checkpoint_interval=10,
+        keep_last=2,
+        model_preset="tiny",
+        model_overrides={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "max_seq_len": 64,
+        },
+        optimizer=OptimizerConfig(lr=1e-3),
+        schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=40, start_step=0),
+    )
+    run = task.StageSpec(
+        spec=spec, storage=cfg(endpoint, "s3://ckpts/run"), launch={"kind": "slurm"}, nproc_per_node=2, threads=1
+    )
+    assert run.launch.kind == "slurm"
+    mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
+    out = tmp_path / "pretrain" / "abcdef123456"
+    out.mkdir(parents=True)
+    monkeypatch.setenv("SMOLLM3_INJECT_FAILURE", "stage1")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        task.pretrain(run, mixture=mixture, out=out, log=lambda _: None)
+    assert json.loads((out / "spec.json").read_text())["mirror"]["pull"] is True
+    prefix = "run/pretrain/abcdef123456/checkpoints/"
+    on_s3 = sorted(k[len(prefix) :].split("/")[0] for k in _keys(client) if k.endswith("_CHECKPOINT.json"))
+    assert on_s3, "no checkpoint reached S3"
+    shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
+    (out / "metrics.jsonl").unlink()
+    # a pull killed midway leaves its partial folder: it is neither taken as a checkpoint nor
+    # mistaken for one that makes the pull unnecessary
+    leftover = out / "checkpoints" / f".{on_s3[-1]}.partial"
+    leftover.mkdir(parents=True)
+    (leftover / "model.distcp").write_bytes(b"half")
+    lines: list[str] = []
+    meta = task.pretrain(run, mixture=mixture, out=out, log=lines.append)
+
+    pulls = [json.loads(line) for line in (out / "mirror.jsonl").read_text().splitlines()]
+    pulls = [r for r in pulls if r["event"] == "pulled"]
+    assert [r["checkpoint"] for r in pulls] == [on_s3[-1]]
+    assert pulls[0]["pid"] != os.getpid()  # rank 0's process, not the step's
+    assert any(line.startswith(f"[mirror] pid {pulls[0]['pid']} pulled {on_s3[-1]} from s3://") for line in lines)
+    pulled_step = int(on_s3[-1][5:])
+    assert any("resumed from " in line and f"{on_s3[-1]} at step {pulled_step} " in line for line in lines)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == pulled_step + 1, "the rerun did not continue from the pulled checkpoint"
+    assert meta["resumed"] and meta["checkpoint"].endswith("step_00000040")
+    assert not leftover.exists()  # the pull replaced it with the complete folder
+
+
 def _keys(client) -> list[str]:
     resp = client.list_objects_v2(Bucket="ckpts")
     return [o["Key"] for o in resp.get("Contents", [])]
