@@ -377,3 +377,60 @@ def test_sft_stopped_by_a_signal_saves_that_step_and_the_resume_loses_none(world
     assert any(f"resuming from step_{saved:08d}" in line for line in lines)
     assert artifact.meta["resumed_from_step"] == saved
     assert_same_curve(losses(artifact), losses(world["sft1"]), rel=1e-5)  # each step once, as uninterrupted
+
+
+@pytest.mark.slow
+def test_on_a_cluster_launch_the_main_rank_pulls_the_checkpoint_and_the_step_moves_no_bytes(
+    world,
+    tmp_path,
+    s3,  # noqa: F811
+    monkeypatch,
+):
+    """A Slurm-kind APO run on 2 ranks (started here by the local launcher, as on a node) whose
+    checkpoints are lost after a kill, with a killed pull's leftover in their folder: the step
+    pulls nothing (the flow host moves no checkpoint bytes); the main rank pulls the newest
+    checkpoint in its own process while the other waits for it, and both resume from it, ending
+    on the uninterrupted losses."""
+    import trainers.posttrain.launch as launch
+    from infra.launchers import get_launcher
+    from infra.storage import S3Store
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("the flow process moved checkpoint bytes")
+
+    monkeypatch.setattr(S3Store, "upload_folder", not_here)
+    monkeypatch.setattr(S3Store, "download_folder", not_here)  # the ranks' processes are not patched
+    monkeypatch.setattr(launch, "pull_latest_checkpoint", not_here)
+    # no cluster here: the ranks start on this machine, as Slurm would start them on a node
+    monkeypatch.setattr(
+        launch, "get_launcher", lambda config: get_launcher(config.model_copy(update={"kind": "local"}))
+    )
+    endpoint, client = s3
+    storage = StorageConfig(s3_uri="s3://ckpts/run", endpoint_url=endpoint, keep_local=1, sync_every_s=0.2)
+    run = run_of(APO, procs=2, storage=storage)
+    run = run.model_copy(update={"launch": run.launch.model_copy(update={"kind": "slurm"})})
+    inputs = {"model": world["sft"], "data": world["data"]}
+    killer = Killer(tmp_path, "preference", mirrored=True)
+    killer.start()
+    with pytest.raises(LaunchFailed):
+        build("preference", run, inputs, tmp_path)
+    killer.join(timeout=5)
+    assert killer.killed_after is not None, "the trainer finished before it could be killed"
+    folder = next(p for p in (tmp_path / "preference").iterdir() if p.is_dir())
+    assert json.loads((folder / "spec.json").read_text())["mirror"]["pull"] is True
+    shutil.rmtree(folder / "checkpoints")  # a new machine: nothing local
+    name = f"step_{killer.killed_after:08d}"
+    leftover = folder / "checkpoints" / f".{name}.partial"  # a pull killed midway
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"half")
+    lines: list[str] = []
+    artifact = build("preference", run, inputs, tmp_path, lines.append)
+    rows = [json.loads(line) for line in (folder / "mirror.jsonl").read_text().splitlines()]
+    pulls = [r for r in rows if r["event"] == "pulled"]
+    assert [r["checkpoint"] for r in pulls] == [name]
+    assert pulls[0]["pid"] != os.getpid()  # the main rank's process, not the step's
+    assert any(f"[mirror] pid {pulls[0]['pid']} pulled {name} from s3://" in line for line in lines)
+    assert not any(": pulled step_" in line for line in lines)  # the step's own pull logs "TRAINER: pulled"
+    assert artifact.meta["resumed_from_step"] == killer.killed_after
+    assert not leftover.exists()
+    assert_same_curve(losses(artifact), losses(world["apo1"]), rel=1e-5)

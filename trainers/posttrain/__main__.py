@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from infra.guard import LeaseHeld, StageLease, protect_rank
@@ -52,8 +54,10 @@ def main(argv: list[str]) -> int:
         # TRL's unpublished checkpoint folders are what a killed attempt was writing: never used.
         for partial in (out / "trainer").glob("checkpoint-*"):
             shutil.rmtree(partial, ignore_errors=True)
-    uploader = start_uploader(spec, out) if is_main() else None
+    uploader = None
     try:
+        pull_mirror(spec, out)  # a cluster launch: its main rank brings a lost checkpoint back
+        uploader = start_uploader(spec, out) if is_main() else None
         module, fn, _ = TRAINERS[spec.trainer]
         train = getattr(importlib.import_module(module), fn)
         main_rank = is_main()
@@ -84,6 +88,36 @@ def main(argv: list[str]) -> int:
         if lease is not None:
             lease.release()
     return 0
+
+
+def pull_mirror(spec, out: Path, poll_s: float = 1.0) -> None:
+    """With `spec.mirror.pull` (a cluster launch): the main rank pulls the newest checkpoint that
+    verifies from the mirror into the shared `{out}/checkpoints` when that holds no complete one
+    (infra/storage.py `pull_for_resume`: a `.partial` folder renamed into place, its marker last),
+    then writes `{out}/.pulled`, which the step removed before the launch; the other ranks wait
+    for that file (no process group yet: the trainers' own launch makes it), at most the
+    collective timeout, so no rank looks for a checkpoint to resume before the pull ended. A
+    failing pull ends the main rank, and with it the launch. Nothing without it: the step pulled
+    before a local launch, or there is no mirror."""
+    if spec.mirror is None or not spec.mirror.pull:
+        return
+    from infra.files import write_atomic
+    from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
+    from infra.storage import MIRROR_RECORD, pull_for_resume
+    from trainers.posttrain.common import CHECKPOINTS, is_main
+    from trainers.posttrain.launch import PULLED
+
+    if is_main():
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        pull_for_resume(spec.mirror, out / CHECKPOINTS, record=out / MIRROR_RECORD, log=log)
+        write_atomic(out / PULLED, str(os.getpid()))
+        return
+    timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800"))
+    deadline = time.monotonic() + timeout
+    while not (out / PULLED).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the main rank's checkpoint pull into {out / CHECKPOINTS} did not end in {timeout:g} s")
+        time.sleep(poll_s)
 
 
 def start_uploader(spec, out: Path):

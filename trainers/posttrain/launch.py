@@ -14,7 +14,9 @@ pretraining stage gets, a post-training step gets the same way:
   (trainers/posttrain/common.py), and a rerun, Slurm requeue or pod restart resumes from the newest;
 - S3: with `storage.s3_uri`, the main rank uploads each checkpoint as it is published
   (`TrainerSpec.mirror`, infra/storage.py `CheckpointUploader`, with `storage.checkpoints`
-  retention), and this process pulls the newest back when the local copies are gone;
+  retention); when no complete local copy is left, the newest is pulled back by this process for
+  the local launcher, and by the main rank for a cluster launch (`MirrorTarget.pull`, so the flow
+  host moves no checkpoint bytes; trainers/posttrain/__main__.py `pull_mirror`);
 - failures: `LaunchFailed.cause` names the rank, its signal or exit code, the last logged step
   and the last checkpoint ("a retry resumes from step 4");
 - progress: the main rank prints `pipeline.step` progress marks, turned back into `progress()` here.
@@ -34,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, mod
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.pool import NODE, PoolRunner, PoolSpec
-from infra.storage import MirrorTarget, pull_latest_checkpoint
+from infra.storage import MirrorTarget, has_complete_checkpoint, pull_latest_checkpoint
 from model.spec import TrackerConfig
 from pipeline.child import progress_lines
 from trainers.posttrain import rollout, sections
@@ -42,6 +44,7 @@ from trainers.posttrain.sections import PosttrainSpec
 from trainers.tracker import tracker_dir
 
 SPEC, RESULT = "spec.json", "result.json"
+PULLED = ".pulled"  # written by a cluster launch's main rank when its pull is over (`pull_mirror`)
 
 # A post-training step retries like a pretraining stage: once, 30 s later, when its trainer was
 # killed by a signal or its node failed (pipeline.step.transient), resuming from its newest
@@ -171,17 +174,22 @@ def launch_trainer(
         tracker_dir=str(tracker_dir(out.parent.parent, run.tracker, out, trainer, flow_run)) if flow_run else "",
     )
     remote = s3_checkpoints(run, out)
+    config = launch_config(run)
+    # A cluster launch's main rank pulls a lost checkpoint itself (trainers/posttrain/__main__.py
+    # `pull_mirror`): the flow host moves no checkpoint bytes. The local launcher's ranks run here,
+    # so the step pulls before the launch.
+    cluster = config.kind != "local"
     if remote:
-        spec = spec.model_copy(update={"mirror": MirrorTarget(uri=remote, storage=run.storage)})
+        spec = spec.model_copy(update={"mirror": MirrorTarget(uri=remote, storage=run.storage, pull=cluster)})
     spec.save(out / SPEC)
     (out / RESULT).unlink(missing_ok=True)  # only this launch's result counts
+    (out / PULLED).unlink(missing_ok=True)  # the other ranks wait for this launch's pull
     ckpts = out / "checkpoints"
-    if remote and not (ckpts.is_dir() and any(ckpts.iterdir())):
-        # The local copy is gone (a new machine, a cleaned disk): resume from the mirror.
+    if remote and not cluster and not has_complete_checkpoint(ckpts):
+        # The local copy is gone (a new machine, a cleaned disk, a killed pull's leftovers): resume from the mirror.
         pulled = pull_latest_checkpoint(remote, ckpts, run.storage)
         if pulled is not None:
             log(f"{trainer}: pulled {pulled.name} from {remote}")
-    config = launch_config(run)
     log(f"{trainer}: {run.section.max_steps} steps of {run.section.batch} on {config.describe()}")
     line = progress_lines(log, progress)
 
