@@ -215,6 +215,8 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
     scripts = sorted((tmp_path / "slurm").glob("*/logs/*/launch_script.slurm"))
     stages = {f"{p.parts[-4]}/{p.parts[-2]}" for p in scripts}
     assert {"source/read", "source/finish", "curate/filter", "curate/final", "tokenize/tokenize"} <= stages
+    # the held-out index is built by the cluster's tasks too, not in the curate step's process
+    assert {"curate/index_shards", "curate/index_merge", "curate/index_finish"} <= stages
     assert all("srun" in p.read_text() and "--partition=debug" in p.read_text() for p in scripts)
     # and Slurm ran its tasks: an output file per array task (`slurm_logs/{job}_{task}.out`)
     assert all(list((p.parent / "slurm_logs").glob("*_*.out")) for p in scripts)
