@@ -43,7 +43,9 @@ SOURCE_TASK_GB = 0.1
 CURATE_CPU_S_PER_MB = 11.69
 # benchmarks/tokenize_step.py (docs/data.md, "Benchmarks"): the tokenize step, 260,583 tokens/s
 TOKENIZE_TOKENS_PER_CPU_S = 260_583
-TOKENIZE_TASK_GB = 1.0  # assumed, not measured: the tokenizer and a batch of documents per task
+# benchmarks/data_scale.py (docs/scale.md, its table): a tokenize task's peak projected to the
+# largest source's task at recipe scale (3,056,691 documents per task), 2026-12-04: 2.44 GB
+TOKENIZE_TASK_GB = 2.44
 GB = 1e9
 
 
