@@ -72,28 +72,13 @@ def s3(monkeypatch):
     yield from moto_s3.__wrapped__(monkeypatch)
 
 
-@pytest.mark.slow
-def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, monkeypatch):
-    """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
-    the newest complete checkpoint from S3 and continues from it instead of starting over. The
-    uploads happen in the trainer (rank 0's process), never in this one (the flow's), and the
-    bucket keeps what `storage.checkpoints` says: the newest one, step 20 and the stage's end."""
-    from infra.storage import CheckpointRetention, S3Store
+def small_stage_spec(steps: int):
+    """A stage of a 2-layer, 64-wide model: `steps` of 32 rows, a checkpoint every 10, WSD."""
     from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
-    from pipeline.artifact import Artifact
-    from tasks.pretrain import StageSpec, pretrain
-    from tests.infra.test_storage import cfg
-    from tests.model.conftest import write_two_source_plan
 
-    def no_upload_here(self, *args, **kwargs):
-        raise AssertionError("the flow process uploaded a checkpoint")
-
-    monkeypatch.setattr(S3Store, "upload_folder", no_upload_here)
-    endpoint, client = s3
-    plan = write_two_source_plan(tmp_path / "plan")
-    spec = TrainSpec(
+    return TrainSpec(
         stage="stage1",
-        steps=60,
+        steps=steps,
         global_batch=32,
         micro_batch=8,
         checkpoint_interval=10,
@@ -108,8 +93,29 @@ def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, mo
             "max_seq_len": 64,
         },
         optimizer=OptimizerConfig(lr=1e-3),
-        schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=60, start_step=0),
+        schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=steps, start_step=0),
     )
+
+
+@pytest.mark.slow
+def test_stage_mirrors_checkpoints_to_s3_and_resumes_from_there(tmp_path, s3, monkeypatch):
+    """A stage killed after its first checkpoint, its local checkpoints then lost: the rerun pulls
+    the newest complete checkpoint from S3 and continues from it instead of starting over. The
+    uploads happen in the trainer (rank 0's process), never in this one (the flow's), and the
+    bucket keeps what `storage.checkpoints` says: the newest one, step 20 and the stage's end."""
+    from infra.storage import CheckpointRetention, S3Store
+    from pipeline.artifact import Artifact
+    from tasks.pretrain import StageSpec, pretrain
+    from tests.infra.test_storage import cfg
+    from tests.model.conftest import write_two_source_plan
+
+    def no_upload_here(self, *args, **kwargs):
+        raise AssertionError("the flow process uploaded a checkpoint")
+
+    monkeypatch.setattr(S3Store, "upload_folder", no_upload_here)
+    endpoint, client = s3
+    plan = write_two_source_plan(tmp_path / "plan")
+    spec = small_stage_spec(steps=60)
     storage = cfg(endpoint, "s3://ckpts/run", checkpoints=CheckpointRetention(keep_last=1, milestones=[20]))
     run = StageSpec(spec=spec, storage=storage)
     mixture = Artifact(kind="mixture", uri=str(plan.parent), fingerprint="m" * 64, meta={})
@@ -148,7 +154,6 @@ def test_on_a_cluster_launch_rank_0_pulls_the_checkpoint_and_the_step_moves_no_b
     import tasks.pretrain as task
     from infra.launchers import get_launcher
     from infra.storage import S3Store
-    from model.spec import OptimizerConfig, ScheduleSpec, TrainSpec
     from pipeline.artifact import Artifact
     from tests.infra.test_storage import cfg
     from tests.model.conftest import write_two_source_plan
@@ -164,25 +169,7 @@ def test_on_a_cluster_launch_rank_0_pulls_the_checkpoint_and_the_step_moves_no_b
     monkeypatch.setattr(task, "adopt_excluded", lambda *args: None)
     endpoint, client = s3
     plan = write_two_source_plan(tmp_path / "plan")
-    spec = TrainSpec(
-        stage="stage1",
-        steps=40,
-        global_batch=32,
-        micro_batch=8,
-        checkpoint_interval=10,
-        keep_last=2,
-        model_preset="tiny",
-        model_overrides={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "max_seq_len": 64,
-        },
-        optimizer=OptimizerConfig(lr=1e-3),
-        schedule=ScheduleSpec(kind="wsd", decay_fraction=0.2, total_steps=40, start_step=0),
-    )
+    spec = small_stage_spec(steps=40)
     run = task.StageSpec(
         spec=spec, storage=cfg(endpoint, "s3://ckpts/run"), launch={"kind": "slurm"}, nproc_per_node=2, threads=1
     )
