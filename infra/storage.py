@@ -46,7 +46,12 @@ What a 384-GPU run needs from object storage, and how this module provides it:
   is skipped (with a warning naming the files) for the next older one. On a cluster launch the
   trainer's rank 0 calls it (`pull_for_resume`, `MirrorTarget.pull`) into the shared checkpoints
   folder while the other ranks wait, so the flow host moves no checkpoint bytes; on the local
-  launcher the step calls it before the launch.
+  launcher the step calls it before the launch. A download that fails on S3 or the network
+  (throttling, a lost connection, after its retries) is raised as it is, transient
+  (pipeline/step.py `transient`), not taken for damage: a retry of the step pulls again.
+- `wait_for_pull`: how the other ranks wait for rank 0's pull, for as long as its bytes keep
+  arriving (`pull_progress`), not for a fixed timeout: 36.9 GB at 20 MB/s is 31 minutes, longer
+  than the 30-minute collective timeout.
 
 Credentials come only from boto3's standard chain (environment, shared config/credentials files,
 SSO, instance or pod roles); `endpoint_url` points at S3-compatible stores (MinIO, Ceph, R2). Nothing
@@ -1297,6 +1302,10 @@ def pull_latest_checkpoint(
         try:
             mirror.store.download_folder(name, dest, marker)
         except StorageError as exc:
+            from pipeline.step import transient
+
+            if transient(exc):  # S3 or the network failed, not the checkpoint: no older one is better
+                raise
             failures.append(f"{name}: {exc}")
             log.warning("remote checkpoint %s/%s is damaged (%s); trying an older one", s3_prefix, name, exc)
             continue
@@ -1354,6 +1363,55 @@ def pull_for_resume(
     return pulled
 
 
+PULLED = ".pulled"  # in a stage's folder: written by a cluster launch's main rank when its pull ended
+
+
+def pull_progress(local_dir: str | Path) -> tuple[int, int]:
+    """(files, bytes) in `local_dir`'s checkpoint folders, the pulls in progress
+    (`.step_*.partial`) included: what grows while a pull downloads."""
+    files = size = 0
+    root = Path(local_dir)
+    if not root.is_dir():
+        return 0, 0
+    for folder in root.iterdir():
+        if not folder.is_dir() or not (folder.name.startswith("step_") or folder.name.endswith(".partial")):
+            continue
+        for path in folder.rglob("*"):
+            try:
+                size += path.stat().st_size
+                files += 1
+            except OSError:
+                continue  # renamed or removed while listed: the next poll sees where it went
+    return files, size
+
+
+def wait_for_pull(
+    done: Path,
+    local_dir: str | Path,
+    *,
+    stall_s: float,
+    poll_s: float = 1.0,
+    on_progress: Callable[[], None] | None = None,
+) -> None:
+    """Return once `done` exists (the main rank wrote it when its pull ended). A pull may take as
+    long as it moves bytes: each poll that finds `local_dir` grown (`pull_progress`) restarts the
+    clock and calls `on_progress` (a rank's watchdog); `TimeoutError` after `stall_s` seconds in
+    which nothing arrived. A main rank that dies ends the launch, and this rank with it."""
+    last, since = pull_progress(local_dir), time.monotonic()
+    while not Path(done).exists():
+        now = pull_progress(local_dir)
+        if now != last:
+            last, since = now, time.monotonic()
+            if on_progress is not None:
+                on_progress()
+        elif time.monotonic() - since > stall_s:
+            raise TimeoutError(
+                f"the main rank's checkpoint pull into {local_dir} moved no byte in {stall_s:g} s "
+                f"(it has {last[0]} files, {last[1] / 1e6:.1f} MB there); {done} was never written"
+            )
+        time.sleep(poll_s)
+
+
 def describe(config: StorageConfig) -> dict[str, Any]:
     """Facts about the storage setup for lineage and logs: never credentials."""
     return {
@@ -1381,7 +1439,10 @@ __all__: Sequence[str] = (
     "fetch_artifact",
     "has_complete_checkpoint",
     "mirror_artifact",
+    "PULLED",
     "pull_for_resume",
     "pull_latest_checkpoint",
+    "pull_progress",
     "split_s3_uri",
+    "wait_for_pull",
 )

@@ -71,6 +71,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -86,7 +87,7 @@ from infra.files import write_atomic
 from infra.guard import LeaseHeld, StageLease, protect_rank
 from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
-from infra.storage import MIRROR_RECORD, CheckpointUploader, pull_for_resume
+from infra.storage import MIRROR_RECORD, PULLED, CheckpointUploader, pull_for_resume
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
@@ -107,7 +108,7 @@ from trainers.callbacks import (
     TrackerCallback,
     WatchdogCallback,
 )
-from trainers.rank_signals import EXIT_STOPPED, StopRequested, StopSignals
+from trainers.rank_signals import EXIT_STOPPED, EXIT_TRANSIENT, StopRequested, StopSignals, TransientFailure
 from trainers.watchdog import Watchdog
 
 log = logging.getLogger("trainers.pretrain")
@@ -719,7 +720,7 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         spec.save(out_dir / "spec.resolved.json")
-    pull_mirror(spec, rt)  # a cluster launch: rank 0 brings the newest checkpoint from S3, the others wait
+    pull_mirror(spec, rt, watchdog)  # a cluster launch: rank 0 brings the newest checkpoint from S3, the others wait
     st = build_stage(spec, rt)
     start = resume(st)
     step, schedule_start = start.step, start.schedule_start
@@ -787,22 +788,64 @@ def _train(spec: TrainSpec, rt: Runtime, stop: StopSignals | None = None) -> dic
     return finish(st, start, step, loss_value, saves.last, report, spikes.skipped, rollback.skips.windows)
 
 
-def pull_mirror(spec: TrainSpec, rt: Runtime) -> None:
+def pull_mirror(spec: TrainSpec, rt: Runtime, watchdog: Watchdog | None = None) -> None:
     """With `spec.mirror.pull` (a cluster launch): rank 0 pulls the newest checkpoint that verifies
     from the mirror into the shared `{out_dir}/checkpoints` when that holds no complete one
     (infra/storage.py `pull_for_resume`: downloaded into a `.partial` folder renamed into place
-    with its marker last, checked against the trainer's digests), then every rank passes a barrier,
-    so no rank lists the checkpoints before the pull ended. A failing pull ends rank 0, and with it
-    the launch; the others wait at most the collective timeout. Nothing without it: the step pulled
-    before the launch (the local launcher), or there is no mirror."""
+    with its marker last, checked against the trainer's digests), then writes `{out_dir}/.pulled`,
+    which the step removed before the launch. The other ranks wait for that file, not at a
+    collective, so the pull may outlast the collective timeout: every rank's watchdog is in its
+    `pull` phase, whose clock restarts whenever bytes arrive (`wait_for_pull`), so only a pull
+    that stalls for the startup bound ends the launch. Then a barrier. A pull that fails on S3
+    or the network raises `TransientFailure` (exit 6, retried by the step); any other failure ends
+    rank 0 as an error, and with it the launch. Nothing without it: the step pulled before the
+    launch (the local launcher), or there is no mirror."""
     if spec.mirror is None or not spec.mirror.pull:
         return
+    from infra.storage import pull_progress, wait_for_pull
+    from pipeline.step import transient
+
+    out_dir, checkpoints = Path(spec.out_dir), Path(spec.out_dir) / "checkpoints"
+    advanced = watchdog.advanced if watchdog is not None else None
+    if watchdog is not None:
+        watchdog.begin_phase("pull")
     if rt.rank == 0:
-        pull_for_resume(
-            spec.mirror, Path(spec.out_dir) / "checkpoints", record=Path(spec.out_dir) / MIRROR_RECORD, log=log.info
-        )
+        done = threading.Event()
+
+        def watch() -> None:  # rank 0's own watchdog sees its pull's bytes arrive
+            last = pull_progress(checkpoints)
+            while not done.wait(1.0):
+                now = pull_progress(checkpoints)
+                if now != last and advanced is not None:
+                    advanced()
+                last = now
+
+        watcher = threading.Thread(target=watch, name="pull-progress", daemon=True)
+        watcher.start()
+        try:
+            pull_for_resume(spec.mirror, checkpoints, record=out_dir / MIRROR_RECORD, log=log.info)
+        except Exception as exc:
+            if transient(exc):
+                raise TransientFailure(
+                    f"checkpoint pull from {spec.mirror.uri} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+        finally:
+            done.set()
+            watcher.join()
+        write_atomic(out_dir / PULLED, str(os.getpid()))
+    else:
+        # the watchdog ends a stalled wait first (a hang, named); without one, the collective timeout
+        collective = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800"))
+        stall = 2 * spec.watchdog.startup_s if spec.watchdog.enabled else collective
+        try:
+            wait_for_pull(out_dir / PULLED, checkpoints, stall_s=stall, on_progress=advanced)
+        except TimeoutError as exc:
+            raise TransientFailure(str(exc)) from exc
     if dist.is_initialized():
         dist.barrier()
+    if watchdog is not None:
+        watchdog.end_phase()
 
 
 def start_uploader(st: Stage, schedule_start: int) -> CheckpointUploader | None:
@@ -951,6 +994,9 @@ def main(argv: list[str] | None = None) -> int:
     except LeaseHeld as err:
         print(f"error: LeaseHeld: {err}", file=sys.stderr)
         return EXIT_LEASE_HELD
+    except TransientFailure as err:  # S3 or the network: the step's retry runs the launch again
+        print(f"error: TransientFailure: {err}", file=sys.stderr)
+        return EXIT_TRANSIENT
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
     return 0

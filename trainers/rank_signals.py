@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from types import FrameType
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal with a checkpoint of the step it stopped at
+EXIT_TRANSIENT = 6  # failed on S3 or the network (a rank's checkpoint pull): a retry runs again
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -46,6 +47,12 @@ class StopRequested(Exception):
             f"stopped on {signal_name} after step {step}: checkpoint {checkpoint} saved with its digests; "
             f"a restart resumes at step {step}"
         )
+
+
+class TransientFailure(RuntimeError):
+    """A rank's work failed on something outside its code and data (S3 throttling, a lost
+    connection: pipeline/step.py `transient`): the trainer exits `EXIT_TRANSIENT`, which the
+    launcher reports as such (infra/launchers/base.py), so the step's retry runs it again."""
 
 
 class StopSignals:

@@ -52,6 +52,7 @@ from infra.files import write_atomic
 from infra.guard import start_time
 from infra.launchers.base import HANG_DIR, LaunchFailed, describe_hang, hang_reports
 from infra.proc import kill_tree
+from infra.storage import PULLED
 from model.spec import TrainSpec, WatchdogConfig
 from pipeline.workspace import Workspace
 from trainers.watchdog import ENDED, HEARTBEAT_DIR, STACK_SIGNAL, STALL_S, frozen_ranks
@@ -63,9 +64,11 @@ EventFn = Callable[[dict[str, Any]], None]
 
 
 def reset_launch_files(out_dir: Path) -> None:
-    """Before a launch: no hang report or heartbeat of an earlier launch survives."""
+    """Before a launch: no hang report, heartbeat or finished pull (trainers/pretrain.py
+    `pull_mirror`: its ranks wait for this launch's) of an earlier launch survives."""
     for sub in (HANG_DIR, HEARTBEAT_DIR):
         shutil.rmtree(Path(out_dir) / sub, ignore_errors=True)
+    (Path(out_dir) / PULLED).unlink(missing_ok=True)
 
 
 def heartbeats(out_dir: Path) -> list[dict[str, Any]]:

@@ -9,6 +9,8 @@ launch when that is longer ago than the bound:
             startup_s                                                  before the first step
             checkpoint_s                                               while a checkpoint is saved,
                                                                        and after the last step
+            startup_s since the last bytes arrived                     while a checkpoint is pulled
+                                                                       (`advanced`, trainers/pretrain.py)
 
 When it fires it writes the rank's hang report (`{out_dir}/monitor/hang/rank{N}.json`, read by the
 launcher's failure facts, infra/launchers/base.py), prints every thread's Python stack to stderr
@@ -62,6 +64,8 @@ STALL_S = 1.0  # a watchdog thread waking this much later than it asked: its pro
 
 def bound_for(config: WatchdogConfig, phase: str, step_times: list[float]) -> tuple[float, str]:
     """(seconds a rank may go without a completed step, how that was decided) in `phase`."""
+    if phase == "pull":  # a checkpoint pull: the clock restarts whenever bytes arrive (`advanced`)
+        return config.startup_s, "startup bound, counted from the pull's last progress"
     if phase == "startup" or not step_times:
         return config.startup_s, "startup bound"
     if phase in ("checkpoint", "ending"):  # a save, or the last save's wait and the stage's result
@@ -147,6 +151,13 @@ class Watchdog:
         """Work with a bound of its own (`checkpoint`) begins; `end_phase` when it is done."""
         with self._lock:
             self._phase = name
+            self._since, self._since_wall, self._stalled = time.monotonic(), time.time(), 0.0
+        self._arm_backstop()
+
+    def advanced(self) -> None:
+        """Work in the current phase made progress (a pull's bytes arrived): the clock restarts,
+        so a long phase is bounded by its stalls, not by its length."""
+        with self._lock:
             self._since, self._since_wall, self._stalled = time.monotonic(), time.time(), 0.0
         self._arm_backstop()
 

@@ -62,10 +62,12 @@ OnStart = Callable[[int], object] | None
 
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
 EXIT_STOPPED = 75  # trainers/rank_signals.py: stopped on a signal, the step it stopped at saved
+EXIT_TRANSIENT = 6  # trainers/rank_signals.py: failed on S3 or the network (its checkpoint pull)
 EXIT_CODES = {
     3: "stopped on a non-finite loss, gradient or weights",
     4: "refused to start: another trainer holds the stage folder",
     5: "ended by its hang watchdog",
+    EXIT_TRANSIENT: "failed on S3 or the network, not on its code or data",
     EXIT_STOPPED: "stopped on a signal (time limit, preemption, eviction) after saving a checkpoint",
 }  # trainers/pretrain.py, trainers/watchdog.py, trainers/rank_signals.py
 
@@ -146,9 +148,9 @@ class FailureFacts:
     @property
     def external(self) -> bool:
         """The job ended for a reason outside the trainer's code and data: a stop signal it
-        checkpointed on, a lost peer (a dead node, a failed network), or a node the scheduler says
-        the job lost. A retry resumes."""
-        return self.exitcode == EXIT_STOPPED or self.lost is not None or self.node_lost is not None
+        checkpointed on, S3 or the network failing under a rank (EXIT_TRANSIENT), a lost peer (a
+        dead node, a failed network), or a node the scheduler says the job lost. A retry resumes."""
+        return self.exitcode in (EXIT_STOPPED, EXIT_TRANSIENT) or self.lost is not None or self.node_lost is not None
 
     def cause(self) -> str:
         """One sentence: who died how, where, and what a retry does."""

@@ -488,3 +488,65 @@ def test_a_checkpoint_corrupted_on_disk_is_never_uploaded_nor_pruned(s3, tmp_pat
     assert not any(k.startswith("c/step_00000001/") for k in keys(client, "c/"))
     assert (root / "step_00000001").exists()  # not "verified on S3", so not deleted locally
     assert report.verified == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+def test_a_pull_that_fails_on_the_network_is_transient_not_a_damaged_checkpoint(s3, tmp_path, caplog):
+    """The newest checkpoint's download loses its connection on every try: the pull raises that
+    failure (transient: the step's retry pulls again) instead of calling the checkpoint damaged
+    and falling back to an older one, and leaves no half folder."""
+    from pipeline.step import transient
+
+    endpoint, _ = s3
+    root = tmp_path / "run" / "checkpoints"
+    fake_checkpoint(root, 7)
+    fake_checkpoint(root, 8)
+    mirror = CheckpointMirror("s3://ckpts/p", keep_local=2, config=cfg(endpoint))
+    mirror.sync(root)
+
+    def lost(params, model, **_):
+        if "step_00000008" in params.get("Key", ""):
+            raise ConnectionError("injected: connection reset by peer")
+
+    pulled = CheckpointMirror("s3://ckpts/p", config=cfg(endpoint, attempts=2))
+    pulled.store.client.meta.events.register("before-parameter-build.s3.GetObject", lost)
+    local = tmp_path / "node" / "checkpoints"
+    with caplog.at_level(logging.WARNING, logger="infra.storage"), pytest.raises(StorageError) as err:
+        pull_latest_checkpoint("s3://ckpts/p", local, cfg(endpoint, attempts=2), client=pulled.store.client)
+    assert transient(err.value), err.value
+    assert "injected: connection reset by peer" in str(err.value)
+    assert "is damaged" not in caplog.text  # not taken for damage: no older checkpoint was pulled
+    assert not local.exists() or list(local.iterdir()) == []
+
+
+def test_wait_for_pull_waits_while_bytes_arrive_and_stops_at_a_stall(tmp_path):
+    """`wait_for_pull` outlasts its stall bound while the pull's partial folder grows, calling
+    `on_progress` as it does, and raises naming the folder once nothing arrives for the bound."""
+    import threading
+    import time
+
+    from infra.storage import pull_progress, wait_for_pull
+
+    partial = tmp_path / "checkpoints" / ".step_00000003.partial"
+    partial.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "unrelated.txt").write_text("not a checkpoint")
+    assert pull_progress(tmp_path / "checkpoints") == (0, 0)
+    seen: list[float] = []
+
+    def pull() -> None:
+        for i in range(25):
+            (partial / f"shard{i}").write_bytes(b"y" * 100)
+            time.sleep(0.1)
+        (tmp_path / ".pulled").write_text("1")
+
+    writer = threading.Thread(target=pull)
+    started = time.monotonic()
+    writer.start()
+    wait_for_pull(
+        tmp_path / ".pulled", tmp_path / "checkpoints", stall_s=1.0, poll_s=0.05, on_progress=lambda: seen.append(1)
+    )
+    writer.join()
+    assert time.monotonic() - started >= 2.4 and len(seen) >= 10
+    assert pull_progress(tmp_path / "checkpoints") == (25, 2500)
+
+    with pytest.raises(TimeoutError, match=r"moved no byte in 0.5 s \(it has 25 files"):
+        wait_for_pull(tmp_path / "never", tmp_path / "checkpoints", stall_s=0.5, poll_s=0.05)

@@ -662,3 +662,67 @@ def test_launched_directly_the_trainer_refuses_a_stage_over_its_memory(plan_path
     assert f"activation checkpointing {'full' if mode == 'auto' else 'none'} on" in proc.stderr
     assert "no single change of checkpointing, micro-batch or tp fits" in proc.stderr
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_pull_failing_on_the_network_exits_6_which_the_step_retries(plan_path, tmp_path):
+    """A cluster launch's rank 0 whose checkpoint pull cannot reach S3 (nothing listens on the
+    endpoint) exits 6, naming the failure; the launcher reads exit 6 as external, so the step's
+    retry runs the stage again instead of failing it as a code error."""
+    from infra.launchers.base import EXIT_TRANSIENT, FailureFacts, LaunchFailed
+    from pipeline.step import transient
+    from trainers.rank_signals import EXIT_TRANSIENT as TRAINER_EXIT_TRANSIENT
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    storage = {"s3_uri": "s3://ckpts/run", "endpoint_url": f"http://127.0.0.1:{port}", "attempts": 1}
+    mirror = {"uri": "s3://ckpts/run/pretrain/x/checkpoints", "storage": storage, "pull": True}
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "s.json", plan_path, out, mirror=mirror)
+    # credentials are there (a missing one is a config error, not transient); the network is not
+    env = _env() | {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    cmd = [sys.executable, "-m", "trainers.pretrain", str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == EXIT_TRANSIENT == TRAINER_EXIT_TRANSIENT, proc.stderr[-2000:]
+    assert "error: TransientFailure: checkpoint pull from s3://ckpts/run/pretrain/x/checkpoints failed" in proc.stderr
+    assert not (out / ".pulled").exists()  # the waiting ranks would not pass
+    facts = FailureFacts(rank=0, exitcode=proc.returncode, error="TransientFailure: checkpoint pull failed")
+    assert facts.external and transient(LaunchFailed("stage1", facts=facts))
+    assert "rank 0 failed on S3 or the network" in facts.cause()
+    assert not transient(LaunchFailed("stage1", facts=FailureFacts(rank=0, exitcode=1, error="ValueError: x")))
+
+
+def test_a_waiting_rank_outlasts_a_slow_pull_and_stops_at_a_stalled_one(tmp_path):
+    """Rank 1 of a cluster launch waits for rank 0's pull for as long as bytes arrive, longer than
+    its stall bound in all (here 1 s: twice the watchdog's 0.5 s startup bound), and fails as
+    transient once nothing arrives for that long."""
+    import threading
+    from types import SimpleNamespace
+
+    from infra.storage import MirrorTarget, StorageConfig
+    from model.spec import TrainSpec, WatchdogConfig
+    from trainers.pretrain import pull_mirror
+    from trainers.rank_signals import TransientFailure
+
+    mirror = MirrorTarget(uri="s3://ckpts/x", storage=StorageConfig(s3_uri="s3://ckpts"), pull=True)
+    spec = TrainSpec(steps=1, out_dir=str(tmp_path), mirror=mirror, watchdog=WatchdogConfig(startup_s=0.5))
+    partial = tmp_path / "checkpoints" / ".step_00000010.partial"
+    partial.mkdir(parents=True)
+
+    def slow_pull() -> None:  # 3 s in all, a chunk every 0.1 s, then the marker
+        for _ in range(30):
+            with open(partial / "model.distcp", "ab") as fh:
+                fh.write(b"x" * 1000)
+            time.sleep(0.1)
+        (tmp_path / ".pulled").write_text("1")
+
+    writer = threading.Thread(target=slow_pull)
+    started = time.monotonic()
+    writer.start()
+    pull_mirror(spec, SimpleNamespace(rank=1))
+    writer.join()
+    assert time.monotonic() - started >= 2.9  # it waited for the whole pull, past its 1 s stall bound
+
+    (tmp_path / ".pulled").unlink()  # the next launch's pull, which stalls
+    with pytest.raises(TransientFailure, match=r"moved no byte in 1 s \(it has 1 files, 0.0 MB there\)"):
+        pull_mirror(spec, SimpleNamespace(rank=1))

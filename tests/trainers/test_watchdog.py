@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from infra.launchers.base import describe_hang
 from model.spec import WatchdogConfig
-from trainers.watchdog import HEARTBEAT_DIR, Watchdog, frozen_ranks
+from trainers.watchdog import EXIT_HUNG, HEARTBEAT_DIR, Watchdog, frozen_ranks
 
 
 def _beat(out, rank: int, age_s: float, now: float) -> None:
@@ -104,3 +106,41 @@ def test_a_rank_paused_whole_from_outside_does_not_count_the_pause_as_a_hang(tmp
     child.send_signal(signal.SIGCONT)
     assert child.wait(timeout=60) == 0
     assert not (tmp_path / "monitor" / "hang").exists()
+
+
+PULL_CHILD = """
+import sys, time
+from pathlib import Path
+from model.spec import WatchdogConfig
+from trainers.watchdog import Watchdog
+config = WatchdogConfig(heartbeat_s=0.1, startup_s=1.0, grace_s=2.0)
+watchdog = Watchdog(config, Path(sys.argv[1]), 0, "stage1").start()
+watchdog.begin_phase("pull")
+for _ in range(15):  # a 3 s pull; bytes arrive every 0.2 s, or never
+    time.sleep(0.2)
+    if sys.argv[2] == "progress":
+        watchdog.advanced()
+watchdog.end_phase()
+watchdog.stop()
+"""
+
+
+@pytest.mark.parametrize("pull", ["progress", "stalled"])
+def test_a_checkpoint_pull_is_bounded_by_its_stalls_not_its_length(tmp_path, pull):
+    """A rank's 3 s pull under a 1 s startup bound: while bytes arrive (`advanced`) the watchdog
+    stays silent and the rank ends normally; a pull where nothing arrives is ended as hung at
+    the bound, its report naming the pull phase."""
+    child = subprocess.run(
+        [sys.executable, "-c", PULL_CHILD, str(tmp_path), pull],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    if pull == "progress":
+        assert child.returncode == 0, child.stderr[-2000:]
+        assert not (tmp_path / "monitor" / "hang").exists()
+    else:
+        assert child.returncode == EXIT_HUNG, child.stderr[-2000:]
+        report = json.loads((tmp_path / "monitor" / "hang" / "rank0.json").read_text())
+        assert report["phase"] == "pull" and "pull's last progress" in report["why"]

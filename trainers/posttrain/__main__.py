@@ -23,11 +23,10 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from infra.guard import LeaseHeld, StageLease, protect_rank
-from trainers.rank_signals import EXIT_STOPPED, StopRequested
+from trainers.rank_signals import EXIT_STOPPED, EXIT_TRANSIENT, StopRequested, TransientFailure
 
 EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as trainers/pretrain.py
 
@@ -81,6 +80,9 @@ def main(argv: list[str]) -> int:
         if is_main():
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_STOPPED
+    except TransientFailure as err:  # S3 or the network: the step's retry launches again
+        print(f"error: TransientFailure: {err}", file=sys.stderr, flush=True)
+        return EXIT_TRANSIENT
     finally:
         if uploader is not None:
             uploader.abandon()  # a failing or stopping rank does not wait for S3 (no-op once closed)
@@ -95,29 +97,37 @@ def pull_mirror(spec, out: Path, poll_s: float = 1.0) -> None:
     verifies from the mirror into the shared `{out}/checkpoints` when that holds no complete one
     (infra/storage.py `pull_for_resume`: a `.partial` folder renamed into place, its marker last),
     then writes `{out}/.pulled`, which the step removed before the launch; the other ranks wait
-    for that file (no process group yet: the trainers' own launch makes it), at most the
-    collective timeout, so no rank looks for a checkpoint to resume before the pull ended. A
-    failing pull ends the main rank, and with it the launch. Nothing without it: the step pulled
-    before a local launch, or there is no mirror."""
+    for that file (no process group yet: the trainers' own launch makes it) for as long as the
+    pull's bytes keep arriving (`wait_for_pull`: a stall of the collective timeout ends the wait),
+    so no rank looks for a checkpoint to resume before the pull ended. A pull that fails on S3
+    or the network, or stalls, raises `TransientFailure` (exit 6, retried by the step); any
+    other failure ends the main rank, and with it the launch. Nothing without it: the step
+    pulled before a local launch, or there is no mirror."""
     if spec.mirror is None or not spec.mirror.pull:
         return
     from infra.files import write_atomic
     from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
-    from infra.storage import MIRROR_RECORD, pull_for_resume
+    from infra.storage import MIRROR_RECORD, PULLED, pull_for_resume, wait_for_pull
+    from pipeline.step import transient
     from trainers.posttrain.common import CHECKPOINTS, is_main
-    from trainers.posttrain.launch import PULLED
 
     if is_main():
         log = lambda line: print(line, flush=True)  # noqa: E731
-        pull_for_resume(spec.mirror, out / CHECKPOINTS, record=out / MIRROR_RECORD, log=log)
+        try:
+            pull_for_resume(spec.mirror, out / CHECKPOINTS, record=out / MIRROR_RECORD, log=log)
+        except Exception as exc:
+            if transient(exc):
+                raise TransientFailure(
+                    f"checkpoint pull from {spec.mirror.uri} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
         write_atomic(out / PULLED, str(os.getpid()))
         return
-    timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800"))
-    deadline = time.monotonic() + timeout
-    while not (out / PULLED).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the main rank's checkpoint pull into {out / CHECKPOINTS} did not end in {timeout:g} s")
-        time.sleep(poll_s)
+    stall = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800"))
+    try:
+        wait_for_pull(out / PULLED, out / CHECKPOINTS, stall_s=stall, poll_s=poll_s)
+    except TimeoutError as exc:
+        raise TransientFailure(str(exc)) from exc
 
 
 def start_uploader(spec, out: Path):

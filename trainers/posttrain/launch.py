@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, mod
 from infra.files import write_atomic
 from infra.launchers import LaunchConfig, get_launcher
 from infra.launchers.pool import NODE, PoolRunner, PoolSpec
-from infra.storage import MirrorTarget, has_complete_checkpoint, pull_latest_checkpoint
+from infra.storage import PULLED, MirrorTarget, has_complete_checkpoint, pull_latest_checkpoint
 from model.spec import TrackerConfig
 from pipeline.child import progress_lines
 from trainers.posttrain import rollout, sections
@@ -44,7 +44,6 @@ from trainers.posttrain.sections import PosttrainSpec
 from trainers.tracker import tracker_dir
 
 SPEC, RESULT = "spec.json", "result.json"
-PULLED = ".pulled"  # written by a cluster launch's main rank when its pull is over (`pull_mirror`)
 
 # A post-training step retries like a pretraining stage: once, 30 s later, when its trainer was
 # killed by a signal or its node failed (pipeline.step.transient), resuming from its newest
