@@ -124,15 +124,27 @@ def _same_meta(a: dict, b: dict) -> None:
 
 def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
     """The source (unless `raw` is given), curate and tokenize steps of the subset with the
-    executor settings `executor` (curation's and tokenization's), each in its own folder."""
+    executor settings `executor` (curation's and tokenization's), each in its own folder; and
+    the ingestion of an uncapped `files:` source (`ingest`: three files with duplicate ids across
+    them and bad records, tests/tasks/test_sources.py) by 3 read tasks and 3 id buckets, the
+    stages a capped source skips."""
     from pipeline.artifact import Artifact
     from tasks.sources import SourceSpec, source
     from tasks.tokenize import TokenizeSpec, tokenize
+    from tests.tasks.test_sources import _three_files
 
     recipe, src = _tiny_code_source()
     quiet = lambda _: None  # noqa: E731
     curation = recipe.curation.model_copy(update={"tasks": 2, **executor})
     out = {}
+    (root / "files").mkdir(parents=True)
+    files = src.model_copy(
+        update={"name": "files", "uri": _three_files(root / "files"), "domain": "web", "id_field": "id"}
+        | {"held_out_fraction": 0.0, "max_document_chars": 1000, "max_documents": None}
+    )
+    spec = SourceSpec.of(files, recipe.seed, None, curation.model_copy(update={"tasks": 3}))
+    assert spec.read_tasks == 3
+    out["ingest"] = source(spec, out=root / "ingest", log=quiet)
     if raw is None:
         spec = SourceSpec.of(src, recipe.seed, recipe.curation.heldout.max_docs, curation)
         out["source"] = source(spec, out=root / "source", log=quiet)
@@ -168,6 +180,10 @@ def _assert_same_output(local: Path, other: Path, local_meta: dict, other_meta: 
         _same_meta(local_meta[step], other_meta[step])
     shards = sorted(p.name for p in (other / "tokenize").glob("*.ds"))
     assert len(shards) == 2 and other_meta["tokenize"]["documents"] > 100  # 2 token shards, the corpus in them
+    # the copies of ids x1 and x4 in later files found by the id buckets, every bad record counted
+    ingest = other_meta["ingest"]
+    assert ingest["read_tasks"] == 3 and ingest["documents"] == 5
+    assert ingest["rejected"] == {"empty": 1, "too_large": 1, "malformed_json": 3, "duplicate_id": 2}
 
 
 def _queued_jobs() -> set[str]:
@@ -193,7 +209,7 @@ def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
 @pytest.mark.xdist_group("slurm")
 def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):
     """The source, curate and tokenize steps of a subset of tiny (its `code` source, 200
-    documents) as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
+    documents), and an uncapped `files:` source's read, id and finish stages, as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
     (gzip contents), the same token shards byte for byte, the same counts and the same config
     identity (fingerprint) as on the local executor. No venv_path: the jobs find datatrove's
     launcher and this checkout through the script's PATH and PYTHONPATH lines."""
@@ -215,6 +231,7 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
     scripts = sorted((tmp_path / "slurm").glob("*/logs/*/launch_script.slurm"))
     stages = {f"{p.parts[-4]}/{p.parts[-2]}" for p in scripts}
     assert {"source/read", "source/finish", "curate/filter", "curate/final", "tokenize/tokenize"} <= stages
+    assert {"ingest/read", "ingest/ids", "ingest/finish"} <= stages  # an uncapped source's three stages
     # the held-out index is built by the cluster's tasks too, not in the curate step's process
     assert {"curate/index_shards", "curate/index_merge", "curate/index_finish"} <= stages
     assert all("srun" in p.read_text() and "--partition=debug" in p.read_text() for p in scripts)
@@ -282,8 +299,8 @@ def ray_head():
 
 @pytest.mark.slow
 def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output(ray_head, tmp_path):
-    """The curate and tokenize steps of the same subset of tiny on a Ray head that requires a
-    token: refused without `ray.auth: token` (Ray turns token mode on by itself only for a cluster
+    """The ingestion of an uncapped `files:` source (read, id buckets, finish) and the curate and
+    tokenize steps of the same subset of tiny on a Ray head that requires a token: refused without `ray.auth: token` (Ray turns token mode on by itself only for a cluster
     it finds on this machine), and with it the same output as the local executor, computed on that
     head (the step's driver is in the head's logs: it did not start a Ray of its own)."""
     import os
