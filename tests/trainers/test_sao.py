@@ -448,12 +448,12 @@ def test_the_vllm_engine_refused_with_the_field_the_extra_and_the_import_s_own_e
     assert rollout.resolve_engine("auto") == "transformers"  # never imported without a GPU
 
 
-def _segfault_each_start(folder: Path, killed: list[int], stop: threading.Event) -> None:
+def _segfault_each_start(folder: Path, killed: list[int], stop: threading.Event, record=rollout.WORKERS_FILE) -> None:
     """SIGSEGV every start of rollout worker 0 once it has said it started (its fault handler is
     armed then): the worker's log names the pid of the life it holds."""
     while not stop.is_set():
         try:
-            pid = int(json.loads((folder / rollout.WORKERS_FILE).read_text())["0"])
+            pid = int(json.loads((folder / record).read_text())["0"])
             started = f"(pid {pid})" in rollout.worker_log(folder, 0).read_text()
         except (OSError, ValueError, KeyError):
             pid, started = None, False
@@ -498,6 +498,46 @@ def test_a_rollout_worker_that_keeps_dying_stops_the_trainer_with_its_output(wor
         assert f"rollout worker 0 (pid {pid}) ended by signal 11; restarting it. Its last output ({log}):" in line
         assert "trainers/posttrain/rollout.py" in line
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in killed)
+
+
+@pytest.mark.slow
+def test_a_pool_worker_that_keeps_dying_stops_the_trainer_with_its_output(world, tmp_path):
+    """The same fault on a pool node's worker (the node started by the test as its job would run
+    it): the node gives up on it, reports its output through the rollout folder and exits 3, and
+    the trainer stops with that report instead of waiting for the pool's timeout."""
+    from infra.launchers import get_launcher
+    from trainers.posttrain.launch import rollout_pool
+    from trainers.posttrain.sao import train_sao
+
+    out, killed, stop = tmp_path / "sao", [], threading.Event()
+    rendered = get_launcher(LaunchConfig(module="trainers.posttrain")).render_pool(rollout_pool(POOLED, out), out)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with open(tmp_path / "pool.log", "wb") as log:
+        node = subprocess.Popen(shlex.split(rendered), env=env, stdout=log, stderr=subprocess.STDOUT)
+    killer = threading.Thread(
+        target=_segfault_each_start, args=(out / "rollout", killed, stop, "workers-node0.json"), daemon=True
+    )
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            train_sao(POOLED, _policy(world), world["data"].path, out, device="cpu", log=lambda _: None)
+        assert node.wait(timeout=60) == 3
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert len(killed) == 3, killed
+    message = str(err.value)
+    assert message.startswith("sao: a rollout worker cannot start: rollout worker 0 on "), message
+    assert f": sao: rollout worker 0 (pid {killed[-1]}) ended by signal 11, 3 times in a row" in message, message
+    log = rollout.worker_log(out / "rollout", 0)
+    assert message.endswith("\n".join(f"  | {line}" for line in log.read_text().splitlines()[-rollout.LOG_TAIL :]))
+    assert "trainers/posttrain/rollout.py" in message
+    assert (
+        f"rollout worker 0 (pid {killed[0]}) ended by signal 11; restarting it" in (tmp_path / "pool.log").read_text()
+    )
 
 
 def _kill_pool(folder: Path) -> int:
