@@ -18,12 +18,23 @@ and the rollout worker's start included) on the same number of CPU threads:
   the step it is at and stops). Its idle share is the trainer's wait for samples.
 
 Then each final policy is scored on every prompt (`--eval-samples` sampled answers each, one
-seed): the reward the training bought in that time. Prints one table (reward over the budget's
-quarters, final score, updates, samples per second, idle share, dropped samples, ESS share, KL
-to the start), a ratio line against synchronous GRPO, and the load average before and after.
+sampling seed): the reward the training bought in that time. Prints one table (reward over the
+budget's quarters, final score, updates, samples per second, idle share, dropped samples, ESS
+share, KL to the start), a ratio line against synchronous GRPO, and the load average before and
+after.
+
+Uncertainty: every score is a mean over the prompts of each prompt's mean reward, printed with
+its standard error over the prompts (n = `--prompts`). A score change (final - start, or SAO -
+GRPO) is a paired difference: the same prompts are scored before and after, so its stderr is that
+of the per-prompt differences. A quarter's training reward carries the stderr over the updates in
+that quarter. With `--seeds N` (N > 1) every trainer is trained N times (seeds 0 .. N-1, N times
+the training time) and each score change also carries its stderr across the seeds (N-1 degrees of
+freedom: with few seeds it is itself rough). A difference is marked `*` where it exceeds 2 stderr
+(each stderr that is printed for it).
 
     .venv/bin/python benchmarks/rl_async.py                     # ~5 min on 2 cores
     .venv/bin/python benchmarks/rl_async.py --budget 120 --prompts 128 --hidden 128 --layers 4
+    .venv/bin/python benchmarks/rl_async.py --seeds 3                           # ~12 min
 
 The model, data and warm start are built once into `--work` (default: a temporary folder) and
 reused when it is given again.
@@ -122,7 +133,7 @@ class Clock:
         return self.now() >= self.budget
 
 
-def run_grpo(policy: Path, data: Path, out: Path, args) -> dict[str, Any]:
+def run_grpo(policy: Path, data: Path, out: Path, args, seed: int = 0) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from trainers.posttrain.grpo import train_grpo
@@ -164,7 +175,7 @@ def run_grpo(policy: Path, data: Path, out: Path, args) -> dict[str, Any]:
         save_steps=100_000,
         warmup_ratio=0.0,
     )
-    train_grpo(cfg, policy, data, out, seed=0, device="cpu", log=quiet, callbacks=[Budget()])
+    train_grpo(cfg, policy, data, out, seed=seed, device="cpu", log=quiet, callbacks=[Budget()])
     ended = clock.points[-1][0] if clock.points else clock.now()
     steps = len(clock.points)
     training = ended - clock.train_began
@@ -182,7 +193,7 @@ def run_grpo(policy: Path, data: Path, out: Path, args) -> dict[str, Any]:
     }
 
 
-def run_sao(policy: Path, data: Path, out: Path, staleness: int, args) -> dict[str, Any]:
+def run_sao(policy: Path, data: Path, out: Path, staleness: int, args, seed: int = 0) -> dict[str, Any]:
     from safetensors.torch import load_model
 
     from trainers.posttrain.common import complete_checkpoints
@@ -212,7 +223,7 @@ def run_sao(policy: Path, data: Path, out: Path, staleness: int, args) -> dict[s
         rollout_threads=max(1, args.threads - 1),
     )
     try:
-        train_sao(cfg, policy, data, out, seed=0, device="cpu", log=quiet, progress=progress)
+        train_sao(cfg, policy, data, out, seed=seed, device="cpu", log=quiet, progress=progress)
     except StopRequested:
         pass
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -242,8 +253,8 @@ def run_sao(policy: Path, data: Path, out: Path, staleness: int, args) -> dict[s
     }
 
 
-def evaluate(model, tokenizer, prompts: list[dict], args) -> float:
-    """Mean reward of `--eval-samples` sampled answers per prompt (seeded, batched, left-padded)."""
+def evaluate(model, tokenizer, prompts: list[dict], args) -> list[float]:
+    """Each prompt's mean reward over `--eval-samples` sampled answers (seeded, batched, left-padded)."""
     model.eval()
     tokenizer.padding_side = "left"
     texts = [tokenizer.apply_chat_template(p["prompt"], add_generation_prompt=True, tokenize=False) for p in prompts]
@@ -262,25 +273,87 @@ def evaluate(model, tokenizer, prompts: list[dict], args) -> float:
             pad_token_id=tokenizer.pad_token_id,
         )
     completions = out[:, enc["input_ids"].shape[1] :]
-    rewards = []
-    for i, ids in enumerate(completions.tolist()):
+    rewards = [0.0] * len(prompts)
+    for i, ids in enumerate(completions.tolist()):  # generate returns each prompt's samples together
         answer = prompts[i // args.eval_samples]["answer"]
-        rewards.append(score(tokenizer, ids, answer, GRPOConfig().format_weight)["reward"])
-    return sum(rewards) / len(rewards)
+        rewards[i // args.eval_samples] += score(tokenizer, ids, answer, GRPOConfig().format_weight)["reward"]
+    return [r / args.eval_samples for r in rewards]
+
+
+def mean_se(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and its standard error (sample stdev / sqrt(n)); no stderr from fewer than 2 values."""
+    m = statistics.mean(xs)
+    return m, (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None)
+
+
+def paired(after: list[float], before: list[float]) -> tuple[float, float | None]:
+    """Mean of the per-item differences and its stderr: the same items scored twice."""
+    return mean_se([a - b for a, b in zip(after, before, strict=True)])
+
+
+def per_item(seeds: list[list[float]]) -> list[float]:
+    """Each item's score averaged over the seeds' runs."""
+    return [statistics.mean(col) for col in zip(*seeds, strict=True)]
+
+
+def pm(m: float, se: float | None, spec: str = ".3f") -> str:
+    return format(m, spec) if se is None else f"{format(m, spec)}±{format(se, spec)}"
+
+
+def beyond(m: float, *ses: float | None) -> bool:
+    """Whether |m| exceeds 2 of every stderr given (those that exist; at least one must)."""
+    known = [se for se in ses if se is not None]
+    return bool(known) and all(abs(m) > 2 * se for se in known)
+
+
+def change(after: list[list[float]], before: list[list[float]] | list[float]) -> str:
+    """A score change over seeds: the paired mean ± its stderr over items, then (several seeds)
+    ± its stderr across seeds; `*` where it exceeds 2 stderr."""
+    if before and isinstance(before[0], float):
+        before = [before] * len(after)  # the start policy: one score for every seed
+    m, se_items = paired(per_item(after), per_item(before))
+    text = f"{m:+.3f} ± {se_items:.3f} (items)" if se_items is not None else f"{m:+.3f}"
+    se_seeds = None
+    if len(after) > 1:
+        _, se_seeds = mean_se([statistics.mean(a) - statistics.mean(b) for a, b in zip(after, before, strict=True)])
+        text += f" ± {se_seeds:.3f} ({len(after)} seeds)"
+    return text + (" *" if beyond(m, se_items, se_seeds) else "")
 
 
 def quarters(points: list[tuple[float, float, Any]], budget: float) -> list[str]:
-    """Mean training reward of the updates in each quarter of the budget ('-': none there)."""
+    """Mean training reward of the updates in each quarter of the budget ± its stderr over those
+    updates ('-': none there)."""
     cells = []
     for q in range(4):
         lo, hi = q * budget / 4, (q + 1) * budget / 4 + (1e9 if q == 3 else 0)
         got = [r for t, r, _ in points if lo <= t < hi]
-        cells.append(f"{statistics.mean(got):.3f}" if got else "-")
+        cells.append(pm(*mean_se(got)) if got else "-")
     return cells
 
 
 def fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def train_all(policy: Path, data: Path, work: Path, tokenizer, prompts: list[dict], args) -> list[dict[str, Any]]:
+    """Every trainer, `--seeds` times each: the first seed's system figures, every seed's scores."""
+    runs: dict[str, dict[str, Any]] = {}
+    for seed in range(args.seeds):
+        for name in ["grpo", *(f"sao-{s}" for s in args.staleness)]:
+            out = work / "runs" / f"{name}-seed{seed}"
+            if out.exists():
+                shutil.rmtree(out)
+            if name == "grpo":
+                run = run_grpo(policy, data, out, args, seed)
+            else:
+                run = run_sao(policy, data, out, int(name.split("-")[1]), args, seed)
+            torch.set_num_threads(args.threads)
+            scores = evaluate(run.pop("model")(), tokenizer, prompts, args)
+            print(
+                f"{run['name']}, seed {seed}: {run['updates']} updates, score {statistics.mean(scores):.3f}", flush=True
+            )
+            runs.setdefault(name, run | {"scores": []})["scores"].append(scores)
+    return list(runs.values())
 
 
 def main() -> None:
@@ -305,11 +378,16 @@ def main() -> None:
     parser.add_argument("--sft-examples", type=int, default=300)
     parser.add_argument("--sft-steps", type=int, default=300, help="warm-start SFT steps (batch 16)")
     parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="train every trainer this many times (seeds 0..N-1): stderr across seeds"
+    )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per run (SAO: 1 trainer + rest rollout)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and data (reused)")
     args = parser.parse_args()
     if args.batch % args.generations:
         parser.error(f"--batch {args.batch} must be a multiple of --generations {args.generations}")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds} must be at least 1")
 
     began, load_before = time.monotonic(), load()
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_async-"))
@@ -320,47 +398,45 @@ def main() -> None:
     setup_s = time.monotonic() - t
     prompts = read_jsonl(data / "prompts.jsonl")
     start_model, tokenizer = load_policy(policy)
-    start_score = evaluate(start_model, tokenizer, prompts, args)
-
-    runs = []
-    for name in ["grpo", *(f"sao-{s}" for s in args.staleness)]:
-        out = work / "runs" / name
-        if out.exists():
-            shutil.rmtree(out)
-        if name == "grpo":
-            run = run_grpo(policy, data, out, args)
-        else:
-            run = run_sao(policy, data, out, int(name.split("-")[1]), args)
-        torch.set_num_threads(args.threads)
-        run["score"] = evaluate(run.pop("model")(), tokenizer, prompts, args)
-        runs.append(run)
-        print(f"{run['name']}: {run['updates']} updates, final score {run['score']:.3f}", flush=True)
+    start = evaluate(start_model, tokenizer, prompts, args)
+    runs = train_all(policy, data, work, tokenizer, prompts, args)
 
     print()
     print(
         f"RL on CPU, {args.budget:.0f} s wall each, {args.threads} threads, {len(prompts)} prompts, "
         f"{args.batch} completions per update, <= {args.max_tokens} tokens, lr {args.lr:g}, operands <= "
         f"{args.max_operand or 999}; model {args.layers} layers x {args.hidden} hidden (SFT warm start, "
-        f"{args.sft_steps} steps, built in {setup_s:.0f} s)"
+        f"{args.sft_steps} steps, built in {setup_s:.0f} s); {args.seeds} seed(s)"
     )
-    print(f"start policy: score {start_score:.3f} (mean reward of {args.eval_samples} samples per prompt)")
+    print(
+        f"start policy: score {pm(*mean_se(start))} (mean over {len(prompts)} prompts of each one's mean reward "
+        f"of {args.eval_samples} samples; ± stderr over prompts)"
+    )
+    seeds_note = f", seed 0 of {args.seeds}" if args.seeds > 1 else ""
     head = (
-        f"{'trainer':<24} {'reward by quarter of the budget':>31} {'score':>6} {'upd':>4} "
+        f"{'trainer':<24} {'reward by quarter of the budget (± stderr over updates)':>55} {'score':>11} {'upd':>4} "
         f"{'samples/s':>9} {'idle':>5} {'dropped':>7} {'ESS':>5} {'KL':>7}"
+    )
+    print(
+        f"(score: ± stderr over prompts{', seeds averaged' if args.seeds > 1 else ''}; other columns{seeds_note or ': one run'})"
     )
     print(head)
     print("-" * len(head))
     for r in runs:
-        q = " ".join(f"{c:>7}" for c in quarters(r["points"], args.budget))
+        q = " ".join(f"{c:>13}" for c in quarters(r["points"], args.budget))
         print(
-            f"{r['name']:<24} {q:>31} {r['score']:>6.3f} {r['updates']:>4} {r['samples_per_s']:>9.2f} "
-            f"{fmt(r['idle_share'], '.2f'):>5} {r['dropped']:>7} {fmt(r['ess_share'], '.2f'):>5} {fmt(r['kl'], '.4f'):>7}"
+            f"{r['name']:<24} {q:>55} {pm(*mean_se(per_item(r['scores']))):>11} {r['updates']:>4} "
+            f"{r['samples_per_s']:>9.2f} {fmt(r['idle_share'], '.2f'):>5} {r['dropped']:>7} "
+            f"{fmt(r['ess_share'], '.2f'):>5} {fmt(r['kl'], '.4f'):>7}"
         )
+    print("score changes (paired over prompts; * = beyond 2 stderr):")
+    for r in runs:
+        print(f"  {r['name']} over the start: {change(r['scores'], start)}")
     base = runs[0]
     for r in runs[1:]:
         print(
             f"{r['name']} vs {BASELINE}: samples/s x{r['samples_per_s'] / base['samples_per_s']:.2f}, "
-            f"score {r['score'] - start_score:+.3f} vs {base['score'] - start_score:+.3f} over the start"
+            f"score difference {change(r['scores'], base['scores'])}"
         )
     print(f"load average before {load_before}, after {load()}; {os.cpu_count()} CPUs; {time.monotonic() - began:.0f} s")
 

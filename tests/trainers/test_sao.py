@@ -20,6 +20,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -213,7 +214,11 @@ def test_sao_step_end_to_end_survives_a_killed_rollout_worker(world, tmp_path):
     artifact = build(world, tmp_path, lines.append)
     watcher.join(timeout=5)
     assert watcher.done is not None, "the run ended before its worker could be killed"
-    assert any(f"rollout worker 0 (pid {watcher.done}) ended by signal 9" in line for line in lines), lines
+    died = [i for i, line in enumerate(lines) if f"rollout worker 0 (pid {watcher.done}) ended by signal 9" in line]
+    assert len(died) == 1, lines
+    # with the tail of its own output, the log of that life (its lines reach the step's log one by one)
+    assert f"restarting it. Its last output ({tmp_path}/sao/" in lines[died[0]], lines[died[0]]
+    assert lines[died[0]].endswith("/rollout/worker-0.log):") and lines[died[0] + 1].startswith("  | "), lines
     meta = artifact.meta
     assert meta["rollout_restarts"] >= 1 and meta["steps"] == 5 and meta["policy_version"] == SAO.max_steps
     got = assert_every_sample_once(artifact)
@@ -419,6 +424,120 @@ def test_the_vllm_engine_asked_for_where_it_does_not_import_stops_the_trainer_wi
         RuntimeError, match=r"rollout worker 0 on .*: RuntimeError: posttrain.sao.engine is vllm but vllm"
     ):
         train_sao(section, _policy(world), world["data"].path, tmp_path / "sao", device="cpu", log=lambda _: None)
+
+
+def test_the_vllm_engine_refused_with_the_field_the_extra_and_the_import_s_own_error(tmp_path, monkeypatch):
+    """vLLM requested where it does not import: absent here (no GPU), and a broken install (a
+    `vllm` package whose import fails with OSError, as one without its CUDA libraries does)."""
+    assert rollout.resolve_engine("transformers") == "transformers"
+    assert rollout.resolve_engine("auto") == "transformers"  # no GPU, no vLLM: the CPU engine
+    with pytest.raises(ValueError, match=r"posttrain.sao.engine: 'vlm' is not one of transformers, vllm, auto"):
+        rollout.resolve_engine("vlm")
+    with pytest.raises(RuntimeError) as absent:
+        rollout.resolve_engine("vllm")
+    assert "posttrain.sao.engine is vllm but vllm does not import on this node (ModuleNotFoundError: No module " in (
+        str(absent.value)
+    )
+    assert "pip install 'smollm3-pipeline[vllm]'" in str(absent.value)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('raise OSError("libcuda.so.1: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    with pytest.raises(RuntimeError, match=r"does not import on this node \(OSError: libcuda.so.1: cannot open"):
+        rollout.resolve_engine("vllm")
+    assert rollout.resolve_engine("auto") == "transformers"  # never imported without a GPU
+
+
+def _segfault_each_start(folder: Path, killed: list[int], stop: threading.Event, record=rollout.WORKERS_FILE) -> None:
+    """SIGSEGV every start of rollout worker 0 once it has said it started (its fault handler is
+    armed then): the worker's log names the pid of the life it holds."""
+    while not stop.is_set():
+        try:
+            pid = int(json.loads((folder / record).read_text())["0"])
+            started = f"(pid {pid})" in rollout.worker_log(folder, 0).read_text()
+        except (OSError, ValueError, KeyError):
+            pid, started = None, False
+        if started and pid not in killed:
+            os.kill(pid, signal.SIGSEGV)
+            killed.append(pid)
+        stop.wait(0.01)
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_that_keeps_dying_stops_the_trainer_with_its_output(world, tmp_path):
+    """Each start of the rollout worker is sent SIGSEGV from outside: every death is logged with
+    the tail of the worker's own output (here the fault handler's stack), the worker is restarted
+    until it has died MAX_BARREN_DEATHS times in a row without a sample, and then the trainer
+    stops with that tail in its error instead of restarting it for ever."""
+    from trainers.posttrain.sao import train_sao
+
+    out, killed, stop, lines = tmp_path / "sao", [], threading.Event(), []
+    killer = threading.Thread(target=_segfault_each_start, args=(out / "rollout", killed, stop), daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(rollout.RolloutWorkerFailed) as err:
+            train_sao(SAO, _policy(world), world["data"].path, out, device="cpu", log=lines.append)
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    assert len(killed) == rollout.MAX_BARREN_DEATHS == 3, killed
+    message = str(err.value)
+    assert message.startswith(
+        f"sao: rollout worker 0 (pid {killed[-1]}) ended by signal 11, 3 times in a row without producing a sample"
+    ), message
+    # the tail of the last life's log: the fault handler's stack (its oldest frames: the worker's module)
+    log = rollout.worker_log(out / "rollout", 0)
+    text = log.read_text()
+    assert "Fatal Python error: Segmentation fault" in text and "trainers/posttrain/rollout.py" in text, text
+    tail = "\n".join(f"  | {line}" for line in text.splitlines()[-rollout.LOG_TAIL :])
+    assert message.endswith(f"Its last output ({log}):\n{tail}"), message
+    assert "trainers/posttrain/rollout.py" in tail
+    restarts = [line for line in lines if "restarting it" in line]
+    assert len(restarts) == 2, lines
+    for line, pid in zip(restarts, killed, strict=False):
+        assert f"rollout worker 0 (pid {pid}) ended by signal 11; restarting it. Its last output ({log}):" in line
+        assert "trainers/posttrain/rollout.py" in line
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in killed)
+
+
+@pytest.mark.slow
+def test_a_pool_worker_that_keeps_dying_stops_the_trainer_with_its_output(world, tmp_path):
+    """The same fault on a pool node's worker (the node started by the test as its job would run
+    it): the node gives up on it, reports its output through the rollout folder and exits 3, and
+    the trainer stops with that report instead of waiting for the pool's timeout."""
+    from infra.launchers import get_launcher
+    from trainers.posttrain.launch import rollout_pool
+    from trainers.posttrain.sao import train_sao
+
+    out, killed, stop = tmp_path / "sao", [], threading.Event()
+    rendered = get_launcher(LaunchConfig(module="trainers.posttrain")).render_pool(rollout_pool(POOLED, out), out)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with open(tmp_path / "pool.log", "wb") as log:
+        node = subprocess.Popen(shlex.split(rendered), env=env, stdout=log, stderr=subprocess.STDOUT)
+    killer = threading.Thread(
+        target=_segfault_each_start, args=(out / "rollout", killed, stop, "workers-node0.json"), daemon=True
+    )
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            train_sao(POOLED, _policy(world), world["data"].path, out, device="cpu", log=lambda _: None)
+        assert node.wait(timeout=60) == 3
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert len(killed) == 3, killed
+    message = str(err.value)
+    assert message.startswith("sao: a rollout worker cannot start: rollout worker 0 on "), message
+    assert f": sao: rollout worker 0 (pid {killed[-1]}) ended by signal 11, 3 times in a row" in message, message
+    log = rollout.worker_log(out / "rollout", 0)
+    assert message.endswith("\n".join(f"  | {line}" for line in log.read_text().splitlines()[-rollout.LOG_TAIL :]))
+    assert "trainers/posttrain/rollout.py" in message
+    assert (
+        f"rollout worker 0 (pid {killed[0]}) ended by signal 11; restarting it" in (tmp_path / "pool.log").read_text()
+    )
 
 
 def _kill_pool(folder: Path) -> int:

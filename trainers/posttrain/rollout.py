@@ -12,6 +12,10 @@ Two ways to run them, one worker loop:
   which starts W workers (numbers I x W ... I x W + W - 1 of N x W), restarts one that dies, and
   ends when the trainer says it is done. The trainer starts no worker then.
 
+Either way a worker's output goes to `FOLDER/worker-N.log` (fault handler on); a death is logged
+with that log's tail, and a worker that dies `MAX_BARREN_DEATHS` times in a row without a sample
+stops the trainer with it (`RolloutWorkerFailed`; a pool node reports it through `error.json`).
+
 Both talk only through the rollout folder the trainer prepares (`{step folder}/rollout`, on the
 shared file system for a pool):
 
@@ -65,6 +69,32 @@ from infra.files import write_atomic, write_json_atomic
 CONFIG, WEIGHTS, CONSUMED, QUEUE, DONE, ERROR = "config.json", "weights.json", "consumed", "queue", "done", "error.json"
 WORKERS_FILE = "workers.json"  # the local workers' pids, by worker number (the trainer's)
 POLL_S = 0.01  # a worker's wait between looks at a full queue or a missing push
+LOG_TAIL = 40  # lines of a dead worker's output shown with its death (as many as a failed launch shows)
+MAX_BARREN_DEATHS = 3  # a worker that dies this many times in a row without a sample is a failure, not a hiccup
+
+
+class RolloutWorkerFailed(RuntimeError):
+    """A rollout worker kept dying without producing a sample; the message carries its output's tail."""
+
+    def __init__(self, worker: int, message: str):
+        super().__init__(message)
+        self.worker = worker
+
+
+def worker_log(folder: Path, worker: int) -> Path:
+    """Worker `worker`'s output (stdout and stderr) since its last start."""
+    return Path(folder) / f"worker-{worker}.log"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL) -> list[str]:
+    """The last `lines` lines of a worker's log, read from its end (empty when there is none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            return fh.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 def new_session() -> str:
@@ -186,17 +216,23 @@ def read_error(folder: Path, session: str) -> str | None:
 ENGINES = ("transformers", "vllm", "auto")
 
 
-def vllm_available() -> bool:
+def vllm_import_error() -> str | None:
+    """Why `import vllm` fails on this node (None when it imports). Not only ImportError: a vLLM
+    installed without its GPU libraries fails with OSError or RuntimeError at import."""
     try:
         import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def vllm_available() -> bool:
+    return vllm_import_error() is None
 
 
 def resolve_engine(name: str) -> str:
     """`transformers` or `vllm` for `posttrain.sao.engine`; `vllm` asked for but not importable is
-    an error naming the field and the extra."""
+    an error naming the field, the extra and the import's own error."""
     if name not in ENGINES:
         raise ValueError(f"posttrain.sao.engine: {name!r} is not one of {', '.join(ENGINES)}")
     if name == "transformers":
@@ -205,9 +241,10 @@ def resolve_engine(name: str) -> str:
         import torch
 
         return "vllm" if torch.cuda.is_available() and vllm_available() else "transformers"
-    if not vllm_available():
+    why = vllm_import_error()
+    if why is not None:
         raise RuntimeError(
-            "posttrain.sao.engine is vllm but vllm does not import on this node: install the optional "
+            f"posttrain.sao.engine is vllm but vllm does not import on this node ({why}): install the optional "
             "extra (pip install 'smollm3-pipeline[vllm]', GPU nodes only) or set posttrain.sao.engine: "
             "transformers (or auto: vLLM where it imports, else transformers)"
         )
@@ -345,11 +382,15 @@ def score(tokenizer, completion_ids: list[int], answer: str, format_weight: floa
 def run_worker(folder: Path, worker: int, workers: int, parent: int) -> int:
     """Generate worker `worker`'s samples of every session until its parent (the trainer, or a
     pool node) dies or the session's trainer is done."""
+    import faulthandler
+
     from infra.guard import arm_parent_death
 
+    faulthandler.enable()  # a native crash (torch, a signal from outside) leaves its stack in the worker's log
     arm_parent_death()
     if os.getppid() != parent:
         return 0  # the parent died before we armed: nothing to generate for
+    print(f"rollout worker {worker} (pid {os.getpid()}) on {socket.gethostname()}: started", flush=True)
     import torch
 
     from trainers.posttrain.chat_data import read_jsonl
@@ -413,26 +454,62 @@ class Workers:
         self.record = record  # where their pids are written: the trainer's workers.json, a pool node's own
         self.procs: dict[int, subprocess.Popen] = {}
         self.restarts = 0
+        self.since: dict[int, tuple[int, frozenset[str]]] = {}  # each worker's progress marks at its start
+        self.barren: dict[int, int] = {}  # each worker's deaths in a row without a sample
 
     def start(self, worker: int) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         cmd = [sys.executable, "-m", "trainers.posttrain.rollout", str(self.folder), str(worker), str(self.total)]
-        self.procs[worker] = subprocess.Popen([*cmd, str(os.getpid())], env=env)
+        # its own log (this life only), whose tail is shown when it dies
+        with open(worker_log(self.folder, worker), "wb") as log:
+            self.procs[worker] = subprocess.Popen(
+                [*cmd, str(os.getpid())], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.since[worker] = self._progress(worker)
         write_json_atomic(self.folder / self.record, {str(w): p.pid for w, p in self.procs.items()})
 
     def start_all(self) -> None:
         for w in range(self.first, self.first + self.count):
             self.start(w)
 
+    def _progress(self, worker: int) -> tuple[int, frozenset[str]]:
+        """What shows a worker's samples: the trainer's position and the worker's queued samples."""
+        mine = frozenset(
+            p.name
+            for p in (self.folder / QUEUE).glob("*/*.json")
+            if p.stem.isdigit() and int(p.stem) % self.total == worker
+        )
+        return read_consumed(self.folder), mine
+
+    def _produced(self, worker: int) -> bool:
+        """Whether the worker published a sample since its start (the position moved past it, or a
+        sample of its own is queued that was not there at its start)."""
+        (consumed, queued), (now, queued_now) = self.since[worker], self._progress(worker)
+        return now > consumed or bool(queued_now - queued)
+
     def check(self) -> None:
-        """Restart every worker that ended (a crash, a kill); it resumes at its first missing sample."""
+        """Restart every worker that ended (a crash, a kill); it resumes at its first missing sample.
+        Its death is logged with the tail of its output; a worker that died `MAX_BARREN_DEATHS`
+        times in a row without a sample raises RolloutWorkerFailed with that tail."""
         for worker, proc in list(self.procs.items()):
             code = proc.poll()
-            if code is not None:
-                self.restarts += 1
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                self.log(f"sao: rollout worker {worker} (pid {proc.pid}) ended by {how}; restarting it")
-                self.start(worker)
+            if code is None:
+                continue
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            log = worker_log(self.folder, worker)
+            tail = "\n".join(f"  | {line}" for line in log_tail(log)) or "  | (nothing)"
+            self.barren[worker] = 0 if self._produced(worker) else self.barren.get(worker, 0) + 1
+            if self.barren[worker] >= MAX_BARREN_DEATHS:
+                raise RolloutWorkerFailed(
+                    worker,
+                    f"sao: rollout worker {worker} (pid {proc.pid}) ended by {how}, {self.barren[worker]} times in "
+                    f"a row without producing a sample; not restarted again. Its last output ({log}):\n{tail}",
+                )
+            self.restarts += 1
+            self.log(
+                f"sao: rollout worker {worker} (pid {proc.pid}) ended by {how}; restarting it. Its last output ({log}):\n{tail}"
+            )
+            self.start(worker)
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -476,7 +553,13 @@ def run_pool_node(folder: Path, node: int, nodes: int, procs: int, parent: int |
             if cfg is not None and read_error(folder, cfg["session"]):
                 time.sleep(0.5)  # the trainer stops on it; restarting a worker that cannot start helps nobody
                 continue
-            workers.check()
+            try:
+                workers.check()
+            except RolloutWorkerFailed as exc:  # the trainer stops on it, with the worker's output
+                if cfg is not None:
+                    report_error(folder, cfg["session"], exc.worker, str(exc))
+                print(str(exc), flush=True)
+                return 3
             time.sleep(0.5)
         return 0
     finally:
