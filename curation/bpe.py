@@ -76,6 +76,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def render_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False, **kwargs: Any) -> str:
+    """`messages` rendered by `CHAT_TEMPLATE` as transformers' `apply_chat_template(...,
+    tokenize=False)` of an exported folder renders them (same Jinja renderer, same template), for
+    places with no tokenizer folder at hand (the eval suite's prompts)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        [list(messages)], chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return rendered[0]
+
+
 def sample_texts(corpora: Sequence[Any], budget: int) -> Iterator[str]:
     """Texts of the curated corpora's train shards, an equal character budget per source."""
     share = max(1, budget // max(len(corpora), 1))

@@ -8,13 +8,15 @@ about being one). Corpora are curated corpus artifacts (`meta["domain"]`, `path/
 shards). The posttrain_data step (tasks/posttrain/data.py) writes what these return.
 
 Every conversation and prompt opens with a system turn naming its reasoning mode for the dual-mode
-chat template (curation/bpe.py). A math problem is answered in one of two modes, drawn per
-document with a seeded generator (`think_share` of them in think mode):
-- no-think (`/no_think`, which renders the template's short default instructions): the worked
-  solution and `Answer: N`, as the document has them;
-- think (`THINK_SYSTEM`: short custom instructions and `/think`, because the template's default
-  /think instructions are ~1,100 characters, too long for the tiny recipe's rows): a worked trace
-  inside `<think>...</think>` (the solution's equations split into place-value steps, then an
+chat template (curation/bpe.py); its content comes from `systems`, the recipe's `reasoning_modes`
+(trainers/posttrain/sections.py `ReasoningModesConfig`: `think_system`, `no_think_system`), the one
+source the reasoning traces and the eval prompts share. A math problem is answered in one of two
+modes, drawn per document with a seeded generator (`think_share` of them in think mode):
+- no-think (`no_think_system`, by default `/no_think`, which renders the template's short default
+  instructions): the worked solution and `Answer: N`, as the document has them;
+- think (`think_system`, by default short custom instructions and `/think`, because the template's
+  default /think instructions are ~1,100 characters, too long for the tiny recipe's rows): a worked
+  trace inside `<think>...</think>` (the solution's equations split into place-value steps, then an
   inverse-operation check, see `worked_trace`), then `Answer: N`.
 Prose instructions and the arithmetic prompts (APO, GRPO, OPD) are no-think.
 """
@@ -28,8 +30,6 @@ from typing import Any
 
 from curation.source_kinds import read_shards
 
-NO_THINK = {"role": "system", "content": "/no_think"}  # a direct answer: an empty think block
-THINK_SYSTEM = "Think step by step, then answer. /think"  # a worked trace in <think>...</think>
 _MATH = re.compile(r"^Problem: (?P<problem>.*)\nSolution: (?P<solution>.*)\nAnswer: (?P<answer>-?\d+)\s*$", re.S)
 
 
@@ -69,25 +69,37 @@ def worked_trace(problem: str, solution: str) -> str:
     return "\n".join(lines)
 
 
-def math_conversation(text: str, think: bool = False) -> dict[str, Any] | None:
-    """A math document as a conversation in one reasoning mode: no-think (the worked solution, then
-    `Answer: N`) or think (a worked trace in <think>...</think>, then `Answer: N`); None if the
-    text is not a math document."""
+def parse_math(text: str) -> tuple[str, str, str] | None:
+    """(problem, solution, answer) of a math document (`Problem / Solution / Answer`); None if
+    the text is not one."""
     m = _MATH.match(text.strip())
-    if not m:
-        return None
-    problem, solution, answer = m["problem"].strip(), m["solution"].strip(), m["answer"]
+    return (m["problem"].strip(), m["solution"].strip(), m["answer"]) if m else None
+
+
+def math_reply(problem: str, solution: str, answer: str, think: bool = False) -> str:
+    """The assistant's answer in one reasoning mode: no-think, the worked solution then
+    `Answer: N`; think, a worked trace in <think>...</think> then `Answer: N`."""
     if think:
-        system = {"role": "system", "content": THINK_SYSTEM}
-        reply = f"<think>\n{worked_trace(problem, solution)}\n</think>\nAnswer: {answer}"
-    else:
-        system, reply = dict(NO_THINK), f"{solution}\nAnswer: {answer}"
+        return f"<think>\n{worked_trace(problem, solution)}\n</think>\nAnswer: {answer}"
+    return f"{solution}\nAnswer: {answer}"
+
+
+def math_conversation(text: str, systems: Any, think: bool = False) -> dict[str, Any] | None:
+    """A math document as a conversation in one reasoning mode, its system turn that mode's of
+    `systems` (`think_system` / `no_think_system`); None if the text is not a math document."""
+    parsed = parse_math(text)
+    if parsed is None:
+        return None
+    problem, solution, answer = parsed
+    system = {"role": "system", "content": systems.think_system if think else systems.no_think_system}
+    reply = math_reply(problem, solution, answer, think)
     messages = [system, {"role": "user", "content": problem}, {"role": "assistant", "content": reply}]
     return {"messages": messages, "answer": answer}
 
 
-def prose_conversation(text: str, rng: random.Random, words: int = 60) -> dict[str, Any] | None:
-    """A prose passage as a "continue" or a "summarise" instruction."""
+def prose_conversation(text: str, rng: random.Random, systems: Any, words: int = 60) -> dict[str, Any] | None:
+    """A prose passage as a "continue" or a "summarise" instruction (no-think: `systems`'s
+    `no_think_system`)."""
     tokens = text.split()
     if len(tokens) < words:
         return None
@@ -104,7 +116,8 @@ def prose_conversation(text: str, rng: random.Random, words: int = 60) -> dict[s
             lead = " ".join(passage[:20])
         user = "Summarise this passage in one sentence:\n" + body
         reply = lead
-    return {"messages": [dict(NO_THINK), {"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
+    system = {"role": "system", "content": systems.no_think_system}
+    return {"messages": [system, {"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
 
 
 def _corpus_texts(corpora: Sequence[Any], domain: str, split: str) -> Iterator[str]:
@@ -115,23 +128,30 @@ def _corpus_texts(corpora: Sequence[Any], domain: str, split: str) -> Iterator[s
 
 
 def builtin_conversations(
-    corpora: Sequence[Any], split: str, math_n: int, prose_n: int, seed: int, think_share: float = 0.0
+    corpora: Sequence[Any],
+    split: str,
+    math_n: int,
+    prose_n: int,
+    seed: int,
+    systems: Any,
+    think_share: float = 0.0,
 ) -> list[dict[str, Any]]:
     """`math_n` arithmetic and `prose_n` instruction conversations from one split, shuffled; each
-    arithmetic one is in think mode with probability `think_share` (a seeded draw of its own)."""
+    arithmetic one is in think mode with probability `think_share` (a seeded draw of its own);
+    system turns from `systems` (the recipe's `reasoning_modes`)."""
     rng = random.Random(f"posttrain:{split}:{seed}")
     modes = random.Random(f"posttrain:think:{split}:{seed}")
     math, prose = [], []
     for text in _corpus_texts(corpora, "math", split):
         if len(math) >= math_n:
             break
-        conv = math_conversation(text, think=modes.random() < think_share)
+        conv = math_conversation(text, systems, think=modes.random() < think_share)
         if conv:
             math.append({"messages": conv["messages"]})
     for text in _corpus_texts(corpora, "web", split):
         if len(prose) >= prose_n:
             break
-        conv = prose_conversation(text, rng)
+        conv = prose_conversation(text, rng, systems)
         if conv:
             prose.append(conv)
     rows = math + prose
@@ -139,11 +159,12 @@ def builtin_conversations(
     return rows
 
 
-def arithmetic_prompts(corpora: Sequence[Any], skip: int, n: int) -> list[dict[str, Any]]:
-    """`n` prompts with answers from math train documents after the first `skip` (SFT's)."""
+def arithmetic_prompts(corpora: Sequence[Any], skip: int, n: int, systems: Any) -> list[dict[str, Any]]:
+    """`n` prompts with answers from math train documents after the first `skip` (SFT's), in
+    no-think mode (`systems`'s `no_think_system`)."""
     out, seen = [], 0
     for text in _corpus_texts(corpora, "math", "train"):
-        conv = math_conversation(text)
+        conv = math_conversation(text, systems)
         if conv is None:
             continue
         seen += 1

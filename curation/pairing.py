@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from curation.conversations import NO_THINK, THINK_SYSTEM, math_conversation
+from curation.conversations import math_reply, parse_math
 
 MODES = ("think", "no_think")
 _FLAGS = re.compile(r"\s*/(?:no_think|think)\b")
@@ -60,25 +60,30 @@ def as_messages(prompt: Any, where: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def mode_prompt(prompt: list[dict[str, str]], mode: str, builtin: bool = False) -> list[dict[str, str]]:
+def mode_prompt(
+    prompt: list[dict[str, str]], mode: str, builtin: bool = False, systems: Any = None
+) -> list[dict[str, str]]:
     """`prompt` with a system turn naming `mode`: its own instructions (flags removed) and the
-    flag. A builtin prompt in think mode takes the SFT data's short think instructions
-    (curation/conversations.py `THINK_SYSTEM`), so pairs look like what SFT trained on."""
+    flag. A builtin prompt takes the mode's system turn of `systems` (the recipe's
+    `reasoning_modes`, what the SFT data and the eval prompts carry), so pairs look like what SFT
+    trained on."""
     _check_mode(mode)
+    if builtin:
+        if systems is None:
+            raise ValueError("mode_prompt: a builtin prompt needs `systems` (the recipe's reasoning_modes)")
+        content = systems.think_system if mode == "think" else systems.no_think_system
+        return [{"role": "system", "content": content}, *(dict(m) for m in prompt if m["role"] != "system")]
     system = next((m["content"] for m in prompt if m["role"] == "system"), "")
     rest = [dict(m) for m in prompt if m["role"] != "system"]
     text = _FLAGS.sub("", system).strip()
-    if mode == "think":
-        content = THINK_SYSTEM if builtin and not text else f"{text} /think".strip()
-    else:
-        content = NO_THINK["content"] if not text else f"{text} /no_think"
+    content = f"{text} /{'think' if mode == 'think' else 'no_think'}".strip()
     return [{"role": "system", "content": content}, *rest]
 
 
 def reference_answer(row: dict[str, Any], mode: str) -> str:
     """The verified answer of a builtin prompt row (`posttrain_data`'s prompts.jsonl) in `mode`:
     no-think, its worked solution and `Answer: N`; think, the SFT data's worked trace in
-    `<think>...</think>` then `Answer: N` (curation/conversations.py `math_conversation`)."""
+    `<think>...</think>` then `Answer: N` (curation/conversations.py `math_reply`)."""
     _check_mode(mode)
     missing = [k for k in ("prompt", "answer", "reference") if k not in row]
     if missing:
@@ -90,10 +95,10 @@ def reference_answer(row: dict[str, Any], mode: str) -> str:
         return row["reference"]
     problem = row["prompt"][-1]["content"]
     solution = row["reference"].rsplit("\nAnswer:", 1)[0]
-    conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {row['answer']}", think=True)
-    if conv is None:
+    parsed = parse_math(f"Problem: {problem}\nSolution: {solution}\nAnswer: {row['answer']}")
+    if parsed is None:
         raise ValueError(f"prompt row {problem[:80]!r}: its reference is not a worked solution ending in Answer: N")
-    return conv["messages"][-1]["content"]
+    return math_reply(*parsed, think=True)
 
 
 def final_answer(text: str) -> str | None:

@@ -6,7 +6,8 @@ with packing, after context extension and before SFT (docs/posttraining.md). Her
 - `builtin_traces`: arithmetic and word problems (the `builtin:math` kinds plus two-step ones),
   drawn with a seeded generator of their own, each a think-mode conversation whose reply is a
   worked trace in `<think>...</think>` and `Answer: N` (curation/conversations.py, the same shape as
-  the think rows of SFT). Problems whose text is in `exclude` (the held-out math problems the
+  the think rows of SFT, under the same system turn: `systems.think_system`, the recipe's
+  `reasoning_modes`). Problems whose text is in `exclude` (the held-out math problems the
   evaluations ask) are skipped, so the stage never trains on an eval question.
 - `as_messages`: a `files:`/`hf:` row's conversation as `[{role, content}]`, from either the
   `messages` layout or ShareGPT's `from`/`value` (OpenThoughts3's `conversations` column).
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from curation.conversations import math_conversation
+from curation.conversations import math_conversation, parse_math
 from curation.source_kinds import math_problem, operand_draw
 
 _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines", "Jun"]
@@ -52,11 +53,12 @@ def two_step_problem(rng: random.Random, max_operand: int | None = None) -> tupl
 
 
 def builtin_traces(
-    n: int, seed: int, exclude: Iterable[str] = (), max_operand: int | None = None
+    n: int, seed: int, systems: Any, exclude: Iterable[str] = (), max_operand: int | None = None
 ) -> list[dict[str, Any]]:
     """`n` think-mode conversations (`{"messages": [...]}`) with worked traces, deterministic per
-    seed: a third two-step problems, the rest the `builtin:math` kinds, every operand at most
-    `max_operand` when it is set; none whose problem text is in `exclude`."""
+    seed, under `systems.think_system`: a third two-step problems, the rest the `builtin:math`
+    kinds, every operand at most `max_operand` when it is set; none whose problem text is in
+    `exclude`."""
     rng = random.Random(f"reasoning:{seed}")
     skip = set(exclude)
     out: list[dict[str, Any]] = []
@@ -69,7 +71,7 @@ def builtin_traces(
         problem, solution, answer = (two_step_problem if two_step else math_problem)(rng, max_operand)
         if problem in skip:
             continue
-        conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}", think=True)
+        conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}", systems, think=True)
         out.append({"messages": conv["messages"]})
     return out
 
@@ -77,9 +79,9 @@ def builtin_traces(
 def heldout_problems(texts: Iterable[str]) -> Iterator[str]:
     """The problem text of every math document among `texts` (`Problem: ...` first line)."""
     for text in texts:
-        conv = math_conversation(text)
-        if conv is not None:
-            yield conv["messages"][1]["content"]
+        parsed = parse_math(text)
+        if parsed is not None:
+            yield parsed[0]
 
 
 def as_messages(value: Any) -> list[dict[str, str]] | None:

@@ -265,7 +265,10 @@ def collect(cfg: ExperimentSpec, inputs: Inputs) -> dict[str, TaskScores]:
                 metric = next((m for m in (cfg.metric, "acc", "exact_match") if m in values), None)
                 if metric is None or math.isnan(values[metric]):
                     continue
-                random = float(art.meta.get("random_accuracy") or 0.0) if metric.startswith("acc") else 0.0
+                if metric.startswith("acc"):
+                    random = float(art.meta.get("random_accuracy") or 0.0)
+                else:  # exact match: the constant guess's score (evals/harness.py random_baselines)
+                    random = float((art.meta.get("random_baseline") or {}).get(task) or 0.0)
                 add(task, metric, "higher", random, run.label, step_no, values, art.fingerprint)
         for art in _listed(inputs.get(f"{run.label}.heldout")):
             for point in art.meta["points"]:

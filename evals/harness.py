@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from evals.benchmarks.arithmetic_exact import think_stats
+from evals.benchmarks.arithmetic_exact import constant_guess, think_stats
 from evals.suite import SUITE_TASK, suite_task_yaml, task_of
 from infra.files import write_atomic
 from pipeline.artifact import Artifact
@@ -240,20 +240,23 @@ def headline_metric(task: str, metrics: Iterable[str]) -> str | None:
 
 
 def random_baselines(suite: Artifact, tasks: Sequence[str], limit: int | None) -> dict[str, float | None]:
-    """Per task, the score of guessing: the mean of 1 / choices over the items lm-eval scores
-    (the first `limit`), 0 for exact match; None for hub tasks (their items are not here)."""
+    """Per task, the score of guessing over the items lm-eval scores (the first `limit`): the
+    mean of 1 / choices for multiple choice; for exact match the best constant answer's score,
+    the share of the items whose answer is the most common one (`constant_guess`); None for hub
+    tasks (their items are not here)."""
     task_dir = Path(suite.meta["task_dir"])
     out: dict[str, float | None] = {}
     for task in tasks:
         data = task_dir / f"{task}.jsonl"
-        if (ours := task_of(task)) is not None and ours.output_type == "generate_until":
-            out[task] = 0.0
-        elif data.is_file():
-            rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line]
-            rows = rows[:limit] if limit else rows
-            out[task] = sum(1 / len(r["choices"]) for r in rows) / len(rows) if rows else None
-        else:
+        if not data.is_file():
             out[task] = None
+            continue
+        rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line]
+        rows = rows[:limit] if limit else rows
+        if (ours := task_of(task)) is not None and ours.output_type == "generate_until":
+            out[task] = constant_guess([r["answer"] for r in rows])
+        else:
+            out[task] = sum(1 / len(r["choices"]) for r in rows) / len(rows) if rows else None
     return out
 
 

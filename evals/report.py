@@ -182,7 +182,12 @@ def moves(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> lis
     """Per (model, parent) of `parents` (a post-trained model and the model its step started
     from, scored on the same items): each shared task's change, score - parent's, in units of the
     combined stderr sqrt(se^2 + se_parent^2) (`z`; unpaired, so cautious: both were scored on the
-    same items), and whether any task moved by more than `NOISE_Z` of them (`moved`)."""
+    same items), and whether any task moved by more than `NOISE_Z` of them (`moved`).
+
+    On exact match a change moves the task only when the higher of the two scores also beats the
+    task's random baseline, the constant guess (the most common answer's share of the items), by
+    more than `NOISE_Z` of its own stderr (`beyond_guess`): going from no right answer to always
+    saying the most common number is no learning."""
     at = {(r["model"], r["task"]): r for r in rows}
     out = []
     for model, parent in parents:
@@ -194,11 +199,20 @@ def moves(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> lis
             diff = a["score"] - b["score"]
             se = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
             z = diff / se if se > 0 else (0.0 if diff == 0 else float("inf") if diff > 0 else float("-inf"))
-            changes.append({"task": task, "diff": diff, "z": z})
+            change = {"task": task, "diff": diff, "z": z}
+            if a["metric"] == "exact_match" and a["random"] is not None:
+                top = max(a, b, key=lambda r: r["score"])
+                change["guess"] = a["random"]
+                change["beyond_guess"] = top["score"] - a["random"] > NOISE_Z * top["stderr"]
+            changes.append(change)
         if changes:
-            moved = any(abs(c["z"]) > NOISE_Z for c in changes)
+            moved = any(_moved(c) for c in changes)
             out.append({"model": model, "parent": parent, "changes": changes, "moved": moved})
     return out
+
+
+def _moved(change: dict[str, Any]) -> bool:
+    return abs(change["z"]) > NOISE_Z and change.get("beyond_guess", True)
 
 
 def moves_text(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> str:
@@ -208,18 +222,25 @@ def moves_text(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -
     for m in moves(rows, parents):
         step = f"{m['model']} vs {m['parent']}:"
         if m["moved"]:
-            big = [c for c in m["changes"] if abs(c["z"]) > NOISE_Z]
+            big = [c for c in m["changes"] if _moved(c)]
             lines.append(f"{step} " + ", ".join(f"{c['task']} {c['diff']:+.3f} ({c['z']:+.1f} se)" for c in big))
         else:
             c = max(m["changes"], key=lambda c: abs(c["z"]))
+            guess = (
+                f", within noise of the constant guess {c['guess']:.3f}"
+                if abs(c["z"]) > NOISE_Z and not c.get("beyond_guess", True)
+                else ""
+            )
             lines.append(
-                f"{step} NO CHANGE BEYOND NOISE on any task (largest: {c['task']} {c['diff']:+.3f}, {c['z']:+.1f} se)"
+                f"{step} NO CHANGE BEYOND NOISE on any task (largest: {c['task']} {c['diff']:+.3f}, "
+                f"{c['z']:+.1f} se{guess})"
             )
     if not lines:
         return ""
     return (
         f"Change from the model each post-training step started from, on the same items (score difference, "
-        f"in combined stderr; beyond {NOISE_Z:g} is more than noise):\n" + "\n".join(lines)
+        f"in combined stderr; beyond {NOISE_Z:g} is more than noise; on exact match, only where a score also "
+        f"beats the constant guess, the task's random, by {NOISE_Z:g} stderr):\n" + "\n".join(lines)
     )
 
 

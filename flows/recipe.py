@@ -47,7 +47,7 @@ from tasks.pretrain import TrainingConfig
 from tasks.reasoning_data import ReasoningDataConfig
 from tasks.tokenize import TokenizeConfig
 from tasks.tokenizer import TokenizerConfig
-from trainers.posttrain.sections import PosttrainConfig
+from trainers.posttrain.sections import PosttrainConfig, ReasoningModesConfig
 
 if TYPE_CHECKING:
     from pipeline.runner import RunSetup
@@ -128,6 +128,8 @@ class Recipe(BaseModel):
     stages: tuple[StageConfig, ...] = ()  # pretraining stages: mixture file, tokens, seq_len
     # reasoning traces by source name, token shards a stage's mixture may weigh (reasoning stages)
     reasoning_data: tuple[ReasoningDataConfig, ...] = ()
+    # the system turn of each reasoning mode, for reasoning traces, SFT data, pairs and eval prompts
+    reasoning_modes: ReasoningModesConfig = ReasoningModesConfig()
     preflight: PreflightConfig = PreflightConfig()  # checks before training, and thresholds
     training: TrainingConfig = TrainingConfig()  # model, batch, optimizer, schedule, launcher
     export: ExportConfig = ExportConfig()  # Hugging Face export of every stage

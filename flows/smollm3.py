@@ -201,7 +201,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     traces = {
         r.name: g.add(
             reasoning_data,
-            ReasoningDataSpec(data=r, seed=cfg.seed),
+            ReasoningDataSpec(data=r, seed=cfg.seed, modes=cfg.reasoning_modes),
             label=r.name,
             tokenizer=chosen,
             heldout=list(clean.values()),
@@ -239,6 +239,7 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
             generation_items=pt.eval.generation_items,
             max_gen_tokens=pt.eval.max_gen_tokens,
             think_gen_tokens=pt.eval.think_gen_tokens,
+            modes=cfg.reasoning_modes,
         ),
         label="posttrain",
         heldout=clean,
@@ -263,14 +264,15 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
 
     if pt.eval.base:
         score(base, "base")
-    data = g.add(posttrain_data, ChatDataSpec(data=pt.data, seed=pt.seed), label="chat", corpora=clean)
+    chat = ChatDataSpec(data=pt.data, seed=pt.seed, modes=cfg.reasoning_modes)
+    data = g.add(posttrain_data, chat, label="chat", corpora=clean)
     model = g.add(sft, run(pt.sft), label="sft", model=base, data=data)
     score(model, "sft")
     if pt.preference.enabled:
         tuned = model
         pairs = data
         if pt.preference.pairs == "on_policy":  # per mode: the SFT model's answers against stronger ones
-            spec = PairsSpec(pairs=pt.pairs, seed=pt.seed, device=pt.device)
+            spec = PairsSpec(pairs=pt.pairs, seed=pt.seed, device=pt.device, modes=cfg.reasoning_modes)
             pairs = g.add(preference_pairs, spec, label="pairs", model=tuned, data=data)
         label = "apo" if pt.preference.loss_type.startswith("apo") else pt.preference.loss_type
         model = g.add(preference, run(pt.preference), label=label, model=tuned, data=pairs)

@@ -22,7 +22,8 @@ favour short continuations. Random accuracy is 1 / choices, recorded for margin 
 Each task has one headline metric (`headline_metric`: acc_norm for the prose and code cloze tasks
 and hub tasks that report it, acc for arithmetic numbers and passkeys, exact_match for
 generation), shown with its stderr, the items scored and the task's random baseline (the mean of
-1 / choices over its items; 0 for exact match), so a score on 20 items reads as what it is.
+1 / choices over its items; for exact match the constant guess: the share of the items whose
+answer is the most common one), so a score on 20 items reads as what it is.
 `evaluate` logs items done per task and an ETA while lm-eval runs (evals/lm.py `EvalProgress`)
 and reports the same as a progress artifact.
 """
@@ -39,6 +40,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from curation.bpe import render_chat
 from curation.source_kinds import read_shards
 from evals.harness import (
     headline_metric,
@@ -53,6 +55,7 @@ from evals.suite import build_suite
 from model.config import RopeScaling
 from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
+from trainers.posttrain.sections import ReasoningModesConfig
 
 
 class EvalConfig(BaseModel):
@@ -188,7 +191,8 @@ def _scores_to_trackers(artifact: Artifact, ws) -> None:
 
 class SuiteSpec(BaseModel):
     """The eval_suite step's config: the recipe's eval section (as `EvalConfig.for_suite`), the
-    seed of item sampling, and for post-training suites the exact-match generation task."""
+    seed of item sampling, and for post-training suites the exact-match generation task, whose
+    prompts carry the recipe's `reasoning_modes` system turns (those the model was trained on)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -198,6 +202,16 @@ class SuiteSpec(BaseModel):
     max_gen_tokens: int = Field(default=48, gt=0)  # tokens generated per answer
     # > 0: the think-mode twin of the generation task too, this many tokens per answer
     think_gen_tokens: int = added_identity(0, ge=0)
+    # the system turn of each reasoning mode in the generation prompts (the recipe's reasoning_modes)
+    modes: ReasoningModesConfig = added_identity(ReasoningModesConfig())
+
+    def chat_prompt(self, question: str, think: bool) -> str:
+        """`question` as a chat model is asked it in a reasoning mode: the mode's system turn of
+        `modes` and the user turn, rendered by the tokenizer's chat template with the generation
+        prompt (curation/bpe.py), the prefix of a training row of that mode for that question."""
+        system = self.modes.think_system if think else self.modes.no_think_system
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return render_chat(messages, add_generation_prompt=True)
 
 
 class BeyondSpec(BaseModel):
@@ -244,7 +258,7 @@ class EvalSpec(BaseModel):
         return cls(eval=run, long_context=True, cloze=False, beyond=beyond)
 
 
-@step("eval_suite", version=3, kind="eval", resource="data", isolate=True, retries=1)
+@step("eval_suite", version=4, kind="eval", resource="data", isolate=True, retries=1)
 def eval_suite(
     config: SuiteSpec, heldout: tuple[Artifact, ...], train: tuple[Artifact, ...], *, out: Path, log=print
 ) -> dict[str, Any]:
@@ -260,7 +274,7 @@ def eval_suite(
     return build_suite(config, by_domain, training, out, log)
 
 
-@step("evaluate", version=2, kind="eval", publish=publish_eval, resource="eval")
+@step("evaluate", version=3, kind="eval", publish=publish_eval, resource="eval")
 def evaluate(
     config: EvalSpec, model: Artifact, suite: Artifact, *, out: Path, log=print, progress=None
 ) -> dict[str, Any]:

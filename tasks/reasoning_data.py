@@ -7,8 +7,9 @@ any source (`mixtures/tiny/reasoning.yaml`: `weights: {reasoning: 1.0}`), and th
 plans them with the shards of the tokenize step: the artifact is a `shards` artifact with the same
 meta. Sources:
 - `builtin`: arithmetic and word problems with worked traces, generated from the seed
-  (curation/reasoning.py `builtin_traces`), none of them a held-out math problem of the curated
-  corpora (input `heldout`), which the evaluations ask;
+  (curation/reasoning.py `builtin_traces`), under the recipe's `reasoning_modes.think_system`
+  (the system turn of the SFT think rows and of the think-mode eval prompt), none of them a
+  held-out math problem of the curated corpora (input `heldout`), which the evaluations ask;
 - `files:GLOB` (JSONL), `hf:NAME`, `hf:/PATH`: rows whose `messages_field` holds a conversation
   (`[{role, content}]`, or ShareGPT `from`/`value` as OpenThoughts3's `conversations`).
 Every conversation is rendered with the chosen tokenizer's chat template (ChatML, `/think` unless
@@ -32,7 +33,7 @@ from curation.source_kinds import read_shards
 from pipeline.artifact import Artifact, added_identity
 from pipeline.step import step
 from trainers.posttrain.chat_data import data_state, load_rows
-from trainers.posttrain.sections import ChatDataConfig
+from trainers.posttrain.sections import ChatDataConfig, ReasoningModesConfig
 
 
 class ReasoningDataConfig(BaseModel):
@@ -66,18 +67,22 @@ class ReasoningDataConfig(BaseModel):
 
 
 class ReasoningDataSpec(BaseModel):
-    """The reasoning_data step's config: one source and the seed of its problems and order."""
+    """The reasoning_data step's config: one source, the seed of its problems and order, and the
+    recipe's `reasoning_modes` (the system turn of builtin traces: `think_system`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     data: ReasoningDataConfig
     seed: int = 0
+    modes: ReasoningModesConfig = added_identity(ReasoningModesConfig())  # out of the fingerprint at the default
 
 
-def _conversations(cfg: ReasoningDataConfig, seed: int, heldout: tuple[Artifact, ...]) -> tuple[list, Counter]:
+def _conversations(config: ReasoningDataSpec, heldout: tuple[Artifact, ...]) -> tuple[list, Counter]:
+    cfg = config.data
     if cfg.uri == "builtin":
         texts = (d["text"] for a in heldout if (a.path / "heldout").is_dir() for d in read_shards(a.path / "heldout"))
-        return builtin_traces(cfg.examples, seed, heldout_problems(texts), cfg.max_operand), Counter()
+        traces = builtin_traces(cfg.examples, config.seed, config.modes, heldout_problems(texts), cfg.max_operand)
+        return traces, Counter()
     where = ChatDataConfig(uri=cfg.uri, hf_subset=cfg.hf_subset, hf_split=cfg.hf_split, hf_revision=cfg.hf_revision)
     rows, rejected = [], Counter()
     for i, row in enumerate(load_rows(cfg.uri, where)):
@@ -114,7 +119,7 @@ def reasoning_data(
     from transformers import AutoTokenizer
 
     cfg = config.data
-    conversations, rejected = _conversations(cfg, config.seed, heldout)
+    conversations, rejected = _conversations(config, heldout)
     chosen = selected_tokenizer(tokenizer)
     folder, eos_id = tokenizer_folder(tokenizer)
     tok = AutoTokenizer.from_pretrained(str(folder))

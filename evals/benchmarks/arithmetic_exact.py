@@ -1,19 +1,21 @@
 """The `arithmetic_exact` eval task (chat models, post-training suites): a held-out math problem,
 answered by generation and scored by exact match on the final `Answer: N`.
 
-The prompt our tokenizer's dual-mode template renders for a no-think question (a `/no_think`
-system turn, as the built-in SFT data has, or `enable_thinking=False`: the same string, with the
-empty think block the answer follows) is written into the prompt itself (not lm-eval's
---apply_chat_template), so the task file alone reproduces the score and a base model sees the
-same string (tests/tasks/test_chat_template.py checks it against the template); generation stops
-at the end of the assistant turn.
+Each item carries its prompt (`prompt`): the question as the model was trained to be asked it, the
+no-think system turn of the recipe's `reasoning_modes` and the user turn rendered by the
+tokenizer's dual-mode chat template with the generation prompt (the empty think block the answer
+follows). The eval_suite step renders it (`spec.chat_prompt`, tasks/evaluate.py `SuiteSpec`),
+with the system turn the SFT rows and reasoning traces carry, so a training row of that mode for
+that question starts with exactly this string (tests/tasks/test_chat_template.py). The task file
+reads the prompt from the item (`doc_to_text: "{{prompt}}"`), not from lm-eval's
+--apply_chat_template: the task files alone reproduce the score and a base model sees the same
+string; generation stops at the end of the assistant turn.
 
 Post-training suites also carry its think-mode twin, `arithmetic_exact_think` (`ArithmeticExactThink`,
 built only where the suite's `think_gen_tokens` is set, so pretraining suites are unchanged): the
-same items under the `/think` system turn (`enable_thinking=True`), the assistant turn left open
-for the model's `<think>` block; exact match reads the `Answer: N` after a closed `</think>` only,
-and the evaluation records each model's mean think length and the share of answers that close the
-block (`think_stats`).
+same questions under the think system turn, the assistant turn left open for the model's `<think>`
+block; exact match reads the `Answer: N` after a closed `</think>` only, and the evaluation records
+each model's mean think length and the share of answers that close the block (`think_stats`).
 """
 
 from __future__ import annotations
@@ -21,46 +23,17 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from evals.benchmarks.eval_task import WORKED_SOLUTION, EvalTask, local_json_task
 
-CHAT_PROMPT = (
-    "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: /no_think\n\n"
-    "## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n"
-    "<|im_end|>\n<|im_start|>user\n{{problem}}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
-)
 GENERATION_TASK = "arithmetic_exact"
 ANSWER_PATTERN = r"Answer:\s*(-?\d+)"  # the final answer the worked solutions end with
-
-# Think mode: what the template renders for `/think` (or enable_thinking=True) with a generation
-# prompt: the system turn says /think and the assistant turn opens bare, for the model's <think>.
-# Its default custom instructions are SmolLM3's think-mode persona (curation/bpe.py THINK_PERSONA).
-THINK_PERSONA = (
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant "
-    "involves thoroughly exploring questions through a systematic thinking process before providing "
-    "the final precise and accurate solutions. This requires engaging in a comprehensive cycle of "
-    "analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to "
-    "develop well-considered thinking process. Please structure your response into two main sections: "
-    "Thought and Solution using the specified format: <think> Thought section </think> Solution "
-    "section. In the Thought section, detail your reasoning process in steps. Each step should include "
-    "detailed considerations such as analysing questions, summarizing relevant findings, brainstorming "
-    "new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting "
-    "previous steps. In the Solution section, based on various attempts, explorations, and reflections "
-    "from the Thought section, systematically present the final solution that you deem correct. The "
-    "Solution section should be logical, accurate, and concise and detail necessary steps needed to "
-    "reach the conclusion."
-)
-THINK_PROMPT = (
-    CHAT_PROMPT.replace("Reasoning Mode: /no_think", "Reasoning Mode: /think")
-    .replace(
-        "You are a helpful AI assistant named SmolLM, trained by Hugging Face.\n",
-        THINK_PERSONA + "\n",
-    )
-    .removesuffix("<think>\n\n</think>\n")
-)
+PROMPT_FIELD = "prompt"  # the item's field holding its rendered chat prompt
 THINK_TASK = "arithmetic_exact_think"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The final answer after the closed think block (an `Answer:` inside the trace does not count).
@@ -97,28 +70,42 @@ def think_stats(completions: Sequence[str], count_tokens: Callable[[str], int]) 
     return {"think_tokens": sum(lengths) / len(lengths), "think_closed": closed / len(completions)}
 
 
-def arithmetic_generation_items(docs: Sequence[str], n: int) -> list[dict[str, Any]]:
-    """Held-out math problems as {problem, answer} for the exact-match generation task."""
+def arithmetic_generation_items(
+    docs: Sequence[str], n: int, prompt: Callable[[str], str] | None = None
+) -> list[dict[str, Any]]:
+    """Held-out math problems as {problem, answer}, and with `prompt` (a question -> the chat
+    prompt it is asked with) its rendered `prompt`, for the exact-match generation task."""
     items = []
     for text in docs:
         m = WORKED_SOLUTION.match(text.strip())
         if m:
-            items.append({"problem": m["problem"].strip(), "answer": m["answer"]})
+            problem = m["problem"].strip()
+            item = {"problem": problem, "answer": m["answer"]}
+            if prompt is not None:
+                item[PROMPT_FIELD] = prompt(problem)
+            items.append(item)
         if len(items) >= n:
             break
     return items
 
 
-def generation_task_yaml(
-    name: str, data_file: Path, max_gen_toks: int = 48, prompt: str = CHAT_PROMPT, answer: str = ANSWER_PATTERN
-) -> str:
-    """An lm-eval `generate_until` task: greedy answer, exact match on the final integer
-    (`prompt` and `answer`: the think-mode task's own)."""
+def constant_guess(answers: Sequence[str]) -> float:
+    """The exact match of the best constant answer: the share of the items whose answer is the
+    most common one (0 without items). A model that says one number whatever the question scores
+    up to this, so exact match beats guessing only above it."""
+    if not answers:
+        return 0.0
+    return Counter(str(a).strip() for a in answers).most_common(1)[0][1] / len(answers)
+
+
+def generation_task_yaml(name: str, data_file: Path, max_gen_toks: int = 48, answer: str = ANSWER_PATTERN) -> str:
+    """An lm-eval `generate_until` task over items carrying their prompt: greedy answer, exact
+    match on the final integer (`answer`: the think-mode task's own pattern)."""
     return "\n".join(
         [
             *local_json_task(name, data_file),
             "output_type: generate_until",
-            f"doc_to_text: {json.dumps(prompt)}",
+            f'doc_to_text: "{{{{{PROMPT_FIELD}}}}}"',
             'doc_to_target: "{{answer}}"',
             "generation_kwargs:",
             '  until: ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]',
@@ -150,7 +137,8 @@ class ArithmeticExact(EvalTask):
         from `rng`."""
         if not spec.generation_items:
             return {}
-        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items)}
+        ask = partial(spec.chat_prompt, think=False)
+        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items, ask)}
 
     def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
         return generation_task_yaml(name, data_file, max_gen_tokens)
@@ -170,10 +158,11 @@ class ArithmeticExactThink(EvalTask):
         from `rng`."""
         if not spec.generation_items or not getattr(spec, "think_gen_tokens", 0):
             return {}
-        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items)}
+        ask = partial(spec.chat_prompt, think=True)
+        return {self.name: arithmetic_generation_items(heldout["math"], spec.generation_items, ask)}
 
     def gen_tokens(self, spec: Any) -> int:
         return spec.think_gen_tokens
 
     def task_yaml(self, name: str, data_file: Path, max_gen_tokens: int) -> str:
-        return generation_task_yaml(name, data_file, max_gen_tokens, THINK_PROMPT, THINK_ANSWER_PATTERN)
+        return generation_task_yaml(name, data_file, max_gen_tokens, THINK_ANSWER_PATTERN)

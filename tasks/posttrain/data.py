@@ -61,13 +61,16 @@ def posttrain_data(config: ChatDataSpec, corpora: tuple[Artifact, ...], *, out: 
         )
     rejected: Counter = Counter()
     if cfg.uri == "builtin":
-        train = builtin_conversations(corpora, "train", cfg.math_examples, cfg.prose_examples, seed, cfg.think_share)
+        train = builtin_conversations(
+            corpora, "train", cfg.math_examples, cfg.prose_examples, seed, config.modes, cfg.think_share
+        )
         heldout = builtin_conversations(
             corpora,
             "heldout",
             cfg.heldout_examples - cfg.heldout_examples // 4,
             cfg.heldout_examples // 4,
             seed,
+            config.modes,
             cfg.think_share,
         )
         if cfg.max_examples:
@@ -78,7 +81,7 @@ def posttrain_data(config: ChatDataSpec, corpora: tuple[Artifact, ...], *, out: 
     if not train:
         raise ValueError("posttrain data: no training conversations could be built from the corpora")
     skip = cfg.math_examples if cfg.uri == "builtin" else 0
-    prompts = arithmetic_prompts(corpora, skip, cfg.prompts)
+    prompts = arithmetic_prompts(corpora, skip, cfg.prompts, config.modes)
     if not prompts:
         raise ValueError(
             f"posttrain data: no arithmetic prompts left after the {skip} SFT math documents; raise "

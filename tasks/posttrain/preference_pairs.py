@@ -112,6 +112,7 @@ class _Run:
     device: str
     store: ChunkStore
     log: Any
+    modes: Any  # the recipe's reasoning_modes: the system turns of builtin prompts
     cache: dict = field(default_factory=dict)
 
 
@@ -141,7 +142,7 @@ def _sampled_mode(cfg: PairModeConfig, mode: str, ctx: _Run) -> tuple[list[Span]
         if ctx.store.counts(mode, (a, b)) is not None:
             continue
         part = rows[a:b]
-        prompts = [mode_prompt(r["prompt"], mode, builtin) for r in part]
+        prompts = [mode_prompt(r["prompt"], mode, builtin, ctx.modes) for r in part]
         chosen = _answers(cfg.chosen, prompts, part, cfg, mode, ctx.seed, a, ctx)
         rejected = _answers(cfg.rejected, prompts, part, cfg, mode, ctx.seed, a, ctx)
         answers = [r.get("answer") for r in part] if builtin else None
@@ -178,7 +179,8 @@ def preference_pairs(config: PairsSpec, model: Artifact, data: Artifact, *, out:
     if not modes:
         raise ValueError("preference_pairs: posttrain.pairs names no mode; set posttrain.pairs.think and/or no_think")
     out.mkdir(parents=True, exist_ok=True)
-    ctx = _Run(data.path, model_dir(model), config.seed, resolve_device(config.device), ChunkStore(out), log)
+    device = resolve_device(config.device)
+    ctx = _Run(data.path, model_dir(model), config.seed, device, ChunkStore(out), log, config.modes)
     parts, by_mode = [], {}
     for mode, cfg in modes.items():
         plan, by_mode[mode] = (_dataset_mode if cfg.pairs is not None else _sampled_mode)(cfg, mode, ctx)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from curation.conversations import THINK_SYSTEM
 from curation.pairing import final_answer, mode_prompt, pair_rows, reference_answer
+from trainers.posttrain.sections import ReasoningModesConfig
 
 
 def test_pair_rules_drop_what_would_teach_the_wrong_thing():
@@ -31,7 +31,19 @@ def test_prompts_and_references_in_each_mode():
     hub = [{"role": "system", "content": "Be brief. /think"}, {"role": "user", "content": "Hi"}]
     assert mode_prompt(hub, "no_think")[0] == {"role": "system", "content": "Be brief. /no_think"}
     assert mode_prompt(hub[1:], "think")[0] == {"role": "system", "content": "/think"}
-    assert mode_prompt(hub[1:], "think", builtin=True)[0]["content"] == THINK_SYSTEM
+    # builtin prompts take the recipe's reasoning_modes, whatever system turn they carry
+    modes = ReasoningModesConfig()
+    builtin = [{"role": "system", "content": "/no_think"}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert mode_prompt(builtin, "think", builtin=True, systems=modes)[0]["content"] == modes.think_system
+    assert mode_prompt(builtin, "no_think", builtin=True, systems=modes)[0]["content"] == "/no_think"
+    own = ReasoningModesConfig(think_system="Work it out. /think", no_think_system="Answer only. /no_think")
+    assert [m["content"] for m in mode_prompt(builtin, "think", builtin=True, systems=own)] == [
+        "Work it out. /think",
+        "What is 2 + 2?",
+    ]
+    assert mode_prompt(builtin, "no_think", builtin=True, systems=own)[0]["content"] == "Answer only. /no_think"
+    with pytest.raises(ValueError, match="needs `systems`"):
+        mode_prompt(builtin, "think", builtin=True)
     row = {
         "prompt": [{"role": "user", "content": "What is 12 + 30?"}],
         "answer": "42",

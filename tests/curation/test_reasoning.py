@@ -6,24 +6,28 @@ import re
 
 import numpy as np
 
-from curation.conversations import THINK_SYSTEM
 from curation.reasoning import as_messages, builtin_traces, heldout_problems, two_step_problem, write_token_shard
 from model.token_shards import TokenShard, check_token_size
+from trainers.posttrain.sections import ReasoningModesConfig
+
+MODES = ReasoningModesConfig()  # the recipe's reasoning_modes at their defaults
 
 
 def test_builtin_traces_are_seeded_think_conversations_whose_every_step_is_right():
-    first, again, other = builtin_traces(40, seed=0), builtin_traces(40, seed=0), builtin_traces(40, seed=1)
+    first, again, other = builtin_traces(40, 0, MODES), builtin_traces(40, 0, MODES), builtin_traces(40, 1, MODES)
     assert first == again and first != other
     two_step = 0
     for conv in first:
         system, user, reply = (m["content"] for m in conv["messages"])
-        assert system == THINK_SYSTEM and reply.startswith("<think>\nThe question: " + user)
+        assert system == MODES.think_system and reply.startswith("<think>\nThe question: " + user)
         trace, final = reply.removeprefix("<think>\n").split("\n</think>\n")
         assert re.fullmatch(r"Answer: -?\d+", final) and "Check: " in trace
         equations = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", trace)
         assert equations and all(eval(f"{x} {op} {y}") == int(z) for x, op, y, z in equations)
         two_step += " * " in user and " + " in user or "change" in user
     assert 5 <= two_step <= 25  # about a third are two-step problems
+    own = ReasoningModesConfig(think_system="Reason, then answer. /think")
+    assert {c["messages"][0]["content"] for c in builtin_traces(5, 0, own)} == {"Reason, then answer. /think"}
 
 
 def test_a_two_step_problem_is_worked_in_both_steps_and_its_answer_is_right():
@@ -38,11 +42,11 @@ def test_a_two_step_problem_is_worked_in_both_steps_and_its_answer_is_right():
 
 
 def test_problems_the_evaluations_hold_out_are_never_generated():
-    plain = builtin_traces(30, seed=0)
+    plain = builtin_traces(30, 0, MODES)
     asked = [c["messages"][1]["content"] for c in plain[:10]]
     heldout = [f"Problem: {q}\nSolution: x\nAnswer: 1" for q in asked] + ["not a math document"]
     assert list(heldout_problems(heldout)) == asked
-    kept = builtin_traces(30, seed=0, exclude=heldout_problems(heldout))
+    kept = builtin_traces(30, 0, MODES, exclude=heldout_problems(heldout))
     assert len(kept) == 30 and not {c["messages"][1]["content"] for c in kept} & set(asked)
 
 
@@ -87,8 +91,8 @@ def test_builtin_traces_with_max_operand_work_small_problems_in_every_step():
             assert paid % 10 == 0 and 0 < paid - cost <= 10
         else:
             assert max(int(n) for n in re.findall(r"\d+", problem)) <= 9
-    small = builtin_traces(40, seed=0, max_operand=9)
-    assert small == builtin_traces(40, seed=0, max_operand=9) and small != builtin_traces(40, seed=0)
+    small = builtin_traces(40, 0, MODES, max_operand=9)
+    assert small == builtin_traces(40, 0, MODES, max_operand=9) and small != builtin_traces(40, 0, MODES)
     for conv in small:
         trace = conv["messages"][2]["content"]
         equations = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", trace)

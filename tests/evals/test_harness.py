@@ -13,8 +13,13 @@ from evals.benchmarks.arithmetic_cloze import arithmetic_items
 from evals.benchmarks.eval_task import task_yaml
 from evals.benchmarks.passkey import passkey_items
 from evals.harness import run_lm_eval
-from tasks.evaluate import EvalConfig
+from tasks.evaluate import EvalConfig, SuiteSpec
 from tests.evals.tiny_model import export_tiny_hf_model
+
+
+def _asked(think: bool = False):
+    """Questions as the eval suite asks them (the chat prompt in a reasoning mode)."""
+    return lambda question: SuiteSpec(eval=EvalConfig()).chat_prompt(question, think=think)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,9 @@ def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
     docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(5)]
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
-    (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 5)))
+    (task_dir / "g.jsonl").write_text(
+        "".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 5, _asked()))
+    )
     (task_dir / "g.yaml").write_text(generation_task_yaml("gen_test", task_dir / "g.jsonl", 6))
     cfg = EvalConfig(batch_size=5, device="cpu")
     ours = run_lm_eval(tiny_hf_model, task_dir, ["gen_test"], cfg, tmp_path)
@@ -106,7 +113,7 @@ def test_the_think_mode_task_scores_with_its_think_length_and_closed_share(tmp_p
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     data = task_dir / f"{THINK_TASK}.jsonl"
-    data.write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 4)))
+    data.write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 4, _asked(think=True))))
     (task_dir / f"{THINK_TASK}.yaml").write_text(suite_task_yaml(THINK_TASK, data, 6))
     scores = run_lm_eval(tiny_hf_model, task_dir, [THINK_TASK], EvalConfig(batch_size=4, device="cpu"), tmp_path)
     got = scores[THINK_TASK]
@@ -123,7 +130,9 @@ def test_generation_progress_counts_generated_answers(tmp_path, tiny_hf_model):
     docs = [f"Problem: What is {a} + 1?\nSolution: {a} + 1 = {a + 1}.\nAnswer: {a + 1}" for a in range(6)]
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
-    (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 6)))
+    (task_dir / "g.jsonl").write_text(
+        "".join(json.dumps(i) + "\n" for i in arithmetic_generation_items(docs, 6, _asked()))
+    )
     (task_dir / "g.yaml").write_text(generation_task_yaml("gen_test", task_dir / "g.jsonl", 4))
     lines: list[str] = []
     meter = EvalProgress(lines.append, every_pct=50)  # nothing expected: counted as announced

@@ -184,3 +184,51 @@ def test_a_post_training_step_that_moved_no_score_beyond_noise_is_flagged():
     assert "\n\n- sft vs base: arithmetic_exact +0.300 (+4.6 se)\n- apo vs sft: NO CHANGE BEYOND NOISE" in markdown
     # without parents (a run without post-training, or before its report) the table is as before
     assert "NO CHANGE" not in eval_table_text(rows) and "started from" not in eval_table_markdown(rows)
+
+
+def test_always_giving_the_most_common_answer_is_flagged_as_no_change_beyond_the_constant_guess(tmp_path):
+    """Exact match's random baseline is the constant guess (the most common answer's share of the
+    items, evals/harness.py `random_baselines`): a model that answers that number to every
+    question beats a model that is never right by more than two combined stderr, and is still
+    flagged, because it does not beat the guess; a model right on 40% is a move."""
+    import re
+
+    from lm_eval.api.metrics import mean_stderr
+
+    from evals.benchmarks.arithmetic_exact import ANSWER_PATTERN
+    from evals.harness import random_baselines
+
+    answers = [str(6 if i % 10 == 0 else 20 + i) for i in range(100)]  # 6 is the answer of 10 items
+    task_dir = tmp_path / "suite" / "tasks"
+    task_dir.mkdir(parents=True)
+    items = [{"problem": f"q{i}", "answer": a, "prompt": f"q{i}"} for i, a in enumerate(answers)]
+    (task_dir / "arithmetic_exact.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    suite = Artifact(kind="eval", uri=str(tmp_path / "suite"), fingerprint="s" * 64, meta={"task_dir": str(task_dir)})
+    random = random_baselines(suite, ["arithmetic_exact"], None)
+    assert random == {"arithmetic_exact": 0.1}
+
+    def evaluation(label: str, replies: list[str]) -> tuple[str, Artifact]:
+        hits = [float(re.search(ANSWER_PATTERN, r)[1] == a) for r, a in zip(replies, answers, strict=True)]
+        scores = {"arithmetic_exact": {"exact_match": sum(hits) / len(hits), "exact_match_stderr": mean_stderr(hits)}}
+        meta = {"items": {"arithmetic_exact": 100}, "random_baseline": random}
+        return label, _eval(tmp_path, label, scores, **meta)
+
+    labelled = [
+        evaluation("base", ["Answer: -1"] * 100),  # never right
+        evaluation("sft", ["Answer: 6"] * 100),  # the most common answer, whatever the question
+        evaluation("grpo", [f"Answer: {a if i % 5 < 2 else -1}" for i, a in enumerate(answers)]),  # 40% right
+    ]
+    rows = eval_rows(labelled)
+    sft = next(r for r in rows if r["model"] == "sft")
+    assert (sft["score"], sft["random"]) == (pytest.approx(0.1), 0.1)
+    got = {m["model"]: m for m in moves(rows, [("sft", "base"), ("grpo", "sft")])}
+    change = got["sft"]["changes"][0]
+    assert change["z"] > 3 and change["beyond_guess"] is False  # beyond noise of the parent, not of the guess
+    assert got["sft"]["moved"] is False and got["grpo"]["moved"] is True
+    text = eval_table_text(rows, [("sft", "base"), ("grpo", "sft")])
+    assert (
+        "sft vs base: NO CHANGE BEYOND NOISE on any task (largest: arithmetic_exact +0.100, +3.3 se, within noise of the constant guess 0.100)"
+        in text
+    )
+    assert "grpo vs sft: arithmetic_exact +0.300" in text
+    assert "random" in text and "0.100" in text.splitlines()[2]  # the table's random row: the constant guess

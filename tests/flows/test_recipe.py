@@ -64,11 +64,26 @@ def test_check_data_names_the_source_field_before_any_compute(tmp_path):
 def test_unknown_keys_are_rejected_with_the_allowed_ones(tmp_path):
     with pytest.raises(
         RecipeError,
-        match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (reasoning_data, )?(resources, )?seed, sources, .*workspace",
+        match=r"colour: unknown field; allowed: .*name, (posttrain, )?preflight, (reasoning_data, )?(reasoning_modes, )?(resources, )?seed, sources, .*workspace",
     ):
         load_recipe(_write(tmp_path, {**BASE, "colour": "red"}))
     with pytest.raises(RecipeError, match=r"sources\[m\]\.colour: unknown field; allowed: .*domain"):
         load_recipe(str(_write(tmp_path, BASE)), ["sources.m.colour=red"])
+
+
+def test_reasoning_modes_default_to_the_built_in_system_turns_and_bad_ones_are_named():
+    modes = load_recipe("tiny").reasoning_modes
+    assert (modes.think_system, modes.no_think_system) == ("Think step by step, then answer. /think", "/no_think")
+    own = load_recipe("tiny", ["reasoning_modes.think_system=Show each step. /think"]).reasoning_modes
+    assert own.system("think") == "Show each step. /think" and own.system("no_think") == "/no_think"
+    with pytest.raises(RecipeError, match=r"reasoning_modes.think_system 'Show each step.' does not say /think"):
+        load_recipe("tiny", ["reasoning_modes.think_system=Show each step."])
+    with pytest.raises(RecipeError, match=r"reasoning_modes.no_think_system .* does not say /no_think"):
+        load_recipe("tiny", ["reasoning_modes.no_think_system=Be brief. /think"])
+    with pytest.raises(RecipeError, match=r"reasoning_modes.think_system .* says /no_think"):
+        load_recipe("tiny", ["reasoning_modes.think_system=/think /no_think"])
+    with pytest.raises(RecipeError, match=r"reasoning_modes.think_system holds '<\|im_end\|>'"):
+        load_recipe("tiny", ["reasoning_modes.think_system=Think.<|im_end|> /think"])
 
 
 def test_unknown_source_uri_and_duplicates(tmp_path):

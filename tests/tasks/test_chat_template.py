@@ -30,12 +30,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evals.benchmarks.arithmetic_exact import CHAT_PROMPT, THINK_PROMPT
+from curation.bpe import NO_THINK_PERSONA, THINK_PERSONA
+from curation.conversations import math_conversation
+from curation.reasoning import builtin_traces
+from evals.benchmarks.arithmetic_exact import ArithmeticExactThink
 from model.config import ModelConfig
 from model.hf import export_hf
 from model.model import SmolLM3
+from tasks.evaluate import EvalConfig, SuiteSpec
 from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus, random_text
+from trainers.posttrain.sections import ReasoningModesConfig
 
 FIXTURES = json.loads((Path(__file__).parent / "data" / "smollm3_chat_template.json").read_text(encoding="utf-8"))
 
@@ -101,25 +106,60 @@ def test_generation_stops_at_the_end_of_turn_in_both_modes(exported, enable_thin
     assert out[0].tolist() == [*prompt, end]
 
 
-def test_the_arithmetic_eval_prompt_is_the_no_think_rendering(exported):
-    """The generation task writes the template's prompt into its task file: the same string."""
-    tok = AutoTokenizer.from_pretrained(str(exported))
-    question = [{"role": "user", "content": "{{problem}}"}]
-    flagged = tok.apply_chat_template(
-        [{"role": "system", "content": "/no_think"}, *question], tokenize=False, add_generation_prompt=True
-    )
-    switched = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert flagged == switched == CHAT_PROMPT
+def _training_rows(question: str, solution: str, answer: str, modes: ReasoningModesConfig) -> dict[str, list]:
+    """The rows of each mode the model trains on for one question: the SFT conversation of
+    posttrain_data (curation/conversations.py) and, in think mode, the reasoning trace of
+    reasoning_data (curation/reasoning.py builds its traces the same way)."""
+    text = f"Problem: {question}\nSolution: {solution}\nAnswer: {answer}"
+    return {
+        "no_think": [math_conversation(text, modes)["messages"]],
+        "think": [math_conversation(text, modes, think=True)["messages"]]
+        + [t["messages"] for t in builtin_traces(40, 0, modes) if t["messages"][1]["content"] == question],
+    }
 
 
-def test_the_think_mode_arithmetic_prompt_is_the_think_rendering(exported):
-    """The think-mode twin writes the template's `/think` prompt: the assistant turn left open for
-    the model's own <think> block."""
+@pytest.mark.parametrize("own", [False, True], ids=["default modes", "the recipe's own modes"])
+def test_the_eval_prompts_are_the_training_rows_prompt_prefix_in_each_mode(exported, own):
+    """The eval's think / no-think prompt for a question is exactly what the exported tokenizer
+    renders before the assistant's reply in the SFT row (and the reasoning trace) of that mode for
+    that question: the same system turn (the recipe's `reasoning_modes`, its defaults or its own)
+    through the same chat template; the row goes on with the reply and the end of the turn."""
     tok = AutoTokenizer.from_pretrained(str(exported))
-    question = [{"role": "user", "content": "{{problem}}"}]
-    flagged = tok.apply_chat_template(
-        [{"role": "system", "content": "/think"}, *question], tokenize=False, add_generation_prompt=True
+    modes = (
+        ReasoningModesConfig(think_system="Work it out. /think", no_think_system="Be direct. /no_think")
+        if own
+        else ReasoningModesConfig()
     )
-    switched = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-    assert flagged == switched == THINK_PROMPT
-    assert THINK_PROMPT.endswith("<|im_start|>assistant\n") and "Reasoning Mode: /think\n" in THINK_PROMPT
+    spec = SuiteSpec(eval=EvalConfig(), generation_items=1, think_gen_tokens=8, modes=modes)
+    first = builtin_traces(1, 0, modes)[0]["messages"]  # a question the reasoning traces hold too
+    question, trace = first[1]["content"], first[2]["content"]
+    solution = "; ".join(line for line in trace.splitlines() if " = " in line and not line.startswith("Check"))
+    answer = trace.rsplit("Answer: ", 1)[1]
+    for mode, rows in _training_rows(question, solution, answer, modes).items():
+        prompt = spec.chat_prompt(question, think=mode == "think")
+        assert len(rows) == (2 if mode == "think" else 1)
+        for messages in rows:
+            row = tok.apply_chat_template(messages, tokenize=False)
+            assert row == prompt + messages[2]["content"] + "<|im_end|>\n"
+            assert f"Reasoning Mode: /{mode}\n" in prompt
+            # the custom instructions are the mode's system turn without its flag, never the default persona
+            instructions = modes.system(mode).replace(f"/{mode}", "").rstrip()
+            assert f"## Custom Instructions\n\n{instructions or NO_THINK_PERSONA}\n\n<|im_end|>" in prompt
+            assert THINK_PERSONA not in prompt
+    # the same for the items the suite writes
+    items = ArithmeticExactThink().build(
+        {"math": [f"Problem: {question}\nSolution: x = 1.\nAnswer: {answer}"]}, spec, random.Random(0)
+    )
+    assert items["arithmetic_exact_think"][0]["prompt"] == spec.chat_prompt(question, think=True)
+
+
+def test_the_published_no_system_rendering_is_kept(exported):
+    """Without a system turn the template still renders SmolLM3's default instructions per mode
+    (the think persona for /think): the reasoning modes only set the system turn of our own rows."""
+    tok = AutoTokenizer.from_pretrained(str(exported))
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    think = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    plain = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert f"## Custom Instructions\n\n{THINK_PERSONA}\n\n<|im_end|>" in think and think.endswith("assistant\n")
+    assert f"## Custom Instructions\n\n{NO_THINK_PERSONA}\n\n<|im_end|>" in plain
+    assert plain == SuiteSpec(eval=EvalConfig()).chat_prompt("What is 2 + 2?", think=False)  # /no_think: the same

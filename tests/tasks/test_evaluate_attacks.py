@@ -107,6 +107,10 @@ def test_planted_task_files_beside_the_suite_are_ignored_and_named(tmp_path, sui
     rows = [json.loads(line) for line in (task_dir / "prose_cloze.jsonl").read_text().splitlines()]
     rows[0]["context"] = _jinja(jinja_marker)
     (task_dir / "prose_cloze.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the same for the chat prompt an exact-match item carries
+    rows = [json.loads(line) for line in (task_dir / "arithmetic_exact.jsonl").read_text().splitlines()]
+    rows[0]["prompt"] = _jinja(jinja_marker)
+    (task_dir / "arithmetic_exact.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     lines: list[str] = []
     tasks = list(suite.meta["tasks"])
@@ -119,7 +123,7 @@ def test_planted_task_files_beside_the_suite_are_ignored_and_named(tmp_path, sui
     assert all(repr(n) in line for n in ("x.yaml", "x.jsonl", "y.yaml", "evil_y.py")) and "ignored" in line
 
     prompts = _load(private, tasks)
-    assert prompts["prose_cloze"] == _jinja(jinja_marker)  # the payload as text
+    assert prompts["prose_cloze"] == prompts["arithmetic_exact"] == _jinja(jinja_marker)  # the payload as text
     with pytest.raises(Exception):  # noqa: B017  (lm-eval's own error for an unknown task)
         _load(private, ["x"])
     assert not jinja_marker.exists() and not function_marker.exists()
@@ -184,6 +188,9 @@ def test_evaluate_on_a_planted_suite_runs_nothing_and_names_the_files(tmp_path, 
     out.mkdir()
     meta = evaluate(EvalSpec(eval=cfg), model, suite, out=out, log=lines.append)
     assert set(meta["scores"]) == {"prose_cloze", "arithmetic_cloze", "arithmetic_exact"}
+    # exact match's random baseline: the constant guess over the items scored (limit 2)
+    items = [json.loads(x) for x in (task_dir / "arithmetic_exact.jsonl").read_text().splitlines()][:2]
+    assert meta["random_baseline"]["arithmetic_exact"] == (1.0 if items[0]["answer"] == items[1]["answer"] else 0.5)
     assert any("ignored" in line and "'x.yaml'" in line and "'utils.py'" in line for line in lines)
     assert not marker.exists()
 

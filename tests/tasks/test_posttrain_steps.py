@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from curation.conversations import THINK_SYSTEM, math_conversation
+from curation.conversations import math_conversation
 from pipeline.artifact import Artifact, read_marker, run_step
 from tasks.posttrain.data import posttrain_data
 from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
@@ -28,6 +28,7 @@ from trainers.posttrain.sections import (
     MergeSpec,
     PosttrainConfig,
     PreferenceConfig,
+    ReasoningModesConfig,
     SFTConfig,
     SoupConfig,
     micro_batches,
@@ -133,7 +134,7 @@ def test_verifier_and_rewards():
     # TRL passes conversational completions as message lists.
     assert exact_match_reward([[{"role": "assistant", "content": good}]], ["42"]) == [1.0]
     assert format_reward([good, "Answer: 42", "42"]) == [1.0, 0.0, 0.0]
-    conv = math_conversation("Problem: What is 2 + 3?\nSolution: 2 + 3 = 5.\nAnswer: 5")
+    conv = math_conversation("Problem: What is 2 + 3?\nSolution: 2 + 3 = 5.\nAnswer: 5", ReasoningModesConfig())
     assert conv["messages"][2]["content"] == "2 + 3 = 5.\nAnswer: 5" and conv["answer"] == "5"
 
 
@@ -145,11 +146,12 @@ def test_builtin_chat_data_keeps_heldout_apart(world):
     prompts = read_jsonl(world["data"] / "prompts.jsonl")
     # both reasoning modes in SFT (think: a worked trace in <think>...</think>); RL prompts no-think
     systems = [r["messages"][0]["content"] for r in train + heldout]
-    assert set(systems) == {"/no_think", THINK_SYSTEM}
+    think_system = ReasoningModesConfig().think_system
+    assert set(systems) == {"/no_think", think_system}
     assert all(
         r["messages"][2]["content"].startswith("<think>\n")
         for r in train
-        if r["messages"][0]["content"] == THINK_SYSTEM
+        if r["messages"][0]["content"] == think_system
     )
     assert all(p["prompt"][0] == {"role": "system", "content": "/no_think"} for p in prompts)
     key = lambda r: r["messages"][1]["content"]  # noqa: E731
@@ -447,12 +449,13 @@ def test_generation_task_scores_exact_match_with_lm_eval(world, tmp_path):
     from curation.source_kinds import math_problem
     from evals.harness import run_lm_eval
     from evals.suite import arithmetic_generation_items, generation_task_yaml
-    from tasks.evaluate import EvalConfig
+    from tasks.evaluate import EvalConfig, SuiteSpec
 
     rng = random.Random(3)
     docs = ["Problem: {}\nSolution: {}\nAnswer: {}".format(*math_problem(rng)) for _ in range(6)]
-    items = arithmetic_generation_items(docs, 6)
-    assert all(set(i) == {"problem", "answer"} for i in items) and len(items) == 6
+    spec = SuiteSpec(eval=EvalConfig())
+    items = arithmetic_generation_items(docs, 6, lambda q: spec.chat_prompt(q, think=False))
+    assert all(set(i) == {"problem", "answer", "prompt"} for i in items) and len(items) == 6
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     (task_dir / "g.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from curation.conversations import THINK_SYSTEM
 from curation.pairing import final_answer
 from pipeline.artifact import Artifact
 from tasks.posttrain.data import posttrain_data
@@ -29,6 +28,7 @@ from trainers.posttrain.sections import (
     PairsSpec,
     PosttrainConfig,
     PreferenceConfig,
+    ReasoningModesConfig,
 )
 
 DATA = ChatDataConfig(math_examples=40, prose_examples=8, heldout_examples=4, prompts=16, think_share=0.5)
@@ -83,7 +83,7 @@ def test_pairs_per_mode_record_their_sources_and_are_deterministic(world):
         chosen = r["chosen"][0]["content"]
         assert final_answer(chosen) == question["answer"]  # the verified answer, in the mode's format
         if r["mode"] == "think":
-            assert system == {"role": "system", "content": THINK_SYSTEM}
+            assert system == {"role": "system", "content": ReasoningModesConfig().think_system}
             assert chosen.startswith("<think>\nThe question: ") and "</think>\nAnswer: " in chosen
         else:
             assert system == {"role": "system", "content": "/no_think"}

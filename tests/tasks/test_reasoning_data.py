@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from curation.reasoning import builtin_traces
-from pipeline.artifact import Artifact
+from pipeline.artifact import Artifact, identity
 from tasks.mixture import MixtureSpec, mixture
 from tasks.reasoning_data import ReasoningDataConfig, ReasoningDataSpec, reasoning_data
 from tasks.tokenizer import TokenizerConfig, tokenizer
 from tests.tasks.datafiles import corpus
+from trainers.posttrain.sections import ReasoningModesConfig
+
+MODES = ReasoningModesConfig()  # the recipe's reasoning_modes at their defaults
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +24,13 @@ def world(tmp_path_factory):
     """A BPE trained on arithmetic traces, and a math corpus whose held-out split asks the first
     problem the builtin generator would draw."""
     tmp = tmp_path_factory.mktemp("reasoning")
-    texts = [c["messages"][2]["content"] for c in builtin_traces(200, seed=9)]
+    texts = [c["messages"][2]["content"] for c in builtin_traces(200, 9, MODES)]
     src = corpus(tmp / "tokdata", [(f"t{i}", t) for i, t in enumerate(texts)])
     out = tmp / "tok"
     out.mkdir()
     meta = tokenizer(TokenizerConfig(vocab_size=600, min_frequency=1), [src], out=out)
     tok = Artifact(kind="tokenizer", uri=str(out), fingerprint="2" * 64, meta=meta)
-    asked = builtin_traces(1, seed=0)[0]["messages"][1]["content"]
+    asked = builtin_traces(1, 0, MODES)[0]["messages"][1]["content"]
     math = corpus(
         tmp / "math", [("m0", "x")], heldout=[("h0", f"Problem: {asked}\nSolution: x\nAnswer: 1")], domain="math"
     )
@@ -49,9 +52,20 @@ def test_builtin_traces_become_think_mode_chatml_documents_each_closed_by_eos(wo
     starts = np.concatenate([[0], ends[:-1]])
     texts = [hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)]
     # every document is the chat template's rendering of one conversation, in /think mode
-    rendered = {hf.apply_chat_template(c["messages"], tokenize=False) for c in builtin_traces(13, seed=0)}
+    rendered = {hf.apply_chat_template(c["messages"], tokenize=False) for c in builtin_traces(13, 0, MODES)}
     assert set(texts) <= rendered and all("Reasoning Mode: /think" in t and "</think>\nAnswer: " in t for t in texts)
     assert not any(f"<|im_start|>user\n{asked}<|im_end|>" in t for t in texts)  # the held-out problem is left out
+    # the system turn is the recipe's reasoning_modes.think_system (out of the identity at its default)
+    own = ReasoningModesConfig(think_system="Reason it out. /think")
+    (tmp_path.parent / "own").mkdir()
+    meta_own = reasoning_data(
+        spec.model_copy(update={"modes": own}), tokenizer=tok, heldout=(math,), out=tmp_path.parent / "own"
+    )
+    ids = np.fromfile(tmp_path.parent / "own" / "reasoning_00000.ds", dtype="<u2")
+    assert meta_own["documents"] == 12 and "## Custom Instructions\n\nReason it out.\n\n" in hf.decode(ids.tolist())
+    assert (
+        "modes" not in identity(spec) and identity(spec.model_copy(update={"modes": own}))["modes"] == own.model_dump()
+    )
     # the mixture step plans it like any token shards, and a second build is byte-identical
     plan_dir = tmp_path.parent / "plan"
     plan_dir.mkdir()
@@ -74,8 +88,6 @@ def test_builtin_traces_with_max_operand_are_the_small_problems_and_only_builtin
     from pydantic import ValidationError
     from transformers import AutoTokenizer
 
-    from pipeline.artifact import identity
-
     tok, math, _ = world
     cfg = ReasoningDataConfig(name="reasoning", examples=12, max_operand=9)
     meta = reasoning_data(ReasoningDataSpec(data=cfg, seed=0), tokenizer=tok, heldout=(math,), out=tmp_path)
@@ -84,7 +96,7 @@ def test_builtin_traces_with_max_operand_are_the_small_problems_and_only_builtin
     ends = np.fromfile(tmp_path / "reasoning_00000.ds.index", dtype="<u8").astype(np.int64)
     starts = np.concatenate([[0], ends[:-1]])
     texts = {hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)}
-    small = builtin_traces(12, seed=0, max_operand=9)
+    small = builtin_traces(12, 0, MODES, max_operand=9)
     assert meta["documents"] == 12 and texts == {hf.apply_chat_template(c["messages"], tokenize=False) for c in small}
     assert "max_operand" not in identity(ReasoningDataConfig(name="reasoning"))
     assert identity(cfg)["max_operand"] == 9

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from infra.launchers import LaunchConfig
 from infra.storage import StorageConfig
 from model.spec import TrackerConfig
-from pipeline.artifact import operational
+from pipeline.artifact import added_identity, operational
 
 # transformers' `set_seed` seeds numpy's legacy generator, which takes a 32-bit seed
 SEED_MAX = 2**32 - 1
@@ -39,6 +39,46 @@ def _check_data_uri(uri: str) -> str:
         f"unknown chat data {uri!r}; use 'builtin', 'files:GLOB' (JSONL with a messages field), "
         "'hf:NAME' (a hub dataset) or 'hf:/PATH' (a datasets.save_to_disk folder)"
     )
+
+
+# Strings the chat template reads as structure: a system turn holding one would not be one turn.
+_TURN_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>")
+
+
+class ReasoningModesConfig(_Config):
+    """The recipe's `reasoning_modes`: the system turn of each reasoning mode in the built-in chat
+    data, the one place the reasoning traces (`reasoning_data`), the SFT conversations and RL
+    prompts (`posttrain_data`), the preference prompts (`preference_pairs`) and the post-training
+    eval prompts (`eval_suite`) take it from, so a model is scored on the prompt it was trained on.
+    Each is rendered by the dual-mode chat template (curation/bpe.py): the flag picks the mode and
+    the rest becomes the turn's custom instructions (none: the template's default ones)."""
+
+    # think mode: short instructions, not the template's ~1,100-character default ones, which
+    # would fill the tiny recipe's 256-token SFT rows
+    think_system: str = "Think step by step, then answer. /think"
+    no_think_system: str = "/no_think"  # no-think mode: the template's short default instructions
+
+    @model_validator(mode="after")
+    def _flags(self) -> ReasoningModesConfig:
+        for field, flag in (("think_system", "/think"), ("no_think_system", "/no_think")):
+            text = getattr(self, field)
+            marker = next((m for m in _TURN_MARKERS if m in text), None)
+            if marker is not None:
+                raise ValueError(f"reasoning_modes.{field} holds {marker!r}, a chat-template marker; remove it")
+            if flag not in text:
+                raise ValueError(
+                    f"reasoning_modes.{field} {text!r} does not say {flag}: the template picks the mode "
+                    f"from that flag; add it (e.g. {(text.strip() + ' ' + flag).strip()!r})"
+                )
+        if "/no_think" in self.think_system:  # the template's /no_think wins over /think
+            raise ValueError(f"reasoning_modes.think_system {self.think_system!r} says /no_think: remove it")
+        return self
+
+    def system(self, mode: str) -> str:
+        """The system turn's content for `mode` ("think" or "no_think")."""
+        if mode not in ("think", "no_think"):
+            raise ValueError(f"unknown reasoning mode {mode!r}; use think or no_think")
+        return self.think_system if mode == "think" else self.no_think_system
 
 
 class ChatDataConfig(_Config):
@@ -232,11 +272,13 @@ class PairsConfig(_Config):
 
 
 class PairsSpec(_Config):
-    """The preference_pairs step's config: the pairs section, the post-training seed and device."""
+    """The preference_pairs step's config: the pairs section, the post-training seed and device,
+    and the recipe's `reasoning_modes` (the system turns of builtin prompts)."""
 
     pairs: PairsConfig
     seed: int = 0  # posttrain.seed: prompt order and sampling
     device: Literal["auto", "cpu", "cuda"] = "auto"  # posttrain.device
+    modes: ReasoningModesConfig = added_identity(ReasoningModesConfig())  # out of the fingerprint at the default
 
 
 class SoupConfig(_Config):
@@ -569,7 +611,9 @@ class PosttrainSpec(_Config, Generic[S]):
 
 
 class ChatDataSpec(_Config):
-    """The posttrain_data step's config: the data section and the post-training seed."""
+    """The posttrain_data step's config: the data section, the post-training seed and the
+    recipe's `reasoning_modes` (the system turns of the builtin conversations and prompts)."""
 
     data: ChatDataConfig
     seed: int = 0
+    modes: ReasoningModesConfig = added_identity(ReasoningModesConfig())  # out of the fingerprint at the default

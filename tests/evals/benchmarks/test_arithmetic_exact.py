@@ -1,7 +1,9 @@
 """The arithmetic_exact eval task (evals/benchmarks/arithmetic_exact.py) and its think-mode twin
 (the answer read after the closed think block, the mean think length and the share of completions
 closing it, on hand-made completions; built in post-training suites only, leaving the no-think
-task's files unchanged); scored through lm-eval in tests/evals/test_harness.py."""
+task's files unchanged), each item carrying its chat prompt in its mode, and the constant-guess
+baseline of exact match; scored through lm-eval in tests/evals/test_harness.py, the prompts against
+the training rows in tests/tasks/test_chat_template.py."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from evals.benchmarks.arithmetic_exact import (
     THINK_ANSWER_PATTERN,
     ArithmeticExact,
     ArithmeticExactThink,
+    constant_guess,
     strip_think,
     think_answer,
     think_stats,
@@ -35,16 +38,22 @@ def test_generation_items_only_in_a_suite_asking_for_them_and_no_random_draw():
     rng = random.Random(0)
     state = rng.getstate()
     assert ArithmeticExact().build({"math": docs}, SuiteSpec(eval=EvalConfig()), rng) == {}
-    built = ArithmeticExact().build({"math": docs}, SuiteSpec(eval=EvalConfig(), generation_items=5), rng)
+    spec = SuiteSpec(eval=EvalConfig(), generation_items=5)
+    built = ArithmeticExact().build({"math": docs}, spec, rng)
     assert built == {
         "arithmetic_exact": [
-            {"problem": "What is 2 + 3?", "answer": "5"},
-            {"problem": "What is 7 - 9?", "answer": "-2"},
+            {"problem": "What is 2 + 3?", "answer": "5", "prompt": spec.chat_prompt("What is 2 + 3?", think=False)},
+            {"problem": "What is 7 - 9?", "answer": "-2", "prompt": spec.chat_prompt("What is 7 - 9?", think=False)},
         ]
     }
+    # the prompt: the no-think system turn and the question, the empty think block opened for the answer
+    prompt = built["arithmetic_exact"][0]["prompt"]
+    assert "Reasoning Mode: /no_think\n" in prompt and "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n")
     assert rng.getstate() == state  # the multiple-choice tasks' items do not depend on it
     yaml = ArithmeticExact().task_yaml("arithmetic_exact", Path("/s/arithmetic_exact.jsonl"), 64)
     assert "output_type: generate_until" in yaml and "\n  max_gen_toks: 64\n" in yaml
+    assert '\ndoc_to_text: "{{prompt}}"\n' in yaml  # the item's own prompt
     assert re.search(ANSWER_PATTERN, "so the total is 7.\nAnswer: -2")[1] == "-2"
 
 
@@ -95,13 +104,36 @@ def test_the_think_task_is_built_only_for_post_training_suites_and_changes_no_ot
             str(tmp_path / "a"), str(tmp_path / "b")
         )
     yaml = (tmp_path / "b" / "tasks" / "arithmetic_exact_think.yaml").read_text()
-    assert "  max_gen_toks: 64" in yaml and "Reasoning Mode: /think" in yaml
+    assert "  max_gen_toks: 64" in yaml and '\ndoc_to_text: "{{prompt}}"\n' in yaml
     assert f"regex_pattern: {json.dumps(THINK_ANSWER_PATTERN)}" in yaml
-    # the same items as the no-think task
-    same = [
-        (tmp_path / "b" / "tasks" / f"{n}.jsonl").read_text() for n in ("arithmetic_exact", "arithmetic_exact_think")
-    ]
-    assert same[0] == same[1]
+    # the same questions as the no-think task, each asked in think mode: the think system turn,
+    # the assistant turn left open for the model's own <think>
+    rows = {
+        n: [json.loads(line) for line in (tmp_path / "b" / "tasks" / f"{n}.jsonl").read_text().splitlines()]
+        for n in ("arithmetic_exact", "arithmetic_exact_think")
+    }
+    drop = lambda rs: [{k: v for k, v in r.items() if k != "prompt"} for r in rs]  # noqa: E731
+    assert drop(rows["arithmetic_exact"]) == drop(rows["arithmetic_exact_think"])
+    for r in rows["arithmetic_exact_think"]:
+        assert r["prompt"] == think.chat_prompt(r["problem"], think=True)
+        assert "Reasoning Mode: /think\n" in r["prompt"] and "Think step by step, then answer.\n" in r["prompt"]
+        assert r["prompt"].endswith(f"<|im_start|>user\n{r['problem']}<|im_end|>\n<|im_start|>assistant\n")
     # a suite without the think task (pretraining's) keeps its identity; the post-training one's changes
     assert "think_gen_tokens" not in identity(plain) and identity(think)["think_gen_tokens"] == 64
     assert ArithmeticExactThink().build(_heldout(), plain, random.Random(0)) == {}
+
+
+def test_the_prompts_carry_the_recipes_reasoning_modes_and_enter_the_suites_identity():
+    from trainers.posttrain.sections import ReasoningModesConfig
+
+    own = ReasoningModesConfig(think_system="Reason it out. /think", no_think_system="Be brief. /no_think")
+    default = SuiteSpec(eval=EvalConfig(), generation_items=2, think_gen_tokens=8)
+    spec = default.model_copy(update={"modes": own})
+    assert "## Custom Instructions\n\nReason it out.\n\n<|im_end|>" in spec.chat_prompt("q", think=True)
+    assert "## Custom Instructions\n\nBe brief.\n\n<|im_end|>" in spec.chat_prompt("q", think=False)
+    assert "modes" not in identity(default) and identity(spec)["modes"] == own.model_dump()
+
+
+def test_the_constant_guess_is_the_most_common_answers_share():
+    assert constant_guess(["6", "6", "10", "3", "6 "]) == 3 / 5
+    assert constant_guess(["1", "2"]) == 0.5 and constant_guess([]) == 0.0
