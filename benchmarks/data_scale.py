@@ -18,15 +18,18 @@ largest task's; the inputs are written beforehand by this process, never by the 
 - ingestion: the source step's read, ids and finish stages (curation/ingest.py), measured by
   `benchmarks/ingest_scale.py`'s `measure` (its corpus, its forked tasks): x = documents per task;
 - held-out index (curation/heldout.py): its build from N/10 held-out documents of ~100 words in
-  `--tasks` shards, by the curate step's own index stages (`index_stages`: a shard task per
+  `--tasks` shards, by the heldout_index step's stages (`index_stages`: a shard task per
   file, a merge task per partition, at the recipe's `index_partitions`, and one finish task),
   each task forked and run by datatrove's executor: x = n-grams per shard task, per partition,
-  and of the index; the curate step's own process meanwhile (the `curate` step with its
+  and of the index; the heldout_index step's own process meanwhile (the step with its
   executor's tasks forked from it, as a cluster runs them apart: what the flow host holds):
-  x = the index's n-grams; and mapping and matching it (what each curation task does): x = the
-  index's n-grams;
+  x = the index's n-grams; and mapping and matching it (what each decontamination task does): x =
+  the index's n-grams;
 - a curation task: every stage of `curation/stages.py` `plan_stages` (the curate step's own
-  plan, preset `--preset`), each task forked and run by datatrove's executor as a cluster task
+  plan, preset `--preset`, with the held-out decontamination filter kept in its filter stage, as
+  the curate step ran it before the decontaminate step existed: that filter task maps the index
+  and reads, filters and writes a shard, so its peak bounds both the curate step's filter task
+  and a decontaminate task, whose pipeline is its reader, decontamination filter and writer), each task forked and run by datatrove's executor as a cluster task
   runs it: x = documents per task for the parallel stages, the source's documents for the
   stages whose tasks see all of it (exact-dedup find and MinHash cluster, one task each; MinHash
   buckets, a task per band), held-out documents for the held-out stage. Those four are projected
@@ -99,7 +102,7 @@ PARTS: dict[str, tuple[str, str, str, float]] = {
     "heldout shards": ("held-out index", "cluster task", "n-grams per shard task", TASK),
     "heldout merge": ("held-out index", "cluster task (1 per partition)", "n-grams per partition", TASK),
     "heldout finish": ("held-out index", "cluster task (1)", "index n-grams", TASK),
-    "heldout step": ("held-out index", "curate step process (flow host)", "index n-grams", FLOW),
+    "heldout step": ("held-out index", "heldout_index step process (flow host)", "index n-grams", FLOW),
     "heldout load": ("held-out index", "cluster task", "index n-grams", TASK),
     "curate filter": ("curation task", "cluster task", "documents per task", TASK),
     "curate exact": ("curation task", "cluster task (1)", "source documents", TASK),
@@ -236,12 +239,13 @@ def m_heldout_build(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
 
 
 def m_heldout_step(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
-    """The curate step's own process (decontamination on, dedup off: the index's stages, the
-    filter and held-out stages) with every task of its executor forked from it and run apart,
-    as Slurm or Ray run them: its peak is what the flow host holds for one curate step."""
+    """The heldout_index step's own process (tasks/heldout_index.py: it lists the held-out shards,
+    runs the index's stages and reads `index.json`) with every task of its executor forked from it
+    and run apart, as Slurm or Ray run them: its peak is what the flow host holds for the index,
+    built once per DAG."""
     import tracemalloc
 
-    import tasks.curate as curate_module
+    import tasks.heldout_index as index_module
     from pipeline.artifact import Artifact
 
     apart = [0.0]  # seconds in the tasks, not the step's own
@@ -261,17 +265,15 @@ def m_heldout_step(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
         tracemalloc.start()
         heap.append(live)
 
-    curate_module.run_executors = run_apart
+    index_module.run_executors = run_apart
     meta = {"source": "held", "domain": "web", "format": "jsonl"}
     corpus = Artifact(kind="corpus", uri=str(work), fingerprint="2" * 64, meta=meta)
-    config = curate_module.CurationConfig(
-        tasks=args.tasks, workers=1, removed_samples=0, exact_dedup=False, minhash=False, presets={"held": args.preset}
-    )
+    config = index_module.HeldoutIndexSpec(presets={"held": args.preset}, tasks=args.tasks, workers=1)
     out = work / "step"
     out.mkdir()
     start = time.perf_counter()
     tracemalloc.start()
-    got = curate_module.curate(config, corpus, out=out, log=lambda _: None)
+    got = index_module.heldout_index(config, [corpus], out=out, log=lambda _: None)
     traced = max(heap[0], heap[-1] + tracemalloc.get_traced_memory()[1])
     tracemalloc.stop()
     seconds = time.perf_counter() - start - apart[0]

@@ -1,7 +1,8 @@
 """The data a recipe trains on: curated characters and tokens per source, epochs per stage.
 
-Runs the data steps' build functions (sources -> curation, each source decontaminated against
-every source's held-out split -> tokenizer -> fertility -> token shards -> mixture plans) in a
+Runs the data steps' build functions (sources -> curation -> decontamination of each source
+against the held-out index of every source's split -> tokenizer -> fertility -> token shards ->
+mixture plans) in a
 temporary folder, no Prefect, and prints per source what curation kept and per stage how often
 each source repeats (preflight's data check warns above 1 epoch, mixtures above max_epochs):
 
@@ -27,7 +28,9 @@ def main() -> None:
     from flows.recipe import load_recipe
     from pipeline.artifact import Artifact
     from tasks.curate import curate
+    from tasks.decontaminate import DecontaminateSpec, decontaminate
     from tasks.fertility import FertilitySpec, fertility
+    from tasks.heldout_index import HeldoutIndexSpec, heldout_index
     from tasks.mixture import MixtureSpec, mixture
     from tasks.sources import SourceSpec, source
     from tasks.tokenize import TokenizeSpec, tokenize
@@ -54,11 +57,18 @@ def main() -> None:
     for s in recipe.sources:
         out = folder(f"src-{s.name}")
         corpora[s.name] = art("corpus", out, source(SourceSpec(source=s, seed=recipe.seed), out=out, log=quiet))
+    out = folder("index")
+    index = heldout_index(
+        HeldoutIndexSpec.of(recipe.curation, recipe.sources), list(corpora.values()), out=out, log=quiet
+    )
+    index = art("heldout_index", out, index)
     curated = {}
-    for name, corpus in corpora.items():
-        out = folder(f"cur-{name}")
-        others = [c for n, c in corpora.items() if n != name]
-        curated[name] = art("corpus", out, curate(recipe.curation, corpus, others=others, out=out, log=quiet))
+    for s in recipe.sources:
+        out = folder(f"cur-{s.name}")
+        cur = art("corpus", out, curate(recipe.curation.for_source(s), corpora[s.name], out=out, log=quiet))
+        out = folder(f"decont-{s.name}")
+        meta = decontaminate(DecontaminateSpec.of(recipe.curation), cur, index, out=out, log=quiet)
+        curated[s.name] = art("corpus", out, meta)
     out = folder("tok")
     tok = art("tokenizer", out, tokenizer(recipe.tokenizer, list(curated.values()), out=out, log=quiet))
     out = folder("fert")

@@ -10,6 +10,7 @@ and characters in and out, drop reasons), the rows the curate step records as `f
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,117 @@ def plan_stages(
         ]
         stages.append(("heldout", attach_samples(held, out / "heldout_removed", config.removed_samples), 1))
     return stages
+
+
+def has_lines(path: Path) -> bool:
+    """Whether a gzip JSONL shard, or any of a folder's, holds a non-blank line (a Parquet
+    shard: a row)."""
+    import gzip
+
+    for shard in sorted(path.glob("*.jsonl.gz")) if path.is_dir() else [path]:
+        if shard.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            if pq.ParquetFile(shard).metadata.num_rows:
+                return True
+            continue
+        if not shard.name.endswith(".jsonl.gz"):
+            continue
+        with gzip.open(shard, "rb") as fh:
+            if any(line.strip() for line in fh):
+                return True
+    return False
+
+
+def low_kept_share(rows: list[dict], docs_in: int, kept: int, floor: float) -> dict[str, Any] | None:
+    """A source that kept less than `floor` of its documents (every preset keeps all the natural
+    paragraphs of tests/tasks/data/multilingual.json: far below that is a preset that does not
+    fit the text), with the filter that removed the most and its main reasons; else None."""
+    if not docs_in or kept / docs_in >= floor:
+        return None
+    removals = [(r["docs_in"] - r["docs_out"], r) for r in rows if r["filter"] != "read"]
+    removed, worst = max(removals, key=lambda x: x[0]) if removals else (0, {"filter": "read", "reasons": {}})
+    reasons = dict(sorted(worst["reasons"].items(), key=lambda kv: -kv[1])[:3])
+    share = kept / docs_in
+    return {
+        "kept_share": round(share, 4),
+        "floor": floor,
+        "filter": worst["filter"],
+        "removed": removed,
+        "reasons": reasons,
+        "message": (
+            f"kept {kept} of {docs_in} documents ({share:.1%}), below curation.min_kept_share "
+            f"{floor:g}: {worst['filter']} removed the most ({removed}: "
+            f"{', '.join(f'{k} {v}' for k, v in reasons.items())}); check the source's preset "
+            "(curation.presets, its language) against a sample of its text"
+        ),
+    }
+
+
+def publication(fingerprint: str, source: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """What a curated corpus publishes (the publish hooks of tasks/curate.py and
+    tasks/decontaminate.py make the calls): its `filter_stats` lineage rows, from position
+    `meta["published_rows"]` on (a step after curate records only its own rows: the per-filter
+    table of a source is the union), the Prefect table of every row (`curate-<source>`, the
+    latest version the whole table), and, for a low kept share (`meta["low_kept_share"]`), its
+    `data_events` row and Prefect event (else `event` is None; also when
+    `meta["low_kept_share_published"]`: the curate step before it published it)."""
+    from datetime import UTC, datetime
+
+    since = meta.get("published_rows", 0)
+    low = meta.get("low_kept_share")
+    stats = [
+        (
+            fingerprint,
+            source,
+            r["position"],
+            r["filter"],
+            r["docs_in"],
+            r["docs_out"],
+            r["chars_in"],
+            r["chars_out"],
+            json.dumps(r["reasons"], sort_keys=True),
+        )
+        for r in rows[since:]
+    ]
+    table = [
+        {
+            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
+            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
+        }
+        for r in rows
+    ]
+    out: dict[str, Any] = {
+        "filter_stats": stats,
+        "table": {
+            "table": table,
+            "key": f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
+            "description": f"Curation of {source}: documents and characters per filter, removal reasons",
+        },
+        "data_events": [],
+        "event": None,
+    }
+    if low and not meta.get("low_kept_share_published"):
+        facts = {k: low[k] for k in ("filter", "removed", "reasons")}
+        now = datetime.now(UTC).replace(tzinfo=None)
+        out["data_events"] = [
+            (
+                fingerprint,
+                source,
+                "low_kept_share",
+                low["kept_share"],
+                low["floor"],
+                low["message"],
+                json.dumps(facts, sort_keys=True),
+                now,
+            )
+        ]
+        out["event"] = {
+            "event": "smollm3.curation.low_kept_share",
+            "resource": {"prefect.resource.id": f"smollm3.source.{source}", "prefect.resource.name": source},
+            "payload": {"kept_share": low["kept_share"], "floor": low["floor"], **facts},
+        }
+    return out
 
 
 # --- statistics -------------------------------------------------------------------------------

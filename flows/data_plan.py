@@ -1,8 +1,9 @@
 """The data plan of a recipe: where each data step runs and what it costs, beside the training
 table of `smollm3 capacity --recipe` (flows/fit.py).
 
-For each data step (the source step, curation, tokenization; one per source) its executor (the
-source step's is curation's), its
+For each data step (the source step, curation, decontamination and tokenization, one per
+source, and the held-out index, one per DAG) its executor (the source step's, the index's and
+decontamination's are curation's), its
 datatrove tasks, CPU-hours, disk written and memory per task, projected from:
 
 - the size of each source: the tokens the recipe draws from it, sum over the stages of its
@@ -41,6 +42,21 @@ SOURCE_TASK_GB = 0.1
 # benchmarks/curate.py --scale, 100 MB at 1 worker (docs/data.md, "Curation on every core"):
 # the web preset with exact and MinHash dedup, 11.69 CPU-s per MB
 CURATE_CPU_S_PER_MB = 11.69
+# benchmarks/data_scale.py (docs/scale.md, its table, 2026-12-04): a curation task's peak projected
+# to the largest source's task at recipe scale, the largest of its stages (the filter task, 1.65 GB,
+# measured when that task also mapped the held-out index: an upper bound since decontamination is
+# its own step)
+CURATE_TASK_GB = 1.65
+# the held-out index's build at recipe scale (benchmarks/data_scale.py --components heldout,
+# docs/scale.md, 2026-12-05): the largest task peak (a merge task, 0.20 GB) and per-task time (the
+# finish task, 1.4 s) projected
+HELDOUT_INDEX_TASK_GB = 0.20
+HELDOUT_INDEX_TASK_S = 1.4
+# benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM (2026-12-05, load 1.4):
+# the decontaminate step, its 8 tasks one after another, 4.6 CPU-s for 10,593 documents against an
+# index of the text's 576 held-out documents; the recipe's index is 142,000 documents, where a
+# lookup's binary search takes ~8 more comparisons per n-gram
+DECONTAMINATE_CPU_S_PER_MB = 0.231
 # benchmarks/tokenize_step.py (docs/data.md, "Benchmarks"): the tokenize step, 260,583 tokens/s
 TOKENIZE_TOKENS_PER_CPU_S = 260_583
 # benchmarks/data_scale.py (docs/scale.md, its table): a tokenize task's peak projected to the
@@ -53,7 +69,7 @@ GB = 1e9
 class DataStep:
     """One data step kind summed over the recipe's sources (or one source's step)."""
 
-    step: str  # source, curate, tokenize
+    step: str  # source, curate, heldout_index, decontaminate, tokenize
     executor: str  # where its tasks run
     tasks: int  # datatrove tasks, all sources (the source step: its three stages' tasks)
     cpu_hours: float
@@ -131,13 +147,22 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
     if indexed is not None:  # curation/heldout.py: 12 bytes per n-gram (a word each) + ~60 per document
         index_gb = indexed * (WORDS_PER_DOCUMENT * 12 + 60) / GB
     id_bytes = 4 if recipe.tokenizer.vocab_size > 65535 else 2
-    rows = {"source": [0, 0.0, 0.0, 0.0], "curate": [0, 0.0, 0.0, 0.0], "tokenize": [0, 0.0, 0.0, 0.0]}
+    steps = ("source", "curate", "heldout_index", "decontaminate", "tokenize")
+    rows = {step: [0, 0.0, 0.0, 0.0] for step in steps}
+    # the held-out index, once: at most a shard task per held-out file (curation.tasks), a merge
+    # task per partition and one finish task; it writes the index
+    index_tasks = c.tasks + c.decontamination.index_partitions + 1
+    # per task: the Slurm request where there is one, else the measured projection
+    request = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else None
+    index_mem = request or HELDOUT_INDEX_TASK_GB
+    rows["heldout_index"] = [index_tasks, index_tasks * HELDOUT_INDEX_TASK_S / 3600, index_gb, index_mem]
     buckets = {}  # source -> the id buckets of its duplicate-id stage (none: a capped source)
     for size in source_sizes(recipe):
         tokens, docs = size.tokens, size.documents
         mb = tokens * BYTES_PER_TOKEN / 1e6
-        # per task: the Slurm request where there is one (the index must fit in it), else the index
-        curate_mem = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else index_gb
+        # a decontamination task maps the index (it must fit in the request)
+        curate_mem = request or CURATE_TASK_GB
+        decont_mem = request or index_gb
         # the source step: read and finish tasks (one for a capped source, else `curation.tasks`,
         # at most one per file) and as many id buckets, each holding its share of the ids
         read = size.read_tasks
@@ -146,6 +171,14 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         for step, tasks, cpu_s, disk, mem in (
             ("source", 2 * read + size.id_buckets, mb * SOURCE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, source_mem),
             ("curate", size.curate_tasks, mb * CURATE_CPU_S_PER_MB, mb * 1e6 * SOURCE_GZIP_RATIO, curate_mem * GB),
+            # a task per curated train shard (curate's tasks write one each)
+            (
+                "decontaminate",
+                size.curate_tasks,
+                mb * DECONTAMINATE_CPU_S_PER_MB,
+                mb * 1e6 * SOURCE_GZIP_RATIO,
+                decont_mem * GB,
+            ),
             (
                 "tokenize",
                 size.tokenize_tasks,
@@ -168,10 +201,17 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             if buckets[largest]
             else f"and its ids: {largest} is capped (max_documents), read by one task"
         ),
-        "curate": (
-            f"per task: the Slurm request, which holds the held-out index a filter task maps ({index_gb:.2f} GB)"
+        "curate": "per task: "
+        + ("the Slurm request" if c.slurm else f"the largest task's projection ({CURATE_TASK_GB:g} GB)")
+        + "; disk at most the source's shards",
+        "heldout_index": f"once for all sources: the index of every held-out split ({index_gb:.2f} GB written); "
+        + ("per task: the Slurm request" if c.slurm else "per task")
+        + f" (a merge task's projection: {HELDOUT_INDEX_TASK_GB:g} GB)",
+        "decontaminate": "per task: "
+        + (
+            f"the Slurm request, which holds the held-out index the task maps ({index_gb:.2f} GB)"
             if c.slurm
-            else f"per task: the held-out index a filter task maps ({index_gb:.2f} GB) and the pipeline"
+            else f"the held-out index the task maps ({index_gb:.2f} GB) and the pipeline"
         )
         + "; disk at most the source's shards",
         "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",
@@ -179,6 +219,8 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
     where = {
         "source": _where(c.executor, c.workers, c.slurm),
         "curate": _where(c.executor, c.workers, c.slurm),
+        "heldout_index": _where(c.executor, c.workers, c.slurm),
+        "decontaminate": _where(c.executor, c.workers, c.slurm),
         "tokenize": _where(t.executor, t.workers, t.slurm),
     }
     out = [DataStep(k, where[k], int(v[0]), v[1], v[2], v[3], notes[k]) for k, v in rows.items()]
@@ -192,11 +234,11 @@ def format_data_rows(rows: list[DataStep], recipe: Any) -> str:
         "",
         f"data plan: {len(recipe.sources)} sources, {drawn:,.0f} tokens drawn "
         f"(~{drawn / TOKENS_PER_DOCUMENT:,.0f} documents, {drawn * BYTES_PER_TOKEN / 1e9:,.1f} GB of text)",
-        f"{'step':<10}{'executor':<44}{'tasks':>8}{'CPU-hours':>12}{'disk GB':>11}{'GB/task':>9}",
+        f"{'step':<15}{'executor':<44}{'tasks':>8}{'CPU-hours':>12}{'disk GB':>11}{'GB/task':>9}",
     ]
     for r in rows:
         lines.append(
-            f"{r.step:<10}{r.executor:<44}{r.tasks:>8,}{r.cpu_hours:>12,.0f}{r.disk_gb:>11,.0f}{r.mem_gb:>9,.1f}"
+            f"{r.step:<15}{r.executor:<44}{r.tasks:>8,}{r.cpu_hours:>12,.0f}{r.disk_gb:>11,.0f}{r.mem_gb:>9,.1f}"
         )
     lines.append(
         "sizes: tokens drawn per source (stage weight x stage tokens), "
@@ -228,11 +270,13 @@ def task_hours(recipe: Any) -> dict[str, tuple[float, str]]:
         for step, cpu_s, tasks in (
             ("source", mb * SOURCE_CPU_S_PER_MB, read),
             ("curate", mb * CURATE_CPU_S_PER_MB, min(c.tasks, shards)),
+            ("decontaminate", mb * DECONTAMINATE_CPU_S_PER_MB, min(c.tasks, shards)),
             ("tokenize", tokens / TOKENIZE_TOKENS_PER_CPU_S, min(t.tasks, shards)),
         ):
             hours = cpu_s / max(tasks, 1) / 3600
             if hours > longest.get(step, (-1.0, ""))[0]:
                 longest[step] = (hours, s.name)
+    longest["heldout_index"] = (HELDOUT_INDEX_TASK_S / 3600, "every source's held-out split")
     return longest
 
 
@@ -259,7 +303,7 @@ def executor_problems(recipe: Any, cores: int | None = None) -> tuple[list[str],
     cores = cores or machine_cores()
     rows = {r.step: r for r in data_rows(recipe)[0]}
     longest = task_hours(recipe)
-    sections = {"source": ("curation", recipe.curation), "curate": ("curation", recipe.curation)}
+    sections = {step: ("curation", recipe.curation) for step in ("source", "curate", "heldout_index", "decontaminate")}
     sections["tokenize"] = ("tokenize", recipe.tokenize)
     refusals: list[str] = []
     warnings: list[str] = []

@@ -1,5 +1,6 @@
 """`python -m flows.filter_counts RECIPE SOURCE [key=value ...] [--out DIR]`: one source read and
-curated outside any flow (no Prefect, no cache), then its per-filter tables (train and held-out).
+curated and decontaminated against its own held-out split outside any flow (no Prefect, no cache),
+then its per-filter tables (train and held-out).
 
 What docs/data.md's per-filter counts are measured with: e.g. the tiny recipe's prose under the
 web preset (`curation.presets.prose=web`) and under its own docs preset.
@@ -16,6 +17,8 @@ from pathlib import Path
 from curation.stages import format_rows
 from pipeline.artifact import Artifact
 from tasks.curate import curate
+from tasks.decontaminate import DecontaminateSpec, decontaminate
+from tasks.heldout_index import HeldoutIndexSpec, heldout_index
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,14 +41,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     config = recipe.source(args.source)
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="curate-"))
-    raw, cur = root / "source", root / "curated"
-    for folder in (raw, cur):
+    raw, cured, index, cur = root / "source", root / "curate", root / "heldout_index", root / "curated"
+    for folder in (raw, cured, index, cur):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     quiet = lambda _msg: None  # noqa: E731
     meta = source(SourceSpec(source=config, seed=recipe.seed), out=raw, log=quiet)
     corpus = Artifact(kind="corpus", uri=str(raw), fingerprint="0" * 64, meta=meta)
-    cmeta = curate(recipe.curation.for_source(config), corpus, out=cur, log=print)  # as the curate step sees it
+    # as the flow's steps see it; the index holds this source's held-out split only
+    cured_meta = curate(recipe.curation.for_source(config), corpus, out=cured, log=print)
+    cured_art = Artifact(kind="corpus", uri=str(cured), fingerprint="1" * 64, meta=cured_meta)
+    cmeta = cured_meta
+    if recipe.curation.decontamination.enabled:
+        imeta = heldout_index(HeldoutIndexSpec.of(recipe.curation, [config]), [corpus], out=index, log=print)
+        index_art = Artifact(kind="heldout_index", uri=str(index), fingerprint="2" * 64, meta=imeta)
+        cmeta = decontaminate(DecontaminateSpec.of(recipe.curation), cured_art, index_art, out=cur, log=print)
+    else:
+        cur = cured
     print(
         f"\nsource {args.source}: {meta['documents']} train documents, {meta['characters']:,} characters; "
         f"held-out {meta['heldout_documents']} documents; rejected {meta['rejected']}"

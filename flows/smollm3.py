@@ -18,9 +18,11 @@ from flows.recipe import Recipe, check_data, load_recipe
 from flows.stage_plan import schedule_stages
 from pipeline.graph import Graph, Node
 from tasks.curate import curate
+from tasks.decontaminate import DecontaminateSpec, decontaminate
 from tasks.evaluate import EvalSpec, SuiteSpec, eval_suite, evaluate
 from tasks.export import export
 from tasks.fertility import FertilitySpec, fertility
+from tasks.heldout_index import HeldoutIndexSpec, heldout_index
 from tasks.mixture import MixtureSpec, mixture
 from tasks.posttrain.data import posttrain_data
 from tasks.posttrain.distill import distill
@@ -152,29 +154,34 @@ class DataNodes:
     """The data part of the DAG, as the training part reads it."""
 
     raw: list[Node]  # source corpora, as read
-    clean: list[Node]  # curated corpora (their held-out splits feed the eval suites)
+    clean: list[Node]  # curated, decontaminated corpora (their held-out splits feed the eval suites)
     tokenizer: Node  # the tokenizer the shards were made with (or the fertility decision)
     plans: dict[str, Node]  # mixture plan per stage
 
 
 def data(g: Graph, cfg: Recipe) -> DataNodes:
-    """Sources -> curation -> tokenizer -> fertility -> token shards -> mixture plans: one branch
-    per source up to the tokenizer, which samples every curated source."""
+    """Sources -> curation -> decontamination -> tokenizer -> fertility -> token shards -> mixture
+    plans: one branch per source up to the tokenizer, which samples every curated source; the
+    held-out index (every source's held-out split) joins the branches at decontamination."""
     raw = {
         s.name: g.add(source, SourceSpec.of(s, cfg.seed, cfg.curation.heldout.max_docs, cfg.curation), label=s.name)
         for s in cfg.sources
     }
-    # Each source's train split is decontaminated against every source's held-out split.
-    clean = {
-        s.name: g.add(
-            curate,
-            cfg.curation.for_source(s, [o for o in cfg.sources if o.name != s.name]),
-            label=s.name,
-            corpus=raw[s.name],
-            others=[raw[o.name] for o in cfg.sources if o.name != s.name],
+    # Each source is curated as soon as it is ingested (filters, dedup: its own data only).
+    curated = {s.name: g.add(curate, cfg.curation.for_source(s), label=s.name, corpus=raw[s.name]) for s in cfg.sources}
+    # Then its train split is decontaminated against every source's held-out split, indexed once.
+    clean = curated
+    if cfg.curation.decontamination.enabled:
+        index = g.add(
+            heldout_index,
+            HeldoutIndexSpec.of(cfg.curation, cfg.sources),
+            label="heldout",
+            corpora=list(raw.values()),
         )
-        for s in cfg.sources
-    }
+        decont = DecontaminateSpec.of(cfg.curation)
+        clean = {
+            name: g.add(decontaminate, decont, label=name, corpus=node, index=index) for name, node in curated.items()
+        }
     # An adopted tokenizer.json needs no corpora; a trained one samples every curated source.
     if cfg.tokenizer.path:
         tok = g.add(tokenizer, cfg.tokenizer, label="given")

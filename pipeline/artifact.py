@@ -33,6 +33,7 @@ from infra.files import STEP_MARKER
 
 ArtifactKind = Literal[
     "corpus",
+    "heldout_index",
     "tokenizer",
     "fertility",
     "shards",

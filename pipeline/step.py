@@ -1,7 +1,7 @@
 """A pipeline step as data: name, version, what it produces, its typed config and how it builds.
 
-    @step("curate", version=5, kind="corpus", resource="data", isolate=True)
-    def curate(config: CurationConfig, corpus: Artifact, others: tuple[Artifact, ...] = (),
+    @step("curate", version=7, kind="corpus", resource="data", isolate=True)
+    def curate(config: CurationConfig, corpus: Artifact,
                *, out: Path, log=print) -> dict: ...
 
 makes `curate` a `StepDef` (Marin's "a step is data"). The function is the step: its signature is

@@ -2,11 +2,8 @@
 
 Stages (each a datatrove executor run whose logs and `stats.json` stay in the step folder):
 
-    index_*  the held-out index, built by tasks (curation/heldout.py `index_stages`: shards by
-             n-gram hash partition, a merge per partition, a finish task); this process only
-             lists the held-out shards and reads the finished index's `index.json`
     filter   read train shards (counting unreadable lines) -> preset filters (the web presets
-             start with language ID) -> held-out decontamination -> write `filtered/` -> exact-dedup signatures
+             start with language ID) -> write `filtered/` -> exact-dedup signatures
     exact    find exact duplicates (datatrove ExactFindDedups)
     unique   read `filtered/` -> drop exact duplicates -> write `unique/` -> MinHash signatures
     buckets  MinHash buckets;   cluster  MinHash clusters (bounded memory: curation/minhash_cluster.py)
@@ -14,15 +11,20 @@ Stages (each a datatrove executor run whose logs and `stats.json` stay in the st
     heldout  read the held-out split -> preset filters -> exact dedup -> `heldout/`
 
 Design choices:
-- Held-out is held out. The source splits by document id, before any dedup, so copies of a
-  held-out document can sit in train. After the filters (so on the text as it will be trained
-  on: the `docs` preset rewrites documents to their prose), every training document is matched
-  against an index of the held-out documents (this source's, plus those of the `others` corpora
-  given): the same text, or a word n-gram overlap with one held-out document at or above
-  `decontamination.threshold`, removes the training copy (`heldout_decont:exact`,
-  `heldout_decont:overlap`). The index holds every held-out document as the source wrote it,
-  so whatever is built from held-out text (the eval suite's cloze items, held-out loss,
-  fertility) has no copy in train.
+- A source is curated from its own corpus alone, so its curation starts as soon as it is
+  ingested. Held-out decontamination, which needs every source's held-out split, is two steps
+  after it in the DAG (flows/smollm3.py): `heldout_index` (tasks/heldout_index.py) builds the
+  index of every source's held-out split once, and `decontaminate` (tasks/decontaminate.py)
+  matches each source's curated train split against it. A filter rewrites a document's text
+  (the `docs` preset keeps its prose, C4 drops lines) and leaves the hash of the text as written
+  in its metadata (`rewritten_from_hash`) for that step, which removes the key.
+- Decontamination runs after dedup, where it ran before it inside this step (before curate v7).
+  Both remove every training document that copies held-out text; what can differ is which copy
+  of a duplicate cluster stays: exact dedup keeps the first of identical texts and MinHash one
+  document per cluster, so when that representative is a held-out copy, decontamination removes
+  it and the cluster leaves train whole, where before the copy was removed first and another
+  member of the cluster was kept. The kept set is the same or smaller (docs/data.md gives the
+  tiny recipe's counts).
 - The held-out split goes through the same language and preset filters as train (and exact
   dedup within itself), so fertility, held-out loss and evals measure the kind of text the
   model trains on. Its removals are counted apart (`heldout_removed`).
@@ -58,11 +60,9 @@ recipe); this module has no command of its own.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -70,17 +70,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
 from curation.presets import PRESETS, PresetThresholds
-from curation.stages import filter_rows, plan_stages, removed_counts, shard_count
+from curation.stages import (
+    filter_rows,
+    has_lines,
+    low_kept_share,
+    plan_stages,
+    publication,
+    removed_counts,
+    shard_count,
+)
 from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
 
 if TYPE_CHECKING:
-    from curation.heldout import HeldoutFile
     from curation.source_kinds import SourceConfig
 
 
 class DecontaminationConfig(BaseModel):
-    """Training documents that copy held-out text are removed (see the module docstring)."""
+    """Training documents that copy held-out text are removed: the heldout_index step builds the
+    index (tasks/heldout_index.py), the decontaminate step of each source matches against it
+    (tasks/decontaminate.py)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -109,13 +118,13 @@ class DecontaminationConfig(BaseModel):
 class HeldoutSplitConfig(BaseModel):
     """The recipe's `curation.heldout`: how large each source's held-out split may grow. The split
     is made by the source step (tasks/sources.py, `SourceSpec.held_out_max_documents`) and indexed
-    whole by every curate step for decontamination, so it is bounded in documents, not as a share
-    of a source (5% of DCLM's ~3B documents would be 150M)."""
+    whole by the heldout_index step for decontamination, so it is bounded in documents, not as a
+    share of a source (5% of DCLM's ~3B documents would be 150M)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # documents per source at most: enough for the eval suite's items and held-out loss, small
-    # enough that the index of all 71 sources of smollm3-3b stays ~1 GB in each curate task
+    # enough that the index of all 71 sources of smollm3-3b stays ~1 GB in each decontaminate task
     # (docs/scale.md); None: the sources' held_out_fraction alone
     max_docs: int | None = Field(default=2000, gt=0)
 
@@ -180,23 +189,23 @@ class CurationConfig(BaseModel):
             return self.presets[name]
         return f"web-{language}" if domain == "web" and language != "en" else domain
 
-    def for_source(self, source: SourceConfig, others: Sequence[SourceConfig] = ()) -> CurationConfig:
-        """This section as the curate step of `source` sees it: the presets of the source and of
-        the `others` it is decontaminated against, resolved (so the plan shows them and the
-        fingerprint holds them: another source's `docs` preset decides which form of its held-out
-        text is matched), and its own skip entry only, so changing another source's skip entry
-        does not rerun this one. The source's own preset comes first."""
+    def for_source(self, source: SourceConfig) -> CurationConfig:
+        """This section as the curate step of `source` sees it: its own preset, resolved (so the
+        plan shows it and the fingerprint holds it), its own skip entry and thresholds only, so
+        changing another source's does not rerun this one; the decontamination settings and the
+        held-out cap at their defaults (the heldout_index and decontaminate steps hold the first,
+        the source step the second)."""
         name = source.name
-        presets = {s.name: self.preset_for(s.name, s.domain, s.language) for s in (source, *others)}
-        own = presets[name]
+        own = self.preset_for(name, source.domain, source.language)
         thresholds = self.filters.get(own)
         # a preset at its defaults leaves the fingerprint as it was before thresholds were data
         filters = {own: thresholds} if thresholds is not None and thresholds != PRESETS.get(own).defaults else {}
         return self.model_copy(
             update={
-                "presets": presets,
+                "presets": {name: own},
                 "minhash_skip": tuple(n for n in self.minhash_skip if n == name),
                 "filters": filters,
+                "decontamination": DecontaminationConfig(),  # the decontaminate step's (tasks/decontaminate.py)
                 "heldout": HeldoutSplitConfig(),  # the source step's: it reaches curate through its input
             }
         )
@@ -206,166 +215,31 @@ class CurationConfig(BaseModel):
         return f"preset {next(iter(self.presets.values()))}" if self.presets else ""
 
 
-def _has_lines(path: Path) -> bool:
-    """Whether a gzip JSONL shard, or any of a folder's, holds a non-blank line (a Parquet
-    shard: a row)."""
-    import gzip
-
-    for shard in sorted(path.glob("*.jsonl.gz")) if path.is_dir() else [path]:
-        if shard.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            if pq.ParquetFile(shard).metadata.num_rows:
-                return True
-            continue
-        if not shard.name.endswith(".jsonl.gz"):
-            continue
-        with gzip.open(shard, "rb") as fh:
-            if any(line.strip() for line in fh):
-                return True
-    return False
-
-
-def _describe_index(report: dict, sources: int) -> str:
-    """`held-out index: 1,204 documents of 3 sources, 98,120 n-grams, 1.4 MB memory-mapped by
-    each task; at the sources' caps (6,000 documents): 7.0 MB` (or `no cap: it grows with the
-    sources`)."""
-    mb = report["bytes"] / 1e6
-    text = (
-        f"held-out index: {report['documents']:,} documents of {sources} sources, {report['ngrams']:,} n-grams, "
-        f"{mb:.1f} MB memory-mapped by each task"
-    )
-    if report["bytes_at_cap"] is None:
-        return text + "; a source without curation.heldout.max_docs: it grows with the sources' held-out fraction"
-    return (
-        text
-        + f"; at the sources' caps ({report['documents_at_cap']:,} documents): {report['bytes_at_cap'] / 1e6:.1f} MB"
-    )
-
-
-def _heldout_files(corpora: Sequence[Artifact], config: CurationConfig) -> list[HeldoutFile]:
-    """Every held-out shard of the corpora, in order, with what the index holds of its documents:
-    the text as the source wrote it and, where the source's preset rewrites text (`docs`: prose
-    only), also as curation keeps it (curation/heldout.py `heldout_forms`). Listing them is all
-    this process does with the held-out text: the index is built by tasks on the executor."""
-    from curation.filters import DocumentationProseFilter
-    from curation.heldout import HeldoutFile
-
-    files = []
-    for art in corpora:
-        folder = art.path / "heldout"
-        if folder.is_dir():
-            source = art.meta.get("source", art.short)
-            preset = config.preset_for(source, art.meta.get("domain", "web"), art.meta.get("language", "en"))
-            rewrites = any(isinstance(f, DocumentationProseFilter) for f in PRESETS.get(preset).filters())
-            files += [HeldoutFile(str(path), source, rewrites) for path in sorted(folder.iterdir())]
-    return files
-
-
-def _low_kept_share(rows: list[dict], docs_in: int, kept: int, floor: float) -> dict[str, Any] | None:
-    """A source that kept less than `floor` of its documents (every preset keeps all the natural
-    paragraphs of tests/tasks/data/multilingual.json: far below that is a preset that does not
-    fit the text), with the filter that removed the most and its main reasons; else None."""
-    if not docs_in or kept / docs_in >= floor:
-        return None
-    removals = [(r["docs_in"] - r["docs_out"], r) for r in rows if r["filter"] != "read"]
-    removed, worst = max(removals, key=lambda x: x[0]) if removals else (0, {"filter": "read", "reasons": {}})
-    reasons = dict(sorted(worst["reasons"].items(), key=lambda kv: -kv[1])[:3])
-    share = kept / docs_in
-    return {
-        "kept_share": round(share, 4),
-        "floor": floor,
-        "filter": worst["filter"],
-        "removed": removed,
-        "reasons": reasons,
-        "message": (
-            f"kept {kept} of {docs_in} documents ({share:.1%}), below curation.min_kept_share "
-            f"{floor:g}: {worst['filter']} removed the most ({removed}: "
-            f"{', '.join(f'{k} {v}' for k, v in reasons.items())}); check the source's preset "
-            "(curation.presets, its language) against a sample of its text"
-        ),
-    }
-
-
 def publish_curated(artifact: Artifact, ws, label: str) -> None:
     """Filter statistics to lineage (`filter_stats`) and to a Prefect table artifact; a source
     that kept far less than its preset keeps on natural text also to lineage (`data_events`)
-    and as a Prefect event (`smollm3.curation.low_kept_share`)."""
+    and as a Prefect event (`smollm3.curation.low_kept_share`): curation/stages.py `publication`."""
     from prefect.artifacts import create_table_artifact
+    from prefect.events import emit_event
 
     rows = json.loads((artifact.path / "filter_stats.json").read_text(encoding="utf-8"))
-    source = artifact.meta.get("source", label)
-    low = artifact.meta.get("low_kept_share")
-    if low:
-        from datetime import UTC, datetime
-
-        from prefect.events import emit_event
-
-        facts = {k: low[k] for k in ("filter", "removed", "reasons")}
-        ws.lineage().record_rows(
-            "data_events",
-            [
-                (
-                    artifact.fingerprint,
-                    source,
-                    "low_kept_share",
-                    low["kept_share"],
-                    low["floor"],
-                    low["message"],
-                    json.dumps(facts, sort_keys=True),
-                    datetime.now(UTC).replace(tzinfo=None),
-                )
-            ],
-        )
-        emit_event(
-            event="smollm3.curation.low_kept_share",
-            resource={"prefect.resource.id": f"smollm3.source.{source}", "prefect.resource.name": source},
-            payload={"kept_share": low["kept_share"], "floor": low["floor"], **facts},
-        )
-    ws.lineage().record_rows(
-        "filter_stats",
-        [
-            (
-                artifact.fingerprint,
-                source,
-                r["position"],
-                r["filter"],
-                r["docs_in"],
-                r["docs_out"],
-                r["chars_in"],
-                r["chars_out"],
-                json.dumps(r["reasons"], sort_keys=True),
-            )
-            for r in rows
-        ],
-    )
-    table = [
-        {
-            **{k: r[k] for k in ("filter", "docs_in", "docs_out", "chars_in", "chars_out")},
-            "reasons": ", ".join(f"{k}={v}" for k, v in sorted(r["reasons"].items())),
-        }
-        for r in rows
-    ]
-    create_table_artifact(
-        table=table,
-        key=f"curate-{re.sub(r'[^a-z0-9-]', '-', source.lower())}",
-        description=f"Curation of {source}: documents and characters per filter, removal reasons",
-    )
+    out = publication(artifact.fingerprint, artifact.meta.get("source", label), rows, artifact.meta)
+    if out["event"]:
+        ws.lineage().record_rows("data_events", out["data_events"])
+        emit_event(**out["event"])
+    ws.lineage().record_rows("filter_stats", out["filter_stats"])
+    create_table_artifact(**out["table"])
 
 
 # 6: the web presets identify the language (py3langid) and judge each language with its own
 # settings; C4 keeps paragraph breaks; the input is dealt into more shards (source v3)
-@step("curate", version=6, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
-def curate(
-    config: CurationConfig, corpus: Artifact, others: tuple[Artifact, ...] = (), *, out: Path, log=print
-) -> dict[str, Any]:
-    """One source's corpus to a curated corpus in `out/train` and `out/heldout`; its train split
-    is decontaminated against its own held-out split and those of the `others` corpora (the
-    other sources: the eval suite mixes the held-out text of every source of a domain).
+# 7: no decontamination here (the decontaminate step after it, against the index built once)
+@step("curate", version=7, kind="corpus", publish=publish_curated, resource="data", isolate=True, retries=1)
+def curate(config: CurationConfig, corpus: Artifact, *, out: Path, log=print) -> dict[str, Any]:
+    """One source's corpus to a curated corpus in `out/train` and `out/heldout`: filters, exact
+    and MinHash dedup; decontamination against every source's held-out text is the next step's
+    (tasks/decontaminate.py), so this one needs its own source only.
     """
-    from curation.heldout import INDEX_STAGES, HeldoutIndex, IndexPlan, index_stages
-    from curation.heldout import index_report as size_report
-
     source = corpus.meta.get("source", corpus.short)
     domain = corpus.meta.get("domain", "web")
     language = corpus.meta.get("language", "en")
@@ -383,41 +257,12 @@ def curate(
     tasks = max(1, min(config.tasks, shard_count(train)))
     logs = out / "logs"
     start = time.monotonic()
-    against = [corpus, *(o for o in others if o.fingerprint != corpus.fingerprint)]
-    index_plan, index_report = None, None
-    caps = [a.meta.get("heldout_max_documents") for a in against]  # the index's size at these caps
-    if config.decontamination.enabled:
-        files = _heldout_files(against, config)
-        if any(_has_lines(Path(f.path)) for f in files):
-            index_plan = IndexPlan(
-                tuple(files),
-                out / "work" / "heldout_index",
-                config.decontamination.ngram,
-                config.decontamination.index_partitions,
-                tasks,
-            )
-        else:  # nothing held out anywhere: no index, no decontamination filter
-            index_report = size_report(HeldoutIndex.build([], config.decontamination.ngram).header(), caps)
-            log(f"curate {source}: {_describe_index(index_report, len(against))}")
-    has_heldout = heldout.is_dir() and _has_lines(heldout)
-    stages = plan_stages(
-        config,
-        preset,
-        train,
-        out,
-        tasks,
-        heldout=heldout if has_heldout else None,
-        index=index_plan.index if index_plan else None,
-    )
-    if index_plan is not None:  # built first, by tasks on the executor, as every other stage
-        stages = index_stages(index_plan) + stages
-    train_stages = [s for s in stages if s[0] not in ("heldout", *INDEX_STAGES)]
+    has_heldout = heldout.is_dir() and has_lines(heldout)
+    stages = plan_stages(config, preset, train, out, tasks, heldout=heldout if has_heldout else None)
+    train_stages = [s for s in stages if s[0] != "heldout"]
     held_stages = [s for s in stages if s[0] == "heldout"]
     run_executors(config, make_executors(config, stages, logs), logs, log)
     seconds = time.monotonic() - start
-    if index_plan is not None:  # its size, from its index.json (this process maps none of it)
-        index_report = size_report(HeldoutIndex.read_header(index_plan.index), caps)
-        log(f"curate {source}: {_describe_index(index_report, len(against))}")
     rows = filter_rows(logs, train_stages)
     held_rows = filter_rows(logs, held_stages)
     (out / "train").mkdir(exist_ok=True)
@@ -442,13 +287,11 @@ def curate(
         log(f"curate {source}: {docs_in + held_in} lines in but {unaccounted} not accounted for")
     (out / "filter_stats.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
     (out / "heldout_filter_stats.json").write_text(json.dumps(held_rows, indent=2), encoding="utf-8")
-    decont = {k: v for k, v in removed.items() if k.startswith("heldout_decont:")}
     log(
         f"curate {source} ({preset}): {docs_in} in -> {documents} kept ({characters} chars) in "
-        f"{seconds:.1f}s; held-out {held_in} -> {held_docs}; copies of held-out text removed "
-        f"{dict(decont)}; rejected {dict(rejected)}"
+        f"{seconds:.1f}s; held-out {held_in} -> {held_docs}; rejected {dict(rejected)}"
     )
-    low = _low_kept_share(rows, docs_in, documents, config.min_kept_share)
+    low = low_kept_share(rows, docs_in, documents, config.min_kept_share)
     if low is not None:  # in the task log; publish_curated records it in lineage and as an event
         log(f"WARNING curate {source} ({preset}): {low['message']}")
     if documents == 0:
@@ -470,9 +313,9 @@ def curate(
         "heldout_documents": held_docs,
         "heldout_characters": held_chars,
         "heldout_input_documents": held_in,
-        "decontaminated_against": (sorted({a.meta.get("source", a.short) for a in against}) if index_plan else []),
-        # the held-out index every task maps: its size, and at the sources' held-out caps
-        "heldout_index": index_report,
+        # set by the decontaminate step (tasks/decontaminate.py), which carries this meta forward
+        "decontaminated_against": [],
+        "heldout_index": None,
         # what this step dropped, each document once (the source step's rejections stay in
         # the source's meta): unreadable lines of either split, train removals, held-out removals
         "rejected": dict(rejected),

@@ -324,13 +324,13 @@ class Lineage(LineageStore):
             )
         meta = json.loads(row["meta"] or "{}") if isinstance(row["meta"], str) else row["meta"]
         name = meta.get("source")
-        if row["step"] not in ("source", "curate", "tokenize") or not name:
+        if row["step"] not in ("source", "curate", "decontaminate", "tokenize") or not name:
             raise LookupError(
                 f"artifact {row['fingerprint'][:12]} is a {row['kind']} made by "
                 f"{row['step']}, not a source, curated corpus or token shards"
             )
-        # Follow only the data of this one source: curation also reads every other source's
-        # held-out split (decontamination), which makes their corpora descendants too. Names are
+        # Follow only the data of this one source: the held-out index reads every source's
+        # held-out split (decontamination), which makes the other corpora descendants too. Names are
         # unique within a recipe and those other sources are the run's others, so keeping to
         # artifacts of this source's name keeps to its own data.
         shards = self.query(
@@ -339,7 +339,7 @@ class Lineage(LineageStore):
                 SELECT ?
                 UNION SELECT e.child FROM edges e JOIN walk ON e.parent = walk.fp
                 JOIN artifacts c ON c.fingerprint = e.child
-                WHERE c.step IN ('curate', 'tokenize') AND json_extract_string(c.meta, '$.source') = ?
+                WHERE c.step IN ('curate', 'decontaminate', 'tokenize') AND json_extract_string(c.meta, '$.source') = ?
             )
             SELECT a.fingerprint FROM walk JOIN artifacts a ON a.fingerprint = walk.fp
             WHERE a.step = 'tokenize'

@@ -118,17 +118,20 @@ def _contents(folder: Path, runs: tuple[Path, ...]) -> dict[str, bytes]:
 
 
 def _same_meta(a: dict, b: dict) -> None:
-    drop = ("seconds", "executor")
+    drop = ("seconds", "curate_seconds", "executor")
     assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
 
 
 def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
-    """The source (unless `raw` is given), curate and tokenize steps of the subset with the
-    executor settings `executor` (curation's and tokenization's), each in its own folder; and
-    the ingestion of an uncapped `files:` source (`ingest`: three files with duplicate ids across
-    them and bad records, tests/tasks/test_sources.py) by 3 read tasks and 3 id buckets, the
-    stages a capped source skips."""
+    """The source (unless `raw` is given), curate, heldout_index, decontaminate and tokenize steps
+    of the subset (the index of its own held-out split) with the executor settings `executor`
+    (curation's and tokenization's), each in its own folder; and the ingestion of an uncapped
+    `files:` source (`ingest`: three files with duplicate ids across them and bad records,
+    tests/tasks/test_sources.py) by 3 read tasks and 3 id buckets, the stages a capped source
+    skips."""
     from pipeline.artifact import Artifact
+    from tasks.decontaminate import DecontaminateSpec, decontaminate
+    from tasks.heldout_index import HeldoutIndexSpec, heldout_index
     from tasks.sources import SourceSpec, source
     from tasks.tokenize import TokenizeSpec, tokenize
     from tests.tasks.test_sources import _three_files
@@ -150,8 +153,16 @@ def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
         out["source"] = source(spec, out=root / "source", log=quiet)
         raw = Artifact(kind="corpus", uri=str(root / "source"), fingerprint="a" * 64, meta=out["source"])
     (root / "curate").mkdir(parents=True)
-    out["curate"] = curate(curation.for_source(src, []), raw, out=root / "curate", log=quiet)
-    cur = Artifact(kind="corpus", uri=str(root / "curate"), fingerprint="b" * 64, meta=out["curate"])
+    out["curate"] = curate(curation.for_source(src), raw, out=root / "curate", log=quiet)
+    cured = Artifact(kind="corpus", uri=str(root / "curate"), fingerprint="b" * 64, meta=out["curate"])
+    spec = HeldoutIndexSpec.of(curation, [src])
+    out["heldout_index"] = heldout_index(spec, [raw], out=root / "heldout_index", log=quiet)
+    index = Artifact(
+        kind="heldout_index", uri=str(root / "heldout_index"), fingerprint="d" * 64, meta=out["heldout_index"]
+    )
+    spec = DecontaminateSpec.of(curation)
+    out["decontaminate"] = decontaminate(spec, cured, index, out=root / "decontaminate", log=quiet)
+    cur = Artifact(kind="corpus", uri=str(root / "decontaminate"), fingerprint="e" * 64, meta=out["decontaminate"])
     tok = _tokenizer(root.parent / "tokenizer", cur)
     settings = recipe.tokenize.model_copy(update={"tasks": 2, **executor})
     (root / "tokenize").mkdir()
@@ -208,8 +219,9 @@ def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
 def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):
-    """The source, curate and tokenize steps of a subset of tiny (its `code` source, 200
-    documents), and an uncapped `files:` source's read, id and finish stages, as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
+    """The source, curate, heldout_index, decontaminate and tokenize steps of a subset of tiny (its
+    `code` source, 200 documents), and an uncapped `files:` source's read, id and finish stages,
+    as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
     (gzip contents), the same token shards byte for byte, the same counts and the same config
     identity (fingerprint) as on the local executor. No venv_path: the jobs find datatrove's
     launcher and this checkout through the script's PATH and PYTHONPATH lines."""
@@ -232,8 +244,10 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
     stages = {f"{p.parts[-4]}/{p.parts[-2]}" for p in scripts}
     assert {"source/read", "source/finish", "curate/filter", "curate/final", "tokenize/tokenize"} <= stages
     assert {"ingest/read", "ingest/ids", "ingest/finish"} <= stages  # an uncapped source's three stages
-    # the held-out index is built by the cluster's tasks too, not in the curate step's process
-    assert {"curate/index_shards", "curate/index_merge", "curate/index_finish"} <= stages
+    # the held-out index is built by the cluster's tasks too, in its own step (once per DAG), and
+    # the decontamination of the curated shards runs there as well
+    assert {"heldout_index/index_shards", "heldout_index/index_merge", "heldout_index/index_finish"} <= stages
+    assert "decontaminate/decontaminate" in stages
     assert all("srun" in p.read_text() and "--partition=debug" in p.read_text() for p in scripts)
     # and Slurm ran its tasks: an output file per array task (`slurm_logs/{job}_{task}.out`)
     assert all(list((p.parent / "slurm_logs").glob("*_*.out")) for p in scripts)

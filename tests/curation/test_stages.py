@@ -70,3 +70,35 @@ def test_stage_stats_are_summed_from_the_tasks_files_in_the_local_executors_form
     [entry] = read_stage_stats(tmp_path, "filter")
     assert entry["stats"]["rejected_too_large"] == 3 and entry["stats"]["doc_len"]["total"] == 110
     assert read_stage_stats(tmp_path, "nothing") == []
+
+
+def test_publication_records_each_steps_own_rows_and_a_low_kept_share_once():
+    """The curate step publishes its rows; the decontaminate step after it only its own (the
+    rows from `published_rows` on), so a source's rows in lineage are its whole table once; the
+    Prefect table is the whole table; a low kept share the curate step published is not again."""
+    from curation.stages import publication
+
+    def row(position, name, docs_in, docs_out):
+        return {
+            "position": position,
+            "filter": name,
+            "docs_in": docs_in,
+            "docs_out": docs_out,
+            "chars_in": 10 * docs_in,
+            "chars_out": 10 * docs_out,
+            "reasons": {name: docs_in - docs_out} if docs_in > docs_out else {},
+        }
+
+    rows = [row(0, "read", 10, 10), row(1, "exact_dedup", 10, 8), row(2, "heldout_decont", 8, 1)]
+    low = {"kept_share": 0.1, "floor": 0.2, "filter": "heldout_decont", "removed": 7, "reasons": {}, "message": "m"}
+    curated = publication("a" * 64, "src", rows[:2], {})
+    assert [r[3] for r in curated["filter_stats"]] == ["read", "exact_dedup"] and curated["event"] is None
+    clean = publication("b" * 64, "src", rows, {"published_rows": 2, "low_kept_share": low})
+    assert [(r[0][0], r[2], r[3]) for r in clean["filter_stats"]] == [("b", 2, "heldout_decont")]
+    assert [r["filter"] for r in clean["table"]["table"]] == ["read", "exact_dedup", "heldout_decont"]
+    assert clean["table"]["key"] == curated["table"]["key"] == "curate-src"
+    assert clean["event"]["event"] == "smollm3.curation.low_kept_share" and len(clean["data_events"]) == 1
+    again = publication(
+        "b" * 64, "src", rows, {"published_rows": 2, "low_kept_share": low, "low_kept_share_published": True}
+    )
+    assert again["event"] is None and again["data_events"] == []

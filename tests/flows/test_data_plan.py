@@ -8,6 +8,7 @@ import pytest
 from flows.data_plan import (
     BYTES_PER_TOKEN,
     CURATE_CPU_S_PER_MB,
+    DECONTAMINATE_CPU_S_PER_MB,
     SOURCE_ID_BYTES,
     TOKENIZE_TOKENS_PER_CPU_S,
     TOKENS_PER_DOCUMENT,
@@ -32,10 +33,16 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     assert by["curate"].cpu_hours == pytest.approx(mb * CURATE_CPU_S_PER_MB / 3600, rel=1e-9)
     assert by["tokenize"].cpu_hours == pytest.approx(tokens / TOKENIZE_TOKENS_PER_CPU_S / 3600, rel=1e-9)
     assert by["tokenize"].disk_gb == pytest.approx((tokens * 4 + tokens / TOKENS_PER_DOCUMENT * 8) / 1e9, rel=1e-9)
+    assert by["decontaminate"].cpu_hours == pytest.approx(mb * DECONTAMINATE_CPU_S_PER_MB / 3600, rel=1e-9)
     # where each runs: curation on the recipe's Slurm partition, 4 GB a task (the filter task's
-    # 2.1 GB, benchmarks/data_scale.py), the held-out index inside
+    # 2.1 GB, benchmarks/data_scale.py); decontamination there too, the held-out index inside
     assert by["curate"].executor == "slurm (cpu, 1 CPU x 4 GB)" and by["curate"].mem_gb == 4
-    assert "held-out index a filter task maps (1.29 GB)" in by["curate"].note
+    assert by["decontaminate"].executor == by["curate"].executor and by["decontaminate"].mem_gb == 4
+    assert by["decontaminate"].tasks == by["curate"].tasks  # a task per curated shard
+    assert "held-out index the task maps (1.29 GB)" in by["decontaminate"].note
+    # the held-out index once for the 71 sources: shard tasks, 16 merge tasks, a finish task
+    assert by["heldout_index"].tasks == 1000 + 16 + 1 and by["heldout_index"].disk_gb == pytest.approx(1.29, abs=0.01)
+    assert by["heldout_index"].executor == by["curate"].executor
     # tokenization on Slurm too (it ran 500 local workers on the flow host when the recipe named none)
     assert by["tokenize"].executor == "slurm (cpu, 1 CPU x 4 GB)"
     # the source step: datatrove tasks on curation's executor (read, id buckets, finish: 1,000 each
@@ -62,10 +69,17 @@ def _drawn(recipe, name: str) -> float:
 def test_the_tiny_data_plan_runs_on_the_flow_host():
     recipe = load_recipe("tiny")
     rows, _ = data_rows(recipe)
-    assert [r.step for r in rows] == ["source", "curate", "tokenize"]
+    assert [r.step for r in rows] == ["source", "curate", "heldout_index", "decontaminate", "tokenize"]
     assert all(r.executor.startswith("flow host") for r in rows)
-    # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources
-    assert {r.step: r.tasks for r in rows} == {"source": 6, "curate": 12, "tokenize": 12}
+    # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources, and as
+    # many decontamination tasks (a task per curated shard); the index: 4 + 16 + 1 tasks at most
+    assert {r.step: r.tasks for r in rows} == {
+        "source": 6,
+        "curate": 12,
+        "heldout_index": 21,
+        "decontaminate": 12,
+        "tokenize": 12,
+    }
 
 
 def test_no_data_step_of_the_3b_recipe_runs_on_the_flow_host():
@@ -106,6 +120,10 @@ def test_small_local_recipes_and_cluster_limits_are_warned_not_refused(capsys):
         "curation.workers 64 is more than this host's 2 cores: the source step oversubscribes them "
         "(unset it to run one worker per core)",
         "curation.workers 64 is more than this host's 2 cores: the curate step oversubscribes them "
+        "(unset it to run one worker per core)",
+        "curation.workers 64 is more than this host's 2 cores: the heldout_index step oversubscribes them "
+        "(unset it to run one worker per core)",
+        "curation.workers 64 is more than this host's 2 cores: the decontaminate step oversubscribes them "
         "(unset it to run one worker per core)",
     ]
     assert executor_problems(load_recipe("tiny"), cores=1) == ([], [])

@@ -178,9 +178,10 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
             timeout=300,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 41 reuse"), (
+        assert out.stdout.strip().splitlines()[-1].endswith(" 0 run, 45 reuse"), (
             out.stdout
-        )  # 34 + the two YaRN evaluations + the reasoning stage's 5 (traces, mixture, pretrain, export, evaluate)
+        )  # 34 + the two YaRN evaluations + the reasoning stage's 5 (traces, mixture, pretrain, export,
+        # evaluate) + the held-out index and the three sources' decontamination
     finally:
         if watcher is not None and watcher.poll() is None:  # a test failing while it watches
             watcher.kill()

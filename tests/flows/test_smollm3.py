@@ -39,8 +39,9 @@ def test_caching_partial_rerun_refresh_and_rebuild(workspace_copy, prefect_harne
     assert second["final"] == first["final"]
 
     # With the tokenizer fixed by the recipe, changing one source's config reruns that source,
-    # the curation of every source (each train split is decontaminated against every source's
-    # held-out split) and so their token shards; the tokenizer stays.
+    # its curation, the held-out index, the decontamination of every source (each train split is
+    # decontaminated against every source's held-out split) and so their token shards; the other
+    # sources' curation and the tokenizer stay.
     trained = (
         ws
         / "tokenizer"
@@ -53,10 +54,12 @@ def test_caching_partial_rerun_refresh_and_rebuild(workspace_copy, prefect_harne
     per_source = {k: v for k, v in third.items() if k.endswith(("[prose]", "[code]", "[math]"))}
     assert {k for k, v in per_source.items() if v == "completed"} == {
         "source[math]",
-        *(f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math")),
+        "curate[math]",
+        *(f"{step}[{s}]" for step in ("decontaminate", "tokenize") for s in ("prose", "code", "math")),
     }
     assert per_source["source[prose]"] == per_source["source[code]"] == "cached"
-    assert third["tokenizer[given]"] == "cached"
+    assert per_source["curate[prose]"] == per_source["curate[code]"] == "cached"
+    assert third["heldout_index[heldout]"] == "completed" and third["tokenizer[given]"] == "cached"
 
     # refresh forces the named step for every source.
     fourth = smollm3(overrides=over, refresh=["source"])
@@ -74,6 +77,31 @@ def test_caching_partial_rerun_refresh_and_rebuild(workspace_copy, prefect_harne
 
     runs = lineage.runs()
     assert [r["state"] for r in runs] == ["completed"] * (1 + 6)  # the session's build, then these six
+
+
+def test_a_source_is_curated_from_its_own_source_alone_and_the_held_out_index_is_built_once():
+    """Curation of a source waits for that source only; the held-out index (one step) reads every
+    source; each source's decontamination reads its curated corpus and that index; every later
+    step reads the decontaminated corpus."""
+    from flows.recipe import load_recipe
+    from flows.smollm3 import graph
+
+    g = graph(load_recipe("tiny", []))
+    names = ("prose", "code", "math")
+    parents = {n.key: {p.key for p in n.parents()} for n in g}
+    for s in names:
+        assert parents[f"curate[{s}]"] == {f"source[{s}]"}, parents[f"curate[{s}]"]
+        assert parents[f"decontaminate[{s}]"] == {f"curate[{s}]", "heldout_index[heldout]"}
+        assert parents[f"tokenize[{s}]"] - {"tokenizer[bpe]"} == {f"decontaminate[{s}]"}
+    assert [n.key for n in g if n.step.name == "heldout_index"] == ["heldout_index[heldout]"]
+    assert parents["heldout_index[heldout]"] == {f"source[{s}]" for s in names}
+    # nothing after curation reads a corpus that is not decontaminated
+    readers = {n.key for n in g for p in n.parents() if p.step.name == "curate"}
+    assert readers == {f"decontaminate[{s}]" for s in names}
+    # without decontamination the curated corpora are the clean ones: no index, no decontaminate
+    off = graph(load_recipe("tiny", ["curation.decontamination.enabled=false"]))
+    assert not {n.step.name for n in off} & {"heldout_index", "decontaminate"}
+    assert {p.key for p in off.node("tokenize[math]").parents()} - {"tokenizer[bpe]"} == {"curate[math]"}
 
 
 def test_invalid_recipe_fails_before_any_step(tmp_path, prefect_harness):
@@ -161,7 +189,8 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(workspac
 
     From a copy of the session's data steps at these sizes (tests/conftest.py) with its source
     folders deleted: the three sources build again (two at once in the `data` slots), their
-    curations, tokenizer and shards are reused by fingerprint, and the rest is built."""
+    curations, held-out index, decontaminations, tokenizer and shards are reused by fingerprint,
+    and the rest is built."""
     from flows.recipe import load_recipe
     from flows.smollm3 import graph
     from tests.conftest import TINY_TRAIN
@@ -176,9 +205,9 @@ def test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage(workspac
     span = {f"{s['step']}[{s['label']}]": (s["started"], s["ended"]) for s in steps}
     state = {f"{s['step']}[{s['label']}]": s["state"] for s in steps}
     reused = {k for k, v in state.items() if v == "cached"}  # (fertility reads the stages' weights: it runs)
-    assert reused == {f"{step}[{s}]" for step in ("curate", "tokenize") for s in ("prose", "code", "math")} | {
-        "tokenizer[bpe]"
-    }, reused
+    assert reused == {
+        f"{step}[{s}]" for step in ("curate", "decontaminate", "tokenize") for s in ("prose", "code", "math")
+    } | {"heldout_index[heldout]", "tokenizer[bpe]"}, reused
 
     def overlap(a: str, b: str) -> bool:
         return span[a][0] < span[b][1] and span[b][0] < span[a][1]

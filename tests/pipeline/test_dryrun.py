@@ -125,9 +125,13 @@ def test_an_operational_field_changes_no_fingerprint(override):
 # reruns, nothing else does.
 IDENTITY = {
     "sources.math.max_documents=150": {"source[math]"},
-    # the other sources are decontaminated against prose's held-out text in the form its preset keeps
-    "curation.presets.prose=code": {"curate[prose]", "curate[code]", "curate[math]"},
+    # the held-out index holds prose's held-out text in the form its preset keeps: it is rebuilt
+    # (and so every source's decontamination reruns), the other sources' curation is not
+    "curation.presets.prose=code": {"curate[prose]", "heldout_index[heldout]"},
     "curation.minhash_ngrams=4": {"curate[prose]", "curate[code]", "curate[math]"},
+    # decontamination's settings: the index's n-grams, the match rule; no curate step reruns
+    "curation.decontamination.ngram=6": {"heldout_index[heldout]"},
+    "curation.decontamination.threshold=0.6": {f"decontaminate[{s}]" for s in ("prose", "code", "math")},
     # a filter threshold reruns the curate steps of the sources using that preset only
     "curation.filters.docs.gopher_quality.min_doc_words=100": {"curate[prose]"},
     "curation.filters.code.code_line_length.max_line_length=500": {"curate[code]"},
@@ -275,8 +279,11 @@ def test_plan_predicts_exactly_what_a_run_does_from_any_process(tmp_path, prefec
     assert "max_documents: 200 -> 150" in changed["source[math]"].reason
     assert changed["curate[math]"].reason == "inputs changed: source[math] reruns"
     assert changed["source[prose]"].action == "reuse" and changed["source[code]"].action == "reuse"
-    # every curation reads every source's held-out split (decontamination), so code's reruns too
-    assert changed["curate[code]"].reason == "inputs changed: source[math] reruns"
+    # code's curation reads code only; the held-out index reads every source, so the index and
+    # every source's decontamination rerun
+    assert changed["curate[code]"].action == "reuse"
+    assert changed["heldout_index[heldout]"].reason == "inputs changed: source[math] reruns"
+    assert changed["decontaminate[code]"].reason == "inputs changed: heldout_index[heldout] reruns"
     # operational changes rerun nothing
     quiet = plan(load_recipe("tiny", [*over, "curation.workers=2", "resources.data.slots=1", "eval.batch_size=2"]))
     assert {r.action for r in quiet} == {"reuse"}

@@ -100,6 +100,8 @@ def test_retries_are_declared_where_they_help():
     for name in (
         "source",
         "curate",
+        "heldout_index",
+        "decontaminate",
         "tokenizer",
         "fertility",
         "tokenize",
@@ -165,10 +167,17 @@ def test_a_steps_inputs_come_from_its_signature():
     assert named_by_config.inputs == () and named_by_config.open_inputs
     # the project's steps: named inputs, no `inputs` mapping
     from tasks.curate import curate
+    from tasks.decontaminate import decontaminate
+    from tasks.heldout_index import heldout_index
     from tasks.mixture import mixture
     from tasks.sources import source
 
-    assert [(p.name, p.many, p.required) for p in curate.inputs] == [("corpus", False, True), ("others", True, False)]
+    assert [(p.name, p.many, p.required) for p in curate.inputs] == [("corpus", False, True)]
+    assert [(p.name, p.many, p.required) for p in heldout_index.inputs] == [("corpora", True, False)]
+    assert [(p.name, p.many, p.required) for p in decontaminate.inputs] == [
+        ("corpus", False, True),
+        ("index", False, True),
+    ]
     assert [(p.name, p.many, p.required) for p in mixture.inputs] == [("shards", True, True)]
     assert source.inputs == ()
 

@@ -24,10 +24,35 @@ from evals.suite import contamination
 from flows.recipe import RecipeError, load_recipe
 from pipeline.artifact import Artifact
 from tasks.curate import CurationConfig, DecontaminationConfig, curate
+from tasks.decontaminate import DecontaminateSpec, decontaminate
 from tasks.evaluate import EvalConfig, SuiteSpec, eval_suite
+from tasks.heldout_index import HeldoutIndexSpec, heldout_index
 from tasks.sources import SourceSpec
 from tasks.sources import source as source_step
 from tests.tasks.datafiles import PARAGRAPHS, corpus, doc_line, random_text
+
+
+def curate_clean(cfg: CurationConfig, art: Artifact, others=(), *, out: Path, log=lambda _: None, presets=None) -> dict:
+    """The source's curate step, the held-out index of it and `others`, and its decontaminate
+    step, as flows/smollm3.py wires them: the decontaminated corpus in `out` (the two steps
+    before it beside `out`, under `<out>.curate` and `<out>.index`); its meta. `presets`: every
+    indexed source's preset (default: `cfg.presets`, the others by their domain)."""
+    cur, idx = out.with_name(out.name + ".curate"), out.with_name(out.name + ".index")
+    cur.mkdir()
+    idx.mkdir()
+    cmeta = curate(cfg, art, out=cur, log=log)
+    d = cfg.decontamination
+    spec = HeldoutIndexSpec(
+        presets=presets if presets is not None else cfg.presets,
+        ngram=d.ngram,
+        partitions=d.index_partitions,
+        tasks=cfg.tasks,
+        workers=cfg.workers,
+    )
+    imeta = heldout_index(spec, (art, *others), out=idx, log=log)
+    curated = Artifact(kind="corpus", uri=str(cur), fingerprint="c" * 64, meta=cmeta)
+    index = Artifact(kind="heldout_index", uri=str(idx), fingerprint="d" * 64, meta=imeta)
+    return decontaminate(DecontaminateSpec.of(cfg), curated, index, out=out, log=log)
 
 
 def _ids(folder: Path) -> list[str]:
@@ -181,7 +206,7 @@ def test_heldout_copies_straddling_the_split_leave_train_and_the_contamination_r
     assert raw["heldout_documents"] == len(held)  # the planted copies all went to train
     out = tmp_path / "cur"
     out.mkdir()
-    meta = curate(CurationConfig(presets={"user": "none"}), raw_art, out=out, log=lambda _: None)
+    meta = curate_clean(CurationConfig(presets={"user": "none"}), raw_art, out=out)
     cur = Artifact(kind="corpus", uri=str(out), fingerprint="b" * 64, meta=meta)
 
     assert meta["removed"] == {"heldout_decont:exact": 3, "heldout_decont:overlap": 4}
@@ -219,7 +244,7 @@ def test_train_is_decontaminated_against_other_sources_heldout(tmp_path):
     art = corpus(tmp_path / "mine", mine, source="mine")
     out = tmp_path / "out"
     out.mkdir()
-    meta = curate(CurationConfig(presets={"mine": "none"}), art, others=[other], out=out, log=lambda _: None)
+    meta = curate_clean(CurationConfig(presets={"mine": "none"}), art, [other], out=out)
     assert meta["removed"] == {"heldout_decont:exact": 1} and "copy" not in _ids(out / "train")
     assert meta["decontaminated_against"] == ["mine", "other"]
 
@@ -239,9 +264,8 @@ def test_the_held_out_index_is_built_by_executor_tasks_not_in_the_step_process(t
     monkeypatch.setattr(heldout_module, "word_ngrams", lambda text, n: hashed.append(text) or real(text, n))
     monkeypatch.setattr(heldout_module.HeldoutIndex, "build", None)  # no index built in this process
     out = tmp_path / "out"
-    out.mkdir()
     cfg = CurationConfig(presets={"mine": "none"}, minhash=False, exact_dedup=False, workers=2)
-    meta = curate(cfg, art, others=others, out=out, log=lambda _: None)
+    meta = curate_clean(cfg, art, others, out=out)
     # the planted copy of another source's held-out text goes; every clean document stays
     assert meta["removed"] == {"heldout_decont:exact": 1}
     assert sorted(_ids(out / "train")) == sorted(i for i, _ in clean)
@@ -249,10 +273,12 @@ def test_the_held_out_index_is_built_by_executor_tasks_not_in_the_step_process(t
     # built by the index stages' tasks (pool workers of the local executor, array jobs on Slurm),
     # none of the held-out text hashed here
     assert not {t for docs in held.values() for _, t in docs} & set(hashed)
-    stats = json.loads((out / "logs" / "index_shards" / "stats.json").read_text())
+    index = tmp_path / "out.index"  # the heldout_index step's folder
+    stats = json.loads((index / "logs" / "index_shards" / "stats.json").read_text())
     assert sum(e["stats"]["documents"] for e in stats if "documents" in e.get("stats", {})) == 6
-    assert len(list((out / "logs" / "index_merge" / "completions").iterdir())) == 16
-    assert not (out / "work").exists()  # the index went with the step's work folder
+    assert len(list((index / "logs" / "index_merge" / "completions").iterdir())) == 16
+    assert not (index / "shards").exists() and not (index / "parts").exists()  # the build's work is gone
+    assert (index / "index" / "index.json").is_file()
 
 
 def test_another_sources_preset_decides_which_form_of_its_heldout_is_matched(tmp_path):
@@ -269,13 +295,13 @@ def test_another_sources_preset_decides_which_form_of_its_heldout_is_matched(tmp
     art = corpus(tmp_path / "mine", [*((f"m{i}", random_text(rng)) for i in range(4)), ("copy", plain)], source="mine")
     me = SourceConfig(name="mine", uri="builtin:prose", domain="web")
     docs = SourceConfig(name="docs", uri="builtin:prose", domain="web")
-    config = CurationConfig(presets={"mine": "none", "docs": "docs"}, minhash=False).for_source(me, [docs])
-    assert config.presets == {"mine": "none", "docs": "docs"} and config.plan_summary() == "preset none"
-    for name, section, found in (("out", config, True), ("blind", CurationConfig(presets={"mine": "none"}), False)):
-        (tmp_path / name).mkdir()
-        meta = curate(
-            section.model_copy(update={"minhash": False}), art, others=[other], out=tmp_path / name, log=lambda _: None
-        )
+    recipe = CurationConfig(presets={"mine": "none", "docs": "docs"}, minhash=False)
+    config = recipe.for_source(me)
+    assert config.presets == {"mine": "none"} and config.plan_summary() == "preset none"
+    # the held-out index holds every source's preset: the recipe's, resolved
+    assert HeldoutIndexSpec.of(recipe, [me, docs]).presets == {"mine": "none", "docs": "docs"}
+    for name, presets, found in (("out", {"mine": "none", "docs": "docs"}, True), ("blind", {"mine": "none"}, False)):
+        meta = curate_clean(config, art, [other], out=tmp_path / name, presets=presets)
         assert ("copy" not in _ids(tmp_path / name / "train")) is found, (name, meta["removed"])
 
 
@@ -327,14 +353,17 @@ def test_decontamination_judges_the_text_as_trained_after_a_preset_rewrites_it(t
     art = corpus(tmp_path / "src", train, heldout=held, source="docs")
     out = tmp_path / "out"
     out.mkdir()
-    meta = curate(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out=out, log=lambda _: None)
-    assert meta["removed"] == {"heldout_decont:exact": 3}, meta["removed"]
+    meta = curate_clean(CurationConfig(presets={"docs": "docs"}, minhash=False), art, out=out)
+    # `copy` is, as trained, the same text as `fork` (the held-out README's prose): exact dedup,
+    # which runs before decontamination, removes it as `fork`'s duplicate, and decontamination
+    # then removes `fork` (before, decontamination came first and removed both)
+    assert meta["removed"] == {"exact_dedup:exact_dedup": 1, "heldout_decont:exact": 2}, meta["removed"]
     assert _ids(out / "train") == ["keep"]
     reasons = {}
     for line in gzip.open(out / "removed" / "heldout_decont" / "00000.jsonl.gz", "rt"):
         doc = json.loads(line)
         reasons[doc["id"]] = doc["metadata"]["filter_reason"]
-    assert reasons == {"fork": "exact", "copy": "exact", "plain": "exact"}
+    assert reasons == {"fork": "exact", "plain": "exact"}
     for line in gzip.open(out / "train" / "00000.jsonl.gz", "rt"):  # the working hash is gone
         assert "rewritten_from_hash" not in json.loads(line)["metadata"]
 
@@ -377,7 +406,7 @@ def test_filter_names_agree_in_stats_removed_folders_and_meta(tmp_path):
     art = corpus(tmp_path / "in", docs, heldout=[("h", held)])
     out = tmp_path / "out"
     out.mkdir()
-    meta = curate(CurationConfig(minhash=False), art, out=out, log=lambda _: None)
+    meta = curate_clean(CurationConfig(minhash=False), art, out=out)
     rows = {r["filter"] for r in json.loads((out / "filter_stats.json").read_text())}
     folders = {p.name for p in (out / "removed").iterdir()}
     keys = {k.split(":")[0] for k in meta["removed"]}
@@ -469,7 +498,7 @@ def test_an_exact_copy_of_held_out_web_text_is_counted_exact(tmp_path):
     art = corpus(tmp_path / "in", train, heldout=[("h1", held), ("h2", with_menu)])
     out = tmp_path / "out"
     out.mkdir()
-    meta = curate(CurationConfig(minhash=False, exact_dedup=False), art, out=out, log=lambda _: None)
+    meta = curate_clean(CurationConfig(minhash=False, exact_dedup=False), art, out=out)
     assert meta["preset"] == "web"
     assert meta["removed"].get("heldout_decont:exact") == 2, meta["removed"]
     assert meta["heldout_documents"] == 1  # h2 is h1 once C4 dropped its short line: deduplicated
@@ -487,7 +516,7 @@ def test_the_step_reports_the_held_out_index_every_task_loads_and_its_size_at_th
         out = tmp_path / name
         out.mkdir()
         logs: list[str] = []
-        meta = curate(cfg, corpus_art, out=out, log=logs.append)
+        meta = curate_clean(cfg, corpus_art, out=out, log=logs.append)
         index = meta["heldout_index"]
         assert index["documents"] == 3 and index["ngrams"] > 0 and index["bytes"] > 12 * index["ngrams"]
         assert index["documents_at_cap"] == bound
@@ -497,3 +526,46 @@ def test_the_step_reports_the_held_out_index_every_task_loads_and_its_size_at_th
         else:
             assert index["bytes_at_cap"] == round(index["bytes"] / 3 * 2000)
             assert "at the sources' caps (2,000 documents)" in line
+
+
+def test_a_decontaminate_task_that_dies_leaves_nothing_a_rerun_takes_as_finished(tmp_path):
+    """Two curated shards, two decontamination tasks; the second shard's end cut off, so its task
+    dies after writing part of its output. The step fails (no completion marker: the step
+    function raised), the dead task has no datatrove completion; with the shard repaired the same
+    step skips the finished task, redoes the dead one, and gives what an unbroken run gives."""
+    rng = random.Random(13)
+    other_held = [("o1", random_text(rng)), ("o2", random_text(rng))]
+    other = corpus(tmp_path / "other", [("x", random_text(rng))], heldout=other_held, source="other")
+    clean = [(f"m{i}", random_text(rng)) for i in range(40)]
+    mine = [*clean[:20], ("copy", other_held[0][1]), *clean[20:], ("copy2", other_held[1][1])]
+    art = corpus(tmp_path / "mine", mine, source="mine", shards=2)
+    cfg = CurationConfig(presets={"mine": "none"}, minhash=False, tasks=2, workers=1)
+    cur, idx, whole_out, out = (tmp_path / n for n in ("cur", "idx", "whole", "again"))
+    curated = Artifact(
+        kind="corpus", uri=str(cur), fingerprint="c" * 64, meta=curate(cfg, art, out=cur, log=lambda _: None)
+    )
+    spec = HeldoutIndexSpec(presets=cfg.presets, workers=1)
+    imeta = heldout_index(spec, (art, other), out=idx, log=lambda _: None)
+    index = Artifact(kind="heldout_index", uri=str(idx), fingerprint="d" * 64, meta=imeta)
+    whole = decontaminate(DecontaminateSpec.of(cfg), curated, index, out=whole_out, log=lambda _: None)
+    assert whole["removed"] == {"heldout_decont:exact": 2} and whole["documents"] == 40
+    broken = cur / "train" / "00001.jsonl.gz"
+    intact = broken.read_bytes()
+    assert len(gzip.decompress(intact).splitlines()) > 5
+    broken.write_bytes(intact[: len(intact) // 2])  # the reader dies part-way through the shard
+    with pytest.raises(EOFError):
+        decontaminate(DecontaminateSpec.of(cfg), curated, index, out=out, log=lambda _: None)
+    done = out / "logs" / "decontaminate" / "completions"
+    assert (done / "00000").is_file() and not (done / "00001").exists()
+    assert not (out / "filter_stats.json").exists()  # nothing of a finished step
+    first = (out / "train" / "00000.jsonl.gz").stat().st_mtime_ns
+
+    broken.write_bytes(intact)
+    again = decontaminate(DecontaminateSpec.of(cfg), curated, index, out=out, log=lambda _: None)
+    assert (out / "train" / "00000.jsonl.gz").stat().st_mtime_ns == first  # skipped, not redone
+    assert sorted(_ids(out / "train")) == sorted(_ids(whole_out / "train")) == sorted(i for i, _ in clean)
+    for name in ("00000.jsonl.gz", "00001.jsonl.gz"):  # the redone shard: the same documents
+        assert gzip.decompress((out / "train" / name).read_bytes()) == gzip.decompress(
+            (whole_out / "train" / name).read_bytes()
+        )
+    assert again == {**whole, "seconds": again["seconds"]} and again["unaccounted"] == 0
