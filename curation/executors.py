@@ -101,9 +101,12 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
             from datatrove.executor import SlurmPipelineExecutor
 
             if config.slurm is None:
-                section = {"CurationConfig": "curation", "SourceSpec": "curation", "TokenizeConfig": "tokenize"}.get(
-                    type(config).__name__, type(config).__name__
-                )
+                section = {
+                    "CurationConfig": "curation",
+                    "SourceSpec": "curation",
+                    "TokenizeConfig": "tokenize",
+                    "ReasoningDataSpec": "tokenize",
+                }.get(type(config).__name__, type(config).__name__)
                 raise ValueError(
                     f"{section}.executor is slurm but {section}.slurm is not set; add a slurm section with at least partition"
                 )

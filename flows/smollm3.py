@@ -201,7 +201,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     traces = {
         r.name: g.add(
             reasoning_data,
-            ReasoningDataSpec(data=r, seed=cfg.seed),
+            ReasoningDataSpec.of(r, cfg.seed, cfg.tokenize),
             label=r.name,
             tokenizer=chosen,
             heldout=list(clean.values()),
