@@ -37,6 +37,15 @@ largest task's; the inputs are written beforehand by this process, never by the 
   second run of the task), which page noise cannot hide, added to the largest RSS measured;
 - a tokenization task: the `tokenize` step itself (tasks/tokenize.py, a BPE of 512 tokens, the
   local executor with one worker: its tasks one after another in this process): x = documents per task;
+- reasoning data: the `reasoning_data` step's two stages (tasks/reasoning_data.py,
+  curation/reasoning_tasks.py) over N synthetic ShareGPT conversations (a question and a
+  think-mode reply of ~60 words) in a `files:` JSONL, a BPE of 512 tokens, `--tasks` shards, each
+  task forked: the reader (one task streams a `files:`/`hf:` source): x = the source's
+  conversations; a render-and-tokenize task: x = conversations per task;
+- the tokenizer: the `tokenizer` step (tasks/tokenizer.py: a byte-level BPE at the recipe's
+  `tokenizer.vocab_size`) on a sample of N x 1,000 characters (2,000 documents: 2 MB) of
+  Zipf-distributed words (exponent 1.1 over 2M distinct words, so new words keep coming as real
+  text's do), run in its fresh process as the step's child runs on the flow host: x = sample characters;
 - the mixture plan: the `mixture` step (tasks/mixture.py) over N/4 token shards of 10 sources:
   x = shards;
 - the loader: `benchmarks/loader_scale.py`'s `build` and `measure` (start-up, its own peak,
@@ -112,6 +121,9 @@ PARTS: dict[str, tuple[str, str, str, float]] = {
     "curate final": ("curation task", "cluster task", "documents per task", TASK),
     "curate heldout": ("curation task", "cluster task (1)", "held-out documents", TASK),
     "tokenize task": ("tokenization task", "cluster task", "documents per task", TASK),
+    "reasoning read": ("reasoning data", "cluster task (1 per hub source)", "conversations of the source", TASK),
+    "reasoning task": ("reasoning data", "cluster task", "conversations per task", TASK),
+    "tokenizer train": ("tokenizer", "step process (flow host)", "sample characters", TASK),
     "mixture plan": ("mixture plan", "flow process", "token shards", FLOW),
     "loader rank": ("loader", "training rank", "documents", RANK),
     "metrics curve": ("metrics summarising", "flow process", "metrics lines", FLOW),
@@ -331,6 +343,52 @@ def m_tokenize(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     return [{"part": "tokenize task", "x": got["documents"] / args.tasks, "seconds": seconds}]
 
 
+def m_reasoning(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
+    from curation.bpe import selected_tokenizer
+    from curation.executors import make_executors
+    from curation.reasoning_tasks import merge_counts, tokenize_pipeline
+    from pipeline.artifact import Artifact
+    from tasks.reasoning_data import ReasoningDataConfig, ReasoningDataSpec, _reader
+
+    meta = json.loads((work / "tokenizer" / "meta.json").read_text())
+    tok = Artifact(kind="tokenizer", uri=str(work / "tokenizer"), fingerprint="0" * 64, meta=meta)
+    data = ReasoningDataConfig(
+        name="traces", uri=f"files:{work}/convs.jsonl", examples=n, messages_field="conversations"
+    )
+    spec = ReasoningDataSpec(data=data, shards=args.tasks, workers=1)
+    out = work / "out"
+    reader, read_tasks = _reader(spec, (), out / "work")
+    (ex,) = make_executors(spec, [("read", [reader], read_tasks)], out / "logs")
+    start = time.perf_counter()
+    read_peak = forked_peak(lambda: ex._run_for_rank(0))
+    read_s = time.perf_counter() - start
+    convs = merge_counts(out / "work", read_tasks)["conversations"]
+    pipeline = tokenize_pipeline(out / "work", out, selected_tokenizer(tok), "traces", 0, spec.batch_size)
+    (ex,) = make_executors(spec, [("tokenize", pipeline, args.tasks)], out / "logs")
+    start = time.perf_counter()
+    peak = max(forked_peak(lambda r=r: ex._run_for_rank(r)) for r in range(args.tasks))
+    seconds = (time.perf_counter() - start) / args.tasks
+    tokens = sum(f.stat().st_size // 2 for f in out.glob("*.ds"))
+    return [
+        {"part": "reasoning read", "x": convs, "peak": read_peak, "seconds": read_s},
+        {"part": "reasoning task", "x": convs / args.tasks, "peak": peak, "seconds": seconds, "tokens": tokens},
+    ]
+
+
+def m_tokenizer(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
+    from pipeline.artifact import Artifact
+    from tasks.tokenizer import TokenizerConfig, tokenizer
+
+    chars = n * SAMPLE_CHARS_PER_DOCUMENT
+    corpus = Artifact(kind="corpus", uri=str(work), fingerprint="1" * 64, meta={"source": "web"})
+    start = time.perf_counter()
+    out = work / "tok"
+    out.mkdir()
+    got = tokenizer(TokenizerConfig(vocab_size=args.vocab, sample_chars=chars), (corpus,), out=out, log=lambda _: None)
+    seconds = time.perf_counter() - start
+    return [{"part": "tokenizer train", "x": got["sample_chars"], "seconds": seconds, "vocab": got["vocab_size"]}]
+
+
 def m_mixture(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     from pipeline.artifact import Artifact
     from tasks.mixture import MixtureSpec, mixture
@@ -400,7 +458,18 @@ def m_report(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     return [{"part": "run report", "x": n, "seconds": time.perf_counter() - start}]
 
 
-COMPONENTS = ("ingest", "heldout", "curate", "tokenize", "mixture", "loader", "metrics", "report")
+COMPONENTS = (
+    "ingest",
+    "heldout",
+    "curate",
+    "tokenize",
+    "reasoning",
+    "tokenizer",
+    "mixture",
+    "loader",
+    "metrics",
+    "report",
+)
 MEASURES = {
     "ingest": m_ingest,
     "heldout_build": m_heldout_build,
@@ -408,6 +477,8 @@ MEASURES = {
     "heldout_step": m_heldout_step,
     "curate": m_curate,
     "tokenize": m_tokenize,
+    "reasoning": m_reasoning,
+    "tokenizer": m_tokenizer,
     "mixture": m_mixture,
     "loader": m_loader,
     "metrics": m_metrics,
@@ -428,7 +499,7 @@ def fresh(what: str, work: Path, n: int, args: argparse.Namespace, *extra: str) 
     """Run a measurement in a fresh interpreter; its rows (each with its peak: the process's
     VmHWM, or a forked task's own)."""
     cmd = [sys.executable, __file__, "--measure", what, str(work), str(n), "--tasks", str(args.tasks)]
-    cmd += ["--cap", str(args.cap), "--preset", args.preset, *extra]
+    cmd += ["--cap", str(args.cap), "--preset", args.preset, "--vocab", str(args.vocab), *extra]
     with open(work / f"{what}.out", "w") as out, open(work / f"{what}.err", "w") as err:
         proc = subprocess.run(cmd, stdout=out, stderr=err, cwd=REPO, check=False)
     if proc.returncode:
@@ -466,6 +537,57 @@ def prepare_tokenize(work: Path, n: int, tasks: int) -> None:
     write_shards(work / "train", docs, tasks)
     meta = save_hf_tokenizer(train_bpe(iter(docs[:2000]), 512), work / "tokenizer")
     (work / "tokenizer" / "meta.json").write_text(json.dumps(meta))
+
+
+def prepare_reasoning(work: Path, n: int) -> None:
+    """`n` ShareGPT conversations (a question, a think-mode reply of ~60 words) and a BPE."""
+    from curation.bpe import save_hf_tokenizer, train_bpe
+
+    replies = texts(n, seed=4)
+    with open(work / "convs.jsonl", "w", encoding="utf-8") as fh:
+        for i, reply in enumerate(replies):
+            turns = [
+                {"from": "human", "value": f"What is {i} + {i % 97}?"},
+                {"from": "gpt", "value": f"<think>\n{reply}\n</think>\nAnswer: {i + i % 97}"},
+            ]
+            fh.write(json.dumps({"conversations": turns}) + "\n")
+    meta = save_hf_tokenizer(train_bpe(iter(replies[:2000]), 512), work / "tokenizer")
+    (work / "tokenizer" / "meta.json").write_text(json.dumps(meta))
+
+
+SAMPLE_CHARS_PER_DOCUMENT = 1000  # the tokenizer's sample: N x this many characters
+ZIPF_WORDS = 2_000_000  # distinct words of the tokenizer's synthetic text
+
+
+def prepare_tokenizer(work: Path, n: int) -> None:
+    """A corpus's train shards of N x 1,000 characters of Zipf-distributed words (documents of ~5,000)."""
+    import numpy as np
+
+    chars = n * SAMPLE_CHARS_PER_DOCUMENT
+    rng = np.random.default_rng(0)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+
+    def word(rank: int) -> str:
+        out = ""
+        while True:
+            rank, d = divmod(rank, 26)
+            out += letters[d]
+            if not rank:
+                return out
+
+    folder = work / "train"
+    folder.mkdir(parents=True)
+    written, shard = 0, 0
+    while written < chars:
+        with gzip.open(folder / f"{shard:05d}.jsonl.gz", "wt", encoding="utf-8") as fh:
+            for _ in range(2000):
+                ranks = (rng.zipf(1.1, 850) - 1) % ZIPF_WORDS
+                text = " ".join(word(int(r)) for r in ranks)
+                fh.write(json.dumps({"text": text}) + "\n")
+                written += len(text)
+                if written >= chars:
+                    break
+        shard += 1
 
 
 def prepare_metrics(folder: Path, lines: int, log_interval: int = 10) -> None:
@@ -513,6 +635,14 @@ def measure_size(n: int, args: argparse.Namespace, tmp: Path, plan: dict | None)
         tok = folder("tokenize")
         prepare_tokenize(tok, n, args.tasks)
         rows += fresh("tokenize", tok, n, args)
+    if "reasoning" in want:
+        rea = folder("reasoning")
+        prepare_reasoning(rea, n)
+        rows += fresh("reasoning", rea, n, args)
+    if "tokenizer" in want:
+        bpe = folder("tokenizer")
+        prepare_tokenizer(bpe, n)
+        rows += fresh("tokenizer", bpe, n, args)
     if "mixture" in want:
         rows += fresh("mixture", folder("mixture"), n, args)
     if "loader" in want:
@@ -570,6 +700,10 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
         interval = getattr(stage, "log_interval", None) or recipe.training.log_interval
         lines[stage.name] = -(-stage_steps(stage, recipe.training) // interval)
     loader_stage = max(stage_docs, key=stage_docs.get)
+    # reasoning data: a files:/hf: source is read by one task; its conversations in tokenize.tasks shards
+    reasoning = [(r.examples, 1 if r.uri != "builtin" else recipe.tokenize.tasks) for r in recipe.reasoning_data]
+    reasoning_read = max((n / tasks for n, tasks in reasoning), default=0)
+    reasoning_task = max((n / min(recipe.tokenize.tasks, n) for n, _ in reasoning), default=0)
     ngrams = (indexed if indexed is not None else largest.documents * 0.05 * len(sizes)) * WORDS_PER_DOCUMENT
     # a shard task per held-out file, at most curation.tasks: every source's split is one file
     # at least, so its n-grams per task are at most the index's over this many tasks
@@ -592,6 +726,9 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
             "curate final": per_curate,
             "curate heldout": held_docs,
             "tokenize task": per_tokenize,
+            "reasoning read": reasoning_read,
+            "reasoning task": reasoning_task,
+            "tokenizer train": 0 if recipe.tokenizer.path else recipe.tokenizer.sample_chars,
             "mixture plan": max(stage_shards.values()),
             "loader rank": stage_docs[loader_stage],
             "metrics curve": max(lines.values()),
@@ -771,6 +908,7 @@ def main() -> None:
     ap.add_argument("--measure", nargs=3, metavar=("WHAT", "DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--plan", default="plan.json", help=argparse.SUPPRESS)
     ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)  # the tokenizer's: the recipe's
     args = ap.parse_args()
     if args.measure:
         what, work, n = args.measure
@@ -785,7 +923,9 @@ def main() -> None:
         raise SystemExit(f"--sizes: the smallest ({args.sizes[0]}) must be at least 8 x --tasks ({args.tasks})")
     from flows.recipe import load_recipe
 
-    scale = recipe_scale(load_recipe(args.recipe))
+    recipe = load_recipe(args.recipe)
+    scale = recipe_scale(recipe)
+    args.vocab = recipe.tokenizer.vocab_size
     print(
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; sizes {args.sizes} documents, "
         f"{args.tasks} tasks per data step; peaks: VmHWM of each fresh process, ru_maxrss of each forked task (imports included)"

@@ -78,8 +78,9 @@ def machine_cores() -> int:
 def stage_workers(config, tasks: int) -> int:
     """Tasks of a stage run at once: `workers`, or (unset) this machine's cores for the local
     executor and every task for the cluster ones; never more than the stage's tasks."""
-    if config.workers is not None:
-        return min(config.workers, tasks)
+    workers = getattr(config, "workers", None)  # a one-task section (the tokenizer's) has none
+    if workers is not None:
+        return min(workers, tasks)
     return min(machine_cores(), tasks) if config.executor == "local" else tasks
 
 
@@ -101,9 +102,13 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
             from datatrove.executor import SlurmPipelineExecutor
 
             if config.slurm is None:
-                section = {"CurationConfig": "curation", "SourceSpec": "curation", "TokenizeConfig": "tokenize"}.get(
-                    type(config).__name__, type(config).__name__
-                )
+                section = {
+                    "CurationConfig": "curation",
+                    "SourceSpec": "curation",
+                    "TokenizeConfig": "tokenize",
+                    "ReasoningDataSpec": "tokenize",
+                    "TokenizerConfig": "tokenizer",
+                }.get(type(config).__name__, type(config).__name__)
                 raise ValueError(
                     f"{section}.executor is slurm but {section}.slurm is not set; add a slurm section with at least partition"
                 )

@@ -4,11 +4,12 @@ shards the pretraining trainer reads them from.
 SmolLM3 trained on reasoning traces (OpenThoughts3, Llama-Nemotron post-training data) in ChatML
 with packing, after context extension and before SFT (docs/posttraining.md). Here:
 - `builtin_traces`: arithmetic and word problems (the `builtin:math` kinds plus two-step ones),
-  drawn with a seeded generator of their own, each a think-mode conversation whose reply is a
+  each drawn by a generator seeded with the seed and its index (so the reader tasks of the
+  reasoning_data step make any part of them), each a think-mode conversation whose reply is a
   worked trace in `<think>...</think>` and `Answer: N` (curation/conversations.py, the same shape as
   the think rows of SFT, under the same system turn: `systems.think_system`, the recipe's
   `reasoning_modes`). Problems whose text is in `exclude` (the held-out math problems the
-  evaluations ask) are skipped, so the stage never trains on an eval question.
+  evaluations ask) are drawn again, so the stage never trains on an eval question.
 - `as_messages`: a `files:`/`hf:` row's conversation as `[{role, content}]`, from either the
   `messages` layout or ShareGPT's `from`/`value` (OpenThoughts3's `conversations` column).
 - `write_token_shard`: token ids per document (each ending in EOS) as one datatrove `.ds` file with
@@ -18,7 +19,7 @@ with packing, after context extension and before SFT (docs/posttraining.md). Her
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from curation.source_kinds import math_problem, operand_draw
 
 _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elif", "Femi", "Grace", "Hugo", "Ines", "Jun"]
 _ITEMS = ["apples", "books", "pencils", "marbles", "stickers", "cookies", "cards", "shells"]
+_DRAWS = 100  # draws of one problem before its held-out exclusions are taken to cover the generator
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -52,28 +54,35 @@ def two_step_problem(rng: random.Random, max_operand: int | None = None) -> tupl
     )
 
 
-def builtin_traces(
-    n: int, seed: int, systems: Any, exclude: Iterable[str] = (), max_operand: int | None = None
-) -> list[dict[str, Any]]:
-    """`n` think-mode conversations (`{"messages": [...]}`) with worked traces, deterministic per
-    seed, under `systems.think_system`: a third two-step problems, the rest the `builtin:math`
-    kinds, every operand at most `max_operand` when it is set; none whose problem text is in
-    `exclude`."""
-    rng = random.Random(f"reasoning:{seed}")
-    skip = set(exclude)
-    out: list[dict[str, Any]] = []
-    tries = 0
-    while len(out) < n:
-        tries += 1
-        if tries > 20 * n + 100:
-            raise ValueError(f"reasoning traces: only {len(out)} of {n} problems are not in the excluded set")
+def builtin_trace(
+    index: int, seed: int, systems: Any, exclude: Collection[str] = (), max_operand: int | None = None
+) -> dict:
+    """The `index`-th think-mode conversation (`{"messages": [...]}`) with a worked trace under
+    `systems.think_system`, drawn from a generator seeded with (seed, index) alone, so any task
+    can make any index: a third two-step problems, the rest the `builtin:math` kinds, every
+    operand at most `max_operand` when it is set; a problem whose text is in `exclude` is drawn
+    again."""
+    rng = random.Random(f"reasoning:{seed}:{index}")
+    for _ in range(_DRAWS):
         two_step = rng.random() < 1 / 3
         problem, solution, answer = (two_step_problem if two_step else math_problem)(rng, max_operand)
-        if problem in skip:
+        if problem in exclude:
             continue
         conv = math_conversation(f"Problem: {problem}\nSolution: {solution}\nAnswer: {answer}", systems, think=True)
-        out.append({"messages": conv["messages"]})
-    return out
+        return {"messages": conv["messages"]}
+    raise ValueError(
+        f"reasoning traces: problem {index} drew only excluded (held-out) problems in {_DRAWS} draws; "
+        "the held-out set covers the generator's problems (raise max_operand)"
+    )
+
+
+def builtin_traces(
+    n: int, seed: int, systems: Any, exclude: Iterable[str] = (), max_operand: int | None = None, start: int = 0
+) -> list[dict[str, Any]]:
+    """Conversations `start` .. `start + n - 1` of `builtin_trace`: deterministic per seed, and
+    the same whichever task makes which of them; none whose problem text is in `exclude`."""
+    skip = set(exclude)
+    return [builtin_trace(i, seed, systems, skip, max_operand) for i in range(start, start + n)]
 
 
 def heldout_problems(texts: Iterable[str]) -> Iterator[str]:

@@ -2,8 +2,9 @@
 table of `smollm3 capacity --recipe` (flows/fit.py).
 
 For each data step (the source step, curation, decontamination and tokenization, one per
-source, and the held-out index, one per DAG) its executor (the source step's, the index's and
-decontamination's are curation's), its
+source; the held-out index, one per DAG; the reasoning traces: one per `reasoning_data` source a
+stage weighs) its executor (the source step's, the index's and decontamination's are curation's,
+the reasoning traces' tokenization's), its
 datatrove tasks, CPU-hours, disk written and memory per task, projected from:
 
 - the size of each source: the tokens the recipe draws from it, sum over the stages of its
@@ -62,6 +63,18 @@ TOKENIZE_TOKENS_PER_CPU_S = 260_583
 # benchmarks/data_scale.py (docs/scale.md, its table): a tokenize task's peak projected to the
 # largest source's task at recipe scale (3,056,691 documents per task), 2026-12-04: 2.44 GB
 TOKENIZE_TASK_GB = 2.44
+# reasoning traces (tasks/reasoning_data.py): SmolLM3's ~35B tokens of traces (the blog,
+# docs/reference/smollm3.md) over the 3B recipe's 11.2M rows (OpenThoughts3 1.2M, Nemotron 10M)
+REASONING_TOKENS_PER_CONVERSATION = 3_100  # assumed from those two figures
+# benchmarks/data_scale.py (docs/scale.md), 2026-12-05, 200,000 synthetic conversations of ~1,090
+# tokens: the reader task streaming a files: source, 200,000 in 9.93 s; a render-and-tokenize task,
+# 50,000 in 21.63 s (the chat template and a 512-token BPE; the recipe's tokenizer is costed by
+# the tokenize step's rate, TOKENIZE_TOKENS_PER_CPU_S, on top); a task's peak, 0.67 GB projected
+# to the recipe's 10,000 conversations per task, plus a batch of 1,000 conversations at 3,100
+# tokens instead of 1,090 (198 bytes per token held while encoded, measured: docs/scale.md): 1.1 GB
+REASONING_READ_CONVERSATIONS_PER_CPU_S = 20_141
+REASONING_RENDER_CONVERSATIONS_PER_CPU_S = 2_312
+REASONING_TASK_GB = 1.1
 GB = 1e9
 
 
@@ -138,8 +151,38 @@ def _where(executor: str, workers: int | None, slurm: Any) -> str:
     return f"flow host ({workers} workers)" if workers else "flow host (a worker per core)"
 
 
+@dataclass(frozen=True)
+class ReasoningSize:
+    """One reasoning-trace source a stage weighs, at the recipe's scale (tasks/reasoning_data.py)."""
+
+    name: str
+    conversations: int  # `examples`: the rows read at most (builtin: the problems)
+    read_tasks: int  # one for files:/hf: (the first `examples` rows in read order)
+    tokenize_tasks: int  # tokenize.tasks, at most one per conversation
+
+
+def _reasoning_cpu_s(conversations: float, tokens: float, read: bool = True) -> float:
+    """CPU-seconds of the reasoning traces: read (unless `read` is False), rendered, tokenized."""
+    rendered = conversations / REASONING_RENDER_CONVERSATIONS_PER_CPU_S + tokens / TOKENIZE_TOKENS_PER_CPU_S
+    return rendered + (conversations / REASONING_READ_CONVERSATIONS_PER_CPU_S if read else 0.0)
+
+
+def reasoning_sizes(recipe: Any) -> list[ReasoningSize]:
+    """The recipe's reasoning sources that some stage's mixture weighs (the flow makes no others)."""
+    from curation.mixtures import load_weights
+
+    weighed = {name for stage in recipe.stages for name in load_weights(stage.mixture)}
+    tasks = recipe.tokenize.tasks
+    return [
+        ReasoningSize(r.name, r.examples, min(tasks, r.examples) if r.uri == "builtin" else 1, min(tasks, r.examples))
+        for r in recipe.reasoning_data
+        if r.name in weighed
+    ]
+
+
 def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
-    """The data steps of a recipe summed over its sources, and the largest source's name."""
+    """The data steps of a recipe summed over its sources (and its reasoning traces), and the
+    largest source's name."""
     drawn = _drawn_tokens(recipe)
     c, t = recipe.curation, recipe.tokenize
     index_gb = 0.0
@@ -192,6 +235,16 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             row[1] += cpu_s / 3600
             row[2] += disk / GB
             row[3] = max(row[3], mem / GB)
+    reasoning = reasoning_sizes(recipe)
+    if reasoning:
+        row = rows["reasoning"] = [0, 0.0, 0.0, 0.0]
+        for r in reasoning:
+            tokens = r.conversations * REASONING_TOKENS_PER_CONVERSATION
+            row[0] += r.read_tasks + r.tokenize_tasks
+            row[1] += _reasoning_cpu_s(r.conversations, tokens) / 3600
+            copy = tokens * BYTES_PER_TOKEN * SOURCE_GZIP_RATIO  # the conversations' gzip copy, removed at the end
+            row[2] += (tokens * id_bytes + r.conversations * 8 + copy) / GB
+            row[3] = REASONING_TASK_GB
     largest = max(drawn, key=drawn.get)
     per_bucket = drawn[largest] / TOKENS_PER_DOCUMENT / max(buckets[largest], 1) * SOURCE_ID_BYTES / GB
     notes = {
@@ -215,6 +268,12 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         )
         + "; disk at most the source's shards",
         "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",
+        "reasoning": f"{sum(r.conversations for r in reasoning):,.0f} conversations of "
+        f"{', '.join(r.name for r in reasoning)} at {REASONING_TOKENS_PER_CONVERSATION:,} tokens each; "
+        "a hub or files source read by one streaming task, rendered and tokenized by tokenize.tasks "
+        "tasks; disk: the shards and the conversations' gzip copy the step writes and removes"
+        if reasoning
+        else "",
     }
     where = {
         "source": _where(c.executor, c.workers, c.slurm),
@@ -222,6 +281,7 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         "heldout_index": _where(c.executor, c.workers, c.slurm),
         "decontaminate": _where(c.executor, c.workers, c.slurm),
         "tokenize": _where(t.executor, t.workers, t.slurm),
+        "reasoning": _where(t.executor, t.workers, t.slurm),
     }
     out = [DataStep(k, where[k], int(v[0]), v[1], v[2], v[3], notes[k]) for k, v in rows.items()]
     return out, largest
@@ -277,6 +337,12 @@ def task_hours(recipe: Any) -> dict[str, tuple[float, str]]:
             if hours > longest.get(step, (-1.0, ""))[0]:
                 longest[step] = (hours, s.name)
     longest["heldout_index"] = (HELDOUT_INDEX_TASK_S / 3600, "every source's held-out split")
+    for r in reasoning_sizes(recipe):  # the reader streams a hub source alone
+        tokens = r.conversations * REASONING_TOKENS_PER_CONVERSATION
+        read = r.conversations / REASONING_READ_CONVERSATIONS_PER_CPU_S / r.read_tasks
+        hours = max(read, _reasoning_cpu_s(r.conversations, tokens, read=False) / r.tokenize_tasks) / 3600
+        if hours > longest.get("reasoning", (-1.0, ""))[0]:
+            longest["reasoning"] = (hours, r.name)
     return longest
 
 
@@ -305,6 +371,8 @@ def executor_problems(recipe: Any, cores: int | None = None) -> tuple[list[str],
     longest = task_hours(recipe)
     sections = {step: ("curation", recipe.curation) for step in ("source", "curate", "heldout_index", "decontaminate")}
     sections["tokenize"] = ("tokenize", recipe.tokenize)
+    if "reasoning" in rows:
+        sections["reasoning"] = ("tokenize", recipe.tokenize)
     refusals: list[str] = []
     warnings: list[str] = []
     for step, (name, section) in sections.items():

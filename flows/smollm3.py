@@ -208,7 +208,7 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     traces = {
         r.name: g.add(
             reasoning_data,
-            ReasoningDataSpec(data=r, seed=cfg.seed, modes=cfg.reasoning_modes),
+            ReasoningDataSpec.of(r, cfg.seed, cfg.tokenize, cfg.reasoning_modes),
             label=r.name,
             tokenizer=chosen,
             heldout=list(clean.values()),

@@ -7,30 +7,40 @@ any source (`mixtures/tiny/reasoning.yaml`: `weights: {reasoning: 1.0}`), and th
 plans them with the shards of the tokenize step: the artifact is a `shards` artifact with the same
 meta. Sources:
 - `builtin`: arithmetic and word problems with worked traces, generated from the seed
-  (curation/reasoning.py `builtin_traces`), under the recipe's `reasoning_modes.think_system`
+  (curation/reasoning.py `builtin_trace`), under the recipe's `reasoning_modes.think_system`
   (the system turn of the SFT think rows and of the think-mode eval prompt), none of them a
   held-out math problem of the curated corpora (input `heldout`), which the evaluations ask;
-- `files:GLOB` (JSONL), `hf:NAME`, `hf:/PATH`: rows whose `messages_field` holds a conversation
-  (`[{role, content}]`, or ShareGPT `from`/`value` as OpenThoughts3's `conversations`).
-Every conversation is rendered with the chosen tokenizer's chat template (ChatML, `/think` unless
-its system turn says `/no_think`), shuffled with the seed and written as one `.ds` file, each
-conversation one document ending in EOS, so the trainer packs them like pretraining text.
+- `files:GLOB` (JSONL), `hf:NAME` (streamed), `hf:/PATH`: rows whose `messages_field` holds a
+  conversation (`[{role, content}]`, or ShareGPT `from`/`value` as OpenThoughts3's `conversations`).
+
+It runs as datatrove tasks on the executor of the recipe's `tokenize` section (local processes,
+Slurm array jobs or Ray; curation/reasoning_tasks.py): reader tasks deal the conversations into
+`tokenize.tasks` buckets (conversation k to bucket k mod S), then one task per bucket renders
+each with the chosen tokenizer's chat template (ChatML, `/think` unless its system turn says
+`/no_think`) and tokenizes it with the tokenize step's DocumentTokenizer into
+`{name}_{s:05d}_*.ds` (each conversation one document ending in EOS, so the trainer packs them
+like pretraining text; the documents of a shard shuffled with the seed). No process holds the
+source: a task's memory is bounded by its bucket's batch, not by the conversations.
+
+Since version 2 (issue 33): S shards shuffled each within itself instead of one file shuffled
+whole, and builtin problems drawn per index (the same for any reader task count); the output is
+deterministic for a seed and S and the same for any reader task count, worker count or executor.
 """
 
 from __future__ import annotations
 
+import glob
 import json
-import random
-from collections import Counter
+import shutil
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from curation.bpe import CHAT_TEMPLATE, selected_tokenizer, token_dtype, tokenizer_folder
-from curation.reasoning import as_messages, builtin_traces, heldout_problems, write_token_shard
-from curation.source_kinds import read_shards
-from pipeline.artifact import Artifact, added_identity
+from curation.bpe import selected_tokenizer, token_dtype
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
 from trainers.posttrain.chat_data import data_state, load_rows
 from trainers.posttrain.sections import ChatDataConfig, ReasoningModesConfig
@@ -67,43 +77,62 @@ class ReasoningDataConfig(BaseModel):
 
 
 class ReasoningDataSpec(BaseModel):
-    """The reasoning_data step's config: one source, the seed of its problems and order, and the
-    recipe's `reasoning_modes` (the system turn of builtin traces: `think_system`)."""
+    """The reasoning_data step's config: one source, the seed of its problems and order, the
+    recipe's `reasoning_modes` (the system turn of builtin traces: `think_system`), the shards it
+    is tokenized into and where its tasks run (the recipe's `tokenize` section)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     data: ReasoningDataConfig
     seed: int = 0
     modes: ReasoningModesConfig = added_identity(ReasoningModesConfig())  # out of the fingerprint at the default
+    shards: int = Field(default=1, gt=0)  # token shards (buckets, tokenize tasks): the recipe's tokenize.tasks
+    # builtin: tasks that generate the problems (each a contiguous block of indices; the output is
+    # the same for any count); None: one per shard. files:/hf: one task streams the rows.
+    read_tasks: int | None = operational(None, gt=0)
+    executor: Literal["local", "slurm", "ray"] = operational("local")  # as the tokenize step's
+    workers: int | None = operational(None, gt=0)  # tasks at once; None: the cores (local), all (clusters)
+    slurm: SlurmExecutorConfig | None = operational(None)
+    ray: RayExecutorConfig = operational(RayExecutorConfig())
+    # conversations per encode_batch call: a batch's encodings are in memory at once (not the
+    # tokenize section's batch_size: a reasoning conversation is a few thousand tokens)
+    batch_size: int = operational(1000, gt=0)
+
+    @classmethod
+    def of(cls, data: ReasoningDataConfig, seed: int, tokenize: Any = None, modes: Any = None) -> ReasoningDataSpec:
+        """The step's config for a recipe's reasoning source: shards and executor from the
+        recipe's `tokenize` section (tasks/tokenize.py `TokenizeConfig`) when given, the system
+        turns from its `reasoning_modes`."""
+        extra = {} if modes is None else {"modes": modes}
+        if tokenize is None:
+            return cls(data=data, seed=seed, **extra)
+        run = {k: getattr(tokenize, k) for k in ("executor", "workers", "slurm", "ray")}
+        return cls(data=data, seed=seed, shards=tokenize.tasks, **run, **extra)
 
 
-def _conversations(config: ReasoningDataSpec, heldout: tuple[Artifact, ...]) -> tuple[list, Counter]:
+def _reader(config: ReasoningDataSpec, heldout: tuple[Artifact, ...], work: Path) -> tuple[Any, int]:
+    """The read stage's step and its task count."""
+    from curation.reasoning_tasks import ReadConversations
+
     cfg = config.data
+    common = {"work": work, "buckets": config.shards, "examples": cfg.examples, "seed": config.seed}
     if cfg.uri == "builtin":
-        texts = (d["text"] for a in heldout if (a.path / "heldout").is_dir() for d in read_shards(a.path / "heldout"))
-        traces = builtin_traces(cfg.examples, config.seed, config.modes, heldout_problems(texts), cfg.max_operand)
-        return traces, Counter()
+        folders = tuple(str(a.path / "heldout") for a in heldout if (a.path / "heldout").is_dir())
+        tasks = max(1, min(config.read_tasks or config.shards, cfg.examples))
+        reader = ReadConversations(**common, heldout=folders, max_operand=cfg.max_operand, systems=config.modes)
+        return reader, tasks
+    if cfg.uri.startswith("files:") and not glob.glob(str(Path(cfg.uri[6:]).expanduser()), recursive=True):
+        raise FileNotFoundError(f"reasoning_data[{cfg.name}].uri {cfg.uri!r}: no file matches")
     where = ChatDataConfig(uri=cfg.uri, hf_subset=cfg.hf_subset, hf_split=cfg.hf_split, hf_revision=cfg.hf_revision)
-    rows, rejected = [], Counter()
-    for i, row in enumerate(load_rows(cfg.uri, where)):
-        if i >= cfg.examples:
-            break
-        messages = as_messages(row.get(cfg.messages_field) if isinstance(row, dict) else None)
-        if messages is None:
-            rejected["not_a_conversation"] += 1
-        else:
-            rows.append({"messages": messages})
-    if not rows:
-        raise ValueError(
-            f"reasoning data {cfg.name} ({cfg.uri}): no conversation in field {cfg.messages_field!r} "
-            f"(rejected: {dict(rejected)}); set reasoning_data[{cfg.name}].messages_field to the right column"
-        )
-    return rows, rejected
+    rows = partial(load_rows, cfg.uri, where, streaming=True)
+    return ReadConversations(**common, rows=rows, messages_field=cfg.messages_field), 1
 
 
+# 2: datatrove tasks on the tokenize section's executor, S shards each shuffled, builtin problems
+# drawn per index (issue 33)
 @step(
     "reasoning_data",
-    version=1,
+    version=2,
     kind="shards",
     resource="data",
     isolate=True,
@@ -114,42 +143,58 @@ def reasoning_data(
     config: ReasoningDataSpec, tokenizer: Artifact, heldout: tuple[Artifact, ...] = (), *, out: Path, log=print
 ) -> dict[str, Any]:
     """Reasoning conversations rendered with the chosen `tokenizer`'s chat template and written as
-    token shards `out/{name}_00000.ds` (the held-out math problems of the `heldout` corpora left
-    out of builtin traces); return the meta a `shards` artifact carries."""
-    from transformers import AutoTokenizer
+    token shards `out/{name}_{s:05d}_*.ds` by datatrove tasks (the held-out math problems of the
+    `heldout` corpora left out of builtin traces); return the meta a `shards` artifact carries."""
+    import numpy as np
+
+    from curation.reasoning_tasks import merge_counts, tokenize_pipeline
 
     cfg = config.data
-    conversations, rejected = _conversations(config, heldout)
     chosen = selected_tokenizer(tokenizer)
-    folder, eos_id = tokenizer_folder(tokenizer)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    if not tok.chat_template:  # an adopted tokenizer.json without one: SmolLM3's template
-        tok.chat_template = CHAT_TEMPLATE
-    documents = []
-    for conv in conversations:
-        text = tok.apply_chat_template(conv["messages"], tokenize=False)
-        documents.append([*tok(text, add_special_tokens=False)["input_ids"], eos_id])
-    random.Random(f"reasoning_data:{cfg.name}:{config.seed}").shuffle(documents)
+    work, logs = out / "work", out / "logs"
+    reader, read_tasks = _reader(config, heldout, work)
+    log(
+        f"reasoning data {cfg.name} ({cfg.uri}): read by {read_tasks} task(s), tokenized into at most "
+        f"{config.shards} shard(s) on the {config.executor} executor"
+    )
+    run_executors(config, make_executors(config, [("read", [reader], read_tasks)], logs), logs, log)
+    counts = merge_counts(work, read_tasks)
+    rejected = counts["rejected"]
+    if not counts["conversations"]:
+        raise ValueError(
+            f"reasoning data {cfg.name} ({cfg.uri}): no conversation in field {cfg.messages_field!r} "
+            f"(rejected: {rejected}); set reasoning_data[{cfg.name}].messages_field to the right column"
+        )
+    tasks = min(config.shards, counts["conversations"])  # conversation k is in bucket k mod S
+    pipeline = tokenize_pipeline(work, out, chosen, cfg.name, config.seed, config.batch_size)
+    run_executors(config, make_executors(config, [("tokenize", pipeline, tasks)], logs), logs, log)
+    shutil.rmtree(work / "convs")  # the conversations' copy (as large as the source); the counts stay
     dtype = token_dtype(chosen["vocab_size"])
-    name = f"{cfg.name}_00000.ds"
-    tokens = write_token_shard(out / name, documents, dtype, chosen["name"])
-    first = [c["messages"][0] for c in conversations]
-    think = sum(1 for m in first if not (m["role"] == "system" and "/no_think" in m["content"]))
-    log(f"reasoning data {cfg.name} ({cfg.uri}): {len(documents)} conversations, {tokens} tokens ({dtype})")
+    files = sorted(out.glob("*.ds"))
+    tokens = sum(f.stat().st_size // np.dtype(dtype).itemsize for f in files)
+    documents = sum(f.with_name(f.name + ".index").stat().st_size // 8 for f in files)
+    if documents != counts["conversations"]:
+        raise RuntimeError(
+            f"reasoning data {cfg.name}: {counts['conversations']} conversations read but {documents} "
+            f"tokenized; see {logs}/tokenize/logs"
+        )
+    log(
+        f"reasoning data {cfg.name} ({cfg.uri}): {documents} conversations, {tokens} tokens ({dtype}) in {len(files)} files"
+    )
     meta = {
         "source": cfg.name,
         "origin": cfg.uri,
-        "tokens": tokens,
-        "documents": len(documents),
-        "think_conversations": think,
-        "files": [name],
+        "tokens": int(tokens),
+        "documents": int(documents),
+        "think_conversations": counts["think"],
+        "files": [f.name for f in files],
         "token_dtype": dtype,
         "vocab_size": chosen["vocab_size"],
         "eos_id": chosen["eos_id"],
         "eos_token": chosen["eos_token"],
         "tokenizer": chosen["name"],
         "tokenizer_path": chosen["path"],
-        "rejected": dict(rejected),
+        "rejected": rejected,
     }
     (out / "shards.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return meta

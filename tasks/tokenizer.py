@@ -15,6 +15,11 @@ Design choices:
   does not decide the vocabulary alone; documents are taken in shard order (deterministic).
 - `path` adopts an existing `tokenizer.json` (or a folder holding one) instead of training; the
   chat template and missing special tokens are added so downstream steps see one contract.
+- Training runs as a one-task datatrove stage on the executor the section names (curation/bpe_task.py:
+  `executor: slurm` with a `slurm` request sized to its memory, or `ray`), never in the flow host's
+  step process at scale: the trainer's word counts grow with the sample's distinct words (9.9 GB
+  projected at the 3B recipe's 2e9 characters, benchmarks/data_scale.py, docs/scale.md). The
+  sample is streamed from the shards, never held. The output is the same on every executor.
 - BPE stops merging when no pair is seen `min_frequency` times: a small sample gives fewer
   entries than `vocab_size`. That is said (a WARNING log line and `warnings` in the meta, with
   `requested_vocab_size` beside `vocab_size`), and `vocab_size` in the meta is always the real
@@ -23,14 +28,15 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation.bpe import load_tokenizer_file, sample_texts, save_hf_tokenizer, train_bpe
-from pipeline.artifact import Artifact
+from curation.bpe import load_tokenizer_file, save_hf_tokenizer
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from pipeline.artifact import Artifact, operational
 from pipeline.step import step
 
 
@@ -43,6 +49,11 @@ class TokenizerConfig(BaseModel):
     path: str | None = None  # adopt this tokenizer.json (or folder) instead of training one
     sample_chars: int = Field(default=4_000_000, gt=0)  # training sample, split evenly by source
     min_frequency: int = Field(default=2, ge=1)  # merges seen fewer times are not learned
+    # where the training task runs (one datatrove task; curation/executors.py): local (a process on
+    # the flow host), slurm (with `slurm`, whose cpus_per_task x mem_per_cpu_gb is its memory) or ray
+    executor: Literal["local", "slurm", "ray"] = operational("local")
+    slurm: SlurmExecutorConfig | None = operational(None)  # required when executor is slurm
+    ray: RayExecutorConfig = operational(RayExecutorConfig())  # used when executor is ray
 
 
 def given_tokenizer_digest(config: TokenizerConfig) -> str:
@@ -68,15 +79,13 @@ def tokenizer(config: TokenizerConfig, corpora: tuple[Artifact, ...] = (), *, ou
     else:
         if not corpora:
             raise ValueError("tokenizer: no curated corpora to train on and no tokenizer.path given")
-        sample = {"chars": 0, "documents": 0}
+        from curation.bpe_task import FACTS, TrainTokenizer
 
-        def counted() -> Iterator[str]:
-            for text in sample_texts(corpora, config.sample_chars):
-                sample["chars"] += len(text)
-                sample["documents"] += 1
-                yield text
-
-        tok = train_bpe(counted(), config.vocab_size, config.min_frequency)
+        train = TrainTokenizer(tuple(corpora), config.sample_chars, config.vocab_size, config.min_frequency, out)
+        log(f"tokenizer: training on {config.sample_chars:,} characters, one task on the {config.executor} executor")
+        run_executors(config, make_executors(config, [("train", [train], 1)], out / "logs"), out / "logs", log)
+        facts = json.loads((out / FACTS).read_text(encoding="utf-8"))  # kept: a rerun skips the finished task
+        sample = facts["sample"]
         origin = {
             "origin": "trained",
             "requested_vocab_size": config.vocab_size,
@@ -84,7 +93,7 @@ def tokenizer(config: TokenizerConfig, corpora: tuple[Artifact, ...] = (), *, ou
             "sample_documents": sample["documents"],
             "sources": [c.meta.get("source", c.short) for c in corpora],
         }
-    meta = {**origin, **save_hf_tokenizer(tok, out), "warnings": []}
+    meta = {**origin, **(save_hf_tokenizer(tok, out) if config.path else facts["meta"]), "warnings": []}
     if meta["origin"] == "trained" and meta["vocab_size"] < config.vocab_size:
         meta["warnings"].append(
             f"tokenizer: the trained vocabulary has {meta['vocab_size']} entries, "

@@ -9,6 +9,10 @@ from flows.data_plan import (
     BYTES_PER_TOKEN,
     CURATE_CPU_S_PER_MB,
     DECONTAMINATE_CPU_S_PER_MB,
+    REASONING_READ_CONVERSATIONS_PER_CPU_S,
+    REASONING_RENDER_CONVERSATIONS_PER_CPU_S,
+    REASONING_TASK_GB,
+    REASONING_TOKENS_PER_CONVERSATION,
     SOURCE_ID_BYTES,
     TOKENIZE_TOKENS_PER_CPU_S,
     TOKENS_PER_DOCUMENT,
@@ -52,6 +56,18 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
         _drawn(recipe, "dclm/dclm") / TOKENS_PER_DOCUMENT / 1000 * SOURCE_ID_BYTES / 1e9, rel=1e-9
     )
     assert by["source"].mem_gb < 1 and "dclm/dclm in 1,000 buckets" in by["source"].note
+    # the reasoning traces: on tokenization's executor, a streaming reader per hub source and
+    # tokenize's 1,000 tasks per source; CPU from the measured rates, memory the projected task's
+    reasoning = by["reasoning"]
+    convs = 1_200_000 + 10_000_000
+    assert reasoning.executor == by["tokenize"].executor and reasoning.tasks == 2 * (1 + 1000)
+    cpu_s = (
+        convs / REASONING_READ_CONVERSATIONS_PER_CPU_S
+        + convs / REASONING_RENDER_CONVERSATIONS_PER_CPU_S
+        + convs * REASONING_TOKENS_PER_CONVERSATION / TOKENIZE_TOKENS_PER_CPU_S
+    )
+    assert reasoning.cpu_hours == pytest.approx(cpu_s / 3600, rel=1e-9) and reasoning.mem_gb == REASONING_TASK_GB
+    assert "11,200,000 conversations of openthoughts3, nemotron" in reasoning.note
     text = format_data_rows(rows, recipe)
     assert tokens == 11_199_000_000_000 and "data plan: 71 sources, 11,199,000,000,000 tokens drawn" in text
 
@@ -69,16 +85,18 @@ def _drawn(recipe, name: str) -> float:
 def test_the_tiny_data_plan_runs_on_the_flow_host():
     recipe = load_recipe("tiny")
     rows, _ = data_rows(recipe)
-    assert [r.step for r in rows] == ["source", "curate", "heldout_index", "decontaminate", "tokenize"]
+    assert [r.step for r in rows] == ["source", "curate", "heldout_index", "decontaminate", "tokenize", "reasoning"]
     assert all(r.executor.startswith("flow host") for r in rows)
     # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources, and as
-    # many decontamination tasks (a task per curated shard); the index: 4 + 16 + 1 tasks at most
+    # many decontamination tasks (a task per curated shard); the index: 4 + 16 + 1 tasks at most;
+    # the builtin traces: 4 generating tasks and tokenize's 4
     assert {r.step: r.tasks for r in rows} == {
         "source": 6,
         "curate": 12,
         "heldout_index": 21,
         "decontaminate": 12,
         "tokenize": 12,
+        "reasoning": 8,
     }
 
 

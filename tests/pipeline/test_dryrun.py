@@ -47,6 +47,7 @@ OPERATIONAL = [
     "curation.executor=ray",
     "curation.ray.address=ray://10.0.0.1:10001",  # the cluster and its authentication: where, not what
     "tokenize.executor=ray & tokenize.ray.auth=token",
+    "tokenizer.executor=ray & tokenizer.ray.cpus_per_task=4",  # where the BPE trains, not what
     "curation.decontamination.index_partitions=4",  # how the held-out index is built, not what
     "curation.min_kept_share=0.5",
     "curation.sample_documents=10",
@@ -215,6 +216,7 @@ def test_every_operational_recipe_field_is_exercised_above():
     not_settable_here = {
         "curation.slurm",
         "tokenize.slurm",
+        "tokenizer.slurm",
         "resources.poll_seconds",
         "workspace",
     }  # need a cluster, or move outputs

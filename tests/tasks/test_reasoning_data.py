@@ -37,32 +37,47 @@ def world(tmp_path_factory):
     return tok, math, asked
 
 
+def shard_texts(out, meta, hf) -> list[list[str]]:
+    """Each token shard's documents decoded (EOS left off), checking every one ends in EOS."""
+    got = []
+    for name in meta["files"]:
+        tokens = np.fromfile(out / name, dtype="<u2")
+        ends = np.fromfile(out / f"{name}.index", dtype="<u8").astype(np.int64)
+        assert ends[-1] == len(tokens) and (tokens[ends - 1] == meta["eos_id"]).all()
+        starts = np.concatenate([[0], ends[:-1]])
+        got.append([hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)])
+    return got
+
+
 def test_builtin_traces_become_think_mode_chatml_documents_each_closed_by_eos(world, tmp_path):
     from transformers import AutoTokenizer
 
     tok, math, asked = world
-    spec = ReasoningDataSpec(data=ReasoningDataConfig(name="reasoning", examples=12), seed=0)
+    spec = ReasoningDataSpec(data=ReasoningDataConfig(name="reasoning", examples=12), seed=0, shards=3)
     meta = reasoning_data(spec, tokenizer=tok, heldout=(math,), out=tmp_path)
     assert meta["source"] == "reasoning" and meta["documents"] == 12 == meta["think_conversations"]
-    assert meta["files"] == ["reasoning_00000.ds"] and meta["token_dtype"] == "uint16" and meta["eos_id"] == 0
-    tokens = np.fromfile(tmp_path / "reasoning_00000.ds", dtype="<u2")
-    ends = np.fromfile(tmp_path / "reasoning_00000.ds.index", dtype="<u8").astype(np.int64)
-    assert meta["tokens"] == len(tokens) == ends[-1] and (tokens[ends - 1] == 0).all()
+    assert meta["files"] == [f"reasoning_{s:05d}_00000_doc_shuffled.ds" for s in range(3)]
+    assert meta["token_dtype"] == "uint16" and meta["eos_id"] == 0
     hf = AutoTokenizer.from_pretrained(str(tok.path))
-    starts = np.concatenate([[0], ends[:-1]])
-    texts = [hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)]
-    # every document is the chat template's rendering of one conversation, in /think mode
-    rendered = {hf.apply_chat_template(c["messages"], tokenize=False) for c in builtin_traces(13, 0, MODES)}
-    assert set(texts) <= rendered and all("Reasoning Mode: /think" in t and "</think>\nAnswer: " in t for t in texts)
-    assert not any(f"<|im_start|>user\n{asked}<|im_end|>" in t for t in texts)  # the held-out problem is left out
+    texts = shard_texts(tmp_path, meta, hf)
+    assert meta["tokens"] == sum(np.fromfile(tmp_path / f, dtype="<u2").size for f in meta["files"])
+    # every document is the chat template's rendering of one conversation, in /think mode;
+    # conversation k in shard k mod 3; the held-out problem is drawn again, so never asked
+    convs = builtin_traces(12, 0, MODES, exclude=[asked])
+    rendered = [hf.apply_chat_template(c["messages"], tokenize=False) for c in convs]
+    assert [sorted(t) for t in texts] == [sorted(rendered[s::3]) for s in range(3)]
+    assert all("Reasoning Mode: /think" in t and "</think>\nAnswer: " in t for t in rendered)
+    assert not any(f"<|im_start|>user\n{asked}<|im_end|>" in t for shard in texts for t in shard)
+    assert texts[0] != rendered[0::3]  # shuffled within the shard
+    assert not (tmp_path / "work" / "convs").exists()  # the conversations' copy is removed
     # the system turn is the recipe's reasoning_modes.think_system (out of the identity at its default)
     own = ReasoningModesConfig(think_system="Reason it out. /think")
     (tmp_path.parent / "own").mkdir()
     meta_own = reasoning_data(
         spec.model_copy(update={"modes": own}), tokenizer=tok, heldout=(math,), out=tmp_path.parent / "own"
     )
-    ids = np.fromfile(tmp_path.parent / "own" / "reasoning_00000.ds", dtype="<u2")
-    assert meta_own["documents"] == 12 and "## Custom Instructions\n\nReason it out.\n\n" in hf.decode(ids.tolist())
+    own_texts = [t for shard in shard_texts(tmp_path.parent / "own", meta_own, hf) for t in shard]
+    assert meta_own["documents"] == 12 and all("## Custom Instructions\n\nReason it out.\n\n" in t for t in own_texts)
     assert (
         "modes" not in identity(spec) and identity(spec.model_copy(update={"modes": own}))["modes"] == own.model_dump()
     )
@@ -81,7 +96,33 @@ def test_builtin_traces_become_think_mode_chatml_documents_each_closed_by_eos(wo
     again = tmp_path.parent / "again"
     again.mkdir()
     reasoning_data(spec, tokenizer=tok, heldout=(math,), out=again)
-    assert (again / "reasoning_00000.ds").read_bytes() == (tmp_path / "reasoning_00000.ds").read_bytes()
+    for name in meta["files"]:
+        assert (again / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_the_output_is_the_same_for_any_reader_task_and_worker_count_and_follows_the_seed(world, tmp_path):
+    tok, math, _ = world
+    data = ReasoningDataConfig(name="reasoning", examples=30)
+    runs = {}
+    for read_tasks, workers in ((1, 1), (4, 2), (7, 3)):
+        out = tmp_path / f"r{read_tasks}"
+        out.mkdir()
+        spec = ReasoningDataSpec(data=data, seed=0, shards=4, read_tasks=read_tasks, workers=workers)
+        meta = reasoning_data(spec, tokenizer=tok, heldout=(math,), out=out)
+        assert len(list((out / "work" / "read").glob("*.json"))) == read_tasks
+        runs[read_tasks] = (meta, {f: (out / f).read_bytes() for f in meta["files"]})
+        for f in meta["files"]:
+            runs[read_tasks][1][f + ".index"] = (out / f"{f}.index").read_bytes()
+    assert runs[1] == runs[4] == runs[7] and len(runs[1][0]["files"]) == 4
+    other = tmp_path / "seed1"
+    other.mkdir()
+    meta = reasoning_data(ReasoningDataSpec(data=data, seed=1, shards=4), tokenizer=tok, heldout=(math,), out=other)
+    assert (other / meta["files"][0]).read_bytes() != runs[1][1][meta["files"][0]]
+    # fewer conversations than shards: one shard per conversation, none empty
+    few = tmp_path / "few"
+    few.mkdir()
+    small = ReasoningDataSpec(data=ReasoningDataConfig(name="reasoning", examples=2), seed=0, shards=4)
+    assert len(reasoning_data(small, tokenizer=tok, heldout=(math,), out=few)["files"]) == 2
 
 
 def test_builtin_traces_with_max_operand_are_the_small_problems_and_only_builtin_takes_it(world, tmp_path):
@@ -92,10 +133,7 @@ def test_builtin_traces_with_max_operand_are_the_small_problems_and_only_builtin
     cfg = ReasoningDataConfig(name="reasoning", examples=12, max_operand=9)
     meta = reasoning_data(ReasoningDataSpec(data=cfg, seed=0), tokenizer=tok, heldout=(math,), out=tmp_path)
     hf = AutoTokenizer.from_pretrained(str(tok.path))
-    tokens = np.fromfile(tmp_path / "reasoning_00000.ds", dtype="<u2")
-    ends = np.fromfile(tmp_path / "reasoning_00000.ds.index", dtype="<u8").astype(np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
-    texts = {hf.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts, ends, strict=True)}
+    texts = {t for shard in shard_texts(tmp_path, meta, hf) for t in shard}
     small = builtin_traces(12, 0, MODES, max_operand=9)
     assert meta["documents"] == 12 and texts == {hf.apply_chat_template(c["messages"], tokenize=False) for c in small}
     assert "max_operand" not in identity(ReasoningDataConfig(name="reasoning"))

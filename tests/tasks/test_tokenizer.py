@@ -135,3 +135,28 @@ def test_a_smaller_trained_vocabulary_warns_and_the_model_embedding_follows_it(t
 def test_a_full_vocabulary_does_not_warn(trained):
     _, meta = trained
     assert meta["vocab_size"] == meta["requested_vocab_size"] == 512 and meta["warnings"] == []
+
+
+def test_training_runs_as_one_datatrove_task_and_trains_what_the_sample_trains(trained, tmp_path):
+    """The step trains in a one-task datatrove stage (its completion and stats in `logs/train`):
+    the same tokenizer as training on the streamed sample directly; a Slurm executor without its
+    section is refused naming `tokenizer.slurm`."""
+    from curation.bpe import sample_texts, save_hf_tokenizer
+    from curation.stages import read_stage_stats
+    from tests.tasks.datafiles import corpus
+
+    out, meta = trained
+    assert (out / "logs" / "train" / "completions" / "00000").is_file()
+    (stats,) = read_stage_stats(out / "logs", "train")
+    assert stats["stats"]["sample_chars"]["total"] == meta["sample_chars"]
+    root = out.parent
+    arts = [
+        Artifact(kind="corpus", uri=str(root / name), fingerprint=str(i) * 64, meta={"source": name})
+        for i, name in enumerate(("prose", "code"), 1)
+    ]
+    direct = tmp_path / "direct"
+    save_hf_tokenizer(train_bpe(sample_texts(arts, 4_000_000), 512, 1), direct)
+    assert (direct / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    src = corpus(tmp_path / "src", [("d0", "some text to learn from")])
+    with pytest.raises(ValueError, match=r"tokenizer.executor is slurm but tokenizer.slurm is not set"):
+        tokenizer(TokenizerConfig(vocab_size=300, executor="slurm"), [src], out=tmp_path / "slurm")

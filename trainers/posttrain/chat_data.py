@@ -88,8 +88,9 @@ def check_messages(messages: Any, where: str) -> str | None:
     return None
 
 
-def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
-    """Raw rows of a `files:GLOB`, `hf:NAME` or `hf:/PATH` dataset."""
+def load_rows(uri: str, cfg: ChatDataConfig, streaming: bool = False) -> Iterator[dict[str, Any]]:
+    """Raw rows of a `files:GLOB`, `hf:NAME` or `hf:/PATH` dataset; with `streaming` a hub
+    dataset is streamed rather than downloaded whole (a saved one is memory-mapped either way)."""
     target = uri.split(":", 1)[1]
     if uri.startswith("files:"):
         paths = sorted(glob.glob(str(Path(target).expanduser()), recursive=True))
@@ -111,7 +112,9 @@ def load_rows(uri: str, cfg: ChatDataConfig) -> Iterator[dict[str, Any]]:
         if isinstance(ds, datasets.DatasetDict):
             ds = datasets.concatenate_datasets([_disk_split(ds, part, uri) for part in cfg.hf_split.split("+")])
     else:
-        ds = datasets.load_dataset(target, cfg.hf_subset, split=cfg.hf_split, revision=cfg.hf_revision)
+        ds = datasets.load_dataset(
+            target, cfg.hf_subset, split=cfg.hf_split, revision=cfg.hf_revision, streaming=streaming
+        )
     yield from ds
 
 
