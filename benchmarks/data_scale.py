@@ -123,7 +123,7 @@ PARTS: dict[str, tuple[str, str, str, float]] = {
     "tokenize task": ("tokenization task", "cluster task", "documents per task", TASK),
     "reasoning read": ("reasoning data", "cluster task (1 per hub source)", "conversations of the source", TASK),
     "reasoning task": ("reasoning data", "cluster task", "conversations per task", TASK),
-    "tokenizer train": ("tokenizer", "step process (flow host)", "sample characters", TASK),
+    "tokenizer train": ("tokenizer", "cluster task (1)", "sample characters", TASK),
     "mixture plan": ("mixture plan", "flow process", "token shards", FLOW),
     "loader rank": ("loader", "training rank", "documents", RANK),
     "metrics curve": ("metrics summarising", "flow process", "metrics lines", FLOW),
@@ -458,6 +458,10 @@ def m_report(work: Path, n: int, args: argparse.Namespace) -> list[dict]:
     return [{"part": "run report", "x": n, "seconds": time.perf_counter() - start}]
 
 
+# the recipe section whose Slurm request a cluster task's part runs under (else curation's)
+SECTION_OF = {"tokenize task": "tokenize", "reasoning read": "tokenize", "reasoning task": "tokenize"}
+SECTION_OF["tokenizer train"] = "tokenizer"
+
 COMPONENTS = (
     "ingest",
     "heldout",
@@ -739,12 +743,18 @@ def recipe_scale(recipe: Any) -> dict[str, Any]:
         "loader_shards": stage_shards[loader_stage],
         "largest": largest.name,
         "ranks": recipe.launch.nodes * recipe.launch.gpus_per_node,
-        # what a curation (and source) task asks its Slurm partition for, where the recipe says
-        "task_request_gb": (
-            recipe.curation.slurm.cpus_per_task * recipe.curation.slurm.mem_per_cpu_gb
-            if recipe.curation.executor == "slurm" and recipe.curation.slurm
-            else None
-        ),
+        # what a task asks its Slurm partition for, per section, where the recipe says: curation's
+        # (the source step's, the index's and decontamination's too), tokenize's (the reasoning
+        # traces' too) and the tokenizer's own
+        "task_requests_gb": {
+            name: section.slurm.cpus_per_task * section.slurm.mem_per_cpu_gb
+            for name, section in (
+                ("curation", recipe.curation),
+                ("tokenize", recipe.tokenize),
+                ("tokenizer", recipe.tokenizer),
+            )
+            if section.executor == "slurm" and section.slurm
+        },
         "sources": len(sizes),
         "tokens": sum(s.tokens for s in recipe.stages),
     }
@@ -879,13 +889,15 @@ def report(rows: list[dict], scale: dict, fewer: dict | None, args: argparse.Nam
         )
     if not over:
         print("every part within its budget at recipe scale")
-    request = scale.get("task_request_gb")
-    if request is not None:
-        tasks = [p for p in lines if PARTS[p["part"]][1].startswith("cluster task")]
-        above = [p for p in tasks if p["peak_at"] > request * GB]
-        for p in above:
+    requests = scale.get("task_requests_gb") or {}
+    for p in lines:
+        if not PARTS[p["part"]][1].startswith("cluster task"):
+            continue
+        section = SECTION_OF.get(p["part"], "curation")
+        request = requests.get(section)
+        if request is not None and p["peak_at"] > request * GB:
             print(
-                f"above the recipe's Slurm request per task ({request:g} GB, curation.slurm): {p['part']} "
+                f"above the recipe's Slurm request per task ({request:g} GB, {section}.slurm): {p['part']} "
                 f"at {p['peak_at'] / GB:,.2f} GB"
             )
     worst = max(lines, key=lambda p: p["peak_at"])
