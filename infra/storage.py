@@ -1302,7 +1302,7 @@ def pull_latest_checkpoint(
         try:
             mirror.store.download_folder(name, dest, marker)
         except StorageError as exc:
-            from pipeline.step import transient
+            from infra.transient import transient
 
             if transient(exc):  # S3 or the network failed, not the checkpoint: no older one is better
                 raise

@@ -803,7 +803,7 @@ def pull_mirror(spec: TrainSpec, rt: Runtime, watchdog: Watchdog | None = None) 
     if spec.mirror is None or not spec.mirror.pull:
         return
     from infra.storage import pull_progress, wait_for_pull
-    from pipeline.step import transient
+    from infra.transient import transient
 
     out_dir, checkpoints = Path(spec.out_dir), Path(spec.out_dir) / "checkpoints"
     advanced = watchdog.advanced if watchdog is not None else None

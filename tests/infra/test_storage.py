@@ -494,7 +494,7 @@ def test_a_pull_that_fails_on_the_network_is_transient_not_a_damaged_checkpoint(
     """The newest checkpoint's download loses its connection on every try: the pull raises that
     failure (transient: the step's retry pulls again) instead of calling the checkpoint damaged
     and falling back to an older one, and leaves no half folder."""
-    from pipeline.step import transient
+    from infra.transient import transient
 
     endpoint, _ = s3
     root = tmp_path / "run" / "checkpoints"

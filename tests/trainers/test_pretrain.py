@@ -669,7 +669,7 @@ def test_a_pull_failing_on_the_network_exits_6_which_the_step_retries(plan_path,
     endpoint) exits 6, naming the failure; the launcher reads exit 6 as external, so the step's
     retry runs the stage again instead of failing it as a code error."""
     from infra.launchers.base import EXIT_TRANSIENT, FailureFacts, LaunchFailed
-    from pipeline.step import transient
+    from infra.transient import transient
     from trainers.rank_signals import EXIT_TRANSIENT as TRAINER_EXIT_TRANSIENT
 
     with socket.socket() as s:  # a port nothing listens on once closed

@@ -108,7 +108,7 @@ def pull_mirror(spec, out: Path, poll_s: float = 1.0) -> None:
     from infra.files import write_atomic
     from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
     from infra.storage import MIRROR_RECORD, PULLED, pull_for_resume, wait_for_pull
-    from pipeline.step import transient
+    from infra.transient import transient
     from trainers.posttrain.common import CHECKPOINTS, is_main
 
     if is_main():
