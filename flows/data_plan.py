@@ -75,7 +75,20 @@ REASONING_TOKENS_PER_CONVERSATION = 3_100  # assumed from those two figures
 REASONING_READ_CONVERSATIONS_PER_CPU_S = 20_141
 REASONING_RENDER_CONVERSATIONS_PER_CPU_S = 2_312
 REASONING_TASK_GB = 1.1
+# the tokenizer's training, its one task (tasks/tokenizer.py), as benchmarks/data_scale.py
+# --components tokenizer projects it (docs/scale.md, 2026-12-05, load 1.3): the line fitted to its
+# peak and time at 2, 20 and 200 MB of sample at a 128,256 vocabulary, through 5.20 GB and 2.9 min
+# at 1e9 characters and 9.92 GB and 6.0 min at 2e9: GB and seconds per 1e9 characters, and the
+# line's value at none (the interpreter and the trainer)
+TOKENIZER_GB_PER_GCHAR, TOKENIZER_GB_AT_ZERO = 4.72, 0.48
+TOKENIZER_S_PER_GCHAR = 186.0
 GB = 1e9
+
+
+def tokenizer_task(sample_chars: int) -> tuple[float, float]:
+    """(GB, CPU-seconds) of the tokenizer's training task on `sample_chars` characters."""
+    x = sample_chars / 1e9
+    return TOKENIZER_GB_AT_ZERO + TOKENIZER_GB_PER_GCHAR * x, TOKENIZER_S_PER_GCHAR * x
 
 
 @dataclass(frozen=True)
@@ -245,6 +258,10 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             copy = tokens * BYTES_PER_TOKEN * SOURCE_GZIP_RATIO  # the conversations' gzip copy, removed at the end
             row[2] += (tokens * id_bytes + r.conversations * 8 + copy) / GB
             row[3] = REASONING_TASK_GB
+    trained = not recipe.tokenizer.path
+    if trained:  # one task on the tokenizer section's executor; it writes tokenizer.json (a few MB)
+        gb, cpu_s = tokenizer_task(recipe.tokenizer.sample_chars)
+        rows["tokenizer"] = [1, cpu_s / 3600, 0.0, gb]
     largest = max(drawn, key=drawn.get)
     per_bucket = drawn[largest] / TOKENS_PER_DOCUMENT / max(buckets[largest], 1) * SOURCE_ID_BYTES / GB
     notes = {
@@ -274,6 +291,10 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         "tasks; disk: the shards and the conversations' gzip copy the step writes and removes"
         if reasoning
         else "",
+        "tokenizer": f"one task training the BPE on {recipe.tokenizer.sample_chars:,} sample characters "
+        "(benchmarks/data_scale.py's projection)"
+        if trained
+        else "",
     }
     where = {
         "source": _where(c.executor, c.workers, c.slurm),
@@ -282,6 +303,7 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
         "decontaminate": _where(c.executor, c.workers, c.slurm),
         "tokenize": _where(t.executor, t.workers, t.slurm),
         "reasoning": _where(t.executor, t.workers, t.slurm),
+        "tokenizer": _where(recipe.tokenizer.executor, None, recipe.tokenizer.slurm),
     }
     out = [DataStep(k, where[k], int(v[0]), v[1], v[2], v[3], notes[k]) for k, v in rows.items()]
     return out, largest
@@ -337,6 +359,8 @@ def task_hours(recipe: Any) -> dict[str, tuple[float, str]]:
             if hours > longest.get(step, (-1.0, ""))[0]:
                 longest[step] = (hours, s.name)
     longest["heldout_index"] = (HELDOUT_INDEX_TASK_S / 3600, "every source's held-out split")
+    if not recipe.tokenizer.path:
+        longest["tokenizer"] = (tokenizer_task(recipe.tokenizer.sample_chars)[1] / 3600, "the training sample")
     for r in reasoning_sizes(recipe):  # the reader streams a hub source alone
         tokens = r.conversations * REASONING_TOKENS_PER_CONVERSATION
         read = r.conversations / REASONING_READ_CONVERSATIONS_PER_CPU_S / r.read_tasks
@@ -373,13 +397,15 @@ def executor_problems(recipe: Any, cores: int | None = None) -> tuple[list[str],
     sections["tokenize"] = ("tokenize", recipe.tokenize)
     if "reasoning" in rows:
         sections["reasoning"] = ("tokenize", recipe.tokenize)
+    if "tokenizer" in rows:
+        sections["tokenizer"] = ("tokenizer", recipe.tokenizer)
     refusals: list[str] = []
     warnings: list[str] = []
     for step, (name, section) in sections.items():
         hours, days = rows[step].cpu_hours, rows[step].cpu_hours / cores / 24
         at_scale = hours > HOST_DAY_HOURS * cores
         if section.executor == "local":
-            workers = section.workers
+            workers = getattr(section, "workers", None)  # the tokenizer's one task has none
             over = workers is not None and workers > cores
             if over and at_scale:
                 refusals.append(

@@ -125,15 +125,18 @@ def _same_meta(a: dict, b: dict) -> None:
 def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
     """The source (unless `raw` is given), curate, heldout_index, decontaminate and tokenize steps
     of the subset (the index of its own held-out split) with the executor settings `executor`
-    (curation's and tokenization's), each in its own folder; and the ingestion of an uncapped
+    (curation's and tokenization's, the tokenizer's and the reasoning traces'), each in its own
+    folder, then the tokenizer's training and the builtin reasoning traces; and the ingestion of an uncapped
     `files:` source (`ingest`: three files with duplicate ids across them and bad records,
     tests/tasks/test_sources.py) by 3 read tasks and 3 id buckets, the stages a capped source
     skips."""
     from pipeline.artifact import Artifact
     from tasks.decontaminate import DecontaminateSpec, decontaminate
     from tasks.heldout_index import HeldoutIndexSpec, heldout_index
+    from tasks.reasoning_data import ReasoningDataConfig, ReasoningDataSpec, reasoning_data
     from tasks.sources import SourceSpec, source
     from tasks.tokenize import TokenizeSpec, tokenize
+    from tasks.tokenizer import TokenizerConfig, tokenizer
     from tests.tasks.test_sources import _three_files
 
     recipe, src = _tiny_code_source()
@@ -169,6 +172,17 @@ def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
     out["tokenize"] = tokenize(
         TokenizeSpec(tokenize=settings, seed=recipe.seed), tokenizer=tok, corpus=cur, out=root / "tokenize", log=quiet
     )
+    # the tokenizer's training, its one task on this executor (the tokenizer section's own)
+    run = {k: v for k, v in executor.items() if k in ("executor", "slurm", "ray")}
+    (root / "tokenizer").mkdir()
+    trained = TokenizerConfig(vocab_size=400, min_frequency=1, **run)
+    out["tokenizer"] = tokenizer(trained, [cur], out=root / "tokenizer", log=quiet)
+    # the reasoning traces: reader tasks, then a render-and-tokenize task per shard, on the
+    # tokenize section's executor
+    (root / "reasoning_data").mkdir()
+    traces = ReasoningDataConfig(name="reasoning", examples=40)
+    spec = ReasoningDataSpec.of(traces, recipe.seed, settings, recipe.reasoning_modes)
+    out["reasoning_data"] = reasoning_data(spec, tokenizer=tok, heldout=(cur,), out=root / "reasoning_data", log=quiet)
     return out
 
 
@@ -195,6 +209,8 @@ def _assert_same_output(local: Path, other: Path, local_meta: dict, other_meta: 
     ingest = other_meta["ingest"]
     assert ingest["read_tasks"] == 3 and ingest["documents"] == 5
     assert ingest["rejected"] == {"empty": 1, "too_large": 1, "malformed_json": 3, "duplicate_id": 2}
+    assert other_meta["reasoning_data"]["documents"] == 40 == other_meta["reasoning_data"]["think_conversations"]
+    assert other_meta["tokenizer"]["origin"] == "trained"
 
 
 def _queued_jobs() -> set[str]:
@@ -244,6 +260,8 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
     stages = {f"{p.parts[-4]}/{p.parts[-2]}" for p in scripts}
     assert {"source/read", "source/finish", "curate/filter", "curate/final", "tokenize/tokenize"} <= stages
     assert {"ingest/read", "ingest/ids", "ingest/finish"} <= stages  # an uncapped source's three stages
+    # the tokenizer's training and the reasoning traces are array jobs of the cluster too
+    assert {"tokenizer/train", "reasoning_data/read", "reasoning_data/tokenize"} <= stages, stages
     # the held-out index is built by the cluster's tasks too, in its own step (once per DAG), and
     # the decontamination of the curated shards runs there as well
     assert {"heldout_index/index_shards", "heldout_index/index_merge", "heldout_index/index_finish"} <= stages

@@ -21,6 +21,7 @@ from flows.data_plan import (
     format_data_rows,
     slurm_hours,
     task_hours,
+    tokenizer_task,
 )
 from flows.recipe import ExecutorRefused, check_data, load_recipe
 
@@ -68,6 +69,13 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     )
     assert reasoning.cpu_hours == pytest.approx(cpu_s / 3600, rel=1e-9) and reasoning.mem_gb == REASONING_TASK_GB
     assert "11,200,000 conversations of openthoughts3, nemotron" in reasoning.note
+    # the tokenizer (trained for comparison): one task on its own section's Slurm request, its
+    # memory and time data_scale's line at the recipe's sample
+    tok = by["tokenizer"]
+    gb, cpu_s = tokenizer_task(recipe.tokenizer.sample_chars)
+    assert recipe.tokenizer.sample_chars == 1_000_000_000 and gb == pytest.approx(5.20, abs=0.01)
+    assert tok.tasks == 1 and tok.mem_gb == gb and tok.cpu_hours == pytest.approx(cpu_s / 3600)
+    assert tok.executor == "slurm (cpu, 4 CPU x 4 GB)" and gb < 8 < tokenizer_task(2_000_000_000)[0]
     text = format_data_rows(rows, recipe)
     assert tokens == 11_199_000_000_000 and "data plan: 71 sources, 11,199,000,000,000 tokens drawn" in text
 
@@ -85,7 +93,8 @@ def _drawn(recipe, name: str) -> float:
 def test_the_tiny_data_plan_runs_on_the_flow_host():
     recipe = load_recipe("tiny")
     rows, _ = data_rows(recipe)
-    assert [r.step for r in rows] == ["source", "curate", "heldout_index", "decontaminate", "tokenize", "reasoning"]
+    steps = ["source", "curate", "heldout_index", "decontaminate", "tokenize", "reasoning", "tokenizer"]
+    assert [r.step for r in rows] == steps
     assert all(r.executor.startswith("flow host") for r in rows)
     # capped sources: one read and one finish task each; curation's 4 tasks x 3 sources, and as
     # many decontamination tasks (a task per curated shard); the index: 4 + 16 + 1 tasks at most;
@@ -97,6 +106,7 @@ def test_the_tiny_data_plan_runs_on_the_flow_host():
         "decontaminate": 12,
         "tokenize": 12,
         "reasoning": 8,
+        "tokenizer": 1,
     }
 
 
@@ -156,6 +166,11 @@ def test_small_local_recipes_and_cluster_limits_are_warned_not_refused(capsys):
         w.startswith("curation.slurm.time 1-00:00:00 is shorter than the curate step's longest task") for w in warned
     )
     assert "curation.slurm asks 2 GB per task, less than the source step's 3.5 GB" in " ".join(warned)
+    # the tokenizer's task asked for less than its projected 5.2 GB
+    _, warned = executor_problems(load_recipe("smollm3-3b", ["tokenizer.slurm.mem_per_cpu_gb=1"]), cores=2)
+    assert warned == [
+        "tokenizer.slurm asks 4 GB per task, less than the tokenizer step's 5.2 GB (flows/data_plan.py): raise mem_per_cpu_gb"
+    ]
     check_data(short, allow_missing=True, sample=False)  # warned on stderr, not refused
     assert "WARNING: recipe smollm3-3b: curation.slurm.time 1-00:00:00" in capsys.readouterr().err
 
