@@ -87,7 +87,7 @@ from infra.files import write_atomic
 from infra.guard import LeaseHeld, StageLease, protect_rank
 from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
 from infra.progress import duration
-from infra.storage import MIRROR_RECORD, PULLED, CheckpointUploader, pull_for_resume
+from infra.storage import MIRROR_RECORD, PULLED, CheckpointUploader
 from model.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from model.config import ModelConfig
 from model.flops import resolve_peak, training_flops_per_token
@@ -108,7 +108,14 @@ from trainers.callbacks import (
     TrackerCallback,
     WatchdogCallback,
 )
-from trainers.rank_signals import EXIT_STOPPED, EXIT_TRANSIENT, StopRequested, StopSignals, TransientFailure
+from trainers.rank_signals import (
+    EXIT_STOPPED,
+    EXIT_TRANSIENT,
+    StopRequested,
+    StopSignals,
+    TransientFailure,
+    pull_checkpoint,
+)
 from trainers.watchdog import Watchdog
 
 log = logging.getLogger("trainers.pretrain")
@@ -803,7 +810,6 @@ def pull_mirror(spec: TrainSpec, rt: Runtime, watchdog: Watchdog | None = None) 
     if spec.mirror is None or not spec.mirror.pull:
         return
     from infra.storage import pull_progress, wait_for_pull
-    from infra.transient import transient
 
     out_dir, checkpoints = Path(spec.out_dir), Path(spec.out_dir) / "checkpoints"
     advanced = watchdog.advanced if watchdog is not None else None
@@ -823,13 +829,7 @@ def pull_mirror(spec: TrainSpec, rt: Runtime, watchdog: Watchdog | None = None) 
         watcher = threading.Thread(target=watch, name="pull-progress", daemon=True)
         watcher.start()
         try:
-            pull_for_resume(spec.mirror, checkpoints, record=out_dir / MIRROR_RECORD, log=log.info)
-        except Exception as exc:
-            if transient(exc):
-                raise TransientFailure(
-                    f"checkpoint pull from {spec.mirror.uri} failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            raise
+            pull_checkpoint(spec.mirror, checkpoints, out_dir / MIRROR_RECORD, log.info)
         finally:
             done.set()
             watcher.join()

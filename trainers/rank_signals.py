@@ -55,6 +55,21 @@ class TransientFailure(RuntimeError):
     launcher reports as such (infra/launchers/base.py), so the step's retry runs it again."""
 
 
+def pull_checkpoint(mirror, local_dir, record, log) -> None:
+    """A cluster launch's main rank: `infra.storage.pull_for_resume`, with a failure on S3 or the
+    network (infra/transient.py) raised as `TransientFailure`, so the rank exits `EXIT_TRANSIENT`
+    and the step's retry pulls again; any other failure (a damaged checkpoint) as it is."""
+    from infra.storage import pull_for_resume
+    from infra.transient import transient
+
+    try:
+        pull_for_resume(mirror, local_dir, record=record, log=log)
+    except Exception as exc:
+        if transient(exc):
+            raise TransientFailure(f"checkpoint pull from {mirror.uri} failed: {type(exc).__name__}: {exc}") from exc
+        raise
+
+
 class StopSignals:
     """Remembers the first stop signal this process received; `requested()` asks every rank.
 

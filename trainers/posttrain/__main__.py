@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from infra.guard import LeaseHeld, StageLease, protect_rank
-from trainers.rank_signals import EXIT_STOPPED, EXIT_TRANSIENT, StopRequested, TransientFailure
+from trainers.rank_signals import EXIT_STOPPED, EXIT_TRANSIENT, StopRequested, TransientFailure, pull_checkpoint
 
 EXIT_LEASE_HELD = 4  # infra/launchers/base.py EXIT_CODES, as trainers/pretrain.py
 
@@ -107,20 +107,12 @@ def pull_mirror(spec, out: Path, poll_s: float = 1.0) -> None:
         return
     from infra.files import write_atomic
     from infra.launchers.fabric import COLLECTIVE_TIMEOUT_ENV
-    from infra.storage import MIRROR_RECORD, PULLED, pull_for_resume, wait_for_pull
-    from infra.transient import transient
+    from infra.storage import MIRROR_RECORD, PULLED, wait_for_pull
     from trainers.posttrain.common import CHECKPOINTS, is_main
 
     if is_main():
         log = lambda line: print(line, flush=True)  # noqa: E731
-        try:
-            pull_for_resume(spec.mirror, out / CHECKPOINTS, record=out / MIRROR_RECORD, log=log)
-        except Exception as exc:
-            if transient(exc):
-                raise TransientFailure(
-                    f"checkpoint pull from {spec.mirror.uri} failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            raise
+        pull_checkpoint(spec.mirror, out / CHECKPOINTS, out / MIRROR_RECORD, log)
         write_atomic(out / PULLED, str(os.getpid()))
         return
     stall = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800"))
