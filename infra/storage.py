@@ -1363,6 +1363,7 @@ def pull_for_resume(
     return pulled
 
 
+PULL_PROGRESS_S = 10.0  # a waiting rank's walk of the checkpoints folder, at most this often (`wait_for_pull`)
 PULLED = ".pulled"  # in a stage's folder: written by a cluster launch's main rank when its pull ended
 
 
@@ -1394,21 +1395,29 @@ def wait_for_pull(
     on_progress: Callable[[], None] | None = None,
 ) -> None:
     """Return once `done` exists (the main rank wrote it when its pull ended). A pull may take as
-    long as it moves bytes: each poll that finds `local_dir` grown (`pull_progress`) restarts the
+    long as it moves bytes: each look that finds `local_dir` grown (`pull_progress`) restarts the
     clock and calls `on_progress` (a rank's watchdog); `TimeoutError` after `stall_s` seconds in
-    which nothing arrived. A main rank that dies ends the launch, and this rank with it."""
+    which nothing arrived. A main rank that dies ends the launch, and this rank with it.
+
+    `done` is checked every `poll_s`; the folder is walked at most every `PULL_PROGRESS_S` (a
+    quarter of the stall bound when that is shorter): at the 3B recipe's 384 ranks, 383 of them
+    wait, and a walk stats each of the pull's files (a DCP checkpoint holds a few hundred) on the
+    shared file system, so a walk a second per rank would be ~10^5 stats a second there."""
+    every = min(PULL_PROGRESS_S, stall_s / 4)
     last, since = pull_progress(local_dir), time.monotonic()
+    looked = since
     while not Path(done).exists():
-        now = pull_progress(local_dir)
-        if now != last:
-            last, since = now, time.monotonic()
-            if on_progress is not None:
-                on_progress()
-        elif time.monotonic() - since > stall_s:
-            raise TimeoutError(
-                f"the main rank's checkpoint pull into {local_dir} moved no byte in {stall_s:g} s "
-                f"(it has {last[0]} files, {last[1] / 1e6:.1f} MB there); {done} was never written"
-            )
+        if time.monotonic() - looked >= every:
+            now, looked = pull_progress(local_dir), time.monotonic()
+            if now != last:
+                last, since = now, looked
+                if on_progress is not None:
+                    on_progress()
+            elif looked - since > stall_s:
+                raise TimeoutError(
+                    f"the main rank's checkpoint pull into {local_dir} moved no byte in {stall_s:g} s "
+                    f"(it has {last[0]} files, {last[1] / 1e6:.1f} MB there); {done} was never written"
+                )
         time.sleep(poll_s)
 
 

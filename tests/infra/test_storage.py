@@ -545,7 +545,7 @@ def test_wait_for_pull_waits_while_bytes_arrive_and_stops_at_a_stall(tmp_path):
         tmp_path / ".pulled", tmp_path / "checkpoints", stall_s=1.0, poll_s=0.05, on_progress=lambda: seen.append(1)
     )
     writer.join()
-    assert time.monotonic() - started >= 2.4 and len(seen) >= 10
+    assert time.monotonic() - started >= 2.4 and len(seen) >= 7  # a walk every 0.25 s (a quarter of the bound)
     assert pull_progress(tmp_path / "checkpoints") == (25, 2500)
 
     with pytest.raises(TimeoutError, match=r"moved no byte in 0.5 s \(it has 25 files"):
