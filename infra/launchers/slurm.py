@@ -318,7 +318,12 @@ class SlurmLauncher(Launcher):
                 'else why=""; fi',
                 'if [ -n "$why" ]; then',
                 '  echo "[launch] $why: requeueing $SLURM_JOB_ID; the next start resumes at the saved step"',
-                '  scontrol requeue "$SLURM_JOB_ID"',
+                # slurmctld may not answer in its MessageTimeout on a loaded controller: ask again,
+                # saying why (the follower also asks once if the job stays FAILED: `follow`)
+                "  for try in 1 2 3 4 5; do",
+                '    out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1) && break',
+                '    echo "[launch] scontrol requeue $SLURM_JOB_ID failed (try $try of 5): $out"; sleep 5',
+                "  done",
                 "fi",
             ]
         lines += ["exit $rc", ""]
@@ -624,6 +629,7 @@ class SlurmLauncher(Launcher):
         refused: str | None = None  # the script's refusal past the node-failure requeue budget
         requeueing = False  # the script said it requeues the job (time limit, preemption)
         failed_since: float | None = None  # when a requeueing job was first seen FAILED
+        asked_requeue = False  # the follower asked `scontrol requeue` itself (the job stayed FAILED)
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -667,17 +673,24 @@ class SlurmLauncher(Launcher):
                     elif (
                         state in FAILED
                         and requeueing
-                        and time.monotonic() - (failed_since := failed_since or time.monotonic())
-                        < max(60.0, 10 * self.config.slurm.poll_seconds)
+                        and (waited := self._failed_for(failed_since))
+                        < (window := max(120.0, 20 * self.config.slurm.poll_seconds))
                     ):
                         # the script asked `scontrol requeue` and exited: Slurm may show the job
                         # FAILED for a while before it is pending again (seconds at load ~5, longer
-                        # than 10 polls of 0.5 s once): followed for up to a minute
-                        pass
+                        # than 10 polls of 0.5 s once). Still FAILED after half the window: the
+                        # script's requeue did not take (a controller too busy to answer it, seen
+                        # once at load ~6); a finished batch job may be requeued, so ask once here.
+                        failed_since = failed_since or time.monotonic()
+                        if waited >= window / 2 and not asked_requeue:
+                            asked_requeue = True
+                            self._requeue_after_script(job, log)
                     elif state in DONE or state in FAILED:
                         break
                     else:
                         settling, failed_since = 0, None
+                        if state != "UNKNOWN" and state not in FAILED:
+                            asked_requeue = False  # a later stop may need it again
                         if state == "PENDING" and len(lost_nodes) > excluded_from:
                             # requeued in place after a node failure (often seen only as PENDING
                             # again): keep the job off the nodes its log says failed
@@ -805,6 +818,23 @@ class SlurmLauncher(Launcher):
             log(
                 f"[launch] WARNING: could not exclude {', '.join(nodes)} from requeued Slurm job {job} "
                 f"({(proc.stderr or proc.stdout).strip()[:200]}); Slurm keeps down nodes out by itself"
+            )
+
+    @staticmethod
+    def _failed_for(since: float | None) -> float:
+        """Seconds since a requeueing job was first seen FAILED (0 when it is seen so now)."""
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _requeue_after_script(self, job: str, log: LogFn) -> None:
+        """Requeue a job that stayed FAILED after its batch script said it requeues it (the time
+        limit's warning or preemption, after the step was saved): the next start resumes there."""
+        proc = self.runner(["scontrol", "requeue", job])
+        said = ((proc.stderr or "") + (proc.stdout or "")).strip()[:200]
+        if proc.returncode == 0:
+            log(f"[launch] job {job} stayed FAILED after its script asked for a requeue: requeued it from here")
+        else:
+            log(
+                f"[launch] job {job} stayed FAILED after its script asked for a requeue; `scontrol requeue` here failed: {said}"
             )
 
     def _requeues(self, job: str) -> bool:
