@@ -43,16 +43,15 @@ SOURCE_TASK_GB = 0.1
 # benchmarks/curate.py --scale, 100 MB at 1 worker (docs/data.md, "Curation on every core"):
 # the web preset with exact and MinHash dedup, 11.69 CPU-s per MB
 CURATE_CPU_S_PER_MB = 11.69
-# benchmarks/data_scale.py (docs/scale.md, its table, 2026-12-04): a curation task's peak projected
-# to the largest source's task at recipe scale, the largest of its stages (the filter task, 1.65 GB,
-# measured when that task also mapped the held-out index: an upper bound since decontamination is
-# its own step)
-CURATE_TASK_GB = 1.65
-# the held-out index's build at recipe scale (benchmarks/data_scale.py --components heldout,
-# docs/scale.md, 2026-12-05): the largest task peak (a merge task, 0.20 GB) and per-task time (the
-# finish task, 1.4 s) projected
+# benchmarks/data_scale.py, its full run of 2026-12-05 05:27-05:38 UTC (docs/scale.md, its table):
+# a curation task's peak projected to the largest source's task at recipe scale, the largest of its
+# stages (the filter task, 1.64 GB, measured with the held-out decontamination filter in it: an
+# upper bound since decontamination is its own step)
+CURATE_TASK_GB = 1.64
+# the held-out index's build at recipe scale (the same run): the largest task peak (a merge task,
+# 0.20 GB) and per-task time (the finish task, 1.1 s) projected
 HELDOUT_INDEX_TASK_GB = 0.20
-HELDOUT_INDEX_TASK_S = 1.4
+HELDOUT_INDEX_TASK_S = 1.1
 # benchmarks/data_plan_costs.py, 20 MB of English web text on this 2-core VM (2026-12-05, load 1.4):
 # the decontaminate step, its 8 tasks one after another, 4.6 CPU-s for 10,593 documents against an
 # index of the text's 576 held-out documents; the recipe's index is 142,000 documents, where a
@@ -60,28 +59,28 @@ HELDOUT_INDEX_TASK_S = 1.4
 DECONTAMINATE_CPU_S_PER_MB = 0.231
 # benchmarks/tokenize_step.py (docs/data.md, "Benchmarks"): the tokenize step, 260,583 tokens/s
 TOKENIZE_TOKENS_PER_CPU_S = 260_583
-# benchmarks/data_scale.py (docs/scale.md, its table): a tokenize task's peak projected to the
-# largest source's task at recipe scale (3,056,691 documents per task), 2026-12-04: 2.44 GB
-TOKENIZE_TASK_GB = 2.44
+# benchmarks/data_scale.py (the same run): a tokenize task's peak projected to the largest
+# source's task at recipe scale (3,056,691 documents per task): 2.50 GB
+TOKENIZE_TASK_GB = 2.50
 # reasoning traces (tasks/reasoning_data.py): SmolLM3's ~35B tokens of traces (the blog,
 # docs/reference/smollm3.md) over the 3B recipe's 11.2M rows (OpenThoughts3 1.2M, Nemotron 10M)
 REASONING_TOKENS_PER_CONVERSATION = 3_100  # assumed from those two figures
-# benchmarks/data_scale.py (docs/scale.md), 2026-12-05, 200,000 synthetic conversations of ~1,090
-# tokens: the reader task streaming a files: source, 200,000 in 9.93 s; a render-and-tokenize task,
-# 50,000 in 21.63 s (the chat template and a 512-token BPE; the recipe's tokenizer is costed by
-# the tokenize step's rate, TOKENIZE_TOKENS_PER_CPU_S, on top); a task's peak, 0.67 GB projected
-# to the recipe's 10,000 conversations per task, plus a batch of 1,000 conversations at 3,100
-# tokens instead of 1,090 (198 bytes per token held while encoded, measured: docs/scale.md): 1.1 GB
-REASONING_READ_CONVERSATIONS_PER_CPU_S = 20_141
-REASONING_RENDER_CONVERSATIONS_PER_CPU_S = 2_312
+# benchmarks/data_scale.py (the same run), 200,000 synthetic conversations of ~1,090 tokens: the
+# reader task streaming a files: source, 200,000 in 10.02 s; a render-and-tokenize task, 50,000 in
+# 24.83 s (the chat template and a 512-token BPE; the recipe's tokenizer is costed by the tokenize
+# step's rate, TOKENIZE_TOKENS_PER_CPU_S, on top); a task's peak, 0.73 GB projected to the
+# recipe's 10,000 conversations per task, plus a batch of 1,000 conversations at 3,100 tokens
+# instead of 1,090 (198 bytes per token held while encoded, measured: docs/scale.md, ~0.40 GB): 1.1 GB
+REASONING_READ_CONVERSATIONS_PER_CPU_S = 19_960
+REASONING_RENDER_CONVERSATIONS_PER_CPU_S = 2_014
 REASONING_TASK_GB = 1.1
-# the tokenizer's training, its one task (tasks/tokenizer.py), as benchmarks/data_scale.py
-# --components tokenizer projects it (docs/scale.md, 2026-12-05, load 1.3): the line fitted to its
-# peak and time at 2, 20 and 200 MB of sample at a 128,256 vocabulary, through 5.20 GB and 2.9 min
-# at 1e9 characters and 9.92 GB and 6.0 min at 2e9: GB and seconds per 1e9 characters, and the
-# line's value at none (the interpreter and the trainer)
-TOKENIZER_GB_PER_GCHAR, TOKENIZER_GB_AT_ZERO = 4.72, 0.48
-TOKENIZER_S_PER_GCHAR = 186.0
+# the tokenizer's training, its one task (tasks/tokenizer.py), as benchmarks/data_scale.py projects
+# it (the same run): the least-squares line of its peak over 2, 20 and 200 MB of sample at a 128,256
+# vocabulary (201, 817 and 1,371 MB): GB per 1e9 characters and the line's value at none (the
+# interpreter and the trainer), 5.21 GB at the recipe's 1e9; and its time's slope (2.85, 11.41 and
+# 48.10 s), 3.7 min at 1e9 with the line's 4.6 s at none, left out here
+TOKENIZER_GB_PER_GCHAR, TOKENIZER_GB_AT_ZERO = 4.761, 0.444
+TOKENIZER_S_PER_GCHAR = 218.5
 GB = 1e9
 
 
@@ -100,7 +99,7 @@ class DataStep:
     tasks: int  # datatrove tasks, all sources (the source step: its three stages' tasks)
     cpu_hours: float
     disk_gb: float  # written
-    mem_gb: float  # per task, the largest
+    mem_gb: float  # per task, the largest task's need (measured or projected), not what the executor asks for
     note: str = ""
 
 
@@ -208,17 +207,15 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
     # the held-out index, once: at most a shard task per held-out file (curation.tasks), a merge
     # task per partition and one finish task; it writes the index
     index_tasks = c.tasks + c.decontamination.index_partitions + 1
-    # per task: the Slurm request where there is one, else the measured projection
-    request = c.slurm.cpus_per_task * c.slurm.mem_per_cpu_gb if c.slurm else None
-    index_mem = request or HELDOUT_INDEX_TASK_GB
-    rows["heldout_index"] = [index_tasks, index_tasks * HELDOUT_INDEX_TASK_S / 3600, index_gb, index_mem]
+    # memory per task: what a task needs (measured or projected), whatever the executor asks for
+    # (the executor column shows a Slurm request; executor_problems compares the two)
+    rows["heldout_index"] = [index_tasks, index_tasks * HELDOUT_INDEX_TASK_S / 3600, index_gb, HELDOUT_INDEX_TASK_GB]
     buckets = {}  # source -> the id buckets of its duplicate-id stage (none: a capped source)
     for size in source_sizes(recipe):
         tokens, docs = size.tokens, size.documents
         mb = tokens * BYTES_PER_TOKEN / 1e6
-        # a decontamination task maps the index (it must fit in the request)
-        curate_mem = request or CURATE_TASK_GB
-        decont_mem = request or index_gb
+        # a decontamination task maps the whole index (its pages counted as resident)
+        curate_mem, decont_mem = CURATE_TASK_GB, index_gb
         # the source step: read and finish tasks (one for a capped source, else `curation.tasks`,
         # at most one per file) and as many id buckets, each holding its share of the ids
         read = size.read_tasks
@@ -271,19 +268,12 @@ def data_rows(recipe: Any) -> tuple[list[DataStep], str]:
             if buckets[largest]
             else f"and its ids: {largest} is capped (max_documents), read by one task"
         ),
-        "curate": "per task: "
-        + ("the Slurm request" if c.slurm else f"the largest task's projection ({CURATE_TASK_GB:g} GB)")
-        + "; disk at most the source's shards",
+        "curate": f"per task: the largest task's projection (the filter task, {CURATE_TASK_GB:g} GB); "
+        "disk at most the source's shards",
         "heldout_index": f"once for all sources: the index of every held-out split ({index_gb:.2f} GB written); "
-        + ("per task: the Slurm request" if c.slurm else "per task")
-        + f" (a merge task's projection: {HELDOUT_INDEX_TASK_GB:g} GB)",
-        "decontaminate": "per task: "
-        + (
-            f"the Slurm request, which holds the held-out index the task maps ({index_gb:.2f} GB)"
-            if c.slurm
-            else f"the held-out index the task maps ({index_gb:.2f} GB) and the pipeline"
-        )
-        + "; disk at most the source's shards",
+        f"per task: a merge task's projection ({HELDOUT_INDEX_TASK_GB:g} GB)",
+        "decontaminate": f"per task: the held-out index the task maps ({index_gb:.2f} GB) and the pipeline; "
+        "disk at most the source's shards",
         "tokenize": f"{id_bytes}-byte token ids + an 8-byte index entry per document",
         "reasoning": f"{sum(r.conversations for r in reasoning):,.0f} conversations of "
         f"{', '.join(r.name for r in reasoning)} at {REASONING_TOKENS_PER_CONVERSATION:,} tokens each; "

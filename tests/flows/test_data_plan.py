@@ -8,6 +8,7 @@ import pytest
 from flows.data_plan import (
     BYTES_PER_TOKEN,
     CURATE_CPU_S_PER_MB,
+    CURATE_TASK_GB,
     DECONTAMINATE_CPU_S_PER_MB,
     REASONING_READ_CONVERSATIONS_PER_CPU_S,
     REASONING_RENDER_CONVERSATIONS_PER_CPU_S,
@@ -39,10 +40,12 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     assert by["tokenize"].cpu_hours == pytest.approx(tokens / TOKENIZE_TOKENS_PER_CPU_S / 3600, rel=1e-9)
     assert by["tokenize"].disk_gb == pytest.approx((tokens * 4 + tokens / TOKENS_PER_DOCUMENT * 8) / 1e9, rel=1e-9)
     assert by["decontaminate"].cpu_hours == pytest.approx(mb * DECONTAMINATE_CPU_S_PER_MB / 3600, rel=1e-9)
-    # where each runs: curation on the recipe's Slurm partition, 4 GB a task (the filter task's
-    # 2.1 GB, benchmarks/data_scale.py); decontamination there too, the held-out index inside
-    assert by["curate"].executor == "slurm (cpu, 1 CPU x 4 GB)" and by["curate"].mem_gb == 4
-    assert by["decontaminate"].executor == by["curate"].executor and by["decontaminate"].mem_gb == 4
+    # where each runs: curation on the recipe's Slurm partition, 4 GB a task; what a task needs is
+    # its projection, not the request (the filter task's, benchmarks/data_scale.py); decontamination
+    # there too, a task needing the held-out index it maps
+    assert by["curate"].executor == "slurm (cpu, 1 CPU x 4 GB)" and by["curate"].mem_gb == CURATE_TASK_GB
+    assert by["decontaminate"].executor == by["curate"].executor
+    assert by["decontaminate"].mem_gb == pytest.approx(1.29, abs=0.01) == by["heldout_index"].disk_gb
     assert by["decontaminate"].tasks == by["curate"].tasks  # a task per curated shard
     assert "held-out index the task maps (1.29 GB)" in by["decontaminate"].note
     # the held-out index once for the 71 sources: shard tasks, 16 merge tasks, a finish task
@@ -73,7 +76,7 @@ def test_the_3b_data_plan_follows_the_stages_tokens_and_the_measured_costs():
     # memory and time data_scale's line at the recipe's sample
     tok = by["tokenizer"]
     gb, cpu_s = tokenizer_task(recipe.tokenizer.sample_chars)
-    assert recipe.tokenizer.sample_chars == 1_000_000_000 and gb == pytest.approx(5.20, abs=0.01)
+    assert recipe.tokenizer.sample_chars == 1_000_000_000 and gb == pytest.approx(5.21, abs=0.01)
     assert tok.tasks == 1 and tok.mem_gb == gb and tok.cpu_hours == pytest.approx(cpu_s / 3600)
     assert tok.executor == "slurm (cpu, 4 CPU x 4 GB)" and gb < 8 < tokenizer_task(2_000_000_000)[0]
     text = format_data_rows(rows, recipe)
@@ -166,6 +169,15 @@ def test_small_local_recipes_and_cluster_limits_are_warned_not_refused(capsys):
         w.startswith("curation.slurm.time 1-00:00:00 is shorter than the curate step's longest task") for w in warned
     )
     assert "curation.slurm asks 2 GB per task, less than the source step's 3.5 GB" in " ".join(warned)
+    # a curation request of 1 GB holds the source step's and the index's tasks, not a curate task
+    # (its filter task) nor a decontaminate task (the index it maps)
+    _, warned = executor_problems(load_recipe("smollm3-3b", ["curation.slurm.mem_per_cpu_gb=1"]), cores=2)
+    assert warned == [
+        f"curation.slurm asks 1 GB per task, less than the curate step's {CURATE_TASK_GB:.1f} GB (flows/data_plan.py): "
+        "raise mem_per_cpu_gb",
+        "curation.slurm asks 1 GB per task, less than the decontaminate step's 1.3 GB (flows/data_plan.py): "
+        "raise mem_per_cpu_gb",
+    ]
     # the tokenizer's task asked for less than its projected 5.2 GB
     _, warned = executor_problems(load_recipe("smollm3-3b", ["tokenizer.slurm.mem_per_cpu_gb=1"]), cores=2)
     assert warned == [

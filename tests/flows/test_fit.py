@@ -111,12 +111,15 @@ def test_capacity_recipe_prints_every_stage_and_plan_rows_carry_the_memory():
     # the data plan beside it (flows/data_plan.py)
     at = next(i for i, line in enumerate(lines) if line.startswith("data plan: 71 sources"))
     assert lines[at + 1].split() == ["step", "executor", "tasks", "CPU-hours", "disk", "GB", "GB/task"]
-    assert [line.split()[0] for line in lines[at + 2 : at + 7]] == [
+    assert [line.split()[0] for line in lines[at + 2 : at + 10]] == [
         "source",
         "curate",
         "heldout_index",
         "decontaminate",
         "tokenize",
+        "reasoning",
+        "tokenizer",
+        "sizes:",
     ]
 
     from flows.graphs import plan
