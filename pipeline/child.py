@@ -192,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run as `python -m pipeline.child`: hand over to the imported module, so the call is loaded
     # by the same module objects the step definitions use.
+    from infra.exit import exit_process
     from pipeline import child as _module
 
-    sys.exit(_module.main())
+    exit_process(_module.main())  # sys.exit without the final collections over the step's imports

@@ -1003,4 +1003,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from infra.exit import exit_process
+
+    exit_process(main())  # sys.exit without the final collections over torch's objects

@@ -87,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from infra.exit import exit_process
+
+    exit_process(main())  # sys.exit without the final collections over torch's objects

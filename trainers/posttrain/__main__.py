@@ -160,4 +160,6 @@ def _end_process_group() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from infra.exit import exit_process
+
+    exit_process(main(sys.argv[1:]))  # sys.exit without the final collections over torch's objects
