@@ -49,9 +49,10 @@ largest task's; the inputs are written beforehand by this process, never by the 
 - the mixture plan: the `mixture` step (tasks/mixture.py) over N/4 token shards of 10 sources:
   x = shards;
 - the loader: `benchmarks/loader_scale.py`'s `build` and `measure` (start-up, its own peak,
-  heap, time per micro-batch) on N documents in shards of a quarter of the smallest size, plus
-  the largest size in 10x fewer shards (its `project` separates per-document and per-shard
-  growth): x = documents (and shards);
+  heap, time per micro-batch) on N documents in `LOADER_SHARDS` shards at every size (so the
+  shard cache holds as many shards at every size and the line's heap slope is the per-document
+  one alone), plus the largest size in 10x more shards (its `project` separates per-document
+  and per-shard growth): x = documents (and shards);
 - metrics summarising: a stage's metrics file of N lines (the trainer's `MetricsWriter` and
   `benchmarks/metrics_line.py`'s line) read as the flow process reads it (evals/training_metrics.py
   `read_metrics` and `summarize`: the curve file, and the streamed fallback without one): x = lines;
@@ -101,6 +102,7 @@ TRACED_INDEX = ("index_merge", "index_finish")
 STAGES_IN_REPORT = 3  # stages of the synthetic run the report step draws
 HELDOUT_WORDS = 100  # words of a synthetic held-out document
 MIXTURE_SOURCES = 10
+LOADER_SHARDS = 40  # the loader's corpus at every size; the largest size again in 10x as many
 
 # --- the parts measured: (component, where it runs, what x counts, budget in GB) ---------------------
 TASK, FLOW, RANK = 8.0, 2.0, 2.0  # issue 33's goals: any process, the flow process, a loader rank
@@ -612,7 +614,7 @@ def prepare_metrics(folder: Path, lines: int, log_interval: int = 10) -> None:
 
 
 def measure_size(n: int, args: argparse.Namespace, tmp: Path, plan: dict | None) -> list[dict]:
-    """Every part at `n` documents; `plan` also measures the loader on the fewer-shards corpus."""
+    """Every part at `n` documents; `plan` also measures the loader on the more-shards corpus."""
     rows: list[dict] = []
 
     def folder(name: str) -> Path:
@@ -652,15 +654,22 @@ def measure_size(n: int, args: argparse.Namespace, tmp: Path, plan: dict | None)
     if "loader" in want:
         from loader_scale import build
 
+        # Every size in the same number of shards, so the line's slope is the per-document one
+        # alone: with shards growing along the sizes (as this did before 2026-12-05 06:40 UTC)
+        # the shard cache fills (a few kB per open shard, up to `open_shards`) as the sizes grow,
+        # and that bounded step, not linear in anything, was fitted as 0.2 bytes per document
+        # (1.7 GB at the recipe); at a fixed shard count the heap is flat from 2*10^4 to 2*10^6
+        # documents (docs/scale.md, "The trainer's data loader").
         load = folder("loader")
-        per_shard = max(1, args.sizes[0] // 4)
+        per_shard = -(-n // LOADER_SHARDS)
         build(load, n, per_shard)
         rows += [r | {"shards": -(-n // per_shard)} for r in fresh("loader", load, n, args, "--plan", "plan.json")]
-        if plan is not None:  # the largest size in 10x fewer shards: the loader's per-shard share
-            fewer = folder("loader-fewer")
-            build(fewer, n, 10 * per_shard)
-            got = fresh("loader", fewer, n, args, "--plan", "plan.json")[0]
-            plan["fewer"] = got | {"docs": n, "shards": -(-n // (10 * per_shard))}
+        if plan is not None:  # the largest size in 10x more shards: the loader's per-shard share
+            more = folder("loader-more")
+            per_shard = -(-n // (10 * LOADER_SHARDS))
+            build(more, n, per_shard)
+            got = fresh("loader", more, n, args, "--plan", "plan.json")[0]
+            plan["fewer"] = got | {"docs": n, "shards": -(-n // per_shard)}
     if "metrics" in want:
         met = folder("metrics")
         prepare_metrics(met / "stage0", n)

@@ -217,14 +217,17 @@ def project(
     line: list[dict], fewer: dict, key: str, at_docs: float = RECIPE_DOCS, at_shards: float = RECIPE_SHARDS
 ) -> tuple[float, float, float]:
     """(per document, per shard, at `at_docs` documents in `at_shards` shards: the recipe's stage 1 by
-    default) of `key` ~ a + b_doc D + b_shard S. Along the sizes shards grow with documents, so
-    their slope is b_doc + b_shard S/D; the run with the largest size's documents in fewer shards
-    gives b_shard. Projected from the largest size."""
-    docs = [r["docs"] for r in line]
-    slope = float(np.polyfit(np.array(docs, dtype=float), [r[key] for r in line], 1)[0])
+    default) of `key` ~ a + b_doc D + b_shard S. `fewer`: the largest size's documents in another
+    number of shards (fewer here, more in data_scale.py), which gives b_shard; along the sizes
+    the slope is b_doc + b_shard dS/dD (dS/dD = S/D here, where shards grow with documents; 0
+    where the sizes hold their shard count, so the line measures b_doc directly). Projected from
+    the largest size."""
+    docs = np.array([r["docs"] for r in line], dtype=float)
+    slope = float(np.polyfit(docs, [r[key] for r in line], 1)[0])
+    shards_per_doc = float(np.polyfit(docs, [float(r["shards"]) for r in line], 1)[0])
     top = line[-1]
     per_shard = (top[key] - fewer[key]) / (top["shards"] - fewer["shards"])
-    per_doc = slope - per_shard * top["shards"] / top["docs"]
+    per_doc = slope - per_shard * shards_per_doc
     at = top[key] + max(per_doc, 0.0) * (at_docs - top["docs"]) + max(per_shard, 0.0) * (at_shards - top["shards"])
     return per_doc, per_shard, at
 

@@ -8,9 +8,13 @@ the cluster's defaults (`LaunchConfig.sized`; the pretrain step applies it, `smo
 
 - the process itself (`RANK_PROCESS_GB`): Python, torch, the CUDA context's host side and NCCL's
   host buffers. Assumed, not measured here (no GPU node): a CUDA torch rank's RSS is a few GB.
-- the data loader (`LOADER_GB`): model/token_shards.py keeps no per-document state; its heap at
-  the 3B recipe's scale (4.5B documents in 41k shards) is 0.23 GB per rank, projected by
-  `benchmarks/loader_scale.py` (docs/scale.md, "The trainer's data loader"), rounded up to 0.25.
+- the data loader (`LOADER_GB`): model/token_shards.py keeps no per-document state (its traced
+  heap at 100 shards was 300-307 kB at 2x10^4, 2x10^5 and 2x10^6 documents, 2026-12-05; what
+  varies is how many of the at most `open_shards` cached shards are open, a few kB each) and
+  per shard two numbers and the plan's path; its heap at the 3B recipe's scale (4.5B documents
+  in 41k shards) is at most 0.23 GB per rank, projected by `benchmarks/loader_scale.py`
+  (docs/scale.md, "The trainer's data loader"; an upper bound: its fit reads the cache filling
+  as a per-document slope), rounded up to 0.25.
   Its memory-mapped shards are clean page cache (reclaimable, not counted). Plus the prefetched
   micro-batches: `prefetch` x micro-batch x sequence x 3 int64 arrays (ids, labels, documents).
 - checkpointing: with `async_checkpoint` DCP's `async_save` copies the rank's whole model state

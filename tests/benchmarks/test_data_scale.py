@@ -132,3 +132,19 @@ def test_every_component_runs_at_tiny_sizes():
     assert done.returncode == 0, done.stdout + done.stderr
     ds = _module()
     _check_table(done.stdout, set(ds.PARTS), 2)
+
+
+def test_the_loader_fit_takes_the_per_document_slope_at_a_fixed_shard_count():
+    """The loader's sizes in one shard count: a flat heap is no per-document growth, and the
+    largest size in 10x more shards gives the per-shard slope alone (data_scale.LOADER_SHARDS)."""
+    ds = _module()
+    xs = [2_000, 20_000, 200_000]
+    rows = [
+        {"part": "loader rank", "x": x, "shards": 40, "peak": 250e6, "seconds": 0.01, "heap_mb": 0.3, "batch_ms": 3}
+        for x in xs
+    ]
+    more = {"docs": 200_000, "shards": 400, "heap_mb": 0.3 + 360 * 300 / 2**20}  # 300 bytes per shard
+    scale = {"x": {"loader rank": 8e9}, "loader_shards": 40_400}
+    (line,) = ds.projections(rows, scale, more)
+    assert line["peak_at"] == pytest.approx(250e6 + (40_400 - 40) * 300, rel=1e-6)  # no per-document term
+    assert "+0.286 MB per thousand shards (40,400 shards)" in line["note"]  # 300 bytes per shard
