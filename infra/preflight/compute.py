@@ -65,12 +65,17 @@ class CpuMatmul(Check):
 
 @register
 class GlooAllReduce(Check):
-    """All-reduce bus bandwidth between local CPU ranks (torchrun, gloo)."""
+    """All-reduce bus bandwidth between local CPU ranks (torchrun, gloo). A recipe that trains
+    one rank per node has no collective between local ranks: the check skips (it would start
+    torchrun and two ranks, each importing torch, for a figure the run never depends on) unless
+    `checks` names it."""
 
     name, group, order = "gloo_allreduce", "compute", 61
 
     def run(self, ctx: CheckContext) -> CheckResult:
         c = ctx.config
+        if ctx.facts.nproc_per_node < 2 and self.name not in (c.checks or ()):
+            return self.skip("one rank per node (nproc_per_node 1): no all-reduce between local ranks to measure")
         res = run_allreduce(ctx.commands, "gloo", c.gloo_ranks, c.gloo_mib, c.collective_iters, c.collective_timeout_s)
         if res.error:
             return self.result(

@@ -129,3 +129,25 @@ def test_cpu_report_gloo_allreduce_and_matmul_with_gpu_rows_skipped(tmp_path):
     if not torch.cuda.is_available():  # on a GPU machine these rows measure instead
         assert r["gpu_matmul"].status == "skip" and "no CUDA" in r["gpu_matmul"].advice
         assert r["nccl_allreduce"].status == "skip"
+
+
+def test_gloo_allreduce_skips_one_rank_per_node_unless_named():
+    """A recipe of one rank per node (the tiny recipe) has no all-reduce between local ranks:
+    the check skips without starting torchrun, unless `checks` names it (the test above)."""
+    from infra.preflight.compute import GlooAllReduce
+    from infra.preflight.core import CheckContext
+
+    class NoCommands:
+        def run(self, *args, **kwargs):
+            raise AssertionError("started a command")
+
+    def check(facts, **config):
+        ctx = CheckContext(PreflightConfig(**config), facts, gpu=None, commands=NoCommands(), log=lambda _: None)
+        return GlooAllReduce().run(ctx)
+
+    res = check(PreflightFacts(nproc_per_node=1))
+    assert res.status == "skip" and "one rank per node" in res.advice
+    with pytest.raises(AssertionError, match="started a command"):  # named: it measures
+        check(PreflightFacts(nproc_per_node=1), checks=("gloo_allreduce",))
+    with pytest.raises(AssertionError, match="started a command"):  # two ranks per node: it measures
+        check(PreflightFacts(nproc_per_node=2))
