@@ -275,6 +275,28 @@ def workspace_copy(tmp_path, built_workspace) -> Callable[[str], Path]:
     return lambda name: copy_workspace(built_workspace(name), tmp_path / "ws")
 
 
+def wait_for_deployment(name: str, timeout: float = 120.0) -> None:
+    """Until the Prefect API (this process's PREFECT_API_URL) knows deployment `name`, which a
+    serve process registers as it starts: asked in this process every 0.5 s. Tests then start the
+    run with one `prefect deployment run`, as a user does; retried every second until serve had
+    registered it, each try was a new process importing Prefect (seconds of CPU each)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.read_deployment_by_name(name)
+                return
+            except ObjectNotFound:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"deployment {name} not registered after {timeout:g} s") from None
+            time.sleep(0.5)
+
+
 def copy_workspace(built: Path, ws: Path) -> Path:
     """A copy of the finished workspace `built` at `ws` (which must not exist), links kept as
     links. Prefect's persisted results (`results/`) stay behind: their keys hold the build's path,

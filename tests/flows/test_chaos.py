@@ -45,7 +45,7 @@ from model.checkpoint import load_model
 from model.checkpoint import read_marker as checkpoint_complete
 from pipeline.artifact import read_marker
 from pipeline.lineage import Lineage
-from tests.conftest import SMALL, copy_workspace
+from tests.conftest import SMALL, copy_workspace, wait_for_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -163,12 +163,10 @@ class Chaos:
 
     def deploy(self, ws: Path) -> str:
         params = json.dumps({"recipe": "tiny", "overrides": [*CHAOS, f"workspace={ws}"]})
-        for _ in range(120):  # until serve has registered the deployment
-            res = self.prefect("deployment", "run", "smollm3/full", "--params", params, check=False)
-            if res.returncode == 0:
-                return next(ln.split("UUID:")[1].strip() for ln in res.stdout.splitlines() if "UUID:" in ln)
-            time.sleep(1)
-        raise AssertionError(f"could not start smollm3/full: {res.stdout}\n{res.stderr}")
+        wait_for_deployment("smollm3/full", timeout=120)  # serve has registered it
+        res = self.prefect("deployment", "run", "smollm3/full", "--params", params, check=False)
+        assert res.returncode == 0, f"could not start smollm3/full: {res.stdout}\n{res.stderr}"
+        return next(ln.split("UUID:")[1].strip() for ln in res.stdout.splitlines() if "UUID:" in ln)
 
     def state(self) -> tuple[str, str]:
         from prefect.client.orchestration import get_client

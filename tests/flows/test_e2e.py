@@ -19,7 +19,7 @@ import pytest
 
 from flows.views import eval_table, final_artifact
 from pipeline.lineage import Lineage
-from tests.conftest import TINY_TRAIN
+from tests.conftest import TINY_TRAIN, wait_for_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -71,18 +71,12 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
     watcher = None
     try:
         params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
-        out = ""
-        for _ in range(90):  # until serve has registered the deployment
-            res = subprocess.run(
-                [PREFECT, "deployment", "run", "smollm3/full", "--params", params],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            out = res.stdout
-            if res.returncode == 0:
-                break
-            time.sleep(1)
+        wait_for_deployment("smollm3/full", timeout=90)  # serve has registered it
+        res = subprocess.run(
+            [PREFECT, "deployment", "run", "smollm3/full", "--params", params], env=env, capture_output=True, text=True
+        )
+        out = res.stdout
+        assert res.returncode == 0, f"could not start smollm3/full: {out}\n{res.stderr}"
         run_id = next(ln.split("UUID:")[1].strip() for ln in out.splitlines() if "UUID:" in ln)
 
         assert _wait_terminal(run_id, 900) == "FAILED"
