@@ -9,13 +9,17 @@ PREFECT_PORT ?= 4200
 
 install: $(VENV)/.installed
 
-# torch first, from its pinned CPU wheel: anything depending on torch installed before it pulls a
-# multi-GB CUDA build. The marker file makes reinstall happen only when pyproject.toml changes.
+# torch first, by pip, from its pinned CPU wheel (pip's find-links; uv does not look there): anything
+# depending on torch installed before it pulls a multi-GB CUDA build. pip installs uv beside it; uv
+# installs the rest (and the newest pip, as `pip install --upgrade pip` did), keeping the installed
+# torch, which satisfies torch==2.13.0, and compiling bytecode as pip does; then uv is removed, so
+# the venv holds the same packages a pip-only install gives. The marker file makes reinstall happen
+# only when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet torch==2.13.0 uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode --upgrade-package pip pip -e '.[dev]'
+	$(BIN)/uv pip uninstall --quiet --python $(BIN)/python uv
 	touch $@
 
 demo: install
