@@ -130,14 +130,15 @@ def _same_meta(a: dict, b: dict) -> None:
     assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
 
 
-def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
+def _run_data_steps(root: Path, executor: dict, raw=None, tokenizer_folder: Path | None = None) -> dict:
     """The source (unless `raw` is given), curate, heldout_index, decontaminate and tokenize steps
     of the subset (the index of its own held-out split) with the executor settings `executor`
     (curation's and tokenization's, the tokenizer's and the reasoning traces'), each in its own
     folder, then the tokenizer's training and the builtin reasoning traces; and the ingestion of an uncapped
     `files:` source (`ingest`: three files with duplicate ids across them and bad records,
     tests/tasks/test_sources.py) by 3 read tasks and 3 id buckets, the stages a capped source
-    skips."""
+    skips. The tokenize and reasoning steps use the small BPE at `tokenizer_folder` (default
+    `root`'s sibling `tokenizer`), trained there by the first run that finds none."""
     from pipeline.artifact import Artifact
     from tasks.decontaminate import DecontaminateSpec, decontaminate
     from tasks.heldout_index import HeldoutIndexSpec, heldout_index
@@ -174,7 +175,7 @@ def _run_data_steps(root: Path, executor: dict, raw=None) -> dict:
     spec = DecontaminateSpec.of(curation)
     out["decontaminate"] = decontaminate(spec, cured, index, out=root / "decontaminate", log=quiet)
     cur = Artifact(kind="corpus", uri=str(root / "decontaminate"), fingerprint="e" * 64, meta=out["decontaminate"])
-    tok = _tokenizer(root.parent / "tokenizer", cur)
+    tok = _tokenizer(tokenizer_folder or root.parent / "tokenizer", cur)
     settings = recipe.tokenize.model_copy(update={"tasks": 2, **executor})
     (root / "tokenize").mkdir()
     out["tokenize"] = tokenize(
@@ -205,6 +206,39 @@ def _tokenizer(folder: Path, corpus):
         (folder / "meta.json").write_text(json.dumps(meta))
     meta = json.loads((folder / "meta.json").read_text())
     return Artifact(kind="tokenizer", uri=str(folder), fingerprint="c" * 64, meta=meta)
+
+
+@pytest.fixture(scope="session")
+def local_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The local executor's run of the data steps (`_run_data_steps(..., {executor: local,
+    workers: 1})`), computed once per session and shared, read-only, by the Slurm and Ray tests:
+    (its root, the tokenizer folder every run uses). Under pytest-xdist every worker is its own
+    session: the run lives in the folder the workers share (pytest's numbered session folder),
+    under a file lock, and is finished when its `meta.json` (the steps' metas), written last,
+    exists; a run that died midway is removed and done again. Read its metas with
+    `_reference_meta` (a fresh copy for each test)."""
+    import fcntl
+    import os
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "executors-local-reference"
+    with open(shared / "executors-local-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker runs it; the others wait, then read it
+        if not (root / "meta.json").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            meta = _run_data_steps(
+                root / "local", {"executor": "local", "workers": 1}, tokenizer_folder=root / "tokenizer"
+            )
+            text = json.dumps(meta)
+            assert json.loads(text) == meta  # the metas survive the file unchanged
+            (root / "meta.json").write_text(text)
+    return root / "local", root / "tokenizer"
+
+
+def _reference_meta(local: Path) -> dict:
+    return json.loads((local.parent / "meta.json").read_text())
 
 
 def _assert_same_output(local: Path, other: Path, local_meta: dict, other_meta: dict) -> None:
@@ -242,7 +276,7 @@ def _end_jobs(jobs: set[str], wait_s: float = 120) -> None:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
-def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_slurm, tmp_path):
+def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local_reference, local_slurm, tmp_path):
     """The source, curate, heldout_index, decontaminate and tokenize steps of a subset of tiny (its
     `code` source, 200 documents), and an uncapped `files:` source's read, id and finish stages,
     as sbatch array jobs through datatrove's SlurmPipelineExecutor: the same files
@@ -253,15 +287,17 @@ def test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output(local
     from tasks.curate import CurationConfig
 
     slurm = SlurmExecutorConfig(partition="debug", time="00:20:00", mem_per_cpu_gb=1, poll_seconds=0.5)
-    local = _run_data_steps(tmp_path / "local", {"executor": "local", "workers": 1})
+    local, tok = local_reference
     before = _queued_jobs()
     start = time.monotonic()
     try:
-        on_slurm = _run_data_steps(tmp_path / "slurm", {"executor": "slurm", "workers": 2, "slurm": slurm})
+        on_slurm = _run_data_steps(
+            tmp_path / "slurm", {"executor": "slurm", "workers": 2, "slurm": slurm}, tokenizer_folder=tok
+        )
         seconds = time.monotonic() - start
     finally:  # datatrove's merge_stats jobs (one per stage, after its array) end on their own in
         _end_jobs(_queued_jobs() - before)  # seconds; what is left of this test's jobs is cancelled
-    _assert_same_output(tmp_path / "local", tmp_path / "slurm", local, on_slurm)
+    _assert_same_output(local, tmp_path / "slurm", _reference_meta(local), on_slurm)
     assert identity(CurationConfig(executor="slurm", slurm=slurm, workers=2)) == identity(CurationConfig())
     # each stage was an array job of this cluster: its script and job id are in the step's logs
     scripts = sorted((tmp_path / "slurm").glob("*/logs/*/launch_script.slurm"))
@@ -338,7 +374,9 @@ def ray_head():
 
 
 @pytest.mark.slow
-def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output(ray_head, tmp_path):
+def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output(
+    local_reference, ray_head, tmp_path
+):
     """The ingestion of an uncapped `files:` source (read, id buckets, finish) and the curate and
     tokenize steps of the same subset of tiny on a Ray head that requires a token: refused without `ray.auth: token` (Ray turns token mode on by itself only for a cluster
     it finds on this machine), and with it the same output as the local executor, computed on that
@@ -349,18 +387,20 @@ def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executo
     from pipeline.artifact import Artifact, identity
 
     address, token, head_logs = ray_head
-    local = _run_data_steps(tmp_path / "local", {"executor": "local", "workers": 1})
-    raw = Artifact(
-        kind="corpus", uri=str(tmp_path / "local" / "source"), fingerprint="a" * 64, meta=local.pop("source")
-    )
+    local_root, tok = local_reference
+    local = _reference_meta(local_root)
+    # the local run's source folder, read (never written) by the runs below
+    raw = Artifact(kind="corpus", uri=str(local_root / "source"), fingerprint="a" * 64, meta=local.pop("source"))
     ray = RayExecutorConfig(address=address, cpus_per_task=1, mem_per_cpu_gb=0.25)
     with pytest.raises(ConnectionError, match=rf"ray.address {address}: .*needs ray.auth: token"):
-        _run_data_steps(tmp_path / "refused", {"executor": "ray", "ray": ray}, raw=raw)
+        _run_data_steps(tmp_path / "refused", {"executor": "ray", "ray": ray}, raw=raw, tokenizer_folder=tok)
     ray = ray.model_copy(update={"auth": "token", "token_path": str(token)})
     start = time.monotonic()
-    on_ray = _run_data_steps(tmp_path / "ray", {"executor": "ray", "workers": 2, "ray": ray}, raw=raw)
+    on_ray = _run_data_steps(
+        tmp_path / "ray", {"executor": "ray", "workers": 2, "ray": ray}, raw=raw, tokenizer_folder=tok
+    )
     seconds = time.monotonic() - start
-    _assert_same_output(tmp_path / "local", tmp_path / "ray", local, on_ray)
+    _assert_same_output(local_root, tmp_path / "ray", local, on_ray)
     assert identity(CurationConfig(executor="ray", ray=ray)) == identity(CurationConfig())
     assert list(head_logs.glob(f"python-core-driver-*_{os.getpid()}.log"))  # this process drove the head
     assert "RAY_AUTH_MODE" not in os.environ  # the connection's environment is put back

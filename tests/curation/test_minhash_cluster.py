@@ -214,7 +214,9 @@ def test_the_curate_step_writes_the_same_corpus_as_with_datatrove_cluster(tmp_pa
             train.append((f"u{i}", random_text(rng)))
     held = [("h0", random_text(rng))]
     art = corpus(tmp_path / "in", train, heldout=held, source="toy", shards=3)
-    config = CurationConfig(presets={"toy": "none"}, tasks=3)
+    # the tasks one after another in this process: the worker count is operational (the same
+    # bytes, tests/tasks/test_curate_cores.py), and a pool per stage costs more than this corpus
+    config = CurationConfig(presets={"toy": "none"}, tasks=3, workers=1)
     got = {}
     for name in ("theirs", "mine"):
         if name == "theirs":
