@@ -135,7 +135,7 @@ EXPECTED_SECONDS = {
     "tests/curation/test_executors.py::test_tiny_data_steps_run_as_slurm_jobs_with_the_local_executors_output": 80,
     "tests/trainers/test_parallel.py::test_dp2_x_tp2_matches_dp4_resumes_bit_identically_and_loads_at_another_layout": 78,
     "tests/curation/test_executors.py::test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executors_output": 171,
-    "tests/infra/test_slurm_resilience.py::test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it": 74,
+    "tests/infra/test_slurm_resilience.py::test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it": 47,
     "tests/tasks/test_curate.py::test_data_flow_through_prefect_in_a_worker_thread": 74,
     "tests/model/test_attention.py::test_fused_qkv_under_tensor_parallelism_trains_like_three_matmuls": 21,
     "tests/benchmarks/test_data_scale.py::test_every_component_runs_at_tiny_sizes": 80,

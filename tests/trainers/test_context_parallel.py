@@ -7,7 +7,8 @@ torchrun launches on sequences of several packed documents each (intra-document 
 - HSDP with CP, the published long-context layout's composition (HSDP 12 x 1 x CP 4 x TP 2 in
   configs/smollm3-3b.yaml), as HSDP 2 x 1 x CP 2 over two torchrun "nodes" of two ranks: FSDP2
   over each node's CP pair, replicated across the nodes, trains like CP 1 as well;
-- CP 2 resumed from its own checkpoint ends bit-identical to the uninterrupted run;
+- CP 2 resumed from its own checkpoint ends bit-identical to the uninterrupted run (the CP 2 run
+  of the first bullet, trained once for both);
 - a CP 2 checkpoint loads at another layout (one plain rank) and trains on like CP 2.
 
 The load-balanced shards and the exact masks they need are tested without processes in
@@ -36,6 +37,11 @@ def _close(a: list[float], b: list[float], rel: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b, strict=True))
 
 
+# One pytest-xdist worker runs this module, so its module fixtures (the CP 1 reference, the CP 2 run)
+# are built once, not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("context-parallel")
+
+
 @pytest.fixture(scope="module")
 def cp1(tmp_path_factory):
     """The CP 1 reference (one plain rank), shared by the tests below."""
@@ -48,6 +54,19 @@ def cp1(tmp_path_factory):
     return plan, out
 
 
+@pytest.fixture(scope="module")
+def cp2(cp1, tmp_path_factory):
+    """The uninterrupted CP 2 run (two ranks, no activation checkpointing) and its stderr: the
+    first case of `test_cp_trains_like_cp1` and the run `test_cp2_resumes...` resumes from."""
+    plan, _ = cp1
+    root = tmp_path_factory.mktemp("cp2")
+    out = root / "cp2"
+    proc = run_train(
+        write_spec(root / "cp2.json", plan, out, cp=2, tp=1, activation_checkpointing="none", **STEPS), nproc=2
+    )
+    return out, proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("cp", "tp", "checkpointing", "layout"),
@@ -57,12 +76,17 @@ def cp1(tmp_path_factory):
         (2, 2, "selective", "DP 1 x CP 2 x TP 2 (4 ranks)"),  # composed with TP, recomputing the all-gather
     ],
 )
-def test_cp_trains_like_cp1(cp1, tmp_path, cp, tp, checkpointing, layout):
+def test_cp_trains_like_cp1(cp1, tmp_path, request, cp, tp, checkpointing, layout):
     plan, ref = cp1
-    out = tmp_path / f"cp{cp}"
-    spec = write_spec(tmp_path / "cp.json", plan, out, cp=cp, tp=tp, activation_checkpointing=checkpointing, **STEPS)
-    proc = run_train(spec, nproc=cp * tp)
-    assert f"world {cp * tp} ({layout}), accum 2" in proc.stderr
+    if (cp, tp, checkpointing) == (2, 1, "none"):
+        out, stderr = request.getfixturevalue("cp2")  # this very run, shared with the resume test
+    else:
+        out = tmp_path / f"cp{cp}"
+        spec = write_spec(
+            tmp_path / "cp.json", plan, out, cp=cp, tp=tp, activation_checkpointing=checkpointing, **STEPS
+        )
+        stderr = run_train(spec, nproc=cp * tp).stderr
+    assert f"world {cp * tp} ({layout}), accum 2" in stderr
     assert _close(_losses(out), _losses(ref), 1e-5), (_losses(out), _losses(ref))
     assert _close(_grad_norms(out), _grad_norms(ref), 1e-4), (_grad_norms(out), _grad_norms(ref))
     _weights_close(out, ref)
@@ -84,10 +108,9 @@ def test_hsdp_with_cp_over_two_nodes_trains_like_cp1(cp1, tmp_path):
 
 
 @pytest.mark.slow
-def test_cp2_resumes_bit_identically_and_loads_at_another_layout(cp1, tmp_path):
+def test_cp2_resumes_bit_identically_and_loads_at_another_layout(cp1, cp2, tmp_path):
     plan, _ = cp1
-    cp2 = tmp_path / "cp2"
-    run_train(write_spec(tmp_path / "cp2.json", plan, cp2, cp=2, **STEPS), nproc=2)
+    cp2, _ = cp2  # the uninterrupted CP 2 run, read only: the runs below train in folders of their own
 
     # The same layout, resumed from step 4 in a fresh folder: bit-identical to the uninterrupted run.
     again = tmp_path / "again"

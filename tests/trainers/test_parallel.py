@@ -51,7 +51,7 @@ def _copy_checkpoint(src_out, step: int, dst_out) -> None:
     shutil.copytree(src_out / "checkpoints" / name, dst_out / "checkpoints" / name)
 
 
-# One pytest-xdist worker runs this module, so its module fixture (the DP 4 reference run) is built once,
+# One pytest-xdist worker runs this module, so its module fixtures (the DP 4 and one-rank reference runs) are built once,
 # not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
 pytestmark = pytest.mark.xdist_group("parallel-dp4")
 
@@ -147,18 +147,37 @@ def test_hsdp_over_two_nodes_trains_like_dp4(dp4, tmp_path):
     _weights_close(out, dp4_out)
 
 
+@pytest.fixture(scope="module")
+def plain6(tmp_path_factory):
+    """One rank, 6 steps, synchronous checkpoints every 2, no activation checkpointing: the
+    reference of the checkpointing-modes and async-checkpoint tests, trained once for both; its
+    folder and stderr."""
+    from tests.model.conftest import write_two_source_plan
+
+    root = tmp_path_factory.mktemp("plain6")
+    plan = write_two_source_plan(root / "shards")
+    out = root / "plain"
+    spec = write_spec(
+        root / "plain.json", plan, out, steps=6, checkpoint_interval=2, keep_last=4, activation_checkpointing="none"
+    )
+    return out, run_train(spec).stderr
+
+
 @pytest.mark.slow
-def test_trainer_checkpointing_modes_are_bit_identical_and_auto_picks_what_fits(plan_path, tmp_path):
+def test_trainer_checkpointing_modes_are_bit_identical_and_auto_picks_what_fits(plan_path, tmp_path, plain6):
     from model.config import ModelConfig
     from model.memory import StepShape, estimate
     from tests.trainers.test_pretrain import TINY
 
-    runs = {}
+    runs, stderr = {}, {}
+    runs["none"], stderr["none"] = plain6  # write_spec's 6 steps; keep_last moves neither losses nor weights
+    out = tmp_path / "full"
+    runs["full"] = out
+    stderr["full"] = run_train(
+        write_spec(tmp_path / "full.json", plan_path, out, activation_checkpointing="full")
+    ).stderr
     for mode in ("none", "full"):
-        out = tmp_path / mode
-        proc = run_train(write_spec(tmp_path / f"{mode}.json", plan_path, out, activation_checkpointing=mode))
-        assert f"activation checkpointing {mode} (predicted peak" in proc.stderr
-        runs[mode] = out
+        assert f"activation checkpointing {mode} (predicted peak" in stderr[mode]
     assert _losses(runs["full"]) == _losses(runs["none"])
     assert_same_weights(runs["full"], runs["none"], exact=True)
 
@@ -175,9 +194,8 @@ def test_trainer_checkpointing_modes_are_bit_identical_and_auto_picks_what_fits(
 
 
 @pytest.mark.slow
-def test_async_checkpoints_are_complete_and_resume_bit_identically(plan_path, tmp_path):
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    run_train(write_spec(tmp_path / "sync.json", plan_path, sync, steps=6, checkpoint_interval=2, keep_last=4))
+def test_async_checkpoints_are_complete_and_resume_bit_identically(plan_path, tmp_path, plain6):
+    (sync, _), background = plain6, tmp_path / "async"
     run_train(
         write_spec(
             tmp_path / "async.json", plan_path, background, steps=6, checkpoint_interval=2, keep_last=4,

@@ -98,10 +98,23 @@ def assert_same_weights(a: Path, b: Path, exact: bool = True) -> None:
             torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.fixture(scope="module")
+def clean8(tmp_path_factory) -> Path:
+    """An uninterrupted 8-step run on `plan_path`'s data (the plan's bytes are seeded): the
+    reference of the kill and corrupt-checkpoint tests below, trained once for both. Their
+    `xdist_group` sends them to one pytest-xdist worker, so it is trained once per suite."""
+    from tests.model.conftest import write_two_source_plan
+
+    root = tmp_path_factory.mktemp("clean8")
+    plan = write_two_source_plan(root / "shards")
+    run_train(write_spec(root / "clean.json", plan, root / "clean", steps=8))
+    return root / "clean"
+
+
 @pytest.mark.slow
-def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path):
-    clean = tmp_path / "clean"
-    run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
+@pytest.mark.xdist_group("pretrain-clean8")
+def test_sigkill_mid_stage_then_resume_is_bit_identical(plan_path, tmp_path, clean8):
+    clean = clean8
 
     killed = tmp_path / "killed"
     spec = write_spec(tmp_path / "killed.json", plan_path, killed, steps=8, debug_step_sleep_s=0.5)
@@ -590,11 +603,11 @@ def test_one_trainer_per_stage_folder_and_no_rank_outlives_torchrun(plan_path, t
 
 
 @pytest.mark.slow
-def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(plan_path, tmp_path):
+@pytest.mark.xdist_group("pretrain-clean8")
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_resume_matches_a_clean_run(plan_path, tmp_path, clean8):
     """Bytes flipped in the newest checkpoint's shard (same size): the old size-only check
     resumed from it and died later with NaN; now the trainer resumes from the previous one."""
-    clean = tmp_path / "clean"
-    run_train(write_spec(tmp_path / "clean.json", plan_path, clean, steps=8))
+    clean = clean8
     out = tmp_path / "damaged"
     run_train(write_spec(tmp_path / "six.json", plan_path, out, steps=6, keep_last=3))
     shard = next((out / "checkpoints" / "step_00000006").glob("*.distcp"))

@@ -126,6 +126,11 @@ SAO = SAOConfig(
 )
 
 
+# One pytest-xdist worker runs this module, so its module fixture (the base model and the chat data)
+# is built once, not once per worker that draws one of its tests (CONTRIBUTING.md, Tests).
+pytestmark = pytest.mark.xdist_group("sao-world")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny base model and the chat data's prompts, as input artifacts."""
