@@ -236,16 +236,32 @@ def _code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def build_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name`, made by `make(folder)` once for every worker of the test session, and
+    the one way a session fixture shares an expensive build. Under pytest-xdist every worker is
+    its own session: the folder lives in the one the workers share (pytest's numbered session
+    folder), one worker makes it under a file lock while the others wait, then all reuse it. It
+    is finished when its `BUILT` marker, written after `make` returns, exists; a folder left by a
+    make that died midway is removed and made again. Callers treat it as read-only."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker makes it; the others wait, then reuse it
+        if not (root / "BUILT").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            make(root)
+            (root / "BUILT").write_text("")
+    return root
+
+
 @pytest.fixture(scope="session")
 def built_workspace(tmp_path_factory, prefect_harness) -> Callable[[str], Path]:
     """`built_workspace(name)`: the finished workspace of one real run of the smollm3 flow on the
-    tiny recipe with `BUILDS[name]`, built once per session and never written to afterwards (copy
-    it with `workspace_copy`). Under pytest-xdist every worker is its own session: the build lives
-    in the folder the workers share (pytest's numbered session folder), under a file lock, and is
-    finished when its `BUILT` marker, written last, exists; its folder is named by the fingerprint
-    of the code, the recipe and the overrides, so a build of other code is never reused."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    tiny recipe with `BUILDS[name]`, built once per session (`build_once`) and never written to
+    afterwards (copy it with `workspace_copy`). Its folder is named by the fingerprint of the
+    code, the recipe and the overrides, so a build of other code is never reused."""
     code = _code_fingerprint()
 
     def build(name: str) -> Path:
@@ -253,16 +269,13 @@ def built_workspace(tmp_path_factory, prefect_harness) -> Callable[[str], Path]:
 
         overrides = BUILDS[name]
         key = hashlib.sha256(json.dumps([code, name, overrides]).encode()).hexdigest()[:16]
-        root = shared / f"built-{name}-{key}"
-        done = root / "BUILT"
-        with open(shared / f"built-{name}-{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker builds; the others wait, then reuse
-            if not done.exists():
-                shutil.rmtree(root, ignore_errors=True)  # a build that died midway
-                result = smollm3(overrides=[*overrides, f"workspace={root / 'ws'}"])
-                assert set(result["states"]) == {"completed"}, result
-                done.write_text(json.dumps({"run_id": result["run_id"], "overrides": overrides}))
-        return root / "ws"
+
+        def run(root: Path) -> None:
+            result = smollm3(overrides=[*overrides, f"workspace={root / 'ws'}"])
+            assert set(result["states"]) == {"completed"}, result
+            (root / "run.json").write_text(json.dumps({"run_id": result["run_id"], "overrides": overrides}))
+
+        return build_once(tmp_path_factory, f"built-{name}-{key}", run) / "ws"
 
     return build
 
@@ -279,11 +292,12 @@ def workspace_copy(tmp_path, built_workspace) -> Callable[[str], Path]:
     return lambda name: copy_workspace(built_workspace(name), tmp_path / "ws")
 
 
-def wait_for_deployment(name: str, timeout: float = 120.0) -> None:
+def wait_for_deployment(name: str, timeout: float = 120.0, serve=None) -> None:
     """Until the Prefect API (this process's PREFECT_API_URL) knows deployment `name`, which a
     serve process registers as it starts: asked in this process every 0.5 s. Tests then start the
     run with one `prefect deployment run`, as a user does; retried every second until serve had
-    registered it, each try was a new process importing Prefect (seconds of CPU each)."""
+    registered it, each try was a new process importing Prefect (seconds of CPU each). `serve`
+    (the serve process's `Popen`): fail at once, with its exit code, if it has ended."""
     import time
 
     from prefect.client.orchestration import get_client
@@ -296,6 +310,10 @@ def wait_for_deployment(name: str, timeout: float = 120.0) -> None:
                 client.read_deployment_by_name(name)
                 return
             except ObjectNotFound:
+                if serve is not None and serve.poll() is not None:
+                    raise AssertionError(
+                        f"deployment {name} not registered: serve exited with {serve.returncode}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise AssertionError(f"deployment {name} not registered after {timeout:g} s") from None
             time.sleep(0.5)

@@ -13,6 +13,7 @@ import pytest
 from curation.executors import SlurmExecutorConfig, machine_cores, make_executors, stage_workers
 from curation.stages import plan_stages
 from tasks.curate import CurationConfig, curate
+from tests.conftest import build_once
 
 
 def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
@@ -211,29 +212,17 @@ def _tokenizer(folder: Path, corpus):
 @pytest.fixture(scope="session")
 def local_reference(tmp_path_factory) -> tuple[Path, Path]:
     """The local executor's run of the data steps (`_run_data_steps(..., {executor: local,
-    workers: 1})`), computed once per session and shared, read-only, by the Slurm and Ray tests:
-    (its root, the tokenizer folder every run uses). Under pytest-xdist every worker is its own
-    session: the run lives in the folder the workers share (pytest's numbered session folder),
-    under a file lock, and is finished when its `meta.json` (the steps' metas), written last,
-    exists; a run that died midway is removed and done again. Read its metas with
+    workers: 1})`), computed once per session (`build_once`) and shared, read-only, by the Slurm
+    and Ray tests: (its root, the tokenizer folder every run uses). Read its metas with
     `_reference_meta` (a fresh copy for each test)."""
-    import fcntl
-    import os
-    import shutil
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    root = shared / "executors-local-reference"
-    with open(shared / "executors-local-reference.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker runs it; the others wait, then read it
-        if not (root / "meta.json").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            meta = _run_data_steps(
-                root / "local", {"executor": "local", "workers": 1}, tokenizer_folder=root / "tokenizer"
-            )
-            text = json.dumps(meta)
-            assert json.loads(text) == meta  # the metas survive the file unchanged
-            (root / "meta.json").write_text(text)
+    def run(root: Path) -> None:
+        meta = _run_data_steps(root / "local", {"executor": "local", "workers": 1}, tokenizer_folder=root / "tokenizer")
+        text = json.dumps(meta)
+        assert json.loads(text) == meta  # the metas survive the file unchanged
+        (root / "meta.json").write_text(text)
+
+    root = build_once(tmp_path_factory, "executors-local-reference", run)
     return root / "local", root / "tokenizer"
 
 

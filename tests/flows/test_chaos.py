@@ -163,7 +163,7 @@ class Chaos:
 
     def deploy(self, ws: Path) -> str:
         params = json.dumps({"recipe": "tiny", "overrides": [*CHAOS, f"workspace={ws}"]})
-        wait_for_deployment("smollm3/full", timeout=120)  # serve has registered it
+        wait_for_deployment("smollm3/full", timeout=120, serve=self.serve)  # serve has registered it
         res = self.prefect("deployment", "run", "smollm3/full", "--params", params, check=False)
         assert res.returncode == 0, f"could not start smollm3/full: {res.stdout}\n{res.stderr}"
         return next(ln.split("UUID:")[1].strip() for ln in res.stdout.splitlines() if "UUID:" in ln)

@@ -71,7 +71,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
     watcher = None
     try:
         params = json.dumps({"recipe": "tiny", "overrides": [*TINY_TRAIN, f"workspace={ws}"]})
-        wait_for_deployment("smollm3/full", timeout=90)  # serve has registered it
+        wait_for_deployment("smollm3/full", timeout=90, serve=serve)  # serve has registered it
         res = subprocess.run(
             [PREFECT, "deployment", "run", "smollm3/full", "--params", params], env=env, capture_output=True, text=True
         )

@@ -29,6 +29,7 @@ import pytest
 
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
 from infra.launchers.base import JobRecord, free_port
+from tests.conftest import wait_for_deployment
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import URGENT
 
@@ -323,13 +324,12 @@ def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_s
     import signal as sig
 
     from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
 
     plan = write_plan(tmp_path / "shards")
     script = tmp_path / "served.py"
     script.write_text(SERVED.format(repo=str(REPO)))
-    # the runner asks for scheduled and cancelled runs every second instead of Prefect's 10
-    env = os.environ | {"PREFECT_API_URL": api_url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    # serve's runner asks for scheduled and cancelled runs every second (tests/conftest.py)
+    env = os.environ | {"PREFECT_API_URL": api_url}
     serve = subprocess.Popen(
         [sys.executable, str(script)],
         env=env,
@@ -349,14 +349,9 @@ def test_only_a_prefect_cancellation_cancels_the_job_a_sigterm_leaves_it(local_s
             launch.write_text(config().model_dump_json())
             params = {"spec": str(spec), "out": str(out), "config": str(launch), "pidfile": str(pidfile)}
             params["ws"] = str(tmp_path / "ws")
-            # what `prefect deployment run` does, from this process (no CLI interpreter per try)
-            run, deadline = None, time.monotonic() + 120
-            while run is None and time.monotonic() < deadline and serve.poll() is None:
-                try:  # the deployment appears once serve has registered it
-                    run = str(run_deployment("slurm-stage/slurm-cancel", parameters=params, timeout=0).id)
-                except ObjectNotFound:
-                    time.sleep(0.5)
-            assert run, f"the deployment never appeared (serve exit code {serve.poll()})"
+            wait_for_deployment("slurm-stage/slurm-cancel", serve=serve)  # registered once serve has started
+            # what `prefect deployment run` does, from this process (no CLI interpreter)
+            run = str(run_deployment("slurm-stage/slurm-cancel", parameters=params, timeout=0).id)
             wait_for(lambda out=out: len(jobs_writing(out)) == 1 and len(metric_steps(out)) >= 2, 240, "training")
             (job,) = jobs_writing(out)
             jobs.append(job)
