@@ -630,6 +630,7 @@ class SlurmLauncher(Launcher):
         requeueing = False  # the script said it requeues the job (time limit, preemption)
         failed_since: float | None = None  # when a requeueing job was first seen FAILED
         asked_requeue = False  # the follower asked `scontrol requeue` itself (the job stayed FAILED)
+        restart: int | None = None  # the restart count of the start the log shows last ("[launch] job J (restart N)")
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
             try:
@@ -664,6 +665,8 @@ class SlurmLauncher(Launcher):
                                 requeueing = True
                             elif line.startswith(f"[launch] job {job} "):  # the next start
                                 requeueing = False
+                                if m := re.match(rf"\[launch\] job {job} \(restart (\d+)\)", line):
+                                    restart = int(m.group(1))
                             log(line)
                     if state in REQUEUED_FROM and settling < 3 and self._requeues(job):
                         if state in NODE_LOST and settling == 0:  # seen before it is pending again:
@@ -684,7 +687,7 @@ class SlurmLauncher(Launcher):
                         failed_since = failed_since or time.monotonic()
                         if waited >= window / 2 and not asked_requeue:
                             asked_requeue = True
-                            self._requeue_after_script(job, log)
+                            self._requeue_after_script(job, log, restart)
                     elif state in DONE or state in FAILED:
                         break
                     else:
@@ -825,9 +828,19 @@ class SlurmLauncher(Launcher):
         """Seconds since a requeueing job was first seen FAILED (0 when it is seen so now)."""
         return 0.0 if since is None else time.monotonic() - since
 
-    def _requeue_after_script(self, job: str, log: LogFn) -> None:
+    def _requeue_after_script(self, job: str, log: LogFn, restart: int | None) -> None:
         """Requeue a job that stayed FAILED after its batch script said it requeues it (the time
-        limit's warning or preemption, after the step was saved): the next start resumes there."""
+        limit's warning or preemption, after the step was saved): the next start resumes there.
+        Not when Slurm counts more restarts than `restart`, the start that said it (None: not in
+        the part of the log this launch followed): the script's
+        requeue took and the job only shows FAILED until it is pending again. A second requeue
+        then made restart N+2, which the next start's budget check read as Slurm's own requeue
+        after a node failure (seen once in a serial `make test`)."""
+        shown = self.runner(["scontrol", "show", "job", "-o", job])
+        m = re.search(r"\bRestarts=(\d+)", shown.stdout or "")
+        if m and restart is not None and int(m.group(1)) > restart:
+            log(f"[launch] job {job} shows FAILED but Slurm has requeued it (Restarts={m.group(1)}): not asked again")
+            return
         proc = self.runner(["scontrol", "requeue", job])
         said = ((proc.stderr or "") + (proc.stdout or "")).strip()[:200]
         if proc.returncode == 0:
