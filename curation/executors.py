@@ -196,9 +196,7 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
     os.environ.update(env)
     try:
         if env:  # Ray caches its config (the auth mode among it) per process: read the new mode
-            from ray._raylet import Config
-
-            Config.initialize("")
+            _reload_ray_auth()
         where = settings.address or "Ray's default (RAY_ADDRESS, else this machine)"
         log(f"ray: connecting to {where}" + (" with token authentication" if env else ""))
         try:
@@ -221,10 +219,23 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if env:  # and the mode this process had before
-            from ray._raylet import Config
+        if env:  # and the mode this process had before, without the token it loaded
+            _reload_ray_auth()
 
-            Config.initialize("")
+
+def _reload_ray_auth() -> None:
+    """Make Ray read its auth mode and token again. It caches both per process: its config (the
+    auth mode among it) and the token its loader read. Refreshing the config alone left the token
+    of a cluster with token authentication cached, and a local Ray started later in the same
+    process failed to start its GCS (`InvalidAuthToken`; seen in a serial `make test`). The same
+    two calls, in this order, are what Ray's own tests do between clusters
+    (`ray._private.authentication_test_utils.reset_auth_token_state`)."""
+    import ray._raylet
+
+    ray._raylet.Config.initialize("")
+    loader = getattr(ray._raylet, "AuthenticationTokenLoader", None)  # Ray releases with token auth
+    if loader is not None:
+        loader.instance().reset_cache()
 
 
 def run_executors(config: Any, executors: list, logs: Path, log=print) -> None:

@@ -394,3 +394,26 @@ def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executo
     assert list(head_logs.glob(f"python-core-driver-*_{os.getpid()}.log"))  # this process drove the head
     assert "RAY_AUTH_MODE" not in os.environ  # the connection's environment is put back
     print(f"tiny subset on Ray: curate + tokenize {seconds:.0f} s")  # measured for docs/scale.md
+
+
+def test_leaving_a_cluster_with_token_auth_drops_the_token_ray_loaded(tmp_path, monkeypatch):
+    """Ray caches the token it loaded per process: after a connection to a head with token
+    authentication, a local Ray started in the same process failed to start its GCS
+    (`InvalidAuthToken`; seen when a serial `make test` ran the Ray head test, then the local Ray
+    test). `_reload_ray_auth`, run as `ray_connection` connects and as it ends, makes Ray read
+    the mode and the token again: the token is gone with the environment that named it."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    from curation.executors import _reload_ray_auth
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    token = tmp_path / "token"
+    token.write_text("ab" * 32)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    _reload_ray_auth()
+    assert AuthenticationTokenLoader.instance().has_token()
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    _reload_ray_auth()
+    assert not AuthenticationTokenLoader.instance().has_token()
