@@ -832,10 +832,10 @@ class SlurmLauncher(Launcher):
         """Requeue a job that stayed FAILED after its batch script said it requeues it (the time
         limit's warning or preemption, after the step was saved): the next start resumes there.
         Not when Slurm counts more restarts than `restart`, the start that said it (None: not in
-        the part of the log this launch followed): the script's
-        requeue took and the job only shows FAILED until it is pending again. A second requeue
-        then made restart N+2, which the next start's budget check read as Slurm's own requeue
-        after a node failure (seen once in a serial `make test`)."""
+        the part of the log this launch followed): the script's requeue took and the job only
+        shows FAILED until it is pending again. A second requeue then made restart N+2, which the
+        next start's budget check read as Slurm's own requeue after a node failure (seen once in
+        a serial `make test`)."""
         shown = self.runner(["scontrol", "show", "job", "-o", job])
         m = re.search(r"\bRestarts=(\d+)", shown.stdout or "")
         if m and restart is not None and int(m.group(1)) > restart:
