@@ -2094,15 +2094,9 @@ class Clock:
         self.now += seconds
 
 
-@pytest.mark.parametrize("answered", [True, False])
-def test_a_job_that_stays_failed_after_its_script_requeued_it_is_requeued_by_the_follower(
-    tmp_path, monkeypatch, answered
-):
-    """The batch script said `requeueing` (time limit near) but its `scontrol requeue` never took
-    (a controller too busy to answer it: seen once in CI at load ~6): the job stays FAILED. After
-    half of the follower's window it asks `scontrol requeue` itself, once; the job is pending
-    again, runs, and completes. When that ask fails too, the launch fails once the window ends,
-    naming what scontrol said, and asks no more than once."""
+def _requeueing_job(tmp_path, monkeypatch) -> tuple[Clock, Path]:
+    """(the launcher's clock, the spec) for job 4242 whose log's start (restart 0) said its
+    script requeues it (time limit near); the launcher's time moves only when it sleeps."""
     import infra.launchers.slurm as slurm_module
 
     clock = Clock()
@@ -2112,6 +2106,19 @@ def test_a_job_that_stays_failed_after_its_script_requeued_it_is_requeued_by_the
         "[launch] job 4242 (restart 0) on 1 node(s) vm\n"
         "[launch] time limit near: requeueing 4242; the next start resumes at the saved step\n"
     )
+    return clock, spec
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_job_that_stays_failed_after_its_script_requeued_it_is_requeued_by_the_follower(
+    tmp_path, monkeypatch, answered
+):
+    """The batch script said `requeueing` (time limit near) but its `scontrol requeue` never took
+    (a controller too busy to answer it: seen once in CI at load ~6): the job stays FAILED. After
+    half of the follower's window it asks `scontrol requeue` itself, once; the job is pending
+    again, runs, and completes. When that ask fails too, the launch fails once the window ends,
+    naming what scontrol said, and asks no more than once."""
+    clock, spec = _requeueing_job(tmp_path, monkeypatch)
 
     class StaysFailed(FakeSlurm):
         def requeue(self, cmd):
@@ -2145,15 +2152,7 @@ def test_a_job_shown_failed_after_its_scripts_requeue_took_is_not_requeued_again
     window: the follower does not ask again. Asking again made restart 2, which the next start's
     budget check reported as Slurm's own requeue after a node failure (seen in a serial
     `make test`). The job is pending again, runs and completes with no requeue asked here."""
-    import infra.launchers.slurm as slurm_module
-
-    clock = Clock()
-    monkeypatch.setattr(slurm_module, "time", clock)
-    spec = write_spec(tmp_path / "spec.json", tmp_path / "plan.json", tmp_path)
-    (tmp_path / "slurm-4242.log").write_text(
-        "[launch] job 4242 (restart 0) on 1 node(s) vm\n"
-        "[launch] time limit near: requeueing 4242; the next start resumes at the saved step\n"
-    )
+    clock, spec = _requeueing_job(tmp_path, monkeypatch)
     asked: list[float] = []
 
     class RequeuedShownFailed(FakeSlurm):
