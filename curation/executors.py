@@ -66,6 +66,9 @@ class RayExecutorConfig(BaseModel):
     runtime_env: dict[str, Any] = {}
     cpus_per_task: int = Field(default=1, gt=0)  # CPUs reserved per datatrove task
     mem_per_cpu_gb: float = Field(default=2.0, gt=0)  # memory reserved per CPU
+    # a task still running after this long is killed and run again (as Slurm's `time` ends a job)
+    time_limit_s: float = Field(default=24 * 3600.0, gt=0)
+    retries: int = Field(default=3, ge=0)  # reruns of a task killed by its limit or lost with its worker
 
 
 def machine_cores() -> int:
@@ -130,9 +133,9 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
                 depends=previous,
             )
         else:
-            from datatrove.executor import RayPipelineExecutor
+            from curation.ray_stage import RayStage
 
-            ex = RayPipelineExecutor(
+            ex = RayStage(
                 pipeline,
                 tasks=tasks,
                 workers=workers,
@@ -140,7 +143,9 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
                 depends=previous,
                 cpus_per_task=config.ray.cpus_per_task,
                 mem_per_cpu_gb=config.ray.mem_per_cpu_gb,
+                time=config.ray.time_limit_s,
             )
+            ex.retries = config.ray.retries
         executors.append(ex)
         previous = ex
     return executors
@@ -192,7 +197,9 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
         yield
         return
     env = ray_auth_env(settings)
-    saved = {k: os.environ.get(k) for k in env}
+    # all of Ray's environment, not only what is set here: a local instance that `ray.init`
+    # starts turns token authentication on by itself and leaves RAY_AUTH_MODE=token behind
+    saved = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
     os.environ.update(env)
     try:
         if env:  # Ray caches its config (the auth mode among it) per process: read the new mode
@@ -214,12 +221,11 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
         finally:
             ray.shutdown()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if env:  # and the mode this process had before, without the token it loaded
+        changed = {k: v for k, v in os.environ.items() if k.startswith("RAY_")} != saved
+        for key in [k for k in os.environ if k.startswith("RAY_")]:
+            del os.environ[key]
+        os.environ.update(saved)
+        if changed:  # and the mode this process had before, without the token it loaded
             _reload_ray_auth()
 
 
@@ -247,15 +253,7 @@ def run_executors(config: Any, executors: list, logs: Path, log=print) -> None:
     if config.executor == "ray":
         with ray_connection(config.ray, log):
             for ex in executors:  # stage by stage: a stage with failed tasks stops the chain here
-                ex.run()  # (datatrove's next stage would wait for them forever)
-                missing = ex.get_incomplete_ranks()
-                if missing:
-                    name = Path(ex.logging_dir.path).name
-                    raise RuntimeError(
-                        f"datatrove stage {name!r} on Ray: {len(missing)} of {ex.world_size} tasks did not "
-                        f"finish (ranks {missing[:10]}); see {ex.logging_dir.path}/logs, fix the cause "
-                        "and rerun (finished tasks are skipped)"
-                    )
+                ex.run(log)
         return
     executors[-1].run()  # launches its dependencies first (slurm: sbatch with afterok)
     from infra.launchers.slurm import wait_for_datatrove

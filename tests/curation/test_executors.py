@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from curation.executors import SlurmExecutorConfig, machine_cores, make_executors, stage_workers
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, machine_cores, make_executors, stage_workers
 from curation.stages import plan_stages
 from tasks.curate import CurationConfig, curate
 from tests.conftest import build_once
@@ -25,9 +25,11 @@ def test_slurm_and_ray_executors_are_constructed_and_chained(tmp_path):
     assert [type(e).__name__ for e in ex] == ["SlurmPipelineExecutor"] * len(stages)
     assert ex[0].partition == "cpu" and ex[0].tasks == 4 and ex[0].depends is None
     assert all(b.depends is a for a, b in zip(ex, ex[1:], strict=False))
-    ray = CurationConfig(executor="ray", tasks=4, workers=2)
+    ray = CurationConfig(executor="ray", tasks=4, workers=2, ray=RayExecutorConfig(time_limit_s=600, retries=1))
     ex = make_executors(ray, stages, tmp_path / "logs")
-    assert [type(e).__name__ for e in ex] == ["RayPipelineExecutor"] * len(stages)
+    assert [type(e).__name__ for e in ex] == ["RayStage"] * len(stages)  # datatrove's, with our run loop
+    assert (ex[0].time, ex[0].retries, ex[0].workers, ex[0].depends) == (600, 1, 2, None)
+    assert all(b.depends is a for a, b in zip(ex, ex[1:], strict=False))
     with pytest.raises(ValueError, match="curation.slurm is not set"):
         make_executors(CurationConfig(executor="slurm"), stages, tmp_path / "logs")
 
@@ -352,6 +354,14 @@ def ray_head():
             time.sleep(0.5)
         yield f"127.0.0.1:{gcs}", token, root / "r" / "session_latest" / "logs"
     finally:
+        # what the head's processes logged as errors, shown with the test's output if it fails
+        # (the folder is removed below): a stage that waits forever says why here
+        for path in sorted((root / "r" / "session_latest" / "logs").glob("*")):
+            if path.suffix in {".err", ".out", ".log"} and path.is_file():
+                text = path.read_text(errors="replace").splitlines()
+                errors = [line for line in text if " E " in line or "Error" in line or "Traceback" in line]
+                if errors:
+                    print(f"ray head {path.name}:", *errors[-15:], sep="\n  ")
         head.terminate()
         try:
             head.wait(60)
