@@ -78,9 +78,10 @@ def test_token_type_follows_vocabulary_size_as_datatrove_decides(tmp_path):
 
 def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     """The recipe's tokenize section selects datatrove's executor like curation does."""
-    from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+    from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 
     from curation.executors import SlurmExecutorConfig, make_executors
+    from curation.ray_stage import RayStage
     from tasks.tokenize import TokenizeConfig
 
     stages = [("tokenize", [], 4)]
@@ -92,7 +93,7 @@ def test_tokenization_can_run_on_datatrove_slurm_or_ray_executors(tmp_path):
     assert [type(e[0]) for e in (local, slurm, ray)] == [
         LocalPipelineExecutor,
         SlurmPipelineExecutor,
-        RayPipelineExecutor,
+        RayStage,  # datatrove's RayPipelineExecutor with our run loop
     ]
     assert slurm[0].partition == "cpu" and slurm[0].tasks == 4
     with pytest.raises(ValueError, match="tokenize.executor is slurm but tokenize.slurm is not set"):
