@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,15 @@ from datatrove.executor import RayPipelineExecutor
 from datatrove.utils.stats import PipelineStats
 
 
-def _run_rank(executor: Any, rank: int, attempt: int) -> None:
+def _run_rank(executor: Any, rank: int, marker: str) -> None:
     """One datatrove task in a Ray worker (the remote function of `RayStage`). It first leaves
-    `started/{rank}.{attempt}` in the stage's logging folder: the driver starts the task's clock
-    when it sees it, so a worker slow to start on a loaded node does not eat the time limit."""
+    `marker`, `started/{rank}.{run}.{attempt}`, in the stage's logging folder (`run` is new for
+    each `RayStage.run`, so a rerun of the step never finds an old one): the driver starts the
+    task's clock when it sees it, so a worker slow to start on a loaded node does not eat the
+    time limit."""
     import socket
 
-    with executor.logging_dir.open(f"started/{rank:05d}.{attempt}", "w") as f:
+    with executor.logging_dir.open(marker, "w") as f:
         f.write(socket.gethostname())
     executor._run_for_rank(rank)
 
@@ -66,6 +69,11 @@ class RayStage(RayPipelineExecutor):
         waiting = list(todo)
         running: dict = {}  # ref -> (rank, when its worker began it, or None before that)
         attempts = dict.fromkeys(todo, 0)
+        run_id = uuid.uuid4().hex[:8]
+
+        def marker(rank: int) -> str:
+            return f"started/{rank:05d}.{run_id}.{attempts[rank]}"
+
         killed: set = set()  # refs cancelled for their time limit
         failed: dict[int, str] = {}
         done = 0
@@ -75,7 +83,7 @@ class RayStage(RayPipelineExecutor):
                 while waiting and len(running) < self.workers:
                     rank = waiting.pop(0)
                     attempts[rank] += 1
-                    running[remote.remote(executor, rank, attempts[rank])] = (rank, None)
+                    running[remote.remote(executor, rank, marker(rank))] = (rank, None)
                 finished, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
                 for ref in finished:
                     rank, _ = running.pop(ref)
@@ -104,7 +112,7 @@ class RayStage(RayPipelineExecutor):
                 now = time.monotonic()
                 for ref, (rank, started) in running.items():
                     if started is None:
-                        if self.logging_dir.exists(f"started/{rank:05d}.{attempts[rank]}"):
+                        if self.logging_dir.exists(marker(rank)):
                             running[ref] = (rank, now)
                     elif self.time and now - started > self.time and ref not in killed:
                         killed.add(ref)
