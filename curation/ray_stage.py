@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,18 @@ class RayStage(RayPipelineExecutor):
     ways to wait forever or crash on a cluster: a failed submission (an actor that dies while it
     starts) is never reported to the wait loop, which then polls forever; a task past its `time`
     is killed and the loop then fails with a `KeyError`; and a fork of a multithreaded process
-    (the Ray worker) can deadlock in the child. A stage on a Ray head waited 20 minutes in that loop in CI's run of the
-    suite (which of these it was is not known: the head's logs were gone).
+    (the Ray worker) can deadlock in the child. A stage on a Ray head waited 20 minutes in that
+    loop in CI's run of the suite (which of these it was is not known: the head's logs were gone).
 
-    Here each incomplete rank is one Ray task (`num_cpus`, `memory` as datatrove asks, a
-    fresh worker process per task: `max_calls=1`), at most `workers` at once. A task running
-    longer than `time` seconds (counted from when its worker began it, within the loop's 5 s
-    poll) is cancelled (its worker killed) and run again, as is one lost
-    with its worker (node loss), up to `retries` times; an exception in the pipeline is not
-    retried (the same input fails the same way). The stage raises naming every rank that did
-    not finish and why, and where its task logs are; progress is logged once a minute."""
+    Here each incomplete rank is one Ray task (`num_cpus`, `memory` as datatrove asks; Ray
+    reuses the job's worker processes across tasks, as datatrove's local executor reuses its
+    pool's), at most `workers` at once. A task running longer
+    than `time` seconds (counted from when its worker began it, within the loop's 5 s poll) is
+    cancelled (its worker killed) and run again, as is one lost with its worker (node loss), up to
+    `retries` times; an exception in the pipeline is not retried (the same input fails the same
+    way). The stage raises naming every rank that did not finish and why, and where its task logs
+    are (a killed task leaves none: datatrove copies a Ray task's log when it ends); progress is
+    logged once a minute."""
 
     retries: int = 3
     progress_every_s: float = 60.0
@@ -62,11 +65,11 @@ class RayStage(RayPipelineExecutor):
         self.save_executor_as_json()
         executor = ray.put(self)
         memory = int(self.mem_per_cpu_gb * self.cpus_per_task * 1024**3)
-        remote = ray.remote(
-            num_cpus=self.cpus_per_task, num_gpus=self.gpus_per_task, memory=memory, max_calls=1, max_retries=0
-        )(_run_rank)
+        remote = ray.remote(num_cpus=self.cpus_per_task, num_gpus=self.gpus_per_task, memory=memory, max_retries=0)(
+            _run_rank
+        )
         log(f"ray: stage {name}: {len(todo)} of {self.world_size} tasks to run, {self.workers} at once")
-        waiting = list(todo)
+        waiting = deque(todo)
         running: dict = {}  # ref -> (rank, when its worker began it, or None before that)
         attempts = dict.fromkeys(todo, 0)
         run_id = uuid.uuid4().hex[:8]
@@ -81,7 +84,7 @@ class RayStage(RayPipelineExecutor):
         try:
             while waiting or running:
                 while waiting and len(running) < self.workers:
-                    rank = waiting.pop(0)
+                    rank = waiting.popleft()
                     attempts[rank] += 1
                     running[remote.remote(executor, rank, marker(rank))] = (rank, None)
                 finished, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
