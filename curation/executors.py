@@ -11,10 +11,10 @@ settings; the number of datatrove tasks is not (it sets the output shards) and i
   jobs unpickle the pipeline with the code that built it (both on the cluster's shared file system).
 - Ray: the step connects with `ray.init(address=ray.address)` before the first stage and
   disconnects after the last; each stage runs through `curation/ray_stage.py`'s loop (one Ray
-  task per rank, a time limit with kill and rerun, failures named per task). A head with token authentication (Ray 2.5x and later:
-  `RAY_AUTH_MODE=token`) is reached with `ray.auth: token`: the token is read from
-  `ray.token_path`, else `RAY_AUTH_TOKEN` or `RAY_AUTH_TOKEN_PATH` of the step's environment, else
-  `~/.ray/auth_token`; the recipe never holds the token itself. Ray enables token mode on its
+  task per rank, a time limit with kill and rerun, failures named per task). A head with token
+  authentication (Ray 2.5x and later: `RAY_AUTH_MODE=token`) is reached with `ray.auth: token`:
+  the token is read from `ray.token_path`, else `RAY_AUTH_TOKEN` or `RAY_AUTH_TOKEN_PATH` of the
+  step's environment, else `~/.ray/auth_token`; the recipe never holds the token itself. Ray enables token mode on its
   own only for a cluster it finds on this machine, never for an explicit address, so without
   `auth: token` a driver is refused by such a head.
 """
