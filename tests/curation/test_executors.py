@@ -390,7 +390,9 @@ def test_tiny_curation_runs_on_a_ray_head_with_token_auth_with_the_local_executo
     local = _reference_meta(local_root)
     # the local run's source folder, read (never written) by the runs below
     raw = Artifact(kind="corpus", uri=str(local_root / "source"), fingerprint="a" * 64, meta=local.pop("source"))
-    ray = RayExecutorConfig(address=address, cpus_per_task=1, mem_per_cpu_gb=0.25)
+    # a task that hangs (as one did in CI under datatrove's loop) is killed and rerun long before
+    # pytest's timeout; a normal one takes seconds
+    ray = RayExecutorConfig(address=address, cpus_per_task=1, mem_per_cpu_gb=0.25, time_limit_s=240)
     with pytest.raises(ConnectionError, match=rf"ray.address {address}: .*needs ray.auth: token"):
         _run_data_steps(tmp_path / "refused", {"executor": "ray", "ray": ray}, raw=raw, tokenizer_folder=tok)
     ray = ray.model_copy(update={"auth": "token", "token_path": str(token)})
