@@ -145,8 +145,8 @@ def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path)
                 cpus_per_task=config.ray.cpus_per_task,
                 mem_per_cpu_gb=config.ray.mem_per_cpu_gb,
                 time=config.ray.time_limit_s,
+                retries=config.ray.retries,
             )
-            ex.retries = config.ray.retries
         executors.append(ex)
         previous = ex
     return executors
@@ -198,11 +198,8 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
         yield
         return
     env = ray_auth_env(settings)
-    # all of Ray's environment, not only what is set here: a local instance that `ray.init`
-    # starts turns token authentication on by itself and leaves RAY_AUTH_MODE=token behind
-    saved = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
-    os.environ.update(env)
-    try:
+    with ray_environment():
+        os.environ.update(env)
         if env:  # Ray caches its config (the auth mode among it) per process: read the new mode
             _reload_ray_auth()
         where = settings.address or "Ray's default (RAY_ADDRESS, else this machine)"
@@ -221,12 +218,23 @@ def ray_connection(settings: RayExecutorConfig, log=print) -> Iterator[None]:
             yield
         finally:
             ray.shutdown()
+
+
+@contextmanager
+def ray_environment() -> Iterator[None]:
+    """Ray's environment (`RAY_*`) as it was before the block, and Ray's cached auth settings
+    read again if the block changed it: not only what a connection sets, since a local instance
+    that `ray.init` starts turns token authentication on by itself and leaves
+    RAY_AUTH_MODE=token behind."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
+    try:
+        yield
     finally:
         changed = {k: v for k, v in os.environ.items() if k.startswith("RAY_")} != saved
         for key in [k for k in os.environ if k.startswith("RAY_")]:
             del os.environ[key]
         os.environ.update(saved)
-        if changed:  # and the mode this process had before, without the token it loaded
+        if changed:  # the mode this process had before, without the token it loaded
             _reload_ray_auth()
 
 

@@ -48,8 +48,11 @@ class RayStage(RayPipelineExecutor):
     are (a killed task leaves none: datatrove copies a Ray task's log when it ends); progress is
     logged once a minute."""
 
-    retries: int = 3
     progress_every_s: float = 60.0
+
+    def __init__(self, *args, retries: int = 3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.retries = retries
 
     def run(self, log=print) -> None:  # noqa: C901  (one loop: submit, wait, time out, retry)
         import ray
