@@ -630,6 +630,7 @@ class SlurmLauncher(Launcher):
         requeueing = False  # the script said it requeues the job (time limit, preemption)
         failed_since: float | None = None  # when a requeueing job was first seen FAILED
         asked_requeue = False  # the follower asked `scontrol requeue` itself (the job stayed FAILED)
+        requeued_as: str | None = None  # Slurm's restart count when it had requeued a job shown FAILED
         restart: int | None = None  # the restart count of the start the log shows last ("[launch] job J (restart N)")
         excluded_from = 0  # lost_nodes[:excluded_from] are excluded from the job already
         with following(f"Slurm job {job}", lambda: self.runner(["scancel", job])) as handle:
@@ -687,13 +688,13 @@ class SlurmLauncher(Launcher):
                         failed_since = failed_since or time.monotonic()
                         if waited >= window / 2 and not asked_requeue:
                             asked_requeue = True
-                            self._requeue_after_script(job, log, restart)
+                            requeued_as = self._requeue_after_script(job, log, restart)
                     elif state in DONE or state in FAILED:
                         break
                     else:
                         settling, failed_since = 0, None
                         if state != "UNKNOWN" and state not in FAILED:
-                            asked_requeue = False  # a later stop may need it again
+                            asked_requeue, requeued_as = False, None  # a later stop may need it again
                         if state == "PENDING" and len(lost_nodes) > excluded_from:
                             # requeued in place after a node failure (often seen only as PENDING
                             # again): keep the job off the nodes its log says failed
@@ -737,7 +738,14 @@ class SlurmLauncher(Launcher):
             if state in NODE_LOST and facts.node is None:  # the job's log and Slurm's node states name them
                 facts = self._lost_nodes(job, facts, lost_nodes)
             facts = exclude_node(workdir, facts, self.config.max_excluded_nodes, log)
-            raise LaunchFailed(f"Slurm job {job} ended {state} (exit {code}); log {logfile}", tail, first.line, facts)
+            why = f"Slurm job {job} ended {state} (exit {code}); log {logfile}"
+            if requeueing and requeued_as is not None:
+                why += (
+                    f"; Slurm had requeued it (Restarts={requeued_as}) after its script saved the step, but the "
+                    "next start never ran: slurmctld's log for the job says why (a requeued job released "
+                    "before its hold ends is refused as `Job credential revoked`)"
+                )
+            raise LaunchFailed(why, tail, first.line, facts)
         log(f"[launch] Slurm job {job} completed")
 
     def _check_tag(self, job: str, tag: str, record: Path) -> None:
@@ -828,19 +836,22 @@ class SlurmLauncher(Launcher):
         """Seconds since a requeueing job was first seen FAILED (0 when it is seen so now)."""
         return 0.0 if since is None else time.monotonic() - since
 
-    def _requeue_after_script(self, job: str, log: LogFn, restart: int | None) -> None:
+    def _requeue_after_script(self, job: str, log: LogFn, restart: int | None) -> str | None:
         """Requeue a job that stayed FAILED after its batch script said it requeues it (the time
         limit's warning or preemption, after the step was saved): the next start resumes there.
         Not when Slurm counts more restarts than `restart`, the start that said it (None: not in
         the part of the log this launch followed): the script's requeue took and the job only
         shows FAILED until it is pending again. A second requeue then made restart N+2, which the
         next start's budget check read as Slurm's own requeue after a node failure (seen once in
-        a serial `make test`)."""
+        a serial `make test`: that start had been released by the test before its hold ended and
+        slurmd refused it, `Job credential revoked`, so the job stayed FAILED). Returns Slurm's
+        restart count in that case (the launch's error then says the next start never ran),
+        else None."""
         shown = self.runner(["scontrol", "show", "job", "-o", job])
         m = re.search(r"\bRestarts=(\d+)", shown.stdout or "")
         if m and restart is not None and int(m.group(1)) > restart:
             log(f"[launch] job {job} shows FAILED but Slurm has requeued it (Restarts={m.group(1)}): not asked again")
-            return
+            return m.group(1)
         proc = self.runner(["scontrol", "requeue", job])
         said = ((proc.stderr or "") + (proc.stdout or "")).strip()[:200]
         if proc.returncode == 0:
@@ -849,6 +860,7 @@ class SlurmLauncher(Launcher):
             log(
                 f"[launch] job {job} stayed FAILED after its script asked for a requeue; `scontrol requeue` here failed: {said}"
             )
+        return None
 
     def _requeues(self, job: str) -> bool:
         """Whether Slurm requeues this job by itself after preemption or a node failure."""

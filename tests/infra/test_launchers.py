@@ -2173,3 +2173,31 @@ def test_a_job_shown_failed_after_its_scripts_requeue_took_is_not_requeued_again
     assert lines[-1] == "[launch] Slurm job 4242 completed", lines
     assert asked == []
     assert "[launch] job 4242 shows FAILED but Slurm has requeued it (Restarts=1): not asked again" in lines
+
+
+def test_a_requeued_job_whose_next_start_never_ran_fails_saying_so(tmp_path, monkeypatch):
+    """Slurm requeued the job (Restarts=1) after its script saved the step, but the next start was
+    refused and the job stays FAILED for good (slurmd refuses a start released before the requeue's
+    hold ends: `Job credential revoked`, seen on the real cluster). The follower asks no second
+    requeue, follows for its whole window, then fails saying the next start never ran."""
+    clock, spec = _requeueing_job(tmp_path, monkeypatch)
+    asked: list[float] = []
+
+    class RefusedStart(FakeSlurm):
+        def __call__(self, cmd, input=None):
+            out = super().__call__(cmd, input)
+            if cmd[:3] == ["scontrol", "show", "job"]:
+                out = done(out.stdout.rstrip("\n") + " Restarts=1\n")
+            return out
+
+        def requeue(self, cmd):
+            asked.append(clock.now)
+            return done()
+
+    fake = RefusedStart(tmp_path, ["RUNNING"] + ["FAILED"] * 1000)
+    config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"poll_seconds": 1.0})})
+    lines: list[str] = []
+    with pytest.raises(LaunchFailed, match=r"ended FAILED.*Restarts=1.*next start never ran.*credential revoked"):
+        SlurmLauncher(config, runner=fake, sleep=clock.sleep).launch(spec, tmp_path, lines.append)
+    assert asked == []
+    assert clock.now - 1000.0 >= 120.0  # followed for the whole window before failing

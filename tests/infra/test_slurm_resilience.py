@@ -138,15 +138,26 @@ def launch_in_thread(launcher, spec: Path, out: Path):
 def requeue_without_delay(out: Path):
     """Slurm holds a requeued batch job for about two minutes (PENDING, Reason=BeginTime) before it
     may start again: the clock, not the behaviour under test. While the block runs, every job
-    writing to `out` that waits only for that begin time is made eligible at once, from outside,
-    as an operator would with `scontrol update JobId=... StartTime=now`."""
+    writing to `out` that waits only for that begin time is made eligible, from outside, as an
+    operator would with `scontrol update JobId=... StartTime=now`.
+
+    Not in the second the job was requeued: the hold is how long slurmd remembers that it revoked
+    the killed start's credential (`AuthInfo=cred_expire`, 120 s), and a new start whose credential
+    is dated the second of the revocation is refused ("Killing non-startable batch JobId=1: Job
+    credential revoked" in slurmctld's log, "Job 1 already killed, do not launch batch job" in
+    slurmd's): the job then ends FAILED and never runs (seen here on a quiet machine; CI's failure on
+    stop 46 looked the same). Released 3 s after it is first seen held, the new credential is dated
+    at least two seconds after the revocation."""
     stop = threading.Event()
+    held_since: dict[str, float] = {}
 
     def release() -> None:
         while not stop.wait(0.5):
             for job in jobs_writing(out):
                 info = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-                if "JobState=PENDING" in info and "Reason=BeginTime" in info:
+                if "JobState=PENDING" not in info or "Reason=BeginTime" not in info:
+                    held_since.pop(job, None)
+                elif time.monotonic() - held_since.setdefault(job, time.monotonic()) >= 3.0:
                     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
 
     thread = threading.Thread(target=release, daemon=True)
@@ -156,6 +167,29 @@ def requeue_without_delay(out: Path):
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+def explain(errors: list[BaseException], lines: list[str], out: Path, local_slurm: Path) -> str:
+    """What a failed wait for a requeued job shows: the follower's error and last lines, what
+    Slurm says of the job now, and the controller's and node daemon's log lines about it (pytest
+    would cut a repr of these to a few hundred characters; the cluster's logs are deleted at the
+    end of the session)."""
+    jobs = jobs_writing(out)
+    shown = [
+        subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
+        for job in jobs
+    ]
+    daemon_lines = []
+    for name in ("slurmctld.log", "slurmd.log"):
+        path = local_slurm.parent / "log" / name
+        text = path.read_text(errors="replace") if path.exists() else ""
+        about = [ln for ln in text.splitlines() if any(f"JobId={j}" in ln or f"job {j}" in ln for j in jobs)]
+        daemon_lines.append(f"--- {name} about jobs {jobs} (last 60 lines):\n" + "\n".join(about[-60:]))
+    return "\n".join(
+        ["errors: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors), "--- follower's last 40 lines:"]
+        + lines[-40:]
+        + ["--- scontrol show job:", *shown, *daemon_lines, cluster_state()]
+    )
 
 
 def assert_lost_no_step(out: Path, steps: int, stops: list[int], loss: float) -> None:
@@ -185,7 +219,7 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
     ).stdout.strip()
     with requeue_without_delay(out):
         thread.join(timeout=400)
-    assert not thread.is_alive() and not errors, (errors, lines[-40:])
+    assert not thread.is_alive() and not errors, explain(errors, lines, out, local_slurm)
     text = "\n".join(lines)
     stops = [int(s) for s in re.findall(r"stopped on SIGTERM after step (\d+)", text)]
     assert len(stops) == 1, lines[-60:]  # the preemption: one stop, one requeue
@@ -221,7 +255,7 @@ def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
     with requeue_without_delay(out):
         thread.join(timeout=400)
-    assert not thread.is_alive() and not errors, (errors, lines[-40:])
+    assert not thread.is_alive() and not errors, explain(errors, lines, out, local_slurm)
     text = "\n".join(lines)
     stops = [int(s) for s in re.findall(r"stopped on SIGUSR1 after step (\d+)", text)]
     assert len(stops) == 1, lines[-60:]  # one warning, one save, one requeue
