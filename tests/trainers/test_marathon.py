@@ -316,7 +316,13 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     began = throttle["step"]
     rows = metrics(out)
     seen = [(m["step"], round(m["tokens_per_s"]), m.get("rank_local_s")) for m in rows]
-    why = (throttle["t"].how, began, flags, seen)
+    # a string, not a tuple: pytest cuts the repr of a tuple message to a few hundred characters
+    why = "\n".join(
+        [f"throttle: {throttle['t'].how}, after step {began}", "flags:"]
+        + [json.dumps(e) for e in flags]
+        + ["(step, tokens/s, rank local s):"]
+        + [str(row) for row in seen]
+    )
     stragglers = [e for e in flags if e["kind"] == "straggler"]
     rank1 = [e for e in flags if e["kind"] in ("straggler", "straggler_cleared") and e["rank"] == 1]
     named = [e for e in rank1 if e["kind"] == "straggler" and e["step"] > began]
@@ -327,15 +333,25 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     if not [e for e in stragglers if e["step"] <= began]:  # the cores made no straggler of their own
         assert stragglers[0]["rank"] == 1 and stragglers[0]["step"] > began, why
     drops = [e for e in flags if e["kind"] == "throughput_drop"]
-    assert drops and drops[0]["began_at"] - began <= 3, why
-    # The throttle starts while the step after the one seen is under way; an earlier date is the
-    # load's own fall: the lines from it to the throttle are below the threshold taken together
-    # (tokens over seconds). (On a loaded machine the throttled rate can recover and fall again:
-    # a second flag is then right too.)
+    assert drops, why
+
+    def rate(first: int, last: int) -> float:
+        """Tokens/s of the steps first..last taken together (tokens over seconds; one step's
+        tokens each)."""
+        steps = [m for m in rows if first <= m["step"] <= last]
+        return len(steps) / sum(1 / m["tokens_per_s"] for m in steps)
+
+    # The throttle starts while the step after the one seen is under way, and the drop is dated
+    # within 3 steps of it. An earlier date is the load's own fall: the lines from it to the
+    # throttle are below the threshold taken together. A later one is a throttle that did not yet
+    # show on a loaded machine (its cores already shared out): the lines from the throttle to
+    # that date are not below the threshold taken together (seen once in a full `make test`: a
+    # drop dated 5 steps after the throttle). (On a loaded machine the throttled rate can recover
+    # and fall again: a second flag is then right too.)
     if drops[0]["began_at"] < began - 1:
-        fell = [m for m in rows if drops[0]["began_at"] <= m["step"] <= began]
-        rate = len(fell) / sum(1 / m["tokens_per_s"] for m in fell)  # one step's tokens each
-        assert rate < drops[0]["threshold"], why
+        assert rate(drops[0]["began_at"], began) < drops[0]["threshold"], why
+    if drops[0]["began_at"] > began + 3:
+        assert rate(began + 1, drops[0]["began_at"] - 1) >= drops[0]["threshold"], why
     reference = next(e for e in flags if e["kind"] == "throughput_reference")
     # 70% of the launch's reference at the machine's pace (1: as fast as while it was measured)
     assert reference["step"] <= 12 and 0 < drops[0]["pace"] <= 1
