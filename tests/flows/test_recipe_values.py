@@ -76,9 +76,9 @@ HOSTILE = [
 
 @pytest.mark.parametrize("override, field", HOSTILE, ids=[f"{f}:{i}" for i, (_, f) in enumerate(HOSTILE)])
 def test_a_hostile_value_is_refused_naming_the_field(override, field, capsys):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     code = main(["recipe", "tiny", override])
-    took = time.perf_counter() - start
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("smollm3 recipe: error: ")
@@ -86,7 +86,10 @@ def test_a_hostile_value_is_refused_naming_the_field(override, field, capsys):
     assert "Traceback" not in err
     assert "pwned" not in err  # the value itself is never echoed
     assert all(ch == "\n" or ch.isprintable() for ch in err)  # nor a control character (a key is escaped)
-    assert took < 1.0, f"{took:.2f} s"
+    # No value costs work out of proportion: this process's CPU time is the measure (a full
+    # `make test` loads the cores, and 1.34 s of wall time was seen for one refusal there);
+    # the wall time only bounds a value that would block instead
+    assert cpu < 1.0 and took < 10.0, f"{cpu:.2f} s of CPU, {took:.2f} s in all"
 
 
 def test_the_values_around_the_bounds_are_accepted(capsys):
