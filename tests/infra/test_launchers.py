@@ -2146,12 +2146,16 @@ def test_a_job_that_stays_failed_after_its_script_requeued_it_is_requeued_by_the
     assert 60.0 <= asked_at[0] - 1000.0 <= 63.0  # half the window (120 s) after FAILED was first seen
 
 
-def test_a_job_shown_failed_after_its_scripts_requeue_took_is_not_requeued_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("starts_again", [True, False])
+def test_a_job_shown_failed_after_its_scripts_requeue_took_is_not_requeued_again(tmp_path, monkeypatch, starts_again):
     """The batch script's `scontrol requeue` took (Slurm counts Restarts=1, more than the start
     that said `requeueing`, restart 0) but the job still shows FAILED past half the follower's
     window: the follower does not ask again. Asking again made restart 2, which the next start's
     budget check reported as Slurm's own requeue after a node failure (seen in a serial
-    `make test`). The job is pending again, runs and completes with no requeue asked here."""
+    `make test`). Either the job is pending again, runs and completes with no requeue asked here;
+    or its next start was refused and it stays FAILED for good (slurmd refuses a start released
+    before the requeue's hold ends, `Job credential revoked`, seen on the real cluster): the
+    follower follows for its whole window, then fails saying the next start never ran."""
     clock, spec = _requeueing_job(tmp_path, monkeypatch)
     asked: list[float] = []
 
@@ -2166,38 +2170,17 @@ def test_a_job_shown_failed_after_its_scripts_requeue_took_is_not_requeued_again
             asked.append(clock.now)
             return done()
 
-    fake = RequeuedShownFailed(tmp_path, ["RUNNING"] + ["FAILED"] * 80 + ["PENDING", "RUNNING", "COMPLETED"])
+    states = ["FAILED"] * 80 + ["PENDING", "RUNNING", "COMPLETED"] if starts_again else ["FAILED"] * 1000
+    fake = RequeuedShownFailed(tmp_path, ["RUNNING"] + states)
     config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"poll_seconds": 1.0})})
     lines: list[str] = []
-    SlurmLauncher(config, runner=fake, sleep=clock.sleep).launch(spec, tmp_path, lines.append)
-    assert lines[-1] == "[launch] Slurm job 4242 completed", lines
+    launcher = SlurmLauncher(config, runner=fake, sleep=clock.sleep)
+    if starts_again:
+        launcher.launch(spec, tmp_path, lines.append)
+        assert lines[-1] == "[launch] Slurm job 4242 completed", lines
+    else:
+        with pytest.raises(LaunchFailed, match=r"ended FAILED.*Restarts=1.*next start never ran.*credential revoked"):
+            launcher.launch(spec, tmp_path, lines.append)
+        assert clock.now - 1000.0 >= 120.0  # followed for the whole window before failing
     assert asked == []
     assert "[launch] job 4242 shows FAILED but Slurm has requeued it (Restarts=1): not asked again" in lines
-
-
-def test_a_requeued_job_whose_next_start_never_ran_fails_saying_so(tmp_path, monkeypatch):
-    """Slurm requeued the job (Restarts=1) after its script saved the step, but the next start was
-    refused and the job stays FAILED for good (slurmd refuses a start released before the requeue's
-    hold ends: `Job credential revoked`, seen on the real cluster). The follower asks no second
-    requeue, follows for its whole window, then fails saying the next start never ran."""
-    clock, spec = _requeueing_job(tmp_path, monkeypatch)
-    asked: list[float] = []
-
-    class RefusedStart(FakeSlurm):
-        def __call__(self, cmd, input=None):
-            out = super().__call__(cmd, input)
-            if cmd[:3] == ["scontrol", "show", "job"]:
-                out = done(out.stdout.rstrip("\n") + " Restarts=1\n")
-            return out
-
-        def requeue(self, cmd):
-            asked.append(clock.now)
-            return done()
-
-    fake = RefusedStart(tmp_path, ["RUNNING"] + ["FAILED"] * 1000)
-    config = SLURM.model_copy(update={"slurm": SLURM.slurm.model_copy(update={"poll_seconds": 1.0})})
-    lines: list[str] = []
-    with pytest.raises(LaunchFailed, match=r"ended FAILED.*Restarts=1.*next start never ran.*credential revoked"):
-        SlurmLauncher(config, runner=fake, sleep=clock.sleep).launch(spec, tmp_path, lines.append)
-    assert asked == []
-    assert clock.now - 1000.0 >= 120.0  # followed for the whole window before failing
