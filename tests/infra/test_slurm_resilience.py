@@ -180,10 +180,11 @@ def explain(errors: list[BaseException], lines: list[str], out: Path, local_slur
         for job in jobs
     ]
     daemon_lines = []
+    named = re.compile(rf"(?:JobId=|[Jj]ob |JOB |\[)(?:{'|'.join(jobs) or '-'})\b")  # not job 10 for job 1
     for name in ("slurmctld.log", "slurmd.log"):
         path = local_slurm.parent / "log" / name
         text = path.read_text(errors="replace") if path.exists() else ""
-        about = [ln for ln in text.splitlines() if any(f"JobId={j}" in ln or f"job {j}" in ln for j in jobs)]
+        about = [ln for ln in text.splitlines() if named.search(ln)]
         daemon_lines.append(f"--- {name} about jobs {jobs} (last 60 lines):\n" + "\n".join(about[-60:]))
     return "\n".join(
         ["errors: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors), "--- follower's last 40 lines:"]
