@@ -124,6 +124,10 @@ class MonitorConfig(_Spec):
     # ...and only when that excess is at least this share of a step at the stage's reference pace
     # (noise in tiny sections; the measured step is lengthened by the straggler itself).
     straggler_min_share: float = Field(default=0.01, ge=0)
+    # ...and only when it was over that margin (and that excess) on at least this share of the
+    # window's lines: its mean over the window is what it cost, but one or two lines a loaded
+    # machine slowed on any rank name nobody
+    straggler_min_lines: float = Field(default=0.3, gt=0, le=1)
     # tokens/s (over the window) below this fraction of the launch's own reference, at the
     # machine's pace now (its CPU wait), is a drop; recovered at half-way back to it
     throughput_fraction: float = Field(default=0.7, gt=0, lt=1)

@@ -13,10 +13,12 @@ hang watchdog (trainers/watchdog.py) and the tracker (trainers/tracker.py).
   line the ranks all-gather those seconds, their step seconds and their CPU wait (four floats
   each); the line keeps their summary (`rank_summary`: min, median, max, the slowest rank and
   its host), and the full per-rank list only while a rank is flagged;
-  rank 0 names a rank whose local seconds per step (the median over the last `monitor.window`
-  lines: the few lines a loaded machine still slows on one rank name nobody) exceed the median
-  of the other ranks' by `monitor.straggler_margin` (and by at least `straggler_min_share` of a
-  step at the reference pace: the straggler lengthens the step it is measured against), with
+  rank 0 names a rank whose local seconds per step (the mean over the last `monitor.window`
+  lines: what the others waited for in all) exceed the median of the other ranks' by
+  `monitor.straggler_margin` (and by at least `straggler_min_share` of a step at the reference
+  pace: the straggler lengthens the step it is measured against), and did so on at least
+  `straggler_min_lines` of those lines (the one or two lines a loaded machine still slows on
+  any rank name nobody; a rank slowed on 4 lines of 10, as a CPU quota does, is named), with
   its host, once that has held on `confirm` metrics lines in a row. A rank slow only inside
   forward and backward (whose collectives make everyone wait alike) shows as a throughput drop,
   not by name.
@@ -251,13 +253,57 @@ class _Line:
     delay: list[float]  # per rank: seconds per step its training thread waited for a CPU
 
 
-def _judge(values: list[float], rank: int, margin: float, least: float) -> tuple[float, bool, bool]:
-    """(rank's value / the other ranks' median, slow: over 1 + `margin` and `least` seconds more,
-    fine: under half the margin or half that excess: cleared only well below, no flag by turns)."""
-    mine, others = values[rank], statistics.median(values[:rank] + values[rank + 1 :])
-    ratio = mine / others if others > 0 else 1.0
-    slow = ratio > 1 + margin and mine - others >= least
-    return ratio, slow, ratio < 1 + margin / 2 or mine - others < least / 2
+def _others_median(values: list[float]) -> list[float]:
+    """For each rank, the median of the other ranks' values: one sort, not one per rank (384
+    ranks x a window of lines at every metrics line)."""
+    n = len(values)
+    if n < 2:
+        return list(values)
+    order = sorted(range(n), key=values.__getitem__)
+    ranked = [values[r] for r in order]
+    place = [0] * n
+    for i, r in enumerate(order):
+        place[r] = i
+    m = n - 1  # the others
+
+    def kth(k: int, skip: int) -> float:  # the k-th smallest of the others (skipping position `skip`)
+        return ranked[k if k < skip else k + 1]
+
+    if m % 2:
+        return [kth(m // 2, place[r]) for r in range(n)]
+    return [(kth(m // 2 - 1, place[r]) + kth(m // 2, place[r])) / 2 for r in range(n)]
+
+
+def _judge(
+    lines: list[_Line], margin: float, least: float, recurring: float
+) -> list[tuple[float, float, float, int, bool, bool]]:
+    """Every rank's own work over `lines` against the other ranks': (its mean seconds per step,
+    the median of the others' means, their ratio, the lines on which it was over the margin,
+    slow, fine).
+
+    Slow: the mean over 1 + `margin` and `least` seconds more, and over the margin (by `least`)
+    on at least `recurring` of the lines. The mean is what the others waited for in all (a rank
+    slowed on 4 lines of 10 costs 40% of its excess; a median over the lines sees nothing); the
+    recurrence keeps the one or two lines a loaded machine still slows on any rank (a
+    preemption the run-queue wait did not net out) from naming it. Fine: under half the margin
+    or half that excess, or over the margin on under half those lines: cleared only well below,
+    no flag by turns."""
+    n, steps = len(lines[0].local), sum(line.steps for line in lines)
+    means = [sum(line.local[r] * line.steps for line in lines) / steps for r in range(n)]
+    over = [0] * n
+    for line in lines:
+        for r, other in enumerate(_others_median(line.local)):
+            mine = line.local[r]
+            over[r] += mine > (1 + margin) * other and mine - other >= least
+    needed = max(1, math.ceil(recurring * len(lines) - 1e-9))
+    out = []
+    for r, other in enumerate(_others_median(means)):
+        mine = means[r]
+        ratio = mine / other if other > 0 else 1.0
+        slow = ratio > 1 + margin and mine - other >= least and over[r] >= needed
+        fine = ratio < 1 + margin / 2 or mine - other < least / 2 or 2 * over[r] < needed
+        out.append((mine, other, ratio, over[r], slow, fine))
+    return out
 
 
 class SpeedChecks:
@@ -367,9 +413,8 @@ class SpeedChecks:
     def _stragglers(self, step: int, events: Events) -> dict[str, Any]:
         c, lines = self.config, list(self.lines)
         # Each rank's own work per step, net of the time it waited for a CPU others held (a CPU
-        # quota's throttling stays in): the median over the window's lines, so the few lines a
-        # loaded machine still slows on one rank name nobody.
-        local = [statistics.median(line.local[r] for line in lines) for r in range(len(lines[0].local))]
+        # quota's throttling stays in): its mean over the window, counted only when it was over
+        # the margin on `straggler_min_lines` of the window's lines (`_judge`).
         step_s = statistics.median(line.seconds / line.steps for line in lines)
         # The excess is judged against a step at the reference pace (the stage's or this
         # launch's, the faster, plus the CPU wait the machine adds now) when that is shorter: a
@@ -380,25 +425,25 @@ class SpeedChecks:
             reference_s = self._paced_step(reference, lines)
             if reference_s is not None and reference_s < step_s:
                 step_s, paced = reference_s, " at the reference pace"
-        ratios = []
-        for rank, mine in enumerate(local):
-            ratio, slow, fine = _judge(local, rank, c.straggler_margin, c.straggler_min_share * step_s)
-            ratios.append(ratio)
+        judged = _judge(lines, c.straggler_margin, c.straggler_min_share * step_s, c.straggler_min_lines)
+        ratios = [ratio for _, _, ratio, _, _, _ in judged]
+        for rank, (mine, others, ratio, over, slow, fine) in enumerate(judged):
             if rank not in self.slow and self._held(("slow", rank), slow):
                 self.slow.add(rank)
                 self._streaks[("fine", rank)] = 0
-                others = statistics.median(local[:rank] + local[rank + 1 :])
                 events.emit(
                     "straggler",
                     step,
                     f"straggler: rank {rank} on {self.hosts[rank]} takes {ratio:.2f}x the other ranks' time "
                     f"for its own work (data and optimizer: {1e3 * mine:.1f} ms/step vs a median "
-                    f"{1e3 * others:.1f} ms; step {1e3 * step_s:.0f} ms{paced}) over the last "
-                    f"{len(lines)} metrics lines, {c.confirm} judgement(s) in a row",
+                    f"{1e3 * others:.1f} ms, the means of the last {len(lines)} metrics lines; over "
+                    f"{1 + c.straggler_margin:.2f}x on {over} of them; step {1e3 * step_s:.0f} ms{paced}), "
+                    f"{c.confirm} judgement(s) in a row",
                     rank=rank,
                     host=self.hosts[rank],
                     value=ratio,
                     threshold=1 + c.straggler_margin,
+                    lines_over=over,
                 )
             elif rank in self.slow and self._held(("fine", rank), fine):
                 self.slow.discard(rank)

@@ -315,12 +315,23 @@ def test_a_slowed_rank_is_named_with_its_host_and_the_throughput_drop_with_its_f
     flags = events(out)
     began = throttle["step"]
     rows = metrics(out)
-    seen = [(m["step"], round(m["tokens_per_s"]), m.get("rank_local_s")) for m in rows]
+    seen = [
+        (
+            m["step"],
+            round(m["tokens_per_s"]),
+            *(
+                (round(1e3 * r["min_s"], 2), round(1e3 * r["max_s"], 2), r["slowest_rank"])
+                if (r := m.get("rank_local"))
+                else ()
+            ),
+        )
+        for m in rows
+    ]
     # a string, not a tuple: pytest cuts the repr of a tuple message to a few hundred characters
     why = "\n".join(
         [f"throttle: {throttle['t'].how}, after step {began}", "flags:"]
         + [json.dumps(e) for e in flags]
-        + ["(step, tokens/s, rank local s):"]
+        + ["(step, tokens/s, own work ms/step: fastest rank's, slowest rank's, slowest rank):"]
         + [str(row) for row in seen]
     )
     stragglers = [e for e in flags if e["kind"] == "straggler"]
@@ -373,9 +384,9 @@ def test_an_uninterrupted_stage_on_a_machine_loaded_from_outside_flags_nothing(t
     the slowed-rank test's monitor settings and the frozen-rank test's 3 s hang floor, raises no
     flag (no hung, straggler or throughput drop), in its events, its lineage or its meta. Its
     ranks are preempted in their own sections and their steps slowed unevenly (the rules judge
-    each rank's own work net of the CPU waits others caused, medians over the window, three
-    judgements in a row; throughput at the machine's pace), and they end, slowly, without their
-    teardown counting as silence."""
+    each rank's own work net of the CPU waits others caused: its mean over the window, counted
+    only when it was slow on 30% of the window's lines, three judgements in a row; throughput
+    at the machine's pace), and they end, slowly, without their teardown counting as silence."""
     plan = write_two_source_plan(tmp_path / "plan")
     ws = tmp_path / "ws"
     out = ws / "pretrain" / "loaded000000"

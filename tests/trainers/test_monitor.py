@@ -64,25 +64,27 @@ def test_without_a_reference_the_measured_step_decides_and_a_small_excess_names_
 def test_a_reference_slower_than_the_step_is_not_the_basis_and_a_rank_under_the_margin_is_never_named(tmp_path):
     """Steps faster than the reference (40 ms against 128 ms) are their own basis: the reference
     never shrinks a share. A rank 1.5x the other (under the 2x margin) is not named; rank 0 slow
-    (12 ms) on two lines of the window of three makes its median 6x the other's, an excess of
-    10 ms, over 5% of the 40 ms step (under 5% of 128 ms): named, then cleared once its window
-    is fast again (its median at step 8)."""
+    (10 ms) on two lines of the window of three makes its mean 3.1x the other's, an excess of
+    5 ms, over 5% of the 40 ms step (under 5% of 128 ms): named, then cleared once its window
+    is fast again (step 9: at step 8 its one slow line still makes its mean 2.7x)."""
     events = Events(tmp_path, "stage1", enabled=True)
     checks = SpeedChecks(CONFIG, ["a", "b"], TOKENS, reference(tokens_per_s=1000.0))
     step = lines(checks, events, [(0.002, 0.040), (0.003, 0.040)], 1, 4)
     assert flags(tmp_path) == []
-    step = lines(checks, events, [(0.012, 0.040), (0.002, 0.040)], step, 2)
+    step = lines(checks, events, [(0.010, 0.040), (0.002, 0.040)], step, 2)
     lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 4)
     named = [f for f in flags(tmp_path) if f["kind"] == "straggler"]
     assert [(f["rank"], f["step"]) for f in named] == [(0, 6)] and "reference pace" not in named[0]["message"]
-    assert [(f["rank"], f["step"]) for f in flags(tmp_path) if f["kind"] == "straggler_cleared"] == [(0, 8)]
+    assert named[0]["lines_over"] == 2 and "over 2.00x on 2 of them" in named[0]["message"]
+    assert [(f["rank"], f["step"]) for f in flags(tmp_path) if f["kind"] == "straggler_cleared"] == [(0, 9)]
 
 
 def test_a_rank_preempted_on_a_few_lines_is_no_straggler_and_a_flag_needs_confirm_lines_in_a_row(tmp_path):
     """A loaded machine preempts a rank for 10-20 ms inside its 2 ms sections now and then: a
-    rank slow on one line of a window of five (a mean over the window would make it 3x the
-    other) names nobody. A rank slow on every line is named only after `confirm` (3) judgements
-    in a row, and cleared only after three in a row below half the margin."""
+    rank slow on one line of a window of five (its mean 2.8x the other's, but over the margin on
+    one line, under `straggler_min_lines`' 30%) names nobody. A rank slow on every line is named
+    only after `confirm` (3) judgements in a row, and cleared only after three in a row below
+    half the margin."""
     config = CONFIG.model_copy(update={"window": 5, "confirm": 3})
     events = Events(tmp_path, "stage1", enabled=True)
     checks = SpeedChecks(config, ["a", "b"], TOKENS, reference())
@@ -91,12 +93,36 @@ def test_a_rank_preempted_on_a_few_lines_is_no_straggler_and_a_flag_needs_confir
         step = lines(checks, events, [(0.002, 0.060), (0.002, 0.060)], step, 4)
         step = lines(checks, events, [(0.020, 0.060), (0.002, 0.060)], step, 1)
     assert flags(tmp_path) == []
-    # rank 1 slow on every line from step 21: its median is at step 23, named after 3 in a row
+    # rank 1 slow on every line from step 21: rank 0's preempted line (step 20) is in the others'
+    # mean until step 24; rank 1's mean is 5x from step 25, named after 3 in a row
     step = lines(checks, events, [(0.002, 0.060), (0.010, 0.060)], step, 5)
-    assert [(f["kind"], f["rank"], f["step"]) for f in flags(tmp_path)] == [("straggler", 1, 25)]
-    lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 6)
+    assert flags(tmp_path) == []
+    lines(checks, events, [(0.002, 0.040), (0.002, 0.040)], step, 7)
+    assert [(f["kind"], f["rank"], f["step"]) for f in flags(tmp_path)][0] == ("straggler", 1, 27)
     cleared = [(f["rank"], f["step"]) for f in flags(tmp_path) if f["kind"] == "straggler_cleared"]
-    assert cleared == [(1, 30)]  # its median falls at step 28 (three fast lines of five), then 3 in a row
+    # at step 29 one slow line of five still makes its mean 1.8x; fast from step 30, 3 in a row
+    assert cleared == [(1, 32)]
+
+
+def test_a_rank_slowed_on_two_lines_of_five_is_named_and_two_lines_of_ten_name_nobody(tmp_path):
+    """A CPU quota slows a rank's 2 ms sections only when its quota runs out inside one: rank 1
+    slow (12 ms) on two lines of every five costs the others 4 ms a step on average (its mean 3x
+    the other's, over the margin on 4 lines of the window of 10): named, where the median of its
+    lines would be the fast ones'. The same rank slow (30 ms) on two lines of every ten (its mean
+    3.8x, over the margin on 2 lines of 10, under 30%) names nobody."""
+    config = CONFIG.model_copy(update={"window": 10, "confirm": 3})
+    for name, slow_lines, slow_s in (("quota", (1, 3, 6, 8), 0.012), ("spikes", (4, 7), 0.030)):
+        events = Events(tmp_path / name, "stage1", enabled=True)
+        checks = SpeedChecks(config, ["a", "b"], TOKENS, reference())
+        for step in range(1, 41):
+            mine = slow_s if step % 10 in slow_lines else 0.002
+            lines(checks, events, [(0.002, 0.060), (mine, 0.060)], step, 1)
+        named = [f for f in flags(tmp_path / name) if f["kind"] == "straggler"]
+        if name == "quota":
+            assert [f["rank"] for f in named] == [1] and named[0]["step"] == 12 and named[0]["lines_over"] == 4
+            assert named[0]["value"] == pytest.approx(3.0)
+        else:
+            assert named == []
 
 
 def test_a_machine_slowed_as_a_whole_drops_no_throughput_while_a_fall_the_load_does_not_explain_does(tmp_path):
@@ -130,7 +156,7 @@ def test_a_machine_slowed_as_a_whole_drops_no_throughput_while_a_fall_the_load_d
     drops = [f for f in flags(other) if f["kind"] == "throughput_drop"]
     assert [(f["step"], f["began_at"]) for f in drops] == [(6, 5)] and drops[0]["pace"] == 1.0
     named = [f for f in flags(other) if f["kind"] == "straggler"]
-    assert [(f["rank"], f["step"]) for f in named] == [(2, 7)]  # its median slow from step 6, 2 in a row
+    assert [(f["rank"], f["step"]) for f in named] == [(2, 6)]  # its mean 2.2x from step 5, 2 in a row
 
 
 def test_a_resumed_launchs_warm_up_is_not_judged_against_the_reference(tmp_path):
