@@ -107,14 +107,14 @@ def cluster_state() -> str:
     return f"squeue:\n{queue.stdout}{queue.stderr}sinfo:\n{nodes.stdout}{nodes.stderr}"
 
 
-def wait_for(predicate, timeout: float, what: str, *, fail: bool = True) -> None:
+def wait_for(predicate, timeout: float, what: str, *, fail: bool = True, why=None) -> None:
     """Poll `predicate` until it holds; past `timeout` fail naming `what` and showing the
-    cluster's jobs and nodes (or return, with `fail=False`, for a caller that asserts the exact
-    outcome itself)."""
+    cluster's jobs and nodes, or `why()` (`explain`) where given (or return, with `fail=False`,
+    for a caller that asserts the exact outcome itself)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() >= deadline:
-            assert not fail, f"timed out waiting for {what}\n{cluster_state()}"
+            assert not fail, f"timed out waiting for {what}\n{why() if why else cluster_state()}"
             return
         time.sleep(0.2)
 
@@ -170,8 +170,9 @@ def requeue_without_delay(out: Path):
 
 
 def explain(errors: list[BaseException], lines: list[str], out: Path, local_slurm: Path) -> str:
-    """What a failed wait for a requeued job shows: the follower's error and last lines, what
-    Slurm says of the job now, and the controller's and node daemon's log lines about it (pytest
+    """What a failed wait shows: the follower's error and last lines, what Slurm says of the job
+    now, the controller's and node daemon's log lines about it, the tail of the job's own log
+    and the job's processes still alive (pytest
     would cut a repr of these to a few hundred characters; the cluster's logs are deleted at the
     end of the session)."""
     jobs = jobs_writing(out)
@@ -186,10 +187,20 @@ def explain(errors: list[BaseException], lines: list[str], out: Path, local_slur
         text = path.read_text(errors="replace") if path.exists() else ""
         about = [ln for ln in text.splitlines() if named.search(ln)]
         daemon_lines.append(f"--- {name} about jobs {jobs} (last 60 lines):\n" + "\n".join(about[-60:]))
+    logs = []
+    for path in sorted(out.glob("slurm-*.log")):
+        logs.append(f"--- {path.name} (the batch script's and its ranks' output; last 40 lines):")
+        logs += path.read_text(errors="replace").splitlines()[-40:]
+    procs = [
+        f"{p.info['pid']} {p.info['status']} {' '.join(p.info['cmdline'] or [])[:200]}"
+        for p in psutil.process_iter(["pid", "status", "cmdline"])
+        if str(out) in " ".join(p.info["cmdline"] or []) or "slurmstepd" in " ".join(p.info["cmdline"] or [])
+    ]
     return "\n".join(
         ["errors: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors), "--- follower's last 40 lines:"]
         + lines[-40:]
-        + ["--- scontrol show job:", *shown, *daemon_lines, cluster_state()]
+        + ["--- scontrol show job:", *shown, *daemon_lines, *logs, "--- the job's processes now:", *procs]
+        + [cluster_state()]
     )
 
 
@@ -210,7 +221,12 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
-    wait_for(lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(), 180, "3 trained steps")
+    wait_for(
+        lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(),
+        180,
+        "3 trained steps",
+        why=lambda: explain(errors, lines, out, local_slurm),
+    )
     assert thread.is_alive(), (errors, lines[-60:])
     urgent = subprocess.run(
         ["sbatch", "--parsable", "-p", URGENT, "--exclusive", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1"],
@@ -248,7 +264,12 @@ def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config(signal_s=60)), spec, out)
-    wait_for(lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(), 180, "3 trained steps")
+    wait_for(
+        lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(),
+        180,
+        "3 trained steps",
+        why=lambda: explain(errors, lines, out, local_slurm),
+    )
     assert thread.is_alive(), (errors, lines[-60:])
     (job,) = jobs_writing(out)
     script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True)
@@ -474,7 +495,12 @@ def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(loc
     node = the_node()
     thread, lines, errors = launch_in_thread(launcher, spec, out)
     try:
-        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        wait_for(
+            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
+            180,
+            "2 trained steps",
+            why=lambda: explain(errors, lines, out, local_slurm),
+        )
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         thread.join(timeout=300)
@@ -500,7 +526,12 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
     node = the_node()
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
     try:
-        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        wait_for(
+            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
+            180,
+            "2 trained steps",
+            why=lambda: explain(errors, lines, out, local_slurm),
+        )
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         wait_for(lambda: any("in place; it now excludes" in line for line in lines), 120, "the in-place exclusion")
@@ -542,7 +573,12 @@ def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local
         )
 
     try:
-        wait_for(lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(), 180, "2 trained steps")
+        wait_for(
+            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
+            180,
+            "2 trained steps",
+            why=lambda: explain(errors, lines, out, local_slurm),
+        )
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         wait_for(pending, 120, "Slurm's requeue of the job")
