@@ -533,7 +533,7 @@ class LaunchConfig(BaseModel):
     max_excluded_nodes: int = Field(default=4, ge=0)
     procs_per_node: int = Field(default=1, gt=0)  # torchrun ranks per node (= GPUs per node on GPU)
     gpus_per_node: int = Field(default=0, ge=0)  # GPUs requested per node (0: CPU/gloo)
-    master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / 29500
+    master_port: int | None = Field(default=None, gt=0, lt=65536)  # None: free (local) / per job (Slurm)
     torchrun: ShellWord = "torchrun"  # torchrun executable (a venv path on clusters)
     module: ModuleName = "trainers.pretrain"  # the trainer's module (`-m module SPEC.json`)
     # accelerate config file (FSDP, DeepSpeed ZeRO, mixed precision) for Hugging Face trainers:

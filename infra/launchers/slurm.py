@@ -82,7 +82,19 @@ from infra.launchers.peers import LostPeer
 from infra.terminal import printable
 
 Runner = Callable[..., subprocess.CompletedProcess]  # runner(cmd) or runner(cmd, input=text)
-DEFAULT_PORT = 29500
+# Without `launch.master_port`, a job's rendezvous port is derived from its job id: the same on
+# every node of the job (each computes it), another for a job sharing a node (without
+# --exclusive: two jobs asking for torchrun's 29500 there collide), and below Linux's ephemeral
+# range (32768-60999), so no client socket on the node holds it by chance: a store that cannot
+# bind its port makes torchrun connect to whatever listens there instead, and wait.
+JOB_PORT_BASE, JOB_PORT_SPAN = 20000, 10000
+
+
+def job_port() -> str:
+    """The batch script's shell arithmetic for its job's own rendezvous port."""
+    return f"$(({JOB_PORT_BASE} + SLURM_JOB_ID % {JOB_PORT_SPAN}))"
+
+
 RECORD = "slurm-job.json"  # launch/slurm-job.json: the job of this stage (base.py JobRecord)
 
 # Job states after which the job will not run again by itself.
@@ -232,7 +244,7 @@ class SlurmLauncher(Launcher):
         lines += [f'export PYTHONPATH={shlex.quote(str(code))}"${{PYTHONPATH:+:$PYTHONPATH}}"']
         lines += ["# fabric, NCCL error handling and timeouts, stop signals (infra/launchers/fabric.py)"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-        port = c.master_port or DEFAULT_PORT
+        port = c.master_port or job_port()
         torchrun = [
             shlex.quote(c.torchrun),  # every recipe string here is quoted, besides its check (launchers/text.py)
             '--nnodes="$SLURM_JOB_NUM_NODES"',

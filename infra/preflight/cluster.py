@@ -45,14 +45,13 @@ from infra.files import read_json, write_json_atomic
 from infra.launchers.base import LaunchConfig, LaunchFailed
 from infra.launchers.fabric import launch_env
 from infra.launchers.follow import following
-from infra.launchers.slurm import DONE, FAILED, JobGone, SlurmLauncher, sbatch_resources
+from infra.launchers.slurm import DONE, FAILED, JobGone, SlurmLauncher, job_port, sbatch_resources
 from infra.preflight.core import CHECKS, CheckResult, PreflightConfig, PreflightFacts, blocking, selected, should_stop
 
 NODE_GROUPS = ("gpu", "compute", "host", "storage")  # checks about a node: they run on every node
 NODES_DIR = "nodes"  # {out}/nodes/{node}.json: one report per node
 ALLREDUCE_JSON = "allreduce.json"  # the all-reduce across the allocation's nodes
 JOB_TIME = "01:00:00"  # the job's time limit: DCGM level 3 takes up to 30 min, the rest minutes
-ALLREDUCE_PORT = 29400  # the rendezvous port of the cross-node all-reduce (not training's 29500)
 Runner = Callable[..., subprocess.CompletedProcess]
 
 
@@ -121,7 +120,7 @@ def render_slurm(launch: LaunchConfig, config: PreflightConfig, out: Path, exclu
         '--nnodes="$SLURM_JOB_NUM_NODES"',
         f"--nproc-per-node={c.procs_per_node}",
         "--rdzv-backend=c10d",
-        f'--rdzv-endpoint="$MASTER_ADDR:{c.master_port or ALLREDUCE_PORT}"',
+        f'--rdzv-endpoint="$MASTER_ADDR:{c.master_port or job_port()}"',  # its own job: its own port
         '--rdzv-id="preflight-$SLURM_JOB_ID"',
         "--max-restarts=0",
         f"-m infra.preflight.allreduce --backend {backend} --mib {mib:g} --iters {config.collective_iters}",

@@ -368,6 +368,27 @@ def sbatch_lines(script: str) -> dict[str, str | None]:
     return out
 
 
+def test_a_slurm_job_without_a_master_port_rendezvous_on_a_port_of_its_own_below_the_ephemeral_range(tmp_path):
+    """No `master_port`: the training and preflight scripts compute the job's port from its id,
+    the same on every node, another for another job on the same node (not torchrun's 29500 for
+    all), and below Linux's ephemeral range (32768+), where no client socket holds it."""
+    from infra.preflight.cluster import render_slurm
+    from infra.preflight.core import PreflightConfig
+
+    bare = SLURM.model_copy(update={"master_port": None})
+    training = get_launcher(bare).render(Path("/fsx/ws/train/ab12/spec.json"), Path("/fsx/ws/train/ab12"))
+    (line,) = [ln for ln in training.splitlines() if ln.startswith("MASTER_PORT=")]
+    ports = {}
+    for job in ("1", "4242", "123456", "29999"):
+        proc = subprocess.run(
+            ["bash", "-c", f'{line}; echo "$MASTER_PORT"'], env={"SLURM_JOB_ID": job}, capture_output=True, text=True
+        )
+        ports[job] = int(proc.stdout)
+    assert ports == {"1": 20001, "4242": 24242, "123456": 23456, "29999": 29999}
+    preflight = render_slurm(bare, PreflightConfig(), tmp_path / "out")
+    assert '--rdzv-endpoint="$MASTER_ADDR:$((20000 + SLURM_JOB_ID % 10000))"' in preflight
+
+
 def test_slurm_script_parses_and_has_the_allocation_rendezvous_and_requeue(tmp_path):
     script = get_launcher(SLURM).render(Path("/fsx/ws/train/ab12/spec.json"), Path("/fsx/ws/train/ab12"))
     path = tmp_path / "train.sbatch"

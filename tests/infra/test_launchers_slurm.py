@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from infra.launchers import LaunchConfig, LaunchFailed, SlurmLaunchConfig, get_launcher
-from infra.launchers.base import free_port
 from tests.infra.launch_fixtures import write_plan, write_spec
 
 # One private Slurm cluster per test process: under pytest-xdist these tests share one worker.
@@ -30,7 +29,6 @@ def slurm_config(procs: int = 2, **kw) -> LaunchConfig:
         nodes=1,
         procs_per_node=procs,
         torchrun=TORCHRUN,
-        master_port=free_port(),  # not Slurm's default 29500: an earlier job's torchrun may hold it
         slurm=SlurmLaunchConfig(time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test", **kw),
     )
 

@@ -15,7 +15,6 @@ import pytest
 
 import tasks.preflight as tp
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
-from infra.launchers.base import free_port
 from infra.launchers.exclude import adopt_excluded, excluded_nodes
 from infra.preflight import CheckResult, PreflightConfig, PreflightFacts
 from infra.preflight.cluster import JobOutcome, render_slurm, split_config
@@ -34,7 +33,6 @@ def slurm_launch(setup: tuple[str, ...] = (), **kw) -> LaunchConfig:
         nodes=1,
         procs_per_node=2,
         torchrun=TORCHRUN,
-        master_port=free_port(),
         slurm=SlurmLaunchConfig(
             time="00:10:00", cpus_per_task=2, poll_seconds=0.5, job_name="smollm3-test", setup=setup, **kw
         ),

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from infra.launchers import LaunchConfig, SlurmLaunchConfig, get_launcher
-from infra.launchers.base import JobRecord, free_port
+from infra.launchers.base import JobRecord
 from tests.conftest import wait_for_deployment
 from tests.infra.launch_fixtures import write_plan, write_spec
 from tests.infra.slurm_cluster import URGENT
@@ -43,14 +43,13 @@ STEP_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*\S+ step (\d+)/(\d+) \| loss")
 
 def config(**slurm) -> LaunchConfig:
     slurm = {"time": "00:10:00", "cpus_per_task": 2, "poll_seconds": 0.5, "job_name": "smollm3-resil"} | slurm
-    # a rendezvous port of its own: Slurm's default (29500) may still be held by an earlier job's
-    # exiting torchrun, or by another test's, when tests run at once
+    # no master_port: each job's own, from its id (infra/launchers/slurm.py `job_port`), below the
+    # ephemeral range where the other tests' servers and clients take theirs
     return LaunchConfig(
         kind="slurm",
         nodes=1,
         procs_per_node=2,
         torchrun=TORCHRUN,
-        master_port=free_port(),
         slurm=SlurmLaunchConfig(**slurm),
     )
 
