@@ -276,9 +276,14 @@ def test_sao_trainer_killed_after_a_checkpoint_resumes_without_losing_or_repeati
     watcher.join(timeout=5)
     after, worker = watcher.done
     assert "killed by SIGKILL" in err.value.cause
-    # the rollout worker ended with its trainer (parent-death signal)
-    with pytest.raises(psutil.NoSuchProcess):
+    # the rollout worker ended with its trainer (parent-death signal): gone already, or within
+    # 20 s (on a loaded machine it may still be exiting, or awaiting its reaper, when asked)
+    try:
         psutil.Process(worker).wait(timeout=20)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        pytest.fail(f"rollout worker {worker} outlived its killed trainer by 20 s")
     folder = next(p for p in (tmp_path / "sao").iterdir() if p.is_dir())
     assert read_marker(folder) is None
     lines: list[str] = []
