@@ -203,6 +203,17 @@ def explain(errors: list[BaseException], lines: list[str], out: Path, local_slur
     )
 
 
+def wait_for_steps(steps: int, out: Path, thread, errors, lines, local_slurm: Path) -> None:
+    """Until the stage in `out` has trained `steps` steps (or its follower ended); past 180 s fail
+    with `explain`: where the job sat."""
+    wait_for(
+        lambda: len(metric_steps(out)) >= steps or not thread.is_alive(),
+        180,
+        f"{steps} trained steps",
+        why=lambda: explain(errors, lines, out, local_slurm),
+    )
+
+
 def assert_lost_no_step(out: Path, steps: int, stops: list[int], loss: float) -> None:
     text = "\n".join(p.read_text() for p in sorted(out.glob("slurm-*.log")))
     assert trained_steps(text) == list(range(1, steps + 1)), "a step was trained twice (or never)"
@@ -220,12 +231,7 @@ def test_preemption_saves_the_step_being_trained_and_the_requeue_loses_none(loca
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
-    wait_for(
-        lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(),
-        180,
-        "3 trained steps",
-        why=lambda: explain(errors, lines, out, local_slurm),
-    )
+    wait_for_steps(3, out, thread, errors, lines, local_slurm)
     assert thread.is_alive(), (errors, lines[-60:])
     urgent = subprocess.run(
         ["sbatch", "--parsable", "-p", URGENT, "--exclusive", "-o", str(tmp_path / "urgent.log"), "--wrap", "sleep 1"],
@@ -263,12 +269,7 @@ def test_the_time_limit_warning_saves_the_step_and_the_requeue_loses_none(local_
     out = tmp_path / "stage"
     spec = stage_spec(plan, out, steps, debug_step_sleep_s=0.5)
     thread, lines, errors = launch_in_thread(get_launcher(config(signal_s=60)), spec, out)
-    wait_for(
-        lambda: len(metric_steps(out)) >= 3 or not thread.is_alive(),
-        180,
-        "3 trained steps",
-        why=lambda: explain(errors, lines, out, local_slurm),
-    )
+    wait_for_steps(3, out, thread, errors, lines, local_slurm)
     assert thread.is_alive(), (errors, lines[-60:])
     (job,) = jobs_writing(out)
     script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True)
@@ -494,12 +495,7 @@ def test_a_node_failure_names_the_lost_node_and_the_next_attempt_excludes_it(loc
     node = the_node()
     thread, lines, errors = launch_in_thread(launcher, spec, out)
     try:
-        wait_for(
-            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
-            180,
-            "2 trained steps",
-            why=lambda: explain(errors, lines, out, local_slurm),
-        )
+        wait_for_steps(2, out, thread, errors, lines, local_slurm)
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         thread.join(timeout=300)
@@ -525,12 +521,7 @@ def test_a_job_slurm_requeues_after_a_node_failure_is_kept_off_the_lost_node(loc
     node = the_node()
     thread, lines, errors = launch_in_thread(get_launcher(config()), spec, out)
     try:
-        wait_for(
-            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
-            180,
-            "2 trained steps",
-            why=lambda: explain(errors, lines, out, local_slurm),
-        )
+        wait_for_steps(2, out, thread, errors, lines, local_slurm)
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         wait_for(lambda: any("in place; it now excludes" in line for line in lines), 120, "the in-place exclusion")
@@ -572,12 +563,7 @@ def test_slurms_own_requeue_past_the_budget_is_refused_by_the_batch_script(local
         )
 
     try:
-        wait_for(
-            lambda: len(metric_steps(out)) >= 2 or not thread.is_alive(),
-            180,
-            "2 trained steps",
-            why=lambda: explain(errors, lines, out, local_slurm),
-        )
+        wait_for_steps(2, out, thread, errors, lines, local_slurm)
         assert thread.is_alive(), (errors, lines[-60:])
         set_node_down(node)
         wait_for(pending, 120, "Slurm's requeue of the job")
