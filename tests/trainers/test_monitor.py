@@ -172,3 +172,19 @@ def test_a_resumed_launchs_warm_up_is_not_judged_against_the_reference(tmp_path)
     lines(checks, events, [(0.002, 0.100), (0.002, 0.100)], step, 3)  # 1,280 tokens/s: 40%
     drops = [f for f in flags(tmp_path) if f["kind"] == "throughput_drop"]
     assert [(f["step"], f["began_at"]) for f in drops] == [(108, 108)]
+
+
+def test_the_median_of_the_other_ranks_is_statistics_median_without_the_rank():
+    """`_others_median` (one sort per line, for 384 ranks at every metrics line) gives, for each
+    rank, what `statistics.median` gives on the list without it: odd and even counts, ties."""
+    import random
+    import statistics
+
+    from trainers.monitor import _others_median
+
+    rng = random.Random(7)
+    for n in range(1, 41):
+        for _ in range(25):
+            values = [rng.choice([rng.random(), 0.5, 0.25, 0.5]) for _ in range(n)]
+            want = [statistics.median(values[:r] + values[r + 1 :]) for r in range(n)] if n > 1 else values
+            assert _others_median(values) == want, values
