@@ -20,8 +20,10 @@ kill are logged to `chaos.log` and stdout; rerun one with `SMOLLM3_CHAOS_SEED=N`
 Then: the run is Completed, no process of the run is left (by command line under this test's
 folder and by flow-run id), lineage has one row per step per attempt (and every step in the last
 attempt), and the final checkpoint's tensors equal, bit for bit, those of the same recipe run
-uninterrupted in another workspace (CPU training is deterministic; resume is exact). The served run
-builds from raw sources; the uninterrupted one starts from a copy of the session's data part.
+uninterrupted in another workspace (CPU training is deterministic; resume is exact). Both runs start
+from copies of the session's data part (tests/conftest.py `built_workspace("data")`): the faults are
+all in training, and the data steps from raw sources are the build's own run (and the end-to-end
+test's, tests/flows/test_e2e.py).
 """
 
 from __future__ import annotations
@@ -272,9 +274,11 @@ def _weights(stage_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical(tmp_path, private_api_url, built_workspace):
     api_url = private_api_url
-    # The uninterrupted run starts from a copy of the session's data part (tests/conftest.py: the
-    # same sources at the same sizes, so the same data steps): it only trains, exports and scores.
-    ref_ws = copy_workspace(built_workspace("data"), tmp_path / "reference")
+    # Both runs start from copies of the session's data part (tests/conftest.py: the same sources
+    # at the same sizes, so the same data steps): they only train, export and score.
+    data = built_workspace("data")
+    ref_ws = copy_workspace(data, tmp_path / "reference")
+    copy_workspace(data, tmp_path / "ws")
     seed = int(os.environ.get("SMOLLM3_CHAOS_SEED") or time.time_ns() % 100_000)
     c = Chaos(tmp_path, api_url, seed)
     k1 = c.rng.randint(1, STEPS - 3)  # stage 1 step after which a rank dies
