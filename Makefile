@@ -25,16 +25,16 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT)
 
-# The suite runs on pytest-xdist workers: two more than the machine has cores, at most 8 (the
-# tests wait on servers, subprocesses and Slurm besides computing: on 2 cores, 2026-12-06, the
-# same code took 2,018 s of pytest with 3 workers and 1,760 s with 4, the CPU idle 6% of the
-# 4-worker run; CONTRIBUTING.md). Tests that share the one Slurm cluster run on one worker
-# (`xdist_group("slurm")`, `--dist loadgroup`); every other test has its own ports, workspace,
-# Prefect home and server (tests/conftest.py). Tests are handed out
-# heaviest first (`heaviest_first` in tests/conftest.py; `--no-loadscope-reorder` keeps that
-# order instead of xdist's by group size), so the ten-minute runs never start last. TEST_WORKERS=0
-# runs the same tests serially in one process.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, (os.cpu_count() or 1) + 2))')
+# The suite runs on pytest-xdist workers: one more than the machine has cores (the tests wait on
+# servers, subprocesses and Slurm besides computing), at most 8. A fourth worker on 2 cores is not
+# shown to help: the CPU was idle 3-6% of two 4-worker runs, whose 12-13% shorter times than a
+# 3-worker run are within the machine's own pace between half hours (CONTRIBUTING.md, 2026-12-06).
+# Tests that share the one Slurm cluster run on one worker (`xdist_group("slurm")`, `--dist
+# loadgroup`); every other test has its own ports, workspace, Prefect home and server
+# (tests/conftest.py). Tests are handed out heaviest first (`heaviest_first` in tests/conftest.py;
+# `--no-loadscope-reorder` keeps that order instead of xdist's by group size), so the ten-minute
+# runs never start last. TEST_WORKERS=0 runs the same tests serially in one process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, (os.cpu_count() or 1) + 1))')
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
