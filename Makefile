@@ -27,8 +27,9 @@ demo: install
 
 # The suite runs on pytest-xdist workers: one more than the machine has cores (the tests wait on
 # servers, subprocesses and Slurm besides computing), at most 8. A fourth worker on 2 cores is not
-# shown to help: the CPU was idle 3-6% of two 4-worker runs, whose 12-13% shorter times than a
-# 3-worker run are within the machine's own pace between half hours (CONTRIBUTING.md, 2026-12-06).
+# shown to help: the CPU was idle 11% of a 3-worker run and 3-6% of two 4-worker runs, but the
+# machine's own pace moved the times more (same day: 3 workers 2,018 s and 1,524 s of pytest, 4
+# workers 1,760 s and 1,788 s; CONTRIBUTING.md, 2026-12-06), and 4 workers load it more.
 # Tests that share the one Slurm cluster run on one worker (`xdist_group("slurm")`, `--dist
 # loadgroup`); every other test has its own ports, workspace, Prefect home and server
 # (tests/conftest.py). Tests are handed out heaviest first (`heaviest_first` in tests/conftest.py;

@@ -152,7 +152,7 @@ def test_a_rendezvous_port_taken_after_it_was_picked_is_retried_on_a_new_one(mon
         lines: list[str] = []
         with pytest.raises(LaunchFailed) as err:
             get_launcher(LaunchConfig(procs_per_node=1, torchrun=TORCHRUN)).launch(bad, tmp_path / "bad", lines.append)
-        # the second attempt got past the rendezvous: the trainer itself ran and named its cause
+        # the last attempt got past the rendezvous: the trainer itself ran and named its cause
         assert "missing-plan.json" in err.value.first_error
         # One launch per attempt: the taken port's, then one per retry. The fresh port can be taken
         # too before the rank binds it on a loaded machine (a run with 4 xdist workers on 2 cores
