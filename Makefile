@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 WORKSPACE ?= workspace
 PREFECT_PORT ?= 4200
+RECIPE ?= tiny
 
 .PHONY: install demo test test-fast down lint clean
 
@@ -23,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT)
+	$(BIN)/smollm3 demo --workspace $(WORKSPACE) --port $(PREFECT_PORT) --recipe $(RECIPE)
 
 # The suite runs on pytest-xdist workers: one more than the machine has cores (the tests wait on
 # servers, subprocesses and Slurm besides computing), at most 8. A fourth worker on 2 cores is not

@@ -329,7 +329,17 @@ def cmd_watch(args) -> int:
 def cmd_demo(args) -> int:
     from flows.demo import up
 
-    return up(Path(args.workspace), args.port, Path(args.state))
+    recipe = args.recipe
+    if recipe != "tiny":
+        from flows.recipe import RecipeError, load_recipe, recipe_path
+
+        try:  # a bad name fails here, before a server starts
+            load_recipe(recipe)
+        except RecipeError as exc:
+            raise SystemExit(str(exc)) from None
+        if Path(recipe).suffix in {".yaml", ".yml"}:  # a file: the served run resolves it from elsewhere
+            recipe = str(recipe_path(recipe).resolve())
+    return up(Path(args.workspace), args.port, Path(args.state), recipe=recipe)
 
 
 def cmd_down(args) -> int:
@@ -516,6 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", cmd_demo, "start the Prefect server and serve process, run smollm3/full, summarise", True)
     p.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     p.add_argument("--state", default=".demo", help="folder for the demo's pid and log files")
+    p.add_argument(
+        "--recipe",
+        default="tiny",
+        help="the recipe the demo's run trains (default tiny; tiny-learn: tuned to show learning, ~11 min)",
+    )
 
     p = add("down", cmd_down, "stop exactly the processes `smollm3 demo` started")
     p.add_argument("--state", default=".demo", help="folder `smollm3 demo` kept its pid files in")

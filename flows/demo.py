@@ -130,7 +130,7 @@ def _wait(what: str, check, timeout: float, process: Managed) -> None:
     raise SystemExit(f"{what} {why}; last lines of {log}:\n{tail}")
 
 
-def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full") -> int:
+def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full", recipe: str = "tiny") -> int:
     from pipeline.workspace import resolve_workspace
 
     workspace = resolve_workspace(workspace)  # the folder the served runs resolve it to
@@ -161,7 +161,10 @@ def up(workspace: Path, port: int, state: Path, deployment: str = "smollm3/full"
     # (without it a `make demo WORKSPACE=/elsewhere` run would train in the recipe's own workspace
     # and the summary below would find no run).
     flow_run = run_deployment(
-        deployment, parameters={"overrides": [f"workspace={workspace}"]}, timeout=0, as_subflow=False
+        deployment,
+        parameters={"recipe": recipe, "overrides": [f"workspace={workspace}"]},
+        timeout=0,
+        as_subflow=False,
     )
     print(f"[demo] started {deployment} run {flow_run.id}; UI: http://127.0.0.1:{port}/runs/flow-run/{flow_run.id}")
     print(f"[demo] training curves, live: {tracker_hint(workspace)}")

@@ -1,8 +1,11 @@
 """Run recipes: validated, frozen configs loaded from YAML with `key=value` overrides.
 
 Precedence: model defaults < recipe YAML < overrides (CLI or deployment parameters). A recipe is
-named by a path or by the name of a file in `configs/` (`tiny` is embedded and the default). An
-invalid recipe fails here, before any step runs, with the field at fault and what it accepts.
+named by a path or by the name of a file in `configs/` (`tiny` is embedded and the default). A
+recipe can also be another plus changes, `base: NAME` and `overrides: [key=value, ...]` and
+nothing else (configs/tiny-learn.yaml): the base's YAML with those overrides applied before the
+command line's. An invalid recipe fails here, before any step runs, with the field at fault and
+what it accepts.
 Each component receives only its own section.
 
 Numbers are strict in every section (`check_numbers`, one pass over the whole recipe against the
@@ -244,9 +247,7 @@ def recipe_path(name_or_path: str) -> Path:
     raise RecipeError(f"no recipe {name_or_path!r}: not a YAML file, nor one of: {known}")
 
 
-def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Recipe:
-    """Load, override and validate a recipe."""
-    path = recipe_path(name_or_path)
+def _read_recipe(path: Path) -> dict[str, Any]:
     try:
         data = load_yaml(path.read_text(encoding="utf-8")) or {}
     except YamlRefused as exc:  # a repeated key, or nesting and aliases beyond infra/yamlfile.py's bounds
@@ -255,6 +256,45 @@ def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Re
         raise RecipeError(f"recipe {path}: invalid YAML{yaml_where(exc)}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    return data
+
+
+def _derived(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """A recipe written as another plus changes (`base: NAME`, `overrides: [key=value, ...]`, and
+    nothing else): the base recipe's data with the changes applied, in order, before any given on
+    the command line. One level only: a base is a recipe of configs/ by name and has no base."""
+    extra = sorted(set(data) - {"base", "overrides"})
+    if extra:
+        raise RecipeError(
+            f"recipe {path}: a recipe with `base` holds only `base` and `overrides` (also found: {', '.join(extra)})"
+        )
+    base, items = data["base"], data.get("overrides") or []
+    known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    if not isinstance(base, str) or base not in known:
+        got = repr(base) if isinstance(base, str) else type_name(base)
+        raise RecipeError(f"recipe {path}: base must name a recipe in configs/ ({', '.join(known)}), got {got}")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise RecipeError(f"recipe {path}: overrides must be a list of key=value strings")
+    base_path = CONFIGS_DIR / f"{base}.yaml"
+    out = _read_recipe(base_path)
+    if "base" in out:
+        raise RecipeError(
+            f"recipe {path}: its base {base_path} has a base itself; a recipe derives from one level only"
+        )
+    for item in items:
+        try:
+            apply_override(out, item)
+        except RecipeError as exc:
+            raise RecipeError(f"recipe {path}: {exc}") from None
+    return out
+
+
+def load_recipe(name_or_path: str = "tiny", overrides: Sequence[str] = ()) -> Recipe:
+    """Load, override and validate a recipe."""
+    path = recipe_path(name_or_path)
+    data = _read_recipe(path)
+    if "base" in data:
+        data = _derived(path, data)
     for item in overrides:
         apply_override(data, item)
     problems = check_numbers(Recipe, data)

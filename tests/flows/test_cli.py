@@ -109,6 +109,14 @@ def test_recipe_prints_the_resolved_recipe(capsys):
     assert "seed: 5" in capsys.readouterr().out
 
 
+def test_demo_with_an_unknown_recipe_stops_before_starting_anything(tmp_path, capsys):
+    state = tmp_path / "state"
+    with pytest.raises(SystemExit) as err:
+        main(["demo", "--recipe", "huge", "--state", str(state), "--workspace", str(tmp_path / "ws")])
+    assert "no recipe 'huge'" in str(err.value) and "tiny-learn" in str(err.value)
+    assert not state.exists() and not (tmp_path / "ws").exists()  # no server, no serve process, no run
+
+
 def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

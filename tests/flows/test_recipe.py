@@ -291,3 +291,39 @@ def test_every_fineweb2_source_has_its_language_and_its_preset():
         assert recipe.curation.for_source(s).presets == {s.name: f"web-{s.language}"}
     english = recipe.source("fineweb-edu/fineweb-edu")
     assert english.language == "en" and recipe.curation.for_source(english).presets == {english.name: "web"}
+
+
+def test_a_derived_recipe_is_its_base_with_its_overrides_then_the_command_lines(tmp_path):
+    path = _write(tmp_path, {"base": "tiny", "overrides": ["name=mine", "seed=5", "training.global_batch=8"]})
+    mine, tiny = load_recipe(path, ["seed=7"]), load_recipe("tiny")
+    assert (mine.name, mine.seed, mine.training.global_batch) == ("mine", 7, 8)
+    # everything else is the base's
+    assert mine.model_dump(exclude={"name", "seed", "training"}) == tiny.model_dump(
+        exclude={"name", "seed", "training"}
+    )
+    assert mine.training.model_dump(exclude={"global_batch"}) == tiny.training.model_dump(exclude={"global_batch"})
+
+
+def test_tiny_learn_is_tiny_with_the_learning_settings():
+    learn, tiny = load_recipe("tiny-learn"), load_recipe("tiny")
+    assert learn.name == "tiny-learn" and learn.training.global_batch == 8 and tiny.training.global_batch == 16
+    assert [s.tokens for s in learn.stages[:3]] == [4 * s.tokens for s in tiny.stages[:3]]
+    assert learn.posttrain.sft.max_steps == 200 and learn.posttrain.data.prose_examples == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"base": "tiny", "seed": 3}, "holds only `base` and `overrides` (also found: seed)"),
+        ({"base": "nope"}, "base must name a recipe in configs/ (smollm3-3b, tiny, tiny-learn), got 'nope'"),
+        ({"base": ["tiny"]}, "base must name a recipe in configs/ (smollm3-3b, tiny, tiny-learn), got a list"),
+        ({"base": "tiny", "overrides": "seed=1"}, "overrides must be a list of key=value strings"),
+        ({"base": "tiny", "overrides": ["seed"]}, "override 'seed' must look like key=value"),
+        ({"base": "tiny-learn"}, "has a base itself; a recipe derives from one level only"),
+        ({"base": "tiny", "overrides": ["training.global_batch=0"]}, "training.global_batch"),
+    ],
+)
+def test_a_bad_derived_recipe_is_named(tmp_path, data, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_write(tmp_path, data))
+    assert message in str(err.value)
