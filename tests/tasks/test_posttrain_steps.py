@@ -396,8 +396,14 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     assert first.seen[0] == 0 and second.seen[0] == 2  # continued at step 3, not from scratch
     assert Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert any("rewards/exact_match_reward/mean" in r for r in rows)
+    exact = [r["rewards/exact_match_reward/mean"] for r in rows if "rewards/exact_match_reward/mean" in r]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]  # no step twice after the resume
+    # the reward's trend is over all 4 updates, across the resume: halves of 2 updates each
+    assert len(exact) == 4 and meta["exact_reward_trend"] in {"rose", "fell", "flat"}
+    assert [m for m, _ in meta["exact_reward_by_part"]] == [
+        round((exact[0] + exact[1]) / 2, 4),
+        round((exact[2] + exact[3]) / 2, 4),
+    ]
     final = complete_checkpoints(folder / "checkpoints")[-1]
     assert final[0] == 4 and final[2]["stage_end"] is True
 

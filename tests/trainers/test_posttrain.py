@@ -34,7 +34,7 @@ from pipeline.artifact import MARKER, Artifact, read_marker, run_step
 from tasks.posttrain.data import posttrain_data
 from tests.infra.test_storage import s3  # noqa: F401  (fixture: a moto S3 server)
 from tests.tasks.test_posttrain_steps import DATA, corpus_texts, make_corpora, make_tiny_model
-from trainers.posttrain.common import complete_checkpoints
+from trainers.posttrain.common import complete_checkpoints, reward_trend
 from trainers.posttrain.sections import (
     ChatDataSpec,
     GRPOConfig,
@@ -434,3 +434,22 @@ def test_on_a_cluster_launch_the_main_rank_pulls_the_checkpoint_and_the_step_mov
     assert artifact.meta["resumed_from_step"] == killer.killed_after
     assert not leftover.exists()
     assert_same_curve(losses(artifact), losses(world["apo1"]), rel=1e-5)
+
+
+def test_an_rl_rewards_trend_is_judged_by_shares_of_the_updates_not_by_its_first_and_last():
+    # GRPO's per-update exact-match rewards of a tiny-learn run (docs/posttraining.md): the first
+    # update 0.125, the last 0.375, and no rise once each quarter is averaged
+    noisy = [0.125, 0, 0, 0.25, 0.125, 0.125, 0, 0.25, 0, 0.125, 0.375, 0.125]
+    noisy += [0.125, 0.125, 0, 0, 0.125, 0.125, 0, 0, 0.125, 0.125, 0, 0.375]
+    facts, said = reward_trend(noisy)
+    assert facts["reward_trend"] == "flat"
+    assert [m for m, _ in facts["reward_by_part"]] == [0.1042, 0.1458, 0.0833, 0.1042]
+    assert said.startswith("by quarter of the updates 0.104 ± 0.038,") and "no change beyond 2 stderr" in said
+    rising = [0.1, 0.12, 0.1, 0.15, 0.2, 0.18, 0.25, 0.3, 0.28, 0.35, 0.4, 0.38]
+    assert reward_trend(rising)[0]["reward_trend"] == "rose"
+    assert reward_trend(rising[::-1])[0]["reward_trend"] == "fell"
+    assert reward_trend([0.2] * 6)[0] == {"reward_by_part": [[0.2, 0.0], [0.2, 0.0]], "reward_trend": "flat"}
+    assert reward_trend([0.0, 1.0]) == (
+        {"reward_by_part": None, "reward_trend": None},
+        "2 update(s): too few for a trend",
+    )

@@ -420,6 +420,36 @@ def write_history(trainer, out: Path) -> dict[str, Any]:
     }
 
 
+def reward_trend(rewards: list[float], parts: int = 4) -> tuple[dict[str, Any], str]:
+    """Did an RL run's reward rise? The updates' rewards (one per logged update, in order) cut into
+    `parts` consecutive shares (halves when there are fewer than 2 per part; none below 4 updates),
+    each share's mean ± its stderr over its updates, and the verdict on last share - first share:
+    `rose` / `fell` beyond 2 combined stderr, else `flat`. A first and last update alone are one
+    sample each: a reward of 0.125 then 0.375 is noise at a few completions per update. Returns
+    the meta's facts and a log phrase."""
+    import itertools
+    import statistics
+
+    n = len(rewards)
+    if n < 4:
+        return {"reward_by_part": None, "reward_trend": None}, f"{n} update(s): too few for a trend"
+    k = parts if n >= 2 * parts else 2
+    cuts = [round(i * n / k) for i in range(k + 1)]
+    shares = [rewards[a:b] for a, b in itertools.pairwise(cuts)]
+    stats = [(statistics.fmean(x), statistics.stdev(x) / len(x) ** 0.5) for x in shares]
+    (m0, s0), (m1, s1) = stats[0], stats[-1]
+    diff, se = m1 - m0, (s0**2 + s1**2) ** 0.5
+    trend = "rose" if diff > 2 * se and diff > 0 else "fell" if diff < -2 * se and diff < 0 else "flat"
+    name = {4: "quarter", 2: "half"}.get(k, f"1/{k}")
+    verdict = {"rose": "rose beyond", "fell": "fell beyond", "flat": "no change beyond"}[trend]
+    text = (
+        f"by {name} of the updates {', '.join(f'{m:.3f} ± {e:.3f}' for m, e in stats)}: "
+        f"{verdict} 2 stderr (last - first {diff:+.3f} ± {se:.3f})"
+    )
+    facts = {"reward_by_part": [[round(m, 4), round(e, 4)] for m, e in stats], "reward_trend": trend}
+    return facts, text
+
+
 def save_policy(trainer, tokenizer, folder: Path) -> Path:
     """Save the trained model and tokenizer as an HF folder, published by rename (main process).
 

@@ -32,6 +32,7 @@ from trainers.posttrain.common import (
     plain_print,
     progress_callback,
     quiet,
+    reward_trend,
     save_policy,
     stop_ids,
     trainer_args,
@@ -93,14 +94,8 @@ def train_grpo(
         for h in trainer.state.log_history
         if "rewards/exact_match_reward/mean" in h
     ]
-    facts |= {
-        "resumed_from_step": resumed,
-        "first_exact_reward": round(rewards[0], 4) if rewards else None,
-        "last_exact_reward": round(rewards[-1], 4) if rewards else None,
-    }
+    trend, said = reward_trend(rewards)
+    facts |= {"resumed_from_step": resumed, **{f"exact_{k}": v for k, v in trend.items()}}
     folder = save_policy(trainer, tokenizer, out / "model")
-    log(
-        f"grpo: {facts['steps']} steps, exact-match reward {facts['first_exact_reward']} -> "
-        f"{facts['last_exact_reward']}"
-    )
+    log(f"grpo: {facts['steps']} steps; exact-match reward {said}")
     return model_meta("grpo", folder, started, num_generations=cfg.num_generations, beta=cfg.beta, **facts)

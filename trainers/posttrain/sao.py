@@ -64,6 +64,7 @@ from trainers.posttrain.common import (
     resolve_device,
     resume_point,
     resumed_step,
+    reward_trend,
     start_metrics,
     stop_ids,
 )
@@ -461,11 +462,12 @@ def report(row: dict, out: Path, board, log: Callable[[str], None], total: int) 
     )
 
 
-def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) -> dict[str, Any]:
+def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) -> tuple[dict[str, Any], str]:
     """The meta's figures: counts, idle share and throughput of the trainer's time (over every
     launch of the step), first and last reward (from `metrics.jsonl`, so across resumes)."""
     elapsed = state.busy + state.waited
     rewards = [json.loads(line)["reward"] for line in (out / METRICS).read_text().splitlines() if line.strip()]
+    trend, said = reward_trend(rewards)
     return {
         "steps": state.step,
         "value_warmup": cfg.value_warmup,
@@ -476,9 +478,8 @@ def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) ->
         "rollout_restarts": state.restarts,
         "trainer_idle_share": round(state.waited / elapsed, 3) if elapsed else None,
         "samples_per_s": round(state.consumed / elapsed, 3) if elapsed else None,
-        "first_reward": round(rewards[0], 4) if rewards else None,
-        "last_reward": round(rewards[-1], 4) if rewards else None,
-    }
+        **trend,
+    }, said
 
 
 def build_models(policy: Path, cfg: SAOConfig, device: str):
@@ -579,8 +580,6 @@ def train_sao(
         if board is not None:
             board.close()
     folder = save_model_folder(model.cpu(), tokenizer, out / "model")
-    facts = final_facts(state, cfg, resumed_step(resume), out)
-    log(
-        f"sao: {state.step} steps, policy version {state.version}, {state.consumed} samples, reward -> {facts['last_reward']}"
-    )
+    facts, said = final_facts(state, cfg, resumed_step(resume), out)
+    log(f"sao: {state.step} steps, policy version {state.version}, {state.consumed} samples; reward {said}")
     return model_meta("sao", folder, started, max_staleness=cfg.max_staleness, **facts)
