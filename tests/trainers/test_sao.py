@@ -235,6 +235,7 @@ def test_sao_step_end_to_end_survives_a_killed_rollout_worker(world, tmp_path):
     assert all(int(k.split("/")[1]) <= SAO.max_staleness for r in got for k in r if k.startswith("staleness/"))
     assert Path(meta["model_dir"], "model.safetensors").is_file() and meta["stage"] == "sao"
     assert 0 <= meta["trainer_idle_share"] <= 1 and meta["samples_per_s"] > 0
+    assert meta["reward_trend"] in {"rose", "fell", "flat"} and len(meta["reward_by_part"]) == 2  # 5 updates: halves
 
 
 def _trainer(folder: Path) -> psutil.Process | None:
