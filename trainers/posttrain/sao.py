@@ -464,7 +464,8 @@ def report(row: dict, out: Path, board, log: Callable[[str], None], total: int) 
 
 def final_facts(state: State, cfg: SAOConfig, resumed: int | None, out: Path) -> tuple[dict[str, Any], str]:
     """The meta's figures: counts, idle share and throughput of the trainer's time (over every
-    launch of the step), first and last reward (from `metrics.jsonl`, so across resumes)."""
+    launch of the step), the reward's trend over the updates (`reward_trend`, from `metrics.jsonl`,
+    so across resumes); and the trend's log phrase."""
     elapsed = state.busy + state.waited
     rewards = [json.loads(line)["reward"] for line in (out / METRICS).read_text().splitlines() if line.strip()]
     trend, said = reward_trend(rewards)
