@@ -328,17 +328,15 @@ def cmd_watch(args) -> int:
 
 def cmd_demo(args) -> int:
     from flows.demo import up
+    from flows.recipe import RecipeError, load_recipe, recipe_path
 
+    try:  # a bad recipe fails here, before a server starts
+        load_recipe(args.recipe)
+    except RecipeError as exc:
+        raise SystemExit(str(exc)) from None
     recipe = args.recipe
-    if recipe != "tiny":
-        from flows.recipe import RecipeError, load_recipe, recipe_path
-
-        try:  # a bad name fails here, before a server starts
-            load_recipe(recipe)
-        except RecipeError as exc:
-            raise SystemExit(str(exc)) from None
-        if Path(recipe).suffix in {".yaml", ".yml"}:  # a file: the served run resolves it from elsewhere
-            recipe = str(recipe_path(recipe).resolve())
+    if Path(recipe).suffix in {".yaml", ".yml"}:  # a file: the served run resolves it from elsewhere
+        recipe = str(recipe_path(recipe).resolve())
     return up(Path(args.workspace), args.port, Path(args.state), recipe=recipe)
 
 

@@ -18,14 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from flows.recipe import CONFIGS_DIR
+from flows.recipe import recipe_names
 from pipeline.step import StepDef
-
-
-def recipe_names() -> tuple[str, ...]:
-    """The recipes `load_recipe` finds by name (files in configs/), sorted."""
-    return tuple(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
-
 
 # Two alternatives, each titled: the UI shows the titles as the choice between them.
 RecipeParam = (

@@ -236,6 +236,11 @@ class Recipe(BaseModel):
         raise KeyError(f"no source {name!r}; sources: {', '.join(s.name for s in self.sources)}")
 
 
+def recipe_names() -> tuple[str, ...]:
+    """The recipes `load_recipe` finds by name (files in configs/), sorted."""
+    return tuple(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+
+
 def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in {".yaml", ".yml"} and path.is_file():
@@ -243,8 +248,7 @@ def recipe_path(name_or_path: str) -> Path:
     candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
     if candidate.is_file():
         return candidate
-    known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
-    raise RecipeError(f"no recipe {name_or_path!r}: not a YAML file, nor one of: {known}")
+    raise RecipeError(f"no recipe {name_or_path!r}: not a YAML file, nor one of: {', '.join(recipe_names())}")
 
 
 def _read_recipe(path: Path) -> dict[str, Any]:
@@ -269,7 +273,7 @@ def _derived(path: Path, data: dict[str, Any]) -> dict[str, Any]:
             f"recipe {path}: a recipe with `base` holds only `base` and `overrides` (also found: {', '.join(extra)})"
         )
     base, items = data["base"], data.get("overrides") or []
-    known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    known = recipe_names()
     if not isinstance(base, str) or base not in known:
         got = repr(base) if isinstance(base, str) else type_name(base)
         raise RecipeError(f"recipe {path}: base must name a recipe in configs/ ({', '.join(known)}), got {got}")

@@ -117,6 +117,20 @@ def test_demo_with_an_unknown_recipe_stops_before_starting_anything(tmp_path, ca
     assert not state.exists() and not (tmp_path / "ws").exists()  # no server, no serve process, no run
 
 
+def test_demo_hands_a_valid_recipe_to_the_served_run(tmp_path, monkeypatch):
+    """The quiet side of the check above: a shipped recipe by name passes as it is, a recipe file
+    as its absolute path (the serve process resolves it from its own folder)."""
+    import flows.demo
+
+    got = []
+    monkeypatch.setattr(flows.demo, "up", lambda workspace, port, state, recipe: got.append(recipe) or 0)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("base: tiny\noverrides: [seed=3]\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--recipe", "tiny-learn"]) == 0 and main(["demo", "--recipe", "mine.yaml"]) == 0
+    assert got == ["tiny-learn", str(recipe.resolve())]
+
+
 def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
