@@ -126,6 +126,43 @@ def eval_table(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
     return eval_table_markdown(rows, parents) if markdown else eval_table_text(rows, parents)
 
 
+# The RL steps and the reward whose trend each keeps (trainers/posttrain/common.py `reward_trend`):
+# GRPO's exact-match reward (its format reward is shaping), SAO's reward (exact match plus the
+# weighted format reward: the one reward its samples carry).
+RL_REWARDS = {
+    "grpo": ("exact-match reward", "exact_reward_by_part", "exact_reward_trend"),
+    "sao": ("reward", "reward_by_part", "reward_trend"),
+}
+_TREND_SAID = {"rose": "ROSE beyond 2 stderr", "fell": "FELL beyond 2 stderr", "flat": "NO RISE beyond 2 stderr"}
+
+
+def rl_rewards(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
+    """Did each RL step's reward rise? Per GRPO and SAO step of the run: its reward by quarter
+    (or half) of its updates, mean ± stderr, and the verdict on last share - first share, from the
+    step's meta (`reward_trend`). Empty when the run has no RL step."""
+    rows = []
+    for step, (reward, parts_key, trend_key) in RL_REWARDS.items():
+        for label, art in lineage.labelled_outputs(run_id, step):
+            parts, trend = art.meta.get(parts_key), art.meta.get(trend_key)
+            updates = art.meta.get("steps")
+            name = f"{step}[{label}]" if label != step else step
+            if parts:
+                share = {4: "quarter", 2: "half"}.get(len(parts), f"1/{len(parts)}")
+                by = f"by {share}: " + ", ".join(f"{m:.3f} ± {e:.3f}" for m, e in parts)
+                verdict = _TREND_SAID.get(trend, str(trend))
+            elif trend_key in art.meta:  # fewer than 4 updates
+                by, verdict = "", "too few for a trend"
+            else:
+                by, verdict = "", "not recorded (built before the trend was kept)"
+            rows.append((name, reward, updates, by, verdict))
+    if not rows:
+        return ""
+    if markdown:
+        head = ["| step | reward | updates | mean ± stderr | verdict |", "|---|---|---|---|---|"]
+        return "\n".join(head + [f"| {n} | {r} | {u} | {b or '-'} | {v} |" for n, r, u, b, v in rows])
+    return "\n".join(f"{n}: {r} over {u} updates{', ' + b if b else ''}: {v}" for n, r, u, b, v in rows)
+
+
 def _started_from(lineage: Lineage, run_id: str) -> tuple[tuple[str, str], ...]:
     """The run report's (post-trained model, model its step started from) labels, once the run
     has its report (tasks/run_report.py `parents`)."""
@@ -146,13 +183,16 @@ def final_artifact(lineage: Lineage, run_id: str) -> dict[str, Any] | None:
 
 
 def summary(lineage: Lineage, ui_url: str | None) -> str:
-    """What `make demo` prints at the end: the newest run, its steps, eval scores per stage and
-    the lineage of the final model."""
+    """What `make demo` prints at the end: the newest run, its steps, eval scores per stage, the
+    RL steps' reward by quarter (`rl_rewards`) and the lineage of the final model."""
     runs = lineage.runs(1)
     if not runs:
         return f"no runs recorded in {lineage.path}"
     run = runs[0]
     parts = ["== newest run ==", runs_table(lineage, 1), "", "== eval scores ==", eval_table(lineage, run["run_id"])]
+    rl = rl_rewards(lineage, run["run_id"])
+    if rl:
+        parts += ["", "== RL reward ==", rl]
     final = final_artifact(lineage, run["run_id"])
     if final:
         parts += ["", f"== lineage of the final {final['kind']} ==", tree(lineage, final)]
@@ -207,6 +247,9 @@ def run_report(lineage: Lineage, ref: str, out: Path) -> Path:
         "",
         eval_table(lineage, run_id, markdown=True),
     ]
+    rl = rl_rewards(lineage, run_id, markdown=True)
+    if rl:
+        parts += ["", "## RL reward", "", rl]
     try:
         stages = stage_rows(lineage.labelled_outputs(run_id, "pretrain"))
     except (OSError, ValueError) as exc:  # stage folders deleted, or only on S3

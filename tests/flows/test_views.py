@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from flows.views import eval_table
+from flows.views import eval_table, rl_rewards, summary
 from pipeline.artifact import Artifact
 from pipeline.lineage import Lineage
 from pipeline.lineage.store import StepRow
@@ -34,3 +34,40 @@ def test_the_summary_table_flags_steps_once_the_run_has_its_report(tmp_path):
     assert "sft vs base: arithmetic_exact +0.300 (+4.6 se)" in table
     assert "apo vs sft: NO CHANGE BEYOND NOISE on any task (largest: arithmetic_exact +0.020, +0.2 se)" in table
     assert "- apo vs sft: NO CHANGE BEYOND NOISE" in eval_table(lineage, "run-1", markdown=True)
+
+
+def test_the_summary_says_whether_each_rl_steps_reward_rose(tmp_path):
+    """The RL steps' reward trend, from their meta as the trainers write it (reward_trend): a
+    flat GRPO run, a rising SAO run, a run too short for a trend and one built before the trend
+    was kept, each said as such."""
+    from trainers.posttrain.common import reward_trend
+
+    lineage = Lineage(tmp_path / "lineage.duckdb")
+    lineage.start_run("run-1", "smollm3", None, "tiny", {})
+    assert rl_rewards(lineage, "run-1") == ""  # no RL step: no section
+    flat, _ = reward_trend([0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2])
+    rose, _ = reward_trend([0.0, 0.05, 0.0, 0.05, 0.5, 0.55, 0.5, 0.55])
+    short, _ = reward_trend([0.0, 1.0])
+    metas = {
+        ("grpo", "grpo"): {"steps": 8, **{f"exact_{k}": v for k, v in flat.items()}},
+        ("sao", "sao"): {"steps": 8, **rose},
+        ("grpo", "grpo-short"): {"steps": 2, **{f"exact_{k}": v for k, v in short.items()}},
+        ("sao", "sao-old"): {"steps": 3},
+    }
+    for i, ((step, label), meta) in enumerate(metas.items()):
+        art = Artifact(kind="hf_model", uri=str(tmp_path / label), fingerprint=str(i) * 64, meta=meta)
+        _record(lineage, "run-1", step, label, art, {"label": label})
+    lines = rl_rewards(lineage, "run-1").splitlines()
+    assert lines == [
+        "grpo: exact-match reward over 8 updates, by quarter: 0.150 ± 0.050, 0.150 ± 0.050, 0.150 ± 0.050, "
+        "0.150 ± 0.050: NO RISE beyond 2 stderr",
+        "grpo[grpo-short]: exact-match reward over 2 updates: too few for a trend",
+        "sao: reward over 8 updates, by quarter: 0.025 ± 0.025, 0.025 ± 0.025, 0.525 ± 0.025, 0.525 ± 0.025: "
+        "ROSE beyond 2 stderr",
+        "sao[sao-old]: reward over 3 updates: not recorded (built before the trend was kept)",
+    ], lines
+    table = rl_rewards(lineage, "run-1", markdown=True)
+    assert table.splitlines()[0] == "| step | reward | updates | mean ± stderr | verdict |"
+    assert "| sao | reward | 8 | by quarter: 0.025 ± 0.025" in table
+    # the demo's summary carries the section
+    assert "== RL reward ==\ngrpo: exact-match reward over 8 updates" in summary(lineage, None)

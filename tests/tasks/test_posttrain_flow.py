@@ -75,7 +75,7 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
 
     import torch
 
-    from flows.views import eval_table
+    from flows.views import eval_table, rl_rewards, summary
     from pipeline.lineage import Lineage
 
     torch.set_num_threads(2)
@@ -118,6 +118,15 @@ def test_posttrain_dag_scores_every_step_and_keeps_lineage(tmp_path, prefect_har
     # every trainer's curves in the flow run's tracker folder (tiny's tracker: tensorboard)
     boards = {p.name.split("-")[0] for p in (ws / "tensorboard").glob("*/*")}
     assert {"sft", "preference", "grpo", "sao"} <= boards, boards
+
+    # Whether each RL step's reward rose, from the trainers' own meta (GRPO 2 updates, SAO 2 after
+    # its value warm-up: 3): below 4 there is no trend
+    rl = rl_rewards(lineage, run_id).splitlines()
+    assert rl == [
+        "grpo: exact-match reward over 2 updates: too few for a trend",
+        "sao: reward over 3 updates: too few for a trend",
+    ], rl
+    assert "== RL reward ==" in summary(lineage, None)
 
     table = eval_table(lineage, run_id)
     head, models, _note = table.split("\n\n")
