@@ -38,20 +38,20 @@ def test_the_summary_table_flags_steps_once_the_run_has_its_report(tmp_path):
 
 def test_the_summary_says_whether_each_rl_steps_reward_rose(tmp_path):
     """The RL steps' reward trend, from their meta as the trainers write it (reward_trend): a
-    flat GRPO run, a rising SAO run, a run too short for a trend and one built before the trend
-    was kept, each said as such."""
+    flat GRPO run, a rising SAO run, a run too short for a trend (4 updates: shares of 2 have no
+    stderr) and one built before the trend was kept, each said as such."""
     from trainers.posttrain.common import reward_trend
 
     lineage = Lineage(tmp_path / "lineage.duckdb")
     lineage.start_run("run-1", "smollm3", None, "tiny", {})
     assert rl_rewards(lineage, "run-1") == ""  # no RL step: no section
-    flat, _ = reward_trend([0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2])
-    rose, _ = reward_trend([0.0, 0.05, 0.0, 0.05, 0.5, 0.55, 0.5, 0.55])
-    short, _ = reward_trend([0.0, 1.0])
+    flat, _ = reward_trend([0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2])
+    rose, _ = reward_trend([0.0, 0.1, 0.05, 0.0, 0.1, 0.05, 0.5, 0.6, 0.55, 0.5, 0.6, 0.55])
+    short, _ = reward_trend([0.45, 0.45, 0.2, 0.2])
     metas = {
-        ("grpo", "grpo"): {"steps": 8, **{f"exact_{k}": v for k, v in flat.items()}},
-        ("sao", "sao"): {"steps": 8, **rose},
-        ("grpo", "grpo-short"): {"steps": 2, **{f"exact_{k}": v for k, v in short.items()}},
+        ("grpo", "grpo"): {"steps": 12, **{f"exact_{k}": v for k, v in flat.items()}},
+        ("sao", "sao"): {"steps": 12, **rose},
+        ("grpo", "grpo-short"): {"steps": 4, **{f"exact_{k}": v for k, v in short.items()}},
         ("sao", "sao-old"): {"steps": 3},
     }
     for i, ((step, label), meta) in enumerate(metas.items()):
@@ -59,15 +59,15 @@ def test_the_summary_says_whether_each_rl_steps_reward_rose(tmp_path):
         _record(lineage, "run-1", step, label, art, {"label": label})
     lines = rl_rewards(lineage, "run-1").splitlines()
     assert lines == [
-        "grpo: exact-match reward over 8 updates, by quarter: 0.150 ± 0.050, 0.150 ± 0.050, 0.150 ± 0.050, "
-        "0.150 ± 0.050: NO RISE beyond 2 stderr",
-        "grpo[grpo-short]: exact-match reward over 2 updates: too few for a trend",
-        "sao: reward over 8 updates, by quarter: 0.025 ± 0.025, 0.025 ± 0.025, 0.525 ± 0.025, 0.525 ± 0.025: "
+        "grpo: exact-match reward over 12 updates, by quarter: 0.133 ± 0.033, 0.167 ± 0.033, 0.133 ± 0.033, "
+        "0.167 ± 0.033: NO RISE beyond 2 stderr",
+        "grpo[grpo-short]: exact-match reward over 4 updates: too few for a trend",
+        "sao: reward over 12 updates, by quarter: 0.050 ± 0.029, 0.050 ± 0.029, 0.550 ± 0.029, 0.550 ± 0.029: "
         "ROSE beyond 2 stderr",
         "sao[sao-old]: reward over 3 updates: not recorded (built before the trend was kept)",
     ], lines
     table = rl_rewards(lineage, "run-1", markdown=True)
     assert table.splitlines()[0] == "| step | reward | updates | mean ± stderr | verdict |"
-    assert "| sao | reward | 8 | by quarter: 0.025 ± 0.025" in table
+    assert "| sao | reward | 12 | by quarter: 0.050 ± 0.029" in table
     # the demo's summary carries the section
-    assert "== RL reward ==\ngrpo: exact-match reward over 8 updates" in summary(lineage, None)
+    assert "== RL reward ==\ngrpo: exact-match reward over 12 updates" in summary(lineage, None)

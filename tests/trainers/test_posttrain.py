@@ -449,7 +449,14 @@ def test_an_rl_rewards_trend_is_judged_by_shares_of_the_updates_not_by_its_first
     assert reward_trend(rising)[0]["reward_trend"] == "rose"
     assert reward_trend(rising[::-1])[0]["reward_trend"] == "fell"
     assert reward_trend([0.2] * 6)[0] == {"reward_by_part": [[0.2, 0.0], [0.2, 0.0]], "reward_trend": "flat"}
+    assert len(reward_trend([0.2] * 11)[0]["reward_by_part"]) == 2  # quarters from 12 updates: 3 in each
     assert reward_trend([0.0, 1.0]) == (
         {"reward_by_part": None, "reward_trend": None},
         "2 update(s): too few for a trend",
+    )
+    # A stderr needs 3 updates: an SAO run's 4 updates (a tiny-learn run, 2026-12-06) had halves of
+    # stderr 0 and read as a fall; it is too short for any verdict
+    assert reward_trend([0.45, 0.45, 0.2, 0.2]) == (
+        {"reward_by_part": None, "reward_trend": None},
+        "4 update(s): too few for a trend",
     )

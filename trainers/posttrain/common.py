@@ -420,20 +420,25 @@ def write_history(trainer, out: Path) -> dict[str, Any]:
     }
 
 
+MIN_PER_SHARE = 3  # updates in each share of `reward_trend`: its stderr needs 3 at least
+
+
 def reward_trend(rewards: list[float], parts: int = 4) -> tuple[dict[str, Any], str]:
     """Did an RL run's reward rise? The updates' rewards (one per logged update, in order) cut into
-    `parts` consecutive shares (halves when there are fewer than 2 per part; none below 4 updates),
-    each share's mean ± its stderr over its updates, and the verdict on last share - first share:
-    `rose` / `fell` beyond 2 combined stderr, else `flat`. A first and last update alone are one
-    sample each: a reward of 0.125 then 0.375 is noise at a few completions per update. Returns
-    the meta's facts and a log phrase."""
+    `parts` consecutive shares of at least 3 updates (halves when there are fewer than 3 per part;
+    none below 6 updates), each share's mean ± its stderr over its updates, and the verdict on last
+    share - first share: `rose` / `fell` beyond 2 combined stderr, else `flat`. A first and last
+    update alone are one sample each: a reward of 0.125 then 0.375 is noise at a few completions
+    per update. A stderr from 2 updates is no estimate: an SAO run of 4 updates rewarded 0.45,
+    0.45, 0.2, 0.2 had halves of stderr 0 and read as `fell`. Returns the meta's facts and a log
+    phrase."""
     import itertools
     import statistics
 
     n = len(rewards)
-    if n < 4:
+    if n < 2 * MIN_PER_SHARE:
         return {"reward_by_part": None, "reward_trend": None}, f"{n} update(s): too few for a trend"
-    k = parts if n >= 2 * parts else 2
+    k = parts if n >= MIN_PER_SHARE * parts else 2
     cuts = [round(i * n / k) for i in range(k + 1)]
     shares = [rewards[a:b] for a, b in itertools.pairwise(cuts)]
     stats = [(statistics.fmean(x), statistics.stdev(x) / len(x) ** 0.5) for x in shares]
