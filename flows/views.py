@@ -150,7 +150,7 @@ def rl_rewards(lineage: Lineage, run_id: str, markdown: bool = False) -> str:
                 share = {4: "quarter", 2: "half"}.get(len(parts), f"1/{len(parts)}")
                 by = f"by {share}: " + ", ".join(f"{m:.3f} ± {e:.3f}" for m, e in parts)
                 verdict = _TREND_SAID.get(trend, str(trend))
-            elif trend_key in art.meta:  # fewer than 4 updates
+            elif trend_key in art.meta:  # too few updates for a trend (reward_trend)
                 by, verdict = "", "too few for a trend"
             else:
                 by, verdict = "", "not recorded (built before the trend was kept)"
