@@ -20,6 +20,7 @@ when the interval is over, so the artifact is never more than `every_s` behind).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import threading
@@ -76,6 +77,10 @@ class LiveStatus:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self.artifact_id = create_progress_artifact(progress=0.0, key=artifact_key, description=key)
+        # The step's Prefect context (its API's settings among it): updates come from threads the
+        # step starts (a stage's metrics watcher, the timer below), which have none, and Prefect
+        # would start a temporary server of its own for them instead of reaching the run's API.
+        self._context = contextvars.copy_context()
 
     def _send(self, force: bool = False) -> None:
         with self._lock:
@@ -93,8 +98,11 @@ class LiveStatus:
         try:
             from prefect.artifacts import update_progress_artifact
 
-            update_progress_artifact(
-                artifact_id=self.artifact_id, progress=state[0], description=describe(self.key, state[1])
+            self._context.copy().run(  # a copy: one context is entered by one thread at a time
+                update_progress_artifact,
+                artifact_id=self.artifact_id,
+                progress=state[0],
+                description=describe(self.key, state[1]),
             )
         except Exception as exc:  # noqa: BLE001 - the API is busy or gone: the step goes on
             log.debug("progress artifact of %s not updated: %s", self.key, exc)
