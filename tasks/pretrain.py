@@ -45,6 +45,7 @@ uploaded), once per stage folder.
 from __future__ import annotations
 
 import base64
+import contextvars
 import json
 import os
 import threading
@@ -286,6 +287,9 @@ def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None
 
     if not flow_run.id:
         return RunRef(), None
+    # This thread's Prefect context, its API's settings among it: the supervisor's thread has
+    # none, and Prefect's events worker started there would start a temporary server of its own.
+    context = contextvars.copy_context()
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
     if task_run.id:
         related.append({"prefect.resource.id": f"prefect.task-run.{task_run.id}", "prefect.resource.role": "task-run"})
@@ -295,7 +299,8 @@ def _run_context() -> tuple[RunRef, Callable[[str, dict[str, Any]], None] | None
         from prefect.events import emit_event
 
         payload = dict(payload)
-        emit_event(event=event, resource=payload.pop("resource"), related=related, payload=payload)
+        resource = payload.pop("resource")
+        context.copy().run(emit_event, event=event, resource=resource, related=related, payload=payload)
 
     return ref, emit
 

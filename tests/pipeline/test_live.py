@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 
 def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(private_api_url):
@@ -31,3 +32,42 @@ def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(pri
 
     run()
     assert Artifact.get("live-thread-test-progress").data == 42.0
+
+
+def test_a_stage_event_sent_from_the_supervisors_thread_reaches_the_runs_server(private_api_url):
+    """A stage's flags become Prefect events sent from the thread that supervises the trainer
+    (tasks/pretrain.py `_run_context`): with no Prefect context there, the events worker started a
+    temporary server and the events never reached the run's API."""
+    import httpx
+    from prefect import flow, task
+
+    from tasks.pretrain import _run_context
+
+    @task
+    def work() -> None:
+        _, emit = _run_context()
+        resource = {"prefect.resource.id": "smollm3.stage.test", "prefect.resource.name": "stage1"}
+        thread = threading.Thread(target=emit, args=("smollm3.training.test_flag", {"resource": resource, "step": 3}))
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+
+    @flow
+    def run() -> None:
+        work()
+
+    run()
+    from flows.api import drain_events
+
+    drain_events()
+    deadline, found = time.monotonic() + 60, []
+    while not found and time.monotonic() < deadline:  # the server stores events in the background
+        reply = httpx.post(
+            f"{private_api_url}/events/filter",
+            json={"filter": {"event": {"name": ["smollm3.training.test_flag"]}}, "limit": 5},
+            timeout=10,
+        )
+        reply.raise_for_status()
+        found = reply.json()["events"]
+        time.sleep(0.5)
+    assert [e["payload"]["step"] for e in found] == [3], found
