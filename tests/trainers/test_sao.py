@@ -235,7 +235,9 @@ def test_sao_step_end_to_end_survives_a_killed_rollout_worker(world, tmp_path):
     assert all(int(k.split("/")[1]) <= SAO.max_staleness for r in got for k in r if k.startswith("staleness/"))
     assert Path(meta["model_dir"], "model.safetensors").is_file() and meta["stage"] == "sao"
     assert 0 <= meta["trainer_idle_share"] <= 1 and meta["samples_per_s"] > 0
-    assert meta["reward_trend"] in {"rose", "fell", "flat"} and len(meta["reward_by_part"]) == 2  # 5 updates: halves
+    # the reward's trend reads every update, across the worker's restart: 5, under the 6 a trend needs
+    assert meta["reward_trend"] is None and meta["reward_by_part"] is None
+    assert any(line.endswith("; reward 5 update(s): too few for a trend") for line in lines), lines[-5:]
 
 
 def _trainer(folder: Path) -> psutil.Process | None:
