@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+
+
+def _from_a_thread_of_a_task(make_call) -> None:
+    """Run a flow whose one task builds `call = make_call()` in its own thread (where the Prefect
+    context is) and then calls it from a new thread, as a step's watcher or supervisor does."""
+    from prefect import flow, task
+
+    @task
+    def work() -> None:
+        thread = threading.Thread(target=make_call())
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+
+    @flow
+    def run() -> None:
+        work()
+
+    run()
 
 
 def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(private_api_url):
@@ -13,24 +33,13 @@ def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(pri
     tiny-learn started two, one still running after the run ended) and the UI never showed it.
     On a server of the test's own, as `smollm3 run` has (flows/api.py `embedded_api`): on the
     session's harness, Prefect's temporary server is the harness itself."""
-    from prefect import flow, task
     from prefect.artifacts import Artifact
 
     from pipeline.live import LiveStatus
 
-    @task
-    def work() -> None:
-        live = LiveStatus("step[x]", "live-thread-test-progress", every_s=0.0)
-        thread = threading.Thread(target=live.progress, args=(42.0,))
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive()
-
-    @flow
-    def run() -> None:
-        work()
-
-    run()
+    _from_a_thread_of_a_task(
+        lambda: functools.partial(LiveStatus("step[x]", "live-thread-test-progress", every_s=0.0).progress, 42.0)
+    )
     assert Artifact.get("live-thread-test-progress").data == 42.0
 
 
@@ -39,24 +48,13 @@ def test_a_stage_event_sent_from_the_supervisors_thread_reaches_the_runs_server(
     (tasks/pretrain.py `_run_context`): with no Prefect context there, the events worker started a
     temporary server and the events never reached the run's API."""
     import httpx
-    from prefect import flow, task
 
     from tasks.pretrain import _run_context
 
-    @task
-    def work() -> None:
-        _, emit = _run_context()
-        resource = {"prefect.resource.id": "smollm3.stage.test", "prefect.resource.name": "stage1"}
-        thread = threading.Thread(target=emit, args=("smollm3.training.test_flag", {"resource": resource, "step": 3}))
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive()
-
-    @flow
-    def run() -> None:
-        work()
-
-    run()
+    resource = {"prefect.resource.id": "smollm3.stage.test", "prefect.resource.name": "stage1"}
+    _from_a_thread_of_a_task(
+        lambda: functools.partial(_run_context()[1], "smollm3.training.test_flag", {"resource": resource, "step": 3})
+    )
     from flows.api import drain_events
 
     drain_events()
