@@ -42,6 +42,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def cmd_run(args) -> int:
+    import faulthandler
     import signal
 
     from flows.admission import check_run
@@ -54,6 +55,9 @@ def cmd_run(args) -> int:
     # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
     # server started for this run is stopped instead of left behind).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # A native crash in the flow process (an in-process evaluation's torch, a library's C code)
+    # prints every thread's Python stack on stderr before the process dies.
+    faulthandler.enable(all_threads=True)
     with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
         from flows.prefect_flows import smollm3
 

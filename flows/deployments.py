@@ -74,6 +74,9 @@ def deployments() -> list[RunnerDeployment]:
 
 def main() -> None:
     os.environ[HEARTBEAT_ENV] = str(heartbeat_seconds())  # inherited by every flow-run process
+    # A flow-run process that dies of a native crash (SIGSEGV in an in-process evaluation, say)
+    # prints every thread's Python stack in its log first (Python's faulthandler).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     name_owner()  # each run watches this process and ends Crashed if it dies (pipeline/owner.py)
     try:
         ensure_crash_detection()

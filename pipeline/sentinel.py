@@ -45,6 +45,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from infra.guard import ProcessRef, boot_id
 
@@ -265,11 +266,11 @@ def crash_in_prefect(conf: dict[str, Any], steps: list[dict[str, Any]], message:
         while open_runs:
             for task_run, key in list(open_runs.items()):
                 try:
-                    state = client.read_task_run(task_run).state
+                    state = client.read_task_run(UUID(task_run)).state
                     if state is not None and state.is_final():
                         del open_runs[task_run]
                         continue
-                    client.set_task_run_state(task_run, Crashed(message=f"stopped: {why}"), force=True)
+                    client.set_task_run_state(UUID(task_run), Crashed(message=f"stopped: {why}"), force=True)
                 except Exception as exc:  # noqa: BLE001 - the flow run's state is what matters
                     if time.monotonic() >= deadline:
                         _say(f"could not mark task run {task_run} ({key}) Crashed: {exc}")

@@ -2,7 +2,8 @@
 its data steps' children run, kills those children and their trees, exits within 10 s and
 records the run `cancelled` (its running steps `failed` as stopped, the rest skipped); a step
 busy inside the flow process cannot hold the exit past the deadline either; a cluster job a step
-follows is cancelled by Ctrl-C and left running by any other SIGTERM."""
+follows is cancelled by Ctrl-C and left running by any other SIGTERM. A native crash (SIGSEGV)
+leaves every thread's stack in the run's log."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import psutil
 import pytest
 
 from pipeline.lineage import Lineage
+from pipeline.sentinel import TASK_RUN_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +88,35 @@ def test_a_signal_stops_smollm3_run_within_10_s_and_records_it_cancelled(tmp_pat
     assert run["state"] == "cancelled"
     stopped = [s for s in lineage.steps_of(run["run_id"]) if s["state"] == "failed"]
     assert stopped and all(s["error"].startswith(f"stopped: the run was cancelled by {sig.name}") for s in stopped)
+
+
+@pytest.mark.slow
+def test_a_native_crash_of_smollm3_run_leaves_every_thread_s_stack_and_a_crashed_run(tmp_path, api_url):
+    """SIGSEGV, as a crash in torch's or a library's C code raises it in the flow process: the
+    log shows where each thread was (Python's faulthandler), the data step's child dies with the
+    run, and the run's sentinel records it crashed."""
+    ws = tmp_path / "ws"
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "tiny", f"workspace={ws}"],
+        cwd=REPO, env=_env(api_url), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        tree = _wait_for(proc, lambda cmd: "pipeline.child" in cmd, "a data step's child")
+        proc.send_signal(signal.SIGSEGV)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "run.log").read_text(errors="replace")
+    assert rc == -signal.SIGSEGV, (rc, text[-3000:])
+    assert "Fatal Python error: Segmentation fault" in text, text[-3000:]
+    assert "most recent call first" in text and "flows/cli.py" in text, text[-3000:]
+    _, alive = psutil.wait_procs(tree, timeout=TASK_RUN_WAIT_S + 30)  # the sentinel ends last
+    assert _alive(alive) == [], "processes outlived the run"
+    (run,) = Lineage(ws / "lineage.duckdb", read_only=True).runs(1)
+    assert run["state"] == "crashed", run
 
 
 BUSY_FLOW = """
