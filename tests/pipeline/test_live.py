@@ -6,6 +6,24 @@ import functools
 import threading
 import time
 
+import pytest
+
+# Both tests on one worker, on one server of the module's own (`live_api_url`).
+pytestmark = pytest.mark.xdist_group("live-server")
+
+
+@pytest.fixture(scope="module")
+def live_api_url(tmp_path_factory):
+    """One Prefect server for this module's tests, of their own as `smollm3 run`'s is
+    (flows/api.py `embedded_api`, set through Prefect's settings context): on the session's
+    harness, Prefect's temporary server is the harness itself. The tests read back what only
+    they wrote (an artifact key, an event name of their own)."""
+    from flows.api import embedded_api
+
+    home = tmp_path_factory.mktemp("live-prefect-home")
+    with embedded_api(home=str(home), log=lambda _: None) as url:
+        yield url
+
 
 def _from_a_thread_of_a_task(make_call) -> None:
     """Run a flow whose one task builds `call = make_call()` in its own thread (where the Prefect
@@ -26,7 +44,7 @@ def _from_a_thread_of_a_task(make_call) -> None:
     run()
 
 
-def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(private_api_url):
+def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(live_api_url):
     """Progress comes from threads the step starts (the stage's metrics watcher, the timer that
     sends a throttled line): a new thread has no Prefect settings context, so its update went to a
     temporary server Prefect started for it instead of the run's API (a `smollm3 run` of
@@ -43,7 +61,7 @@ def test_progress_reported_from_a_thread_of_the_step_reaches_the_runs_server(pri
     assert Artifact.get("live-thread-test-progress").data == 42.0
 
 
-def test_a_stage_event_sent_from_the_supervisors_thread_reaches_the_runs_server(private_api_url):
+def test_a_stage_event_sent_from_the_supervisors_thread_reaches_the_runs_server(live_api_url):
     """A stage's flags become Prefect events sent from the thread that supervises the trainer
     (tasks/pretrain.py `_run_context`): with no Prefect context there, the events worker started a
     temporary server and the events never reached the run's API."""
@@ -61,7 +79,7 @@ def test_a_stage_event_sent_from_the_supervisors_thread_reaches_the_runs_server(
     deadline, found = time.monotonic() + 60, []
     while not found and time.monotonic() < deadline:  # the server stores events in the background
         reply = httpx.post(
-            f"{private_api_url}/events/filter",
+            f"{live_api_url}/events/filter",
             json={"filter": {"event": {"name": ["smollm3.training.test_flag"]}}, "limit": 5},
             timeout=10,
         )
