@@ -28,6 +28,16 @@ def _env(api_url: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": api_url}
 
 
+def _smollm3_run(ws: Path, api_url: str, log_path: Path):
+    """`smollm3 run tiny` on workspace `ws`, its output in `log_path`: the process and the log."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "tiny", f"workspace={ws}"],
+        cwd=REPO, env=_env(api_url), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return proc, log
+
+
 def _wait_for(proc: subprocess.Popen, want, what: str, timeout: float = 240.0) -> list[psutil.Process]:
     """Descendants of `proc` once `want(cmdline)` holds for one of them."""
     deadline = time.monotonic() + timeout
@@ -62,11 +72,7 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_smollm3_run_within_10_s_and_records_it_cancelled(tmp_path, api_url, sig):
     ws = tmp_path / "ws"
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", "tiny", f"workspace={ws}"],
-        cwd=REPO, env=_env(api_url), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc, log = _smollm3_run(ws, api_url, tmp_path / "run.log")
     try:
         _wait_for(proc, lambda cmd: "pipeline.child" in cmd, "a data step's child")
         time.sleep(1.0)  # the child is working (its guard and interpreter started)
@@ -96,11 +102,7 @@ def test_a_native_crash_of_smollm3_run_leaves_every_thread_s_stack_and_a_crashed
     log shows where each thread was (Python's faulthandler), the data step's child dies with the
     run, and the run's sentinel records it crashed."""
     ws = tmp_path / "ws"
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", "tiny", f"workspace={ws}"],
-        cwd=REPO, env=_env(api_url), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc, log = _smollm3_run(ws, api_url, tmp_path / "run.log")
     try:
         tree = _wait_for(proc, lambda cmd: "pipeline.child" in cmd, "a data step's child")
         proc.send_signal(signal.SIGSEGV)
