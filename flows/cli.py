@@ -42,7 +42,6 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def cmd_run(args) -> int:
-    import faulthandler
     import signal
 
     from flows.admission import check_run
@@ -55,9 +54,6 @@ def cmd_run(args) -> int:
     # SIGTERM to the handler it found: exit through Python, so exit hooks run (a temporary Prefect
     # server started for this run is stopped instead of left behind).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # A native crash in the flow process (an in-process evaluation's torch, a library's C code)
-    # prints every thread's Python stack on stderr before the process dies.
-    faulthandler.enable(all_threads=True)
     with prefect_api(log=lambda line: print(f"smollm3 run: {line}", file=sys.stderr)):
         from flows.prefect_flows import smollm3
 
@@ -643,6 +639,12 @@ PASS_THROUGH = {"preflight": cmd_preflight, "capacity": cmd_capacity, "eval-qual
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's entry (console script, `python -m flows.cli`), not a caller's
+        import faulthandler
+
+        # A native crash (torch or a library's C code in the flow `run` or `ablate` runs here, an
+        # in-process evaluation's, say) prints every thread's Python stack on stderr before it dies.
+        faulthandler.enable(all_threads=True)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASS_THROUGH:  # their own parsers own every option, --help included
         command, fn, args = argv[0], PASS_THROUGH[argv[0]], argparse.Namespace(args=argv[1:])

@@ -261,16 +261,16 @@ def crash_in_prefect(conf: dict[str, Any], steps: list[dict[str, Any]], message:
         # service that lags on a loaded machine: a task run the flow entered just before the kill
         # may not exist yet (the state cannot be set), then appear `Running` seconds later. So
         # each is set, then read back until it holds a final state, for up to TASK_RUN_WAIT_S.
-        open_runs = {entry["task_run"]: entry["key"] for entry in steps if entry.get("task_run")}
+        open_runs = {UUID(entry["task_run"]): entry["key"] for entry in steps if entry.get("task_run")}
         deadline = time.monotonic() + TASK_RUN_WAIT_S
         while open_runs:
             for task_run, key in list(open_runs.items()):
                 try:
-                    state = client.read_task_run(UUID(task_run)).state
+                    state = client.read_task_run(task_run).state
                     if state is not None and state.is_final():
                         del open_runs[task_run]
                         continue
-                    client.set_task_run_state(UUID(task_run), Crashed(message=f"stopped: {why}"), force=True)
+                    client.set_task_run_state(task_run, Crashed(message=f"stopped: {why}"), force=True)
                 except Exception as exc:  # noqa: BLE001 - the flow run's state is what matters
                     if time.monotonic() >= deadline:
                         _say(f"could not mark task run {task_run} ({key}) Crashed: {exc}")
