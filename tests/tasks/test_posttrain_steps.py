@@ -14,11 +14,12 @@ import random
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from curation.conversations import math_conversation
 from pipeline.artifact import Artifact, read_marker, run_step
 from tasks.posttrain.data import posttrain_data
-from trainers.posttrain.chat_data import exact_match_reward, format_reward, read_jsonl
+from trainers.posttrain.chat_data import exact_match_reward, format_reward, question, read_jsonl
 from trainers.posttrain.sections import (
     ChatDataConfig,
     ChatDataSpec,
@@ -360,11 +361,18 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
 
     class FirstStep(TrainerCallback):
         seen: list[int] = []
+        pool: list[str] = []
 
         def on_step_begin(self, args, state, control, **kw):
             self.seen.append(state.global_step)
 
-    cfg = GRPOConfig(max_steps=6, batch=4, num_generations=2, max_completion_length=12, save_steps=3, lr=1e-3)
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kw):
+            self.pool = [question(p) for p in train_dataloader.dataset["prompt"]]  # what the trainer samples from
+
+    # a pool of the first 3 prompts: 6 updates x 2 prompts = 4 epochs of it
+    cfg = GRPOConfig(
+        max_steps=6, batch=4, num_generations=2, max_completion_length=12, save_steps=3, lr=1e-3, prompts=3
+    )
     policy = Path(world["sft"]["model_dir"])
     d = grpo
     first, second = FirstStep(), FirstStep()
@@ -393,6 +401,8 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     outcome = run_step(**step_args, build=build([second]))
     meta = outcome.artifact.meta
     assert outcome.built and meta["resumed_from_step"] == 3 and meta["steps"] == 6
+    written = [question(r["prompt"]) for r in read_jsonl(world["data"] / "prompts.jsonl")]
+    assert len(written) > 3 and first.pool == second.pool == written[:3] and meta["prompts"] == 3
     assert first.seen[0] == 0 and second.seen[0] == 3  # continued at step 4, not from scratch
     assert Path(meta["model_dir"]).joinpath("model.safetensors").is_file()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -403,6 +413,19 @@ def test_grpo_resumes_from_its_checkpoint_after_a_crash(world, tmp_path):
     assert [m for m, _ in meta["exact_reward_by_part"]] == [round(sum(exact[:3]) / 3, 4), round(sum(exact[3:]) / 3, 4)]
     final = complete_checkpoints(folder / "checkpoints")[-1]
     assert final[0] == 6 and final[2]["stage_end"] is True
+
+
+def test_a_grpo_pool_larger_than_the_prompts_is_refused_naming_both(world, tmp_path):
+    from trainers.posttrain.grpo import train_grpo
+
+    n = len(read_jsonl(world["data"] / "prompts.jsonl"))
+    cfg = GRPOConfig(max_steps=1, batch=2, num_generations=2, prompts=n + 1)
+    with pytest.raises(ValueError, match=rf"posttrain.grpo.prompts = {n + 1}, but .*prompts.jsonl holds {n} prompts"):
+        train_grpo(cfg, Path(world["sft"]["model_dir"]), world["data"], tmp_path, device="cpu", log=lambda _: None)
+    assert not (tmp_path / "model").exists()
+    # the recipe refuses it before any step runs when posttrain.data.prompts is smaller
+    with pytest.raises(ValidationError, match="posttrain.grpo.prompts = 9 is more than the posttrain.data.prompts = 8"):
+        PosttrainConfig(data={"prompts": 8}, grpo={"prompts": 9})
 
 
 # --- on-policy distillation -------------------------------------------------------------------

@@ -70,6 +70,17 @@ def train_grpo(
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(policy, cfg.bf16)
     prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in read_jsonl(data / "prompts.jsonl")]
+    if cfg.prompts is not None:
+        if cfg.prompts > len(prompts):
+            raise ValueError(
+                f"posttrain.grpo.prompts = {cfg.prompts}, but {data / 'prompts.jsonl'} holds "
+                f"{len(prompts)} prompts: lower it, or raise posttrain.data.prompts"
+            )
+        prompts = prompts[: cfg.prompts]
+    draws = cfg.max_steps * cfg.batch // cfg.num_generations
+    log(
+        f"grpo: a pool of {len(prompts)} prompts, {draws} drawn over {cfg.max_steps} updates ({draws / len(prompts):.1f} epochs)"
+    )
     args = trl.GRPOConfig(
         **trainer_args(cfg, out, seed, device),
         num_generations=cfg.num_generations,
@@ -98,4 +109,6 @@ def train_grpo(
     facts |= {"resumed_from_step": resumed, **{f"exact_{k}": v for k, v in trend.items()}}
     folder = save_policy(trainer, tokenizer, out / "model")
     log(f"grpo: {facts['steps']} steps; exact-match reward {said}")
-    return model_meta("grpo", folder, started, num_generations=cfg.num_generations, beta=cfg.beta, **facts)
+    return model_meta(
+        "grpo", folder, started, num_generations=cfg.num_generations, beta=cfg.beta, prompts=len(prompts), **facts
+    )

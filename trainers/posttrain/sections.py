@@ -307,6 +307,9 @@ class GRPOConfig(TrainerConfig):
     max_completion_length: int = Field(default=48, gt=0)  # generated tokens per completion
     temperature: float = Field(default=1.0, gt=0)  # sampling temperature
     format_weight: float = Field(default=0.2, ge=0)  # weight of the format reward vs exact match
+    # The RL prompt pool: the first N of posttrain_data's prompts (None: all), which max_steps x
+    # batch / num_generations prompt draws go over for as many epochs as that makes
+    prompts: int | None = Field(default=None, gt=0)
     save_steps: int = operational(5, gt=0)  # checkpoint interval: a killed run resumes from here
 
     @model_validator(mode="after")
@@ -508,6 +511,11 @@ class PosttrainConfig(_Config):
     def _soup_needs_preference(self) -> PosttrainConfig:
         if self.merge.enabled and self.merge.soup and not self.preference.enabled:
             raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
+        if self.grpo.prompts is not None and self.grpo.prompts > self.data.prompts:
+            raise ValueError(
+                f"posttrain.grpo.prompts = {self.grpo.prompts} is more than the "
+                f"posttrain.data.prompts = {self.data.prompts} arithmetic prompts the data step writes"
+            )
         if self.preference.enabled and self.preference.pairs == "on_policy" and not self.pairs.modes():
             raise ValueError(
                 "posttrain.preference.pairs is 'on_policy' but posttrain.pairs names no mode; set "
