@@ -92,8 +92,14 @@ def test_a_signal_stops_smollm3_run_within_10_s_and_records_it_cancelled(tmp_pat
     lineage = Lineage(ws / "lineage.duckdb", read_only=True)
     (run,) = lineage.runs(1)
     assert run["state"] == "cancelled"
-    stopped = [s for s in lineage.steps_of(run["run_id"]) if s["state"] == "failed"]
-    assert stopped and all(s["error"].startswith(f"stopped: the run was cancelled by {sig.name}") for s in stopped)
+    steps = lineage.steps_of(run["run_id"])
+    stopped = [s for s in steps if s["state"] == "failed"]
+    # What lineage held and how the run ended, if not (failed once in ~30 runs at load 4: no step
+    # was recorded as stopped, while a later read of the same lineage showed one; cause unknown).
+    said = [(s["step"], s["label"], s["state"], (s["error"] or "")[:80]) for s in steps]
+    assert stopped and all(s["error"].startswith(f"stopped: the run was cancelled by {sig.name}") for s in stopped), (
+        f"steps in lineage: {said}\nrun log tail:\n{(tmp_path / 'run.log').read_text()[-4000:]}"
+    )
 
 
 @pytest.mark.slow
