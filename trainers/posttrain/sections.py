@@ -308,8 +308,9 @@ class GRPOConfig(TrainerConfig):
     temperature: float = Field(default=1.0, gt=0)  # sampling temperature
     format_weight: float = Field(default=0.2, ge=0)  # weight of the format reward vs exact match
     # The RL prompt pool: the first N of posttrain_data's prompts (None: all), which max_steps x
-    # batch / num_generations prompt draws go over for as many epochs as that makes
-    prompts: int | None = Field(default=None, gt=0)
+    # batch / num_generations prompt draws go over for as many epochs as that makes; out of the
+    # fingerprint while unset, so the GRPO steps of workspaces built before it are reused
+    prompts: int | None = added_identity(None, gt=0)
     save_steps: int = operational(5, gt=0)  # checkpoint interval: a killed run resumes from here
 
     @model_validator(mode="after")
