@@ -426,6 +426,9 @@ def test_a_grpo_pool_larger_than_the_prompts_is_refused_naming_both(world, tmp_p
     # the recipe refuses it before any step runs when posttrain.data.prompts is smaller
     with pytest.raises(ValidationError, match="posttrain.grpo.prompts = 9 is more than the posttrain.data.prompts = 8"):
         PosttrainConfig(data={"prompts": 8}, grpo={"prompts": 9})
+    # silent when the pool fits: as many as the data step writes, or unset
+    assert PosttrainConfig(data={"prompts": 8}, grpo={"prompts": 8}).grpo.prompts == 8
+    assert PosttrainConfig(data={"prompts": 8}).grpo.prompts is None
 
 
 # --- on-policy distillation -------------------------------------------------------------------

@@ -509,14 +509,18 @@ class PosttrainConfig(_Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # cuda when available under "auto"
 
     @model_validator(mode="after")
-    def _soup_needs_preference(self) -> PosttrainConfig:
-        if self.merge.enabled and self.merge.soup and not self.preference.enabled:
-            raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
+    def _grpo_pool_fits(self) -> PosttrainConfig:
         if self.grpo.prompts is not None and self.grpo.prompts > self.data.prompts:
             raise ValueError(
                 f"posttrain.grpo.prompts = {self.grpo.prompts} is more than the "
                 f"posttrain.data.prompts = {self.data.prompts} arithmetic prompts the data step writes"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _soup_needs_preference(self) -> PosttrainConfig:
+        if self.merge.enabled and self.merge.soup and not self.preference.enabled:
+            raise ValueError("posttrain.merge.soup lists preference runs but posttrain.preference.enabled is false")
         if self.preference.enabled and self.preference.pairs == "on_policy" and not self.pairs.modes():
             raise ValueError(
                 "posttrain.preference.pairs is 'on_policy' but posttrain.pairs names no mode; set "
