@@ -176,6 +176,8 @@ def _after(text: str) -> str:
 # --- did a post-training step move the scores? ----------------------------------------------
 
 NOISE_Z = 2.0  # a change of more than this many combined stderr is more than noise
+BASE = "base"  # the eval label of the model post-training starts from
+BEFORE_REASONING = "before-reasoning"  # ...and of the one the reasoning stages started from
 
 
 def moves(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -237,8 +239,11 @@ def moves_text(rows: list[dict[str, Any]], parents: Sequence[tuple[str, str]]) -
             )
     if not lines:
         return ""
+    reasoning = (
+        f" (and the reasoning stages: base vs {BEFORE_REASONING})" if (BASE, BEFORE_REASONING) in parents else ""
+    )
     return (
-        f"Change from the model each post-training step started from, on the same items (score difference, "
+        f"Change from the model each post-training step{reasoning} started from, on the same items (score difference, "
         f"in combined stderr; beyond {NOISE_Z:g} is more than noise; on exact match, only where a score also "
         f"beats the constant guess, the task's random, by {NOISE_Z:g} stderr):\n" + "\n".join(lines)
     )

@@ -225,6 +225,23 @@ class Recipe(BaseModel):
         self.cpt.check_sources(names)
         return self
 
+    @model_validator(mode="after")
+    def _before_reasoning_scored(self) -> Recipe:
+        ev = self.posttrain.eval if self.posttrain is not None else None
+        if ev is not None and ev.before_reasoning:
+            if not (self.stages and self.stages[-1].kind == "reasoning"):
+                kinds = ", ".join(f"{st.name} ({st.kind})" for st in self.stages) or "none"
+                raise ValueError(
+                    "posttrain.eval.before_reasoning scores the model the reasoning stages started from, "
+                    f"but this recipe's stages end in none: {kinds}"
+                )
+            if not ev.base:
+                raise ValueError(
+                    "posttrain.eval.before_reasoning is compared with the base model's scores: set "
+                    "posttrain.eval.base (it is off)"
+                )
+        return self
+
     def mixture_weights(self) -> dict[str, float]:
         """The first stage's raw source weights (the fertility rule weighs sources by them)."""
         return load_weights(self.stages[0].mixture) if self.stages else {}

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from curation.mixtures import load_weights
+from evals.report import BASE, BEFORE_REASONING
 from flows.params import RecipeParam, step_names
 from flows.recipe import Recipe, check_data, load_recipe
 from flows.stage_plan import schedule_stages
@@ -105,14 +106,18 @@ def graph(cfg: Recipe, *, tolerant: bool = False, run_id: str | None = None) -> 
             )
     final = model
     if cfg.posttrain is not None:
-        final = post_train(g, cfg, model, d.clean)
+        # The model the reasoning stages started from, when they are the last stages.
+        before = extended[1] if extended is not None and extended[1] is not model else None
+        final = post_train(g, cfg, model, d.clean, before_reasoning=before)
     # Last: the run-wide loss curve and eval table, from every stage and every evaluation.
     stages = [n for n in g if n.step is pretrain]
     evals = [n for n in g if n.step is evaluate]
     g.add(
         run_report,
         RunReportSpec(
-            stages=tuple(n.label for n in stages), evals=tuple(n.label for n in evals), parents=started_from(evals)
+            stages=tuple(n.label for n in stages),
+            evals=tuple(n.label for n in evals),
+            parents=_reasoning_parent(evals) + started_from(evals),
         ),
         label="smollm3",
         stages=stages,
@@ -136,6 +141,14 @@ def started_from(evals: list[Node]) -> tuple[tuple[str, str], ...]:
         if parent is not None:
             pairs.append((e.label, parent))
     return tuple(pairs)
+
+
+def _reasoning_parent(evals: list[Node]) -> tuple[tuple[str, str], ...]:
+    """("base", "before-reasoning") when post-training's suite scored both the reasoning stages'
+    export and the export they started from (`posttrain.eval.before_reasoning`): did reasoning
+    mid-training move the scores?"""
+    labels = {e.label for e in evals}
+    return ((BASE, BEFORE_REASONING),) if {BASE, BEFORE_REASONING} <= labels else ()
 
 
 def _where_preflight_runs(runs: list) -> dict:
@@ -228,13 +241,15 @@ def data(g: Graph, cfg: Recipe) -> DataNodes:
     return DataNodes(list(raw.values()), list(clean.values()), chosen, plans)
 
 
-def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
+def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node], before_reasoning: Node | None = None) -> Node:
     """SFT -> [on-policy preference pairs per mode] -> APO (a soup of preference runs, merged) ->
     linear merge with a mid-training or
     long-context checkpoint -> GRPO -> optional on-policy distillation (docs/posttraining.md).
     Every model is scored on the cloze tasks plus held-out arithmetic exact match, under its label
-    (base, sft, apo and each soup run, soup, merge, grpo, opd). Trainers run as launched jobs on
-    `posttrain.launch` over the recipe's `launch` (trainers/posttrain/launch.py)."""
+    (base, sft, apo and each soup run, soup, merge, grpo, opd). With `posttrain.eval.before_reasoning`,
+    `before_reasoning` (the export the reasoning stages started from) is scored too, as
+    before-reasoning. Trainers run as launched jobs on `posttrain.launch` over the recipe's
+    `launch` (trainers/posttrain/launch.py)."""
     pt = cfg.posttrain
     suite = g.add(
         eval_suite,
@@ -270,7 +285,9 @@ def post_train(g: Graph, cfg: Recipe, base: Node, clean: list[Node]) -> Node:
         )
 
     if pt.eval.base:
-        score(base, "base")
+        if pt.eval.before_reasoning and before_reasoning is not None:
+            score(before_reasoning, BEFORE_REASONING)
+        score(base, BASE)
     chat = ChatDataSpec(data=pt.data, seed=pt.seed, modes=cfg.reasoning_modes)
     data = g.add(posttrain_data, chat, label="chat", corpora=clean)
     model = g.add(sft, run(pt.sft), label="sft", model=base, data=data)

@@ -184,6 +184,23 @@ def test_a_post_training_step_that_moved_no_score_beyond_noise_is_flagged():
     assert "\n\n- sft vs base: arithmetic_exact +0.300 (+4.6 se)\n- apo vs sft: NO CHANGE BEYOND NOISE" in markdown
     # without parents (a run without post-training, or before its report) the table is as before
     assert "NO CHANGE" not in eval_table_text(rows) and "started from" not in eval_table_markdown(rows)
+    assert "reasoning stages" not in text  # none compared here
+
+
+def test_the_reasoning_stage_is_compared_with_the_model_it_started_from_when_that_was_scored():
+    """`posttrain.eval.before_reasoning`: base (the reasoning export) against before-reasoning,
+    on the same items: think-mode exact match 0 -> 0.32 is a move; the header says which pair
+    stands for the reasoning stages."""
+    rows = _scored("before-reasoning", {"arithmetic_exact": (0.0, 0.0), "prose_cloze": (0.3, 0.1)}) + _scored(
+        "base", {"arithmetic_exact": (0.32, 0.047), "prose_cloze": (0.3, 0.1)}
+    )
+    text = eval_table_text(rows, [("base", "before-reasoning")])
+    assert "(and the reasoning stages: base vs before-reasoning) started from" in text
+    assert "base vs before-reasoning: arithmetic_exact +0.320 (+6.8 se)" in text
+    flat = _scored("before-reasoning", {"arithmetic_exact": (0.0, 0.0)}) + _scored(
+        "base", {"arithmetic_exact": (0.0, 0.0)}
+    )
+    assert "base vs before-reasoning: NO CHANGE BEYOND NOISE" in eval_table_text(flat, [("base", "before-reasoning")])
 
 
 def test_always_giving_the_most_common_answer_is_flagged_as_no_change_beyond_the_constant_guess(tmp_path):

@@ -309,6 +309,10 @@ def test_tiny_learn_is_tiny_with_the_learning_settings():
     assert learn.name == "tiny-learn" and learn.training.global_batch == 8 and tiny.training.global_batch == 16
     assert [s.tokens for s in learn.stages[:3]] == [4 * s.tokens for s in tiny.stages[:3]]
     assert learn.posttrain.sft.max_steps == 200 and learn.posttrain.data.prose_examples == 0
+    # the reasoning stage: 384 steps of 8 x 512 tokens, and its effect in the eval table
+    reasoning = learn.stages[-1]
+    assert (reasoning.kind, reasoning.tokens // (reasoning.global_batch * reasoning.seq_len)) == ("reasoning", 384)
+    assert learn.posttrain.eval.before_reasoning and not tiny.posttrain.eval.before_reasoning
     # GRPO over a pool of 32 prompts, 12 epochs of it (96 updates x 16 / 4 prompts drawn)
     grpo = learn.posttrain.grpo
     assert (grpo.prompts, tiny.posttrain.grpo.prompts) == (32, None)

@@ -286,3 +286,26 @@ def test_the_run_report_knows_where_each_post_training_step_started():
         ("grpo", "merge"),
     )
     assert g.node("evaluate[base]").inputs["model"] is g.node("export[reasoning]")
+    assert "evaluate[before-reasoning]" not in {n.key for n in g}  # off unless asked
+
+
+def test_the_report_says_whether_the_reasoning_stage_moved_the_scores_when_asked():
+    """`posttrain.eval.before_reasoning`: the export the reasoning stage started from is scored on
+    post-training's suite too, and the report compares the base (the reasoning export) with it."""
+    from flows.recipe import RecipeError, load_recipe
+    from flows.smollm3 import graph
+
+    over = ["workspace=/nonexistent-smollm3-plan", "posttrain.eval.before_reasoning=true"]
+    g = graph(load_recipe("tiny", over), tolerant=True)
+    before = g.node("evaluate[before-reasoning]")
+    assert before.inputs["model"] is g.node("export[long2]")
+    assert before.inputs["suite"] is g.node("evaluate[base]").inputs["suite"]  # the same items
+    assert before.config == g.node("evaluate[base]").config
+    parents = g.node("run_report[smollm3]").config.parents
+    assert parents[:2] == (("base", "before-reasoning"), ("sft", "base"))  # in the order they trained
+    # Refused, naming why, where there is no such model or nothing to compare it with.
+    one = "stages=[{name: stage1, mixture: mixtures/tiny/stage1.yaml, tokens: 8192, seq_len: 256}]"
+    with pytest.raises(RecipeError, match=r"but this recipe's stages end in none: stage1 \(pretrain\)$"):
+        load_recipe("tiny", [*over, one])
+    with pytest.raises(RecipeError, match="set posttrain.eval.base"):
+        load_recipe("tiny", [*over, "posttrain.eval.base=false"])

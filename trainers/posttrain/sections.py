@@ -448,6 +448,10 @@ class PosttrainEvalConfig(_Config):
     # post-training step is scored (the first items of the same held-out tasks)
     cloze_items: int = Field(default=100, gt=0)
     base: bool = True  # also score the pre-SFT base, so every step has a baseline row
+    # also score, on the same suite, the export of the stage the reasoning stages started from,
+    # so the report says whether reasoning mid-training moved exact match (`base vs
+    # before-reasoning`); a recipe without reasoning stages has no such model
+    before_reasoning: bool = False
     # lm-eval batch size of the post-training evaluations: larger than the stages' on CPU,
     # because batched greedy generation dominates their time
     batch_size: int = Field(default=32, gt=0)
