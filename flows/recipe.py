@@ -233,7 +233,7 @@ class Recipe(BaseModel):
                 kinds = ", ".join(f"{st.name} ({st.kind})" for st in self.stages) or "none"
                 raise ValueError(
                     "posttrain.eval.before_reasoning scores the model the reasoning stages started from, "
-                    f"but this recipe's stages end in none: {kinds}"
+                    f"but this recipe's last stage is not a reasoning stage (stages: {kinds})"
                 )
             if not ev.base:
                 raise ValueError(

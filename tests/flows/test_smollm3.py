@@ -305,7 +305,7 @@ def test_the_report_says_whether_the_reasoning_stage_moved_the_scores_when_asked
     assert parents[:2] == (("base", "before-reasoning"), ("sft", "base"))  # in the order they trained
     # Refused, naming why, where there is no such model or nothing to compare it with.
     one = "stages=[{name: stage1, mixture: mixtures/tiny/stage1.yaml, tokens: 8192, seq_len: 256}]"
-    with pytest.raises(RecipeError, match=r"but this recipe's stages end in none: stage1 \(pretrain\)$"):
+    with pytest.raises(RecipeError, match=r"last stage is not a reasoning stage \(stages: stage1 \(pretrain\)\)$"):
         load_recipe("tiny", [*over, one])
     with pytest.raises(RecipeError, match="set posttrain.eval.base"):
         load_recipe("tiny", [*over, "posttrain.eval.base=false"])

@@ -450,7 +450,7 @@ class PosttrainEvalConfig(_Config):
     base: bool = True  # also score the pre-SFT base, so every step has a baseline row
     # also score, on the same suite, the export of the stage the reasoning stages started from,
     # so the report says whether reasoning mid-training moved exact match (`base vs
-    # before-reasoning`); a recipe without reasoning stages has no such model
+    # before-reasoning`); refused when the recipe's last stage is not a reasoning stage
     before_reasoning: bool = False
     # lm-eval batch size of the post-training evaluations: larger than the stages' on CPU,
     # because batched greedy generation dominates their time
