@@ -126,6 +126,7 @@ class RenderedConversations(PipelineStep):
 
     name = "💬 Chat template"
     type = "📖 - READER"
+    worker_imports = ("transformers.models.auto.tokenization_auto",)  # run's import (executors.preload_workers)
 
     def __init__(self, work: Path, tokenizer: str):
         super().__init__()

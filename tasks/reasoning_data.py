@@ -39,7 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from curation.bpe import selected_tokenizer, token_dtype
-from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, run_executors
+from curation.executors import RayExecutorConfig, SlurmExecutorConfig, make_executors, preload_workers, run_executors
 from pipeline.artifact import Artifact, added_identity, operational
 from pipeline.step import step
 from trainers.posttrain.chat_data import data_state, load_rows
@@ -157,6 +157,9 @@ def reasoning_data(
         f"reasoning data {cfg.name} ({cfg.uri}): read by {read_tasks} task(s), tokenized into at most "
         f"{config.shards} shard(s) on the {config.executor} executor"
     )
+    pipeline = tokenize_pipeline(work, out, chosen, cfg.name, config.seed, config.batch_size)
+    if config.executor == "local":
+        preload_workers([[reader], pipeline])  # both stages' workers fork from one server
     run_executors(config, make_executors(config, [("read", [reader], read_tasks)], logs), logs, log)
     counts = merge_counts(work, read_tasks)
     rejected = counts["rejected"]
@@ -166,7 +169,6 @@ def reasoning_data(
             f"(rejected: {rejected}); set reasoning_data[{cfg.name}].messages_field to the right column"
         )
     tasks = min(config.shards, counts["conversations"])  # conversation k is in bucket k mod S
-    pipeline = tokenize_pipeline(work, out, chosen, cfg.name, config.seed, config.batch_size)
     run_executors(config, make_executors(config, [("tokenize", pipeline, tasks)], logs), logs, log)
     shutil.rmtree(work / "convs")  # the conversations' copy (as large as the source); the counts stay
     dtype = token_dtype(chosen["vocab_size"])

@@ -429,3 +429,45 @@ def test_leaving_a_cluster_with_token_auth_drops_the_token_ray_loaded(tmp_path, 
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
     _reload_ray_auth()
     assert not AuthenticationTokenLoader.instance().has_token()
+
+
+_FORKED = """
+import json, os, sys
+from pathlib import Path
+from types import SimpleNamespace
+from curation.executors import make_executors, run_executors
+from tests.curation import preload_steps
+
+out = Path(sys.argv[2])
+step = getattr(preload_steps, sys.argv[1])(str(out))
+config = SimpleNamespace(executor="local", workers=2, slurm=None, ray=None)
+run_executors(config, make_executors(config, [("only", [step], 2)], out / "logs"), out / "logs")
+seen = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+print(json.dumps({"seen": seen, "pid": os.getpid(), "here": preload_steps.MARKER in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("step, preloaded", [("NamesItsImport", True), ("RecordsImports", False)])
+def test_local_workers_fork_with_the_steps_modules_and_their_named_imports(tmp_path, step, preloaded):
+    """A local stage of two workers: each is forked from the fork server with the step's module
+    imported, and the module the step names in `worker_imports` only if it names it; the step's
+    own process never imports that module (the server does)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED, step, str(tmp_path)],
+        cwd=root,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    pids = {s["pid"] for s in got["seen"]}
+    assert len(pids) == 2 and got["pid"] not in pids  # two worker processes, not the step's
+    assert [s["own"] for s in got["seen"]] == [True, True]
+    assert [s["marker"] for s in got["seen"]] == [preloaded, preloaded]
+    assert got["here"] is False
