@@ -68,6 +68,9 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
     assert saved["configs"]["passkey_test"]["dataset_path"] == "json"
     assert saved["config"]["model_args"].startswith(f"pretrained={tiny_hf_model}")
     assert saved["config"]["harness_model"] == "prefix_sharing" and saved["config"]["device"] == "cpu"
+    # the environment report in every results file, computed once per process
+    first = json.loads((tmp_path / "hf" / "lm_eval_results.json").read_text())["pretty_env_info"]
+    assert saved["pretty_env_info"] == first and "PyTorch version" in first
     # The recorded model args paste into lm-eval's CLI, which passes its --device (default
     # cuda:0, here cpu) beside them: what `lm_eval run --model hf --model_args ARGS --device cpu`
     # builds.
@@ -82,6 +85,38 @@ def test_lm_eval_scores_equal_the_stock_hf_model(tmp_path, tiny_hf_model):
         assert str(lm.device) == "cpu"
     with pytest.raises(ValueError, match="harness_model must be one of"):
         run_lm_eval(tiny_hf_model, task_dir, tasks, cfg, tmp_path, harness_model="vllm")
+
+
+def test_the_environment_report_runs_its_commands_once_per_process(monkeypatch):
+    """lm-eval adds torch's environment report to every result; after the first, an evaluation
+    in the same process runs none of its commands (`pip list`, compilers, GPU driver) and adds
+    the same text."""
+    import subprocess
+
+    from lm_eval.loggers.utils import add_env_info
+    from torch.utils import collect_env
+
+    from evals.harness import environment_report_once
+
+    original = getattr(collect_env.get_pretty_env_info, "__wrapped__", collect_env.get_pretty_env_info)
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", original)
+    started = []
+    real = subprocess.Popen
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            started.append(args[0] if args else kwargs.get("args"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Counting)
+    environment_report_once()
+    environment_report_once()  # a second install wraps nothing again
+    first, second = {}, {}
+    add_env_info(first)
+    ran = len(started)
+    add_env_info(second)
+    assert ran > 0 and first["pretty_env_info"] == second["pretty_env_info"]
+    assert [str(c) for c in started[ran:]] == [str(c) for c in started[ran:] if "git" in str(c)]
 
 
 def test_generation_task_runs_on_both_paths(tmp_path, tiny_hf_model):
