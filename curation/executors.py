@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -89,9 +90,10 @@ def stage_workers(config, tasks: int) -> int:
 
 
 _WORKER_MODULES: set[str] = {"datatrove.executor.local"}  # what the fork server imports (preload_workers)
+_WORKER_MODULES_LOCK = threading.Lock()  # steps of an in-process flow build their executors in threads
 
 
-def preload_workers(pipelines: list[list]) -> None:
+def preload_workers(pipelines: list[list], modules: Iterable[str] = ()) -> None:
     """Have the local executor's worker processes start with the pipelines' modules imported.
 
     datatrove's local executor runs a stage of more than one worker as a `multiprocess` pool
@@ -103,15 +105,18 @@ def preload_workers(pipelines: list[list]) -> None:
     modules named by every call so far are preloaded, so a step that runs two executors one
     after the other names both pipelines before the first runs; once the server runs (a process's
     first pool) it keeps its modules, and a worker imports anything else itself, as before. A
-    module that fails to import in the server is left to the worker (the fork server skips it)."""
+    module that fails to import in the server is left to the worker (the fork server skips it).
+    `modules`: more to preload (the test suite names what its many pipelines use)."""
     import multiprocess.forkserver as forkserver
 
-    for pipeline in pipelines:
-        for step in pipeline:
-            _WORKER_MODULES.add(getattr(step, "__module__", None) or type(step).__module__)
-            _WORKER_MODULES.update(getattr(step, "worker_imports", ()))
-    _WORKER_MODULES.discard("__main__")
-    forkserver.set_forkserver_preload(["__main__", *sorted(_WORKER_MODULES)])
+    with _WORKER_MODULES_LOCK:
+        _WORKER_MODULES.update(modules)
+        for pipeline in pipelines:
+            for step in pipeline:
+                _WORKER_MODULES.add(getattr(step, "__module__", None) or type(step).__module__)
+                _WORKER_MODULES.update(getattr(step, "worker_imports", ()))
+        _WORKER_MODULES.discard("__main__")
+        forkserver.set_forkserver_preload(["__main__", *sorted(_WORKER_MODULES)])
 
 
 def make_executors(config: Any, stages: list[tuple[str, list, int]], logs: Path) -> list:

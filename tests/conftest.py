@@ -97,6 +97,34 @@ def _log_streams_outlive_capture():
                 console.file = sys.stderr
 
 
+# What the local datatrove workers of the suite's pipelines import (curation/executors.py
+# `preload_workers`). A step's process preloads its own pipelines' modules; a pytest worker runs
+# many tests' pipelines, and its fork server, started by the first pool, keeps the modules it
+# started with, so a later test's workers imported theirs each (tests/tasks/test_reasoning_data.py:
+# 2 CPU-s per worker for transformers' tokenizer). Named here, every pool forks with them.
+WORKER_PRELOAD = [
+    "datatrove.pipeline.readers",
+    "datatrove.pipeline.writers",
+    "datatrove.pipeline.filters",
+    "datatrove.pipeline.dedup",
+    "datatrove.pipeline.tokens",
+    "curation.bpe_task",
+    "curation.filters",
+    "curation.heldout",
+    "curation.ingest",
+    "curation.io",
+    "curation.minhash_cluster",
+    "curation.reasoning_tasks",
+    "transformers.models.auto.tokenization_auto",
+]
+
+
+def pytest_configure(config) -> None:
+    from curation.executors import preload_workers
+
+    preload_workers([], modules=WORKER_PRELOAD)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """The `xdist_group` marks, made to work under pytest 9. pytest-xdist's `--dist loadgroup`
