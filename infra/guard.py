@@ -295,10 +295,19 @@ def guard(owner_pid: int, owner_start: int | None, cmd: Sequence[str]) -> int:
         signal.signal(sig, on_signal)
     # The command gets a parent-death signal too, for when the guard itself is SIGKILLed (the OOM
     # killer picks it, or a kill of the whole group). Set between fork and exec; safe because no
-    # other thread runs yet in the guard.
+    # other thread runs yet in the guard. A guard killed after the fork but before the child armed
+    # it sends nothing: the child, whose parent is then another process, exits instead of running
+    # the command as an orphan (a fresh clone's full run of efefca7: `sleep` outlived its guard).
     prctl = _libc_prctl()
+    guard_pid = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != guard_pid:
+            os._exit(128 + signal.SIGTERM)
+
     child = subprocess.Popen(  # same stdout/stderr (the owner's pipe), same process group
-        list(cmd), preexec_fn=(lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)) if prctl else None
+        list(cmd), preexec_fn=arm if prctl else None
     )
     watch(owner, lambda: why.append(f"owner {owner_pid} died"))
     while child.poll() is None and not why:
