@@ -154,7 +154,6 @@ EXPECTED_SECONDS = {
     "tests/flows/test_chaos.py::test_a_served_run_survives_kills_and_corruption_and_ends_bit_identical": 341,
     "tests/flows/test_e2e.py::test_served_run_fails_in_stage2_and_retry_resumes": 299,
     "tests/flows/test_anneal_flow.py::test_anneal_two_candidates_compares_against_the_baseline": 81,
-    "tests/flows/test_smollm3.py::test_tiny_dag_runs_branches_at_once_and_the_ui_graph_is_the_lineage": 259,
     "tests/trainers/test_marathon.py::test_a_stage_survives_three_faults_in_one_run_within_its_retry_budget": 67,
     "tests/flows/test_ablation_flow.py::test_ablation_shares_data_trains_seeds_side_by_side_and_compares_with_noise": 118,
     "tests/flows/test_smollm3.py::test_caching_partial_rerun_refresh_and_rebuild": 52,

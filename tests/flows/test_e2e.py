@@ -3,6 +3,10 @@
 This is the test of what a user does: `prefect deployment run smollm3/full`, watch a stage fail,
 retry the run from the CLI, and find the earlier steps Cached, stage 2 resumed from its last
 checkpoint, eval scores for every stage and the final model's lineage reaching the raw sources.
+It is also the suite's one whole tiny DAG with every stage (`_assert_what_the_run_shows`): branches
+ran at once, the graph Prefect's UI draws is the lineage and the flow's graph, and the progress,
+MFU, loss curve, eval table and final model a user reads. The chaos test runs two stages, the
+flow tests of tests/flows/test_smollm3.py the data part.
 """
 
 from __future__ import annotations
@@ -53,6 +57,40 @@ def _wait_leaves(run_id: str, state: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and _state(run_id) == state:
         time.sleep(0.5)
+
+
+def _ui_edges(run_id: str) -> set[tuple[str, str]]:
+    """(parent, child) task-run names from Prefect's API `task_inputs` of a flow run (its
+    attempts together: a retried run's task runs carry the same names)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.objects import TaskRunResult
+
+    with get_client(sync_client=True) as client:
+        runs: list = []
+        for _ in range(60):  # task runs reach the API through events: wait until all are there
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            if runs and all(r.state and r.state.is_final() for r in runs):
+                break
+            time.sleep(0.5)
+    name = {r.id: r.name for r in runs}
+    return {
+        (name[i.id], r.name)
+        for r in runs
+        for inputs in r.task_inputs.values()
+        for i in inputs
+        if isinstance(i, TaskRunResult) and i.id in name
+    }
+
+
+def _lineage_edges(lineage: Lineage, run_id: str) -> set[tuple[str, str]]:
+    """(parent, child) step names of the lineage `edges` between the steps of one run."""
+    key = {s["fingerprint"]: f"{s['step']}[{s['label']}]" for s in lineage.steps_of(run_id)}
+    return {(key[p], key[c]) for p, c in lineage.query("SELECT parent, child FROM edges") if p in key and c in key}
+
+
+def _overlap(span: dict[str, tuple], a: str, b: str) -> bool:
+    return span[a][0] < span[b][1] and span[b][0] < span[a][1]
 
 
 @pytest.mark.slow
@@ -158,6 +196,7 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
         assert final["kind"] == "hf_model" and final["label"] == "reasoning"
         raw = {a["label"] for a in lineage.ancestors(final["fingerprint"]) if a["step"] == "source"}
         assert raw == {"prose", "code", "math"}
+        _assert_what_the_run_shows(lineage, run_id, first, retry, ws)
 
         # After the served run, `smollm3 plan` from the console script in another cwd reuses
         # every step: the served deployment and the CLI compute the same fingerprints.
@@ -182,3 +221,74 @@ def test_served_run_fails_in_stage2_and_retry_resumes(tmp_path, private_api_url)
             watcher.wait()
         os.killpg(serve.pid, 9)
         serve.wait()
+
+
+def _assert_what_the_run_shows(lineage: Lineage, run_id: str, first: list[dict], retry: list[dict], ws: Path) -> None:
+    """The whole tiny DAG as it ran (pretraining, export and evaluation per stage): independent
+    branches overlapped in time (the three sources from raw in the first attempt, two at once in
+    the `data` slots; the evaluation of stage 2 beside the training of stage 3 after the retry),
+    every task run's inputs in the Prefect API equal the lineage edges and both equal the graph
+    the flow built; and what a user reads of it."""
+    from prefect.artifacts import Artifact as PrefectArtifact
+    from transformers import AutoModelForCausalLM
+
+    from flows.recipe import load_recipe
+    from flows.smollm3 import graph
+    from flows.views import summary
+    from pipeline.live import parse
+
+    def spans(rows: list[dict]) -> dict[str, tuple]:
+        return {f"{s['step']}[{s['label']}]": (s["started"], s["ended"]) for s in rows}
+
+    sources = ("source[prose]", "source[code]", "source[math]")
+    built = spans(first)
+    assert any(_overlap(built, a, b) for a in sources for b in sources if a < b), {k: built[k] for k in sources}
+    after = spans(retry)
+    assert _overlap(after, "evaluate[stage2]", "pretrain[stage3]"), (
+        after["evaluate[stage2]"],
+        after["pretrain[stage3]"],
+    )
+
+    expected = graph(load_recipe("tiny", [*TINY_TRAIN, f"workspace={ws}"])).edges()
+    assert _lineage_edges(lineage, run_id) == expected
+    assert _ui_edges(run_id) == expected
+
+    # Progress artifacts end at 100%, each with the step's last progress line (what the demo
+    # terminal showed while it ran); every stage's MFU is against this host's preflight
+    # calibration and below 1 (evaluations ran beside training); one loss curve and one eval
+    # table for the run, under stable keys.
+    stages = ("stage1", "stage2", "stage3", "long1", "long2", "reasoning")
+    for key in [*(f"pretrain-{s}-progress" for s in stages), *(f"evaluate-{s}-progress" for s in stages)]:
+        assert PrefectArtifact.get(key).data == 100.0, key
+    for s in stages:
+        key, line = parse(PrefectArtifact.get(f"pretrain-{s}-progress").description)
+        assert key == f"pretrain[{s}]" and re.match(rf"{s} step (\d+)/\1 \| loss [\d.]+ \| .* tok/s", line), line
+        key, line = parse(PrefectArtifact.get(f"evaluate-{s}-progress").description)
+        assert key == f"evaluate[{s}]" and line.startswith("lm-eval: ") and "items" in line, line
+    for label, stage in lineage.labelled_outputs(run_id, "pretrain"):
+        assert stage.meta["mfu_peak_source"].startswith("preflight "), (label, stage.meta["mfu_peak_source"])
+        # On a loaded machine the calibration can fall below what training achieved: then no MFU is
+        # reported and `mfu_invalid` says why (never a figure above 100%)
+        mfu, invalid = stage.meta["mfu"], stage.meta["mfu_invalid"]
+        assert (mfu is not None and 0 < mfu < 1 and not invalid) or (mfu is None and invalid), (label, mfu, invalid)
+    # Reasoning mid-training: its mixture holds only the reasoning traces (ChatML, think mode)
+    plans = dict(lineage.labelled_outputs(run_id, "mixture"))
+    assert plans["reasoning"].meta["budgets"] == {"reasoning": 8192}
+    (traces,) = [a for _, a in lineage.labelled_outputs(run_id, "reasoning_data")]
+    assert traces.meta["documents"] == 24 == traces.meta["think_conversations"] and traces.meta["tokens"] > 0
+    assert "data:image/png;base64," in PrefectArtifact.get("smollm3-loss-curve").data
+    table = PrefectArtifact.get("smollm3-evals").data
+    assert all(f"| {s} | " in table for s in stages) and "| *random* |" in table
+    # long2 read at twice its length, plain RoPE and YaRN: two rows, scored on the long passkeys
+    assert "| long2-x2 | " in table and "| long2-x2-yarn | " in table and "passkey_beyond_1300" in table
+    beyond = {label: ev for label, ev in lineage.labelled_outputs(run_id, "evaluate") if "-x2" in label}
+    assert {label: ev.meta["beyond"]["yarn"] for label, ev in beyond.items()} == {
+        "long2-x2": False,
+        "long2-x2-yarn": True,
+    }
+    assert all(set(ev.meta["scores"]) == {"passkey_beyond_1300"} for ev in beyond.values())
+    # The model path the summary prints loads; lm-eval's own results sit beside every eval's scores.
+    final = re.search(r"^final model:  (\S+)", summary(lineage, None), re.M).group(1)
+    assert final.endswith("/model") and AutoModelForCausalLM.from_pretrained(final) is not None
+    for _, ev in lineage.labelled_outputs(run_id, "evaluate"):
+        assert (ev.path / "scores.json").is_file() and (ev.path / "lm_eval_results.json").is_file()
