@@ -93,14 +93,35 @@ _WORKER_MODULES: set[str] = {"datatrove.executor.local"}  # what the fork server
 _WORKER_MODULES_LOCK = threading.Lock()  # steps of an in-process flow build their executors in threads
 
 
+def word_tokenizer_modules(step: Any) -> tuple[str, ...]:
+    """What a datatrove step's word tokenizer imports when the step first splits a text: spaCy
+    (`import spacy`: 2.2 CPU-s, measured on this project's 2-core machine) for the languages
+    datatrove tokenizes with it, English among them. A step with a `language` (datatrove's
+    Gopher, C4 and FineWeb filters, the MinHash signatures) splits words with
+    `load_word_tokenizer(language)`; one whose language has no tokenizer, or another kind of
+    tokenizer, names nothing (its worker imports what it needs, as before)."""
+    language = getattr(step, "language", None)
+    if language is None:
+        return ()
+    from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
+
+    try:
+        tokenizer = load_word_tokenizer(language)
+    except (ValueError, TypeError, ImportError):  # no tokenizer for it: the worker says so when it runs
+        return ()
+    if isinstance(tokenizer, SpaCyTokenizer):
+        return ("spacy", f"spacy.lang.{tokenizer.language}")
+    return ()
+
+
 def preload_workers(pipelines: list[list], modules: Iterable[str] = ()) -> None:
     """Have the local executor's worker processes start with the pipelines' modules imported.
 
     datatrove's local executor runs a stage of more than one worker as a `multiprocess` pool
     started from a fork server, a process of its own started by the process's first pool; each
     worker forked from it imported datatrove, the steps' modules and what their `run` imports
-    on its own: 0.5 s of CPU per worker, 2 s where a step renders with transformers' tokenizer,
-    for a task of a few documents. Preloaded, the fork server imports them once and every worker
+    on its own: 0.5 s of CPU per worker, 2 s where a step renders with transformers' tokenizer
+    or splits words with spaCy (`word_tokenizer_modules`), for a task of a few documents. Preloaded, the fork server imports them once and every worker
     is forked with them. A step names what its `run` imports late in `worker_imports`. The
     modules named by every call so far are preloaded, so a step that runs two executors one
     after the other names both pipelines before the first runs; once the server runs (a process's
@@ -115,6 +136,7 @@ def preload_workers(pipelines: list[list], modules: Iterable[str] = ()) -> None:
             for step in pipeline:
                 _WORKER_MODULES.add(getattr(step, "__module__", None) or type(step).__module__)
                 _WORKER_MODULES.update(getattr(step, "worker_imports", ()))
+                _WORKER_MODULES.update(word_tokenizer_modules(step))
         _WORKER_MODULES.discard("__main__")
         forkserver.set_forkserver_preload(["__main__", *sorted(_WORKER_MODULES)])
 

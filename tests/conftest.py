@@ -116,6 +116,8 @@ WORKER_PRELOAD = [
     "curation.minhash_cluster",
     "curation.reasoning_tasks",
     "transformers.models.auto.tokenization_auto",
+    "spacy",  # the English word tokenizer of datatrove's filters (curation/executors.py)
+    "spacy.lang.en",
 ]
 
 

@@ -443,15 +443,19 @@ step = getattr(preload_steps, sys.argv[1])(str(out))
 config = SimpleNamespace(executor="local", workers=2, slurm=None, ray=None)
 run_executors(config, make_executors(config, [("only", [step], 2)], out / "logs"), out / "logs")
 seen = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
-print(json.dumps({"seen": seen, "pid": os.getpid(), "here": preload_steps.MARKER in sys.modules}))
+print(json.dumps({"seen": seen, "pid": os.getpid(), "here": step.marker in sys.modules}))
 """
 
 
-@pytest.mark.parametrize("step, preloaded", [("NamesItsImport", True), ("RecordsImports", False)])
+@pytest.mark.parametrize(
+    "step, preloaded",
+    [("NamesItsImport", True), ("RecordsImports", False), ("SplitsEnglishWords", True), ("RecordsSpacy", False)],
+)
 def test_local_workers_fork_with_the_steps_modules_and_their_named_imports(tmp_path, step, preloaded):
     """A local stage of two workers: each is forked from the fork server with the step's module
-    imported, and the module the step names in `worker_imports` only if it names it; the step's
-    own process never imports that module (the server does)."""
+    imported, and the module the step names in `worker_imports` (or spaCy, where the step splits
+    words in a language datatrove tokenizes with it) only if it names it; the step's own process
+    never imports that module (the server does)."""
     import subprocess
     import sys
 
