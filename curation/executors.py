@@ -121,8 +121,8 @@ def preload_workers(pipelines: list[list], modules: Iterable[str] = ()) -> None:
     started from a fork server, a process of its own started by the process's first pool; each
     worker forked from it imported datatrove, the steps' modules and what their `run` imports
     on its own: 0.5 s of CPU per worker, 2 s where a step renders with transformers' tokenizer
-    or splits words with spaCy (`word_tokenizer_modules`), for a task of a few documents. Preloaded, the fork server imports them once and every worker
-    is forked with them. A step names what its `run` imports late in `worker_imports`. The
+    or splits words with spaCy (`word_tokenizer_modules`), for a task of a few documents.
+    Preloaded, the fork server imports them once and every worker is forked with them. A step names what its `run` imports late in `worker_imports`. The
     modules named by every call so far are preloaded, so a step that runs two executors one
     after the other names both pipelines before the first runs; once the server runs (a process's
     first pool) it keeps its modules, and a worker imports anything else itself, as before. A
