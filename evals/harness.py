@@ -169,8 +169,7 @@ def environment_report_once() -> None:
     lm-eval's `simple_evaluate` adds it to every result (`add_env_info`: torch's `collect_env`,
     which runs `pip list`, the compilers' and the GPU driver's version commands): 3.4 s and
     1.6 CPU-s of the evaluating process, besides the commands', per evaluation on this project's
-    2-core machine, where the tiny DAG scores 13
-    exports in its flow process. The report describes the process's environment, which does not
+    2-core machine, where the tiny DAG scores 13 exports in its flow process. The report describes the process's environment, which does not
     change while it runs: the first evaluation of a process computes it, later ones reuse its text
     (`lm_eval_results.json` keeps `pretty_env_info` as before)."""
     import functools
